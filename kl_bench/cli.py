@@ -1,0 +1,194 @@
+"""Command-line interface (a thin layer): run, exact, list."""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from . import __version__
+from .display import print_tables
+from .engine import resolve_device, run_case
+from .errors import SpecError
+from .estimators import ESTIMATORS
+from .pairs import CASE_KINDS, build_pair
+from .results import exact_rows, frame_to_csv_bytes, summarize, to_frame, write_results
+from .spec import load_spec, with_overrides
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="kl-bench: bias, variance and failure modes of Monte Carlo KL estimators, "
+                       "measured next to the exact truth.")
+out_console = Console(highlight=False, width=200)
+err_console = Console(stderr=True, highlight=False)
+
+# Show the progress bar only once a run has lasted this long.
+_PROGRESS_AFTER_S = 2.0
+
+
+def _fail(err: SpecError) -> None:
+    err_console.print(f"error: {err}", markup=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+class _LazyProgress:
+    """A rich progress bar that appears only after a couple of seconds (and never with --quiet)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.done = total, enabled, 0
+        self.t0 = time.perf_counter()
+        self.bar: Progress | None = None
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if not self.enabled:
+            return
+        if self.bar is None and time.perf_counter() - self.t0 > _PROGRESS_AFTER_S:
+            self.bar = Progress(TextColumn("draws"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                console=err_console, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("run", total=self.total, completed=self.done)
+        elif self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "kl-bench": __version__}
+    for pkg in ("torch", "numpy", "scipy", "pandas"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    try:
+        yield
+    except SpecError as e:
+        _fail(e)
+
+
+def _warn_infinite(df, console: Console) -> None:
+    for _, r in df.iterrows():
+        if math.isinf(r["true_kl"]):
+            console.print(f"warning: case '{r['case']}': {r['target']} is infinite (a zero probability "
+                          f"where the other side has mass); {r['estimator']} cannot estimate it", markup=False)
+        elif math.isinf(r.get("exact_std", 0.0)):
+            console.print(f"warning: case '{r['case']}': {r['estimator']} has infinite variance "
+                          f"(E_q[r²] = ∞); its measured std and se are not trustworthy", markup=False)
+
+
+@app.command()
+def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
+        out: Optional[Path] = typer.Option(None, "--out", help="results folder [default: results/<name>/]"),
+        draws: Optional[int] = typer.Option(None, "--draws", help="override [experiment] draws (per case)"),
+        seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
+        device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device: auto|cpu|cuda|cuda:N"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables")) -> None:
+    """Sample every case of SPEC and write summary.csv and run.json."""
+    with _user_errors():
+        sp = with_overrides(load_spec(spec), draws=draws, seed=seed, device=device)
+        exp = sp.experiment
+        dev = resolve_device(exp.device)
+        pairs = [build_pair(c) for c in sp.cases]      # validates files before anything is sampled
+    out_dir = out or Path("results") / exp.name
+    t0 = time.perf_counter()
+    progress = _LazyProgress(exp.draws * len(pairs), enabled=not quiet)
+    rows, runs = [], []
+    try:
+        with warnings.catch_warnings():
+            for pair in pairs:
+                r = run_case(pair, list(exp.estimators), draws=exp.draws, seed=exp.seed, batches=exp.batches,
+                             chunk=exp.chunk, device=dev, progress=progress.advance)
+                runs.append(r)
+                rows += summarize(r)
+    finally:
+        progress.close()
+    wall = time.perf_counter() - t0
+    df = to_frame(rows)
+    envelope = {
+        "kl_bench_run": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "spec_path": str(spec), "spec_sha256": sp.sha256, "spec_text": sp.text,
+        "experiment": exp.name, "seed": exp.seed, "draws_per_case": exp.draws, "batches": exp.batches,
+        "device": str(dev), "device_name": _device_name(dev), "versions": _versions(), "git_commit": _git_commit(),
+        "wall_seconds": round(wall, 3),
+        "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
+        "cases": {r.pair.name: {"description": r.pair.describe(), "seconds": round(r.seconds, 3)} for r in runs},
+    }
+    write_results(out_dir, {"summary.csv": frame_to_csv_bytes(df)}, envelope)
+    if not quiet:
+        print_tables(out_console, df, {r.pair.name: r.pair.describe() for r in runs})
+        _warn_infinite(df, err_console)
+        out_console.print(f"\n{sum(r.draws for r in runs):,} draws in {wall:.1f} s "
+                          f"({envelope['draws_per_second']:,} draws/s on {dev}) → {out_dir}/summary.csv")
+
+
+def _device_name(dev) -> str:
+    import torch
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+
+
+@app.command()
+def exact(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
+          out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file")) -> None:
+    """Print the exact KL and estimator moments of every case, without sampling."""
+    with _user_errors():
+        sp = load_spec(spec)
+        pairs = [build_pair(c) for c in sp.cases]
+    ests = [ESTIMATORS.get(n) for n in sp.experiment.estimators]
+    rows = [row for p in pairs for row in exact_rows(p, ests)]
+    df = to_frame(rows).drop(columns=["draws", "batches", "mean", "std", "se", "bias", "rel_bias", "rel_std",
+                                      "z", "frac_negative"])
+    print_tables(out_console, df, {p.name: p.describe() for p in pairs}, exact_only=True)
+    _warn_infinite(df, err_console)
+    if out is not None:
+        from .results import atomic_write_bytes
+        atomic_write_bytes(out, frame_to_csv_bytes(df))
+        out_console.print(f"→ {out}")
+
+
+@app.command("list")
+def list_() -> None:
+    """List the registered estimators and case kinds, one line each."""
+    for name, e in ESTIMATORS.items():
+        out_console.print(f"estimator  {name:<8} {e.formula:<18} target {e.target}"
+                          f"{'  unbiased' if e.unbiased else '  biased'}{'  ≥0' if e.nonnegative else ''}",
+                          markup=False)
+    for name, k in CASE_KINDS.items():
+        out_console.print(f"kind       {name:<12} {k.description}", markup=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted: nothing was written")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

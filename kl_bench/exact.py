@@ -1,0 +1,200 @@
+"""Exact oracles: KL divergences and per-draw moments of every estimator, no sampling.
+
+Gaussians (diagonal, D dimensions) use closed forms. The key identity: for x ~ q,
+    E_q[r^s (log r)^k] = Z_s · E_{q_s}[(log r)^k],   Z_s = E_q[r^s],   q_s ∝ q^{1−s} p^s,
+and the "tilted" q_s is again a diagonal Gaussian (precision (1−s)/σq² + s/σp² per dimension) as long
+as that precision is > 0; otherwise Z_s = ∞. Under q_s, log r is a quadratic c0 + c1·z + c2·z² of a
+standard normal z in each dimension, so its raw moments are polynomial sums of E[z^j] = (j−1)!!.
+Any estimator written as Σ c · r^s (log r)^k (``Estimator.poly``) then has an exact mean and, via its
+squared polynomial, an exact second moment. |log r| is handled by its characteristic function.
+
+Categoricals sum over the vocabulary in float64. With B contexts a draw picks a context uniformly,
+so moments are taken under the mixture (1/B)·q_b(x); this is the law of total variance across contexts.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy import integrate
+
+from .estimators import Estimator
+
+INF = math.inf
+
+
+# ----------------------------------------------------------------------------- Gaussians
+@dataclass(frozen=True)
+class GaussianPairParams:
+    """q = N(mq, diag(sq²)), p = N(mp, diag(sp²)); arrays of shape [D], float64."""
+    mq: np.ndarray
+    sq: np.ndarray
+    mp: np.ndarray
+    sp: np.ndarray
+
+
+def gaussian_kl(mq, sq, mp, sp) -> float:
+    """KL(N(mq, sq²) ‖ N(mp, sp²)) summed over dimensions: ln(σp/σq) + (σq² + d²)/(2σp²) − ½."""
+    mq, sq, mp, sp = (np.asarray(a, dtype=np.float64) for a in (mq, sq, mp, sp))
+    d = mq - mp
+    return float(np.sum(np.log(sp / sq) + (sq**2 + d**2) / (2 * sp**2) - 0.5))
+
+
+def gaussian_var_k1(g: GaussianPairParams) -> float:
+    """Var_q(log r) = Σ σq²d²/σp⁴ + (σp² − σq²)²/(2σp⁴) (DESIGN.md); used as an independent check."""
+    d = g.mq - g.mp
+    return float(np.sum(g.sq**2 * d**2 / g.sp**4 + (g.sp**2 - g.sq**2) ** 2 / (2 * g.sp**4)))
+
+
+def gaussian_chi2(g: GaussianPairParams) -> float:
+    """χ²(p‖q) = E_q[r²] − 1 from σq²/(σp √(2σq² − σp²)) · exp(d²/(2σq² − σp²)); ∞ if 2σq² ≤ σp²."""
+    den = 2 * g.sq**2 - g.sp**2
+    if np.any(den <= 0):
+        return INF
+    d = g.mq - g.mp
+    log_er2 = np.sum(np.log(g.sq**2 / (g.sp * np.sqrt(den))) + d**2 / den)
+    return float(np.expm1(log_er2))
+
+
+def _tilt(g: GaussianPairParams, s: int):
+    """(log Z_s, mean [D], var [D]) of q_s ∝ q^{1−s} p^s, or None when it is not normalisable."""
+    if s == 0:
+        return 0.0, g.mq, g.sq**2
+    if s == 1:
+        return 0.0, g.mp, g.sp**2
+    tau = (1 - s) / g.sq**2 + s / g.sp**2
+    if np.any(tau <= 0):
+        return None
+    eta = (1 - s) * g.mq / g.sq**2 + s * g.mp / g.sp**2
+    log_z = np.sum(-(1 - s) * np.log(g.sq) - s * np.log(g.sp) - 0.5 * np.log(tau) + eta**2 / (2 * tau)
+                   - (1 - s) * g.mq**2 / (2 * g.sq**2) - s * g.mp**2 / (2 * g.sp**2))
+    return float(log_z), eta / tau, 1.0 / tau
+
+
+def _logr_quadratic(g: GaussianPairParams, m: np.ndarray, v: np.ndarray):
+    """Coefficients [D] of log r = c0 + c1 z + c2 z² when x = m + √v · z."""
+    sv = np.sqrt(v)
+    c2 = v * (1 / (2 * g.sq**2) - 1 / (2 * g.sp**2))
+    c1 = sv * ((m - g.mq) / g.sq**2 - (m - g.mp) / g.sp**2)
+    c0 = np.log(g.sq / g.sp) + (m - g.mq) ** 2 / (2 * g.sq**2) - (m - g.mp) ** 2 / (2 * g.sp**2)
+    return c0, c1, c2
+
+
+def _std_normal_moment(j: int) -> float:
+    return 0.0 if j % 2 else float(np.prod(np.arange(j - 1, 0, -2))) if j else 1.0
+
+
+def _quadratic_raw_moments(c0: float, c1: float, c2: float, kmax: int) -> list[float]:
+    """E[(c0 + c1 z + c2 z²)^k] for k = 0..kmax, z ~ N(0, 1), by expanding the polynomial."""
+    out, poly = [1.0], np.array([1.0])
+    base = np.array([c0, c1, c2])
+    for _ in range(kmax):
+        poly = np.convolve(poly, base)
+        out.append(float(sum(c * _std_normal_moment(j) for j, c in enumerate(poly))))
+    return out
+
+
+def _sum_raw_moments(per_dim: list[list[float]], kmax: int) -> list[float]:
+    """Raw moments of a sum of independent terms: E[(S+Y)^n] = Σ_j C(n,j) E[S^j] E[Y^{n−j}]."""
+    acc = [1.0] + [0.0] * kmax
+    for m in per_dim:
+        acc = [sum(math.comb(n, j) * acc[j] * m[n - j] for j in range(n + 1)) for n in range(kmax + 1)]
+    return acc
+
+
+def gaussian_logr_moment(g: GaussianPairParams, s: int, k: int) -> float:
+    """E_q[r^s (log r)^k] exactly; +inf when E_q[r^s] diverges (only possible for s ≥ 2)."""
+    tilt = _tilt(g, s)
+    if tilt is None:
+        return INF
+    log_z, m, v = tilt
+    c0, c1, c2 = _logr_quadratic(g, m, v)
+    per_dim = [_quadratic_raw_moments(a, b, c, k) for a, b, c in zip(c0, c1, c2)]
+    return math.exp(log_z) * _sum_raw_moments(per_dim, k)[k]
+
+
+def _poly_expectation(g: GaussianPairParams, poly: dict[tuple[int, int], float]) -> float:
+    terms = [(c, gaussian_logr_moment(g, s, k)) for (s, k), c in poly.items() if c != 0.0]
+    if any(math.isinf(m) for _, m in terms):
+        # Only squared polynomials reach s ≥ 2, and there the diverging r^{2s} term dominates with
+        # a positive coefficient: the second moment is +∞.
+        return INF
+    return sum(c * m for c, m in terms)
+
+
+def gaussian_abs_logr_mean(g: GaussianPairParams) -> float:
+    """E_q|log r| from the characteristic function φ of log r:  E|X| = (2/π)∫₀^∞ (1 − Re φ(t))/t² dt.
+
+    Per dimension log r = c0 + c1 z + c2 z² and
+    φ(t) = exp(i t c0) (1 − 2 i t c2)^(−½) exp(−t² c1² / (2(1 − 2 i t c2))); dimensions multiply.
+    """
+    c0, c1, c2 = _logr_quadratic(g, g.mq, g.sq**2)
+    if g.mq.shape[0] == 1:   # one dimension: integrate directly over z, split at the roots
+        a, b, c = float(c0[0]), float(c1[0]), float(c2[0])
+        roots = np.roots([c, b, a]) if c != 0 else (np.array([-a / b]) if b != 0 else np.array([]))
+        pts = sorted(float(x.real) for x in np.atleast_1d(roots) if abs(x.imag) < 1e-12 and abs(x.real) < 60)
+        f = lambda z: abs(a + b * z + c * z * z) * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)  # noqa: E731
+        edges = [-np.inf] + pts + [np.inf]
+        return float(sum(integrate.quad(f, lo, hi, epsabs=1e-14, epsrel=1e-12, limit=200)[0]
+                         for lo, hi in zip(edges[:-1], edges[1:])))
+
+    def integrand(t: float) -> float:
+        w = 1 - 2j * t * c2
+        phi = np.prod(np.exp(1j * t * c0) / np.sqrt(w) * np.exp(-(t**2) * c1**2 / (2 * w)))
+        return (1 - phi.real) / (t * t) if t > 0 else 0.5 * gaussian_logr_moment(g, 0, 2)
+
+    scale = math.sqrt(gaussian_logr_moment(g, 0, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", integrate.IntegrationWarning)
+        head = integrate.quad(integrand, 0, 50 / scale, limit=2000, epsabs=1e-13, epsrel=1e-10)[0]
+        # Past t = 50/scale, φ has decayed and (1 − Re φ)/t² ≈ 1/t², whose tail integral is scale/50.
+        tail = integrate.quad(integrand, 50 / scale, np.inf, limit=2000)[0]
+    return 2 / math.pi * (head + tail)
+
+
+def gaussian_estimator_moments(g: GaussianPairParams, est: Estimator) -> tuple[float, float]:
+    """(E_q[f], E_q[(f − E_q f)²]) exactly; the variance may be +inf."""
+    from .estimators import poly_square
+    if est.poly is not None:
+        mean = _poly_expectation(g, est.poly)
+        second = _poly_expectation(g, poly_square(est.poly))
+    elif est.name == "abs":
+        mean = gaussian_abs_logr_mean(g)
+        second = gaussian_logr_moment(g, 0, 2)
+    else:
+        return math.nan, math.nan
+    var = INF if math.isinf(second) else max(second - mean * mean, 0.0)
+    return mean, var
+
+
+# ----------------------------------------------------------------------------- categoricals
+def categorical_kl(lq: torch.Tensor, lp: torch.Tensor) -> float:
+    """Mean over contexts of KL(q_b ‖ p_b) = Σ_x q log(q/p), for normalised log-probs [B, V].
+
+    Terms with q(x) = 0 contribute 0; q(x) > 0 = p(x) makes it +inf.
+    """
+    q = lq.exp()
+    terms = torch.where(q > 0, q * (lq - lp), torch.zeros_like(q))
+    return float(terms.sum(-1).mean())
+
+
+def categorical_estimator_moments(lq: torch.Tensor, lp: torch.Tensor, est: Estimator
+                                  ) -> tuple[float, float]:
+    """(E[f], Var[f]) of one draw (uniform context, then x ~ q_b), by exact sums in float64.
+
+    The variance is a second pass around the mean, Σ w (f − E f)², not E[f²] − E[f]², which would
+    cancel catastrophically when the variance is tiny relative to the mean.
+    """
+    w = (lq.exp() / lq.shape[0]).reshape(-1)
+    logr = (lp - lq).reshape(-1)
+    keep = w > 0
+    w, f = w[keep], est.fn(logr[keep])
+    if torch.isinf(f).any():
+        mean = float((w * f).sum())       # ±inf: the estimator's expectation diverges
+        return mean, INF
+    mean = float((w * f).sum())
+    var = float((w * (f - mean) ** 2).sum())
+    return mean, var

@@ -1,0 +1,112 @@
+"""Logits for categorical cases: generators (Zipf, noise, temperature) and files from real models.
+
+All functions return float64 log-probabilities of shape [B, V] (B contexts; B = 1 for a single
+distribution). float64 matters: p(x) can be 1e-13 where q(x) is not, and log r = log p − log q
+must keep its digits there.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import SpecError
+from .spec import DerivedLogits, FileLogits, LogitsSource, ZipfLogits
+
+
+def zipf_logits(vocab: int, exponent: float, seed: int, contexts: int = 1) -> torch.Tensor:
+    """Rank-frequency logits, [contexts, vocab]: logit(x) = −exponent · log(rank(x)).
+
+    Ranks are a seeded random permutation per context, so different contexts favour different
+    tokens, as the next-token distributions of an LLM do.
+    """
+    g = torch.Generator().manual_seed(seed)
+    base = -exponent * torch.log(torch.arange(1, vocab + 1, dtype=torch.float64))
+    perms = torch.stack([torch.randperm(vocab, generator=g) for _ in range(contexts)])
+    return base[perms]
+
+
+def read_logits_file(path: Path) -> torch.Tensor:
+    """Load unnormalised logits of shape [V] or [B, V] from .npy or .pt as float64 [B, V].
+
+    ``.pt`` may hold a tensor of any float dtype (bf16 dumps from a model included) or a dict with
+    a single tensor. Loading uses ``weights_only=True``: no pickled code is executed.
+    """
+    if not path.exists():
+        raise SpecError(f"logits file not found: {path}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            arr = np.load(path, allow_pickle=False)
+            if not np.issubdtype(arr.dtype, np.number):
+                raise SpecError(f"{path}: logits must be numeric, got dtype {arr.dtype}")
+            t = torch.from_numpy(np.asarray(arr, dtype=np.float64))
+        elif suffix == ".pt":
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(obj, dict) and len(obj) == 1:
+                obj = next(iter(obj.values()))
+            if not isinstance(obj, torch.Tensor):
+                raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), "
+                                f"got {type(obj).__name__}")
+            t = obj.detach().to(torch.float64)
+        else:
+            raise SpecError(f"{path}: logits files must end in .npy or .pt, got '{suffix}'")
+    except SpecError:
+        raise
+    except Exception as e:  # corrupt or truncated files: numpy/torch raise many types
+        raise SpecError(f"cannot read logits file {path}: {e.__class__.__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else 'unreadable'}") from None
+    if t.ndim == 1:
+        t = t.unsqueeze(0)
+    if t.ndim != 2 or t.shape[1] == 0 or t.shape[0] == 0:
+        raise SpecError(f"{path}: logits must have shape [V] or [B, V], got {list(t.shape)}")
+    return t
+
+
+def check_logits(logits: torch.Tensor, what: str) -> None:
+    """Reject NaN, +inf, and rows that put no mass anywhere (−inf marks a zero probability)."""
+    if torch.isnan(logits).any():
+        raise SpecError(f"{what}: logits contain NaN")
+    if torch.isposinf(logits).any():
+        raise SpecError(f"{what}: logits contain +inf")
+    if torch.isneginf(logits).all(dim=-1).any():
+        raise SpecError(f"{what}: a row of logits is all −inf (no token has probability > 0)")
+
+
+def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build (log q, log p), both normalised float64 [B, V], validating shapes and values."""
+    raw: dict[str, torch.Tensor] = {}
+    for side, src in (("q", q), ("p", p)):
+        try:
+            if isinstance(src, ZipfLogits):
+                if vocab is None:
+                    raise SpecError("missing required key (needed for generated logits)")
+                raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts)
+            elif isinstance(src, FileLogits):
+                raw[side] = read_logits_file(src.path)
+            if side in raw:
+                check_logits(raw[side], side)
+                if vocab is not None and raw[side].shape[1] != vocab:
+                    raise SpecError(f"{side} has vocabulary {raw[side].shape[1]} but vocab = {vocab}")
+        except SpecError as e:
+            raise e.located(key="vocab" if "vocab" in e.message else f"{side}.file"
+                            if isinstance(src, FileLogits) else side) from None
+    for side, src in (("q", q), ("p", p)):
+        if isinstance(src, DerivedLogits):
+            base = raw[src.source] / src.temperature
+            if src.noise > 0:
+                g = torch.Generator().manual_seed(src.seed)
+                base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
+            raw[side] = base
+    lq, lp = raw["q"], raw["p"]
+    if lq.shape != lp.shape:
+        if lq.shape[1] != lp.shape[1]:
+            raise SpecError(f"q has vocabulary {lq.shape[1]} but p has {lp.shape[1]}", key="p")
+        if lq.shape[0] == 1 or lp.shape[0] == 1:   # one side shared by every context
+            b = max(lq.shape[0], lp.shape[0])
+            lq, lp = lq.expand(b, -1), lp.expand(b, -1)
+        else:
+            raise SpecError(f"q has {lq.shape[0]} contexts but p has {lp.shape[0]}", key="p")
+    return torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)

@@ -1,0 +1,110 @@
+"""Categorical pairs over a vocabulary, one context ([V]) or B contexts ([B, V]).
+
+A draw picks a context uniformly, then a token x ~ q_b. Every per-draw statistic is a function of the
+(context, token) id, so a batch never materialises per-draw values: tokens are drawn with an alias
+table, counted with ``bincount`` and every feature sum is one matrix product with a per-token table.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import exact
+from ..alias import build_alias, sample_alias
+from ..estimators import Estimator
+from ..logits import resolve_pair_logits
+from ..spec import CategoricalCase
+from .base import BatchSums, Features, Pair
+
+# Largest [batches, M] count matrix per chunk (float64 entries): 2^22 × 8 B = 32 MiB.
+_COUNT_CELLS = 1 << 22
+
+
+class CategoricalPair(Pair):
+    kind = "categorical"
+
+    def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = ""):
+        """``log_q``, ``log_p``: normalised float64 log-probabilities [B, V]."""
+        self.name = name
+        self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
+        self.label = label
+        # Draws come from the mixture (1/B) q_b(x) over the flattened (context, token) ids; ids with
+        # q = 0 are dropped so that a −inf log-ratio never meets a zero count (0 · inf = NaN).
+        w = (self.log_q.exp() / self.log_q.shape[0]).reshape(-1)
+        self._support = torch.nonzero(w > 0).squeeze(1)
+        self._logr = (self.log_p - self.log_q).reshape(-1)[self._support]
+        self._alias = build_alias(w[self._support].numpy())
+
+    @classmethod
+    def from_case(cls, case: CategoricalCase) -> "CategoricalPair":
+        lq, lp = resolve_pair_logits(case.q, case.p, case.vocab)
+        return cls(case.name, lq, lp, label=_describe_sources(case))
+
+    @property
+    def contexts(self) -> int:
+        return int(self.log_q.shape[0])
+
+    @property
+    def vocab(self) -> int:
+        return int(self.log_q.shape[1])
+
+    def kl(self) -> float:
+        return exact.categorical_kl(self.log_q, self.log_p)
+
+    def kl_forward(self) -> float:
+        return exact.categorical_kl(self.log_p, self.log_q)
+
+    def exact_moments(self, est: Estimator) -> tuple[float, float]:
+        return exact.categorical_estimator_moments(self.log_q, self.log_p, est)
+
+    def describe(self) -> str:
+        ctx = f", {self.contexts} contexts" if self.contexts > 1 else ""
+        return f"categorical V={self.vocab}{ctx}" + (f": {self.label}" if self.label else "")
+
+    def sample_ids(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+        """Indices into the support of q for ``n`` draws; int64 [n]."""
+        return sample_alias(self._alias_on(device), n, generator)
+
+    def _alias_on(self, device: torch.device):
+        if self._alias.prob.device != device:
+            self._alias = self._alias.to(device)
+        return self._alias
+
+    def batch_sums(self, features: Features, device: torch.device) -> BatchSums:
+        table = features(self._logr.to(device))                       # [M, P]
+        m = table.shape[0]
+        # ±inf features (k1 where p(x) = 0) are summed separately: a zero count times inf is NaN.
+        pos, neg = torch.isposinf(table), torch.isneginf(table)
+        finite = torch.where(pos | neg, torch.zeros_like(table), table)
+        has_inf = bool(pos.any() or neg.any())
+
+        def run(sizes: list[int], gens: list[torch.Generator]) -> torch.Tensor:
+            ids = torch.cat([self.sample_ids(n, g, device) + i * m for i, (n, g) in enumerate(zip(sizes, gens))])
+            counts = torch.bincount(ids, minlength=len(sizes) * m).view(len(sizes), m).to(torch.float64)
+            out = counts @ finite
+            if has_inf:
+                out = out + torch.where(counts @ pos.double() > 0, torch.inf, 0.0)
+                out = out + torch.where(counts @ neg.double() > 0, -torch.inf, 0.0)
+            return out
+        return run
+
+    def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
+        return max(1, min(chunk_draws // max(1, batch_size), _COUNT_CELLS // self._logr.shape[0]))
+
+
+def _describe_sources(case: CategoricalCase) -> str:
+    from ..spec import DerivedLogits, FileLogits, ZipfLogits
+
+    def one(src) -> str:
+        if isinstance(src, ZipfLogits):
+            return f"zipf(s={src.exponent:g})"
+        if isinstance(src, FileLogits):
+            return f"file {src.path.name}"
+        if isinstance(src, DerivedLogits):
+            bits = [src.source]
+            if src.temperature != 1.0:
+                bits.append(f"/T={src.temperature:g}")
+            if src.noise > 0:
+                bits.append(f"+N(0,{src.noise:g}²)")
+            return "".join(bits)
+        return "?"
+    return f"q = {one(case.q)}, p = {one(case.p)}"

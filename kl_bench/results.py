@@ -1,0 +1,151 @@
+"""The results schema (one row per case × estimator × λ × aggregate), summary statistics, and
+atomic writing of ``summary.csv`` and ``run.json``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from .engine import FEATURES_PER_ESTIMATOR, CaseRun
+
+# Column → meaning. The order here is the column order of summary.csv.
+SCHEMA: dict[str, str] = {
+    "case": "case name from the spec",
+    "kind": "case kind: gaussian | categorical",
+    "estimator": "estimator name from the registry (kl-bench list)",
+    "lambda": "λ of the control variate cv(λ); empty for other estimators",
+    "aggregate": "how per-token values combine (rollouts); empty for single draws",
+    "target": "what the estimator estimates: KL(q||p) or KL(p||q)",
+    "true_kl": "exact value of the target",
+    "draws": "number of Monte Carlo draws x ~ q",
+    "batches": "number of batches used for the batch-means standard error",
+    "mean": "Monte Carlo mean of the estimator over all draws",
+    "std": "Monte Carlo standard deviation of one draw's estimate",
+    "se": "standard error of `mean`, from batch means",
+    "bias": "mean − true_kl",
+    "rel_bias": "bias / true_kl (empty when true_kl is 0 or inf)",
+    "rel_std": "std / true_kl: per-draw noise relative to the truth (Schulman's stdev/true)",
+    "exact_mean": "exact E_q[estimator] (closed form or exact sum)",
+    "exact_std": "exact per-draw standard deviation; inf when the variance diverges",
+    "exact_rel_bias": "(exact_mean − true_kl) / true_kl",
+    "exact_rel_std": "exact_std / true_kl",
+    "z": "(mean − exact_mean) / se: |z| < 5 is agreement with the exact value",
+    "frac_negative": "fraction of draws whose estimate is < 0",
+}
+COLUMNS = list(SCHEMA)
+
+
+def _div(a: float, b: float) -> float:
+    if b == 0 or not math.isfinite(b) or not math.isfinite(a):
+        return math.nan
+    return a / b
+
+
+def summarize(run: CaseRun) -> list[dict[str, Any]]:
+    """Rows of the summary table for one case (see :data:`SCHEMA`)."""
+    e_count = len(run.estimators)
+    assert run.sums.shape[1] == FEATURES_PER_ESTIMATOR * e_count
+    n_k = run.sizes.to(torch.float64)
+    n = float(n_k.sum())
+    k = n_k.shape[0]
+    rows = []
+    for j, est in enumerate(run.estimators):
+        s1, s2, neg = run.sums[:, j], run.sums[:, e_count + j], run.sums[:, 2 * e_count + j]
+        shift = run.shifts[j]
+        centred_mean = float(s1.sum()) / n
+        mean = shift + centred_mean
+        var = float(s2.sum()) / n - centred_mean**2
+        std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.inf
+        # Batch means: Var(mean) ≈ K/(K−1) Σ_k (n_k/N)² (m_k − m)², exact for unequal batch sizes.
+        batch_means = s1 / n_k
+        se = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (batch_means - centred_mean) ** 2).sum())) \
+            if k > 1 and math.isfinite(centred_mean) else math.nan
+        exact_mean, exact_var = run.exact[est.name]
+        exact_std = math.sqrt(exact_var) if exact_var >= 0 else math.nan
+        true = run.pair.true_value(est.target)
+        bias = mean - true if math.isfinite(true) else math.nan
+        if se > 0:
+            z = (mean - exact_mean) / se
+        else:
+            z = 0.0 if mean == exact_mean else math.nan
+        rows.append({
+            "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
+            "lambda": math.nan, "aggregate": "", "target": est.target, "true_kl": true,
+            "draws": int(n), "batches": k, "mean": mean, "std": std, "se": se,
+            "bias": bias, "rel_bias": _div(bias, true), "rel_std": _div(std, true),
+            "exact_mean": exact_mean, "exact_std": exact_std,
+            "exact_rel_bias": _div(exact_mean - true, true) if math.isfinite(exact_mean) else math.nan,
+            "exact_rel_std": _div(exact_std, true),
+            "z": z if math.isfinite(z) else math.nan,
+            "frac_negative": float(neg.sum()) / n,
+        })
+    return rows
+
+
+def exact_rows(pair, estimators) -> list[dict[str, Any]]:
+    """Rows with only the exact columns filled: `kl-bench exact`."""
+    rows = []
+    for est in estimators:
+        mean, var = pair.exact_moments(est)
+        std = math.sqrt(var) if var >= 0 else math.nan
+        true = pair.true_value(est.target)
+        rows.append({"case": pair.name, "kind": pair.kind, "estimator": est.name, "lambda": math.nan,
+                     "aggregate": "", "target": est.target, "true_kl": true,
+                     "exact_mean": mean, "exact_std": std,
+                     "exact_rel_bias": _div(mean - true, true) if math.isfinite(mean) else math.nan,
+                     "exact_rel_std": _div(std, true)})
+    return rows
+
+
+def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+# ----------------------------------------------------------------------------- atomic writes
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
+    write a temporary file in the same folder, fsync it, then rename it over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def frame_to_csv_bytes(df: pd.DataFrame) -> bytes:
+    # repr-exact floats (17 significant digits) so that re-reading gives identical numbers;
+    # NaN is written as an empty field, ±inf as inf/-inf.
+    return df.to_csv(index=False, float_format="%.17g").encode()
+
+
+def write_results(out_dir: Path, files: dict[str, bytes], envelope: dict[str, Any]) -> None:
+    """Write every data file atomically, then ``run.json`` last. run.json records the sha256 of
+    each file it belongs to, so a reader can tell a consistent set from a mix of two runs."""
+    envelope = dict(envelope)
+    envelope["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    for name, data in files.items():
+        atomic_write_bytes(out_dir / name, data)
+    atomic_write_bytes(out_dir / "run.json", (json.dumps(envelope, indent=2, default=_json_default) + "\n").encode())
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(type(obj).__name__)

@@ -1,0 +1,372 @@
+"""Experiment specs: TOML → frozen, validated dataclasses.
+
+Every error is a :class:`SpecError` naming the file, the case and the key. Unknown keys are
+rejected with a "did you mean" suggestion. See README.md ("Spec format") for a complete example.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import SpecError
+from .estimators import DEFAULT_ESTIMATORS, ESTIMATORS
+from .registry import did_you_mean
+
+SPEC_VERSION = 1
+_MISSING = object()
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+# ----------------------------------------------------------------------------- dataclasses
+@dataclass(frozen=True)
+class GaussianParams:
+    """A diagonal Gaussian; ``mean`` and ``std`` have one entry per dimension."""
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ZipfLogits:
+    """LLM-like rank-frequency logits: logit(x) = −exponent · log rank(x), ranks a seeded
+    random permutation (one per context when ``contexts`` > 1). Shape [V] or [contexts, V]."""
+    exponent: float
+    seed: int
+    contexts: int = 1
+
+
+@dataclass(frozen=True)
+class FileLogits:
+    """Unnormalised logits from a .npy or .pt file, shape [V] or [B, V]."""
+    path: Path
+
+
+@dataclass(frozen=True)
+class DerivedLogits:
+    """The other side's logits, divided by ``temperature``, plus N(0, noise²) noise."""
+    source: str            # "q" or "p"
+    noise: float = 0.0
+    temperature: float = 1.0
+    seed: int = 0
+
+
+LogitsSource = ZipfLogits | FileLogits | DerivedLogits
+
+
+@dataclass(frozen=True)
+class GaussianCase:
+    name: str
+    q: GaussianParams
+    p: GaussianParams
+    kind: str = "gaussian"
+
+
+@dataclass(frozen=True)
+class CategoricalCase:
+    name: str
+    vocab: int | None
+    q: LogitsSource
+    p: LogitsSource
+    kind: str = "categorical"
+
+
+Case = GaussianCase | CategoricalCase
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    draws: int
+    seed: int = 0
+    device: str = "auto"
+    estimators: tuple[str, ...] = DEFAULT_ESTIMATORS
+    batches: int = 200      # batch means for standard errors
+    chunk: int = 1 << 22    # draws held in memory at once
+
+
+@dataclass(frozen=True)
+class Spec:
+    experiment: Experiment
+    cases: tuple[Case, ...]
+    path: Path
+    text: str = field(repr=False)
+    spec_version: int = SPEC_VERSION
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- key reader
+class _Table:
+    """Reads keys from one TOML table, remembering which were used, to reject the rest."""
+
+    def __init__(self, data: Any, file: str, case: str | None, prefix: str):
+        self.file, self.case, self.prefix = file, case, prefix
+        if not isinstance(data, dict):
+            raise self.error(f"must be a table, got {_typename(data)}", key=prefix.rstrip(".") or None)
+        self.data = data
+        self.used: set[str] = set()
+
+    def error(self, message: str, key: str | None = None) -> SpecError:
+        return SpecError(message, file=self.file, case=self.case, key=key)
+
+    def key(self, k: str) -> str:
+        return f"{self.prefix}{k}"
+
+    def has(self, k: str) -> bool:
+        return k in self.data
+
+    def get(self, k: str, kind: str, default: Any = _MISSING,
+            check: Callable[[Any], str | None] | None = None) -> Any:
+        """Return key ``k`` converted to ``kind`` ('int', 'float', 'str', 'float_or_list',
+        'str_list', 'table'), or ``default``; ``check`` returns an error message or None."""
+        self.used.add(k)
+        if k not in self.data:
+            if default is _MISSING:
+                raise self.error("missing required key", key=self.key(k))
+            return default
+        value = _convert(self.data[k], kind, lambda m: self.error(m, key=self.key(k)))
+        if check is not None:
+            msg = check(value)
+            if msg:
+                raise self.error(msg, key=self.key(k))
+        return value
+
+    def sub(self, k: str) -> "_Table":
+        self.used.add(k)
+        if k not in self.data:
+            raise self.error("missing required key", key=self.key(k))
+        return _Table(self.data[k], self.file, self.case, f"{self.key(k)}.")
+
+    def finish(self, allowed: list[str] | None = None) -> None:
+        allowed = list(self.used) if allowed is None else allowed
+        for k in self.data:
+            if k not in self.used:
+                raise self.error(f"unknown key{did_you_mean(k, allowed)}; allowed: "
+                                 f"{', '.join(sorted(allowed))}", key=self.key(k))
+
+
+def _typename(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(v), type(v).__name__)
+
+
+def _convert(v: Any, kind: str, err: Callable[[str], SpecError]) -> Any:
+    if kind == "int":
+        # Integral floats are accepted so that `draws = 1e7` works.
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise err(f"must be an integer, got {_typename(v)} {v!r}")
+        if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+            raise err(f"must be an integer, got {v!r}")
+        return int(v)
+    if kind == "float":
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise err(f"must be a number, got {_typename(v)} {v!r}")
+        if not math.isfinite(v):
+            raise err(f"must be finite, got {v!r}")
+        return float(v)
+    if kind == "str":
+        if not isinstance(v, str):
+            raise err(f"must be a string, got {_typename(v)} {v!r}")
+        return v
+    if kind == "float_or_list":
+        items = v if isinstance(v, list) else [v]
+        if isinstance(v, list) and not v:
+            raise err("must not be an empty list")
+        return tuple(_convert(x, "float", err) for x in items)
+    if kind == "str_list":
+        if not isinstance(v, list):
+            raise err(f"must be a list of strings, got {_typename(v)}")
+        return tuple(_convert(x, "str", err) for x in v)
+    raise AssertionError(kind)
+
+
+def _positive(v: Any) -> str | None:
+    vals = v if isinstance(v, tuple) else (v,)
+    return None if all(x > 0 for x in vals) else f"must be > 0, got {v if not isinstance(v, tuple) or len(v) > 1 else v[0]}"
+
+
+def _nonnegative(v: Any) -> str | None:
+    return None if v >= 0 else f"must be ≥ 0, got {v}"
+
+
+# ----------------------------------------------------------------------------- case kinds
+def _gaussian_params(t: _Table) -> GaussianParams:
+    mean = t.get("mean", "float_or_list")
+    std = t.get("std", "float_or_list", check=_positive)
+    t.finish()
+    return GaussianParams(mean, std)
+
+
+def _parse_gaussian(t: _Table, name: str, spec_dir: Path) -> GaussianCase:
+    q = _gaussian_params(t.sub("q"))
+    p = _gaussian_params(t.sub("p"))
+    t.finish()
+    lengths = {len(x) for x in (q.mean, q.std, p.mean, p.std)}
+    dim = max(lengths)
+    if lengths - {1, dim}:
+        raise t.error(f"q.mean, q.std, p.mean, p.std must be scalars or lists of one length; "
+                      f"got lengths {len(q.mean)}, {len(q.std)}, {len(p.mean)}, {len(p.std)}",
+                      key="q/p")
+
+    def broadcast(g: GaussianParams) -> GaussianParams:
+        return GaussianParams(g.mean * dim if len(g.mean) == 1 else g.mean,
+                              g.std * dim if len(g.std) == 1 else g.std)
+    return GaussianCase(name, broadcast(q), broadcast(p))
+
+
+def _logits_source(t: _Table, side: str, spec_dir: Path) -> LogitsSource:
+    if t.has("file"):
+        path = spec_dir / t.get("file", "str")
+        t.finish()
+        return FileLogits(path)
+    if t.has("logits"):
+        gen = t.get("logits", "str")
+        if gen != "zipf":
+            raise t.error(f"unknown logits generator '{gen}'{did_you_mean(gen, ['zipf'])}; known: zipf",
+                          key=t.key("logits"))
+        src = ZipfLogits(exponent=t.get("exponent", "float", 1.1, _positive),
+                         seed=t.get("seed", "int", 0, _nonnegative),
+                         contexts=t.get("contexts", "int", 1, _positive))
+        t.finish()
+        return src
+    if t.has("from"):
+        other = "p" if side == "q" else "q"
+        source = t.get("from", "str")
+        if source != other:
+            raise t.error(f"must name the other side, '{other}', got '{source}'", key=t.key("from"))
+        src = DerivedLogits(source=source,
+                            noise=t.get("noise", "float", 0.0, _nonnegative),
+                            temperature=t.get("temperature", "float", 1.0, _positive),
+                            seed=t.get("seed", "int", 0, _nonnegative))
+        t.finish()
+        return src
+    raise t.error("needs one of 'file', 'logits' (a generator) or 'from' (the other side)",
+                  key=t.prefix.rstrip("."))
+
+
+def _parse_categorical(t: _Table, name: str, spec_dir: Path) -> CategoricalCase:
+    vocab = t.get("vocab", "int", None, _positive)
+    q = _logits_source(t.sub("q"), "q", spec_dir)
+    p = _logits_source(t.sub("p"), "p", spec_dir)
+    t.finish()
+    if isinstance(q, DerivedLogits) and isinstance(p, DerivedLogits):
+        raise t.error("q and p cannot both be derived from each other; give one a 'file' or 'logits'",
+                      key="q.from")
+    if vocab is None and not (isinstance(q, FileLogits) or isinstance(p, FileLogits)):
+        raise t.error("missing required key (needed unless logits come from a file)", key="vocab")
+    return CategoricalCase(name, vocab, q, p)
+
+
+CASE_PARSERS: dict[str, Callable[[_Table, str, Path], Case]] = {
+    "gaussian": _parse_gaussian,
+    "categorical": _parse_categorical,
+}
+
+
+# ----------------------------------------------------------------------------- top level
+def _parse_experiment(t: _Table, stem: str) -> Experiment:
+    names = t.get("estimators", "str_list", DEFAULT_ESTIMATORS)
+    for n in names:
+        if n not in ESTIMATORS:
+            raise t.error(f"unknown estimator '{n}'{did_you_mean(n, ESTIMATORS.names())}; known: "
+                          f"{', '.join(ESTIMATORS.names())}", key=t.key("estimators"))
+    if not names:
+        raise t.error("must name at least one estimator", key=t.key("estimators"))
+    if len(set(names)) != len(names):
+        raise t.error("lists an estimator twice", key=t.key("estimators"))
+    exp = Experiment(
+        name=t.get("name", "str", stem, lambda v: None if re.fullmatch(r"[\w.\-]+", v) else
+                   "must use only letters, digits, '_', '-', '.'"),
+        draws=t.get("draws", "int", check=_positive),
+        seed=t.get("seed", "int", 0, _nonnegative),
+        device=t.get("device", "str", "auto", _check_device),
+        estimators=names,
+        batches=t.get("batches", "int", 200, lambda v: None if v >= 2 else f"must be ≥ 2, got {v}"),
+        chunk=t.get("chunk", "int", 1 << 22, _positive),
+    )
+    t.finish()
+    return exp
+
+
+def _check_case_name(v: str) -> str | None:
+    # Names label rows and (later) figure files: any printable text without slashes.
+    if not v or not v.isprintable() or "/" in v or "\\" in v or v != v.strip():
+        return f"must be non-empty printable text without slashes or surrounding spaces, got {v!r}"
+    return None
+
+
+def _check_device(v: str) -> str | None:
+    return None if _DEVICE_RE.match(v) else f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got '{v}'"
+
+
+def parse_spec(text: str, path: Path) -> Spec:
+    """Parse and validate spec ``text`` read from ``path`` (used for messages and relative files)."""
+    file = str(path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"TOML syntax error: {e}", file=file) from None
+    top = _Table(data, file, None, "")
+    version = top.get("spec_version", "int")
+    if version != SPEC_VERSION:
+        raise top.error(f"unsupported spec_version {version}; this kl-bench reads {SPEC_VERSION}",
+                        key="spec_version")
+    exp = _parse_experiment(top.sub("experiment"), path.stem)
+    top.used.add("case")
+    raw_cases = data.get("case")
+    if not isinstance(raw_cases, list) or not raw_cases:
+        raise top.error("needs at least one [[case]] table", key="case")
+    top.finish(["spec_version", "experiment", "case"])
+
+    cases: list[Case] = []
+    for i, raw in enumerate(raw_cases):
+        label = raw.get("name") if isinstance(raw, dict) and isinstance(raw.get("name"), str) else f"#{i + 1}"
+        t = _Table(raw, file, label, "")
+        name = t.get("name", "str", check=_check_case_name)
+        if any(c.name == name for c in cases):
+            raise t.error("duplicate case name", key="name")
+        kind = t.get("kind", "str")
+        if kind not in CASE_PARSERS:
+            raise t.error(f"unknown case kind '{kind}'{did_you_mean(kind, list(CASE_PARSERS))}; "
+                          f"known: {', '.join(CASE_PARSERS)}", key="kind")
+        cases.append(CASE_PARSERS[kind](t, name, path.parent))
+    return Spec(exp, tuple(cases), path, text)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError("spec file not found", file=str(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"cannot read spec file: {e.__class__.__name__}: {e}", file=str(path)) from None
+    return parse_spec(text, path)
+
+
+def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = None,
+                   device: str | None = None) -> Spec:
+    """Apply command-line overrides (validated like the spec's own fields)."""
+    exp = spec.experiment
+    if draws is not None:
+        if draws <= 0:
+            raise SpecError(f"must be > 0, got {draws}", key="--draws")
+        exp = dataclasses.replace(exp, draws=draws)
+    if seed is not None:
+        if seed < 0:
+            raise SpecError(f"must be ≥ 0, got {seed}", key="--seed")
+        exp = dataclasses.replace(exp, seed=seed)
+    if device is not None:
+        msg = _check_device(device)
+        if msg:
+            raise SpecError(msg, key="--device")
+        exp = dataclasses.replace(exp, device=device)
+    return dataclasses.replace(spec, experiment=exp)
