@@ -113,7 +113,7 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         sp = with_overrides(load_spec(spec), draws=draws, seed=seed, device=device)
         exp = sp.experiment
         dev = resolve_device(exp.device)
-        pairs = [build_pair(c) for c in sp.cases]      # validates files before anything is sampled
+        pairs = [build_pair(c, str(spec)) for c in sp.cases]   # validates files before sampling
     out_dir = out or Path("results") / exp.name
     t0 = time.perf_counter()
     progress = _LazyProgress(exp.draws * len(pairs), enabled=not quiet)
@@ -158,7 +158,7 @@ def exact(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
     """Print the exact KL and estimator moments of every case, without sampling."""
     with _user_errors():
         sp = load_spec(spec)
-        pairs = [build_pair(c) for c in sp.cases]
+        pairs = [build_pair(c, str(spec)) for c in sp.cases]
     ests = [ESTIMATORS.get(n) for n in sp.experiment.estimators]
     rows = [row for p in pairs for row in exact_rows(p, ests)]
     df = to_frame(rows).drop(columns=["draws", "batches", "mean", "std", "se", "bias", "rel_bias", "rel_std",

@@ -147,6 +147,8 @@ def gaussian_abs_logr_mean(g: GaussianPairParams) -> float:
         return (1 - phi.real) / (t * t) if t > 0 else 0.5 * gaussian_logr_moment(g, 0, 2)
 
     scale = math.sqrt(gaussian_logr_moment(g, 0, 2))
+    if scale == 0:          # q = p: log r ≡ 0
+        return 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", integrate.IntegrationWarning)
         head = integrate.quad(integrand, 0, 50 / scale, limit=2000, epsabs=1e-13, epsrel=1e-10)[0]

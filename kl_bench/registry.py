@@ -11,7 +11,7 @@ T = TypeVar("T")
 
 def did_you_mean(name: str, choices: list[str]) -> str:
     """Return ' (did you mean 'x'?)' for the closest choice, or '' when nothing is close."""
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

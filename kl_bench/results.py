@@ -38,6 +38,7 @@ SCHEMA: dict[str, str] = {
     "exact_rel_bias": "(exact_mean − true_kl) / true_kl",
     "exact_rel_std": "exact_std / true_kl",
     "z": "(mean − exact_mean) / se: |z| < 5 is agreement with the exact value",
+    "z_var": "(Σ(f − exact_mean)²/N − exact_std²) / its batch-means SE: the variance against the exact one",
     "frac_negative": "fraction of draws whose estimate is < 0",
 }
 COLUMNS = list(SCHEMA)
@@ -76,6 +77,14 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             z = (mean - exact_mean) / se
         else:
             z = 0.0 if mean == exact_mean else math.nan
+        # Σ(f − c)²/N with c = exact mean is an unbiased estimate of the exact variance, so its
+        # batch-means SE gives a z for the variance as well (meaningful when E[f⁴] < ∞).
+        z_var = math.nan
+        if math.isfinite(exact_var) and shift == exact_mean and k > 1:
+            m2_k = s2 / n_k
+            m2 = float(s2.sum()) / n
+            se_m2 = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (m2_k - m2) ** 2).sum()))
+            z_var = (m2 - exact_var) / se_m2 if se_m2 > 0 else (0.0 if m2 == exact_var else math.nan)
         rows.append({
             "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
             "lambda": math.nan, "aggregate": "", "target": est.target, "true_kl": true,
@@ -85,6 +94,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             "exact_rel_bias": _div(exact_mean - true, true) if math.isfinite(exact_mean) else math.nan,
             "exact_rel_std": _div(exact_std, true),
             "z": z if math.isfinite(z) else math.nan,
+            "z_var": z_var,
             "frac_negative": float(neg.sum()) / n,
         })
     return rows

@@ -129,6 +129,10 @@ class _Table:
         self.used.add(k)
         if k not in self.data:
             if default is _MISSING:
+                # A misspelt key is the likelier story than a forgotten one: say so.
+                typo = [x for x in self.data if x not in self.used and did_you_mean(x, [k])]
+                if typo:
+                    raise self.error(f"unknown key (did you mean '{k}'?)", key=self.key(typo[0]))
                 raise self.error("missing required key", key=self.key(k))
             return default
         value = _convert(self.data[k], kind, lambda m: self.error(m, key=self.key(k)))

@@ -28,13 +28,14 @@ CASE_KINDS.add("categorical", CaseKind("categorical", CategoricalPair.from_case,
                                        "categoricals over a vocabulary, [V] or [B, V] logits; exact sums"))
 
 
-def build_pair(case) -> Pair:
-    """Build the pair for a validated case from the spec (may load logits files)."""
+def build_pair(case, spec_file: str | None = None) -> Pair:
+    """Build the pair for a validated case from the spec (may load logits files); errors name
+    ``spec_file`` and the case."""
     from ..errors import SpecError
     try:
         return CASE_KINDS.get(case.kind).build(case)
     except SpecError as e:
-        raise e.located(case=case.name) from None
+        raise e.located(file=spec_file, case=case.name) from None
 
 
 __all__ = ["Pair", "GaussianPair", "CategoricalPair", "CASE_KINDS", "build_pair"]
