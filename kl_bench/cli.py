@@ -8,7 +8,7 @@ import platform
 import subprocess
 import sys
 import time
-import warnings
+import signal
 from importlib import metadata
 from pathlib import Path
 from typing import Iterator, Optional
@@ -66,6 +66,10 @@ class _LazyProgress:
             self.bar.stop()
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
@@ -118,15 +122,20 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
     t0 = time.perf_counter()
     progress = _LazyProgress(exp.draws * len(pairs), enabled=not quiet)
     rows, runs = [], []
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        with warnings.catch_warnings():
-            for pair in pairs:
-                r = run_case(pair, list(exp.estimators), draws=exp.draws, seed=exp.seed, batches=exp.batches,
-                             chunk=exp.chunk, device=dev, progress=progress.advance)
-                runs.append(r)
-                rows += summarize(r)
+        for pair in pairs:
+            r = run_case(pair, list(exp.estimators), draws=exp.draws, seed=exp.seed, batches=exp.batches,
+                         chunk=exp.chunk, device=dev, progress=progress.advance)
+            runs.append(r)
+            rows += summarize(r)
+    except KeyboardInterrupt:
+        progress.close()
+        err_console.print(f"interrupted: nothing was written; earlier results in {out_dir} are untouched")
+        raise typer.Exit(130) from None
     finally:
         progress.close()
+        signal.signal(signal.SIGTERM, previous)
     wall = time.perf_counter() - t0
     df = to_frame(rows)
     envelope = {
