@@ -13,17 +13,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator, Optional
 
+import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from . import __version__
 from .display import print_tables
-from .engine import resolve_device, run_case
+from .engine import resolve_device
+from .experiment import run_experiment_case
 from .errors import SpecError
 from .estimators import ESTIMATORS
 from .pairs import CASE_KINDS, build_pair
-from .results import exact_rows, frame_to_csv_bytes, summarize, to_frame, write_results
+from .results import exact_rows, frame_to_csv_bytes, to_frame, write_results
 from .spec import load_spec, with_overrides
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -96,13 +98,31 @@ def _user_errors() -> Iterator[None]:
 
 
 def _warn_infinite(df, console: Console) -> None:
-    for _, r in df.iterrows():
-        if math.isinf(r["true_kl"]):
-            console.print(f"warning: case '{r['case']}': {r['target']} is infinite (a zero probability "
-                          f"where the other side has mass); {r['estimator']} cannot estimate it", markup=False)
-        elif math.isinf(r.get("exact_std", 0.0)):
-            console.print(f"warning: case '{r['case']}': {r['estimator']} has infinite variance "
-                          f"(E_q[r²] = ∞); its measured std and se are not trustworthy", markup=False)
+    """One warning per case and kind of trouble, naming the estimators."""
+    reasons = {
+        "infinite variance": "infinite variance (E_q[r²] = ∞)",
+        "infinite 4th moment": "an infinite 4th moment (the measured std converges slowly and is usually too low)",
+        "unstable batches": "one batch carrying most of the sum of squares (a heavy tail)",
+    }
+    for case in dict.fromkeys(df["case"]):
+        c = df[df["case"] == case]
+        for target in dict.fromkeys(c.loc[c["true_kl"] == math.inf, "target"]):
+            names = ", ".join(_row_label(r) for _, r in c[c["target"] == target].iterrows())
+            console.print(f"warning: case '{case}': {target} is infinite (a zero probability where the other "
+                          f"side has mass); {names} cannot estimate it", markup=False)
+        if "heavy_tail" not in c:
+            continue
+        for kind, text in reasons.items():
+            hit = c[(c["heavy_tail"] == kind) & (c["true_kl"] != math.inf)]
+            if not hit.empty:
+                names = ", ".join(_row_label(r) for _, r in hit.iterrows())
+                console.print(f"warning: case '{case}': {names}: {text}; measured std and se are not "
+                              f"trustworthy", markup=False)
+
+
+def _row_label(r) -> str:
+    from .display import estimator_label
+    return estimator_label(r)
 
 
 @app.command()
@@ -121,14 +141,15 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
     out_dir = out or Path("results") / exp.name
     t0 = time.perf_counter()
     progress = _LazyProgress(exp.draws * len(pairs), enabled=not quiet)
-    rows, runs = [], []
+    rows, runs, sweeps = [], [], []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for pair in pairs:
-            r = run_case(pair, list(exp.estimators), draws=exp.draws, seed=exp.seed, batches=exp.batches,
-                         chunk=exp.chunk, device=dev, progress=progress.advance)
-            runs.append(r)
-            rows += summarize(r)
+            outcome = run_experiment_case(pair, exp, dev, progress=progress.advance)
+            runs.append(outcome.run)
+            rows += outcome.rows
+            if outcome.sweep is not None:
+                sweeps.append(outcome.sweep)
     except KeyboardInterrupt:
         progress.close()
         err_console.print(f"interrupted: nothing was written; earlier results in {out_dir} are untouched")
@@ -148,7 +169,10 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
         "cases": {r.pair.name: {"description": r.pair.describe(), "seconds": round(r.seconds, 3)} for r in runs},
     }
-    write_results(out_dir, {"summary.csv": frame_to_csv_bytes(df)}, envelope)
+    files = {"summary.csv": frame_to_csv_bytes(df)}
+    if sweeps:
+        files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
+    write_results(out_dir, files, envelope)
     if not quiet:
         print_tables(out_console, df, {r.pair.name: r.pair.describe() for r in runs})
         _warn_infinite(df, err_console)

@@ -28,6 +28,19 @@ def fmt_rel(x: float) -> str:
     return fmt(x)
 
 
+def estimator_label(r) -> str:
+    """'k3', 'cv(0.5)', 'cv_opt(0.583)'."""
+    lam = r.get("lambda", math.nan)
+    if isinstance(lam, float) and not math.isnan(lam):
+        return f"{r['estimator']}({lam:.3g})"
+    return r["estimator"]
+
+
+def _std_cell(r, value: float) -> str:
+    # A std measured on a heavy tail is not to be trusted: mark it instead of printing it plainly.
+    return f"{fmt(value)}†" if r.get("heavy_tail") else fmt(value)
+
+
 def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
     """One case: measured value ± SE next to the exact one, relative bias and noise, z."""
     t = Table(title=f"{case}: {description}", title_justify="left", show_edge=False, pad_edge=False)
@@ -40,10 +53,53 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
         zs = fmt(z, 2)
         if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
             zs = f"[bold red]{zs}[/]"
-        t.add_row(r["estimator"], r["target"], fmt(r["true_kl"], 4),
+        t.add_row(estimator_label(r), r["target"], fmt(r["true_kl"], 4),
                   f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}", fmt(r["exact_mean"], 4),
-                  fmt_rel(r["rel_bias"]), fmt_rel(r["exact_rel_bias"]), fmt(r["rel_std"]), fmt(r["exact_rel_std"]),
-                  zs, fmt(r["frac_negative"], 2))
+                  fmt_rel(r["rel_bias"]), fmt_rel(r["exact_rel_bias"]), _std_cell(r, r["rel_std"]),
+                  fmt(r["exact_rel_std"]), zs, fmt(r["frac_negative"], 2))
+    if df.loc[df["case"] == case, "heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
+        t.caption = "† heavy tail (see heavy_tail): the measured std and se are not trustworthy"
+        t.caption_justify = "left"
+    return t
+
+
+def lambda_table(df: pd.DataFrame) -> Table:
+    """Per case: λ*, and std/true at k1 (λ = 0), k3 (λ = 1), λ* and the pilot-fitted cv_opt."""
+    t = Table(title="control variate cv(λ) = −log r + λ(r−1): exact std/true (measured)", title_justify="left",
+              show_edge=False, pad_edge=False)
+    for col in ["case", "λ* exact", "λ* measured", "k1 (λ=0)", "k3 (λ=1)", "cv(λ*)", "cv_opt (λ)",
+                "k3 / cv(λ*)"]:
+        t.add_column(col, justify="left" if col == "case" else "right")
+    cvs = df[df["estimator"].isin(["cv", "cv_opt"])]
+    for case in dict.fromkeys(cvs["case"]):
+        c = cvs[cvs["case"] == case]
+        r0 = c.iloc[0]
+        true = r0["true_kl"]
+
+        def at(lam):
+            hit = c[(c["estimator"] == "cv") & (c["lambda"] == lam)]
+            if hit.empty:
+                return ""
+            h = hit.iloc[0]
+            return f"{fmt(h['exact_rel_std'])} ({_std_cell(h, h['rel_std'])})"
+        star = r0["lambda_star"]
+        # Exact std at λ*: from any cv row, std(λ)/(1 + excess_std(λ)).
+        best = math.nan
+        for _, h in c.iterrows():
+            if math.isfinite(h["exact_std"]) and math.isfinite(h["excess_std"]):
+                best = h["exact_std"] / (1 + h["excess_std"]) / true
+                break
+        opt = c[c["estimator"] == "cv_opt"]
+        opt_cell = ""
+        if not opt.empty:
+            o = opt.iloc[0]
+            opt_cell = f"{fmt(o['exact_rel_std'])} ({_std_cell(o, o['rel_std'])}) λ={o['lambda']:.3g}"
+        k3 = c[(c["estimator"] == "cv") & (c["lambda"] == 1.0)]
+        ratio = f"{k3.iloc[0]['excess_std'] + 1:.3g}×" if not k3.empty else ""
+        heavy = c["heavy_tail"].fillna("").astype(str).str.len().gt(0).any()
+        t.add_row(case, fmt(star), f"{fmt(r0['lambda_star_mc'])} ± {fmt(r0['lambda_star_mc_se'], 2)}"
+                  + ("†" if heavy else ""),
+                  at(0.0), at(1.0), fmt(best), opt_cell, ratio)
     return t
 
 
@@ -67,7 +123,7 @@ def schulman_table(df: pd.DataFrame) -> Table:
         true = df.loc[df["case"] == c, "true_kl"].iloc[0]
         t.add_column(f"{c}\nbias/true", justify="right")
         t.add_column(f"KL={fmt(true, 3)}\nstdev/true", justify="right")
-    for est in dict.fromkeys(df["estimator"]):
+    for est in dict.fromkeys(df["estimator"]):  # one row per registry estimator (cv rows: lambda_table)
         cells = [est]
         for c in cases:
             row = df[(df["case"] == c) & (df["estimator"] == est)]
@@ -87,4 +143,7 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
                       else detail_table(df, case, descriptions[case]))
         console.print()
     if not exact_only and df["case"].nunique() > 1:
-        console.print(schulman_table(df))
+        console.print(schulman_table(df[df["lambda"].isna()]))
+    if not exact_only and "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
+        console.print()
+        console.print(lambda_table(df))

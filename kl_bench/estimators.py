@@ -12,6 +12,7 @@ Each estimator also carries ``poly``: its value written as Σ c · r^s · (log r
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +35,7 @@ class Estimator:
     nonnegative: bool    # f ≥ 0 for every draw
     formula: str
     poly: Poly | None
+    lam: float | None = None   # λ of a control variate cv(λ); None otherwise
 
 
 ESTIMATORS: Registry[Estimator] = Registry("estimator")
@@ -95,6 +97,19 @@ for _est in [
     ESTIMATORS.add(_est.name, _est)
 
 DEFAULT_ESTIMATORS: tuple[str, ...] = tuple(ESTIMATORS.names())
+
+
+def cv(logr: torch.Tensor, lam: float) -> torch.Tensor:
+    """cv(λ) = −log r + λ(r − 1). Shape-preserving. Unbiased for KL(q‖p) for every λ because
+    E_q[r] = 1; ≥ 0 for all r only at λ = 1, where it is k3. λ* = Cov(log r, r)/Var(r) minimises
+    its variance."""
+    return -logr + lam * torch.expm1(logr)
+
+
+def make_cv(lam: float, name: str = "cv") -> Estimator:
+    """The control variate at a fixed λ, as an Estimator (a functools.partial of :func:`cv`)."""
+    return Estimator(name, functools.partial(cv, lam=lam), REVERSE, True, lam == 1.0,
+                     f"−log r + {lam:g}(r−1)", {(0, 1): -1.0, (1, 0): lam, (0, 0): -lam}, lam=lam)
 
 
 def poly_square(poly: Poly) -> Poly:

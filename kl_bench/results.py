@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .engine import FEATURES_PER_ESTIMATOR, CaseRun
+from .engine import FEATURES_PER_ESTIMATOR, CaseRun, label
 
 # Column → meaning. The order here is the column order of summary.csv.
 SCHEMA: dict[str, str] = {
@@ -40,12 +40,26 @@ SCHEMA: dict[str, str] = {
     "z": "(mean − exact_mean) / se: |z| < 5 is agreement with the exact value",
     "z_var": "(Σ(f − exact_mean)²/N − exact_std²) / its batch-means SE: the variance against the exact one",
     "frac_negative": "fraction of draws whose estimate is < 0",
+    "heavy_tail": "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
+                  "usually too low), 'unstable batches' (one batch carries most of Σ(f − c)²), or empty",
+    "lambda_star": "cv rows: exact variance-optimal λ* = Cov(log r, r)/Var(r) (empty if unknown)",
+    "lambda_star_mc": "cv rows: empirical λ* from this run's draws",
+    "lambda_star_mc_se": "cv rows: standard error of lambda_star_mc (batch jackknife; unreliable when "
+                         "E_q[r⁴] = ∞, see heavy_tail of cv rows)",
+    "excess_std": "cv rows: exact_std at this λ / exact_std at λ* − 1 (0 at the optimum)",
+    "n_for_10pct": "draws a batch needs for its mean to be within 10% of true_kl with 95% probability "
+                   "(normal approximation, exact bias and std where known; inf if the bias alone exceeds 10%)",
+    "rmse_b64": "root-mean-square error of a batch mean of 64 draws, bias included",
+    "rmse_b1024": "the same for 1024 draws",
+    "rmse_b16384": "the same for 16384 draws",
+    "p_neg_b64": "probability that a batch mean of 64 draws is negative, simulated on 4096 batches of draws",
 }
 COLUMNS = list(SCHEMA)
 
 
 def _div(a: float, b: float) -> float:
-    if b == 0 or not math.isfinite(b) or not math.isfinite(a):
+    """a / b for relative columns: empty when b is 0, inf or NaN; inf stays inf."""
+    if b == 0 or not math.isfinite(b) or math.isnan(a):
         return math.nan
     return a / b
 
@@ -53,7 +67,6 @@ def _div(a: float, b: float) -> float:
 def summarize(run: CaseRun) -> list[dict[str, Any]]:
     """Rows of the summary table for one case (see :data:`SCHEMA`)."""
     e_count = len(run.estimators)
-    assert run.sums.shape[1] == FEATURES_PER_ESTIMATOR * e_count
     n_k = run.sizes.to(torch.float64)
     n = float(n_k.sum())
     k = n_k.shape[0]
@@ -69,7 +82,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         batch_means = s1 / n_k
         se = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (batch_means - centred_mean) ** 2).sum())) \
             if k > 1 and math.isfinite(centred_mean) else math.nan
-        exact_mean, exact_var = run.exact[est.name]
+        exact_mean, exact_var = run.exact[label(est)]
         exact_std = math.sqrt(exact_var) if exact_var >= 0 else math.nan
         true = run.pair.true_value(est.target)
         bias = mean - true if math.isfinite(true) else math.nan
@@ -85,10 +98,17 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             m2 = float(s2.sum()) / n
             se_m2 = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (m2_k - m2) ** 2).sum()))
             z_var = (m2 - exact_var) / se_m2 if se_m2 > 0 else (0.0 if m2 == exact_var else math.nan)
+        heavy = ""
+        if math.isinf(exact_var):
+            heavy = "infinite variance"
+        elif not run.pair.fourth_moment_finite(est):
+            heavy = "infinite 4th moment"
+        elif k > 1 and float(s2.sum()) > 0 and float(s2.max()) / float(s2.sum()) > max(0.2, 5 / k):
+            heavy = "unstable batches"
         rows.append({
             "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
-            "lambda": math.nan, "aggregate": "", "target": est.target, "true_kl": true,
-            "draws": int(n), "batches": k, "mean": mean, "std": std, "se": se,
+            "lambda": math.nan if est.lam is None else est.lam, "aggregate": "", "target": est.target,
+            "true_kl": true, "draws": int(n), "batches": k, "mean": mean, "std": std, "se": se,
             "bias": bias, "rel_bias": _div(bias, true), "rel_std": _div(std, true),
             "exact_mean": exact_mean, "exact_std": exact_std,
             "exact_rel_bias": _div(exact_mean - true, true) if math.isfinite(exact_mean) else math.nan,
@@ -96,6 +116,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             "z": z if math.isfinite(z) else math.nan,
             "z_var": z_var,
             "frac_negative": float(neg.sum()) / n,
+            "heavy_tail": heavy,
         })
     return rows
 

@@ -87,6 +87,8 @@ class Experiment:
     estimators: tuple[str, ...] = DEFAULT_ESTIMATORS
     batches: int = 200      # batch means for standard errors
     chunk: int = 1 << 22    # draws held in memory at once
+    lambdas: tuple[float, ...] = ()   # λ values of cv(λ) = −log r + λ(r − 1)
+    optimal: bool = False             # "optimal" in lambdas: add cv_opt with λ from a pilot pass
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,7 @@ def _parse_experiment(t: _Table, stem: str) -> Experiment:
         raise t.error("must name at least one estimator", key=t.key("estimators"))
     if len(set(names)) != len(names):
         raise t.error("lists an estimator twice", key=t.key("estimators"))
+    lambdas, optimal = _parse_lambdas(t)
     exp = Experiment(
         name=t.get("name", "str", stem, lambda v: None if re.fullmatch(r"[\w.\-]+", v) else
                    "must use only letters, digits, '_', '-', '.'"),
@@ -294,9 +297,34 @@ def _parse_experiment(t: _Table, stem: str) -> Experiment:
         estimators=names,
         batches=t.get("batches", "int", 200, lambda v: None if v >= 2 else f"must be ≥ 2, got {v}"),
         chunk=t.get("chunk", "int", 1 << 22, _positive),
+        lambdas=lambdas,
+        optimal=optimal,
     )
     t.finish()
     return exp
+
+
+def _parse_lambdas(t: _Table) -> tuple[tuple[float, ...], bool]:
+    """`lambdas = [0.0, 0.5, 1.0, "optimal"]`: numbers, and the word "optimal" at most once."""
+    t.used.add("lambdas")
+    raw = t.data.get("lambdas", [])
+    key = t.key("lambdas")
+    if not isinstance(raw, list):
+        raise t.error(f"must be a list of numbers and \"optimal\", got {_typename(raw)}", key=key)
+    values, optimal = [], False
+    for v in raw:
+        if isinstance(v, str):
+            if v != "optimal":
+                raise t.error(f"unknown entry '{v}'{did_you_mean(v, ['optimal'])}: "
+                              f"use numbers or \"optimal\"", key=key)
+            if optimal:
+                raise t.error("lists \"optimal\" twice", key=key)
+            optimal = True
+        else:
+            values.append(_convert(v, "float", lambda m: t.error(m, key=key)))
+    if len(set(values)) != len(values):
+        raise t.error("lists a λ twice", key=key)
+    return tuple(values), optimal
 
 
 def _check_case_name(v: str) -> str | None:

@@ -1,7 +1,9 @@
 """The interface every distribution pair implements."""
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -12,6 +14,39 @@ from ..estimators import FORWARD, Estimator
 Features = Callable[[torch.Tensor], torch.Tensor]
 # Per-batch sums: (batch sizes [k], one generator per batch) → [k, P] float64.
 BatchSums = Callable[[list[int], list[torch.Generator]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class JointMoments:
+    """Moments of a = −log r and b = r − 1 under q: all that cv(λ) = a + λb needs.
+
+    E[cv(λ)] = mean_a + λ·mean_b,  Var[cv(λ)] = var_a + 2λ·cov_ab + λ²·var_b,
+    λ* = −cov_ab/var_b = Cov(log r, r)/Var(r) = [KL(p‖q) + KL(q‖p)]/χ²(p‖q).
+    """
+    mean_a: float
+    mean_b: float
+    var_a: float
+    var_b: float      # χ²(p‖q) when supp p ⊆ supp q; may be +inf
+    cov_ab: float
+
+    @property
+    def lambda_star(self) -> float:
+        if math.isinf(self.var_b):
+            return 0.0            # any λ ≠ 0 has infinite variance: k1 is the only finite choice
+        return -self.cov_ab / self.var_b if self.var_b > 0 else math.nan
+
+    def mean(self, lam):
+        return self.mean_a + lam * self.mean_b
+
+    def var(self, lam):
+        """Var[cv(λ)]; +inf for λ ≠ 0 when var_b is infinite. Works on floats and numpy arrays."""
+        import numpy as np
+        lam = np.asarray(lam, dtype=np.float64)
+        if math.isinf(self.var_b):
+            out = np.where(lam == 0, self.var_a, np.inf)
+        else:
+            out = np.maximum(self.var_a + 2 * lam * self.cov_ab + lam * lam * self.var_b, 0.0)
+        return float(out) if out.ndim == 0 else out
 
 
 class Pair(ABC):
@@ -42,6 +77,23 @@ class Pair(ABC):
     @abstractmethod
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
         """How many batches to process at once without exceeding the memory budget."""
+
+    @abstractmethod
+    def exact_joint(self) -> JointMoments:
+        """Exact moments of (−log r, r − 1) under q."""
+
+    @abstractmethod
+    def sample_logr(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+        """log r for ``n`` draws x ~ q, float64 [n] (for small-batch simulations)."""
+
+    def fourth_moment_finite(self, est: Estimator) -> bool:
+        """Whether E_q[f⁴] < ∞. Without it a measured variance converges slowly, is usually too low,
+        and batch-means errors of variances (and of λ*) are unreliable."""
+        return True
+
+    def exact_prob_negative(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        """Exact P_q(f(log r) < 0), or NaN where no exact method exists."""
+        return math.nan
 
     def true_value(self, target: str) -> float:
         return self.kl_forward() if target == FORWARD else self.kl()

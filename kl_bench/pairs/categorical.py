@@ -6,6 +6,8 @@ table, counted with ``bincount`` and every feature sum is one matrix product wit
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import exact
@@ -13,7 +15,7 @@ from ..alias import build_alias, sample_alias
 from ..estimators import Estimator
 from ..logits import resolve_pair_logits
 from ..spec import CategoricalCase
-from .base import BatchSums, Features, Pair
+from .base import BatchSums, Features, JointMoments, Pair
 
 # Largest [batches, M] count matrix per chunk (float64 entries): 2^22 × 8 B = 32 MiB.
 _COUNT_CELLS = 1 << 22
@@ -55,6 +57,25 @@ class CategoricalPair(Pair):
 
     def exact_moments(self, est: Estimator) -> tuple[float, float]:
         return exact.categorical_estimator_moments(self.log_q, self.log_p, est)
+
+    def _weights(self) -> torch.Tensor:
+        return (self.log_q.exp() / self.contexts).reshape(-1)[self._support]
+
+    def exact_joint(self) -> JointMoments:
+        w, logr = self._weights(), self._logr
+        a, b = -logr, torch.expm1(logr)
+        if torch.isinf(a).any():                      # p(x) = 0 < q(x): KL(q‖p) = ∞
+            return JointMoments(math.inf, float((w * b).sum()), math.inf, math.nan, math.nan)
+        ma, mb = float((w * a).sum()), float((w * b).sum())
+        # Second passes around the means: no E[x²] − E[x]² cancellation.
+        return JointMoments(ma, mb, float((w * (a - ma) ** 2).sum()), float((w * (b - mb) ** 2).sum()),
+                            float((w * (a - ma) * (b - mb)).sum()))
+
+    def exact_prob_negative(self, fn) -> float:
+        return float((self._weights() * (fn(self._logr) < 0)).sum())
+
+    def sample_logr(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+        return self._logr.to(device)[self.sample_ids(n, generator, device)]
 
     def describe(self) -> str:
         ctx = f", {self.contexts} contexts" if self.contexts > 1 else ""

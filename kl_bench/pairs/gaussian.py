@@ -7,7 +7,7 @@ import torch
 from .. import exact
 from ..estimators import Estimator
 from ..spec import GaussianCase
-from .base import BatchSums, Features, Pair
+from .base import BatchSums, Features, JointMoments, Pair
 
 
 class GaussianPair(Pair):
@@ -40,6 +40,17 @@ class GaussianPair(Pair):
 
     def exact_moments(self, est: Estimator) -> tuple[float, float]:
         return exact.gaussian_estimator_moments(self.params, est)
+
+    def exact_joint(self) -> JointMoments:
+        g = self.params
+        # Cov(−log r, r − 1) = E[log r] − E[r log r] = −[KL(q‖p) + KL(p‖q)]; Var(r) = χ²(p‖q).
+        return JointMoments(mean_a=self.kl(), mean_b=0.0, var_a=exact.gaussian_var_k1(g),
+                            var_b=exact.gaussian_chi2(g), cov_ab=-(self.kl() + self.kl_forward()))
+
+    def fourth_moment_finite(self, est: Estimator) -> bool:
+        # f is a polynomial in r^s (log r)^k; f⁴ reaches r^{4·s_max}, finite iff q_{4 s_max} normalises.
+        s_max = max((s for (s, _), c in est.poly.items() if c != 0), default=0) if est.poly is not None else 0
+        return exact._tilt(self.params, 4 * s_max) is not None
 
     def describe(self) -> str:
         g = self.params

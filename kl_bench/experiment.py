@@ -1,0 +1,90 @@
+"""One case of an experiment, end to end: pilot pass (for cv_opt), main pass, small-batch
+simulation, summary rows with planning and λ columns, and the λ sweep."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pandas as pd
+import torch
+
+from .engine import CaseRun, label, run_case, small_batch_negative
+from .estimators import ESTIMATORS, Estimator, make_cv
+from .lambdas import lambda_star_mc, sweep_frame
+from .pairs import Pair
+from .planning import n_for_rel_error, rmse
+from .results import summarize
+from .spec import Experiment
+
+SMALL_BATCH = 64            # p_neg_b64: batch size ...
+SMALL_BATCHES = 4096        # ... and number of simulated batches
+RMSE_SIZES = (64, 1024, 16384)
+
+
+@dataclass
+class CaseOutcome:
+    run: CaseRun
+    rows: list[dict]
+    sweep: pd.DataFrame | None
+    pilot_lambda: float | None
+
+
+def pilot_draws(draws: int) -> int:
+    """Draws of the independent pilot pass that picks cv_opt's λ: a tenth of the run, ≥ 10^4."""
+    return min(draws, max(10_000, draws // 10))
+
+
+def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
+                        progress: Callable[[int], None] | None = None) -> CaseOutcome:
+    ests: list[Estimator] = [ESTIMATORS.get(n) for n in exp.estimators]
+    cvs = [make_cv(lam) for lam in exp.lambdas]
+    joint = bool(cvs) or exp.optimal
+    pilot_lambda = None
+    if exp.optimal:
+        # cv_opt's λ comes from an independent pilot stream, so its scored variance is honest:
+        # a λ fitted on the very draws it is scored on would look better than it is.
+        pilot = run_case(pair, [], draws=pilot_draws(exp.draws), seed=exp.seed, batches=exp.batches,
+                         chunk=exp.chunk, device=device, joint=True, stream="pilot")
+        pilot_lambda, _ = lambda_star_mc(pilot)
+        if not math.isfinite(pilot_lambda):
+            pilot_lambda = 0.0
+        cvs.append(make_cv(pilot_lambda, name="cv_opt"))
+    run = run_case(pair, ests + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
+                   device=device, joint=joint, progress=progress)
+    small = small_batch_negative(pair, ests + cvs, batch=SMALL_BATCH, batches=SMALL_BATCHES, seed=exp.seed,
+                                 device=device)
+    rows = summarize(run)
+    for est, row in zip(run.estimators, rows):
+        _add_planning(row)
+        row["p_neg_b64"] = small[label(est)]
+    sweep = None
+    if joint:
+        exact_joint = pair.exact_joint()
+        star, (star_mc, star_se) = exact_joint.lambda_star, lambda_star_mc(run)
+        best_std = math.sqrt(exact_joint.var(star)) if math.isfinite(star) else math.nan
+        for est, row in zip(run.estimators, rows):
+            if est.lam is None:
+                continue
+            row.update(lambda_star=star, lambda_star_mc=star_mc, lambda_star_mc_se=star_se,
+                       excess_std=_excess(row["exact_std"], best_std))
+        measured = {float(e.lam): r["frac_negative"] for e, r in zip(run.estimators, rows) if e.name == "cv"}
+        sweep = sweep_frame(run, exact_joint, pair.kl(),
+                            lambda lam: pair.exact_prob_negative(make_cv(float(lam)).fn), measured)
+    return CaseOutcome(run, rows, sweep, pilot_lambda)
+
+
+def _excess(std: float, best: float) -> float:
+    if not (math.isfinite(best) and best > 0):
+        return math.nan
+    return math.inf if math.isinf(std) else std / best - 1
+
+
+def _add_planning(row: dict) -> None:
+    true = row["true_kl"]
+    mean = row["exact_mean"] if math.isfinite(row["exact_mean"]) else row["mean"]
+    std = row["exact_std"] if not math.isnan(row["exact_std"]) else row["std"]
+    bias = mean - true if math.isfinite(true) else math.nan
+    row["n_for_10pct"] = n_for_rel_error(bias, std, true)
+    for n in RMSE_SIZES:
+        row[f"rmse_b{n}"] = rmse(bias, std, n)

@@ -1,0 +1,94 @@
+"""The control variate cv(λ) = −log r + λ(r − 1) over a λ grid, from one pass of draws.
+
+With a = −log r and b = r − 1, cv(λ) = a + λb, so E[cv(λ)] is linear and Var[cv(λ)] quadratic in λ:
+the five per-batch sums of (a, b, a², b², ab) that the engine accumulates give the whole curve, the
+empirical λ* = −Cov(a, b)/Var(b), and batch-means standard errors at every λ.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from .engine import CaseRun
+from .pairs.base import JointMoments
+
+SWEEP_SCHEMA: dict[str, str] = {
+    "case": "case name",
+    "lambda": "λ of cv(λ) = −log r + λ(r − 1); λ = 0 is k1, λ = 1 is k3",
+    "true_kl": "exact KL(q||p), the target of every λ",
+    "mean": "Monte Carlo mean of cv(λ), from the joint moments of one pass",
+    "se": "its batch-means standard error",
+    "std": "Monte Carlo per-draw standard deviation of cv(λ)",
+    "rel_std": "std / true_kl",
+    "exact_mean": "exact E_q[cv(λ)] (= KL(q||p) when supp p ⊆ supp q)",
+    "exact_std": "exact per-draw standard deviation (inf for λ ≠ 0 when χ²(p||q) = ∞)",
+    "exact_rel_std": "exact_std / true_kl",
+    "p_negative_exact": "exact P_q(cv(λ) < 0) (categoricals; empty where no exact method exists)",
+    "frac_negative": "measured fraction of negative draws, on the spec's coarser λ grid only",
+    "lambda_star": "exact variance-optimal λ* = Cov(log r, r)/Var(r)",
+    "lambda_star_mc": "empirical λ* from the same draws",
+}
+
+
+def mc_joint(run: CaseRun) -> tuple[JointMoments, np.ndarray, np.ndarray, np.ndarray]:
+    """Monte Carlo joint moments of (a, b) plus per-batch centred means a_k, b_k and sizes n_k."""
+    s = run.joint_sums.numpy()
+    n_k = run.sizes.numpy().astype(np.float64)
+    n = n_k.sum()
+    ca, cb = run.joint_shift
+    sa, sb, saa, sbb, sab = s.sum(axis=0) / n
+    jm = JointMoments(mean_a=ca + sa, mean_b=cb + sb, var_a=saa - sa * sa, var_b=sbb - sb * sb,
+                      cov_ab=sab - sa * sb)
+    return jm, s[:, 0] / n_k - sa, s[:, 1] / n_k - sb, n_k
+
+
+def lambda_star_mc(run: CaseRun) -> tuple[float, float]:
+    """(λ̂*, standard error): the ratio −Cov(a, b)/Var(b) on the draws, its SE by the batch jackknife."""
+    s = run.joint_sums.numpy()
+    n_k = run.sizes.numpy().astype(np.float64)
+
+    def ratio(tot: np.ndarray, n: float) -> np.ndarray:
+        sa, sb, _, sbb, sab = (tot[..., i] / n for i in range(5))
+        return -(sab - sa * sb) / (sbb - sb * sb)
+
+    total = s.sum(axis=0)
+    est = float(ratio(total, n_k.sum()))
+    loo = ratio(total[None, :] - s, n_k.sum() - n_k)     # leave one batch out: [K]
+    k = len(n_k)
+    se = float(math.sqrt((k - 1) / k * ((loo - loo.mean()) ** 2).sum())) if k > 1 else math.nan
+    return est, se
+
+
+def lambda_grid(center: float, extra: list[float], points: int = 401) -> np.ndarray:
+    """A fine grid containing 0 (k1), 1 (k3), λ* and the spec's λs."""
+    lo = min(0.0, center, *extra) - 0.5
+    hi = max(1.5, center + 0.5, *extra)
+    return np.unique(np.concatenate([np.linspace(lo, hi, points), [0.0, 1.0, center], extra]))
+
+
+def sweep_frame(run: CaseRun, exact: JointMoments, true_kl: float, p_negative_exact, measured_neg: dict[float, float]
+                ) -> pd.DataFrame:
+    """The λ curve of one case: MC (from the joint moments) next to exact, on a fine grid."""
+    mc, a_k, b_k, n_k = mc_joint(run)
+    star = exact.lambda_star
+    star_mc, _ = lambda_star_mc(run)
+    center = star if math.isfinite(star) else star_mc
+    grid = lambda_grid(center, sorted(measured_neg))
+    n = n_k.sum()
+    k = len(n_k)
+    w = (n_k / n)[None, :]
+    se = np.sqrt(k / (k - 1) * ((w * (a_k[None, :] + grid[:, None] * b_k[None, :])) ** 2).sum(axis=1))
+    std = np.sqrt(np.maximum(mc.var(grid), 0.0))
+    exact_std = np.sqrt(exact.var(grid))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = 1 / true_kl if true_kl and math.isfinite(true_kl) else math.nan
+    return pd.DataFrame({
+        "case": run.pair.name, "lambda": grid, "true_kl": true_kl,
+        "mean": mc.mean(grid), "se": se, "std": std, "rel_std": std * rel,
+        "exact_mean": exact.mean(grid), "exact_std": exact_std, "exact_rel_std": exact_std * rel,
+        "p_negative_exact": [p_negative_exact(x) for x in grid],
+        "frac_negative": [measured_neg.get(float(x), math.nan) for x in grid],
+        "lambda_star": star, "lambda_star_mc": star_mc,
+    }, columns=list(SWEEP_SCHEMA))
