@@ -6,7 +6,7 @@ batches across processes reproduces the same numbers. Every estimator sees the s
 random numbers). Per batch we keep float64 sums of a few per-draw features; memory is O(batches),
 never O(draws).
 
-Features per estimator f, shifted by a constant c (its exact mean when finite, else 0):
+Features per row f (see kl_bench.draws), shifted by a constant c (its exact mean when finite, else 0):
     f − c,  (f − c)²,  1[f < 0].
 The shift makes the per-draw variance Σ(f − c)²/N − (Σ(f − c)/N)² free of the catastrophic
 cancellation of E[f²] − E[f]² when the std is small relative to the mean, and keeps the sums small.
@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from .errors import SpecError
-from .estimators import ESTIMATORS, Estimator
+from .draws import Draws, Row, row_values, tok_rows
+from .estimators import ESTIMATORS
 from .pairs import Pair
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
@@ -58,25 +59,25 @@ def batch_sizes(draws: int, batches: int) -> list[int]:
 JOINT_FEATURES = 5  # a − ca, b − cb, (a − ca)², (b − cb)², (a − ca)(b − cb) for a = −log r, b = r − 1
 
 
-def make_features(estimators: list[Estimator], shifts: list[float],
-                  joint_shift: tuple[float, float] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Per-draw features: logr [...] → [..., 3E (+5)] float64 (see module docstring).
+def make_features(rows: list[Row], shifts: list[float],
+                  joint: list[tuple[str, float, float]] | None = None) -> Callable[[Draws], torch.Tensor]:
+    """Per-draw features: Draws [n] → [n, 3·rows (+ 5·joint blocks)] float64 (see module docstring).
 
-    With ``joint_shift`` = (ca, cb) the joint moments of a = −log r and b = r − 1 are appended: every
-    cv(λ) = a + λb has mean and variance linear and quadratic in λ, so these five sums give the whole
-    λ curve from one pass.
+    Each joint block (aggregate, ca, cb) appends the shifted moments of a = −log r and b = r − 1
+    (b = Σ_t (r_t − 1) for the "tok" aggregate): every cv(λ) = a + λb has mean and variance linear
+    and quadratic in λ, so these five sums give the whole λ curve from one pass.
     """
     shift = torch.tensor(shifts, dtype=torch.float64)
 
-    def features(logr: torch.Tensor) -> torch.Tensor:
+    def features(draws: Draws) -> torch.Tensor:
         parts = []
-        if estimators:
-            f = torch.stack([e.fn(logr) for e in estimators], dim=-1)   # [..., E]
+        if rows:
+            f = row_values(draws, rows)                                  # [n, Q]
             centred = f - shift.to(f.device)
             parts = [centred, centred * centred, (f < 0).to(torch.float64)]
-        if joint_shift is not None:
-            a = -logr - joint_shift[0]
-            b = torch.expm1(logr) - joint_shift[1]
+        for aggregate, ca, cb in joint or []:
+            a = -draws.logr - ca
+            b = (draws.tok_b if aggregate == "tok" else torch.expm1(draws.logr)) - cb
             parts.append(torch.stack([a, b, a * a, b * b, a * b], dim=-1))
         return torch.cat(parts, dim=-1)
     return features
@@ -86,58 +87,65 @@ def make_features(estimators: list[Estimator], shifts: list[float],
 class CaseRun:
     """Everything sampled for one case: per-batch feature sums plus the exact reference."""
     pair: Pair
-    estimators: list[Estimator]
+    rows: list[Row]
     shifts: list[float]
     sizes: torch.Tensor          # [K] int64, draws per batch
-    sums: torch.Tensor           # [K, 3E] float64 per-batch feature sums (CPU)
-    exact: dict[str, tuple[float, float]] = field(default_factory=dict)  # label → (mean, var)
+    sums: torch.Tensor           # [K, 3Q + 5J] float64 per-batch feature sums (CPU)
+    exact: dict[str, tuple[float, float]] = field(default_factory=dict)  # row label → (mean, var)
     seconds: float = 0.0
-    joint_shift: tuple[float, float] | None = None    # (ca, cb) when the joint block is present
-    small_batch_negative: dict[str, float] = field(default_factory=dict)  # label → P(mean of 64 < 0)
-
-    @property
-    def joint_sums(self) -> torch.Tensor | None:
-        """[K, 5] per-batch sums of the joint (a, b) features, or None."""
-        if self.joint_shift is None:
-            return None
-        return self.sums[:, FEATURES_PER_ESTIMATOR * len(self.estimators):]
+    joint: list[tuple[str, float, float]] = field(default_factory=list)  # (aggregate, ca, cb) blocks
 
     @property
     def draws(self) -> int:
         return int(self.sizes.sum())
 
+    def joint_sums(self, aggregate: str) -> torch.Tensor:
+        """[K, 5] per-batch sums of the joint (a, b) features of one aggregate."""
+        i = [a for a, _, _ in self.joint].index(aggregate)
+        start = FEATURES_PER_ESTIMATOR * len(self.rows) + JOINT_FEATURES * i
+        return self.sums[:, start:start + JOINT_FEATURES]
 
-def label(est: Estimator) -> str:
-    """Unique key of an estimator within a run: cv variants differ by λ."""
-    return est.name if est.lam is None else f"{est.name}@{est.lam!r}"
-
-
-def exact_moments(pair: Pair, estimators: list[Estimator]) -> dict[str, tuple[float, float]]:
-    return {label(e): pair.exact_moments(e) for e in estimators}
-
-
-def _resolve(estimators) -> list[Estimator]:
-    return [ESTIMATORS.get(e) if isinstance(e, str) else e for e in estimators]
+    def joint_shift(self, aggregate: str) -> tuple[float, float]:
+        _, ca, cb = next(j for j in self.joint if j[0] == aggregate)
+        return ca, cb
 
 
-def run_case(pair: Pair, estimators, *, draws: int, seed: int, batches: int,
+def as_rows(items, aggregates: tuple[str, ...] = ("",)) -> list[Row]:
+    """Rows from registry names, Estimators or Rows; names/Estimators get every aggregate given."""
+    out = []
+    for it in items:
+        if isinstance(it, Row):
+            out.append(it)
+            continue
+        est = ESTIMATORS.get(it) if isinstance(it, str) else it
+        out += [Row(est, a) for a in aggregates if not (est.name == "full" and a == "seq")]
+    return out
+
+
+def _finite_or_zero(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
              chunk: int, device: torch.device, joint: bool = False, stream: str = "",
              progress: Callable[[int], None] | None = None) -> CaseRun:
-    """Sample ``draws`` draws of ``pair`` in batches and accumulate every estimator's features.
+    """Sample ``draws`` draws of ``pair`` in batches and accumulate every row's features.
 
-    ``estimators``: registry names or :class:`Estimator` objects. ``joint`` adds the (−log r, r − 1)
-    moments for the λ curve. ``stream`` names an independent random stream (e.g. "pilot").
+    ``rows``: :class:`Row`s, or registry names / Estimators (expanded over the pair's aggregates).
+    ``joint`` adds the (−log r, r − 1) moments per aggregate for the λ curve. ``stream`` names an
+    independent random stream (e.g. "pilot").
     """
-    estimators = _resolve(estimators)
-    exact = exact_moments(pair, estimators)
-    shifts = [m if math.isfinite(m) else 0.0 for m, _ in (exact[label(e)] for e in estimators)]
-    joint_shift = None
+    rows = as_rows(rows, pair.aggregates)
+    exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
+    shifts = [_finite_or_zero(exact[r.label][0]) for r in rows]
+    blocks = []
     if joint:
-        jm = pair.exact_joint()
-        joint_shift = tuple(x if math.isfinite(x) else 0.0 for x in (jm.mean_a, jm.mean_b))
-    features = make_features(estimators, shifts, joint_shift)
+        for agg in pair.aggregates:
+            jm = pair.exact_joint(agg)
+            blocks.append((agg, _finite_or_zero(jm.mean_a), _finite_or_zero(jm.mean_b)))
+    features = make_features(rows, shifts, blocks)
     sizes = batch_sizes(draws, batches)
-    run = pair.batch_sums(features, device)
+    run = pair.batch_sums(features, tok_rows(rows), device)
     per_chunk = pair.batches_per_chunk(max(sizes), chunk)
     tag = pair.name + (f"/{stream}" if stream else "")
     t0 = time.perf_counter()
@@ -151,15 +159,16 @@ def run_case(pair: Pair, estimators, *, draws: int, seed: int, batches: int,
             progress(sum(part))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return CaseRun(pair, estimators, shifts, torch.tensor(sizes), torch.cat(out), exact,
-                   time.perf_counter() - t0, joint_shift)
+    return CaseRun(pair, rows, shifts, torch.tensor(sizes), torch.cat(out), exact,
+                   time.perf_counter() - t0, blocks)
 
 
-def small_batch_negative(pair: Pair, estimators, *, batch: int, batches: int, seed: int,
+def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,
                          device: torch.device) -> dict[str, float]:
-    """P(mean of ``batch`` draws < 0) per estimator, simulated on ``batches`` batches of actual draws
+    """P(mean of ``batch`` draws < 0) per row, simulated on ``batches`` batches of actual draws
     (an independent stream: seeded from (seed, case/small-batch))."""
-    estimators = _resolve(estimators)
     g = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/small-batch", 0))
-    logr = pair.sample_logr(batch * batches, g, device).view(batches, batch)
-    return {label(e): float((e.fn(logr).mean(dim=1) < 0).double().mean()) for e in estimators}
+    draws = pair.sample_draws(batch * batches, g, device, tok_rows(rows))
+    values = row_values(draws, rows).view(batches, batch, len(rows))
+    neg = (values.mean(dim=1) < 0).double().mean(dim=0)
+    return {r.label: float(v) for r, v in zip(rows, neg)}

@@ -85,6 +85,12 @@ def fwd_k3(logr: torch.Tensor) -> torch.Tensor:
     return _r_logr(logr) - torch.expm1(logr)
 
 
+def full_kl(logr: torch.Tensor) -> torch.Tensor:
+    """``full`` is not a function of log r: its per-draw value is the analytic KL of the draw's
+    context(s), supplied by the pair (see kl_bench.draws.Draws.full)."""
+    raise TypeError("the 'full' estimator takes its value from the pair, not from log r")
+
+
 for _est in [
     Estimator("k1", k1, REVERSE, True, False, "−log r", {(0, 1): -1.0}),
     Estimator("k2", k2, REVERSE, False, True, "½(log r)²", {(0, 2): 0.5}),
@@ -93,6 +99,7 @@ for _est in [
     Estimator("fwd_k1", fwd_k1, FORWARD, True, False, "r·log r", {(1, 1): 1.0}),
     Estimator("fwd_k3", fwd_k3, FORWARD, True, True, "r·log r − (r−1)",
               {(1, 1): 1.0, (1, 0): -1.0, (0, 0): 1.0}),
+    Estimator("full", full_kl, REVERSE, True, True, "Σ_x q log(q/p) per context", None),
 ]:
     ESTIMATORS.add(_est.name, _est)
 

@@ -183,20 +183,22 @@ def categorical_kl(lq: torch.Tensor, lp: torch.Tensor) -> float:
     return float(terms.sum(-1).mean())
 
 
-def categorical_estimator_moments(lq: torch.Tensor, lp: torch.Tensor, est: Estimator
-                                  ) -> tuple[float, float]:
-    """(E[f], Var[f]) of one draw (uniform context, then x ~ q_b), by exact sums in float64.
+def weighted_moments(w: torch.Tensor, f: torch.Tensor) -> tuple[float, float]:
+    """(E[f], Var[f]) under weights ``w`` (summing to 1) in float64.
 
     The variance is a second pass around the mean, Σ w (f − E f)², not E[f²] − E[f]², which would
     cancel catastrophically when the variance is tiny relative to the mean.
     """
+    if torch.isinf(f).any():
+        return float((w * f).sum()), INF     # ±inf: the estimator's expectation diverges
+    mean = float((w * f).sum())
+    return mean, float((w * (f - mean) ** 2).sum())
+
+
+def categorical_estimator_moments(lq: torch.Tensor, lp: torch.Tensor, est: Estimator
+                                  ) -> tuple[float, float]:
+    """(E[f], Var[f]) of one draw (uniform context, then x ~ q_b), by exact sums in float64."""
     w = (lq.exp() / lq.shape[0]).reshape(-1)
     logr = (lp - lq).reshape(-1)
     keep = w > 0
-    w, f = w[keep], est.fn(logr[keep])
-    if torch.isinf(f).any():
-        mean = float((w * f).sum())       # ±inf: the estimator's expectation diverges
-        return mean, INF
-    mean = float((w * f).sum())
-    var = float((w * (f - mean) ** 2).sum())
-    return mean, var
+    return weighted_moments(w[keep], est.fn(logr[keep]))

@@ -9,8 +9,9 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from .engine import CaseRun, label, run_case, small_batch_negative
-from .estimators import ESTIMATORS, Estimator, make_cv
+from .draws import Row
+from .engine import CaseRun, as_rows, run_case, small_batch_negative
+from .estimators import ESTIMATORS, make_cv
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import n_for_rel_error, rmse
@@ -37,8 +38,9 @@ def pilot_draws(draws: int) -> int:
 
 def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                         progress: Callable[[int], None] | None = None) -> CaseOutcome:
-    ests: list[Estimator] = [ESTIMATORS.get(n) for n in exp.estimators]
-    cvs = [make_cv(lam) for lam in exp.lambdas]
+    aggs = pair.aggregates
+    rows = as_rows([ESTIMATORS.get(n) for n in exp.estimators], aggs)
+    cvs = as_rows([make_cv(lam) for lam in exp.lambdas], aggs)
     joint = bool(cvs) or exp.optimal
     pilot_lambda = None
     if exp.optimal:
@@ -46,32 +48,33 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
         # a λ fitted on the very draws it is scored on would look better than it is.
         pilot = run_case(pair, [], draws=pilot_draws(exp.draws), seed=exp.seed, batches=exp.batches,
                          chunk=exp.chunk, device=device, joint=True, stream="pilot")
-        pilot_lambda, _ = lambda_star_mc(pilot)
-        if not math.isfinite(pilot_lambda):
-            pilot_lambda = 0.0
-        cvs.append(make_cv(pilot_lambda, name="cv_opt"))
-    run = run_case(pair, ests + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
+        for agg in aggs:
+            lam, _ = lambda_star_mc(pilot, agg)
+            pilot_lambda = lam if math.isfinite(lam) else 0.0
+            cvs.append(Row(make_cv(pilot_lambda, name="cv_opt"), agg))
+    run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress)
-    small = small_batch_negative(pair, ests + cvs, batch=SMALL_BATCH, batches=SMALL_BATCHES, seed=exp.seed,
+    small = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=SMALL_BATCHES, seed=exp.seed,
                                  device=device)
-    rows = summarize(run)
-    for est, row in zip(run.estimators, rows):
+    out = summarize(run)
+    for r, row in zip(run.rows, out):
         _add_planning(row)
-        row["p_neg_b64"] = small[label(est)]
-    sweep = None
-    if joint:
-        exact_joint = pair.exact_joint()
-        star, (star_mc, star_se) = exact_joint.lambda_star, lambda_star_mc(run)
+        row["p_neg_b64"] = small[r.label]
+    sweeps = []
+    for agg in aggs if joint else ():
+        exact_joint = pair.exact_joint(agg)
+        star, (star_mc, star_se) = exact_joint.lambda_star, lambda_star_mc(run, agg)
         best_std = math.sqrt(exact_joint.var(star)) if math.isfinite(star) else math.nan
-        for est, row in zip(run.estimators, rows):
-            if est.lam is None:
-                continue
-            row.update(lambda_star=star, lambda_star_mc=star_mc, lambda_star_mc_se=star_se,
-                       excess_std=_excess(row["exact_std"], best_std))
-        measured = {float(e.lam): r["frac_negative"] for e, r in zip(run.estimators, rows) if e.name == "cv"}
-        sweep = sweep_frame(run, exact_joint, pair.kl(),
-                            lambda lam: pair.exact_prob_negative(make_cv(float(lam)).fn), measured)
-    return CaseOutcome(run, rows, sweep, pilot_lambda)
+        for r, row in zip(run.rows, out):
+            if r.est.lam is not None and r.aggregate == agg:
+                row.update(lambda_star=star, lambda_star_mc=star_mc, lambda_star_mc_se=star_se,
+                           excess_std=_excess(row["exact_std"], best_std))
+        measured = {float(r.est.lam): row["frac_negative"] for r, row in zip(run.rows, out)
+                    if r.est.name == "cv" and r.aggregate == agg}
+        sweeps.append(sweep_frame(run, agg, exact_joint, pair.kl(),
+                                  lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a),
+                                  measured))
+    return CaseOutcome(run, out, pd.concat(sweeps, ignore_index=True) if sweeps else None, pilot_lambda)
 
 
 def _excess(std: float, best: float) -> float:

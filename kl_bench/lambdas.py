@@ -16,6 +16,7 @@ from .pairs.base import JointMoments
 
 SWEEP_SCHEMA: dict[str, str] = {
     "case": "case name",
+    "aggregate": "rollouts: seq (R = e^L) or tok (per-token sums); empty for single draws",
     "lambda": "λ of cv(λ) = −log r + λ(r − 1); λ = 0 is k1, λ = 1 is k3",
     "true_kl": "exact KL(q||p), the target of every λ",
     "mean": "Monte Carlo mean of cv(λ), from the joint moments of one pass",
@@ -32,21 +33,21 @@ SWEEP_SCHEMA: dict[str, str] = {
 }
 
 
-def mc_joint(run: CaseRun) -> tuple[JointMoments, np.ndarray, np.ndarray, np.ndarray]:
+def mc_joint(run: CaseRun, aggregate: str = "") -> tuple[JointMoments, np.ndarray, np.ndarray, np.ndarray]:
     """Monte Carlo joint moments of (a, b) plus per-batch centred means a_k, b_k and sizes n_k."""
-    s = run.joint_sums.numpy()
+    s = run.joint_sums(aggregate).numpy()
     n_k = run.sizes.numpy().astype(np.float64)
     n = n_k.sum()
-    ca, cb = run.joint_shift
+    ca, cb = run.joint_shift(aggregate)
     sa, sb, saa, sbb, sab = s.sum(axis=0) / n
     jm = JointMoments(mean_a=ca + sa, mean_b=cb + sb, var_a=saa - sa * sa, var_b=sbb - sb * sb,
                       cov_ab=sab - sa * sb)
     return jm, s[:, 0] / n_k - sa, s[:, 1] / n_k - sb, n_k
 
 
-def lambda_star_mc(run: CaseRun) -> tuple[float, float]:
+def lambda_star_mc(run: CaseRun, aggregate: str = "") -> tuple[float, float]:
     """(λ̂*, standard error): the ratio −Cov(a, b)/Var(b) on the draws, its SE by the batch jackknife."""
-    s = run.joint_sums.numpy()
+    s = run.joint_sums(aggregate).numpy()
     n_k = run.sizes.numpy().astype(np.float64)
 
     def ratio(tot: np.ndarray, n: float) -> np.ndarray:
@@ -68,12 +69,12 @@ def lambda_grid(center: float, extra: list[float], points: int = 401) -> np.ndar
     return np.unique(np.concatenate([np.linspace(lo, hi, points), [0.0, 1.0, center], extra]))
 
 
-def sweep_frame(run: CaseRun, exact: JointMoments, true_kl: float, p_negative_exact, measured_neg: dict[float, float]
-                ) -> pd.DataFrame:
-    """The λ curve of one case: MC (from the joint moments) next to exact, on a fine grid."""
-    mc, a_k, b_k, n_k = mc_joint(run)
+def sweep_frame(run: CaseRun, aggregate: str, exact: JointMoments, true_kl: float, p_negative_exact,
+                measured_neg: dict[float, float]) -> pd.DataFrame:
+    """The λ curve of one case and aggregate: MC (from the joint moments) next to exact, on a fine grid."""
+    mc, a_k, b_k, n_k = mc_joint(run, aggregate)
     star = exact.lambda_star
-    star_mc, _ = lambda_star_mc(run)
+    star_mc, _ = lambda_star_mc(run, aggregate)
     center = star if math.isfinite(star) else star_mc
     grid = lambda_grid(center, sorted(measured_neg))
     n = n_k.sum()
@@ -85,7 +86,7 @@ def sweep_frame(run: CaseRun, exact: JointMoments, true_kl: float, p_negative_ex
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = 1 / true_kl if true_kl and math.isfinite(true_kl) else math.nan
     return pd.DataFrame({
-        "case": run.pair.name, "lambda": grid, "true_kl": true_kl,
+        "case": run.pair.name, "aggregate": aggregate, "lambda": grid, "true_kl": true_kl,
         "mean": mc.mean(grid), "se": se, "std": std, "rel_std": std * rel,
         "exact_mean": exact.mean(grid), "exact_std": exact_std, "exact_rel_std": exact_std * rel,
         "p_negative_exact": [p_negative_exact(x) for x in grid],

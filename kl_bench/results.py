@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .engine import FEATURES_PER_ESTIMATOR, CaseRun, label
+from .engine import CaseRun
 
 # Column → meaning. The order here is the column order of summary.csv.
 SCHEMA: dict[str, str] = {
@@ -66,12 +66,13 @@ def _div(a: float, b: float) -> float:
 
 def summarize(run: CaseRun) -> list[dict[str, Any]]:
     """Rows of the summary table for one case (see :data:`SCHEMA`)."""
-    e_count = len(run.estimators)
+    e_count = len(run.rows)
     n_k = run.sizes.to(torch.float64)
     n = float(n_k.sum())
     k = n_k.shape[0]
     rows = []
-    for j, est in enumerate(run.estimators):
+    for j, row in enumerate(run.rows):
+        est = row.est
         s1, s2, neg = run.sums[:, j], run.sums[:, e_count + j], run.sums[:, 2 * e_count + j]
         shift = run.shifts[j]
         centred_mean = float(s1.sum()) / n
@@ -82,14 +83,19 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         batch_means = s1 / n_k
         se = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (batch_means - centred_mean) ** 2).sum())) \
             if k > 1 and math.isfinite(centred_mean) else math.nan
-        exact_mean, exact_var = run.exact[label(est)]
+        exact_mean, exact_var = run.exact[row.label]
         exact_std = math.sqrt(exact_var) if exact_var >= 0 else math.nan
         true = run.pair.true_value(est.target)
         bias = mean - true if math.isfinite(true) else math.nan
         if se > 0:
             z = (mean - exact_mean) / se
+        elif math.isfinite(mean) and math.isfinite(exact_mean):
+            # No noise at all (q = p, or `full` on one context): agreement up to float64 rounding of
+            # two different exact sums is z = 0; any real difference is infinitely significant.
+            z = 0.0 if math.isclose(mean, exact_mean, rel_tol=1e-12, abs_tol=1e-300) else \
+                math.copysign(math.inf, mean - exact_mean)
         else:
-            z = 0.0 if mean == exact_mean else math.nan
+            z = math.nan
         # Σ(f − c)²/N with c = exact mean is an unbiased estimate of the exact variance, so its
         # batch-means SE gives a z for the variance as well (meaningful when E[f⁴] < ∞).
         z_var = math.nan
@@ -97,23 +103,27 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             m2_k = s2 / n_k
             m2 = float(s2.sum()) / n
             se_m2 = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (m2_k - m2) ** 2).sum()))
-            z_var = (m2 - exact_var) / se_m2 if se_m2 > 0 else (0.0 if m2 == exact_var else math.nan)
+            if se_m2 > 0:
+                z_var = (m2 - exact_var) / se_m2
+            else:   # no noise: compare at float64 rounding of the squared mean
+                z_var = 0.0 if math.isclose(m2, exact_var, abs_tol=1e-12 * exact_mean**2 + 1e-300) else \
+                    math.copysign(math.inf, m2 - exact_var)
         heavy = ""
         if math.isinf(exact_var):
             heavy = "infinite variance"
-        elif not run.pair.fourth_moment_finite(est):
+        elif not run.pair.fourth_moment_finite(est, row.aggregate):
             heavy = "infinite 4th moment"
         elif k > 1 and float(s2.sum()) > 0 and float(s2.max()) / float(s2.sum()) > max(0.2, 5 / k):
             heavy = "unstable batches"
         rows.append({
             "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
-            "lambda": math.nan if est.lam is None else est.lam, "aggregate": "", "target": est.target,
+            "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate, "target": est.target,
             "true_kl": true, "draws": int(n), "batches": k, "mean": mean, "std": std, "se": se,
             "bias": bias, "rel_bias": _div(bias, true), "rel_std": _div(std, true),
             "exact_mean": exact_mean, "exact_std": exact_std,
             "exact_rel_bias": _div(exact_mean - true, true) if math.isfinite(exact_mean) else math.nan,
             "exact_rel_std": _div(exact_std, true),
-            "z": z if math.isfinite(z) else math.nan,
+            "z": z,
             "z_var": z_var,
             "frac_negative": float(neg.sum()) / n,
             "heavy_tail": heavy,
@@ -123,14 +133,16 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
 
 def exact_rows(pair, estimators) -> list[dict[str, Any]]:
     """Rows with only the exact columns filled: `kl-bench exact`."""
+    from .engine import as_rows
     rows = []
-    for est in estimators:
-        mean, var = pair.exact_moments(est)
+    for row in as_rows(estimators, pair.aggregates):
+        est = row.est
+        mean, var = pair.exact_moments(est, row.aggregate)
         std = math.sqrt(var) if var >= 0 else math.nan
         true = pair.true_value(est.target)
-        rows.append({"case": pair.name, "kind": pair.kind, "estimator": est.name, "lambda": math.nan,
-                     "aggregate": "", "target": est.target, "true_kl": true,
-                     "exact_mean": mean, "exact_std": std,
+        rows.append({"case": pair.name, "kind": pair.kind, "estimator": est.name,
+                     "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate,
+                     "target": est.target, "true_kl": true, "exact_mean": mean, "exact_std": std,
                      "exact_rel_bias": _div(mean - true, true) if math.isfinite(mean) else math.nan,
                      "exact_rel_std": _div(std, true)})
     return rows

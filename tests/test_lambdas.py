@@ -140,7 +140,7 @@ def test_n_for_10pct_holds_up_in_simulation():
         n = int(df.loc[df["estimator"] == name, "n_for_10pct"].iloc[0])
         true = pair.kl()
         fn = make_cv(0.0 if name == "k1" else 1.0).fn
-        means = fn(pair.sample_logr(n * trials, g, CPU).view(trials, n)).mean(dim=1)
+        means = fn(pair.sample_draws(n * trials, g, CPU).logr.view(trials, n)).mean(dim=1)
         hit = float(((means - true).abs() <= 0.1 * true).double().mean())
         assert abs(hit - 0.95) < 5 * math.sqrt(0.95 * 0.05 / trials), (name, n, hit)
     # k2's bias (3% here) is within 10%: finite n; a bias beyond 10% makes it impossible.

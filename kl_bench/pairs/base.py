@@ -8,10 +8,11 @@ from typing import Callable
 
 import torch
 
+from ..draws import Draws, Row
 from ..estimators import FORWARD, Estimator
 
-# Per-draw features: logr [...] float64 → [..., P] float64 (see engine.features).
-Features = Callable[[torch.Tensor], torch.Tensor]
+# Per-draw features: Draws [n] → [n, P] float64 (see engine.make_features).
+Features = Callable[[Draws], torch.Tensor]
 # Per-batch sums: (batch sizes [k], one generator per batch) → [k, P] float64.
 BatchSums = Callable[[list[int], list[torch.Generator]], torch.Tensor]
 
@@ -52,6 +53,7 @@ class JointMoments:
 class Pair(ABC):
     name: str
     kind: str
+    aggregates: tuple[str, ...] = ("",)   # rollouts: ("seq", "tok")
 
     @abstractmethod
     def kl(self) -> float:
@@ -62,7 +64,7 @@ class Pair(ABC):
         """Exact KL(p‖q); may be +inf."""
 
     @abstractmethod
-    def exact_moments(self, est: Estimator) -> tuple[float, float]:
+    def exact_moments(self, est: Estimator, aggregate: str = "") -> tuple[float, float]:
         """(E_q[f], Var_q[f]) per draw, exactly; NaN where unknown, +inf where divergent."""
 
     @abstractmethod
@@ -70,7 +72,7 @@ class Pair(ABC):
         """One line describing q and p, for captions and tables."""
 
     @abstractmethod
-    def batch_sums(self, features: Features, device: torch.device) -> BatchSums:
+    def batch_sums(self, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
         """Return a function that draws each batch from its own generator, x ~ q, and sums the
         per-draw features of log r over the batch."""
 
@@ -79,19 +81,21 @@ class Pair(ABC):
         """How many batches to process at once without exceeding the memory budget."""
 
     @abstractmethod
-    def exact_joint(self) -> JointMoments:
-        """Exact moments of (−log r, r − 1) under q."""
+    def exact_joint(self, aggregate: str = "") -> JointMoments:
+        """Exact moments of (−log r, r − 1) under q (for rollouts: of (−L, R − 1) with "seq" and of
+        (−L, Σ_t (r_t − 1)) with "tok")."""
 
     @abstractmethod
-    def sample_logr(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-        """log r for ``n`` draws x ~ q, float64 [n] (for small-batch simulations)."""
+    def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
+                     tok_rows: list[Row] = ()) -> Draws:
+        """``n`` explicit draws x ~ q (for small-batch simulations and tests)."""
 
-    def fourth_moment_finite(self, est: Estimator) -> bool:
+    def fourth_moment_finite(self, est: Estimator, aggregate: str = "") -> bool:
         """Whether E_q[f⁴] < ∞. Without it a measured variance converges slowly, is usually too low,
         and batch-means errors of variances (and of λ*) are unreliable."""
         return True
 
-    def exact_prob_negative(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    def exact_prob_negative(self, fn: Callable[[torch.Tensor], torch.Tensor], aggregate: str = "") -> float:
         """Exact P_q(f(log r) < 0), or NaN where no exact method exists."""
         return math.nan
 

@@ -12,6 +12,7 @@ import torch
 
 from .. import exact
 from ..alias import build_alias, sample_alias
+from ..draws import Draws
 from ..estimators import Estimator
 from ..logits import resolve_pair_logits
 from ..spec import CategoricalCase
@@ -35,6 +36,10 @@ class CategoricalPair(Pair):
         self._support = torch.nonzero(w > 0).squeeze(1)
         self._logr = (self.log_p - self.log_q).reshape(-1)[self._support]
         self._alias = build_alias(w[self._support].numpy())
+        # The `full` estimator: each (context, token) entry carries its context's analytic KL.
+        kl_ctx = torch.where(self.log_q.exp() > 0, self.log_q.exp() * (self.log_q - self.log_p),
+                             torch.zeros_like(self.log_q)).sum(-1)
+        self._full = kl_ctx[:, None].expand_as(self.log_q).reshape(-1)[self._support]
 
     @classmethod
     def from_case(cls, case: CategoricalCase) -> "CategoricalPair":
@@ -55,13 +60,17 @@ class CategoricalPair(Pair):
     def kl_forward(self) -> float:
         return exact.categorical_kl(self.log_p, self.log_q)
 
-    def exact_moments(self, est: Estimator) -> tuple[float, float]:
-        return exact.categorical_estimator_moments(self.log_q, self.log_p, est)
+    def _values(self, est: Estimator) -> torch.Tensor:
+        """Per-entry values of ``est`` on the support of the mixture, [M]."""
+        return self._full if est.name == "full" else est.fn(self._logr)
+
+    def exact_moments(self, est: Estimator, aggregate: str = "") -> tuple[float, float]:
+        return exact.weighted_moments(self._weights(), self._values(est))
 
     def _weights(self) -> torch.Tensor:
         return (self.log_q.exp() / self.contexts).reshape(-1)[self._support]
 
-    def exact_joint(self) -> JointMoments:
+    def exact_joint(self, aggregate: str = "") -> JointMoments:
         w, logr = self._weights(), self._logr
         a, b = -logr, torch.expm1(logr)
         if torch.isinf(a).any():                      # p(x) = 0 < q(x): KL(q‖p) = ∞
@@ -71,11 +80,12 @@ class CategoricalPair(Pair):
         return JointMoments(ma, mb, float((w * (a - ma) ** 2).sum()), float((w * (b - mb) ** 2).sum()),
                             float((w * (a - ma) * (b - mb)).sum()))
 
-    def exact_prob_negative(self, fn) -> float:
+    def exact_prob_negative(self, fn, aggregate: str = "") -> float:
         return float((self._weights() * (fn(self._logr) < 0)).sum())
 
-    def sample_logr(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-        return self._logr.to(device)[self.sample_ids(n, generator, device)]
+    def sample_draws(self, n, generator, device, tok_rows=()) -> Draws:
+        ids = self.sample_ids(n, generator, device)
+        return Draws(self._logr.to(device)[ids], self._full.to(device)[ids])
 
     def describe(self) -> str:
         ctx = f", {self.contexts} contexts" if self.contexts > 1 else ""
@@ -90,8 +100,8 @@ class CategoricalPair(Pair):
             self._alias = self._alias.to(device)
         return self._alias
 
-    def batch_sums(self, features: Features, device: torch.device) -> BatchSums:
-        table = features(self._logr.to(device))                       # [M, P]
+    def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
+        table = features(Draws(self._logr.to(device), self._full.to(device)))   # [M, P]
         m = table.shape[0]
         # ±inf features (k1 where p(x) = 0) are summed separately: a zero count times inf is NaN.
         pos, neg = torch.isposinf(table), torch.isneginf(table)

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from .. import exact
+from ..draws import Draws
 from ..estimators import Estimator
 from ..spec import GaussianCase
 from .base import BatchSums, Features, JointMoments, Pair
@@ -38,16 +39,18 @@ class GaussianPair(Pair):
         g = self.params
         return exact.gaussian_kl(g.mp, g.sp, g.mq, g.sq)
 
-    def exact_moments(self, est: Estimator) -> tuple[float, float]:
+    def exact_moments(self, est: Estimator, aggregate: str = "") -> tuple[float, float]:
+        if est.name == "full":
+            return self.kl(), 0.0          # one context: the analytic KL, a constant
         return exact.gaussian_estimator_moments(self.params, est)
 
-    def exact_joint(self) -> JointMoments:
+    def exact_joint(self, aggregate: str = "") -> JointMoments:
         g = self.params
         # Cov(−log r, r − 1) = E[log r] − E[r log r] = −[KL(q‖p) + KL(p‖q)]; Var(r) = χ²(p‖q).
         return JointMoments(mean_a=self.kl(), mean_b=0.0, var_a=exact.gaussian_var_k1(g),
                             var_b=exact.gaussian_chi2(g), cov_ab=-(self.kl() + self.kl_forward()))
 
-    def fourth_moment_finite(self, est: Estimator) -> bool:
+    def fourth_moment_finite(self, est: Estimator, aggregate: str = "") -> bool:
         # f is a polynomial in r^s (log r)^k; f⁴ reaches r^{4·s_max}, finite iff q_{4 s_max} normalises.
         s_max = max((s for (s, _), c in est.poly.items() if c != 0), default=0) if est.poly is not None else 0
         return exact._tilt(self.params, 4 * s_max) is not None
@@ -67,10 +70,14 @@ class GaussianPair(Pair):
         c0, c1, c2 = (c.to(device) for c in self._c)
         return (c0 + z * (c1 + z * c2)).sum(-1)
 
-    def batch_sums(self, features: Features, device: torch.device) -> BatchSums:
+    def sample_draws(self, n, generator, device, tok_rows=()) -> Draws:
+        logr = self.sample_logr(n, generator, device)
+        return Draws(logr, torch.full_like(logr, self.kl()))
+
+    def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         def run(sizes: list[int], gens: list[torch.Generator]) -> torch.Tensor:
             # One reduction per batch (not a scatter-add), so the sums are deterministic on CUDA too.
-            return torch.stack([features(self.sample_logr(n, g, device)).sum(0) for n, g in zip(sizes, gens)])
+            return torch.stack([features(self.sample_draws(n, g, device)).sum(0) for n, g in zip(sizes, gens)])
         return run
 
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:

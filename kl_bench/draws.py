@@ -1,0 +1,60 @@
+"""What one batch of draws hands to the estimators, and the rows that are estimated from it.
+
+A **row** is an estimator with an aggregation:
+- ``""``: single draws (Gaussian, categorical): the estimator applied to log r.
+- ``"seq"``: rollouts: the estimator applied to the sequence log-ratio L = Σ_t log r_t (R = e^L).
+- ``"tok"``: rollouts: the per-token estimator summed over the generated tokens (what GRPO/PPO code does).
+The ``full`` estimator (analytic per-context KL, Rao-Blackwellised) has aggregate "" or "tok".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .estimators import Estimator
+
+
+@dataclass(frozen=True)
+class Row:
+    est: Estimator
+    aggregate: str = ""
+
+    @property
+    def label(self) -> str:
+        """Unique key within a run: cv variants differ by λ, rollout rows by aggregate."""
+        base = self.est.name if self.est.lam is None else f"{self.est.name}@{self.est.lam!r}"
+        return f"{self.aggregate}:{base}" if self.aggregate else base
+
+
+@dataclass
+class Draws:
+    """Per-draw quantities, all float64 with leading shape [n] (for categoricals: [M] table entries).
+
+    logr:  log r of the draw; for rollouts the sequence log-ratio L.
+    full:  Σ over the draw's contexts (steps) of the analytic KL(q(·|c) ‖ p(·|c)).
+    tok:   rollouts: [n, len(tok_rows)] per-token sums Σ_t f(log r_t), one column per tok row.
+    tok_b: rollouts: Σ_t (r_t − 1), the control variate's per-token term.
+    """
+    logr: torch.Tensor
+    full: torch.Tensor
+    tok: torch.Tensor | None = None
+    tok_b: torch.Tensor | None = None
+
+
+def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
+    """[n, len(rows)] values of every row for every draw."""
+    cols, t = [], 0
+    for row in rows:
+        if row.aggregate == "tok":
+            cols.append(draws.tok[:, t])
+            t += 1
+        elif row.est.name == "full":
+            cols.append(draws.full)
+        else:
+            cols.append(row.est.fn(draws.logr))
+    return torch.stack(cols, dim=-1)
+
+
+def tok_rows(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.aggregate == "tok"]
