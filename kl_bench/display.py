@@ -29,11 +29,13 @@ def fmt_rel(x: float) -> str:
 
 
 def estimator_label(r) -> str:
-    """'k3', 'cv(0.5)', 'cv_opt(0.583)'."""
+    """'k3', 'cv(0.5)', 'cv_opt(0.583)', and for rollouts 'seq k3', 'tok cv(1)'."""
     lam = r.get("lambda", math.nan)
+    name = r["estimator"]
     if isinstance(lam, float) and not math.isnan(lam):
-        return f"{r['estimator']}({lam:.3g})"
-    return r["estimator"]
+        name = f"{name}({lam:.3g})"
+    agg = r.get("aggregate", "")
+    return f"{agg} {name}" if isinstance(agg, str) and agg else name
 
 
 def _std_cell(r, value: float) -> str:
@@ -71,8 +73,8 @@ def lambda_table(df: pd.DataFrame) -> Table:
                 "k3 / cv(λ*)"]:
         t.add_column(col, justify="left" if col == "case" else "right")
     cvs = df[df["estimator"].isin(["cv", "cv_opt"])]
-    for case in dict.fromkeys(cvs["case"]):
-        c = cvs[cvs["case"] == case]
+    for case, agg in dict.fromkeys(zip(cvs["case"], cvs["aggregate"].fillna(""))):
+        c = cvs[(cvs["case"] == case) & (cvs["aggregate"].fillna("") == agg)]
         r0 = c.iloc[0]
         true = r0["true_kl"]
 
@@ -97,7 +99,7 @@ def lambda_table(df: pd.DataFrame) -> Table:
         k3 = c[(c["estimator"] == "cv") & (c["lambda"] == 1.0)]
         ratio = f"{k3.iloc[0]['excess_std'] + 1:.3g}×" if not k3.empty else ""
         heavy = c["heavy_tail"].fillna("").astype(str).str.len().gt(0).any()
-        t.add_row(case, fmt(star), f"{fmt(r0['lambda_star_mc'])} ± {fmt(r0['lambda_star_mc_se'], 2)}"
+        t.add_row(f"{case} ({agg})" if agg else case, fmt(star), f"{fmt(r0['lambda_star_mc'])} ± {fmt(r0['lambda_star_mc_se'], 2)}"
                   + ("†" if heavy else ""),
                   at(0.0), at(1.0), fmt(best), opt_cell, ratio)
     return t
@@ -108,7 +110,7 @@ def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
     for col in ["estimator", "target", "true", "exact mean", "bias/true", "std/true"]:
         t.add_column(col, justify="left" if col in ("estimator", "target") else "right")
     for _, r in df[df["case"] == case].iterrows():
-        t.add_row(r["estimator"], r["target"], fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+        t.add_row(estimator_label(r), r["target"], fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
                   fmt_rel(r["exact_rel_bias"]), fmt(r["exact_rel_std"]))
     return t
 
@@ -123,16 +125,17 @@ def schulman_table(df: pd.DataFrame) -> Table:
         true = df.loc[df["case"] == c, "true_kl"].iloc[0]
         t.add_column(f"{c}\nbias/true", justify="right")
         t.add_column(f"KL={fmt(true, 3)}\nstdev/true", justify="right")
-    for est in dict.fromkeys(df["estimator"]):  # one row per registry estimator (cv rows: lambda_table)
-        cells = [est]
+    keys = list(dict.fromkeys(zip(df["estimator"], df["aggregate"].fillna(""))))
+    for est, agg in keys:
+        cells = [f"{agg} {est}" if agg else est]
         for c in cases:
-            row = df[(df["case"] == c) & (df["estimator"] == est)]
+            row = df[(df["case"] == c) & (df["estimator"] == est) & (df["aggregate"].fillna("") == agg)]
             if row.empty:
                 cells += ["", ""]
                 continue
             r = row.iloc[0]
             cells.append(f"{fmt_rel(r['rel_bias'])} ({fmt_rel(r['exact_rel_bias'])})")
-            cells.append(f"{fmt(r['rel_std'])} ({fmt(r['exact_rel_std'])})")
+            cells.append(f"{_std_cell(r, r['rel_std'])} ({fmt(r['exact_rel_std'])})")
         t.add_row(*cells)
     return t
 

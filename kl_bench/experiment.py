@@ -19,7 +19,8 @@ from .results import summarize
 from .spec import Experiment
 
 SMALL_BATCH = 64            # p_neg_b64: batch size ...
-SMALL_BATCHES = 4096        # ... and number of simulated batches
+SMALL_BATCHES = (256, 4096)  # ... and number of simulated batches: draws/256 within these bounds,
+                             # so the simulation costs at most a quarter of the main pass
 RMSE_SIZES = (64, 1024, 16384)
 
 
@@ -29,6 +30,11 @@ class CaseOutcome:
     rows: list[dict]
     sweep: pd.DataFrame | None
     pilot_lambda: float | None
+
+
+def small_batches(draws: int) -> int:
+    lo, hi = SMALL_BATCHES
+    return min(hi, max(lo, draws // 256))
 
 
 def pilot_draws(draws: int) -> int:
@@ -54,8 +60,8 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
             cvs.append(Row(make_cv(pilot_lambda, name="cv_opt"), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress)
-    small = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=SMALL_BATCHES, seed=exp.seed,
-                                 device=device)
+    small = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
+                                 seed=exp.seed, device=device)
     out = summarize(run)
     for r, row in zip(run.rows, out):
         _add_planning(row)

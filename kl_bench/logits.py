@@ -74,16 +74,17 @@ def check_logits(logits: torch.Tensor, what: str) -> None:
         raise SpecError(f"{what}: a row of logits is all −inf (no token has probability > 0)")
 
 
-def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None
+def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, contexts: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build (log q, log p), both normalised float64 [B, V], validating shapes and values."""
+    """Build (log q, log p), both normalised float64 [B, V], validating shapes and values.
+    ``contexts``: the default number of contexts of a Zipf generator (rollouts: the bucket count)."""
     raw: dict[str, torch.Tensor] = {}
     for side, src in (("q", q), ("p", p)):
         try:
             if isinstance(src, ZipfLogits):
                 if vocab is None:
                     raise SpecError("missing required key (needed for generated logits)")
-                raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts)
+                raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts or contexts or 1)
             elif isinstance(src, FileLogits):
                 raw[side] = read_logits_file(src.path)
             if side in raw:

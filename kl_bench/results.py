@@ -19,10 +19,11 @@ from .engine import CaseRun
 # Column → meaning. The order here is the column order of summary.csv.
 SCHEMA: dict[str, str] = {
     "case": "case name from the spec",
-    "kind": "case kind: gaussian | categorical",
+    "kind": "case kind: gaussian | categorical | rollout",
     "estimator": "estimator name from the registry (kl-bench list)",
     "lambda": "λ of the control variate cv(λ); empty for other estimators",
-    "aggregate": "how per-token values combine (rollouts); empty for single draws",
+    "aggregate": "rollouts: seq (estimator of L = Σ log r_t; k3 uses R = e^L) or tok (per-token estimator "
+                 "summed over the generated tokens); empty for single draws",
     "target": "what the estimator estimates: KL(q||p) or KL(p||q)",
     "true_kl": "exact value of the target",
     "draws": "number of Monte Carlo draws x ~ q",
@@ -52,7 +53,8 @@ SCHEMA: dict[str, str] = {
     "rmse_b64": "root-mean-square error of a batch mean of 64 draws, bias included",
     "rmse_b1024": "the same for 1024 draws",
     "rmse_b16384": "the same for 16384 draws",
-    "p_neg_b64": "probability that a batch mean of 64 draws is negative, simulated on 4096 batches of draws",
+    "p_neg_b64": "probability that a batch mean of 64 draws is negative, simulated on min(4096, max(256, "
+                 "draws/256)) batches of 64 independent draws",
 }
 COLUMNS = list(SCHEMA)
 

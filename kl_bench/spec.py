@@ -37,7 +37,7 @@ class ZipfLogits:
     random permutation (one per context when ``contexts`` > 1). Shape [V] or [contexts, V]."""
     exponent: float
     seed: int
-    contexts: int = 1
+    contexts: int | None = None    # None: 1 for categoricals, the bucket count for rollouts
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,22 @@ class CategoricalCase:
     kind: str = "categorical"
 
 
-Case = GaussianCase | CategoricalCase
+@dataclass(frozen=True)
+class RolloutCase:
+    """Two autoregressive token models whose next-token logits depend on the previous token only
+    through its bucket: q and p are [C, V] logits."""
+    name: str
+    vocab: int
+    buckets: int
+    bucket_of: str | Path       # "mod" (x mod C) or a .npy/.pt file with an int array [V]
+    length: int                 # T, the maximum number of generated tokens
+    eos: int | None
+    q: LogitsSource
+    p: LogitsSource
+    kind: str = "rollout"
+
+
+Case = GaussianCase | CategoricalCase | RolloutCase
 
 
 @dataclass(frozen=True)
@@ -239,7 +254,7 @@ def _logits_source(t: _Table, side: str, spec_dir: Path) -> LogitsSource:
                           key=t.key("logits"))
         src = ZipfLogits(exponent=t.get("exponent", "float", 1.1, _positive),
                          seed=t.get("seed", "int", 0, _nonnegative),
-                         contexts=t.get("contexts", "int", 1, _positive))
+                         contexts=t.get("contexts", "int", None, _positive))
         t.finish()
         return src
     if t.has("from"):
@@ -270,9 +285,37 @@ def _parse_categorical(t: _Table, name: str, spec_dir: Path) -> CategoricalCase:
     return CategoricalCase(name, vocab, q, p)
 
 
+def _parse_rollout(t: _Table, name: str, spec_dir: Path) -> RolloutCase:
+    vocab = t.get("vocab", "int", check=_positive)
+    buckets = t.get("buckets", "int", check=_positive)
+    if buckets > vocab:
+        raise t.error(f"must be ≤ vocab ({vocab}), got {buckets}", key="buckets")
+    bucket_of: str | Path = "mod"
+    if t.has("bucket_of"):
+        raw = t.data["bucket_of"]
+        if isinstance(raw, dict):
+            sub = t.sub("bucket_of")
+            bucket_of = spec_dir / sub.get("file", "str")
+            sub.finish()
+        else:
+            bucket_of = t.get("bucket_of", "str", check=lambda v: None if v == "mod" else
+                              f"must be \"mod\" or {{file = \"...\"}}, got '{v}'")
+    length = t.get("length", "int", check=lambda v: None if v >= 1 else f"must be ≥ 1, got {v}")
+    eos = t.get("eos", "int", None, lambda v: None if 0 <= v < vocab else
+                f"must be a token id in [0, {vocab}), got {v}")
+    q = _logits_source(t.sub("q"), "q", spec_dir)
+    p = _logits_source(t.sub("p"), "p", spec_dir)
+    t.finish()
+    if isinstance(q, DerivedLogits) and isinstance(p, DerivedLogits):
+        raise t.error("q and p cannot both be derived from each other; give one a 'file' or 'logits'",
+                      key="q.from")
+    return RolloutCase(name, vocab, buckets, bucket_of, length, eos, q, p)
+
+
 CASE_PARSERS: dict[str, Callable[[_Table, str, Path], Case]] = {
     "gaussian": _parse_gaussian,
     "categorical": _parse_categorical,
+    "rollout": _parse_rollout,
 }
 
 

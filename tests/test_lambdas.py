@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kl_bench.cli import app
 from kl_bench.estimators import make_cv
-from kl_bench.experiment import pilot_draws, run_experiment_case
+from kl_bench.experiment import pilot_draws, run_experiment_case, small_batches
 from kl_bench.pairs import CategoricalPair, GaussianPair
 from kl_bench.planning import n_for_rel_error, prob_within
 from kl_bench.spec import Experiment
@@ -157,9 +157,9 @@ def test_rmse_and_small_batch_negatives():
     k3 = df[df["estimator"] == "k3"].iloc[0]
     assert k3["p_neg_b64"] == 0                                                          # k3 ≥ 0
     # k1 at KL = 0.005, σ = 0.1: a mean of 64 draws is ~N(0.005, 0.0125²): P(< 0) = Φ(−0.4) ≈ 0.34;
-    # simulated on 4096 batches, so compare within 5 binomial standard errors.
+    # simulated on small_batches(draws) batches, so compare within 5 binomial standard errors.
     p = stats.norm.cdf(-0.005 / (0.1 / 8))
-    assert abs(k1["p_neg_b64"] - p) < 5 * math.sqrt(p * (1 - p) / 4096)
+    assert abs(k1["p_neg_b64"] - p) < 5 * math.sqrt(p * (1 - p) / small_batches(50_000))
 
 
 def test_cli_writes_lambda_sweep_and_rejects_bad_lambdas(write_spec, tmp_path):

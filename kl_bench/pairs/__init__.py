@@ -12,6 +12,7 @@ from ..registry import Registry
 from .base import Pair
 from .categorical import CategoricalPair
 from .gaussian import GaussianPair
+from .rollout import RolloutPair
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ CASE_KINDS.add("gaussian", CaseKind("gaussian", GaussianPair.from_case,
                                     "diagonal Gaussians q = N(μq, σq²), p = N(μp, σp²); closed forms"))
 CASE_KINDS.add("categorical", CaseKind("categorical", CategoricalPair.from_case,
                                        "categoricals over a vocabulary, [V] or [B, V] logits; exact sums"))
+CASE_KINDS.add("rollout", CaseKind("rollout", RolloutPair.from_case,
+                                   "T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
+                                   "exact dynamic programming"))
 
 
 def build_pair(case, spec_file: str | None = None) -> Pair:
@@ -38,4 +42,4 @@ def build_pair(case, spec_file: str | None = None) -> Pair:
         raise e.located(file=spec_file, case=case.name) from None
 
 
-__all__ = ["Pair", "GaussianPair", "CategoricalPair", "CASE_KINDS", "build_pair"]
+__all__ = ["Pair", "GaussianPair", "CategoricalPair", "RolloutPair", "CASE_KINDS", "build_pair"]

@@ -1,0 +1,53 @@
+"""Exact moments of rollout functionals by forward dynamic programming over bucket states.
+
+Model: x_t ~ q(·|c_{t−1}), c_t = bucket(x_t), c_0 = 0, at most T tokens; the token ``eos`` (if any) ends
+the sequence and is included in it. For a per-step multiplicative weight m(c, x) and an additive
+increment h(c, x), with M = Π_t m(c_{t−1}, x_t) and S = Σ_t h(c_{t−1}, x_t), we want E_q[M · S^k].
+
+State after t steps: V_k[c] = E[M_t S_t^k ; alive with bucket c]. One step multiplies by the moment
+matrices  A_j[c, c'] = Σ_{x: bucket(x) = c', x ≠ eos} q(x|c) m(c, x) h(c, x)^j  (O(C·V) each) and
+binomially mixes the orders:  V'_k = Σ_j C(k, j) V_{k−j} A_j  (O(K² C²) per step). EOS moves mass to
+an absorbing "ended" accumulator with the same rule. Sequence-level estimators need E[R^s L^k]
+(m = r^s, h = log r); token sums need E[S^k] with h = f(log r) and m = 1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def moment_matrices(q: torch.Tensor, m: torch.Tensor, h: torch.Tensor, bucket: torch.Tensor, buckets: int,
+                    eos: int | None, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [kmax+1, C, C], E [kmax+1, C]) for q, m, h of shape [C, V] (float64) and bucket [V] (int64)."""
+    c, v = q.shape
+    keep = torch.ones(v, dtype=torch.bool, device=q.device)
+    if eos is not None:
+        keep[eos] = False
+    a = torch.zeros(kmax + 1, c, buckets, dtype=torch.float64, device=q.device)
+    e = torch.zeros(kmax + 1, c, dtype=torch.float64, device=q.device)
+    w = q * m
+    for j in range(kmax + 1):
+        wj = w * h**j if j else w
+        a[j].index_add_(1, bucket[keep], wj[:, keep])
+        if eos is not None:
+            e[j] = wj[:, eos]
+    return a, e
+
+
+def propagate(a: torch.Tensor, e: torch.Tensor, length: int, start: int = 0) -> list[float]:
+    """E[M · S^k] for k = 0..K after at most ``length`` steps, from bucket ``start``."""
+    kmax = a.shape[0] - 1
+    c = a.shape[1]
+    state = torch.zeros(kmax + 1, c, dtype=torch.float64, device=a.device)
+    state[0, start] = 1.0
+    ended = torch.zeros(kmax + 1, dtype=torch.float64, device=a.device)
+    binom = [[math.comb(k, j) for j in range(k + 1)] for k in range(kmax + 1)]
+    for _ in range(length):
+        new = torch.zeros_like(state)
+        for k in range(kmax + 1):
+            for j in range(k + 1):
+                new[k] += binom[k][j] * (state[k - j] @ a[j])
+                ended[k] += binom[k][j] * (state[k - j] @ e[j])
+        state = new
+    return (ended + state.sum(dim=1)).tolist()

@@ -1,0 +1,197 @@
+"""Rollouts: the dynamic program against brute-force enumeration of every sequence, Monte Carlo
+against the dynamic program, and bad input."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kl_bench.cli import app
+from kl_bench.engine import run_case
+from kl_bench.estimators import ESTIMATORS, make_cv
+from kl_bench.experiment import run_experiment_case
+from kl_bench.logits import zipf_logits
+from kl_bench.pairs import RolloutPair
+from kl_bench.pairs.rollout import brute_force_sequences
+from kl_bench.results import summarize, to_frame
+from kl_bench.spec import Experiment
+
+from .conftest import CPU
+
+LOGR = [n for n in ESTIMATORS.names() if n not in ("full", "abs")]
+
+
+def _tiny(eos, seed=0, v=4, c=2, t=3, bucket=None):
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log_softmax(torch.randn(c, v, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(torch.randn(c, v, generator=g, dtype=torch.float64), -1)
+    return RolloutPair("r", lq, lp, torch.arange(v) % c if bucket is None else bucket, t, eos)
+
+
+def _brute(pair):
+    """Sequence probability, L, per-step log r and per-step context KL for every sequence."""
+    g, kl = pair._g.numpy(), pair._kl_ctx.numpy()
+    seqs = brute_force_sequences(pair)
+    prob = np.array([p for p, _ in seqs])
+    steps = [[g[c, x] for c, x in path] for _, path in seqs]
+    full = np.array([sum(kl[c] for c, _ in path) for _, path in seqs])
+    return prob, steps, full
+
+
+def _moments(prob, values):
+    m = float((prob * values).sum())
+    return m, float((prob * (values - m) ** 2).sum())
+
+
+CASES = [dict(eos=None), dict(eos=3), dict(eos=0, seed=1, v=5, c=3, t=4),
+         dict(eos=2, seed=2, bucket=torch.tensor([1, 1, 0, 1]))]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=["no-eos", "eos", "eos0-3buckets", "bucket-map"])
+def test_dp_matches_brute_force_enumeration(kw):
+    pair = _tiny(**kw)
+    prob, steps, full = _brute(pair)
+    assert prob.sum() == pytest.approx(1.0, rel=1e-13)
+    seq_l = np.array([sum(s) for s in steps])
+    assert pair.kl() == pytest.approx(-(prob * seq_l).sum(), rel=1e-12)
+    assert pair.kl_forward() == pytest.approx((prob * np.exp(seq_l) * seq_l).sum(), rel=1e-12)
+    for name in LOGR:
+        est = ESTIMATORS.get(name)
+        seq = est.fn(torch.tensor(seq_l)).numpy()
+        tok = np.array([float(est.fn(torch.tensor(s, dtype=torch.float64)).sum()) for s in steps])
+        for agg, values in (("seq", seq), ("tok", tok)):
+            m, v = _moments(prob, values)
+            em, ev = pair.exact_moments(est, agg)
+            assert em == pytest.approx(m, rel=1e-10, abs=1e-13), (name, agg)
+            assert ev == pytest.approx(v, rel=1e-9, abs=1e-13), (name, agg)
+    m, v = _moments(prob, full)
+    assert pair.exact_moments(ESTIMATORS.get("full"), "tok") == (pytest.approx(m, rel=1e-12),
+                                                                 pytest.approx(v, rel=1e-9, abs=1e-15))
+    # λ* for both aggregations: Cov(a, b)/Var(b) by enumeration.
+    a = -seq_l
+    for agg, b in (("seq", np.expm1(seq_l)), ("tok", np.array([np.expm1(s).sum() for s in steps]))):
+        cov = (prob * a * b).sum() - (prob * a).sum() * (prob * b).sum()
+        var = (prob * b * b).sum() - (prob * b).sum() ** 2
+        assert pair.exact_joint(agg).lambda_star == pytest.approx(-cov / var, rel=1e-9)
+
+
+def _small(eos=499, t=8, noise=0.4):
+    lq = torch.log_softmax(zipf_logits(500, 1.1, 1, 4), -1)
+    g = torch.Generator().manual_seed(2)
+    lp = torch.log_softmax(lq + noise * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
+    lq[:, 499] = lq[:, 499] + 3          # a likely EOS, so that sequences do end early
+    return RolloutPair("r", torch.log_softmax(lq, -1), lp, torch.arange(500) % 4, t, eos)
+
+
+@pytest.mark.parametrize("eos", [None, 499])
+def test_monte_carlo_matches_the_dynamic_program(eos):
+    pair = _small(eos=eos)
+    exp = Experiment(name="t", draws=200_000, seed=3, batches=100, lambdas=(0.0, 0.5, 1.0), optimal=True,
+                     estimators=tuple(ESTIMATORS.names()))
+    df = pd.DataFrame(run_experiment_case(pair, exp, CPU).rows)
+    checked = df[df["exact_mean"].notna()]
+    assert len(checked) >= 2 * len(LOGR) + 1 + 6
+    assert (checked["z"].abs() < 5).all(), checked[["estimator", "aggregate", "z"]]
+    light = checked[checked["heavy_tail"] == ""]
+    assert (light["z_var"].abs() < 5).all(), light[["estimator", "aggregate", "z_var"]]
+    # λ* measured within its confidence interval, per aggregation
+    for agg in ("seq", "tok"):
+        r = df[(df["estimator"] == "cv") & (df["aggregate"] == agg)].iloc[0]
+        assert abs(r["lambda_star_mc"] - r["lambda_star"]) < 5 * r["lambda_star_mc_se"]
+    # seq and tok k1 are the same number: Σ_t (−log r_t) = −L.
+    k1 = df[df["estimator"] == "k1"]
+    assert k1["mean"].iloc[0] == pytest.approx(k1["mean"].iloc[1], rel=1e-12)
+
+
+def test_eos_stops_contributions_and_length_matches_the_dp():
+    """Count generated tokens with a token-level row whose per-step value is 1: its mean must be the
+    exact expected length from the dynamic program (h = 1), which is < T when EOS is likely."""
+    from kl_bench.draws import Row
+    from kl_bench.estimators import REVERSE, Estimator
+    ones = Estimator("ones", torch.ones_like, REVERSE, False, True, "1", None)
+    pair = _small(eos=499, t=64)
+    exact = pair.tok_moments(torch.ones_like(pair._g))
+    assert exact[1] < 0.9 * 64          # EOS ends most sequences early (exactly 45.6 tokens on average)
+    draws = pair.sample_draws(50_000, torch.Generator().manual_seed(0), CPU, [Row(ones, "tok")])
+    steps = draws.tok[:, 0]
+    se = math.sqrt((exact[2] - exact[1] ** 2) / 50_000)
+    assert abs(float(steps.mean()) - exact[1]) < 5 * se
+    assert float(steps.max()) <= 64 and float(steps.min()) >= 1
+    no_eos = _small(eos=None, t=64).sample_draws(2000, torch.Generator().manual_seed(0), CPU, [Row(ones, "tok")])
+    assert (no_eos.tok[:, 0] == 64).all()
+
+
+def test_chunking_does_not_change_rollout_results():
+    pair = _small()
+    a = to_frame(summarize(run_case(pair, ["k1", "k3", "full"], draws=6000, seed=1, batches=30,
+                                    chunk=500, device=CPU)))
+    b = to_frame(summarize(run_case(pair, ["k1", "k3", "full"], draws=6000, seed=1, batches=30,
+                                    chunk=1 << 22, device=CPU)))
+    assert a["mean"].tolist() == pytest.approx(b["mean"].tolist(), rel=1e-12)
+    assert a["se"].tolist() == pytest.approx(b["se"].tolist(), rel=1e-10)
+
+
+GOOD = """
+spec_version = 1
+[experiment]
+draws = 4000
+device = "cpu"
+batches = 20
+estimators = ["k1", "k3", "full"]
+[[case]]
+name = "r"
+kind = "rollout"
+vocab = 50
+buckets = 4
+length = 5
+eos = 49
+q = {logits = "zipf", exponent = 1.1, seed = 1}
+p = {from = "q", noise = 0.3, seed = 2}
+"""
+
+
+def test_rollout_through_the_cli(write_spec, tmp_path):
+    res = CliRunner().invoke(app, ["run", str(write_spec(GOOD)), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "o" / "summary.csv", keep_default_na=False)
+    assert set(df["aggregate"]) == {"seq", "tok"} and "seq k3" in res.output and "tok k3" in res.output
+
+
+@pytest.mark.parametrize("old, new, needles", [
+    ("eos = 49", "eos = 50", ["key 'eos'", "[0, 50)"]),
+    ("length = 5", "length = 0", ["key 'length'", "≥ 1"]),
+    ("buckets = 4", "buckets = 60", ["key 'buckets'", "≤ vocab"]),
+    ('q = {logits = "zipf", exponent = 1.1, seed = 1}', 'q = {file = "wrong.npy"}', ["shape [C, V]", "[4, 50]"]),
+    ("eos = 49", 'eos = 49\nbucket_of = {file = "short.npy"}', ["bucket_of.file", "shape [50]"]),
+    ("eos = 49", 'eos = 49\nbucket_of = {file = "range.npy"}', ["bucket_of.file", "[0, 4)"]),
+    ("eos = 49", 'eos = 49\nbucket_of = "div"', ["bucket_of", "mod"]),
+])
+def test_rollout_bad_input(old, new, needles, write_spec, tmp_path):
+    np.save(tmp_path / "wrong.npy", np.zeros((3, 50)))
+    np.save(tmp_path / "short.npy", np.zeros(49, dtype=np.int64))
+    np.save(tmp_path / "range.npy", np.arange(50) % 5)
+    assert old in GOOD
+    res = CliRunner().invoke(app, ["run", str(write_spec(GOOD.replace(old, new))), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    msg = res.stderr.strip()
+    assert len(msg.splitlines()) == 1 and "case 'r'" in msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    assert not (tmp_path / "o").exists()
+
+
+def test_seq_k3_variance_explodes_with_length_while_tok_k3_does_not():
+    """The headline: rel_std of seq-k3 grows with T; that of tok-k3 and full shrinks."""
+    rel = {}
+    for t in (16, 64, 256):
+        pair = _small(eos=None, t=t, noise=0.3)
+        true = pair.kl()
+        rel[t] = {agg: math.sqrt(pair.exact_moments(ESTIMATORS.get("k3"), agg)[1]) / true for agg in ("seq", "tok")}
+        rel[t]["full"] = math.sqrt(pair.exact_moments(ESTIMATORS.get("full"), "tok")[1]) / true
+    assert rel[16]["seq"] < rel[64]["seq"] < rel[256]["seq"] and rel[256]["seq"] > 100 * rel[64]["seq"]
+    assert rel[16]["tok"] > rel[64]["tok"] > rel[256]["tok"]
+    assert rel[16]["full"] > rel[64]["full"] > rel[256]["full"]
+    assert all(rel[t]["full"] < rel[t]["tok"] for t in rel)
+    assert make_cv(1.0).poly == ESTIMATORS.get("k3").poly
