@@ -140,12 +140,13 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         pairs = [build_pair(c, str(spec)) for c in sp.cases]   # validates files before sampling
     out_dir = out or Path("results") / exp.name
     t0 = time.perf_counter()
-    progress = _LazyProgress(exp.draws * len(pairs), enabled=not quiet)
+    case_draws = [c.draws or exp.draws for c in sp.cases]
+    progress = _LazyProgress(sum(case_draws), enabled=not quiet)
     rows, runs, sweeps = [], [], []
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        for pair in pairs:
-            outcome = run_experiment_case(pair, exp, dev, progress=progress.advance)
+        for pair, n in zip(pairs, case_draws):
+            outcome = run_experiment_case(pair, exp, dev, progress=progress.advance, draws=n)
             runs.append(outcome.run)
             rows += outcome.rows
             if outcome.sweep is not None:
@@ -163,7 +164,8 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         "kl_bench_run": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "spec_path": str(spec), "spec_sha256": sp.sha256, "spec_text": sp.text,
-        "experiment": exp.name, "seed": exp.seed, "draws_per_case": exp.draws, "batches": exp.batches,
+        "experiment": exp.name, "seed": exp.seed, "draws_per_case": {c.name: n for c, n in zip(sp.cases, case_draws)},
+        "batches": exp.batches,
         "device": str(dev), "device_name": _device_name(dev), "versions": _versions(), "git_commit": _git_commit(),
         "wall_seconds": round(wall, 3),
         "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),

@@ -2,6 +2,7 @@
 simulation, summary rows with planning and λ columns, and the λ sweep."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -43,7 +44,10 @@ def pilot_draws(draws: int) -> int:
 
 
 def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
-                        progress: Callable[[int], None] | None = None) -> CaseOutcome:
+                        progress: Callable[[int], None] | None = None, draws: int | None = None) -> CaseOutcome:
+    """``draws``: this case's number of draws (default: the experiment's)."""
+    if draws is not None:
+        exp = dataclasses.replace(exp, draws=draws)
     aggs = pair.aggregates
     rows = as_rows([ESTIMATORS.get(n) for n in exp.estimators], aggs)
     cvs = as_rows([make_cv(lam) for lam in exp.lambdas], aggs)

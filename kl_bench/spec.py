@@ -64,6 +64,7 @@ class GaussianCase:
     q: GaussianParams
     p: GaussianParams
     kind: str = "gaussian"
+    draws: int | None = None    # overrides [experiment] draws for this case
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class CategoricalCase:
     q: LogitsSource
     p: LogitsSource
     kind: str = "categorical"
+    draws: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class RolloutCase:
     q: LogitsSource
     p: LogitsSource
     kind: str = "rollout"
+    draws: int | None = None
 
 
 Case = GaussianCase | CategoricalCase | RolloutCase
@@ -411,7 +414,8 @@ def parse_spec(text: str, path: Path) -> Spec:
         if kind not in CASE_PARSERS:
             raise t.error(f"unknown case kind '{kind}'{did_you_mean(kind, list(CASE_PARSERS))}; "
                           f"known: {', '.join(CASE_PARSERS)}", key="kind")
-        cases.append(CASE_PARSERS[kind](t, name, path.parent))
+        case_draws = t.get("draws", "int", None, _positive)
+        cases.append(dataclasses.replace(CASE_PARSERS[kind](t, name, path.parent), draws=case_draws))
     return Spec(exp, tuple(cases), path, text)
 
 
@@ -435,6 +439,8 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
         if draws <= 0:
             raise SpecError(f"must be > 0, got {draws}", key="--draws")
         exp = dataclasses.replace(exp, draws=draws)
+        # --draws sets every case, per-case overrides included.
+        spec = dataclasses.replace(spec, cases=tuple(dataclasses.replace(c, draws=None) for c in spec.cases))
     if seed is not None:
         if seed < 0:
             raise SpecError(f"must be ≥ 0, got {seed}", key="--seed")

@@ -239,3 +239,15 @@ def test_bad_input_through_the_real_console_script(tmp_path, write_spec):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "p.std" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_per_case_draws_and_the_flag_that_overrides_them(write_spec, tmp_path):
+    spec = write_spec(GOOD.replace('name = "c"\nkind = "categorical"', 'name = "c"\nkind = "categorical"\ndraws = 3000'))
+    assert invoke("run", spec, "--out", tmp_path / "a", "--quiet").exit_code == 0
+    df = pd.read_csv(tmp_path / "a" / "summary.csv")
+    assert set(df.loc[df.case == "g", "draws"]) == {20000} and set(df.loc[df.case == "c", "draws"]) == {3000}
+    assert invoke("run", spec, "--out", tmp_path / "b", "--quiet", "--draws", "5000").exit_code == 0
+    assert set(pd.read_csv(tmp_path / "b" / "summary.csv")["draws"]) == {5000}
+    res = invoke("run", write_spec(GOOD.replace('name = "c"\nkind = "categorical"',
+                                                'name = "c"\nkind = "categorical"\ndraws = 0')), "--quiet")
+    assert res.exit_code == 2 and "case 'c'" in res.stderr and "draws" in res.stderr

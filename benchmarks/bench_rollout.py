@@ -1,0 +1,128 @@
+"""Generated tokens per second for rollouts (sampling plus estimators), side by side in one process:
+
+  kl-bench rollout sampler   per-bucket alias tables flattened to [C·V]: one uniform and two gathers
+                             per token, every batch's steps on one long vector
+  inverse CDF               a strong plain baseline: flattened per-bucket CDFs, searchsorted per token
+  torch.multinomial per step plain baseline: at each step gather each rollout's bucket row of q
+                             ([n, V]!), torch.multinomial(…, 1), gather log r, same estimator sums
+
+Both compute L = Σ log r_t, per-token sums of k1, k2, k3, fwd_k3, the full (analytic) KL along the
+path, with EOS. The baseline materialises [n, V] probabilities per step, so it runs in small batches.
+
+    python benchmarks/bench_rollout.py [--rollouts 20000] [--length 64] [--buckets 32] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kl_bench.draws import Row
+from kl_bench.estimators import ESTIMATORS
+from kl_bench.logits import zipf_logits
+from kl_bench.pairs import RolloutPair
+
+V = 50257
+TOK = ["k1", "k2", "k3", "fwd_k3", "full"]
+
+
+def make_pair(buckets: int, length: int) -> RolloutPair:
+    lq = torch.log_softmax(zipf_logits(V, 1.1, 1, buckets), -1)
+    g = torch.Generator().manual_seed(2)
+    lp = torch.log_softmax(lq + 0.3 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
+    return RolloutPair("bench", lq, lp, torch.arange(V) % buckets, length, V - 1)
+
+
+def engine(pair: RolloutPair, n: int, device: torch.device, batch: int):
+    rows = [Row(ESTIMATORS.get(e), "tok") for e in TOK]
+    gens = [torch.Generator(device=device).manual_seed(i) for i in range(0, n, batch)]
+    sizes = [min(batch, n - i) for i in range(0, n, batch)]
+    d = pair._simulate(sizes, gens, device, rows)
+    return d.tok.sum(0), d.logr.sum()
+
+
+def baseline(pair: RolloutPair, n: int, device: torch.device, batch: int):
+    q = pair.log_q.exp().to(device)
+    g_tab, kl_ctx, bucket = pair._g.to(device), pair._kl_ctx.to(device), pair.bucket.to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    acc = torch.zeros(len(TOK), dtype=torch.float64, device=device)
+    for start in range(0, n, batch):
+        m = min(batch, n - start)
+        c = torch.zeros(m, dtype=torch.int64, device=device)
+        alive = torch.ones(m, dtype=torch.float64, device=device)
+        for _ in range(pair.length):
+            # replacement=True: one draw per row either way, and the inverse-CDF path is far faster
+            x = torch.multinomial(q[c], 1, replacement=True, generator=gen).squeeze(1)
+            g = g_tab[c, x]
+            vals = torch.stack([kl_ctx[c] if e == "full" else ESTIMATORS.get(e).fn(g) for e in TOK], -1)
+            acc += (alive[:, None] * vals).sum(0)
+            alive = alive * (x != pair.eos)
+            c = bucket[x]
+    return acc
+
+
+def inverse_cdf(pair: RolloutPair, n: int, device: torch.device):
+    """A strong plain baseline: per-bucket CDFs flattened with offsets (row c lives in [c, c+1)), one
+    searchsorted per token (O(log V)), vectorised over all rollouts like the engine."""
+    q = pair.log_q.exp()
+    flat = (q.cumsum(-1) + torch.arange(pair.buckets, dtype=torch.float64)[:, None]).reshape(-1).to(device)
+    g_flat, kl_ctx, bucket = pair._g.reshape(-1).to(device), pair._kl_ctx.to(device), pair.bucket.to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    v = pair.vocab
+    c = torch.zeros(n, dtype=torch.int64, device=device)
+    alive = torch.ones(n, dtype=torch.float64, device=device)
+    acc = torch.zeros(len(TOK), dtype=torch.float64, device=device)
+    for _ in range(pair.length):
+        u = torch.rand(n, dtype=torch.float64, generator=gen, device=device) + c
+        x = (torch.searchsorted(flat, u) - c * v).clamp_(0, v - 1)
+        g = g_flat[c * v + x]
+        vals = torch.stack([kl_ctx[c] if e == "full" else ESTIMATORS.get(e).fn(g) for e in TOK], -1)
+        acc += (alive[:, None] * vals).sum(0)
+        alive = alive * (x != pair.eos)
+        c = bucket[x]
+    return acc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rollouts", type=int, default=20_000)
+    ap.add_argument("--baseline-rollouts", type=int, default=1024,
+                    help="the baseline is slow: time it on fewer rollouts and compare rates")
+    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--buckets", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    pair = make_pair(args.buckets, args.length)
+    t = time.perf_counter()
+    pair._alias_table()
+    setup = time.perf_counter() - t
+    n, nb = args.rollouts, args.baseline_rollouts
+
+    def timed(fn):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    ours = timed(lambda: engine(pair, n, dev, 5000))
+    icdf = timed(lambda: inverse_cdf(pair, n, dev))
+    base = timed(lambda: baseline(pair, nb, dev, 256))
+    # Rates in token-steps per second (each pipeline steps every rollout T times).
+    rate_ours, rate_base = n * args.length / ours, nb * args.length / base
+    print(f"rollouts V={V}, C={args.buckets}, T={args.length}, {n:,} rollouts, device {dev}, "
+          f"{args.threads} threads (alias setup {setup:.2f} s, not timed below)")
+    print(f"{'pipeline':<42} {'rollouts':>9} {'seconds':>8} {'token-steps/s':>14} {'vs baseline':>12}")
+    for name, m, sec, rate in (("kl-bench rollout sampler (alias)", n, ours, rate_ours),
+                               ("flattened inverse CDF + searchsorted", n, icdf, n * args.length / icdf),
+                               ("torch.multinomial per step (baseline)", nb, base, rate_base)):
+        print(f"{name:<42} {m:9,} {sec:8.2f} {rate:14,.0f} {rate / rate_base:11.1f}x")
+
+
+if __name__ == "__main__":
+    main()
