@@ -102,6 +102,8 @@ def _warn_infinite(df, console: Console) -> None:
     reasons = {
         "infinite variance": "infinite variance (E_q[r²] = ∞)",
         "infinite 4th moment": "an infinite 4th moment (the measured std converges slowly and is usually too low)",
+        "kurtosis > draws": "a kurtosis E[R⁴]/E[R²]² beyond the number of draws (the measured std is usually "
+                            "far too low)",
         "unstable batches": "one batch carrying most of the sum of squares (a heavy tail)",
     }
     for case in dict.fromkeys(df["case"]):
@@ -176,7 +178,8 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
     write_results(out_dir, files, envelope)
     if not quiet:
-        print_tables(out_console, df, {r.pair.name: r.pair.describe() for r in runs})
+        lengths = {r.pair.name: r.pair.length for r in runs if r.pair.kind == "rollout"}
+        print_tables(out_console, df, {r.pair.name: r.pair.describe() for r in runs}, lengths=lengths)
         _warn_infinite(df, err_console)
         out_console.print(f"\n{sum(r.draws for r in runs):,} draws in {wall:.1f} s "
                           f"({envelope['draws_per_second']:,} draws/s on {dev}) → {out_dir}/summary.csv")

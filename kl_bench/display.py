@@ -140,13 +140,37 @@ def schulman_table(df: pd.DataFrame) -> Table:
     return t
 
 
-def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str], exact_only: bool = False) -> None:
+ROLLOUT_COLUMNS = [("k1", "seq"), ("k3", "seq"), ("k3", "tok"), ("full", "tok")]
+
+
+def rollout_table(df: pd.DataFrame, lengths: dict[str, int]) -> Table:
+    """Rollout cases by length: exact std/true (measured) of seq-k1, seq-k3, tok-k3 and full."""
+    t = Table(title="rollouts: std/true against sequence length T, exact (measured)", title_justify="left",
+              show_edge=False, pad_edge=False)
+    for col in ["case", "T", "KL(q||p)"] + [f"{a} {e}" for e, a in ROLLOUT_COLUMNS]:
+        t.add_column(col, justify="left" if col == "case" else "right")
+    for case, length in lengths.items():
+        c = df[df["case"] == case]
+        cells = [case, str(length), fmt(c["true_kl"].iloc[0], 3)]
+        for est, agg in ROLLOUT_COLUMNS:
+            hit = c[(c["estimator"] == est) & (c["aggregate"] == agg) & c["lambda"].isna()]
+            cells.append("" if hit.empty else
+                         f"{fmt(hit.iloc[0]['exact_rel_std'])} ({_std_cell(hit.iloc[0], hit.iloc[0]['rel_std'])})")
+        t.add_row(*cells)
+    return t
+
+
+def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str], exact_only: bool = False,
+                 lengths: dict[str, int] | None = None) -> None:
     for case in dict.fromkeys(df["case"]):
         console.print(exact_table(df, case, descriptions[case]) if exact_only
                       else detail_table(df, case, descriptions[case]))
         console.print()
     if not exact_only and df["case"].nunique() > 1:
         console.print(schulman_table(df[df["lambda"].isna()]))
+    if not exact_only and lengths:
+        console.print()
+        console.print(rollout_table(df, lengths))
     if not exact_only and "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
         console.print()
         console.print(lambda_table(df))

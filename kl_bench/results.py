@@ -42,7 +42,9 @@ SCHEMA: dict[str, str] = {
     "z_var": "(Σ(f − exact_mean)²/N − exact_std²) / its batch-means SE: the variance against the exact one",
     "frac_negative": "fraction of draws whose estimate is < 0",
     "heavy_tail": "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
-                  "usually too low), 'unstable batches' (one batch carries most of Σ(f − c)²), or empty",
+                  "usually too low), 'kurtosis > draws' (rollouts: exact E[R⁴ˢ]/E[R²ˢ]² exceeds the draws, so "
+                  "the measured std is unreliable), 'unstable batches' (one batch carries most of Σ(f − c)²), "
+                  "or empty",
     "lambda_star": "cv rows: exact variance-optimal λ* = Cov(log r, r)/Var(r) (empty if unknown)",
     "lambda_star_mc": "cv rows: empirical λ* from this run's draws",
     "lambda_star_mc_se": "cv rows: standard error of lambda_star_mc (batch jackknife; unreliable when "
@@ -115,6 +117,8 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             heavy = "infinite variance"
         elif not run.pair.fourth_moment_finite(est, row.aggregate):
             heavy = "infinite 4th moment"
+        elif run.pair.kurtosis_proxy(est, row.aggregate) > n:
+            heavy = "kurtosis > draws"
         elif k > 1 and float(s2.sum()) > 0 and float(s2.max()) / float(s2.sum()) > max(0.2, 5 / k):
             heavy = "unstable batches"
         rows.append({

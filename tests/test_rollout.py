@@ -195,3 +195,15 @@ def test_seq_k3_variance_explodes_with_length_while_tok_k3_does_not():
     assert rel[16]["full"] > rel[64]["full"] > rel[256]["full"]
     assert all(rel[t]["full"] < rel[t]["tok"] for t in rel)
     assert make_cv(1.0).poly == ESTIMATORS.get("k3").poly
+
+
+def test_exact_kurtosis_flags_seq_rows_whose_measured_std_cannot_be_trusted():
+    pair = _small(eos=None, t=64, noise=0.6)
+    kurt = pair.kurtosis_proxy(ESTIMATORS.get("k3"), "seq")
+    assert kurt > 10_000
+    assert math.isnan(pair.kurtosis_proxy(ESTIMATORS.get("k3"), "tok"))
+    assert math.isnan(pair.kurtosis_proxy(ESTIMATORS.get("k1"), "seq"))
+    df = to_frame(summarize(run_case(pair, ["k1", "k3"], draws=10_000, seed=0, batches=20,
+                                     chunk=1 << 22, device=CPU)))
+    flags = dict(zip(df["aggregate"] + " " + df["estimator"], df["heavy_tail"]))
+    assert flags["seq k3"] == "kurtosis > draws" and flags["tok k3"] == "" and flags["seq k1"] == ""

@@ -95,6 +95,11 @@ class Pair(ABC):
         and batch-means errors of variances (and of λ*) are unreliable."""
         return True
 
+    def kurtosis_proxy(self, est: Estimator, aggregate: str = "") -> float:
+        """An exact scale for E[f⁴]/E[f²]² where it can be huge though finite, else NaN. When it
+        exceeds the number of draws, a measured variance cannot be trusted."""
+        return math.nan
+
     def exact_prob_negative(self, fn: Callable[[torch.Tensor], torch.Tensor], aggregate: str = "") -> float:
         """Exact P_q(f(log r) < 0), or NaN where no exact method exists."""
         return math.nan

@@ -130,6 +130,17 @@ class RolloutPair(Pair):
         mean, second = self._poly_mean(est.poly), self._poly_mean(poly_square(est.poly))
         return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
 
+    def kurtosis_proxy(self, est: Estimator, aggregate: str = "seq") -> float:
+        # Sequence-level estimators with an R^s term are dominated by it in the tail:
+        # E[R^{4s}] / E[R^{2s}]² (both exact by the DP; inf when beyond float64).
+        if aggregate != "seq" or est.poly is None:
+            return math.nan
+        s_max = max((s for (s, _), c in est.poly.items() if c != 0), default=0)
+        if s_max == 0:
+            return math.nan
+        num, den = self.seq_moments(4 * s_max)[0], self.seq_moments(2 * s_max)[0]
+        return num / den**2 if math.isfinite(num) and math.isfinite(den) and den > 0 else math.inf
+
     def exact_joint(self, aggregate: str = "seq") -> JointMoments:
         m0, m1 = self.seq_moments(0), self.seq_moments(1)
         mean_a, var_a = -m0[1], m0[2] - m0[1] ** 2
