@@ -25,7 +25,7 @@ from .experiment import run_experiment_case
 from .errors import SpecError
 from .estimators import ESTIMATORS
 from .pairs import CASE_KINDS, build_pair
-from .results import exact_rows, frame_to_csv_bytes, to_frame, write_results
+from .results import atomic_write_bytes, exact_rows, frame_to_csv_bytes, to_frame, write_results
 from .spec import load_spec, with_overrides
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -133,8 +133,10 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         draws: Optional[int] = typer.Option(None, "--draws", help="override [experiment] draws (per case)"),
         seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
         device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device: auto|cpu|cuda|cuda:N"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables")) -> None:
-    """Sample every case of SPEC and write summary.csv and run.json."""
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables"),
+        report_: bool = typer.Option(False, "--report", help="then write the report into DIR/report/")) -> None:
+    """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
+    lambda_sweep.csv) into the results folder."""
     with _user_errors():
         sp = with_overrides(load_spec(spec), draws=draws, seed=seed, device=device)
         exp = sp.experiment
@@ -144,13 +146,16 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
     t0 = time.perf_counter()
     case_draws = [c.draws or exp.draws for c in sp.cases]
     progress = _LazyProgress(sum(case_draws), enabled=not quiet)
-    rows, runs, sweeps = [], [], []
+    rows, runs, sweeps, batch_frames, reservoir = [], [], [], [], {}
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for pair, n in zip(pairs, case_draws):
             outcome = run_experiment_case(pair, exp, dev, progress=progress.advance, draws=n)
             runs.append(outcome.run)
             rows += outcome.rows
+            batch_frames.append(outcome.batch_frame())
+            for j, r in enumerate(outcome.run.rows):
+                reservoir[f"{pair.name}|{r.label}"] = outcome.reservoir[:, j].numpy()
             if outcome.sweep is not None:
                 sweeps.append(outcome.sweep)
     except KeyboardInterrupt:
@@ -171,9 +176,13 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         "device": str(dev), "device_name": _device_name(dev), "versions": _versions(), "git_commit": _git_commit(),
         "wall_seconds": round(wall, 3),
         "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
-        "cases": {r.pair.name: {"description": r.pair.describe(), "seconds": round(r.seconds, 3)} for r in runs},
+        "cases": {r.pair.name: {"kind": r.pair.kind, "description": r.pair.describe(),
+                                "label": getattr(r.pair, "label", ""), "length": getattr(r.pair, "length", None),
+                                "seconds": round(r.seconds, 3)} for r in runs},
     }
-    files = {"summary.csv": frame_to_csv_bytes(df)}
+    files = {"summary.csv": frame_to_csv_bytes(df),
+             "batches.csv": frame_to_csv_bytes(pd.concat(batch_frames, ignore_index=True)),
+             "reservoir.npz": _npz_bytes(reservoir)}
     if sweeps:
         files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
     write_results(out_dir, files, envelope)
@@ -183,11 +192,41 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         _warn_infinite(df, err_console)
         out_console.print(f"\n{sum(r.draws for r in runs):,} draws in {wall:.1f} s "
                           f"({envelope['draws_per_second']:,} draws/s on {dev}) → {out_dir}/summary.csv")
+    if report_:
+        _write_report([out_dir], out_dir / "report", quiet)
+
+
+def _npz_bytes(arrays: dict) -> bytes:
+    import io
+
+    import numpy as np
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    return buf.getvalue()
 
 
 def _device_name(dev) -> str:
     import torch
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+
+
+def _write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
+    from .report import build_report
+    with _user_errors():
+        files = build_report(dirs)
+    for name, data in files.items():
+        atomic_write_bytes(out / name, data)
+    if not quiet:
+        out_console.print(f"report → {out}/report.html ({sum(n.startswith('figures/') for n in files)} figures)")
+
+
+@app.command()
+def report(dirs: list[Path] = typer.Argument(..., help="one or more results folders written by `kl-bench run`"),
+           out: Optional[Path] = typer.Option(None, "--out", help="report folder [default: DIR/report, or "
+                                              "results/report for several folders]")) -> None:
+    """Plots, the paper-style table (LaTeX and Markdown) and a browsable report from results folders."""
+    target = out or (dirs[0] / "report" if len(dirs) == 1 else Path("results") / "report")
+    _write_report(dirs, target)
 
 
 @app.command()
@@ -204,7 +243,6 @@ def exact(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
     print_tables(out_console, df, {p.name: p.describe() for p in pairs}, exact_only=True)
     _warn_infinite(df, err_console)
     if out is not None:
-        from .results import atomic_write_bytes
         atomic_write_bytes(out, frame_to_csv_bytes(df))
         out_console.print(f"→ {out}")
 

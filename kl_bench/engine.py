@@ -164,11 +164,12 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
 
 
 def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,
-                         device: torch.device) -> dict[str, float]:
+                         device: torch.device) -> tuple[dict[str, float], torch.Tensor]:
     """P(mean of ``batch`` draws < 0) per row, simulated on ``batches`` batches of actual draws
-    (an independent stream: seeded from (seed, case/small-batch))."""
+    (an independent stream: seeded from (seed, case/small-batch)). Also returns the per-draw values
+    [batch·batches, rows] (CPU): an i.i.d. sample that the report keeps as a reservoir."""
     g = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/small-batch", 0))
     draws = pair.sample_draws(batch * batches, g, device, tok_rows(rows))
-    values = row_values(draws, rows).view(batches, batch, len(rows))
-    neg = (values.mean(dim=1) < 0).double().mean(dim=0)
-    return {r.label: float(v) for r, v in zip(rows, neg)}
+    values = row_values(draws, rows)
+    neg = (values.view(batches, batch, len(rows)).mean(dim=1) < 0).double().mean(dim=0)
+    return {r.label: float(v) for r, v in zip(rows, neg)}, values.cpu()

@@ -25,12 +25,20 @@ SMALL_BATCHES = (256, 4096)  # ... and number of simulated batches: draws/256 wi
 RMSE_SIZES = (64, 1024, 16384)
 
 
+RESERVOIR = 100_000         # per-draw values kept per row for the report's distribution plots
+
+
 @dataclass
 class CaseOutcome:
     run: CaseRun
     rows: list[dict]
     sweep: pd.DataFrame | None
     pilot_lambda: float | None
+    reservoir: torch.Tensor      # [≤ RESERVOIR, rows] per-draw values from an independent stream
+
+    def batch_frame(self) -> pd.DataFrame:
+        """Per-batch means of every row (the report's convergence plot), long format."""
+        return batch_means_frame(self.run, self.rows)
 
 
 def small_batches(draws: int) -> int:
@@ -64,8 +72,8 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
             cvs.append(Row(make_cv(pilot_lambda, name="cv_opt"), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress)
-    small = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
-                                 seed=exp.seed, device=device)
+    small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
+                                         seed=exp.seed, device=device)
     out = summarize(run)
     for r, row in zip(run.rows, out):
         _add_planning(row)
@@ -84,7 +92,26 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
         sweeps.append(sweep_frame(run, agg, exact_joint, pair.kl(),
                                   lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a),
                                   measured))
-    return CaseOutcome(run, out, pd.concat(sweeps, ignore_index=True) if sweeps else None, pilot_lambda)
+    return CaseOutcome(run, out, pd.concat(sweeps, ignore_index=True) if sweeps else None, pilot_lambda,
+                       values[:RESERVOIR])
+
+
+BATCH_SCHEMA: dict[str, str] = {
+    "case": "case name", "estimator": "estimator", "lambda": "λ for cv rows", "aggregate": "rollout aggregation",
+    "batch": "batch index (draws of batch i are seeded from (seed, case, i))",
+    "draws": "draws in this batch", "batch_mean": "mean of the estimator over the batch's draws",
+}
+
+
+def batch_means_frame(run: CaseRun, rows: list[dict]) -> pd.DataFrame:
+    n_k = run.sizes.double()
+    parts = []
+    for j, (r, row) in enumerate(zip(run.rows, rows)):
+        parts.append(pd.DataFrame({
+            "case": row["case"], "estimator": row["estimator"], "lambda": row["lambda"],
+            "aggregate": row["aggregate"], "batch": range(len(n_k)), "draws": run.sizes.numpy(),
+            "batch_mean": (run.shifts[j] + run.sums[:, j] / n_k).numpy()}))
+    return pd.concat(parts, ignore_index=True)[list(BATCH_SCHEMA)]
 
 
 def _excess(std: float, best: float) -> float:

@@ -31,6 +31,7 @@ SCHEMA: dict[str, str] = {
     "mean": "Monte Carlo mean of the estimator over all draws",
     "std": "Monte Carlo standard deviation of one draw's estimate",
     "se": "standard error of `mean`, from batch means",
+    "std_se": "standard error of `std` (batch means of the squared deviations from the exact mean, delta method)",
     "bias": "mean − true_kl",
     "rel_bias": "bias / true_kl (empty when true_kl is 0 or inf)",
     "rel_std": "std / true_kl: per-draw noise relative to the truth (Schulman's stdev/true)",
@@ -102,11 +103,12 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             z = math.nan
         # Σ(f − c)²/N with c = exact mean is an unbiased estimate of the exact variance, so its
         # batch-means SE gives a z for the variance as well (meaningful when E[f⁴] < ∞).
-        z_var = math.nan
+        z_var, std_se = math.nan, math.nan
         if math.isfinite(exact_var) and shift == exact_mean and k > 1:
             m2_k = s2 / n_k
             m2 = float(s2.sum()) / n
             se_m2 = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (m2_k - m2) ** 2).sum()))
+            std_se = se_m2 / (2 * math.sqrt(m2)) if m2 > 0 else 0.0
             if se_m2 > 0:
                 z_var = (m2 - exact_var) / se_m2
             else:   # no noise: compare at float64 rounding of the squared mean
@@ -124,7 +126,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         rows.append({
             "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
             "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate, "target": est.target,
-            "true_kl": true, "draws": int(n), "batches": k, "mean": mean, "std": std, "se": se,
+            "true_kl": true, "draws": int(n), "batches": k, "mean": mean, "std": std, "se": se, "std_se": std_se,
             "bias": bias, "rel_bias": _div(bias, true), "rel_std": _div(std, true),
             "exact_mean": exact_mean, "exact_std": exact_std,
             "exact_rel_bias": _div(exact_mean - true, true) if math.isfinite(exact_mean) else math.nan,
@@ -159,6 +161,9 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 # ----------------------------------------------------------------------------- atomic writes
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
     write a temporary file in the same folder, fsync it, then rename it over the target."""
@@ -169,6 +174,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp makes 0600 files; results are for sharing
         os.replace(tmp, path)
     except BaseException:
         try:

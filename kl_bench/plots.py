@@ -1,0 +1,246 @@
+"""Plot functions: each takes a DataFrame (and an optional ``ax``) and returns the figure.
+
+Nothing here writes files; the CLI does. Colours come from seaborn's colorblind palette.
+"""
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")   # headless: the report renders on machines without a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+PALETTE = sns.color_palette("colorblind")
+sns.set_theme(context="notebook", style="whitegrid", palette=PALETTE)
+
+
+def row_label(r) -> str:
+    """'k3', 'seq k3', 'cv(0.5)', 'cv_opt(0.58)'."""
+    name = r["estimator"]
+    lam = r.get("lambda", math.nan)
+    if isinstance(lam, float) and not math.isnan(lam):
+        name = f"{name}({lam:.3g})"
+    agg = r.get("aggregate", "")
+    return f"{agg} {name}" if isinstance(agg, str) and agg else name
+
+
+def _symlog_ticks(ax, lo: float, hi: float, linthresh: float) -> None:
+    """Decade ticks outside ±linthresh plus 0, and limits with room for the outermost points."""
+    ticks = [0.0]
+    for sign, end in ((1, hi), (-1, -lo)):
+        if end > linthresh:
+            ticks += [sign * 10.0**e for e in range(int(np.floor(np.log10(linthresh))) + 1,
+                                                   int(np.ceil(np.log10(end))) + 1)]
+    ticks = sorted(ticks)
+    ax.set_xticks(ticks)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlim(min(lo * 2, -linthresh), max(hi * 2, linthresh))
+
+
+def _plain_log_labels(axis) -> None:
+    """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹."""
+    fmt = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    axis.set_major_formatter(fmt)
+    axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"{v:g}" if f"{v:.1g}"[0] in "25" else ""))
+
+
+def _axes(ax, ncols=1, width=6.4, height=4.0):
+    """(figure, ax) from a given ax (or array of axes), or a new figure."""
+    if ax is not None:
+        return np.atleast_1d(ax).ravel()[0].figure, ax
+    fig, ax = plt.subplots(1, ncols, figsize=(width, height), layout="constrained")
+    return fig, ax
+
+
+def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
+    """Bias/true (with 95% CI) and std/true (with 95% CI) per estimator of one case; exact values as ×.
+
+    ``df``: summary rows of one case (a ``run`` column, if present, separates results folders).
+    """
+    df = df[df["lambda"].isna()].copy()
+    df["label"] = [row_label(r) for _, r in df.iterrows()]
+    runs = list(dict.fromkeys(df["run"])) if "run" in df and df["run"].nunique() > 1 else [None]
+    fig, axes = _axes(axes, 2, 11, 0.45 * df["label"].nunique() + 1.6)
+    labels = list(dict.fromkeys(df["label"]))
+    y = {lab: i for i, lab in enumerate(labels)}
+    offsets = np.linspace(-0.2, 0.2, len(runs)) if len(runs) > 1 else [0.0]
+    for k, run in enumerate(runs):
+        d = df if run is None else df[df["run"] == run]
+        yy = np.array([y[lab] for lab in d["label"]]) + offsets[k]
+        true = d["true_kl"].to_numpy(dtype=float)
+        color = PALETTE[k % len(PALETTE)]
+        axes[0].errorbar(d["rel_bias"], yy, xerr=1.96 * d["se"] / true, fmt="o", color=color,
+                         label=run or "measured ± 95% CI", capsize=3)
+        axes[1].errorbar(d["rel_std"], yy, xerr=1.96 * d["std_se"].fillna(0) / true, fmt="o", color=color,
+                         label=run or "measured ± 95% CI", capsize=3)
+        if k == 0:
+            axes[0].scatter(d["exact_rel_bias"], yy, marker="x", s=70, color="black", zorder=3, label="exact")
+            axes[1].scatter(d["exact_rel_std"].replace(np.inf, np.nan), yy, marker="x", s=70, color="black",
+                            zorder=3, label="exact")
+    for ax in axes:
+        ax.set_yticks(range(len(labels)), labels)
+        ax.invert_yaxis()
+    axes[0].axvline(0, color="grey", lw=1)
+    bias = pd.concat([df["rel_bias"], df["exact_rel_bias"]]).replace([np.inf, -np.inf], np.nan).dropna()
+    lt = 1e-3
+    axes[0].set_xscale("symlog", linthresh=lt)
+    if not bias.empty:
+        _symlog_ticks(axes[0], float(bias.min()), float(bias.max()), lt)
+    axes[0].set_xlabel("bias / true KL  (symlog; 0 = unbiased)")
+    axes[1].set_xscale("log")
+    stds = pd.concat([df["rel_std"], df["exact_rel_std"]]).replace([np.inf, -np.inf], np.nan).dropna()
+    stds = stds[stds > 0]
+    if not stds.empty:
+        axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
+    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes[1].set_xlabel("per-draw std / true KL  (log)")
+    axes[1].legend(loc="best", fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
+    """std/true of cv(λ) = −log r + λ(r−1) against λ: exact line, measured dashed, λ* and k1/k3 marked.
+
+    ``sweep``: lambda_sweep.csv rows of one case and aggregate.
+    """
+    fig, ax = _axes(ax)
+    s = sweep.sort_values("lambda")
+    ax.plot(s["lambda"], s["exact_rel_std"].replace(np.inf, np.nan), color=PALETTE[0], lw=2, label="exact")
+    ax.plot(s["lambda"], s["rel_std"], color=PALETTE[1], lw=1.5, ls="--", label="measured (one pass)")
+    star = float(s["lambda_star"].iloc[0])
+    if math.isfinite(star):
+        ax.axvline(star, color=PALETTE[2], lw=1.5, label=f"λ* = {star:.3g}")
+    for lam, name, color in ((0.0, "k1 (λ=0)", PALETTE[3]), (1.0, "k3 (λ=1)", PALETTE[4])):
+        hit = s[s["lambda"] == lam]
+        if not hit.empty:
+            v = hit["exact_rel_std"].iloc[0]
+            v = hit["rel_std"].iloc[0] if not np.isfinite(v) else v
+            ax.scatter([lam], [v], s=90, color=color, zorder=4, label=name, edgecolor="black")
+    ax.set_yscale("log")
+    _plain_log_labels(ax.yaxis)
+    ax.set_xlabel("λ")
+    ax.set_ylabel("per-draw std / true KL  (log)")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_distribution(values: dict[str, np.ndarray], ax=None, title: str = ""):
+    """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded."""
+    fig, ax = _axes(ax, width=9)
+    lo = min((float(np.min(v)) for v in values.values() if len(v)), default=-1.0)
+    hi = max((float(np.max(v)) for v in values.values() if len(v)), default=1.0)
+    for k, (label, v) in enumerate(values.items()):
+        x = np.sort(v)
+        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=PALETTE[k % len(PALETTE)],
+                label=label, lw=1.6, ls="-" if k < len(PALETTE) else "--")
+    finite = np.concatenate([np.abs(v[np.isfinite(v) & (v != 0)]) for v in values.values()] or [np.ones(1)])
+    # The linear zone of the symlog axis: a decade boundary below most |values| (5th percentile).
+    linthresh = 10.0 ** np.floor(np.log10(np.quantile(finite, 0.05))) if finite.size else 1e-3
+    if lo < 0:
+        ax.axvspan(min(lo, -linthresh) * 3, 0, color="red", alpha=0.08, label="negative estimates")
+    ax.set_xscale("symlog", linthresh=linthresh)
+    _symlog_ticks(ax, min(lo, 0.0), hi, linthresh)
+    ax.tick_params(axis="x", labelsize="small")
+    ax.set_xlabel("per-draw estimate  (symlog)")
+    ax.set_ylabel("fraction of draws ≤ x  (ECDF)")
+    ax.set_title(title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig
+
+
+def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, title: str = ""):
+    """Running estimate against draws, one panel per estimator: ±2 SE band (batch means so far), the
+    true KL (dotted) and, for biased estimators, their exact mean (dashed).
+
+    ``batches``: batches.csv rows of one case; ``summary``: its summary rows.
+    """
+    keep = [r for _, r in summary[summary["lambda"].isna()].iterrows()]
+    ncols = min(3, max(1, len(keep)))
+    nrows = int(np.ceil(len(keep) / ncols)) or 1
+    if axes is None:
+        fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.8 * nrows), layout="constrained",
+                                 squeeze=False, sharex=True)
+    else:
+        fig = np.atleast_1d(axes).ravel()[0].figure
+    flat = np.atleast_1d(axes).ravel()
+    for k, r in enumerate(keep):
+        ax = flat[k]
+        sel = (batches["estimator"] == r["estimator"]) & (batches["aggregate"].fillna("") == (r["aggregate"] or "")) \
+            & batches["lambda"].isna()
+        b = batches[sel].sort_values("batch")
+        n = b["draws"].to_numpy(dtype=float)
+        m = b["batch_mean"].to_numpy(dtype=float)
+        cum_n = np.cumsum(n)
+        run_mean = np.cumsum(n * m) / cum_n
+        k_idx = np.arange(1, len(m) + 1)
+        # Running batch-means SE: spread of the batch means so far around the running mean, / √(batches − 1).
+        sq = np.cumsum(n * m * m) / cum_n - run_mean**2
+        se = np.sqrt(np.maximum(sq, 0) / np.maximum(k_idx - 1, 1))
+        color = PALETTE[k % len(PALETTE)]
+        ax.plot(cum_n, run_mean, color=color, lw=1.5)
+        ax.fill_between(cum_n[1:], (run_mean - 2 * se)[1:], (run_mean + 2 * se)[1:], color=color, alpha=0.2)
+        if math.isfinite(r["true_kl"]):
+            ax.axhline(r["true_kl"], color="black", lw=1.2, ls=":", label="true KL")
+        biased = math.isfinite(r["exact_mean"]) and not math.isclose(r["exact_mean"], r["true_kl"], rel_tol=1e-6)
+        if biased:
+            ax.axhline(r["exact_mean"], color="grey", lw=1.2, ls="--", label="exact mean (biased)")
+        ax.set_xscale("log")
+        ax.set_title(row_label(r), fontsize="medium")
+        ax.tick_params(labelsize="small")
+        if k == 0 or biased:
+            ax.legend(fontsize="x-small")
+    for ax in flat[len(keep):]:
+        ax.set_visible(False)
+    fig.supxlabel("draws  (log)")
+    fig.supylabel("running estimate (±2 SE)")
+    fig.suptitle(title)
+    return fig
+
+
+def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None, title: str = ""):
+    """Rollouts: exact std/true (lines) and measured (markers) against T, log-log, per estimator and
+    aggregation. ``summary``: rows of rollout cases that differ only in their length T."""
+    fig, ax = _axes(ax, width=7.5)
+    df = summary[summary["lambda"].isna() & summary["case"].isin(lengths)].copy()
+    df["T"] = df["case"].map(lengths)
+    df["label"] = [row_label(r) for _, r in df.iterrows()]
+    for k, (label, d) in enumerate(df.groupby("label", sort=False)):
+        d = d.sort_values("T")
+        color = PALETTE[k % len(PALETTE)]
+        ax.plot(d["T"], d["exact_rel_std"].replace(np.inf, np.nan), color=color, lw=1.8,
+                marker="o" if k < len(PALETTE) else "s", label=label)
+        ax.scatter(d["T"], d["rel_std"], color=color, marker="x", s=50)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T  (log)")
+    ax.set_ylabel("per-rollout std / true KL  (log)")
+    ax.set_title(title + "\n(lines: exact; ×: measured)")
+    ax.legend(fontsize="x-small", ncol=2)
+    return fig
+
+
+def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
+    """Draws a batch needs for its mean to be within 10% of the true KL with 95% probability."""
+    df = summary[summary["lambda"].isna() & np.isfinite(summary["n_for_10pct"].astype(float))].copy()
+    df["label"] = [row_label(r) for _, r in df.iterrows()]
+    fig, ax = _axes(ax, width=8, height=0.3 * len(df) + 1.5)
+    n_cases = df["case"].nunique()
+    sns.barplot(df, y="label", x="n_for_10pct", hue="case", ax=ax, palette=PALETTE[:n_cases], orient="h")
+    ax.set_xscale("log")
+    ax.set_xlabel("draws for ±10% error with 95% probability  (log)")
+    ax.set_ylabel("")
+    never = summary[summary["lambda"].isna() & ~np.isfinite(summary["n_for_10pct"].astype(float))]
+    note = ("\nno bar: never (" + ", ".join(sorted({f"{row_label(r)}@{r['case']}" for _, r in never.iterrows()}))
+            + ": bias alone > 10% or infinite variance)") if not never.empty else ""
+    ax.set_title(title + note, fontsize="small" if note else None)
+    ax.legend(fontsize="x-small", title="case")
+    return fig

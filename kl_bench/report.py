@@ -1,0 +1,353 @@
+"""The report: figures, the paper-style table (LaTeX booktabs and Markdown) and a browsable report
+(Markdown and a self-contained HTML page), from one or more results folders.
+
+:func:`build_report` returns {relative path: bytes}; the CLI writes them.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .errors import SpecError
+from .results import COLUMNS
+
+
+# The core columns (issue: core); later columns are optional so that older results still report.
+REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se", "bias",
+            "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
+
+
+TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail"]
+
+
+@dataclass
+class Results:
+    """One results folder written by `kl-bench run`."""
+    path: Path
+    name: str
+    summary: pd.DataFrame
+    envelope: dict
+    sweep: pd.DataFrame | None
+    batches: pd.DataFrame | None
+    reservoir: dict[str, np.ndarray] | None
+
+
+def load_results(path: Path) -> Results:
+    """Read a results folder; a missing or incomplete one is a one-line SpecError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SpecError("not a results folder (it does not exist)", file=str(path))
+    summary_path, env_path = path / "summary.csv", path / "run.json"
+    for p in (summary_path, env_path):
+        if not p.exists():
+            raise SpecError(f"incomplete results folder: {p.name} is missing (run `kl-bench run` first)",
+                            file=str(path))
+    try:
+        # Text columns as object: empty cells would otherwise make an all-NaN float column.
+        summary = pd.read_csv(summary_path, dtype={c: object for c in TEXT_COLUMNS})
+        for c in TEXT_COLUMNS:
+            if c in summary:
+                summary[c] = summary[c].fillna("")
+    except Exception as e:
+        raise SpecError(f"cannot read summary.csv: {e.__class__.__name__}: {str(e).splitlines()[0]}",
+                        file=str(path)) from None
+    missing = [c for c in REQUIRED if c not in summary.columns]
+    if missing or summary.empty:
+        raise SpecError(f"summary.csv is incomplete: missing columns {', '.join(missing) or '(no rows)'}",
+                        file=str(path))
+    for c in COLUMNS:                  # columns added by later versions: empty in older results
+        if c not in summary.columns:
+            summary[c] = "" if c == "heavy_tail" else np.nan
+    try:
+        envelope = json.loads(env_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecError(f"run.json is unreadable: {e}", file=str(path)) from None
+
+    def optional_csv(name):
+        p = path / name
+        if not p.exists():
+            return None
+        df = pd.read_csv(p, dtype={"aggregate": object})
+        if "aggregate" in df:
+            df["aggregate"] = df["aggregate"].fillna("")
+        return df
+    reservoir = None
+    if (path / "reservoir.npz").exists():
+        try:
+            with np.load(path / "reservoir.npz") as z:
+                reservoir = {k: z[k] for k in z.files}
+        except (OSError, ValueError, zipfile.BadZipFile) as e:
+            raise SpecError(f"reservoir.npz is unreadable: {e}", file=str(path)) from None
+    return Results(path, path.name, summary, envelope, optional_csv("lambda_sweep.csv"),
+                   optional_csv("batches.csv"), reservoir)
+
+
+# ----------------------------------------------------------------------------- numbers
+def sig(x: float, digits: int = 3) -> str:
+    """Significant digits as the paper table shows them; 0 for float64 rounding of exact zeros."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if math.isinf(x):
+        return "∞" if x > 0 else "−∞"
+    if abs(x) < 1e-9:
+        return "0"
+    return f"{x:.{digits}g}".replace("e-0", "e-").replace("e+0", "e")
+
+
+_TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "$": r"\$", "{": r"\{",
+        "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "²": r"\textsuperscript{2}",
+        "σ": r"$\sigma$", "μ": r"$\mu$", "λ": r"$\lambda$", "‖": r"$\|$", "−": "-", "·": r"$\cdot$",
+        "∞": r"$\infty$", "–": "--", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$"}
+
+
+def tex(text: str) -> str:
+    return "".join(_TEX.get(ch, ch) for ch in str(text))
+
+
+def _tex_number(s: str) -> str:
+    if "e" in s and s not in ("–",):
+        mant, exp = s.split("e")
+        return f"${mant}\\times 10^{{{int(exp)}}}$"
+    return tex(s)
+
+
+# ----------------------------------------------------------------------------- paper table
+def paper_table(df: pd.DataFrame):
+    """Schulman's layout: rows are estimators; per case bias/true and stdev/true, measured and exact.
+
+    Returns (cases [(key, title, true_kl)], rows [(label, [cells per case: 4 strings])])."""
+    df = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
+    cases = []
+    for key in dict.fromkeys(df["key"]):
+        c = df[df["key"] == key]
+        cases.append((key, key, float(c["true_kl"].iloc[0])))
+    labels = list(dict.fromkeys(df["label"]))
+    rows = []
+    for lab in labels:
+        cells = []
+        for key, _, _ in cases:
+            hit = df[(df["key"] == key) & (df["label"] == lab)]
+            if hit.empty:
+                cells.append(["", "", "", ""])
+                continue
+            r = hit.iloc[0]
+            cells.append([sig(r["rel_bias"]), sig(r["exact_rel_bias"]), sig(r["rel_std"]) + ("†" if r["heavy_tail"] else ""),
+                          sig(r["exact_rel_std"])])
+        rows.append((lab, cells))
+    return cases, rows
+
+
+def _caption(results: list[Results]) -> str:
+    bits = []
+    for res in results:
+        env = res.envelope
+        draws = env.get("draws_per_case")
+        if isinstance(draws, dict):
+            values = sorted(set(draws.values()))
+            draws_txt = " / ".join(f"{v:,}" for v in values)
+        else:
+            draws_txt = f"{draws:,}" if isinstance(draws, int) else "?"
+        cases = "; ".join(f"{name}: {meta.get('description', '')}" for name, meta in env.get("cases", {}).items())
+        bits.append(f"{res.name}: {draws_txt} draws per case, seed {env.get('seed')}, device {env.get('device')}. "
+                    f"Cases: {cases}.")
+    return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL, "
+            "measured (exact in the adjacent column); † marks a heavy-tailed row whose measured std "
+            "cannot be trusted. " + " ".join(bits))
+
+
+def table_tex(cases, rows, caption: str) -> str:
+    n = len(cases)
+    colspec = "l" + "rrrr" * n
+    lines = [r"% kl-bench paper table; needs \usepackage{booktabs} and \usepackage{graphicx}",
+             r"\begin{table}[t]", r"\centering", r"\resizebox{\textwidth}{!}{%",
+             rf"\begin{{tabular}}{{{colspec}}}", r"\toprule"]
+    head = " & ".join(rf"\multicolumn{{4}}{{c}}{{{tex(title)} (KL $=$ {_tex_number(sig(true))})}}"
+                      for _, title, true in cases)
+    lines.append(f" & {head} \\\\")
+    lines.append("".join(rf"\cmidrule(lr){{{2 + 4 * i}-{5 + 4 * i}}}" for i in range(n)))
+    sub = " & ".join(["bias/true & exact & stdev/true & exact"] * n)
+    lines.append(f"estimator & {sub} \\\\")
+    lines.append(r"\midrule")
+    for label, cells in rows:
+        lines.append(tex(label) + " & " + " & ".join(_tex_number(c) if c else "" for cell in cells for c in cell)
+                     + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}}", rf"\caption{{{tex(caption)}}}", r"\label{tab:kl-bench}",
+              r"\end{table}", ""]
+    return "\n".join(lines)
+
+
+def table_md(cases, rows, caption: str) -> str:
+    head = "| estimator | " + " | ".join(f"{title} (KL = {sig(true)}) bias/true | exact | stdev/true | exact"
+                                         for _, title, true in cases) + " |"
+    sep = "|---|" + "---:|" * (4 * len(cases))
+    body = ["| " + label + " | " + " | ".join(c for cell in cells for c in cell) + " |" for label, cells in rows]
+    return "\n".join([head, sep, *body, "", f"*{caption}*", ""])
+
+
+# ----------------------------------------------------------------------------- figures
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _slug(text: str) -> str:
+    keep = "".join(ch if (ch.isascii() and ch.isalnum()) or ch in "-_." else "-" for ch in text)
+    return "-".join(filter(None, keep.split("-")))[:80] or "case"
+
+
+def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, str, bytes]]:
+    """[(file name, caption, PNG bytes)] for every figure the available results support."""
+    from . import plots
+    figs = []
+    multi = len(results) > 1
+    for case in dict.fromkeys(df["case"]):
+        rows = df[df["case"] == case]
+        figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias/true and std/true per estimator "
+                     "(95% CI; × exact)", _png(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to the true KL"))))
+    for res in results:
+        prefix = f"{_slug(res.name)}_" if multi else ""
+        s = res.summary
+        if res.sweep is not None:
+            for (case, agg), sw in res.sweep.groupby(["case", "aggregate"], sort=False):
+                name = f"{case} ({agg})" if agg else case
+                figs.append((f"{prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
+                             _png(plots.plot_lambda_curve(sw, title=f"{name}: control variate −log r + λ(r−1)"))))
+        if res.reservoir:
+            for case in dict.fromkeys(s["case"]):
+                rows = s[(s["case"] == case) & s["lambda"].isna()]
+                values = {}
+                for _, r in rows.iterrows():
+                    key = f"{case}|{_row_key(r)}"
+                    if key in res.reservoir:
+                        values[_label(r)] = res.reservoir[key]
+                if values:
+                    figs.append((f"{prefix}distribution_{_slug(case)}.png",
+                                 f"{case}: per-draw distribution of each estimator (ECDF)",
+                                 _png(plots.plot_distribution(values, title=f"{case}: per-draw estimates "
+                                                              "(negative region shaded)"))))
+        if res.batches is not None:
+            for case in dict.fromkeys(s["case"]):
+                figs.append((f"{prefix}convergence_{_slug(case)}.png", f"{case}: running estimate against draws",
+                             _png(plots.plot_convergence(res.batches[res.batches["case"] == case],
+                                                         s[s["case"] == case],
+                                                         title=f"{case}: convergence (±2 SE)"))))
+        lengths = {name: meta["length"] for name, meta in res.envelope.get("cases", {}).items()
+                   if meta.get("kind") == "rollout" and meta.get("length")}
+        families: dict[str, dict[str, int]] = {}
+        for name, length in lengths.items():
+            families.setdefault(res.envelope["cases"][name].get("label", ""), {})[name] = length
+        for k, (label, members) in enumerate(families.items()):
+            if len(members) > 1:
+                figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): std/true against T",
+                             _png(plots.plot_rollout_growth(s, members, title=f"rollouts: {label}"))))
+        if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
+            figs.append((f"{prefix}planning.png", "draws for ±10% error with 95% probability",
+                         _png(plots.plot_planning(s, title=f"{res.name}: batch-size planning"))))
+    return figs
+
+
+def _row_key(r) -> str:
+    """The engine's row label (kl_bench.draws.Row.label) from a summary row."""
+    base = r["estimator"] if isinstance(r["lambda"], float) and math.isnan(r["lambda"]) else \
+        f"{r['estimator']}@{float(r['lambda'])!r}"
+    return f"{r['aggregate']}:{base}" if r["aggregate"] else base
+
+
+def _label(r) -> str:
+    from .plots import row_label
+    return row_label(r)
+
+
+# ----------------------------------------------------------------------------- report
+def build_report(dirs: list[Path]) -> dict[str, bytes]:
+    results = [load_results(d) for d in dirs]
+    names = [r.name for r in results]
+    if len(set(names)) != len(names):      # same folder name twice: use the full paths
+        for r in results:
+            r.name = str(r.path)
+    frames = []
+    for res in results:
+        d = res.summary.copy()
+        d["run"] = res.name
+        d["key"] = f"{res.name}/" + d["case"] if len(results) > 1 else d["case"]
+        d["label"] = [_label(r) for _, r in d.iterrows()]
+        frames.append(d)
+    df = pd.concat(frames, ignore_index=True)
+    caption = _caption(results)
+    cases, rows = paper_table(df)
+    tex_text, md_table = table_tex(cases, rows, caption), table_md(cases, rows, caption)
+    figs = build_figures(results, df)
+    files = {f"figures/{name}": data for name, _, data in figs}
+    files["table.tex"] = tex_text.encode()
+    files["table.md"] = md_table.encode()
+    files["report.md"] = _report_md(results, md_table, figs).encode()
+    files["report.html"] = _report_html(results, df, figs, caption, cases, rows).encode()
+    return files
+
+
+def _run_lines(res: Results) -> list[str]:
+    env = res.envelope
+    return [f"- results: `{res.path}`; spec `{env.get('spec_path')}` (sha256 {str(env.get('spec_sha256'))[:12]}…)",
+            f"- seed {env.get('seed')}, device {env.get('device')} ({env.get('device_name', '')}), "
+            f"git commit {str(env.get('git_commit') or 'unknown')[:10]}, {env.get('wall_seconds')} s, "
+            f"{env.get('draws_per_second', 0):,} draws/s"]
+
+
+def _report_md(results: list[Results], md_table: str, figs) -> str:
+    out = ["# kl-bench report", ""]
+    for res in results:
+        out += [f"## {res.name}", *_run_lines(res), ""]
+    out += ["## Paper table", "", md_table, "## Figures", ""]
+    for name, caption, _ in figs:
+        out += [f"### {caption}", "", f"![{caption}](figures/{name})", ""]
+    for res in results:
+        heavy = res.summary[res.summary["heavy_tail"] != ""]
+        if not heavy.empty:
+            out += [f"## Heavy tails ({res.name})", ""]
+            out += [f"- {r['case']}: {_label(r)}: {r['heavy_tail']}" for _, r in heavy.iterrows()]
+            out.append("")
+    return "\n".join(out)
+
+
+def _report_html(results, df, figs, caption, cases, rows) -> str:
+    esc = html.escape
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>kl-bench report</title>",
+             "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;font-size:0.85em;margin:1em 0}td,th{padding:2px 8px;"
+             "border-bottom:1px solid #ddd;text-align:right}td:first-child,th:first-child{text-align:left}"
+             "img{max-width:100%;border:1px solid #eee}figure{margin:1.5em 0}</style></head><body>",
+             "<h1>kl-bench report</h1>"]
+    for res in results:
+        parts.append(f"<h2>{esc(res.name)}</h2><ul>" + "".join(
+            f"<li>{esc(line[2:])}</li>" for line in _run_lines(res)) + "</ul>")
+    parts.append("<h2>Paper table</h2><table><tr><th></th>" + "".join(
+        f"<th colspan='4'>{esc(title)} (KL = {esc(sig(true))})</th>" for _, title, true in cases) + "</tr>")
+    parts.append("<tr><th>estimator</th>" + "<th>bias/true</th><th>exact</th><th>stdev/true</th><th>exact</th>"
+                 * len(cases) + "</tr>")
+    for label, cells in rows:
+        parts.append(f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(c)}</td>" for cell in cells for c in cell)
+                     + "</tr>")
+    parts.append(f"</table><p><em>{esc(caption)}</em></p><h2>Figures</h2>")
+    for name, cap, data in figs:
+        b64 = base64.b64encode(data).decode()
+        parts.append(f"<figure id='{esc(name)}'><img src='data:image/png;base64,{b64}' alt='figures/{esc(name)}'>"
+                     f"<figcaption>{esc(cap)} (<code>figures/{esc(name)}</code>)</figcaption></figure>")
+    parts.append("<h2>All rows</h2>")
+    show = ["run", "case", "label", "target", "true_kl", "mean", "se", "exact_mean", "rel_bias", "rel_std",
+            "exact_rel_std", "z", "frac_negative", "n_for_10pct", "heavy_tail"]
+    parts.append(df[[c for c in show if c in df]].to_html(index=False, float_format=lambda x: sig(x, 4),
+                                                          na_rep="", border=0))
+    parts.append("</body></html>")
+    return "\n".join(parts)
