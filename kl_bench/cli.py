@@ -21,7 +21,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import __version__
 from .display import print_tables
 from .engine import resolve_device
-from .experiment import run_experiment_case
 from .errors import SpecError
 from .estimators import ESTIMATORS
 from .pairs import CASE_KINDS, build_pair
@@ -134,75 +133,76 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
         device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device: auto|cpu|cuda|cuda:N"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables"),
-        report_: bool = typer.Option(False, "--report", help="then write the report into DIR/report/")) -> None:
+        report_: bool = typer.Option(False, "--report", help="then write the report into DIR/report/"),
+        resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its checkpoint"),
+        checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", metavar="SECONDS",
+                                               help="write a checkpoint at most this often (0: never)")) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
-    lambda_sweep.csv) into the results folder."""
+    lambda_sweep.csv) into the results folder, atomically."""
+    from .experiment import run_spec
+    from .storage import (FolderLock, checkpoint_identity, clean_stale, load_checkpoint, remove_checkpoint,
+                          save_checkpoint)
     with _user_errors():
         sp = with_overrides(load_spec(spec), draws=draws, seed=seed, device=device)
         exp = sp.experiment
         dev = resolve_device(exp.device)
         pairs = [build_pair(c, str(spec)) for c in sp.cases]   # validates files before sampling
+        if checkpoint_every < 0:
+            raise SpecError(f"must be ≥ 0, got {checkpoint_every}", key="--checkpoint-every")
     out_dir = out or Path("results") / exp.name
-    t0 = time.perf_counter()
     case_draws = [c.draws or exp.draws for c in sp.cases]
-    progress = _LazyProgress(sum(case_draws), enabled=not quiet)
-    rows, runs, sweeps, batch_frames, reservoir = [], [], [], [], {}
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        for pair, n in zip(pairs, case_draws):
-            outcome = run_experiment_case(pair, exp, dev, progress=progress.advance, draws=n)
-            runs.append(outcome.run)
-            rows += outcome.rows
-            batch_frames.append(outcome.batch_frame())
-            for j, r in enumerate(outcome.run.rows):
-                reservoir[f"{pair.name}|{r.label}"] = outcome.reservoir[:, j].numpy()
-            if outcome.sweep is not None:
-                sweeps.append(outcome.sweep)
-    except KeyboardInterrupt:
-        progress.close()
-        err_console.print(f"interrupted: nothing was written; earlier results in {out_dir} are untouched")
-        raise typer.Exit(130) from None
-    finally:
-        progress.close()
-        signal.signal(signal.SIGTERM, previous)
-    wall = time.perf_counter() - t0
-    df = to_frame(rows)
-    envelope = {
-        "kl_bench_run": 1,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "spec_path": str(spec), "spec_sha256": sp.sha256, "spec_text": sp.text,
-        "experiment": exp.name, "seed": exp.seed, "draws_per_case": {c.name: n for c, n in zip(sp.cases, case_draws)},
-        "batches": exp.batches,
-        "device": str(dev), "device_name": _device_name(dev), "versions": _versions(), "git_commit": _git_commit(),
-        "wall_seconds": round(wall, 3),
-        "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
-        "cases": {r.pair.name: {"kind": r.pair.kind, "description": r.pair.describe(),
-                                "label": getattr(r.pair, "label", ""), "length": getattr(r.pair, "length", None),
-                                "seconds": round(r.seconds, 3)} for r in runs},
-    }
-    files = {"summary.csv": frame_to_csv_bytes(df),
-             "batches.csv": frame_to_csv_bytes(pd.concat(batch_frames, ignore_index=True)),
-             "reservoir.npz": _npz_bytes(reservoir)}
-    if sweeps:
-        files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
-    write_results(out_dir, files, envelope)
+    identity = checkpoint_identity(sp, dev, case_draws)
+    with _user_errors(), FolderLock(out_dir):
+        clean_stale(out_dir)
+        done = load_checkpoint(out_dir, identity) if resume else {}
+        state = dict(done)
+        last = [time.monotonic()]
+
+        def on_sums(case: str, sums) -> None:
+            state[case] = sums
+            if checkpoint_every and time.monotonic() - last[0] >= checkpoint_every:
+                save_checkpoint(out_dir, identity, state)
+                last[0] = time.monotonic()
+
+        progress = _LazyProgress(sum(case_draws), enabled=not quiet)
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            outcome = run_spec(sp, pairs, dev, progress=progress.advance, resume=done, on_sums=on_sums)
+        except KeyboardInterrupt:
+            progress.close()
+            if checkpoint_every and state:
+                save_checkpoint(out_dir, identity, state)
+            err_console.print(f"interrupted: no results were written; earlier results in {out_dir} are untouched"
+                              + ("; continue with --resume" if checkpoint_every and state else ""))
+            raise typer.Exit(130) from None
+        finally:
+            progress.close()
+            signal.signal(signal.SIGTERM, previous)
+        runs = [o.run for o in outcome.cases]
+        df = outcome.summary
+        envelope = {
+            "kl_bench_run": 1,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "spec_path": str(spec), "spec_sha256": sp.sha256, "spec_text": sp.text,
+            "experiment": exp.name, "seed": exp.seed,
+            "draws_per_case": {c.name: n for c, n in zip(sp.cases, case_draws)}, "batches": exp.batches,
+            "device": str(dev), "device_name": _device_name(dev), "versions": _versions(),
+            "git_commit": _git_commit(), "wall_seconds": round(outcome.wall, 3), "resumed": bool(done),
+            "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
+            "cases": {r.pair.name: {"kind": r.pair.kind, "description": r.pair.describe(),
+                                    "label": getattr(r.pair, "label", ""), "length": getattr(r.pair, "length", None),
+                                    "seconds": round(r.seconds, 3)} for r in runs},
+        }
+        write_results(out_dir, outcome.files(), envelope)
+        remove_checkpoint(out_dir)
     if not quiet:
         lengths = {r.pair.name: r.pair.length for r in runs if r.pair.kind == "rollout"}
         print_tables(out_console, df, {r.pair.name: r.pair.describe() for r in runs}, lengths=lengths)
         _warn_infinite(df, err_console)
-        out_console.print(f"\n{sum(r.draws for r in runs):,} draws in {wall:.1f} s "
+        out_console.print(f"\n{sum(r.draws for r in runs):,} draws in {outcome.wall:.1f} s "
                           f"({envelope['draws_per_second']:,} draws/s on {dev}) → {out_dir}/summary.csv")
     if report_:
         _write_report([out_dir], out_dir / "report", quiet)
-
-
-def _npz_bytes(arrays: dict) -> bytes:
-    import io
-
-    import numpy as np
-    buf = io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    return buf.getvalue()
 
 
 def _device_name(dev) -> str:
@@ -227,6 +227,95 @@ def report(dirs: list[Path] = typer.Argument(..., help="one or more results fold
     """Plots, the paper-style table (LaTeX and Markdown) and a browsable report from results folders."""
     target = out or (dirs[0] / "report" if len(dirs) == 1 else Path("results") / "report")
     _write_report(dirs, target)
+
+
+def _summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, quiet: bool):
+    """(spec, summary DataFrame): from --results DIR, or by running the spec in memory."""
+    from .experiment import run_spec
+    with _user_errors():
+        sp = with_overrides(load_spec(spec_path), draws=draws, seed=seed, device=device)
+        if results is not None:
+            from .report import load_results
+            res = load_results(results)
+            if res.envelope.get("spec_sha256") != sp.sha256:
+                out_console.print(f"note: {results} was produced by a different version of {spec_path} "
+                                  f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)",
+                                  markup=False)
+            return sp, res.summary
+        dev = resolve_device(sp.experiment.device)
+        pairs = [build_pair(c, str(spec_path)) for c in sp.cases]
+    progress = _LazyProgress(sum(c.draws or sp.experiment.draws for c in sp.cases), enabled=not quiet)
+    try:
+        outcome = run_spec(sp, pairs, dev, progress=progress.advance)
+    finally:
+        progress.close()
+    return sp, outcome.summary
+
+
+@app.command()
+def check(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
+          baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline JSON [default: "
+                                                  "results/baselines/<name>.json when it exists]"),
+          results: Optional[Path] = typer.Option(None, "--results", help="check this results folder instead of running"),
+          alpha: float = typer.Option(0.001, "--alpha", help="family-wise error rate (Holm)"),
+          seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
+          draws: Optional[int] = typer.Option(None, "--draws", help="override [experiment] draws"),
+          device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device"),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="print only failures and the verdict")) -> None:
+    """Statistical regression gate: every statistic against its exact value and a stored baseline.
+    Exit 0 when all pass, 1 when any fails, 2 for bad input."""
+    from rich.table import Table
+
+    from .check import baseline_comparisons, exact_comparisons, holm, load_baseline
+    with _user_errors():
+        if not 0 < alpha < 1:
+            raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
+        sp0 = load_spec(spec)
+        base_path = baseline or Path("results") / "baselines" / f"{sp0.experiment.name}.json"
+        base = load_baseline(base_path) if (baseline is not None or base_path.exists()) else None
+    sp, df = _summary_for(spec, results, draws, seed, device, quiet=True)
+    comparisons = exact_comparisons(df)
+    notes: list[str] = []
+    if base is not None:
+        if base.get("spec_sha256") != sp.sha256:
+            out_console.print(f"note: the spec changed since the baseline {base_path} was made (sha256 "
+                              f"{str(base.get('spec_sha256'))[:12]}… then, {sp.sha256[:12]}… now); rows are matched "
+                              "by case, estimator, aggregate and λ", markup=False)
+        more, notes = baseline_comparisons(df, base)
+        comparisons += more
+    holm(comparisons, alpha)
+    failed = [c for c in comparisons if not c.passed]
+    if not quiet:
+        t = Table(show_edge=False, pad_edge=False, title=f"{len(comparisons)} comparisons, family-wise α = {alpha:g} "
+                  "(Holm)", title_justify="left")
+        for col in ["row", "statistic", "value", "reference", "z", "|z| limit", "result"]:
+            t.add_column(col, justify="left" if col in ("row", "statistic", "result") else "right")
+        for c in comparisons:
+            t.add_row(c.row, c.statistic, f"{c.value:.6g}", f"{c.reference:.6g}", f"{c.z:+.2f}",
+                      f"{c.threshold:.2f}", "pass" if c.passed else "[bold red]FAIL[/]")
+        out_console.print(t)
+    for n in notes:
+        out_console.print(f"note: {n}", markup=False)
+    for c in failed:
+        out_console.print(f"FAIL {c.sentence()}", markup=False)
+    verdict = (f"check: {len(comparisons) - len(failed)} passed, {len(failed)} failed "
+               f"({len(comparisons)} comparisons against exact values"
+               + (f" and baseline {base_path}" if base is not None else "") + f"; family-wise α = {alpha:g}, Holm)")
+    out_console.print(verdict, markup=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def baseline(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
+             out: Optional[Path] = typer.Option(None, "--out", help="baseline JSON [default: results/baselines/<name>.json]"),
+             results: Optional[Path] = typer.Option(None, "--results", help="take the numbers from this results folder")) -> None:
+    """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline."""
+    from .check import baseline_bytes, make_baseline
+    sp, df = _summary_for(spec, results, None, None, None, quiet=False)
+    target = out or Path("results") / "baselines" / f"{sp.experiment.name}.json"
+    atomic_write_bytes(target, baseline_bytes(make_baseline(df, sp)))
+    out_console.print(f"baseline of {len(df)} rows → {target}", markup=False)
 
 
 @app.command()

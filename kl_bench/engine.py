@@ -128,12 +128,15 @@ def _finite_or_zero(x: float) -> float:
 
 def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
              chunk: int, device: torch.device, joint: bool = False, stream: str = "",
-             progress: Callable[[int], None] | None = None) -> CaseRun:
+             progress: Callable[[int], None] | None = None, resume: torch.Tensor | None = None,
+             on_sums: Callable[[torch.Tensor], None] | None = None) -> CaseRun:
     """Sample ``draws`` draws of ``pair`` in batches and accumulate every row's features.
 
     ``rows``: :class:`Row`s, or registry names / Estimators (expanded over the pair's aggregates).
     ``joint`` adds the (−log r, r − 1) moments per aggregate for the λ curve. ``stream`` names an
-    independent random stream (e.g. "pilot").
+    independent random stream (e.g. "pilot"). ``resume``: the [k, P] sums of the first k batches from a
+    checkpoint; since batch i depends on (seed, case, i) alone, skipping them gives identical results.
+    ``on_sums`` receives the sums of all batches done so far after every chunk (for checkpoints).
     """
     rows = as_rows(rows, pair.aggregates)
     exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
@@ -150,13 +153,24 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     tag = pair.name + (f"/{stream}" if stream else "")
     t0 = time.perf_counter()
     out = []
-    for start in range(0, len(sizes), per_chunk):
+    first = 0
+    if resume is not None and resume.shape[0]:
+        if resume.shape[1] != len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks):
+            raise SpecError("checkpoint does not match this spec's estimators; delete it or run without --resume")
+        out.append(resume.to(torch.float64))
+        first = resume.shape[0]
+        if progress is not None:
+            progress(sum(sizes[:first]))
+    for start in range(first, len(sizes), per_chunk):
         idx = range(start, min(start + per_chunk, len(sizes)))
         gens = [torch.Generator(device=device).manual_seed(batch_seed(seed, tag, i)) for i in idx]
         part = [sizes[i] for i in idx]
         out.append(run(part, gens).cpu())
         if progress is not None:
             progress(sum(part))
+        if on_sums is not None:
+            out = [torch.cat(out)]
+            on_sums(out[0])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return CaseRun(pair, rows, shifts, torch.tensor(sizes), torch.cat(out), exact,

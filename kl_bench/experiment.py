@@ -25,7 +25,7 @@ SMALL_BATCHES = (256, 4096)  # ... and number of simulated batches: draws/256 wi
 RMSE_SIZES = (64, 1024, 16384)
 
 
-RESERVOIR = 100_000         # per-draw values kept per row for the report's distribution plots
+RESERVOIR = 20_000          # per-draw values kept per row (float32) for the report's ECDF plots
 
 
 @dataclass
@@ -52,8 +52,11 @@ def pilot_draws(draws: int) -> int:
 
 
 def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
-                        progress: Callable[[int], None] | None = None, draws: int | None = None) -> CaseOutcome:
-    """``draws``: this case's number of draws (default: the experiment's)."""
+                        progress: Callable[[int], None] | None = None, draws: int | None = None,
+                        resume: torch.Tensor | None = None,
+                        on_sums: Callable[[torch.Tensor], None] | None = None) -> CaseOutcome:
+    """``draws``: this case's number of draws (default: the experiment's). ``resume``/``on_sums``:
+    checkpointing of the main pass (see :func:`kl_bench.engine.run_case`)."""
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
     aggs = pair.aggregates
@@ -71,7 +74,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
             pilot_lambda = lam if math.isfinite(lam) else 0.0
             cvs.append(Row(make_cv(pilot_lambda, name="cv_opt"), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
-                   device=device, joint=joint, progress=progress)
+                   device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums)
     small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
                                          seed=exp.seed, device=device)
     out = summarize(run)
@@ -128,3 +131,55 @@ def _add_planning(row: dict) -> None:
     row["n_for_10pct"] = n_for_rel_error(bias, std, true)
     for n in RMSE_SIZES:
         row[f"rmse_b{n}"] = rmse(bias, std, n)
+
+
+@dataclass
+class SpecOutcome:
+    """Everything a run of a whole spec produced, before anything is written."""
+    summary: pd.DataFrame
+    cases: list[CaseOutcome]
+    case_draws: list[int]
+    wall: float
+
+    def files(self) -> dict[str, bytes]:
+        """The data files of a results folder (run.json is built by the caller)."""
+        import io
+
+        import numpy as np
+
+        from .results import frame_to_csv_bytes
+        reservoir = {}
+        for o in self.cases:
+            for j, r in enumerate(o.run.rows):
+                if r.est.lam is None:      # the report plots these; float32 is plenty for an ECDF
+                    reservoir[f"{o.run.pair.name}|{r.label}"] = o.reservoir[:, j].float().numpy()
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **reservoir)
+        files = {"summary.csv": frame_to_csv_bytes(self.summary),
+                 "batches.csv": frame_to_csv_bytes(pd.concat([o.batch_frame() for o in self.cases],
+                                                             ignore_index=True)),
+                 "reservoir.npz": buf.getvalue()}
+        sweeps = [o.sweep for o in self.cases if o.sweep is not None]
+        if sweeps:
+            files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
+        return files
+
+
+def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[int], None] | None = None,
+             resume: dict[str, torch.Tensor] | None = None,
+             on_sums: Callable[[str, torch.Tensor], None] | None = None) -> SpecOutcome:
+    """Run every case of a validated spec. ``resume``: {case: sums so far} from a checkpoint;
+    ``on_sums(case, sums)`` is called after every chunk of a main pass."""
+    import time
+
+    from .results import to_frame
+    exp = spec.experiment
+    case_draws = [c.draws or exp.draws for c in spec.cases]
+    t0 = time.perf_counter()
+    outcomes = []
+    for pair, n in zip(pairs, case_draws):
+        outcomes.append(run_experiment_case(
+            pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
+            on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums))))
+    rows = [row for o in outcomes for row in o.rows]
+    return SpecOutcome(to_frame(rows), outcomes, case_draws, time.perf_counter() - t0)

@@ -3,18 +3,15 @@ atomic writing of ``summary.csv`` and ``run.json``.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
 
 from .engine import CaseRun
+# Persistence lives in kl_bench.storage; re-exported for callers of the results API.
+from .storage import atomic_write_bytes, write_results  # noqa: F401
 
 # Column → meaning. The order here is the column order of summary.csv.
 SCHEMA: dict[str, str] = {
@@ -62,6 +59,22 @@ SCHEMA: dict[str, str] = {
 COLUMNS = list(SCHEMA)
 
 
+# Two different exact float64 sums (or a sum and a closed form) agree to ~1e-15 relative; differences
+# below this fraction of the compared quantity's scale are rounding, not statistics.
+ROUNDING = 1e-12
+
+
+def z_score(value: float, ref: float, se: float, scale: float) -> float:
+    """(value − ref)/se with float64 rounding (ROUNDING × scale) added to the standard error in
+    quadrature, so that a zero-noise quantity compares equal at rounding level and never gives NaN."""
+    if not (math.isfinite(value) and math.isfinite(ref)):
+        return 0.0 if value == ref else math.copysign(math.inf, value - ref) if not math.isnan(value - ref) else math.nan
+    se_eff = math.hypot(se if math.isfinite(se) else 0.0, ROUNDING * abs(scale))
+    if se_eff == 0:
+        return 0.0 if value == ref else math.copysign(math.inf, value - ref)
+    return (value - ref) / se_eff
+
+
 def _div(a: float, b: float) -> float:
     """a / b for relative columns: empty when b is 0, inf or NaN; inf stays inf."""
     if b == 0 or not math.isfinite(b) or math.isnan(a):
@@ -92,15 +105,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         exact_std = math.sqrt(exact_var) if exact_var >= 0 else math.nan
         true = run.pair.true_value(est.target)
         bias = mean - true if math.isfinite(true) else math.nan
-        if se > 0:
-            z = (mean - exact_mean) / se
-        elif math.isfinite(mean) and math.isfinite(exact_mean):
-            # No noise at all (q = p, or `full` on one context): agreement up to float64 rounding of
-            # two different exact sums is z = 0; any real difference is infinitely significant.
-            z = 0.0 if math.isclose(mean, exact_mean, rel_tol=1e-12, abs_tol=1e-300) else \
-                math.copysign(math.inf, mean - exact_mean)
-        else:
-            z = math.nan
+        z = z_score(mean, exact_mean, se, max(abs(mean), abs(exact_mean)))
         # Σ(f − c)²/N with c = exact mean is an unbiased estimate of the exact variance, so its
         # batch-means SE gives a z for the variance as well (meaningful when E[f⁴] < ∞).
         z_var, std_se = math.nan, math.nan
@@ -109,11 +114,8 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             m2 = float(s2.sum()) / n
             se_m2 = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (m2_k - m2) ** 2).sum()))
             std_se = se_m2 / (2 * math.sqrt(m2)) if m2 > 0 else 0.0
-            if se_m2 > 0:
-                z_var = (m2 - exact_var) / se_m2
-            else:   # no noise: compare at float64 rounding of the squared mean
-                z_var = 0.0 if math.isclose(m2, exact_var, abs_tol=1e-12 * exact_mean**2 + 1e-300) else \
-                    math.copysign(math.inf, m2 - exact_var)
+            # the scale of a variance computed from shifted sums: the squared mean and the variance
+            z_var = z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var)
         heavy = ""
         if math.isinf(exact_var):
             heavy = "infinite variance"
@@ -160,47 +162,9 @@ def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-# ----------------------------------------------------------------------------- atomic writes
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
-    write a temporary file in the same folder, fsync it, then rename it over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp makes 0600 files; results are for sharing
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def frame_to_csv_bytes(df: pd.DataFrame) -> bytes:
     # repr-exact floats (17 significant digits) so that re-reading gives identical numbers;
     # NaN is written as an empty field, ±inf as inf/-inf.
     return df.to_csv(index=False, float_format="%.17g").encode()
 
 
-def write_results(out_dir: Path, files: dict[str, bytes], envelope: dict[str, Any]) -> None:
-    """Write every data file atomically, then ``run.json`` last. run.json records the sha256 of
-    each file it belongs to, so a reader can tell a consistent set from a mix of two runs."""
-    envelope = dict(envelope)
-    envelope["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    for name, data in files.items():
-        atomic_write_bytes(out_dir / name, data)
-    atomic_write_bytes(out_dir / "run.json", (json.dumps(envelope, indent=2, default=_json_default) + "\n").encode())
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(type(obj).__name__)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kl_bench import results
+from kl_bench import storage
 
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -17,9 +17,9 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monke
 
     def broken_replace(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(results.os, "replace", broken_replace)
+    monkeypatch.setattr(storage.os, "replace", broken_replace)
     with pytest.raises(OSError):
-        results.atomic_write_bytes(target, b"new\n")
+        storage.atomic_write_bytes(target, b"new\n")
     assert target.read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv"]
 

@@ -1,0 +1,176 @@
+"""The statistical regression gate: compare a run's statistics with exact values and with a stored
+baseline, correcting for the number of comparisons (Holm's step-down at a family-wise level α).
+
+Each comparison is a z statistic with a two-sided normal p-value:
+- mean vs exact:     (mean − exact_mean) / se
+- std vs exact:      (std − exact_std) / std_se
+- mean vs baseline:  (mean − mean_b) / √(se² + se_b²)
+- std vs baseline:   (std − std_b) / √(std_se² + std_se_b²)
+Standard errors come from batch means. Rows whose measured spread cannot be trusted (heavy tails) skip
+the std comparisons, and rows with an infinite variance skip the mean's too: their SE means nothing.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from scipy import stats
+
+from .errors import SpecError
+from .results import z_score
+
+BASELINE_VERSION = 1
+BASELINE_FIELDS = ["case", "estimator", "lambda", "aggregate", "target", "draws", "mean", "std", "se", "std_se",
+                   "exact_mean", "exact_std", "heavy_tail"]
+
+
+@dataclass
+class Comparison:
+    row: str                  # "case: estimator"
+    statistic: str            # "mean vs exact", "std vs baseline", ...
+    value: float
+    reference: float
+    se: float
+    z: float
+    p: float
+    threshold: float = math.nan   # |z| threshold at this comparison's Holm rank
+    passed: bool = True
+
+    def sentence(self) -> str:
+        what = self.statistic.split()[0]
+        ref = self.statistic.split()[-1]
+        rel = (self.value - self.reference) / abs(self.reference) if self.reference else math.inf
+        return (f"{self.row}: the {what} moved from {self.reference:.6g} ({ref}) to {self.value:.6g} "
+                f"({rel:+.3g} relative, {abs(self.value - self.reference) / self.se if self.se else math.inf:.1f} "
+                f"standard errors; |z| must stay below {self.threshold:.2f})")
+
+
+def row_key(r) -> tuple:
+    """Rows match across runs by case, estimator, aggregate and λ; cv_opt's λ is fitted, so not by λ."""
+    lam = r["lambda"]
+    lam = "" if r["estimator"] == "cv_opt" or (isinstance(lam, float) and math.isnan(lam)) else round(float(lam), 12)
+    return (r["case"], r["estimator"], r["aggregate"] or "", lam)
+
+
+def row_name(r) -> str:
+    from .display import estimator_label
+    return f"{r['case']}: {estimator_label(r)}"
+
+
+def _z(value: float, ref: float, se: float, scale: float) -> tuple[float, float]:
+    z = z_score(value, ref, se, scale)
+    return z, float(2 * stats.norm.sf(abs(z))) if not math.isnan(z) else 1.0
+
+
+def exact_comparisons(df: pd.DataFrame) -> list[Comparison]:
+    out = []
+    for _, r in df.iterrows():
+        heavy = r.get("heavy_tail", "") or ""
+        if heavy == "infinite variance" or math.isinf(r["true_kl"]):
+            continue
+        if math.isfinite(r["exact_mean"]):
+            z, p = _z(r["mean"], r["exact_mean"], r["se"], max(abs(r["mean"]), abs(r["exact_mean"])))
+            out.append(Comparison(row_name(r), "mean vs exact", r["mean"], r["exact_mean"], r["se"], z, p))
+        if not heavy and math.isfinite(r["exact_std"]) and math.isfinite(r.get("std_se", math.nan)):
+            z, p = _z(r["std"], r["exact_std"], r["std_se"], max(abs(r["exact_mean"]), r["exact_std"]))
+            out.append(Comparison(row_name(r), "std vs exact", r["std"], r["exact_std"], r["std_se"], z, p))
+    return out
+
+
+def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[list[Comparison], list[str]]:
+    """Two-sample comparisons with a baseline; also returns notes on rows found on one side only."""
+    base = {row_key(r): r for r in baseline["rows"]}
+    out, seen, notes = [], set(), []
+    for _, r in df.iterrows():
+        key = row_key(r)
+        b = base.get(key)
+        if b is None:
+            notes.append(f"{row_name(r)}: not in the baseline")
+            continue
+        seen.add(key)
+        heavy = (r.get("heavy_tail", "") or "") or (b.get("heavy_tail") or "")
+        if heavy == "infinite variance":
+            continue
+        se = math.hypot(r["se"], b["se"])
+        z, p = _z(r["mean"], b["mean"], se, max(abs(r["mean"]), abs(b["mean"])))
+        out.append(Comparison(row_name(r), "mean vs baseline", r["mean"], b["mean"], se, z, p))
+        if not heavy and math.isfinite(r.get("std_se", math.nan)) and math.isfinite(b.get("std_se", math.nan)):
+            se = math.hypot(r["std_se"], b["std_se"])
+            z, p = _z(r["std"], b["std"], se, max(abs(r["mean"]), r["std"], b["std"]))
+            out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p))
+    for key, b in base.items():
+        if key not in seen:
+            notes.append(f"{b['case']}: {b['estimator']}: in the baseline but not in this run")
+    return out, notes
+
+
+def holm(comparisons: list[Comparison], alpha: float) -> list[Comparison]:
+    """Holm's step-down: the i-th smallest p-value (0-based) is tested at α/(m − i); after the first
+    acceptance every larger p-value is accepted. Controls the family-wise error rate at α."""
+    m = len(comparisons)
+    order = sorted(range(m), key=lambda i: comparisons[i].p)
+    rejecting = True
+    for rank, i in enumerate(order):
+        c = comparisons[i]
+        level = alpha / (m - rank)
+        c.threshold = float(stats.norm.isf(level / 2))
+        if rejecting and c.p <= level:
+            c.passed = False
+        else:
+            rejecting = False
+    return comparisons
+
+
+# ----------------------------------------------------------------------------- baselines
+def make_baseline(df: pd.DataFrame, spec) -> dict[str, Any]:
+    rows = []
+    for _, r in df.iterrows():
+        row = {}
+        for k in BASELINE_FIELDS:
+            v = r.get(k)
+            if isinstance(v, float) and math.isnan(v):
+                v = None
+            row[k] = v.item() if hasattr(v, "item") else v
+        rows.append(row)
+    return {"kl_bench_baseline": BASELINE_VERSION, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(
+            timespec="seconds"), "spec_name": spec.experiment.name, "spec_sha256": spec.sha256,
+            "seed": spec.experiment.seed, "rows": rows}
+
+
+def baseline_bytes(baseline: dict[str, Any]) -> bytes:
+    # inf is not JSON: write it as a string and read it back (see load_baseline).
+    def fix(v):
+        return str(v) if isinstance(v, float) and math.isinf(v) else v
+    safe = dict(baseline, rows=[{k: fix(v) for k, v in r.items()} for r in baseline["rows"]])
+    return (json.dumps(safe, indent=1) + "\n").encode()
+
+
+def load_baseline(path: Path) -> dict[str, Any]:
+    """Read and validate a baseline; a truncated or corrupted file is a one-line SpecError."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError("baseline file not found (make one with `kl-bench baseline SPEC`)", file=str(path))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecError(f"baseline is not valid JSON (truncated or corrupted?): {e}", file=str(path)) from None
+    if not isinstance(data, dict) or data.get("kl_bench_baseline") != BASELINE_VERSION:
+        raise SpecError(f"not a kl-bench baseline of version {BASELINE_VERSION}", file=str(path))
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise SpecError("baseline has no rows", file=str(path))
+    for i, r in enumerate(rows):
+        missing = [k for k in BASELINE_FIELDS if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise SpecError(f"baseline row {i + 1} lacks {', '.join(missing)}", file=str(path))
+        for k in ("mean", "std", "se", "std_se", "exact_mean", "exact_std", "lambda"):
+            v = r[k]
+            r[k] = math.nan if v is None else float(v) if isinstance(v, (int, float, str)) else math.nan
+        r["aggregate"] = r["aggregate"] or ""
+        r["heavy_tail"] = r["heavy_tail"] or ""
+    return data
