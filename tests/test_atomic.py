@@ -51,3 +51,120 @@ def test_signal_during_a_run_keeps_the_earlier_results(sig, code, tmp_path, writ
     assert (out / "summary.csv").read_text() == "earlier run\n"
     assert (out / "run.json").read_text() == "{}\n"
     assert sorted(os.listdir(out)) == ["run.json", "summary.csv"]
+
+
+# ----------------------------------------------------------------------------- SIGKILL, resume, locking
+import hashlib  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+LONG = """
+spec_version = 1
+[experiment]
+name = "long"
+draws = {draws}
+seed = 4
+device = "cpu"
+batches = 400
+chunk = 200000
+estimators = ["k1", "k3"]
+[[case]]
+name = "g"
+kind = "gaussian"
+q = {{mean = 0.0, std = 1.0}}
+p = {{mean = 0.5, std = 1.0}}
+[[case]]
+name = "c"
+kind = "categorical"
+vocab = 1000
+q = {{logits = "zipf", exponent = 1.1, seed = 1}}
+p = {{from = "q", noise = 0.3, seed = 2}}
+"""
+
+
+def _cli(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "kl_bench", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def _finish(proc, timeout=300) -> tuple[int, str]:
+    """Wait for a process and collect its stderr (closing the pipe)."""
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def _consistent(folder: Path) -> str:
+    """The sha256 of summary.csv if every data file matches the hashes in run.json; fails otherwise."""
+    env = json.loads((folder / "run.json").read_text())
+    for name, digest in env["files"].items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+    assert not list(folder.glob(".tmp-*"))
+    return env["files"]["summary.csv"]
+
+
+def _wait_for(pred, timeout=60.0):
+    t0 = time.time()
+    while not pred():
+        assert time.time() - t0 < timeout
+        time.sleep(0.01)
+
+
+def test_sigkill_while_writing_leaves_the_earlier_results_whole(write_spec, tmp_path):
+    spec = write_spec(LONG.format(draws=200_000))
+    out = tmp_path / "out"
+    first = _cli("run", spec, "--out", out, "--quiet")
+    assert _finish(first)[0] == 0
+    before = _consistent(out)
+    # Slow the staged writes down, wait until staging has begun, then SIGKILL.
+    proc = _cli("run", spec, "--out", out, "--quiet", "--seed", "9", env={"KL_BENCH_WRITE_DELAY": "0.5"})
+    _wait_for(lambda: any(tmp_path.glob(".out.staging-*")) or proc.poll() is not None)
+    time.sleep(0.7)                                       # a file or two staged, the swap not yet done
+    proc.send_signal(signal.SIGKILL)
+    assert _finish(proc, 30)[0] == -signal.SIGKILL
+    assert any(tmp_path.glob(".out.staging-*"))             # it died mid-write...
+    assert _consistent(out) == before                       # ...and the old folder is whole
+    # The next run cleans up the dead run's staging folder and lands whole.
+    again = _cli("run", spec, "--out", out, "--quiet", "--seed", "9")
+    assert _finish(again)[0] == 0
+    assert _consistent(out) != before
+    assert not list(tmp_path.glob(".out.staging-*"))
+
+
+def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, tmp_path):
+    spec = write_spec(LONG.format(draws=40_000_000))
+    whole = _cli("run", spec, "--out", tmp_path / "whole", "--quiet")
+    rc, err = _finish(whole)
+    assert rc == 0, err
+    proc = _cli("run", spec, "--out", tmp_path / "cut", "--quiet", "--checkpoint-every", "0.2")
+    _wait_for(lambda: (tmp_path / "cut" / ".checkpoint.pt").exists() or proc.poll() is not None)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    assert _finish(proc, 30)[0] == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (tmp_path / "cut" / "summary.csv").exists()
+    resumed = _cli("run", spec, "--out", tmp_path / "cut", "--quiet", "--resume")
+    rc, err = _finish(resumed)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "cut" / "run.json").read_text())["resumed"] is True
+    assert (tmp_path / "cut" / "summary.csv").read_bytes() == (tmp_path / "whole" / "summary.csv").read_bytes()
+    assert not (tmp_path / "cut" / ".checkpoint.pt").exists()
+    # A checkpoint from another seed is refused clearly.
+    proc = _cli("run", spec, "--out", tmp_path / "cut2", "--quiet", "--checkpoint-every", "0.2")
+    _wait_for(lambda: (tmp_path / "cut2" / ".checkpoint.pt").exists() or proc.poll() is not None)
+    proc.send_signal(signal.SIGKILL)
+    _finish(proc, 30)
+    rc, err = _finish(_cli("run", spec, "--out", tmp_path / "cut2", "--quiet", "--resume", "--seed", "5"))
+    assert rc == 2 and "different seed" in err and err.count("\n") == 1, err
+
+
+def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
+    spec = write_spec(LONG.format(draws=40_000_000))
+    out = tmp_path / "out"
+    first = _cli("run", spec, "--out", out, "--quiet", "--checkpoint-every", "0.2")
+    # The first checkpoint proves the first run holds the lock and is sampling.
+    _wait_for(lambda: (out / ".checkpoint.pt").exists() or first.poll() is not None)
+    rc, err = _finish(_cli("run", spec, "--out", out, "--quiet"), 120)
+    assert first.poll() is None, "the first run ended too early for this test"
+    assert rc == 2, err
+    assert "being written by another kl-bench run" in err and err.count("\n") == 1
+    assert _finish(first)[0] == 0
+    _consistent(out)

@@ -1,0 +1,199 @@
+"""The regression gate catches real bugs, passes other seeds, keeps its false-alarm rate at or below
+the nominal level, and rejects broken baselines clearly."""
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kl_bench import estimators as est_mod
+from kl_bench.check import (baseline_bytes, baseline_comparisons, exact_comparisons, holm, make_baseline,
+                             normalize_baseline)
+from kl_bench.cli import app
+from kl_bench.estimators import ESTIMATORS
+from kl_bench.experiment import run_spec
+from kl_bench.pairs import GaussianPair, build_pair
+from kl_bench.spec import parse_spec
+
+from .conftest import CPU
+
+runner = CliRunner()
+
+SPEC = """
+spec_version = 1
+[experiment]
+name = "gate"
+draws = {draws}
+seed = {seed}
+device = "cpu"
+batches = 50
+estimators = {estimators}
+[[case]]
+name = "g"
+kind = "gaussian"
+q = {{mean = 0.0, std = 1.0}}
+p = {{mean = 1.0, std = 1.0}}
+[[case]]
+name = "c"
+kind = "categorical"
+vocab = 200
+q = {{logits = "zipf", exponent = 1.1, seed = 1}}
+p = {{from = "q", noise = 0.4, seed = 2}}
+"""
+
+
+def _spec(draws=20_000, seed=0, estimators='["k1", "k2", "k3", "fwd_k1", "fwd_k3"]', tmp=None):
+    from pathlib import Path
+    return parse_spec(SPEC.format(draws=draws, seed=seed, estimators=estimators), Path("gate.toml"))
+
+
+def _gate(spec, baseline=None, alpha=0.001):
+    df = run_spec(spec, [build_pair(c) for c in spec.cases], CPU).summary
+    comps = exact_comparisons(df)
+    if baseline is not None:
+        comps += baseline_comparisons(df, baseline)[0]
+    holm(comps, alpha)
+    return df, [c for c in comps if not c.passed]
+
+
+def test_clean_run_passes_and_another_seed_passes_against_the_baseline():
+    df, failed = _gate(_spec(seed=0))
+    assert not failed
+    base = _roundtrip(make_baseline(df, _spec(seed=0)))
+    _, failed = _gate(_spec(seed=1), baseline=base)
+    assert not failed
+
+
+def _roundtrip(baseline):
+    """Through the same bytes and validation as a baseline file."""
+    return normalize_baseline(json.loads(baseline_bytes(baseline)))
+
+
+def _patch_estimator(monkeypatch, name, fn):
+    est = ESTIMATORS.get(name)
+    monkeypatch.setitem(ESTIMATORS._items, name, est.__class__(**{**est.__dict__, "fn": fn}))
+
+
+@pytest.mark.parametrize("bug", ["k3-without-minus-1", "logr-sign-flip", "forward-reverse-swap"])
+def test_injected_bugs_fail_the_gate(bug, monkeypatch):
+    if bug == "k3-without-minus-1":
+        _patch_estimator(monkeypatch, "k3", lambda logr: torch.exp(logr) - logr)
+    elif bug == "logr-sign-flip":
+        from kl_bench.pairs import categorical, gaussian
+        orig_g, orig_c = gaussian.GaussianPair.sample_logr, categorical.CategoricalPair.batch_sums
+        monkeypatch.setattr(gaussian.GaussianPair, "sample_logr", lambda self, *a: -orig_g(self, *a))
+
+        def flipped(self, features, tok_rows, device):
+            self._logr = -self._logr
+            try:
+                return orig_c(self, features, tok_rows, device)
+            finally:
+                self._logr = -self._logr
+        monkeypatch.setattr(categorical.CategoricalPair, "batch_sums", flipped)
+    else:
+        _patch_estimator(monkeypatch, "fwd_k1", est_mod.k1)
+        _patch_estimator(monkeypatch, "k1", est_mod.fwd_k1)
+    _, failed = _gate(_spec())
+    assert failed, bug
+    assert all("moved from" in c.sentence() for c in failed)
+
+
+def test_float32_running_accumulator_fails_at_1e8_draws_but_not_at_1e6(monkeypatch):
+    """A classic bug: one float32 running total across the whole run. Once the total of (f − c)² passes
+    2^24 the additions of O(1) values round away, so the variance (and std) collapse at 10^8 draws."""
+    from kl_bench.pairs import gaussian
+
+    def float32_batch_sums(self, features, tok_rows, device):
+        state = {}
+
+        def run(sizes, gens):
+            out = []
+            for n, g in zip(sizes, gens):
+                f = features(self.sample_draws(n, g, device)).numpy().astype(np.float32)
+                total = state.get("total", np.zeros(f.shape[1], dtype=np.float32))
+                # naive sequential float32 adds (numpy's cumsum; torch's accumulates more precisely)
+                new_total = np.cumsum(np.concatenate([total[None], f]), axis=0, dtype=np.float32)[-1]
+                out.append(torch.from_numpy((new_total - total).astype(np.float64)))
+                state["total"] = new_total
+            return torch.stack(out)
+        return run
+    monkeypatch.setattr(gaussian.GaussianPair, "batch_sums", float32_batch_sums)
+    text = SPEC.split("[[case]]\nname = \"c\"")[0]
+    for draws, should_fail in ((1_000_000, False), (100_000_000, True)):
+        from pathlib import Path
+        spec = parse_spec(text.format(draws=draws, seed=0, estimators='["k1"]'), Path("gate.toml"))
+        _, failed = _gate(spec)
+        assert bool(failed) == should_fail, (draws, [c.sentence() for c in failed])
+
+
+def test_false_alarm_rate_is_at_most_nominal_over_many_seeds():
+    """At α = 0.05 (Holm, family-wise) over 60 seeds, the number of failing runs stays within the
+    binomial range of a 5% rate: ≤ 60·0.05 + 3·√(60·0.05·0.95) ≈ 8.1."""
+    alpha, seeds = 0.05, 60
+    base_df, _ = _gate(_spec(draws=10_000, seed=1000))
+    base = _roundtrip(make_baseline(base_df, _spec(seed=1000)))
+    failures = sum(bool(_gate(_spec(draws=10_000, seed=s), baseline=base, alpha=alpha)[1]) for s in range(seeds))
+    assert failures <= seeds * alpha + 3 * math.sqrt(seeds * alpha * (1 - alpha))
+
+
+CLI_SPEC = SPEC.format(draws=20_000, seed=0, estimators='["k1", "k3"]')
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("truncate", "not valid JSON"), ("garbage", "not valid JSON"), ("version", "not a kl-bench baseline"),
+    ("no-rows", "has no rows"), ("missing-field", "lacks se"), ("missing-file", "not found")])
+def test_broken_baselines_give_one_clear_line(damage, needle, write_spec, tmp_path):
+    spec = write_spec(CLI_SPEC, "gate.toml")
+    base = tmp_path / "base.json"
+    assert runner.invoke(app, ["baseline", str(spec), "--out", str(base)]).exit_code == 0
+    text = base.read_text()
+    if damage == "truncate":
+        base.write_text(text[: len(text) // 2])
+    elif damage == "garbage":
+        base.write_bytes(b"\x00\xff garbage")
+    elif damage == "version":
+        base.write_text(json.dumps({**json.loads(text), "kl_bench_baseline": 99}))
+    elif damage == "no-rows":
+        base.write_text(json.dumps({**json.loads(text), "rows": []}))
+    elif damage == "missing-field":
+        data = json.loads(text)
+        del data["rows"][2]["se"]
+        base.write_text(json.dumps(data))
+    else:
+        base.unlink()
+    res = runner.invoke(app, ["check", str(spec), "--baseline", str(base)])
+    assert res.exit_code == 2, res.output
+    msg = res.stderr.strip()
+    assert len(msg.splitlines()) == 1 and needle in msg and str(base) in msg
+
+
+def test_cli_check_exit_codes_and_changed_spec_notice(write_spec, tmp_path):
+    spec = write_spec(CLI_SPEC, "gate.toml")
+    base = tmp_path / "base.json"
+    assert runner.invoke(app, ["baseline", str(spec), "--out", str(base)]).exit_code == 0
+    ok = runner.invoke(app, ["check", str(spec), "--baseline", str(base), "--seed", "3"])
+    assert ok.exit_code == 0, ok.output
+    assert "0 failed" in ok.output and "mean vs baseline" in ok.output and "std vs exact" in ok.output
+    changed = write_spec(CLI_SPEC.replace("mean = 1.0", "mean = 1.3"), "gate.toml")
+    res = runner.invoke(app, ["check", str(changed), "--baseline", str(base)])
+    assert "the spec changed since the baseline" in res.output
+    assert res.exit_code == 1 and "FAIL g: k1: the mean moved from" in res.output
+    res = runner.invoke(app, ["check", str(spec), "--alpha", "2"])
+    assert res.exit_code == 2 and "--alpha" in res.stderr
+
+
+def test_check_reads_an_existing_results_folder(write_spec, tmp_path):
+    spec = write_spec(CLI_SPEC, "gate.toml")
+    assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "r"), "--quiet"]).exit_code == 0
+    df = pd.read_csv(tmp_path / "r" / "summary.csv")
+    df.loc[df["estimator"] == "k3", "mean"] *= 1.5                    # tamper with a stored number
+    df.to_csv(tmp_path / "r" / "summary.csv", index=False)
+    res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "--quiet"])
+    assert res.exit_code == 1 and "k3: the mean moved" in res.output
+
+
+def test_gaussian_pair_untouched_by_patches():
+    assert GaussianPair("g", [0.0], [1.0], [1.0], [1.0]).kl() == pytest.approx(0.5)
