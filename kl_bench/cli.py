@@ -27,7 +27,7 @@ from .pairs import CASE_KINDS, build_pair
 from .results import atomic_write_bytes, exact_rows, frame_to_csv_bytes, to_frame, write_results
 from .spec import load_spec, with_overrides
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="kl-bench: bias, variance and failure modes of Monte Carlo KL estimators, "
                        "measured next to the exact truth.")
 out_console = Console(highlight=False, width=200)
