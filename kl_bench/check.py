@@ -33,7 +33,8 @@ BASELINE_FIELDS = ["case", "estimator", "lambda", "aggregate", "target", "draws"
 # trusted, so std comparisons are skipped. "unstable batches" is only a heuristic on the draws: with
 # finite exact moments it is a symptom to test, not a reason to look away (a float32 accumulator that
 # rounds later batches to zero shows up exactly so).
-EXACT_HEAVY = {"infinite variance", "infinite 4th moment", "kurtosis > draws"}
+EXACT_HEAVY = {"infinite variance", "infinite 4th moment", "kurtosis > draws",
+               "infinite IS weight (b misses q's support)"}
 
 
 @dataclass

@@ -22,7 +22,7 @@ from . import __version__
 from .display import print_tables
 from .engine import resolve_device
 from .errors import SpecError
-from .estimators import ESTIMATORS
+from .estimators import ESTIMATORS, resolve_estimator
 from .pairs import CASE_KINDS, build_pair
 from .results import atomic_write_bytes, exact_rows, frame_to_csv_bytes, to_frame, write_results
 from .spec import load_spec, with_overrides
@@ -107,6 +107,13 @@ def _warn_infinite(df, console: Console) -> None:
     }
     for case in dict.fromkeys(df["case"]):
         c = df[df["case"] == case]
+        miss = c["support_miss"].max() if "support_miss" in c else 0.0
+        if miss > 0:
+            weighted = "IS weights" in str(c["sampler"].iloc[0])
+            console.print(f"warning: case '{case}': the sampler never draws {miss:.3g} of q's mass (worst "
+                          f"context or step): " + ("the importance weight q/b is infinite there, so the "
+                          "weighted estimates miss that mass (flagged heavy_tail)" if weighted else
+                          "every estimate is biased; the exact bias is shown"), markup=False)
         for target in dict.fromkeys(c.loc[c["true_kl"] == math.inf, "target"]):
             names = ", ".join(_row_label(r) for _, r in c[c["target"] == target].iterrows())
             console.print(f"warning: case '{case}': {target} is infinite (a zero probability where the other "
@@ -325,7 +332,7 @@ def exact(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
     with _user_errors():
         sp = load_spec(spec)
         pairs = [build_pair(c, str(spec)) for c in sp.cases]
-    ests = [ESTIMATORS.get(n) for n in sp.experiment.estimators]
+    ests = [resolve_estimator(n) for n in sp.experiment.estimators]
     rows = [row for p in pairs for row in exact_rows(p, ests)]
     df = to_frame(rows).drop(columns=["draws", "batches", "mean", "std", "se", "bias", "rel_bias", "rel_std",
                                       "z", "frac_negative"])

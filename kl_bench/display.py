@@ -160,6 +160,23 @@ def rollout_table(df: pd.DataFrame, lengths: dict[str, int]) -> Table:
     return t
 
 
+def mismatch_table(df: pd.DataFrame) -> Table:
+    """Cases drawn from a sampler b ≠ q: the sign and size of each estimator's bias, exact and measured."""
+    t = Table(title="sampling mismatch: bias against the true KL(q||p) when draws come from b",
+              title_justify="left", show_edge=False, pad_edge=False)
+    for col in ["case", "sampler", "estimator", "true KL", "E_b exact", "bias/true", "measured ± se", "P(<0)",
+                "P(mean64<0)"]:
+        t.add_column(col, justify="left" if col in ("case", "sampler", "estimator") else "right")
+    for _, r in df[df["sampler"].fillna("") != ""].iterrows():
+        rel = r["exact_rel_bias"] if isinstance(r["exact_rel_bias"], float) and math.isfinite(r["exact_rel_bias"]) \
+            else r["rel_bias"]
+        arrow = "" if not math.isfinite(rel) or abs(rel) < 0.01 else ("[red]▲[/] " if rel > 0 else "[blue]▼[/] ")
+        t.add_row(r["case"], r["sampler"], estimator_label(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+                  f"{arrow}{rel:+.1%}" if math.isfinite(rel) else "", f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}",
+                  fmt(r["frac_negative"], 2), fmt(r.get("p_neg_b64", math.nan), 2))
+    return t
+
+
 def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str], exact_only: bool = False,
                  lengths: dict[str, int] | None = None) -> None:
     for case in dict.fromkeys(df["case"]):
@@ -171,6 +188,9 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
     if not exact_only and lengths:
         console.print()
         console.print(rollout_table(df, lengths))
+    if not exact_only and "sampler" in df and (df["sampler"].fillna("") != "").any():
+        console.print()
+        console.print(mismatch_table(df))
     if not exact_only and "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
         console.print()
         console.print(lambda_table(df))

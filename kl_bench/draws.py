@@ -35,24 +35,33 @@ class Draws:
     full:  Σ over the draw's contexts (steps) of the analytic KL(q(·|c) ‖ p(·|c)).
     tok:   rollouts: [n, len(tok_rows)] per-token sums Σ_t f(log r_t), one column per tok row.
     tok_b: rollouts: Σ_t (r_t − 1), the control variate's per-token term.
+    weight: importance weight q/b of the draw (sequence: Π_t q/b) when a sampler b ≠ q is weighted;
+        None means 1. Every row is multiplied by it, except token rows when ``tok_weighted``.
+    tok_weighted: the token sums already carry per-token weights.
     """
     logr: torch.Tensor
     full: torch.Tensor
     tok: torch.Tensor | None = None
     tok_b: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    tok_weighted: bool = False
 
 
 def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
     """[n, len(rows)] values of every row for every draw."""
     cols, t = [], 0
+    w = draws.weight
     for row in rows:
         if row.aggregate == "tok":
-            cols.append(draws.tok[:, t])
+            col = draws.tok[:, t]
             t += 1
-        elif row.est.name == "full":
-            cols.append(draws.full)
+            if w is not None and not draws.tok_weighted:
+                col = col * w
         else:
-            cols.append(row.est.fn(draws.logr))
+            col = draws.full if row.est.name == "full" else row.est.fn(draws.logr)
+            if w is not None:
+                col = col * w
+        cols.append(col)
     return torch.stack(cols, dim=-1)
 
 

@@ -127,3 +127,26 @@ def poly_square(poly: Poly) -> Poly:
             key = (s1 + s2, k1_ + k2_)
             out[key] = out.get(key, 0.0) + c1 * c2
     return out
+
+
+def clamped(logr: torch.Tensor, base: Callable[[torch.Tensor], torch.Tensor], logr_clamp: float | None,
+            clamp: float | None) -> torch.Tensor:
+    """``base`` as trainers compute it: log r clamped to ±logr_clamp before (so that exp cannot
+    overflow), the estimate clamped to ±clamp after. Shape-preserving."""
+    x = logr.clamp(-logr_clamp, logr_clamp) if logr_clamp is not None else logr
+    f = base(x)
+    return f.clamp(-clamp, clamp) if clamp is not None else f
+
+
+def resolve_estimator(item) -> Estimator:
+    """A registry name, or a spec EstimatorOption (a clamped variant reported under its label)."""
+    if isinstance(item, Estimator):
+        return item
+    if isinstance(item, str):
+        return ESTIMATORS.get(item)
+    base = ESTIMATORS.get(item.name)
+    fn = functools.partial(clamped, base=base.fn, logr_clamp=item.logr_clamp, clamp=item.clamp)
+    bits = ([f"log r clamped to ±{item.logr_clamp:g}"] if item.logr_clamp is not None else []) + \
+        ([f"estimate clamped to ±{item.clamp:g}"] if item.clamp is not None else [])
+    return Estimator(item.label, fn, base.target, False, base.nonnegative,
+                     f"{base.formula}, {', '.join(bits)}", None)

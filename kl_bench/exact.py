@@ -59,19 +59,31 @@ def gaussian_chi2(g: GaussianPairParams) -> float:
     return float(np.expm1(log_er2))
 
 
-def _tilt(g: GaussianPairParams, s: int):
-    """(log Z_s, mean [D], var [D]) of q_s ∝ q^{1−s} p^s, or None when it is not normalisable."""
-    if s == 0:
-        return 0.0, g.mq, g.sq**2
-    if s == 1:
-        return 0.0, g.mp, g.sp**2
-    tau = (1 - s) / g.sq**2 + s / g.sp**2
+def _product_tilt(parts) -> tuple[float, np.ndarray, np.ndarray] | None:
+    """log ∫ Π_i N(x; μ_i, σ_i²)^{e_i} dx and the mean and variance of the normalised product, per
+    dimension summed (log) / [D] arrays; None when the product is not normalisable (precision ≤ 0).
+    ``parts``: [(μ [D], σ [D], e)]."""
+    tau = sum(e / sd**2 for m, sd, e in parts)
     if np.any(tau <= 0):
         return None
-    eta = (1 - s) * g.mq / g.sq**2 + s * g.mp / g.sp**2
-    log_z = np.sum(-(1 - s) * np.log(g.sq) - s * np.log(g.sp) - 0.5 * np.log(tau) + eta**2 / (2 * tau)
-                   - (1 - s) * g.mq**2 / (2 * g.sq**2) - s * g.mp**2 / (2 * g.sp**2))
+    eta = sum(e * m / sd**2 for m, sd, e in parts)
+    log_z = np.sum(sum(e * (-np.log(sd) - 0.5 * np.log(2 * np.pi)) - e * m**2 / (2 * sd**2) for m, sd, e in parts)
+                   + 0.5 * np.log(2 * np.pi / tau) + eta**2 / (2 * tau))
     return float(log_z), eta / tau, 1.0 / tau
+
+
+def _tilt(g: GaussianPairParams, s: int, b: tuple[np.ndarray, np.ndarray] | None = None, m: int = 0):
+    """(log Z, mean [D], var [D]) of the tilted Gaussian behind E_b[w^m r^s (·)], w = q/b:
+    ∝ b^{1−m} q^{m−s} p^s (b = q when ``b`` is None); None when it is not normalisable."""
+    if b is None or m == 1:
+        if s == 0:
+            return 0.0, g.mq, g.sq**2
+        if s == 1:
+            return 0.0, g.mp, g.sp**2
+        parts = [(g.mq, g.sq, 1 - s), (g.mp, g.sp, s)]
+    else:
+        parts = [(b[0], b[1], 1 - m), (g.mq, g.sq, m - s), (g.mp, g.sp, s)]
+    return _product_tilt([pt for pt in parts if pt[2] != 0])
 
 
 def _logr_quadratic(g: GaussianPairParams, m: np.ndarray, v: np.ndarray):
@@ -105,9 +117,11 @@ def _sum_raw_moments(per_dim: list[list[float]], kmax: int) -> list[float]:
     return acc
 
 
-def gaussian_logr_moment(g: GaussianPairParams, s: int, k: int) -> float:
-    """E_q[r^s (log r)^k] exactly; +inf when E_q[r^s] diverges (only possible for s ≥ 2)."""
-    tilt = _tilt(g, s)
+def gaussian_logr_moment(g: GaussianPairParams, s: int, k: int,
+                         b: tuple[np.ndarray, np.ndarray] | None = None, m: int = 0) -> float:
+    """E_q[r^s (log r)^k] exactly, or E_b[w^m r^s (log r)^k] with w = q/b for a sampler b = N(μ_b, σ_b²);
+    +inf when the expectation diverges."""
+    tilt = _tilt(g, s, b, m)
     if tilt is None:
         return INF
     log_z, m, v = tilt
@@ -116,8 +130,9 @@ def gaussian_logr_moment(g: GaussianPairParams, s: int, k: int) -> float:
     return math.exp(log_z) * _sum_raw_moments(per_dim, k)[k]
 
 
-def _poly_expectation(g: GaussianPairParams, poly: dict[tuple[int, int], float]) -> float:
-    terms = [(c, gaussian_logr_moment(g, s, k)) for (s, k), c in poly.items() if c != 0.0]
+def _poly_expectation(g: GaussianPairParams, poly: dict[tuple[int, int], float],
+                      b: tuple[np.ndarray, np.ndarray] | None = None, m: int = 0) -> float:
+    terms = [(c, gaussian_logr_moment(g, s, k, b, m)) for (s, k), c in poly.items() if c != 0.0]
     if any(math.isinf(m) for _, m in terms):
         # Only squared polynomials reach s ≥ 2, and there the diverging r^{2s} term dominates with
         # a positive coefficient: the second moment is +∞.
@@ -157,9 +172,67 @@ def gaussian_abs_logr_mean(g: GaussianPairParams) -> float:
     return 2 / math.pi * (head + tail)
 
 
+def gaussian_sampler_moments(g: GaussianPairParams, est: Estimator, b: tuple[np.ndarray, np.ndarray],
+                             weighted: bool, cap: float | None) -> tuple[float, float]:
+    """(E_b[v], Var_b[v]) for v = f (or w·f with w = q/b, capped) under a sampler b = N(μ_b, σ_b²).
+
+    Polynomial estimators without a cap: closed forms (tilted Gaussians). Otherwise, one dimension:
+    adaptive quadrature of the estimator function itself; more dimensions: unknown (NaN)."""
+    from .estimators import poly_square
+    m = 1 if weighted else 0
+    if est.poly is not None and cap is None:
+        mean = _poly_expectation(g, est.poly, b, m)
+        second = _poly_expectation(g, poly_square(est.poly), b, 2 * m)
+        return mean, (INF if math.isinf(second) else max(second - mean * mean, 0.0))
+    if g.mq.shape[0] != 1:
+        return math.nan, math.nan
+    import torch
+    mb, sb = float(b[0][0]), float(b[1][0])
+    mq, sq, mp, sp = (float(a[0]) for a in (g.mq, g.sq, g.mp, g.sp))
+
+    def value(x: float) -> float:
+        logq = -0.5 * ((x - mq) / sq) ** 2 - math.log(sq)
+        logp = -0.5 * ((x - mp) / sp) ** 2 - math.log(sp)
+        v = float(est.fn(torch.tensor([logp - logq], dtype=torch.float64))[0])
+        if weighted:
+            w = math.exp(logq + 0.5 * ((x - mb) / sb) ** 2 + math.log(sb))
+            v *= min(w, cap) if cap is not None else w
+        return v
+
+    def pdf(x: float) -> float:
+        return math.exp(-0.5 * ((x - mb) / sb) ** 2) / (sb * math.sqrt(2 * math.pi))
+
+    def safe(fn):
+        # Far out, b's density underflows to 0 while the estimator may overflow: 0 · inf is 0 here.
+        def wrapped(x: float) -> float:
+            d = pdf(x)
+            if d == 0.0:
+                return 0.0
+            try:
+                return fn(x, d)
+            except OverflowError:
+                return math.inf
+        return wrapped
+    def integral(fn) -> float:
+        # Whole line, split at b's mean and at q's and p's: the weighted integrand can be much wider
+        # than b (b·p/q), and quad's infinite-range transform resolves wide tails that a finite cut-off
+        # would under-sample.
+        cuts = sorted({mb, mq, mp})
+        edges = [-np.inf, *cuts, np.inf]
+        return sum(integrate.quad(fn, lo, hi, limit=500, epsabs=1e-14, epsrel=1e-11)[0]
+                   for lo, hi in zip(edges[:-1], edges[1:]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", integrate.IntegrationWarning)
+        m1 = integral(safe(lambda x, d: value(x) * d))
+        m2 = integral(safe(lambda x, d: value(x) ** 2 * d))
+    return m1, max(m2 - m1 * m1, 0.0)
+
+
 def gaussian_estimator_moments(g: GaussianPairParams, est: Estimator) -> tuple[float, float]:
     """(E_q[f], E_q[(f − E_q f)²]) exactly; the variance may be +inf."""
     from .estimators import poly_square
+    if est.poly is None and est.name != "abs" and g.mq.shape[0] == 1:
+        return gaussian_sampler_moments(g, est, (g.mq, g.sq), False, None)   # clamped variants: quadrature
     if est.poly is not None:
         mean = _poly_expectation(g, est.poly)
         second = _poly_expectation(g, poly_square(est.poly))

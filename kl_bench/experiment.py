@@ -12,7 +12,7 @@ import torch
 
 from .draws import Row
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
-from .estimators import ESTIMATORS, make_cv
+from .estimators import make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import n_for_rel_error, rmse
@@ -60,11 +60,13 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
     aggs = pair.aggregates
-    rows = as_rows([ESTIMATORS.get(n) for n in exp.estimators], aggs)
+    rows = as_rows([resolve_estimator(n) for n in exp.estimators], aggs)
     cvs = as_rows([make_cv(lam) for lam in exp.lambdas], aggs)
-    joint = bool(cvs) or exp.optimal
+    # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
+    # (against their exact E_b), but no sweep or cv_opt is made.
+    joint = (bool(cvs) or exp.optimal) and not pair.has_sampler
     pilot_lambda = None
-    if exp.optimal:
+    if exp.optimal and joint:
         # cv_opt's λ comes from an independent pilot stream, so its scored variance is honest:
         # a λ fitted on the very draws it is scored on would look better than it is.
         pilot = run_case(pair, [], draws=pilot_draws(exp.draws), seed=exp.seed, batches=exp.batches,

@@ -26,7 +26,7 @@ REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "dr
             "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
 
 
-TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail"]
+TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler"]
 
 
 @dataclass

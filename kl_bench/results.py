@@ -39,6 +39,9 @@ SCHEMA: dict[str, str] = {
     "z": "(mean − exact_mean) / se: |z| < 5 is agreement with the exact value",
     "z_var": "(Σ(f − exact_mean)²/N − exact_std²) / its batch-means SE: the variance against the exact one",
     "frac_negative": "fraction of draws whose estimate is < 0",
+    "sampler": "how draws were made when not from q (temperature, top-k/p, EOS suppression, stale policy, "
+               "IS weights); empty for x ~ q. exact_mean is then E_b of the estimator, bias against KL(q||p)",
+    "support_miss": "mass of q (worst context or step) that the sampler never draws; > 0 biases every estimate",
     "heavy_tail": "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
                   "usually too low), 'kurtosis > draws' (rollouts: exact E[R⁴ˢ]/E[R²ˢ]² exceeds the draws, so "
                   "the measured std is unreliable), 'unstable batches' (one batch carries most of Σ(f − c)²), "
@@ -117,7 +120,9 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             # the scale of a variance computed from shifted sums: the squared mean and the variance
             z_var = z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var)
         heavy = ""
-        if math.isinf(exact_var):
+        if run.pair.support_miss > 0 and run.pair.weights != "none":
+            heavy = "infinite IS weight (b misses q's support)"
+        elif math.isinf(exact_var):
             heavy = "infinite variance"
         elif not run.pair.fourth_moment_finite(est, row.aggregate):
             heavy = "infinite 4th moment"
@@ -136,6 +141,8 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             "z": z,
             "z_var": z_var,
             "frac_negative": float(neg.sum()) / n,
+            "sampler": (run.pair.sampler_label.removeprefix("sampler b: ") or "b ≠ q") if run.pair.has_sampler else "",
+            "support_miss": run.pair.support_miss,
             "heavy_tail": heavy,
         })
     return rows

@@ -37,17 +37,24 @@ def moment_matrices(q: torch.Tensor, m: torch.Tensor, h: torch.Tensor, bucket: t
 
 def propagate(a: torch.Tensor, e: torch.Tensor, length: int, start: int = 0) -> list[float]:
     """E[M · S^k] for k = 0..K after at most ``length`` steps, from bucket ``start``."""
-    kmax = a.shape[0] - 1
-    c = a.shape[1]
-    state = torch.zeros(kmax + 1, c, dtype=torch.float64, device=a.device)
+    return propagate_phases([(a, e, length)], start)
+
+
+def propagate_phases(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start: int = 0) -> list[float]:
+    """Like :func:`propagate` with step-dependent matrices: ``phases`` = [(A, E, steps), ...] in order
+    (e.g. EOS suppressed for the first min_length steps, then allowed)."""
+    a0 = phases[0][0]
+    kmax, c = a0.shape[0] - 1, a0.shape[1]
+    state = torch.zeros(kmax + 1, c, dtype=torch.float64, device=a0.device)
     state[0, start] = 1.0
-    ended = torch.zeros(kmax + 1, dtype=torch.float64, device=a.device)
+    ended = torch.zeros(kmax + 1, dtype=torch.float64, device=a0.device)
     binom = [[math.comb(k, j) for j in range(k + 1)] for k in range(kmax + 1)]
-    for _ in range(length):
-        new = torch.zeros_like(state)
-        for k in range(kmax + 1):
-            for j in range(k + 1):
-                new[k] += binom[k][j] * (state[k - j] @ a[j])
-                ended[k] += binom[k][j] * (state[k - j] @ e[j])
-        state = new
+    for a, e, steps in phases:
+        for _ in range(steps):
+            new = torch.zeros_like(state)
+            for k in range(kmax + 1):
+                for j in range(k + 1):
+                    new[k] += binom[k][j] * (state[k - j] @ a[j])
+                    ended[k] += binom[k][j] * (state[k - j] @ e[j])
+            state = new
     return (ended + state.sum(dim=1)).tolist()

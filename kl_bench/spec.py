@@ -59,12 +59,60 @@ LogitsSource = ZipfLogits | FileLogits | DerivedLogits
 
 
 @dataclass(frozen=True)
+class EstimatorOption:
+    """A registry estimator with the clamps trainers apply: log r clamped to ±logr_clamp before the
+    estimator, the estimate clamped to ±clamp after. Reported under ``label``."""
+    name: str
+    label: str
+    logr_clamp: float | None = None
+    clamp: float | None = None
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """Draws come from b instead of q; the estimators still use q's and p's log-probs.
+
+    b is q (or ``behavior``, a stale policy) with ``temperature``, then ``top_k``, then ``top_p``
+    applied, and EOS suppressed for the first ``min_length`` tokens (rollouts); for Gaussians
+    b = N(μq, (std_scale·σq)²). ``weights`` multiplies estimates by q/b: per token ("token") or by the
+    product over the sequence ("sequence"), capped at ``weight_cap``.
+    """
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_length: int = 0
+    std_scale: float = 1.0
+    behavior: "LogitsSource | None" = None
+    weights: str = "none"
+    weight_cap: float | None = None
+
+    def describe(self) -> str:
+        bits = []
+        if self.behavior is not None:
+            bits.append("stale behavior policy")
+        if self.temperature != 1.0:
+            bits.append(f"T={self.temperature:g}")
+        if self.top_k is not None:
+            bits.append(f"top-k={self.top_k}")
+        if self.top_p is not None:
+            bits.append(f"top-p={self.top_p:g}")
+        if self.min_length:
+            bits.append(f"EOS suppressed for {self.min_length} tokens")
+        if self.std_scale != 1.0:
+            bits.append(f"std×{self.std_scale:g}")
+        if self.weights != "none":
+            bits.append(f"{self.weights} IS weights" + (f" capped at {self.weight_cap:g}" if self.weight_cap else ""))
+        return "sampler b: " + (", ".join(bits) or "q itself")
+
+
+@dataclass(frozen=True)
 class GaussianCase:
     name: str
     q: GaussianParams
     p: GaussianParams
     kind: str = "gaussian"
-    draws: int | None = None    # overrides [experiment] draws for this case
+    draws: int | None = None
+    sampler: SamplerSpec | None = None    # overrides [experiment] draws for this case
 
 
 @dataclass(frozen=True)
@@ -75,6 +123,7 @@ class CategoricalCase:
     p: LogitsSource
     kind: str = "categorical"
     draws: int | None = None
+    sampler: SamplerSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -90,7 +139,9 @@ class RolloutCase:
     q: LogitsSource
     p: LogitsSource
     kind: str = "rollout"
+    eos_prob: float | None = None   # sets q(eos|c) = p(eos|c) = eos_prob in every bucket
     draws: int | None = None
+    sampler: SamplerSpec | None = None
 
 
 Case = GaussianCase | CategoricalCase | RolloutCase
@@ -102,7 +153,7 @@ class Experiment:
     draws: int
     seed: int = 0
     device: str = "auto"
-    estimators: tuple[str, ...] = DEFAULT_ESTIMATORS
+    estimators: tuple[str | EstimatorOption, ...] = DEFAULT_ESTIMATORS
     batches: int = 200      # batch means for standard errors
     chunk: int = 1 << 22    # draws held in memory at once
     lambdas: tuple[float, ...] = ()   # λ values of cv(λ) = −log r + λ(r − 1)
@@ -246,6 +297,7 @@ def _parse_gaussian(t: _Table, name: str, spec_dir: Path) -> GaussianCase:
 
 
 def _logits_source(t: _Table, side: str, spec_dir: Path) -> LogitsSource:
+    """``side``: "q", "p", or "b" (a sampler's behavior policy, derived from either side)."""
     if t.has("file"):
         path = spec_dir / t.get("file", "str")
         t.finish()
@@ -261,10 +313,14 @@ def _logits_source(t: _Table, side: str, spec_dir: Path) -> LogitsSource:
         t.finish()
         return src
     if t.has("from"):
-        other = "p" if side == "q" else "q"
         source = t.get("from", "str")
-        if source != other:
-            raise t.error(f"must name the other side, '{other}', got '{source}'", key=t.key("from"))
+        if side == "b":
+            if source not in ("q", "p"):
+                raise t.error(f"must be 'q' or 'p', got '{source}'", key=t.key("from"))
+        else:
+            other = "p" if side == "q" else "q"
+            if source != other:
+                raise t.error(f"must name the other side, '{other}', got '{source}'", key=t.key("from"))
         src = DerivedLogits(source=source,
                             noise=t.get("noise", "float", 0.0, _nonnegative),
                             temperature=t.get("temperature", "float", 1.0, _positive),
@@ -306,13 +362,16 @@ def _parse_rollout(t: _Table, name: str, spec_dir: Path) -> RolloutCase:
     length = t.get("length", "int", check=lambda v: None if v >= 1 else f"must be ≥ 1, got {v}")
     eos = t.get("eos", "int", None, lambda v: None if 0 <= v < vocab else
                 f"must be a token id in [0, {vocab}), got {v}")
+    eos_prob = t.get("eos_prob", "float", None, lambda v: None if 0 < v < 1 else f"must lie in (0, 1), got {v}")
+    if eos_prob is not None and eos is None:
+        raise t.error("needs an eos token", key="eos_prob")
     q = _logits_source(t.sub("q"), "q", spec_dir)
     p = _logits_source(t.sub("p"), "p", spec_dir)
     t.finish()
     if isinstance(q, DerivedLogits) and isinstance(p, DerivedLogits):
         raise t.error("q and p cannot both be derived from each other; give one a 'file' or 'logits'",
                       key="q.from")
-    return RolloutCase(name, vocab, buckets, bucket_of, length, eos, q, p)
+    return RolloutCase(name, vocab, buckets, bucket_of, length, eos, q, p, eos_prob=eos_prob)
 
 
 CASE_PARSERS: dict[str, Callable[[_Table, str, Path], Case]] = {
@@ -324,15 +383,7 @@ CASE_PARSERS: dict[str, Callable[[_Table, str, Path], Case]] = {
 
 # ----------------------------------------------------------------------------- top level
 def _parse_experiment(t: _Table, stem: str) -> Experiment:
-    names = t.get("estimators", "str_list", DEFAULT_ESTIMATORS)
-    for n in names:
-        if n not in ESTIMATORS:
-            raise t.error(f"unknown estimator '{n}'{did_you_mean(n, ESTIMATORS.names())}; known: "
-                          f"{', '.join(ESTIMATORS.names())}", key=t.key("estimators"))
-    if not names:
-        raise t.error("must name at least one estimator", key=t.key("estimators"))
-    if len(set(names)) != len(names):
-        raise t.error("lists an estimator twice", key=t.key("estimators"))
+    names = _parse_estimators(t)
     lambdas, optimal = _parse_lambdas(t)
     exp = Experiment(
         name=t.get("name", "str", stem, lambda v: None if re.fullmatch(r"[\w.\-]+", v) else
@@ -348,6 +399,79 @@ def _parse_experiment(t: _Table, stem: str) -> Experiment:
     )
     t.finish()
     return exp
+
+
+def _parse_estimators(t: _Table) -> tuple[str | EstimatorOption, ...]:
+    """Registry names, or tables {name, logr_clamp, clamp, label} for clamped variants."""
+    t.used.add("estimators")
+    key = t.key("estimators")
+    raw = t.data.get("estimators", list(DEFAULT_ESTIMATORS))
+    if not isinstance(raw, list):
+        raise t.error(f"must be a list of estimator names or tables, got {_typename(raw)}", key=key)
+    if not raw:
+        raise t.error("must name at least one estimator", key=key)
+    out: list[str | EstimatorOption] = []
+    for i, item in enumerate(raw):
+        if isinstance(item, dict):
+            sub = _Table(item, t.file, t.case, f"{key}[{i + 1}].")
+            name = sub.get("name", "str")
+            opt = EstimatorOption(name=name, label="",
+                                  logr_clamp=sub.get("logr_clamp", "float", None, _positive),
+                                  clamp=sub.get("clamp", "float", None, _positive))
+            label = sub.get("label", "str", None)
+            sub.finish()
+            if opt.logr_clamp is None and opt.clamp is None:
+                raise sub.error("needs logr_clamp or clamp (or use the plain name)", key=f"{key}[{i + 1}]")
+            if label is None:
+                label = name + (f"|logr|≤{opt.logr_clamp:g}" if opt.logr_clamp else "") + \
+                    (f"|est|≤{opt.clamp:g}" if opt.clamp else "")
+            item_name, out_item = name, dataclasses.replace(opt, label=label)
+        else:
+            item_name = out_item = _convert(item, "str", lambda m: t.error(m, key=key))
+        if item_name not in ESTIMATORS:
+            raise t.error(f"unknown estimator '{item_name}'{did_you_mean(item_name, ESTIMATORS.names())}; known: "
+                          f"{', '.join(ESTIMATORS.names())}", key=key)
+        if isinstance(out_item, EstimatorOption) and item_name == "full":
+            raise t.error("'full' does not depend on log r: clamps do not apply", key=key)
+        out.append(out_item)
+    labels = [o.label if isinstance(o, EstimatorOption) else o for o in out]
+    dup = next((x for x in labels if labels.count(x) > 1), None)
+    if dup is not None:
+        raise t.error(f"lists '{dup}' twice (give clamped variants distinct labels)", key=key)
+    return tuple(out)
+
+
+_SAMPLER_KEYS = {
+    "gaussian": ["std_scale", "weights", "weight_cap"],
+    "categorical": ["temperature", "top_k", "top_p", "behavior", "weights", "weight_cap"],
+    "rollout": ["temperature", "top_k", "top_p", "min_length", "behavior", "weights", "weight_cap"],
+}
+
+
+def _parse_sampler(t: _Table, kind: str, spec_dir: Path) -> SamplerSpec:
+    allowed = _SAMPLER_KEYS[kind]
+    for k in t.data:
+        if k not in allowed:
+            others = [kk for kk, v in _SAMPLER_KEYS.items() if k in v]
+            hint = f" (only for {' and '.join(others)} cases)" if others else did_you_mean(k, allowed)
+            raise t.error(f"unknown key for a {kind} sampler{hint}; allowed: {', '.join(allowed)}", key=t.key(k))
+    behavior = _logits_source(t.sub("behavior"), "b", spec_dir) if t.has("behavior") else None
+    weight_kinds = ["none", "token", "sequence"] if kind == "rollout" else ["none", "token"]
+    sampler = SamplerSpec(
+        temperature=t.get("temperature", "float", 1.0, _positive),
+        top_k=t.get("top_k", "int", None, lambda v: None if v >= 1 else f"must be ≥ 1, got {v}"),
+        top_p=t.get("top_p", "float", None, lambda v: None if 0 < v <= 1 else f"must lie in (0, 1], got {v}"),
+        min_length=t.get("min_length", "int", 0, _nonnegative),
+        std_scale=t.get("std_scale", "float", 1.0, _positive),
+        behavior=behavior,
+        weights=t.get("weights", "str", "none", lambda v: None if v in weight_kinds else
+                      f"must be one of {', '.join(weight_kinds)}, got '{v}'{did_you_mean(v, weight_kinds)}"),
+        weight_cap=t.get("weight_cap", "float", None, _positive),
+    )
+    t.finish()
+    if sampler.weight_cap is not None and sampler.weights == "none":
+        raise t.error("weight_cap needs weights = \"token\" or \"sequence\"", key=t.key("weight_cap"))
+    return sampler
 
 
 def _parse_lambdas(t: _Table) -> tuple[tuple[float, ...], bool]:
@@ -415,7 +539,9 @@ def parse_spec(text: str, path: Path) -> Spec:
             raise t.error(f"unknown case kind '{kind}'{did_you_mean(kind, list(CASE_PARSERS))}; "
                           f"known: {', '.join(CASE_PARSERS)}", key="kind")
         case_draws = t.get("draws", "int", None, _positive)
-        cases.append(dataclasses.replace(CASE_PARSERS[kind](t, name, path.parent), draws=case_draws))
+        sampler = _parse_sampler(t.sub("sampler"), kind, path.parent) if t.has("sampler") else None
+        cases.append(dataclasses.replace(CASE_PARSERS[kind](t, name, path.parent), draws=case_draws,
+                                         sampler=sampler))
     return Spec(exp, tuple(cases), path, text)
 
 

@@ -54,6 +54,10 @@ class Pair(ABC):
     name: str
     kind: str
     aggregates: tuple[str, ...] = ("",)   # rollouts: ("seq", "tok")
+    has_sampler: bool = False             # draws come from b ≠ q (see SamplerSpec)
+    sampler_label: str = ""
+    support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
+    weights: str = "none"
 
     @abstractmethod
     def kl(self) -> float:

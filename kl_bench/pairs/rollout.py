@@ -19,7 +19,7 @@ from ..alias import AliasTable, build_alias
 from ..draws import Draws, Row
 from ..errors import SpecError
 from ..estimators import Estimator, poly_square
-from ..logits import read_logits_file, resolve_pair_logits
+from ..logits import read_logits_file, resolve_pair_logits, sampler_for
 from ..spec import RolloutCase
 from .base import BatchSums, Features, JointMoments, Pair
 
@@ -42,9 +42,18 @@ class RolloutPair(Pair):
     aggregates = ("seq", "tok")
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
-                 length: int, eos: int | None, label: str = ""):
-        """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C)."""
+                 length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
+                 min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
+                 sampler_label: str = ""):
+        """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
+
+        A sampler: tokens drawn from ``log_b`` [C, V] (b = q when None) with EOS suppressed for the
+        first ``min_length`` tokens, while the estimators use q's and p's log-probs. ``weights``:
+        "token" multiplies each token's term by q/b (capped at ``weight_cap``) and sequence-level rows by
+        the product of those; "sequence" multiplies every row by W = Π_t q/b (capped)."""
         self.name, self.label = name, label
+        self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
+        self.min_length = int(min_length) if eos is not None else 0
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
         self.buckets, self.vocab = self.log_q.shape
@@ -52,6 +61,21 @@ class RolloutPair(Pair):
         q = self.log_q.exp()
         self._kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
         self._alias: AliasTable | None = None      # built on first sampling (exact runs need none)
+        # The sampler's phases: [(log b [C, V], steps)], EOS suppressed (renormalised) in the first.
+        self.has_sampler = log_b is not None or self.min_length > 0 or weights != "none"
+        late = self.log_q if log_b is None else log_b.to(torch.float64)
+        self._phases: list[tuple[torch.Tensor, int]] = []
+        if self.min_length:
+            early = late.clone()
+            early[:, eos] = -torch.inf
+            self._phases.append((torch.log_softmax(early, -1), min(self.min_length, self.length)))
+        if self.length > self.min_length:
+            self._phases.append((late, self.length - self.min_length))
+        if bool(((late > -torch.inf) & (self.log_q == -torch.inf)).any()):
+            raise SpecError("the sampler draws tokens that q gives probability 0", key="sampler")
+        # Largest per-step mass of q that b never draws (EOS suppression counts): a bias source.
+        self.support_miss = max(float((q * (lb == -torch.inf)).sum(-1).max()) for lb, _ in self._phases)
+        self._phase_alias: list[AliasTable] | None = None
 
     def _alias_table(self) -> AliasTable:
         # Per-bucket alias tables, flattened to [C·V] so that a step is two gathers per rollout.
@@ -64,6 +88,8 @@ class RolloutPair(Pair):
     @classmethod
     def from_case(cls, case: RolloutCase) -> "RolloutPair":
         lq, lp = resolve_pair_logits(case.q, case.p, case.vocab, contexts=case.buckets)
+        if case.eos_prob is not None:
+            lq, lp = (_set_eos_prob(t, case.eos, case.eos_prob) for t in (lq, lp))
         for side, t in (("q", lq), ("p", lp)):
             if t.shape != (case.buckets, case.vocab):
                 raise SpecError(f"rollout logits must have shape [C, V] = [{case.buckets}, {case.vocab}], "
@@ -79,12 +105,37 @@ class RolloutPair(Pair):
             except SpecError as e:
                 raise e.located(key="bucket_of.file") from None
         from .categorical import _describe_sources
-        return cls(case.name, lq, lp, bucket, case.length, case.eos, label=_describe_sources(case))
+        sp = case.sampler
+        if sp is None:
+            return cls(case.name, lq, lp, bucket, case.length, case.eos, label=_describe_sources(case))
+        if sp.min_length and case.eos is None:
+            raise SpecError("min_length needs an eos token", key="sampler.min_length")
+        plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
+        return cls(case.name, lq, lp, bucket, case.length, case.eos, label=_describe_sources(case),
+                   log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
+                   weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe())
 
     # ------------------------------------------------------------------ exact
     def _dp(self, m: torch.Tensor, h: torch.Tensor, kmax: int) -> list[float]:
+        """E_q[M S^k] (no sampler involved): the truth."""
         a, e = rollout_dp.moment_matrices(self.log_q.exp(), m, h, self.bucket, self.buckets, self.eos, kmax)
         return rollout_dp.propagate(a, e, self.length)
+
+    def _dp_b(self, m_fn, h_fn, kmax: int) -> list[float]:
+        """E_b[M S^k] under the sampler's phases; ``m_fn``/``h_fn`` map a phase's log b to tables."""
+        phases = []
+        for lb, steps in self._phases:
+            b = lb.exp()
+            # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf.
+            m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
+            h = torch.where(b > 0, h_fn(lb), torch.zeros_like(b))
+            a, e = rollout_dp.moment_matrices(b, m, h, self.bucket, self.buckets, self.eos, kmax)
+            phases.append((a, e, steps))
+        return rollout_dp.propagate_phases(phases)
+
+    def _token_weight(self, lb: torch.Tensor) -> torch.Tensor:
+        w = torch.exp(self.log_q - lb)
+        return w.clamp(max=self.weight_cap) if self.weight_cap is not None and self.weights == "token" else w
 
     @functools.cache
     def seq_moments(self, s: int) -> list[float]:
@@ -122,6 +173,8 @@ class RolloutPair(Pair):
         return total
 
     def exact_moments(self, est: Estimator, aggregate: str = "seq") -> tuple[float, float]:
+        if self.has_sampler:
+            return self._sampler_moments(est, aggregate)
         if aggregate == "tok" or est.name == "full":
             m = self.tok_moments(self._tok_values(est))
             return m[1], max(m[2] - m[1] ** 2, 0.0)
@@ -133,13 +186,50 @@ class RolloutPair(Pair):
     def kurtosis_proxy(self, est: Estimator, aggregate: str = "seq") -> float:
         # Sequence-level estimators with an R^s term are dominated by it in the tail:
         # E[R^{4s}] / E[R^{2s}]² (both exact by the DP; inf when beyond float64).
-        if aggregate != "seq" or est.poly is None:
+        if aggregate != "seq" or est.poly is None or self.has_sampler:
             return math.nan
         s_max = max((s for (s, _), c in est.poly.items() if c != 0), default=0)
         if s_max == 0:
             return math.nan
         num, den = self.seq_moments(4 * s_max)[0], self.seq_moments(2 * s_max)[0]
         return num / den**2 if math.isfinite(num) and math.isfinite(den) and den > 0 else math.inf
+
+    def _sampler_moments(self, est: Estimator, aggregate: str) -> tuple[float, float]:
+        """(E_b[v], Var_b[v]) of a row under the sampler, by the phased dynamic program."""
+        ones = torch.ones_like(self._g)
+        weighted = self.weights != "none"
+        if weighted and self.weights == "sequence" and self.weight_cap is not None:
+            return math.nan, math.nan               # min(Π w, cap) is not a product: no DP
+        wt = self._token_weight
+
+        if aggregate == "tok" or est.name == "full":
+            f = self._tok_values(est)
+            if self.weights == "token":             # Σ_t w_t f_t: additive
+                mom = self._dp_b(lambda lb: ones, lambda lb: wt(lb) * f, 2)
+                return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+            if self.weights == "sequence":          # W · Σ_t f_t: weight multiplicative, sum additive
+                m1 = self._dp_b(lambda lb: wt(lb), lambda lb: f, 1)[1]
+                m2 = self._dp_b(lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
+                return m1, (math.inf if not math.isfinite(m2) else max(m2 - m1 * m1, 0.0))
+            mom = self._dp_b(lambda lb: ones, lambda lb: f, 2)
+            return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+        if est.poly is None:
+            return math.nan, math.nan
+
+        def moment(poly, power):   # E_b[W^power Σ c R^s L^k]
+            total = 0.0
+            for (s_, k), c in poly.items():
+                if c == 0:
+                    continue
+                v = self._dp_b(lambda lb, s_=s_: (wt(lb) ** power if weighted else ones) * torch.exp(s_ * self._g),
+                               lambda lb: self._g, k)[k]
+                if not math.isfinite(v):
+                    return math.inf
+                total += c * v
+            return total
+        mean = moment(est.poly, 1)
+        second = moment(poly_square(est.poly), 2)
+        return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
 
     def exact_joint(self, aggregate: str = "seq") -> JointMoments:
         m0, m1 = self.seq_moments(0), self.seq_moments(1)
@@ -166,17 +256,24 @@ class RolloutPair(Pair):
                   tok_rows: list[Row] = ()) -> Draws:
         """Rollouts for several batches at once: batch i's uniforms come from its own generator, every
         other operation runs on one long vector (per-op overhead dominates on short vectors)."""
-        table = self._alias_table()
-        prob, alias = table.prob.to(device), table.alias.to(device)
+        if self._phase_alias is None:
+            self._phase_alias = [self._alias_table()] if not self.has_sampler else [
+                _flat_alias(lb) for lb, _ in self._phases]
+        tables = [(t.prob.to(device), t.alias.to(device)) for t in self._phase_alias]
+        logw = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self._phases] if self.weights != "none" else None
+        phase_of = [i for i, (_, steps) in enumerate(self._phases) for _ in range(steps)] if self.has_sampler \
+            else [0] * self.length
         g_flat, kl_ctx, bucket = self._g.reshape(-1).to(device), self._kl_ctx.to(device), self.bucket.to(device)
         v, n = self.vocab, sum(sizes)
+        weight = torch.ones(n, dtype=torch.float64, device=device) if logw is not None else None
         c = torch.zeros(n, dtype=torch.int64, device=device)
         alive = torch.ones(n, dtype=torch.float64, device=device)
         logr = torch.zeros(n, dtype=torch.float64, device=device)
         full = torch.zeros_like(logr)
         tok_b = torch.zeros_like(logr)
         tok = torch.zeros(n, len(tok_rows), dtype=torch.float64, device=device)
-        for _ in range(self.length):
+        for t in range(self.length):
+            prob, alias = tables[phase_of[t]]
             u = torch.cat([torch.rand(k, dtype=torch.float64, generator=g, device=device)
                            for k, g in zip(sizes, gens)]) * v
             j = u.long().clamp_(max=v - 1)
@@ -187,13 +284,22 @@ class RolloutPair(Pair):
             logr += alive * g
             full += alive * kl_c
             tok_b += alive * torch.expm1(g)
+            step_w = None
+            if logw is not None:                    # q/b of this token, for sequences still alive
+                w_t = torch.exp(logw[phase_of[t]][base + x])
+                if self.weights == "token" and self.weight_cap is not None:
+                    w_t = w_t.clamp(max=self.weight_cap)
+                weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+                step_w = w_t if self.weights == "token" else None
             if tok_rows:
-                tok += alive[:, None] * torch.stack(
-                    [kl_c if r.est.name == "full" else r.est.fn(g) for r in tok_rows], dim=-1)
+                vals = torch.stack([kl_c if r.est.name == "full" else r.est.fn(g) for r in tok_rows], dim=-1)
+                tok += (alive if step_w is None else alive * step_w)[:, None] * vals
             if self.eos is not None:
                 alive = alive * (x != self.eos)
             c = bucket[x]
-        return Draws(logr, full, tok, tok_b)
+        if weight is not None and self.weights == "sequence" and self.weight_cap is not None:
+            weight = weight.clamp(max=self.weight_cap)
+        return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         def run(sizes: list[int], gens: list[torch.Generator]) -> torch.Tensor:
@@ -209,7 +315,24 @@ class RolloutPair(Pair):
     def describe(self) -> str:
         eos = f", eos={self.eos}" if self.eos is not None else ""
         return (f"rollout V={self.vocab}, C={self.buckets}, T={self.length}{eos}"
-                + (f": {self.label}" if self.label else ""))
+                + (f": {self.label}" if self.label else "")
+                + (f"; {self.sampler_label}" if self.sampler_label else ""))
+
+
+def _flat_alias(log_b: torch.Tensor) -> AliasTable:
+    """Per-bucket alias tables of b [C, V], flattened to [C·V]."""
+    b = log_b.exp()
+    tables = [build_alias(b[c].numpy()) for c in range(b.shape[0])]
+    return AliasTable(torch.cat([t.prob for t in tables]), torch.cat([t.alias for t in tables]))
+
+
+def _set_eos_prob(log_probs: torch.Tensor, eos: int, prob: float) -> torch.Tensor:
+    """Give EOS probability ``prob`` in every bucket, rescaling the other tokens to 1 − prob."""
+    others = log_probs.clone()
+    others[:, eos] = -torch.inf
+    out = torch.log_softmax(others, -1) + math.log1p(-prob)
+    out[:, eos] = math.log(prob)
+    return out
 
 
 def brute_force_sequences(pair: RolloutPair):

@@ -1,0 +1,301 @@
+"""Sampling mismatch: exact expectations under b against brute force, the known value
+E_b[k1] = KL(b‖p) − KL(b‖q), Monte Carlo against exact, clamps, and bad input."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kl_bench import exact
+from kl_bench.cli import app
+from kl_bench.estimators import ESTIMATORS, resolve_estimator
+from kl_bench.experiment import run_experiment_case
+from kl_bench.logits import sampler_logprobs
+from kl_bench.pairs import CategoricalPair, GaussianPair, RolloutPair
+from kl_bench.spec import EstimatorOption, Experiment
+
+from .conftest import CPU
+
+LOGR = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3"]
+
+
+def _logits(b=3, v=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log_softmax(torch.randn(b, v, generator=g, dtype=torch.float64) * 1.5, -1)
+    lp = torch.log_softmax(torch.randn(b, v, generator=g, dtype=torch.float64) * 1.5, -1)
+    return lq, lp
+
+
+def _brute_b(logits: np.ndarray, temperature=1.0, top_k=None, top_p=None) -> np.ndarray:
+    """b by hand, row by row: softmax(z/T), keep the k largest, then the smallest top set reaching p."""
+    out = []
+    for row in logits / temperature:
+        prob = np.exp(row - row.max())
+        prob /= prob.sum()
+        order = np.argsort(-prob, kind="stable")
+        keep = np.zeros_like(prob, dtype=bool)
+        keep[order[: top_k or len(prob)]] = True
+        prob = np.where(keep, prob, 0)
+        prob /= prob.sum()
+        if top_p is not None:
+            kept, mass = np.zeros_like(keep), 0.0
+            for i in np.argsort(-prob, kind="stable"):
+                if mass >= top_p or prob[i] == 0:
+                    break
+                kept[i], mass = True, mass + prob[i]
+            prob = np.where(kept, prob, 0)
+            prob /= prob.sum()
+        out.append(prob)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=0.7), dict(top_k=4), dict(top_p=0.8),
+                                 dict(temperature=1.3, top_k=6, top_p=0.9)])
+def test_sampler_distribution_matches_a_by_hand_construction(cfg):
+    lq, _ = _logits()
+    b = sampler_logprobs(lq, **cfg).exp().numpy()
+    assert np.allclose(b, _brute_b(lq.numpy(), **cfg), atol=1e-12)
+
+
+@pytest.mark.parametrize("weights", ["none", "token"])
+@pytest.mark.parametrize("cfg", [dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), "behavior"])
+def test_categorical_expectations_under_b_match_brute_force(cfg, weights):
+    lq, lp = _logits()
+    if cfg == "behavior":
+        lb = torch.log_softmax(lq + 0.4 * torch.randn(lq.shape, generator=torch.Generator().manual_seed(3),
+                                                      dtype=torch.float64), -1)
+    else:
+        lb = sampler_logprobs(lq, **cfg)
+    pair = CategoricalPair("c", lq, lp, log_b=lb, weights=weights)
+    bw = lb.exp().numpy() / 3
+    w = np.where(bw > 0, np.exp(lq.numpy() - lb.numpy()), 0.0)
+    logr = (lp - lq).numpy()
+    for name in LOGR:
+        f = ESTIMATORS.get(name).fn(torch.tensor(logr)).numpy()
+        v = f * w if weights == "token" else f
+        m = np.sum(bw * v)
+        var = np.sum(bw * (v - m) ** 2)
+        em, ev = pair.exact_moments(ESTIMATORS.get(name))
+        assert em == pytest.approx(m, rel=1e-10, abs=1e-14) and ev == pytest.approx(var, rel=1e-9, abs=1e-14)
+    # the known value: E_b[k1] = KL(b‖p) − KL(b‖q) (b's support inside q's and p's)
+    if weights == "none":
+        kl_bp, kl_bq = exact.categorical_kl(lb, lp), exact.categorical_kl(lb, lq)
+        assert pair.exact_moments(ESTIMATORS.get("k1"))[0] == pytest.approx(kl_bp - kl_bq, rel=1e-10)
+    else:  # unbiased: E_b[(q/b) f] = E_q[f] on b's support
+        if pair.support_miss == 0:
+            assert pair.exact_moments(ESTIMATORS.get("k1"))[0] == pytest.approx(pair.kl(), rel=1e-10)
+
+
+@pytest.mark.parametrize("scale", [0.8, 1.5])
+def test_gaussian_known_value_and_quadrature_agree_with_closed_forms(scale):
+    pair = GaussianPair("g", [0.0], [1.0], [0.0], [1.2], std_scale=scale)
+    expected = exact.gaussian_kl([0.0], [scale], [0.0], [1.2]) - exact.gaussian_kl([0.0], [scale], [0.0], [1.0])
+    assert pair.exact_moments(ESTIMATORS.get("k1"))[0] == pytest.approx(expected, rel=1e-12)
+    if scale == 1.5:
+        assert expected < 0                 # the issue's headline: the "KL" goes negative
+    g, b = pair.params, pair._b
+    for name in ("k1", "k2", "k3"):
+        est = ESTIMATORS.get(name)
+        closed = exact.gaussian_sampler_moments(g, est, b, False, None)
+        # No poly: the quadrature path. The clamp only fires where r > 1e100 (|x| > 26), whose mass
+        # under b·r is ~1e-20 (a clamp at 1e9 would fire at |x| ≈ 8 and cut real mass).
+        quad_est = resolve_estimator(EstimatorOption(name, "x", clamp=1e100))
+        quad = exact.gaussian_sampler_moments(g, quad_est, b, False, None)
+        assert quad[0] == pytest.approx(closed[0], rel=1e-7)
+        if math.isfinite(closed[1]):
+            assert quad[1] == pytest.approx(closed[1], rel=1e-6)
+    # importance weights q/b restore E_q; with a cap, quadrature handles the kink
+    w = GaussianPair("g", [0.0], [1.0], [0.0], [1.2], std_scale=1.5, weights="token")
+    assert w.exact_moments(ESTIMATORS.get("k3"))[0] == pytest.approx(w.kl(), rel=1e-10)
+    capped = GaussianPair("g", [0.0], [1.0], [0.0], [1.2], std_scale=1.5, weights="token", weight_cap=1.2)
+    m, _ = capped.exact_moments(ESTIMATORS.get("k1"))
+    assert m != pytest.approx(w.kl(), rel=1e-3)
+
+
+def _tiny_rollout(**kw):
+    g = torch.Generator().manual_seed(0)
+    lq = torch.log_softmax(torch.randn(2, 4, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(torch.randn(2, 4, generator=g, dtype=torch.float64), -1)
+    lb = sampler_logprobs(lq, temperature=0.7, top_k=3)
+    return RolloutPair("r", lq, lp, torch.arange(4) % 2, 3, 3, log_b=lb, **kw)
+
+
+def _rollout_brute(pair, mode):
+    """Every sequence under b's phases: probability, per-step (bucket, token, b-prob)."""
+    q = pair.log_q.exp().numpy()
+    phases = [lb.exp().numpy() for lb, steps in pair._phases for _ in range(steps)]
+    out = []
+
+    def rec(c, prob, path, t):
+        if t == pair.length:
+            out.append((prob, path))
+            return
+        for x in range(pair.vocab):
+            bx = phases[t][c, x]
+            if bx == 0:
+                continue
+            step = path + [(c, x, q[c, x] / bx)]
+            if x == pair.eos:
+                out.append((prob * bx, step))
+            else:
+                rec(int(pair.bucket[x]), prob * bx, step, t + 1)
+    rec(0, 1.0, [], 0)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["none", "token", "sequence"])
+@pytest.mark.parametrize("min_length", [0, 2])
+def test_rollout_expectations_under_b_match_brute_force(mode, min_length):
+    pair = _tiny_rollout(min_length=min_length, weights=mode)
+    g = pair._g.numpy()
+    seqs = _rollout_brute(pair, mode)
+    prob = np.array([p for p, _ in seqs])
+    assert prob.sum() == pytest.approx(1.0, rel=1e-12)
+    for name in ("k1", "k3", "fwd_k3"):
+        fn = ESTIMATORS.get(name).fn
+        seq_vals, tok_vals = [], []
+        for _, path in seqs:
+            big_w = np.prod([w for _, _, w in path])
+            f_seq = float(fn(torch.tensor(sum(g[c, x] for c, x, _ in path))))
+            toks = [float(fn(torch.tensor(g[c, x]))) for c, x, _ in path]
+            if mode == "none":
+                seq_vals.append(f_seq), tok_vals.append(sum(toks))
+            elif mode == "token":
+                seq_vals.append(big_w * f_seq), tok_vals.append(sum(w * t for (_, _, w), t in zip(path, toks)))
+            else:
+                seq_vals.append(big_w * f_seq), tok_vals.append(big_w * sum(toks))
+        for agg, vals in (("seq", np.array(seq_vals)), ("tok", np.array(tok_vals))):
+            m = float((prob * vals).sum())
+            v = float((prob * (vals - m) ** 2).sum())
+            em, ev = pair.exact_moments(ESTIMATORS.get(name), agg)
+            assert em == pytest.approx(m, rel=1e-10, abs=1e-13) and ev == pytest.approx(v, rel=1e-9, abs=1e-13)
+
+
+def _mc_rows(pair, draws=200_000, estimators=("k1", "k2", "k3")):
+    exp = Experiment(name="m", draws=draws, seed=2, batches=100, estimators=estimators, lambdas=(0.5,))
+    return pd.DataFrame(run_experiment_case(pair, exp, CPU).rows)
+
+
+@pytest.mark.parametrize("which", ["gauss-1.5", "gauss-IS", "cat-top-p", "cat-stale-IS", "rollout-min-length",
+                                   "rollout-seq-IS"])
+def test_monte_carlo_agrees_with_the_exact_expectation_under_b(which):
+    lq, lp = _logits(b=2, v=300, seed=4)
+    if which == "gauss-1.5":
+        pair = GaussianPair("g", [0.0], [1.0], [0.0], [1.2], std_scale=1.5)
+    elif which == "gauss-IS":
+        pair = GaussianPair("g", [0.0], [1.0], [0.0], [1.2], std_scale=1.3, weights="token")
+    elif which == "cat-top-p":
+        pair = CategoricalPair("c", lq, lp, log_b=sampler_logprobs(lq, top_p=0.9))
+    elif which == "cat-stale-IS":
+        lb = torch.log_softmax(lq + 0.3 * torch.randn(lq.shape, generator=torch.Generator().manual_seed(5),
+                                                      dtype=torch.float64), -1)
+        pair = CategoricalPair("c", lq, lp, log_b=lb, weights="token")
+    else:
+        c = torch.log_softmax(torch.randn(4, 60, generator=torch.Generator().manual_seed(6), dtype=torch.float64), -1)
+        d = torch.log_softmax(c + 0.3 * torch.randn(4, 60, generator=torch.Generator().manual_seed(7),
+                                                    dtype=torch.float64), -1)
+        pair = RolloutPair("r", c, d, torch.arange(60) % 4, 10, 59, min_length=4,
+                           weights="sequence" if which == "rollout-seq-IS" else "none", log_b=c)
+    df = _mc_rows(pair)
+    checked = df[df["exact_mean"].notna() & ~df["heavy_tail"].isin(["infinite variance"])]
+    assert len(checked) >= 2
+    assert (checked["z"].abs() < 5).all(), checked[["estimator", "aggregate", "z"]]
+    assert (df["sampler"] != "").all()
+    assert "lambda_star" not in df or df["lambda_star"].isna().all()      # no λ sweep under a sampler
+
+
+def test_clamps_are_their_own_rows_and_cost_what_the_exact_sums_say():
+    lq = torch.log_softmax(-1.1 * torch.log(torch.arange(1, 3001, dtype=torch.float64)), -1)[None]
+    lp = torch.log_softmax(lq / 0.2, -1)                # log r < −20 on the tail tokens
+    pair = CategoricalPair("c", lq, lp)
+    assert float((lp - lq).min()) < -20
+    ests = ("k3", EstimatorOption("k3", "k3 logr±20", logr_clamp=20.0),
+            EstimatorOption("k3", "k3 est±10", clamp=10.0))
+    df = _mc_rows(pair, estimators=ests).set_index("estimator")
+    assert list(df.index[:3]) == ["k3", "k3 logr±20", "k3 est±10"]
+    assert (df["z"].abs() < 5).all()
+    # both clamps fire here, so both lower the expectation below the (unbiased) k3
+    assert df.loc["k3 est±10", "exact_mean"] < df.loc["k3 logr±20", "exact_mean"] < df.loc["k3", "exact_mean"]
+    assert df.loc["k3", "exact_mean"] == pytest.approx(pair.kl(), rel=1e-10)
+
+
+def test_support_miss_is_flagged_with_weights_and_warned_about_without(write_spec, tmp_path):
+    runner = CliRunner()
+    spec = """
+spec_version = 1
+[experiment]
+draws = 20000
+device = "cpu"
+batches = 20
+estimators = ["k1", "k3"]
+[[case]]
+name = "topk"
+kind = "categorical"
+vocab = 500
+q = {logits = "zipf", exponent = 1.1, seed = 1}
+p = {from = "q", noise = 0.3, seed = 2}
+sampler = {top_k = 20, weights = "WEIGHTS"}
+"""
+    for weights, needle in (("none", "every estimate is biased"), ("token", "importance weight q/b is infinite")):
+        res = runner.invoke(app, ["run", str(write_spec(spec.replace("WEIGHTS", weights))), "--out",
+                                  str(tmp_path / weights)])
+        assert res.exit_code == 0, res.output
+        assert needle in res.stderr and "sampling mismatch" in res.output
+        df = pd.read_csv(tmp_path / weights / "summary.csv", keep_default_na=False)
+        assert (df["support_miss"].astype(float) > 0).all()
+        assert (df["heavy_tail"] == ("infinite IS weight (b misses q's support)" if weights == "token" else "")).all()
+
+
+BAD_BASE = """
+spec_version = 1
+[experiment]
+draws = 1000
+device = "cpu"
+[[case]]
+name = "x"
+kind = "KIND"
+SAMPLER
+"""
+
+
+@pytest.mark.parametrize("kind, sampler, needles", [
+    ("categorical", "sampler = {top_k = 0}", ["sampler.top_k", "≥ 1"]),
+    ("categorical", "sampler = {top_p = 0.0}", ["sampler.top_p", "(0, 1]"]),
+    ("categorical", "sampler = {top_p = 1.5}", ["sampler.top_p", "(0, 1]"]),
+    ("categorical", "sampler = {temperature = 0}", ["sampler.temperature", "> 0"]),
+    ("categorical", "sampler = {std_scale = 2.0}", ["sampler.std_scale", "only for gaussian"]),
+    ("categorical", "sampler = {min_length = 3}", ["sampler.min_length", "only for rollout"]),
+    ("categorical", 'sampler = {weights = "sequence"}', ["sampler.weights", "none, token"]),
+    ("categorical", "sampler = {weight_cap = 5.0}", ["sampler.weight_cap", "needs weights"]),
+    ("categorical", "sampler = {topk = 5}", ["sampler.topk", "did you mean 'top_k'"]),
+    ("gaussian", "sampler = {top_k = 5}", ["sampler.top_k", "only for categorical"]),
+    ("gaussian", "sampler = {std_scale = -1}", ["sampler.std_scale", "> 0"]),
+    ("rollout", "sampler = {min_length = 3}", ["min_length", "needs an eos"]),
+])
+def test_bad_sampler_input(kind, sampler, needles, write_spec, tmp_path):
+    body = {"gaussian": "q = {mean = 0.0, std = 1.0}\np = {mean = 0.1, std = 1.0}",
+            "categorical": 'vocab = 50\nq = {logits = "zipf", seed = 1}\np = {from = "q", noise = 0.2}',
+            "rollout": 'vocab = 50\nbuckets = 2\nlength = 4\nq = {logits = "zipf", seed = 1}\n'
+                       'p = {from = "q", noise = 0.2}'}[kind]
+    text = BAD_BASE.replace("KIND", kind).replace("SAMPLER", body + "\n" + sampler)
+    res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    msg = res.stderr.strip()
+    assert len(msg.splitlines()) == 1 and "case 'x'" in msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_bad_estimator_options(write_spec, tmp_path):
+    base = BAD_BASE.replace("KIND", "gaussian").replace("SAMPLER", "q = {mean = 0.0, std = 1.0}\n"
+                                                                    "p = {mean = 0.1, std = 1.0}")
+    for est, needle in (('[{name = "k3"}]', "needs logr_clamp or clamp"),
+                        ('[{name = "k9", clamp = 1.0}]', "unknown estimator 'k9'"),
+                        ('[{name = "k3", clamp = -1.0}]', "> 0"),
+                        ('["k3", {name = "k3", clamp = 1.0, label = "k3"}]', "twice"),
+                        ('[{name = "full", clamp = 1.0}]', "clamps do not apply")):
+        text = base.replace('device = "cpu"', f'device = "cpu"\nestimators = {est}')
+        res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o")])
+        assert res.exit_code == 2 and needle in res.stderr, (est, res.stderr)
