@@ -146,7 +146,7 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
                                                help="write a checkpoint at most this often (0: never)")) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
     lambda_sweep.csv) into the results folder, atomically."""
-    from .experiment import run_spec
+    from .experiment import run_spec, validate_oracles
     from .storage import (FolderLock, checkpoint_identity, clean_stale, load_checkpoint, remove_checkpoint,
                           save_checkpoint)
     with _user_errors():
@@ -154,6 +154,7 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         exp = sp.experiment
         dev = resolve_device(exp.device)
         pairs = [build_pair(c, str(spec)) for c in sp.cases]   # validates files before sampling
+        validate_oracles(sp, pairs, str(spec))
         if checkpoint_every < 0:
             raise SpecError(f"must be ≥ 0, got {checkpoint_every}", key="--checkpoint-every")
     out_dir = out or Path("results") / exp.name
@@ -238,7 +239,7 @@ def report(dirs: list[Path] = typer.Argument(..., help="one or more results fold
 
 def _summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, quiet: bool):
     """(spec, summary DataFrame): from --results DIR, or by running the spec in memory."""
-    from .experiment import run_spec
+    from .experiment import run_spec, validate_oracles
     with _user_errors():
         sp = with_overrides(load_spec(spec_path), draws=draws, seed=seed, device=device)
         if results is not None:
@@ -251,6 +252,7 @@ def _summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, 
             return sp, res.summary
         dev = resolve_device(sp.experiment.device)
         pairs = [build_pair(c, str(spec_path)) for c in sp.cases]
+        validate_oracles(sp, pairs, str(spec_path))
     progress = _LazyProgress(sum(c.draws or sp.experiment.draws for c in sp.cases), enabled=not quiet)
     try:
         outcome = run_spec(sp, pairs, dev, progress=progress.advance)

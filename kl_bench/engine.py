@@ -118,7 +118,7 @@ def as_rows(items, aggregates: tuple[str, ...] = ("",)) -> list[Row]:
             out.append(it)
             continue
         est = ESTIMATORS.get(it) if isinstance(it, str) else it
-        out += [Row(est, a) for a in aggregates if not (est.name == "full" and a == "seq")]
+        out += [Row(est, a) for a in aggregates if not (a == "seq" and (est.name == "full" or est.token_only))]
     return out
 
 

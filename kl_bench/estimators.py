@@ -37,6 +37,12 @@ class Estimator:
     poly: Poly | None
     lam: float | None = None   # λ of a control variate cv(λ); None otherwise
 
+    @property
+    def token_only(self) -> bool:
+        """On rollouts, estimators that are not polynomials in (R, L) (abs, clamped variants) get
+        token-level rows only: that is where trainers apply them, and where an exact oracle exists."""
+        return self.poly is None and self.name != "full"
+
 
 ESTIMATORS: Registry[Estimator] = Registry("estimator")
 

@@ -140,13 +140,14 @@ def _poly_expectation(g: GaussianPairParams, poly: dict[tuple[int, int], float],
     return sum(c * m for c, m in terms)
 
 
-def gaussian_abs_logr_mean(g: GaussianPairParams) -> float:
+def gaussian_abs_logr_mean(g: GaussianPairParams, b: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """E_q|log r| from the characteristic function φ of log r:  E|X| = (2/π)∫₀^∞ (1 − Re φ(t))/t² dt.
 
     Per dimension log r = c0 + c1 z + c2 z² and
     φ(t) = exp(i t c0) (1 − 2 i t c2)^(−½) exp(−t² c1² / (2(1 − 2 i t c2))); dimensions multiply.
     """
-    c0, c1, c2 = _logr_quadratic(g, g.mq, g.sq**2)
+    mb, sb = (g.mq, g.sq) if b is None else b
+    c0, c1, c2 = _logr_quadratic(g, mb, sb**2)       # log r as a quadratic of x = μ_b + σ_b z
     if g.mq.shape[0] == 1:   # one dimension: integrate directly over z, split at the roots
         a, b, c = float(c0[0]), float(c1[0]), float(c2[0])
         roots = np.roots([c, b, a]) if c != 0 else (np.array([-a / b]) if b != 0 else np.array([]))
@@ -159,9 +160,9 @@ def gaussian_abs_logr_mean(g: GaussianPairParams) -> float:
     def integrand(t: float) -> float:
         w = 1 - 2j * t * c2
         phi = np.prod(np.exp(1j * t * c0) / np.sqrt(w) * np.exp(-(t**2) * c1**2 / (2 * w)))
-        return (1 - phi.real) / (t * t) if t > 0 else 0.5 * gaussian_logr_moment(g, 0, 2)
+        return (1 - phi.real) / (t * t) if t > 0 else 0.5 * scale * scale
 
-    scale = math.sqrt(gaussian_logr_moment(g, 0, 2))
+    scale = math.sqrt(gaussian_logr_moment(g, 0, 2, b, 0) if b is not None else gaussian_logr_moment(g, 0, 2))
     if scale == 0:          # q = p: log r ≡ 0
         return 0.0
     with warnings.catch_warnings():
@@ -180,6 +181,9 @@ def gaussian_sampler_moments(g: GaussianPairParams, est: Estimator, b: tuple[np.
     adaptive quadrature of the estimator function itself; more dimensions: unknown (NaN)."""
     from .estimators import poly_square
     m = 1 if weighted else 0
+    if est.name == "abs" and not weighted:           # characteristic function of log r under b
+        mean = gaussian_abs_logr_mean(g, b)
+        return mean, max(gaussian_logr_moment(g, 0, 2, b, 0) - mean * mean, 0.0)
     if est.poly is not None and cap is None:
         mean = _poly_expectation(g, est.poly, b, m)
         second = _poly_expectation(g, poly_square(est.poly), b, 2 * m)

@@ -167,6 +167,25 @@ class SpecOutcome:
         return files
 
 
+def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> None:
+    """Every number needs an exact oracle: reject combinations that have none, before sampling.
+
+    Multivariate Gaussians have closed forms for polynomial estimators and |log r|, but a clamped
+    estimate, a weight cap or a weighted |log r| needs quadrature, which kl-bench does in 1-D only."""
+    from .errors import SpecError
+    from .pairs import GaussianPair
+    ests = [resolve_estimator(n) for n in spec.experiment.estimators]
+    for case, pair in zip(spec.cases, pairs):
+        if not isinstance(pair, GaussianPair) or pair.dim == 1:
+            continue
+        what = [e.name for e in ests if e.poly is None and e.name not in ("abs", "full")]
+        what += ["abs with importance weights"] if pair.weighted and any(e.name == "abs" for e in ests) else []
+        what += ["weight_cap"] if pair.weight_cap is not None else []
+        if what:
+            raise SpecError(f"no exact oracle for {', '.join(what)} on a {pair.dim}-dimensional Gaussian "
+                            "(quadrature is 1-D only): use a 1-D case or drop them", file=spec_file, case=case.name)
+
+
 def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[int], None] | None = None,
              resume: dict[str, torch.Tensor] | None = None,
              on_sums: Callable[[str, torch.Tensor], None] | None = None) -> SpecOutcome:

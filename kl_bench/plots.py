@@ -34,8 +34,10 @@ def _symlog_ticks(ax, lo: float, hi: float, linthresh: float) -> None:
     ticks = [0.0]
     for sign, end in ((1, hi), (-1, -lo)):
         if end > linthresh:
-            ticks += [sign * 10.0**e for e in range(int(np.floor(np.log10(linthresh))) + 1,
-                                                   int(np.ceil(np.log10(end))) + 1)]
+            exps = list(range(int(np.floor(np.log10(linthresh))) + 1, int(np.ceil(np.log10(end))) + 1))
+            if len(exps) > 3:      # crowded labels: every other decade, counted from the outermost
+                exps = exps[::-1][::2][::-1]
+            ticks += [sign * 10.0**e for e in exps]
     ticks = sorted(ticks)
     ax.set_xticks(ticks)
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())

@@ -75,7 +75,7 @@ class SamplerSpec:
     b is q (or ``behavior``, a stale policy) with ``temperature``, then ``top_k``, then ``top_p``
     applied, and EOS suppressed for the first ``min_length`` tokens (rollouts); for Gaussians
     b = N(μq, (std_scale·σq)²). ``weights`` multiplies estimates by q/b: per token ("token") or by the
-    product over the sequence ("sequence"), capped at ``weight_cap``.
+    product over the sequence ("sequence"); ``weight_cap`` caps each token's q/b.
     """
     temperature: float = 1.0
     top_k: int | None = None

@@ -299,3 +299,35 @@ def test_bad_estimator_options(write_spec, tmp_path):
         text = base.replace('device = "cpu"', f'device = "cpu"\nestimators = {est}')
         res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o")])
         assert res.exit_code == 2 and needle in res.stderr, (est, res.stderr)
+
+
+def test_every_option_has_an_exact_oracle():
+    """abs and clamped variants are token-level on rollouts; capped sequence weights stay exact; abs
+    under a Gaussian sampler has its characteristic-function oracle."""
+    from kl_bench.engine import as_rows
+    c = torch.log_softmax(torch.randn(4, 60, generator=torch.Generator().manual_seed(6), dtype=torch.float64), -1)
+    d = torch.log_softmax(c + 0.3 * torch.randn(4, 60, generator=torch.Generator().manual_seed(7),
+                                                dtype=torch.float64), -1)
+    pair = RolloutPair("r", c, d, torch.arange(60) % 4, 10, 59, min_length=4, weights="sequence", weight_cap=1.5,
+                       log_b=sampler_logprobs(c, temperature=1.2))
+    ests = ["k1", "abs", EstimatorOption("k3", "k3 est±1", clamp=1.0)]
+    rows = as_rows([resolve_estimator(e) for e in ests], pair.aggregates)
+    assert {(r.est.name, r.aggregate) for r in rows} == {("k1", "seq"), ("k1", "tok"), ("abs", "tok"),
+                                                        ("k3 est±1", "tok")}
+    df = _mc_rows(pair, estimators=tuple(ests))
+    assert df["exact_mean"].notna().all() and (df["z"].abs() < 5).all()
+    g = GaussianPair("g", [0.0, 0.3], [1.0, 0.9], [0.2, 0.0], [1.2, 1.0], std_scale=1.3)
+    one = GaussianPair("g", [0.0], [1.0], [0.2], [1.2], std_scale=1.3)
+    two_same = GaussianPair("g", [0.0, 0.0], [1.0, 1.0], [0.2, 0.0], [1.2, 1.0], std_scale=1.3)
+    a = ESTIMATORS.get("abs")
+    assert two_same.exact_moments(a)[0] == pytest.approx(one.exact_moments(a)[0], rel=1e-7)   # CF vs 1-D quad
+    df = _mc_rows(g, estimators=("abs", "k1"))
+    assert (df["z"].abs() < 5).all()
+
+
+def test_multivariate_gaussian_without_an_oracle_is_rejected(write_spec, tmp_path):
+    text = BAD_BASE.replace("KIND", "gaussian").replace(
+        "SAMPLER", "q = {mean = [0.0, 0.1], std = 1.0}\np = {mean = 0.1, std = 1.0}\n"
+                   'sampler = {std_scale = 1.2, weights = "token", weight_cap = 3.0}')
+    res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "no exact oracle" in res.stderr and "weight_cap" in res.stderr

@@ -49,8 +49,8 @@ class RolloutPair(Pair):
 
         A sampler: tokens drawn from ``log_b`` [C, V] (b = q when None) with EOS suppressed for the
         first ``min_length`` tokens, while the estimators use q's and p's log-probs. ``weights``:
-        "token" multiplies each token's term by q/b (capped at ``weight_cap``) and sequence-level rows by
-        the product of those; "sequence" multiplies every row by W = Π_t q/b (capped)."""
+        "token" multiplies each token's term by q/b and sequence-level rows by the product of those;
+        "sequence" multiplies every row by W = Π_t q/b. ``weight_cap`` caps each token's q/b."""
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
         self.min_length = int(min_length) if eos is not None else 0
@@ -134,8 +134,10 @@ class RolloutPair(Pair):
         return rollout_dp.propagate_phases(phases)
 
     def _token_weight(self, lb: torch.Tensor) -> torch.Tensor:
+        # The cap applies to each token's q/b; a sequence weight is the product of capped token
+        # weights, so it stays multiplicative (and exact by the DP).
         w = torch.exp(self.log_q - lb)
-        return w.clamp(max=self.weight_cap) if self.weight_cap is not None and self.weights == "token" else w
+        return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
 
     @functools.cache
     def seq_moments(self, s: int) -> list[float]:
@@ -198,8 +200,6 @@ class RolloutPair(Pair):
         """(E_b[v], Var_b[v]) of a row under the sampler, by the phased dynamic program."""
         ones = torch.ones_like(self._g)
         weighted = self.weights != "none"
-        if weighted and self.weights == "sequence" and self.weight_cap is not None:
-            return math.nan, math.nan               # min(Π w, cap) is not a product: no DP
         wt = self._token_weight
 
         if aggregate == "tok" or est.name == "full":
@@ -287,7 +287,7 @@ class RolloutPair(Pair):
             step_w = None
             if logw is not None:                    # q/b of this token, for sequences still alive
                 w_t = torch.exp(logw[phase_of[t]][base + x])
-                if self.weights == "token" and self.weight_cap is not None:
+                if self.weight_cap is not None:
                     w_t = w_t.clamp(max=self.weight_cap)
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
                 step_w = w_t if self.weights == "token" else None
@@ -297,8 +297,6 @@ class RolloutPair(Pair):
             if self.eos is not None:
                 alive = alive * (x != self.eos)
             c = bucket[x]
-        if weight is not None and self.weights == "sequence" and self.weight_cap is not None:
-            weight = weight.clamp(max=self.weight_cap)
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
