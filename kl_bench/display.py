@@ -177,6 +177,25 @@ def mismatch_table(df: pd.DataFrame) -> Table:
     return t
 
 
+def gradient_table(g: pd.DataFrame) -> Table:
+    """What each estimator × mode optimises: exact cosines with ∇KL(q||p) and ∇KL(p||q), measured cosine."""
+    t = Table(title="gradients: what each estimator optimises where it sits (exact; measured cosine in brackets)",
+              title_justify="left", show_edge=False, pad_edge=False)
+    for col in ["case", "estimator", "mode", "E[∇] equals", "cos ∇KL(q||p)", "cos ∇KL(p||q)", "tr Cov",
+                "n for cos ≥ 0.9", "z"]:
+        t.add_column(col, justify="left" if col in ("case", "estimator", "mode", "E[∇] equals") else "right")
+    for _, r in g.iterrows():
+        lab = r["estimator"] if not (isinstance(r["lambda"], float) and math.isfinite(r["lambda"])) \
+            else f"{r['estimator']}({r['lambda']:.3g})"
+        eq = r["equals"] if isinstance(r["equals"], str) else ""
+        style = {"reverse": "[green]reverse[/]", "forward": "[yellow]forward[/]", "zero": "[red]zero[/]"}.get(eq, eq)
+        zmax = max(abs(r["z_reverse"]), abs(r["z_forward"])) if math.isfinite(r["z_reverse"]) else math.nan
+        t.add_row(r["case"], lab, r["mode"], style, f"{fmt(r['exact_cos_reverse'])} ({fmt(r['cos_reverse'])})",
+                  f"{fmt(r['exact_cos_forward'])} ({fmt(r['cos_forward'])})", fmt(r["exact_trace_cov"]),
+                  fmt(r["n_for_cos90"]), fmt(zmax, 2))
+    return t
+
+
 def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str], exact_only: bool = False,
                  lengths: dict[str, int] | None = None) -> None:
     for case in dict.fromkeys(df["case"]):

@@ -142,6 +142,7 @@ class SpecOutcome:
     cases: list[CaseOutcome]
     case_draws: list[int]
     wall: float
+    gradients: pd.DataFrame | None = None
 
     def files(self) -> dict[str, bytes]:
         """The data files of a results folder (run.json is built by the caller)."""
@@ -164,6 +165,8 @@ class SpecOutcome:
         sweeps = [o.sweep for o in self.cases if o.sweep is not None]
         if sweeps:
             files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
+        if self.gradients is not None:
+            files["gradients.csv"] = frame_to_csv_bytes(self.gradients)
         return files
 
 
@@ -203,4 +206,11 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
             pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
             on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums))))
     rows = [row for o in outcomes for row in o.rows]
-    return SpecOutcome(to_frame(rows), outcomes, case_draws, time.perf_counter() - t0)
+    grads = None
+    if exp.gradients:
+        from . import gradients as G
+        ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
+        grad_rows = [r for pair, n in zip(pairs, case_draws) if not pair.has_sampler
+                     for r in G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device)]
+        grads = G.to_frame(grad_rows)
+    return SpecOutcome(to_frame(rows), outcomes, case_draws, time.perf_counter() - t0, grads)

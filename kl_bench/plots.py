@@ -246,3 +246,25 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     ax.set_title(title + note, fontsize="small" if note else None)
     ax.legend(fontsize="x-small", title="case")
     return fig
+
+
+def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
+    """Expected cosine of a batch-mean gradient with ∇KL(q‖p) against the batch size, per estimator ×
+    mode: cos_n ≈ (m·u)/√(|m|² + tr Σ / n) from the exact moments (u the unit reverse-KL gradient)."""
+    fig, ax = _axes(ax, width=8, height=4.8)
+    n = np.logspace(0, 7, 200)
+    g = grads[np.isfinite(grads["exact_along_reverse"].astype(float))]
+    for k, (_, r) in enumerate(g.iterrows()):
+        lam = r["lambda"]
+        label = f"{r['estimator']}{f'({lam:.3g})' if isinstance(lam, float) and math.isfinite(lam) else ''} {r['mode']}"
+        cos = r["exact_along_reverse"] / np.sqrt(r["exact_norm"] ** 2 + r["exact_trace_cov"] / n)
+        ax.plot(n, cos, color=PALETTE[k % len(PALETTE)], ls=["-", "--", ":", "-."][k // len(PALETTE) % 4], label=label)
+    ax.axhline(0.9, color="grey", lw=1, ls=":", label="cos = 0.9")
+    ax.set_xscale("log")
+    lows = [float(np.min(line.get_ydata())) for line in ax.get_lines() if len(np.atleast_1d(line.get_ydata())) > 2]
+    ax.set_ylim(min([-0.05, *lows]) - 0.05, 1.05)
+    ax.set_xlabel("batch size n  (log)")
+    ax.set_ylabel("expected cos(batch-mean gradient, ∇KL(q‖p))")
+    ax.set_title(title)
+    ax.legend(fontsize="x-small", ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig

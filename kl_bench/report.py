@@ -252,6 +252,14 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
             if len(members) > 1:
                 figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): std/true against T",
                              _png(plots.plot_rollout_growth(s, members, title=f"rollouts: {label}"))))
+        grad_path = res.path / "gradients.csv"
+        if grad_path.exists():
+            grads = pd.read_csv(grad_path)
+            for case in dict.fromkeys(grads["case"]):
+                figs.append((f"{prefix}gradient_cosine_{_slug(case)}.png",
+                             f"{case}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
+                             _png(plots.plot_gradient_cosine(grads[grads["case"] == case],
+                                                             title=f"{case}: what a batch gradient points at"))))
         if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
             figs.append((f"{prefix}planning.png", "draws for ±10% error with 95% probability",
                          _png(plots.plot_planning(s, title=f"{res.name}: batch-size planning"))))

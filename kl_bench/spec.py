@@ -158,6 +158,7 @@ class Experiment:
     chunk: int = 1 << 22    # draws held in memory at once
     lambdas: tuple[float, ...] = ()   # λ values of cv(λ) = −log r + λ(r − 1)
     optimal: bool = False             # "optimal" in lambdas: add cv_opt with λ from a pilot pass
+    gradients: bool = False           # also write gradients.csv (kl_bench.gradients)
 
 
 @dataclass(frozen=True)
@@ -396,6 +397,7 @@ def _parse_experiment(t: _Table, stem: str) -> Experiment:
         chunk=t.get("chunk", "int", 1 << 22, _positive),
         lambdas=lambdas,
         optimal=optimal,
+        gradients=_get_bool(t, "gradients", False),
     )
     t.finish()
     return exp
@@ -472,6 +474,14 @@ def _parse_sampler(t: _Table, kind: str, spec_dir: Path) -> SamplerSpec:
     if sampler.weight_cap is not None and sampler.weights == "none":
         raise t.error("weight_cap needs weights = \"token\" or \"sequence\"", key=t.key("weight_cap"))
     return sampler
+
+
+def _get_bool(t: _Table, key: str, default: bool) -> bool:
+    t.used.add(key)
+    v = t.data.get(key, default)
+    if not isinstance(v, bool):
+        raise t.error(f"must be true or false, got {_typename(v)} {v!r}", key=t.key(key))
+    return v
 
 
 def _parse_lambdas(t: _Table) -> tuple[tuple[float, ...], bool]:

@@ -1,0 +1,356 @@
+"""Gradients of KL estimators: what each estimator optimises in each place a trainer puts it.
+
+θ parameterises q (categorical: its logits [B, V]; Gaussian: (mean, log std) per dimension). With
+s = ∇θ log q_θ(x) and log r = log p(x) − log q_θ(x), every mode's per-draw gradient is c(log r) · s:
+
+| mode | what is differentiated | c(log r) |
+|---|---|---|
+| loss | f(log r), the sample held fixed | −f′(log r) |
+| reward | sg(f) · log q_θ(x) (score function) | f(log r) |
+| loss_is | f(log r) · q_θ/sg(q_θ) | f(log r) − f′(log r) |
+| straight_through | value of k3, gradient of k2 (k3 rows only) | −log r |
+
+f′ comes from autograd of the estimator function itself, so clamped variants differentiate as trainers'
+code does. Exact expected gradients: sums over the vocabulary (categorical) and tilted-Gaussian
+moments E_q[r^s (log r)^k z^j] (Gaussian, polynomial estimators). The reference gradients ∇KL(q‖p) and
+∇KL(p‖q) are closed forms; the `equals` column names which one a mode's expectation is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import stats
+
+from . import exact
+from .engine import batch_seed, batch_sizes
+from .estimators import Estimator, Poly
+from .pairs import CategoricalPair, GaussianPair, Pair
+
+MODES = ("loss", "reward", "loss_is", "straight_through")
+
+GRAD_SCHEMA: dict[str, str] = {
+    "case": "case name", "estimator": "estimator (or clamped variant label)", "lambda": "λ for cv rows",
+    "mode": "loss | reward | loss_is | straight_through (see kl_bench.gradients)",
+    "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension)",
+    "draws": "Monte Carlo draws",
+    "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, other",
+    "cos_reverse": "cosine of the Monte Carlo mean gradient with the exact ∇KL(q||p)",
+    "cos_forward": "cosine of the Monte Carlo mean gradient with the exact ∇KL(p||q)",
+    "relerr_reverse": "|mean gradient − ∇KL(q||p)| / |∇KL(q||p)| (Monte Carlo)",
+    "relerr_forward": "|mean gradient − ∇KL(p||q)| / |∇KL(p||q)| (Monte Carlo)",
+    "exact_cos_reverse": "cosine of the exact expected gradient with ∇KL(q||p)",
+    "exact_cos_forward": "cosine of the exact expected gradient with ∇KL(p||q)",
+    "exact_relerr_reverse": "|E[gradient] − ∇KL(q||p)| / |∇KL(q||p)| (exact)",
+    "exact_relerr_forward": "|E[gradient] − ∇KL(p||q)| / |∇KL(p||q)| (exact)",
+    "z_reverse": "(MC − exact) of the gradient's component along ∇KL(q||p), in batch-means standard errors",
+    "z_forward": "the same along ∇KL(p||q)",
+    "trace_cov": "per-draw gradient variance: trace of its covariance (Monte Carlo)",
+    "exact_trace_cov": "the same, exact",
+    "n_for_cos90": "batch size for cosine ≥ 0.9 with ∇KL(q||p) with 95% probability (normal approximation, "
+                   "exact moments); inf when the expectation itself is not within 0.9",
+    "exact_along_reverse": "exact E[gradient]·u, u the unit vector along ∇KL(q||p) (for the cosine-vs-batch plot)",
+    "exact_norm": "|E[gradient]| (exact)",
+}
+
+
+def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """c(log r) such that the mode's per-draw gradient is c(log r) · ∇θ log q(x). Shape-preserving."""
+    def deriv(logr: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            x = logr.detach().clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(est.fn(x).sum(), x)
+        return g
+    if mode == "loss":
+        return lambda logr: -deriv(logr)
+    if mode == "reward":
+        return lambda logr: est.fn(logr)
+    if mode == "loss_is":
+        return lambda logr: est.fn(logr) - deriv(logr)
+    if mode == "straight_through":
+        return lambda logr: -logr
+    raise ValueError(mode)
+
+
+def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
+    """c as a polynomial Σ a r^s (log r)^k, when the estimator is one (d/dL r^s = s r^s)."""
+    if mode == "straight_through":
+        return {(0, 1): -1.0}
+    if est.poly is None:
+        return None
+    deriv: Poly = {}
+    for (s, k), a in est.poly.items():
+        if s:
+            deriv[(s, k)] = deriv.get((s, k), 0.0) + a * s
+        if k:
+            deriv[(s, k - 1)] = deriv.get((s, k - 1), 0.0) + a * k
+    if mode == "reward":
+        return dict(est.poly)
+    if mode == "loss":
+        return {key: -v for key, v in deriv.items()}
+    out = dict(est.poly)
+    for key, v in deriv.items():
+        out[key] = out.get(key, 0.0) - v
+    return out
+
+
+def modes_for(est: Estimator) -> list[str]:
+    return [m for m in MODES if m != "straight_through" or est.name == "k3"]
+
+
+# ----------------------------------------------------------------------------- exact: categorical
+@dataclass
+class ExactGrad:
+    mean: np.ndarray          # E[c s], flattened θ
+    second: float             # E[c² |s|²]
+    proj_var: dict            # direction name → Var(c s·u)
+
+
+def _cat_tables(pair: CategoricalPair):
+    """Per drawn (context, token) id: context index, token index, q row of its context."""
+    b, v = pair.contexts, pair.vocab
+    ctx = pair._support // v
+    tok = pair._support % v
+    return ctx, tok
+
+
+def categorical_exact(pair: CategoricalPair, c_table: torch.Tensor, directions: dict[str, np.ndarray]) -> ExactGrad:
+    """E[c s] for s = e_x − q_b (in row b), under the mixture (1/B) q_b(x); θ = logits [B, V]."""
+    b, v = pair.contexts, pair.vocab
+    q = pair.log_q.exp()
+    w = pair._weights()
+    ctx, tok = _cat_tables(pair)
+    cw = torch.zeros(b, v, dtype=torch.float64)
+    cw[ctx, tok] = w * c_table                            # (1/B) q_b(x) c(x)
+    mean = cw - q * cw.sum(-1, keepdim=True)              # row b: (1/B)(q⊙c − q Σ q c)
+    s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]  # |e_x − q_b|²
+    second = float((w * c_table**2 * s_norm2).sum())
+    proj_var = {}
+    for name, u in directions.items():
+        ut = torch.as_tensor(u, dtype=torch.float64).reshape(b, v)
+        su = ut[ctx, tok] - (q * ut).sum(-1)[ctx]        # s·u for each id
+        m1 = float((w * c_table * su).sum())
+        proj_var[name] = float((w * (c_table * su - m1) ** 2).sum())
+    return ExactGrad(mean.reshape(-1).numpy(), second, proj_var)
+
+
+def categorical_reference(pair: CategoricalPair) -> tuple[np.ndarray, np.ndarray]:
+    """(∇θ KL(q‖p), ∇θ KL(p‖q)) for θ = q's logits, averaged over contexts: rows (1/B) q⊙(log q −
+    log p − KL) and (1/B)(q − p)."""
+    q, lq, lp = pair.log_q.exp(), pair.log_q, pair.log_p
+    b = pair.contexts
+    kl = (q * (lq - lp)).sum(-1, keepdim=True)
+    rev = q * (lq - lp - kl) / b
+    fwd = (q - lp.exp()) / b
+    return rev.reshape(-1).numpy(), fwd.reshape(-1).numpy()
+
+
+# ----------------------------------------------------------------------------- exact: Gaussian
+def _gauss_moment(g: exact.GaussianPairParams, s: int, k: int, i: int, j: int) -> float:
+    """E_q[r^s (log r)^k z_i^j] with z_i = (x_i − μq_i)/σq_i, via the tilted Gaussian q_s: per dimension
+    log r and z are polynomials of one standard normal; dimensions are independent under q_s."""
+    tilt = exact._tilt(g, s)
+    if tilt is None:
+        return math.inf
+    log_z, m, var = tilt
+    c0, c1, c2 = exact._logr_quadratic(g, m, var)
+    sd = np.sqrt(var)
+    zi = np.array([(m[i] - g.mq[i]) / g.sq[i], sd[i] / g.sq[i]])      # z_i = a + b ζ
+    li = np.array([c0[i], c1[i], c2[i]])
+    others = [exact._quadratic_raw_moments(a, b_, c, k) for d, (a, b_, c) in enumerate(zip(c0, c1, c2)) if d != i]
+    rest = exact._sum_raw_moments(others, k) if others else [1.0] + [0.0] * k
+    total = 0.0
+    for a in range(k + 1):
+        poly = np.array([1.0])
+        for _ in range(a):
+            poly = np.convolve(poly, li)
+        for _ in range(j):
+            poly = np.convolve(poly, zi)
+        e = sum(cf * exact._std_normal_moment(n) for n, cf in enumerate(poly))
+        total += math.comb(k, a) * e * rest[k - a]
+    return math.exp(log_z) * total
+
+
+def gaussian_exact(pair: GaussianPair, cpoly: Poly | None, directions: dict[str, np.ndarray]) -> ExactGrad | None:
+    """E[c s] with s = (z/σ per dimension, z² − 1 per dimension), θ = (μ, log σ) of q."""
+    if cpoly is None:
+        return None
+    from .estimators import poly_square
+    g, dim = pair.params, pair.dim
+
+    def e(poly: Poly, i: int, j: int) -> float:
+        return sum(a * _gauss_moment(g, s, k, i, j) for (s, k), a in poly.items() if a != 0)
+    mean = np.array([e(cpoly, i, 1) / g.sq[i] for i in range(dim)] +
+                    [e(cpoly, i, 2) - e(cpoly, i, 0) for i in range(dim)])
+    c2 = poly_square(cpoly)
+    # |s|² = Σ_i z_i²/σ_i² + (z_i² − 1)² = Σ_i z_i²/σ_i² + z_i⁴ − 2 z_i² + 1
+    second = sum(e(c2, i, 2) / g.sq[i] ** 2 + e(c2, i, 4) - 2 * e(c2, i, 2) + e(c2, i, 0) for i in range(dim))
+    proj_var = {}
+    for name, u in directions.items():
+        # (c s·u)² = c² (Σ_i u_μi z_i/σ_i + u_σi (z_i² − 1))²: needs cross-dimension terms; exact for D = 1.
+        if dim != 1:
+            proj_var[name] = math.nan
+            continue
+        um, us = u[0] / g.sq[0], u[1]
+        ex = (um**2 * e(c2, 0, 2) + us**2 * (e(c2, 0, 4) - 2 * e(c2, 0, 2) + e(c2, 0, 0))
+              + 2 * um * us * (e(c2, 0, 3) - e(c2, 0, 1)))
+        proj_var[name] = ex - float(mean @ u) ** 2
+    return ExactGrad(mean, second, proj_var)
+
+
+def gaussian_reference(pair: GaussianPair) -> tuple[np.ndarray, np.ndarray]:
+    """∇(μq, log σq) of KL(q‖p) = (d/σp², σq²/σp² − 1) and of KL(p‖q) = (d/σq², 1 − (σp² + d²)/σq²)."""
+    g = pair.params
+    d = g.mq - g.mp
+    rev = np.concatenate([d / g.sp**2, g.sq**2 / g.sp**2 - 1])
+    fwd = np.concatenate([d / g.sq**2, 1 - (g.sp**2 + d**2) / g.sq**2])
+    return rev, fwd
+
+
+# ----------------------------------------------------------------------------- Monte Carlo
+def _unit(v: np.ndarray) -> np.ndarray:
+    n = np.linalg.norm(v)
+    return v / n if n > 0 else v
+
+
+def gradient_rows(pair: Pair, estimators: list[Estimator], *, draws: int, seed: int, batches: int,
+                  device: torch.device) -> list[dict]:
+    """gradients.csv rows for one case (categorical or 1-D/diagonal Gaussian)."""
+    if isinstance(pair, CategoricalPair):
+        rev, fwd = categorical_reference(pair)
+    elif isinstance(pair, GaussianPair):
+        rev, fwd = gaussian_reference(pair)
+    else:
+        return []
+    dirs = {"reverse": _unit(rev), "forward": _unit(fwd)}
+    items = [(e, m) for e in estimators if e.name != "full" for m in modes_for(e)]
+    coefs = [coefficient(e, m) for e, m in items]
+    sizes = batch_sizes(draws, batches)
+    k = len(sizes)
+    proj = np.zeros((k, len(items), 2))       # per batch: Σ c s·u for the two directions
+    sq = np.zeros((k, len(items)))            # per batch: Σ |c s|²
+    total = np.zeros((len(items), rev.shape[0]))
+    if isinstance(pair, CategoricalPair):
+        ctx, tok = _cat_tables(pair)
+        q = pair.log_q.exp()
+        c_tab = torch.stack([c(pair._logr) for c in coefs])                    # [E, M]
+        su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]
+                          - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]
+                          for u in dirs.values()])                              # [2, M]
+        s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]
+        table = torch.cat([(c_tab[:, None, :] * su[None]).reshape(-1, c_tab.shape[1]), c_tab**2 * s_norm2])
+        counts_total = torch.zeros(c_tab.shape[1], dtype=torch.float64)
+        for i, n in enumerate(sizes):
+            gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
+            counts = torch.bincount(pair.sample_ids(n, gen, device), minlength=c_tab.shape[1]).double().cpu()
+            out = (table @ counts).numpy()
+            proj[i] = out[: 2 * len(items)].reshape(len(items), 2)
+            sq[i] = out[2 * len(items):]
+            counts_total += counts
+        b, v = pair.contexts, pair.vocab
+        for j in range(len(items)):
+            cw = torch.zeros(b, v, dtype=torch.float64)
+            cw[ctx, tok] = counts_total * c_tab[j] / draws
+            total[j] = (cw - q * cw.sum(-1, keepdim=True)).reshape(-1).numpy() * draws
+        exacts = [categorical_exact(pair, c_tab[j], dirs) for j in range(len(items))]
+    else:
+        g = pair.params
+        sq_t = torch.as_tensor(g.sq, dtype=torch.float64)
+        for i, n in enumerate(sizes):
+            gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
+            z = torch.randn(n, pair.dim, dtype=torch.float64, generator=gen, device=device)
+            c0, c1, c2 = (t.to(device) for t in pair._c)
+            logr = (c0 + z * (c1 + z * c2)).sum(-1)
+            s = torch.cat([z / sq_t.to(device), z * z - 1], dim=-1)              # [n, 2D]
+            for j, c in enumerate(coefs):
+                gj = c(logr)[:, None] * s
+                total[j] += gj.sum(0).cpu().numpy()
+                sq[i, j] = float((gj * gj).sum())
+                proj[i, j] = (gj.sum(0).cpu().numpy() @ np.stack(list(dirs.values())).T)
+        exacts = [gaussian_exact(pair, coefficient_poly(e, m), dirs) for e, m in items]
+    n_k = np.array(sizes, dtype=np.float64)
+    rows = []
+    for j, (est, mode) in enumerate(items):
+        mc = total[j] / draws
+        ex = exacts[j]
+        row = {"case": pair.name, "estimator": est.name, "lambda": est.lam if est.lam is not None else math.nan,
+               "mode": mode, "params": rev.shape[0], "draws": draws}
+        row.update(_compare("", mc, rev, fwd))
+        row["trace_cov"] = float(sq[:, j].sum() / draws - mc @ mc)
+        for d, name in enumerate(("reverse", "forward")):
+            means = proj[:, j, d] / n_k
+            m = float(proj[:, j, d].sum() / draws)
+            se = math.sqrt(k / (k - 1) * float(((n_k / draws) ** 2 * (means - m) ** 2).sum()))
+            ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
+            row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
+        if ex is not None:
+            row.update(_compare("exact_", ex.mean, rev, fwd))
+            row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
+            row["equals"] = _equals(ex.mean, rev, fwd)
+            row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], ex.proj_var.get("reverse", math.nan),
+                                              row["exact_trace_cov"])
+            row["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
+            row["exact_norm"] = float(np.linalg.norm(ex.mean))
+            if row["equals"] == "zero":          # the cosine of a zero vector is rounding noise
+                for c in ("exact_cos_reverse", "exact_cos_forward"):
+                    row[c] = math.nan
+        else:
+            row.update({c: math.nan for c in ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse",
+                                              "exact_relerr_forward", "exact_trace_cov", "n_for_cos90",
+                                              "exact_along_reverse", "exact_norm")})
+            row["equals"] = ""
+        rows.append(row)
+    return rows
+
+
+def _compare(prefix: str, g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> dict:
+    out = {}
+    for name, ref in (("reverse", rev), ("forward", fwd)):
+        gn, rn = np.linalg.norm(g), np.linalg.norm(ref)
+        out[f"{prefix}cos_{name}"] = float(g @ ref / (gn * rn)) if gn > 0 and rn > 0 else math.nan
+        out[f"{prefix}relerr_{name}"] = float(np.linalg.norm(g - ref) / rn) if rn > 0 else math.nan
+    return out
+
+
+def _equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> str:
+    """Which exact gradient the expectation equals (to float64 rounding of exact sums)."""
+    scale = max(np.linalg.norm(rev), np.linalg.norm(fwd))
+    tol = 1e-9 * scale
+    if np.linalg.norm(g - rev) <= tol:
+        return "reverse"
+    if np.linalg.norm(g - fwd) <= tol:
+        return "forward"
+    if np.linalg.norm(g) <= tol:
+        return "zero"
+    return "other"
+
+
+def n_for_cosine(mean: np.ndarray, u: np.ndarray, var_u: float, trace_cov: float, target: float = 0.9,
+                 prob: float = 0.95) -> float:
+    """Smallest n with P(cos(batch mean, u) ≥ target) ≥ prob, normal approximation: the component along
+    u is N(m·u, Var_u/n), the squared norm concentrates at |m|² + tr(Σ)/n."""
+    mu = float(mean @ u)
+    m2 = float(mean @ mean)
+    if not (math.isfinite(var_u) and math.isfinite(trace_cov)) or m2 == 0 or mu / math.sqrt(m2) <= target:
+        return math.inf
+    zq = stats.norm.ppf(prob)
+
+    def ok(n: float) -> bool:
+        return (mu - zq * math.sqrt(max(var_u, 0) / n)) / math.sqrt(m2 + max(trace_cov, 0) / n) >= target
+    lo, hi = 0.0, 1.0
+    while not ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e18:
+            return math.inf
+    while hi - lo > 1:
+        mid = math.floor((lo + hi) / 2)
+        lo, hi = (mid, hi) if not ok(mid) else (lo, mid)
+    return float(max(hi, 1))
+
+
+def to_frame(rows: list[dict]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=list(GRAD_SCHEMA))

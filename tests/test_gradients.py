@@ -1,0 +1,147 @@
+"""Gradients: known answers, reference gradients against autograd on exact KLs, exact expected gradients
+against brute force, what each mode equals (DESIGN.md's table), Monte Carlo against exact."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kl_bench import gradients as G
+from kl_bench.cli import app
+from kl_bench.estimators import ESTIMATORS, make_cv
+from kl_bench.pairs import CategoricalPair, GaussianPair
+
+from .conftest import CPU
+
+ESTS = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3")] + [make_cv(0.5)]
+
+
+def test_known_answers_for_the_mean_of_q():
+    """q = N(0.3, 1), p = N(−0.2, 1.3²): E[∇μ k2] = d/σp² and E[∇μ k3] = d/σq², d = μq − μp."""
+    pair = GaussianPair("g", [0.3], [1.0], [-0.2], [1.3])
+    d = 0.5
+    k2 = G.gaussian_exact(pair, G.coefficient_poly(ESTIMATORS.get("k2"), "loss"), {}).mean
+    k3 = G.gaussian_exact(pair, G.coefficient_poly(ESTIMATORS.get("k3"), "loss"), {}).mean
+    assert k2[0] == pytest.approx(d / 1.3**2, rel=1e-12) and k3[0] == pytest.approx(d / 1.0**2, rel=1e-12)
+
+
+def test_gaussian_reference_gradients_against_autograd():
+    mu, logs = torch.tensor([0.3, -0.1], dtype=torch.float64, requires_grad=True), \
+        torch.tensor([0.0, 0.2], dtype=torch.float64, requires_grad=True)
+    mp, sp = torch.tensor([-0.2, 0.4], dtype=torch.float64), torch.tensor([1.3, 0.8], dtype=torch.float64)
+    sq = logs.exp()
+    rev = (torch.log(sp / sq) + (sq**2 + (mu - mp) ** 2) / (2 * sp**2) - 0.5).sum()
+    fwd = (torch.log(sq / sp) + (sp**2 + (mu - mp) ** 2) / (2 * sq**2) - 0.5).sum()
+    g_rev = torch.cat(torch.autograd.grad(rev, (mu, logs), retain_graph=True)).numpy()
+    g_fwd = torch.cat(torch.autograd.grad(fwd, (mu, logs))).numpy()
+    pair = GaussianPair("g", [0.3, -0.1], [1.0, math.exp(0.2)], [-0.2, 0.4], [1.3, 0.8])
+    r, f = G.gaussian_reference(pair)
+    assert np.allclose(r, g_rev, rtol=1e-12) and np.allclose(f, g_fwd, rtol=1e-12)
+
+
+def _cat(b=3, v=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log_softmax(torch.randn(b, v, generator=g, dtype=torch.float64) * 1.5, -1)
+    lp = torch.log_softmax(lq + 0.5 * torch.randn(b, v, generator=g, dtype=torch.float64), -1)
+    return CategoricalPair("c", lq, lp)
+
+
+def test_categorical_reference_gradients_against_autograd_on_the_exact_kl():
+    pair = _cat()
+    z = pair.log_q.clone().requires_grad_(True)
+    lq = torch.log_softmax(z, -1)
+    rev = (lq.exp() * (lq - pair.log_p)).sum(-1).mean()
+    fwd = (pair.log_p.exp() * (pair.log_p - lq)).sum(-1).mean()
+    g_rev = torch.autograd.grad(rev, z, retain_graph=True)[0].reshape(-1).numpy()
+    g_fwd = torch.autograd.grad(fwd, z)[0].reshape(-1).numpy()
+    r, f = G.categorical_reference(pair)
+    assert np.allclose(r, g_rev, rtol=1e-10, atol=1e-15) and np.allclose(f, g_fwd, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", G.MODES)
+def test_categorical_expected_gradient_against_brute_force(mode):
+    pair = _cat(b=2, v=15, seed=1)
+    for est in ESTS:
+        if mode == "straight_through" and est.name != "k3":
+            continue
+        c = G.coefficient(est, mode)
+        ex = G.categorical_exact(pair, c(pair._logr), {}).mean.reshape(2, 15)
+        q = pair.log_q.exp().numpy()
+        brute = np.zeros((2, 15))
+        for b in range(2):
+            for x in range(15):
+                lr = torch.tensor([float(pair.log_p[b, x] - pair.log_q[b, x])], dtype=torch.float64)
+                s = -q[b].copy()
+                s[x] += 1
+                brute[b] += 0.5 * q[b, x] * float(c(lr)[0]) * s
+        assert np.allclose(ex, brute, rtol=1e-10, atol=1e-15), (est.name, mode)
+
+
+# DESIGN.md's table, row by row: what each estimator's expected gradient equals in each mode.
+EXPECTED = {("k1", "loss"): "zero", ("k1", "reward"): "reverse", ("k2", "loss"): "reverse",
+            ("k3", "loss"): "forward", ("k3", "reward"): "other", ("k3", "loss_is"): "reverse",
+            ("k3", "straight_through"): "reverse", ("fwd_k3", "loss_is"): "forward"}
+
+
+@pytest.mark.parametrize("pair", [GaussianPair("g", [0.3], [1.0], [-0.2], [1.3]), _cat(b=2, v=500, seed=2)],
+                         ids=["gaussian", "categorical"])
+def test_what_each_mode_equals_and_monte_carlo_agrees(pair):
+    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=300_000, seed=3, batches=100, device=CPU))
+    got = {(r["estimator"], r["mode"]): r["equals"] for _, r in rows.iterrows()}
+    for key, want in EXPECTED.items():
+        assert got[key] == want, (key, got[key])
+    checked = rows[rows["exact_cos_reverse"].notna() | (rows["equals"] == "zero")]
+    assert len(checked) >= 15
+    assert (checked["z_reverse"].abs() < 5).all() and (checked["z_forward"].abs() < 5).all(), \
+        checked[["estimator", "mode", "z_reverse", "z_forward"]]
+    # k3 times q/sg(q) repairs the forward gradient of plain k3 in the loss
+    k3 = rows.set_index(["estimator", "mode"])
+    assert k3.loc[("k3", "loss_is"), "exact_relerr_reverse"] < 1e-9 < k3.loc[("k3", "loss"), "exact_relerr_reverse"]
+
+
+def test_categorical_trace_and_n_for_cos90_hold_up_in_simulation():
+    """Batches of n_for_cos90 draws: the batch-mean gradient (e_x − q weighted by c, averaged) has cosine
+    ≥ 0.9 with ∇KL(q‖p) in at least 95% of 2000 simulated batches (within binomial noise)."""
+    pair = _cat(b=1, v=200, seed=4)
+    k2 = ESTIMATORS.get("k2")
+    r = pd.DataFrame(G.gradient_rows(pair, [k2], draws=400_000, seed=1, batches=100, device=CPU)).set_index("mode").loc["loss"]
+    assert abs(r["trace_cov"] - r["exact_trace_cov"]) < 0.05 * r["exact_trace_cov"]
+    n, trials = int(r["n_for_cos90"]), 2000
+    rev, _ = G.categorical_reference(pair)
+    q = pair.log_q.exp()[0]
+    ids = pair.sample_ids(n * trials, torch.Generator().manual_seed(11), CPU).view(trials, n)
+    c = G.coefficient(k2, "loss")(pair._logr[ids])                                   # [trials, n]
+    grads = torch.zeros(trials, 200, dtype=torch.float64).scatter_add_(1, pair._support[ids], c) / n
+    grads -= q[None] * c.mean(1, keepdim=True)                                       # mean of c (e_x − q)
+    g = grads.numpy()
+    cos = (g @ rev) / (np.linalg.norm(g, axis=1) * np.linalg.norm(rev))
+    frac = float((cos >= 0.9).mean())
+    assert frac >= 0.95 - 5 * math.sqrt(0.95 * 0.05 / trials), (n, frac)
+
+
+def test_gradients_through_the_cli(write_spec, tmp_path):
+    spec = write_spec("""
+spec_version = 1
+[experiment]
+draws = 20000
+device = "cpu"
+batches = 20
+estimators = ["k1", "k3"]
+gradients = true
+[[case]]
+name = "g"
+kind = "gaussian"
+q = {mean = 0.3, std = 1.0}
+p = {mean = -0.2, std = 1.3}
+""")
+    res = CliRunner().invoke(app, ["run", str(spec), "--out", str(tmp_path / "o"), "--report"])
+    assert res.exit_code == 0, res.output
+    g = pd.read_csv(tmp_path / "o" / "gradients.csv")
+    assert list(g.columns) == list(G.GRAD_SCHEMA) and len(g) == 2 * 3 + 1
+    assert "gradients: what each estimator optimises" in res.output
+    assert (tmp_path / "o" / "report" / "figures" / "gradient_cosine_g.png").exists()
+    bad = write_spec(spec.read_text().replace("gradients = true", 'gradients = "yes"'), "bad.toml")
+    res = CliRunner().invoke(app, ["run", str(bad), "--out", str(tmp_path / "b")])
+    assert res.exit_code == 2 and "experiment.gradients" in res.stderr and "true or false" in res.stderr
