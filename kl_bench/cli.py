@@ -13,7 +13,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterator, Optional
 
-import pandas as pd
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

@@ -110,12 +110,9 @@ class ExactGrad:
     proj_var: dict            # direction name → Var(c s·u)
 
 
-def _cat_tables(pair: CategoricalPair):
-    """Per drawn (context, token) id: context index, token index, q row of its context."""
-    b, v = pair.contexts, pair.vocab
-    ctx = pair._support // v
-    tok = pair._support % v
-    return ctx, tok
+def _cat_tables(pair: CategoricalPair) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context index, token index) of every drawn (context, token) id."""
+    return pair._support // pair.vocab, pair._support % pair.vocab
 
 
 def categorical_exact(pair: CategoricalPair, c_table: torch.Tensor, directions: dict[str, np.ndarray]) -> ExactGrad:

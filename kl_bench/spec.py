@@ -332,14 +332,20 @@ def _logits_source(t: _Table, side: str, spec_dir: Path) -> LogitsSource:
                   key=t.prefix.rstrip("."))
 
 
-def _parse_categorical(t: _Table, name: str, spec_dir: Path) -> CategoricalCase:
-    vocab = t.get("vocab", "int", None, _positive)
+def _pair_sources(t: _Table, spec_dir: Path) -> tuple[LogitsSource, LogitsSource]:
+    """q and p logits sources of a case (the last keys read: this finishes the table)."""
     q = _logits_source(t.sub("q"), "q", spec_dir)
     p = _logits_source(t.sub("p"), "p", spec_dir)
     t.finish()
     if isinstance(q, DerivedLogits) and isinstance(p, DerivedLogits):
         raise t.error("q and p cannot both be derived from each other; give one a 'file' or 'logits'",
                       key="q.from")
+    return q, p
+
+
+def _parse_categorical(t: _Table, name: str, spec_dir: Path) -> CategoricalCase:
+    vocab = t.get("vocab", "int", None, _positive)
+    q, p = _pair_sources(t, spec_dir)
     if vocab is None and not (isinstance(q, FileLogits) or isinstance(p, FileLogits)):
         raise t.error("missing required key (needed unless logits come from a file)", key="vocab")
     return CategoricalCase(name, vocab, q, p)
@@ -366,12 +372,7 @@ def _parse_rollout(t: _Table, name: str, spec_dir: Path) -> RolloutCase:
     eos_prob = t.get("eos_prob", "float", None, lambda v: None if 0 < v < 1 else f"must lie in (0, 1), got {v}")
     if eos_prob is not None and eos is None:
         raise t.error("needs an eos token", key="eos_prob")
-    q = _logits_source(t.sub("q"), "q", spec_dir)
-    p = _logits_source(t.sub("p"), "p", spec_dir)
-    t.finish()
-    if isinstance(q, DerivedLogits) and isinstance(p, DerivedLogits):
-        raise t.error("q and p cannot both be derived from each other; give one a 'file' or 'logits'",
-                      key="q.from")
+    q, p = _pair_sources(t, spec_dir)
     return RolloutCase(name, vocab, buckets, bucket_of, length, eos, q, p, eos_prob=eos_prob)
 
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from kl_bench.cli import app
 from kl_bench.estimators import make_cv
 from kl_bench.experiment import pilot_draws, run_experiment_case, small_batches
-from kl_bench.pairs import CategoricalPair, GaussianPair
+from kl_bench.pairs import GaussianPair
 from kl_bench.planning import n_for_rel_error, prob_within
 from kl_bench.spec import Experiment
 
