@@ -21,6 +21,7 @@ from typing import Any
 import pandas as pd
 from scipy import stats
 
+from .draws import row_label
 from .errors import SpecError
 from .results import z_score
 
@@ -69,8 +70,7 @@ def row_key(r) -> tuple:
 
 
 def row_name(r) -> str:
-    from .display import estimator_label
-    return f"{r['case']}: {estimator_label(r)}"
+    return f"{r['case']}: {row_label(r)}"
 
 
 def _z(value: float, ref: float, se: float, scale: float) -> tuple[float, float]:

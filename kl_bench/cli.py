@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__
 from .display import print_tables
+from .draws import row_label
 from .engine import resolve_device
 from .errors import SpecError
 from .estimators import ESTIMATORS, resolve_estimator
@@ -114,7 +115,7 @@ def _warn_infinite(df, console: Console) -> None:
                           "weighted estimates miss that mass (flagged heavy_tail)" if weighted else
                           "every estimate is biased; the exact bias is shown"), markup=False)
         for target in dict.fromkeys(c.loc[c["true_kl"] == math.inf, "target"]):
-            names = ", ".join(_row_label(r) for _, r in c[c["target"] == target].iterrows())
+            names = ", ".join(row_label(r) for _, r in c[c["target"] == target].iterrows())
             console.print(f"warning: case '{case}': {target} is infinite (a zero probability where the other "
                           f"side has mass); {names} cannot estimate it", markup=False)
         if "heavy_tail" not in c:
@@ -122,14 +123,9 @@ def _warn_infinite(df, console: Console) -> None:
         for kind, text in reasons.items():
             hit = c[(c["heavy_tail"] == kind) & (c["true_kl"] != math.inf)]
             if not hit.empty:
-                names = ", ".join(_row_label(r) for _, r in hit.iterrows())
+                names = ", ".join(row_label(r) for _, r in hit.iterrows())
                 console.print(f"warning: case '{case}': {names}: {text}; measured std and se are not "
                               f"trustworthy", markup=False)
-
-
-def _row_label(r) -> str:
-    from .display import estimator_label
-    return estimator_label(r)
 
 
 @app.command()

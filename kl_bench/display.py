@@ -7,6 +7,8 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from .draws import row_label
+
 
 def fmt(x: float, digits: int = 3) -> str:
     """Significant-digit formatting that shows inf and leaves missing values blank."""
@@ -28,14 +30,6 @@ def fmt_rel(x: float) -> str:
     return fmt(x)
 
 
-def estimator_label(r) -> str:
-    """'k3', 'cv(0.5)', 'cv_opt(0.583)', and for rollouts 'seq k3', 'tok cv(1)'."""
-    lam = r.get("lambda", math.nan)
-    name = r["estimator"]
-    if isinstance(lam, float) and not math.isnan(lam):
-        name = f"{name}({lam:.3g})"
-    agg = r.get("aggregate", "")
-    return f"{agg} {name}" if isinstance(agg, str) and agg else name
 
 
 def _std_cell(r, value: float) -> str:
@@ -55,7 +49,7 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
         zs = fmt(z, 2)
         if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
             zs = f"[bold red]{zs}[/]"
-        t.add_row(estimator_label(r), r["target"], fmt(r["true_kl"], 4),
+        t.add_row(row_label(r), r["target"], fmt(r["true_kl"], 4),
                   f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}", fmt(r["exact_mean"], 4),
                   fmt_rel(r["rel_bias"]), fmt_rel(r["exact_rel_bias"]), _std_cell(r, r["rel_std"]),
                   fmt(r["exact_rel_std"]), zs, fmt(r["frac_negative"], 2))
@@ -110,7 +104,7 @@ def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
     for col in ["estimator", "target", "true", "exact mean", "bias/true", "std/true"]:
         t.add_column(col, justify="left" if col in ("estimator", "target") else "right")
     for _, r in df[df["case"] == case].iterrows():
-        t.add_row(estimator_label(r), r["target"], fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+        t.add_row(row_label(r), r["target"], fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
                   fmt_rel(r["exact_rel_bias"]), fmt(r["exact_rel_std"]))
     return t
 
@@ -171,7 +165,7 @@ def mismatch_table(df: pd.DataFrame) -> Table:
         rel = r["exact_rel_bias"] if isinstance(r["exact_rel_bias"], float) and math.isfinite(r["exact_rel_bias"]) \
             else r["rel_bias"]
         arrow = "" if not math.isfinite(rel) or abs(rel) < 0.01 else ("[red]▲[/] " if rel > 0 else "[blue]▼[/] ")
-        t.add_row(r["case"], r["sampler"], estimator_label(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+        t.add_row(r["case"], r["sampler"], row_label(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
                   f"{arrow}{rel:+.1%}" if math.isfinite(rel) else "", f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}",
                   fmt(r["frac_negative"], 2), fmt(r.get("p_neg_b64", math.nan), 2))
     return t

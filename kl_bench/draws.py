@@ -15,6 +15,22 @@ import torch
 from .estimators import Estimator
 
 
+def row_key(name: str, lam: float | None, aggregate: str) -> str:
+    """The unique key of a row within a case ('k3', 'cv@0.5', 'tok:k3'); reservoir.npz uses it too."""
+    base = name if lam is None else f"{name}@{lam!r}"
+    return f"{aggregate}:{base}" if aggregate else base
+
+
+def row_label(r) -> str:
+    """How a summary row is shown: 'k3', 'cv(0.5)', 'cv_opt(0.583)', 'seq k3', 'tok cv(1)'."""
+    lam = r.get("lambda", float("nan"))
+    name = r["estimator"]
+    if isinstance(lam, float) and lam == lam:
+        name = f"{name}({lam:.3g})"
+    agg = r.get("aggregate", "")
+    return f"{agg} {name}" if isinstance(agg, str) and agg else name
+
+
 @dataclass(frozen=True)
 class Row:
     est: Estimator
@@ -23,8 +39,7 @@ class Row:
     @property
     def label(self) -> str:
         """Unique key within a run: cv variants differ by λ, rollout rows by aggregate."""
-        base = self.est.name if self.est.lam is None else f"{self.est.name}@{self.est.lam!r}"
-        return f"{self.aggregate}:{base}" if self.aggregate else base
+        return row_key(self.est.name, self.est.lam, self.aggregate)
 
 
 @dataclass

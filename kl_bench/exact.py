@@ -270,12 +270,3 @@ def weighted_moments(w: torch.Tensor, f: torch.Tensor) -> tuple[float, float]:
         return float((w * f).sum()), INF     # ±inf: the estimator's expectation diverges
     mean = float((w * f).sum())
     return mean, float((w * (f - mean) ** 2).sum())
-
-
-def categorical_estimator_moments(lq: torch.Tensor, lp: torch.Tensor, est: Estimator
-                                  ) -> tuple[float, float]:
-    """(E[f], Var[f]) of one draw (uniform context, then x ~ q_b), by exact sums in float64."""
-    w = (lq.exp() / lq.shape[0]).reshape(-1)
-    logr = (lp - lq).reshape(-1)
-    keep = w > 0
-    return weighted_moments(w[keep], est.fn(logr[keep]))

@@ -51,6 +51,8 @@ GRAD_SCHEMA: dict[str, str] = {
     "z_forward": "the same along ∇KL(p||q)",
     "trace_cov": "per-draw gradient variance: trace of its covariance (Monte Carlo)",
     "exact_trace_cov": "the same, exact",
+    "z_trace": "(E|g|² measured − exact) in batch-means standard errors; empty where E|g|⁴ = ∞ (Gaussian rows "
+               "whose coefficient has an r term when E_q[r⁴] = ∞): there the measured trace cannot be trusted",
     "n_for_cos90": "batch size for cosine ≥ 0.9 with ∇KL(q||p) with 95% probability (normal approximation, "
                    "exact moments); inf when the expectation itself is not within 0.9",
     "exact_along_reverse": "exact E[gradient]·u, u the unit vector along ∇KL(q||p) (for the cosine-vs-batch plot)",
@@ -278,6 +280,12 @@ def gradient_rows(pair: Pair, estimators: list[Estimator], *, draws: int, seed: 
                "mode": mode, "params": rev.shape[0], "draws": draws}
         row.update(_compare("", mc, rev, fwd))
         row["trace_cov"] = float(sq[:, j].sum() / draws - mc @ mc)
+        # E|g|² from batch means of Σ|g|²; its SE makes the trace testable against the exact value.
+        m2_k = sq[:, j] / n_k
+        m2 = float(sq[:, j].sum() / draws)
+        se_m2 = math.sqrt(k / (k - 1) * float(((n_k / draws) ** 2 * (m2_k - m2) ** 2).sum()))
+        row["z_trace"] = (m2 - ex.second) / se_m2 if ex is not None and se_m2 > 0 and math.isfinite(ex.second) \
+            and _fourth_moment_finite(pair, est, mode) else math.nan
         for d, name in enumerate(("reverse", "forward")):
             means = proj[:, j, d] / n_k
             m = float(proj[:, j, d].sum() / draws)
@@ -302,6 +310,18 @@ def gradient_rows(pair: Pair, estimators: list[Estimator], *, draws: int, seed: 
             row["equals"] = ""
         rows.append(row)
     return rows
+
+
+def _fourth_moment_finite(pair: Pair, est: Estimator, mode: str) -> bool:
+    """E|c s|⁴ < ∞: always on a finite vocabulary; for Gaussians iff q^{1−4s} p^{4s} normalises, s the
+    largest power of r in c (|s|⁴ is a polynomial in z)."""
+    if not isinstance(pair, GaussianPair):
+        return True
+    poly = coefficient_poly(est, mode)
+    if poly is None:
+        return False
+    s_max = max((s for (s, _), a in poly.items() if a != 0), default=0)
+    return exact._tilt(pair.params, 4 * s_max) is not None
 
 
 def _compare(prefix: str, g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> dict:

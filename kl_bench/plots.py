@@ -15,18 +15,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from .draws import row_label  # noqa: E402
+
 PALETTE = sns.color_palette("colorblind")
 sns.set_theme(context="notebook", style="whitegrid", palette=PALETTE)
-
-
-def row_label(r) -> str:
-    """'k3', 'seq k3', 'cv(0.5)', 'cv_opt(0.58)'."""
-    name = r["estimator"]
-    lam = r.get("lambda", math.nan)
-    if isinstance(lam, float) and not math.isnan(lam):
-        name = f"{name}({lam:.3g})"
-    agg = r.get("aggregate", "")
-    return f"{agg} {name}" if isinstance(agg, str) and agg else name
 
 
 def _symlog_ticks(ax, lo: float, hi: float, linthresh: float) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .draws import row_key, row_label
 from .errors import SpecError
 from .results import COLUMNS
 
@@ -229,9 +230,10 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                 rows = s[(s["case"] == case) & s["lambda"].isna()]
                 values = {}
                 for _, r in rows.iterrows():
-                    key = f"{case}|{_row_key(r)}"
+                    lam = None if isinstance(r["lambda"], float) and math.isnan(r["lambda"]) else float(r["lambda"])
+                    key = f"{case}|{row_key(r['estimator'], lam, r['aggregate'])}"
                     if key in res.reservoir:
-                        values[_label(r)] = res.reservoir[key]
+                        values[row_label(r)] = res.reservoir[key]
                 if values:
                     figs.append((f"{prefix}distribution_{_slug(case)}.png",
                                  f"{case}: per-draw distribution of each estimator (ECDF)",
@@ -266,18 +268,6 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
     return figs
 
 
-def _row_key(r) -> str:
-    """The engine's row label (kl_bench.draws.Row.label) from a summary row."""
-    base = r["estimator"] if isinstance(r["lambda"], float) and math.isnan(r["lambda"]) else \
-        f"{r['estimator']}@{float(r['lambda'])!r}"
-    return f"{r['aggregate']}:{base}" if r["aggregate"] else base
-
-
-def _label(r) -> str:
-    from .plots import row_label
-    return row_label(r)
-
-
 # ----------------------------------------------------------------------------- report
 def build_report(dirs: list[Path]) -> dict[str, bytes]:
     results = [load_results(d) for d in dirs]
@@ -290,7 +280,7 @@ def build_report(dirs: list[Path]) -> dict[str, bytes]:
         d = res.summary.copy()
         d["run"] = res.name
         d["key"] = f"{res.name}/" + d["case"] if len(results) > 1 else d["case"]
-        d["label"] = [_label(r) for _, r in d.iterrows()]
+        d["label"] = [row_label(r) for _, r in d.iterrows()]
         frames.append(d)
     df = pd.concat(frames, ignore_index=True)
     caption = _caption(results)
@@ -324,7 +314,7 @@ def _report_md(results: list[Results], md_table: str, figs) -> str:
         heavy = res.summary[res.summary["heavy_tail"] != ""]
         if not heavy.empty:
             out += [f"## Heavy tails ({res.name})", ""]
-            out += [f"- {r['case']}: {_label(r)}: {r['heavy_tail']}" for _, r in heavy.iterrows()]
+            out += [f"- {r['case']}: {row_label(r)}: {r['heavy_tail']}" for _, r in heavy.iterrows()]
             out.append("")
     return "\n".join(out)
 
