@@ -172,21 +172,27 @@ def mismatch_table(df: pd.DataFrame) -> Table:
 
 
 def gradient_table(g: pd.DataFrame) -> Table:
-    """What each estimator × mode optimises: exact cosines with ∇KL(q||p) and ∇KL(p||q), measured cosine."""
-    t = Table(title="gradients: what each estimator optimises where it sits (exact; measured cosine in brackets)",
+    """What each estimator × mode optimises: exact cosines with ∇KL(q||p) and ∇KL(p||q), measured cosine,
+    the exact relative error against ∇KL(q||p), the per-draw variance (measured in brackets where no
+    exact value exists: rollouts) and the batch size for cos ≥ 0.9."""
+    t = Table(title="gradients: what each estimator optimises where it sits (exact; measured in brackets)",
               title_justify="left", show_edge=False, pad_edge=False)
-    for col in ["case", "estimator", "mode", "E[∇] equals", "cos ∇KL(q||p)", "cos ∇KL(p||q)", "tr Cov",
-                "n for cos ≥ 0.9", "z"]:
+    for col in ["case", "estimator", "mode", "E[∇] equals", "cos ∇KL(q||p)", "cos ∇KL(p||q)", "rel err (q||p)",
+                "tr Cov", "n for cos ≥ 0.9", "z"]:
         t.add_column(col, justify="left" if col in ("case", "estimator", "mode", "E[∇] equals") else "right")
     for _, r in g.iterrows():
         lab = r["estimator"] if not (isinstance(r["lambda"], float) and math.isfinite(r["lambda"])) \
             else f"{r['estimator']}({r['lambda']:.3g})"
+        agg = r.get("aggregate", "")
+        if isinstance(agg, str) and agg:
+            lab = f"{agg}-{lab}"
         eq = r["equals"] if isinstance(r["equals"], str) else ""
         style = {"reverse": "[green]reverse[/]", "forward": "[yellow]forward[/]", "zero": "[red]zero[/]"}.get(eq, eq)
         zmax = max(abs(r["z_reverse"]), abs(r["z_forward"])) if math.isfinite(r["z_reverse"]) else math.nan
+        trace = fmt(r["exact_trace_cov"]) if math.isfinite(r["exact_trace_cov"]) else f"({fmt(r['trace_cov'])})"
         t.add_row(r["case"], lab, r["mode"], style, f"{fmt(r['exact_cos_reverse'])} ({fmt(r['cos_reverse'])})",
-                  f"{fmt(r['exact_cos_forward'])} ({fmt(r['cos_forward'])})", fmt(r["exact_trace_cov"]),
-                  fmt(r["n_for_cos90"]), fmt(zmax, 2))
+                  f"{fmt(r['exact_cos_forward'])} ({fmt(r['cos_forward'])})", fmt(r["exact_relerr_reverse"]),
+                  trace, fmt(r["n_for_cos90"]), fmt(zmax, 2))
     return t
 
 

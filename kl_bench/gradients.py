@@ -1,6 +1,7 @@
 """Gradients of KL estimators: what each estimator optimises in each place a trainer puts it.
 
-θ parameterises q (categorical: its logits [B, V]; Gaussian: (mean, log std) per dimension). With
+θ parameterises q (categorical: its logits [B, V]; Gaussian: (mean, log std) per dimension; rollout:
+its bucket logits [C, V], see kl_bench.rollout_grad for the seq and tok rows). With
 s = ∇θ log q_θ(x) and log r = log p(x) − log q_θ(x), every mode's per-draw gradient is c(log r) · s:
 
 | mode | what is differentiated | c(log r) |
@@ -34,9 +35,12 @@ from .pairs import CategoricalPair, GaussianPair, Pair
 MODES = ("loss", "reward", "loss_is", "straight_through")
 
 GRAD_SCHEMA: dict[str, str] = {
-    "case": "case name", "estimator": "estimator (or clamped variant label)", "lambda": "λ for cv rows",
+    "case": "case name", "estimator": "estimator (or clamped variant label)",
+    "aggregate": "rollouts: seq (estimator of the sequence log-ratio L) or tok (per-token estimator summed over "
+                 "tokens; see kl_bench.rollout_grad); empty for Gaussians and categoricals",
+    "lambda": "λ for cv rows",
     "mode": "loss | reward | loss_is | straight_through (see kl_bench.gradients)",
-    "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension)",
+    "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
     "draws": "Monte Carlo draws",
     "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, other",
     "cos_reverse": "cosine of the Monte Carlo mean gradient with the exact ∇KL(q||p)",
@@ -50,11 +54,12 @@ GRAD_SCHEMA: dict[str, str] = {
     "z_reverse": "(MC − exact) of the gradient's component along ∇KL(q||p), in batch-means standard errors",
     "z_forward": "the same along ∇KL(p||q)",
     "trace_cov": "per-draw gradient variance: trace of its covariance (Monte Carlo)",
-    "exact_trace_cov": "the same, exact",
+    "exact_trace_cov": "the same, exact (empty on rollouts: no exact second moments)",
     "z_trace": "(E|g|² measured − exact) in batch-means standard errors; empty where E|g|⁴ = ∞ (Gaussian rows "
                "whose coefficient has an r term when E_q[r⁴] = ∞): there the measured trace cannot be trusted",
     "n_for_cos90": "batch size for cosine ≥ 0.9 with ∇KL(q||p) with 95% probability (normal approximation, "
-                   "exact moments); inf when the expectation itself is not within 0.9",
+                   "exact moments; rollouts: exact mean, measured variances); inf when the expectation itself is "
+                   "not within 0.9",
     "exact_along_reverse": "exact E[gradient]·u, u the unit vector along ∇KL(q||p) (for the cosine-vs-batch plot)",
     "exact_norm": "|E[gradient]| (exact)",
 }
@@ -218,86 +223,63 @@ def _unit(v: np.ndarray) -> np.ndarray:
 
 def gradient_rows(pair: Pair, estimators: list[Estimator], *, draws: int, seed: int, batches: int,
                   device: torch.device) -> list[dict]:
-    """gradients.csv rows for one case (categorical or 1-D/diagonal Gaussian)."""
-    if isinstance(pair, CategoricalPair):
-        rev, fwd = categorical_reference(pair)
-    elif isinstance(pair, GaussianPair):
-        rev, fwd = gaussian_reference(pair)
+    """gradients.csv rows for one case (categorical, 1-D/diagonal Gaussian or rollout)."""
+    from .pairs import RolloutPair
+    ests = [e for e in estimators if e.name != "full"]
+    sizes = batch_sizes(draws, batches)
+    proj2 = None
+    if isinstance(pair, RolloutPair):
+        from . import rollout_grad as RG
+        rev, fwd = RG.reference(pair)
+        dirs = {"reverse": _unit(rev), "forward": _unit(fwd)}
+        items = [(e, m, a) for a in RG.AGGREGATES for e in ests for m in modes_for(e)]
+        mc = RG.monte_carlo(pair, items, list(dirs.values()), sizes, seed, device, coefficient)
+        total, proj, proj2, sq = mc.total, mc.proj, mc.proj2, mc.sq
+        exacts = []
+        for e, m, a in items:
+            mean = RG.exact_mean(pair, e, m, a)
+            exacts.append(None if mean is None else ExactGrad(mean, math.nan, {}))
+    elif isinstance(pair, (CategoricalPair, GaussianPair)):
+        rev, fwd = categorical_reference(pair) if isinstance(pair, CategoricalPair) else gaussian_reference(pair)
+        dirs = {"reverse": _unit(rev), "forward": _unit(fwd)}
+        items = [(e, m, "") for e in ests for m in modes_for(e)]
+        mc_fn = _categorical_mc if isinstance(pair, CategoricalPair) else _gaussian_mc
+        total, proj, sq, exacts = mc_fn(pair, items, dirs, sizes, seed, device)
     else:
         return []
-    dirs = {"reverse": _unit(rev), "forward": _unit(fwd)}
-    items = [(e, m) for e in estimators if e.name != "full" for m in modes_for(e)]
-    coefs = [coefficient(e, m) for e, m in items]
-    sizes = batch_sizes(draws, batches)
-    k = len(sizes)
-    proj = np.zeros((k, len(items), 2))       # per batch: Σ c s·u for the two directions
-    sq = np.zeros((k, len(items)))            # per batch: Σ |c s|²
-    total = np.zeros((len(items), rev.shape[0]))
-    if isinstance(pair, CategoricalPair):
-        ctx, tok = _cat_tables(pair)
-        q = pair.log_q.exp()
-        c_tab = torch.stack([c(pair._logr) for c in coefs])                    # [E, M]
-        su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]
-                          - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]
-                          for u in dirs.values()])                              # [2, M]
-        s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]
-        table = torch.cat([(c_tab[:, None, :] * su[None]).reshape(-1, c_tab.shape[1]), c_tab**2 * s_norm2])
-        counts_total = torch.zeros(c_tab.shape[1], dtype=torch.float64)
-        for i, n in enumerate(sizes):
-            gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
-            counts = torch.bincount(pair.sample_ids(n, gen, device), minlength=c_tab.shape[1]).double().cpu()
-            out = (table @ counts).numpy()
-            proj[i] = out[: 2 * len(items)].reshape(len(items), 2)
-            sq[i] = out[2 * len(items):]
-            counts_total += counts
-        b, v = pair.contexts, pair.vocab
-        for j in range(len(items)):
-            cw = torch.zeros(b, v, dtype=torch.float64)
-            cw[ctx, tok] = counts_total * c_tab[j] / draws
-            total[j] = (cw - q * cw.sum(-1, keepdim=True)).reshape(-1).numpy() * draws
-        exacts = [categorical_exact(pair, c_tab[j], dirs) for j in range(len(items))]
-    else:
-        g = pair.params
-        sq_t = torch.as_tensor(g.sq, dtype=torch.float64)
-        for i, n in enumerate(sizes):
-            gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
-            z = torch.randn(n, pair.dim, dtype=torch.float64, generator=gen, device=device)
-            c0, c1, c2 = (t.to(device) for t in pair._c)
-            logr = (c0 + z * (c1 + z * c2)).sum(-1)
-            s = torch.cat([z / sq_t.to(device), z * z - 1], dim=-1)              # [n, 2D]
-            for j, c in enumerate(coefs):
-                gj = c(logr)[:, None] * s
-                total[j] += gj.sum(0).cpu().numpy()
-                sq[i, j] = float((gj * gj).sum())
-                proj[i, j] = (gj.sum(0).cpu().numpy() @ np.stack(list(dirs.values())).T)
-        exacts = [gaussian_exact(pair, coefficient_poly(e, m), dirs) for e, m in items]
     n_k = np.array(sizes, dtype=np.float64)
+    k = len(sizes)
+
+    def batch_mean_se(sums: np.ndarray) -> tuple[float, float]:
+        """Overall mean of per-draw values from per-batch sums, and its batch-means standard error."""
+        m = float(sums.sum() / draws)
+        return m, math.sqrt(k / (k - 1) * float(((n_k / draws) ** 2 * (sums / n_k - m) ** 2).sum()))
     rows = []
-    for j, (est, mode) in enumerate(items):
-        mc = total[j] / draws
+    for j, (est, mode, agg) in enumerate(items):
+        mc_mean = total[j] / draws
         ex = exacts[j]
-        row = {"case": pair.name, "estimator": est.name, "lambda": est.lam if est.lam is not None else math.nan,
+        row = {"case": pair.name, "estimator": est.name, "aggregate": agg,
+               "lambda": est.lam if est.lam is not None else math.nan,
                "mode": mode, "params": rev.shape[0], "draws": draws}
-        row.update(_compare("", mc, rev, fwd))
-        row["trace_cov"] = float(sq[:, j].sum() / draws - mc @ mc)
+        row.update(_compare("", mc_mean, rev, fwd))
+        m2, se_m2 = batch_mean_se(sq[:, j])
+        row["trace_cov"] = m2 - float(mc_mean @ mc_mean)
         # E|g|² from batch means of Σ|g|²; its SE makes the trace testable against the exact value.
-        m2_k = sq[:, j] / n_k
-        m2 = float(sq[:, j].sum() / draws)
-        se_m2 = math.sqrt(k / (k - 1) * float(((n_k / draws) ** 2 * (m2_k - m2) ** 2).sum()))
         row["z_trace"] = (m2 - ex.second) / se_m2 if ex is not None and se_m2 > 0 and math.isfinite(ex.second) \
             and _fourth_moment_finite(pair, est, mode) else math.nan
         for d, name in enumerate(("reverse", "forward")):
-            means = proj[:, j, d] / n_k
-            m = float(proj[:, j, d].sum() / draws)
-            se = math.sqrt(k / (k - 1) * float(((n_k / draws) ** 2 * (means - m) ** 2).sum()))
+            m, se = batch_mean_se(proj[:, j, d])
             ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
             row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
         if ex is not None:
             row.update(_compare("exact_", ex.mean, rev, fwd))
             row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
             row["equals"] = _equals(ex.mean, rev, fwd)
-            row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], ex.proj_var.get("reverse", math.nan),
-                                              row["exact_trace_cov"])
+            var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
+            if proj2 is not None:       # rollouts: exact mean, measured spread (see kl_bench.rollout_grad)
+                mu_u = float(proj[:, j, 0].sum() / draws)
+                var_u, trace = float(proj2[:, j, 0].sum() / draws) - mu_u**2, row["trace_cov"]
+            row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], var_u, trace)
             row["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
             row["exact_norm"] = float(np.linalg.norm(ex.mean))
             if row["equals"] == "zero":          # the cosine of a zero vector is rounding noise
@@ -310,6 +292,63 @@ def gradient_rows(pair: Pair, estimators: list[Estimator], *, draws: int, seed: 
             row["equals"] = ""
         rows.append(row)
     return rows
+
+
+def _categorical_mc(pair: CategoricalPair, items, dirs, sizes, seed, device):
+    """(Σ gradient [J, P], per-batch Σ g·u [K, J, 2], per-batch Σ|g|² [K, J], exact) by token counts:
+    every per-draw quantity is a table over the drawn (context, token) ids, so a batch is one bincount."""
+    coefs = [coefficient(e, m) for e, m, _ in items]
+    k, nj = len(sizes), len(items)
+    proj, sq = np.zeros((k, nj, 2)), np.zeros((k, nj))
+    ctx, tok = _cat_tables(pair)
+    q = pair.log_q.exp()
+    c_tab = torch.stack([c(pair._logr) for c in coefs])                    # [J, M]
+    su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]
+                      - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]
+                      for u in dirs.values()])                              # [2, M]
+    s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]
+    table = torch.cat([(c_tab[:, None, :] * su[None]).reshape(-1, c_tab.shape[1]), c_tab**2 * s_norm2])
+    counts_total = torch.zeros(c_tab.shape[1], dtype=torch.float64)
+    for i, n in enumerate(sizes):
+        gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
+        counts = torch.bincount(pair.sample_ids(n, gen, device), minlength=c_tab.shape[1]).double().cpu()
+        out = (table @ counts).numpy()
+        proj[i] = out[: 2 * nj].reshape(nj, 2)
+        sq[i] = out[2 * nj:]
+        counts_total += counts
+    b, v = pair.contexts, pair.vocab
+    total = np.zeros((nj, b * v))
+    for j in range(nj):
+        cw = torch.zeros(b, v, dtype=torch.float64)
+        cw[ctx, tok] = counts_total * c_tab[j]
+        total[j] = (cw - q * cw.sum(-1, keepdim=True)).reshape(-1).numpy()
+    exacts = [categorical_exact(pair, c_tab[j], dirs) for j in range(nj)]
+    return total, proj, sq, exacts
+
+
+def _gaussian_mc(pair: GaussianPair, items, dirs, sizes, seed, device):
+    """The same for a Gaussian: per-draw gradients c(log r) · (z/σ, z² − 1), batch by batch."""
+    coefs = [coefficient(e, m) for e, m, _ in items]
+    k, nj = len(sizes), len(items)
+    proj, sq = np.zeros((k, nj, 2)), np.zeros((k, nj))
+    total = np.zeros((nj, 2 * pair.dim))
+    g = pair.params
+    sq_t = torch.as_tensor(g.sq, dtype=torch.float64)
+    u = np.stack(list(dirs.values())).T
+    for i, n in enumerate(sizes):
+        gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
+        z = torch.randn(n, pair.dim, dtype=torch.float64, generator=gen, device=device)
+        c0, c1, c2 = (t.to(device) for t in pair._c)
+        logr = (c0 + z * (c1 + z * c2)).sum(-1)
+        s = torch.cat([z / sq_t.to(device), z * z - 1], dim=-1)              # [n, 2D]
+        for j, c in enumerate(coefs):
+            gj = c(logr)[:, None] * s
+            gsum = gj.sum(0).cpu().numpy()
+            total[j] += gsum
+            sq[i, j] = float((gj * gj).sum())
+            proj[i, j] = gsum @ u
+    exacts = [gaussian_exact(pair, coefficient_poly(e, m), dirs) for e, m, _ in items]
+    return total, proj, sq, exacts
 
 
 def _fourth_moment_finite(pair: Pair, est: Estimator, mode: str) -> bool:

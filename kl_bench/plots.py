@@ -242,15 +242,23 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
 
 def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
     """Expected cosine of a batch-mean gradient with ∇KL(q‖p) against the batch size, per estimator ×
-    mode: cos_n ≈ (m·u)/√(|m|² + tr Σ / n) from the exact moments (u the unit reverse-KL gradient)."""
+    mode: cos_n ≈ (m·u)/√(|m|² + tr Σ / n) with the exact mean m (u the unit reverse-KL gradient) and
+    the exact trace of the per-draw covariance, or the measured one where none exists (rollouts; the
+    title then says so)."""
     fig, ax = _axes(ax, width=8, height=4.8)
     n = np.logspace(0, 7, 200)
     g = grads[np.isfinite(grads["exact_along_reverse"].astype(float))]
+    measured = False
     for k, (_, r) in enumerate(g.iterrows()):
         lam = r["lambda"]
         label = f"{r['estimator']}{f'({lam:.3g})' if isinstance(lam, float) and math.isfinite(lam) else ''} {r['mode']}"
-        cos = r["exact_along_reverse"] / np.sqrt(r["exact_norm"] ** 2 + r["exact_trace_cov"] / n)
+        trace = r["exact_trace_cov"]
+        if not math.isfinite(trace):
+            trace, measured = r["trace_cov"], True
+        cos = r["exact_along_reverse"] / np.sqrt(r["exact_norm"] ** 2 + trace / n)
         ax.plot(n, cos, color=PALETTE[k % len(PALETTE)], ls=["-", "--", ":", "-."][k // len(PALETTE) % 4], label=label)
+    if measured:
+        title += "\n(exact mean gradient, measured per-draw variance)"
     ax.axhline(0.9, color="grey", lw=1, ls=":", label="cos = 0.9")
     ax.set_xscale("log")
     lows = [float(np.min(line.get_ydata())) for line in ax.get_lines() if len(np.atleast_1d(line.get_ydata())) > 2]

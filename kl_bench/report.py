@@ -257,11 +257,13 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         grad_path = res.path / "gradients.csv"
         if grad_path.exists():
             grads = pd.read_csv(grad_path)
-            for case in dict.fromkeys(grads["case"]):
-                figs.append((f"{prefix}gradient_cosine_{_slug(case)}.png",
-                             f"{case}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
-                             _png(plots.plot_gradient_cosine(grads[grads["case"] == case],
-                                                             title=f"{case}: what a batch gradient points at"))))
+            aggs = grads["aggregate"].fillna("") if "aggregate" in grads else pd.Series("", index=grads.index)
+            for (case, agg), part in grads.groupby([grads["case"], aggs], sort=False):
+                tag, words = (f"_{agg}", f" ({agg} rows)") if agg else ("", "")
+                figs.append((f"{prefix}gradient_cosine_{_slug(case)}{tag}.png",
+                             f"{case}{words}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
+                             _png(plots.plot_gradient_cosine(part, title=f"{case}{words}: what a batch gradient "
+                                                             "points at"))))
         if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
             figs.append((f"{prefix}planning.png", "draws for ±10% error with 95% probability",
                          _png(plots.plot_planning(s, title=f"{res.name}: batch-size planning"))))

@@ -43,6 +43,12 @@ def propagate(a: torch.Tensor, e: torch.Tensor, length: int, start: int = 0) -> 
 def propagate_phases(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start: int = 0) -> list[float]:
     """Like :func:`propagate` with step-dependent matrices: ``phases`` = [(A, E, steps), ...] in order
     (e.g. EOS suppressed for the first min_length steps, then allowed)."""
+    return propagate_tensor(phases, start).tolist()
+
+
+def propagate_tensor(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start: int = 0) -> torch.Tensor:
+    """:func:`propagate_phases` as a tensor [K+1], differentiable with autograd through A and E (the
+    rollout gradients differentiate it with respect to the sampling logits)."""
     a0 = phases[0][0]
     kmax, c = a0.shape[0] - 1, a0.shape[1]
     state = torch.zeros(kmax + 1, c, dtype=torch.float64, device=a0.device)
@@ -57,4 +63,16 @@ def propagate_phases(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start
                     new[k] += binom[k][j] * (state[k - j] @ a[j])
                     ended[k] += binom[k][j] * (state[k - j] @ e[j])
             state = new
-    return (ended + state.sum(dim=1)).tolist()
+    return ended + state.sum(dim=1)
+
+
+def visits(a0: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+    """Expected number of steps taken from each bucket, [C]: Σ_{t<T} P(alive before step t+1, in c),
+    with A_0 the non-EOS transition matrix of :func:`moment_matrices` (m = 1)."""
+    state = torch.zeros(a0.shape[0], dtype=torch.float64, device=a0.device)
+    state[start] = 1.0
+    total = torch.zeros_like(state)
+    for _ in range(length):
+        total += state
+        state = state @ a0
+    return total

@@ -253,9 +253,12 @@ class RolloutPair(Pair):
         return self._simulate([n], [generator], device, tok_rows)
 
     def _simulate(self, sizes: list[int], gens: list[torch.Generator], device: torch.device,
-                  tok_rows: list[Row] = ()) -> Draws:
+                  tok_rows: list[Row] = (), record: list | None = None) -> Draws:
         """Rollouts for several batches at once: batch i's uniforms come from its own generator, every
-        other operation runs on one long vector (per-op overhead dominates on short vectors)."""
+        other operation runs on one long vector (per-op overhead dominates on short vectors).
+
+        ``record``: when a list, each step appends (key, alive) of shape [n]: key = c·V + x (the bucket
+        the token was drawn from and the token), alive = 1.0 where the step belongs to the sequence."""
         if self._phase_alias is None:
             self._phase_alias = [self._alias_table()] if not self.has_sampler else [
                 _flat_alias(lb) for lb, _ in self._phases]
@@ -280,6 +283,8 @@ class RolloutPair(Pair):
             base = c * v
             x = torch.where(u - j < prob[base + j], j, alias[base + j])
             g = g_flat[base + x]
+            if record is not None:
+                record.append((base + x, alive))
             kl_c = kl_ctx[c]
             logr += alive * g
             full += alive * kl_c

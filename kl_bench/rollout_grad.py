@@ -1,0 +1,226 @@
+"""Gradients on rollouts: θ = q's bucket logits [C, V]; ∇θ log q(x | c) = e_x − q(·|c), in row c.
+
+A sequence's score is S = Σ_t s_t with s_t = e_{x_t} − q(·|c_{t−1}) in row c_{t−1}. Two aggregates:
+
+- ``seq``: an estimator f of the sequence log-ratio L = Σ_t log r_t. Every mode's per-draw gradient is
+  c(L) · S, with c from :func:`kl_bench.gradients.coefficient` (log q_θ of the sequence plays the part
+  of log q_θ(x); loss_is multiplies by the sequence ratio q_θ/sg(q_θ)).
+- ``tok``: Σ_t f(log r_t), as trainers' per-token code. ``reward`` gives (Σ_t f(log r_t)) · S (the
+  sequence score function). ``loss``, ``loss_is`` (per-token ratio q_θ(x_t)/sg(q_θ(x_t))) and
+  ``straight_through`` give Σ_t c(log r_t) s_t: each token's gradient with the path held fixed, which
+  leaves out how θ moves the distribution of the later buckets (so on T > 1 they are `other` even where
+  the categorical case is exact).
+
+Exact values (all float64):
+
+- References: autograd through the dynamic program (:mod:`kl_bench.rollout_dp`). KL(q‖p) = −E_q[L]
+  with both q and L functions of θ; KL(p‖q) = E_p[L_p − L_q(θ)].
+- Score identity: E_q[F · S] = ∇φ E_{q_φ}[F] at φ = θ for any F that does not depend on φ. So a seq row
+  with c = Σ a R^s L^k and a tok reward row are the gradients of DP moments with respect to the
+  sampling logits only (R, L and f(log r) tables held fixed).
+- Local tok rows: E[Σ_t c_t s_t] has row c = n(c) · (q_c ⊙ c_c − q_c ⟨q_c, c_c⟩), n(c) the expected
+  number of steps drawn from bucket c (:func:`kl_bench.rollout_dp.visits`).
+
+Not exact: second moments. |S|² couples the steps drawn from the same bucket, so its expectation would
+need a dynamic program over C·V marked states; on rollouts the per-draw variance (trace_cov) and the
+batch size for cos ≥ 0.9 use measured variances (exact expected gradient, measured spread).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import rollout_dp
+from .engine import batch_seed
+from .estimators import Estimator
+from .pairs.rollout import RolloutPair
+
+AGGREGATES = ("seq", "tok")
+
+
+# ----------------------------------------------------------------------------- exact
+def _moments(pair: RolloutPair, log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor, kmax: int) -> torch.Tensor:
+    """E_{sample}[M S^k], k = 0..kmax, as a differentiable tensor (sampling from softmax(log_sample))."""
+    a, e = rollout_dp.moment_matrices(torch.softmax(log_sample, -1), m, h, pair.bucket, pair.buckets, pair.eos, kmax)
+    return rollout_dp.propagate_tensor([(a, e, pair.length)])
+
+
+def reference(pair: RolloutPair) -> tuple[np.ndarray, np.ndarray]:
+    """(∇θ KL(q‖p), ∇θ KL(p‖q)) flattened [C·V], by autograd through the dynamic program."""
+    ones = torch.ones_like(pair.log_q)
+    theta = pair.log_q.clone().requires_grad_(True)
+    lq = torch.log_softmax(theta, -1)
+    rev = -_moments(pair, theta, ones, pair.log_p - lq, 1)[1]
+    (g_rev,) = torch.autograd.grad(rev, theta)
+    theta = pair.log_q.clone().requires_grad_(True)
+    fwd = _moments(pair, pair.log_p, ones, pair.log_p - torch.log_softmax(theta, -1), 1)[1]
+    (g_fwd,) = torch.autograd.grad(fwd, theta)
+    return g_rev.reshape(-1).numpy(), g_fwd.reshape(-1).numpy()
+
+
+def _score_gradient(pair: RolloutPair, terms: list[tuple[torch.Tensor, torch.Tensor, list[float]]]) -> np.ndarray | None:
+    """Σ_terms Σ_k a_k E_q[M S^k · score] = ∇φ Σ a_k E_{q_φ}[M S^k] at φ = θ, for [(m, h, [a_0..a_K])]."""
+    phi = pair.log_q.clone().requires_grad_(True)
+    total = torch.zeros((), dtype=torch.float64)
+    for m, h, coefs in terms:
+        mom = _moments(pair, phi, m, h, len(coefs) - 1)
+        total = total + sum(a * mom[k] for k, a in enumerate(coefs) if a != 0)
+    if not total.requires_grad:
+        return np.zeros(pair.log_q.numel())
+    (g,) = torch.autograd.grad(total, phi)
+    out = g.reshape(-1).numpy()
+    return out if np.isfinite(out).all() else None      # E[R^s …] beyond float64: no exact value
+
+
+def _local(pair: RolloutPair, c_table: torch.Tensor) -> np.ndarray:
+    """E[Σ_t c(c_{t−1}, x_t) s_t] for a per-step coefficient table [C, V]."""
+    q = pair.log_q.exp()
+    a, _ = rollout_dp.moment_matrices(q, torch.ones_like(q), torch.ones_like(q), pair.bucket, pair.buckets, pair.eos, 0)
+    n = rollout_dp.visits(a[0], pair.length)
+    qc = q * c_table
+    return (n[:, None] * (qc - q * qc.sum(-1, keepdim=True))).reshape(-1).numpy()
+
+
+def exact_mean(pair: RolloutPair, est: Estimator, mode: str, aggregate: str) -> np.ndarray | None:
+    """E[per-draw gradient] of one row, flattened [C·V]; None where no exact value exists (a
+    non-polynomial estimator of the sequence log-ratio, or moments beyond float64)."""
+    from .gradients import coefficient, coefficient_poly
+    ones = torch.ones_like(pair.log_q)
+    g = pair._g
+    if aggregate == "tok":
+        if mode == "reward":
+            return _score_gradient(pair, [(ones, est.fn(g), [0.0, 1.0])])
+        return _local(pair, coefficient(est, mode)(g))
+    poly = coefficient_poly(est, mode)
+    if poly is None:
+        return None
+    by_s: dict[int, list[float]] = {}
+    for (s, k), a in poly.items():
+        coefs = by_s.setdefault(s, [])
+        coefs.extend([0.0] * (k + 1 - len(coefs)))
+        coefs[k] += a
+    return _score_gradient(pair, [(torch.exp(s * g) if s else ones, g, coefs) for s, coefs in by_s.items()])
+
+
+# ----------------------------------------------------------------------------- Monte Carlo
+@dataclass
+class RolloutMC:
+    total: np.ndarray     # [J, C·V]: Σ over draws of each row's per-draw gradient
+    proj: np.ndarray      # [K, J, D]: per batch, Σ g·u for each direction u
+    proj2: np.ndarray     # [K, J, D]: per batch, Σ (g·u)²
+    sq: np.ndarray        # [K, J]: per batch, Σ |g|²
+
+
+def _run_start(ids: torch.Tensor) -> torch.Tensor:
+    """For rows of sorted ids [n, T]: the index where each element's run of equal ids starts."""
+    i = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return torch.where(new, i, torch.zeros_like(i)).cummax(1).values
+
+
+def _run_prefix(vals: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Inclusive prefix sums of ``vals`` [n, T] within runs (``start`` from :func:`_run_start`)."""
+    cs = vals.cumsum(1)
+    return cs - F.pad(cs, (1, 0)).gather(1, start)
+
+
+@dataclass
+class _Sorted:
+    """A batch of paths sorted by key per row, so that equal (bucket, token) keys and equal buckets are
+    contiguous; |g|² then needs prefix sums only (no scatter: deterministic on CUDA too)."""
+    order: torch.Tensor       # [n, T] permutation
+    key_start: torch.Tensor   # run starts of equal keys
+    bucket_start: torch.Tensor
+    qx: torch.Tensor          # q(x_t | c_{t−1}), sorted
+    qq: torch.Tensor          # |q(·|c_{t−1})|², sorted
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, q_flat: torch.Tensor, qq: torch.Tensor, vocab: int) -> "_Sorted":
+        order = torch.argsort(keys, dim=1, stable=True)
+        ks = keys.gather(1, order)
+        cb = torch.div(ks, vocab, rounding_mode="floor")
+        return cls(order, _run_start(ks), _run_start(cb), q_flat[ks], qq[cb])
+
+    def sq_norm(self, w: torch.Tensor) -> torch.Tensor:
+        """|Σ_t w_t s_t|² per draw, [n], for per-step weights w [n, T] (0 on steps after the end).
+
+        = Σ_keys W² − 2 Σ_c A_c B_c + Σ_c A_c² |q_c|², with W the weight summed per (bucket, token),
+        A_c = Σ_{t in c} w_t and B_c = Σ_{t in c} w_t q(x_t|c). Each double sum over a run is
+        Σ_i a_i (2·prefix_i − a_i), or Σ_i (a_i·prefix_b,i + b_i·prefix_a,i − a_i b_i) for two sequences."""
+        ws = w.gather(1, self.order)
+        wq = ws * self.qx
+        pa, pb = _run_prefix(ws, self.bucket_start), _run_prefix(wq, self.bucket_start)
+        same_key = ws * (2 * _run_prefix(ws, self.key_start) - ws)
+        cross = ws * pb + wq * pa - ws * wq
+        diag = self.qq * ws * (2 * pa - ws)
+        return (same_key - 2 * cross + diag).sum(1)
+
+
+def monte_carlo(pair: RolloutPair, items: list[tuple[Estimator, str, str]], directions: list[np.ndarray],
+                sizes: list[int], seed: int, device: torch.device, coefficient) -> RolloutMC:
+    """Per-batch sums of every row's per-draw gradient, its projections and squared norm."""
+    c_, v = pair.buckets, pair.vocab
+    q = pair.log_q.exp()
+    q_flat, g_flat = q.reshape(-1).to(device), pair._g.reshape(-1).to(device)
+    qq = (q * q).sum(-1).to(device)
+    # Projections g·u = Σ_t w_t (u(c, x_t) − ⟨q_c, u_c⟩): one additive table per direction.
+    hu = torch.stack([(torch.as_tensor(u).reshape(c_, v) - (q * torch.as_tensor(u).reshape(c_, v)).sum(-1, keepdim=True))
+                      .reshape(-1) for u in directions]).to(device)
+    local = [j for j, (_, mode, agg) in enumerate(items) if agg == "tok" and mode != "reward"]
+    per_draw = [j for j in range(len(items)) if j not in local]
+    tables = {j: coefficient(items[j][0], items[j][1])(pair._g).reshape(-1).to(device) for j in local}
+    coefs = {j: coefficient(items[j][0], items[j][1]) for j in per_draw}
+    k, nj, nd = len(sizes), len(items), len(directions)
+    proj, proj2, sq = np.zeros((k, nj, nd)), np.zeros((k, nj, nd)), np.zeros((k, nj))
+    # Totals accumulate on the CPU with index_add_ (deterministic); rows whose weight depends on the
+    # step only (local tok rows) need the (bucket, token) counts alone.
+    w_total = torch.zeros(c_ * v, len(per_draw), dtype=torch.float64)
+    counts = torch.zeros(c_ * v, dtype=torch.float64)
+    piece = max(1, 2**21 // max(1, pair.length))         # draws per simulation piece: bounded memory
+    for i, n in enumerate(sizes):
+        gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
+        for lo in range(0, n, piece):
+            m = min(piece, n - lo)
+            rec: list = []
+            pair._simulate([m], [gen], device, record=rec)
+            keys = torch.stack([key for key, _ in rec], 1)             # [m, T]
+            alive = torch.stack([a for _, a in rec], 1)               # [m, T] 1.0 while in the sequence
+            logr_t = g_flat[keys] * alive
+            big_l = logr_t.sum(1)
+            srt = _Sorted.of(keys, q_flat, qq, v)
+            hs = hu[:, keys]                                          # [D, m, T]
+            w_cols = []
+            for j, (est, mode, agg) in enumerate(items):
+                if j in tables:
+                    w = tables[j][keys] * alive
+                elif agg == "seq":
+                    w = coefs[j](big_l)[:, None] * alive
+                else:                                                  # tok reward: (Σ_t f_t) · S
+                    w = (est.fn(logr_t) * alive).sum(1, keepdim=True) * alive
+                    w_cols.append(w)
+                if agg == "seq":
+                    w_cols.append(w)
+                pj = (w[None] * hs).sum(2)                           # [D, m]
+                proj[i, j] += pj.sum(1).cpu().numpy()
+                proj2[i, j] += (pj * pj).sum(1).cpu().numpy()
+                sq[i, j] += float(srt.sq_norm(w).sum())
+            flat_keys = keys.reshape(-1).cpu()
+            counts.index_add_(0, flat_keys, alive.reshape(-1).cpu())
+            if w_cols:
+                w_total.index_add_(0, flat_keys, torch.stack(w_cols, -1).reshape(-1, len(w_cols)).cpu())
+    total = np.zeros((nj, c_ * v))
+    for col, j in enumerate(per_draw):
+        total[j] = _grad_from_weights(w_total[:, col], q)
+    for j in local:
+        total[j] = _grad_from_weights(counts * tables[j].cpu(), q)
+    return RolloutMC(total, proj, proj2, sq)
+
+
+def _grad_from_weights(w: torch.Tensor, q: torch.Tensor) -> np.ndarray:
+    """Σ_steps w (e_x − q_c) from W(c, x) = Σ w over the steps that drew x from bucket c."""
+    wm = w.reshape(q.shape)
+    return (wm - wm.sum(-1, keepdim=True) * q).reshape(-1).numpy()
