@@ -205,10 +205,6 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
             from .display import gradient_table
             out_console.print()
             out_console.print(gradient_table(outcome.gradients))
-            skipped = [r.pair.name for r in runs if r.pair.has_sampler]
-            if skipped:
-                out_console.print(f"note: no gradient rows for {', '.join(skipped)} (cases with a sampler are "
-                                  "not supported by the gradient benchmark yet)", markup=False)
         _warn_infinite(df, err_console)
         out_console.print(f"\n{sum(r.draws for r in runs):,} draws in {outcome.wall:.1f} s "
                           f"({envelope['draws_per_second']:,} draws/s on {dev}) → {out_dir}/summary.csv")

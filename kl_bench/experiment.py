@@ -210,7 +210,7 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
     if exp.gradients:
         from . import gradients as G
         ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
-        grad_rows = [r for pair, n in zip(pairs, case_draws) if not pair.has_sampler
+        grad_rows = [r for pair, n in zip(pairs, case_draws)
                      for r in G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device)]
         grads = G.to_frame(grad_rows)
     return SpecOutcome(to_frame(rows), outcomes, case_draws, time.perf_counter() - t0, grads)

@@ -12,9 +12,12 @@ s = ∇θ log q_θ(x) and log r = log p(x) − log q_θ(x), every mode's per-dra
 | straight_through | value of k3, gradient of k2 (k3 rows only) | −log r |
 
 f′ comes from autograd of the estimator function itself, so clamped variants differentiate as trainers'
-code does. Exact expected gradients: sums over the vocabulary (categorical) and tilted-Gaussian
-moments E_q[r^s (log r)^k z^j] (Gaussian, polynomial estimators). The reference gradients ∇KL(q‖p) and
-∇KL(p‖q) are closed forms; the `equals` column names which one a mode's expectation is.
+code does. Under a sampler (x ~ b ≠ q, a stale or tempered policy) the score stays q's, and importance
+weights multiply each per-draw gradient by the detached q/b. Exact expected gradients: sums over the
+vocabulary (categorical), tilted-Gaussian moments E_b[w^m r^s (log r)^k z^j] (Gaussian, polynomial
+estimators, uncapped weights) and the rollout dynamic program (kl_bench.rollout_grad). The reference
+gradients ∇KL(q‖p) and ∇KL(p‖q) are closed forms (rollouts: autograd through the dynamic program); the
+`equals` column names which one a mode's expectation is.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ GRAD_SCHEMA: dict[str, str] = {
     "aggregate": "rollouts: seq (estimator of the sequence log-ratio L) or tok (per-token estimator summed over "
                  "tokens; see kl_bench.rollout_grad); empty for Gaussians and categoricals",
     "lambda": "λ for cv rows",
+    "sampler": "the case's sampler, empty when x ~ q: draws come from b, and with importance weights every "
+               "per-draw gradient is multiplied by the detached q/b (rollouts: per token or per sequence)",
     "mode": "loss | reward | loss_is | straight_through (see kl_bench.gradients)",
     "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
     "draws": "Monte Carlo draws",
@@ -154,10 +159,11 @@ def categorical_reference(pair: CategoricalPair) -> tuple[np.ndarray, np.ndarray
 
 
 # ----------------------------------------------------------------------------- exact: Gaussian
-def _gauss_moment(g: exact.GaussianPairParams, s: int, k: int, i: int, j: int) -> float:
-    """E_q[r^s (log r)^k z_i^j] with z_i = (x_i − μq_i)/σq_i, via the tilted Gaussian q_s: per dimension
-    log r and z are polynomials of one standard normal; dimensions are independent under q_s."""
-    tilt = exact._tilt(g, s)
+def _gauss_moment(g: exact.GaussianPairParams, s: int, k: int, i: int, j: int, b=None, m: int = 0) -> float:
+    """E_b[w^m r^s (log r)^k z_i^j] with z_i = (x_i − μq_i)/σq_i and w = q/b (b = q when None), via the
+    tilted Gaussian ∝ b^{1−m} q^{m−s} p^s: per dimension log r and z are polynomials of one standard
+    normal; dimensions are independent under the tilt."""
+    tilt = exact._tilt(g, s, b, m)
     if tilt is None:
         return math.inf
     log_z, m, var = tilt
@@ -180,19 +186,31 @@ def _gauss_moment(g: exact.GaussianPairParams, s: int, k: int, i: int, j: int) -
 
 
 def gaussian_exact(pair: GaussianPair, cpoly: Poly | None, directions: dict[str, np.ndarray]) -> ExactGrad | None:
-    """E[c s] with s = (z/σ per dimension, z² − 1 per dimension), θ = (μ, log σ) of q."""
-    if cpoly is None:
+    """E_b[(w) c s] with s = (z/σ per dimension, z² − 1 per dimension), θ = (μ, log σ) of q, b the
+    case's sampler (q when none); None for non-polynomial c or capped weights."""
+    if cpoly is None or pair.weight_cap is not None:
         return None
     from .estimators import poly_square
     g, dim = pair.params, pair.dim
+    b = pair._b if pair.has_sampler else None     # under a sampler: E_b[w^m ·], m = 1 with weights
+    wm = 1 if pair.weighted else 0
 
-    def e(poly: Poly, i: int, j: int) -> float:
-        return sum(a * _gauss_moment(g, s, k, i, j) for (s, k), a in poly.items() if a != 0)
+    def e(poly: Poly, i: int, j: int, power: int = 1) -> float:
+        """E_b[w^{m·power} poly(r, log r) z_i^j]: power 2 for second moments (they carry w²)."""
+        return sum(a * _gauss_moment(g, s, k, i, j, b, wm * power) for (s, k), a in poly.items() if a != 0)
     mean = np.array([e(cpoly, i, 1) / g.sq[i] for i in range(dim)] +
                     [e(cpoly, i, 2) - e(cpoly, i, 0) for i in range(dim)])
     c2 = poly_square(cpoly)
+
+    def e2(i: int, j: int) -> float:
+        return e(c2, i, j, 2)
+
+    def combine(*terms: float) -> float:
+        """Σ of (coefficient, moment) products; ∞ when a moment is (no ∞ − ∞ = NaN)."""
+        return math.inf if any(math.isinf(t) for _, t in terms) else sum(a * t for a, t in terms)
     # |s|² = Σ_i z_i²/σ_i² + (z_i² − 1)² = Σ_i z_i²/σ_i² + z_i⁴ − 2 z_i² + 1
-    second = sum(e(c2, i, 2) / g.sq[i] ** 2 + e(c2, i, 4) - 2 * e(c2, i, 2) + e(c2, i, 0) for i in range(dim))
+    second = sum(combine((1 / g.sq[i] ** 2, e2(i, 2)), (1, e2(i, 4)), (-2, e2(i, 2)), (1, e2(i, 0)))
+                 for i in range(dim))
     proj_var = {}
     for name, u in directions.items():
         # (c s·u)² = c² (Σ_i u_μi z_i/σ_i + u_σi (z_i² − 1))²: needs cross-dimension terms; exact for D = 1.
@@ -200,8 +218,8 @@ def gaussian_exact(pair: GaussianPair, cpoly: Poly | None, directions: dict[str,
             proj_var[name] = math.nan
             continue
         um, us = u[0] / g.sq[0], u[1]
-        ex = (um**2 * e(c2, 0, 2) + us**2 * (e(c2, 0, 4) - 2 * e(c2, 0, 2) + e(c2, 0, 0))
-              + 2 * um * us * (e(c2, 0, 3) - e(c2, 0, 1)))
+        ex = combine((um**2, e2(0, 2)), (us**2, e2(0, 4)), (-2 * us**2, e2(0, 2)), (us**2, e2(0, 0)),
+                     (2 * um * us, e2(0, 3)), (-2 * um * us, e2(0, 1)))
         proj_var[name] = ex - float(mean @ u) ** 2
     return ExactGrad(mean, second, proj_var)
 
@@ -258,7 +276,7 @@ def gradient_rows(pair: Pair, estimators: list[Estimator], *, draws: int, seed: 
     for j, (est, mode, agg) in enumerate(items):
         mc_mean = total[j] / draws
         ex = exacts[j]
-        row = {"case": pair.name, "estimator": est.name, "aggregate": agg,
+        row = {"case": pair.name, "estimator": est.name, "aggregate": agg, "sampler": getattr(pair, "sampler_label", ""),
                "lambda": est.lam if est.lam is not None else math.nan,
                "mode": mode, "params": rev.shape[0], "draws": draws}
         row.update(_compare("", mc_mean, rev, fwd))
@@ -303,6 +321,8 @@ def _categorical_mc(pair: CategoricalPair, items, dirs, sizes, seed, device):
     ctx, tok = _cat_tables(pair)
     q = pair.log_q.exp()
     c_tab = torch.stack([c(pair._logr) for c in coefs])                    # [J, M]
+    if pair._is_weight is not None:                                        # a sampler's detached q/b
+        c_tab = c_tab * pair._is_weight
     su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]
                       - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]
                       for u in dirs.values()])                              # [2, M]
@@ -337,12 +357,10 @@ def _gaussian_mc(pair: GaussianPair, items, dirs, sizes, seed, device):
     u = np.stack(list(dirs.values())).T
     for i, n in enumerate(sizes):
         gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
-        z = torch.randn(n, pair.dim, dtype=torch.float64, generator=gen, device=device)
-        c0, c1, c2 = (t.to(device) for t in pair._c)
-        logr = (c0 + z * (c1 + z * c2)).sum(-1)
+        logr, weight, z = pair._sample(n, gen, device)                      # z: q's standard score
         s = torch.cat([z / sq_t.to(device), z * z - 1], dim=-1)              # [n, 2D]
         for j, c in enumerate(coefs):
-            gj = c(logr)[:, None] * s
+            gj = (c(logr) if weight is None else c(logr) * weight)[:, None] * s
             gsum = gj.sum(0).cpu().numpy()
             total[j] += gsum
             sq[i, j] = float((gj * gj).sum())
@@ -352,14 +370,17 @@ def _gaussian_mc(pair: GaussianPair, items, dirs, sizes, seed, device):
 
 
 def _fourth_moment_finite(pair: Pair, est: Estimator, mode: str) -> bool:
-    """E|c s|⁴ < ∞: always on a finite vocabulary; for Gaussians iff q^{1−4s} p^{4s} normalises, s the
-    largest power of r in c (|s|⁴ is a polynomial in z)."""
+    """E|c s|⁴ < ∞: always on a finite vocabulary; for Gaussians iff q^{1−4s} p^{4s} (under a sampler:
+    b^{1−4m} q^{4m−4s} p^{4s}) normalises, s the largest power of r in c (|s|⁴ is a polynomial in z)."""
     if not isinstance(pair, GaussianPair):
         return True
     poly = coefficient_poly(est, mode)
     if poly is None:
         return False
     s_max = max((s for (s, _), a in poly.items() if a != 0), default=0)
+    if pair.has_sampler:
+        return exact._tilt(pair.params, 4 * s_max, pair._b, 4 if pair.weighted and pair.weight_cap is None else 0) \
+            is not None
     return exact._tilt(pair.params, 4 * s_max) is not None
 
 

@@ -257,7 +257,8 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         grad_path = res.path / "gradients.csv"
         if grad_path.exists():
             grads = pd.read_csv(grad_path)
-            aggs = grads["aggregate"].fillna("") if "aggregate" in grads else pd.Series("", index=grads.index)
+            aggs = (grads["aggregate"].astype("string").fillna("") if "aggregate" in grads
+                    else pd.Series("", index=grads.index))
             for (case, agg), part in grads.groupby([grads["case"], aggs], sort=False):
                 tag, words = (f"_{agg}", f" ({agg} rows)") if agg else ("", "")
                 figs.append((f"{prefix}gradient_cosine_{_slug(case)}{tag}.png",

@@ -61,39 +61,65 @@ def reference(pair: RolloutPair) -> tuple[np.ndarray, np.ndarray]:
     return g_rev.reshape(-1).numpy(), g_fwd.reshape(-1).numpy()
 
 
-def _score_gradient(pair: RolloutPair, terms: list[tuple[torch.Tensor, torch.Tensor, list[float]]]) -> np.ndarray | None:
-    """Σ_terms Σ_k a_k E_q[M S^k · score] = ∇φ Σ a_k E_{q_φ}[M S^k] at φ = θ, for [(m, h, [a_0..a_K])]."""
-    phi = pair.log_q.clone().requires_grad_(True)
-    total = torch.zeros((), dtype=torch.float64)
-    for m, h, coefs in terms:
-        mom = _moments(pair, phi, m, h, len(coefs) - 1)
-        total = total + sum(a * mom[k] for k, a in enumerate(coefs) if a != 0)
-    if not total.requires_grad:
-        return np.zeros(pair.log_q.numel())
-    (g,) = torch.autograd.grad(total, phi)
-    out = g.reshape(-1).numpy()
-    return out if np.isfinite(out).all() else None      # E[R^s …] beyond float64: no exact value
+def _count_moment(pair: RolloutPair, m_fn, h_fn, coefs: list[float], phase: int | None = None) -> torch.Tensor:
+    """Σ_k a_k E_b[M S^k N(c, x)] for every (c, x) at once, [C, V]: N(c, x) counts the steps that drew
+    x from bucket c, and E_b[M S^k N] = ∂/∂η E_b[M e^{Σ_t η(c_{t−1}, x_t)} S^k] at η = 0, i.e. autograd
+    of the (phased) dynamic program with respect to a per-step log-weight. b is the case's sampler (q
+    when it has none); ``m_fn``/``h_fn`` map a phase's log b to the per-step tables of M and S.
+    ``phase``: count only the steps of that sampler phase."""
+    eta = torch.zeros_like(pair.log_q, requires_grad=True)
+    phases = []
+    for i, (lb, steps) in enumerate(pair._phases):
+        b = lb.exp()
+        # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf.
+        m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
+        if phase is None or phase == i:
+            m = m * torch.exp(eta)
+        h = torch.where(b > 0, h_fn(lb), torch.zeros_like(b))
+        a, e = rollout_dp.moment_matrices(b, m, h, pair.bucket, pair.buckets, pair.eos, len(coefs) - 1)
+        phases.append((a, e, steps))
+    mom = rollout_dp.propagate_tensor(phases)
+    total = sum(a * mom[k] for k, a in enumerate(coefs) if a != 0)
+    if not isinstance(total, torch.Tensor) or not total.requires_grad:
+        return torch.zeros_like(pair.log_q)
+    (g,) = torch.autograd.grad(total, eta)
+    return g
 
 
-def _local(pair: RolloutPair, c_table: torch.Tensor) -> np.ndarray:
-    """E[Σ_t c(c_{t−1}, x_t) s_t] for a per-step coefficient table [C, V]."""
+def _score_part(pair: RolloutPair, counts: torch.Tensor) -> np.ndarray:
+    """E[F · S] from E[F · N]: S = Σ_t e_{x_t} − q(·|c_{t−1}), so row c is E[F N_c] − (Σ_x E[F N_c(x)]) q_c."""
     q = pair.log_q.exp()
-    a, _ = rollout_dp.moment_matrices(q, torch.ones_like(q), torch.ones_like(q), pair.bucket, pair.buckets, pair.eos, 0)
-    n = rollout_dp.visits(a[0], pair.length)
-    qc = q * c_table
-    return (n[:, None] * (qc - q * qc.sum(-1, keepdim=True))).reshape(-1).numpy()
+    return (counts - counts.sum(-1, keepdim=True) * q).reshape(-1).numpy()
 
 
 def exact_mean(pair: RolloutPair, est: Estimator, mode: str, aggregate: str) -> np.ndarray | None:
-    """E[per-draw gradient] of one row, flattened [C·V]; None where no exact value exists (a
-    non-polynomial estimator of the sequence log-ratio, or moments beyond float64)."""
+    """E_b[per-draw gradient] of one row, flattened [C·V], b the case's sampler (q when none), with its
+    importance weights; None where no exact value exists (a non-polynomial estimator of the sequence
+    log-ratio, or moments beyond float64)."""
     from .gradients import coefficient, coefficient_poly
-    ones = torch.ones_like(pair.log_q)
-    g = pair._g
+    g, weights = pair._g, pair.weights
+    wt = pair._token_weight
+
+    def ones(lb: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(lb)
+    seq_w = wt if weights != "none" else ones                    # W = Π_t w_t multiplies sequence terms
     if aggregate == "tok":
-        if mode == "reward":
-            return _score_gradient(pair, [(ones, est.fn(g), [0.0, 1.0])])
-        return _local(pair, coefficient(est, mode)(g))
+        if mode == "reward":        # (Σ_t f_t)·S: token weights inside the sum, sequence weights outside
+            f = est.fn(g)
+            if weights == "token":
+                counts = _count_moment(pair, ones, lambda lb: wt(lb) * f, [0.0, 1.0])
+            else:
+                counts = _count_moment(pair, seq_w, lambda lb: f, [0.0, 1.0])
+        else:                       # Σ_t (w_t) c_t s_t: linear in the counts N
+            c_tab = coefficient(est, mode)(g)
+            if weights == "token":  # w_t depends on the phase's b: count each phase's steps apart
+                counts = sum(_count_moment(pair, ones, ones, [1.0], phase=i)
+                             * torch.where(lb.exp() > 0, wt(lb), torch.zeros_like(lb))
+                             for i, (lb, _) in enumerate(pair._phases)) * c_tab
+            else:
+                counts = _count_moment(pair, seq_w, ones, [1.0]) * c_tab
+        out = _score_part(pair, counts)
+        return out if np.isfinite(out).all() else None
     poly = coefficient_poly(est, mode)
     if poly is None:
         return None
@@ -102,7 +128,10 @@ def exact_mean(pair: RolloutPair, est: Estimator, mode: str, aggregate: str) -> 
         coefs = by_s.setdefault(s, [])
         coefs.extend([0.0] * (k + 1 - len(coefs)))
         coefs[k] += a
-    return _score_gradient(pair, [(torch.exp(s * g) if s else ones, g, coefs) for s, coefs in by_s.items()])
+    counts = sum(_count_moment(pair, lambda lb, s=s: seq_w(lb) * torch.exp(s * g), lambda lb: g, coefs)
+                 for s, coefs in by_s.items())
+    out = _score_part(pair, counts)
+    return out if np.isfinite(out).all() else None      # E[R^s …] beyond float64: no exact value
 
 
 # ----------------------------------------------------------------------------- Monte Carlo
@@ -170,14 +199,17 @@ def monte_carlo(pair: RolloutPair, items: list[tuple[Estimator, str, str]], dire
     # Projections g·u = Σ_t w_t (u(c, x_t) − ⟨q_c, u_c⟩): one additive table per direction.
     hu = torch.stack([(torch.as_tensor(u).reshape(c_, v) - (q * torch.as_tensor(u).reshape(c_, v)).sum(-1, keepdim=True))
                       .reshape(-1) for u in directions]).to(device)
-    local = [j for j, (_, mode, agg) in enumerate(items) if agg == "tok" and mode != "reward"]
+    # Rows whose per-step weight depends on the step alone (local tok rows, no importance weights) need
+    # only the (bucket, token) counts for their totals; the others accumulate their own weights.
+    local = [j for j, (_, mode, agg) in enumerate(items) if agg == "tok" and mode != "reward"
+             and pair.weights == "none"]
     per_draw = [j for j in range(len(items)) if j not in local]
-    tables = {j: coefficient(items[j][0], items[j][1])(pair._g).reshape(-1).to(device) for j in local}
-    coefs = {j: coefficient(items[j][0], items[j][1]) for j in per_draw}
+    tables = {j: coefficient(est, mode)(pair._g).reshape(-1).to(device)
+              for j, (est, mode, agg) in enumerate(items) if agg == "tok" and mode != "reward"}
+    coefs = {j: coefficient(est, mode) for j, (est, mode, agg) in enumerate(items) if agg == "seq"}
     k, nj, nd = len(sizes), len(items), len(directions)
     proj, proj2, sq = np.zeros((k, nj, nd)), np.zeros((k, nj, nd)), np.zeros((k, nj))
-    # Totals accumulate on the CPU with index_add_ (deterministic); rows whose weight depends on the
-    # step only (local tok rows) need the (bucket, token) counts alone.
+    # Totals accumulate on the CPU with index_add_ (deterministic).
     w_total = torch.zeros(c_ * v, len(per_draw), dtype=torch.float64)
     counts = torch.zeros(c_ * v, dtype=torch.float64)
     piece = max(1, 2**21 // max(1, pair.length))         # draws per simulation piece: bounded memory
@@ -187,22 +219,25 @@ def monte_carlo(pair: RolloutPair, items: list[tuple[Estimator, str, str]], dire
             m = min(piece, n - lo)
             rec: list = []
             pair._simulate([m], [gen], device, record=rec)
-            keys = torch.stack([key for key, _ in rec], 1)             # [m, T]
-            alive = torch.stack([a for _, a in rec], 1)               # [m, T] 1.0 while in the sequence
+            keys = torch.stack([r[0] for r in rec], 1)                # [m, T]
+            alive = torch.stack([r[1] for r in rec], 1)               # [m, T] 1.0 while in the sequence
+            # Importance weights: per token w_t (weights = "token") or W = Π_t w_t on every term.
+            tok_w = torch.stack([r[2] for r in rec], 1) * alive if pair.weights == "token" else alive
+            seq_w = torch.where(alive > 0, torch.stack([r[2] for r in rec], 1), torch.ones_like(alive)).prod(
+                1, keepdim=True) if pair.weights != "none" else 1.0
             logr_t = g_flat[keys] * alive
             big_l = logr_t.sum(1)
             srt = _Sorted.of(keys, q_flat, qq, v)
             hs = hu[:, keys]                                          # [D, m, T]
             w_cols = []
             for j, (est, mode, agg) in enumerate(items):
-                if j in tables:
-                    w = tables[j][keys] * alive
-                elif agg == "seq":
-                    w = coefs[j](big_l)[:, None] * alive
-                else:                                                  # tok reward: (Σ_t f_t) · S
-                    w = (est.fn(logr_t) * alive).sum(1, keepdim=True) * alive
-                    w_cols.append(w)
-                if agg == "seq":
+                if agg == "seq":                                       # W c(L) · S
+                    w = seq_w * coefs[j](big_l)[:, None] * alive
+                elif mode == "reward":                                 # (Σ_t w_t f_t) · S, or W (Σ_t f_t) · S
+                    w = (seq_w if pair.weights == "sequence" else 1.0) * (est.fn(logr_t) * tok_w).sum(1, keepdim=True) * alive
+                else:                                                  # Σ_t w_t c(log r_t) s_t
+                    w = (seq_w if pair.weights == "sequence" else 1.0) * tables[j][keys] * tok_w
+                if j not in local:
                     w_cols.append(w)
                 pj = (w[None] * hs).sum(2)                           # [D, m]
                 proj[i, j] += pj.sum(1).cpu().numpy()

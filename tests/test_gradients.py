@@ -149,3 +149,65 @@ p = {mean = -0.2, std = 1.3}
     bad = write_spec(spec.read_text().replace("gradients = true", 'gradients = "yes"'), "bad.toml")
     res = CliRunner().invoke(app, ["run", str(bad), "--out", str(tmp_path / "b")])
     assert res.exit_code == 2 and "experiment.gradients" in res.stderr and "true or false" in res.stderr
+
+
+@pytest.mark.parametrize("weights,cap", [("none", None), ("token", None), ("token", 1.5)])
+def test_categorical_sampler_gradients_against_brute_force_and_monte_carlo(weights, cap):
+    """x ~ b = tempered q; the score stays q's and weights multiply by the detached (capped) q/b."""
+    base = _cat(b=2, v=30, seed=5)
+    lb = torch.log_softmax(base.log_q / 1.5, -1)
+    pair = CategoricalPair("s", base.log_q, base.log_p, log_b=lb, weights=weights, weight_cap=cap,
+                           sampler_label="temperature=1.5")
+    q, b = base.log_q.exp().numpy(), lb.exp().numpy()
+    rows = pd.DataFrame(G.gradient_rows(pair, ESTS[:3], draws=200_000, seed=2, batches=100, device=CPU))
+    rev, fwd = G.categorical_reference(pair)
+    for j, (est, mode) in enumerate((e, m) for e in ESTS[:3] for m in G.modes_for(e)):
+        c = G.coefficient(est, mode)
+        brute = np.zeros((2, 30))
+        for ctx in range(2):
+            for x in range(30):
+                w = 1.0 if weights == "none" else min(q[ctx, x] / b[ctx, x], cap or math.inf)
+                s = -q[ctx].copy()
+                s[x] += 1
+                lr = torch.tensor([float(pair.log_p[ctx, x] - pair.log_q[ctx, x])], dtype=torch.float64)
+                brute[ctx] += 0.5 * b[ctx, x] * w * float(c(lr)[0]) * s
+        got = G.categorical_exact(pair, c(pair._logr) * (pair._is_weight if pair._is_weight is not None else 1),
+                                  {}).mean
+        assert np.allclose(got, brute.reshape(-1), rtol=1e-10, atol=1e-15), (est.name, mode)
+        assert G._compare("", brute.reshape(-1), rev, fwd)["cos_reverse"] == pytest.approx(
+            rows.iloc[j]["exact_cos_reverse"], abs=1e-12) or rows.iloc[j]["equals"] == "zero"
+    assert (rows["sampler"] == "temperature=1.5").all()
+    assert (rows["z_reverse"].abs() < 5).all() and (rows["z_trace"].abs() < 5).all(), rows[["estimator", "mode",
+                                                                                            "z_reverse", "z_trace"]]
+    # uncapped token weights undo the sampler: the categorical table of what each mode equals holds
+    if weights == "token" and cap is None:
+        got = {(r["estimator"], r["mode"]): r["equals"] for _, r in rows.iterrows()}
+        assert got[("k2", "loss")] == "reverse" and got[("k3", "loss")] == "forward"
+
+
+@pytest.mark.parametrize("weights", ["none", "token"])
+def test_gaussian_sampler_gradients_against_quadrature_and_monte_carlo(weights):
+    """b = N(μq, (1.3σq)²): the tilted-Gaussian expected gradient against 1-D quadrature of
+    E_b[w c(log r) (z/σ, z² − 1)], and the Monte Carlo against it."""
+    from scipy import integrate
+    pair = GaussianPair("gs", [0.3], [1.0], [-0.2], [1.3], std_scale=1.3, weights=weights, sampler_label="std×1.3")
+    rows = pd.DataFrame(G.gradient_rows(pair, ESTS[:3], draws=400_000, seed=4, batches=100, device=CPU))
+    for j, (est, mode) in enumerate((e, m) for e in ESTS[:3] for m in G.modes_for(e)):
+        c = G.coefficient(est, mode)
+        ex = G.gaussian_exact(pair, G.coefficient_poly(est, mode), {}).mean
+
+        def integrand(x, comp):
+            lq = -0.5 * (x - 0.3) ** 2
+            lp = -0.5 * ((x + 0.2) / 1.3) ** 2 - math.log(1.3)
+            lb = -0.5 * ((x - 0.3) / 1.3) ** 2 - math.log(1.3)
+            w = math.exp(lq - lb) if weights == "token" else 1.0
+            z = x - 0.3
+            v = float(c(torch.tensor([lp - lq], dtype=torch.float64))[0]) * w * (z if comp == 0 else z * z - 1)
+            return v * math.exp(lb) / math.sqrt(2 * math.pi)
+        quad = [integrate.quad(integrand, -40, 40, args=(k,), epsabs=1e-13, limit=200)[0] for k in (0, 1)]
+        assert np.allclose(ex, quad, rtol=1e-8, atol=1e-12), (est.name, mode, ex, quad)
+    ok = rows[rows["z_reverse"].notna()]
+    assert len(ok) == 10 and (ok["z_reverse"].abs() < 5).all() and (ok["z_forward"].abs() < 5).all()
+    if weights == "token":           # E_b[w ·] = E_q[·]: the table of what each mode equals is back
+        got = {(r["estimator"], r["mode"]): r["equals"] for _, r in rows.iterrows()}
+        assert got[("k2", "loss")] == "reverse" and got[("k3", "loss")] == "forward"

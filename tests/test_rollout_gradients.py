@@ -31,12 +31,43 @@ def _items(ests=ESTS):
     return [(e, m, a) for a in RG.AGGREGATES for e in ests for m in G.modes_for(e)]
 
 
+def _enumerate(pair: RolloutPair):
+    """Every sequence the sampler can draw: (b-probability, [(bucket, token)], per-token capped q/b);
+    b = q without a sampler, EOS suppressed in the first phase when min_length asks."""
+    step_lb = [lb.numpy() for lb, steps in pair._phases for _ in range(steps)]
+    lq = pair.log_q.numpy()
+    out = []
+
+    def rec(c, prob, path, wts):
+        t = len(path)
+        if t == pair.length:
+            out.append((prob, path, wts))
+            return
+        for x in range(pair.vocab):
+            pb = math.exp(step_lb[t][c, x])
+            if pb == 0:
+                continue
+            w = math.exp(lq[c, x] - step_lb[t][c, x])
+            w = min(w, pair.weight_cap) if pair.weight_cap is not None else w
+            step = (path + [(c, x)], wts + [w])
+            if pair.eos is not None and x == pair.eos:
+                out.append((prob * pb, *step))
+            else:
+                rec(int(pair.bucket[x]), prob * pb, *step)
+    rec(0, 1.0, [], [])
+    return out
+
+
 def _brute(pair: RolloutPair, est, mode: str, agg: str) -> tuple[np.ndarray, float]:
-    """(E[g], E|g|²) of one row by enumerating every sequence, with explicit per-step score vectors."""
+    """(E[g], E|g|²) of one row by enumerating every sequence, with explicit per-step score vectors and
+    the sampler's importance weights (per token or per sequence)."""
     c = G.coefficient(est, mode)
     q, gt = pair.log_q.exp().numpy(), pair._g.numpy()
     mean, second = np.zeros(q.size), 0.0
-    for prob, path in brute_force_sequences(pair):
+    for prob, path, wts in _enumerate(pair):
+        big_w = math.prod(wts) if pair.weights != "none" else 1.0
+        tok_w = wts if pair.weights == "token" else [1.0] * len(wts)
+        seq_only = big_w if pair.weights == "sequence" else 1.0
         steps = []
         for cb, x in path:
             s = np.zeros(q.shape)
@@ -46,11 +77,11 @@ def _brute(pair: RolloutPair, est, mode: str, agg: str) -> tuple[np.ndarray, flo
         big_l = sum(lr for _, lr in steps)
         score = sum(s for s, _ in steps)
         if agg == "seq":
-            g = float(c(big_l)[0]) * score
+            g = big_w * float(c(big_l)[0]) * score
         elif mode == "reward":
-            g = sum(float(est.fn(lr)[0]) for _, lr in steps) * score
+            g = seq_only * sum(w * float(est.fn(lr)[0]) for w, (_, lr) in zip(tok_w, steps)) * score
         else:
-            g = sum(float(c(lr)[0]) * s for s, lr in steps)
+            g = seq_only * sum(w * float(c(lr)[0]) * s for w, (s, lr) in zip(tok_w, steps))
         mean += prob * g
         second += prob * float(g @ g)
     return mean, second
@@ -167,3 +198,42 @@ def test_rollout_gradients_are_deterministic():
     a = pd.DataFrame(G.gradient_rows(pair, ESTS[:3], draws=5000, seed=2, batches=10, device=CPU))
     b = pd.DataFrame(G.gradient_rows(_roll(t=3), ESTS[:3], draws=5000, seed=2, batches=10, device=CPU))
     pd.testing.assert_frame_equal(a, b)
+
+
+def _sampled(weights: str, cap=None, min_length=0, temperature=1.4):
+    """A rollout drawn by a tempered q (EOS suppressed for ``min_length`` tokens)."""
+    base = _roll(c=2, v=5, t=3, eos=4, seed=3)
+    lb = torch.log_softmax(base.log_q / temperature, -1)
+    return RolloutPair("rs", base.log_q, base.log_p, base.bucket, 3, 4, log_b=lb, min_length=min_length,
+                       weights=weights, weight_cap=cap, sampler_label="temperature")
+
+
+@pytest.mark.parametrize("kw", [dict(weights="none"), dict(weights="token"), dict(weights="sequence"),
+                                dict(weights="token", cap=1.2, min_length=1), dict(weights="none", min_length=2)],
+                         ids=["none", "token", "sequence", "token-capped-minlen", "minlen"])
+def test_sampler_expected_gradients_against_enumeration_and_monte_carlo(kw):
+    pair = _sampled(**kw)
+    rev, _ = RG.reference(pair)
+    scale = np.abs(rev).max()
+    ests = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]
+    for est, mode, agg in _items(ests):
+        want, _ = _brute(pair, est, mode, agg)
+        got = RG.exact_mean(pair, est, mode, agg)
+        assert np.allclose(got, want, rtol=0, atol=1e-12 * scale), (est.name, mode, agg)
+    rows = pd.DataFrame(G.gradient_rows(pair, ests, draws=100_000, seed=1, batches=50, device=CPU))
+    assert (rows["sampler"] == "temperature").all()
+    assert (rows["z_reverse"].abs() < 5).all() and (rows["z_forward"].abs() < 5).all(), \
+        rows[["estimator", "mode", "aggregate", "z_reverse", "z_forward"]]
+
+
+def test_sequence_weights_undo_the_sampler():
+    """Full-support sampler, uncapped sequence weights: E_b[W F S] = E_q[F S] for every seq row; per-token
+    weights undo it for the local tok rows (each token's own expectation)."""
+    pair, plain = _sampled("sequence"), _roll(c=2, v=5, t=3, eos=4, seed=3)
+    tok = _sampled("token")
+    for est, mode, agg in _items([ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]):
+        want = RG.exact_mean(plain, est, mode, agg)
+        assert np.allclose(RG.exact_mean(pair, est, mode, agg), want, atol=1e-13), (est.name, mode, agg)
+        if agg == "tok" and mode != "reward" and np.abs(want).max() > 1e-9:     # k1's loss rows are zero
+            got = RG.exact_mean(tok, est, mode, agg)
+            assert not np.allclose(got, want, atol=1e-6)   # the bucket visits still follow b

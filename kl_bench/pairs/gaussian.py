@@ -101,6 +101,7 @@ class GaussianPair(Pair):
         return self._sample(n, generator, device)[0]
 
     def _sample(self, n: int, generator: torch.Generator, device: torch.device):
+        """(log r [n], weight q/b [n] or None, q's standard score (x − μq)/σq [n, D]) for x ~ b."""
         z = torch.randn(n, self.dim, dtype=torch.float64, generator=generator, device=device)
         zq = z * self.std_scale                     # x = μq + s·σq·z, i.e. q's standard score is s·z
         c0, c1, c2 = (c.to(device) for c in self._c)
@@ -111,10 +112,10 @@ class GaussianPair(Pair):
             weight = torch.exp((math.log(s) + 0.5 * z * z * (1 - s * s)).sum(-1))
             if self.weight_cap is not None:
                 weight = weight.clamp(max=self.weight_cap)
-        return logr, weight
+        return logr, weight, zq
 
     def sample_draws(self, n, generator, device, tok_rows=()) -> Draws:
-        logr, weight = self._sample(n, generator, device)
+        logr, weight, _ = self._sample(n, generator, device)
         return Draws(logr, torch.full_like(logr, self.kl()), weight=weight)
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:

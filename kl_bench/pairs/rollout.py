@@ -257,8 +257,9 @@ class RolloutPair(Pair):
         """Rollouts for several batches at once: batch i's uniforms come from its own generator, every
         other operation runs on one long vector (per-op overhead dominates on short vectors).
 
-        ``record``: when a list, each step appends (key, alive) of shape [n]: key = c·V + x (the bucket
-        the token was drawn from and the token), alive = 1.0 where the step belongs to the sequence."""
+        ``record``: when a list, each step appends (key, alive, w) of shape [n]: key = c·V + x (the
+        bucket the token was drawn from and the token), alive = 1.0 where the step belongs to the
+        sequence, w the token's (capped) weight q/b (None without weights)."""
         if self._phase_alias is None:
             self._phase_alias = [self._alias_table()] if not self.has_sampler else [
                 _flat_alias(lb) for lb, _ in self._phases]
@@ -283,8 +284,6 @@ class RolloutPair(Pair):
             base = c * v
             x = torch.where(u - j < prob[base + j], j, alias[base + j])
             g = g_flat[base + x]
-            if record is not None:
-                record.append((base + x, alive))
             kl_c = kl_ctx[c]
             logr += alive * g
             full += alive * kl_c
@@ -296,6 +295,8 @@ class RolloutPair(Pair):
                     w_t = w_t.clamp(max=self.weight_cap)
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
                 step_w = w_t if self.weights == "token" else None
+            if record is not None:
+                record.append((base + x, alive, w_t if logw is not None else None))
             if tok_rows:
                 vals = torch.stack([kl_c if r.est.name == "full" else r.est.fn(g) for r in tok_rows], dim=-1)
                 tok += (alive if step_w is None else alive * step_w)[:, None] * vals
