@@ -93,8 +93,12 @@ def lambda_table(df: pd.DataFrame) -> Table:
         k3 = c[(c["estimator"] == "cv") & (c["lambda"] == 1.0)]
         ratio = f"{k3.iloc[0]['excess_std'] + 1:.3g}×" if not k3.empty else ""
         heavy = c["heavy_tail"].fillna("").astype(str).str.len().gt(0).any()
-        t.add_row(f"{case} ({agg})" if agg else case, fmt(star), f"{fmt(r0['lambda_star_mc'])} ± {fmt(r0['lambda_star_mc_se'], 2)}"
-                  + ("†" if heavy else ""),
+        mc = r0["lambda_star_mc"]
+        measured = f"{fmt(mc)} ± {fmt(r0['lambda_star_mc_se'], 2)}" + ("†" if heavy else "") \
+            if isinstance(mc, float) and math.isfinite(mc) else ""
+        sampled = isinstance(r0.get("sampler", ""), str) and r0.get("sampler", "") != ""
+        t.add_row(f"{case} ({agg})" if agg else case, "n/a (sampler)" if sampled and not math.isfinite(star)
+                  else fmt(star), measured,
                   at(0.0), at(1.0), fmt(best), opt_cell, ratio)
     return t
 

@@ -1,0 +1,175 @@
+"""Gradient benchmark throughput and memory, against per-draw autograd (torch.func.vmap), in one process.
+
+Both pipelines compute, for k1, k2 and k3 in every mode (10 rows), the sum of the per-draw gradients,
+the sum of their squared norms and their projections on ∇KL(q‖p) and ∇KL(p‖q):
+
+  kl-bench     categorical: token counts (bincount) times per-token tables, O(draws + batches·V);
+               rollout: recorded paths, per-step weights, sorted-run |g|², index_add totals
+  vmap(grad)   plain: torch.func.vmap(torch.func.grad(per-draw loss)) over chunks of draws; each
+               per-draw gradient is a dense θ-sized vector (V, or C·V for rollouts)
+
+Peak memory of kl-bench is measured in fresh processes (ru_maxrss).
+
+    python benchmarks/bench_gradients.py [--draws 10000000] [--rollouts 1000000] [--device cpu|cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+from torch.func import grad, vmap
+
+from kl_bench import gradients as G
+from kl_bench import rollout_grad as RG
+from kl_bench.estimators import ESTIMATORS
+from kl_bench.logits import zipf_logits
+from kl_bench.pairs import CategoricalPair
+from kl_bench.pairs.rollout import RolloutPair
+
+V, C, T = 50257, 32, 16
+ESTS = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]
+ITEMS = [(e, m) for e in ESTS for m in G.modes_for(e)]
+
+
+def make_pair() -> CategoricalPair:
+    lq = torch.log_softmax(zipf_logits(V, 1.1, 1), -1)
+    g = torch.Generator().manual_seed(2)
+    lp = torch.log_softmax(lq + 0.3 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
+    return CategoricalPair("bench", lq, lp)
+
+
+def make_rollout() -> RolloutPair:
+    g = torch.Generator().manual_seed(2)
+    lq = torch.log_softmax(zipf_logits(V, 1.1, 1).expand(C, V) + 0.5 * torch.randn(C, V, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(lq + 0.3 * torch.randn(C, V, generator=g, dtype=torch.float64), -1)
+    return RolloutPair("bench-rollout", lq, lp, torch.arange(V) % C, T, V - 1)
+
+
+def kl_bench_categorical(pair, n: int, device: torch.device):
+    return G.gradient_rows(pair, ESTS, draws=n, seed=0, batches=200, device=device)
+
+
+def kl_bench_rollout(pair, n: int, device: torch.device):
+    return G.gradient_rows(pair, ESTS, draws=n, seed=0, batches=200, device=device)
+
+
+def _loss(est, mode):
+    """The per-draw objective of one row as a function of log q(x) (θ-dependent) and log p(x)."""
+    def fn(lqx, lpx):
+        logr = lpx - lqx
+        if mode == "loss":
+            return est.fn(logr)
+        if mode == "reward":
+            return est.fn(logr).detach() * lqx
+        if mode == "loss_is":
+            return est.fn(logr) * torch.exp(lqx - lqx.detach())
+        k2 = 0.5 * logr**2
+        return k2 + (est.fn(logr) - k2).detach()            # straight-through: value k3, gradient k2
+    return fn
+
+
+def vmap_categorical(pair: CategoricalPair, n: int, device: torch.device, chunk: int = 64) -> np.ndarray:
+    theta0, lp = pair.log_q[0].to(device), pair.log_p[0].to(device)
+    rev, fwd = (torch.as_tensor(G._unit(u), device=device) for u in G.categorical_reference(pair))
+    q = theta0.exp()
+    gen = torch.Generator(device=device).manual_seed(0)
+    acc = torch.zeros(len(ITEMS), 3 + V, dtype=torch.float64, device=device)
+    for lo in range(0, n, chunk):
+        xs = torch.multinomial(q, min(chunk, n - lo), replacement=True, generator=gen)
+        for j, (est, mode) in enumerate(ITEMS):
+            f = _loss(est, mode)
+
+            def per_draw(theta, x):
+                lq = torch.log_softmax(theta, -1)
+                return f(lq.gather(0, x[None])[0], lp.gather(0, x[None])[0])
+            gs = vmap(grad(per_draw), in_dims=(None, 0))(theta0, xs)       # [chunk, V]
+            acc[j, 0] += (gs * gs).sum()
+            acc[j, 1] += (gs @ rev).sum()
+            acc[j, 2] += (gs @ fwd).sum()
+            acc[j, 3:] += gs.sum(0)
+    return acc.cpu().numpy()
+
+
+def vmap_rollout(pair: RolloutPair, n: int, device: torch.device, chunk: int = 16) -> np.ndarray:
+    """Per-sequence gradients of the seq rows (c(L) · S) by vmap over recorded paths: [chunk, C·V]."""
+    theta0, lp = pair.log_q.reshape(-1).to(device), pair.log_p.reshape(-1).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    acc = torch.zeros(len(ITEMS), 1 + C * V, dtype=torch.float64, device=device)
+    for lo in range(0, n, chunk):
+        rec: list = []
+        pair._simulate([min(chunk, n - lo)], [gen], device, record=rec)
+        keys = torch.stack([r[0] for r in rec], 1)
+        alive = torch.stack([r[1] for r in rec], 1)
+        for j, (est, mode) in enumerate(ITEMS):
+            f = _loss(est, mode)
+
+            def per_draw(theta, k, a):
+                lq = torch.log_softmax(theta.view(C, V), -1).reshape(-1)
+                return f((lq.gather(0, k) * a).sum(), (lp.gather(0, k) * a).sum())
+            gs = vmap(grad(per_draw), in_dims=(None, 0, 0))(theta0, keys, alive)
+            acc[j, 0] += (gs * gs).sum()
+            acc[j, 1:] += gs.sum(0)
+    return acc.cpu().numpy()
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def peak_memory(kind: str, n: int, device: str) -> dict:
+    """Peak RSS of kl-bench's gradient rows at ``n`` draws, in a fresh process."""
+    maker, runner = ("make_pair", "kl_bench_categorical") if kind == "categorical" else ("make_rollout", "kl_bench_rollout")
+    code = (f"import resource, torch, json, sys; sys.path.insert(0, 'benchmarks'); import bench_gradients as b; "
+            f"torch.set_num_threads(2); p = b.{maker}(); dev = torch.device('{device}'); "
+            f"base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; b.{runner}(p, {n}, dev); "
+            f"print(json.dumps({{'rss_before_mib': base / 1024, "
+            f"'rss_peak_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draws", type=int, default=10_000_000)
+    ap.add_argument("--rollouts", type=int, default=1_000_000)
+    ap.add_argument("--baseline-draws", type=int, default=4096)
+    ap.add_argument("--baseline-rollouts", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-memory", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    rows = []
+    pair = make_pair()
+    kl_bench_categorical(pair, 10_000, dev)                       # warm-up (alias table, tables)
+    for n in (args.draws // 10, args.draws):
+        s = timed(lambda: kl_bench_categorical(pair, n, dev))
+        rows.append(("categorical", "kl-bench", n, s))
+    s = timed(lambda: vmap_categorical(pair, args.baseline_draws, dev))
+    rows.append(("categorical", "vmap(grad) per draw", args.baseline_draws, s))
+    roll = make_rollout()
+    kl_bench_rollout(roll, 2_000, dev)
+    for n in (args.rollouts // 10, args.rollouts):
+        s = timed(lambda: kl_bench_rollout(roll, n, dev))
+        rows.append(("rollout", "kl-bench (seq + tok rows)", n, s))
+    s = timed(lambda: vmap_rollout(roll, args.baseline_rollouts, dev))
+    rows.append(("rollout", "vmap(grad) per sequence (seq rows only)", args.baseline_rollouts, s))
+    print(f"| case | pipeline | draws | seconds | draws/s |\n|---|---|---:|---:|---:|")
+    for case, name, n, s in rows:
+        print(f"| {case} | {name} | {n:,} | {s:.3f} | {n / s:,.0f} |")
+    if not args.no_memory:
+        for kind, n in (("categorical", args.draws // 10), ("categorical", args.draws),
+                        ("rollout", args.rollouts // 10), ("rollout", args.rollouts)):
+            print(kind, n, peak_memory(kind, n, args.device))
+
+
+if __name__ == "__main__":
+    main()
