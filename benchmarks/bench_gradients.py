@@ -124,15 +124,24 @@ def timed(fn) -> float:
 
 
 def peak_memory(kind: str, n: int, device: str) -> dict:
-    """Peak RSS of kl-bench's gradient rows at ``n`` draws, in a fresh process."""
+    """Peak RSS of kl-bench's gradient rows at ``n`` draws, in a fresh process. The child resets its
+    high-water mark (/proc/self/clear_refs = 5) first: ru_maxrss would include the parent's size."""
     maker, runner = ("make_pair", "kl_bench_categorical") if kind == "categorical" else ("make_rollout", "kl_bench_rollout")
-    code = (f"import resource, torch, json, sys; sys.path.insert(0, 'benchmarks'); import bench_gradients as b; "
+    code = (f"import torch, json, sys; sys.path.insert(0, 'benchmarks'); import bench_gradients as b; "
             f"torch.set_num_threads(2); p = b.{maker}(); dev = torch.device('{device}'); "
-            f"base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; b.{runner}(p, {n}, dev); "
-            f"print(json.dumps({{'rss_before_mib': base / 1024, "
-            f"'rss_peak_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))")
+            f"open('/proc/self/clear_refs', 'w').write('5'); before = b.hwm_mib(); b.{runner}(p, {n}, dev); "
+            f"print(json.dumps({{'rss_before_mib': before, 'rss_peak_mib': b.hwm_mib()}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
+
+
+def hwm_mib() -> float:
+    """This process's peak resident set size (VmHWM) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def main() -> None:

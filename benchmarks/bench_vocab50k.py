@@ -5,7 +5,7 @@
   numpy Generator.choice plain pipeline with numpy's sampler
 
 Each pipeline computes the same statistics (sum, sum of squares, negatives for six estimators) in
-chunks of 2^22 draws. Peak memory is measured in fresh subprocesses (ru_maxrss) at 10^7 and 10^8 draws.
+chunks of 2^22 draws. Peak memory is measured in fresh subprocesses (VmHWM) at 10^7 and 10^8 draws.
 
     python benchmarks/bench_vocab50k.py [--draws 10000000] [--device cpu|cuda] [--threads 2]
 """
@@ -85,14 +85,25 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 
 def peak_memory(n: int, device: str) -> dict:
-    """Peak RSS (and CUDA peak) of the engine at ``n`` draws, in a fresh process."""
-    code = (f"import resource, torch, json, sys; sys.path.insert(0, 'benchmarks'); import bench_vocab50k as b; "
-            f"p = b.make_pair(); dev = torch.device('{device}'); base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+    """Peak RSS (and CUDA peak) of the engine at ``n`` draws, in a fresh process. The child resets its
+    high-water mark first (/proc/self/clear_refs = 5): ru_maxrss would include the parent's size."""
+    code = (f"import torch, json, sys; sys.path.insert(0, 'benchmarks'); import bench_vocab50k as b; "
+            f"p = b.make_pair(); dev = torch.device('{device}'); "
+            f"open('/proc/self/clear_refs', 'w').write('5'); base = b.hwm_mib(); "
             f"b.engine(p, {n}, dev); "
-            f"print(json.dumps({{'rss_before_mib': base / 1024, 'rss_peak_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+            f"print(json.dumps({{'rss_before_mib': base, 'rss_peak_mib': b.hwm_mib(), "
             f"'cuda_peak_mib': torch.cuda.max_memory_allocated() / 2**20 if dev.type == 'cuda' else None}}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
+
+
+def hwm_mib() -> float:
+    """This process's peak resident set size (VmHWM) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def main() -> None:
@@ -102,9 +113,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-only", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
+    if args.memory_only:
+        for m in (10**7, 10**8):
+            print(m, peak_memory(m, args.device))
+        return
     pair = make_pair()
     n = args.draws
     rows = [("kl-bench engine (alias + bincount + matmul)", timed(lambda: engine(pair, n, dev), dev, args.repeats)),

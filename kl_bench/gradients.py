@@ -64,7 +64,7 @@ GRAD_SCHEMA: dict[str, str] = {
                "whose coefficient has an r term when E_q[r⁴] = ∞): there the measured trace cannot be trusted",
     "n_for_cos90": "batch size for cosine ≥ 0.9 with ∇KL(q||p) with 95% probability (normal approximation, "
                    "exact moments; rollouts: exact mean, measured variances); inf when the expectation itself is "
-                   "not within 0.9",
+                   "not within 0.9 or the per-draw variance is infinite; empty without an exact mean",
     "exact_along_reverse": "exact E[gradient]·u, u the unit vector along ∇KL(q||p) (for the cosine-vs-batch plot)",
     "exact_norm": "|E[gradient]| (exact)",
 }
