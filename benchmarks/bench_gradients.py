@@ -25,7 +25,6 @@ import torch
 from torch.func import grad, vmap
 
 from kl_bench import gradients as G
-from kl_bench import rollout_grad as RG
 from kl_bench.estimators import ESTIMATORS
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
@@ -171,7 +170,7 @@ def main() -> None:
         rows.append(("rollout", "kl-bench (seq + tok rows)", n, s))
     s = timed(lambda: vmap_rollout(roll, args.baseline_rollouts, dev))
     rows.append(("rollout", "vmap(grad) per sequence (seq rows only)", args.baseline_rollouts, s))
-    print(f"| case | pipeline | draws | seconds | draws/s |\n|---|---|---:|---:|---:|")
+    print("| case | pipeline | draws | seconds | draws/s |\n|---|---|---:|---:|---:|")
     for case, name, n, s in rows:
         print(f"| {case} | {name} | {n:,} | {s:.3f} | {n / s:,.0f} |")
     if not args.no_memory:

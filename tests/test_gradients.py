@@ -211,3 +211,37 @@ def test_gaussian_sampler_gradients_against_quadrature_and_monte_carlo(weights):
     if weights == "token":           # E_b[w ·] = E_q[·]: the table of what each mode equals is back
         got = {(r["estimator"], r["mode"]): r["equals"] for _, r in rows.iterrows()}
         assert got[("k2", "loss")] == "reverse" and got[("k3", "loss")] == "forward"
+
+
+def _trainer_loss(est, mode, lqx, lpx):
+    """The objective as trainers write it, differentiated by autograd (independent of G.coefficient)."""
+    logr = lpx - lqx
+    if mode == "loss":
+        return est.fn(logr)
+    if mode == "reward":
+        return est.fn(logr).detach() * lqx
+    if mode == "loss_is":
+        return est.fn(logr) * torch.exp(lqx - lqx.detach())
+    k2 = 0.5 * logr**2
+    return k2 + (est.fn(logr) - k2).detach()
+
+
+@pytest.mark.parametrize("mode", G.MODES)
+def test_coefficients_match_autograd_of_the_trainer_losses(mode):
+    """c(log r)·(e_x − q) equals autograd of the loss as written in a trainer, for every token, also
+    for a clamped k3 (the clamps are active on part of this vocabulary)."""
+    pair = _cat(b=1, v=12, seed=7)
+    from kl_bench.estimators import resolve_estimator
+    from kl_bench.spec import EstimatorOption
+    clamped = resolve_estimator(EstimatorOption("k3", "k3 clamped", logr_clamp=0.5, clamp=0.3))
+    for est in ESTS + [clamped]:
+        if mode == "straight_through" and est.name != "k3":
+            continue
+        for x in range(12):
+            theta = pair.log_q[0].clone().requires_grad_(True)
+            lq = torch.log_softmax(theta, -1)
+            (g,) = torch.autograd.grad(_trainer_loss(est, mode, lq[x], pair.log_p[0, x]), theta)
+            s = -pair.log_q[0].exp()
+            s[x] += 1
+            c = G.coefficient(est, mode)(pair.log_p[0, x:x + 1] - pair.log_q[0, x:x + 1])
+            assert torch.allclose(g, c * s, rtol=1e-12, atol=1e-14), (est.name, mode, x)

@@ -237,3 +237,53 @@ def test_sequence_weights_undo_the_sampler():
         if agg == "tok" and mode != "reward" and np.abs(want).max() > 1e-9:     # k1's loss rows are zero
             got = RG.exact_mean(tok, est, mode, agg)
             assert not np.allclose(got, want, atol=1e-6)   # the bucket visits still follow b
+
+
+def test_per_draw_weights_match_autograd_of_the_trainer_losses():
+    """On sampled paths, the per-step weights behind every row (seq: c(L) on every step; tok reward:
+    Σ_t f_t; tok local: c(log r_t)) give the same gradient as autograd of the trainer's loss."""
+    pair = _roll(c=2, v=5, t=4, eos=4, seed=6)
+    rec: list = []
+    pair._simulate([6], [torch.Generator().manual_seed(0)], CPU, record=rec)
+    keys, alive = torch.stack([r[0] for r in rec], 1), torch.stack([r[1] for r in rec], 1)
+    q = pair.log_q.exp()
+    for est, mode, agg in _items([ESTIMATORS.get(n) for n in ("k1", "k2", "k3")] + [make_cv(0.3)]):
+        c = G.coefficient(est, mode)
+        for i in range(keys.shape[0]):
+            theta = pair.log_q.clone().requires_grad_(True)
+            lq = torch.log_softmax(theta, -1).reshape(-1)
+            lp = pair.log_p.reshape(-1)
+            lq_t, lp_t, a = lq[keys[i]], lp[keys[i]], alive[i]
+            logr_t = (lp_t - lq_t) * a
+            if agg == "seq":
+                big_lq, big_lp = (lq_t * a).sum(), (lp_t * a).sum()
+                loss = _trainer(est, mode, big_lq, big_lp)
+            elif mode == "reward":
+                loss = (est.fn(logr_t.detach()) * a).sum() * (lq_t * a).sum()
+            else:
+                loss = (_trainer(est, mode, lq_t, lp_t) * a).sum()
+            (g,) = torch.autograd.grad(loss, theta)
+            # the same gradient from the per-step weights used by rollout_grad.monte_carlo
+            lr = (pair._g.reshape(-1)[keys[i]] * a)
+            if agg == "seq":
+                w = c(lr.sum().reshape(1)) * a
+            elif mode == "reward":
+                w = (est.fn(lr) * a).sum() * a
+            else:
+                w = c(pair._g.reshape(-1)[keys[i]]) * a
+            want = torch.zeros(pair.buckets * pair.vocab, dtype=torch.float64).index_add_(0, keys[i], w)
+            want = want.reshape(q.shape)
+            want = want - want.sum(-1, keepdim=True) * q
+            assert torch.allclose(g, want, rtol=1e-12, atol=1e-13), (est.name, mode, agg, i)
+
+
+def _trainer(est, mode, lqx, lpx):
+    logr = lpx - lqx
+    if mode == "loss":
+        return est.fn(logr)
+    if mode == "reward":
+        return est.fn(logr).detach() * lqx
+    if mode == "loss_is":
+        return est.fn(logr) * torch.exp(lqx - lqx.detach())
+    k2 = 0.5 * logr**2
+    return k2 + (est.fn(logr) - k2).detach()
