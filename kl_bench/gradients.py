@@ -412,6 +412,8 @@ def n_for_cosine(mean: np.ndarray, u: np.ndarray, var_u: float, trace_cov: float
     u is N(m·u, Var_u/n), the squared norm concentrates at |m|² + tr(Σ)/n."""
     mu = float(mean @ u)
     m2 = float(mean @ mean)
+    if math.isnan(var_u) or math.isnan(trace_cov):
+        return math.nan            # a variance without a value (e.g. D > 1 Gaussians): unknown, not ∞
     if not (math.isfinite(var_u) and math.isfinite(trace_cov)) or m2 == 0 or mu / math.sqrt(m2) <= target:
         return math.inf
     zq = stats.norm.ppf(prob)
