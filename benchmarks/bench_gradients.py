@@ -15,9 +15,6 @@ Peak memory of kl-bench is measured in fresh processes (ru_maxrss).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -29,6 +26,7 @@ from kl_bench.estimators import ESTIMATORS
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
 from kl_bench.pairs.rollout import RolloutPair
+from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V, C, T = 50257, 32, 16
 ESTS = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]
@@ -57,21 +55,6 @@ def kl_bench_rollout(pair, n: int, device: torch.device):
     return G.gradient_rows(pair, ESTS, draws=n, seed=0, batches=200, device=device)
 
 
-def _loss(est, mode):
-    """The per-draw objective of one row as a function of log q(x) (θ-dependent) and log p(x)."""
-    def fn(lqx, lpx):
-        logr = lpx - lqx
-        if mode == "loss":
-            return est.fn(logr)
-        if mode == "reward":
-            return est.fn(logr).detach() * lqx
-        if mode == "loss_is":
-            return est.fn(logr) * torch.exp(lqx - lqx.detach())
-        k2 = 0.5 * logr**2
-        return k2 + (est.fn(logr) - k2).detach()            # straight-through: value k3, gradient k2
-    return fn
-
-
 def vmap_categorical(pair: CategoricalPair, n: int, device: torch.device, chunk: int = 64) -> np.ndarray:
     theta0, lp = pair.log_q[0].to(device), pair.log_p[0].to(device)
     rev, fwd = (torch.as_tensor(G._unit(u), device=device) for u in G.categorical_reference(pair))
@@ -81,11 +64,10 @@ def vmap_categorical(pair: CategoricalPair, n: int, device: torch.device, chunk:
     for lo in range(0, n, chunk):
         xs = torch.multinomial(q, min(chunk, n - lo), replacement=True, generator=gen)
         for j, (est, mode) in enumerate(ITEMS):
-            f = _loss(est, mode)
 
             def per_draw(theta, x):
                 lq = torch.log_softmax(theta, -1)
-                return f(lq.gather(0, x[None])[0], lp.gather(0, x[None])[0])
+                return G.trainer_loss(est, mode, lq.gather(0, x[None])[0], lp.gather(0, x[None])[0])
             gs = vmap(grad(per_draw), in_dims=(None, 0))(theta0, xs)       # [chunk, V]
             acc[j, 0] += (gs * gs).sum()
             acc[j, 1] += (gs @ rev).sum()
@@ -105,11 +87,10 @@ def vmap_rollout(pair: RolloutPair, n: int, device: torch.device, chunk: int = 1
         keys = torch.stack([r[0] for r in rec], 1)
         alive = torch.stack([r[1] for r in rec], 1)
         for j, (est, mode) in enumerate(ITEMS):
-            f = _loss(est, mode)
 
             def per_draw(theta, k, a):
                 lq = torch.log_softmax(theta.view(C, V), -1).reshape(-1)
-                return f((lq.gather(0, k) * a).sum(), (lp.gather(0, k) * a).sum())
+                return G.trainer_loss(est, mode, (lq.gather(0, k) * a).sum(), (lp.gather(0, k) * a).sum())
             gs = vmap(grad(per_draw), in_dims=(None, 0, 0))(theta0, keys, alive)
             acc[j, 0] += (gs * gs).sum()
             acc[j, 1:] += gs.sum(0)
@@ -123,24 +104,10 @@ def timed(fn) -> float:
 
 
 def peak_memory(kind: str, n: int, device: str) -> dict:
-    """Peak RSS of kl-bench's gradient rows at ``n`` draws, in a fresh process. The child resets its
-    high-water mark (/proc/self/clear_refs = 5) first: ru_maxrss would include the parent's size."""
+    """Peak RSS of kl-bench's gradient rows at ``n`` draws, in a fresh process (benchmarks/memory.py)."""
     maker, runner = ("make_pair", "kl_bench_categorical") if kind == "categorical" else ("make_rollout", "kl_bench_rollout")
-    code = (f"import torch, json, sys; sys.path.insert(0, 'benchmarks'); import bench_gradients as b; "
-            f"torch.set_num_threads(2); p = b.{maker}(); dev = torch.device('{device}'); "
-            f"open('/proc/self/clear_refs', 'w').write('5'); before = b.hwm_mib(); b.{runner}(p, {n}, dev); "
-            f"print(json.dumps({{'rss_before_mib': before, 'rss_peak_mib': b.hwm_mib()}}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
-
-
-def hwm_mib() -> float:
-    """This process's peak resident set size (VmHWM) in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return peak_in_child(f"import bench_gradients as b; torch.set_num_threads(2); p = b.{maker}(); "
+                         f"dev = torch.device('{device}')", f"b.{runner}(p, {n}, dev)")
 
 
 def main() -> None:

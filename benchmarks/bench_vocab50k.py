@@ -12,9 +12,6 @@ chunks of 2^22 draws. Peak memory is measured in fresh subprocesses (VmHWM) at 1
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -24,6 +21,7 @@ from kl_bench.engine import run_case
 from kl_bench.estimators import ESTIMATORS
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
+from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V = 50257
 CHUNK = 1 << 22
@@ -85,25 +83,9 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 
 def peak_memory(n: int, device: str) -> dict:
-    """Peak RSS (and CUDA peak) of the engine at ``n`` draws, in a fresh process. The child resets its
-    high-water mark first (/proc/self/clear_refs = 5): ru_maxrss would include the parent's size."""
-    code = (f"import torch, json, sys; sys.path.insert(0, 'benchmarks'); import bench_vocab50k as b; "
-            f"p = b.make_pair(); dev = torch.device('{device}'); "
-            f"open('/proc/self/clear_refs', 'w').write('5'); base = b.hwm_mib(); "
-            f"b.engine(p, {n}, dev); "
-            f"print(json.dumps({{'rss_before_mib': base, 'rss_peak_mib': b.hwm_mib(), "
-            f"'cuda_peak_mib': torch.cuda.max_memory_allocated() / 2**20 if dev.type == 'cuda' else None}}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
-
-
-def hwm_mib() -> float:
-    """This process's peak resident set size (VmHWM) in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """Peak RSS (and CUDA peak) of the engine at ``n`` draws, in a fresh process (benchmarks/memory.py)."""
+    return peak_in_child(f"import bench_vocab50k as b; p = b.make_pair(); dev = torch.device('{device}')",
+                         f"b.engine(p, {n}, dev)")
 
 
 def main() -> None:

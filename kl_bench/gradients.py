@@ -88,6 +88,22 @@ def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Ten
     raise ValueError(mode)
 
 
+def trainer_loss(est: Estimator, mode: str, log_q_x: torch.Tensor, log_p_x: torch.Tensor) -> torch.Tensor:
+    """The per-draw objective of a mode as trainers write it (log_q_x depends on θ): autograd of it
+    gives c(log r)·∇θ log q(x). Used to check :func:`coefficient` and as the plain benchmark baseline."""
+    logr = log_p_x - log_q_x
+    if mode == "loss":
+        return est.fn(logr)
+    if mode == "reward":
+        return est.fn(logr).detach() * log_q_x
+    if mode == "loss_is":
+        return est.fn(logr) * torch.exp(log_q_x - log_q_x.detach())
+    if mode == "straight_through":            # the value of k3, the gradient of k2
+        k2 = 0.5 * logr**2
+        return k2 + (est.fn(logr) - k2).detach()
+    raise ValueError(mode)
+
+
 def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
     """c as a polynomial Σ a r^s (log r)^k, when the estimator is one (d/dL r^s = s r^s)."""
     if mode == "straight_through":

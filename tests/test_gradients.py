@@ -213,19 +213,6 @@ def test_gaussian_sampler_gradients_against_quadrature_and_monte_carlo(weights):
         assert got[("k2", "loss")] == "reverse" and got[("k3", "loss")] == "forward"
 
 
-def _trainer_loss(est, mode, lqx, lpx):
-    """The objective as trainers write it, differentiated by autograd (independent of G.coefficient)."""
-    logr = lpx - lqx
-    if mode == "loss":
-        return est.fn(logr)
-    if mode == "reward":
-        return est.fn(logr).detach() * lqx
-    if mode == "loss_is":
-        return est.fn(logr) * torch.exp(lqx - lqx.detach())
-    k2 = 0.5 * logr**2
-    return k2 + (est.fn(logr) - k2).detach()
-
-
 @pytest.mark.parametrize("mode", G.MODES)
 def test_coefficients_match_autograd_of_the_trainer_losses(mode):
     """c(log r)·(e_x − q) equals autograd of the loss as written in a trainer, for every token, also
@@ -240,7 +227,7 @@ def test_coefficients_match_autograd_of_the_trainer_losses(mode):
         for x in range(12):
             theta = pair.log_q[0].clone().requires_grad_(True)
             lq = torch.log_softmax(theta, -1)
-            (g,) = torch.autograd.grad(_trainer_loss(est, mode, lq[x], pair.log_p[0, x]), theta)
+            (g,) = torch.autograd.grad(G.trainer_loss(est, mode, lq[x], pair.log_p[0, x]), theta)
             s = -pair.log_q[0].exp()
             s[x] += 1
             c = G.coefficient(est, mode)(pair.log_p[0, x:x + 1] - pair.log_q[0, x:x + 1])

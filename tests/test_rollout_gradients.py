@@ -257,11 +257,11 @@ def test_per_draw_weights_match_autograd_of_the_trainer_losses():
             logr_t = (lp_t - lq_t) * a
             if agg == "seq":
                 big_lq, big_lp = (lq_t * a).sum(), (lp_t * a).sum()
-                loss = _trainer(est, mode, big_lq, big_lp)
+                loss = G.trainer_loss(est, mode, big_lq, big_lp)
             elif mode == "reward":
                 loss = (est.fn(logr_t.detach()) * a).sum() * (lq_t * a).sum()
             else:
-                loss = (_trainer(est, mode, lq_t, lp_t) * a).sum()
+                loss = (G.trainer_loss(est, mode, lq_t, lp_t) * a).sum()
             (g,) = torch.autograd.grad(loss, theta)
             # the same gradient from the per-step weights used by rollout_grad.monte_carlo
             lr = (pair._g.reshape(-1)[keys[i]] * a)
@@ -276,14 +276,3 @@ def test_per_draw_weights_match_autograd_of_the_trainer_losses():
             want = want - want.sum(-1, keepdim=True) * q
             assert torch.allclose(g, want, rtol=1e-12, atol=1e-13), (est.name, mode, agg, i)
 
-
-def _trainer(est, mode, lqx, lpx):
-    logr = lpx - lqx
-    if mode == "loss":
-        return est.fn(logr)
-    if mode == "reward":
-        return est.fn(logr).detach() * lqx
-    if mode == "loss_is":
-        return est.fn(logr) * torch.exp(lqx - lqx.detach())
-    k2 = 0.5 * logr**2
-    return k2 + (est.fn(logr) - k2).detach()
