@@ -65,14 +65,3 @@ def propagate_tensor(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start
             state = new
     return ended + state.sum(dim=1)
 
-
-def visits(a0: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
-    """Expected number of steps taken from each bucket, [C]: Σ_{t<T} P(alive before step t+1, in c),
-    with A_0 the non-EOS transition matrix of :func:`moment_matrices` (m = 1)."""
-    state = torch.zeros(a0.shape[0], dtype=torch.float64, device=a0.device)
-    state[start] = 1.0
-    total = torch.zeros_like(state)
-    for _ in range(length):
-        total += state
-        state = state @ a0
-    return total

@@ -15,11 +15,12 @@ Exact values (all float64):
 
 - References: autograd through the dynamic program (:mod:`kl_bench.rollout_dp`). KL(q‖p) = −E_q[L]
   with both q and L functions of θ; KL(p‖q) = E_p[L_p − L_q(θ)].
-- Score identity: E_q[F · S] = ∇φ E_{q_φ}[F] at φ = θ for any F that does not depend on φ. So a seq row
-  with c = Σ a R^s L^k and a tok reward row are the gradients of DP moments with respect to the
-  sampling logits only (R, L and f(log r) tables held fixed).
-- Local tok rows: E[Σ_t c_t s_t] has row c = n(c) · (q_c ⊙ c_c − q_c ⟨q_c, c_c⟩), n(c) the expected
-  number of steps drawn from bucket c (:func:`kl_bench.rollout_dp.visits`).
+- Expected gradients: S = Σ_t e_{x_t} − q(·|c_{t−1}) is linear in the step counts N(c, x), so
+  E[F·S] follows from E[F·N], and E[F·N] = ∂/∂η E[F e^{Σ_t η(c_{t−1}, x_t)}] at η = 0: autograd of the
+  (phased) dynamic program with respect to a per-step log-weight, for F = W R^s L^k (seq rows with a
+  polynomial c), F = Σ_t f_t (tok reward) and F = W (tok local rows, whose c_t multiplies the counts).
+  The same program runs under a sampler b (EOS suppression, temperature, a stale policy), with token
+  or sequence importance weights W.
 
 Not exact: second moments. |S|² couples the steps drawn from the same bucket, so its expectation would
 need a dynamic program over C·V marked states; on rollouts the per-draw variance (trace_cov) and the
