@@ -22,14 +22,14 @@ import torch
 from torch.func import grad, vmap
 
 from kl_bench import gradients as G
-from kl_bench.estimators import ESTIMATORS
+from kl_bench.estimators import ESTIMATORS, lookup
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
 from kl_bench.pairs.rollout import RolloutPair
 from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V, C, T = 50257, 32, 16
-ESTS = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]
+ESTS = [lookup(n) for n in ("k1", "k2", "k3")]
 ITEMS = [(e, m) for e in ESTS for m in G.modes_for(e)]
 
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from kl_bench.draws import Row
-from kl_bench.estimators import ESTIMATORS
+from kl_bench.estimators import ESTIMATORS, lookup
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
 
@@ -35,7 +35,7 @@ def make_pair(buckets: int, length: int) -> RolloutPair:
 
 
 def engine(pair: RolloutPair, n: int, device: torch.device, batch: int):
-    rows = [Row(ESTIMATORS.get(e), "tok") for e in TOK]
+    rows = [Row(lookup(e), "tok") for e in TOK]
     gens = [torch.Generator(device=device).manual_seed(i) for i in range(0, n, batch)]
     sizes = [min(batch, n - i) for i in range(0, n, batch)]
     d = pair._simulate(sizes, gens, device, rows)
@@ -55,7 +55,7 @@ def baseline(pair: RolloutPair, n: int, device: torch.device, batch: int):
             # replacement=True: one draw per row either way, and the inverse-CDF path is far faster
             x = torch.multinomial(q[c], 1, replacement=True, generator=gen).squeeze(1)
             g = g_tab[c, x]
-            vals = torch.stack([kl_ctx[c] if e == "full" else ESTIMATORS.get(e).fn(g) for e in TOK], -1)
+            vals = torch.stack([kl_ctx[c] if e == "full" else lookup(e).fn(g) for e in TOK], -1)
             acc += (alive[:, None] * vals).sum(0)
             alive = alive * (x != pair.eos)
             c = bucket[x]
@@ -77,7 +77,7 @@ def inverse_cdf(pair: RolloutPair, n: int, device: torch.device):
         u = torch.rand(n, dtype=torch.float64, generator=gen, device=device) + c
         x = (torch.searchsorted(flat, u) - c * v).clamp_(0, v - 1)
         g = g_flat[c * v + x]
-        vals = torch.stack([kl_ctx[c] if e == "full" else ESTIMATORS.get(e).fn(g) for e in TOK], -1)
+        vals = torch.stack([kl_ctx[c] if e == "full" else lookup(e).fn(g) for e in TOK], -1)
         acc += (alive[:, None] * vals).sum(0)
         alive = alive * (x != pair.eos)
         c = bucket[x]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kl_bench.engine import run_case
-from kl_bench.estimators import ESTIMATORS
+from kl_bench.estimators import ESTIMATORS, lookup
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
 from memory import peak_in_child  # benchmarks/memory.py, beside this script
@@ -37,7 +37,7 @@ def make_pair() -> CategoricalPair:
 
 def _stats(logr: torch.Tensor, acc: torch.Tensor) -> None:
     for j, name in enumerate(NAMES):
-        f = ESTIMATORS.get(name).fn(logr)
+        f = lookup(name).fn(logr)
         acc[0, j] += f.sum()
         acc[1, j] += (f * f).sum()
         acc[2, j] += (f < 0).sum()

@@ -23,19 +23,19 @@ from scipy import stats
 
 from .draws import row_label
 from .errors import SpecError
-from .results import z_score
+from .estimators import CV_OPT
+from .stats import HeavyTail, z_score
 
 BASELINE_VERSION = 1
 BASELINE_FIELDS = ["case", "estimator", "lambda", "aggregate", "target", "draws", "mean", "std", "se", "std_se",
                    "exact_mean", "exact_std", "heavy_tail"]
 
 
-# Heavy-tail findings that come from the exact oracle: the measured spread (and its SE) cannot be
-# trusted, so std comparisons are skipped. "unstable batches" is only a heuristic on the draws: with
-# finite exact moments it is a symptom to test, not a reason to look away (a float32 accumulator that
-# rounds later batches to zero shows up exactly so).
-EXACT_HEAVY = {"infinite variance", "infinite 4th moment", "kurtosis > draws",
-               "infinite IS weight (b misses q's support)"}
+# Heavy-tail findings that come from the exact oracle (HeavyTail.exact): the measured spread (and its SE)
+# cannot be trusted, so std comparisons are skipped. "unstable batches" is only a heuristic on the draws:
+# with finite exact moments it is a symptom to test, not a reason to look away (a float32 accumulator
+# that rounds later batches to zero shows up exactly so).
+EXACT_HEAVY = {h.value for h in HeavyTail if h.exact}
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Comparison:
 def row_key(r) -> tuple:
     """Rows match across runs by case, estimator, aggregate and λ; cv_opt's λ is fitted, so not by λ."""
     lam = r["lambda"]
-    if r["estimator"] == "cv_opt" or lam is None or (isinstance(lam, float) and math.isnan(lam)):
+    if r["estimator"] == CV_OPT or lam is None or (isinstance(lam, float) and math.isnan(lam)):
         lam = ""
     else:
         lam = round(float(lam), 12)
@@ -83,7 +83,7 @@ def exact_comparisons(df: pd.DataFrame) -> list[Comparison]:
     for _, r in df.iterrows():
         heavy = r.get("heavy_tail", "") or ""
         heavy = heavy if heavy in EXACT_HEAVY else ""
-        if heavy == "infinite variance" or math.isinf(r["true_kl"]):
+        if heavy == HeavyTail.INFINITE_VARIANCE or math.isinf(r["true_kl"]):
             continue
         if math.isfinite(r["exact_mean"]):
             z, p = _z(r["mean"], r["exact_mean"], r["se"], max(abs(r["mean"]), abs(r["exact_mean"])))
@@ -106,7 +106,7 @@ def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[li
             continue
         seen.add(key)
         heavy = {r.get("heavy_tail", "") or "", b.get("heavy_tail") or ""} & EXACT_HEAVY
-        if "infinite variance" in heavy:
+        if HeavyTail.INFINITE_VARIANCE.value in heavy:
             continue
         se = math.hypot(r["se"], b["se"])
         z, p = _z(r["mean"], b["mean"], se, max(abs(r["mean"]), abs(b["mean"])))

@@ -4,7 +4,7 @@ A **row** is an estimator with an aggregation:
 - ``""``: single draws (Gaussian, categorical): the estimator applied to log r.
 - ``"seq"``: rollouts: the estimator applied to the sequence log-ratio L = Σ_t log r_t (R = e^L).
 - ``"tok"``: rollouts: the per-token estimator summed over the generated tokens (what GRPO/PPO code does).
-The ``full`` estimator (analytic per-context KL, Rao-Blackwellised) has aggregate "" or "tok".
+A pair-supplied row (``full``: the analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok".
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .estimators import Estimator
+from .estimators import RowSource
 
 
 def row_key(name: str, lam: float | None, aggregate: str) -> str:
@@ -33,7 +33,7 @@ def row_label(r) -> str:
 
 @dataclass(frozen=True)
 class Row:
-    est: Estimator
+    est: RowSource
     aggregate: str = ""
 
     @property
@@ -73,7 +73,7 @@ def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
             if w is not None and not draws.tok_weighted:
                 col = col * w
         else:
-            col = draws.full if row.est.name == "full" else row.est.fn(draws.logr)
+            col = draws.full if row.est.analytic else row.est.fn(draws.logr)
             if w is not None:
                 col = col * w
         cols.append(col)

@@ -13,47 +13,22 @@ cancellation of E[f²] − E[f]² when the std is small relative to the mean, an
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
-from .errors import SpecError
 from .draws import Draws, Row, row_values, tok_rows
-from .estimators import ESTIMATORS
-from .pairs import Pair
+from .errors import SpecError
+from .estimators import resolve_estimator
+from .modes import GradBatch, GradItem
+from .pairs.base import Pair
+from .seeding import batch_generator, batch_sizes
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' → CUDA when available, else CPU. Asking for CUDA without one is an input error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SpecError(f"device '{name}' requested but CUDA is not available here", key="device")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise SpecError(f"device '{name}' requested but only {torch.cuda.device_count()} GPU(s) exist",
-                            key="device")
-    return dev
-
-
-def batch_seed(seed: int, case: str, batch: int) -> int:
-    """A 63-bit seed for one batch, derived from (seed, case name, batch index) only."""
-    digest = hashlib.blake2b(f"kl-bench/{seed}/{case}/{batch}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def batch_sizes(draws: int, batches: int) -> list[int]:
-    """Split ``draws`` into min(batches, draws) batches whose sizes differ by at most one."""
-    k = min(batches, draws)
-    base, extra = divmod(draws, k)
-    return [base + (i < extra) for i in range(k)]
 
 
 JOINT_FEATURES = 5  # a − ca, b − cb, (a − ca)², (b − cb)², (a − ca)(b − cb) for a = −log r, b = r − 1
@@ -110,15 +85,16 @@ class CaseRun:
         return ca, cb
 
 
-def as_rows(items, aggregates: tuple[str, ...] = ("",)) -> list[Row]:
-    """Rows from registry names, Estimators or Rows; names/Estimators get every aggregate given."""
+def as_rows(items, pair: Pair) -> list[Row]:
+    """Rows from registry names, Estimators/PairRows or Rows; a source gets a row on every aggregate
+    the pair gives it (:meth:`Pair.aggregates_for`)."""
     out = []
     for it in items:
         if isinstance(it, Row):
             out.append(it)
             continue
-        est = ESTIMATORS.get(it) if isinstance(it, str) else it
-        out += [Row(est, a) for a in aggregates if not (a == "seq" and (est.name == "full" or est.token_only))]
+        est = resolve_estimator(it)
+        out += [Row(est, a) for a in pair.aggregates_for(est)]
     return out
 
 
@@ -138,7 +114,7 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     checkpoint; since batch i depends on (seed, case, i) alone, skipping them gives identical results.
     ``on_sums`` receives the sums of all batches done so far after every chunk (for checkpoints).
     """
-    rows = as_rows(rows, pair.aggregates)
+    rows = as_rows(rows, pair)
     exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
     shifts = [_finite_or_zero(exact[r.label][0]) for r in rows]
     blocks = []
@@ -163,7 +139,7 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
             progress(sum(sizes[:first]))
     for start in range(first, len(sizes), per_chunk):
         idx = range(start, min(start + per_chunk, len(sizes)))
-        gens = [torch.Generator(device=device).manual_seed(batch_seed(seed, tag, i)) for i in idx]
+        gens = [batch_generator(seed, tag, i, device) for i in idx]
         part = [sizes[i] for i in idx]
         out.append(run(part, gens).cpu())
         if progress is not None:
@@ -182,8 +158,35 @@ def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: in
     """P(mean of ``batch`` draws < 0) per row, simulated on ``batches`` batches of actual draws
     (an independent stream: seeded from (seed, case/small-batch)). Also returns the per-draw values
     [batch·batches, rows] (CPU): an i.i.d. sample that the report keeps as a reservoir."""
-    g = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/small-batch", 0))
+    g = batch_generator(seed, f"{pair.name}/small-batch", 0, device)
     draws = pair.sample_draws(batch * batches, g, device, tok_rows(rows))
     values = row_values(draws, rows)
     neg = (values.view(batches, batch, len(rows)).mean(dim=1) < 0).double().mean(dim=0)
     return {r.label: float(v) for r, v in zip(rows, neg)}, values.cpu()
+
+
+@dataclass
+class GradientRun:
+    """Every gradient item of one case, sampled batch by batch through the same seeding as the sums."""
+    items: list[GradItem]
+    sizes: np.ndarray         # [K] draws per batch
+    total: np.ndarray         # [J, P] Σ over draws of each item's per-draw gradient
+    proj: np.ndarray          # [K, J, D] per batch Σ g·u_d
+    sq: np.ndarray            # [K, J] per batch Σ |g|²
+    proj2: np.ndarray | None  # [K, J, D] per batch Σ (g·u_d)², where the kind measures spreads
+
+
+def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], *, draws: int, seed: int,
+                  batches: int, device: torch.device,
+                  progress: Callable[[int], None] | None = None) -> GradientRun:
+    """Per-batch gradient sums of every item; batch i draws from the stream (seed, case/gradients, i)."""
+    sizes = batch_sizes(draws, batches)
+    acc = pair.gradient_accumulator(items, directions, device)
+    parts: list[GradBatch] = []
+    for i, n in enumerate(sizes):
+        parts.append(acc.add(n, batch_generator(seed, f"{pair.name}/gradients", i, device)))
+        if progress is not None:
+            progress(n)
+    proj2 = np.stack([b.proj2 for b in parts]) if parts[0].proj2 is not None else None
+    return GradientRun(items, np.array(sizes, dtype=np.float64), acc.total(), np.stack([b.proj for b in parts]),
+                       np.stack([b.sq for b in parts]), proj2)

@@ -12,19 +12,16 @@ import torch
 
 from .draws import Row
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
-from .estimators import make_cv, resolve_estimator
+from .estimators import CV_OPT, make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
-from .planning import n_for_rel_error, rmse
+from .planning import add_planning
 from .results import summarize
 from .spec import Experiment
 
 SMALL_BATCH = 64            # p_neg_b64: batch size ...
 SMALL_BATCHES = (256, 4096)  # ... and number of simulated batches: draws/256 within these bounds,
                              # so the simulation costs at most a quarter of the main pass
-RMSE_SIZES = (64, 1024, 16384)
-
-
 RESERVOIR = 20_000          # per-draw values kept per row (float32) for the report's ECDF plots
 
 
@@ -60,8 +57,8 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
     aggs = pair.aggregates
-    rows = as_rows([resolve_estimator(n) for n in exp.estimators], aggs)
-    cvs = as_rows([make_cv(lam) for lam in exp.lambdas], aggs)
+    rows = as_rows([resolve_estimator(n) for n in exp.estimators], pair)
+    cvs = as_rows([make_cv(lam) for lam in exp.lambdas], pair)
     # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
     # (against their exact E_b), but no sweep or cv_opt is made.
     joint = (bool(cvs) or exp.optimal) and not pair.has_sampler
@@ -74,14 +71,14 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
         for agg in aggs:
             lam, _ = lambda_star_mc(pilot, agg)
             pilot_lambda = lam if math.isfinite(lam) else 0.0
-            cvs.append(Row(make_cv(pilot_lambda, name="cv_opt"), agg))
+            cvs.append(Row(make_cv(pilot_lambda, name=CV_OPT), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums)
     small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
                                          seed=exp.seed, device=device)
     out = summarize(run)
     for r, row in zip(run.rows, out):
-        _add_planning(row)
+        add_planning(row)
         row["p_neg_b64"] = small[r.label]
     sweeps = []
     for agg in aggs if joint else ():
@@ -93,7 +90,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                 row.update(lambda_star=star, lambda_star_mc=star_mc, lambda_star_mc_se=star_se,
                            excess_std=_excess(row["exact_std"], best_std))
         measured = {float(r.est.lam): row["frac_negative"] for r, row in zip(run.rows, out)
-                    if r.est.name == "cv" and r.aggregate == agg}
+                    if r.est.lam is not None and not r.est.fitted and r.aggregate == agg}
         sweeps.append(sweep_frame(run, agg, exact_joint, pair.kl(),
                                   lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a),
                                   measured))
@@ -123,16 +120,6 @@ def _excess(std: float, best: float) -> float:
     if not (math.isfinite(best) and best > 0):
         return math.nan
     return math.inf if math.isinf(std) else std / best - 1
-
-
-def _add_planning(row: dict) -> None:
-    true = row["true_kl"]
-    mean = row["exact_mean"] if math.isfinite(row["exact_mean"]) else row["mean"]
-    std = row["exact_std"] if not math.isnan(row["exact_std"]) else row["std"]
-    bias = mean - true if math.isfinite(true) else math.nan
-    row["n_for_10pct"] = n_for_rel_error(bias, std, true)
-    for n in RMSE_SIZES:
-        row[f"rmse_b{n}"] = rmse(bias, std, n)
 
 
 @dataclass
@@ -171,22 +158,18 @@ class SpecOutcome:
 
 
 def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> None:
-    """Every number needs an exact oracle: reject combinations that have none, before sampling.
-
-    Multivariate Gaussians have closed forms for polynomial estimators and |log r|, but a clamped
-    estimate, a weight cap or a weighted |log r| needs quadrature, which kl-bench does in 1-D only."""
+    """Every number needs an exact oracle: each pair refuses the estimators it has none for (and, with
+    gradients, a kind without gradient oracles is refused), before any sampling."""
     from .errors import SpecError
-    from .pairs import GaussianPair
-    ests = [resolve_estimator(n) for n in spec.experiment.estimators]
+    sources = [resolve_estimator(n) for n in spec.experiment.estimators]
     for case, pair in zip(spec.cases, pairs):
-        if not isinstance(pair, GaussianPair) or pair.dim == 1:
-            continue
-        what = [e.name for e in ests if e.poly is None and e.name not in ("abs", "full")]
-        what += ["abs with importance weights"] if pair.weighted and any(e.name == "abs" for e in ests) else []
-        what += ["weight_cap"] if pair.weight_cap is not None else []
-        if what:
-            raise SpecError(f"no exact oracle for {', '.join(what)} on a {pair.dim}-dimensional Gaussian "
-                            "(quadrature is 1-D only): use a 1-D case or drop them", file=spec_file, case=case.name)
+        try:
+            pair.validate(sources)
+            if spec.experiment.gradients and not pair.supports_gradients:
+                raise SpecError(f"case kind '{pair.kind}' has no gradient oracles: set gradients = false or "
+                                "drop this case")
+        except SpecError as e:
+            raise e.located(file=spec_file, case=case.name) from None
 
 
 def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[int], None] | None = None,
@@ -198,7 +181,7 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
 
     from .results import to_frame
     exp = spec.experiment
-    case_draws = [c.draws or exp.draws for c in spec.cases]
+    case_draws = spec.case_draws()
     t0 = time.perf_counter()
     outcomes = []
     for pair, n in zip(pairs, case_draws):

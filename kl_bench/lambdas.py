@@ -13,6 +13,7 @@ import pandas as pd
 
 from .engine import CaseRun
 from .pairs.base import JointMoments
+from .stats import batch_means_se, jackknife_se
 
 SWEEP_SCHEMA: dict[str, str] = {
     "case": "case name",
@@ -57,9 +58,7 @@ def lambda_star_mc(run: CaseRun, aggregate: str = "") -> tuple[float, float]:
     total = s.sum(axis=0)
     est = float(ratio(total, n_k.sum()))
     loo = ratio(total[None, :] - s, n_k.sum() - n_k)     # leave one batch out: [K]
-    k = len(n_k)
-    se = float(math.sqrt((k - 1) / k * ((loo - loo.mean()) ** 2).sum())) if k > 1 else math.nan
-    return est, se
+    return est, jackknife_se(loo)
 
 
 def lambda_grid(center: float, extra: list[float], points: int = 401) -> np.ndarray:
@@ -78,9 +77,7 @@ def sweep_frame(run: CaseRun, aggregate: str, exact: JointMoments, true_kl: floa
     center = star if math.isfinite(star) else star_mc
     grid = lambda_grid(center, sorted(measured_neg))
     n = n_k.sum()
-    k = len(n_k)
-    w = (n_k / n)[None, :]
-    se = np.sqrt(k / (k - 1) * ((w * (a_k[None, :] + grid[:, None] * b_k[None, :])) ** 2).sum(axis=1))
+    se = batch_means_se(a_k[None, :] + grid[:, None] * b_k[None, :], n_k / n)
     std = np.sqrt(np.maximum(mc.var(grid), 0.0))
     exact_std = np.sqrt(exact.var(grid))
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -1,4 +1,5 @@
-"""Logits for categorical cases: generators (Zipf, noise, temperature) and files from real models.
+"""Logits for categorical and rollout cases: where they come from (a generator, a file, the other side,
+an in-memory tensor), how a spec names them, and how they become normalised log-probabilities.
 
 All functions return float64 log-probabilities of shape [B, V] (B contexts; B = 1 for a single
 distribution). float64 matters: p(x) can be 1e-13 where q(x) is not, and log r = log p − log q
@@ -6,13 +7,137 @@ must keep its digits there.
 """
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .config import Table, nonnegative, positive
 from .errors import SpecError
-from .spec import DerivedLogits, FileLogits, LogitsSource, ZipfLogits
+from .registry import did_you_mean
+
+
+@dataclass(frozen=True)
+class ZipfLogits:
+    """LLM-like rank-frequency logits: logit(x) = −exponent · log rank(x), ranks a seeded
+    random permutation (one per context when ``contexts`` > 1). Shape [V] or [contexts, V]."""
+    exponent: float
+    seed: int
+    contexts: int | None = None    # None: 1 for categoricals, the bucket count for rollouts
+
+    def describe(self) -> str:
+        return f"zipf(s={self.exponent:g})"
+
+
+@dataclass(frozen=True)
+class FileLogits:
+    """Unnormalised logits from a .npy or .pt file, shape [V] or [B, V]."""
+    path: Path
+
+    def describe(self) -> str:
+        return f"file {self.path.name}"
+
+
+@dataclass(frozen=True)
+class TensorLogits:
+    """Unnormalised logits given in memory (Python API), shape [V] or [B, V]; kept as float64 on the CPU."""
+    tensor: torch.Tensor = field(compare=False, repr=False)
+    sha256: str = ""
+
+    @classmethod
+    def of(cls, value) -> "TensorLogits":
+        t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()
+        return cls(t, hashlib.sha256(t.numpy().tobytes()).hexdigest())
+
+    def describe(self) -> str:
+        return f"tensor {list(self.tensor.shape)}"
+
+
+@dataclass(frozen=True)
+class DerivedLogits:
+    """The other side's logits, divided by ``temperature``, plus N(0, noise²) noise."""
+    source: str            # "q" or "p"
+    noise: float = 0.0
+    temperature: float = 1.0
+    seed: int = 0
+
+    def describe(self) -> str:
+        bits = [self.source]
+        if self.temperature != 1.0:
+            bits.append(f"/T={self.temperature:g}")
+        if self.noise > 0:
+            bits.append(f"+N(0,{self.noise:g}²)")
+        return "".join(bits)
+
+
+LogitsSource = ZipfLogits | FileLogits | TensorLogits | DerivedLogits
+
+
+def is_array(value) -> bool:
+    """A tensor or ndarray given where a spec table would be (Python API)."""
+    return isinstance(value, (torch.Tensor, np.ndarray))
+
+
+def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> LogitsSource:
+    """Key ``key`` of table ``t``: {file}, {logits = "zipf", ...}, {from = "q"|"p", ...}, or a tensor.
+    ``side``: "q", "p", or "b" (a sampler's behavior policy, derived from either side)."""
+    raw = t.raw(key)
+    if is_array(raw):
+        return TensorLogits.of(raw)
+    t = t.sub(key)
+    if t.has("file"):
+        path = spec_dir / t.get("file", "str")
+        t.finish()
+        return FileLogits(path)
+    if t.has("logits"):
+        gen = t.get("logits", "str")
+        if gen != "zipf":
+            raise t.error(f"unknown logits generator '{gen}'{did_you_mean(gen, ['zipf'])}; known: zipf",
+                          key=t.key("logits"))
+        src = ZipfLogits(exponent=t.get("exponent", "float", 1.1, positive),
+                         seed=t.get("seed", "int", 0, nonnegative),
+                         contexts=t.get("contexts", "int", None, positive))
+        t.finish()
+        return src
+    if t.has("from"):
+        source = t.get("from", "str")
+        if side == "b":
+            if source not in ("q", "p"):
+                raise t.error(f"must be 'q' or 'p', got '{source}'", key=t.key("from"))
+        else:
+            other = "p" if side == "q" else "q"
+            if source != other:
+                raise t.error(f"must name the other side, '{other}', got '{source}'", key=t.key("from"))
+        src = DerivedLogits(source=source,
+                            noise=t.get("noise", "float", 0.0, nonnegative),
+                            temperature=t.get("temperature", "float", 1.0, positive),
+                            seed=t.get("seed", "int", 0, nonnegative))
+        t.finish()
+        return src
+    raise t.error("needs one of 'file', 'logits' (a generator), 'from' (the other side) or a tensor",
+                  key=t.prefix.rstrip("."))
+
+
+def parse_pair_sources(t: Table, spec_dir: Path) -> tuple[LogitsSource, LogitsSource]:
+    """q and p logits sources of a case (the last keys read: this finishes the table)."""
+    q = parse_logits_source(t, "q", "q", spec_dir)
+    p = parse_logits_source(t, "p", "p", spec_dir)
+    t.finish()
+    if isinstance(q, DerivedLogits) and isinstance(p, DerivedLogits):
+        raise t.error("q and p cannot both be derived from each other; give one a 'file' or 'logits'",
+                      key="q.from")
+    return q, p
+
+
+def describe_sources(q: LogitsSource, p: LogitsSource) -> str:
+    return f"q = {q.describe()}, p = {p.describe()}"
+
+
+def has_vocab_of_its_own(src: LogitsSource) -> bool:
+    """Whether the source fixes the vocabulary size (a file or a tensor)."""
+    return isinstance(src, (FileLogits, TensorLogits))
 
 
 def zipf_logits(vocab: int, exponent: float, seed: int, contexts: int = 1) -> torch.Tensor:
@@ -64,6 +189,14 @@ def read_logits_file(path: Path) -> torch.Tensor:
     return t
 
 
+def _tensor_logits(t: torch.Tensor) -> torch.Tensor:
+    if t.ndim == 1:
+        t = t.unsqueeze(0)
+    if t.ndim != 2 or 0 in t.shape:
+        raise SpecError(f"logits must have shape [V] or [B, V], got {list(t.shape)}")
+    return t
+
+
 def check_logits(logits: torch.Tensor, what: str) -> None:
     """Reject NaN, +inf, and rows that put no mass anywhere (−inf marks a zero probability)."""
     if torch.isnan(logits).any():
@@ -87,6 +220,8 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
                 raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts or contexts or 1)
             elif isinstance(src, FileLogits):
                 raw[side] = read_logits_file(src.path)
+            elif isinstance(src, TensorLogits):
+                raw[side] = _tensor_logits(src.tensor)
             if side in raw:
                 check_logits(raw[side], side)
                 if vocab is not None and raw[side].shape[1] != vocab:
@@ -135,8 +270,8 @@ def sampler_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int 
 
 def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     """A stale behavior policy's logits [B, V]: derived from q or p (noise, temperature) or a file."""
-    if isinstance(src, FileLogits):
-        raw = read_logits_file(src.path)
+    if isinstance(src, (FileLogits, TensorLogits)):
+        raw = read_logits_file(src.path) if isinstance(src, FileLogits) else _tensor_logits(src.tensor)
         check_logits(raw, "sampler.behavior")
         if raw.shape[1] != log_q.shape[1]:
             raise SpecError(f"behavior logits have vocabulary {raw.shape[1]} but q has {log_q.shape[1]}",

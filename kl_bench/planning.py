@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import math
 
-from scipy import stats
+RMSE_SIZES = (64, 1024, 16384)
 
-Z95 = stats.norm.ppf(0.975)
+
+def _norm_cdf(x: float) -> float:
+    from scipy import stats          # imported where used: keeps `import kl_bench` fast
+    return stats.norm.cdf(x)
 
 
 def prob_within(bias: float, std: float, true: float, n: float, rel: float = 0.1) -> float:
@@ -17,7 +20,7 @@ def prob_within(bias: float, std: float, true: float, n: float, rel: float = 0.1
     if std == 0:
         return 1.0 if abs(bias) <= tol else 0.0
     s = std / math.sqrt(n)
-    return float(stats.norm.cdf((tol - bias) / s) - stats.norm.cdf((-tol - bias) / s))
+    return float(_norm_cdf((tol - bias) / s) - _norm_cdf((-tol - bias) / s))
 
 
 def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob: float = 0.95) -> float:
@@ -48,3 +51,15 @@ def rmse(bias: float, std: float, n: int) -> float:
     if not (math.isfinite(bias) and math.isfinite(std)):
         return math.inf
     return math.sqrt(bias * bias + std * std / n)
+
+
+def add_planning(row: dict) -> None:
+    """Fill n_for_10pct and rmse_b{64,1024,16384} of a summary row, from the exact bias and std where
+    they are known, else from the measured ones."""
+    true = row["true_kl"]
+    mean = row["exact_mean"] if math.isfinite(row["exact_mean"]) else row.get("mean", math.nan)
+    std = row["exact_std"] if not math.isnan(row["exact_std"]) else row.get("std", math.nan)
+    bias = mean - true if math.isfinite(true) else math.nan
+    row["n_for_10pct"] = n_for_rel_error(bias, std, true)
+    for n in RMSE_SIZES:
+        row[f"rmse_b{n}"] = rmse(bias, std, n)

@@ -1,24 +1,60 @@
 """Plot functions: each takes a DataFrame (and an optional ``ax``) and returns the figure.
 
 Nothing here writes files; the CLI does. Colours come from seaborn's colorblind palette.
+
+Importing this module changes no global state: no backend is selected and neither matplotlib's
+rcParams nor seaborn's theme are touched. Each plot function applies the report's look (seaborn's
+whitegrid style, notebook context, colorblind colour cycle) through :func:`matplotlib.rc_context`
+only while it builds its figure. New figures are :class:`matplotlib.figure.Figure` objects, not
+pyplot figures, so they need no GUI backend and pyplot does not keep them open; ``fig.savefig``
+renders them with Agg on a headless machine.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import matplotlib
+import matplotlib.ticker
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")   # headless: the report renders on machines without a display
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-
-from .draws import row_label  # noqa: E402
+from .draws import row_label
 
 PALETTE = sns.color_palette("colorblind")
-sns.set_theme(context="notebook", style="whitegrid", palette=PALETTE)
+
+# What sns.set_theme(context="notebook", style="whitegrid", palette=PALETTE) would set globally; applied
+# only inside the plot functions (sns.axes_style / sns.plotting_context with a name just build the dicts).
+THEME: dict = {**sns.axes_style("whitegrid"), **sns.plotting_context("notebook"),
+               "font.family": ["sans-serif"], "axes.prop_cycle": matplotlib.cycler(color=PALETTE)}
+
+
+def _themed(fn):
+    """Run a plot function under ``rc_context(THEME)``; rcParams are restored afterwards, also on error.
+
+    Tick objects are created lazily, at the first draw, from the rcParams in force then, and the number
+    of ticks depends on the tick label size, which is also looked up at draw time; the report saves
+    figures after the function returns, outside the context. So for each axis the function drew on, the
+    first major and minor tick is made to exist here, inside it (ticks added later copy its properties),
+    and the tick label size is fixed in points.
+    """
+    sig = inspect.signature(fn)
+    param = "axes" if "axes" in sig.parameters else "ax"
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        given = sig.bind(*args, **kwargs).arguments.get(param)
+        with matplotlib.rc_context(THEME):
+            fig = fn(*args, **kwargs)
+            for ax in (fig.axes if given is None else np.atleast_1d(given).ravel()):
+                for axis in (ax.xaxis, ax.yaxis):
+                    for which, ticks in (("major", axis.get_major_ticks(1)), ("minor", axis.get_minor_ticks(1))):
+                        axis.set_tick_params(which=which, labelsize=ticks[0].label1.get_fontsize())
+        return fig
+    return wrapper
 
 
 def _symlog_ticks(ax, lo: float, hi: float, linthresh: float) -> None:
@@ -48,10 +84,11 @@ def _axes(ax, ncols=1, width=6.4, height=4.0):
     """(figure, ax) from a given ax (or array of axes), or a new figure."""
     if ax is not None:
         return np.atleast_1d(ax).ravel()[0].figure, ax
-    fig, ax = plt.subplots(1, ncols, figsize=(width, height), layout="constrained")
-    return fig, ax
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, fig.subplots(1, ncols)
 
 
+@_themed
 def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     """Bias/true (with 95% CI) and std/true (with 95% CI) per estimator of one case; exact values as ×.
 
@@ -99,6 +136,7 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     return fig
 
 
+@_themed
 def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
     """std/true of cv(λ) = −log r + λ(r−1) against λ: exact line, measured dashed, λ* and k1/k3 marked.
 
@@ -126,6 +164,7 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
     return fig
 
 
+@_themed
 def plot_distribution(values: dict[str, np.ndarray], ax=None, title: str = ""):
     """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded."""
     fig, ax = _axes(ax, width=9)
@@ -150,6 +189,7 @@ def plot_distribution(values: dict[str, np.ndarray], ax=None, title: str = ""):
     return fig
 
 
+@_themed
 def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, title: str = ""):
     """Running estimate against draws, one panel per estimator: ±2 SE band (batch means so far), the
     true KL (dotted) and, for biased estimators, their exact mean (dashed).
@@ -160,8 +200,8 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
     ncols = min(3, max(1, len(keep)))
     nrows = int(np.ceil(len(keep) / ncols)) or 1
     if axes is None:
-        fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 2.8 * nrows), layout="constrained",
-                                 squeeze=False, sharex=True)
+        fig = Figure(figsize=(4.2 * ncols, 2.8 * nrows), layout="constrained")
+        axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True)
     else:
         fig = np.atleast_1d(axes).ravel()[0].figure
     flat = np.atleast_1d(axes).ravel()
@@ -199,6 +239,7 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
     return fig
 
 
+@_themed
 def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None, title: str = ""):
     """Rollouts: exact std/true (lines) and measured (markers) against T, log-log, per estimator and
     aggregation. ``summary``: rows of rollout cases that differ only in their length T."""
@@ -222,6 +263,7 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
     return fig
 
 
+@_themed
 def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     """Draws a batch needs for its mean to be within 10% of the true KL with 95% probability."""
     df = summary[summary["lambda"].isna() & np.isfinite(summary["n_for_10pct"].astype(float))].copy()
@@ -240,6 +282,7 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     return fig
 
 
+@_themed
 def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
     """Expected cosine of a batch-mean gradient with ∇KL(q‖p) against the batch size, per estimator ×
     mode: cos_n ≈ (m·u)/√(|m|² + tr Σ / n) with the exact mean m (u the unit reverse-KL gradient) and

@@ -1,8 +1,16 @@
-"""A generic name → item registry with a decorator, duplicate detection and "did you mean"."""
+"""One generic registry: name → item, with a decorator, duplicate detection, "did you mean" on a miss,
+and lazy plug-ins (``"package.module:object"`` strings and an entry-point group).
+
+Estimators, case kinds and targets are all registries. A registry is a read-only ``Mapping``:
+``ESTIMATORS["k3"]`` returns the item and a miss raises :class:`UnknownName` (a ``KeyError`` and a
+:class:`~kl_bench.errors.SpecError`) whose message suggests the closest name.
+"""
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+import importlib
+from collections.abc import Mapping
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from .errors import SpecError
 
@@ -15,11 +23,42 @@ def did_you_mean(name: str, choices: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-class Registry(Generic[T]):
-    """Named items of one kind (estimators, case kinds). Lookups fail with a suggestion."""
+class UnknownName(SpecError, KeyError):
+    """A registry lookup that found nothing; ``str()`` is the one-line message."""
 
-    def __init__(self, what: str):
+    __str__ = SpecError.__str__
+
+
+def import_object(ref: str, what: str) -> Any:
+    """Import ``"package.module:attr.path"``; a failure is one line naming ``ref`` (an input error)."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise SpecError(f"{what} plug-in '{ref}' must look like 'package.module:object'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError, or whatever the module raised while importing
+        raise SpecError(f"{what} plug-in '{ref}' cannot be imported: {e.__class__.__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise SpecError(f"{what} plug-in '{ref}': module '{module_name}' has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    return obj
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    """Named items of one kind.
+
+    ``adapt`` turns a plug-in object (imported from ``"module:object"`` or from the entry-point group
+    ``entry_points``) into an item; plug-ins are resolved on first lookup and then cached under their
+    reference. ``in`` and iteration see the registered (and already resolved) items only.
+    """
+
+    def __init__(self, what: str, *, entry_points: str | None = None,
+                 adapt: Callable[[str, Any], T] | None = None):
         self.what = what
+        self.entry_points = entry_points
+        self._adapt = adapt
         self._items: dict[str, T] = {}
 
     def add(self, name: str, item: T) -> T:
@@ -32,22 +71,45 @@ class Registry(Generic[T]):
         """Decorator form of :meth:`add`."""
         return lambda item: self.add(name, item)
 
-    def get(self, name: str) -> T:
-        try:
+    def remove(self, name: str) -> None:
+        """Unregister ``name`` (tests register temporary items)."""
+        self._items.pop(name, None)
+
+    def __getitem__(self, name: str) -> T:
+        if name in self._items:
             return self._items[name]
-        except KeyError:
-            known = ", ".join(self._items)
-            raise SpecError(f"unknown {self.what} '{name}'{did_you_mean(name, list(self._items))}; "
-                            f"known: {known}") from None
+        if self._adapt is not None and isinstance(name, str):
+            if ":" in name:
+                return self._items.setdefault(name, self._adapt(name, import_object(name, self.what)))
+            found = self._from_entry_points(name)
+            if found is not None:
+                return found
+        known = ", ".join(self._items)
+        raise UnknownName(f"unknown {self.what} '{name}'{did_you_mean(str(name), list(self._items))}; "
+                          f"known: {known}")
+
+    def _from_entry_points(self, name: str) -> T | None:
+        if self.entry_points is None:
+            return None
+        from importlib.metadata import entry_points
+        for ep in entry_points(group=self.entry_points):
+            if ep.name == name:
+                try:
+                    obj = ep.load()
+                except Exception as e:
+                    raise SpecError(f"{self.what} '{name}' (entry point {ep.value}) cannot be loaded: "
+                                    f"{e.__class__.__name__}: {e}") from None
+                return self._items.setdefault(name, self._adapt(name, obj))
+        return None
 
     def __contains__(self, name: object) -> bool:
         return name in self._items
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        return iter(list(self._items))
 
-    def items(self):
-        return self._items.items()
+    def __len__(self) -> int:
+        return len(self._items)
 
     def names(self) -> list[str]:
         return list(self._items)

@@ -19,15 +19,13 @@ import pandas as pd
 
 from .draws import row_key, row_label
 from .errors import SpecError
-from .results import COLUMNS
+from .results import COLUMNS, read_frame
+from .storage import atomic_write_bytes
 
 
 # The core columns (issue: core); later columns are optional so that older results still report.
 REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se", "bias",
             "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
-
-
-TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler"]
 
 
 @dataclass
@@ -53,11 +51,7 @@ def load_results(path: Path) -> Results:
             raise SpecError(f"incomplete results folder: {p.name} is missing (run `kl-bench run` first)",
                             file=str(path))
     try:
-        # Text columns as object: empty cells would otherwise make an all-NaN float column.
-        summary = pd.read_csv(summary_path, dtype={c: object for c in TEXT_COLUMNS})
-        for c in TEXT_COLUMNS:
-            if c in summary:
-                summary[c] = summary[c].fillna("")
+        summary = read_frame(summary_path)
     except Exception as e:
         raise SpecError(f"cannot read summary.csv: {e.__class__.__name__}: {str(e).splitlines()[0]}",
                         file=str(path)) from None
@@ -75,12 +69,7 @@ def load_results(path: Path) -> Results:
 
     def optional_csv(name):
         p = path / name
-        if not p.exists():
-            return None
-        df = pd.read_csv(p, dtype={"aggregate": object})
-        if "aggregate" in df:
-            df["aggregate"] = df["aggregate"].fillna("")
-        return df
+        return read_frame(p) if p.exists() else None
     reservoir = None
     if (path / "reservoir.npz").exists():
         try:
@@ -246,7 +235,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                                                          s[s["case"] == case],
                                                          title=f"{case}: convergence (±2 SE)"))))
         lengths = {name: meta["length"] for name, meta in res.envelope.get("cases", {}).items()
-                   if meta.get("kind") == "rollout" and meta.get("length")}
+                   if meta.get("length")}
         families: dict[str, dict[str, int]] = {}
         for name, length in lengths.items():
             families.setdefault(res.envelope["cases"][name].get("label", ""), {})[name] = length
@@ -272,6 +261,13 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
 
 
 # ----------------------------------------------------------------------------- report
+def write_report(dirs: list[Path], out: Path) -> Path:
+    """Build the report of results folders ``dirs`` and write its files into ``out`` (each atomically)."""
+    for name, data in build_report(dirs).items():
+        atomic_write_bytes(Path(out) / name, data)
+    return Path(out)
+
+
 def build_report(dirs: list[Path]) -> dict[str, bytes]:
     results = [load_results(d) for d in dirs]
     names = [r.name for r in results]

@@ -4,14 +4,15 @@ atomic writing of ``summary.csv`` and ``run.json``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 
-from .engine import CaseRun
-# Persistence lives in kl_bench.storage; re-exported for callers of the results API.
-from .storage import atomic_write_bytes, write_results  # noqa: F401
+from .engine import CaseRun, as_rows
+from .stats import batch_means_se, classify_heavy_tail, z_score
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # Column → meaning. The order here is the column order of summary.csv.
 SCHEMA: dict[str, str] = {
@@ -60,22 +61,12 @@ SCHEMA: dict[str, str] = {
                  "draws/256)) batches of 64 independent draws",
 }
 COLUMNS = list(SCHEMA)
-
-
-# Two different exact float64 sums (or a sum and a closed form) agree to ~1e-15 relative; differences
-# below this fraction of the compared quantity's scale are rounding, not statistics.
-ROUNDING = 1e-12
-
-
-def z_score(value: float, ref: float, se: float, scale: float) -> float:
-    """(value − ref)/se with float64 rounding (ROUNDING × scale) added to the standard error in
-    quadrature, so that a zero-noise quantity compares equal at rounding level and never gives NaN."""
-    if not (math.isfinite(value) and math.isfinite(ref)):
-        return 0.0 if value == ref else math.copysign(math.inf, value - ref) if not math.isnan(value - ref) else math.nan
-    se_eff = math.hypot(se if math.isfinite(se) else 0.0, ROUNDING * abs(scale))
-    if se_eff == 0:
-        return 0.0 if value == ref else math.copysign(math.inf, value - ref)
-    return (value - ref) / se_eff
+# `kl-bench exact` / kl_bench.exact(): the columns that need no sampling (planning from exact moments).
+_MEASURED = {"draws", "batches", "mean", "std", "se", "std_se", "bias", "rel_bias", "rel_std", "z", "z_var",
+             "frac_negative", "lambda_star_mc", "lambda_star_mc_se", "p_neg_b64", "heavy_tail", "excess_std"}
+EXACT_COLUMNS = [c for c in COLUMNS if c not in _MEASURED]
+# Text columns of every results CSV: read as strings, empty cells as "" (not NaN).
+TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler", "mode", "equals"]
 
 
 def _div(a: float, b: float) -> float:
@@ -100,10 +91,8 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         mean = shift + centred_mean
         var = float(s2.sum()) / n - centred_mean**2
         std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.inf
-        # Batch means: Var(mean) ≈ K/(K−1) Σ_k (n_k/N)² (m_k − m)², exact for unequal batch sizes.
-        batch_means = s1 / n_k
-        se = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (batch_means - centred_mean) ** 2).sum())) \
-            if k > 1 and math.isfinite(centred_mean) else math.nan
+        # Batch means (docs/statistics.md#batch-means), exact for unequal batch sizes.
+        se = batch_means_se(s1 / n_k - centred_mean, n_k / n) if math.isfinite(centred_mean) else math.nan
         exact_mean, exact_var = run.exact[row.label]
         exact_std = math.sqrt(exact_var) if exact_var >= 0 else math.nan
         true = run.pair.true_value(est.target)
@@ -115,21 +104,14 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         if math.isfinite(exact_var) and shift == exact_mean and k > 1:
             m2_k = s2 / n_k
             m2 = float(s2.sum()) / n
-            se_m2 = math.sqrt(k / (k - 1) * float(((n_k / n) ** 2 * (m2_k - m2) ** 2).sum()))
+            se_m2 = batch_means_se(m2_k - m2, n_k / n)
             std_se = se_m2 / (2 * math.sqrt(m2)) if m2 > 0 else 0.0
             # the scale of a variance computed from shifted sums: the squared mean and the variance
             z_var = z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var)
-        heavy = ""
-        if run.pair.support_miss > 0 and run.pair.weights != "none":
-            heavy = "infinite IS weight (b misses q's support)"
-        elif math.isinf(exact_var):
-            heavy = "infinite variance"
-        elif not run.pair.fourth_moment_finite(est, row.aggregate):
-            heavy = "infinite 4th moment"
-        elif run.pair.kurtosis_proxy(est, row.aggregate) > n:
-            heavy = "kurtosis > draws"
-        elif k > 1 and float(s2.sum()) > 0 and float(s2.max()) / float(s2.sum()) > max(0.2, 5 / k):
-            heavy = "unstable batches"
+        heavy = classify_heavy_tail(
+            support_miss_weighted=run.pair.support_miss > 0 and run.pair.weights != "none",
+            exact_var=exact_var, fourth_finite=run.pair.fourth_moment_finite(est, row.aggregate),
+            kurtosis=run.pair.kurtosis_proxy(est, row.aggregate), draws=n, batch_sq=s2).value
         rows.append({
             "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
             "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate, "target": est.target,
@@ -150,9 +132,8 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
 
 def exact_rows(pair, estimators) -> list[dict[str, Any]]:
     """Rows with only the exact columns filled: `kl-bench exact`."""
-    from .engine import as_rows
     rows = []
-    for row in as_rows(estimators, pair.aggregates):
+    for row in as_rows(estimators, pair):
         est = row.est
         mean, var = pair.exact_moments(est, row.aggregate)
         std = math.sqrt(var) if var >= 0 else math.nan
@@ -165,13 +146,30 @@ def exact_rows(pair, estimators) -> list[dict[str, Any]]:
     return rows
 
 
-def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+def to_frame(rows: list[dict[str, Any]]) -> "pd.DataFrame":
+    import pandas as pd
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def frame_to_csv_bytes(df: pd.DataFrame) -> bytes:
+def frame_to_csv_bytes(df: "pd.DataFrame") -> bytes:
     # repr-exact floats (17 significant digits) so that re-reading gives identical numbers;
     # NaN is written as an empty field, ±inf as inf/-inf.
     return df.to_csv(index=False, float_format="%.17g").encode()
 
 
+
+
+def read_frame(source) -> "pd.DataFrame":
+    """A results CSV (bytes or a path) as written by :func:`frame_to_csv_bytes`: text columns as strings
+    with "" for empty cells, numbers as float64 or int64. The one reader of results tables, so that a
+    DataFrame in memory and the file on disk read back identically."""
+    import io
+
+    import pandas as pd
+    data = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
+    head = pd.read_csv(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source, nrows=0)
+    text = [c for c in TEXT_COLUMNS if c in head.columns]
+    df = pd.read_csv(data, dtype={c: object for c in text})
+    for c in text:
+        df[c] = df[c].fillna("")
+    return df

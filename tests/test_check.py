@@ -13,7 +13,7 @@ from kl_bench import estimators as est_mod
 from kl_bench.check import (baseline_bytes, baseline_comparisons, exact_comparisons, holm, make_baseline,
                              normalize_baseline)
 from kl_bench.cli import app
-from kl_bench.estimators import ESTIMATORS
+from kl_bench.estimators import ESTIMATORS, lookup
 from kl_bench.experiment import run_spec
 from kl_bench.pairs import GaussianPair, build_pair
 from kl_bench.spec import parse_spec
@@ -73,31 +73,46 @@ def _roundtrip(baseline):
 
 
 def _patch_estimator(monkeypatch, name, fn):
-    est = ESTIMATORS.get(name)
+    est = lookup(name)
     monkeypatch.setitem(ESTIMATORS._items, name, est.__class__(**{**est.__dict__, "fn": fn}))
 
 
-@pytest.mark.parametrize("bug", ["k3-without-minus-1", "logr-sign-flip", "forward-reverse-swap"])
+@pytest.mark.parametrize("bug", ["k3-without-minus-1", "logr-sign-flip-gaussian", "logr-sign-flip-categorical",
+                                 "forward-reverse-swap"])
 def test_injected_bugs_fail_the_gate(bug, monkeypatch):
+    """Each bug is injected where the engine computes the quantity, and the failures must come from the
+    rows it touches (a patch of a path that nothing calls would leave them passing)."""
+    touched = None
     if bug == "k3-without-minus-1":
         _patch_estimator(monkeypatch, "k3", lambda logr: torch.exp(logr) - logr)
-    elif bug == "logr-sign-flip":
-        from kl_bench.pairs import categorical, gaussian
-        orig_g, orig_c = gaussian.GaussianPair.sample_logr, categorical.CategoricalPair.batch_sums
-        monkeypatch.setattr(gaussian.GaussianPair, "sample_logr", lambda self, *a: -orig_g(self, *a))
+    elif bug == "logr-sign-flip-gaussian":
+        from kl_bench.pairs import gaussian
+        orig = gaussian.GaussianPair.sample          # the one place Gaussian draws are made
 
-        def flipped(self, features, tok_rows, device):
+        def flipped(self, n, generator, device):
+            logr, weight, z = orig(self, n, generator, device)
+            return -logr, weight, z
+        monkeypatch.setattr(gaussian.GaussianPair, "sample", flipped)
+        touched = {"g"}
+    elif bug == "logr-sign-flip-categorical":
+        from kl_bench.pairs import categorical
+        orig_c = categorical.CategoricalPair.batch_sums
+
+        def flipped_c(self, features, tok_rows, device):
             self._logr = -self._logr
             try:
                 return orig_c(self, features, tok_rows, device)
             finally:
                 self._logr = -self._logr
-        monkeypatch.setattr(categorical.CategoricalPair, "batch_sums", flipped)
+        monkeypatch.setattr(categorical.CategoricalPair, "batch_sums", flipped_c)
+        touched = {"c"}
     else:
         _patch_estimator(monkeypatch, "fwd_k1", est_mod.k1)
         _patch_estimator(monkeypatch, "k1", est_mod.fwd_k1)
     _, failed = _gate(_spec())
     assert failed, bug
+    if touched is not None:
+        assert {c.row.split(":")[0] for c in failed} == touched, (bug, [c.row for c in failed])
     assert all("moved from" in c.sentence() for c in failed)
 
 

@@ -9,21 +9,24 @@ import torch
 from typer.testing import CliRunner
 
 from kl_bench import gradients as G
+from kl_bench import modes as M
+from kl_bench.modes import GradItem
+from kl_bench.targets import FORWARD, REVERSE
 from kl_bench.cli import app
 from kl_bench.estimators import ESTIMATORS, make_cv
 from kl_bench.pairs import CategoricalPair, GaussianPair
 
 from .conftest import CPU
 
-ESTS = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3")] + [make_cv(0.5)]
+ESTS = [ESTIMATORS[n] for n in ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3")] + [make_cv(0.5)]
 
 
 def test_known_answers_for_the_mean_of_q():
     """q = N(0.3, 1), p = N(−0.2, 1.3²): E[∇μ k2] = d/σp² and E[∇μ k3] = d/σq², d = μq − μp."""
     pair = GaussianPair("g", [0.3], [1.0], [-0.2], [1.3])
     d = 0.5
-    k2 = G.gaussian_exact(pair, G.coefficient_poly(ESTIMATORS.get("k2"), "loss"), {}).mean
-    k3 = G.gaussian_exact(pair, G.coefficient_poly(ESTIMATORS.get("k3"), "loss"), {}).mean
+    k2 = pair.gradient_exact(GradItem.of(ESTIMATORS["k2"], "loss"), {}).mean
+    k3 = pair.gradient_exact(GradItem.of(ESTIMATORS["k3"], "loss"), {}).mean
     assert k2[0] == pytest.approx(d / 1.3**2, rel=1e-12) and k3[0] == pytest.approx(d / 1.0**2, rel=1e-12)
 
 
@@ -37,8 +40,13 @@ def test_gaussian_reference_gradients_against_autograd():
     g_rev = torch.cat(torch.autograd.grad(rev, (mu, logs), retain_graph=True)).numpy()
     g_fwd = torch.cat(torch.autograd.grad(fwd, (mu, logs))).numpy()
     pair = GaussianPair("g", [0.3, -0.1], [1.0, math.exp(0.2)], [-0.2, 0.4], [1.3, 0.8])
-    r, f = G.gaussian_reference(pair)
+    r, f = _refs(pair)
     assert np.allclose(r, g_rev, rtol=1e-12) and np.allclose(f, g_fwd, rtol=1e-12)
+
+
+def _refs(pair):
+    refs = pair.gradient_references()
+    return refs[REVERSE], refs[FORWARD]
 
 
 def _cat(b=3, v=40, seed=0):
@@ -56,18 +64,18 @@ def test_categorical_reference_gradients_against_autograd_on_the_exact_kl():
     fwd = (pair.log_p.exp() * (pair.log_p - lq)).sum(-1).mean()
     g_rev = torch.autograd.grad(rev, z, retain_graph=True)[0].reshape(-1).numpy()
     g_fwd = torch.autograd.grad(fwd, z)[0].reshape(-1).numpy()
-    r, f = G.categorical_reference(pair)
+    r, f = _refs(pair)
     assert np.allclose(r, g_rev, rtol=1e-10, atol=1e-15) and np.allclose(f, g_fwd, rtol=1e-10, atol=1e-15)
 
 
-@pytest.mark.parametrize("mode", G.MODES)
+@pytest.mark.parametrize("mode", M.MODES)
 def test_categorical_expected_gradient_against_brute_force(mode):
     pair = _cat(b=2, v=15, seed=1)
     for est in ESTS:
-        if mode == "straight_through" and est.name != "k3":
+        if mode not in M.modes_for(est):
             continue
-        c = G.coefficient(est, mode)
-        ex = G.categorical_exact(pair, c(pair._logr), {}).mean.reshape(2, 15)
+        c = M.coefficient(est, mode)
+        ex = pair.exact_gradient_of_table(c(pair.support_logr), {}).mean.reshape(2, 15)
         q = pair.log_q.exp().numpy()
         brute = np.zeros((2, 15))
         for b in range(2):
@@ -109,15 +117,15 @@ def test_categorical_trace_and_n_for_cos90_hold_up_in_simulation():
     """Batches of n_for_cos90 draws: the batch-mean gradient (e_x − q weighted by c, averaged) has cosine
     ≥ 0.9 with ∇KL(q‖p) in at least 95% of 2000 simulated batches (within binomial noise)."""
     pair = _cat(b=1, v=200, seed=4)
-    k2 = ESTIMATORS.get("k2")
+    k2 = ESTIMATORS["k2"]
     r = pd.DataFrame(G.gradient_rows(pair, [k2], draws=400_000, seed=1, batches=100, device=CPU)).set_index("mode").loc["loss"]
     assert abs(r["z_trace"]) < 5                       # the measured E|g|² against its exact value
     n, trials = int(r["n_for_cos90"]), 2000
-    rev, _ = G.categorical_reference(pair)
+    rev, _ = _refs(pair)
     q = pair.log_q.exp()[0]
     ids = pair.sample_ids(n * trials, torch.Generator().manual_seed(11), CPU).view(trials, n)
-    c = G.coefficient(k2, "loss")(pair._logr[ids])                                   # [trials, n]
-    grads = torch.zeros(trials, 200, dtype=torch.float64).scatter_add_(1, pair._support[ids], c) / n
+    c = M.coefficient(k2, "loss")(pair.support_logr[ids])                                   # [trials, n]
+    grads = torch.zeros(trials, 200, dtype=torch.float64).scatter_add_(1, pair.support_ids[ids], c) / n
     grads -= q[None] * c.mean(1, keepdim=True)                                       # mean of c (e_x − q)
     g = grads.numpy()
     cos = (g @ rev) / (np.linalg.norm(g, axis=1) * np.linalg.norm(rev))
@@ -160,9 +168,9 @@ def test_categorical_sampler_gradients_against_brute_force_and_monte_carlo(weigh
                            sampler_label="temperature=1.5")
     q, b = base.log_q.exp().numpy(), lb.exp().numpy()
     rows = pd.DataFrame(G.gradient_rows(pair, ESTS[:3], draws=200_000, seed=2, batches=100, device=CPU))
-    rev, fwd = G.categorical_reference(pair)
-    for j, (est, mode) in enumerate((e, m) for e in ESTS[:3] for m in G.modes_for(e)):
-        c = G.coefficient(est, mode)
+    rev, fwd = _refs(pair)
+    for j, (est, mode) in enumerate((e, m) for e in ESTS[:3] for m in M.modes_for(e)):
+        c = M.coefficient(est, mode)
         brute = np.zeros((2, 30))
         for ctx in range(2):
             for x in range(30):
@@ -171,10 +179,9 @@ def test_categorical_sampler_gradients_against_brute_force_and_monte_carlo(weigh
                 s[x] += 1
                 lr = torch.tensor([float(pair.log_p[ctx, x] - pair.log_q[ctx, x])], dtype=torch.float64)
                 brute[ctx] += 0.5 * b[ctx, x] * w * float(c(lr)[0]) * s
-        got = G.categorical_exact(pair, c(pair._logr) * (pair._is_weight if pair._is_weight is not None else 1),
-                                  {}).mean
+        got = pair.gradient_exact(GradItem.of(est, mode), {}).mean
         assert np.allclose(got, brute.reshape(-1), rtol=1e-10, atol=1e-15), (est.name, mode)
-        assert G._compare("", brute.reshape(-1), rev, fwd)["cos_reverse"] == pytest.approx(
+        assert G.cosines(brute.reshape(-1), rev, fwd)["cos_reverse"] == pytest.approx(
             rows.iloc[j]["exact_cos_reverse"], abs=1e-12) or rows.iloc[j]["equals"] == "zero"
     assert (rows["sampler"] == "temperature=1.5").all()
     assert (rows["z_reverse"].abs() < 5).all() and (rows["z_trace"].abs() < 5).all(), rows[["estimator", "mode",
@@ -192,9 +199,9 @@ def test_gaussian_sampler_gradients_against_quadrature_and_monte_carlo(weights):
     from scipy import integrate
     pair = GaussianPair("gs", [0.3], [1.0], [-0.2], [1.3], std_scale=1.3, weights=weights, sampler_label="std×1.3")
     rows = pd.DataFrame(G.gradient_rows(pair, ESTS[:3], draws=400_000, seed=4, batches=100, device=CPU))
-    for j, (est, mode) in enumerate((e, m) for e in ESTS[:3] for m in G.modes_for(e)):
-        c = G.coefficient(est, mode)
-        ex = G.gaussian_exact(pair, G.coefficient_poly(est, mode), {}).mean
+    for j, (est, mode) in enumerate((e, m) for e in ESTS[:3] for m in M.modes_for(e)):
+        c = M.coefficient(est, mode)
+        ex = pair.gradient_exact(GradItem.of(est, mode), {}).mean
 
         def integrand(x, comp):
             lq = -0.5 * (x - 0.3) ** 2
@@ -213,22 +220,22 @@ def test_gaussian_sampler_gradients_against_quadrature_and_monte_carlo(weights):
         assert got[("k2", "loss")] == "reverse" and got[("k3", "loss")] == "forward"
 
 
-@pytest.mark.parametrize("mode", G.MODES)
+@pytest.mark.parametrize("mode", M.MODES)
 def test_coefficients_match_autograd_of_the_trainer_losses(mode):
     """c(log r)·(e_x − q) equals autograd of the loss as written in a trainer, for every token, also
     for a clamped k3 (the clamps are active on part of this vocabulary)."""
     pair = _cat(b=1, v=12, seed=7)
     from kl_bench.estimators import resolve_estimator
-    from kl_bench.spec import EstimatorOption
+    from kl_bench.estimators import EstimatorOption
     clamped = resolve_estimator(EstimatorOption("k3", "k3 clamped", logr_clamp=0.5, clamp=0.3))
     for est in ESTS + [clamped]:
-        if mode == "straight_through" and est.name != "k3":
+        if mode not in M.modes_for(est):
             continue
         for x in range(12):
             theta = pair.log_q[0].clone().requires_grad_(True)
             lq = torch.log_softmax(theta, -1)
-            (g,) = torch.autograd.grad(G.trainer_loss(est, mode, lq[x], pair.log_p[0, x]), theta)
+            (g,) = torch.autograd.grad(M.trainer_loss(est, mode, lq[x], pair.log_p[0, x]), theta)
             s = -pair.log_q[0].exp()
             s[x] += 1
-            c = G.coefficient(est, mode)(pair.log_p[0, x:x + 1] - pair.log_q[0, x:x + 1])
+            c = M.coefficient(est, mode)(pair.log_p[0, x:x + 1] - pair.log_q[0, x:x + 1])
             assert torch.allclose(g, c * s, rtol=1e-12, atol=1e-14), (est.name, mode, x)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kl_bench.cli import app
 from kl_bench.engine import run_case
-from kl_bench.estimators import ESTIMATORS, make_cv
+from kl_bench.estimators import ESTIMATORS, make_cv, lookup
 from kl_bench.experiment import run_experiment_case
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
@@ -32,7 +32,7 @@ def _tiny(eos, seed=0, v=4, c=2, t=3, bucket=None):
 
 def _brute(pair):
     """Sequence probability, L, per-step log r and per-step context KL for every sequence."""
-    g, kl = pair._g.numpy(), pair._kl_ctx.numpy()
+    g, kl = pair.logr_table.numpy(), pair.kl_ctx.numpy()
     seqs = brute_force_sequences(pair)
     prob = np.array([p for p, _ in seqs])
     steps = [[g[c, x] for c, x in path] for _, path in seqs]
@@ -58,7 +58,7 @@ def test_dp_matches_brute_force_enumeration(kw):
     assert pair.kl() == pytest.approx(-(prob * seq_l).sum(), rel=1e-12)
     assert pair.kl_forward() == pytest.approx((prob * np.exp(seq_l) * seq_l).sum(), rel=1e-12)
     for name in LOGR:
-        est = ESTIMATORS.get(name)
+        est = lookup(name)
         seq = est.fn(torch.tensor(seq_l)).numpy()
         tok = np.array([float(est.fn(torch.tensor(s, dtype=torch.float64)).sum()) for s in steps])
         for agg, values in (("seq", seq), ("tok", tok)):
@@ -67,7 +67,7 @@ def test_dp_matches_brute_force_enumeration(kw):
             assert em == pytest.approx(m, rel=1e-10, abs=1e-13), (name, agg)
             assert ev == pytest.approx(v, rel=1e-9, abs=1e-13), (name, agg)
     m, v = _moments(prob, full)
-    assert pair.exact_moments(ESTIMATORS.get("full"), "tok") == (pytest.approx(m, rel=1e-12),
+    assert pair.exact_moments(lookup("full"), "tok") == (pytest.approx(m, rel=1e-12),
                                                                  pytest.approx(v, rel=1e-9, abs=1e-15))
     # λ* for both aggregations: Cov(a, b)/Var(b) by enumeration.
     a = -seq_l
@@ -112,7 +112,7 @@ def test_eos_stops_contributions_and_length_matches_the_dp():
     from kl_bench.estimators import REVERSE, Estimator
     ones = Estimator("ones", torch.ones_like, REVERSE, False, True, "1", None)
     pair = _small(eos=499, t=64)
-    exact = pair.tok_moments(torch.ones_like(pair._g))
+    exact = pair.tok_moments(torch.ones_like(pair.logr_table))
     assert exact[1] < 0.9 * 64          # EOS ends most sequences early (exactly 45.6 tokens on average)
     draws = pair.sample_draws(50_000, torch.Generator().manual_seed(0), CPU, [Row(ones, "tok")])
     steps = draws.tok[:, 0]
@@ -188,21 +188,21 @@ def test_seq_k3_variance_explodes_with_length_while_tok_k3_does_not():
     for t in (16, 64, 256):
         pair = _small(eos=None, t=t, noise=0.3)
         true = pair.kl()
-        rel[t] = {agg: math.sqrt(pair.exact_moments(ESTIMATORS.get("k3"), agg)[1]) / true for agg in ("seq", "tok")}
-        rel[t]["full"] = math.sqrt(pair.exact_moments(ESTIMATORS.get("full"), "tok")[1]) / true
+        rel[t] = {agg: math.sqrt(pair.exact_moments(lookup("k3"), agg)[1]) / true for agg in ("seq", "tok")}
+        rel[t]["full"] = math.sqrt(pair.exact_moments(lookup("full"), "tok")[1]) / true
     assert rel[16]["seq"] < rel[64]["seq"] < rel[256]["seq"] and rel[256]["seq"] > 100 * rel[64]["seq"]
     assert rel[16]["tok"] > rel[64]["tok"] > rel[256]["tok"]
     assert rel[16]["full"] > rel[64]["full"] > rel[256]["full"]
     assert all(rel[t]["full"] < rel[t]["tok"] for t in rel)
-    assert make_cv(1.0).poly == ESTIMATORS.get("k3").poly
+    assert make_cv(1.0).poly == lookup("k3").poly
 
 
 def test_exact_kurtosis_flags_seq_rows_whose_measured_std_cannot_be_trusted():
     pair = _small(eos=None, t=64, noise=0.6)
-    kurt = pair.kurtosis_proxy(ESTIMATORS.get("k3"), "seq")
+    kurt = pair.kurtosis_proxy(lookup("k3"), "seq")
     assert kurt > 10_000
-    assert math.isnan(pair.kurtosis_proxy(ESTIMATORS.get("k3"), "tok"))
-    assert math.isnan(pair.kurtosis_proxy(ESTIMATORS.get("k1"), "seq"))
+    assert math.isnan(pair.kurtosis_proxy(lookup("k3"), "tok"))
+    assert math.isnan(pair.kurtosis_proxy(lookup("k1"), "seq"))
     df = to_frame(summarize(run_case(pair, ["k1", "k3"], draws=10_000, seed=0, batches=20,
                                      chunk=1 << 22, device=CPU)))
     flags = dict(zip(df["aggregate"] + " " + df["estimator"], df["heavy_tail"]))

@@ -9,15 +9,18 @@ import pytest
 import torch
 
 from kl_bench import gradients as G
-from kl_bench import rollout_grad as RG
-from kl_bench.engine import batch_sizes
-from kl_bench.estimators import ESTIMATORS, make_cv
+from kl_bench import modes as M
+from kl_bench.engine import run_gradients
+from kl_bench.modes import GradItem
+from kl_bench.pairs.rollout.gradients import SortedPaths
+from kl_bench.targets import FORWARD, REVERSE
+from kl_bench.estimators import ESTIMATORS, make_cv, lookup
 from kl_bench.pairs import CategoricalPair
 from kl_bench.pairs.rollout import RolloutPair, brute_force_sequences
 
 from .conftest import CPU
 
-ESTS = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3", "abs", "fwd_k3")] + [make_cv(0.5)]
+ESTS = [lookup(n) for n in ("k1", "k2", "k3", "abs", "fwd_k3")] + [make_cv(0.5)]
 
 
 def _roll(c=2, v=5, t=3, eos=4, seed=0, noise=0.6):
@@ -28,13 +31,23 @@ def _roll(c=2, v=5, t=3, eos=4, seed=0, noise=0.6):
 
 
 def _items(ests=ESTS):
-    return [(e, m, a) for a in RG.AGGREGATES for e in ests for m in G.modes_for(e)]
+    return [(e, m, a) for a in ("seq", "tok") for e in ests for m in M.modes_for(e)]
+
+
+def _refs(pair):
+    refs = pair.gradient_references()
+    return refs[REVERSE], refs[FORWARD]
+
+
+def _exact(pair, est, mode, agg=""):
+    ex = pair.gradient_exact(GradItem.of(est, mode, agg), {})
+    return None if ex is None else ex.mean
 
 
 def _enumerate(pair: RolloutPair):
     """Every sequence the sampler can draw: (b-probability, [(bucket, token)], per-token capped q/b);
     b = q without a sampler, EOS suppressed in the first phase when min_length asks."""
-    step_lb = [lb.numpy() for lb, steps in pair._phases for _ in range(steps)]
+    step_lb = [lb.numpy() for lb, steps in pair.phases for _ in range(steps)]
     lq = pair.log_q.numpy()
     out = []
 
@@ -61,8 +74,8 @@ def _enumerate(pair: RolloutPair):
 def _brute(pair: RolloutPair, est, mode: str, agg: str) -> tuple[np.ndarray, float]:
     """(E[g], E|g|²) of one row by enumerating every sequence, with explicit per-step score vectors and
     the sampler's importance weights (per token or per sequence)."""
-    c = G.coefficient(est, mode)
-    q, gt = pair.log_q.exp().numpy(), pair._g.numpy()
+    c = M.coefficient(est, mode)
+    q, gt = pair.log_q.exp().numpy(), pair.logr_table.numpy()
     mean, second = np.zeros(q.size), 0.0
     for prob, path, wts in _enumerate(pair):
         big_w = math.prod(wts) if pair.weights != "none" else 1.0
@@ -105,13 +118,13 @@ def _reference_by_enumeration(pair: RolloutPair) -> tuple[np.ndarray, np.ndarray
                          ids=["eos", "no-eos", "eos-first"])
 def test_references_and_exact_means_against_enumeration(kw):
     pair = _roll(**kw)
-    rev, fwd = RG.reference(pair)
+    rev, fwd = _refs(pair)
     b_rev, b_fwd = _reference_by_enumeration(pair)
     scale = np.abs(b_rev).max()
     assert np.allclose(rev, b_rev, rtol=0, atol=1e-12 * scale) and np.allclose(fwd, b_fwd, rtol=0, atol=1e-12 * scale)
     checked = 0
     for est, mode, agg in _items():
-        ex = RG.exact_mean(pair, est, mode, agg)
+        ex = _exact(pair, est, mode, agg)
         if est.name == "abs" and agg == "seq":
             assert ex is None               # |L| is not a polynomial in (R, L): no exact value
             continue
@@ -125,8 +138,8 @@ def test_what_each_mode_equals_on_a_multi_token_rollout():
     """Sequence-level rows follow the categorical table; per-token rows in the loss only see each
     token's own distribution (the path held fixed), so on T > 1 they equal neither KL gradient."""
     pair = _roll(t=3)
-    rev, fwd = RG.reference(pair)
-    got = {(e.name, m, a): G._equals(RG.exact_mean(pair, e, m, a), rev, fwd) for e, m, a in _items()
+    rev, fwd = _refs(pair)
+    got = {(e.name, m, a): G.equals(_exact(pair, e, m, a), rev, fwd) for e, m, a in _items()
            if not (e.name == "abs" and a == "seq")}
     want = {("k1", "loss", "seq"): "zero", ("k1", "reward", "seq"): "reverse", ("k2", "loss", "seq"): "reverse",
             ("k3", "loss", "seq"): "forward", ("k3", "loss_is", "seq"): "reverse",
@@ -141,13 +154,13 @@ def test_one_token_rollout_is_the_categorical_benchmark():
     """T = 1: the rollout gradients are the categorical ones of bucket 0 (other buckets' rows are 0)."""
     pair = _roll(c=3, v=7, t=1, eos=None, seed=2)
     cat = CategoricalPair("c", pair.log_q[:1], pair.log_p[:1])
-    rev, fwd = RG.reference(pair)
-    c_rev, c_fwd = G.categorical_reference(cat)
+    rev, fwd = _refs(pair)
+    c_rev, c_fwd = _refs(cat)
     assert np.allclose(rev[:7], c_rev, atol=1e-14) and np.abs(rev[7:]).max() == 0
     assert np.allclose(fwd[:7], c_fwd, atol=1e-14)
-    for est, mode, agg in _items([ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]):
-        ex = RG.exact_mean(pair, est, mode, agg)
-        c_ex = G.categorical_exact(cat, G.coefficient(est, mode)(cat._logr), {}).mean
+    for est, mode, agg in _items([lookup(n) for n in ("k1", "k2", "k3")]):
+        ex = _exact(pair, est, mode, agg)
+        c_ex = _exact(cat, est, mode)
         assert np.allclose(ex[:7], c_ex, atol=1e-14) and np.abs(ex[7:]).max() < 1e-15, (est.name, mode, agg)
 
 
@@ -159,7 +172,7 @@ def test_squared_norm_of_a_path_gradient_against_explicit_vectors():
     q = torch.softmax(torch.randn(c, v, generator=g, dtype=torch.float64), -1)
     keys = torch.randint(0, c * v, (n, t), generator=g)
     w = torch.randn(n, t, generator=g, dtype=torch.float64) * (torch.rand(n, t, generator=g) > 0.2)
-    got = RG._Sorted.of(keys, q.reshape(-1), (q * q).sum(-1), v).sq_norm(w)
+    got = SortedPaths.of(keys, q.reshape(-1), (q * q).sum(-1), v).sq_norm(w)
     for i in range(n):
         vec = torch.zeros(c, v, dtype=torch.float64)
         for k, wt in zip(keys[i].tolist(), w[i].tolist()):
@@ -178,14 +191,14 @@ def test_monte_carlo_against_exact_within_five_standard_errors():
     assert rows["exact_trace_cov"].isna().all() and rows["z_trace"].isna().all()
     # The measured per-draw E|g|² against enumeration (no exact second moments in production).
     items = _items()
-    rev, fwd = RG.reference(pair)
-    sizes = batch_sizes(200_000, 100)
-    mc = RG.monte_carlo(pair, items, [G._unit(rev), G._unit(fwd)], sizes, 5, CPU, G.coefficient)
-    n_k = np.array(sizes, dtype=np.float64)
+    rev, fwd = _refs(pair)
+    mc = run_gradients(pair, [GradItem.of(*it) for it in items], {"reverse": G.unit(rev), "forward": G.unit(fwd)},
+                       draws=200_000, seed=5, batches=100, device=CPU)
+    n_k = mc.sizes
     for j, item in enumerate(items):
         _, second = _brute(pair, *item)
         m = mc.sq[:, j].sum() / n_k.sum()
-        se = math.sqrt(float(((mc.sq[:, j] / n_k - m) ** 2).sum()) / (len(sizes) - 1) / len(sizes))
+        se = math.sqrt(float(((mc.sq[:, j] / n_k - m) ** 2).sum()) / (len(n_k) - 1) / len(n_k))
         assert abs(m - second) / se < 5, (item[0].name, item[1], item[2], m, second)
         mean, _ = _brute(pair, *item)
         assert rows.iloc[j]["trace_cov"] == pytest.approx(mc.sq[:, j].sum() / n_k.sum() - float(
@@ -213,12 +226,12 @@ def _sampled(weights: str, cap=None, min_length=0, temperature=1.4):
                          ids=["none", "token", "sequence", "token-capped-minlen", "minlen"])
 def test_sampler_expected_gradients_against_enumeration_and_monte_carlo(kw):
     pair = _sampled(**kw)
-    rev, _ = RG.reference(pair)
+    rev, _ = _refs(pair)
     scale = np.abs(rev).max()
-    ests = [ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]
+    ests = [lookup(n) for n in ("k1", "k2", "k3")]
     for est, mode, agg in _items(ests):
         want, _ = _brute(pair, est, mode, agg)
-        got = RG.exact_mean(pair, est, mode, agg)
+        got = _exact(pair, est, mode, agg)
         assert np.allclose(got, want, rtol=0, atol=1e-12 * scale), (est.name, mode, agg)
     rows = pd.DataFrame(G.gradient_rows(pair, ests, draws=100_000, seed=1, batches=50, device=CPU))
     assert (rows["sampler"] == "temperature").all()
@@ -231,11 +244,11 @@ def test_sequence_weights_undo_the_sampler():
     weights undo it for the local tok rows (each token's own expectation)."""
     pair, plain = _sampled("sequence"), _roll(c=2, v=5, t=3, eos=4, seed=3)
     tok = _sampled("token")
-    for est, mode, agg in _items([ESTIMATORS.get(n) for n in ("k1", "k2", "k3")]):
-        want = RG.exact_mean(plain, est, mode, agg)
-        assert np.allclose(RG.exact_mean(pair, est, mode, agg), want, atol=1e-13), (est.name, mode, agg)
+    for est, mode, agg in _items([lookup(n) for n in ("k1", "k2", "k3")]):
+        want = _exact(plain, est, mode, agg)
+        assert np.allclose(_exact(pair, est, mode, agg), want, atol=1e-13), (est.name, mode, agg)
         if agg == "tok" and mode != "reward" and np.abs(want).max() > 1e-9:     # k1's loss rows are zero
-            got = RG.exact_mean(tok, est, mode, agg)
+            got = _exact(tok, est, mode, agg)
             assert not np.allclose(got, want, atol=1e-6)   # the bucket visits still follow b
 
 
@@ -244,11 +257,11 @@ def test_per_draw_weights_match_autograd_of_the_trainer_losses():
     Σ_t f_t; tok local: c(log r_t)) give the same gradient as autograd of the trainer's loss."""
     pair = _roll(c=2, v=5, t=4, eos=4, seed=6)
     rec: list = []
-    pair._simulate([6], [torch.Generator().manual_seed(0)], CPU, record=rec)
+    pair.simulate([6], [torch.Generator().manual_seed(0)], CPU, record=rec)
     keys, alive = torch.stack([r[0] for r in rec], 1), torch.stack([r[1] for r in rec], 1)
     q = pair.log_q.exp()
-    for est, mode, agg in _items([ESTIMATORS.get(n) for n in ("k1", "k2", "k3")] + [make_cv(0.3)]):
-        c = G.coefficient(est, mode)
+    for est, mode, agg in _items([lookup(n) for n in ("k1", "k2", "k3")] + [make_cv(0.3)]):
+        c = M.coefficient(est, mode)
         for i in range(keys.shape[0]):
             theta = pair.log_q.clone().requires_grad_(True)
             lq = torch.log_softmax(theta, -1).reshape(-1)
@@ -257,20 +270,20 @@ def test_per_draw_weights_match_autograd_of_the_trainer_losses():
             logr_t = (lp_t - lq_t) * a
             if agg == "seq":
                 big_lq, big_lp = (lq_t * a).sum(), (lp_t * a).sum()
-                loss = G.trainer_loss(est, mode, big_lq, big_lp)
+                loss = M.trainer_loss(est, mode, big_lq, big_lp)
             elif mode == "reward":
                 loss = (est.fn(logr_t.detach()) * a).sum() * (lq_t * a).sum()
             else:
-                loss = (G.trainer_loss(est, mode, lq_t, lp_t) * a).sum()
+                loss = (M.trainer_loss(est, mode, lq_t, lp_t) * a).sum()
             (g,) = torch.autograd.grad(loss, theta)
-            # the same gradient from the per-step weights used by rollout_grad.monte_carlo
-            lr = (pair._g.reshape(-1)[keys[i]] * a)
+            # the same gradient from the per-step weights used by RolloutGradients.add
+            lr = (pair.logr_table.reshape(-1)[keys[i]] * a)
             if agg == "seq":
                 w = c(lr.sum().reshape(1)) * a
             elif mode == "reward":
                 w = (est.fn(lr) * a).sum() * a
             else:
-                w = c(pair._g.reshape(-1)[keys[i]]) * a
+                w = c(pair.logr_table.reshape(-1)[keys[i]]) * a
             want = torch.zeros(pair.buckets * pair.vocab, dtype=torch.float64).index_add_(0, keys[i], w)
             want = want.reshape(q.shape)
             want = want - want.sum(-1, keepdim=True) * q

@@ -1,45 +1,26 @@
-"""Distribution pairs (q, p): one module per case kind, one registry of kinds.
+"""Distribution pairs (q, p): one module per case kind, each registering itself in :data:`CASE_KINDS`.
 
-A pair knows its exact KL in both directions, the exact moments of every estimator, and how to
-turn random draws into per-batch sums of per-draw features (see :mod:`kl_bench.engine`).
+A pair knows the exact value of each target it supports, the exact moments of every row, how to turn
+random draws into per-batch sums of per-draw features (see :mod:`kl_bench.engine`), and its gradient
+oracles. The interface is :class:`kl_bench.pairs.base.Pair`; a new kind is one module with a class
+decorated by :func:`register_kind` (a test registers a toy kind from its own file).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
-from ..registry import Registry
-from .base import Pair
-from .categorical import CategoricalPair
-from .gaussian import GaussianPair
-from .rollout import RolloutPair
+from ..errors import SpecError
+from .base import CASE_KINDS, CaseConfig, CaseKind, Pair, register_kind
+from .categorical import CategoricalCase, CategoricalPair
+from .gaussian import GaussianCase, GaussianPair
+from .rollout import RolloutCase, RolloutPair
 
 
-@dataclass(frozen=True)
-class CaseKind:
-    name: str
-    build: Callable[..., Pair]
-    description: str
-
-
-CASE_KINDS: Registry[CaseKind] = Registry("case kind")
-CASE_KINDS.add("gaussian", CaseKind("gaussian", GaussianPair.from_case,
-                                    "diagonal Gaussians q = N(μq, σq²), p = N(μp, σp²); closed forms"))
-CASE_KINDS.add("categorical", CaseKind("categorical", CategoricalPair.from_case,
-                                       "categoricals over a vocabulary, [V] or [B, V] logits; exact sums"))
-CASE_KINDS.add("rollout", CaseKind("rollout", RolloutPair.from_case,
-                                   "T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
-                                   "exact dynamic programming"))
-
-
-def build_pair(case, spec_file: str | None = None) -> Pair:
-    """Build the pair for a validated case from the spec (may load logits files); errors name
-    ``spec_file`` and the case."""
-    from ..errors import SpecError
+def build_pair(case: CaseConfig, spec_file: str | None = None) -> Pair:
+    """Build the pair for a validated case (may load logits files); errors name ``spec_file`` and the case."""
     try:
-        return CASE_KINDS.get(case.kind).build(case)
+        return CASE_KINDS[case.kind].pair.from_config(case)
     except SpecError as e:
         raise e.located(file=spec_file, case=case.name) from None
 
 
-__all__ = ["Pair", "GaussianPair", "CategoricalPair", "RolloutPair", "CASE_KINDS", "build_pair"]
+__all__ = ["Pair", "CaseConfig", "CaseKind", "GaussianPair", "CategoricalPair", "RolloutPair", "GaussianCase",
+           "CategoricalCase", "RolloutCase", "CASE_KINDS", "register_kind", "build_pair"]

@@ -1,15 +1,29 @@
-"""The interface every distribution pair implements."""
+"""The one interface every case kind implements, and the registry of kinds.
+
+A kind is one module (or package) under ``kl_bench/pairs/``: its config dataclass, its parser and
+allowed keys, its sampler keys, its oracle validation, its metadata for ``run.json``, its sampling, its
+exact moments and its gradient oracles, registered with :func:`register_kind`. Nothing outside
+``pairs/`` asks what type a pair is; it asks the methods below.
+"""
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
 
+from ..config import Table
 from ..draws import Draws, Row
-from ..estimators import FORWARD, Estimator
+from ..errors import SpecError
+from ..estimators import RowSource
+from ..modes import ExactGrad, GradBatch, GradItem
+from ..registry import Registry
+from ..samplers import SamplerSpec
+from ..targets import FORWARD, REVERSE, TARGETS
 
 # Per-draw features: Draws [n] → [n, P] float64 (see engine.make_features).
 Features = Callable[[Draws], torch.Tensor]
@@ -17,9 +31,18 @@ Features = Callable[[Draws], torch.Tensor]
 BatchSums = Callable[[list[int], list[torch.Generator]], torch.Tensor]
 
 
+@dataclass(frozen=True, kw_only=True)
+class CaseConfig:
+    """What every case has; a kind's config dataclass adds its own fields (frozen, keyword-only)."""
+    name: str
+    draws: int | None = None             # overrides [experiment] draws for this case
+    sampler: SamplerSpec | None = None
+    kind: ClassVar[str] = ""
+
+
 @dataclass(frozen=True)
 class JointMoments:
-    """Moments of a = −log r and b = r − 1 under q: all that cv(λ) = a + λb needs.
+    """Moments of a = −log r and b = r − 1 under q: all that cv(λ) = a + λb needs (docs/lambda.md).
 
     E[cv(λ)] = mean_a + λ·mean_b,  Var[cv(λ)] = var_a + 2λ·cov_ab + λ²·var_b,
     λ* = −cov_ab/var_b = Cov(log r, r)/Var(r) = [KL(p‖q) + KL(q‖p)]/χ²(p‖q).
@@ -41,7 +64,6 @@ class JointMoments:
 
     def var(self, lam):
         """Var[cv(λ)]; +inf for λ ≠ 0 when var_b is infinite. Works on floats and numpy arrays."""
-        import numpy as np
         lam = np.asarray(lam, dtype=np.float64)
         if math.isinf(self.var_b):
             out = np.where(lam == 0, self.var_a, np.inf)
@@ -50,56 +72,90 @@ class JointMoments:
         return float(out) if out.ndim == 0 else out
 
 
+# ----------------------------------------------------------------------------- gradients
+class GradientAccumulator(ABC):
+    """Accumulates the per-draw gradients of every item, one batch at a time (the engine seeds them)."""
+
+    @abstractmethod
+    def add(self, n: int, generator: torch.Generator) -> GradBatch:
+        """Draw ``n`` draws from ``generator`` and return the batch's sums."""
+
+    @abstractmethod
+    def total(self) -> np.ndarray:
+        """[J, P]: Σ over every draw so far of each item's per-draw gradient."""
+
+
 class Pair(ABC):
+    """A distribution pair (q, p) of one case: exact truth, exact moments, sampling and gradients."""
     name: str
-    kind: str
+    kind: ClassVar[str] = ""
     aggregates: tuple[str, ...] = ("",)   # rollouts: ("seq", "tok")
     has_sampler: bool = False             # draws come from b ≠ q (see SamplerSpec)
     sampler_label: str = ""
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"
+    supports_gradients: ClassVar[bool] = False
+    measures_gradient_spread: ClassVar[bool] = False   # second moments measured, not exact (GradBatch.proj2)
 
+    # ---------------------------------------------------------------- spec → pair
+    @classmethod
     @abstractmethod
+    def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> CaseConfig:
+        """The kind's config from its case table ``t`` (finish ``t``: unknown keys are errors);
+        ``common``: name, draws and sampler, already parsed, to pass on to the config."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: CaseConfig) -> "Pair":
+        """Build the pair (may read files); input errors are SpecErrors naming the key."""
+
+    def validate(self, sources: list[RowSource]) -> None:
+        """Refuse (SpecError) estimators this pair has no exact oracle for, before any sampling."""
+
+    def metadata(self) -> dict[str, Any]:
+        """This case in run.json (``length`` set where rows grow with a sequence length)."""
+        return {"kind": self.kind, "description": self.describe(), "label": "", "length": None}
+
+    # ---------------------------------------------------------------- truth
+    @abstractmethod
+    def true_values(self) -> dict[str, float]:
+        """Exact value of every target this pair supports (kl_bench.targets); may be +inf."""
+
+    def true_value(self, target: str) -> float:
+        values = self.true_values()
+        if target not in values:
+            known = ", ".join(values)
+            raise SpecError(f"estimator target '{TARGETS[target].name}' has no exact value on a {self.kind} case "
+                            f"(it has: {known})", case=self.name)
+        return values[target]
+
     def kl(self) -> float:
         """Exact KL(q‖p) (the reverse KL that trainers penalise); may be +inf."""
+        return self.true_value(REVERSE)
 
-    @abstractmethod
     def kl_forward(self) -> float:
         """Exact KL(p‖q); may be +inf."""
+        return self.true_value(FORWARD)
+
+    def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
+        """The aggregates on which ``source`` gets a row (rollouts: token-only sources are not on seq)."""
+        return self.aggregates
 
     @abstractmethod
-    def exact_moments(self, est: Estimator, aggregate: str = "") -> tuple[float, float]:
+    def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
         """(E_q[f], Var_q[f]) per draw, exactly; NaN where unknown, +inf where divergent."""
 
     @abstractmethod
-    def describe(self) -> str:
-        """One line describing q and p, for captions and tables."""
-
-    @abstractmethod
-    def batch_sums(self, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
-        """Return a function that draws each batch from its own generator, x ~ q, and sums the
-        per-draw features of log r over the batch."""
-
-    @abstractmethod
-    def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
-        """How many batches to process at once without exceeding the memory budget."""
-
-    @abstractmethod
     def exact_joint(self, aggregate: str = "") -> JointMoments:
-        """Exact moments of (−log r, r − 1) under q (for rollouts: of (−L, R − 1) with "seq" and of
+        """Exact moments of (−log r, r − 1) under q (rollouts: of (−L, R − 1) with "seq" and of
         (−L, Σ_t (r_t − 1)) with "tok")."""
 
-    @abstractmethod
-    def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
-                     tok_rows: list[Row] = ()) -> Draws:
-        """``n`` explicit draws x ~ q (for small-batch simulations and tests)."""
-
-    def fourth_moment_finite(self, est: Estimator, aggregate: str = "") -> bool:
+    def fourth_moment_finite(self, est: RowSource, aggregate: str = "") -> bool:
         """Whether E_q[f⁴] < ∞. Without it a measured variance converges slowly, is usually too low,
         and batch-means errors of variances (and of λ*) are unreliable."""
         return True
 
-    def kurtosis_proxy(self, est: Estimator, aggregate: str = "") -> float:
+    def kurtosis_proxy(self, est: RowSource, aggregate: str = "") -> float:
         """An exact scale for E[f⁴]/E[f²]² where it can be huge though finite, else NaN. When it
         exceeds the number of draws, a measured variance cannot be trusted."""
         return math.nan
@@ -108,5 +164,73 @@ class Pair(ABC):
         """Exact P_q(f(log r) < 0), or NaN where no exact method exists."""
         return math.nan
 
-    def true_value(self, target: str) -> float:
-        return self.kl_forward() if target == FORWARD else self.kl()
+    @abstractmethod
+    def describe(self) -> str:
+        """One line describing q and p, for captions and tables."""
+
+    # ---------------------------------------------------------------- sampling
+    @abstractmethod
+    def batch_sums(self, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
+        """Return a function that draws each batch from its own generator, x ~ q (or b), and sums the
+        per-draw features over the batch."""
+
+    @abstractmethod
+    def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
+        """How many batches to process at once without exceeding the memory budget."""
+
+    @abstractmethod
+    def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
+                     tok_rows: list[Row] = ()) -> Draws:
+        """``n`` explicit draws (for small-batch simulations and tests)."""
+
+    # ---------------------------------------------------------------- gradients (docs/gradients.md)
+    @property
+    def gradient_params(self) -> int:
+        """Number of parameters θ of q that gradients are taken with respect to."""
+        raise self._no_gradients()
+
+    def gradient_references(self) -> dict[str, np.ndarray]:
+        """{target: ∇θ of its exact value} [P] for every target."""
+        raise self._no_gradients()
+
+    def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad | None:
+        """The exact expected per-draw gradient of ``item`` (and its second moments where exact), or
+        None where no exact value exists. ``directions``: unit vectors for projected variances."""
+        raise self._no_gradients()
+
+    def gradient_accumulator(self, items: list[GradItem], directions: dict[str, np.ndarray],
+                             device: torch.device) -> GradientAccumulator:
+        raise self._no_gradients()
+
+    def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
+        """E|c s|⁴ < ∞ (else a measured gradient variance cannot be tested against its exact value)."""
+        return True
+
+    def _no_gradients(self) -> SpecError:
+        return SpecError(f"case kind '{self.kind}' has no gradient oracles: set gradients = false or drop "
+                         "this case", case=self.name)
+
+
+@dataclass(frozen=True)
+class CaseKind:
+    name: str
+    pair: type[Pair]
+    description: str
+    sampler_keys: tuple[str, ...]     # the sampler keys this kind implements (others are refused)
+    weight_kinds: tuple[str, ...]     # the importance-weight modes it implements besides "none"
+
+
+CASE_KINDS: Registry[CaseKind] = Registry("case kind")
+
+
+def register_kind(name: str, *, description: str, sampler_keys: tuple[str, ...] = (),
+                  weight_kinds: tuple[str, ...] = ("token",)):
+    """Class decorator: register a :class:`Pair` subclass as case kind ``name``.
+
+    The class implements :meth:`Pair.parse` and :meth:`Pair.from_config` (its config dataclass
+    subclasses :class:`CaseConfig`), and everything else :class:`Pair` asks."""
+    def deco(cls: type[Pair]) -> type[Pair]:
+        cls.kind = name
+        CASE_KINDS.add(name, CaseKind(name, cls, description, tuple(sampler_keys), tuple(weight_kinds)))
+        return cls
+    return deco

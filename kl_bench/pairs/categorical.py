@@ -1,30 +1,49 @@
-"""Categorical pairs over a vocabulary, one context ([V]) or B contexts ([B, V]).
+"""Case kind ``categorical``: categoricals over a vocabulary, one context ([V]) or B contexts ([B, V]).
 
 A draw picks a context uniformly, then a token x ~ q_b. Every per-draw statistic is a function of the
 (context, token) id, so a batch never materialises per-draw values: tokens are drawn with an alias
 table, counted with ``bincount`` and every feature sum is one matrix product with a per-token table.
+Exact moments are float64 sums over the vocabulary (docs/exact.md); gradients take θ = q's logits
+[B, V] (docs/gradients.md).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from .. import exact
+from .. import oracles as exact
 from ..alias import build_alias, sample_alias
+from ..config import Table, positive
 from ..draws import Draws
-from ..estimators import Estimator
 from ..errors import SpecError
-from ..logits import resolve_pair_logits, sampler_for
-from ..spec import CategoricalCase
-from .base import BatchSums, Features, JointMoments, Pair
+from ..estimators import RowSource
+from ..logits import (LogitsSource, describe_sources, has_vocab_of_its_own, parse_pair_sources, resolve_pair_logits,
+                      sampler_for)
+from ..targets import FORWARD, REVERSE
+from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
+                   JointMoments, Pair, register_kind)
 
 # Largest [batches, M] count matrix per chunk (float64 entries): 2^22 × 8 B = 32 MiB.
 _COUNT_CELLS = 1 << 22
 
 
-class CategoricalPair(Pair):
+@dataclass(frozen=True, kw_only=True)
+class CategoricalCase(CaseConfig):
+    vocab: int | None
+    q: LogitsSource
+    p: LogitsSource
     kind = "categorical"
+
+
+@register_kind("categorical", description="categoricals over a vocabulary, [V] or [B, V] logits; exact sums",
+               sampler_keys=("temperature", "top_k", "top_p", "behavior", "weights", "weight_cap"))
+class CategoricalPair(Pair):
+    supports_gradients = True
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
@@ -61,13 +80,40 @@ class CategoricalPair(Pair):
         self._full = kl_ctx[:, None].expand_as(self.log_q).reshape(-1)[self._support]
 
     @classmethod
-    def from_case(cls, case: CategoricalCase) -> "CategoricalPair":
+    def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> CategoricalCase:
+        vocab = t.get("vocab", "int", None, positive)
+        q, p = parse_pair_sources(t, spec_dir)
+        if vocab is None and not (has_vocab_of_its_own(q) or has_vocab_of_its_own(p)):
+            raise t.error("missing required key (needed unless logits come from a file or a tensor)", key="vocab")
+        return CategoricalCase(vocab=vocab, q=q, p=p, **common)
+
+    @classmethod
+    def from_config(cls, case: CategoricalCase) -> "CategoricalPair":
         lq, lp = resolve_pair_logits(case.q, case.p, case.vocab)
         sp = case.sampler
+        label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, label=_describe_sources(case))
-        return cls(case.name, lq, lp, label=_describe_sources(case), log_b=sampler_for(sp, lq, lp),
+            return cls(case.name, lq, lp, label=label)
+        return cls(case.name, lq, lp, label=label, log_b=sampler_for(sp, lq, lp),
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe())
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "label": self.label}
+
+    @property
+    def support_ids(self) -> torch.Tensor:
+        """Flattened (context·V + token) ids that the sampler can draw, int64 [M]."""
+        return self._support
+
+    @property
+    def support_logr(self) -> torch.Tensor:
+        """log r of every id in :attr:`support_ids`, float64 [M]."""
+        return self._logr
+
+    @property
+    def importance_weights(self) -> torch.Tensor | None:
+        """The (capped) q/b of every id in :attr:`support_ids` [M], or None without weights."""
+        return self._is_weight
 
     @property
     def contexts(self) -> int:
@@ -77,18 +123,21 @@ class CategoricalPair(Pair):
     def vocab(self) -> int:
         return int(self.log_q.shape[1])
 
+    def true_values(self) -> dict[str, float]:
+        return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
+
     def kl(self) -> float:
         return exact.categorical_kl(self.log_q, self.log_p)
 
     def kl_forward(self) -> float:
         return exact.categorical_kl(self.log_p, self.log_q)
 
-    def _values(self, est: Estimator) -> torch.Tensor:
+    def _values(self, est: RowSource) -> torch.Tensor:
         """Per-entry values of ``est`` (importance-weighted when asked) on the drawn ids, [M]."""
-        v = self._full if est.name == "full" else est.fn(self._logr)
+        v = self._full if est.analytic else est.fn(self._logr)
         return v if self._is_weight is None else v * self._is_weight
 
-    def exact_moments(self, est: Estimator, aggregate: str = "") -> tuple[float, float]:
+    def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
         return exact.weighted_moments(self._weights(), self._values(est))
 
     def _weights(self) -> torch.Tensor:
@@ -151,21 +200,88 @@ class CategoricalPair(Pair):
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
         return max(1, min(chunk_draws // max(1, batch_size), _COUNT_CELLS // self._logr.shape[0]))
 
+    # ---------------------------------------------------------------- gradients
+    @property
+    def gradient_params(self) -> int:
+        return self.contexts * self.vocab
 
-def _describe_sources(case: CategoricalCase) -> str:
-    from ..spec import DerivedLogits, FileLogits, ZipfLogits
+    def _ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context index, token index) of every drawn (context, token) id."""
+        return self._support // self.vocab, self._support % self.vocab
 
-    def one(src) -> str:
-        if isinstance(src, ZipfLogits):
-            return f"zipf(s={src.exponent:g})"
-        if isinstance(src, FileLogits):
-            return f"file {src.path.name}"
-        if isinstance(src, DerivedLogits):
-            bits = [src.source]
-            if src.temperature != 1.0:
-                bits.append(f"/T={src.temperature:g}")
-            if src.noise > 0:
-                bits.append(f"+N(0,{src.noise:g}²)")
-            return "".join(bits)
-        return "?"
-    return f"q = {one(case.q)}, p = {one(case.p)}"
+    def gradient_references(self) -> dict[str, np.ndarray]:
+        """∇θ KL(q‖p) and ∇θ KL(p‖q) for θ = q's logits, averaged over contexts: rows (1/B) q⊙(log q −
+        log p − KL) and (1/B)(q − p)."""
+        q, lq, lp = self.log_q.exp(), self.log_q, self.log_p
+        b = self.contexts
+        kl = (q * (lq - lp)).sum(-1, keepdim=True)
+        return {REVERSE: (q * (lq - lp - kl) / b).reshape(-1).numpy(),
+                FORWARD: ((q - lp.exp()) / b).reshape(-1).numpy()}
+
+    def coefficient_table(self, item: GradItem) -> torch.Tensor:
+        """c(log r) on every drawn id [M], times the detached q/b of a weighted sampler."""
+        c = item.coef(self._logr)
+        return c * self._is_weight if self._is_weight is not None else c
+
+    def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad:
+        """E[c s] for s = e_x − q_b (in row b), under the mixture (1/B) b_b(x) (b = q without a sampler)."""
+        return self.exact_gradient_of_table(self.coefficient_table(item), directions)
+
+    def exact_gradient_of_table(self, c_table: torch.Tensor, directions: dict[str, np.ndarray]) -> ExactGrad:
+        """E[c s] for per-id coefficients ``c_table`` [M] (sums over the vocabulary)."""
+        b, v = self.contexts, self.vocab
+        q = self.log_q.exp()
+        w = self._weights()
+        ctx, tok = self._ids()
+        cw = torch.zeros(b, v, dtype=torch.float64)
+        cw[ctx, tok] = w * c_table                            # (1/B) b_b(x) c(x)
+        mean = cw - q * cw.sum(-1, keepdim=True)              # row b: (1/B)(b⊙c − q Σ b c)
+        s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]  # |e_x − q_b|²
+        second = float((w * c_table**2 * s_norm2).sum())
+        proj_var = {}
+        for name, u in directions.items():
+            ut = torch.as_tensor(u, dtype=torch.float64).reshape(b, v)
+            su = ut[ctx, tok] - (q * ut).sum(-1)[ctx]        # s·u for each id
+            m1 = float((w * c_table * su).sum())
+            proj_var[name] = float((w * (c_table * su - m1) ** 2).sum())
+        return ExactGrad(mean.reshape(-1).numpy(), second, proj_var)
+
+    def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
+        return _CategoricalGradients(self, items, directions, device)
+
+
+class _CategoricalGradients(GradientAccumulator):
+    """Every per-draw quantity is a table over the drawn (context, token) ids, so a batch is one
+    bincount and one matrix product; the total gradient follows from the total counts."""
+
+    def __init__(self, pair: CategoricalPair, items: list[GradItem], directions: dict[str, np.ndarray], device):
+        self.pair, self.device, self.nj = pair, device, len(items)
+        q = pair.log_q.exp()
+        ctx, tok = pair._ids()
+        self.c_tab = torch.stack([pair.coefficient_table(it) for it in items])          # [J, M]
+        su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]
+                          - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]
+                          for u in directions.values()])                                # [D, M]
+        s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]
+        self.nd = su.shape[0]
+        self.table = torch.cat([(self.c_tab[:, None, :] * su[None]).reshape(-1, self.c_tab.shape[1]),
+                                self.c_tab**2 * s_norm2])
+        self.counts = torch.zeros(self.c_tab.shape[1], dtype=torch.float64)
+
+    def add(self, n: int, generator: torch.Generator) -> GradBatch:
+        counts = torch.bincount(self.pair.sample_ids(n, generator, self.device),
+                                minlength=self.c_tab.shape[1]).double().cpu()
+        out = (self.table @ counts).numpy()
+        self.counts += counts
+        return GradBatch(out[: self.nd * self.nj].reshape(self.nj, self.nd), out[self.nd * self.nj:])
+
+    def total(self) -> np.ndarray:
+        p = self.pair
+        q = p.log_q.exp()
+        ctx, tok = p._ids()
+        total = np.zeros((self.nj, p.contexts * p.vocab))
+        for j in range(self.nj):
+            cw = torch.zeros(p.contexts, p.vocab, dtype=torch.float64)
+            cw[ctx, tok] = self.counts * self.c_tab[j]
+            total[j] = (cw - q * cw.sum(-1, keepdim=True)).reshape(-1).numpy()
+        return total

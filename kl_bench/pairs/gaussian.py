@@ -1,20 +1,54 @@
-"""Diagonal Gaussian pairs: q = N(μq, diag σq²), p = N(μp, diag σp²)."""
+"""Case kind ``gaussian``: diagonal Gaussians q = N(μq, diag σq²), p = N(μp, diag σp²).
+
+Everything about the kind lives here: its config and parser, sampler keys (``std_scale``, token
+weights), oracle validation, sampling, exact moments (closed forms and tilted Gaussians, kl_bench.exact;
+docs/exact.md) and gradient oracles with θ = (μq, log σq) per dimension (docs/gradients.md).
+"""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from .. import exact
+from .. import oracles as exact
+from ..config import Table, positive
 from ..draws import Draws
-from ..estimators import Estimator
-from ..spec import GaussianCase
-from .base import BatchSums, Features, JointMoments, Pair
+from ..errors import SpecError
+from ..estimators import Poly, RowSource, poly_square
+from ..targets import FORWARD, REVERSE
+from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
+                   JointMoments, Pair, register_kind)
 
 
-class GaussianPair(Pair):
+@dataclass(frozen=True)
+class GaussianParams:
+    """A diagonal Gaussian; ``mean`` and ``std`` have one entry per dimension."""
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GaussianCase(CaseConfig):
+    q: GaussianParams
+    p: GaussianParams
     kind = "gaussian"
+
+
+def _params(t: Table) -> GaussianParams:
+    mean = t.get("mean", "float_or_list")
+    std = t.get("std", "float_or_list", check=positive)
+    t.finish()
+    return GaussianParams(mean, std)
+
+
+@register_kind("gaussian", description="diagonal Gaussians q = N(μq, σq²), p = N(μp, σp²); closed forms",
+               sampler_keys=("std_scale", "weights", "weight_cap"))
+class GaussianPair(Pair):
+    supports_gradients = True
 
     def __init__(self, name: str, mq, sq, mp, sp, std_scale: float = 1.0, weights: str = "none",
                  weight_cap: float | None = None, sampler_label: str = ""):
@@ -25,31 +59,66 @@ class GaussianPair(Pair):
         self.std_scale, self.weighted, self.weight_cap = float(std_scale), weights == "token", weight_cap
         self.weights = weights
         self.sampler_label = sampler_label
+        self.has_sampler = self.std_scale != 1.0 or self.weighted
         g = self.params
         # log r as a quadratic in the standard normal z (x = μq + σq z), per dimension:
         #   log r = c0 + c1 z + c2 z²,  c0 = ln(σq/σp) − d²/(2σp²),  c1 = −σq d/σp²,  c2 = ½(1 − σq²/σp²).
         # Writing it this way avoids subtracting two nearly equal squares when q ≈ p.
-        self._c = [torch.as_tensor(c, dtype=torch.float64) for c in exact._logr_quadratic(g, g.mq, g.sq**2)]
+        self._c = [torch.as_tensor(c, dtype=torch.float64) for c in exact.logr_quadratic(g, g.mq, g.sq**2)]
+
+    # ---------------------------------------------------------------- spec
+    @classmethod
+    def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> GaussianCase:
+        q = _params(t.sub("q"))
+        p = _params(t.sub("p"))
+        t.finish()
+        lengths = {len(x) for x in (q.mean, q.std, p.mean, p.std)}
+        dim = max(lengths)
+        if lengths - {1, dim}:
+            raise t.error(f"q.mean, q.std, p.mean, p.std must be scalars or lists of one length; "
+                          f"got lengths {len(q.mean)}, {len(q.std)}, {len(p.mean)}, {len(p.std)}", key="q/p")
+
+        def broadcast(g: GaussianParams) -> GaussianParams:
+            return GaussianParams(g.mean * dim if len(g.mean) == 1 else g.mean,
+                                  g.std * dim if len(g.std) == 1 else g.std)
+        return GaussianCase(q=broadcast(q), p=broadcast(p), **common)
 
     @classmethod
-    def from_case(cls, case: GaussianCase) -> "GaussianPair":
+    def from_config(cls, case: GaussianCase) -> "GaussianPair":
         sp = case.sampler
         if sp is None:
             return cls(case.name, case.q.mean, case.q.std, case.p.mean, case.p.std)
         return cls(case.name, case.q.mean, case.q.std, case.p.mean, case.p.std, std_scale=sp.std_scale,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe())
 
-    @property
-    def has_sampler(self) -> bool:  # noqa: F811 (a property here, a class attribute on the base)
-        return self.std_scale != 1.0 or self.weighted
+    def validate(self, sources: list[RowSource]) -> None:
+        """Multivariate Gaussians have closed forms for polynomial estimators and |log r|, but any other
+        function of log r (clamped variants, plug-ins), a weight cap or a weighted |log r| needs
+        quadrature, which is 1-D here."""
+        if self.dim == 1:
+            return
+        what = [e.name for e in sources if not e.analytic and e.poly is None and exact.abs_logr_scale(e) is None]
+        what += [f"{e.name} with importance weights" for e in sources
+                 if self.weighted and exact.abs_logr_scale(e) is not None]
+        what += ["weight_cap"] if self.weight_cap is not None else []
+        if what:
+            raise SpecError(f"no exact oracle for {', '.join(what)} on a {self.dim}-dimensional Gaussian "
+                            "(quadrature is 1-D only): use a 1-D case or drop them", case=self.name)
 
     @property
-    def _b(self):
+    def sampler_params(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean [D], std [D]) of the sampler b (b = q without one)."""
         return self.params.mq, self.std_scale * self.params.sq
+
+    _b = sampler_params
 
     @property
     def dim(self) -> int:
         return int(self.params.mq.shape[0])
+
+    # ---------------------------------------------------------------- truth and exact moments
+    def true_values(self) -> dict[str, float]:
+        return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
 
     def kl(self) -> float:
         g = self.params
@@ -59,13 +128,13 @@ class GaussianPair(Pair):
         g = self.params
         return exact.gaussian_kl(g.mp, g.sp, g.mq, g.sq)
 
-    def exact_moments(self, est: Estimator, aggregate: str = "") -> tuple[float, float]:
-        if est.name == "full" and not self.weighted:
+    def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
+        if est.analytic and not self.weighted:
             return self.kl(), 0.0          # one context: the analytic KL, a constant
         if self.has_sampler:
-            if est.name == "full":          # KL·w: E_b[w] = 1, Var_b[w] = E_q[q/b] − 1
-                m2 = math.exp(exact._tilt(self.params, 0, self._b, 2)[0]) if exact._tilt(
-                    self.params, 0, self._b, 2) else math.inf
+            if est.analytic:                # KL·w: E_b[w] = 1, Var_b[w] = E_q[q/b] − 1
+                t = exact.tilt(self.params, 0, self._b, 2)
+                m2 = math.exp(t[0]) if t else math.inf
                 return self.kl(), self.kl() ** 2 * (m2 - 1)
             return exact.gaussian_sampler_moments(self.params, est, self._b, self.weighted, self.weight_cap)
         return exact.gaussian_estimator_moments(self.params, est)
@@ -76,32 +145,30 @@ class GaussianPair(Pair):
         return JointMoments(mean_a=self.kl(), mean_b=0.0, var_a=exact.gaussian_var_k1(g),
                             var_b=exact.gaussian_chi2(g), cov_ab=-(self.kl() + self.kl_forward()))
 
-    def fourth_moment_finite(self, est: Estimator, aggregate: str = "") -> bool:
+    def _fourth_finite(self, poly: Poly | None) -> bool:
         # f is a polynomial in r^s (log r)^k; f⁴ reaches r^{4·s_max}, finite iff the tilt normalises.
-        s_max = max((s for (s, _), c in est.poly.items() if c != 0), default=0) if est.poly is not None else 0
+        s_max = max((s for (s, _), c in poly.items() if c != 0), default=0) if poly is not None else 0
         if self.has_sampler:
-            return exact._tilt(self.params, 4 * s_max, self._b, 4 if self.weighted and not self.weight_cap else 0) \
+            return exact.tilt(self.params, 4 * s_max, self._b, 4 if self.weighted and not self.weight_cap else 0) \
                 is not None
-        return exact._tilt(self.params, 4 * s_max) is not None
+        return exact.tilt(self.params, 4 * s_max) is not None
+
+    def fourth_moment_finite(self, est: RowSource, aggregate: str = "") -> bool:
+        return self._fourth_finite(est.poly)
 
     def describe(self) -> str:
-        return self._describe_pair() + (f"; {self.sampler_label}" if self.sampler_label else "")
-
-    def _describe_pair(self) -> str:
         g = self.params
 
         def fmt(m, s):
             if self.dim == 1:
                 return f"N({m[0]:g}, {s[0]:g}²)"
             return f"N([{', '.join(f'{x:g}' for x in m)}], diag[{', '.join(f'{x:g}' for x in s)}]²)"
-        return f"q = {fmt(g.mq, g.sq)}, p = {fmt(g.mp, g.sp)}"
+        return f"q = {fmt(g.mq, g.sq)}, p = {fmt(g.mp, g.sp)}" + (f"; {self.sampler_label}" if self.sampler_label else "")
 
-    def sample_logr(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-        """log r for ``n`` draws x ~ b (b = q unless a sampler scales the std); float64 [n]."""
-        return self._sample(n, generator, device)[0]
-
-    def _sample(self, n: int, generator: torch.Generator, device: torch.device):
-        """(log r [n], weight q/b [n] or None, q's standard score (x − μq)/σq [n, D]) for x ~ b."""
+    # ---------------------------------------------------------------- sampling
+    def sample(self, n: int, generator: torch.Generator, device: torch.device):
+        """(log r [n], weight q/b [n] or None, q's standard score (x − μq)/σq [n, D]) for n draws x ~ b
+        (b = q unless a sampler scales the std). The one place Gaussian draws are made."""
         z = torch.randn(n, self.dim, dtype=torch.float64, generator=generator, device=device)
         zq = z * self.std_scale                     # x = μq + s·σq·z, i.e. q's standard score is s·z
         c0, c1, c2 = (c.to(device) for c in self._c)
@@ -115,7 +182,7 @@ class GaussianPair(Pair):
         return logr, weight, zq
 
     def sample_draws(self, n, generator, device, tok_rows=()) -> Draws:
-        logr, weight, _ = self._sample(n, generator, device)
+        logr, weight, _ = self.sample(n, generator, device)
         return Draws(logr, torch.full_like(logr, self.kl()), weight=weight)
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
@@ -126,3 +193,88 @@ class GaussianPair(Pair):
 
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
         return max(1, chunk_draws // max(1, batch_size * self.dim))
+
+    # ---------------------------------------------------------------- gradients
+    @property
+    def gradient_params(self) -> int:
+        return 2 * self.dim
+
+    def gradient_references(self) -> dict[str, np.ndarray]:
+        """∇(μq, log σq) of KL(q‖p) = (d/σp², σq²/σp² − 1) and of KL(p‖q) = (d/σq², 1 − (σp² + d²)/σq²)."""
+        g = self.params
+        d = g.mq - g.mp
+        return {REVERSE: np.concatenate([d / g.sp**2, g.sq**2 / g.sp**2 - 1]),
+                FORWARD: np.concatenate([d / g.sq**2, 1 - (g.sp**2 + d**2) / g.sq**2])}
+
+    def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad | None:
+        """E_b[(w) c s] with s = (z/σ per dimension, z² − 1 per dimension), b the case's sampler (q when
+        none); None for non-polynomial c or capped weights."""
+        cpoly = item.cpoly
+        if cpoly is None or self.weight_cap is not None:
+            return None
+        g, dim = self.params, self.dim
+        b = self._b if self.has_sampler else None     # under a sampler: E_b[w^m ·], m = 1 with weights
+        wm = 1 if self.weighted else 0
+
+        def e(poly: Poly, i: int, j: int, power: int = 1) -> float:
+            """E_b[w^{m·power} poly(r, log r) z_i^j]: power 2 for second moments (they carry w²)."""
+            return sum(a * exact.gaussian_score_moment(g, s, k, i, j, b, wm * power)
+                       for (s, k), a in poly.items() if a != 0)
+        mean = np.array([e(cpoly, i, 1) / g.sq[i] for i in range(dim)] +
+                        [e(cpoly, i, 2) - e(cpoly, i, 0) for i in range(dim)])
+        c2 = poly_square(cpoly)
+
+        def e2(i: int, j: int) -> float:
+            return e(c2, i, j, 2)
+
+        def combine(*terms: float) -> float:
+            """Σ of (coefficient, moment) products; ∞ when a moment is (no ∞ − ∞ = NaN)."""
+            return math.inf if any(math.isinf(t) for _, t in terms) else sum(a * t for a, t in terms)
+        # |s|² = Σ_i z_i²/σ_i² + (z_i² − 1)² = Σ_i z_i²/σ_i² + z_i⁴ − 2 z_i² + 1
+        second = sum(combine((1 / g.sq[i] ** 2, e2(i, 2)), (1, e2(i, 4)), (-2, e2(i, 2)), (1, e2(i, 0)))
+                     for i in range(dim))
+        proj_var = {}
+        for name, u in directions.items():
+            # (c s·u)² = c² (Σ_i u_μi z_i/σ_i + u_σi (z_i² − 1))²: needs cross-dimension terms; exact for D = 1.
+            if dim != 1:
+                proj_var[name] = math.nan
+                continue
+            um, us = u[0] / g.sq[0], u[1]
+            ex = combine((um**2, e2(0, 2)), (us**2, e2(0, 4)), (-2 * us**2, e2(0, 2)), (us**2, e2(0, 0)),
+                         (2 * um * us, e2(0, 3)), (-2 * um * us, e2(0, 1)))
+            proj_var[name] = ex - float(mean @ u) ** 2
+        return ExactGrad(mean, second, proj_var)
+
+    def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
+        """E|c s|⁴ < ∞ iff q^{1−4s} p^{4s} (under a sampler: b^{1−4m} q^{4m−4s} p^{4s}) normalises, s the
+        largest power of r in c (|s|⁴ is a polynomial in z)."""
+        return item.cpoly is not None and self._fourth_finite(item.cpoly)
+
+    def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
+        return _GaussianGradients(self, items, directions, device)
+
+
+class _GaussianGradients(GradientAccumulator):
+    """Per-draw gradients c(log r) · (z/σ, z² − 1), batch by batch."""
+
+    def __init__(self, pair: GaussianPair, items: list[GradItem], directions: dict[str, np.ndarray], device):
+        self.pair, self.items, self.device = pair, items, device
+        self.u = np.stack(list(directions.values())).T
+        self.sq_t = torch.as_tensor(pair.params.sq, dtype=torch.float64).to(device)
+        self._total = np.zeros((len(items), pair.gradient_params))
+
+    def add(self, n: int, generator: torch.Generator) -> GradBatch:
+        nj = len(self.items)
+        proj, sq = np.zeros((nj, self.u.shape[1])), np.zeros(nj)
+        logr, weight, z = self.pair.sample(n, generator, self.device)       # z: q's standard score
+        s = torch.cat([z / self.sq_t, z * z - 1], dim=-1)                   # [n, 2D]
+        for j, item in enumerate(self.items):
+            gj = (item.coef(logr) if weight is None else item.coef(logr) * weight)[:, None] * s
+            gsum = gj.sum(0).cpu().numpy()
+            self._total[j] += gsum
+            sq[j] = float((gj * gj).sum())
+            proj[j] = gsum @ self.u
+        return GradBatch(proj, sq)
+
+    def total(self) -> np.ndarray:
+        return self._total

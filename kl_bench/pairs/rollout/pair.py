@@ -1,27 +1,47 @@
-"""Rollouts: sequences from two autoregressive token models over a vocabulary of size V.
+"""Case kind ``rollout``: sequences from two autoregressive token models over a vocabulary of size V.
 
 The next-token logits depend on the previous token only through its bucket c = bucket(x) ∈ {0..C−1};
 generation starts in bucket 0 and stops after T tokens or at the EOS token (which is included).
 Sequence-level rows ("seq") apply an estimator to L = Σ_t log r_t (R = e^L); token-level rows
 ("tok") sum the per-token estimator over the generated tokens, as GRPO/PPO code does; ``full`` sums
-the analytic per-step KL(q(·|c) ‖ p(·|c)) along the path. Exact values: kl_bench.rollout_dp.
+the analytic per-step KL(q(·|c) ‖ p(·|c)) along the path. Exact values: kl_bench.rollout_dp
+(docs/rollouts.md); gradient oracles: kl_bench.pairs.rollout.gradients (docs/gradients.md).
 """
 from __future__ import annotations
 
-import functools
 import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from .. import rollout_dp
-from ..alias import AliasTable, build_alias
-from ..draws import Draws, Row
-from ..errors import SpecError
-from ..estimators import Estimator, poly_square
-from ..logits import read_logits_file, resolve_pair_logits, sampler_for
-from ..spec import RolloutCase
-from .base import BatchSums, Features, JointMoments, Pair
+from ... import rollout_dp
+from ...alias import AliasTable, build_alias
+from ...config import Table, positive
+from ...draws import Draws, Row
+from ...errors import SpecError
+from ...estimators import RowSource, poly_square
+from ...logits import LogitsSource, describe_sources, parse_pair_sources, read_logits_file, resolve_pair_logits, sampler_for
+from ...targets import FORWARD, REVERSE
+from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
+from . import gradients as grad
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutCase(CaseConfig):
+    """Two autoregressive token models whose next-token logits depend on the previous token only
+    through its bucket: q and p are [C, V] logits."""
+    vocab: int
+    buckets: int
+    bucket_of: str | Path       # "mod" (x mod C) or a .npy/.pt file with an int array [V]
+    length: int                 # T, the maximum number of generated tokens
+    eos: int | None
+    q: LogitsSource
+    p: LogitsSource
+    eos_prob: float | None = None   # sets q(eos|c) = p(eos|c) = eos_prob in every bucket
+    kind = "rollout"
 
 
 def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
@@ -37,9 +57,14 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
     return t.long()
 
 
+@register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
+               "exact dynamic programming",
+               sampler_keys=("temperature", "top_k", "top_p", "min_length", "behavior", "weights", "weight_cap"),
+               weight_kinds=("token", "sequence"))
 class RolloutPair(Pair):
-    kind = "rollout"
     aggregates = ("seq", "tok")
+    supports_gradients = True
+    measures_gradient_spread = True     # |S|² couples steps from one bucket: second moments are measured
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
@@ -57,27 +82,28 @@ class RolloutPair(Pair):
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
         self.buckets, self.vocab = self.log_q.shape
-        self._g = self.log_p - self.log_q                          # log r(c, x), [C, V]
+        self.logr_table = self.log_p - self.log_q                          # log r(c, x), [C, V]
         q = self.log_q.exp()
-        self._kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
+        self.kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
         self._alias: AliasTable | None = None      # built on first sampling (exact runs need none)
         # The sampler's phases: [(log b [C, V], steps)], EOS suppressed (renormalised) in the first.
         self.has_sampler = log_b is not None or self.min_length > 0 or weights != "none"
         late = self.log_q if log_b is None else log_b.to(torch.float64)
-        self._phases: list[tuple[torch.Tensor, int]] = []
+        self.phases: list[tuple[torch.Tensor, int]] = []
         if self.min_length:
             early = late.clone()
             early[:, eos] = -torch.inf
-            self._phases.append((torch.log_softmax(early, -1), min(self.min_length, self.length)))
+            self.phases.append((torch.log_softmax(early, -1), min(self.min_length, self.length)))
         if self.length > self.min_length:
-            self._phases.append((late, self.length - self.min_length))
+            self.phases.append((late, self.length - self.min_length))
         if bool(((late > -torch.inf) & (self.log_q == -torch.inf)).any()):
             raise SpecError("the sampler draws tokens that q gives probability 0", key="sampler")
         # Largest per-step mass of q that b never draws (EOS suppression counts): a bias source.
-        self.support_miss = max(float((q * (lb == -torch.inf)).sum(-1).max()) for lb, _ in self._phases)
+        self.support_miss = max(float((q * (lb == -torch.inf)).sum(-1).max()) for lb, _ in self.phases)
         self._phase_alias: list[AliasTable] | None = None
+        self._seq_cache: dict[int, list[float]] = {}
 
-    def _alias_table(self) -> AliasTable:
+    def alias_table(self) -> AliasTable:
         # Per-bucket alias tables, flattened to [C·V] so that a step is two gathers per rollout.
         if self._alias is None:
             q = self.log_q.exp()
@@ -86,7 +112,42 @@ class RolloutPair(Pair):
         return self._alias
 
     @classmethod
-    def from_case(cls, case: RolloutCase) -> "RolloutPair":
+    def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> RolloutCase:
+        vocab = t.get("vocab", "int", check=positive)
+        buckets = t.get("buckets", "int", check=positive)
+        if buckets > vocab:
+            raise t.error(f"must be ≤ vocab ({vocab}), got {buckets}", key="buckets")
+        bucket_of: str | Path = "mod"
+        if t.has("bucket_of"):
+            raw = t.data["bucket_of"]
+            if isinstance(raw, dict):
+                sub = t.sub("bucket_of")
+                bucket_of = spec_dir / sub.get("file", "str")
+                sub.finish()
+            else:
+                bucket_of = t.get("bucket_of", "str", check=lambda v: None if v == "mod" else
+                                  f"must be \"mod\" or {{file = \"...\"}}, got '{v}'")
+        length = t.get("length", "int", check=lambda v: None if v >= 1 else f"must be ≥ 1, got {v}")
+        eos = t.get("eos", "int", None, lambda v: None if 0 <= v < vocab else
+                    f"must be a token id in [0, {vocab}), got {v}")
+        eos_prob = t.get("eos_prob", "float", None, lambda v: None if 0 < v < 1 else f"must lie in (0, 1), got {v}")
+        if eos_prob is not None and eos is None:
+            raise t.error("needs an eos token", key="eos_prob")
+        q, p = parse_pair_sources(t, spec_dir)
+        return RolloutCase(vocab=vocab, buckets=buckets, bucket_of=bucket_of, length=length, eos=eos, q=q, p=p,
+                           eos_prob=eos_prob, **common)
+
+    def metadata(self) -> dict[str, Any]:
+        # `length`: the report plots std/true against it across cases of one family (`label`).
+        return {**super().metadata(), "label": self.label, "length": self.length}
+
+    def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
+        # A function of L other than a polynomial in R and L has no exact sequence-level oracle (it would
+        # need L's whole distribution), and trainers apply such functions per token: tok rows only.
+        return ("tok",) if source.token_only else self.aggregates
+
+    @classmethod
+    def from_config(cls, case: RolloutCase) -> "RolloutPair":
         lq, lp = resolve_pair_logits(case.q, case.p, case.vocab, contexts=case.buckets)
         if case.eos_prob is not None:
             lq, lp = (_set_eos_prob(t, case.eos, case.eos_prob) for t in (lq, lp))
@@ -104,14 +165,14 @@ class RolloutPair(Pair):
                 bucket = read_bucket_map(case.bucket_of, case.vocab, case.buckets)
             except SpecError as e:
                 raise e.located(key="bucket_of.file") from None
-        from .categorical import _describe_sources
         sp = case.sampler
+        label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, bucket, case.length, case.eos, label=_describe_sources(case))
+            return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label)
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
         plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
-        return cls(case.name, lq, lp, bucket, case.length, case.eos, label=_describe_sources(case),
+        return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label,
                    log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe())
 
@@ -124,7 +185,7 @@ class RolloutPair(Pair):
     def _dp_b(self, m_fn, h_fn, kmax: int) -> list[float]:
         """E_b[M S^k] under the sampler's phases; ``m_fn``/``h_fn`` map a phase's log b to tables."""
         phases = []
-        for lb, steps in self._phases:
+        for lb, steps in self.phases:
             b = lb.exp()
             # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf.
             m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
@@ -133,27 +194,31 @@ class RolloutPair(Pair):
             phases.append((a, e, steps))
         return rollout_dp.propagate_phases(phases)
 
-    def _token_weight(self, lb: torch.Tensor) -> torch.Tensor:
+    def token_weight(self, lb: torch.Tensor) -> torch.Tensor:
         # The cap applies to each token's q/b; a sequence weight is the product of capped token
         # weights, so it stays multiplicative (and exact by the DP).
         w = torch.exp(self.log_q - lb)
         return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
 
-    @functools.cache
     def seq_moments(self, s: int) -> list[float]:
-        """E_q[R^s L^k] for k = 0..4 (R = e^L, L the sequence log-ratio)."""
-        m = torch.exp(s * self._g) if s else torch.ones_like(self._g)
-        return self._dp(m, self._g, 4)
+        """E_q[R^s L^k] for k = 0..4 (R = e^L, L the sequence log-ratio); cached on the pair."""
+        if s not in self._seq_cache:
+            m = torch.exp(s * self.logr_table) if s else torch.ones_like(self.logr_table)
+            self._seq_cache[s] = self._dp(m, self.logr_table, 4)
+        return self._seq_cache[s]
 
-    def _tok_values(self, est: Estimator) -> torch.Tensor:
+    def _tok_values(self, est: RowSource) -> torch.Tensor:
         """Per-step value of a token-level row, [C, V]."""
-        if est.name == "full":
-            return self._kl_ctx[:, None].expand_as(self._g)
-        return est.fn(self._g)
+        if est.analytic:
+            return self.kl_ctx[:, None].expand_as(self.logr_table)
+        return est.fn(self.logr_table)
 
     def tok_moments(self, h: torch.Tensor) -> list[float]:
         """E[S^k], k = 0..2, for the token sum S = Σ_t h(c_{t−1}, x_t)."""
         return self._dp(torch.ones_like(h), h, 2)
+
+    def true_values(self) -> dict[str, float]:
+        return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
 
     def kl(self) -> float:
         return -self.seq_moments(0)[1]
@@ -174,10 +239,10 @@ class RolloutPair(Pair):
             total += c * v
         return total
 
-    def exact_moments(self, est: Estimator, aggregate: str = "seq") -> tuple[float, float]:
+    def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:
         if self.has_sampler:
             return self._sampler_moments(est, aggregate)
-        if aggregate == "tok" or est.name == "full":
+        if aggregate == "tok" or est.analytic:
             m = self.tok_moments(self._tok_values(est))
             return m[1], max(m[2] - m[1] ** 2, 0.0)
         if est.poly is None:
@@ -185,7 +250,7 @@ class RolloutPair(Pair):
         mean, second = self._poly_mean(est.poly), self._poly_mean(poly_square(est.poly))
         return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
 
-    def kurtosis_proxy(self, est: Estimator, aggregate: str = "seq") -> float:
+    def kurtosis_proxy(self, est: RowSource, aggregate: str = "seq") -> float:
         # Sequence-level estimators with an R^s term are dominated by it in the tail:
         # E[R^{4s}] / E[R^{2s}]² (both exact by the DP; inf when beyond float64).
         if aggregate != "seq" or est.poly is None or self.has_sampler:
@@ -196,13 +261,13 @@ class RolloutPair(Pair):
         num, den = self.seq_moments(4 * s_max)[0], self.seq_moments(2 * s_max)[0]
         return num / den**2 if math.isfinite(num) and math.isfinite(den) and den > 0 else math.inf
 
-    def _sampler_moments(self, est: Estimator, aggregate: str) -> tuple[float, float]:
+    def _sampler_moments(self, est: RowSource, aggregate: str) -> tuple[float, float]:
         """(E_b[v], Var_b[v]) of a row under the sampler, by the phased dynamic program."""
-        ones = torch.ones_like(self._g)
+        ones = torch.ones_like(self.logr_table)
         weighted = self.weights != "none"
-        wt = self._token_weight
+        wt = self.token_weight
 
-        if aggregate == "tok" or est.name == "full":
+        if aggregate == "tok" or est.analytic:
             f = self._tok_values(est)
             if self.weights == "token":             # Σ_t w_t f_t: additive
                 mom = self._dp_b(lambda lb: ones, lambda lb: wt(lb) * f, 2)
@@ -221,8 +286,8 @@ class RolloutPair(Pair):
             for (s_, k), c in poly.items():
                 if c == 0:
                     continue
-                v = self._dp_b(lambda lb, s_=s_: (wt(lb) ** power if weighted else ones) * torch.exp(s_ * self._g),
-                               lambda lb: self._g, k)[k]
+                v = self._dp_b(lambda lb, s_=s_: (wt(lb) ** power if weighted else ones) * torch.exp(s_ * self.logr_table),
+                               lambda lb: self.logr_table, k)[k]
                 if not math.isfinite(v):
                     return math.inf
                 total += c * v
@@ -239,9 +304,9 @@ class RolloutPair(Pair):
             var_b = math.inf if not math.isfinite(er2) else er2 - 1.0
             # Cov(−L, R − 1) = −E[R L] + E[L]·E[R], with E[R] = 1.
             return JointMoments(mean_a, 0.0, var_a, var_b, -m1[1] + m0[1])
-        b = torch.expm1(self._g)
+        b = torch.expm1(self.logr_table)
         mb = self.tok_moments(b)
-        mab = self.tok_moments(b - self._g)       # a + b = Σ_t k3(r_t): Cov by polarisation
+        mab = self.tok_moments(b - self.logr_table)       # a + b = Σ_t k3(r_t): Cov by polarisation
         var_b = mb[2] - mb[1] ** 2
         var_ab = mab[2] - mab[1] ** 2
         return JointMoments(mean_a, mb[1], var_a, var_b, 0.5 * (var_ab - var_a - var_b))
@@ -250,9 +315,9 @@ class RolloutPair(Pair):
     def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
                      tok_rows: list[Row] = ()) -> Draws:
         """``n`` rollouts of at most T steps; never materialises [n, V]."""
-        return self._simulate([n], [generator], device, tok_rows)
+        return self.simulate([n], [generator], device, tok_rows)
 
-    def _simulate(self, sizes: list[int], gens: list[torch.Generator], device: torch.device,
+    def simulate(self, sizes: list[int], gens: list[torch.Generator], device: torch.device,
                   tok_rows: list[Row] = (), record: list | None = None) -> Draws:
         """Rollouts for several batches at once: batch i's uniforms come from its own generator, every
         other operation runs on one long vector (per-op overhead dominates on short vectors).
@@ -261,13 +326,13 @@ class RolloutPair(Pair):
         bucket the token was drawn from and the token), alive = 1.0 where the step belongs to the
         sequence, w the token's (capped) weight q/b (None without weights)."""
         if self._phase_alias is None:
-            self._phase_alias = [self._alias_table()] if not self.has_sampler else [
-                _flat_alias(lb) for lb, _ in self._phases]
+            self._phase_alias = [self.alias_table()] if not self.has_sampler else [
+                _flat_alias(lb) for lb, _ in self.phases]
         tables = [(t.prob.to(device), t.alias.to(device)) for t in self._phase_alias]
-        logw = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self._phases] if self.weights != "none" else None
-        phase_of = [i for i, (_, steps) in enumerate(self._phases) for _ in range(steps)] if self.has_sampler \
+        logw = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self.phases] if self.weights != "none" else None
+        phase_of = [i for i, (_, steps) in enumerate(self.phases) for _ in range(steps)] if self.has_sampler \
             else [0] * self.length
-        g_flat, kl_ctx, bucket = self._g.reshape(-1).to(device), self._kl_ctx.to(device), self.bucket.to(device)
+        g_flat, kl_ctx, bucket = self.logr_table.reshape(-1).to(device), self.kl_ctx.to(device), self.bucket.to(device)
         v, n = self.vocab, sum(sizes)
         weight = torch.ones(n, dtype=torch.float64, device=device) if logw is not None else None
         c = torch.zeros(n, dtype=torch.int64, device=device)
@@ -298,7 +363,7 @@ class RolloutPair(Pair):
             if record is not None:
                 record.append((base + x, alive, w_t if logw is not None else None))
             if tok_rows:
-                vals = torch.stack([kl_c if r.est.name == "full" else r.est.fn(g) for r in tok_rows], dim=-1)
+                vals = torch.stack([kl_c if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
                 tok += (alive if step_w is None else alive * step_w)[:, None] * vals
             if self.eos is not None:
                 alive = alive * (x != self.eos)
@@ -307,7 +372,7 @@ class RolloutPair(Pair):
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         def run(sizes: list[int], gens: list[torch.Generator]) -> torch.Tensor:
-            f = features(self._simulate(sizes, gens, device, tok_rows))
+            f = features(self.simulate(sizes, gens, device, tok_rows))
             # Contiguous per-batch reductions (no scatter-add): deterministic on CUDA too.
             return torch.stack([part.sum(0) for part in torch.split(f, sizes)])
         return run
@@ -315,6 +380,22 @@ class RolloutPair(Pair):
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
         # ~ (10 + tok rows) float64 values per rollout stay alive across the T steps.
         return max(1, chunk_draws // max(1, batch_size * 4))
+
+    # ---------------------------------------------------------------- gradients (θ = q's bucket logits)
+    @property
+    def gradient_params(self) -> int:
+        return self.buckets * self.vocab
+
+    def gradient_references(self) -> dict[str, np.ndarray]:
+        rev, fwd = grad.reference(self)
+        return {REVERSE: rev, FORWARD: fwd}
+
+    def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad | None:
+        mean = grad.exact_mean(self, item)
+        return None if mean is None else ExactGrad(mean, math.nan, {})
+
+    def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
+        return grad.RolloutGradients(self, items, list(directions.values()), device)
 
     def describe(self) -> str:
         eos = f", eos={self.eos}" if self.eos is not None else ""
@@ -358,4 +439,4 @@ def brute_force_sequences(pair: RolloutPair):
     return out
 
 
-__all__ = ["RolloutPair", "brute_force_sequences", "read_bucket_map", "np"]
+__all__ = ["RolloutCase", "RolloutPair", "brute_force_sequences", "read_bucket_map"]

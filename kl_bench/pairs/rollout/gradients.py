@@ -1,9 +1,9 @@
-"""Gradients on rollouts: θ = q's bucket logits [C, V]; ∇θ log q(x | c) = e_x − q(·|c), in row c.
+"""Gradient oracles of the rollout kind: θ = q's bucket logits [C, V]; ∇θ log q(x | c) = e_x − q(·|c), in row c.
 
 A sequence's score is S = Σ_t s_t with s_t = e_{x_t} − q(·|c_{t−1}) in row c_{t−1}. Two aggregates:
 
 - ``seq``: an estimator f of the sequence log-ratio L = Σ_t log r_t. Every mode's per-draw gradient is
-  c(L) · S, with c from :func:`kl_bench.gradients.coefficient` (log q_θ of the sequence plays the part
+  c(L) · S, with c from :func:`kl_bench.modes.coefficient` (log q_θ of the sequence plays the part
   of log q_θ(x); loss_is multiplies by the sequence ratio q_θ/sg(q_θ)).
 - ``tok``: Σ_t f(log r_t), as trainers' per-token code. ``reward`` gives (Σ_t f(log r_t)) · S (the
   sequence score function). ``loss``, ``loss_is`` (per-token ratio q_θ(x_t)/sg(q_θ(x_t))) and
@@ -29,27 +29,27 @@ batch size for cos ≥ 0.9 use measured variances (exact expected gradient, meas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import rollout_dp
-from .engine import batch_seed
-from .estimators import Estimator
-from .pairs.rollout import RolloutPair
+from ... import rollout_dp
+from ..base import GradBatch, GradientAccumulator, GradItem
 
-AGGREGATES = ("seq", "tok")
+if TYPE_CHECKING:                      # the pair module imports this one
+    from .pair import RolloutPair
 
 
 # ----------------------------------------------------------------------------- exact
-def _moments(pair: RolloutPair, log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor, kmax: int) -> torch.Tensor:
+def _moments(pair: "RolloutPair", log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor, kmax: int) -> torch.Tensor:
     """E_{sample}[M S^k], k = 0..kmax, as a differentiable tensor (sampling from softmax(log_sample))."""
     a, e = rollout_dp.moment_matrices(torch.softmax(log_sample, -1), m, h, pair.bucket, pair.buckets, pair.eos, kmax)
     return rollout_dp.propagate_tensor([(a, e, pair.length)])
 
 
-def reference(pair: RolloutPair) -> tuple[np.ndarray, np.ndarray]:
+def reference(pair: "RolloutPair") -> tuple[np.ndarray, np.ndarray]:
     """(∇θ KL(q‖p), ∇θ KL(p‖q)) flattened [C·V], by autograd through the dynamic program."""
     ones = torch.ones_like(pair.log_q)
     theta = pair.log_q.clone().requires_grad_(True)
@@ -62,7 +62,7 @@ def reference(pair: RolloutPair) -> tuple[np.ndarray, np.ndarray]:
     return g_rev.reshape(-1).numpy(), g_fwd.reshape(-1).numpy()
 
 
-def _count_moment(pair: RolloutPair, m_fn, h_fn, coefs: list[float], phase: int | None = None) -> torch.Tensor:
+def _count_moment(pair: "RolloutPair", m_fn, h_fn, coefs: list[float], phase: int | None = None) -> torch.Tensor:
     """Σ_k a_k E_b[M S^k N(c, x)] for every (c, x) at once, [C, V]: N(c, x) counts the steps that drew
     x from bucket c, and E_b[M S^k N] = ∂/∂η E_b[M e^{Σ_t η(c_{t−1}, x_t)} S^k] at η = 0, i.e. autograd
     of the (phased) dynamic program with respect to a per-step log-weight. b is the case's sampler (q
@@ -70,7 +70,7 @@ def _count_moment(pair: RolloutPair, m_fn, h_fn, coefs: list[float], phase: int 
     ``phase``: count only the steps of that sampler phase."""
     eta = torch.zeros_like(pair.log_q, requires_grad=True)
     phases = []
-    for i, (lb, steps) in enumerate(pair._phases):
+    for i, (lb, steps) in enumerate(pair.phases):
         b = lb.exp()
         # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf.
         m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
@@ -87,19 +87,19 @@ def _count_moment(pair: RolloutPair, m_fn, h_fn, coefs: list[float], phase: int 
     return g
 
 
-def _score_part(pair: RolloutPair, counts: torch.Tensor) -> np.ndarray:
+def _score_part(pair: "RolloutPair", counts: torch.Tensor) -> np.ndarray:
     """E[F · S] from E[F · N]: S = Σ_t e_{x_t} − q(·|c_{t−1}), so row c is E[F N_c] − (Σ_x E[F N_c(x)]) q_c."""
     q = pair.log_q.exp()
     return (counts - counts.sum(-1, keepdim=True) * q).reshape(-1).numpy()
 
 
-def exact_mean(pair: RolloutPair, est: Estimator, mode: str, aggregate: str) -> np.ndarray | None:
+def exact_mean(pair: "RolloutPair", item: GradItem) -> np.ndarray | None:
     """E_b[per-draw gradient] of one row, flattened [C·V], b the case's sampler (q when none), with its
     importance weights; None where no exact value exists (a non-polynomial estimator of the sequence
     log-ratio, or moments beyond float64)."""
-    from .gradients import coefficient, coefficient_poly
-    g, weights = pair._g, pair.weights
-    wt = pair._token_weight
+    est, mode, aggregate = item.est, item.mode, item.aggregate
+    g, weights = pair.logr_table, pair.weights
+    wt = pair.token_weight
 
     def ones(lb: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(lb)
@@ -112,16 +112,16 @@ def exact_mean(pair: RolloutPair, est: Estimator, mode: str, aggregate: str) -> 
             else:
                 counts = _count_moment(pair, seq_w, lambda lb: f, [0.0, 1.0])
         else:                       # Σ_t (w_t) c_t s_t: linear in the counts N
-            c_tab = coefficient(est, mode)(g)
+            c_tab = item.coef(g)
             if weights == "token":  # w_t depends on the phase's b: count each phase's steps apart
                 counts = sum(_count_moment(pair, ones, ones, [1.0], phase=i)
                              * torch.where(lb.exp() > 0, wt(lb), torch.zeros_like(lb))
-                             for i, (lb, _) in enumerate(pair._phases)) * c_tab
+                             for i, (lb, _) in enumerate(pair.phases)) * c_tab
             else:
                 counts = _count_moment(pair, seq_w, ones, [1.0]) * c_tab
         out = _score_part(pair, counts)
         return out if np.isfinite(out).all() else None
-    poly = coefficient_poly(est, mode)
+    poly = item.cpoly
     if poly is None:
         return None
     by_s: dict[int, list[float]] = {}
@@ -136,14 +136,6 @@ def exact_mean(pair: RolloutPair, est: Estimator, mode: str, aggregate: str) -> 
 
 
 # ----------------------------------------------------------------------------- Monte Carlo
-@dataclass
-class RolloutMC:
-    total: np.ndarray     # [J, C·V]: Σ over draws of each row's per-draw gradient
-    proj: np.ndarray      # [K, J, D]: per batch, Σ g·u for each direction u
-    proj2: np.ndarray     # [K, J, D]: per batch, Σ (g·u)²
-    sq: np.ndarray        # [K, J]: per batch, Σ |g|²
-
-
 def _run_start(ids: torch.Tensor) -> torch.Tensor:
     """For rows of sorted ids [n, T]: the index where each element's run of equal ids starts."""
     i = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
@@ -159,7 +151,7 @@ def _run_prefix(vals: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _Sorted:
+class SortedPaths:
     """A batch of paths sorted by key per row, so that equal (bucket, token) keys and equal buckets are
     contiguous; |g|² then needs prefix sums only (no scatter: deterministic on CUDA too)."""
     order: torch.Tensor       # [n, T] permutation
@@ -169,7 +161,7 @@ class _Sorted:
     qq: torch.Tensor          # |q(·|c_{t−1})|², sorted
 
     @classmethod
-    def of(cls, keys: torch.Tensor, q_flat: torch.Tensor, qq: torch.Tensor, vocab: int) -> "_Sorted":
+    def of(cls, keys: torch.Tensor, q_flat: torch.Tensor, qq: torch.Tensor, vocab: int) -> "SortedPaths":
         order = torch.argsort(keys, dim=1, stable=True)
         ks = keys.gather(1, order)
         cb = torch.div(ks, vocab, rounding_mode="floor")
@@ -190,70 +182,76 @@ class _Sorted:
         return (same_key - 2 * cross + diag).sum(1)
 
 
-def monte_carlo(pair: RolloutPair, items: list[tuple[Estimator, str, str]], directions: list[np.ndarray],
-                sizes: list[int], seed: int, device: torch.device, coefficient) -> RolloutMC:
-    """Per-batch sums of every row's per-draw gradient, its projections and squared norm."""
-    c_, v = pair.buckets, pair.vocab
-    q = pair.log_q.exp()
-    q_flat, g_flat = q.reshape(-1).to(device), pair._g.reshape(-1).to(device)
-    qq = (q * q).sum(-1).to(device)
-    # Projections g·u = Σ_t w_t (u(c, x_t) − ⟨q_c, u_c⟩): one additive table per direction.
-    hu = torch.stack([(torch.as_tensor(u).reshape(c_, v) - (q * torch.as_tensor(u).reshape(c_, v)).sum(-1, keepdim=True))
-                      .reshape(-1) for u in directions]).to(device)
-    # Rows whose per-step weight depends on the step alone (local tok rows, no importance weights) need
-    # only the (bucket, token) counts for their totals; the others accumulate their own weights.
-    local = [j for j, (_, mode, agg) in enumerate(items) if agg == "tok" and mode != "reward"
-             and pair.weights == "none"]
-    per_draw = [j for j in range(len(items)) if j not in local]
-    tables = {j: coefficient(est, mode)(pair._g).reshape(-1).to(device)
-              for j, (est, mode, agg) in enumerate(items) if agg == "tok" and mode != "reward"}
-    coefs = {j: coefficient(est, mode) for j, (est, mode, agg) in enumerate(items) if agg == "seq"}
-    k, nj, nd = len(sizes), len(items), len(directions)
-    proj, proj2, sq = np.zeros((k, nj, nd)), np.zeros((k, nj, nd)), np.zeros((k, nj))
-    # Totals accumulate on the CPU with index_add_ (deterministic).
-    w_total = torch.zeros(c_ * v, len(per_draw), dtype=torch.float64)
-    counts = torch.zeros(c_ * v, dtype=torch.float64)
-    piece = max(1, 2**21 // max(1, pair.length))         # draws per simulation piece: bounded memory
-    for i, n in enumerate(sizes):
-        gen = torch.Generator(device=device).manual_seed(batch_seed(seed, f"{pair.name}/gradients", i))
-        for lo in range(0, n, piece):
-            m = min(piece, n - lo)
+class RolloutGradients(GradientAccumulator):
+    """Per-batch sums of every row's per-draw gradient, its projections and squared norm, from recorded
+    paths (``RolloutPair.simulate(record=...)``); totals accumulate on the CPU with index_add_."""
+
+    def __init__(self, pair: "RolloutPair", items: list[GradItem], directions: list[np.ndarray], device):
+        self.pair, self.items, self.device = pair, items, device
+        c_, v = pair.buckets, pair.vocab
+        q = self.q = pair.log_q.exp()
+        self.q_flat, self.g_flat = q.reshape(-1).to(device), pair.logr_table.reshape(-1).to(device)
+        self.qq = (q * q).sum(-1).to(device)
+        # Projections g·u = Σ_t w_t (u(c, x_t) − ⟨q_c, u_c⟩): one additive table per direction.
+        self.hu = torch.stack([(torch.as_tensor(u).reshape(c_, v) - (q * torch.as_tensor(u).reshape(c_, v))
+                                .sum(-1, keepdim=True)).reshape(-1) for u in directions]).to(device)
+        # Rows whose per-step weight depends on the step alone (local tok rows, no importance weights)
+        # need only the (bucket, token) counts for their totals; the others accumulate their own weights.
+        self.local = [j for j, it in enumerate(items) if it.aggregate == "tok" and it.mode != "reward"
+                      and pair.weights == "none"]
+        self.per_draw = [j for j in range(len(items)) if j not in self.local]
+        self.tables = {j: it.coef(pair.logr_table).reshape(-1).to(device)
+                       for j, it in enumerate(items) if it.aggregate == "tok" and it.mode != "reward"}
+        self.w_total = torch.zeros(c_ * v, len(self.per_draw), dtype=torch.float64)
+        self.counts = torch.zeros(c_ * v, dtype=torch.float64)
+        self.piece = max(1, 2**21 // max(1, pair.length))     # draws per simulation piece: bounded memory
+
+    def add(self, n: int, generator: torch.Generator) -> GradBatch:
+        pair, items = self.pair, self.items
+        nj, nd = len(items), self.hu.shape[0]
+        proj, proj2, sq = np.zeros((nj, nd)), np.zeros((nj, nd)), np.zeros(nj)
+        for lo in range(0, n, self.piece):
+            m = min(self.piece, n - lo)
             rec: list = []
-            pair._simulate([m], [gen], device, record=rec)
+            pair.simulate([m], [generator], self.device, record=rec)
             keys = torch.stack([r[0] for r in rec], 1)                # [m, T]
             alive = torch.stack([r[1] for r in rec], 1)               # [m, T] 1.0 while in the sequence
             # Importance weights: per token w_t (weights = "token") or W = Π_t w_t on every term.
             tok_w = torch.stack([r[2] for r in rec], 1) * alive if pair.weights == "token" else alive
             seq_w = torch.where(alive > 0, torch.stack([r[2] for r in rec], 1), torch.ones_like(alive)).prod(
                 1, keepdim=True) if pair.weights != "none" else 1.0
-            logr_t = g_flat[keys] * alive
+            logr_t = self.g_flat[keys] * alive
             big_l = logr_t.sum(1)
-            srt = _Sorted.of(keys, q_flat, qq, v)
-            hs = hu[:, keys]                                          # [D, m, T]
+            srt = SortedPaths.of(keys, self.q_flat, self.qq, pair.vocab)
+            hs = self.hu[:, keys]                                     # [D, m, T]
             w_cols = []
-            for j, (est, mode, agg) in enumerate(items):
-                if agg == "seq":                                       # W c(L) · S
-                    w = seq_w * coefs[j](big_l)[:, None] * alive
-                elif mode == "reward":                                 # (Σ_t w_t f_t) · S, or W (Σ_t f_t) · S
-                    w = (seq_w if pair.weights == "sequence" else 1.0) * (est.fn(logr_t) * tok_w).sum(1, keepdim=True) * alive
+            for j, it in enumerate(items):
+                if it.aggregate == "seq":                              # W c(L) · S
+                    w = seq_w * it.coef(big_l)[:, None] * alive
+                elif it.mode == "reward":                              # (Σ_t w_t f_t) · S, or W (Σ_t f_t) · S
+                    w = (seq_w if pair.weights == "sequence" else 1.0) * (it.est.fn(logr_t) * tok_w).sum(
+                        1, keepdim=True) * alive
                 else:                                                  # Σ_t w_t c(log r_t) s_t
-                    w = (seq_w if pair.weights == "sequence" else 1.0) * tables[j][keys] * tok_w
-                if j not in local:
+                    w = (seq_w if pair.weights == "sequence" else 1.0) * self.tables[j][keys] * tok_w
+                if j not in self.local:
                     w_cols.append(w)
                 pj = (w[None] * hs).sum(2)                           # [D, m]
-                proj[i, j] += pj.sum(1).cpu().numpy()
-                proj2[i, j] += (pj * pj).sum(1).cpu().numpy()
-                sq[i, j] += float(srt.sq_norm(w).sum())
+                proj[j] += pj.sum(1).cpu().numpy()
+                proj2[j] += (pj * pj).sum(1).cpu().numpy()
+                sq[j] += float(srt.sq_norm(w).sum())
             flat_keys = keys.reshape(-1).cpu()
-            counts.index_add_(0, flat_keys, alive.reshape(-1).cpu())
+            self.counts.index_add_(0, flat_keys, alive.reshape(-1).cpu())
             if w_cols:
-                w_total.index_add_(0, flat_keys, torch.stack(w_cols, -1).reshape(-1, len(w_cols)).cpu())
-    total = np.zeros((nj, c_ * v))
-    for col, j in enumerate(per_draw):
-        total[j] = _grad_from_weights(w_total[:, col], q)
-    for j in local:
-        total[j] = _grad_from_weights(counts * tables[j].cpu(), q)
-    return RolloutMC(total, proj, proj2, sq)
+                self.w_total.index_add_(0, flat_keys, torch.stack(w_cols, -1).reshape(-1, len(w_cols)).cpu())
+        return GradBatch(proj, sq, proj2)
+
+    def total(self) -> np.ndarray:
+        total = np.zeros((len(self.items), self.pair.buckets * self.pair.vocab))
+        for col, j in enumerate(self.per_draw):
+            total[j] = _grad_from_weights(self.w_total[:, col], self.q)
+        for j in self.local:
+            total[j] = _grad_from_weights(self.counts * self.tables[j].cpu(), self.q)
+        return total
 
 
 def _grad_from_weights(w: torch.Tensor, q: torch.Tensor) -> np.ndarray:

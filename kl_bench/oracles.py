@@ -6,7 +6,8 @@ and the "tilted" q_s is again a diagonal Gaussian (precision (1−s)/σq² + s/�
 as that precision is > 0; otherwise Z_s = ∞. Under q_s, log r is a quadratic c0 + c1·z + c2·z² of a
 standard normal z in each dimension, so its raw moments are polynomial sums of E[z^j] = (j−1)!!.
 Any estimator written as Σ c · r^s (log r)^k (``Estimator.poly``) then has an exact mean and, via its
-squared polynomial, an exact second moment. |log r| is handled by its characteristic function.
+squared polynomial, an exact second moment. |c·log r| (``Estimator.abs_poly``) is handled by the
+characteristic function of log r. See docs/exact.md.
 
 Categoricals sum over the vocabulary in float64. With B contexts a draw picks a context uniformly,
 so moments are taken under the mixture (1/B)·q_b(x); this is the law of total variance across contexts.
@@ -19,9 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy import integrate
 
-from .estimators import Estimator
+from .estimators import Estimator, poly_square
 
 INF = math.inf
 
@@ -59,7 +59,7 @@ def gaussian_chi2(g: GaussianPairParams) -> float:
     return float(np.expm1(log_er2))
 
 
-def _product_tilt(parts) -> tuple[float, np.ndarray, np.ndarray] | None:
+def product_tilt(parts) -> tuple[float, np.ndarray, np.ndarray] | None:
     """log ∫ Π_i N(x; μ_i, σ_i²)^{e_i} dx and the mean and variance of the normalised product, per
     dimension summed (log) / [D] arrays; None when the product is not normalisable (precision ≤ 0).
     ``parts``: [(μ [D], σ [D], e)]."""
@@ -72,7 +72,7 @@ def _product_tilt(parts) -> tuple[float, np.ndarray, np.ndarray] | None:
     return float(log_z), eta / tau, 1.0 / tau
 
 
-def _tilt(g: GaussianPairParams, s: int, b: tuple[np.ndarray, np.ndarray] | None = None, m: int = 0):
+def tilt(g: GaussianPairParams, s: int, b: tuple[np.ndarray, np.ndarray] | None = None, m: int = 0):
     """(log Z, mean [D], var [D]) of the tilted Gaussian behind E_b[w^m r^s (·)], w = q/b:
     ∝ b^{1−m} q^{m−s} p^s (b = q when ``b`` is None); None when it is not normalisable."""
     if b is None or m == 1:
@@ -83,10 +83,10 @@ def _tilt(g: GaussianPairParams, s: int, b: tuple[np.ndarray, np.ndarray] | None
         parts = [(g.mq, g.sq, 1 - s), (g.mp, g.sp, s)]
     else:
         parts = [(b[0], b[1], 1 - m), (g.mq, g.sq, m - s), (g.mp, g.sp, s)]
-    return _product_tilt([pt for pt in parts if pt[2] != 0])
+    return product_tilt([pt for pt in parts if pt[2] != 0])
 
 
-def _logr_quadratic(g: GaussianPairParams, m: np.ndarray, v: np.ndarray):
+def logr_quadratic(g: GaussianPairParams, m: np.ndarray, v: np.ndarray):
     """Coefficients [D] of log r = c0 + c1 z + c2 z² when x = m + √v · z."""
     sv = np.sqrt(v)
     c2 = v * (1 / (2 * g.sq**2) - 1 / (2 * g.sp**2))
@@ -95,21 +95,21 @@ def _logr_quadratic(g: GaussianPairParams, m: np.ndarray, v: np.ndarray):
     return c0, c1, c2
 
 
-def _std_normal_moment(j: int) -> float:
+def std_normal_moment(j: int) -> float:
     return 0.0 if j % 2 else float(np.prod(np.arange(j - 1, 0, -2))) if j else 1.0
 
 
-def _quadratic_raw_moments(c0: float, c1: float, c2: float, kmax: int) -> list[float]:
+def quadratic_raw_moments(c0: float, c1: float, c2: float, kmax: int) -> list[float]:
     """E[(c0 + c1 z + c2 z²)^k] for k = 0..kmax, z ~ N(0, 1), by expanding the polynomial."""
     out, poly = [1.0], np.array([1.0])
     base = np.array([c0, c1, c2])
     for _ in range(kmax):
         poly = np.convolve(poly, base)
-        out.append(float(sum(c * _std_normal_moment(j) for j, c in enumerate(poly))))
+        out.append(float(sum(c * std_normal_moment(j) for j, c in enumerate(poly))))
     return out
 
 
-def _sum_raw_moments(per_dim: list[list[float]], kmax: int) -> list[float]:
+def sum_raw_moments(per_dim: list[list[float]], kmax: int) -> list[float]:
     """Raw moments of a sum of independent terms: E[(S+Y)^n] = Σ_j C(n,j) E[S^j] E[Y^{n−j}]."""
     acc = [1.0] + [0.0] * kmax
     for m in per_dim:
@@ -121,16 +121,16 @@ def gaussian_logr_moment(g: GaussianPairParams, s: int, k: int,
                          b: tuple[np.ndarray, np.ndarray] | None = None, m: int = 0) -> float:
     """E_q[r^s (log r)^k] exactly, or E_b[w^m r^s (log r)^k] with w = q/b for a sampler b = N(μ_b, σ_b²);
     +inf when the expectation diverges."""
-    tilt = _tilt(g, s, b, m)
-    if tilt is None:
+    tilted = tilt(g, s, b, m)
+    if tilted is None:
         return INF
-    log_z, m, v = tilt
-    c0, c1, c2 = _logr_quadratic(g, m, v)
-    per_dim = [_quadratic_raw_moments(a, b, c, k) for a, b, c in zip(c0, c1, c2)]
-    return math.exp(log_z) * _sum_raw_moments(per_dim, k)[k]
+    log_z, m, v = tilted
+    c0, c1, c2 = logr_quadratic(g, m, v)
+    per_dim = [quadratic_raw_moments(a, b, c, k) for a, b, c in zip(c0, c1, c2)]
+    return math.exp(log_z) * sum_raw_moments(per_dim, k)[k]
 
 
-def _poly_expectation(g: GaussianPairParams, poly: dict[tuple[int, int], float],
+def poly_expectation(g: GaussianPairParams, poly: dict[tuple[int, int], float],
                       b: tuple[np.ndarray, np.ndarray] | None = None, m: int = 0) -> float:
     terms = [(c, gaussian_logr_moment(g, s, k, b, m)) for (s, k), c in poly.items() if c != 0.0]
     if any(math.isinf(m) for _, m in terms):
@@ -146,8 +146,9 @@ def gaussian_abs_logr_mean(g: GaussianPairParams, b: tuple[np.ndarray, np.ndarra
     Per dimension log r = c0 + c1 z + c2 z² and
     φ(t) = exp(i t c0) (1 − 2 i t c2)^(−½) exp(−t² c1² / (2(1 − 2 i t c2))); dimensions multiply.
     """
+    from scipy import integrate          # imported where used: keeps `import kl_bench` fast
     mb, sb = (g.mq, g.sq) if b is None else b
-    c0, c1, c2 = _logr_quadratic(g, mb, sb**2)       # log r as a quadratic of x = μ_b + σ_b z
+    c0, c1, c2 = logr_quadratic(g, mb, sb**2)       # log r as a quadratic of x = μ_b + σ_b z
     if g.mq.shape[0] == 1:   # one dimension: integrate directly over z, split at the roots
         a, b, c = float(c0[0]), float(c1[0]), float(c2[0])
         roots = np.roots([c, b, a]) if c != 0 else (np.array([-a / b]) if b != 0 else np.array([]))
@@ -173,24 +174,32 @@ def gaussian_abs_logr_mean(g: GaussianPairParams, b: tuple[np.ndarray, np.ndarra
     return 2 / math.pi * (head + tail)
 
 
+def abs_logr_scale(est: Estimator) -> float | None:
+    """|c| when the estimator is |c·log r| (its ``abs_poly`` is one log r term), else None."""
+    ap = est.abs_poly
+    if ap is not None and set(ap) == {(0, 1)}:
+        return abs(ap[(0, 1)])
+    return None
+
+
 def gaussian_sampler_moments(g: GaussianPairParams, est: Estimator, b: tuple[np.ndarray, np.ndarray],
                              weighted: bool, cap: float | None) -> tuple[float, float]:
     """(E_b[v], Var_b[v]) for v = f (or w·f with w = q/b, capped) under a sampler b = N(μ_b, σ_b²).
 
     Polynomial estimators without a cap: closed forms (tilted Gaussians). Otherwise, one dimension:
     adaptive quadrature of the estimator function itself; more dimensions: unknown (NaN)."""
-    from .estimators import poly_square
     m = 1 if weighted else 0
-    if est.name == "abs" and not weighted:           # characteristic function of log r under b
-        mean = gaussian_abs_logr_mean(g, b)
-        return mean, max(gaussian_logr_moment(g, 0, 2, b, 0) - mean * mean, 0.0)
+    scale = abs_logr_scale(est)
+    if scale is not None and not weighted:           # characteristic function of log r under b
+        mean = scale * gaussian_abs_logr_mean(g, b)
+        return mean, max(scale**2 * gaussian_logr_moment(g, 0, 2, b, 0) - mean * mean, 0.0)
     if est.poly is not None and cap is None:
-        mean = _poly_expectation(g, est.poly, b, m)
-        second = _poly_expectation(g, poly_square(est.poly), b, 2 * m)
+        mean = poly_expectation(g, est.poly, b, m)
+        second = poly_expectation(g, poly_square(est.poly), b, 2 * m)
         return mean, (INF if math.isinf(second) else max(second - mean * mean, 0.0))
     if g.mq.shape[0] != 1:
         return math.nan, math.nan
-    import torch
+    from scipy import integrate
     mb, sb = float(b[0][0]), float(b[1][0])
     mq, sq, mp, sp = (float(a[0]) for a in (g.mq, g.sq, g.mp, g.sp))
 
@@ -234,19 +243,46 @@ def gaussian_sampler_moments(g: GaussianPairParams, est: Estimator, b: tuple[np.
 
 def gaussian_estimator_moments(g: GaussianPairParams, est: Estimator) -> tuple[float, float]:
     """(E_q[f], E_q[(f − E_q f)²]) exactly; the variance may be +inf."""
-    from .estimators import poly_square
-    if est.poly is None and est.name != "abs" and g.mq.shape[0] == 1:
-        return gaussian_sampler_moments(g, est, (g.mq, g.sq), False, None)   # clamped variants: quadrature
+    scale = abs_logr_scale(est)
+    if est.poly is None and scale is None and g.mq.shape[0] == 1:
+        return gaussian_sampler_moments(g, est, (g.mq, g.sq), False, None)   # any other function: quadrature
     if est.poly is not None:
-        mean = _poly_expectation(g, est.poly)
-        second = _poly_expectation(g, poly_square(est.poly))
-    elif est.name == "abs":
-        mean = gaussian_abs_logr_mean(g)
-        second = gaussian_logr_moment(g, 0, 2)
+        mean = poly_expectation(g, est.poly)
+        second = poly_expectation(g, poly_square(est.poly))
+    elif scale is not None:
+        mean = scale * gaussian_abs_logr_mean(g)
+        second = scale**2 * gaussian_logr_moment(g, 0, 2)
     else:
         return math.nan, math.nan
     var = INF if math.isinf(second) else max(second - mean * mean, 0.0)
     return mean, var
+
+
+def gaussian_score_moment(g: GaussianPairParams, s: int, k: int, i: int, j: int, b=None, m: int = 0) -> float:
+    """E_b[w^m r^s (log r)^k z_i^j] with z_i = (x_i − μq_i)/σq_i and w = q/b (b = q when None), via the
+    tilted Gaussian ∝ b^{1−m} q^{m−s} p^s: per dimension log r and z are polynomials of one standard
+    normal; dimensions are independent under the tilt. The gradient oracles' building block
+    (docs/gradients.md)."""
+    t = tilt(g, s, b, m)
+    if t is None:
+        return math.inf
+    log_z, mean, var = t
+    c0, c1, c2 = logr_quadratic(g, mean, var)
+    sd = np.sqrt(var)
+    zi = np.array([(mean[i] - g.mq[i]) / g.sq[i], sd[i] / g.sq[i]])      # z_i = a + b ζ
+    li = np.array([c0[i], c1[i], c2[i]])
+    others = [quadratic_raw_moments(a, b_, c, k) for d, (a, b_, c) in enumerate(zip(c0, c1, c2)) if d != i]
+    rest = sum_raw_moments(others, k) if others else [1.0] + [0.0] * k
+    total = 0.0
+    for a in range(k + 1):
+        poly = np.array([1.0])
+        for _ in range(a):
+            poly = np.convolve(poly, li)
+        for _ in range(j):
+            poly = np.convolve(poly, zi)
+        e = sum(cf * std_normal_moment(n) for n, cf in enumerate(poly))
+        total += math.comb(k, a) * e * rest[k - a]
+    return math.exp(log_z) * total
 
 
 # ----------------------------------------------------------------------------- categoricals

@@ -1,0 +1,346 @@
+"""The Python API: everything the command line does, from a script.
+
+>>> import kl_bench
+>>> spec = {"spec_version": 1,
+...         "experiment": {"name": "doc", "draws": 20_000, "batches": 20, "device": "cpu",
+...                        "estimators": ["k1", "k3"]},
+...         "case": [{"name": "g", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0},
+...                   "p": {"mean": 0.5, "std": 1.0}}]}
+>>> result = kl_bench.run(spec)
+>>> result.summary[["estimator", "true_kl"]].values.tolist()
+[['k1', 0.125], ['k3', 0.125]]
+>>> bool((result.summary["z"].abs() < 5).all())
+True
+>>> kl_bench.exact(spec)["exact_mean"].round(6).tolist()
+[0.125, 0.125]
+
+The command line is a thin layer over :func:`run`, :func:`exact` and :func:`check`:
+``kl_bench.run(path, draws=N, seed=S).summary`` equals the ``summary.csv`` that
+``kl-bench run path --draws N --seed S`` writes, and :meth:`Result.write` writes that very folder.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import platform
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .errors import SpecError
+from .pairs import Pair, build_pair
+from .spec import Spec, load_spec, spec_from_dict, with_overrides
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .check import Comparison
+    from .experiment import SpecOutcome
+
+SpecLike = "str | Path | Spec | dict"
+
+
+def load(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Spec:
+    """A :class:`Spec` from a path, a Spec, or a dict with the TOML's structure (tensors allowed as
+    logits), with overrides applied exactly as the command line's flags."""
+    if isinstance(spec, Spec):
+        sp = spec
+    elif isinstance(spec, (str, Path)):
+        sp = load_spec(spec)
+    else:
+        sp = spec_from_dict(spec)
+    return with_overrides(sp, draws=draws, seed=seed, device=device)
+
+
+def resolve_device(name: str, where: str | None = None, key: str = "experiment.device") -> torch.device:
+    """'auto' → CUDA when available, else CPU. Asking for CUDA without one is an input error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecError(f"device '{name}' requested but CUDA is not available here", file=where, key=key)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SpecError(f"device '{name}' requested but only {torch.cuda.device_count()} GPU(s) exist",
+                            file=where, key=key)
+    return dev
+
+
+@dataclass
+class Prepared:
+    """A validated spec with its pairs built (files read) and its device resolved: ready to sample."""
+    spec: Spec
+    pairs: list[Pair]
+    device: torch.device
+
+    @property
+    def file(self) -> str:
+        return str(self.spec.path)
+
+
+def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Prepared:
+    """Load and validate everything before any sampling: spec, flags, device, pairs, exact oracles."""
+    from .experiment import validate_oracles
+    sp = load(spec, draws=draws, seed=seed, device=device)
+    dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
+    pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
+    validate_oracles(sp, pairs, str(sp.path))
+    return Prepared(sp, pairs, dev)
+
+
+def execute(prep: Prepared, *, progress: Callable[[int], None] | None = None,
+            resume: dict[str, torch.Tensor] | None = None,
+            on_sums: Callable[[str, torch.Tensor], None] | None = None) -> "Result":
+    """Sample a prepared spec. ``resume``/``on_sums``: checkpointing (see kl_bench.engine.run_case)."""
+    from .experiment import run_spec
+    outcome = run_spec(prep.spec, prep.pairs, prep.device, progress=progress, resume=resume, on_sums=on_sums)
+    return Result(prep.spec, prep.pairs, outcome, prep.device, resumed=bool(resume))
+
+
+def run(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None,
+        progress: bool = False) -> "Result":
+    """Run every case of ``spec`` (a path, a :class:`Spec`, or a dict with the TOML's structure in which
+    a categorical or rollout side may be a tensor or ndarray of logits). ``draws``, ``seed`` and
+    ``device`` override the spec exactly as the CLI's flags do. Nothing is written: see
+    :meth:`Result.write`."""
+    from .progress import LazyProgress
+    prep = prepare(spec, draws=draws, seed=seed, device=device)
+    bar = LazyProgress(sum(prep.spec.case_draws()), enabled=progress)
+    try:
+        return execute(prep, progress=bar.advance)
+    finally:
+        bar.close()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict[str, str]:
+    from . import __version__
+    out = {"python": platform.python_version(), "kl-bench": __version__}
+    for pkg in ("torch", "numpy", "scipy", "pandas"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+
+
+class Result:
+    """What a run produced, in memory: the tables and the exact files of a results folder.
+
+    ``summary``: summary.csv's rows (its columns and dtypes: it is read back from the very bytes
+    written); ``lambda_sweep`` and ``gradients``: DataFrames, or None when the spec asks for none;
+    ``envelope``: run.json's fields (the file hashes are added on writing)."""
+
+    def __init__(self, spec: Spec, pairs: list[Pair], outcome: "SpecOutcome", device: torch.device,
+                 resumed: bool = False):
+        from .results import read_frame
+        self.spec, self.pairs, self.device = spec, pairs, device
+        self.outcome = outcome
+        self._files = outcome.files()
+        self.summary = read_frame(self._files["summary.csv"])
+        self.lambda_sweep = read_frame(self._files["lambda_sweep.csv"]) if "lambda_sweep.csv" in self._files else None
+        self.gradients = read_frame(self._files["gradients.csv"]) if "gradients.csv" in self._files else None
+        self.path: Path | None = None
+        runs = [o.run for o in outcome.cases]
+        exp = spec.experiment
+        self.envelope: dict[str, Any] = {
+            "kl_bench_run": 1,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "spec_path": str(spec.path), "spec_sha256": spec.sha256, "spec_text": spec.text,
+            "experiment": exp.name, "seed": exp.seed,
+            "draws_per_case": {c.name: n for c, n in zip(spec.cases, spec.case_draws())}, "batches": exp.batches,
+            "device": str(device), "device_name": _device_name(device), "versions": _versions(),
+            "git_commit": _git_commit(), "wall_seconds": round(outcome.wall, 3), "resumed": resumed,
+            "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
+            "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
+        }
+
+    @property
+    def batches(self) -> "pd.DataFrame":
+        """Every row's batch means (batches.csv)."""
+        from .results import read_frame
+        return read_frame(self._files["batches.csv"])
+
+    @property
+    def draws(self) -> int:
+        return sum(o.run.draws for o in self.outcome.cases)
+
+    def descriptions(self) -> dict[str, str]:
+        """Case name → one line describing its q and p."""
+        return {p.name: p.describe() for p in self.pairs}
+
+    def files(self) -> dict[str, bytes]:
+        """The data files of the results folder (run.json is added by :meth:`write`)."""
+        return dict(self._files)
+
+    def write(self, directory: str | Path) -> Path:
+        """Write the results folder ``kl-bench run`` writes (summary.csv, batches.csv, reservoir.npz,
+        lambda_sweep.csv and gradients.csv when present, run.json with their sha256), atomically: the
+        folder is swapped in whole, and a concurrent run on the same folder is refused."""
+        from .storage import FolderLock, clean_stale
+        directory = Path(directory)
+        with FolderLock(directory):
+            clean_stale(directory)
+            self.write_files(directory)
+        return directory
+
+    def write_files(self, directory: str | Path) -> Path:
+        """:meth:`write` for a caller that already holds the folder's lock (the CLI, which checkpoints)."""
+        from .storage import write_results
+        directory = Path(directory)
+        write_results(directory, self._files, self.envelope)
+        self.path = directory
+        return directory
+
+    def report(self, directory: str | Path | None = None) -> Path:
+        """Write the report (figures, table.tex/md, report.md, report.html) into ``directory`` (default:
+        ``<results folder>/report`` once written). Unwritten results are written to a temporary folder
+        first, named after the experiment."""
+        from .report import write_report
+        if self.path is not None:
+            return write_report([self.path], Path(directory) if directory else self.path / "report")
+        if directory is None:
+            raise SpecError("give report() a folder, or write() the results first")
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / self.spec.experiment.name
+            from .storage import write_results
+            write_results(folder, self._files, self.envelope)
+            return write_report([folder], Path(directory))
+
+    def __repr__(self) -> str:
+        return (f"Result(experiment={self.spec.experiment.name!r}, cases={len(self.pairs)}, rows={len(self.summary)}, "
+                f"draws={self.draws:,})")
+
+
+def exact(spec) -> "pd.DataFrame":
+    """The exact table of every case, no sampling: true value, exact mean and std of every row, and the
+    planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them."""
+    from .estimators import resolve_estimator
+    from .experiment import validate_oracles
+    from .planning import add_planning
+    from .results import EXACT_COLUMNS, exact_rows, to_frame
+    sp = load(spec)
+    pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
+    validate_oracles(sp, pairs, str(sp.path))
+    sources = [resolve_estimator(n) for n in sp.experiment.estimators]
+    rows = [row for p in pairs for row in exact_rows(p, sources)]
+    for row in rows:
+        add_planning(row)
+    return to_frame(rows)[EXACT_COLUMNS]
+
+
+# ----------------------------------------------------------------------------- check
+@dataclass
+class CheckReport:
+    """The regression gate's verdict: ``passed``, the ``failures`` (each with ``.sentence()``), every
+    comparison as a ``table``, and notes (rows on one side only, a spec changed since the baseline)."""
+    comparisons: list["Comparison"]
+    alpha: float
+    notes: list[str] = field(default_factory=list)
+    baseline: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.comparisons)
+
+    @property
+    def failures(self) -> list["Comparison"]:
+        return [c for c in self.comparisons if not c.passed]
+
+    @property
+    def table(self) -> "pd.DataFrame":
+        import pandas as pd
+        return pd.DataFrame([{"row": c.row, "statistic": c.statistic, "value": c.value, "reference": c.reference,
+                              "se": c.se, "z": c.z, "p": c.p, "z_limit": c.threshold, "passed": c.passed}
+                             for c in self.comparisons])
+
+    @property
+    def verdict(self) -> str:
+        n, bad = len(self.comparisons), len(self.failures)
+        return (f"check: {n - bad} passed, {bad} failed ({n} comparisons against exact values"
+                + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
+
+
+def check(results, baseline=None, alpha: float = 0.001) -> CheckReport:
+    """Compare every statistic with its exact value and, given a ``baseline`` (a path to a baseline
+    JSON, or its decoded dict), with the stored run; Holm's step-down at family-wise ``alpha``.
+    ``results``: a :class:`Result`, a results folder, or a summary DataFrame."""
+    import pandas as pd
+
+    from .check import baseline_comparisons, exact_comparisons, holm, load_baseline, normalize_baseline
+    if not 0 < alpha < 1:
+        raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
+    sha = None
+    if isinstance(results, Result):
+        df, sha = results.summary, results.spec.sha256
+    elif isinstance(results, pd.DataFrame):
+        df = results
+    else:
+        from .report import load_results
+        loaded = load_results(Path(results))
+        df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
+    comparisons = exact_comparisons(df)
+    notes: list[str] = []
+    where = None
+    if baseline is not None:
+        if isinstance(baseline, dict):
+            base, where = normalize_baseline(baseline), "(given)"
+        else:
+            base, where = load_baseline(Path(baseline)), str(baseline)
+        if sha is not None and base.get("spec_sha256") != sha:
+            notes.append(f"the spec changed since the baseline {where} was made (sha256 {str(base.get('spec_sha256'))[:12]}… "
+                         f"then, {sha[:12]}… now); rows are matched by case, estimator, aggregate and λ")
+        more, row_notes = baseline_comparisons(df, base)
+        comparisons += more
+        notes += row_notes
+    holm(comparisons, alpha)
+    return CheckReport(comparisons, alpha, notes, where)
+
+
+# ----------------------------------------------------------------------------- in a training loop
+def estimate(logp: torch.Tensor, logq: torch.Tensor, estimator="k3", *, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token values of a registered estimator on a trainer's log-prob tensors.
+
+    ``logp``, ``logq``: log p(x) and log q(x) of the sampled tokens, any (equal) shape and dtype; the
+    values are computed in that dtype, as a trainer would, and autograd flows through them. ``mask``
+    (same shape, bool or 0/1) zeroes padding. ``estimator``: a registry name, a plug-in reference, or an
+    :class:`~kl_bench.estimators.Estimator`.
+
+    >>> import torch, kl_bench
+    >>> logq = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]]))
+    >>> logp = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]]))
+    >>> kl_bench.estimate(logp, logq, "k1", mask=torch.tensor([[1, 1], [1, 0]])).tolist()
+    [[0.6931471824645996, 0.0], [0.0, 0.0]]
+    """
+    from .estimators import resolve_estimator
+    est = resolve_estimator(estimator)
+    if est.analytic:
+        raise SpecError(f"'{est.name}' needs the full next-token distributions, not sampled log-probs")
+    if logp.shape != logq.shape:
+        raise SpecError(f"logp and logq must have one shape, got {list(logp.shape)} and {list(logq.shape)}")
+    values = est.fn(logp - logq)
+    if mask is None:
+        return values
+    if mask.shape != values.shape:
+        raise SpecError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
+    # where, not a product: a padded position may hold inf or NaN log-probs, and inf·0 would be NaN.
+    return torch.where(mask.bool(), values, torch.zeros_like(values))
+
+
+__all__ = ["load", "prepare", "execute", "run", "Result", "exact", "check", "CheckReport", "estimate",
+           "resolve_device"]

@@ -1,0 +1,137 @@
+"""Typed TOML tables: read keys with conversion and checks, remember which were used, reject the rest
+with "did you mean". Every error is a :class:`SpecError` naming the file, the case and the key.
+
+Spec parsing (kl_bench.spec) and every case kind's parser (kl_bench.pairs.<kind>) read through this.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable
+
+from .errors import SpecError
+from .registry import did_you_mean
+
+MISSING = object()
+DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def typename(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(v), type(v).__name__)
+
+
+def convert(v: Any, kind: str, err: Callable[[str], SpecError]) -> Any:
+    """``v`` as 'int', 'float', 'str', 'float_or_list' (a tuple) or 'str_list' (a tuple)."""
+    if kind == "int":
+        # Integral floats are accepted so that `draws = 1e7` works.
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise err(f"must be an integer, got {typename(v)} {v!r}")
+        if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+            raise err(f"must be an integer, got {v!r}")
+        return int(v)
+    if kind == "float":
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise err(f"must be a number, got {typename(v)} {v!r}")
+        if not math.isfinite(v):
+            raise err(f"must be finite, got {v!r}")
+        return float(v)
+    if kind == "str":
+        if not isinstance(v, str):
+            raise err(f"must be a string, got {typename(v)} {v!r}")
+        return v
+    if kind == "float_or_list":
+        items = v if isinstance(v, list) else [v]
+        if isinstance(v, list) and not v:
+            raise err("must not be an empty list")
+        return tuple(convert(x, "float", err) for x in items)
+    if kind == "str_list":
+        if not isinstance(v, list):
+            raise err(f"must be a list of strings, got {typename(v)}")
+        return tuple(convert(x, "str", err) for x in v)
+    raise AssertionError(kind)
+
+
+def positive(v: Any) -> str | None:
+    vals = v if isinstance(v, tuple) else (v,)
+    return None if all(x > 0 for x in vals) else f"must be > 0, got {v if not isinstance(v, tuple) or len(v) > 1 else v[0]}"
+
+
+def nonnegative(v: Any) -> str | None:
+    return None if v >= 0 else f"must be ≥ 0, got {v}"
+
+
+def check_device(v: str) -> str | None:
+    return None if DEVICE_RE.match(v) else f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got '{v}'"
+
+
+def check_case_name(v: str) -> str | None:
+    # Names label rows and figure files: any printable text without slashes.
+    if not v or not v.isprintable() or "/" in v or "\\" in v or v != v.strip():
+        return f"must be non-empty printable text without slashes or surrounding spaces, got {v!r}"
+    return None
+
+
+class Table:
+    """Reads keys from one TOML table (a dict), remembering which were used, to reject the rest."""
+
+    def __init__(self, data: Any, file: str, case: str | None, prefix: str):
+        self.file, self.case, self.prefix = file, case, prefix
+        if not isinstance(data, dict):
+            raise self.error(f"must be a table, got {typename(data)}", key=prefix.rstrip(".") or None)
+        self.data = data
+        self.used: set[str] = set()
+
+    def error(self, message: str, key: str | None = None) -> SpecError:
+        return SpecError(message, file=self.file, case=self.case, key=key)
+
+    def key(self, k: str) -> str:
+        return f"{self.prefix}{k}"
+
+    def has(self, k: str) -> bool:
+        return k in self.data
+
+    def raw(self, k: str) -> Any:
+        """The value of key ``k`` as given (marking it used), or None."""
+        self.used.add(k)
+        return self.data.get(k)
+
+    def get(self, k: str, kind: str, default: Any = MISSING,
+            check: Callable[[Any], str | None] | None = None) -> Any:
+        """Return key ``k`` converted to ``kind`` (see :func:`convert`), or ``default``; ``check``
+        returns an error message or None."""
+        self.used.add(k)
+        if k not in self.data:
+            if default is MISSING:
+                # A misspelt key is the likelier story than a forgotten one: say so.
+                typo = [x for x in self.data if x not in self.used and did_you_mean(x, [k])]
+                if typo:
+                    raise self.error(f"unknown key (did you mean '{k}'?)", key=self.key(typo[0]))
+                raise self.error("missing required key", key=self.key(k))
+            return default
+        value = convert(self.data[k], kind, lambda m: self.error(m, key=self.key(k)))
+        if check is not None:
+            msg = check(value)
+            if msg:
+                raise self.error(msg, key=self.key(k))
+        return value
+
+    def bool(self, k: str, default: bool) -> bool:
+        self.used.add(k)
+        v = self.data.get(k, default)
+        if not isinstance(v, bool):
+            raise self.error(f"must be true or false, got {typename(v)} {v!r}", key=self.key(k))
+        return v
+
+    def sub(self, k: str) -> "Table":
+        self.used.add(k)
+        if k not in self.data:
+            raise self.error("missing required key", key=self.key(k))
+        return Table(self.data[k], self.file, self.case, f"{self.key(k)}.")
+
+    def finish(self, allowed: list[str] | None = None) -> None:
+        allowed = list(self.used) if allowed is None else allowed
+        for k in self.data:
+            if k not in self.used:
+                raise self.error(f"unknown key{did_you_mean(k, allowed)}; allowed: "
+                                 f"{', '.join(sorted(allowed))}", key=self.key(k))

@@ -1,0 +1,293 @@
+"""kl_bench.plots: importing it and plotting leave matplotlib's global state (rcParams, seaborn's theme,
+the backend) as they were; every plot function draws a small frame of each results file's columns, on a
+new figure or on given axes, and returns the figure; the report's look survives rendering outside the
+plot function."""
+import io
+import inspect
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from kl_bench.gradients import GRAD_SCHEMA
+from kl_bench.lambdas import SWEEP_SCHEMA
+from kl_bench.results import SCHEMA
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ("case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler")   # as load_results reads them
+NAN, INF = math.nan, math.inf
+
+
+# ----------------------------------------------------------------------------- small frames
+def _frame(rows: list[dict], columns) -> pd.DataFrame:
+    df = pd.DataFrame([{c: r.get(c, NAN) for c in columns} for r in rows], columns=list(columns))
+    for c in TEXT:
+        if c in df:
+            df[c] = df[c].astype(object).where(df[c].notna(), "")
+    return df
+
+
+def summary_frame() -> pd.DataFrame:
+    """summary.csv rows: a Gaussian case (k1, k2, k3 and one cv(λ) row) and two rollout lengths."""
+    rows = []
+
+    def add(case, kind, est, agg="", lam=NAN, true=0.13, rel_bias=0.0, rel_std=2.0, exact_rel_std=None,
+            n10=None):
+        exact_rel_std = rel_std * 1.05 if exact_rel_std is None else exact_rel_std
+        measured_bias = rel_bias + 0.004 * (len(rows) % 3 - 1)
+        rows.append(dict(
+            case=case, kind=kind, estimator=est, aggregate=agg, **{"lambda": lam}, target="KL(q||p)", true_kl=true,
+            draws=20_000, batches=20, mean=true * (1 + measured_bias), std=true * rel_std,
+            se=true * rel_std / math.sqrt(20_000), std_se=0.02 * true * rel_std, bias=true * measured_bias,
+            rel_bias=measured_bias, rel_std=rel_std, exact_mean=true * (1 + rel_bias),
+            exact_std=true * exact_rel_std, exact_rel_bias=rel_bias, exact_rel_std=exact_rel_std, z=0.3,
+            frac_negative=0.1, n_for_10pct=(1.96 * rel_std / 0.1) ** 2 if n10 is None else n10))
+
+    add("gauss", "gaussian", "k1", rel_std=7.5)
+    add("gauss", "gaussian", "k2", rel_bias=-0.29, rel_std=1.7, n10=INF)   # bias alone > 10%: no bar
+    add("gauss", "gaussian", "k3", rel_std=5.1)
+    add("gauss", "gaussian", "cv", lam=0.5, rel_std=3.9)
+    for case, t in (("roll-T4", 4), ("roll-T8", 8)):
+        for agg in ("seq", "tok"):
+            add(case, "rollout", "k1", agg, true=0.05 * t, rel_std=3.0 / math.sqrt(t))
+            add(case, "rollout", "k3", agg, true=0.05 * t, rel_std=2.0 * t ** 0.3,
+                exact_rel_std=INF if (agg, t) == ("seq", 8) else None)
+    return _frame(rows, SCHEMA)
+
+
+def batches_frame(summary: pd.DataFrame, case: str = "gauss", n: int = 20) -> pd.DataFrame:
+    """batches.csv rows of one case: n batch means per row around its exact mean."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for _, r in summary[(summary["case"] == case) & summary["lambda"].isna()].iterrows():
+        for b in range(n):
+            rows.append(dict(case=case, estimator=r["estimator"], aggregate=r["aggregate"], **{"lambda": NAN},
+                             batch=b, draws=1000, batch_mean=r["exact_mean"] + r["std"] / 30 * rng.standard_normal()))
+    df = pd.DataFrame(rows)
+    df["aggregate"] = df["aggregate"].astype(object)
+    return df
+
+
+def sweep_frame() -> pd.DataFrame:
+    """lambda_sweep.csv rows of one case: a λ grid through 0 (k1) and 1 (k3), infinite exact std at λ = 2."""
+    lams = np.round(np.linspace(-0.5, 2.0, 11), 2)
+    star = 0.6
+    exact = 2.0 + 3.0 * (lams - star) ** 2
+    exact[lams == 2.0] = INF
+    return _frame([dict(case="gauss", aggregate="", **{"lambda": lam}, true_kl=0.13, mean=0.13, se=0.001,
+                        std=0.13 * e * 0.97 if math.isfinite(e) else 0.13 * 9.0, rel_std=e * 0.97 if math.isfinite(e)
+                        else 9.0, exact_mean=0.13, exact_std=0.13 * e, exact_rel_std=e, p_negative_exact=0.2,
+                        frac_negative=0.2, lambda_star=star, lambda_star_mc=0.58)
+                   for lam, e in zip(lams, exact)], SWEEP_SCHEMA)
+
+
+def gradients_frame() -> pd.DataFrame:
+    """gradients.csv rows of one case: estimator × mode, one without an exact trace (measured one used)."""
+    rows = []
+    for k, (est, lam) in enumerate((("k1", NAN), ("k3", NAN), ("cv", 0.5))):
+        for j, mode in enumerate(("loss", "reward", "loss_is")):
+            along = 0.0 if (est, mode) == ("k1", "loss") else 0.2 + 0.1 * j
+            rows.append(dict(case="gauss", estimator=est, aggregate="", **{"lambda": lam}, sampler="", mode=mode,
+                             params=2, draws=100_000, equals="reverse", trace_cov=3.0 + k,
+                             exact_trace_cov=NAN if (est, mode) == ("cv", "loss_is") else 3.0 + k + 0.1 * j,
+                             exact_along_reverse=along, exact_norm=max(along, 0.05) * 1.1, n_for_cos90=100.0))
+    return _frame(rows, GRAD_SCHEMA)
+
+
+def distribution_values() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    logr = rng.normal(-0.1, 0.5, 2000)
+    r = np.exp(logr)
+    return {"k1": -logr, "k2": logr**2 / 2, "k3": r - 1 - logr}
+
+
+def calls():
+    """name → (function name, args, kwargs, name of the axes argument, subplot grid for given axes)."""
+    s = summary_frame()
+    gauss = s[s["case"] == "gauss"]
+    return {
+        "bias_std": ("plot_bias_std", (gauss,), {"title": "gauss"}, "axes", (1, 2)),
+        "bias_std_two_runs": ("plot_bias_std", (pd.concat([gauss.assign(run="a"), gauss.assign(run="b")]),), {},
+                              "axes", (1, 2)),
+        "lambda_curve": ("plot_lambda_curve", (sweep_frame(),), {"title": "gauss"}, "ax", (1, 1)),
+        "distribution": ("plot_distribution", (distribution_values(),), {"title": "gauss"}, "ax", (1, 1)),
+        "convergence": ("plot_convergence", (batches_frame(s), gauss), {"title": "gauss"}, "axes", (2, 3)),
+        "rollout_growth": ("plot_rollout_growth", (s, {"roll-T4": 4, "roll-T8": 8}), {"title": "rollouts"}, "ax",
+                           (1, 1)),
+        "planning": ("plot_planning", (s,), {"title": "small"}, "ax", (1, 1)),
+        "gradient_cosine": ("plot_gradient_cosine", (gradients_frame(),), {"title": "gauss"}, "ax", (1, 1)),
+    }
+
+
+# ----------------------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def plots():
+    from kl_bench import plots
+    return plots
+
+
+def _rc() -> dict:
+    import matplotlib
+    return dict(matplotlib.rcParams)
+
+
+def _call(plots, name: str, **extra):
+    """Call one plot function; rcParams must be exactly as before the call."""
+    fn_name, args, kwargs, _, _ = calls()[name]
+    before = _rc()
+    fig = getattr(plots, fn_name)(*args, **kwargs, **extra)
+    assert _rc() == before, f"{fn_name} changed rcParams: {_rc_diff(before, _rc())}"
+    return fig
+
+
+def _rc_diff(a: dict, b: dict) -> dict:
+    return {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def _pixels(fig, **savefig) -> np.ndarray:
+    from matplotlib.image import imread
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=60, **savefig)
+    data = buf.getvalue()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return imread(io.BytesIO(data))
+
+
+# ----------------------------------------------------------------------------- global state
+# Run in a fresh interpreter: nothing of kl_bench.plots (or seaborn) may be imported before the snapshot.
+FRESH = """
+import io, sys
+import matplotlib
+from matplotlib import colors
+backend = matplotlib.get_backend()
+before = dict(matplotlib.rcParams)
+codes = {c: colors.to_rgba(c) for c in "bgrcmyk"}
+def check(when):
+    now = dict(matplotlib.rcParams)
+    diff = {k: (before.get(k), now.get(k)) for k in before.keys() | now.keys() if before.get(k) != now.get(k)}
+    assert not diff, f"rcParams changed {when}: {diff}"
+    assert matplotlib.get_backend() == backend, f"backend {backend} -> {matplotlib.get_backend()} {when}"
+    assert {c: colors.to_rgba(c) for c in "bgrcmyk"} == codes, f"colour codes changed {when}"
+from tests import test_plots as t
+check("importing the tests' frames")
+from kl_bench import plots
+check("importing kl_bench.plots")
+for name, (fn, args, kwargs, _, _) in t.calls().items():
+    fig = getattr(plots, fn)(*args, **kwargs)
+    check(f"calling {fn} ({name})")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=40)
+    assert buf.getvalue()[:4] == b"\\x89PNG"
+    check(f"saving the figure of {fn} ({name})")
+print("clean", backend)
+"""
+
+
+@pytest.mark.parametrize("backend", [None, "svg"])
+def test_import_and_plotting_leave_rcparams_theme_and_backend_alone(backend):
+    """svg: a non-Agg backend stays selected (the module used to force Agg), and PNGs still render."""
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    if backend:
+        env["MPLBACKEND"] = backend
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", FRESH], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "clean"
+    if backend:
+        assert proc.stdout.split() == ["clean", backend]
+
+
+def test_rcparams_are_restored_when_a_plot_function_fails(plots):
+    before = _rc()
+    with pytest.raises(KeyError):
+        plots.plot_lambda_curve(pd.DataFrame({"x": [1.0]}))
+    assert _rc() == before
+
+
+def test_plot_functions_keep_their_signatures(plots):
+    params = {name: list(inspect.signature(getattr(plots, name)).parameters)
+              for name in ("plot_bias_std", "plot_lambda_curve", "plot_distribution", "plot_convergence",
+                           "plot_rollout_growth", "plot_planning", "plot_gradient_cosine")}
+    assert params == {"plot_bias_std": ["df", "axes", "title"], "plot_lambda_curve": ["sweep", "ax", "title"],
+                      "plot_distribution": ["values", "ax", "title"],
+                      "plot_convergence": ["batches", "summary", "axes", "title"],
+                      "plot_rollout_growth": ["summary", "lengths", "ax", "title"],
+                      "plot_planning": ["summary", "ax", "title"], "plot_gradient_cosine": ["grads", "ax", "title"]}
+
+
+# ----------------------------------------------------------------------------- each plot function
+@pytest.mark.parametrize("name", list(calls()))
+def test_plot_returns_a_new_figure_with_drawn_axes(plots, name):
+    from matplotlib.figure import Figure
+    from matplotlib.pyplot import get_fignums
+    open_before = get_fignums()
+    fig = _call(plots, name)
+    assert isinstance(fig, Figure)
+    assert get_fignums() == open_before          # not a pyplot figure: nothing to close, no backend needed
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert visible
+    for ax in visible:
+        assert ax.lines or ax.collections or ax.patches, f"{name}: an empty panel"
+    before = _rc()
+    img = _pixels(fig)
+    assert _rc() == before
+    assert img.shape[0] > 50 and img.shape[1] > 50 and img[..., :3].std() > 0.05   # not a blank image
+
+
+@pytest.mark.parametrize("name", list(calls()))
+def test_plot_draws_on_given_axes_and_returns_their_figure(plots, name):
+    from matplotlib.figure import Figure
+    _, _, _, arg, (nrows, ncols) = calls()[name]
+    fig = Figure(figsize=(4 * ncols, 3 * nrows))
+    given = fig.subplots(nrows, ncols)
+    assert _call(plots, name, **{arg: given}) is fig
+    assert len(fig.axes) == nrows * ncols        # drew on them, added no axes
+    first = np.atleast_1d(given).ravel()[0]
+    assert first.lines or first.collections or first.patches
+    _pixels(fig)
+
+
+@pytest.mark.parametrize("name", list(calls()))
+def test_the_look_survives_saving_outside_the_plot_function(plots, name):
+    """The report saves after the function returned; it must render as if the theme were still active."""
+    import matplotlib
+    outside = _pixels(_call(plots, name))
+    with matplotlib.rc_context(plots.THEME):
+        inside = _pixels(_call(plots, name))
+    assert outside.shape == inside.shape and np.array_equal(outside, inside)
+
+
+def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
+    import matplotlib
+    import seaborn as sns
+    from matplotlib.colors import same_color, to_rgba
+    assert plots.PALETTE == sns.color_palette("colorblind")
+    ax = _call(plots, "lambda_curve").axes[0]
+    assert same_color(ax.lines[0].get_color(), plots.PALETTE[0])           # the exact curve
+    assert same_color(ax.get_facecolor(), "white")
+    assert all(same_color(s.get_edgecolor(), to_rgba(".8")) for s in ax.spines.values())
+    tick = ax.xaxis.get_major_ticks()[0]
+    assert tick.gridline.get_visible() and same_color(tick.gridline.get_color(), to_rgba(".8"))
+    notebook = sns.plotting_context("notebook")
+    assert tick.label1.get_fontsize() == notebook["xtick.labelsize"]
+    assert ax.xaxis.label.get_fontsize() == notebook["axes.labelsize"]
+    assert ax.title.get_fontsize() == notebook["axes.titlesize"]
+    assert ax.lines[0].get_linewidth() == 2                                # explicit lw wins
+    assert ax.lines[1].get_linewidth() == 1.5
+    assert matplotlib.rcParams["axes.grid"] == matplotlib.rcParamsDefault["axes.grid"]  # only inside the function
+
+
+def test_report_png_closes_a_figure_that_pyplot_does_not_manage(plots):
+    """kl_bench.report._png calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
+    from matplotlib.pyplot import get_fignums
+    from kl_bench.report import _png
+    open_before = get_fignums()
+    data = _png(_call(plots, "gradient_cosine"))
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert get_fignums() == open_before
