@@ -21,6 +21,7 @@ The command line is a thin layer over :func:`run`, :func:`exact` and :func:`chec
 from __future__ import annotations
 
 import contextlib
+import math
 import datetime as _dt
 import platform
 import subprocess
@@ -39,7 +40,7 @@ from .spec import Spec, load_spec, spec_from_dict, with_overrides
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .check import Comparison
+    from .gate import Comparison
     from .experiment import SpecOutcome
 
 SpecLike = "str | Path | Spec | dict"
@@ -230,17 +231,21 @@ class Result:
 def exact(spec) -> "pd.DataFrame":
     """The exact table of every case, no sampling: true value, exact mean and std of every row, and the
     planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them."""
-    from .estimators import resolve_estimator
+    from .estimators import make_cv, resolve_estimator
     from .experiment import validate_oracles
     from .planning import add_planning
     from .results import EXACT_COLUMNS, exact_rows, to_frame
     sp = load(spec)
     pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
     validate_oracles(sp, pairs, str(sp.path))
-    sources = [resolve_estimator(n) for n in sp.experiment.estimators]
-    rows = [row for p in pairs for row in exact_rows(p, sources)]
-    for row in rows:
-        add_planning(row)
+    sources = [resolve_estimator(n) for n in sp.experiment.estimators] + [make_cv(lam) for lam in sp.experiment.lambdas]
+    rows = []
+    for p in pairs:
+        for row in exact_rows(p, sources):
+            add_planning(row)
+            if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
+                row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star
+            rows.append(row)
     return to_frame(rows)[EXACT_COLUMNS]
 
 
@@ -282,7 +287,7 @@ def check(results, baseline=None, alpha: float = 0.001) -> CheckReport:
     ``results``: a :class:`Result`, a results folder, or a summary DataFrame."""
     import pandas as pd
 
-    from .check import baseline_comparisons, exact_comparisons, holm, load_baseline, normalize_baseline
+    from .gate import baseline_comparisons, exact_comparisons, holm, load_baseline, normalize_baseline
     if not 0 < alpha < 1:
         raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
     sha = None
@@ -322,10 +327,10 @@ def estimate(logp: torch.Tensor, logq: torch.Tensor, estimator="k3", *, mask: to
     :class:`~kl_bench.estimators.Estimator`.
 
     >>> import torch, kl_bench
-    >>> logq = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]]))
-    >>> logp = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]]))
-    >>> kl_bench.estimate(logp, logq, "k1", mask=torch.tensor([[1, 1], [1, 0]])).tolist()
-    [[0.6931471824645996, 0.0], [0.0, 0.0]]
+    >>> logq = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]], dtype=torch.float64))
+    >>> logp = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]], dtype=torch.float64))
+    >>> kl_bench.estimate(logp, logq, "k3", mask=torch.tensor([[1, 1], [1, 0]])).round(decimals=4).tolist()
+    [[0.1931, 0.0], [0.0, 0.0]]
     """
     from .estimators import resolve_estimator
     est = resolve_estimator(estimator)

@@ -194,13 +194,13 @@ def check(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         base_path = baseline or Path("results") / "baselines" / f"{sp0.experiment.name}.json"
         use_base = baseline is not None or base_path.exists()
         if use_base:
-            from .check import load_baseline
+            from .gate import load_baseline
             load_baseline(base_path)          # a broken baseline fails before any sampling
     sp, df = _summary_for(spec, results, draws, seed, device, quiet=True)
     with _user_errors():
         rep = api.check(df, base_path if use_base else None, alpha)
     if use_base:
-        from .check import load_baseline
+        from .gate import load_baseline
         base = load_baseline(base_path)
         if base.get("spec_sha256") != sp.sha256:
             out_console.print(f"note: the spec changed since the baseline {base_path} was made (sha256 "
@@ -230,7 +230,7 @@ def baseline(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
              out: Optional[Path] = typer.Option(None, "--out", help="baseline JSON [default: results/baselines/<name>.json]"),
              results: Optional[Path] = typer.Option(None, "--results", help="take the numbers from this results folder")) -> None:
     """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline."""
-    from .check import baseline_bytes, make_baseline
+    from .gate import baseline_bytes, make_baseline
     from .storage import atomic_write_bytes
     sp, df = _summary_for(spec, results, None, None, None, quiet=False)
     target = out or Path("results") / "baselines" / f"{sp.experiment.name}.json"

@@ -28,7 +28,12 @@ def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Ten
     def deriv(logr: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             x = logr.detach().clone().requires_grad_(True)
-            (g,) = torch.autograd.grad(est.fn(x).sum(), x)
+            try:
+                (g,) = torch.autograd.grad(est.fn(x).sum(), x)
+            except RuntimeError as e:       # a plug-in written with non-differentiable operations
+                from .errors import SpecError
+                raise SpecError(f"estimator '{est.name}' is not differentiable with autograd, which the "
+                                f"{mode} gradient mode needs: {str(e).splitlines()[0]}") from None
         return g
     if mode == "loss":
         return lambda logr: -deriv(logr)

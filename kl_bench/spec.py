@@ -167,7 +167,7 @@ def _parse_case(raw: Any, i: int, file: str, spec_dir: Path, seen: list[CaseConf
         others = {k.name: k.sampler_keys for k in CASE_KINDS.values()}
         common["sampler"] = parse_sampler(t.sub("sampler"), kind.name, kind.sampler_keys, kind.weight_kinds,
                                           others, spec_dir)
-    return kind.pair.parse(t, common, spec_dir)
+    return dataclasses.replace(kind.pair.parse(t, common, spec_dir), kind=kind.name)
 
 
 def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path: Path) -> Spec:

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kl_bench import estimators as est_mod
-from kl_bench.check import (baseline_bytes, baseline_comparisons, exact_comparisons, holm, make_baseline,
+from kl_bench.gate import (baseline_bytes, baseline_comparisons, exact_comparisons, holm, make_baseline,
                              normalize_baseline)
 from kl_bench.cli import app
 from kl_bench.estimators import ESTIMATORS, lookup

@@ -37,7 +37,7 @@ class CaseConfig:
     name: str
     draws: int | None = None             # overrides [experiment] draws for this case
     sampler: SamplerSpec | None = None
-    kind: ClassVar[str] = ""
+    kind: str = ""                       # the registered kind it was parsed as (set by the spec parser)
 
 
 @dataclass(frozen=True)

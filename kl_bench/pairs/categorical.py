@@ -37,7 +37,6 @@ class CategoricalCase(CaseConfig):
     vocab: int | None
     q: LogitsSource
     p: LogitsSource
-    kind = "categorical"
 
 
 @register_kind("categorical", description="categoricals over a vocabulary, [V] or [B, V] logits; exact sums",

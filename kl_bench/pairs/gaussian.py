@@ -18,7 +18,7 @@ from .. import oracles as exact
 from ..config import Table, positive
 from ..draws import Draws
 from ..errors import SpecError
-from ..estimators import Poly, RowSource, poly_square
+from ..estimators import Estimator, Poly, RowSource, poly_square
 from ..targets import FORWARD, REVERSE
 from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
                    JointMoments, Pair, register_kind)
@@ -35,7 +35,6 @@ class GaussianParams:
 class GaussianCase(CaseConfig):
     q: GaussianParams
     p: GaussianParams
-    kind = "gaussian"
 
 
 def _params(t: Table) -> GaussianParams:
@@ -132,6 +131,12 @@ class GaussianPair(Pair):
         if est.analytic and not self.weighted:
             return self.kl(), 0.0          # one context: the analytic KL, a constant
         if self.has_sampler:
+            if est.analytic and self.weight_cap is not None:
+                # KL·min(w, cap): E_b[min(w, cap)] < 1, by 1-D quadrature of the constant times the capped
+                # weight (caps on D > 1 are refused by validate()).
+                kl = self.kl()
+                const = Estimator("full", lambda logr: torch.full_like(logr, kl), REVERSE, True, True, "KL", {(0, 0): kl})
+                return exact.gaussian_sampler_moments(self.params, const, self._b, True, self.weight_cap)
             if est.analytic:                # KL·w: E_b[w] = 1, Var_b[w] = E_q[q/b] − 1
                 t = exact.tilt(self.params, 0, self._b, 2)
                 m2 = math.exp(t[0]) if t else math.inf

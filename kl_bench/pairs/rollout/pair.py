@@ -41,7 +41,6 @@ class RolloutCase(CaseConfig):
     q: LogitsSource
     p: LogitsSource
     eos_prob: float | None = None   # sets q(eos|c) = p(eos|c) = eos_prob in every bucket
-    kind = "rollout"
 
 
 def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:

@@ -1,0 +1,214 @@
+"""A new case kind is one module: a toy two-point kind, registered from this file alone, runs end to end
+(summary, exact, check with a baseline, gradients) with nothing else in the package touched.
+
+q = Bernoulli(q1), p = Bernoulli(p1) over x ∈ {0, 1}; θ = logit(q1), so ∇θ log q(x) = x − q1.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import kl_bench
+from kl_bench.cli import app
+from kl_bench.config import Table
+from kl_bench.draws import Draws
+from kl_bench.modes import ExactGrad, GradBatch
+from kl_bench.pairs import CASE_KINDS, CaseConfig, Pair, register_kind
+from kl_bench.pairs.base import GradientAccumulator, JointMoments
+from kl_bench.results import read_frame
+from kl_bench.targets import FORWARD, REVERSE
+
+runner = CliRunner()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwoPointCase(CaseConfig):
+    q1: float
+    p1: float
+
+
+def _prob(v):
+    return None if 0 < v < 1 else f"must lie in (0, 1), got {v}"
+
+
+class TwoPointPair(Pair):
+    supports_gradients = True
+
+    def __init__(self, name: str, q1: float, p1: float):
+        self.name, self.q1, self.p1 = name, q1, p1
+        self.q = torch.tensor([1 - q1, q1], dtype=torch.float64)
+        self.p = torch.tensor([1 - p1, p1], dtype=torch.float64)
+        self.logr = torch.log(self.p) - torch.log(self.q)        # [2]: log r of x = 0 and x = 1
+        self.score = torch.tensor([-q1, 1 - q1], dtype=torch.float64)   # x − q1
+
+    @classmethod
+    def parse(cls, t: Table, common, spec_dir) -> TwoPointCase:
+        case = TwoPointCase(q1=t.get("q1", "float", check=_prob), p1=t.get("p1", "float", check=_prob), **common)
+        t.finish()
+        return case
+
+    @classmethod
+    def from_config(cls, case: TwoPointCase) -> "TwoPointPair":
+        return cls(case.name, case.q1, case.p1)
+
+    def true_values(self):
+        return {REVERSE: float((self.q * -self.logr).sum()), FORWARD: float((self.p * self.logr).sum())}
+
+    def _values(self, est):
+        return torch.full((2,), self.kl(), dtype=torch.float64) if est.analytic else est.fn(self.logr)
+
+    def exact_moments(self, est, aggregate=""):
+        v = self._values(est)
+        mean = float((self.q * v).sum())
+        return mean, float((self.q * (v - mean) ** 2).sum())
+
+    def exact_joint(self, aggregate=""):
+        a, b = -self.logr, torch.expm1(self.logr)
+        ma, mb = float((self.q * a).sum()), float((self.q * b).sum())
+        return JointMoments(ma, mb, float((self.q * (a - ma) ** 2).sum()), float((self.q * (b - mb) ** 2).sum()),
+                            float((self.q * (a - ma) * (b - mb)).sum()))
+
+    def describe(self):
+        return f"q = Bernoulli({self.q1:g}), p = Bernoulli({self.p1:g})"
+
+    def _draw(self, n, generator, device):
+        return (torch.rand(n, dtype=torch.float64, generator=generator, device=device) < self.q1).long()
+
+    def sample_draws(self, n, generator, device, tok_rows=()):
+        x = self._draw(n, generator, device)
+        return Draws(self.logr.to(device)[x], torch.full((n,), self.kl(), dtype=torch.float64, device=device))
+
+    def batch_sums(self, features, tok_rows, device):
+        return lambda sizes, gens: torch.stack([features(self.sample_draws(n, g, device)).sum(0)
+                                                for n, g in zip(sizes, gens)])
+
+    def batches_per_chunk(self, batch_size, chunk_draws):
+        return max(1, chunk_draws // max(1, batch_size))
+
+    # gradients: θ = logit(q1), one parameter
+    gradient_params = 1
+
+    def gradient_references(self):
+        lo = self.q1 * (1 - self.q1)              # dq1/dθ
+        return {REVERSE: np.array([lo * (math.log(self.q1 / self.p1) - math.log((1 - self.q1) / (1 - self.p1)))]),
+                FORWARD: np.array([self.q1 - self.p1])}
+
+    def gradient_exact(self, item, directions):
+        g = item.coef(self.logr) * self.score              # per-x gradient
+        mean = float((self.q * g).sum())
+        proj_var = {k: float((self.q * (g * u[0] - mean * u[0]) ** 2).sum()) for k, u in directions.items()}
+        return ExactGrad(np.array([mean]), float((self.q * g * g).sum()), proj_var)
+
+    def gradient_accumulator(self, items, directions, device):
+        pair = self
+
+        class Acc(GradientAccumulator):
+            def __init__(self):
+                self.u = np.array([u[0] for u in directions.values()])
+                self._total = np.zeros((len(items), 1))
+
+            def add(self, n, generator):
+                x = pair._draw(n, generator, device)
+                sums = np.array([float((it.coef(pair.logr[x]) * pair.score[x]).sum()) for it in items])
+                sq = np.array([float(((it.coef(pair.logr[x]) * pair.score[x]) ** 2).sum()) for it in items])
+                self._total[:, 0] += sums
+                return GradBatch(sums[:, None] * self.u[None, :], sq)
+
+            def total(self):
+                return self._total
+        return Acc()
+
+
+class NoGradientPair(TwoPointPair):
+    supports_gradients = False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def toy_kinds():
+    register_kind("two_point", description="toy: q = Bernoulli(q1), p = Bernoulli(p1)")(TwoPointPair)
+    register_kind("two_point_nograd", description="toy without gradient oracles")(NoGradientPair)
+    yield
+    CASE_KINDS.remove("two_point")
+    CASE_KINDS.remove("two_point_nograd")
+
+
+SPEC = """spec_version = 1
+[experiment]
+name = "toy"
+draws = 200_000
+batches = 50
+device = "cpu"
+estimators = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full"]
+lambdas = [0.5, "optimal"]
+gradients = {gradients}
+[[case]]
+name = "coin"
+kind = "{kind}"
+q1 = 0.3
+p1 = 0.45
+{extra}"""
+
+
+def _write(tmp_path, kind="two_point", gradients="true", extra=""):
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(SPEC.format(kind=kind, gradients=gradients, extra=extra))
+    return path
+
+
+def test_toy_kind_runs_end_to_end_through_the_cli(tmp_path):
+    spec = _write(tmp_path)
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(spec), "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    df = read_frame(out / "summary.csv")
+    q, p = np.array([0.7, 0.3]), np.array([0.55, 0.45])
+    kl_rev, kl_fwd = float((q * np.log(q / p)).sum()), float((p * np.log(p / q)).sum())
+    assert set(df["kind"]) == {"two_point"}
+    assert np.allclose(df.loc[df["target"] == "KL(q||p)", "true_kl"], kl_rev, rtol=1e-14)
+    assert np.allclose(df.loc[df["target"] == "KL(p||q)", "true_kl"], kl_fwd, rtol=1e-14)
+    assert (df["z"].abs() < 5).all(), df[["estimator", "z"]]
+    assert {"cv", "cv_opt"} <= set(df["estimator"]) and (out / "lambda_sweep.csv").exists()
+    # the exact table, no sampling
+    res = runner.invoke(app, ["exact", str(spec), "--out", str(tmp_path / "exact.csv")])
+    assert res.exit_code == 0, res.output
+    ex = pd.read_csv(tmp_path / "exact.csv")
+    k3 = ex[ex["estimator"] == "k3"].iloc[0]
+    assert k3["exact_mean"] == pytest.approx(kl_rev, rel=1e-13) and math.isfinite(k3["n_for_10pct"])
+    # the gate: against the exact values, then against a baseline of this run
+    assert runner.invoke(app, ["baseline", str(spec), "--results", str(out), "--out",
+                               str(tmp_path / "base.json")]).exit_code == 0
+    res = runner.invoke(app, ["check", str(spec), "--results", str(out), "--baseline", str(tmp_path / "base.json"), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "0 failed" in res.output
+    # gradients: k2 in the loss follows ∇KL(q‖p), k3 in the loss ∇KL(p‖q), k1 in the loss is zero
+    g = read_frame(out / "gradients.csv").set_index(["estimator", "mode"])
+    assert g.loc[("k2", "loss"), "equals"] == "reverse" and g.loc[("k3", "loss"), "equals"] == "forward"
+    assert g.loc[("k1", "loss"), "equals"] == "zero" and g.loc[("k3", "loss_is"), "equals"] == "reverse"
+    assert (g["z_reverse"].abs() < 5).all() and (g["z_trace"].dropna().abs() < 5).all()
+
+
+def test_toy_kind_through_the_python_api():
+    spec = {"spec_version": 1, "experiment": {"name": "toy", "draws": 50_000, "batches": 20, "device": "cpu",
+                                              "estimators": ["k1", "k3"]},
+            "case": [{"name": "coin", "kind": "two_point", "q1": 0.3, "p1": 0.45}]}
+    result = kl_bench.run(spec)
+    assert list(result.summary["estimator"]) == ["k1", "k3"] and (result.summary["z"].abs() < 5).all()
+
+
+def test_toy_kind_errors_are_one_line(tmp_path):
+    spec = _write(tmp_path, kind="two_point_nograd")
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "no gradient oracles" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    # its own keys are checked by its own parser, with the file and case named
+    spec = _write(tmp_path, gradients="false", extra="q2 = 0.1\n")
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "case 'coin': key 'q2': unknown key (did you mean 'q1'?)" in res.stderr
+    # a sampler key the kind does not declare is refused, never ignored
+    spec = _write(tmp_path, gradients="false", extra="sampler = { temperature = 0.9 }\n")
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "unknown key for a two_point sampler" in res.stderr
