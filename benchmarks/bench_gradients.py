@@ -22,7 +22,9 @@ import torch
 from torch.func import grad, vmap
 
 from kl_bench import gradients as G
-from kl_bench.estimators import ESTIMATORS, lookup
+from kl_bench import modes as M
+from kl_bench.estimators import lookup
+from kl_bench.targets import FORWARD, REVERSE
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
 from kl_bench.pairs.rollout import RolloutPair
@@ -30,7 +32,7 @@ from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V, C, T = 50257, 32, 16
 ESTS = [lookup(n) for n in ("k1", "k2", "k3")]
-ITEMS = [(e, m) for e in ESTS for m in G.modes_for(e)]
+ITEMS = [(e, m) for e in ESTS for m in M.modes_for(e)]
 
 
 def make_pair() -> CategoricalPair:
@@ -57,7 +59,8 @@ def kl_bench_rollout(pair, n: int, device: torch.device):
 
 def vmap_categorical(pair: CategoricalPair, n: int, device: torch.device, chunk: int = 64) -> np.ndarray:
     theta0, lp = pair.log_q[0].to(device), pair.log_p[0].to(device)
-    rev, fwd = (torch.as_tensor(G._unit(u), device=device) for u in G.categorical_reference(pair))
+    refs = pair.gradient_references()
+    rev, fwd = (torch.as_tensor(G.unit(refs[t]), device=device) for t in (REVERSE, FORWARD))
     q = theta0.exp()
     gen = torch.Generator(device=device).manual_seed(0)
     acc = torch.zeros(len(ITEMS), 3 + V, dtype=torch.float64, device=device)
@@ -67,7 +70,7 @@ def vmap_categorical(pair: CategoricalPair, n: int, device: torch.device, chunk:
 
             def per_draw(theta, x):
                 lq = torch.log_softmax(theta, -1)
-                return G.trainer_loss(est, mode, lq.gather(0, x[None])[0], lp.gather(0, x[None])[0])
+                return M.trainer_loss(est, mode, lq.gather(0, x[None])[0], lp.gather(0, x[None])[0])
             gs = vmap(grad(per_draw), in_dims=(None, 0))(theta0, xs)       # [chunk, V]
             acc[j, 0] += (gs * gs).sum()
             acc[j, 1] += (gs @ rev).sum()
@@ -83,14 +86,14 @@ def vmap_rollout(pair: RolloutPair, n: int, device: torch.device, chunk: int = 1
     acc = torch.zeros(len(ITEMS), 1 + C * V, dtype=torch.float64, device=device)
     for lo in range(0, n, chunk):
         rec: list = []
-        pair._simulate([min(chunk, n - lo)], [gen], device, record=rec)
+        pair.simulate([min(chunk, n - lo)], [gen], device, record=rec)
         keys = torch.stack([r[0] for r in rec], 1)
         alive = torch.stack([r[1] for r in rec], 1)
         for j, (est, mode) in enumerate(ITEMS):
 
             def per_draw(theta, k, a):
                 lq = torch.log_softmax(theta.view(C, V), -1).reshape(-1)
-                return G.trainer_loss(est, mode, (lq.gather(0, k) * a).sum(), (lp.gather(0, k) * a).sum())
+                return M.trainer_loss(est, mode, (lq.gather(0, k) * a).sum(), (lp.gather(0, k) * a).sum())
             gs = vmap(grad(per_draw), in_dims=(None, 0, 0))(theta0, keys, alive)
             acc[j, 0] += (gs * gs).sum()
             acc[j, 1:] += gs.sum(0)
@@ -119,7 +122,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, no memory runs: CI checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.draws, args.rollouts, args.baseline_draws, args.baseline_rollouts, args.no_memory = 20_000, 400, 16, 2, True
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     rows = []

@@ -38,13 +38,13 @@ def engine(pair: RolloutPair, n: int, device: torch.device, batch: int):
     rows = [Row(lookup(e), "tok") for e in TOK]
     gens = [torch.Generator(device=device).manual_seed(i) for i in range(0, n, batch)]
     sizes = [min(batch, n - i) for i in range(0, n, batch)]
-    d = pair._simulate(sizes, gens, device, rows)
+    d = pair.simulate(sizes, gens, device, rows)
     return d.tok.sum(0), d.logr.sum()
 
 
 def baseline(pair: RolloutPair, n: int, device: torch.device, batch: int):
     q = pair.log_q.exp().to(device)
-    g_tab, kl_ctx, bucket = pair._g.to(device), pair._kl_ctx.to(device), pair.bucket.to(device)
+    g_tab, kl_ctx, bucket = pair.logr_table.to(device), pair.kl_ctx.to(device), pair.bucket.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     acc = torch.zeros(len(TOK), dtype=torch.float64, device=device)
     for start in range(0, n, batch):
@@ -67,7 +67,7 @@ def inverse_cdf(pair: RolloutPair, n: int, device: torch.device):
     searchsorted per token (O(log V)), vectorised over all rollouts like the engine."""
     q = pair.log_q.exp()
     flat = (q.cumsum(-1) + torch.arange(pair.buckets, dtype=torch.float64)[:, None]).reshape(-1).to(device)
-    g_flat, kl_ctx, bucket = pair._g.reshape(-1).to(device), pair._kl_ctx.to(device), pair.bucket.to(device)
+    g_flat, kl_ctx, bucket = pair.logr_table.reshape(-1).to(device), pair.kl_ctx.to(device), pair.bucket.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     v = pair.vocab
     c = torch.zeros(n, dtype=torch.int64, device=device)
@@ -93,12 +93,15 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: CI checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.rollouts, args.baseline_rollouts, args.length = 500, 4, 8
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     pair = make_pair(args.buckets, args.length)
     t = time.perf_counter()
-    pair._alias_table()
+    pair.alias_table()
     setup = time.perf_counter() - t
     n, nb = args.rollouts, args.baseline_rollouts
 

@@ -96,7 +96,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, no memory runs: CI checks that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.draws, args.repeats, args.no_memory, args.memory_only = 20_000, 1, True, False
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     if args.memory_only:

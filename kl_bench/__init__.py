@@ -8,8 +8,7 @@ The Python API (see README "Python API" and :mod:`kl_bench.api`):
 - :func:`estimate` (per-token values of any estimator on a trainer's log-prob tensors)
 - :data:`ESTIMATORS` (a read-only mapping) and :func:`register_estimator` (plug-ins)
 """
-__version__ = "0.1.0"
-
+from .version import __version__
 from .api import CheckReport, Result, check, estimate, exact, load, run  # noqa: E402
 from .errors import SpecError  # noqa: E402
 from .estimators import ESTIMATORS, Estimator, register_estimator  # noqa: E402

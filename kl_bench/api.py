@@ -128,7 +128,7 @@ def _git_commit() -> str | None:
 
 
 def _versions() -> dict[str, str]:
-    from . import __version__
+    from .version import __version__
     out = {"python": platform.python_version(), "kl-bench": __version__}
     for pkg in ("torch", "numpy", "scipy", "pandas"):
         with contextlib.suppress(metadata.PackageNotFoundError):

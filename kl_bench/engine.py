@@ -9,7 +9,8 @@ never O(draws).
 Features per row f (see kl_bench.draws), shifted by a constant c (its exact mean when finite, else 0):
     f − c,  (f − c)²,  1[f < 0].
 The shift makes the per-draw variance Σ(f − c)²/N − (Σ(f − c)/N)² free of the catastrophic
-cancellation of E[f²] − E[f]² when the std is small relative to the mean, and keeps the sums small.
+cancellation of E[f²] − E[f]² when the std is small relative to the mean, and keeps the sums small
+(docs/statistics.md#shifted-sums).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 With a = −log r and b = r − 1, cv(λ) = a + λb, so E[cv(λ)] is linear and Var[cv(λ)] quadratic in λ:
 the five per-batch sums of (a, b, a², b², ab) that the engine accumulates give the whole curve, the
-empirical λ* = −Cov(a, b)/Var(b), and batch-means standard errors at every λ.
+empirical λ* = −Cov(a, b)/Var(b), and batch-means standard errors at every λ (docs/lambda.md).
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def gaussian_kl(mq, sq, mp, sp) -> float:
 
 
 def gaussian_var_k1(g: GaussianPairParams) -> float:
-    """Var_q(log r) = Σ σq²d²/σp⁴ + (σp² − σq²)²/(2σp⁴) (DESIGN.md); used as an independent check."""
+    """Var_q(log r) = Σ σq²d²/σp⁴ + (σp² − σq²)²/(2σp⁴) (docs/exact.md#gaussian-closed-forms); used as an independent check."""
     d = g.mq - g.mp
     return float(np.sum(g.sq**2 * d**2 / g.sp**4 + (g.sp**2 - g.sq**2) ** 2 / (2 * g.sp**4)))
 

@@ -61,8 +61,10 @@ class Registry(Mapping[str, T], Generic[T]):
         self._adapt = adapt
         self._items: dict[str, T] = {}
 
-    def add(self, name: str, item: T) -> T:
-        if name in self._items:
+    def add(self, name: str, item: T, *, replace: bool = False) -> T:
+        """Register ``item`` as ``name``; a second registration of one name is an error unless
+        ``replace`` (tests swap in broken items that way)."""
+        if name in self._items and not replace:
             raise ValueError(f"duplicate {self.what} '{name}'")
         self._items[name] = item
         return item

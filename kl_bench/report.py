@@ -23,7 +23,7 @@ from .results import COLUMNS, read_frame
 from .storage import atomic_write_bytes
 
 
-# The core columns (issue: core); later columns are optional so that older results still report.
+# The columns every results folder has had; later columns are optional so that older results still report.
 REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se", "bias",
             "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
 

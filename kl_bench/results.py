@@ -91,7 +91,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         mean = shift + centred_mean
         var = float(s2.sum()) / n - centred_mean**2
         std = math.sqrt(max(var, 0.0)) if math.isfinite(var) else math.inf
-        # Batch means (docs/statistics.md#batch-means), exact for unequal batch sizes.
+        # Batch means (docs/statistics.md#batch-means); sizes may differ by one draw.
         se = batch_means_se(s1 / n_k - centred_mean, n_k / n) if math.isfinite(centred_mean) else math.nan
         exact_mean, exact_var = run.exact[row.label]
         exact_std = math.sqrt(exact_var) if exact_var >= 0 else math.nan

@@ -8,7 +8,7 @@ State after t steps: V_k[c] = E[M_t S_t^k ; alive with bucket c]. One step multi
 matrices  A_j[c, c'] = Σ_{x: bucket(x) = c', x ≠ eos} q(x|c) m(c, x) h(c, x)^j  (O(C·V) each) and
 binomially mixes the orders:  V'_k = Σ_j C(k, j) V_{k−j} A_j  (O(K² C²) per step). EOS moves mass to
 an absorbing "ended" accumulator with the same rule. Sequence-level estimators need E[R^s L^k]
-(m = r^s, h = log r); token sums need E[S^k] with h = f(log r) and m = 1.
+(m = r^s, h = log r); token sums need E[S^k] with h = f(log r) and m = 1. See docs/rollouts.md.
 """
 from __future__ import annotations
 

@@ -12,9 +12,6 @@ from .config import Table, nonnegative, positive
 from .logits import LogitsSource, parse_logits_source
 from .registry import did_you_mean
 
-ALL_SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_length", "std_scale", "behavior", "weights", "weight_cap")
-
-
 @dataclass(frozen=True)
 class SamplerSpec:
     """b is q (or ``behavior``, a stale policy) with ``temperature``, then ``top_k``, then ``top_p``

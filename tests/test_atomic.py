@@ -109,6 +109,7 @@ def _wait_for(pred, timeout=60.0):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_leaves_the_earlier_results_whole(write_spec, tmp_path):
     spec = write_spec(LONG.format(draws=200_000))
     out = tmp_path / "out"
@@ -130,6 +131,7 @@ def test_sigkill_while_writing_leaves_the_earlier_results_whole(write_spec, tmp_
     assert not list(tmp_path.glob(".out.staging-*"))
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, tmp_path):
     spec = write_spec(LONG.format(draws=40_000_000))
     whole = _cli("run", spec, "--out", tmp_path / "whole", "--quiet")
@@ -156,6 +158,7 @@ def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, t
     assert rc == 2 and "different seed" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
     spec = write_spec(LONG.format(draws=40_000_000))
     out = tmp_path / "out"

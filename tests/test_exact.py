@@ -1,4 +1,4 @@
-"""Exact oracles against independent known answers: DESIGN.md closed forms, numerical quadrature of
+"""Exact oracles against independent known answers: the closed forms of docs/exact.md, numerical quadrature of
 the estimator functions themselves, and brute-force sums."""
 import math
 

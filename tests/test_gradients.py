@@ -1,5 +1,5 @@
 """Gradients: known answers, reference gradients against autograd on exact KLs, exact expected gradients
-against brute force, what each mode equals (DESIGN.md's table), Monte Carlo against exact."""
+against brute force, what each mode equals (docs/gradients.md's table), Monte Carlo against exact."""
 import math
 
 import numpy as np
@@ -87,7 +87,7 @@ def test_categorical_expected_gradient_against_brute_force(mode):
         assert np.allclose(ex, brute, rtol=1e-10, atol=1e-15), (est.name, mode)
 
 
-# DESIGN.md's table, row by row: what each estimator's expected gradient equals in each mode.
+# docs/gradients.md's table, row by row: what each estimator's expected gradient equals in each mode.
 EXPECTED = {("k1", "loss"): "zero", ("k1", "reward"): "reverse", ("k2", "loss"): "reverse",
             ("k3", "loss"): "forward", ("k3", "reward"): "other", ("k3", "loss_is"): "reverse",
             ("k3", "straight_through"): "reverse", ("fwd_k3", "loss_is"): "forward"}

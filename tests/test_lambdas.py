@@ -130,6 +130,7 @@ def test_heavy_tails_are_flagged():
             assert math.isinf(df.loc[df["estimator"] == "k3", "n_for_10pct"].iloc[0])
 
 
+@pytest.mark.slow
 def test_n_for_10pct_holds_up_in_simulation():
     pair = _categorical(vocab=2000, noise=0.3)
     out = run_experiment_case(pair, _exp(draws=100_000, optimal=False, estimators=("k1", "k2", "k3")), CPU)

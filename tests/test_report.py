@@ -129,6 +129,7 @@ def test_report_html_references_and_embeds_every_figure(small_run):
     assert "bias/true" in (small_run / "report" / "table.md").read_text()
 
 
+@pytest.mark.slow
 def test_several_folders_side_by_side(small_run, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(small_run, other)

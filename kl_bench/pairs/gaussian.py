@@ -1,7 +1,7 @@
 """Case kind ``gaussian``: diagonal Gaussians q = N(μq, diag σq²), p = N(μp, diag σp²).
 
 Everything about the kind lives here: its config and parser, sampler keys (``std_scale``, token
-weights), oracle validation, sampling, exact moments (closed forms and tilted Gaussians, kl_bench.exact;
+weights), oracle validation, sampling, exact moments (closed forms and tilted Gaussians, kl_bench.oracles;
 docs/exact.md) and gradient oracles with θ = (μq, log σq) per dimension (docs/gradients.md).
 """
 from __future__ import annotations
