@@ -19,7 +19,7 @@ import time
 import torch
 
 from kl_bench.draws import Row
-from kl_bench.estimators import ESTIMATORS, lookup
+from kl_bench.estimators import lookup
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
 

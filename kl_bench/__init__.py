@@ -12,10 +12,10 @@ from .version import __version__
 from .api import CheckReport, Result, check, estimate, exact, load, run  # noqa: E402
 from .errors import SpecError  # noqa: E402
 from .estimators import ESTIMATORS, Estimator, register_estimator  # noqa: E402
-from .pairs import CASE_KINDS, register_kind  # noqa: E402
+from .pairs import CASE_KINDS, Pair, register_kind  # noqa: E402
 from .spec import Spec, load_spec, parse_spec  # noqa: E402
 from .targets import TARGETS  # noqa: E402
 
-__all__ = ["CASE_KINDS", "CheckReport", "ESTIMATORS", "Estimator", "Result", "Spec", "SpecError", "TARGETS",
+__all__ = ["CASE_KINDS", "CheckReport", "ESTIMATORS", "Estimator", "Pair", "Result", "Spec", "SpecError", "TARGETS",
            "__version__", "check", "estimate", "exact", "load", "load_spec", "parse_spec", "register_estimator",
            "register_kind", "run"]

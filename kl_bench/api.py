@@ -43,9 +43,6 @@ if TYPE_CHECKING:
     from .gate import Comparison
     from .experiment import SpecOutcome
 
-SpecLike = "str | Path | Spec | dict"
-
-
 def load(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Spec:
     """A :class:`Spec` from a path, a Spec, or a dict with the TOML's structure (tensors allowed as
     logits), with overrides applied exactly as the command line's flags."""
@@ -246,7 +243,9 @@ def exact(spec) -> "pd.DataFrame":
             if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
                 row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star
             rows.append(row)
-    return to_frame(rows)[EXACT_COLUMNS]
+    df = to_frame(rows)[EXACT_COLUMNS]
+    df.attrs["descriptions"] = {p.name: p.describe() for p in pairs}     # case → one line on its q and p
+    return df
 
 
 # ----------------------------------------------------------------------------- check
@@ -281,16 +280,17 @@ class CheckReport:
                 + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
 
 
-def check(results, baseline=None, alpha: float = 0.001) -> CheckReport:
+def check(results, baseline=None, alpha: float = 0.001, *, spec_sha256: str | None = None) -> CheckReport:
     """Compare every statistic with its exact value and, given a ``baseline`` (a path to a baseline
     JSON, or its decoded dict), with the stored run; Holm's step-down at family-wise ``alpha``.
-    ``results``: a :class:`Result`, a results folder, or a summary DataFrame."""
+    ``results``: a :class:`Result`, a results folder, or a summary DataFrame (then ``spec_sha256``, if
+    given, says which spec made it, for the note when the spec changed since the baseline)."""
     import pandas as pd
 
     from .gate import baseline_comparisons, exact_comparisons, holm, load_baseline, normalize_baseline
     if not 0 < alpha < 1:
         raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
-    sha = None
+    sha = spec_sha256
     if isinstance(results, Result):
         df, sha = results.summary, results.spec.sha256
     elif isinstance(results, pd.DataFrame):
@@ -308,8 +308,9 @@ def check(results, baseline=None, alpha: float = 0.001) -> CheckReport:
         else:
             base, where = load_baseline(Path(baseline)), str(baseline)
         if sha is not None and base.get("spec_sha256") != sha:
-            notes.append(f"the spec changed since the baseline {where} was made (sha256 {str(base.get('spec_sha256'))[:12]}… "
-                         f"then, {sha[:12]}… now); rows are matched by case, estimator, aggregate and λ")
+            notes.insert(0, f"the spec changed since the baseline {where} was made (sha256 "
+                         f"{str(base.get('spec_sha256'))[:12]}… then, {sha[:12]}… now); rows are matched by case, "
+                         "estimator, aggregate and λ")
         more, row_notes = baseline_comparisons(df, base)
         comparisons += more
         notes += row_notes
@@ -334,6 +335,7 @@ def estimate(logp: torch.Tensor, logq: torch.Tensor, estimator="k3", *, mask: to
     """
     from .estimators import resolve_estimator
     est = resolve_estimator(estimator)
+    logp, logq = torch.as_tensor(logp), torch.as_tensor(logq)
     if est.analytic:
         raise SpecError(f"'{est.name}' needs the full next-token distributions, not sampled log-probs")
     if logp.shape != logq.shape:
@@ -341,6 +343,7 @@ def estimate(logp: torch.Tensor, logq: torch.Tensor, estimator="k3", *, mask: to
     values = est.fn(logp - logq)
     if mask is None:
         return values
+    mask = torch.as_tensor(mask, device=values.device)
     if mask.shape != values.shape:
         raise SpecError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
     # where, not a product: a padded position may hold inf or NaN log-probs, and inf·0 would be NaN.

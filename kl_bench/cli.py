@@ -51,7 +51,7 @@ def _warn_infinite(df, console: Console) -> None:
         c = df[df["case"] == case]
         miss = c["support_miss"].max() if "support_miss" in c else 0.0
         if miss > 0:
-            weighted = "IS weights" in str(c["sampler"].iloc[0])
+            weighted = (c["heavy_tail"] == HeavyTail.SUPPORT_MISS.value).any()
             console.print(f"warning: case '{case}': the sampler never draws {miss:.3g} of q's mass (worst "
                           f"context or step): " + ("the importance weight q/b is infinite there, so the "
                           "weighted estimates miss that mass (flagged heavy_tail)" if weighted else
@@ -138,14 +138,11 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
 
 
 def _write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
-    from .report import build_report
-    from .storage import atomic_write_bytes
+    from .report import write_report
     with _user_errors():
-        files = build_report(dirs)
-    for name, data in files.items():
-        atomic_write_bytes(out / name, data)
+        write_report(dirs, out)
     if not quiet:
-        out_console.print(f"report → {out}/report.html ({sum(n.startswith('figures/') for n in files)} figures)")
+        out_console.print(f"report → {out}/report.html ({len(list((out / 'figures').glob('*.png')))} figures)")
 
 
 @app.command()
@@ -198,14 +195,7 @@ def check(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
             load_baseline(base_path)          # a broken baseline fails before any sampling
     sp, df = _summary_for(spec, results, draws, seed, device, quiet=True)
     with _user_errors():
-        rep = api.check(df, base_path if use_base else None, alpha)
-    if use_base:
-        from .gate import load_baseline
-        base = load_baseline(base_path)
-        if base.get("spec_sha256") != sp.sha256:
-            out_console.print(f"note: the spec changed since the baseline {base_path} was made (sha256 "
-                              f"{str(base.get('spec_sha256'))[:12]}… then, {sp.sha256[:12]}… now); rows are matched "
-                              "by case, estimator, aggregate and λ", markup=False)
+        rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
     if not quiet:
         from rich.table import Table
         t = Table(show_edge=False, pad_edge=False, title=f"{len(rep.comparisons)} comparisons, family-wise α = "
@@ -245,11 +235,8 @@ def exact(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
     from . import api
     from .display import print_tables
     with _user_errors():
-        sp = api.load(spec)
-        df = api.exact(sp)
-        from .pairs import build_pair
-        descriptions = {c.name: build_pair(c, str(spec)).describe() for c in sp.cases}
-    print_tables(out_console, df, descriptions, exact_only=True)
+        df = api.exact(spec)
+    print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
     _warn_infinite(df, err_console)
     if out is not None:
         from .results import frame_to_csv_bytes

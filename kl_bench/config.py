@@ -23,6 +23,8 @@ def typename(v: Any) -> str:
 
 def convert(v: Any, kind: str, err: Callable[[str], SpecError]) -> Any:
     """``v`` as 'int', 'float', 'str', 'float_or_list' (a tuple) or 'str_list' (a tuple)."""
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 and not isinstance(v, (bool, int, float, str)):
+        v = v.item()                  # a numpy or torch scalar from a dict spec
     if kind == "int":
         # Integral floats are accepted so that `draws = 1e7` works.
         if isinstance(v, bool) or not isinstance(v, (int, float)):

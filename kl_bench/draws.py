@@ -73,7 +73,7 @@ def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
             if w is not None and not draws.tok_weighted:
                 col = col * w
         else:
-            col = draws.full if row.est.analytic else row.est.fn(draws.logr)
+            col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
             if w is not None:
                 col = col * w
         cols.append(col)

@@ -67,6 +67,7 @@ class PairRow:
     name: str
     target: str
     formula: str
+    draws_field: str = "full"           # the kl_bench.draws.Draws field that holds its per-draw value
     unbiased: bool = True
     nonnegative: bool = True
     poly: ClassVar[None] = None
@@ -201,7 +202,10 @@ def register_estimator(name: str, *, target: str = REVERSE, unbiased: bool = Fal
     rows) and quadrature (1-D Gaussians)."""
     def deco(fn: Callable[[torch.Tensor], torch.Tensor]):
         est = _checked(Estimator(name, fn, target, unbiased, nonnegative, formula or f"plug-in {name}", poly))
-        ESTIMATORS.add(name, est)
+        old = ESTIMATORS.get(name)
+        if old is not None and not old.plugin:
+            raise SpecError(f"estimator '{name}' is built in; register the plug-in under another name")
+        ESTIMATORS.add(name, est, replace=True)     # re-running a notebook cell re-registers it
         fn.__kl_bench_estimator__ = est
         return fn
     return deco
@@ -215,12 +219,11 @@ def cv(logr: torch.Tensor, lam: float) -> torch.Tensor:
     return -logr + lam * torch.expm1(logr)
 
 
-def make_cv(lam: float, name: str = CV) -> Estimator:
-    """The control variate at a fixed λ, as an Estimator (a functools.partial of :func:`cv`);
-    ``name = "cv_opt"`` marks a λ fitted on a pilot pass."""
-    return Estimator(name, functools.partial(cv, lam=lam), REVERSE, True, lam == 1.0,
-                     f"−log r + {lam:g}(r−1)", {(0, 1): -1.0, (1, 0): lam, (0, 0): -lam}, lam=lam,
-                     fitted=name == CV_OPT)
+def make_cv(lam: float, *, fitted: bool = False) -> Estimator:
+    """The control variate at a fixed λ, as an Estimator (a functools.partial of :func:`cv`) named "cv";
+    ``fitted``: λ was fitted on a pilot pass (named "cv_opt")."""
+    return Estimator(CV_OPT if fitted else CV, functools.partial(cv, lam=lam), REVERSE, True, lam == 1.0,
+                     f"−log r + {lam:g}(r−1)", {(0, 1): -1.0, (1, 0): lam, (0, 0): -lam}, lam=lam, fitted=fitted)
 
 
 def poly_square(poly: Poly) -> Poly:

@@ -12,7 +12,7 @@ import torch
 
 from .draws import Row
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
-from .estimators import CV_OPT, make_cv, resolve_estimator
+from .estimators import make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import add_planning
@@ -71,7 +71,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
         for agg in aggs:
             lam, _ = lambda_star_mc(pilot, agg)
             pilot_lambda = lam if math.isfinite(lam) else 0.0
-            cvs.append(Row(make_cv(pilot_lambda, name=CV_OPT), agg))
+            cvs.append(Row(make_cv(pilot_lambda, fitted=True), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums)
     small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
@@ -165,9 +165,13 @@ def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> N
     for case, pair in zip(spec.cases, pairs):
         try:
             pair.validate(sources)
-            if spec.experiment.gradients and not pair.supports_gradients:
-                raise SpecError(f"case kind '{pair.kind}' has no gradient oracles: set gradients = false or "
-                                "drop this case")
+            truth = pair.true_values()
+            for s in sources:
+                if s.target not in truth:
+                    raise SpecError(f"estimator '{s.name}' estimates {s.target}, which a {pair.kind} case has no "
+                                    f"exact value of (it has: {', '.join(truth)})", key="experiment.estimators")
+            if spec.experiment.gradients:
+                pair.require_gradients()
         except SpecError as e:
             raise e.located(file=spec_file, case=case.name) from None
 

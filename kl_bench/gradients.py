@@ -14,7 +14,6 @@ import numpy as np
 import pandas as pd
 
 from .engine import run_gradients
-from .errors import SpecError
 from .modes import GradItem, modes_for
 from .pairs.base import Pair
 from .stats import mean_and_se
@@ -54,17 +53,11 @@ GRAD_SCHEMA: dict[str, str] = {
 
 
 def gradient_items(pair: Pair, sources) -> list[GradItem]:
-    """Every (estimator, mode, aggregate) row of a case: pair-supplied rows have no gradient."""
+    """Every (estimator, mode, aggregate) row of a case, on the aggregates the pair gives each estimator
+    (rollouts: token-only estimators have no sequence rows); pair-supplied rows have no gradient."""
     ests = [e for e in sources if not e.analytic]
-    return [GradItem.of(e, m, a) for a in pair.aggregates for e in ests for m in modes_for(e)]
-
-
-def check_gradients(pairs: list[Pair]) -> None:
-    """A kind without gradient oracles is refused in one line, before any sampling."""
-    for pair in pairs:
-        if not pair.supports_gradients:
-            raise SpecError(f"case kind '{pair.kind}' has no gradient oracles: set gradients = false or drop "
-                            "this case", case=pair.name)
+    return [GradItem.of(e, m, a) for a in pair.aggregates for e in ests if a in pair.aggregates_for(e)
+            for m in modes_for(e)]
 
 
 def unit(v: np.ndarray) -> np.ndarray:
@@ -75,7 +68,7 @@ def unit(v: np.ndarray) -> np.ndarray:
 def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int, device,
                   progress=None) -> list[dict]:
     """gradients.csv rows for one case."""
-    check_gradients([pair])
+    pair.require_gradients()
     refs = pair.gradient_references()
     rev, fwd = refs[REVERSE], refs[FORWARD]
     dirs = {"reverse": unit(rev), "forward": unit(fwd)}

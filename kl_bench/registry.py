@@ -50,8 +50,9 @@ class Registry(Mapping[str, T], Generic[T]):
     """Named items of one kind.
 
     ``adapt`` turns a plug-in object (imported from ``"module:object"`` or from the entry-point group
-    ``entry_points``) into an item; plug-ins are resolved on first lookup and then cached under their
-    reference. ``in`` and iteration see the registered (and already resolved) items only.
+    ``entry_points``) into an item. Plug-ins are resolved on every lookup (Python caches the import) and
+    never stored, so a reloaded module is seen and listings do not depend on what ran before; ``in``,
+    ``len`` and iteration see the registered items only, and ``get`` returns its default on any miss.
     """
 
     def __init__(self, what: str, *, entry_points: str | None = None,
@@ -82,7 +83,7 @@ class Registry(Mapping[str, T], Generic[T]):
             return self._items[name]
         if self._adapt is not None and isinstance(name, str):
             if ":" in name:
-                return self._items.setdefault(name, self._adapt(name, import_object(name, self.what)))
+                return self._adapt(name, import_object(name, self.what))
             found = self._from_entry_points(name)
             if found is not None:
                 return found
@@ -101,8 +102,15 @@ class Registry(Mapping[str, T], Generic[T]):
                 except Exception as e:
                     raise SpecError(f"{self.what} '{name}' (entry point {ep.value}) cannot be loaded: "
                                     f"{e.__class__.__name__}: {e}") from None
-                return self._items.setdefault(name, self._adapt(name, obj))
+                return self._adapt(name, obj)
         return None
+
+    def get(self, name: str, default: Any = None) -> T | Any:
+        """``self[name]``, or ``default`` when it is unknown or a plug-in cannot be loaded."""
+        try:
+            return self[name]
+        except SpecError:
+            return default
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

@@ -103,7 +103,7 @@ def tex(text: str) -> str:
     return "".join(_TEX.get(ch, ch) for ch in str(text))
 
 
-def _tex_number(s: str) -> str:
+def tex_number(s: str) -> str:
     if "e" in s and s not in ("–",):
         mant, exp = s.split("e")
         return f"${mant}\\times 10^{{{int(exp)}}}$"
@@ -160,7 +160,7 @@ def table_tex(cases, rows, caption: str) -> str:
     lines = [r"% kl-bench paper table; needs \usepackage{booktabs} and \usepackage{graphicx}",
              r"\begin{table}[t]", r"\centering", r"\resizebox{\textwidth}{!}{%",
              rf"\begin{{tabular}}{{{colspec}}}", r"\toprule"]
-    head = " & ".join(rf"\multicolumn{{4}}{{c}}{{{tex(title)} (KL $=$ {_tex_number(sig(true))})}}"
+    head = " & ".join(rf"\multicolumn{{4}}{{c}}{{{tex(title)} (KL $=$ {tex_number(sig(true))})}}"
                       for _, title, true in cases)
     lines.append(f" & {head} \\\\")
     lines.append("".join(rf"\cmidrule(lr){{{2 + 4 * i}-{5 + 4 * i}}}" for i in range(n)))
@@ -168,7 +168,7 @@ def table_tex(cases, rows, caption: str) -> str:
     lines.append(f"estimator & {sub} \\\\")
     lines.append(r"\midrule")
     for label, cells in rows:
-        lines.append(tex(label) + " & " + " & ".join(_tex_number(c) if c else "" for cell in cells for c in cell)
+        lines.append(tex(label) + " & " + " & ".join(tex_number(c) if c else "" for cell in cells for c in cell)
                      + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}}", rf"\caption{{{tex(caption)}}}", r"\label{tab:kl-bench}",
               r"\end{table}", ""]
@@ -184,7 +184,7 @@ def table_md(cases, rows, caption: str) -> str:
 
 
 # ----------------------------------------------------------------------------- figures
-def _png(fig) -> bytes:
+def png_bytes(fig) -> bytes:
     import matplotlib.pyplot as plt
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -205,7 +205,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
     for case in dict.fromkeys(df["case"]):
         rows = df[df["case"] == case]
         figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias/true and std/true per estimator "
-                     "(95% CI; × exact)", _png(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to the true KL"))))
+                     "(95% CI; × exact)", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to the true KL"))))
     for res in results:
         prefix = f"{_slug(res.name)}_" if multi else ""
         s = res.summary
@@ -213,7 +213,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
             for (case, agg), sw in res.sweep.groupby(["case", "aggregate"], sort=False):
                 name = f"{case} ({agg})" if agg else case
                 figs.append((f"{prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
-                             _png(plots.plot_lambda_curve(sw, title=f"{name}: control variate −log r + λ(r−1)"))))
+                             png_bytes(plots.plot_lambda_curve(sw, title=f"{name}: control variate −log r + λ(r−1)"))))
         if res.reservoir:
             for case in dict.fromkeys(s["case"]):
                 rows = s[(s["case"] == case) & s["lambda"].isna()]
@@ -226,12 +226,12 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                 if values:
                     figs.append((f"{prefix}distribution_{_slug(case)}.png",
                                  f"{case}: per-draw distribution of each estimator (ECDF)",
-                                 _png(plots.plot_distribution(values, title=f"{case}: per-draw estimates "
+                                 png_bytes(plots.plot_distribution(values, title=f"{case}: per-draw estimates "
                                                               "(negative region shaded)"))))
         if res.batches is not None:
             for case in dict.fromkeys(s["case"]):
                 figs.append((f"{prefix}convergence_{_slug(case)}.png", f"{case}: running estimate against draws",
-                             _png(plots.plot_convergence(res.batches[res.batches["case"] == case],
+                             png_bytes(plots.plot_convergence(res.batches[res.batches["case"] == case],
                                                          s[s["case"] == case],
                                                          title=f"{case}: convergence (±2 SE)"))))
         lengths = {name: meta["length"] for name, meta in res.envelope.get("cases", {}).items()
@@ -242,7 +242,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         for k, (label, members) in enumerate(families.items()):
             if len(members) > 1:
                 figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): std/true against T",
-                             _png(plots.plot_rollout_growth(s, members, title=f"rollouts: {label}"))))
+                             png_bytes(plots.plot_rollout_growth(s, members, title=f"rollouts: {label}"))))
         grad_path = res.path / "gradients.csv"
         if grad_path.exists():
             grads = pd.read_csv(grad_path)
@@ -252,17 +252,18 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                 tag, words = (f"_{agg}", f" ({agg} rows)") if agg else ("", "")
                 figs.append((f"{prefix}gradient_cosine_{_slug(case)}{tag}.png",
                              f"{case}{words}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
-                             _png(plots.plot_gradient_cosine(part, title=f"{case}{words}: what a batch gradient "
+                             png_bytes(plots.plot_gradient_cosine(part, title=f"{case}{words}: what a batch gradient "
                                                              "points at"))))
         if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
             figs.append((f"{prefix}planning.png", "draws for ±10% error with 95% probability",
-                         _png(plots.plot_planning(s, title=f"{res.name}: batch-size planning"))))
+                         png_bytes(plots.plot_planning(s, title=f"{res.name}: batch-size planning"))))
     return figs
 
 
 # ----------------------------------------------------------------------------- report
 def write_report(dirs: list[Path], out: Path) -> Path:
-    """Build the report of results folders ``dirs`` and write its files into ``out`` (each atomically)."""
+    """Build the report of results folders ``dirs`` and write its files into ``out`` (each atomically;
+    every input is read and every figure drawn before the first file is written)."""
     for name, data in build_report(dirs).items():
         atomic_write_bytes(Path(out) / name, data)
     return Path(out)

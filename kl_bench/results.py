@@ -45,7 +45,8 @@ SCHEMA: dict[str, str] = {
     "support_miss": "mass of q (worst context or step) that the sampler never draws; > 0 biases every estimate",
     "heavy_tail": "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
                   "usually too low), 'kurtosis > draws' (rollouts: exact E[R⁴ˢ]/E[R²ˢ]² exceeds the draws, so "
-                  "the measured std is unreliable), 'unstable batches' (one batch carries most of Σ(f − c)²), "
+                  "the measured std is unreliable), 'infinite IS weight (b misses q's support)' (weighted rows of a "
+                  "sampler that never draws some of q's mass), 'unstable batches' (one batch carries most of Σ(f − c)²), "
                   "or empty",
     "lambda_star": "cv rows: exact variance-optimal λ* = Cov(log r, r)/Var(r) (empty if unknown)",
     "lambda_star_mc": "cv rows: empirical λ* from this run's draws",

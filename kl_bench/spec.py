@@ -167,7 +167,9 @@ def _parse_case(raw: Any, i: int, file: str, spec_dir: Path, seen: list[CaseConf
         others = {k.name: k.sampler_keys for k in CASE_KINDS.values()}
         common["sampler"] = parse_sampler(t.sub("sampler"), kind.name, kind.sampler_keys, kind.weight_kinds,
                                           others, spec_dir)
-    return dataclasses.replace(kind.pair.parse(t, common, spec_dir), kind=kind.name)
+    config = kind.pair.parse(t, common, spec_dir)
+    t.finish()          # a safety net: a kind's parser that forgets to finish still rejects unknown keys
+    return dataclasses.replace(config, kind=kind.name)
 
 
 def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path: Path) -> Spec:
@@ -204,13 +206,15 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
     if is_array(value):
-        import numpy as np
+        # The bytes TensorLogits hashes: float64 on the CPU (bf16 has no numpy dtype).
         import torch
-        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-        arr = np.ascontiguousarray(arr)
-        return {"array": list(arr.shape), "dtype": str(arr.dtype), "sha256": hashlib.sha256(arr.tobytes()).hexdigest()}
+        t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()
+        return {"array": list(t.shape), "dtype": str(value.dtype),
+                "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()}
     if isinstance(value, Path):
         return str(value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        return value.item()           # numpy / torch scalars (e.g. draws = np.int64(10**6))
     return value
 
 

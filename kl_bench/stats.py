@@ -84,13 +84,6 @@ class HeavyTail(str, Enum):
             HeavyTail.UNSTABLE: "one batch carrying most of the sum of squares (a heavy tail)",
         }.get(self, "")
 
-    @classmethod
-    def parse(cls, text) -> "HeavyTail":
-        """From a results cell (empty, NaN or a class's text); unknown text is a ValueError."""
-        if text is None or (isinstance(text, float) and math.isnan(text)):
-            return cls.NONE
-        return cls(str(text))
-
 
 def classify_heavy_tail(*, support_miss_weighted: bool, exact_var: float, fourth_finite: bool,
                         kurtosis: float, draws: float, batch_sq) -> HeavyTail:

@@ -13,7 +13,7 @@ from kl_bench import estimators as est_mod
 from kl_bench.gate import (baseline_bytes, baseline_comparisons, exact_comparisons, holm, make_baseline,
                              normalize_baseline)
 from kl_bench.cli import app
-from kl_bench.estimators import ESTIMATORS, lookup
+from kl_bench.estimators import ESTIMATORS
 from kl_bench.experiment import run_spec
 from kl_bench.pairs import GaussianPair, build_pair
 from kl_bench.spec import parse_spec

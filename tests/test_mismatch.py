@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kl_bench import oracles as exact
 from kl_bench.cli import app
-from kl_bench.estimators import ESTIMATORS, resolve_estimator, lookup
+from kl_bench.estimators import resolve_estimator, lookup
 from kl_bench.experiment import run_experiment_case
 from kl_bench.logits import sampler_logprobs
 from kl_bench.pairs import CategoricalPair, GaussianPair, RolloutPair

@@ -284,10 +284,10 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
 
 
 def test_report_png_closes_a_figure_that_pyplot_does_not_manage(plots):
-    """kl_bench.report._png calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
+    """kl_bench.report.png_bytes calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
     from matplotlib.pyplot import get_fignums
-    from kl_bench.report import _png
+    from kl_bench.report import png_bytes
     open_before = get_fignums()
-    data = _png(_call(plots, "gradient_cosine"))
+    data = png_bytes(_call(plots, "gradient_cosine"))
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert get_fignums() == open_before

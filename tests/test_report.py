@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kl_bench import plots
 from kl_bench.cli import app
-from kl_bench.report import _tex_number, load_results, sig
+from kl_bench.report import tex_number, load_results, sig
 
 runner = CliRunner()
 
@@ -97,7 +97,7 @@ def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
     rows = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
     for _, r in rows.iterrows():
         for col in ("rel_bias", "exact_rel_bias", "rel_std", "exact_rel_std"):
-            shown = _tex_number(sig(r[col]))
+            shown = tex_number(sig(r[col]))
             assert shown in text, (r["case"], r["estimator"], col, shown)
     # structure: balanced braces, booktabs rules, every row has 1 + 4·cases cells
     assert text.count("{") == text.count("}")

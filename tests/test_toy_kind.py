@@ -16,9 +16,9 @@ import kl_bench
 from kl_bench.cli import app
 from kl_bench.config import Table
 from kl_bench.draws import Draws
-from kl_bench.modes import ExactGrad, GradBatch
+from kl_bench.modes import ExactGrad
 from kl_bench.pairs import CASE_KINDS, CaseConfig, Pair, register_kind
-from kl_bench.pairs.base import GradientAccumulator, JointMoments
+from kl_bench.pairs.base import JointMoments
 from kl_bench.results import read_frame
 from kl_bench.targets import FORWARD, REVERSE
 
@@ -103,24 +103,9 @@ class TwoPointPair(Pair):
         proj_var = {k: float((self.q * (g * u[0] - mean * u[0]) ** 2).sum()) for k, u in directions.items()}
         return ExactGrad(np.array([mean]), float((self.q * g * g).sum()), proj_var)
 
-    def gradient_accumulator(self, items, directions, device):
-        pair = self
-
-        class Acc(GradientAccumulator):
-            def __init__(self):
-                self.u = np.array([u[0] for u in directions.values()])
-                self._total = np.zeros((len(items), 1))
-
-            def add(self, n, generator):
-                x = pair._draw(n, generator, device)
-                sums = np.array([float((it.coef(pair.logr[x]) * pair.score[x]).sum()) for it in items])
-                sq = np.array([float(((it.coef(pair.logr[x]) * pair.score[x]) ** 2).sum()) for it in items])
-                self._total[:, 0] += sums
-                return GradBatch(sums[:, None] * self.u[None, :], sq)
-
-            def total(self):
-                return self._total
-        return Acc()
+    def sample_scores(self, n, generator, device):
+        x = self._draw(n, generator, device)       # the default accumulator does the rest
+        return self.logr.to(device)[x], None, self.score.to(device)[x][:, None]
 
 
 class NoGradientPair(TwoPointPair):

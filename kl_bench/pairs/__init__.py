@@ -7,11 +7,21 @@ decorated by :func:`register_kind` (a test registers a toy kind from its own fil
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from ..errors import SpecError
 from .base import CASE_KINDS, CaseConfig, CaseKind, Pair, register_kind
-from .categorical import CategoricalCase, CategoricalPair
-from .gaussian import GaussianCase, GaussianPair
-from .rollout import RolloutCase, RolloutPair
+
+# Every module or package in this folder is a kind that registers itself on import: adding a kind is
+# adding its module, nothing here.
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f".{_module.name}", __name__)
+
+from .categorical import CategoricalCase, CategoricalPair  # noqa: E402  (re-exports of the built-in kinds)
+from .gaussian import GaussianCase, GaussianPair  # noqa: E402
+from .rollout import RolloutCase, RolloutPair  # noqa: E402
 
 
 def build_pair(case: CaseConfig, spec_file: str | None = None) -> Pair:

@@ -95,7 +95,6 @@ class Pair(ABC):
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"
     supports_gradients: ClassVar[bool] = False
-    measures_gradient_spread: ClassVar[bool] = False   # second moments measured, not exact (GradBatch.proj2)
 
     # ---------------------------------------------------------------- spec → pair
     @classmethod
@@ -198,17 +197,59 @@ class Pair(ABC):
         None where no exact value exists. ``directions``: unit vectors for projected variances."""
         raise self._no_gradients()
 
+    def sample_scores(self, n: int, generator: torch.Generator, device: torch.device):
+        """``n`` draws as (log r [n], importance weight q/b [n] or None, score ∇θ log q(x) [n, P]): the
+        per-draw score features. Kinds with few parameters implement this and get the default
+        :meth:`gradient_accumulator`; kinds with many (a vocabulary) override the accumulator instead."""
+        raise self._no_gradients()
+
     def gradient_accumulator(self, items: list[GradItem], directions: dict[str, np.ndarray],
                              device: torch.device) -> GradientAccumulator:
-        raise self._no_gradients()
+        """Per-draw gradients c(log r)·(w)·s from :meth:`sample_scores`, batch by batch."""
+        if not self.supports_gradients:
+            raise self._no_gradients()
+        return ScoreGradients(self, items, directions, device)
 
     def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
         """E|c s|⁴ < ∞ (else a measured gradient variance cannot be tested against its exact value)."""
         return True
 
+    def require_gradients(self) -> None:
+        """Refuse, in one line, a gradient pass on a pair without gradient oracles (or without the two
+        references every gradient row is compared with)."""
+        if not self.supports_gradients:
+            raise self._no_gradients()
+        missing = [t for t in (REVERSE, FORWARD) if t not in self.true_values()]
+        if missing:
+            raise SpecError(f"gradient rows compare with ∇{' and ∇'.join(missing)}, which a {self.kind} case has "
+                            "no exact value of: set gradients = false or drop this case", case=self.name)
+
     def _no_gradients(self) -> SpecError:
         return SpecError(f"case kind '{self.kind}' has no gradient oracles: set gradients = false or drop "
                          "this case", case=self.name)
+
+
+class ScoreGradients(GradientAccumulator):
+    """The default accumulator: explicit per-draw gradients g = c(log r)·w·s [n, P] (memory O(n·P))."""
+
+    def __init__(self, pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], device: torch.device):
+        self.pair, self.items, self.device = pair, items, device
+        self.u = np.stack(list(directions.values())).T                  # [P, D]
+        self._total = np.zeros((len(items), pair.gradient_params))
+
+    def add(self, n: int, generator: torch.Generator) -> GradBatch:
+        proj, sq = np.zeros((len(self.items), self.u.shape[1])), np.zeros(len(self.items))
+        logr, weight, s = self.pair.sample_scores(n, generator, self.device)
+        for j, item in enumerate(self.items):
+            gj = (item.coef(logr) if weight is None else item.coef(logr) * weight)[:, None] * s
+            gsum = gj.sum(0).cpu().numpy()
+            self._total[j] += gsum
+            sq[j] = float((gj * gj).sum())
+            proj[j] = gsum @ self.u
+        return GradBatch(proj, sq)
+
+    def total(self) -> np.ndarray:
+        return self._total
 
 
 @dataclass(frozen=True)

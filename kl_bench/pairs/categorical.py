@@ -110,11 +110,6 @@ class CategoricalPair(Pair):
         return self._logr
 
     @property
-    def importance_weights(self) -> torch.Tensor | None:
-        """The (capped) q/b of every id in :attr:`support_ids` [M], or None without weights."""
-        return self._is_weight
-
-    @property
     def contexts(self) -> int:
         return int(self.log_q.shape[0])
 

@@ -20,8 +20,7 @@ from ..draws import Draws
 from ..errors import SpecError
 from ..estimators import Estimator, Poly, RowSource, poly_square
 from ..targets import FORWARD, REVERSE
-from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
-                   JointMoments, Pair, register_kind)
+from .base import BatchSums, CaseConfig, ExactGrad, Features, GradItem, JointMoments, Pair, register_kind
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,6 @@ class GaussianPair(Pair):
         """(mean [D], std [D]) of the sampler b (b = q without one)."""
         return self.params.mq, self.std_scale * self.params.sq
 
-    _b = sampler_params
 
     @property
     def dim(self) -> int:
@@ -136,12 +134,12 @@ class GaussianPair(Pair):
                 # weight (caps on D > 1 are refused by validate()).
                 kl = self.kl()
                 const = Estimator("full", lambda logr: torch.full_like(logr, kl), REVERSE, True, True, "KL", {(0, 0): kl})
-                return exact.gaussian_sampler_moments(self.params, const, self._b, True, self.weight_cap)
+                return exact.gaussian_sampler_moments(self.params, const, self.sampler_params, True, self.weight_cap)
             if est.analytic:                # KL·w: E_b[w] = 1, Var_b[w] = E_q[q/b] − 1
-                t = exact.tilt(self.params, 0, self._b, 2)
+                t = exact.tilt(self.params, 0, self.sampler_params, 2)
                 m2 = math.exp(t[0]) if t else math.inf
                 return self.kl(), self.kl() ** 2 * (m2 - 1)
-            return exact.gaussian_sampler_moments(self.params, est, self._b, self.weighted, self.weight_cap)
+            return exact.gaussian_sampler_moments(self.params, est, self.sampler_params, self.weighted, self.weight_cap)
         return exact.gaussian_estimator_moments(self.params, est)
 
     def exact_joint(self, aggregate: str = "") -> JointMoments:
@@ -154,7 +152,7 @@ class GaussianPair(Pair):
         # f is a polynomial in r^s (log r)^k; f⁴ reaches r^{4·s_max}, finite iff the tilt normalises.
         s_max = max((s for (s, _), c in poly.items() if c != 0), default=0) if poly is not None else 0
         if self.has_sampler:
-            return exact.tilt(self.params, 4 * s_max, self._b, 4 if self.weighted and not self.weight_cap else 0) \
+            return exact.tilt(self.params, 4 * s_max, self.sampler_params, 4 if self.weighted and not self.weight_cap else 0) \
                 is not None
         return exact.tilt(self.params, 4 * s_max) is not None
 
@@ -218,7 +216,7 @@ class GaussianPair(Pair):
         if cpoly is None or self.weight_cap is not None:
             return None
         g, dim = self.params, self.dim
-        b = self._b if self.has_sampler else None     # under a sampler: E_b[w^m ·], m = 1 with weights
+        b = self.sampler_params if self.has_sampler else None     # under a sampler: E_b[w^m ·], m = 1 with weights
         wm = 1 if self.weighted else 0
 
         def e(poly: Poly, i: int, j: int, power: int = 1) -> float:
@@ -255,31 +253,8 @@ class GaussianPair(Pair):
         largest power of r in c (|s|⁴ is a polynomial in z)."""
         return item.cpoly is not None and self._fourth_finite(item.cpoly)
 
-    def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
-        return _GaussianGradients(self, items, directions, device)
-
-
-class _GaussianGradients(GradientAccumulator):
-    """Per-draw gradients c(log r) · (z/σ, z² − 1), batch by batch."""
-
-    def __init__(self, pair: GaussianPair, items: list[GradItem], directions: dict[str, np.ndarray], device):
-        self.pair, self.items, self.device = pair, items, device
-        self.u = np.stack(list(directions.values())).T
-        self.sq_t = torch.as_tensor(pair.params.sq, dtype=torch.float64).to(device)
-        self._total = np.zeros((len(items), pair.gradient_params))
-
-    def add(self, n: int, generator: torch.Generator) -> GradBatch:
-        nj = len(self.items)
-        proj, sq = np.zeros((nj, self.u.shape[1])), np.zeros(nj)
-        logr, weight, z = self.pair.sample(n, generator, self.device)       # z: q's standard score
-        s = torch.cat([z / self.sq_t, z * z - 1], dim=-1)                   # [n, 2D]
-        for j, item in enumerate(self.items):
-            gj = (item.coef(logr) if weight is None else item.coef(logr) * weight)[:, None] * s
-            gsum = gj.sum(0).cpu().numpy()
-            self._total[j] += gsum
-            sq[j] = float((gj * gj).sum())
-            proj[j] = gsum @ self.u
-        return GradBatch(proj, sq)
-
-    def total(self) -> np.ndarray:
-        return self._total
+    def sample_scores(self, n: int, generator: torch.Generator, device: torch.device):
+        """(log r, weight, score): for θ = (μq, log σq), ∇θ log q(x) = (z/σq, z² − 1) per dimension."""
+        logr, weight, z = self.sample(n, generator, device)                  # z: q's standard score
+        sq = torch.as_tensor(self.params.sq, dtype=torch.float64).to(device)
+        return logr, weight, torch.cat([z / sq, z * z - 1], dim=-1)       # [n, 2D]

@@ -62,8 +62,7 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
                weight_kinds=("token", "sequence"))
 class RolloutPair(Pair):
     aggregates = ("seq", "tok")
-    supports_gradients = True
-    measures_gradient_spread = True     # |S|² couples steps from one bucket: second moments are measured
+    supports_gradients = True           # second moments are measured (GradBatch.proj2): |S|² couples steps
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
