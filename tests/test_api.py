@@ -185,3 +185,14 @@ def test_docstring_examples_run(module):
     mod = importlib.import_module(module)
     failed, attempted = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert attempted > 0 and failed == 0
+
+
+def test_bf16_logits_and_numpy_scalars_in_a_dict_spec():
+    g = torch.Generator().manual_seed(1)
+    lq = torch.randn(2, 64, generator=g)
+    spec = {"spec_version": 1, "experiment": {"name": "b", "draws": np.int64(20_000), "batches": 10, "device": "cpu",
+                                              "estimators": ["k1", "k3"]},
+            "case": [{"name": "m", "kind": "categorical", "q": lq.bfloat16(), "p": (lq + 0.3).half()}]}
+    df = kl_bench.run(spec).summary
+    assert (df["draws"] == 20_000).all() and (df["z"].abs() < 5).all()
+    assert df["true_kl"].iloc[0] > 0          # the bf16-rounded logits differ from the fp16 ones

@@ -3,6 +3,7 @@
 gets the same engine, exact moments where they are computable for any function (categorical sums,
 the rollout dynamic program for token rows, 1-D quadrature for Gaussians), report and gate; a broken
 one is one line naming it, exit 2."""
+import math
 import textwrap
 
 import pytest
@@ -170,3 +171,15 @@ def test_estimate_accepts_plugins(plugin_dir):
     logr = torch.tensor([-0.5, 0.0, 0.7], dtype=torch.float64)
     got = kl_bench.estimate(logr, torch.zeros(3, dtype=torch.float64), "kl_plug_test:half_k3")
     assert torch.allclose(got, 0.5 * (torch.expm1(logr) - logr))
+
+
+def test_plugins_are_resolved_on_every_lookup_and_never_cached(plugin_dir):
+    import importlib
+    est = kl_bench.ESTIMATORS["kl_plug_test:half_k3"]
+    assert est.name == "kl_plug_test:half_k3" and "kl_plug_test:half_k3" not in kl_bench.ESTIMATORS
+    assert "kl_plug_test:half_k3" not in kl_bench.ESTIMATORS.names()
+    (plugin_dir / "kl_plug_test.py").write_text(PLUGIN.replace("0.5 * (", "0.25 * ("))
+    importlib.reload(importlib.import_module("kl_plug_test"))
+    x = torch.tensor([0.7], dtype=torch.float64)
+    assert kl_bench.ESTIMATORS["kl_plug_test:half_k3"].fn(x).item() == pytest.approx(0.25 * (math.expm1(0.7) - 0.7))
+    assert kl_bench.ESTIMATORS.get("kl_plug_missing:f") is None and kl_bench.ESTIMATORS.get("k9") is None

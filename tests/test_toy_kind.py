@@ -197,3 +197,26 @@ def test_toy_kind_errors_are_one_line(tmp_path):
     spec = _write(tmp_path, gradients="false", extra="sampler = { temperature = 0.9 }\n")
     res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
     assert res.exit_code == 2 and "unknown key for a two_point sampler" in res.stderr
+
+
+class ReverseOnlyPair(TwoPointPair):
+    """A kind with an exact value of KL(q‖p) only."""
+
+    def true_values(self):
+        return {REVERSE: super().true_values()[REVERSE]}
+
+
+def test_an_estimator_whose_target_the_kind_has_no_truth_for_is_refused_before_sampling(tmp_path):
+    register_kind("two_point_reverse_only", description="toy: reverse KL only")(ReverseOnlyPair)
+    try:
+        spec = _write(tmp_path, kind="two_point_reverse_only", gradients="false")
+        res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+        assert res.exit_code == 2 and not (tmp_path / "o").exists()
+        assert "case 'coin': key 'experiment.estimators': estimator 'fwd_k1' estimates KL(p||q), which a " \
+               "two_point_reverse_only case has no exact value of" in res.stderr
+        text = spec.read_text().replace('"fwd_k1", "fwd_k3", ', "")
+        spec.write_text(text.replace("gradients = false", "gradients = true"))
+        res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+        assert res.exit_code == 2 and "gradient rows compare with ∇KL(p||q)" in res.stderr
+    finally:
+        CASE_KINDS.remove("two_point_reverse_only")
