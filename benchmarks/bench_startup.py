@@ -15,6 +15,7 @@ import time
 CASES = {
     "python -c 'import torch' (baseline)": [sys.executable, "-c", "import torch"],
     "python -c 'import kl_bench'": [sys.executable, "-c", "import kl_bench"],
+    "python -c 'import kl_bench; kl_bench.run'": [sys.executable, "-c", "import kl_bench; kl_bench.run"],
     "kl-bench --help": [sys.executable, "-m", "kl_bench", "--help"],
     "kl-bench list": [sys.executable, "-m", "kl_bench", "list"],
 }

@@ -7,15 +7,30 @@ The Python API (see README "Python API" and :mod:`kl_bench.api`):
 - :func:`exact` (the exact table, no sampling) and :func:`check` (the regression gate → CheckReport)
 - :func:`estimate` (per-token values of any estimator on a trainer's log-prob tensors)
 - :data:`ESTIMATORS` (a read-only mapping) and :func:`register_estimator` (plug-ins)
+
+Names are loaded on first use (PEP 562), so that importing the package is instant and the command line
+can install its signal handlers before torch loads.
 """
 from .version import __version__
-from .api import CheckReport, Result, check, estimate, exact, load, run  # noqa: E402
-from .errors import SpecError  # noqa: E402
-from .estimators import ESTIMATORS, Estimator, register_estimator  # noqa: E402
-from .pairs import CASE_KINDS, Pair, register_kind  # noqa: E402
-from .spec import Spec, load_spec, parse_spec  # noqa: E402
-from .targets import TARGETS  # noqa: E402
 
-__all__ = ["CASE_KINDS", "CheckReport", "ESTIMATORS", "Estimator", "Pair", "Result", "Spec", "SpecError", "TARGETS",
-           "__version__", "check", "estimate", "exact", "load", "load_spec", "parse_spec", "register_estimator",
-           "register_kind", "run"]
+_EXPORTS = {
+    "CheckReport": "api", "Result": "api", "check": "api", "estimate": "api", "exact": "api", "load": "api",
+    "run": "api", "SpecError": "errors", "ESTIMATORS": "estimators", "Estimator": "estimators",
+    "register_estimator": "estimators", "CASE_KINDS": "pairs", "Pair": "pairs", "register_kind": "pairs",
+    "Spec": "spec", "load_spec": "spec", "parse_spec": "spec", "TARGETS": "targets",
+}
+
+__all__ = sorted(["__version__", *_EXPORTS])
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kl_bench' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

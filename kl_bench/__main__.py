@@ -1,3 +1,23 @@
-from .cli import main
+"""`python -m kl_bench` and the `kl-bench` console script: signal handlers first, then the CLI, so that a
+Ctrl-C or SIGTERM at any moment of start-up is one line (exit 130), never a traceback."""
+import signal
+import sys
 
-main()
+
+def _on_signal(signum, frame):
+    raise KeyboardInterrupt
+
+
+def entry() -> None:
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        from .cli import main
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted: nothing was written\n")
+        sys.exit(130)
+    main()
+
+
+if __name__ == "__main__":
+    entry()

@@ -91,12 +91,13 @@ def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: 
     return Prepared(sp, pairs, dev)
 
 
-def execute(prep: Prepared, *, progress: Callable[[int], None] | None = None,
-            resume: dict[str, torch.Tensor] | None = None,
+def execute(prep: Prepared, *, progress=None, resume: dict[str, torch.Tensor] | None = None,
             on_sums: Callable[[str, torch.Tensor], None] | None = None) -> "Result":
-    """Sample a prepared spec. ``resume``/``on_sums``: checkpointing (see kl_bench.engine.run_case)."""
+    """Sample a prepared spec. ``progress``: a :class:`kl_bench.progress.LazyProgress` (or anything with
+    ``advance(n)`` and ``label(text)``); ``resume``/``on_sums``: checkpointing (kl_bench.engine.run_case)."""
     from .experiment import run_spec
-    outcome = run_spec(prep.spec, prep.pairs, prep.device, progress=progress, resume=resume, on_sums=on_sums)
+    outcome = run_spec(prep.spec, prep.pairs, prep.device, progress=None if progress is None else progress.advance,
+                       resume=resume, on_sums=on_sums, on_phase=None if progress is None else progress.label)
     return Result(prep.spec, prep.pairs, outcome, prep.device, resumed=bool(resume))
 
 
@@ -106,11 +107,12 @@ def run(spec, *, draws: int | None = None, seed: int | None = None, device: str 
     a categorical or rollout side may be a tensor or ndarray of logits). ``draws``, ``seed`` and
     ``device`` override the spec exactly as the CLI's flags do. Nothing is written: see
     :meth:`Result.write`."""
+    from .experiment import total_draws
     from .progress import LazyProgress
     prep = prepare(spec, draws=draws, seed=seed, device=device)
-    bar = LazyProgress(sum(prep.spec.case_draws()), enabled=progress)
+    bar = LazyProgress(total_draws(prep.spec), enabled=progress)
     try:
-        return execute(prep, progress=bar.advance)
+        return execute(prep, progress=bar)
     finally:
         bar.close()
 
@@ -164,6 +166,7 @@ class Result:
             "draws_per_case": {c.name: n for c, n in zip(spec.cases, spec.case_draws())}, "batches": exp.batches,
             "device": str(device), "device_name": _device_name(device), "versions": _versions(),
             "git_commit": _git_commit(), "wall_seconds": round(outcome.wall, 3), "resumed": resumed,
+            "sampling_seconds": round(sum(r.seconds for r in runs), 3),
             "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
             "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
         }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -14,24 +15,52 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 
 from .errors import SpecError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="kl-bench: bias, variance and failure modes of Monte Carlo KL estimators, "
                        "measured next to the exact truth.")
+class _Command(typer.core.TyperCommand):
+    """Usage lines as users know them: `kl-bench run [OPTIONS] SPEC`, not `{SPEC}`."""
+
+    def collect_usage_pieces(self, ctx):
+        return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
+
+
 out_console = Console(highlight=False, width=200)
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, never wrapped
+
+
+_interrupt_reported = [False]
+
+
+def _interrupted(message: str) -> None:
+    """Say what an interrupt left behind, in one line, and exit 130."""
+    err_console.print(message, markup=False)
+    _interrupt_reported[0] = True
+    raise typer.Exit(130)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .version import __version__
+        print(f"kl-bench {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """kl-bench: bias, variance and failure modes of Monte Carlo KL estimators, measured next to the exact truth."""
 
 
 def _fail(err: SpecError) -> None:
     err_console.print(f"error: {err}", markup=False, soft_wrap=True)
     raise typer.Exit(2)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -70,28 +99,39 @@ def _warn_infinite(df, console: Console) -> None:
                               f"trustworthy", markup=False)
 
 
-@app.command()
-def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
-        out: Optional[Path] = typer.Option(None, "--out", help="results folder [default: results/<name>/]"),
-        draws: Optional[int] = typer.Option(None, "--draws", help="override [experiment] draws (per case)"),
-        seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
-        device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device: auto|cpu|cuda|cuda:N"),
+@app.command(cls=_Command)
+def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
+        out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: results/<name>/]"),
+        draws: Optional[int] = typer.Option(None, "--draws", metavar="N", help="draws for every case: replaces "
+                                            "[experiment] draws and each case's own draws"),
+        seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
+        device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE",
+                                             help="override [experiment] device: auto|cpu|cuda|cuda:N"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables"),
         report_: bool = typer.Option(False, "--report", help="then write the report into DIR/report/"),
         resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its checkpoint"),
         checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", metavar="SECONDS",
-                                               help="write a checkpoint at most this often (0: never)")) -> None:
+                                               help="write a checkpoint at most this often (> 0; inf: never)"),
+        no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint")) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
     lambda_sweep.csv) into the results folder, atomically."""
     from .api import execute, prepare
     from .progress import LazyProgress
-    from .storage import FolderLock, checkpoint_identity, clean_stale, load_checkpoint, remove_checkpoint, save_checkpoint
+    from .storage import (CHECKPOINT, FolderLock, check_output_dir, checkpoint_identity, clean_stale, fs_error,
+                          load_checkpoint, output_dir, remove_checkpoint, save_checkpoint)
     with _user_errors():
-        if not checkpoint_every >= 0:
-            raise SpecError(f"must be ≥ 0, got {checkpoint_every}", key="--checkpoint-every")
+        if not checkpoint_every > 0:          # also refuses NaN
+            raise SpecError(f"must be > 0 (inf, or --no-checkpoint: never), got {checkpoint_every}",
+                            key="--checkpoint-every")
+        every = math.inf if no_checkpoint else checkpoint_every
         prep = prepare(spec, draws=draws, seed=seed, device=device)
-    sp = prep.spec
-    out_dir = out or Path("results") / sp.experiment.name
+        self_signal("pairs")
+        sp = prep.spec
+        out_dir = output_dir(out if out is not None else Path("results") / sp.experiment.name)
+        if resume and not (out_dir / CHECKPOINT).exists():      # before anything is created
+            raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir),
+                            key="--resume")
+        out_dir = check_output_dir(out_dir)
     case_draws = sp.case_draws()
     identity = checkpoint_identity(sp, prep.device, case_draws)
     with _user_errors(), FolderLock(out_dir):
@@ -102,25 +142,36 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
 
         def on_sums(case: str, sums) -> None:
             state[case] = sums
-            if checkpoint_every and time.monotonic() - last[0] >= checkpoint_every:
-                save_checkpoint(out_dir, identity, state)
+            if time.monotonic() - last[0] >= every:
+                try:
+                    save_checkpoint(out_dir, identity, state)
+                except OSError as e:
+                    raise fs_error(e, out_dir, "cannot write a checkpoint") from None
                 last[0] = time.monotonic()
 
-        progress = LazyProgress(sum(case_draws), enabled=not quiet, console=err_console)
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        from .experiment import total_draws
+        progress = LazyProgress(total_draws(sp), enabled=not quiet, console=err_console)
         try:
-            result = execute(prep, progress=progress.advance, resume=done, on_sums=on_sums)
+            result = execute(prep, progress=progress, resume=done, on_sums=on_sums)
         except KeyboardInterrupt:
             progress.close()
-            if checkpoint_every and state:
-                save_checkpoint(out_dir, identity, state)
-            err_console.print(f"interrupted: no results were written; earlier results in {out_dir} are untouched"
-                              + ("; continue with --resume" if checkpoint_every and state else ""))
-            raise typer.Exit(130) from None
+            saved = False
+            if math.isfinite(every) and state:
+                with contextlib.suppress(OSError):
+                    save_checkpoint(out_dir, identity, state)
+                    saved = True
+            _interrupted(f"interrupted: no results were written; earlier results in {out_dir} are untouched"
+                         + ("; continue with --resume" if saved else ""))
         finally:
             progress.close()
-            signal.signal(signal.SIGTERM, previous)
-        result.write_files(out_dir)
+        try:
+            self_signal("write")
+            result.write_files(out_dir)
+        except KeyboardInterrupt:
+            _interrupted(f"interrupted while writing: no results were written; earlier results in {out_dir} "
+                         "are untouched")
+        except OSError as e:
+            raise fs_error(e, out_dir) from None
         remove_checkpoint(out_dir)
     if not quiet:
         from .display import gradient_table, print_tables
@@ -131,8 +182,15 @@ def run(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
             out_console.print()
             out_console.print(gradient_table(result.gradients))
         _warn_infinite(df, err_console)
-        out_console.print(f"\n{result.draws:,} draws in {result.outcome.wall:.1f} s "
-                          f"({result.envelope['draws_per_second']:,} draws/s on {prep.device}) → {out_dir}/summary.csv")
+        from .display import recommendations
+        out_console.print()
+        for line in recommendations(df):
+            out_console.print(line, markup=False)
+        env = result.envelope
+        total = (f", {result.outcome.wall:.1f} s in all" if result.outcome.wall > 1.2 * env["sampling_seconds"] + 0.5
+                 else "")
+        out_console.print(f"\n{result.draws:,} draws sampled in {env['sampling_seconds']:.1f} s "
+                          f"({env['draws_per_second']:,} draws/s on {prep.device}){total} → {out_dir}/summary.csv")
     if report_:
         _write_report([out_dir], out_dir / "report", quiet)
 
@@ -145,8 +203,9 @@ def _write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
         out_console.print(f"report → {out}/report.html ({len(list((out / 'figures').glob('*.png')))} figures)")
 
 
-@app.command()
-def report(dirs: list[Path] = typer.Argument(..., help="one or more results folders written by `kl-bench run`"),
+@app.command(cls=_Command)
+def report(dirs: list[Path] = typer.Argument(..., metavar="DIR", show_default=False,
+                                             help="one or more results folders written by `kl-bench run`"),
            out: Optional[Path] = typer.Option(None, "--out", help="report folder [default: DIR/report, or "
                                               "results/report for several folders]")) -> None:
     """Plots, the paper-style table (LaTeX and Markdown) and a browsable report from results folders."""
@@ -171,8 +230,8 @@ def _summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, 
     return sp, result.summary
 
 
-@app.command()
-def check(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
+@app.command(cls=_Command)
+def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
           baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline JSON [default: "
                                                   "results/baselines/<name>.json when it exists]"),
           results: Optional[Path] = typer.Option(None, "--results", help="check this results folder instead of running"),
@@ -193,7 +252,7 @@ def check(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         if use_base:
             from .gate import load_baseline
             load_baseline(base_path)          # a broken baseline fails before any sampling
-    sp, df = _summary_for(spec, results, draws, seed, device, quiet=True)
+    sp, df = _summary_for(spec, results, draws, seed, device, quiet=quiet)
     with _user_errors():
         rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
     if not quiet:
@@ -215,37 +274,58 @@ def check(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
         raise typer.Exit(1)
 
 
-@app.command()
-def baseline(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
-             out: Optional[Path] = typer.Option(None, "--out", help="baseline JSON [default: results/baselines/<name>.json]"),
-             results: Optional[Path] = typer.Option(None, "--results", help="take the numbers from this results folder")) -> None:
+@app.command(cls=_Command)
+def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
+             out: Optional[Path] = typer.Option(None, "--out", metavar="FILE",
+                                                help="baseline JSON [default: results/baselines/<name>.json]"),
+             results: Optional[Path] = typer.Option(None, "--results", metavar="DIR",
+                                                    help="take the numbers from this results folder"),
+             draws: Optional[int] = typer.Option(None, "--draws", metavar="N", help="override the draws of every case"),
+             seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
+             device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
+             quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:
     """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline."""
     from .gate import baseline_bytes, make_baseline
-    from .storage import atomic_write_bytes
-    sp, df = _summary_for(spec, results, None, None, None, quiet=False)
+    from .storage import atomic_write_bytes, check_output_file, fs_error
+    if out is not None:
+        with _user_errors():
+            check_output_file(out)
+    sp, df = _summary_for(spec, results, draws, seed, device, quiet=quiet)
     target = out or Path("results") / "baselines" / f"{sp.experiment.name}.json"
-    atomic_write_bytes(target, baseline_bytes(make_baseline(df, sp)))
-    out_console.print(f"baseline of {len(df)} rows → {target}", markup=False)
+    with _user_errors():
+        try:
+            atomic_write_bytes(target, baseline_bytes(make_baseline(df, sp)))
+        except OSError as e:
+            raise fs_error(e, target) from None
+    if not quiet:
+        out_console.print(f"baseline of {len(df)} rows → {target}", markup=False)
 
 
-@app.command()
-def exact(spec: Path = typer.Argument(..., help="experiment spec (TOML)"),
+@app.command(cls=_Command)
+def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file")) -> None:
     """Print the exact KL and estimator moments of every case, without sampling."""
     from . import api
     from .display import print_tables
+    from .storage import check_output_file, fs_error
     with _user_errors():
+        if out is not None:
+            check_output_file(out)
         df = api.exact(spec)
     print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
     _warn_infinite(df, err_console)
     if out is not None:
         from .results import frame_to_csv_bytes
         from .storage import atomic_write_bytes
-        atomic_write_bytes(out, frame_to_csv_bytes(df))
+        with _user_errors():
+            try:
+                atomic_write_bytes(out, frame_to_csv_bytes(df))
+            except OSError as e:
+                raise fs_error(e, out) from None
         out_console.print(f"→ {out}")
 
 
-@app.command("list")
+@app.command("list", cls=_Command)
 def list_() -> None:
     """List the registered estimators, pair-supplied rows and case kinds, one line each."""
     from .estimators import ESTIMATORS, PAIR_ROWS
@@ -259,11 +339,50 @@ def list_() -> None:
         out_console.print(f"kind       {name:<12} {k.description}", markup=False)
 
 
-def main() -> None:
+# Test hook: "PHASE" or "PHASE:SIGTERM" makes the process signal itself at that phase of start-up or
+# writing (start, spec, pairs, write), so that the signal tests need no sleeps.
+_SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
+
+
+def self_signal(phase: str) -> None:
+    want = os.environ.get(_SELF_SIGNAL_ENV, "")
+    if want.split(":")[0] == phase:
+        os.kill(os.getpid(), signal.SIGTERM if want.endswith(":SIGTERM") else signal.SIGINT)
+
+
+def _on_signal(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _is_abort(e: BaseException) -> bool:
+    # click turns a KeyboardInterrupt inside a command into its own Abort (typer vendors click)
+    return type(e).__name__ == "Abort"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: every usage error is one line (exit 2), every interrupt one line (exit 130)."""
+    # SIGTERM is handled like SIGINT from the first moment: one line, never a traceback.
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
     try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted: nothing was written")
+        self_signal("start")
+        rv = app(args=argv, standalone_mode=False, prog_name="kl-bench")
+        if rv == 130 and not _interrupt_reported[0]:     # typer turns a Ctrl-C in a command into 130
+            err_console.print("interrupted: nothing was written", markup=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
+    except NoArgsIsHelpError as e:
+        print(e.ctx.get_help() if e.ctx is not None else str(e))
+        sys.exit(0)
+    except ClickException as e:
+        err_console.print(f"error: {' '.join(e.format_message().split())}", markup=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort, RuntimeError) as e:
+        if not isinstance(e, KeyboardInterrupt) and not _is_abort(e):
+            raise
+        err_console.print("interrupted: nothing was written", markup=False)
         sys.exit(130)
 
 

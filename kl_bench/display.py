@@ -217,3 +217,34 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
     if not exact_only and "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
         console.print()
         console.print(lambda_table(df))
+
+
+def recommendations(df: pd.DataFrame) -> list[str]:
+    """One line per case: the estimator of KL(q||p) with the smallest RMSE for a batch mean of 64 draws
+    (and of 1024, when another wins there), the batch it needs for ±10% with 95% probability, and its
+    heavy-tail class. RMSE includes the bias against the true KL (exact where known). Only estimators of
+    sampled log-probs compete: pair-supplied rows (``full``) need the whole next-token distributions."""
+    from .estimators import CV, PAIR_ROWS
+    from .targets import REVERSE
+    out = []
+    for case in dict.fromkeys(df["case"]):
+        c = df[(df["case"] == case) & (df["target"] == REVERSE) & (df["estimator"] != CV)
+               & ~df["estimator"].isin(list(PAIR_ROWS))]
+        c = c[c["rmse_b64"].astype(float).map(math.isfinite)]
+        if c.empty:
+            out.append(f"{case}: no estimator of KL(q||p) has a finite RMSE here")
+            continue
+        best = c.loc[c["rmse_b64"].astype(float).idxmin()]
+        true = float(best["true_kl"])
+        rel = f", {best['rmse_b64'] / true:.3g}× the true KL" if math.isfinite(true) and true > 0 else ""
+        line = f"{case}: use {row_label(best)} (RMSE {fmt(best['rmse_b64'])} at a batch of 64{rel}"
+        big = c.loc[c["rmse_b1024"].astype(float).idxmin()]
+        if row_label(big) != row_label(best):
+            line += f"; at 1024 {row_label(big)}, RMSE {fmt(big['rmse_b1024'])}"
+        n = float(best["n_for_10pct"])
+        line += f"); ±10% with 95% probability needs a batch of {n:,.0f}" if math.isfinite(n) else \
+            "); no batch size brings it within ±10% (its bias alone is larger)"
+        if best.get("heavy_tail"):
+            line += f"; warning: {best['heavy_tail']}"
+        out.append(line)
+    return out

@@ -176,11 +176,18 @@ def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> N
             raise e.located(file=spec_file, case=case.name) from None
 
 
+def total_draws(spec) -> int:
+    """Draws the progress bar counts: every case's main pass, and its gradient pass when asked for."""
+    return sum(spec.case_draws()) * (2 if spec.experiment.gradients else 1)
+
+
 def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[int], None] | None = None,
              resume: dict[str, torch.Tensor] | None = None,
-             on_sums: Callable[[str, torch.Tensor], None] | None = None) -> SpecOutcome:
+             on_sums: Callable[[str, torch.Tensor], None] | None = None,
+             on_phase: Callable[[str], None] | None = None) -> SpecOutcome:
     """Run every case of a validated spec. ``resume``: {case: sums so far} from a checkpoint;
-    ``on_sums(case, sums)`` is called after every chunk of a main pass."""
+    ``on_sums(case, sums)`` is called after every chunk of a main pass; ``on_phase(text)`` when a case or
+    phase starts; ``progress(n)`` after every n draws (main and gradient passes)."""
     import time
 
     from .results import to_frame
@@ -189,6 +196,8 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
     t0 = time.perf_counter()
     outcomes = []
     for pair, n in zip(pairs, case_draws):
+        if on_phase is not None:
+            on_phase(pair.name)
         outcomes.append(run_experiment_case(
             pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
             on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums))))
@@ -197,7 +206,11 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
     if exp.gradients:
         from . import gradients as G
         ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
-        grad_rows = [r for pair, n in zip(pairs, case_draws)
-                     for r in G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device)]
+        grad_rows = []
+        for pair, n in zip(pairs, case_draws):
+            if on_phase is not None:
+                on_phase(f"{pair.name} (gradients)")
+            grad_rows += G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device,
+                                         progress=progress)
         grads = G.to_frame(grad_rows)
     return SpecOutcome(to_frame(rows), outcomes, case_draws, time.perf_counter() - t0, grads)

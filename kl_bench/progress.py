@@ -1,4 +1,5 @@
-"""A progress bar that appears only once a run has lasted a couple of seconds (rich, on stderr)."""
+"""A progress bar that appears only once a run has lasted a couple of seconds (rich, on stderr). It names
+the case and phase being sampled and shows the rate with thousands separators."""
 from __future__ import annotations
 
 import time
@@ -8,13 +9,19 @@ PROGRESS_AFTER_S = 2.0
 
 
 class LazyProgress:
-    """``advance(n)`` after every chunk of draws; ``close()`` at the end. Silent when not ``enabled``."""
+    """``advance(n)`` after every chunk of draws, ``label(text)`` when a case or phase starts, ``close()``
+    at the end. Silent when not ``enabled``."""
 
     def __init__(self, total: int, enabled: bool, console=None):
         self.total, self.enabled, self.done = total, enabled, 0
         self.console = console
+        self.text = ""
         self.t0 = time.perf_counter()
         self.bar = None
+
+    def label(self, text: str) -> None:
+        self.text = text
+        self._update()
 
     def advance(self, n: int) -> None:
         self.done += n
@@ -22,13 +29,20 @@ class LazyProgress:
             return
         if self.bar is None and time.perf_counter() - self.t0 > PROGRESS_AFTER_S:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("draws"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                console=self.console or Console(stderr=True), transient=True)
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("{task.fields[label]}"), BarColumn(),
+                                TextColumn("{task.fields[count]}"), TextColumn("{task.fields[rate]}"),
+                                TimeRemainingColumn(), console=self.console or Console(stderr=True), transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("run", total=self.total, completed=self.done)
-        elif self.bar is not None:
-            self.bar.update(self.task, completed=self.done)
+            self.task = self.bar.add_task("run", total=self.total, completed=self.done, label="", count="", rate="")
+        self._update()
+
+    def _update(self) -> None:
+        if self.bar is None:
+            return
+        rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.update(self.task, completed=min(self.done, self.total), label=self.text,
+                        count=f"{self.done:,}/{self.total:,} draws", rate=f"{rate:,.0f} draws/s")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -8,6 +8,7 @@ replaced one by one (each atomically), ``run.json`` last.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -33,6 +34,67 @@ _RENAME_EXCHANGE = 2
 _WRITE_DELAY_ENV = "KL_BENCH_WRITE_DELAY"
 
 
+def _write_file(fh, data: bytes) -> None:
+    """The one place result bytes reach the disk (tests inject ENOSPC and EROFS here)."""
+    fh.write(data)
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def fs_error(err: OSError, target: Path, what: str = "cannot write results", key: str | None = None) -> SpecError:
+    """An OSError while writing results as a one-line input error naming the path."""
+    reason = err.strerror or err.__class__.__name__
+    return SpecError(f"{what}: {reason}", file=str(target), key=key)
+
+
+def check_output_file(path: Path) -> Path:
+    """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
+    folder that cannot be created or written."""
+    path = Path(path)
+    if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
+        raise SpecError("must name a file", file=str(path), key="--out")
+    if path.is_dir():
+        raise SpecError("is a folder; give a file name", file=str(path), key="--out")
+    _check_parent_writable(path)
+    return path
+
+
+def output_dir(path: Path) -> Path:
+    """The folder results go to: a symlink to a folder is followed (the link itself stays)."""
+    path = Path(path)
+    return path.resolve() if path.is_symlink() and path.resolve().is_dir() else path
+
+
+def check_output_dir(path: Path) -> Path:
+    """Refuse, before any sampling, a results folder that cannot be written: '', '.', '..', an existing
+    file (or /dev/null), a path under a file, a location that cannot be created or written (/proc, a
+    read-only mount). A symlink to a folder is followed: the results go where it points."""
+    path = Path(path)
+    if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
+        raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key="--out")
+    path = output_dir(path)
+    if path.exists() and not path.is_dir():
+        raise SpecError("exists and is not a folder", file=str(path), key="--out")
+    _check_parent_writable(path)
+    return path
+
+
+def _check_parent_writable(path: Path) -> None:
+    parent = path.parent
+    probe = parent
+    while not probe.exists():                 # the nearest existing ancestor must be a writable folder
+        probe = probe.parent
+    if not probe.is_dir():
+        raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key="--out")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise fs_error(e, path, "cannot write there", key="--out") from None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
     write a temporary file in the same folder, fsync it, then rename it over the target."""
@@ -41,9 +103,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            _write_file(fh, data)
         os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp makes 0600 files; results are for sharing
         os.replace(tmp, path)
     except BaseException:
@@ -99,9 +159,7 @@ def write_results(out_dir: Path, files: dict[str, bytes], envelope: dict[str, An
     try:
         for name, data in files.items():
             with open(stage / name, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+                _write_file(fh, data)
             os.chmod(stage / name, 0o666 & ~_UMASK)
             if delay:
                 time.sleep(delay)
@@ -138,16 +196,33 @@ class FolderLock:
         self.fh = None
 
     def __enter__(self) -> "FolderLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(self.path, "a+")
         try:
-            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.fh.seek(0)
-            holder = self.fh.read().strip() or "?"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise fs_error(e, self.out_dir) from None
+        for _ in range(100):
+            try:
+                self.fh = open(self.path, "a+")
+            except OSError as e:
+                raise fs_error(e, self.out_dir) from None
+            try:
+                fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.fh.seek(0)
+                holder = self.fh.read().strip() or "?"
+                self.fh.close()
+                self.fh = None
+                raise SpecError(f"results folder is being written by another kl-bench run (pid {holder}); "
+                                f"wait for it to finish or choose another --out", file=str(self.out_dir)) from None
+            # The holder before us may have unlinked the file we opened: lock the file at the path.
+            try:
+                same = os.fstat(self.fh.fileno()).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             self.fh.close()
-            raise SpecError(f"results folder is being written by another kl-bench run (pid {holder}); "
-                            f"wait for it to finish or choose another --out", file=str(self.out_dir)) from None
+            self.fh = None
         self.fh.seek(0)
         self.fh.truncate()
         self.fh.write(str(os.getpid()))
@@ -156,8 +231,13 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         if self.fh is not None:
+            # Remove the lock file while still holding the lock, whatever the outcome: nothing is left
+            # beside the results. A run that opened the old file meanwhile sees it unlinked and retries.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             fcntl.flock(self.fh.fileno(), fcntl.LOCK_UN)
             self.fh.close()
+            self.fh = None
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -130,6 +130,11 @@ def test_import_is_side_effect_free():
             "heavy = [m for m in ('pandas', 'scipy', 'seaborn', 'matplotlib.pyplot') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    code = "import sys, kl_bench; print([m for m in ('pandas', 'scipy', 'seaborn', 'matplotlib') if m in sys.modules])"
+    code = ("import sys, kl_bench; kl_bench.run, kl_bench.ESTIMATORS, kl_bench.check; "
+            "print([m for m in ('pandas', 'scipy', 'seaborn', 'matplotlib') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr)
+    # the package itself is instant: the CLI installs its signal handlers before torch loads
+    code = "import sys, kl_bench; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

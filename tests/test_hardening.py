@@ -1,0 +1,171 @@
+"""Hardening: filesystem errors are input errors (one line, exit 2, earlier results intact, nothing left
+behind), signals at any phase are one line (no sleeps: the process signals itself at a named phase),
+flag errors are one line, progress and timing tell the truth, and `run` ends with a recommendation."""
+import errno
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kl_bench import storage
+from kl_bench.cli import app
+
+runner = CliRunner()
+
+SPEC = """spec_version = 1
+[experiment]
+name = "{name}"
+draws = 20_000
+batches = 20
+device = "cpu"
+estimators = ["k1", "k3"]
+[[case]]
+name = "g"
+kind = "gaussian"
+q = {{ mean = 0.0, std = 1.0 }}
+p = {{ mean = 0.3, std = 1.1 }}
+"""
+
+
+@pytest.fixture
+def spec(tmp_path):
+    path = tmp_path / "h.toml"
+    path.write_text(SPEC.format(name="h"))
+    return path
+
+
+def _one_line_error(res, *needles):
+    err = res.stderr.strip()
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and (".staging-" in p.name
+                                                                               or p.name.endswith(".lock")))
+
+
+@pytest.mark.parametrize("out,needle", [("file", "exists and is not a folder"), ("under-file", "is a file"),
+                                        ("/dev/null", "exists and is not a folder"), ("/proc/kl-bench-x", "cannot"),
+                                        ("", "must name a results folder"), (".", "must name a results folder"),
+                                        ("..", "must name a results folder")])
+def test_bad_out_folders_are_one_line_and_write_nothing(spec, tmp_path, out, needle):
+    (tmp_path / "afile").write_text("keep")
+    target = {"file": str(tmp_path / "afile"), "under-file": str(tmp_path / "afile" / "r")}.get(out, out)
+    before = sorted(os.listdir(tmp_path))
+    res = runner.invoke(app, ["run", str(spec), "--out", target, "-q"])
+    _one_line_error(res, needle, "--out")
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "afile").read_text() == "keep"
+
+
+def test_exact_out_at_a_folder_or_under_a_file(spec, tmp_path):
+    (tmp_path / "afile").write_text("keep")
+    _one_line_error(runner.invoke(app, ["exact", str(spec), "--out", str(tmp_path)]), "is a folder")
+    _one_line_error(runner.invoke(app, ["exact", str(spec), "--out", str(tmp_path / "afile" / "x.csv")]), "is a file")
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_a_full_disk_or_read_only_mount_keeps_earlier_results(spec, tmp_path, monkeypatch, code):
+    out = tmp_path / "res"
+    assert runner.invoke(app, ["run", str(spec), "--out", str(out), "-q"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fail(fh, data):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(storage, "_write_file", fail)
+    res = runner.invoke(app, ["run", str(spec), "--out", str(out), "-q", "--seed", "5"])
+    _one_line_error(res, os.strerror(code), str(out))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert _leftovers(tmp_path) == [] and not list(out.glob(".tmp-*"))
+    res = runner.invoke(app, ["exact", str(spec), "--out", str(tmp_path / "e.csv")])
+    _one_line_error(res, os.strerror(code))
+    assert not (tmp_path / "e.csv").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_experiment_names_that_are_not_plain_file_names_are_refused(tmp_path):
+    for name in (".", "..", "a/b"):
+        path = tmp_path / "n.toml"
+        path.write_text(SPEC.format(name=name))
+        _one_line_error(runner.invoke(app, ["run", str(path), "-q"]), "experiment.name", "plain file name")
+
+
+@pytest.mark.parametrize("value", ["nan", "0", "-1"])
+def test_checkpoint_every_must_be_positive(spec, tmp_path, value):
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o"), "--checkpoint-every", value])
+    _one_line_error(res, "--checkpoint-every", "must be > 0")
+    assert not (tmp_path / "o").exists()
+
+
+def test_symlinked_out_keeps_its_symlink_and_nothing_is_left_behind(spec, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for _ in range(2):                        # a fresh folder, then an atomic swap of an existing one
+        assert runner.invoke(app, ["run", str(spec), "--out", str(link), "-q"]).exit_code == 0
+        assert link.is_symlink() and (real / "summary.csv").exists()
+        assert _leftovers(tmp_path) == []
+
+
+def test_resume_with_nothing_to_resume_writes_nothing(spec, tmp_path):
+    out = tmp_path / "deep" / "res"
+    res = runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"])
+    _one_line_error(res, "nothing to resume")
+    assert not (tmp_path / "deep").exists()
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kl_bench", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("phase,sig", [("start", "SIGINT"), ("start", "SIGTERM"), ("pairs", "SIGINT"),
+                                       ("pairs", "SIGTERM"), ("write", "SIGINT")])
+def test_a_signal_at_any_phase_is_one_line_and_keeps_earlier_results(spec, tmp_path, phase, sig):
+    out = tmp_path / "res"
+    assert _cli("run", spec, "--out", out, "-q").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    proc = _cli("run", spec, "--out", out, "-q", "--seed", "3", env={"KL_BENCH_SELF_SIGNAL": f"{phase}:{sig}"})
+    err = proc.stderr.strip()
+    assert proc.returncode == 130 and len(err.splitlines()) == 1 and "Traceback" not in err, (proc.returncode, err)
+    assert "interrupted" in err and ("while writing" in err) == (phase == "write")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("args,needle", [(["run", "--draws", "abc", "x.toml"], "Invalid value for '--draws'"),
+                                         (["run"], "Missing argument 'SPEC'"), (["nosuch"], "No such command"),
+                                         (["run", "x.toml", "--bogus"], "No such option")])
+def test_flag_errors_are_one_line(args, needle):
+    proc = _cli(*args)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and needle in err, (proc.returncode, err)
+
+
+def test_progress_names_the_phase_and_shows_the_rate(monkeypatch):
+    from rich.console import Console
+
+    from kl_bench import progress as P
+    monkeypatch.setattr(P, "PROGRESS_AFTER_S", -1.0)
+    bar = P.LazyProgress(3_000_000, enabled=True, console=Console(file=io.StringIO(), force_terminal=True))
+    bar.label("noise0.3 (gradients)")
+    bar.advance(1_234_567)
+    fields = bar.bar.tasks[0].fields
+    bar.close()
+    assert fields["label"] == "noise0.3 (gradients)" and fields["count"] == "1,234,567/3,000,000 draws"
+    assert fields["rate"].endswith(" draws/s") and "," in fields["rate"]
+
+
+def test_run_prints_a_recommendation_and_a_rate_that_matches_its_time(spec, tmp_path):
+    import json
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0
+    assert "g: use k3 (RMSE" in res.output and "±10% with 95% probability needs a batch of" in res.output
+    env = json.loads((tmp_path / "o" / "run.json").read_text())
+    # the rate is draws over the sampling time that is stated (run.json rounds the time to 1 ms)
+    assert abs(env["draws_per_second"] * env["sampling_seconds"] - 20_000) <= env["draws_per_second"] * 0.0005 + 1
+    assert f"draws sampled in {env['sampling_seconds']:.1f} s" in res.output
