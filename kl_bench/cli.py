@@ -31,7 +31,8 @@ class _Command(typer.core.TyperCommand):
         return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
 
 
-out_console = Console(highlight=False, width=200)
+# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap.
+out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, never wrapped
 
 
@@ -174,13 +175,13 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
             raise fs_error(e, out_dir) from None
         remove_checkpoint(out_dir)
     if not quiet:
-        from .display import gradient_table, print_tables
+        from .display import gradient_table, print_tables, show
         df = result.summary
         lengths = {name: meta["length"] for name, meta in result.envelope["cases"].items() if meta.get("length")}
         print_tables(out_console, df, result.descriptions(), lengths=lengths)
         if result.gradients is not None:
             out_console.print()
-            out_console.print(gradient_table(result.gradients))
+            show(out_console, gradient_table(result.gradients))
         _warn_infinite(df, err_console)
         from .display import recommendations
         out_console.print()
@@ -264,7 +265,8 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
         for c in rep.comparisons:
             t.add_row(c.row, c.statistic, f"{c.value:.6g}", f"{c.reference:.6g}", f"{c.z:+.2f}",
                       f"{c.threshold:.2f}", "pass" if c.passed else "[bold red]FAIL[/]")
-        out_console.print(t)
+        from .display import show
+        show(out_console, t)
     for note in rep.notes:
         out_console.print(f"note: {note}", markup=False)
     for c in rep.failures:

@@ -10,6 +10,17 @@ from rich.table import Table
 from .draws import row_label
 
 
+def show(console: Console, table) -> None:
+    """Print a table: boxed for a terminal (rich fits it to the terminal's width); plain text when stdout
+    is not a terminal (a file, a pipe, CI): no box-drawing, one space between columns, nothing around."""
+    if not console.is_terminal:
+        table.box = None
+        table.padding = (0, 1)
+        table.pad_edge = False
+        table.show_edge = False
+    console.print(table)
+
+
 def fmt(x: float, digits: int = 3) -> str:
     """Significant-digit formatting that shows inf and leaves missing values blank."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -203,20 +214,20 @@ def gradient_table(g: pd.DataFrame) -> Table:
 def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str], exact_only: bool = False,
                  lengths: dict[str, int] | None = None) -> None:
     for case in dict.fromkeys(df["case"]):
-        console.print(exact_table(df, case, descriptions[case]) if exact_only
-                      else detail_table(df, case, descriptions[case]))
+        show(console, exact_table(df, case, descriptions[case]) if exact_only
+             else detail_table(df, case, descriptions[case]))
         console.print()
     if not exact_only and df["case"].nunique() > 1:
-        console.print(schulman_table(df[df["lambda"].isna()]))
+        show(console, schulman_table(df[df["lambda"].isna()]))
     if not exact_only and lengths:
         console.print()
-        console.print(rollout_table(df, lengths))
+        show(console, rollout_table(df, lengths))
     if not exact_only and "sampler" in df and (df["sampler"].fillna("") != "").any():
         console.print()
-        console.print(mismatch_table(df))
+        show(console, mismatch_table(df))
     if not exact_only and "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
         console.print()
-        console.print(lambda_table(df))
+        show(console, lambda_table(df))
 
 
 def recommendations(df: pd.DataFrame) -> list[str]:
