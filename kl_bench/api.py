@@ -283,11 +283,12 @@ class CheckReport:
                 + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
 
 
-def check(results, baseline=None, alpha: float = 0.001, *, spec_sha256: str | None = None) -> CheckReport:
+def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha256: str | None = None) -> CheckReport:
     """Compare every statistic with its exact value and, given a ``baseline`` (a path to a baseline
     JSON, or its decoded dict), with the stored run; Holm's step-down at family-wise ``alpha``.
     ``results``: a :class:`Result`, a results folder, or a summary DataFrame (then ``spec_sha256``, if
-    given, says which spec made it, for the note when the spec changed since the baseline)."""
+    given, says which spec made it, for the note when the spec changed since the baseline). With ``spec``
+    (a path, Spec or dict), a results folder must hold that experiment's cases."""
     import pandas as pd
 
     from .gate import baseline_comparisons, exact_comparisons, holm, load_baseline, normalize_baseline
@@ -301,6 +302,9 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec_sha256: str | No
     else:
         from .report import load_results
         loaded = load_results(Path(results))
+        if spec is not None:
+            from .verify import check_results_match_spec
+            check_results_match_spec(loaded, load(spec))
         df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
     comparisons = exact_comparisons(df)
     notes: list[str] = []

@@ -222,6 +222,8 @@ def _summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, 
         if results is not None:
             from .report import load_results
             res = load_results(results)
+            from .verify import check_results_match_spec
+            check_results_match_spec(res, sp)          # another experiment's folder: one line, exit 2
             if res.envelope.get("spec_sha256") != sp.sha256:
                 out_console.print(f"note: {results} was produced by a different version of {spec_path} "
                                   f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)",

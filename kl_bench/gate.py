@@ -174,23 +174,71 @@ def load_baseline(path: Path) -> dict[str, Any]:
     return normalize_baseline(data, str(path))
 
 
+# Baseline fields by type: numbers that every row must have, numbers that may be null (NaN: make_baseline
+# writes NaN as null, e.g. the se of a row whose estimates are infinite), text.
+_REQUIRED_NUMBERS = ("draws",)
+_OPTIONAL_NUMBERS = ("mean", "std", "se", "lambda", "std_se", "exact_mean", "exact_std")
+_REQUIRED_TEXT = ("case", "estimator", "target")
+_OPTIONAL_TEXT = ("aggregate", "heavy_tail")
+_INF_TEXT = {"inf": math.inf, "infinity": math.inf, "+inf": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
+
+
+def _baseline_number(v: Any, what: str, where: str, required: bool) -> float:
+    """A baseline value as a float: a JSON number, "inf"/"-inf" (as baseline_bytes writes infinities), or
+    null (NaN) where allowed; anything else is a one-line SpecError."""
+    if v is None:
+        if required:
+            raise SpecError(f"{what} is null, a number is needed (corrupted baseline?)", file=where)
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise SpecError(f"{what} is not a number: {json.dumps(v)[:40]}", file=where)
+    if isinstance(v, str):
+        if v.strip().lower() not in _INF_TEXT:
+            raise SpecError(f"{what} is not a number: {v[:40]!r}", file=where)
+        return _INF_TEXT[v.strip().lower()]
+    x = float(v)
+    if math.isnan(x) and required:
+        raise SpecError(f"{what} is NaN, a number is needed (corrupted baseline?)", file=where)
+    return x
+
+
 def normalize_baseline(data: Any, where: str = "baseline") -> dict[str, Any]:
-    """Validate a decoded baseline and convert its numbers (None → NaN, "inf" → inf)."""
-    if not isinstance(data, dict) or data.get("kl_bench_baseline") != BASELINE_VERSION:
+    """Validate a decoded baseline and convert its numbers (None → NaN, "inf" → inf). Every problem (a
+    row that is null or not an object, a missing key, a value of the wrong type, a duplicated row) is a
+    one-line SpecError naming ``where`` and the row."""
+    version = data.get("kl_bench_baseline") if isinstance(data, dict) else None
+    if isinstance(version, bool) or version != BASELINE_VERSION:
         raise SpecError(f"not a kl-bench baseline of version {BASELINE_VERSION}", file=where)
     rows = data.get("rows")
     if not isinstance(rows, list) or not rows:
-        raise SpecError("baseline has no rows", file=where)
+        raise SpecError("baseline has no rows" + ("" if rows is None or isinstance(rows, list)
+                        else f" ('rows' is not a list but {type(rows).__name__})"), file=where)
+    seen: dict[tuple, int] = {}
     for i, r in enumerate(rows):
-        missing = [k for k in BASELINE_FIELDS if not isinstance(r, dict) or k not in r]
+        if not isinstance(r, dict):
+            got = "null" if r is None else f"not an object ({json.dumps(r)[:40]})"
+            raise SpecError(f"baseline row {i + 1} is {got} (corrupted baseline?)", file=where)
+        missing = [k for k in BASELINE_FIELDS if k not in r]
         if missing:
             raise SpecError(f"baseline row {i + 1} lacks {', '.join(missing)}", file=where)
-        for k in ("mean", "std", "se", "std_se", "exact_mean", "exact_std", "lambda"):
-            v = r[k]
-            try:
-                r[k] = math.nan if v is None else float(v)
-            except (TypeError, ValueError):
-                raise SpecError(f"baseline row {i + 1}: {k} is not a number: {v!r}", file=where) from None
+        for k in _REQUIRED_TEXT:
+            if not isinstance(r[k], str) or not r[k]:
+                raise SpecError(f"baseline row {i + 1}: {k} must be a non-empty string, got "
+                                f"{json.dumps(r[k])[:40]}", file=where)
+        name = f"baseline row {i + 1} ({r['case']}: {r['estimator']})"
+        for k in _OPTIONAL_TEXT:
+            if r[k] is not None and not isinstance(r[k], str):
+                raise SpecError(f"{name}: {k} must be a string or null, got {json.dumps(r[k])[:40]}", file=where)
+        for k in _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS:
+            r[k] = _baseline_number(r[k], f"{name}: {k}", where, k in _REQUIRED_NUMBERS)
+        if not (math.isfinite(r["draws"]) and r["draws"] >= 1 and r["draws"] == int(r["draws"])):
+            raise SpecError(f"{name}: draws must be a whole number ≥ 1, got {r['draws']:g}", file=where)
+        if r["se"] < 0 or r["std"] < 0:        # NaN compares False: allowed
+            raise SpecError(f"{name}: std and se must be ≥ 0, got std {r['std']:g}, se {r['se']:g}", file=where)
         r["aggregate"] = r["aggregate"] or ""
         r["heavy_tail"] = r["heavy_tail"] or ""
+        key = row_key(r)
+        if key in seen:
+            raise SpecError(f"{name} repeats row {seen[key]} (same case, estimator, aggregate and λ)", file=where)
+        seen[key] = i + 1
     return data

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import textwrap
 
 import matplotlib
 import matplotlib.ticker
@@ -57,19 +58,36 @@ def _themed(fn):
     return wrapper
 
 
-def _symlog_ticks(ax, lo: float, hi: float, linthresh: float) -> None:
-    """Decade ticks outside ±linthresh plus 0, and limits with room for the outermost points."""
-    ticks = [0.0]
+def _symlog_ticks(ax, lo: float, hi: float, linthresh: float, max_ticks: int = 7, formatter=None) -> None:
+    """Decade ticks outside ±linthresh plus 0, at most ``max_ticks`` of them (decades are thinned from
+    the inside out, the outermost kept), and limits with room for the outermost points. ``formatter``:
+    a function of the tick value giving its label (default: matplotlib's 10^k labels)."""
+    sides = {}
     for sign, end in ((1, hi), (-1, -lo)):
+        exps = []
         if end > linthresh:
             exps = list(range(int(np.floor(np.log10(linthresh))) + 1, int(np.ceil(np.log10(end))) + 1))
-            if len(exps) > 3:      # crowded labels: every other decade, counted from the outermost
-                exps = exps[::-1][::2][::-1]
-            ticks += [sign * 10.0**e for e in exps]
+        sides[sign] = exps
+    step = 1
+    while 1 + sum(len(e[::-1][::step]) for e in sides.values()) > max_ticks and step < 64:
+        step += 1          # every step-th decade, counted from the outermost, on both sides alike
+    ticks = [0.0] + [sign * 10.0**e for sign, exps in sides.items() for e in exps[::-1][::step]]
     ticks = sorted(ticks)
     ax.set_xticks(ticks)
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set_xlim(min(lo * 2, -linthresh), max(hi * 2, linthresh))
+    if formatter is not None:
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: formatter(v)))
+    # room for the outermost points, and for the outermost ticks, so that each end of the axis is labelled
+    ax.set_xlim(min(lo * 2, -linthresh, ticks[0] * 1.2), max(hi * 2, linthresh, ticks[-1] * 1.2))
+
+
+def _percent(v: float) -> str:
+    """A relative value as a percentage for tick labels: 0.01 → 1%, −0.5 → −50%, 3 → 300%."""
+    if v == 0:
+        return "0"
+    pct = abs(v) * 100
+    text = f"{pct:,.0f}" if pct >= 1 else f"{pct:.2g}"
+    return ("−" if v < 0 else "") + text + "%"
 
 
 def _plain_log_labels(axis) -> None:
@@ -86,6 +104,42 @@ def _axes(ax, ncols=1, width=6.4, height=4.0):
         return np.atleast_1d(ax).ravel()[0].figure, ax
     fig = Figure(figsize=(width, height), layout="constrained")
     return fig, fig.subplots(1, ncols)
+
+
+def _drawn(artist) -> bool:
+    """Whether a legend handle's artist shows anything: a line or markers with a finite point, bars with
+    a finite size, a filled area. Legend entries of artists that draw nothing are left out."""
+    from matplotlib.collections import Collection, PathCollection
+    from matplotlib.container import BarContainer, Container
+    from matplotlib.lines import Line2D
+    if isinstance(artist, BarContainer):
+        return any(np.isfinite([p.get_width(), p.get_height()]).all() and (p.get_width() or p.get_height())
+                   for p in artist.patches)
+    if isinstance(artist, Container):
+        return any(_drawn(a) for a in artist.get_children() if isinstance(a, (Line2D, Collection)))
+    if isinstance(artist, Line2D):
+        x, y = artist.get_data(orig=True)
+        try:
+            x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
+        except (TypeError, ValueError):
+            return True
+        return bool(np.any(np.isfinite(x) & np.isfinite(y)))
+    if isinstance(artist, PathCollection):
+        off = np.asarray(artist.get_offsets(), dtype=float).reshape(-1, 2)
+        return bool(len(artist.get_paths())) and bool(np.isfinite(off).all(axis=1).any())
+    if isinstance(artist, Collection):
+        return any(len(p.vertices) and np.isfinite(p.vertices).all(axis=1).any() for p in artist.get_paths())
+    return True
+
+
+def _legend(target, handles=None, labels=None, **kwargs):
+    """ax.legend / fig.legend with only the entries whose artists draw something (none: no legend)."""
+    if handles is None:
+        handles, labels = target.get_legend_handles_labels()
+    keep = [(h, lab) for h, lab in zip(handles, labels) if _drawn(h)]
+    if not keep:
+        return None
+    return target.legend([h for h, _ in keep], [lab for _, lab in keep], **kwargs)
 
 
 @_themed
@@ -118,11 +172,14 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
         ax.set_yticks(range(len(labels)), labels)
         ax.invert_yaxis()
     axes[0].axvline(0, color="grey", lw=1)
-    bias = pd.concat([df["rel_bias"], df["exact_rel_bias"]]).replace([np.inf, -np.inf], np.nan).dropna()
+    ci = 1.96 * df["se"] / df["true_kl"].astype(float)
+    bias = pd.concat([df["rel_bias"], df["exact_rel_bias"], df["rel_bias"] - ci, df["rel_bias"] + ci])
+    bias = bias.astype(float).replace([np.inf, -np.inf], np.nan).dropna()
     lt = 1e-3
     axes[0].set_xscale("symlog", linthresh=lt)
     if not bias.empty:
-        _symlog_ticks(axes[0], float(bias.min()), float(bias.max()), lt)
+        _symlog_ticks(axes[0], float(bias.min()), float(bias.max()), lt, max_ticks=5, formatter=_percent)
+    axes[0].tick_params(axis="x", labelsize="small")
     axes[0].set_xlabel("bias / true KL  (symlog; 0 = unbiased)")
     axes[1].set_xscale("log")
     stds = pd.concat([df["rel_std"], df["exact_rel_std"]]).replace([np.inf, -np.inf], np.nan).dropna()
@@ -131,7 +188,7 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
         axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
     axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[1].set_xlabel("per-draw std / true KL  (log)")
-    axes[1].legend(loc="best", fontsize="small")
+    _legend(axes[1], loc="best", fontsize="small")
     fig.suptitle(title)
     return fig
 
@@ -160,7 +217,7 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
     ax.set_xlabel("λ")
     ax.set_ylabel("per-draw std / true KL  (log)")
     ax.set_title(title)
-    ax.legend(fontsize="small")
+    _legend(ax, fontsize="small")
     return fig
 
 
@@ -185,7 +242,7 @@ def plot_distribution(values: dict[str, np.ndarray], ax=None, title: str = ""):
     ax.set_xlabel("per-draw estimate  (symlog)")
     ax.set_ylabel("fraction of draws ≤ x  (ECDF)")
     ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(ax, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
@@ -230,7 +287,7 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
         ax.set_title(row_label(r), fontsize="medium")
         ax.tick_params(labelsize="small")
         if k == 0 or biased:
-            ax.legend(fontsize="x-small")
+            _legend(ax, fontsize="x-small")
     for ax in flat[len(keep):]:
         ax.set_visible(False)
     fig.supxlabel("draws  (log)")
@@ -259,7 +316,7 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
     ax.set_xlabel("sequence length T  (log)")
     ax.set_ylabel("per-rollout std / true KL  (log)")
     ax.set_title(title + "\n(lines: exact; ×: measured)")
-    ax.legend(fontsize="x-small", ncol=2)
+    _legend(ax, fontsize="x-small", ncol=2)
     return fig
 
 
@@ -275,11 +332,24 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     ax.set_xlabel("draws for ±10% error with 95% probability  (log)")
     ax.set_ylabel("")
     never = summary[summary["lambda"].isna() & ~np.isfinite(summary["n_for_10pct"].astype(float))]
-    note = ("\nno bar: never (" + ", ".join(sorted({f"{row_label(r)}@{r['case']}" for _, r in never.iterrows()}))
-            + ": bias alone > 10% or infinite variance)") if not never.empty else ""
+    note = ""
+    if not never.empty:
+        # Grouped by row and wrapped to the axes' width (shortened past a few lines), so nothing is clipped.
+        groups: dict[str, list[str]] = {}
+        for _, r in never.iterrows():
+            groups.setdefault(row_label(r), []).append(str(r["case"]))
+        text = ("no bar (bias alone > 10% or infinite variance): "
+                + "; ".join(f"{lab} @ {', '.join(dict.fromkeys(cs))}" for lab, cs in groups.items()))
+        # ~5.5 pt per character at the small title size, on the ~75% of the figure the axes span
+        width = max(40, int(fig.get_figwidth() * 72 * 0.75 / 5.5))
+        note = "\n" + "\n".join(textwrap.wrap(text, width, max_lines=6, placeholder=" …", break_on_hyphens=False))
     ax.set_title(title + note, fontsize="small" if note else None)
-    ax.legend(fontsize="x-small", title="case")
+    _legend(ax, fontsize="x-small", title="case")
     return fig
+
+
+GRAD_MODES = ("loss", "reward", "loss_is", "straight_through")
+_STYLES = ["-", "--", ":", "-."]
 
 
 @_themed
@@ -287,27 +357,73 @@ def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
     """Expected cosine of a batch-mean gradient with ∇KL(q‖p) against the batch size, per estimator ×
     mode: cos_n ≈ (m·u)/√(|m|² + tr Σ / n) with the exact mean m (u the unit reverse-KL gradient) and
     the exact trace of the per-draw covariance, or the measured one where none exists (rollouts; the
-    title then says so)."""
-    fig, ax = _axes(ax, width=8, height=4.8)
-    n = np.logspace(0, 7, 200)
-    g = grads[np.isfinite(grads["exact_along_reverse"].astype(float))]
-    measured = False
-    for k, (_, r) in enumerate(g.iterrows()):
+    title then says so).
+
+    Faceted by mode: one panel per mode, each estimator in its own colour (the same in every panel), one
+    legend. Given a single ``ax`` (or fewer axes than modes), every line is drawn there, coloured by
+    estimator and styled by mode, so that no two lines look alike."""
+    g = grads[np.isfinite(grads["exact_along_reverse"].astype(float))].copy()
+
+    def est_label(r) -> str:
         lam = r["lambda"]
-        label = f"{r['estimator']}{f'({lam:.3g})' if isinstance(lam, float) and math.isfinite(lam) else ''} {r['mode']}"
+        return f"{r['estimator']}{f'({lam:.3g})' if isinstance(lam, float) and math.isfinite(lam) else ''}"
+    g["est_label"] = [est_label(r) for _, r in g.iterrows()]
+    modes = sorted(dict.fromkeys(g["mode"]), key=lambda m: (GRAD_MODES.index(m) if m in GRAD_MODES else 99, m))
+    modes = modes or [""]
+    ests = list(dict.fromkeys(g["est_label"]))
+    colour = {e: PALETTE[k % len(PALETTE)] for k, e in enumerate(ests)}
+    est_style = {e: _STYLES[k // len(PALETTE) % len(_STYLES)] for k, e in enumerate(ests)}
+    if ax is None:
+        ncols = min(2, len(modes))
+        nrows = int(np.ceil(len(modes) / ncols))
+        fig = Figure(figsize=(4.6 * ncols + 2.2, 3.3 * nrows + 0.8), layout="constrained")
+        panels = list(np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)).ravel())
+    else:
+        panels = list(np.atleast_1d(ax).ravel())
+        fig = panels[0].figure
+    faceted = len(panels) >= len(modes) and len(modes) > 1
+    n = np.logspace(0, 7, 200)
+    measured = False
+    handles: dict[str, object] = {}
+    for _, r in g.iterrows():
         trace = r["exact_trace_cov"]
         if not math.isfinite(trace):
             trace, measured = r["trace_cov"], True
         cos = r["exact_along_reverse"] / np.sqrt(r["exact_norm"] ** 2 + trace / n)
-        ax.plot(n, cos, color=PALETTE[k % len(PALETTE)], ls=["-", "--", ":", "-."][k // len(PALETTE) % 4], label=label)
+        if faceted:
+            target, ls, label = panels[modes.index(r["mode"])], est_style[r["est_label"]], r["est_label"]
+        else:
+            k = modes.index(r["mode"]) if r["mode"] in modes else 0
+            target, ls, label = panels[0], _STYLES[k % len(_STYLES)], f"{r['est_label']} {r['mode']}"
+        (line,) = target.plot(n, cos, color=colour[r["est_label"]], ls=ls, lw=1.8, label=label)
+        handles.setdefault(label, line)
+    used = panels[:len(modes)] if faceted else panels[:1]
+    for k, p in enumerate(used):
+        line = p.axhline(0.9, color="grey", lw=1, ls=":", label="cos = 0.9")
+        handles.setdefault("cos = 0.9", line)
+        p.set_xscale("log")
+        if faceted:
+            p.set_title(f"mode: {modes[k]}", fontsize="medium")
+    lows = [float(np.nanmin(line.get_ydata())) for p in used for line in p.get_lines()
+            if len(np.atleast_1d(line.get_ydata())) > 2 and np.isfinite(line.get_ydata()).any()]
+    for p in used:
+        p.set_ylim(min([-0.05, *lows]) - 0.05, 1.05)
+    for p in panels[len(used):]:
+        p.set_visible(False)
     if measured:
         title += "\n(exact mean gradient, measured per-draw variance)"
-    ax.axhline(0.9, color="grey", lw=1, ls=":", label="cos = 0.9")
-    ax.set_xscale("log")
-    lows = [float(np.min(line.get_ydata())) for line in ax.get_lines() if len(np.atleast_1d(line.get_ydata())) > 2]
-    ax.set_ylim(min([-0.05, *lows]) - 0.05, 1.05)
-    ax.set_xlabel("batch size n  (log)")
-    ax.set_ylabel("expected cos(batch-mean gradient, ∇KL(q‖p))")
-    ax.set_title(title)
-    ax.legend(fontsize="x-small", ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    xlabel, ylabel = "batch size n  (log)", "expected cos(batch-mean gradient, ∇KL(q‖p))"
+    if faceted and ax is None:
+        fig.supxlabel(xlabel)
+        fig.supylabel(ylabel)
+        fig.suptitle(title)
+        _legend(fig, list(handles.values()), list(handles), fontsize="small", loc="outside right upper",
+                title="estimator")
+    else:
+        for p in used:
+            p.set_xlabel(xlabel, fontsize="small" if faceted else None)
+        used[0].set_ylabel(ylabel)
+        (fig.suptitle if faceted else used[0].set_title)(title)
+        _legend(used[-1], list(handles.values()), list(handles), fontsize="x-small", ncol=1 if faceted else 2,
+                loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig

@@ -8,9 +8,7 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,14 +16,8 @@ import numpy as np
 import pandas as pd
 
 from .draws import row_key, row_label
-from .errors import SpecError
-from .results import COLUMNS, read_frame
+from .results import COLUMNS
 from .storage import atomic_write_bytes
-
-
-# The columns every results folder has had; later columns are optional so that older results still report.
-REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se", "bias",
-            "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
 
 
 @dataclass
@@ -38,47 +30,21 @@ class Results:
     sweep: pd.DataFrame | None
     batches: pd.DataFrame | None
     reservoir: dict[str, np.ndarray] | None
+    gradients: pd.DataFrame | None = None
 
 
 def load_results(path: Path) -> Results:
-    """Read a results folder; a missing or incomplete one is a one-line SpecError."""
-    path = Path(path)
-    if not path.is_dir():
-        raise SpecError("not a results folder (it does not exist)", file=str(path))
-    summary_path, env_path = path / "summary.csv", path / "run.json"
-    for p in (summary_path, env_path):
-        if not p.exists():
-            raise SpecError(f"incomplete results folder: {p.name} is missing (run `kl-bench run` first)",
-                            file=str(path))
-    try:
-        summary = read_frame(summary_path)
-    except Exception as e:
-        raise SpecError(f"cannot read summary.csv: {e.__class__.__name__}: {str(e).splitlines()[0]}",
-                        file=str(path)) from None
-    missing = [c for c in REQUIRED if c not in summary.columns]
-    if missing or summary.empty:
-        raise SpecError(f"summary.csv is incomplete: missing columns {', '.join(missing) or '(no rows)'}",
-                        file=str(path))
+    """Read and verify a results folder (kl_bench.verify: sha256 of every data file against run.json,
+    schema and dtypes of every table, consistent cases); a missing, incomplete or corrupted folder is a
+    one-line SpecError."""
+    from .verify import read_results_folder
+    got = read_results_folder(path)
+    summary = got.summary
     for c in COLUMNS:                  # columns added by later versions: empty in older results
         if c not in summary.columns:
             summary[c] = "" if c == "heavy_tail" else np.nan
-    try:
-        envelope = json.loads(env_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SpecError(f"run.json is unreadable: {e}", file=str(path)) from None
-
-    def optional_csv(name):
-        p = path / name
-        return read_frame(p) if p.exists() else None
-    reservoir = None
-    if (path / "reservoir.npz").exists():
-        try:
-            with np.load(path / "reservoir.npz") as z:
-                reservoir = {k: z[k] for k in z.files}
-        except (OSError, ValueError, zipfile.BadZipFile) as e:
-            raise SpecError(f"reservoir.npz is unreadable: {e}", file=str(path)) from None
-    return Results(path, path.name, summary, envelope, optional_csv("lambda_sweep.csv"),
-                   optional_csv("batches.csv"), reservoir)
+    return Results(got.path, got.path.name, summary, got.envelope, got.sweep, got.batches, got.reservoir,
+                   got.gradients)
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -243,9 +209,8 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
             if len(members) > 1:
                 figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): std/true against T",
                              png_bytes(plots.plot_rollout_growth(s, members, title=f"rollouts: {label}"))))
-        grad_path = res.path / "gradients.csv"
-        if grad_path.exists():
-            grads = pd.read_csv(grad_path)
+        if res.gradients is not None:
+            grads = res.gradients
             aggs = (grads["aggregate"].astype("string").fillna("") if "aggregate" in grads
                     else pd.Series("", index=grads.index))
             for (case, agg), part in grads.groupby([grads["case"], aggs], sort=False):
@@ -319,33 +284,65 @@ def _report_md(results: list[Results], md_table: str, figs) -> str:
     return "\n".join(out)
 
 
+CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.4}"
+       ".scroll{overflow-x:auto;max-width:100%;margin:1em 0}"
+       "table{border-collapse:collapse;font-size:0.85em}"
+       "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}"
+       "td:first-child,th:first-child{text-align:left}"
+       "table.rows td:nth-child(-n+3),table.rows th:nth-child(-n+3){text-align:left}"
+       "code{font-family:ui-monospace,monospace;font-size:0.9em;background:#f4f4f4;padding:0 3px;border-radius:3px}"
+       "img{max-width:100%;height:auto;border:1px solid #eee}figure{margin:1.5em 0}"
+       "figcaption{font-size:0.9em;color:#333}p.caption{font-style:italic;max-width:100%}")
+
+
+def html_text(text) -> str:
+    """Text from the data (names, descriptions) for HTML: escaped, backticks as entities, so that none
+    is read as markup and the page's source holds no literal backtick."""
+    return html.escape(str(text)).replace("`", "&#96;")
+
+
+def html_inline(text: str) -> str:
+    """Prose with Markdown-style `code` spans (as in report.md) as HTML: the spans become <code>."""
+    parts = str(text).split("`")
+    if len(parts) % 2 == 0:          # an unmatched backtick: no code spans, only text
+        return html_text(text)
+    return "".join(f"<code>{html_text(p)}</code>" if k % 2 else html_text(p) for k, p in enumerate(parts))
+
+
+def _scroll(table_html: str) -> str:
+    """A table in its own horizontally scrolling box: a wide table never widens the page."""
+    return f"<div class='scroll'>{table_html}</div>"
+
+
 def _report_html(results, df, figs, caption, cases, rows) -> str:
-    esc = html.escape
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>kl-bench report</title>",
-             "<style>body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}"
-             "table{border-collapse:collapse;font-size:0.85em;margin:1em 0}td,th{padding:2px 8px;"
-             "border-bottom:1px solid #ddd;text-align:right}td:first-child,th:first-child{text-align:left}"
-             "img{max-width:100%;border:1px solid #eee}figure{margin:1.5em 0}</style></head><body>",
-             "<h1>kl-bench report</h1>"]
+    esc = html_text
+    parts = ["<!doctype html><html><head><meta charset='utf-8'>"
+             "<meta name='viewport' content='width=device-width, initial-scale=1'><title>kl-bench report</title>",
+             f"<style>{CSS}</style></head><body>", "<h1>kl-bench report</h1>"]
     for res in results:
         parts.append(f"<h2>{esc(res.name)}</h2><ul>" + "".join(
-            f"<li>{esc(line[2:])}</li>" for line in _run_lines(res)) + "</ul>")
-    parts.append("<h2>Paper table</h2><table><tr><th></th>" + "".join(
-        f"<th colspan='4'>{esc(title)} (KL = {esc(sig(true))})</th>" for _, title, true in cases) + "</tr>")
-    parts.append("<tr><th>estimator</th>" + "<th>bias/true</th><th>exact</th><th>stdev/true</th><th>exact</th>"
-                 * len(cases) + "</tr>")
+            f"<li>{html_inline(line[2:])}</li>" for line in _run_lines(res)) + "</ul>")
+    table = ["<table class='paper'><tr><th></th>" + "".join(
+        f"<th colspan='4'>{esc(title)} (KL = {esc(sig(true))})</th>" for _, title, true in cases) + "</tr>",
+        "<tr><th>estimator</th>" + "<th>bias/true</th><th>exact</th><th>stdev/true</th><th>exact</th>"
+        * len(cases) + "</tr>"]
     for label, cells in rows:
-        parts.append(f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(c)}</td>" for cell in cells for c in cell)
+        table.append(f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(c)}</td>" for cell in cells for c in cell)
                      + "</tr>")
-    parts.append(f"</table><p><em>{esc(caption)}</em></p><h2>Figures</h2>")
+    table.append("</table>")
+    parts.append("<h2>Paper table</h2>" + _scroll("\n".join(table)))
+    parts.append(f"<p class='caption'>{html_inline(caption)}</p><h2>Figures</h2>")
     for name, cap, data in figs:
         b64 = base64.b64encode(data).decode()
         parts.append(f"<figure id='{esc(name)}'><img src='data:image/png;base64,{b64}' alt='figures/{esc(name)}'>"
-                     f"<figcaption>{esc(cap)} (<code>figures/{esc(name)}</code>)</figcaption></figure>")
+                     f"<figcaption>{html_inline(cap)} (<code>figures/{esc(name)}</code>)</figcaption></figure>")
     parts.append("<h2>All rows</h2>")
     show = ["run", "case", "label", "target", "true_kl", "mean", "se", "exact_mean", "rel_bias", "rel_std",
             "exact_rel_std", "z", "frac_negative", "n_for_10pct", "heavy_tail"]
-    parts.append(df[[c for c in show if c in df]].to_html(index=False, float_format=lambda x: sig(x, 4),
-                                                          na_rep="", border=0))
+    if len(results) == 1:
+        show.remove("run")           # one folder: the column would repeat its name on every row
+    rows_html = df[[c for c in show if c in df]].to_html(index=False, float_format=lambda x: sig(x, 4), na_rep="",
+                                                         border=0, classes="rows")
+    parts.append(_scroll(rows_html.replace("`", "&#96;")))
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -222,6 +222,11 @@ def test_check_reads_an_existing_results_folder(write_spec, tmp_path):
     df = pd.read_csv(tmp_path / "r" / "summary.csv")
     df.loc[df["estimator"] == "k3", "mean"] *= 1.5                    # tamper with a stored number
     df.to_csv(tmp_path / "r" / "summary.csv", index=False)
+    # an edited file no longer matches the sha256 in run.json (that alone is exit 2): record the new hash
+    import hashlib
+    env = json.loads((tmp_path / "r" / "run.json").read_text())
+    env["files"]["summary.csv"] = hashlib.sha256((tmp_path / "r" / "summary.csv").read_bytes()).hexdigest()
+    (tmp_path / "r" / "run.json").write_text(json.dumps(env))
     res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "--quiet"])
     assert res.exit_code == 1 and "k3: the mean moved" in res.output
 

@@ -291,3 +291,86 @@ def test_report_png_closes_a_figure_that_pyplot_does_not_manage(plots):
     data = png_bytes(_call(plots, "gradient_cosine"))
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert get_fignums() == open_before
+
+
+# ----------------------------------------------------------------------------- readability (issue 13, item 8)
+def _render(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(fig).draw()
+    return fig.canvas.get_renderer()
+
+
+def _legend_texts(fig) -> list[str]:
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes)]
+    return [t.get_text() for leg in legends if leg is not None for t in leg.get_texts()]
+
+
+@pytest.mark.parametrize("lo, hi", [(-6.5, 10.1), (-0.3, 0.002), (1e-4, 3.0), (-50.0, -0.01), (-1e-4, 1e-4)])
+def test_bias_axis_ticks_are_few_readable_and_never_overlap(plots, lo, hi):
+    s = summary_frame()
+    gauss = s[(s["case"] == "gauss") & s["lambda"].isna()].copy()
+    values = np.linspace(lo, hi, len(gauss))
+    gauss["rel_bias"] = values
+    gauss["exact_rel_bias"] = values
+    fig = plots.plot_bias_std(gauss, title="range")
+    renderer = _render(fig)
+    ax = fig.axes[0]
+    lim = ax.get_xlim()
+    labels = [t for t in ax.get_xticklabels() if t.get_text() and lim[0] <= t.get_position()[0] <= lim[1]]
+    assert 2 <= len(labels) <= 7, [t.get_text() for t in labels]
+    for t in labels:                       # plain percentages, no 10^k mathtext
+        assert "$" not in t.get_text() and (t.get_text() == "0" or t.get_text().endswith("%")), t.get_text()
+    boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+    for a, b in zip(boxes, boxes[1:]):
+        assert a.x1 + 2 <= b.x0, "tick labels overlap"
+    assert min(lim) <= min(values) and max(lim) >= max(values)       # every point inside the axis
+
+
+def test_gradient_cosine_is_faceted_by_mode_with_one_legend(plots):
+    grads = gradients_frame()
+    fig = _call(plots, "gradient_cosine")
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    modes = list(dict.fromkeys(grads["mode"]))
+    assert len(panels) == len(modes)
+    assert [ax.get_title() for ax in panels] == [f"mode: {m}" for m in modes]
+    for ax, mode in zip(panels, modes):
+        curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
+        assert len(curves) == (grads["mode"] == mode).sum()
+        colours = [line.get_color() for line in curves]
+        assert len(set(map(str, colours))) == len(colours)          # one colour per estimator in a panel
+    texts = _legend_texts(fig)
+    assert sorted(texts) == sorted(["k1", "k3", "cv(0.5)", "cos = 0.9"])
+
+
+def test_gradient_cosine_on_one_axis_gives_every_line_its_own_look(plots):
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+    fig = Figure()
+    ax = fig.subplots()
+    plots.plot_gradient_cosine(gradients_frame(), ax=ax)
+    curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
+    looks = [(to_hex(line.get_color()), line.get_linestyle()) for line in curves]
+    assert len(curves) == len(gradients_frame()) and len(set(looks)) == len(looks)
+
+
+def test_no_legend_entry_for_a_line_that_is_not_drawn(plots):
+    sweep = sweep_frame().assign(exact_rel_std=INF, exact_std=INF)     # no finite exact curve
+    fig = plots.plot_lambda_curve(sweep, title="no exact")
+    assert "exact" not in _legend_texts(fig) and "measured (one pass)" in _legend_texts(fig)
+    s = summary_frame()
+    gauss = s[s["case"] == "gauss"].assign(exact_rel_std=INF)          # no exact × on the std panel
+    fig = plots.plot_bias_std(gauss)
+    assert "exact" not in _legend_texts(fig)
+    fig = _call(plots, "bias_std")
+    assert "exact" in _legend_texts(fig)
+
+
+def test_planning_title_is_never_clipped(plots):
+    s = summary_frame()
+    many = pd.concat([s.assign(case=s["case"] + f"-a-long-case-name-{k}", n_for_10pct=INF) for k in range(6)]
+                     + [s])
+    fig = plots.plot_planning(many, title="many cases")
+    renderer = _render(fig)
+    box = fig.axes[0].title.get_window_extent(renderer)
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width + 0.5 and box.y1 <= fig.bbox.height + 0.5
+    assert "no bar" in fig.axes[0].get_title()

@@ -169,3 +169,20 @@ def test_plot_functions_take_an_axis_and_return_its_figure(small_run):
     assert plots.plot_bias_std(r.summary[r.summary["case"] == "cat"], axes=axes) is fig2
     plt.close("all")
     assert matplotlib.get_backend().lower() == "agg"
+
+
+def test_report_html_has_no_backticks_and_tables_scroll_in_their_own_box(small_run):
+    html = (small_run / "report" / "report.html").read_text()
+    assert "`" not in html                                   # Markdown code spans became <code>
+    assert "<code>" in html and f"<code>{small_run}</code>" in html
+    body = html.split("<body>", 1)[1]
+    assert body.count("<table") == body.count("<div class='scroll'><table") >= 2
+    css = html.split("<style>", 1)[1].split("</style>", 1)[0]
+    assert ".scroll{overflow-x:auto" in css and "white-space:nowrap" in css
+
+
+def test_html_text_helpers():
+    from kl_bench.report import html_inline, html_text
+    assert html_inline("results: `a<b`; spec `x.toml`") == "results: <code>a&lt;b</code>; spec <code>x.toml</code>"
+    assert html_inline("odd ` tick") == "odd &#96; tick"
+    assert html_text("case `x`") == "case &#96;x&#96;"

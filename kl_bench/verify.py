@@ -1,0 +1,297 @@
+"""Verification of a results folder before anything reads its numbers.
+
+A results folder (``kl-bench run``) is checked as a whole, and every problem is one
+:class:`~kl_bench.errors.SpecError` naming the folder or the file and saying what is wrong:
+
+- ``run.json`` is a UTF-8 JSON object; its ``files`` dict (name → sha256, written by every run since
+  the hashes were introduced) matches every data file byte for byte, names no missing file, and every
+  known data file on disk is recorded in it. Folders written before ``files`` existed skip the hash
+  check but get every other check.
+- ``summary.csv`` and ``batches.csv`` (and ``lambda_sweep.csv``, ``gradients.csv`` when present) have
+  their schema's columns, every row has as many fields as the header (a truncated file does not), the
+  file ends with a newline, numeric columns parse as numbers, and the key text columns are not empty.
+- ``reservoir.npz`` is a readable archive of numeric arrays (no pickles).
+- The cases agree: summary.csv's cases are exactly run.json's ``cases`` (when recorded), and
+  batches.csv holds only those cases.
+
+:func:`check_results_match_spec` checks a folder against a spec: same experiment name, the same cases.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import SpecError
+
+# The columns every results folder has had; later columns are optional so that older results still load.
+SUMMARY_REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se",
+                    "bias", "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
+# Data files a run writes (run.json records their sha256).
+DATA_FILES = ("summary.csv", "batches.csv", "reservoir.npz", "lambda_sweep.csv", "gradients.csv")
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class FolderContents:
+    """What a verified results folder holds: run.json decoded, each table parsed (None when absent)."""
+    path: Path
+    envelope: dict
+    summary: Any
+    batches: Any
+    sweep: Any
+    gradients: Any
+    reservoir: dict[str, np.ndarray] | None
+
+
+def _schemas() -> dict[str, tuple[list[str], list[str]]]:
+    """file name → (all columns of its schema, columns that every version has written)."""
+    from .experiment import BATCH_SCHEMA
+    from .gradients import GRAD_SCHEMA
+    from .lambdas import SWEEP_SCHEMA
+    from .results import SCHEMA
+    return {"summary.csv": (list(SCHEMA), SUMMARY_REQUIRED),
+            "batches.csv": (list(BATCH_SCHEMA), list(BATCH_SCHEMA)),
+            "lambda_sweep.csv": (list(SWEEP_SCHEMA), ["case", "lambda", "mean", "exact_mean"]),
+            "gradients.csv": (list(GRAD_SCHEMA), ["case", "estimator", "mode"])}
+
+
+# Text columns that identify a row: an empty cell there is a damaged file.
+_KEY_TEXT = ("case", "estimator", "target", "mode")
+# Counts: a whole number ≥ 0 on every row.
+_COUNTS = {"summary.csv": ("draws",), "batches.csv": ("batch", "draws")}
+
+
+def _read_bytes(path: Path, folder: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise SpecError(f"{path.name} is unreadable: {e.strerror or e}", file=str(folder)) from None
+
+
+def read_envelope(path: Path) -> dict:
+    """run.json of a results folder as a dict; anything else (not UTF-8, not JSON, not an object) is an error."""
+    path = Path(path)
+    data = _read_bytes(path, path.parent)
+    try:
+        env = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise SpecError("run.json is not text (corrupted?)", file=str(path)) from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"run.json is not valid JSON (truncated or corrupted?): {e}", file=str(path)) from None
+    if not isinstance(env, dict):
+        raise SpecError(f"run.json must hold a JSON object, not {_json_type(env)} (corrupted?)", file=str(path))
+    for key, typ, what in (("files", dict, "an object"), ("cases", dict, "an object"),
+                           ("experiment", str, "a string"), ("draws_per_case", (dict, int), "an object")):
+        if key in env and env[key] is not None and not isinstance(env[key], typ):
+            raise SpecError(f"run.json: '{key}' must be {what}, not {_json_type(env[key])} (corrupted?)",
+                            file=str(path))
+    return env
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
+    files = env.get("files")
+    if files is None:            # written before run.json recorded hashes: nothing to compare with
+        return
+    where = str(folder / "run.json")
+    for name, digest in files.items():
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise SpecError(f"run.json: 'files' names an invalid file {name!r} (corrupted?)", file=where)
+        if not isinstance(digest, str) or not _SHA.match(digest):
+            raise SpecError(f"run.json: 'files' has no valid sha256 for {name} (got {digest!r})", file=where)
+    for name in DATA_FILES:
+        if (folder / name).exists() and name not in files:
+            raise SpecError(f"{name} is not recorded in run.json (left over from another run?)",
+                            file=str(folder / name))
+    for name, digest in files.items():
+        p = folder / name
+        if not p.exists():
+            raise SpecError(f"{name} is missing but run.json records it (incomplete copy?)", file=str(folder))
+        data = blobs.get(name)
+        if data is None:
+            data = blobs[name] = _read_bytes(p, folder)
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            raise SpecError(f"sha256 mismatch: the file changed after the run wrote it (corrupted, truncated or "
+                            f"edited; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
+
+
+def _check_csv_structure(data: bytes, p: Path) -> list[str]:
+    """The header; every row has as many fields as it, and the file ends with a newline."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"not UTF-8 text at byte {e.start} (corrupted?)", file=str(p)) from None
+    if "\x00" in text:
+        raise SpecError("contains NUL bytes (corrupted?)", file=str(p))
+    if not text.strip():
+        raise SpecError("is empty (truncated?)", file=str(p))
+    if not text.endswith("\n"):
+        raise SpecError("does not end with a newline (truncated?)", file=str(p))
+    rows = csv.reader(io.StringIO(text))
+    try:
+        header = next(rows)
+        for i, row in enumerate(rows, start=2):
+            if len(row) != len(header):
+                raise SpecError(f"line {i} has {len(row)} fields, the header {len(header)} (truncated or corrupted?)",
+                                file=str(p))
+    except csv.Error as e:
+        raise SpecError(f"malformed CSV: {e}", file=str(p)) from None
+    dupes = sorted({c for c in header if header.count(c) > 1})
+    if dupes:
+        raise SpecError(f"duplicate columns {', '.join(dupes)}", file=str(p))
+    return header
+
+
+def _parse_table(name: str, data: bytes, p: Path):
+    """A results CSV checked against its schema and parsed as :func:`kl_bench.results.read_frame` does."""
+    import pandas as pd
+
+    from .results import TEXT_COLUMNS, read_frame
+    columns, required = _schemas()[name]
+    header = _check_csv_structure(data, p)
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise SpecError(f"missing columns {', '.join(missing)} (not a kl-bench {name}?)", file=str(p))
+    try:
+        df = read_frame(data)
+    except Exception as e:      # noqa: BLE001 - pandas raises many kinds; all mean "cannot parse"
+        first = (str(e).splitlines() or [""])[0]
+        raise SpecError(f"cannot parse: {e.__class__.__name__}: {first}", file=str(p)) from None
+    if df.empty:
+        raise SpecError("has a header but no rows (truncated?)", file=str(p))
+    numeric = [c for c in columns if c in df.columns and c not in TEXT_COLUMNS]
+    for c in numeric:
+        col = df[c]
+        if pd.api.types.is_bool_dtype(col) or not pd.api.types.is_numeric_dtype(col):
+            values = pd.to_numeric(col.astype("string"), errors="coerce")
+            bad = col[values.isna() & col.notna()]
+            i = int(bad.index[0]) if len(bad) else 0
+            shown = bad.iloc[0] if len(bad) else col.iloc[0]
+            raise SpecError(f"column '{c}' must hold numbers, but row {i + 1} (line {i + 2}) has {str(shown)[:40]!r}",
+                            file=str(p))
+    for c in _KEY_TEXT:
+        if c in df.columns:
+            empty = df.index[df[c].astype(str).str.strip() == ""]
+            if len(empty):
+                raise SpecError(f"column '{c}' is empty in row {int(empty[0]) + 1} (line {int(empty[0]) + 2})",
+                                file=str(p))
+    for c in _COUNTS.get(name, ()):
+        if c in df.columns:
+            v = df[c].to_numpy(dtype=float)
+            bad = np.flatnonzero(~np.isfinite(v) | (v < 0) | (v != np.round(v)))
+            if len(bad):
+                raise SpecError(f"column '{c}' must be a whole number ≥ 0, but row {bad[0] + 1} (line {bad[0] + 2}) "
+                                f"has {df[c].iloc[bad[0]].item()!r}", file=str(p))
+    return df
+
+
+def _load_reservoir(data: bytes, p: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            out = {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
+        raise SpecError(f"unreadable (truncated or corrupted?): {e.__class__.__name__}: "
+                        f"{(str(e).splitlines() or [''])[0]}", file=str(p)) from None
+    for k, v in out.items():
+        if not np.issubdtype(v.dtype, np.number):
+            raise SpecError(f"array {k!r} is not numeric ({v.dtype})", file=str(p))
+    return out
+
+
+def read_results_folder(path: str | Path) -> FolderContents:
+    """Verify a results folder (see the module docstring) and return its parsed contents."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise SpecError("not a results folder (it does not exist)" if not folder.exists()
+                        else "not a results folder (it is a file)", file=str(folder))
+    for name in ("summary.csv", "run.json"):
+        if not (folder / name).is_file():
+            raise SpecError(f"incomplete results folder: {name} is missing (run `kl-bench run` first)",
+                            file=str(folder))
+    env = read_envelope(folder / "run.json")
+    blobs = {name: _read_bytes(folder / name, folder) for name in DATA_FILES if (folder / name).is_file()}
+    _check_hashes(folder, env, blobs)
+    tables = {name: _parse_table(name, blobs[name], folder / name) if name in blobs else None
+              for name in ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv")}
+    reservoir = _load_reservoir(blobs["reservoir.npz"], folder / "reservoir.npz") if "reservoir.npz" in blobs else None
+    summary = tables["summary.csv"]
+    cases = list(dict.fromkeys(summary["case"]))
+    recorded = env.get("cases")
+    if isinstance(recorded, dict) and recorded:
+        missing = [c for c in recorded if c not in cases]
+        extra = [c for c in cases if c not in recorded]
+        if missing or extra:
+            raise SpecError("summary.csv and run.json disagree on the cases: "
+                            + "; ".join(filter(None, [missing and "no rows for " + ", ".join(missing),
+                                                      extra and "rows of unrecorded " + ", ".join(extra)])),
+                            file=str(folder))
+    for name in ("batches.csv", "lambda_sweep.csv", "gradients.csv"):
+        t = tables[name]
+        if t is not None:
+            stray = [c for c in dict.fromkeys(t["case"]) if c not in cases]
+            if stray:
+                raise SpecError(f"holds cases that summary.csv lacks: {', '.join(map(str, stray[:5]))}",
+                                file=str(folder / name))
+    return FolderContents(folder, env, summary, tables["batches.csv"], tables["lambda_sweep.csv"],
+                          tables["gradients.csv"], reservoir)
+
+
+def verify_results_folder(path: str | Path) -> None:
+    """Raise a one-line :class:`SpecError` (file: the folder or the damaged file) if the results folder at
+    ``path`` is incomplete, corrupted or inconsistent; return None if it is sound."""
+    read_results_folder(path)
+
+
+def check_results_match_spec(results, spec) -> None:
+    """Raise :class:`SpecError` unless the results folder ``results`` (a path, or a
+    :class:`kl_bench.report.Results`) was produced by an experiment of ``spec``'s name with exactly the
+    spec's cases (run.json's ``cases`` and summary.csv's case column). ``spec``: a path, or a loaded
+    :class:`kl_bench.spec.Spec`."""
+    if isinstance(results, (str, Path)):
+        contents = read_results_folder(results)
+        folder, env, summary = contents.path, contents.envelope, contents.summary
+    else:
+        folder, env, summary = Path(results.path), results.envelope, results.summary
+    if isinstance(spec, (str, Path)):
+        from .spec import load_spec
+        spec = load_spec(spec)
+    spec_name = spec.experiment.name
+    where = str(folder)
+    ran = env.get("experiment")
+    if isinstance(ran, str) and ran != spec_name:
+        raise SpecError(f"holds the results of experiment '{ran}', not of '{spec_name}' ({spec.path}); "
+                        f"pass the folder written by `kl-bench run {spec.path}`", file=where)
+    wanted = [c.name for c in spec.cases]
+    have_sets = [("summary.csv", list(dict.fromkeys(summary["case"])))]
+    if isinstance(env.get("cases"), dict):
+        have_sets.append(("run.json", list(env["cases"])))
+    for source, have in have_sets:
+        missing = [c for c in wanted if c not in have]
+        extra = [c for c in have if c not in wanted]
+        if missing or extra:
+            bits = []
+            if missing:
+                bits.append("lacks the spec's case" + ("s " if len(missing) > 1 else " ") + _names(missing))
+            if extra:
+                bits.append("holds case" + ("s " if len(extra) > 1 else " ") + _names(extra) + " that the spec lacks")
+            raise SpecError(f"not the results of {spec.path}: {source} " + " and ".join(bits), file=where)
+
+
+def _names(names: list[str], most: int = 6) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
