@@ -6,6 +6,7 @@ Spec parsing (kl_bench.spec) and every case kind's parser (kl_bench.pairs.<kind>
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any, Callable
 
@@ -52,6 +53,58 @@ def convert(v: Any, kind: str, err: Callable[[str], SpecError]) -> Any:
             raise err(f"must be a list of strings, got {typename(v)}")
         return tuple(convert(x, "str", err) for x in v)
     raise AssertionError(kind)
+
+
+# ----------------------------------------------------------------------------- size limits
+# Draws are counted and summed in float64 (batch sizes, bincount totals, the sums of features): beyond
+# 2^53 a count is no longer exact. No realistic run comes near it (10^8 draws take seconds).
+MAX_DRAWS = 1 << 53
+# Batch means are kept in memory (one row of sums each) and seeded one by one.
+MAX_BATCHES = 1 << 20
+# Rollout length T: every rollout and every exact dynamic-programming moment takes T sequential steps.
+MAX_LENGTH = 1 << 20
+# Bytes per (context, token) cell of a categorical or rollout case: measured peak ~130-170 B (float64
+# tables of q, p, log r, b, weights, the alias table built from Python lists), rounded up.
+BYTES_PER_CELL = 256
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (the ceiling every in-memory table must fit under)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):      # not POSIX: assume a generous 1 TiB
+        return 1 << 40
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: int) -> str:
+    """An integer for a message: digits when short, else scientific (2^63 − 1 → 9.22e+18)."""
+    return f"{n:,}" if abs(n) < 10**15 else f"{float(n):.3g}"
+
+
+def check_memory(need: float, what: str) -> str | None:
+    """An error message when ``need`` bytes exceed this machine's physical memory, else None."""
+    have = physical_memory()
+    if need > have:
+        return f"{what} would need about {fmt_bytes(need)} of memory, more than this machine's {fmt_bytes(have)}"
+    return None
+
+
+def at_most(bound: int, why: str) -> Callable[[Any], str | None]:
+    """A check: an integer in [1, bound]."""
+    def check(v: Any) -> str | None:
+        if v <= 0:
+            return f"must be > 0, got {fmt_count(v)}"
+        if v > bound:
+            return f"must be ≤ {fmt_count(bound)} ({why}), got {fmt_count(v)}"
+        return None
+    return check
 
 
 def positive(v: Any) -> str | None:

@@ -56,15 +56,23 @@ def lambda_star_mc(run: CaseRun, aggregate: str = "") -> tuple[float, float]:
         return -(sab - sa * sb) / (sbb - sb * sb)
 
     total = s.sum(axis=0)
-    est = float(ratio(total, n_k.sum()))
-    loo = ratio(total[None, :] - s, n_k.sum() - n_k)     # leave one batch out: [K]
-    return est, jackknife_se(loo)
+    # r − 1 may overflow to inf on far-apart pairs (or Var(b) be 0): the ratio is then NaN, not a warning.
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        est = float(ratio(total, n_k.sum()))
+        loo = ratio(total[None, :] - s, n_k.sum() - n_k)     # leave one batch out: [K]
+        return est, jackknife_se(loo)
 
 
 def lambda_grid(center: float, extra: list[float], points: int = 401) -> np.ndarray:
-    """A fine grid containing 0 (k1), 1 (k3), λ* and the spec's λs."""
-    lo = min(0.0, center, *extra) - 0.5
-    hi = max(1.5, center + 0.5, *extra)
+    """A fine grid containing 0 (k1), 1 (k3), λ* and the spec's λs.
+
+    The fine part spans [min(0, λ*) − ½, max(1.5, λ* + ½)], widened to take in the spec's λs that lie
+    within twice its width; a λ farther out (|λ| up to spec.MAX_LAMBDA) is one more point, so that it
+    does not stretch the fine part into a few coarse steps."""
+    lo, hi = min(0.0, center) - 0.5, max(1.5, center + 0.5)
+    width = hi - lo
+    near = [x for x in extra if lo - 2 * width <= x <= hi + 2 * width]
+    lo, hi = min([lo, *(x - 0.5 for x in near)]), max([hi, *near])
     return np.unique(np.concatenate([np.linspace(lo, hi, points), [0.0, 1.0, center], extra]))
 
 
@@ -74,12 +82,14 @@ def sweep_frame(run: CaseRun, aggregate: str, exact: JointMoments, true_kl: floa
     mc, a_k, b_k, n_k = mc_joint(run, aggregate)
     star = exact.lambda_star
     star_mc, _ = lambda_star_mc(run, aggregate)
-    center = star if math.isfinite(star) else star_mc
+    center = star if math.isfinite(star) else star_mc if math.isfinite(star_mc) else 0.0
     grid = lambda_grid(center, sorted(measured_neg))
     n = n_k.sum()
-    se = batch_means_se(a_k[None, :] + grid[:, None] * b_k[None, :], n_k / n)
-    std = np.sqrt(np.maximum(mc.var(grid), 0.0))
-    exact_std = np.sqrt(exact.var(grid))
+    # Far λs on heavy-tailed pairs: λ²·Var(r) may pass float64's range, which is an infinite std here.
+    with np.errstate(over="ignore"):
+        se = batch_means_se(a_k[None, :] + grid[:, None] * b_k[None, :], n_k / n)
+        std = np.sqrt(np.maximum(mc.var(grid), 0.0))
+        exact_std = np.sqrt(exact.var(grid))
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = 1 / true_kl if true_kl and math.isfinite(true_kl) else math.nan
     return pd.DataFrame({

@@ -8,13 +8,14 @@ must keep its digits there.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import Table, nonnegative, positive
+from .config import BYTES_PER_CELL, Table, check_memory, fmt_count, nonnegative, positive
 from .errors import SpecError
 from .registry import did_you_mean
 
@@ -48,6 +49,9 @@ class TensorLogits:
 
     @classmethod
     def of(cls, value) -> "TensorLogits":
+        msg = unsupported_array(value)
+        if msg:
+            raise SpecError(msg)
         t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()
         return cls(t, hashlib.sha256(t.numpy().tobytes()).hexdigest())
 
@@ -80,12 +84,34 @@ def is_array(value) -> bool:
     return isinstance(value, (torch.Tensor, np.ndarray))
 
 
+def unsupported_array(value) -> str | None:
+    """Why a tensor or ndarray cannot be logits (sparse, complex, not real numbers), or None.
+    Casting would silently drop the imaginary part or densify a sparse layout."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            return f"logits must be a dense tensor, got a sparse one ({value.layout}); use .to_dense()"
+        if value.is_complex():
+            return f"logits must be real, got complex dtype {value.dtype}"
+        if value.dtype == torch.bool:
+            return "logits must be real numbers, got dtype torch.bool"
+        return None
+    if isinstance(value, np.ndarray):
+        if np.iscomplexobj(value):
+            return f"logits must be real, got complex dtype {value.dtype}"
+        if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+            return f"logits must be real numbers, got dtype {value.dtype}"
+    return None
+
+
 def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> LogitsSource:
     """Key ``key`` of table ``t``: {file}, {logits = "zipf", ...}, {from = "q"|"p", ...}, or a tensor.
     ``side``: "q", "p", or "b" (a sampler's behavior policy, derived from either side)."""
     raw = t.raw(key)
     if is_array(raw):
-        return TensorLogits.of(raw)
+        try:
+            return TensorLogits.of(raw)
+        except SpecError as e:
+            raise t.error(e.message, key=t.key(key)) from None
     t = t.sub(key)
     if t.has("file"):
         path = spec_dir / t.get("file", "str")
@@ -131,6 +157,23 @@ def parse_pair_sources(t: Table, spec_dir: Path) -> tuple[LogitsSource, LogitsSo
     return q, p
 
 
+def check_table_size(t: Table, vocab: int | None, q: LogitsSource, p: LogitsSource, contexts: int = 1,
+                     what: str = "contexts") -> None:
+    """Refuse, before anything is allocated, generated logits whose [contexts, V] float64 tables (q, p,
+    log r, the sampler's, the alias table; ~BYTES_PER_CELL bytes a cell) would not fit in memory.
+    ``contexts``: the default number of contexts (rollouts: the bucket count, named by ``what``)."""
+    if vocab is None:
+        return
+    rows, key = contexts, ("vocab" if vocab >= contexts else what)
+    for side, src in (("q", q), ("p", p)):
+        if isinstance(src, ZipfLogits) and src.contexts and src.contexts > rows:
+            rows, key = src.contexts, ("vocab" if vocab >= src.contexts else f"{side}.contexts")
+    msg = check_memory(rows * vocab * BYTES_PER_CELL,
+                       f"{fmt_count(rows)} × {fmt_count(vocab)} (contexts × vocab) logits tables")
+    if msg:
+        raise t.error(msg, key=key)
+
+
 def describe_sources(q: LogitsSource, p: LogitsSource) -> str:
     return f"q = {q.describe()}, p = {p.describe()}"
 
@@ -166,14 +209,34 @@ def read_logits_file(path: Path) -> torch.Tensor:
             arr = np.load(path, allow_pickle=False)
             if not np.issubdtype(arr.dtype, np.number):
                 raise SpecError(f"{path}: logits must be numeric, got dtype {arr.dtype}")
+            msg = unsupported_array(arr)
+            if msg:
+                raise SpecError(f"{path}: {msg}")
             t = torch.from_numpy(np.asarray(arr, dtype=np.float64))
         elif suffix == ".pt":
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            # torch.load warns about pickle protocols, sparse layouts and the like on files that are not
+            # plain tensor files: those become the one-line error below, never a warning first.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    obj = torch.load(path, map_location="cpu", weights_only=True)
+                except Exception as e:
+                    first = str(e).splitlines()[0] if str(e) else "unreadable"
+                    if "weights only load failed" in first.lower() or e.__class__.__name__ == "UnpicklingError":
+                        first = "it holds pickled objects other than tensors (loaded with weights_only=True)"
+                    raise SpecError(f"cannot read logits file {path}: not a plain tensor file: "
+                                    f"{e.__class__.__name__}: {first}") from None
             if isinstance(obj, dict) and len(obj) == 1:
                 obj = next(iter(obj.values()))
+            if isinstance(obj, dict):
+                raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), got a dict of "
+                                f"{len(obj)} entries ({', '.join(map(str, list(obj)[:4]))}{', ...' if len(obj) > 4 else ''})")
             if not isinstance(obj, torch.Tensor):
                 raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), "
                                 f"got {type(obj).__name__}")
+            msg = unsupported_array(obj)
+            if msg:
+                raise SpecError(f"{path}: {msg}")
             t = obj.detach().to(torch.float64)
         else:
             raise SpecError(f"{path}: logits files must end in .npy or .pt, got '{suffix}'")

@@ -55,8 +55,19 @@ def gaussian_chi2(g: GaussianPairParams) -> float:
     if np.any(den <= 0):
         return INF
     d = g.mq - g.mp
-    log_er2 = np.sum(np.log(g.sq**2 / (g.sp * np.sqrt(den))) + d**2 / den)
-    return float(np.expm1(log_er2))
+    log_er2 = float(np.sum(np.log(g.sq**2 / (g.sp * np.sqrt(den))) + d**2 / den))
+    return _exp_times(log_er2, 1.0, minus_one=True)
+
+
+def _exp_times(log_z: float, total: float, minus_one: bool = False) -> float:
+    """exp(log_z)·total (or expm1(log_z) with ``minus_one``), +-inf past float64's range instead of an
+    OverflowError or an overflow warning (E_q[r^s] = e^{log Z} can exceed 1.8e308 for a finite log Z)."""
+    if total == 0:
+        return 0.0
+    if log_z + math.log(abs(total)) > 709.0:
+        return math.copysign(INF, total)
+    # np.expm1, as before: math.expm1 can differ in the last bit, and the numbers must not move
+    return float(np.expm1(log_z)) * total if minus_one else math.exp(log_z) * total
 
 
 def product_tilt(parts) -> tuple[float, np.ndarray, np.ndarray] | None:
@@ -127,7 +138,7 @@ def gaussian_logr_moment(g: GaussianPairParams, s: int, k: int,
     log_z, m, v = tilted
     c0, c1, c2 = logr_quadratic(g, m, v)
     per_dim = [quadratic_raw_moments(a, b, c, k) for a, b, c in zip(c0, c1, c2)]
-    return math.exp(log_z) * sum_raw_moments(per_dim, k)[k]
+    return _exp_times(log_z, sum_raw_moments(per_dim, k)[k])
 
 
 def poly_expectation(g: GaussianPairParams, poly: dict[tuple[int, int], float],
@@ -282,7 +293,7 @@ def gaussian_score_moment(g: GaussianPairParams, s: int, k: int, i: int, j: int,
             poly = np.convolve(poly, zi)
         e = sum(cf * std_normal_moment(n) for n, cf in enumerate(poly))
         total += math.comb(k, a) * e * rest[k - a]
-    return math.exp(log_z) * total
+    return _exp_times(log_z, total)
 
 
 # ----------------------------------------------------------------------------- categoricals

@@ -42,6 +42,8 @@ def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob
             return math.inf
     while hi - lo > 1:          # P is increasing in n: bisect on integers
         mid = math.floor((lo + hi) / 2)
+        if mid in (lo, hi):     # past 2^53 the midpoint no longer moves in float64: stop, never loop
+            break
         lo, hi = (mid, hi) if prob_within(bias, std, true, mid, rel) < prob else (lo, mid)
     return float(hi)
 

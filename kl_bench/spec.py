@@ -10,21 +10,32 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import Table, check_case_name, check_device, convert, nonnegative, positive, typename
+from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, check_memory, convert,
+                     fmt_count, nonnegative, positive, typename)
 from .errors import SpecError
 from .estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup
-from .logits import is_array
+from .logits import is_array, unsupported_array
 from .pairs import CASE_KINDS, CaseConfig
 from .registry import did_you_mean
 from .samplers import parse_sampler
 
 SPEC_VERSION = 1
+# |λ| of cv(λ) = −log r + λ(r − 1): beyond it λ²·Var(r) and the squared per-draw values of the λ curve
+# leave float64's range for ordinary pairs, and the row is λ(r − 1) to every printed digit anyway.
+MAX_LAMBDA = 1e3
+_DRAWS_WHY = "2^53: draws are counted in float64"
+_check_draws = at_most(MAX_DRAWS, _DRAWS_WHY)
+
+
+def _check_batches(v: int) -> str | None:
+    return f"must be ≥ 2, got {fmt_count(v)}" if v < 2 else at_most(MAX_BATCHES, "2^20: batch means are kept in memory")(v)
 
 
 @dataclass(frozen=True)
@@ -71,11 +82,11 @@ def _parse_experiment(t: Table, stem: str) -> Experiment:
     lambdas, optimal = _parse_lambdas(t)
     exp = Experiment(
         name=t.get("name", "str", stem, _check_experiment_name),
-        draws=t.get("draws", "int", check=positive),
+        draws=t.get("draws", "int", check=_check_draws),
         seed=t.get("seed", "int", 0, nonnegative),
         device=t.get("device", "str", "auto", check_device),
         estimators=names,
-        batches=t.get("batches", "int", 200, lambda v: None if v >= 2 else f"must be ≥ 2, got {v}"),
+        batches=t.get("batches", "int", 200, _check_batches),
         chunk=t.get("chunk", "int", 1 << 22, positive),
         lambdas=lambdas,
         optimal=optimal,
@@ -144,7 +155,11 @@ def _parse_lambdas(t: Table) -> tuple[tuple[float, ...], bool]:
                 raise t.error("lists \"optimal\" twice", key=key)
             optimal = True
         else:
-            values.append(convert(v, "float", lambda m: t.error(m, key=key)))
+            lam = convert(v, "float", lambda m: t.error(m, key=key))
+            if abs(lam) > MAX_LAMBDA:
+                raise t.error(f"|λ| must be ≤ {MAX_LAMBDA:g} (beyond it cv(λ)'s variance leaves float64's range), "
+                              f"got {lam:g}", key=key)
+            values.append(lam)
     if len(set(values)) != len(values):
         raise t.error("lists a λ twice", key=key)
     return tuple(values), optimal
@@ -162,7 +177,7 @@ def _parse_case(raw: Any, i: int, file: str, spec_dir: Path, seen: list[CaseConf
         kind = CASE_KINDS[kind_name]
     except SpecError as e:
         raise e.located(file=file, case=label, key="kind") from None
-    common = {"name": name, "draws": t.get("draws", "int", None, positive), "sampler": None}
+    common = {"name": name, "draws": t.get("draws", "int", None, _check_draws), "sampler": None}
     if t.has("sampler"):
         others = {k.name: k.sampler_keys for k in CASE_KINDS.values()}
         common["sampler"] = parse_sampler(t.sub("sampler"), kind.name, kind.sampler_keys, kind.weight_kinds,
@@ -186,7 +201,34 @@ def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path
     cases: list[CaseConfig] = []
     for i, raw in enumerate(raw_cases):
         cases.append(_parse_case(raw, i, file, spec_dir, cases))
-    return Spec(exp, tuple(cases), path, text)
+    spec = Spec(exp, tuple(cases), path, text)
+    check_batch_memory(spec)
+    return spec
+
+
+def draw_bytes(exp: Experiment, aggregates: int) -> int:
+    """About the bytes one draw of a batch takes while the batch is sampled: a batch is drawn and reduced
+    in one piece, with ~8 float64 values per row and aggregate (the row, its shifted value and square,
+    the sign, their concatenation) plus the joint (a, b) moments and the draw itself. Measured: ~60 B per
+    row on Gaussians and rollouts, less on categoricals (their features are tables, not per draw)."""
+    rows = len(exp.estimators) + len(exp.lambdas) + int(exp.optimal)
+    return 8 * (8 * rows * aggregates + 10 * aggregates + 16)
+
+
+def check_batch_memory(spec: Spec, draws_key: str | None = None) -> None:
+    """Refuse a case whose batches of draws would not fit in memory (before anything is allocated).
+    ``draws_key``: the key to name when the draws come from a flag (``--draws``)."""
+    exp = spec.experiment
+    for case, n in zip(spec.cases, spec.case_draws()):
+        per_batch = -(-n // min(exp.batches, n))
+        aggregates = len(CASE_KINDS[case.kind].pair.aggregates) if case.kind in CASE_KINDS else 1
+        msg = check_memory(per_batch * draw_bytes(exp, aggregates),
+                           f"a batch of {fmt_count(per_batch)} draws (draws / batches) is sampled at once and")
+        if msg:
+            own = case.draws is not None
+            key = draws_key or ("draws" if own else "experiment.draws")
+            raise SpecError(f"{msg}: raise experiment.batches (≤ {fmt_count(MAX_BATCHES)}) or lower draws",
+                            file=str(spec.path), case=case.name, key=key)
 
 
 def parse_spec(text: str, path: Path) -> Spec:
@@ -206,6 +248,8 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
     if is_array(value):
+        if unsupported_array(value):      # sparse or complex: refused by the case's parser, with its key
+            return {"array": list(value.shape), "dtype": str(value.dtype), "unsupported": True}
         # The bytes TensorLogits hashes: float64 on the CPU (bf16 has no numpy dtype).
         import torch
         t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()
@@ -250,8 +294,14 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
     """Apply command-line overrides (validated like the spec's own fields)."""
     exp = spec.experiment
     if draws is not None:
-        if draws <= 0:
-            raise SpecError(f"must be > 0, got {draws}", key="--draws")
+        if isinstance(draws, bool) or not isinstance(draws, int):
+            if isinstance(draws, float) and math.isfinite(draws) and draws.is_integer():
+                draws = int(draws)
+            else:
+                raise SpecError(f"must be an integer, got {draws!r}", file=str(spec.path), key="--draws")
+        msg = _check_draws(draws)
+        if msg:
+            raise SpecError(msg, file=str(spec.path), key="--draws")
         exp = dataclasses.replace(exp, draws=draws)
         # --draws sets every case, per-case overrides included.
         spec = dataclasses.replace(spec, cases=tuple(dataclasses.replace(c, draws=None) for c in spec.cases))
@@ -264,4 +314,7 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
         if msg:
             raise SpecError(msg, key="--device")
         exp = dataclasses.replace(exp, device=device)
-    return dataclasses.replace(spec, experiment=exp)
+    spec = dataclasses.replace(spec, experiment=exp)
+    if draws is not None:
+        check_batch_memory(spec, "--draws")
+    return spec

@@ -187,3 +187,12 @@ def test_cli_writes_lambda_sweep_and_rejects_bad_lambdas(write_spec, tmp_path):
                         ("0.5", "must be a list"), ("[true]", "number")]:
         res = runner.invoke(app, ["run", str(write_spec(base.format(lam=bad))), "--out", str(tmp_path / "b")])
         assert res.exit_code == 2 and needle in res.stderr and "experiment.lambdas" in res.stderr, res.stderr
+
+
+def test_n_for_rel_error_terminates_past_float64_integers():
+    """A relative std of 1e9 needs ~4e20 draws: beyond 2^53 the bisection midpoint stops moving."""
+    import math as _m
+
+    from kl_bench.planning import n_for_rel_error
+    n = n_for_rel_error(0.0, 1e9, 1.0)
+    assert _m.isfinite(n) and n == pytest.approx((1.959964 * 1e9 / 0.1) ** 2, rel=1e-3)

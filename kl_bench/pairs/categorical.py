@@ -22,8 +22,8 @@ from ..config import Table, positive
 from ..draws import Draws
 from ..errors import SpecError
 from ..estimators import RowSource
-from ..logits import (LogitsSource, describe_sources, has_vocab_of_its_own, parse_pair_sources, resolve_pair_logits,
-                      sampler_for)
+from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
+                      resolve_pair_logits, sampler_for)
 from ..targets import FORWARD, REVERSE
 from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
                    JointMoments, Pair, register_kind)
@@ -84,6 +84,7 @@ class CategoricalPair(Pair):
         q, p = parse_pair_sources(t, spec_dir)
         if vocab is None and not (has_vocab_of_its_own(q) or has_vocab_of_its_own(p)):
             raise t.error("missing required key (needed unless logits come from a file or a tensor)", key="vocab")
+        check_table_size(t, vocab, q, p)
         return CategoricalCase(vocab=vocab, q=q, p=p, **common)
 
     @classmethod

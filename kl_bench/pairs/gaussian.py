@@ -36,11 +36,47 @@ class GaussianCase(CaseConfig):
     p: GaussianParams
 
 
+# Range of the parameters: the closed forms square σ and d = μq − μp and multiply squares (σq²d²/σp⁴),
+# so every mean and std stays within 1e±30 and, per dimension, σq/σp and |μq − μp|/σ within 1e±10 (then
+# KL ≤ ~1e20 and the fourth moments of log r, ~(d/σ)⁸, stay far inside float64). Beyond that the exact
+# values would overflow or lose every digit, so such a case is refused rather than answered with inf/NaN.
+MAX_ABS = 1e30
+MIN_STD = 1e-30
+MAX_RATIO = 1e10
+
+
+def _check_mean(v: tuple[float, ...]) -> str | None:
+    bad = next((x for x in v if abs(x) > MAX_ABS), None)
+    return None if bad is None else f"must lie in [−{MAX_ABS:g}, {MAX_ABS:g}] (exact values in float64), got {bad:g}"
+
+
+def _check_std(v: tuple[float, ...]) -> str | None:
+    msg = positive(v)
+    if msg:
+        return msg
+    bad = next((x for x in v if not MIN_STD <= x <= MAX_ABS), None)
+    return None if bad is None else f"must lie in [{MIN_STD:g}, {MAX_ABS:g}] (exact values in float64), got {bad:g}"
+
+
 def _params(t: Table) -> GaussianParams:
-    mean = t.get("mean", "float_or_list")
-    std = t.get("std", "float_or_list", check=positive)
+    mean = t.get("mean", "float_or_list", check=_check_mean)
+    std = t.get("std", "float_or_list", check=_check_std)
     t.finish()
     return GaussianParams(mean, std)
+
+
+def _check_ratios(t: Table, q: GaussianParams, p: GaussianParams) -> None:
+    """Per dimension: σq/σp and |μq − μp|/min(σq, σp) within MAX_RATIO (see above)."""
+    for i, (mq, sq, mp, sp) in enumerate(zip(q.mean, q.std, p.mean, p.std)):
+        dim = f" (dimension {i + 1})" if len(q.mean) > 1 else ""
+        ratio = sq / sp
+        if not 1 / MAX_RATIO <= ratio <= MAX_RATIO:
+            raise t.error(f"σq/σp = {sq:g}/{sp:g} = {ratio:.3g}{dim} must lie in [{1 / MAX_RATIO:g}, {MAX_RATIO:g}]: "
+                          "the exact moments of log r would leave float64's range", key="p.std")
+        if abs(mq - mp) > MAX_RATIO * min(sq, sp):
+            raise t.error(f"|μq − μp| = {abs(mq - mp):g}{dim} must be ≤ {MAX_RATIO:g} × min(σq, σp) = "
+                          f"{MAX_RATIO * min(sq, sp):g}: the exact moments of log r would leave float64's range",
+                          key="p.mean")
 
 
 @register_kind("gaussian", description="diagonal Gaussians q = N(μq, σq²), p = N(μp, σp²); closed forms",
@@ -79,7 +115,9 @@ class GaussianPair(Pair):
         def broadcast(g: GaussianParams) -> GaussianParams:
             return GaussianParams(g.mean * dim if len(g.mean) == 1 else g.mean,
                                   g.std * dim if len(g.std) == 1 else g.std)
-        return GaussianCase(q=broadcast(q), p=broadcast(p), **common)
+        q, p = broadcast(q), broadcast(p)
+        _check_ratios(t, q, p)
+        return GaussianCase(q=q, p=p, **common)
 
     @classmethod
     def from_config(cls, case: GaussianCase) -> "GaussianPair":

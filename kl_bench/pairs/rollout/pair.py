@@ -19,11 +19,12 @@ import torch
 
 from ... import rollout_dp
 from ...alias import AliasTable, build_alias
-from ...config import Table, positive
+from ...config import MAX_LENGTH, Table, at_most, positive
 from ...draws import Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource, poly_square
-from ...logits import LogitsSource, describe_sources, parse_pair_sources, read_logits_file, resolve_pair_logits, sampler_for
+from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
+                       resolve_pair_logits, sampler_for)
 from ...targets import FORWARD, REVERSE
 from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
 from . import gradients as grad
@@ -125,13 +126,15 @@ class RolloutPair(Pair):
             else:
                 bucket_of = t.get("bucket_of", "str", check=lambda v: None if v == "mod" else
                                   f"must be \"mod\" or {{file = \"...\"}}, got '{v}'")
-        length = t.get("length", "int", check=lambda v: None if v >= 1 else f"must be ≥ 1, got {v}")
+        length = t.get("length", "int", check=lambda v: f"must be ≥ 1, got {v}" if v < 1 else
+                       at_most(MAX_LENGTH, "2^20: every rollout and every exact moment takes T sequential steps")(v))
         eos = t.get("eos", "int", None, lambda v: None if 0 <= v < vocab else
                     f"must be a token id in [0, {vocab}), got {v}")
         eos_prob = t.get("eos_prob", "float", None, lambda v: None if 0 < v < 1 else f"must lie in (0, 1), got {v}")
         if eos_prob is not None and eos is None:
             raise t.error("needs an eos token", key="eos_prob")
         q, p = parse_pair_sources(t, spec_dir)
+        check_table_size(t, vocab, q, p, contexts=buckets, what="buckets")
         return RolloutCase(vocab=vocab, buckets=buckets, bucket_of=bucket_of, length=length, eos=eos, q=q, p=p,
                            eos_prob=eos_prob, **common)
 
