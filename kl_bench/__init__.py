@@ -11,7 +11,7 @@ The Python API (see README "Python API" and :mod:`kl_bench.api`):
 Names are loaded on first use (PEP 562), so that importing the package is instant and the command line
 can install its signal handlers before torch loads.
 """
-from .version import __version__
+from .version import __version__  # noqa: F401  (in __all__)
 
 _EXPORTS = {
     "CheckReport": "api", "Result": "api", "check": "api", "estimate": "api", "exact": "api", "load": "api",
