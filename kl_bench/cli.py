@@ -137,7 +137,8 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
     identity = checkpoint_identity(sp, prep.device, case_draws)
     with _user_errors(), FolderLock(out_dir):
         clean_stale(out_dir)
-        done = load_checkpoint(out_dir, identity) if resume else {}
+        done = load_checkpoint(out_dir, identity, {c.name: min(sp.experiment.batches, n)
+                                                   for c, n in zip(sp.cases, case_draws)}) if resume else {}
         state = dict(done)
         last = [time.monotonic()]
 

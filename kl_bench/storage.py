@@ -257,7 +257,10 @@ def save_checkpoint(out_dir: Path, identity: dict[str, Any], sums: dict[str, tor
     atomic_write_bytes(Path(out_dir) / CHECKPOINT, buf.getvalue())
 
 
-def load_checkpoint(out_dir: Path, identity: dict[str, Any]) -> dict[str, torch.Tensor]:
+def load_checkpoint(out_dir: Path, identity: dict[str, Any],
+                    batches: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """The batch sums of an interrupted run. ``batches``: {case: number of batches of this run}; a
+    checkpoint holding other cases, more batches, or anything but 2-D float64 sums is refused."""
     path = Path(out_dir) / CHECKPOINT
     if not path.exists():
         raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir))
@@ -265,6 +268,16 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any]) -> dict[str, torch.
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise SpecError(f"checkpoint is unreadable ({e.__class__.__name__}); delete {path}", file=str(out_dir)) from None
+    if not isinstance(data, dict) or not isinstance(data.get("sums"), dict):
+        raise SpecError(f"checkpoint is not a kl-bench checkpoint; delete {path}", file=str(out_dir))
+    for case, sums in data["sums"].items():
+        if not isinstance(sums, torch.Tensor) or sums.ndim != 2 or sums.dtype != torch.float64:
+            raise SpecError(f"checkpoint sums of case '{case}' are not a 2-D float64 table; delete {path}",
+                            file=str(out_dir))
+        if batches is not None and (case not in batches or sums.shape[0] > batches[case]):
+            want = f"the run has {batches[case]}" if case in batches else "the spec has no such case"
+            raise SpecError(f"checkpoint holds {sums.shape[0]} batches of case '{case}' but {want}; delete {path}",
+                            file=str(out_dir))
     if data.get("identity") != identity:
         diff = [k for k in identity if data.get("identity", {}).get(k) != identity[k]]
         raise SpecError(f"checkpoint was made with a different {', '.join(diff)}; rerun without --resume",

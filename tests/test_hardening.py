@@ -169,3 +169,20 @@ def test_run_prints_a_recommendation_and_a_rate_that_matches_its_time(spec, tmp_
     # the rate is draws over the sampling time that is stated (run.json rounds the time to 1 ms)
     assert abs(env["draws_per_second"] * env["sampling_seconds"] - 20_000) <= env["draws_per_second"] * 0.0005 + 1
     assert f"draws sampled in {env['sampling_seconds']:.1f} s" in res.output
+
+
+def test_a_checkpoint_with_the_wrong_number_of_batches_is_refused(spec, tmp_path):
+    import torch
+
+    from kl_bench.api import prepare
+    out = tmp_path / "res"
+    out.mkdir()
+    prep = prepare(spec)
+    identity = storage.checkpoint_identity(prep.spec, prep.device, prep.spec.case_draws())
+    storage.save_checkpoint(out, identity, {"g": torch.zeros(21, 12, dtype=torch.float64)})    # the run has 20
+    _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]),
+                    "checkpoint holds 21 batches of case 'g' but the run has 20")
+    storage.save_checkpoint(out, identity, {"other": torch.zeros(3, 12, dtype=torch.float64)})
+    _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]), "no such case")
+    (out / storage.CHECKPOINT).write_bytes(b"not a checkpoint")
+    _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]), "checkpoint is unreadable")
