@@ -124,7 +124,9 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, no memory runs: CI checks that it runs")
     args = ap.parse_args()
-    if args.smoke:
+    if args.smoke:          # tiny sizes (a 2,000-token vocabulary, 4 buckets, 8 steps): checks that it runs
+        global V, C, T
+        V, C, T = 2000, 4, 8
         args.draws, args.rollouts, args.baseline_draws, args.baseline_rollouts, args.no_memory = 20_000, 400, 16, 2, True
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)

@@ -191,7 +191,8 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         env = result.envelope
         total = (f", {result.outcome.wall:.1f} s in all" if result.outcome.wall > 1.2 * env["sampling_seconds"] + 0.5
                  else "")
-        out_console.print(f"\n{result.draws:,} draws sampled in {env['sampling_seconds']:.1f} s "
+        cases = f" over {len(result.pairs)} cases" if len(result.pairs) > 1 else ""
+        out_console.print(f"\n{result.draws:,} draws{cases} sampled in {env['sampling_seconds']:.1f} s "
                           f"({env['draws_per_second']:,} draws/s on {prep.device}){total} → {out_dir}/summary.csv")
     if report_:
         _write_report([out_dir], out_dir / "report", quiet)
@@ -340,6 +341,10 @@ def list_() -> None:
         out_console.print(f"{what}  {name:<8} {e.formula:<26} target {e.target}"
                           f"{'  unbiased' if e.unbiased else '  biased'}{'  ≥0' if e.nonnegative else ''}",
                           markup=False)
+    from importlib.metadata import entry_points
+    for ep in entry_points(group="kl_bench.estimators"):
+        if ep.name not in ESTIMATORS:
+            out_console.print(f"plug-in    {ep.name:<8} {ep.value}  (entry point, loaded when used)", markup=False)
     for name, k in CASE_KINDS.items():
         out_console.print(f"kind       {name:<12} {k.description}", markup=False)
 

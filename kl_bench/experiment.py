@@ -195,12 +195,16 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
     case_draws = spec.case_draws()
     t0 = time.perf_counter()
     outcomes = []
+    from .errors import SpecError
     for pair, n in zip(pairs, case_draws):
         if on_phase is not None:
             on_phase(pair.name)
-        outcomes.append(run_experiment_case(
-            pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
-            on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums))))
+        try:
+            outcomes.append(run_experiment_case(
+                pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
+                on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums))))
+        except SpecError as e:              # e.g. a plug-in that returns NaN on some draws: name where
+            raise e.located(file=str(spec.path), case=pair.name) from None
     rows = [row for o in outcomes for row in o.rows]
     grads = None
     if exp.gradients:

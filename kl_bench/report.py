@@ -43,7 +43,8 @@ def load_results(path: Path) -> Results:
     for c in COLUMNS:                  # columns added by later versions: empty in older results
         if c not in summary.columns:
             summary[c] = "" if c == "heavy_tail" else np.nan
-    return Results(got.path, got.path.name, summary, got.envelope, got.sweep, got.batches, got.reservoir,
+    name = got.envelope.get("experiment") if isinstance(got.envelope.get("experiment"), str) else got.path.name
+    return Results(got.path, name, summary, got.envelope, got.sweep, got.batches, got.reservoir,
                    got.gradients)
 
 

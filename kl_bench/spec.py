@@ -293,6 +293,11 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
                    device: str | None = None) -> Spec:
     """Apply command-line overrides (validated like the spec's own fields)."""
     exp = spec.experiment
+    for key, value in (("--draws", draws), ("--seed", seed)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise SpecError(f"must be an integer, got {value!r}", file=str(spec.path), key=key)
+    if device is not None and not isinstance(device, str):
+        raise SpecError(f"must be a string, got {device!r}", file=str(spec.path), key="--device")
     if draws is not None:
         if isinstance(draws, bool) or not isinstance(draws, int):
             if isinstance(draws, float) and math.isfinite(draws) and draws.is_integer():
@@ -307,12 +312,12 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
         spec = dataclasses.replace(spec, cases=tuple(dataclasses.replace(c, draws=None) for c in spec.cases))
     if seed is not None:
         if seed < 0:
-            raise SpecError(f"must be ≥ 0, got {seed}", key="--seed")
+            raise SpecError(f"must be ≥ 0, got {seed}", file=str(spec.path), key="--seed")
         exp = dataclasses.replace(exp, seed=seed)
     if device is not None:
         msg = check_device(device)
         if msg:
-            raise SpecError(msg, key="--device")
+            raise SpecError(msg, file=str(spec.path), key="--device")
         exp = dataclasses.replace(exp, device=device)
     spec = dataclasses.replace(spec, experiment=exp)
     if draws is not None:

@@ -24,6 +24,7 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
 def test_signal_during_a_run_keeps_the_earlier_results(sig, code, tmp_path, write_spec):
     spec = write_spec("""

@@ -124,8 +124,10 @@ def _cli(*args, env=None):
                           timeout=300, env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("phase,sig", [("start", "SIGINT"), ("start", "SIGTERM"), ("pairs", "SIGINT"),
-                                       ("pairs", "SIGTERM"), ("write", "SIGINT")])
+@pytest.mark.parametrize("phase,sig", [("start", "SIGINT"), ("write", "SIGINT"),
+                                       pytest.param("start", "SIGTERM", marks=pytest.mark.slow),
+                                       pytest.param("pairs", "SIGINT", marks=pytest.mark.slow),
+                                       pytest.param("pairs", "SIGTERM", marks=pytest.mark.slow)])
 def test_a_signal_at_any_phase_is_one_line_and_keeps_earlier_results(spec, tmp_path, phase, sig):
     out = tmp_path / "res"
     assert _cli("run", spec, "--out", out, "-q").returncode == 0
