@@ -196,3 +196,10 @@ def test_bf16_logits_and_numpy_scalars_in_a_dict_spec():
     df = kl_bench.run(spec).summary
     assert (df["draws"] == 20_000).all() and (df["z"].abs() < 5).all()
     assert df["true_kl"].iloc[0] > 0          # the bf16-rounded logits differ from the fp16 ones
+
+
+def test_overrides_are_type_checked(spec_path):
+    for kw, key in ((dict(draws=1.5), "--draws"), (dict(draws="10"), "--draws"), (dict(seed=True), "--seed"),
+                    (dict(device=3), "--device")):
+        with pytest.raises(kl_bench.SpecError, match=f"{spec_path}: key '{key}'"):
+            kl_bench.run(spec_path, **kw)

@@ -35,6 +35,10 @@ def makes_nan(logr):
 def not_differentiable(logr):
     return torch.as_tensor(logr.detach().numpy() ** 2)
 
+def late_nan(logr):
+    """Fine on the probe, NaN on any larger tensor: only the run can catch it."""
+    return torch.full_like(logr, float("nan")) if logr.numel() > 100 else -logr
+
 NOT_CALLABLE = 3
 '''
 
@@ -183,3 +187,12 @@ def test_plugins_are_resolved_on_every_lookup_and_never_cached(plugin_dir):
     x = torch.tensor([0.7], dtype=torch.float64)
     assert kl_bench.ESTIMATORS["kl_plug_test:half_k3"].fn(x).item() == pytest.approx(0.25 * (math.expm1(0.7) - 0.7))
     assert kl_bench.ESTIMATORS.get("kl_plug_missing:f") is None and kl_bench.ESTIMATORS.get("k9") is None
+
+
+def test_a_plugin_that_fails_mid_run_names_the_spec_and_the_case(plugin_dir):
+    spec = _spec(plugin_dir, "kl_plug_test:late_nan")
+    res = runner.invoke(app, ["run", str(spec), "--out", str(plugin_dir / "o")])
+    err = res.stderr.strip()
+    assert res.exit_code == 2 and len(err.splitlines()) == 1 and str(spec) in err and "case 'g'" in err, err
+    assert "returned NaN" in err and not (plugin_dir / "o").exists()
+    assert not list(plugin_dir.glob(".*.lock"))
