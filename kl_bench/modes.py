@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .errors import SpecError
 from .estimators import Estimator, Poly
 
 MODES = ("loss", "reward", "loss_is", "straight_through")
@@ -31,7 +32,6 @@ def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Ten
             try:
                 (g,) = torch.autograd.grad(est.fn(x).sum(), x)
             except RuntimeError as e:       # a plug-in written with non-differentiable operations
-                from .errors import SpecError
                 raise SpecError(f"estimator '{est.name}' is not differentiable with autograd, which the "
                                 f"{mode} gradient mode needs: {str(e).splitlines()[0]}") from None
         return g
