@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .draws import row_label
+from .estimators import CV, PAIR_ROWS
+from .targets import REVERSE
 
 
 def show(console: Console, table) -> None:
@@ -235,8 +237,6 @@ def recommendations(df: pd.DataFrame) -> list[str]:
     (and of 1024, when another wins there), the batch it needs for ±10% with 95% probability, and its
     heavy-tail class. RMSE includes the bias against the true KL (exact where known). Only estimators of
     sampled log-probs compete: pair-supplied rows (``full``) need the whole next-token distributions."""
-    from .estimators import CV, PAIR_ROWS
-    from .targets import REVERSE
     out = []
     for case in dict.fromkeys(df["case"]):
         c = df[(df["case"] == case) & (df["target"] == REVERSE) & (df["estimator"] != CV)

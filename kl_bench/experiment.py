@@ -16,7 +16,7 @@ from .estimators import make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import add_planning
-from .results import summarize
+from .results import frame_to_csv_bytes, summarize
 from .spec import Experiment
 
 SMALL_BATCH = 64            # p_neg_b64: batch size ...
@@ -136,8 +136,6 @@ class SpecOutcome:
         import io
 
         import numpy as np
-
-        from .results import frame_to_csv_bytes
         reservoir = {}
         for o in self.cases:
             for j, r in enumerate(o.run.rows):

@@ -18,6 +18,7 @@ import pandas as pd
 from .draws import row_key, row_label
 from .results import COLUMNS
 from .storage import atomic_write_bytes
+from .verify import read_results_folder
 
 
 @dataclass
@@ -37,7 +38,6 @@ def load_results(path: Path) -> Results:
     """Read and verify a results folder (kl_bench.verify: sha256 of every data file against run.json,
     schema and dtypes of every table, consistent cases); a missing, incomplete or corrupted folder is a
     one-line SpecError."""
-    from .verify import read_results_folder
     got = read_results_folder(path)
     summary = got.summary
     for c in COLUMNS:                  # columns added by later versions: empty in older results

@@ -31,6 +31,11 @@ from typing import Any
 import numpy as np
 
 from .errors import SpecError
+from .experiment import BATCH_SCHEMA
+from .gradients import GRAD_SCHEMA
+from .lambdas import SWEEP_SCHEMA
+from .results import SCHEMA, TEXT_COLUMNS, read_frame
+from .spec import load_spec
 
 # The columns every results folder has had; later columns are optional so that older results still load.
 SUMMARY_REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se",
@@ -54,10 +59,6 @@ class FolderContents:
 
 def _schemas() -> dict[str, tuple[list[str], list[str]]]:
     """file name → (all columns of its schema, columns that every version has written)."""
-    from .experiment import BATCH_SCHEMA
-    from .gradients import GRAD_SCHEMA
-    from .lambdas import SWEEP_SCHEMA
-    from .results import SCHEMA
     return {"summary.csv": (list(SCHEMA), SUMMARY_REQUIRED),
             "batches.csv": (list(BATCH_SCHEMA), list(BATCH_SCHEMA)),
             "lambda_sweep.csv": (list(SWEEP_SCHEMA), ["case", "lambda", "mean", "exact_mean"]),
@@ -160,7 +161,6 @@ def _parse_table(name: str, data: bytes, p: Path):
     """A results CSV checked against its schema and parsed as :func:`kl_bench.results.read_frame` does."""
     import pandas as pd
 
-    from .results import TEXT_COLUMNS, read_frame
     columns, required = _schemas()[name]
     header = _check_csv_structure(data, p)
     missing = [c for c in required if c not in header]
@@ -267,7 +267,6 @@ def check_results_match_spec(results, spec) -> None:
     else:
         folder, env, summary = Path(results.path), results.envelope, results.summary
     if isinstance(spec, (str, Path)):
-        from .spec import load_spec
         spec = load_spec(spec)
     spec_name = spec.experiment.name
     where = str(folder)
