@@ -1,8 +1,10 @@
 """The streaming Monte Carlo engine.
 
-Draws for batch i of a case come from a generator seeded by (seed, case, i) alone, so results do not
-depend on how batches are grouped into chunks (the chunk size only bounds memory) and a split of the
-batches across processes reproduces the same numbers. Every estimator sees the same draws (common
+Draws for batch i of a case come from generators seeded by (seed, case, i) alone (piece by piece for a
+batch larger than a piece, see kl_bench.seeding), so results do not depend on how batches are grouped
+into chunks (the chunk size only sets how often progress and checkpoints happen) and a split of the
+batches across processes reproduces the same numbers. Memory is one piece of draws per case, whatever
+the batch size. Every estimator sees the same draws (common
 random numbers). Per batch we keep float64 sums of a few per-draw features; memory is O(batches),
 never O(draws).
 
@@ -27,7 +29,7 @@ from .errors import SpecError
 from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
 from .pairs.base import Pair
-from .seeding import batch_generator, batch_sizes
+from .seeding import batch_generator, batch_sizes, batch_streams
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
 
@@ -125,9 +127,10 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
             blocks.append((agg, _finite_or_zero(jm.mean_a), _finite_or_zero(jm.mean_b)))
     features = make_features(rows, shifts, blocks)
     sizes = batch_sizes(draws, batches)
+    tag = pair.name + (f"/{stream}" if stream else "")
+    streams = batch_streams(seed, tag, sizes, device)
     run = pair.batch_sums(features, tok_rows(rows), device)
     per_chunk = pair.batches_per_chunk(max(sizes), chunk)
-    tag = pair.name + (f"/{stream}" if stream else "")
     t0 = time.perf_counter()
     out = []
     first = 0
@@ -139,12 +142,10 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
         if progress is not None:
             progress(sum(sizes[:first]))
     for start in range(first, len(sizes), per_chunk):
-        idx = range(start, min(start + per_chunk, len(sizes)))
-        gens = [batch_generator(seed, tag, i, device) for i in idx]
-        part = [sizes[i] for i in idx]
-        out.append(run(part, gens).cpu())
+        part = streams[start:start + per_chunk]
+        out.append(run(part).cpu())
         if progress is not None:
-            progress(sum(part))
+            progress(sum(b.size for b in part))
         if on_sums is not None:
             out = [torch.cat(out)]
             on_sums(out[0])
@@ -184,10 +185,10 @@ def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.nd
     sizes = batch_sizes(draws, batches)
     acc = pair.gradient_accumulator(items, directions, device)
     parts: list[GradBatch] = []
-    for i, n in enumerate(sizes):
-        parts.append(acc.add(n, batch_generator(seed, f"{pair.name}/gradients", i, device)))
+    for batch in batch_streams(seed, f"{pair.name}/gradients", sizes, device):
+        parts.append(acc.add(batch))
         if progress is not None:
-            progress(n)
+            progress(batch.size)
     proj2 = np.stack([b.proj2 for b in parts]) if parts[0].proj2 is not None else None
     return GradientRun(items, np.array(sizes, dtype=np.float64), acc.total(), np.stack([b.proj for b in parts]),
                        np.stack([b.sq for b in parts]), proj2)

@@ -41,9 +41,13 @@ def mc_joint(run: CaseRun, aggregate: str = "") -> tuple[JointMoments, np.ndarra
     n = n_k.sum()
     ca, cb = run.joint_shift(aggregate)
     sa, sb, saa, sbb, sab = s.sum(axis=0) / n
-    jm = JointMoments(mean_a=ca + sa, mean_b=cb + sb, var_a=saa - sa * sa, var_b=sbb - sb * sb,
-                      cov_ab=sab - sa * sb)
-    return jm, s[:, 0] / n_k - sa, s[:, 1] / n_k - sb, n_k
+    # A draw with p(x) = 0 makes a = −log r infinite (KL(q‖p) = ∞): its mean is +inf and its variance
+    # inf − inf; report the variance as +inf and the covariance as NaN, without a numpy warning.
+    with np.errstate(invalid="ignore", over="ignore"):
+        jm = JointMoments(mean_a=ca + sa, mean_b=cb + sb,
+                          var_a=saa - sa * sa if np.isfinite(sa) else np.inf,
+                          var_b=sbb - sb * sb if np.isfinite(sb) else np.inf, cov_ab=sab - sa * sb)
+        return jm, s[:, 0] / n_k - sa, s[:, 1] / n_k - sb, n_k
 
 
 def lambda_star_mc(run: CaseRun, aggregate: str = "") -> tuple[float, float]:

@@ -46,7 +46,7 @@ class Experiment:
     device: str = "auto"
     estimators: tuple[str | EstimatorOption, ...] = DEFAULT_ESTIMATORS
     batches: int = 200      # batch means for standard errors
-    chunk: int = 1 << 22    # draws held in memory at once
+    chunk: int = 1 << 22    # draws handed to the sampler at once (progress/checkpoints); memory is one piece
     lambdas: tuple[float, ...] = ()   # λ values of cv(λ) = −log r + λ(r − 1)
     optimal: bool = False             # "optimal" in lambdas: add cv_opt with λ from a pilot pass
     gradients: bool = False           # also write gradients.csv (kl_bench.gradients)

@@ -139,15 +139,17 @@ def test_float32_running_accumulator_fails_at_1e8_draws_but_not_at_1e6(monkeypat
     def float32_batch_sums(self, features, tok_rows, device):
         state = {}
 
-        def run(sizes, gens):
+        def run(batches):
             out = []
-            for n, g in zip(sizes, gens):
-                f = features(self.sample_draws(n, g, device)).numpy().astype(np.float32)
-                total = state.get("total", np.zeros(f.shape[1], dtype=np.float32))
-                # naive sequential float32 adds (numpy's cumsum; torch's accumulates more precisely)
-                new_total = np.cumsum(np.concatenate([total[None], f]), axis=0, dtype=np.float32)[-1]
-                out.append(torch.from_numpy((new_total - total).astype(np.float64)))
-                state["total"] = new_total
+            for batch in batches:
+                start = state.get("total")
+                for n, g in batch.pieces():
+                    f = features(self.sample_draws(n, g, device)).numpy().astype(np.float32)
+                    total = state.get("total", np.zeros(f.shape[1], dtype=np.float32))
+                    # naive sequential float32 adds (numpy's cumsum; torch's accumulates more precisely)
+                    state["total"] = np.cumsum(np.concatenate([total[None], f]), axis=0, dtype=np.float32)[-1]
+                begin = np.zeros_like(state["total"]) if start is None else start
+                out.append(torch.from_numpy((state["total"] - begin).astype(np.float64)))
             return torch.stack(out)
         return run
     monkeypatch.setattr(gaussian.GaussianPair, "batch_sums", float32_batch_sums)

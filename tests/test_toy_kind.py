@@ -82,13 +82,6 @@ class TwoPointPair(Pair):
         x = self._draw(n, generator, device)
         return Draws(self.logr.to(device)[x], torch.full((n,), self.kl(), dtype=torch.float64, device=device))
 
-    def batch_sums(self, features, tok_rows, device):
-        return lambda sizes, gens: torch.stack([features(self.sample_draws(n, g, device)).sum(0)
-                                                for n, g in zip(sizes, gens)])
-
-    def batches_per_chunk(self, batch_size, chunk_draws):
-        return max(1, chunk_draws // max(1, batch_size))
-
     # gradients: θ = logit(q1), one parameter
     gradient_params = 1
 

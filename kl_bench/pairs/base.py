@@ -23,12 +23,13 @@ from ..estimators import RowSource
 from ..modes import ExactGrad, GradBatch, GradItem
 from ..registry import Registry
 from ..samplers import SamplerSpec
+from ..seeding import BatchStream, piece_draws
 from ..targets import FORWARD, REVERSE, TARGETS
 
 # Per-draw features: Draws [n] → [n, P] float64 (see engine.make_features).
 Features = Callable[[Draws], torch.Tensor]
-# Per-batch sums: (batch sizes [k], one generator per batch) → [k, P] float64.
-BatchSums = Callable[[list[int], list[torch.Generator]], torch.Tensor]
+# Per-batch sums: k batch streams → [k, P] float64; row i depends on batch i's stream alone.
+BatchSums = Callable[[list[BatchStream]], torch.Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +66,9 @@ class JointMoments:
     def var(self, lam):
         """Var[cv(λ)]; +inf for λ ≠ 0 when var_b is infinite. Works on floats and numpy arrays."""
         lam = np.asarray(lam, dtype=np.float64)
-        if math.isinf(self.var_b):
+        if math.isinf(self.var_a):                # KL(q‖p) = ∞: −log r is infinite on some draw
+            out = np.full_like(lam, np.inf)
+        elif math.isinf(self.var_b):
             out = np.where(lam == 0, self.var_a, np.inf)
         else:
             out = np.maximum(self.var_a + 2 * lam * self.cov_ab + lam * lam * self.var_b, 0.0)
@@ -77,8 +80,8 @@ class GradientAccumulator(ABC):
     """Accumulates the per-draw gradients of every item, one batch at a time (the engine seeds them)."""
 
     @abstractmethod
-    def add(self, n: int, generator: torch.Generator) -> GradBatch:
-        """Draw ``n`` draws from ``generator`` and return the batch's sums."""
+    def add(self, batch: BatchStream) -> GradBatch:
+        """Draw the batch (piece by piece, or its counts) and return the batch's sums."""
 
     @abstractmethod
     def total(self) -> np.ndarray:
@@ -168,14 +171,35 @@ class Pair(ABC):
         """One line describing q and p, for captions and tables."""
 
     # ---------------------------------------------------------------- sampling
-    @abstractmethod
-    def batch_sums(self, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
-        """Return a function that draws each batch from its own generator, x ~ q (or b), and sums the
-        per-draw features over the batch."""
+    def piece_draws(self, device: torch.device) -> int:
+        """Draws per piece (kl_bench.seeding): fixed by the device type and the case, never by ``chunk``.
+        A kind whose draws are large (many dimensions, long sequences) makes its pieces smaller."""
+        return piece_draws(device)
 
-    @abstractmethod
+    def batch_sums(self, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
+        """Return a function that draws each batch from its own stream, x ~ q (or b), and sums the per-draw
+        features over the batch; row i of its [k, P] result depends on batch i's stream alone.
+
+        The default draws each batch piece by piece with :meth:`sample_draws` and adds the piece sums in
+        piece order: memory is one piece, and the bytes do not depend on how batches are grouped."""
+        piece = self.piece_draws(device)
+
+        def run(batches: list[BatchStream]) -> torch.Tensor:
+            out = []
+            for batch in batches:
+                total = None
+                for m, g in batch.pieces(piece):
+                    # One reduction per piece (not a scatter-add): deterministic on CUDA too.
+                    s = features(self.sample_draws(m, g, device, tok_rows)).sum(0)
+                    total = s if total is None else total + s
+                out.append(total)
+            return torch.stack(out)
+        return run
+
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
-        """How many batches to process at once without exceeding the memory budget."""
+        """How many batches to hand :meth:`batch_sums` at once (a batch larger than a piece is drawn in
+        pieces, so this only groups small batches between progress updates and checkpoints)."""
+        return max(1, chunk_draws // max(1, batch_size))
 
     @abstractmethod
     def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
@@ -230,22 +254,26 @@ class Pair(ABC):
 
 
 class ScoreGradients(GradientAccumulator):
-    """The default accumulator: explicit per-draw gradients g = c(log r)·w·s [n, P] (memory O(n·P))."""
+    """The default accumulator: explicit per-draw gradients g = c(log r)·w·s [m, P], one piece of m draws at a time
+    (memory O(m·P))."""
 
     def __init__(self, pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], device: torch.device):
         self.pair, self.items, self.device = pair, items, device
         self.u = np.stack(list(directions.values())).T                  # [P, D]
         self._total = np.zeros((len(items), pair.gradient_params))
 
-    def add(self, n: int, generator: torch.Generator) -> GradBatch:
+    def add(self, batch: BatchStream) -> GradBatch:
         proj, sq = np.zeros((len(self.items), self.u.shape[1])), np.zeros(len(self.items))
-        logr, weight, s = self.pair.sample_scores(n, generator, self.device)
-        for j, item in enumerate(self.items):
-            gj = (item.coef(logr) if weight is None else item.coef(logr) * weight)[:, None] * s
-            gsum = gj.sum(0).cpu().numpy()
-            self._total[j] += gsum
-            sq[j] = float((gj * gj).sum())
-            proj[j] = gsum @ self.u
+        gsum = np.zeros((len(self.items), self.pair.gradient_params))
+        for m, generator in batch.pieces(self.pair.piece_draws(self.device)):     # memory: one piece
+            logr, weight, s = self.pair.sample_scores(m, generator, self.device)
+            for j, item in enumerate(self.items):
+                gj = (item.coef(logr) if weight is None else item.coef(logr) * weight)[:, None] * s
+                gsum[j] += gj.sum(0).cpu().numpy()
+                sq[j] += float((gj * gj).sum())
+        self._total += gsum
+        for j in range(len(self.items)):
+            proj[j] = gsum[j] @ self.u
         return GradBatch(proj, sq)
 
     def total(self) -> np.ndarray:

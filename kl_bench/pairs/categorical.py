@@ -1,8 +1,14 @@
 """Case kind ``categorical``: categoricals over a vocabulary, one context ([V]) or B contexts ([B, V]).
 
 A draw picks a context uniformly, then a token x ~ q_b. Every per-draw statistic is a function of the
-(context, token) id, so a batch never materialises per-draw values: tokens are drawn with an alias
-table, counted with ``bincount`` and every feature sum is one matrix product with a per-token table.
+(context, token) id, so every per-batch sum is a linear function of the batch's count vector over the
+ids, and that vector is exactly Multinomial(n, w) (w: the sampling mixture). A batch therefore never
+materialises per-draw values. Its count vector comes one of two ways (``sampling``):
+- ``counts``: drawn directly with numpy's conditional-binomial multinomial, O(ids) per batch whatever n
+  (every sum is then a "draw-equivalent": identical in distribution to drawing each token);
+- ``tokens``: each token drawn with an alias table, piece by piece, and counted;
+- ``auto`` (default): counts for a batch with at least as many draws as ids, tokens below that.
+The sums are then one fixed-shape product of the count vector with a per-id feature table.
 Exact moments are float64 sums over the vocabulary (docs/exact.md); gradients take θ = q's logits
 [B, V] (docs/gradients.md).
 """
@@ -24,12 +30,12 @@ from ..errors import SpecError
 from ..estimators import RowSource
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_logits, sampler_for)
+from ..seeding import BatchStream
 from ..targets import FORWARD, REVERSE
 from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
                    JointMoments, Pair, register_kind)
 
-# Largest [batches, M] count matrix per chunk (float64 entries): 2^22 × 8 B = 32 MiB.
-_COUNT_CELLS = 1 << 22
+SAMPLING = ("auto", "counts", "tokens")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +43,7 @@ class CategoricalCase(CaseConfig):
     vocab: int | None
     q: LogitsSource
     p: LogitsSource
+    sampling: str = "auto"     # how a batch's count vector is drawn (module docstring)
 
 
 @register_kind("categorical", description="categoricals over a vocabulary, [V] or [B, V] logits; exact sums",
@@ -46,11 +53,13 @@ class CategoricalPair(Pair):
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = ""):
+                 sampler_label: str = "", sampling: str = "auto"):
         """``log_q``, ``log_p``: normalised float64 log-probabilities [B, V]. ``log_b``: a sampler b ≠ q
         that draws the tokens while the estimators keep using q's and p's log-probs; ``weights``
-        ("token") multiplies every estimate by q/b, capped at ``weight_cap``."""
+        ("token") multiplies every estimate by q/b, capped at ``weight_cap``. ``sampling``: how a
+        batch's count vector is drawn (module docstring)."""
         self.name = name
+        self.sampling = sampling
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
         self.label = label
         self.log_b = None if log_b is None else log_b.to(torch.float64)
@@ -65,6 +74,9 @@ class CategoricalPair(Pair):
         self._support = torch.nonzero(w > 0).squeeze(1)
         self._logr = (self.log_p - self.log_q).reshape(-1)[self._support]
         self._alias = build_alias(w[self._support].numpy())
+        # The multinomial's probabilities, renormalised in float64 (numpy checks that they sum to 1).
+        pw = w[self._support].numpy()
+        self._pvals = pw / pw.sum()
         # Importance weights q/b of the drawn ids (a cap bounds the variance at the price of bias).
         self._is_weight = None
         if self.log_b is not None and weights == "token":
@@ -81,11 +93,14 @@ class CategoricalPair(Pair):
     @classmethod
     def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> CategoricalCase:
         vocab = t.get("vocab", "int", None, positive)
+        sampling = t.get("sampling", "str", "auto")
+        if sampling not in SAMPLING:
+            raise t.error(f"must be one of {', '.join(SAMPLING)}, got {sampling!r}", key="sampling")
         q, p = parse_pair_sources(t, spec_dir)
         if vocab is None and not (has_vocab_of_its_own(q) or has_vocab_of_its_own(p)):
             raise t.error("missing required key (needed unless logits come from a file or a tensor)", key="vocab")
         check_table_size(t, vocab, q, p)
-        return CategoricalCase(vocab=vocab, q=q, p=p, **common)
+        return CategoricalCase(vocab=vocab, q=q, p=p, sampling=sampling, **common)
 
     @classmethod
     def from_config(cls, case: CategoricalCase) -> "CategoricalPair":
@@ -93,12 +108,12 @@ class CategoricalPair(Pair):
         sp = case.sampler
         label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, label=label)
-        return cls(case.name, lq, lp, label=label, log_b=sampler_for(sp, lq, lp),
-                   weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe())
+            return cls(case.name, lq, lp, label=label, sampling=case.sampling)
+        return cls(case.name, lq, lp, label=label, log_b=sampler_for(sp, lq, lp), weights=sp.weights,
+                   weight_cap=sp.weight_cap, sampler_label=sp.describe(), sampling=case.sampling)
 
     def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "label": self.label}
+        return {**super().metadata(), "label": self.label, "sampling": self.sampling}
 
     @property
     def support_ids(self) -> torch.Tensor:
@@ -173,27 +188,55 @@ class CategoricalPair(Pair):
             self._alias = self._alias.to(device)
         return self._alias
 
+    def uses_counts(self, n: int) -> bool:
+        """Whether a batch of ``n`` draws gets its count vector from the multinomial (module docstring).
+        Depends on n alone, so the choice (and the bytes) never depend on how batches are grouped."""
+        return self.sampling == "counts" or (self.sampling == "auto" and n >= self._logr.shape[0])
+
+    def batch_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The batch's draws as counts over the drawn ids: (None, counts [M]) dense, or (ids [m],
+        counts [m]) sparse (sorted ids with a nonzero count) when the batch is smaller than the support.
+        Counts are float64 holding exact integers (n ≤ 2^53)."""
+        m = self._logr.shape[0]
+        if self.uses_counts(batch.size):
+            # Conditional binomials in C: O(M) per batch, whatever n (a draw-equivalent of n tokens).
+            counts = torch.from_numpy(batch.numpy_generator().multinomial(batch.size, self._pvals))
+            return None, counts.to(device=device, dtype=torch.float64)
+        if batch.size < m:
+            ids = torch.cat([self.sample_ids(k, g, device) for k, g in batch.pieces()])
+            uniq, cnt = torch.unique(ids, sorted=True, return_counts=True)
+            return uniq, cnt.to(torch.float64)
+        counts = torch.zeros(m, dtype=torch.int64, device=device)
+        for k, g in batch.pieces():                      # memory: one piece of token ids at a time
+            counts += torch.bincount(self.sample_ids(k, g, device), minlength=m)
+        return None, counts.to(torch.float64)
+
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         table = features(Draws(self._logr.to(device), self._full.to(device),
                                weight=None if self._is_weight is None else self._is_weight.to(device)))  # [M, P]
-        m = table.shape[0]
         # ±inf features (k1 where p(x) = 0) are summed separately: a zero count times inf is NaN.
         pos, neg = torch.isposinf(table), torch.isneginf(table)
         finite = torch.where(pos | neg, torch.zeros_like(table), table)
         has_inf = bool(pos.any() or neg.any())
+        finite_t = finite.T.contiguous()                                  # [P, M] for matrix-vector products
 
-        def run(sizes: list[int], gens: list[torch.Generator]) -> torch.Tensor:
-            ids = torch.cat([self.sample_ids(n, g, device) + i * m for i, (n, g) in enumerate(zip(sizes, gens))])
-            counts = torch.bincount(ids, minlength=len(sizes) * m).view(len(sizes), m).to(torch.float64)
-            out = counts @ finite
-            if has_inf:
-                out = out + torch.where(counts @ pos.double() > 0, torch.inf, 0.0)
-                out = out + torch.where(counts @ neg.double() > 0, -torch.inf, 0.0)
-            return out
+        def dot(ids: torch.Tensor | None, counts: torch.Tensor, tab: torch.Tensor, tab_t: torch.Tensor):
+            # One product per batch with a shape fixed by the batch alone: a BLAS call over several
+            # batches' rows takes other paths with other roundings, so grouping would change the bytes.
+            return torch.mv(tab_t, counts) if ids is None else (counts[:, None] * tab[ids]).sum(0)
+
+        def run(batches: list[BatchStream]) -> torch.Tensor:
+            out = []
+            for batch in batches:
+                ids, counts = self.batch_counts(batch, device)
+                s = dot(ids, counts, finite, finite_t)
+                if has_inf:
+                    hit = counts @ (pos if ids is None else pos[ids]).double()    # draws on +inf entries
+                    low = counts @ (neg if ids is None else neg[ids]).double()
+                    s = s + torch.where(hit > 0, torch.inf, 0.0) + torch.where(low > 0, -torch.inf, 0.0)
+                out.append(s)
+            return torch.stack(out)
         return run
-
-    def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
-        return max(1, min(chunk_draws // max(1, batch_size), _COUNT_CELLS // self._logr.shape[0]))
 
     # ---------------------------------------------------------------- gradients
     @property
@@ -263,11 +306,15 @@ class _CategoricalGradients(GradientAccumulator):
                                 self.c_tab**2 * s_norm2])
         self.counts = torch.zeros(self.c_tab.shape[1], dtype=torch.float64)
 
-    def add(self, n: int, generator: torch.Generator) -> GradBatch:
-        counts = torch.bincount(self.pair.sample_ids(n, generator, self.device),
-                                minlength=self.c_tab.shape[1]).double().cpu()
-        out = (self.table @ counts).numpy()
-        self.counts += counts
+    def add(self, batch: BatchStream) -> GradBatch:
+        ids, counts = self.pair.batch_counts(batch, self.device)
+        ids, counts = (None if ids is None else ids.cpu()), counts.cpu()
+        # Fixed shapes per batch (as in batch_sums): the bytes never depend on the grouping.
+        out = (self.table @ counts if ids is None else self.table[:, ids] @ counts).numpy()
+        if ids is None:
+            self.counts += counts
+        else:
+            self.counts.index_add_(0, ids, counts)
         return GradBatch(out[: self.nd * self.nj].reshape(self.nj, self.nd), out[self.nd * self.nj:])
 
     def total(self) -> np.ndarray:

@@ -20,7 +20,7 @@ from ..draws import Draws
 from ..errors import SpecError
 from ..estimators import Estimator, Poly, RowSource, poly_square
 from ..targets import FORWARD, REVERSE
-from .base import BatchSums, CaseConfig, ExactGrad, Features, GradItem, JointMoments, Pair, register_kind
+from .base import CaseConfig, ExactGrad, GradItem, JointMoments, Pair, register_kind
 
 
 @dataclass(frozen=True)
@@ -226,11 +226,9 @@ class GaussianPair(Pair):
         logr, weight, _ = self.sample(n, generator, device)
         return Draws(logr, torch.full_like(logr, self.kl()), weight=weight)
 
-    def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
-        def run(sizes: list[int], gens: list[torch.Generator]) -> torch.Tensor:
-            # One reduction per batch (not a scatter-add), so the sums are deterministic on CUDA too.
-            return torch.stack([features(self.sample_draws(n, g, device)).sum(0) for n, g in zip(sizes, gens)])
-        return run
+    def piece_draws(self, device: torch.device) -> int:
+        # A piece holds [m, dim] float64 draws: keep m·dim within one default piece.
+        return max(1024, super().piece_draws(device) // self.dim)
 
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
         return max(1, chunk_draws // max(1, batch_size * self.dim))

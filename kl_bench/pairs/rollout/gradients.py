@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import rollout_dp
+from ...seeding import BatchStream
 from ..base import GradBatch, GradientAccumulator, GradItem
 
 if TYPE_CHECKING:                      # the pair module imports this one
@@ -204,14 +205,15 @@ class RolloutGradients(GradientAccumulator):
                        for j, it in enumerate(items) if it.aggregate == "tok" and it.mode != "reward"}
         self.w_total = torch.zeros(c_ * v, len(self.per_draw), dtype=torch.float64)
         self.counts = torch.zeros(c_ * v, dtype=torch.float64)
-        self.piece = max(1, 2**21 // max(1, pair.length))     # draws per simulation piece: bounded memory
+        # Draws per piece: [m, T] recorded steps stay within 2^21 entries (fixed per case: same bytes for
+        # any chunk).
+        self.piece = max(1, min(pair.piece_draws(device), 2**21 // max(1, pair.length)))
 
-    def add(self, n: int, generator: torch.Generator) -> GradBatch:
+    def add(self, batch: BatchStream) -> GradBatch:
         pair, items = self.pair, self.items
         nj, nd = len(items), self.hu.shape[0]
         proj, proj2, sq = np.zeros((nj, nd)), np.zeros((nj, nd)), np.zeros(nj)
-        for lo in range(0, n, self.piece):
-            m = min(self.piece, n - lo)
+        for m, generator in batch.pieces(self.piece):
             rec: list = []
             pair.simulate([m], [generator], self.device, record=rec)
             keys = torch.stack([r[0] for r in rec], 1)                # [m, T]

@@ -25,6 +25,7 @@ from ...errors import SpecError
 from ...estimators import RowSource, poly_square
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
                        resolve_pair_logits, sampler_for)
+from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
 from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
 from . import gradients as grad
@@ -372,10 +373,30 @@ class RolloutPair(Pair):
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
-        def run(sizes: list[int], gens: list[torch.Generator]) -> torch.Tensor:
-            f = features(self.simulate(sizes, gens, device, tok_rows))
-            # Contiguous per-batch reductions (no scatter-add): deterministic on CUDA too.
-            return torch.stack([part.sum(0) for part in torch.split(f, sizes)])
+        piece = self.piece_draws(device)
+
+        def run(batches: list[BatchStream]) -> torch.Tensor:
+            totals: list[torch.Tensor | None] = [None] * len(batches)
+            group: list[tuple[int, int, torch.Generator]] = []      # (batch position, draws, generator)
+
+            def flush():
+                # Pieces of several small batches share one simulation (per-op overhead dominates on
+                # short vectors); every operation is per path, so a piece's sum does not depend on its
+                # neighbours. Contiguous per-piece reductions (no scatter-add): deterministic on CUDA.
+                sizes = [m for _, m, _ in group]
+                f = features(self.simulate(sizes, [g for _, _, g in group], device, tok_rows))
+                for (k, _, _), part in zip(group, torch.split(f, sizes)):
+                    s = part.sum(0)
+                    totals[k] = s if totals[k] is None else totals[k] + s
+                group.clear()
+
+            for k, batch in enumerate(batches):
+                for m, g in batch.pieces(piece):
+                    if group and sum(x for _, x, _ in group) + m > piece:
+                        flush()
+                    group.append((k, m, g))
+            flush()
+            return torch.stack(totals)
         return run
 
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
