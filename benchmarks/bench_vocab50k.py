@@ -1,13 +1,16 @@
 """Draws per second for a vocab-50257 categorical with every estimator, side by side in one process:
 
-  kl-bench engine        alias sampling → bincount → one matmul with a per-token feature table
+  kl-bench counts        each batch's count vector ~ Multinomial(n, q) drawn directly (numpy, O(V) per
+                         batch whatever n) → one product with a per-token feature table: draw-equivalents
+  kl-bench tokens        every token drawn (alias table, pieces of 2^16) → bincount → the same product
   torch.multinomial      plain pipeline: multinomial ids → gather log p, log q → each estimator → float64 sums
   numpy Generator.choice plain pipeline with numpy's sampler
 
-Each pipeline computes the same statistics (sum, sum of squares, negatives for six estimators) in
-chunks of 2^22 draws. Peak memory is measured in fresh subprocesses (VmHWM) at 10^7 and 10^8 draws.
+Each pipeline computes the same statistics (sum, sum of squares, negatives for the estimators). The
+token pipelines cost O(draws), so at 10^10 draws they are timed on fewer draws in the same run and
+compared by rate. Peak memory is measured in fresh subprocesses (VmHWM).
 
-    python benchmarks/bench_vocab50k.py [--draws 10000000] [--device cpu|cuda] [--threads 2]
+    python benchmarks/bench_vocab50k.py [--draws 100000000 10000000000] [--device cpu|cuda] [--threads 2]
 """
 from __future__ import annotations
 
@@ -28,11 +31,11 @@ CHUNK = 1 << 22
 NAMES = ESTIMATORS.names()
 
 
-def make_pair() -> CategoricalPair:
+def make_pair(sampling: str = "counts") -> CategoricalPair:
     lq = torch.log_softmax(zipf_logits(V, 1.1, 1), -1)
     g = torch.Generator().manual_seed(2)
     lp = torch.log_softmax(lq + 0.3 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
-    return CategoricalPair("bench", lq, lp)
+    return CategoricalPair("bench", lq, lp, sampling=sampling)
 
 
 def _stats(logr: torch.Tensor, acc: torch.Tensor) -> None:
@@ -82,48 +85,55 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
-def peak_memory(n: int, device: str) -> dict:
+def peak_memory(n: int, device: str, sampling: str) -> dict:
     """Peak RSS (and CUDA peak) of the engine at ``n`` draws, in a fresh process (benchmarks/memory.py)."""
-    return peak_in_child(f"import bench_vocab50k as b; p = b.make_pair(); dev = torch.device('{device}')",
+    return peak_in_child(f"import bench_vocab50k as b; p = b.make_pair('{sampling}'); dev = torch.device('{device}')",
                          f"b.engine(p, {n}, dev)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--draws", type=int, default=10_000_000)
+    ap.add_argument("--draws", type=int, nargs="+", default=[10**8, 10**10])
+    ap.add_argument("--token-draws", type=int, default=10**9,
+                    help="most draws the token pipelines are timed on (they cost O(draws); compared by rate)")
+    ap.add_argument("--baseline-draws", type=int, default=10**8, help="most draws for the plain baselines")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, no memory runs: CI checks that it runs")
     args = ap.parse_args()
     if args.smoke:
-        args.draws, args.repeats, args.no_memory, args.memory_only = 20_000, 1, True, False
+        args.draws, args.token_draws, args.baseline_draws = [20_000], 20_000, 20_000
+        args.repeats, args.no_memory = 1, True
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    if args.memory_only:
-        for m in (10**7, 10**8):
-            print(m, peak_memory(m, args.device))
-        return
-    pair = make_pair()
-    n = args.draws
-    rows = [("kl-bench engine (alias + bincount + matmul)", timed(lambda: engine(pair, n, dev), dev, args.repeats)),
-            ("torch.multinomial + gather (baseline)", timed(lambda: torch_multinomial(pair, n, dev), dev, args.repeats))]
-    if dev.type == "cpu":
-        rows.append(("numpy Generator.choice + gather (baseline)", timed(lambda: numpy_choice(pair, n), dev, 1)))
-    base = rows[1][1]
-    print(f"V = {V}, {len(NAMES)} estimators, {n:,} draws, device {dev}"
+    counts, tokens = make_pair("counts"), make_pair("tokens")
+    print(f"V = {V}, {len(NAMES)} estimators, 200 batches, device {dev}"
           f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else f', {args.threads} threads'}")
-    print(f"{'pipeline':<46} {'seconds':>8} {'draws/s':>14} {'vs multinomial':>15}")
-    for name, t in rows:
-        print(f"{name:<46} {t:8.3f} {n / t:14,.0f} {base / t:14.1f}x")
+    print(f"{'draws':>8} {'pipeline':<48} {'timed on':>9} {'seconds':>8} {'(draw-equivalents)/s':>21} "
+          f"{'vs tokens':>9} {'vs multinomial':>14}")
+    for n in args.draws:
+        nt, nb = min(n, args.token_draws), min(n, args.baseline_draws)
+        rows = [("kl-bench counts (multinomial count vectors)", n,
+                 timed(lambda: engine(counts, n, dev), dev, args.repeats)),
+                ("kl-bench tokens (alias + bincount)", nt,
+                 timed(lambda: engine(tokens, nt, dev), dev, args.repeats if nt < 10**9 else 1)),
+                ("torch.multinomial + gather (baseline)", nb,
+                 timed(lambda: torch_multinomial(tokens, nb, dev), dev, 1 if nb >= 10**8 else args.repeats))]
+        if dev.type == "cpu":
+            rows.append(("numpy Generator.choice + gather (baseline)", nb, timed(lambda: numpy_choice(tokens, nb), dev, 1)))
+        rate_tok, rate_mult = rows[1][1] / rows[1][2], rows[2][1] / rows[2][2]
+        for name, m, t in rows:
+            rate = m / t
+            print(f"{n:8.0e} {name:<48} {m:9.0e} {t:8.3f} {rate:21,.0f} {rate / rate_tok:8.1f}x {rate / rate_mult:13.1f}x")
     if not args.no_memory:
-        for m in (10**7, 10**8):
-            r = peak_memory(m, args.device)
-            print(f"engine peak RSS at {m:.0e} draws: {r['rss_peak_mib']:.0f} MiB "
-                  f"(after setup {r['rss_before_mib']:.0f} MiB)"
-                  + (f", CUDA peak {r['cuda_peak_mib']:.0f} MiB" if r["cuda_peak_mib"] is not None else ""))
+        for sampling, sizes in (("tokens", (10**7, 10**8)), ("counts", (10**8, 10**10))):
+            for m in sizes:
+                r = peak_memory(m, args.device, sampling)
+                print(f"engine ({sampling}) peak RSS at {m:.0e} draws: {r['rss_peak_mib']:.0f} MiB "
+                      f"(after setup {r['rss_before_mib']:.0f} MiB)"
+                      + (f", CUDA peak {r['cuda_peak_mib']:.0f} MiB" if r["cuda_peak_mib"] is not None else ""))
 
 
 if __name__ == "__main__":

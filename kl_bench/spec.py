@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, check_memory, convert,
+from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, convert,
                      fmt_count, nonnegative, positive, typename)
 from .errors import SpecError
 from .estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup
@@ -202,33 +202,7 @@ def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path
     for i, raw in enumerate(raw_cases):
         cases.append(_parse_case(raw, i, file, spec_dir, cases))
     spec = Spec(exp, tuple(cases), path, text)
-    check_batch_memory(spec)
     return spec
-
-
-def draw_bytes(exp: Experiment, aggregates: int) -> int:
-    """About the bytes one draw of a batch takes while the batch is sampled: a batch is drawn and reduced
-    in one piece, with ~8 float64 values per row and aggregate (the row, its shifted value and square,
-    the sign, their concatenation) plus the joint (a, b) moments and the draw itself. Measured: ~60 B per
-    row on Gaussians and rollouts, less on categoricals (their features are tables, not per draw)."""
-    rows = len(exp.estimators) + len(exp.lambdas) + int(exp.optimal)
-    return 8 * (8 * rows * aggregates + 10 * aggregates + 16)
-
-
-def check_batch_memory(spec: Spec, draws_key: str | None = None) -> None:
-    """Refuse a case whose batches of draws would not fit in memory (before anything is allocated).
-    ``draws_key``: the key to name when the draws come from a flag (``--draws``)."""
-    exp = spec.experiment
-    for case, n in zip(spec.cases, spec.case_draws()):
-        per_batch = -(-n // min(exp.batches, n))
-        aggregates = len(CASE_KINDS[case.kind].pair.aggregates) if case.kind in CASE_KINDS else 1
-        msg = check_memory(per_batch * draw_bytes(exp, aggregates),
-                           f"a batch of {fmt_count(per_batch)} draws (draws / batches) is sampled at once and")
-        if msg:
-            own = case.draws is not None
-            key = draws_key or ("draws" if own else "experiment.draws")
-            raise SpecError(f"{msg}: raise experiment.batches (≤ {fmt_count(MAX_BATCHES)}) or lower draws",
-                            file=str(spec.path), case=case.name, key=key)
 
 
 def parse_spec(text: str, path: Path) -> Spec:
@@ -319,7 +293,4 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
         if msg:
             raise SpecError(msg, file=str(spec.path), key="--device")
         exp = dataclasses.replace(exp, device=device)
-    spec = dataclasses.replace(spec, experiment=exp)
-    if draws is not None:
-        check_batch_memory(spec, "--draws")
-    return spec
+    return dataclasses.replace(spec, experiment=exp)

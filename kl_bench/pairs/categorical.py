@@ -195,14 +195,15 @@ class CategoricalPair(Pair):
 
     def batch_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The batch's draws as counts over the drawn ids: (None, counts [M]) dense, or (ids [m],
-        counts [m]) sparse (sorted ids with a nonzero count) when the batch is smaller than the support.
+        counts [m]) sparse (sorted ids with a nonzero count) when the batch is far smaller than the support.
         Counts are float64 holding exact integers (n ≤ 2^53)."""
         m = self._logr.shape[0]
         if self.uses_counts(batch.size):
             # Conditional binomials in C: O(M) per batch, whatever n (a draw-equivalent of n tokens).
             counts = torch.from_numpy(batch.numpy_generator().multinomial(batch.size, self._pvals))
             return None, counts.to(device=device, dtype=torch.float64)
-        if batch.size < m:
+        if 8 * batch.size < m:
+            # Far fewer draws than ids: sort the ids (O(n log n)) rather than count over all M ids.
             ids = torch.cat([self.sample_ids(k, g, device) for k, g in batch.pieces()])
             uniq, cnt = torch.unique(ids, sorted=True, return_counts=True)
             return uniq, cnt.to(torch.float64)
