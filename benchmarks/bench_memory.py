@@ -69,7 +69,8 @@ def main() -> None:
             if n <= most_whole or args.smoke:
                 w = peak_in_child(setup(case, args.device, True), step(n))
                 whole = f"{w['rss_peak_mib'] - w['rss_before_mib']:.0f}"
-            print(f"{kind:<22} {n:7.0e} {run:11.0f} {whole:>16} {r['rss_before_mib']:10.0f}", flush=True)
+            cuda = f"   CUDA peak {r['cuda_peak_mib']:.0f} MiB" if r["cuda_peak_mib"] is not None else ""
+            print(f"{kind:<22} {n:7.0e} {run:11.0f} {whole:>16} {r['rss_before_mib']:10.0f}{cuda}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
   kl-bench tokens        every token drawn (alias table, pieces of 2^16) → bincount → the same product
   torch.multinomial      plain pipeline: multinomial ids → gather log p, log q → each estimator → float64 sums
   numpy Generator.choice plain pipeline with numpy's sampler
+  raw limit              torch.rand + one gather per token and a sum: the device's best per-token rate
 
 Each pipeline computes the same statistics (sum, sum of squares, negatives for the estimators). The
 token pipelines cost O(draws), so at 10^10 draws they are timed on fewer draws in the same run and
@@ -55,6 +56,17 @@ def torch_multinomial(pair: CategoricalPair, n: int, device: torch.device) -> to
         ids = torch.multinomial(q, min(CHUNK, n - start), replacement=True, generator=g)
         _stats(lp[ids] - lq[ids], acc)
     return acc
+
+
+def raw_limit(pair: CategoricalPair, n: int, device: torch.device) -> torch.Tensor:
+    """What the device can do at best per token: one uniform and one gather of a [V] table, summed."""
+    table = pair.log_p[0].to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for start in range(0, n, CHUNK):
+        u = torch.rand(min(CHUNK, n - start), dtype=torch.float64, generator=g, device=device)
+        total += table[(u * V).long().clamp_(max=V - 1)].sum()
+    return total
 
 
 def numpy_choice(pair: CategoricalPair, n: int) -> torch.Tensor:
@@ -120,7 +132,9 @@ def main() -> None:
                 ("kl-bench tokens (alias + bincount)", nt,
                  timed(lambda: engine(tokens, nt, dev), dev, args.repeats if nt < 10**9 else 1)),
                 ("torch.multinomial + gather (baseline)", nb,
-                 timed(lambda: torch_multinomial(tokens, nb, dev), dev, 1 if nb >= 10**8 else args.repeats))]
+                 timed(lambda: torch_multinomial(tokens, nb, dev), dev, 1 if nb >= 10**8 else args.repeats)),
+                ("raw limit (torch.rand + one gather)", nt,
+                 timed(lambda: raw_limit(tokens, nt, dev), dev, args.repeats if nt < 10**9 else 1))]
         if dev.type == "cpu":
             rows.append(("numpy Generator.choice + gather (baseline)", nb, timed(lambda: numpy_choice(tokens, nb), dev, 1)))
         rate_tok, rate_mult = rows[1][1] / rows[1][2], rows[2][1] / rows[2][2]
