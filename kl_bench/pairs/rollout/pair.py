@@ -23,6 +23,7 @@ from ...config import MAX_LENGTH, Table, at_most, positive
 from ...draws import Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource, poly_square
+from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
                        resolve_pair_logits, sampler_for)
 from ...targets import FORWARD, REVERSE
@@ -42,6 +43,7 @@ class RolloutCase(CaseConfig):
     q: LogitsSource
     p: LogitsSource
     eos_prob: float | None = None   # sets q(eos|c) = p(eos|c) = eos_prob in every bucket
+    precision: Precision | None = None   # log-probs as a trainer rounds them (kl_bench.precision)
 
 
 def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
@@ -68,8 +70,10 @@ class RolloutPair(Pair):
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
                  min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = ""):
+                 sampler_label: str = "", precision: Precision | None = None):
         """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
+        ``precision``: every row sees the per-token log r as a trainer rounds it (kl_bench.precision);
+        the truth stays the float64 KL.
 
         A sampler: tokens drawn from ``log_b`` [C, V] (b = q when None) with EOS suppressed for the
         first ``min_length`` tokens, while the estimators use q's and p's log-probs. ``weights``:
@@ -82,6 +86,9 @@ class RolloutPair(Pair):
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
         self.buckets, self.vocab = self.log_q.shape
         self.logr_table = self.log_p - self.log_q                          # log r(c, x), [C, V]
+        self.precision = precision
+        if precision is not None:   # a fixed function of (bucket, token): the dynamic program stays exact
+            self.logr_table = rounded_logr(self.log_q, self.log_p, precision)
         q = self.log_q.exp()
         self.kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
         self._alias: AliasTable | None = None      # built on first sampling (exact runs need none)
@@ -133,10 +140,11 @@ class RolloutPair(Pair):
         eos_prob = t.get("eos_prob", "float", None, lambda v: None if 0 < v < 1 else f"must lie in (0, 1), got {v}")
         if eos_prob is not None and eos is None:
             raise t.error("needs an eos token", key="eos_prob")
+        precision = parse_precision(t)          # before the sources, which finish the table
         q, p = parse_pair_sources(t, spec_dir)
         check_table_size(t, vocab, q, p, contexts=buckets, what="buckets")
         return RolloutCase(vocab=vocab, buckets=buckets, bucket_of=bucket_of, length=length, eos=eos, q=q, p=p,
-                           eos_prob=eos_prob, **common)
+                           eos_prob=eos_prob, precision=precision, **common)
 
     def metadata(self) -> dict[str, Any]:
         # `length`: the report plots std/true against it across cases of one family (`label`).
@@ -169,13 +177,23 @@ class RolloutPair(Pair):
         sp = case.sampler
         label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label)
+            return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label, precision=case.precision)
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
         plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
         return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label,
                    log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
-                   weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe())
+                   weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
+                   precision=case.precision)
+
+    def adapt(self, source: RowSource) -> RowSource:
+        return source if self.precision is None else in_precision(source, self.precision)
+
+    def require_gradients(self) -> None:
+        if self.precision is not None:
+            raise SpecError("gradient rows are not available with rounded log-probs on rollouts: set gradients = "
+                            "false or drop precision", key="precision", case=self.name)
+        super().require_gradients()
 
     # ------------------------------------------------------------------ exact
     def _dp(self, m: torch.Tensor, h: torch.Tensor, kmax: int) -> list[float]:
@@ -222,9 +240,15 @@ class RolloutPair(Pair):
         return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
 
     def kl(self) -> float:
+        if self.precision is not None:     # the truth is the float64 KL, not the rounded table's
+            g = self.log_p - self.log_q
+            return -self._dp(torch.ones_like(g), g, 1)[1]
         return -self.seq_moments(0)[1]
 
     def kl_forward(self) -> float:
+        if self.precision is not None:
+            g = self.log_p - self.log_q
+            return self._dp(torch.exp(g), g, 1)[1]
         return self.seq_moments(1)[1]      # E_p[L] = E_q[R L]: q > 0 everywhere
 
     def _poly_mean(self, poly) -> float:
@@ -402,7 +426,8 @@ class RolloutPair(Pair):
         eos = f", eos={self.eos}" if self.eos is not None else ""
         return (f"rollout V={self.vocab}, C={self.buckets}, T={self.length}{eos}"
                 + (f": {self.label}" if self.label else "")
-                + (f"; {self.sampler_label}" if self.sampler_label else ""))
+                + (f"; {self.sampler_label}" if self.sampler_label else "")
+                + (f"; {self.precision.describe()}" if self.precision is not None else ""))
 
 
 def _flat_alias(log_b: torch.Tensor) -> AliasTable:
