@@ -148,13 +148,17 @@ def test_nemo_order_against_clamp_then_weight_on_the_vocab50k_clamps_fire_pair()
     assert round(cos_nemo, 3) == 0.923 and round(cos_plain, 3) == 0.996
 
 
-def test_nemo_mode_monte_carlo_matches_its_exact_gradient():
+def test_gradient_rows_of_every_preset_match_their_exact_expected_gradients():
     pair = _clamps_fire()
-    rows = pd.DataFrame(G.gradient_rows(pair, [lookup("nemo.k3"), lookup("nemo.k1")], draws=100_000, seed=2,
+    rows = pd.DataFrame(G.gradient_rows(pair, [lookup(p.name) for p in PRESETS], draws=100_000, seed=2,
                                         batches=50, device=CPU))
+    assert set(rows["estimator"]) == {p.name for p in PRESETS} and rows["equals"].ne("").all()
     nemo = rows[rows["mode"] == "loss_is_nemo"]
-    assert len(nemo) == 2 and (nemo[["z_reverse", "z_forward"]].abs() < 5).all().all(), nemo
-    assert (rows[["z_reverse", "z_forward"]].abs() < 5).all().all()
+    assert set(nemo["estimator"]) == {"nemo.k1", "nemo.k2", "nemo.k3"}
+    assert (rows[["z_reverse", "z_forward"]].abs() < 5).all().all(), rows[["estimator", "mode", "z_reverse"]]
+    # the straight-through variants follow ∇KL(q‖p) exactly in the loss, as k2 does
+    plus = rows[rows["estimator"].str.endswith("+") & (rows["mode"] == "loss")]
+    assert (plus["equals"] == "reverse").all(), plus[["estimator", "equals"]]
 
 
 def test_nemo_mode_is_refused_under_a_sampler():
