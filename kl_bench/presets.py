@@ -11,7 +11,7 @@ only; the code below is ours):
 | verl.kl, verl.abs, verl.mse | verl/trainer/ppo/core_algos.py, ``kl_penalty_forward`` | −ℓ, \\|ℓ\\|, ½ℓ² |
 | verl.low_var_kl | same | clamp(e^ℓ̃ − ℓ̃ − 1, ±10), ℓ̃ = clamp(ℓ, ±20) |
 | verl.<name>+ | same, ``kl_penalty`` | value of <name>, gradient of ½ℓ² (straight-through) |
-| openrlhf.k1, k2, k3 | openrlhf/models/utils.py, ``compute_approx_kl`` | −ℓ, ½ℓ², e^ℓ − 1 − ℓ; clamped to ±10 |
+| openrlhf.k1, k2, k3 | openrlhf/models/utils.py, ``compute_approx_kl`` | −ℓ, ½ℓ², e^ℓ − 1 − ℓ in float32; ±10 |
 | trl.grpo | trl/trainer/grpo_trainer.py (``per_token_kl``) | e^ℓ − ℓ − 1, unclamped |
 | trl.ppo_k1, trl.ppo_k3 | trl/trainer/ppo_trainer.py (``kl_estimator``) | −ℓ; (e^ℓ − 1) − ℓ |
 | nemo.k1, k2, k3 | nemo_rl/algorithms/utils.py (``calculate_kl``), loss_functions.py | −ℓ̃, ½ℓ̃², e^ℓ̃ − 1 − ℓ̃; ±10 |
@@ -109,19 +109,24 @@ def straight_through(value_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callab
 
 
 # ----------------------------------------------------------------------------- OpenRLHF
+# OpenRLHF casts both log-probs to float32 (``.float()``) before it subtracts them, so its arithmetic is
+# float32 whatever the model's dtype. The presets receive log r and cast it to float32: the same numbers
+# when log r was formed in float32 from float32 or bf16 log-probs (a difference of two bf16 numbers is
+# exact in float32: a case with precision estimator = "fp32"); from float64 log-probs the difference is
+# rounded once, at the end instead of per operand. The result is returned in the input's dtype.
 def openrlhf_k1(logr: torch.Tensor) -> torch.Tensor:
-    """OpenRLHF ``k1``: log_probs − log_probs_base = −log r, clamped to ±10. Shape-preserving."""
-    return _clip_out(_neg(logr))
+    """OpenRLHF ``k1``: log_probs − log_probs_base = −log r in float32, clamped to ±10. Shape-preserving."""
+    return _clip_out(_neg(logr.float())).to(logr.dtype)
 
 
 def openrlhf_k2(logr: torch.Tensor) -> torch.Tensor:
-    """OpenRLHF ``k2``: (log_probs − log_probs_base)²/2, clamped to ±10. Shape-preserving."""
-    return _clip_out(_neg(logr) ** 2 / 2.0)
+    """OpenRLHF ``k2``: (log_probs − log_probs_base)²/2 in float32, clamped to ±10. Shape-preserving."""
+    return _clip_out(_neg(logr.float()) ** 2 / 2.0).to(logr.dtype)
 
 
 def openrlhf_k3(logr: torch.Tensor) -> torch.Tensor:
-    """OpenRLHF ``k3``: (e^ℓ − 1) − ℓ with ℓ = −(log_probs − log_probs_base), clamped to ±10."""
-    return _clip_out(_k3_exp_m1_first(logr))
+    """OpenRLHF ``k3``: (e^ℓ − 1) − ℓ in float32 with ℓ = −(log_probs − log_probs_base), clamped to ±10."""
+    return _clip_out(_k3_exp_m1_first(logr.float())).to(logr.dtype)
 
 
 # ----------------------------------------------------------------------------- TRL
