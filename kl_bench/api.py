@@ -241,7 +241,7 @@ def exact(spec) -> "pd.DataFrame":
     sources = [resolve_estimator(n) for n in sp.experiment.estimators] + [make_cv(lam) for lam in sp.experiment.lambdas]
     rows = []
     for p in pairs:
-        for row in exact_rows(p, sources):
+        for row in exact_rows(p, [p.adapt(s) for s in sources]):
             add_planning(row)
             if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
                 row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star

@@ -4,6 +4,10 @@ A **row** is an estimator with an aggregation:
 - ``""``: single draws (Gaussian, categorical): the estimator applied to log r.
 - ``"seq"``: rollouts: the estimator applied to the sequence log-ratio L = Σ_t log r_t (R = e^L).
 - ``"tok"``: rollouts: the per-token estimator summed over the generated tokens (what GRPO/PPO code does).
+- ``"tok_mean"``: rollouts: that sum divided by the sequence's length |y| (the per-sequence token mean
+  that "seq-mean-token-mean" aggregation averages).
+- ``"tok_gm"``: rollouts under a sampler with ``weights = "geometric"``: the token sum times TRL's
+  sequence-level weight exp((1/|y|) Σ_t log(q_t/b_t)), the geometric mean of the token ratios.
 A pair-supplied row (``full``: the analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok".
 """
 from __future__ import annotations
@@ -12,7 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .estimators import RowSource
+from .estimators import Estimator, RowSource
+from .targets import REVERSE
+
+TOK_AGGREGATES = ("tok", "tok_mean", "tok_gm")     # rows built from per-token sums along the path
+# A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which tok_mean and
+# tok_gm rows need per draw. It is the last column of Draws.tok whenever such a row is present.
+LENGTH = Estimator("length", lambda logr: torch.ones_like(logr), REVERSE, False, True, "1 per token")
 
 
 def row_key(name: str, lam: float | None, aggregate: str) -> str:
@@ -62,15 +72,25 @@ class Draws:
     tok_weighted: bool = False
 
 
+def _needs_length(rows: list[Row]) -> bool:
+    return any(r.aggregate in ("tok_mean", "tok_gm") for r in rows)
+
+
 def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
     """[n, len(rows)] values of every row for every draw."""
     cols, t = [], 0
     w = draws.weight
+    length = draws.tok[:, -1] if _needs_length(rows) else None
     for row in rows:
-        if row.aggregate == "tok":
+        if row.aggregate in TOK_AGGREGATES:
             col = draws.tok[:, t]
             t += 1
-            if w is not None and not draws.tok_weighted:
+            if row.aggregate == "tok_mean":
+                col = col / length
+            if row.aggregate == "tok_gm":
+                # W^{1/|y|} = exp(mean_t log(q_t/b_t)), with W = Π_t q_t/b_t the product weight of the draw
+                col = col * torch.exp(torch.log(w) / length)
+            elif w is not None and not draws.tok_weighted:
                 col = col * w
         else:
             col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
@@ -81,4 +101,7 @@ def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
 
 
 def tok_rows(rows: list[Row]) -> list[Row]:
-    return [r for r in rows if r.aggregate == "tok"]
+    """The rows whose per-token sums a rollout accumulates along the path (plus the length row last,
+    when a per-sequence mean or a geometric weight needs it)."""
+    out = [r for r in rows if r.aggregate in TOK_AGGREGATES]
+    return out + [Row(LENGTH, "tok")] if _needs_length(rows) else out

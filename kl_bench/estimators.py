@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .errors import SpecError
+from .presets import PRESETS, WeightedClamp
 from .registry import Registry, UnknownName, did_you_mean
 from .targets import FORWARD, REVERSE, check_target
 
@@ -51,6 +52,9 @@ class Estimator:
     lam: float | None = None   # λ of a control variate cv(λ); None otherwise
     fitted: bool = False       # cv_opt: λ fitted on an independent pilot pass
     plugin: bool = False       # loaded from user code: its output is checked on every call
+    # NeMo-RL's importance-weighted clamp order (kl_bench.presets): gets the loss_is_nemo gradient mode
+    weighted: WeightedClamp | None = None
+    source: str = ""           # library presets: the file whose formula it reproduces
     analytic: ClassVar[bool] = False   # a function of log r (PairRow: supplied by the pair)
 
     def __post_init__(self):
@@ -148,6 +152,11 @@ ESTIMATORS.add("abs", Estimator("abs", abs_logr, REVERSE, False, True, "|log r|"
 ESTIMATORS.add("fwd_k1", Estimator("fwd_k1", fwd_k1, FORWARD, True, False, "r·log r", {(1, 1): 1.0}))
 ESTIMATORS.add("fwd_k3", Estimator("fwd_k3", fwd_k3, FORWARD, True, True, "r·log r − (r−1)",
                                    {(1, 1): 1.0, (1, 0): -1.0, (0, 0): 1.0}))
+
+# Library presets ("<library>.<name>", no colon: a colon marks a plug-in), formula for formula.
+for _p in PRESETS:
+    ESTIMATORS.add(_p.name, Estimator(_p.name, _p.fn, REVERSE, _p.unbiased, _p.nonnegative, _p.formula, _p.poly,
+                                      _p.abs_poly, weighted=_p.weighted, source=_p.source))
 
 DEFAULT_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full")
 CV, CV_OPT = "cv", "cv_opt"     # names of the control-variate rows in results

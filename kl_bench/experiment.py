@@ -57,7 +57,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
     aggs = pair.aggregates
-    rows = as_rows([resolve_estimator(n) for n in exp.estimators], pair)
+    rows = as_rows([pair.adapt(resolve_estimator(n)) for n in exp.estimators], pair)
     cvs = as_rows([make_cv(lam) for lam in exp.lambdas], pair)
     # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
     # (against their exact E_b), but no sweep or cv_opt is made.

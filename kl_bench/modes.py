@@ -6,6 +6,7 @@
 | reward | sg(f) · log q_θ(x) (score function) | f(log r) |
 | loss_is | f(log r) · q_θ/sg(q_θ) | f(log r) − f′(log r) |
 | straight_through | value of f, gradient of k2 (estimators that declare it: k3) | −log r |
+| loss_is_nemo | clamp(w·f(clamp(log r))), w = q/sg(q) detached where a clamp fires (NeMo-RL) | (f − f′)·1[no clamp] |
 
 f′ comes from autograd of the estimator function itself, so clamped variants differentiate as trainers'
 code does.
@@ -21,7 +22,16 @@ import torch
 from .errors import SpecError
 from .estimators import Estimator, Poly
 
-MODES = ("loss", "reward", "loss_is", "straight_through")
+MODES = ("loss", "reward", "loss_is", "straight_through", "loss_is_nemo")
+
+
+def nemo_active(est: Estimator, logr: torch.Tensor) -> torch.Tensor:
+    """Where neither of NeMo-RL's clamps fires (on-policy, w = 1): |log r| ≤ L and |f(clamp(log r))| ≤ K,
+    inclusive as torch.clamp passes gradients at the bounds. Bool, shape of ``logr``."""
+    wc = est.weighted
+    x = logr.clamp(-wc.logr_clamp, wc.logr_clamp) if wc.logr_clamp is not None else logr
+    ok = logr.abs() <= wc.logr_clamp if wc.logr_clamp is not None else torch.ones_like(logr, dtype=torch.bool)
+    return ok & (wc.base(x).abs() <= wc.clamp) if wc.clamp is not None else ok
 
 
 def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -43,6 +53,12 @@ def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Ten
         return lambda logr: est.fn(logr) - deriv(logr)
     if mode == "straight_through":
         return lambda logr: -logr
+    if mode == "loss_is_nemo":
+        # ∇(w·f(log r)) = w·(f − f′)·s where no clamp fires (∇w = w s, ∇ log r = −s, w = 1 on-policy); zero
+        # where one fires, since NeMo-RL detaches the weight there and the clamped value is constant.
+        base = Estimator(est.name, est.weighted.base, est.target, est.unbiased, est.nonnegative, est.formula)
+        d = coefficient(base, "loss_is")
+        return lambda logr: torch.where(nemo_active(est, logr), d(logr), torch.zeros_like(logr))
     raise ValueError(mode)
 
 
@@ -59,6 +75,13 @@ def trainer_loss(est: Estimator, mode: str, log_q_x: torch.Tensor, log_p_x: torc
     if mode == "straight_through":            # the value of k3, the gradient of k2
         k2 = 0.5 * logr**2
         return k2 + (est.fn(logr) - k2).detach()
+    if mode == "loss_is_nemo":            # NeMo-RL: clamp(w · f(clamp(log r))), w detached where a clamp fires
+        wc = est.weighted
+        w = torch.exp(log_q_x - log_q_x.detach())
+        w = torch.where(nemo_active(est, logr.detach()), w, w.detach())
+        x = logr.clamp(-wc.logr_clamp, wc.logr_clamp) if wc.logr_clamp is not None else logr
+        v = w * wc.base(x)
+        return v.clamp(-wc.clamp, wc.clamp) if wc.clamp is not None else v
     raise ValueError(mode)
 
 
@@ -66,7 +89,7 @@ def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
     """c as a polynomial Σ a r^s (log r)^k, when the estimator is one (d/dL r^s = s r^s)."""
     if mode == "straight_through":
         return {(0, 1): -1.0}
-    if est.poly is None:
+    if est.poly is None or mode == "loss_is_nemo":
         return None
     deriv: Poly = {}
     for (s, k), a in est.poly.items():
@@ -85,8 +108,9 @@ def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
 
 
 def modes_for(est: Estimator) -> list[str]:
-    """The modes an estimator gets: straight_through only where the estimator declares it."""
-    return [m for m in MODES if m != "straight_through" or est.straight_through]
+    """The modes an estimator gets: straight_through and loss_is_nemo only where the estimator declares them."""
+    return [m for m in MODES if (m != "straight_through" or est.straight_through)
+            and (m != "loss_is_nemo" or est.weighted is not None)]
 
 
 @dataclass(frozen=True)

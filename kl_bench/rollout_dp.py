@@ -65,3 +65,28 @@ def propagate_tensor(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start
             state = new
     return ended + state.sum(dim=1)
 
+
+
+def propagate_by_length(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start: int = 0) -> torch.Tensor:
+    """Like :func:`propagate_phases`, split by the sequence's final length: [T, K+1] with entry
+    [ℓ − 1, k] = E[M · S^k ; |y| = ℓ] (EOS at step ℓ, or no EOS and ℓ = T). Summing over ℓ gives
+    :func:`propagate_phases`. Per-sequence means (S/|y|) and length-dependent weights (W^{1/|y|}) are
+    then exact sums over ℓ: docs/trainers.md."""
+    a0 = phases[0][0]
+    kmax, c = a0.shape[0] - 1, a0.shape[1]
+    state = torch.zeros(kmax + 1, c, dtype=torch.float64, device=a0.device)
+    state[0, start] = 1.0
+    binom = [[math.comb(k, j) for j in range(k + 1)] for k in range(kmax + 1)]
+    out = []
+    for a, e, steps in phases:
+        for _ in range(steps):
+            new = torch.zeros_like(state)
+            ended = torch.zeros(kmax + 1, dtype=torch.float64, device=a0.device)
+            for k in range(kmax + 1):
+                for j in range(k + 1):
+                    new[k] += binom[k][j] * (state[k - j] @ a[j])
+                    ended[k] += binom[k][j] * (state[k - j] @ e[j])
+            state = new
+            out.append(ended)
+    out[-1] = out[-1] + state.sum(dim=1)        # still alive after T steps: length T
+    return torch.stack(out)

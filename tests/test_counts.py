@@ -12,8 +12,10 @@ from kl_bench.spec import load_spec
 from .conftest import mc_frame
 
 ROOT = Path(__file__).resolve().parent.parent
+# Rounded log-probs (precision) change the feature table, not how the ids are drawn: those cases are
+# covered by their unrounded twins.
 CASES = [(path, case) for path in sorted((ROOT / "experiments").glob("*.toml"))
-         for case in load_spec(path).cases if case.kind == "categorical"]
+         for case in load_spec(path).cases if case.kind == "categorical" and case.precision is None]
 ROWS = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full"]
 
 

@@ -12,7 +12,7 @@ from kl_bench.pairs import CategoricalPair, GaussianPair
 
 from .conftest import CPU, mc_frame
 
-ALL = ESTIMATORS.names()
+ALL = [n for n in ESTIMATORS.names() if not ESTIMATORS[n].source]   # library presets: tests/test_presets.py
 
 
 def _categorical(name="cat", vocab=2000, contexts=1, noise=0.4, seed=1):

@@ -114,6 +114,11 @@ class Pair(ABC):
     def validate(self, sources: list[RowSource]) -> None:
         """Refuse (SpecError) estimators this pair has no exact oracle for, before any sampling."""
 
+    def adapt(self, source: RowSource) -> RowSource:
+        """The estimator as this case evaluates it (e.g. in a lower precision, kl_bench.precision);
+        unchanged by default."""
+        return source
+
     def metadata(self) -> dict[str, Any]:
         """This case in run.json (``length`` set where rows grow with a sequence length)."""
         return {"kind": self.kind, "description": self.describe(), "label": "", "length": None}

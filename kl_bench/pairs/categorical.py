@@ -28,6 +28,7 @@ from ..config import Table, positive
 from ..draws import Draws
 from ..errors import SpecError
 from ..estimators import RowSource
+from ..precision import Precision, in_precision, parse_precision, rounded_logr
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_logits, sampler_for)
 from ..seeding import BatchStream
@@ -44,6 +45,7 @@ class CategoricalCase(CaseConfig):
     q: LogitsSource
     p: LogitsSource
     sampling: str = "auto"     # how a batch's count vector is drawn (module docstring)
+    precision: Precision | None = None   # log-probs as a trainer rounds them (kl_bench.precision)
 
 
 @register_kind("categorical", description="categoricals over a vocabulary, [V] or [B, V] logits; exact sums",
@@ -53,11 +55,12 @@ class CategoricalPair(Pair):
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = "", sampling: str = "auto"):
+                 sampler_label: str = "", sampling: str = "auto", precision: Precision | None = None):
         """``log_q``, ``log_p``: normalised float64 log-probabilities [B, V]. ``log_b``: a sampler b ≠ q
         that draws the tokens while the estimators keep using q's and p's log-probs; ``weights``
         ("token") multiplies every estimate by q/b, capped at ``weight_cap``. ``sampling``: how a
-        batch's count vector is drawn (module docstring)."""
+        batch's count vector is drawn (module docstring). ``precision``: the estimators see log r as a
+        trainer computes it in lower precision (kl_bench.precision)."""
         self.name = name
         self.sampling = sampling
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
@@ -73,6 +76,9 @@ class CategoricalPair(Pair):
         w = (sample.exp() / sample.shape[0]).reshape(-1)
         self._support = torch.nonzero(w > 0).squeeze(1)
         self._logr = (self.log_p - self.log_q).reshape(-1)[self._support]
+        self.precision = precision
+        if precision is not None:       # a fixed function of (context, token): exact sums stay exact
+            self._logr = rounded_logr(self.log_q, self.log_p, precision).reshape(-1)[self._support]
         self._alias = build_alias(w[self._support].numpy())
         # The multinomial's probabilities, renormalised in float64 (numpy checks that they sum to 1).
         pw = w[self._support].numpy()
@@ -96,11 +102,12 @@ class CategoricalPair(Pair):
         sampling = t.get("sampling", "str", "auto")
         if sampling not in SAMPLING:
             raise t.error(f"must be one of {', '.join(SAMPLING)}, got {sampling!r}", key="sampling")
+        precision = parse_precision(t)          # before the sources, which finish the table
         q, p = parse_pair_sources(t, spec_dir)
         if vocab is None and not (has_vocab_of_its_own(q) or has_vocab_of_its_own(p)):
             raise t.error("missing required key (needed unless logits come from a file or a tensor)", key="vocab")
         check_table_size(t, vocab, q, p)
-        return CategoricalCase(vocab=vocab, q=q, p=p, sampling=sampling, **common)
+        return CategoricalCase(vocab=vocab, q=q, p=p, sampling=sampling, precision=precision, **common)
 
     @classmethod
     def from_config(cls, case: CategoricalCase) -> "CategoricalPair":
@@ -108,9 +115,13 @@ class CategoricalPair(Pair):
         sp = case.sampler
         label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, label=label, sampling=case.sampling)
+            return cls(case.name, lq, lp, label=label, sampling=case.sampling, precision=case.precision)
         return cls(case.name, lq, lp, label=label, log_b=sampler_for(sp, lq, lp), weights=sp.weights,
-                   weight_cap=sp.weight_cap, sampler_label=sp.describe(), sampling=case.sampling)
+                   weight_cap=sp.weight_cap, sampler_label=sp.describe(), sampling=case.sampling,
+                   precision=case.precision)
+
+    def adapt(self, source: RowSource) -> RowSource:
+        return source if self.precision is None else in_precision(source, self.precision)
 
     def metadata(self) -> dict[str, Any]:
         return {**super().metadata(), "label": self.label, "sampling": self.sampling}
@@ -177,7 +188,8 @@ class CategoricalPair(Pair):
     def describe(self) -> str:
         ctx = f", {self.contexts} contexts" if self.contexts > 1 else ""
         return (f"categorical V={self.vocab}{ctx}" + (f": {self.label}" if self.label else "")
-                + (f"; {self.sampler_label}" if self.sampler_label else ""))
+                + (f"; {self.sampler_label}" if self.sampler_label else "")
+                + (f"; {self.precision.describe()}" if self.precision is not None else ""))
 
     def sample_ids(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
         """Indices into the support of q for ``n`` draws; int64 [n]."""

@@ -103,6 +103,9 @@ class GaussianPair(Pair):
     # ---------------------------------------------------------------- spec
     @classmethod
     def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> GaussianCase:
+        if t.has("precision"):
+            raise t.error("rounded log-probs have no exact oracle on a Gaussian (rounding changes the continuous "
+                          "law of log r); use a categorical or rollout case", key="precision")
         q = _params(t.sub("q"))
         p = _params(t.sub("p"))
         t.finish()

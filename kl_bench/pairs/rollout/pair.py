@@ -23,6 +23,7 @@ from ...config import MAX_LENGTH, Table, at_most, positive
 from ...draws import Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource, poly_square
+from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
                        resolve_pair_logits, sampler_for)
 from ...seeding import BatchStream
@@ -43,6 +44,8 @@ class RolloutCase(CaseConfig):
     q: LogitsSource
     p: LogitsSource
     eos_prob: float | None = None   # sets q(eos|c) = p(eos|c) = eos_prob in every bucket
+    precision: Precision | None = None   # log-probs as a trainer rounds them (kl_bench.precision)
+    per_sequence_mean: bool = False      # also tok_mean rows: Σ_t f / |y| per sequence
 
 
 def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
@@ -61,7 +64,7 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
                sampler_keys=("temperature", "top_k", "top_p", "min_length", "behavior", "weights", "weight_cap"),
-               weight_kinds=("token", "sequence"))
+               weight_kinds=("token", "sequence", "geometric"))
 class RolloutPair(Pair):
     aggregates = ("seq", "tok")
     supports_gradients = True           # second moments are measured (GradBatch.proj2): |S|² couples steps
@@ -69,13 +72,17 @@ class RolloutPair(Pair):
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
                  min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = ""):
+                 sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False):
         """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
+        ``precision``: every row sees the per-token log r as a trainer rounds it (kl_bench.precision);
+        the truth stays the float64 KL.
 
         A sampler: tokens drawn from ``log_b`` [C, V] (b = q when None) with EOS suppressed for the
         first ``min_length`` tokens, while the estimators use q's and p's log-probs. ``weights``:
         "token" multiplies each token's term by q/b and sequence-level rows by the product of those;
-        "sequence" multiplies every row by W = Π_t q/b. ``weight_cap`` caps each token's q/b."""
+        "sequence" multiplies every row by W = Π_t q/b; "geometric" does too and adds tok_gm rows, the
+        token sum times W^{1/|y|} (TRL's sequence-level weight). ``weight_cap`` caps each token's q/b.
+        ``per_sequence_mean``: tok_mean rows (Σ_t f / |y|) besides the token sums."""
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
         self.min_length = int(min_length) if eos is not None else 0
@@ -83,6 +90,13 @@ class RolloutPair(Pair):
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
         self.buckets, self.vocab = self.log_q.shape
         self.logr_table = self.log_p - self.log_q                          # log r(c, x), [C, V]
+        self.precision = precision
+        self.per_sequence_mean = per_sequence_mean
+        if per_sequence_mean and weights == "token":
+            raise SpecError("per_sequence_mean needs weights = \"none\", \"sequence\" or \"geometric\" (a token-weighted "
+                            "sum over |y| has no length-aware oracle here)", key="per_sequence_mean")
+        if precision is not None:   # a fixed function of (bucket, token): the dynamic program stays exact
+            self.logr_table = rounded_logr(self.log_q, self.log_p, precision)
         q = self.log_q.exp()
         self.kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
         self._alias: AliasTable | None = None      # built on first sampling (exact runs need none)
@@ -134,10 +148,13 @@ class RolloutPair(Pair):
         eos_prob = t.get("eos_prob", "float", None, lambda v: None if 0 < v < 1 else f"must lie in (0, 1), got {v}")
         if eos_prob is not None and eos is None:
             raise t.error("needs an eos token", key="eos_prob")
+        precision = parse_precision(t)          # before the sources, which finish the table
+        per_sequence_mean = t.bool("per_sequence_mean", False)
         q, p = parse_pair_sources(t, spec_dir)
         check_table_size(t, vocab, q, p, contexts=buckets, what="buckets")
         return RolloutCase(vocab=vocab, buckets=buckets, bucket_of=bucket_of, length=length, eos=eos, q=q, p=p,
-                           eos_prob=eos_prob, **common)
+                           eos_prob=eos_prob, precision=precision,
+                           per_sequence_mean=per_sequence_mean, **common)
 
     def metadata(self) -> dict[str, Any]:
         # `length`: the report plots std/true against it across cases of one family (`label`).
@@ -146,7 +163,10 @@ class RolloutPair(Pair):
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
         # A function of L other than a polynomial in R and L has no exact sequence-level oracle (it would
         # need L's whole distribution), and trainers apply such functions per token: tok rows only.
-        return ("tok",) if source.token_only else self.aggregates
+        base = ("tok",) if source.token_only else self.aggregates
+        mean = ("tok_mean",) if self.per_sequence_mean and source.lam is None else ()
+        geo = ("tok_gm",) if self.weights == "geometric" and source.lam is None else ()
+        return base + mean + geo
 
     @classmethod
     def from_config(cls, case: RolloutCase) -> "RolloutPair":
@@ -170,13 +190,27 @@ class RolloutPair(Pair):
         sp = case.sampler
         label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label)
+            return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label, precision=case.precision,
+                       per_sequence_mean=case.per_sequence_mean)
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
         plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
         return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label,
                    log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
-                   weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe())
+                   weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
+                   precision=case.precision, per_sequence_mean=case.per_sequence_mean)
+
+    def adapt(self, source: RowSource) -> RowSource:
+        return source if self.precision is None else in_precision(source, self.precision)
+
+    def require_gradients(self) -> None:
+        if self.weights == "geometric":
+            raise SpecError("gradient rows are not available with geometric sequence weights: set gradients = false",
+                            key="sampler.weights", case=self.name)
+        if self.precision is not None:
+            raise SpecError("gradient rows are not available with rounded log-probs on rollouts: set gradients = "
+                            "false or drop precision", key="precision", case=self.name)
+        super().require_gradients()
 
     # ------------------------------------------------------------------ exact
     def _dp(self, m: torch.Tensor, h: torch.Tensor, kmax: int) -> list[float]:
@@ -223,9 +257,15 @@ class RolloutPair(Pair):
         return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
 
     def kl(self) -> float:
+        if self.precision is not None:     # the truth is the float64 KL, not the rounded table's
+            g = self.log_p - self.log_q
+            return -self._dp(torch.ones_like(g), g, 1)[1]
         return -self.seq_moments(0)[1]
 
     def kl_forward(self) -> float:
+        if self.precision is not None:
+            g = self.log_p - self.log_q
+            return self._dp(torch.exp(g), g, 1)[1]
         return self.seq_moments(1)[1]      # E_p[L] = E_q[R L]: q > 0 everywhere
 
     def _poly_mean(self, poly) -> float:
@@ -242,6 +282,8 @@ class RolloutPair(Pair):
         return total
 
     def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:
+        if aggregate in ("tok_mean", "tok_gm"):
+            return self._length_moments(est, aggregate)
         if self.has_sampler:
             return self._sampler_moments(est, aggregate)
         if aggregate == "tok" or est.analytic:
@@ -274,7 +316,7 @@ class RolloutPair(Pair):
             if self.weights == "token":             # Σ_t w_t f_t: additive
                 mom = self._dp_b(lambda lb: ones, lambda lb: wt(lb) * f, 2)
                 return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
-            if self.weights == "sequence":          # W · Σ_t f_t: weight multiplicative, sum additive
+            if self.weights in ("sequence", "geometric"):   # W · Σ_t f_t: weight multiplicative, sum additive
                 m1 = self._dp_b(lambda lb: wt(lb), lambda lb: f, 1)[1]
                 m2 = self._dp_b(lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
                 return m1, (math.inf if not math.isfinite(m2) else max(m2 - m1 * m1, 0.0))
@@ -297,6 +339,50 @@ class RolloutPair(Pair):
         mean = moment(est.poly, 1)
         second = moment(poly_square(est.poly), 2)
         return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
+
+    def _length_dp(self, m_fn, h_fn, kmax: int) -> torch.Tensor:
+        """[T, kmax+1]: E_b[M S^k ; |y| = ℓ] for ℓ = 1..T under the sampler's phases (b = q without one)."""
+        phases = []
+        for lb, steps in self.phases:
+            b = lb.exp()
+            m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
+            h = torch.where(b > 0, h_fn(lb), torch.zeros_like(b))
+            a, e = rollout_dp.moment_matrices(b, m, h, self.bucket, self.buckets, self.eos, kmax)
+            phases.append((a, e, steps))
+        return rollout_dp.propagate_by_length(phases)
+
+    def _length_moments(self, est: RowSource, aggregate: str) -> tuple[float, float]:
+        """(mean, variance) of tok_mean (Σ_t f / |y|, times W with sequence weights) or tok_gm
+        (Σ_t f · W^{1/|y|}), exact by splitting the dynamic program on the final length |y|."""
+        f = self._tok_values(est)
+        ones = torch.ones_like(f)
+        lengths = torch.arange(1, self.length + 1, dtype=torch.float64)
+        if aggregate == "tok_mean":
+            seq_w = self.weights in ("sequence", "geometric")
+            m1 = self._length_dp(lambda lb: self.token_weight(lb) if seq_w else ones, lambda lb: f, 1)[:, 1]
+            m2 = self._length_dp(lambda lb: self.token_weight(lb) ** 2 if seq_w else ones, lambda lb: f, 2)[:, 2]
+            mean, second = float((m1 / lengths).sum()), float((m2 / lengths**2).sum())
+        else:
+            # W^{1/ℓ} = Π_t w_t^{1/ℓ} is multiplicative once ℓ is fixed: one program per final length.
+            mean = second = 0.0
+            for ell in range(1, self.length + 1):
+                mean += float(self._length_dp(lambda lb: self.token_weight(lb) ** (1 / ell), lambda lb: f, 1)[ell - 1, 1])
+                second += float(self._length_dp(lambda lb: self.token_weight(lb) ** (2 / ell), lambda lb: f, 2)[ell - 1, 2])
+        if not math.isfinite(second):
+            return mean, math.inf
+        return mean, max(second - mean * mean, 0.0)
+
+    def token_mean_limit(self, est: RowSource) -> float:
+        """E[Σ_t f] / E[|y|]: what "token-mean" aggregation (Σ over a batch's tokens / their number)
+        converges to as the batch grows (its finite-batch ratio bias is O(1/n)); draws from q or an
+        unweighted sampler."""
+        if self.weights != "none":
+            return math.nan
+        f = self._tok_values(est)
+        ones = torch.ones_like(f)
+        num = self._dp_b(lambda lb: ones, lambda lb: f, 1)[1]
+        den = self._dp_b(lambda lb: ones, lambda lb: ones, 1)[1]
+        return num / den
 
     def exact_joint(self, aggregate: str = "seq") -> JointMoments:
         m0, m1 = self.seq_moments(0), self.seq_moments(1)
@@ -423,7 +509,8 @@ class RolloutPair(Pair):
         eos = f", eos={self.eos}" if self.eos is not None else ""
         return (f"rollout V={self.vocab}, C={self.buckets}, T={self.length}{eos}"
                 + (f": {self.label}" if self.label else "")
-                + (f"; {self.sampler_label}" if self.sampler_label else ""))
+                + (f"; {self.sampler_label}" if self.sampler_label else "")
+                + (f"; {self.precision.describe()}" if self.precision is not None else ""))
 
 
 def _flat_alias(log_b: torch.Tensor) -> AliasTable:

@@ -1,0 +1,50 @@
+"""Top-k forward KL (kl_bench.topk): per-context values written out by hand, the clamp at 0 firing,
+and the rollout path sum against brute-force enumeration of every sequence."""
+import math
+
+import pytest
+import torch
+
+from kl_bench.logits import zipf_logits
+from kl_bench.pairs import RolloutPair
+from kl_bench.pairs.rollout import brute_force_sequences
+from kl_bench.topk import categorical_topk, full_forward_kl, rollout_topk, topk_forward_kl
+
+
+def _by_hand(lq, lp, k, by="p", renormalize=False):
+    order = sorted(range(len(lq)), key=lambda i: -(lp if by == "p" else lq)[i])[:k]
+    p, q = [math.exp(lp[i]) for i in order], [math.exp(lq[i]) for i in order]
+    if renormalize:
+        p, q = [v / sum(p) for v in p], [v / sum(q) for v in q]
+    return sum(a * math.log(a / b) for a, b in zip(p, q))
+
+
+def test_topk_values_by_hand_and_the_clamp():
+    lq = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0, -2.0]], dtype=torch.float64), -1)
+    lp = torch.log_softmax(torch.tensor([[1.0, 2.2, 0.4, -0.5, -3.0]], dtype=torch.float64), -1)
+    for k in range(1, 6):
+        for by in ("p", "q"):
+            for ren in (False, True):
+                want = _by_hand(lq[0].tolist(), lp[0].tolist(), k, by, ren)
+                got = float(topk_forward_kl(lq, lp, k, by=by, renormalize=ren, clamp_min=None)[0])
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert float(topk_forward_kl(lq, lp, 5, clamp_min=None)[0]) == pytest.approx(float(full_forward_kl(lq, lp)[0]), rel=1e-12)
+    # on q's top token q > p, so the truncated sum p log(p/q) is negative there: the clamp at 0 fires
+    raw = float(topk_forward_kl(lq, lp, 1, by="q", clamp_min=None)[0])
+    assert raw < 0 and float(topk_forward_kl(lq, lp, 1, by="q")[0]) == 0.0
+    out = categorical_topk(lq, lp, 2, clamp_min=None)
+    assert out["bias"] == pytest.approx(out["topk"] - out["full"], rel=1e-12)
+
+
+def test_rollout_topk_path_sum_against_enumeration():
+    lq = torch.log_softmax(zipf_logits(6, 1.1, 1, 2), -1)
+    g = torch.Generator().manual_seed(5)
+    lp = torch.log_softmax(lq + 0.7 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
+    bucket = torch.arange(6) % 2
+    pair = RolloutPair("r", lq, lp, bucket, 3, 5)
+    top = topk_forward_kl(lq, lp, 2, clamp_min=None)
+    full = full_forward_kl(lq, lp)
+    want_top = sum(prob * sum(float(top[c]) for c, _ in path) for prob, path in brute_force_sequences(pair))
+    want_full = sum(prob * sum(float(full[c]) for c, _ in path) for prob, path in brute_force_sequences(pair))
+    got = rollout_topk(lq, lp, bucket, 3, 5, 2, clamp_min=None)
+    assert got["topk"] == pytest.approx(want_top, rel=1e-12) and got["full"] == pytest.approx(want_full, rel=1e-12)
