@@ -38,8 +38,11 @@ class CaseOutcome:
         return batch_means_frame(self.run, self.rows)
 
 
-def small_batches(draws: int) -> int:
+def small_batches(draws: int, pair: Pair | None = None) -> int:
     lo, hi = SMALL_BATCHES
+    if pair is not None and pair.expensive_draws:
+        # A model forward per token: the simulation takes at most a quarter of the main pass (≥ 2 batches).
+        return max(2, min(hi, draws // (4 * SMALL_BATCH)))
     return min(hi, max(lo, draws // 256))
 
 
@@ -74,7 +77,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
             cvs.append(Row(make_cv(pilot_lambda, fitted=True), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums)
-    small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
+    small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws, pair),
                                          seed=exp.seed, device=device)
     out = summarize(run)
     for r, row in zip(run.rows, out):
