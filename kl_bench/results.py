@@ -155,6 +155,10 @@ def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
     ref_mean = run.shifts[j_ref] + float(s_ref.sum()) / n
     ref_se = batch_means_se(s_ref / n_k - float(s_ref.sum()) / n, n_k / n)
     for j, (row, out) in enumerate(zip(run.rows, rows)):
+        fixed = run.pair.reference_comparison(row.est, row.aggregate)
+        if fixed is not None:
+            out["ref_kl"], out["ref_se"], out["z_ref"] = fixed
+            continue
         out["ref_kl"], out["ref_se"] = ref_mean, ref_se
         if row.est.target != REVERSE:
             continue

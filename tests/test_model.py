@@ -130,3 +130,17 @@ def test_cli_missing_model_is_exit_2(tiny_models, tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "case 'm': key 'policy': model folder not found" in out.stderr + out.stdout
+
+
+def test_no_generation_call_exceeds_batch_size(tiny_models, monkeypatch):
+    """Memory is one generation batch (batch_size continuations), whatever the engine's batch."""
+    from kl_bench.pairs.model import ModelPair
+    pair = prepare(_spec([model_case(tiny_models, length=2, batch_size=16)])).pairs[0]
+    seen, orig = [], ModelPair.generate
+
+    def spy(self, n, *args, **kwargs):
+        seen.append(n)
+        return orig(self, n, *args, **kwargs)
+    monkeypatch.setattr(ModelPair, "generate", spy)
+    run_case(pair, ["k1", "full"], draws=100, seed=0, batches=2, chunk=1 << 22, device=CPU)
+    assert max(seen) == 16 and sum(seen) == 100

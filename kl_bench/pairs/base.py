@@ -174,6 +174,11 @@ class Pair(ABC):
         ``z_ref`` against it, labelled as Monte Carlo, never exact. None: the exact values are the reference."""
         return None
 
+    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float] | None:
+        """(ref_kl, ref_se, z_ref) of a row where the reference's noise is not the run's (logged data: the
+        SE is that of the log's own sequences, not of resampling them); None: from the run's batch means."""
+        return None
+
     @abstractmethod
     def describe(self) -> str:
         """One line describing q and p, for captions and tables."""
