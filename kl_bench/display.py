@@ -59,17 +59,33 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
         t.add_column(col, justify=just)
     for _, r in df[df["case"] == case].iterrows():
         z = r["z"]
+        true = fmt(r["true_kl"], 4)
+        if _has_reference(r):       # no exact value: the Monte Carlo reference, marked as such
+            z, true = r.get("z_ref", math.nan), f"≈{fmt(r['ref_kl'], 4)} ± {fmt(r['ref_se'], 2)}"
         zs = fmt(z, 2)
         if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
             zs = f"[bold red]{zs}[/]"
-        t.add_row(row_label(r), r["target"], fmt(r["true_kl"], 4),
+        t.add_row(row_label(r), r["target"], true,
                   f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}", fmt(r["exact_mean"], 4),
                   fmt_rel(r["rel_bias"]), fmt_rel(r["exact_rel_bias"]), _std_cell(r, r["rel_std"]),
                   fmt(r["exact_rel_std"]), zs, fmt(r["frac_negative"], 2))
+    captions = []
     if df.loc[df["case"] == case, "heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
-        t.caption = "† heavy tail (see heavy_tail): the measured std and se are not trustworthy"
+        captions.append("† heavy tail (see heavy_tail): the measured std and se are not trustworthy")
+    if any(_has_reference(r) for _, r in df[df["case"] == case].iterrows()):
+        captions.append("≈: no exact value exists; 'true' is the reference, the Rao–Blackwellised full mean ± SE "
+                        "(Monte Carlo, not exact), and z is z_ref against it")
+    if captions:
+        t.caption = "\n".join(captions)
         t.caption_justify = "left"
     return t
+
+
+def _has_reference(r) -> bool:
+    """A row of a case without an exact value that has a Monte Carlo reference (issue 14: ref_kl)."""
+    ref = r.get("ref_kl", math.nan)
+    true = r["true_kl"]
+    return isinstance(ref, float) and math.isfinite(ref) and not (isinstance(true, float) and math.isfinite(true))
 
 
 def lambda_table(df: pd.DataFrame) -> Table:

@@ -144,3 +144,29 @@ def test_no_generation_call_exceeds_batch_size(tiny_models, monkeypatch):
     monkeypatch.setattr(ModelPair, "generate", spy)
     run_case(pair, ["k1", "full"], draws=100, seed=0, batches=2, chunk=1 << 22, device=CPU)
     assert max(seen) == 16 and sum(seen) == 100
+
+
+def test_dump_logits_feeds_categorical_and_logprobs_cases(tiny_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    out = tmp_path / "dump"
+    r = CliRunner().invoke(app, ["dump-logits", "--policy", str(tiny_models / "policy"), "--reference",
+                                 str(tiny_models / "reference"), "--prompts", str(tiny_models / "prompts.jsonl"),
+                                 "--out", str(out), "--length", "4", "--samples", "300", "--eos", "0",
+                                 "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    nt = str(out / "next_token.pt")
+    cat = prepare(_spec([{"name": "c", "kind": "categorical", "q": {"file": nt, "key": "policy"},
+                          "p": {"file": nt, "key": "reference"}}])).pairs[0]
+    model = prepare(_spec([model_case(tiny_models)])).pairs[0]
+    assert cat.kl() == pytest.approx(model.kl(), rel=1e-5)          # float32 storage of the log-probs
+    data = torch.load(out / "continuations.pt")
+    assert data["logp_policy"].shape == data["mask"].shape == (300, 4)
+    df = kl_bench.run(_spec([{"name": "l", "kind": "logprobs", "file": str(out / "continuations.pt")}],
+                            draws=20_000)).summary.set_index(["estimator", "aggregate"])
+    for row in [("k1", "seq"), ("k3", "tok")]:
+        assert abs(df.loc[row, "z_ref"]) < 5
+    bad = CliRunner().invoke(app, ["dump-logits", "--policy", str(tmp_path / "none"), "--reference", "x",
+                                   "--prompts", "y", "--out", str(out)])
+    assert bad.exit_code == 2 and "model folder not found" in bad.output

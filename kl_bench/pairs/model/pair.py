@@ -176,15 +176,19 @@ class ModelPair(Pair):
 
     @torch.no_grad()
     def generate(self, n: int, generator: torch.Generator, device: torch.device, tok_rows: list[Row] = (),
-                 prefixes: torch.Tensor | None = None) -> Draws:
+                 prefixes: torch.Tensor | None = None, record: list | None = None) -> Draws:
         """``n`` ≤ batch_size continuations: prompts drawn uniformly, then up to T tokens x_t ~ b(·|h_t) by
         inverse CDF on float64 uniforms from ``generator`` (never the global RNG), with both models' KV
         caches. Per path (float64 [n]): L = Σ_t log r_t, full = Σ_t KL(q(·|h_t) ‖ p(·|h_t)), token sums.
-        ``prefixes``: a float64 [T, n, 2] tensor that receives (L, full) after each step (growth in T)."""
+        ``prefixes``: a float64 [T, n, 2] tensor that receives (L, full) after each step (growth in T).
+        ``record``: a list that receives, per step, (token, log q, log p, KL(q‖p) at h_t, alive) [n] each,
+        and first the prompt indices (kl-bench dump-logits)."""
         q_model, p_model = self._models_on(device)
         idx = torch.randint(len(self.prompts), (n,), generator=generator, device=device).tolist()
         ids, mask = lm.left_pad([self.prompts[i] for i in idx], device)
         sq, sp = lm.Step(q_model, ids, mask), lm.Step(p_model, ids, mask)
+        if record is not None:
+            record.append(torch.tensor(idx))
         f64 = dict(dtype=torch.float64, device=device)
         logr, full, tok_b = torch.zeros(n, **f64), torch.zeros(n, **f64), torch.zeros(n, **f64)
         tok = torch.zeros(n, len(tok_rows), **f64)
@@ -216,6 +220,8 @@ class ModelPair(Pair):
                 tok += (alive if step_w is None else alive * step_w)[:, None] * vals
             if prefixes is not None:
                 prefixes[t, :, 0], prefixes[t, :, 1] = logr, full
+            if record is not None:
+                record.append((x, lq[rows, x], lp[rows, x], kl_t, alive.clone()))
             if self.eos is not None:
                 alive = alive * (x != self.eos)
             if t + 1 < self.length:

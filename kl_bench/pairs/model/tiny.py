@@ -45,7 +45,10 @@ def build_tiny_models(out: str | Path, *, vocab: int = 1000, layers: int = 2, wi
     ``scale``: std of the random weights (0.3 makes next-token distributions peaked like an LM's rather
     than near-uniform); ``perturb``: std of the noise added to every reference weight."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import transformers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    transformers.utils.logging.disable_progress_bar()
 
     out = Path(out)
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +56,7 @@ def build_tiny_models(out: str | Path, *, vocab: int = 1000, layers: int = 2, wi
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                                    unk_token="<|endoftext|>")
