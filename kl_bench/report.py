@@ -167,15 +167,21 @@ def _slug(text: str) -> str:
 def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, str, bytes]]:
     """[(file name, caption, PNG bytes)] for every figure the available results support."""
     from . import plots
+    from .display import with_reference
+    # Cases without an exact value (model continuations, logged log-probs) are plotted against their
+    # Monte Carlo reference (ref_kl), as the tables show them.
+    df = with_reference(df)
     figs = []
     multi = len(results) > 1
     for case in dict.fromkeys(df["case"]):
         rows = df[df["case"] == case]
-        figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias/true and std/true per estimator "
-                     "(95% CI; × exact)", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to the true KL"))))
+        ref = "approx" in rows and bool(rows["approx"].any())
+        what = "the full-mean reference (Monte Carlo, no exact value)" if ref else "the true KL"
+        figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias and std per estimator relative to {what} "
+                     "(95% CI; × exact)", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to {what}"))))
     for res in results:
         prefix = f"{_slug(res.name)}_" if multi else ""
-        s = res.summary
+        s = with_reference(res.summary)
         if res.sweep is not None:
             for (case, agg), sw in res.sweep.groupby(["case", "aggregate"], sort=False):
                 name = f"{case} ({agg})" if agg else case
