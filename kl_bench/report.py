@@ -164,6 +164,22 @@ def _slug(text: str) -> str:
     return "-".join(filter(None, keep.split("-")))[:80] or "case"
 
 
+def growth_frame(case: str, growth: dict) -> tuple[pd.DataFrame, dict[str, int]]:
+    """A model case's growth metadata (std/ref per prefix length) as summary-like rows for
+    plots.plot_rollout_growth: one pseudo-case per prefix length, measured markers only (no exact line)."""
+    rows, lengths = [], {}
+    for i, t in enumerate(growth["T"]):
+        name = f"{case}@T={t}"
+        lengths[name] = t
+        for label, values in growth.items():
+            if label in ("T", "paths") or values[i] is None:
+                continue
+            agg, est = label.split(" ", 1)
+            rows.append({"case": name, "estimator": est, "aggregate": agg, "lambda": math.nan,
+                         "rel_std": values[i], "exact_rel_std": math.nan})
+    return pd.DataFrame(rows), lengths
+
+
 def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, str, bytes]]:
     """[(file name, caption, PNG bytes)] for every figure the available results support."""
     from . import plots
@@ -212,6 +228,13 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         families: dict[str, dict[str, int]] = {}
         for name, length in lengths.items():
             families.setdefault(res.envelope["cases"][name].get("label", ""), {})[name] = length
+        for name, meta in res.envelope.get("cases", {}).items():
+            if meta.get("growth"):
+                figs.append((f"{prefix}growth_{_slug(name)}.png",
+                             f"{name}: std/reference against T, from the prefixes of the same paths",
+                             png_bytes(plots.plot_rollout_growth(*growth_frame(name, meta["growth"]),
+                                                                title=f"{name}: prefixes of the same paths; "
+                                                                      "reference = full mean (Monte Carlo)"))))
         for k, (label, members) in enumerate(families.items()):
             if len(members) > 1:
                 figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): std/true against T",

@@ -63,6 +63,11 @@ def test_continuations_agree_with_the_full_reference(tiny_models):
     # The analytic per-step KL has a lower variance than Σ_t k1 (Rao–Blackwell).
     assert ref["std"] < df.loc[("k1", "seq"), "std"]
     assert "not exact" in res.envelope["cases"]["m"]["reference"]
+    # Growth in T from the prefixes of the same paths: at t = 1 the sequence and token k3 coincide.
+    growth = res.envelope["cases"]["m"]["growth"]
+    assert growth["T"] == [1, 2, 4, 6] and growth["paths"] >= 1024
+    assert growth["seq k3"][0] == pytest.approx(growth["tok k3"][0], rel=1e-12)
+    assert growth["tok full"][-1] == pytest.approx(ref["std"] / ref["mean"], rel=0.2)
 
 
 def test_one_token_continuations_reproduce_the_next_token_case(tiny_models):

@@ -32,6 +32,8 @@ from ..categorical import CategoricalPair
 from . import lm
 
 MAX_MODEL_LENGTH = 1 << 16
+# Rows whose spread the growth figure shows against the prefix length t (the last one is the reference).
+GROWTH_ROWS = ("seq k1", "seq k3", "tok k3", "tok full")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +78,10 @@ class ModelPair(Pair):
         self.weight_cap = sp.weight_cap if sp is not None else None
         self.sampler_label = sp.describe() if self.has_sampler else ""
         self._device: torch.device | None = None
+        # Growth in T from the prefixes of every generated path: per step t, float64 sums of v and v² of
+        # GROWTH_ROWS (n paths in growth_n); see growth().
+        self.growth_sums = torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
+        self.growth_n = 0
 
     # ------------------------------------------------------------------ spec → pair
     @classmethod
@@ -116,7 +122,22 @@ class ModelPair(Pair):
     def metadata(self) -> dict[str, Any]:
         # No exact value: the summary's reference is the `full` row's mean (reference_row).
         return {**super().metadata(), "label": self.label, "length": self.length,
-                "reference": "full mean ± SE (Rao–Blackwellised Monte Carlo, not exact)"}
+                "reference": "full mean ± SE (Rao–Blackwellised Monte Carlo, not exact)", "growth": self.growth()}
+
+    def growth(self) -> dict[str, Any]:
+        """std/ref of GROWTH_ROWS at prefix lengths t = 1, 2, 4, ..., T of every path generated so far
+        (ref: the mean of the `full` prefix, Monte Carlo): {"T": [...], "paths": n, row: [...]}."""
+        if not self.growth_n:
+            return {}
+        ts = sorted({min(1 << k, self.length) for k in range(self.length.bit_length() + 1)})
+        n = self.growth_n
+        mean = self.growth_sums[:, :, 0] / n
+        std = (self.growth_sums[:, :, 1] / n - mean ** 2).clamp(min=0).sqrt()
+        ref = mean[:, -1]
+        out: dict[str, Any] = {"T": ts, "paths": n}
+        for j, row in enumerate(GROWTH_ROWS):
+            out[row] = [float(std[t - 1, j] / ref[t - 1]) if ref[t - 1] > 0 else None for t in ts]
+        return out
 
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
         return ("tok",) if source.token_only else self.aggregates
@@ -195,6 +216,8 @@ class ModelPair(Pair):
         alive = torch.ones(n, **f64)
         weight = torch.ones(n, **f64) if self.weights != "none" else None
         rows = torch.arange(n, device=device)
+        tok_k3 = torch.zeros(n, **f64)
+        grow = torch.zeros(self.length, len(GROWTH_ROWS), 2, **f64)
         for t in range(self.length):
             lq, lp = lm.log_probs64(sq.last), lm.log_probs64(sp.last)            # [n, V] float64
             lb = self.behaviour(lq, t) if self.has_sampler else lq
@@ -208,6 +231,10 @@ class ModelPair(Pair):
             logr += alive * g
             full += alive * kl_t
             tok_b += alive * torch.expm1(g)
+            tok_k3 += alive * (torch.expm1(g) - g)
+            # Prefix t + 1 of every path (a path that ended keeps its values): seq k1, seq k3, tok k3, full.
+            v = torch.stack([-logr, torch.expm1(logr) - logr, tok_k3, full], -1)
+            grow[t, :, 0], grow[t, :, 1] = v.sum(0), (v * v).sum(0)
             step_w = None
             if weight is not None:                     # q/b of the drawn token, capped
                 w_t = torch.exp(lq[rows, x] - lb[rows, x])
@@ -228,9 +255,13 @@ class ModelPair(Pair):
                 if not bool(alive.any()):
                     if prefixes is not None:
                         prefixes[t + 1:] = prefixes[t]
+                    grow[t + 1:] = grow[t]
                     break
                 sq.advance(x)
                 sp.advance(x)
+        if not self.has_sampler:          # prefixes of draws from q only (the reference is an E_q)
+            self.growth_sums += grow.cpu()
+            self.growth_n += n
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
 
 
