@@ -191,6 +191,8 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
     multi = len(results) > 1
     for case in dict.fromkeys(df["case"]):
         rows = df[df["case"] == case]
+        if not np.isfinite(rows[["rel_std", "exact_rel_std"]].astype(float).to_numpy()).any():
+            continue          # neither a true value nor a reference to scale by (a log without kl_full)
         ref = "approx" in rows and bool(rows["approx"].any())
         what = "the full-mean reference (Monte Carlo, no exact value)" if ref else "the true KL"
         figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias and std per estimator relative to {what} "
@@ -201,6 +203,8 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         if res.sweep is not None:
             for (case, agg), sw in res.sweep.groupby(["case", "aggregate"], sort=False):
                 name = f"{case} ({agg})" if agg else case
+                if not np.isfinite(sw[["rel_std", "exact_rel_std"]].astype(float).to_numpy()).any():
+                    continue          # no true value to scale by (model continuations): the table has λ*
                 figs.append((f"{prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
                              png_bytes(plots.plot_lambda_curve(sw, title=f"{name}: control variate −log r + λ(r−1)"))))
         if res.reservoir:

@@ -175,3 +175,19 @@ def test_dump_logits_feeds_categorical_and_logprobs_cases(tiny_models, tmp_path)
     bad = CliRunner().invoke(app, ["dump-logits", "--policy", str(tmp_path / "none"), "--reference", "x",
                                    "--prompts", "y", "--out", str(out)])
     assert bad.exit_code == 2 and "model folder not found" in bad.output
+
+
+@pytest.mark.slow
+def test_report_of_cases_without_an_exact_value(tiny_models, tmp_path):
+    """Figures of model continuations (with λ rows) and of logs with and without kl_full render."""
+    from .test_trainer_inputs import _log
+    no_kl = _log(60)
+    del no_kl["kl_full"]
+    spec = _spec([model_case(tiny_models, "T3", length=3), {"name": "log", "kind": "logprobs", **_log(60)},
+                  {"name": "bare", "kind": "logprobs", **no_kl}], draws=256, batches=4)
+    spec["experiment"]["lambdas"] = [0.5, "optimal"]
+    res = kl_bench.run(spec)
+    res.write(tmp_path / "out")
+    report = res.report(tmp_path / "rep")
+    figures = {p.name for p in (tmp_path / "rep" / "figures").iterdir()}
+    assert report.exists() and "growth_T3.png" in figures and "bias_std_T3.png" in figures

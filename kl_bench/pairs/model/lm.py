@@ -51,7 +51,8 @@ def load_model(path: Path, dtype: str, key: str):
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else "unreadable"
         raise SpecError(f"cannot load the model in {path}: {e.__class__.__name__}: {first}", key=key) from None
-    return model.eval()
+    # Older transformers take torch_dtype, not dtype: cast explicitly so that `dtype` holds on every version.
+    return model.to(DTYPES[dtype]).eval()
 
 
 def vocab_size(model) -> int:
