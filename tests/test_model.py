@@ -102,6 +102,9 @@ def test_sampler_with_and_without_weights(tiny_models):
         rows[w] = to_frame(summarize(run_case(pair, ["k1", "full"], draws=512, seed=0, batches=8, chunk=1 << 20,
                                               device=CPU)))
     assert all(df["mean"].notna().all() for df in rows.values())
+    # Only sequence weights make the full mean a reference for KL(q‖p) under a sampler.
+    assert rows["none"]["ref_kl"].isna().all() and rows["token"]["ref_kl"].isna().all()
+    assert rows["sequence"]["ref_kl"].notna().all()
 
 
 @pytest.mark.parametrize("keys, match", [

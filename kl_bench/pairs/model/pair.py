@@ -122,7 +122,9 @@ class ModelPair(Pair):
     def metadata(self) -> dict[str, Any]:
         # No exact value: the summary's reference is the `full` row's mean (reference_row).
         return {**super().metadata(), "label": self.label, "length": self.length,
-                "reference": "full mean ± SE (Rao–Blackwellised Monte Carlo, not exact)", "growth": self.growth()}
+                "reference": "full mean ± SE (Rao–Blackwellised Monte Carlo, not exact)" if self.has_reference else
+                "none: draws from a sampler without sequence IS weights, so the full mean is not KL(q‖p)",
+                "growth": self.growth()}
 
     def growth(self) -> dict[str, Any]:
         """std/ref of GROWTH_ROWS at prefix lengths t = 1, 2, 4, ..., T of every path generated so far
@@ -154,7 +156,13 @@ class ModelPair(Pair):
         return JointMoments(math.nan, math.nan, math.nan, math.nan, math.nan)
 
     def reference_row(self) -> str | None:
-        return "tok:full"
+        # Under a sampler b ≠ q the full mean is E_b[Σ_t KL(q‖p)(h_t)], not KL(q‖p), unless every row
+        # carries the sequence weight Π_t q/b (per-token weights do not reweight the history).
+        return "tok:full" if self.has_reference else None
+
+    @property
+    def has_reference(self) -> bool:
+        return not self.has_sampler or self.weights == "sequence"
 
     def describe(self) -> str:
         eos = f", eos={self.eos}" if self.eos is not None else ""
