@@ -95,11 +95,11 @@ def test_sampler_with_and_without_weights(tiny_models):
     base = model_case(tiny_models, length=4, eos=0)
     rows = {}
     for w in ("none", "token", "sequence"):
-        spec = _spec([{**base, "sampler": {"temperature": 1.3, "min_length": 2, "weights": w}}], draws=512,
+        spec = _spec([{**base, "sampler": {"temperature": 1.3, "min_length": 2, "weights": w}}], draws=256,
                      estimators=("k1", "full"))
         pair = prepare(spec).pairs[0]
         assert pair.has_sampler and "T=1.3" in pair.describe()
-        rows[w] = to_frame(summarize(run_case(pair, ["k1", "full"], draws=512, seed=0, batches=8, chunk=1 << 20,
+        rows[w] = to_frame(summarize(run_case(pair, ["k1", "full"], draws=256, seed=0, batches=4, chunk=1 << 20,
                                               device=CPU)))
     assert all(df["mean"].notna().all() for df in rows.values())
     # Only sequence weights make the full mean a reference for KL(q‖p) under a sampler.
