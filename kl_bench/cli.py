@@ -349,6 +349,34 @@ def list_() -> None:
         out_console.print(f"kind       {name:<12} {k.description}", markup=False)
 
 
+# ----------------------------------------------------------------------------- models (issue 14)
+@app.command("dump-logits", cls=_Command)
+def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model folder (save_pretrained)"),
+                reference: Path = typer.Option(..., "--reference", help="reference model folder"),
+                prompts: Path = typer.Option(..., "--prompts", help="prompts: .txt (one a line) or .jsonl (input_ids)"),
+                out: Path = typer.Option(..., "--out", help="output folder"),
+                length: int = typer.Option(1, "--length", help="T > 1: also sample continuations of T tokens"),
+                samples: int = typer.Option(0, "--samples", help="continuations to sample (default: one per prompt)"),
+                seed: int = typer.Option(0, "--seed"),
+                eos: Optional[int] = typer.Option(None, "--eos", help="a continuation ends at this token id"),
+                dtype: str = typer.Option("float32", "--dtype"),
+                batch_size: int = typer.Option(64, "--batch-size"),
+                device: str = typer.Option("auto", "--device")) -> None:
+    """Write both models' next-token log-probs [B, V] (next_token.pt) and, with --length > 1, sampled
+    continuations' per-token log-probs with a mask (continuations.pt), to benchmark on any machine."""
+    from .pairs.model.dump import dump_logits as dump
+    with _user_errors():
+        written = dump(policy, reference, prompts, out, length=length, samples=samples, seed=seed, dtype=dtype,
+                       batch_size=batch_size, eos=eos, device=device)
+    for what, path in written.items():
+        out_console.print(f"{what}: {path}", markup=False)
+    nt = written["next_token"]
+    out_console.print(f'use: [[case]] kind = "categorical", q = {{file = "{nt}", key = "policy"}}, '
+                      f'p = {{file = "{nt}", key = "reference"}}', markup=False)
+    if "continuations" in written:
+        out_console.print(f'use: [[case]] kind = "logprobs", file = "{written["continuations"]}"', markup=False)
+
+
 # Test hook: "PHASE" or "PHASE:SIGTERM" makes the process signal itself at that phase of start-up or
 # writing (start, spec, pairs, write), so that the signal tests need no sleeps.
 _SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"

@@ -59,17 +59,33 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
         t.add_column(col, justify=just)
     for _, r in df[df["case"] == case].iterrows():
         z = r["z"]
+        true = fmt(r["true_kl"], 4)
+        if _has_reference(r):       # no exact value: the Monte Carlo reference, marked as such
+            z, true = r.get("z_ref", math.nan), f"≈{fmt(r['ref_kl'], 4)} ± {fmt(r['ref_se'], 2)}"
         zs = fmt(z, 2)
         if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
             zs = f"[bold red]{zs}[/]"
-        t.add_row(row_label(r), r["target"], fmt(r["true_kl"], 4),
+        t.add_row(row_label(r), r["target"], true,
                   f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}", fmt(r["exact_mean"], 4),
                   fmt_rel(r["rel_bias"]), fmt_rel(r["exact_rel_bias"]), _std_cell(r, r["rel_std"]),
                   fmt(r["exact_rel_std"]), zs, fmt(r["frac_negative"], 2))
+    captions = []
     if df.loc[df["case"] == case, "heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
-        t.caption = "† heavy tail (see heavy_tail): the measured std and se are not trustworthy"
+        captions.append("† heavy tail (see heavy_tail): the measured std and se are not trustworthy")
+    if any(_has_reference(r) for _, r in df[df["case"] == case].iterrows()):
+        captions.append("≈: no exact value exists; 'true' is the reference, the Rao–Blackwellised full mean ± SE "
+                        "(Monte Carlo, not exact), and z is z_ref against it")
+    if captions:
+        t.caption = "\n".join(captions)
         t.caption_justify = "left"
     return t
+
+
+def _has_reference(r) -> bool:
+    """A row of a case without an exact value that has a Monte Carlo reference (issue 14: ref_kl)."""
+    ref = r.get("ref_kl", math.nan)
+    true = r["true_kl"]
+    return isinstance(ref, float) and math.isfinite(ref) and not (isinstance(true, float) and math.isfinite(true))
 
 
 def lambda_table(df: pd.DataFrame) -> Table:
@@ -126,16 +142,34 @@ def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
     return t
 
 
+def with_reference(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows without an exact value but with a Monte Carlo reference (ref_kl: model continuations, logged
+    log-probs) get true_kl, rel_bias and rel_std measured against that reference, for the summary tables;
+    their exact columns stay blank. Headers mark such cases with ≈."""
+    if "ref_kl" not in df:
+        return df
+    df = df.copy()
+    use = df["true_kl"].isna() & df["ref_kl"].notna()
+    ref = df.loc[use, "ref_kl"].astype(float)
+    df.loc[use, "true_kl"] = ref
+    df.loc[use, "rel_bias"] = (df.loc[use, "mean"] - ref) / ref
+    df.loc[use, "rel_std"] = df.loc[use, "std"] / ref
+    df["approx"] = use
+    return df
+
+
 def schulman_table(df: pd.DataFrame) -> Table:
     """Schulman's layout: rows are estimators; per case, bias/true and stdev/true, measured (exact)."""
+    df = with_reference(df)
     cases = list(dict.fromkeys(df["case"]))
     t = Table(title="bias/true and stdev/true per estimator (measured, exact in brackets)",
               title_justify="left", show_edge=False, pad_edge=False)
     t.add_column("estimator")
     for c in cases:
         true = df.loc[df["case"] == c, "true_kl"].iloc[0]
+        approx = "≈" if "approx" in df and df.loc[df["case"] == c, "approx"].iloc[0] else "="
         t.add_column(f"{c}\nbias/true", justify="right")
-        t.add_column(f"KL={fmt(true, 3)}\nstdev/true", justify="right")
+        t.add_column(f"KL{approx}{fmt(true, 3)}\nstdev/true", justify="right")
     keys = list(dict.fromkeys(zip(df["estimator"], df["aggregate"].fillna(""))))
     for est, agg in keys:
         cells = [f"{agg} {est}" if agg else est]
@@ -160,9 +194,11 @@ def rollout_table(df: pd.DataFrame, lengths: dict[str, int]) -> Table:
               show_edge=False, pad_edge=False)
     for col in ["case", "T", "KL(q||p)"] + [f"{a} {e}" for e, a in ROLLOUT_COLUMNS]:
         t.add_column(col, justify="left" if col == "case" else "right")
+    df = with_reference(df)
     for case, length in lengths.items():
         c = df[df["case"] == case]
-        cells = [case, str(length), fmt(c["true_kl"].iloc[0], 3)]
+        approx = "≈" if "approx" in c and c["approx"].iloc[0] else ""     # a Monte Carlo reference, not exact
+        cells = [case, str(length), approx + fmt(c["true_kl"].iloc[0], 3)]
         for est, agg in ROLLOUT_COLUMNS:
             hit = c[(c["estimator"] == est) & (c["aggregate"] == agg) & c["lambda"].isna()]
             cells.append("" if hit.empty else
@@ -243,7 +279,7 @@ def recommendations(df: pd.DataFrame) -> list[str]:
                & ~df["estimator"].isin(list(PAIR_ROWS))]
         c = c[c["rmse_b64"].astype(float).map(math.isfinite)]
         if c.empty:
-            out.append(f"{case}: no estimator of KL(q||p) has a finite RMSE here")
+            out.append(reference_recommendation(df, case) or f"{case}: no estimator of KL(q||p) has a finite RMSE here")
             continue
         best = c.loc[c["rmse_b64"].astype(float).idxmin()]
         true = float(best["true_kl"])
@@ -259,3 +295,18 @@ def recommendations(df: pd.DataFrame) -> list[str]:
             line += f"; warning: {best['heavy_tail']}"
         out.append(line)
     return out
+
+
+def reference_recommendation(df: pd.DataFrame, case: str) -> str | None:
+    """Where no exact value exists but a Monte Carlo reference does: the sampled-log-prob estimator with
+    the smallest measured RMSE at a batch of 64 against the reference, sqrt((mean − ref)² + std²/64)."""
+    c = df[(df["case"] == case) & (df["target"] == REVERSE) & (df["estimator"] != CV)
+           & ~df["estimator"].isin(list(PAIR_ROWS))]
+    if "ref_kl" not in c or c["ref_kl"].isna().all():
+        return None
+    rmse = ((c["mean"] - c["ref_kl"]) ** 2 + c["std"] ** 2 / 64) ** 0.5
+    if not rmse.map(math.isfinite).any():
+        return None
+    best = c.loc[rmse.idxmin()]
+    return (f"{case}: use {row_label(best)} (measured RMSE {fmt(float(rmse.min()))} at a batch of 64 against the "
+            f"reference, the full mean {fmt(best['ref_kl'])} ± {fmt(best['ref_se'], 2)}: Monte Carlo, no exact value)")

@@ -38,13 +38,19 @@ class CaseOutcome:
         return batch_means_frame(self.run, self.rows)
 
 
-def small_batches(draws: int) -> int:
+def small_batches(draws: int, pair: Pair | None = None) -> int:
     lo, hi = SMALL_BATCHES
+    if pair is not None and pair.expensive_draws:
+        # A model forward per token: the simulation takes at most a quarter of the main pass (≥ 2 batches).
+        return max(2, min(hi, draws // (4 * SMALL_BATCH)))
     return min(hi, max(lo, draws // 256))
 
 
-def pilot_draws(draws: int) -> int:
-    """Draws of the independent pilot pass that picks cv_opt's λ: a tenth of the run, ≥ 10^4."""
+def pilot_draws(draws: int, pair: Pair | None = None) -> int:
+    """Draws of the independent pilot pass that picks cv_opt's λ: a tenth of the run, ≥ 10^4 (a tenth,
+    ≥ 64, where a draw costs model forward passes)."""
+    if pair is not None and pair.expensive_draws:
+        return min(draws, max(64, draws // 10))
     return min(draws, max(10_000, draws // 10))
 
 
@@ -66,7 +72,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     if exp.optimal and joint:
         # cv_opt's λ comes from an independent pilot stream, so its scored variance is honest:
         # a λ fitted on the very draws it is scored on would look better than it is.
-        pilot = run_case(pair, [], draws=pilot_draws(exp.draws), seed=exp.seed, batches=exp.batches,
+        pilot = run_case(pair, [], draws=pilot_draws(exp.draws, pair), seed=exp.seed, batches=exp.batches,
                          chunk=exp.chunk, device=device, joint=True, stream="pilot")
         for agg in aggs:
             lam, _ = lambda_star_mc(pilot, agg)
@@ -74,7 +80,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
             cvs.append(Row(make_cv(pilot_lambda, fitted=True), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums)
-    small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws),
+    small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws, pair),
                                          seed=exp.seed, device=device)
     out = summarize(run)
     for r, row in zip(run.rows, out):

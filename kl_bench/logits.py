@@ -34,11 +34,19 @@ class ZipfLogits:
 
 @dataclass(frozen=True)
 class FileLogits:
-    """Unnormalised logits from a .npy or .pt file, shape [V] or [B, V]."""
+    """Unnormalised logits from a .npy, .pt or .safetensors file, shape [V], [B, V] or [B, T, V].
+
+    ``key``: the tensor's name in a .pt dict or a .safetensors file. ``mask``: a file with a [B, T] (or
+    [B]) mask, 1 on the positions that are contexts (a trainer's attention/loss mask), ``mask_key`` its
+    name; without a mask every position is a context."""
     path: Path
+    key: str | None = None
+    mask: Path | None = None
+    mask_key: str | None = None
 
     def describe(self) -> str:
-        return f"file {self.path.name}"
+        return f"file {self.path.name}" + (f"[{self.key}]" if self.key else "") + (
+            f" masked by {self.mask.name}" if self.mask else "")
 
 
 @dataclass(frozen=True)
@@ -115,8 +123,13 @@ def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> Logits
     t = t.sub(key)
     if t.has("file"):
         path = spec_dir / t.get("file", "str")
+        mask = t.get("mask", "str", None)
+        src = FileLogits(path, key=t.get("key", "str", None), mask=None if mask is None else spec_dir / mask,
+                         mask_key=t.get("mask_key", "str", None))
+        if src.mask_key is not None and src.mask is None:
+            raise t.error("needs a mask file", key=t.key("mask_key"))
         t.finish()
-        return FileLogits(path)
+        return src
     if t.has("logits"):
         gen = t.get("logits", "str")
         if gen != "zipf":
@@ -195,18 +208,52 @@ def zipf_logits(vocab: int, exponent: float, seed: int, contexts: int = 1) -> to
     return base[perms]
 
 
-def read_logits_file(path: Path) -> torch.Tensor:
-    """Load unnormalised logits of shape [V] or [B, V] from .npy or .pt as float64 [B, V].
+def read_logits_file(path: Path, key: str | None = None, mask: Path | None = None,
+                     mask_key: str | None = None) -> torch.Tensor:
+    """Load unnormalised logits of shape [V], [B, V] or [B, T, V] as float64 [N, V].
 
-    ``.pt`` may hold a tensor of any float dtype (bf16 dumps from a model included) or a dict with
-    a single tensor. Loading uses ``weights_only=True``: no pickled code is executed.
+    [B, T, V] (a trainer's logits over sequences): every position whose ``mask`` entry is nonzero is a
+    context (N = the mask's count); without a mask every position is. [B, V] may take a [B] mask.
+    Formats: .npy, .pt (a tensor of any float dtype, bf16 dumps included, or a dict: ``key`` names the
+    tensor, optional when the dict holds one; loaded with ``weights_only=True``, so no pickled code runs)
+    and .safetensors (``key`` as for a dict).
     """
+    t = read_tensor_file(path, key)
+    if t.ndim == 3 and 0 not in t.shape:
+        m = None if mask is None else read_tensor_file(mask, mask_key, what="mask")
+        if m is not None and tuple(m.shape) != tuple(t.shape[:2]):
+            raise SpecError(f"{mask}: mask has shape {list(m.shape)} but the logits are {list(t.shape)} "
+                            f"(needs [B, T] = {list(t.shape[:2])})")
+        t = t.reshape(-1, t.shape[-1]) if m is None else t[m != 0]
+        if t.shape[0] == 0:
+            raise SpecError(f"{mask}: the mask selects no position")
+        return t
+    if mask is not None:
+        m = read_tensor_file(mask, mask_key, what="mask")
+        rows = t.shape[0] if t.ndim == 2 else 1
+        if m.ndim != 1 or m.shape[0] != rows:
+            raise SpecError(f"{mask}: mask has shape {list(m.shape)} but the logits are {list(t.shape)} "
+                            f"(needs [{rows}], or [B, T] with [B, T, V] logits)")
+        t = t.reshape(rows, -1)[m != 0]
+        if t.shape[0] == 0:
+            raise SpecError(f"{mask}: the mask selects no row")
+    if t.ndim == 1:
+        t = t.unsqueeze(0)
+    if t.ndim != 2 or t.shape[1] == 0 or t.shape[0] == 0:
+        raise SpecError(f"{path}: logits must have shape [V], [B, V] or [B, T, V], got {list(t.shape)}")
+    return t
+
+
+def read_tensor_file(path: Path, key: str | None = None, what: str = "logits") -> torch.Tensor:
+    """One numeric tensor from .npy, .pt or .safetensors, as float64 (any shape; see read_logits_file)."""
     if not path.exists():
-        raise SpecError(f"logits file not found: {path}")
+        raise SpecError(f"{what} file not found: {path}")
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
             arr = np.load(path, allow_pickle=False)
+            if what == "mask" and arr.dtype == np.bool_:
+                arr = arr.astype(np.uint8)
             if not np.issubdtype(arr.dtype, np.number):
                 raise SpecError(f"{path}: logits must be numeric, got dtype {arr.dtype}")
             msg = unsupported_array(arr)
@@ -226,11 +273,9 @@ def read_logits_file(path: Path) -> torch.Tensor:
                         first = "it holds pickled objects other than tensors (loaded with weights_only=True)"
                     raise SpecError(f"cannot read logits file {path}: not a plain tensor file: "
                                     f"{e.__class__.__name__}: {first}") from None
-            if isinstance(obj, dict) and len(obj) == 1:
-                obj = next(iter(obj.values()))
-            if isinstance(obj, dict):
-                raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), got a dict of "
-                                f"{len(obj)} entries ({', '.join(map(str, list(obj)[:4]))}{', ...' if len(obj) > 4 else ''})")
+            obj = pick_key(obj, key, path)
+            if what == "mask" and isinstance(obj, torch.Tensor) and obj.dtype == torch.bool:
+                obj = obj.to(torch.uint8)
             if not isinstance(obj, torch.Tensor):
                 raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), "
                                 f"got {type(obj).__name__}")
@@ -238,18 +283,47 @@ def read_logits_file(path: Path) -> torch.Tensor:
             if msg:
                 raise SpecError(f"{path}: {msg}")
             t = obj.detach().to(torch.float64)
+        elif suffix == ".safetensors":
+            try:
+                from safetensors.torch import load_file
+            except ImportError:
+                raise SpecError(f"{path}: reading .safetensors needs the safetensors package: "
+                                "pip install 'kl-bench[hf]'") from None
+            obj = pick_key(load_file(str(path)), key, path)
+            if what == "mask" and obj.dtype == torch.bool:
+                obj = obj.to(torch.uint8)
+            msg = unsupported_array(obj)
+            if msg:
+                raise SpecError(f"{path}: {msg}")
+            t = obj.to(torch.float64)
         else:
-            raise SpecError(f"{path}: logits files must end in .npy or .pt, got '{suffix}'")
+            raise SpecError(f"{path}: {what} files must end in .npy, .pt or .safetensors, got '{suffix}'")
+        if key is not None and suffix == ".npy":
+            raise SpecError(f"{path}: a .npy file holds one array; 'key' is for .pt dicts and .safetensors")
     except SpecError:
         raise
     except Exception as e:  # corrupt or truncated files: numpy/torch raise many types
         raise SpecError(f"cannot read logits file {path}: {e.__class__.__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'}") from None
-    if t.ndim == 1:
-        t = t.unsqueeze(0)
-    if t.ndim != 2 or t.shape[1] == 0 or t.shape[0] == 0:
-        raise SpecError(f"{path}: logits must have shape [V] or [B, V], got {list(t.shape)}")
     return t
+
+
+def pick_key(obj, key: str | None, path: Path):
+    """The tensor named ``key`` in a dict loaded from ``path`` (or its only entry); a tensor as is."""
+    if isinstance(obj, dict):
+        names = ", ".join(map(str, list(obj)[:8])) + (", ..." if len(obj) > 8 else "")
+        if key is not None:
+            if key not in obj:
+                raise SpecError(f"{path}: no tensor named '{key}'{did_you_mean(key, [str(k) for k in obj])}; "
+                                f"it holds: {names}")
+            return obj[key]
+        if len(obj) == 1:
+            return next(iter(obj.values()))
+        raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), got a dict of {len(obj)} entries "
+                        f"({names}): name one with key = \"...\"")
+    if key is not None:
+        raise SpecError(f"{path}: holds a single tensor, not a dict: drop 'key'")
+    return obj
 
 
 def _tensor_logits(t: torch.Tensor) -> torch.Tensor:
@@ -282,7 +356,7 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
                     raise SpecError("missing required key (needed for generated logits)")
                 raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts or contexts or 1)
             elif isinstance(src, FileLogits):
-                raw[side] = read_logits_file(src.path)
+                raw[side] = read_logits_file(src.path, src.key, src.mask, src.mask_key)
             elif isinstance(src, TensorLogits):
                 raw[side] = _tensor_logits(src.tensor)
             if side in raw:
@@ -334,7 +408,8 @@ def sampler_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int 
 def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     """A stale behavior policy's logits [B, V]: derived from q or p (noise, temperature) or a file."""
     if isinstance(src, (FileLogits, TensorLogits)):
-        raw = read_logits_file(src.path) if isinstance(src, FileLogits) else _tensor_logits(src.tensor)
+        raw = (read_logits_file(src.path, src.key, src.mask, src.mask_key) if isinstance(src, FileLogits)
+               else _tensor_logits(src.tensor))
         check_logits(raw, "sampler.behavior")
         if raw.shape[1] != log_q.shape[1]:
             raise SpecError(f"behavior logits have vocabulary {raw.shape[1]} but q has {log_q.shape[1]}",

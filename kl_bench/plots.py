@@ -309,7 +309,9 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
         color = PALETTE[k % len(PALETTE)]
         ax.plot(d["T"], d["exact_rel_std"].replace(np.inf, np.nan), color=color, lw=1.8,
                 marker="o" if k < len(PALETTE) else "s", label=label)
-        ax.scatter(d["T"], d["rel_std"], color=color, marker="x", s=50)
+        # Without exact values (model continuations) only the measured markers exist: they carry the label.
+        exact_line = bool(np.isfinite(d["exact_rel_std"].astype(float)).any())
+        ax.scatter(d["T"], d["rel_std"], color=color, marker="x", s=50, label=None if exact_line else label)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yscale("log")

@@ -164,21 +164,47 @@ def _slug(text: str) -> str:
     return "-".join(filter(None, keep.split("-")))[:80] or "case"
 
 
+def growth_frame(case: str, growth: dict) -> tuple[pd.DataFrame, dict[str, int]]:
+    """A model case's growth metadata (std/ref per prefix length) as summary-like rows for
+    plots.plot_rollout_growth: one pseudo-case per prefix length, measured markers only (no exact line)."""
+    rows, lengths = [], {}
+    for i, t in enumerate(growth["T"]):
+        name = f"{case}@T={t}"
+        lengths[name] = t
+        for label, values in growth.items():
+            if label in ("T", "paths") or values[i] is None:
+                continue
+            agg, est = label.split(" ", 1)
+            rows.append({"case": name, "estimator": est, "aggregate": agg, "lambda": math.nan,
+                         "rel_std": values[i], "exact_rel_std": math.nan})
+    return pd.DataFrame(rows), lengths
+
+
 def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, str, bytes]]:
     """[(file name, caption, PNG bytes)] for every figure the available results support."""
     from . import plots
+    from .display import with_reference
+    # Cases without an exact value (model continuations, logged log-probs) are plotted against their
+    # Monte Carlo reference (ref_kl), as the tables show them.
+    df = with_reference(df)
     figs = []
     multi = len(results) > 1
     for case in dict.fromkeys(df["case"]):
         rows = df[df["case"] == case]
-        figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias/true and std/true per estimator "
-                     "(95% CI; × exact)", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to the true KL"))))
+        if not np.isfinite(rows[["rel_std", "exact_rel_std"]].astype(float).to_numpy()).any():
+            continue          # neither a true value nor a reference to scale by (a log without kl_full)
+        ref = "approx" in rows and bool(rows["approx"].any())
+        what = "the full-mean reference (Monte Carlo, no exact value)" if ref else "the true KL"
+        figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias and std per estimator relative to {what} "
+                     "(95% CI; × exact)", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to {what}"))))
     for res in results:
         prefix = f"{_slug(res.name)}_" if multi else ""
-        s = res.summary
+        s = with_reference(res.summary)
         if res.sweep is not None:
             for (case, agg), sw in res.sweep.groupby(["case", "aggregate"], sort=False):
                 name = f"{case} ({agg})" if agg else case
+                if not np.isfinite(sw[["rel_std", "exact_rel_std"]].astype(float).to_numpy()).any():
+                    continue          # no true value to scale by (model continuations): the table has λ*
                 figs.append((f"{prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
                              png_bytes(plots.plot_lambda_curve(sw, title=f"{name}: control variate −log r + λ(r−1)"))))
         if res.reservoir:
@@ -206,6 +232,13 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         families: dict[str, dict[str, int]] = {}
         for name, length in lengths.items():
             families.setdefault(res.envelope["cases"][name].get("label", ""), {})[name] = length
+        for name, meta in res.envelope.get("cases", {}).items():
+            if meta.get("growth"):
+                figs.append((f"{prefix}growth_{_slug(name)}.png",
+                             f"{name}: std/reference against T, from the prefixes of the same paths",
+                             png_bytes(plots.plot_rollout_growth(*growth_frame(name, meta["growth"]),
+                                                                title=f"{name}: prefixes of the same paths; "
+                                                                      "reference = full mean (Monte Carlo)"))))
         for k, (label, members) in enumerate(families.items()):
             if len(members) > 1:
                 figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): std/true against T",

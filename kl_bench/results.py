@@ -10,6 +10,7 @@ import torch
 
 from .engine import CaseRun, as_rows
 from .stats import batch_means_se, classify_heavy_tail, z_score
+from .targets import REVERSE
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -60,6 +61,11 @@ SCHEMA: dict[str, str] = {
     "rmse_b16384": "the same for 16384 draws",
     "p_neg_b64": "probability that a batch mean of 64 draws is negative, simulated on min(4096, max(256, "
                  "draws/256)) batches of 64 independent draws",
+    "ref_kl": "cases without an exact value (model continuations, logged log-probs): the reference for KL(q||p), "
+              "the measured mean of the Rao–Blackwellised `full` row (Monte Carlo, NOT exact); empty elsewhere",
+    "ref_se": "standard error of ref_kl (batch means)",
+    "z_ref": "(mean − ref_kl) / SE of the difference (batch means of the paired difference, same paths): "
+             "|z_ref| < 5 is agreement with the reference; KL(q||p) rows only",
 }
 COLUMNS = list(SCHEMA)
 # `kl-bench exact` / kl_bench.exact(): the columns that need no sampling (planning from exact moments).
@@ -128,7 +134,37 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             "support_miss": run.pair.support_miss,
             "heavy_tail": heavy,
         })
+    ref = run.pair.reference_row()
+    if ref is not None:
+        add_reference(run, rows, ref)
     return rows
+
+
+def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
+    """Fill ref_kl, ref_se and z_ref (see :data:`SCHEMA`) from the row labelled ``ref``: where no exact
+    value exists, the measured mean of an unbiased lower-variance estimator is the yardstick. z_ref uses
+    the batch means of the paired difference (every row sees the same paths), so the correlation
+    between a row and the reference is accounted for."""
+    labels = [r.label for r in run.rows]
+    if ref not in labels:
+        return
+    j_ref = labels.index(ref)
+    n_k = run.sizes.to(torch.float64)
+    n = float(n_k.sum())
+    s_ref = run.sums[:, j_ref]
+    ref_mean = run.shifts[j_ref] + float(s_ref.sum()) / n
+    ref_se = batch_means_se(s_ref / n_k - float(s_ref.sum()) / n, n_k / n)
+    for j, (row, out) in enumerate(zip(run.rows, rows)):
+        fixed = run.pair.reference_comparison(row.est, row.aggregate)
+        if fixed is not None:
+            out["ref_kl"], out["ref_se"], out["z_ref"] = fixed
+            continue
+        out["ref_kl"], out["ref_se"] = ref_mean, ref_se
+        if row.est.target != REVERSE:
+            continue
+        diff = (run.sums[:, j] - s_ref) / n_k                      # per batch: mean_j − mean_ref − shifts
+        se = batch_means_se(diff - float((run.sums[:, j] - s_ref).sum()) / n, n_k / n)
+        out["z_ref"] = z_score(out["mean"], ref_mean, se, max(abs(out["mean"]), abs(ref_mean)))
 
 
 def exact_rows(pair, estimators) -> list[dict[str, Any]]:

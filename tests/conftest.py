@@ -24,3 +24,28 @@ def mc_frame(pair, estimators, draws=200_000, seed=0, batches=100, chunk=1 << 20
     """Run one pair on the CPU and return its summary rows as a DataFrame."""
     return to_frame(summarize(run_case(pair, list(estimators), draws=draws, seed=seed, batches=batches,
                                        chunk=chunk, device=CPU)))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Two tiny random GPT-2 models (policy, perturbed reference), a trained tokenizer and prompts, built
+    once per session in a temporary folder (no download); skips without the hf extra."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from kl_bench.pairs.model.tiny import build_tiny_models
+    return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture
+def one_thread():
+    """Model forwards on one thread: tiny models on a shared 2-core machine are 50× slower on two."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def model_case(models, name: str = "m", **keys) -> dict:
+    """A `kind = "model"` case dict on the tiny models (absolute paths)."""
+    return {"name": name, "kind": "model", "policy": str(models / "policy"), "reference": str(models / "reference"),
+            "prompts": str(models / "prompts.txt"), **keys}

@@ -36,7 +36,14 @@ CASES = {
                                        "p": torch.cat([torch.full((5,), -math.inf), zipf_logits(495, 1.1, 2)[0]])}),
     "rollout": ("rollout", {"vocab": 200, "buckets": 4, "length": 6, "eos": 199, "q": ZIPF, "p": NOISY,
                             "sampler": {"behavior": {"from": "q", "noise": 0.1, "seed": 5}, "weights": "token"}}),
+    # Logged per-token log-probs (a trainer's view): tensors [B, T] with a mask and kl_full.
+    "logprobs": ("logprobs", {"logp_policy": -torch.rand(40, 5, generator=torch.Generator().manual_seed(1)) - 0.1,
+                              "logp_ref": -torch.rand(40, 5, generator=torch.Generator().manual_seed(2)) - 0.1,
+                              "mask": (torch.arange(5)[None] < torch.arange(40)[:, None] % 5 + 1).double(),
+                              "kl_full": torch.rand(40, 5, generator=torch.Generator().manual_seed(3)) * 0.2}),
 }
+# Kinds that need transformers are covered by tests/test_model.py (chunk independence included).
+NEEDS_HF = {"model"}
 ROWS = ["k1", "k2", "k3", "abs", "fwd_k3", "full"]
 
 
@@ -54,7 +61,7 @@ def small_pieces(monkeypatch):
 
 def test_every_registered_kind_is_covered():
     builtin = {name for name, k in CASE_KINDS.items() if k.pair.__module__.startswith("kl_bench.")}
-    assert builtin <= {kind for kind, _ in CASES.values()}
+    assert builtin <= {kind for kind, _ in CASES.values()} | NEEDS_HF
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -81,7 +88,7 @@ def test_no_call_draws_more_than_one_piece(case, small_pieces, monkeypatch):
     pair = prep.pairs[0]
     seen: list[int] = []
     cls = type(pair)
-    name = {"gaussian": "sample", "categorical": "sample_ids", "rollout": "simulate"}[pair.kind]
+    name = {"gaussian": "sample", "categorical": "sample_ids", "rollout": "simulate", "logprobs": "sample_draws"}[pair.kind]
     orig = getattr(cls, name)
 
     def spy(self, n, *args, **kwargs):

@@ -150,7 +150,7 @@ def _bad(tmp_path: Path, fmt=None) -> None:
     (tmp_path / "nan.npy").write_bytes(b"")
     np.save(tmp_path / "nan.npy", np.array([0.0, np.nan, 1.0]))
     np.save(tmp_path / "v10.npy", np.zeros(10))
-    np.save(tmp_path / "v3d.npy", np.zeros((2, 2, 5)))
+    np.save(tmp_path / "v3d.npy", np.zeros((2, 2, 2, 5)))     # [B, T, V] is valid (trainer logits); 4-D is not
     (tmp_path / "garbage.npy").write_bytes(b"\x93NUMPY garbage that is not an array")
     (tmp_path / "l.txt").write_text("1 2 3")
 
@@ -197,7 +197,7 @@ BAD = {
     "file-vocab-mismatch": (_file_spec("v10.npy", "vocab = 12"), ["case 'f'", "vocab", "10", "12"]),
     "file-bad-shape": (_file_spec("v3d.npy"), ["case 'f'", "shape"]),
     "file-corrupt": (_file_spec("garbage.npy"), ["case 'f'", "cannot read"]),
-    "file-wrong-suffix": (_file_spec("l.txt"), ["case 'f'", ".npy or .pt"]),
+    "file-wrong-suffix": (_file_spec("l.txt"), ["case 'f'", ".npy, .pt or .safetensors"]),
 }
 
 

@@ -266,7 +266,7 @@ SAMPLER
     ("categorical", "sampler = {top_p = 1.5}", ["sampler.top_p", "(0, 1]"]),
     ("categorical", "sampler = {temperature = 0}", ["sampler.temperature", "> 0"]),
     ("categorical", "sampler = {std_scale = 2.0}", ["sampler.std_scale", "only for gaussian"]),
-    ("categorical", "sampler = {min_length = 3}", ["sampler.min_length", "only for rollout"]),
+    ("categorical", "sampler = {min_length = 3}", ["sampler.min_length", "only for model and rollout"]),
     ("categorical", 'sampler = {weights = "sequence"}', ["sampler.weights", "none, token"]),
     ("categorical", "sampler = {weight_cap = 5.0}", ["sampler.weight_cap", "needs weights"]),
     ("categorical", "sampler = {topk = 5}", ["sampler.topk", "did you mean 'top_k'"]),

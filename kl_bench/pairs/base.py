@@ -98,6 +98,7 @@ class Pair(ABC):
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"
     supports_gradients: ClassVar[bool] = False
+    expensive_draws: ClassVar[bool] = False  # a draw costs model forward passes: keep side simulations small
 
     # ---------------------------------------------------------------- spec → pair
     @classmethod
@@ -170,6 +171,18 @@ class Pair(ABC):
     def exact_prob_negative(self, fn: Callable[[torch.Tensor], torch.Tensor], aggregate: str = "") -> float:
         """Exact P_q(f(log r) < 0), or NaN where no exact method exists."""
         return math.nan
+
+    def reference_row(self) -> str | None:
+        """Where no exact value exists (``true_values`` NaN, e.g. sampled continuations of real models):
+        the label of the row whose measured mean is the best unbiased reference (``"tok:full"``, the
+        Rao–Blackwellised per-step KL). The summary then reports ``ref_kl`` ± ``ref_se`` and each row's
+        ``z_ref`` against it, labelled as Monte Carlo, never exact. None: the exact values are the reference."""
+        return None
+
+    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float] | None:
+        """(ref_kl, ref_se, z_ref) of a row where the reference's noise is not the run's (logged data: the
+        SE is that of the log's own sequences, not of resampling them); None: from the run's batch means."""
+        return None
 
     @abstractmethod
     def describe(self) -> str:

@@ -1,0 +1,144 @@
+"""The one place that talks to Hugging Face ``transformers`` (imported lazily: ``import kl_bench`` never
+loads it). Loading two causal LMs from local folders, reading prompts, next-token log-probabilities and
+KV-cached continuations.
+
+Numerics: the models run in their ``dtype`` (float32 by default); each step's log-softmax is taken in
+float32 (at least) and then cast to float64, so that every statistic (log r = log p − log q, the
+per-step analytic KL, sums over tokens and draws) accumulates in float64. The float64 values are exact
+functions of the float32 log-probs, so a next-token case's truth is an exact float64 sum over the
+vocabulary of those log-probs.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from ...errors import SpecError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformers_module():
+    try:
+        import transformers
+    except ImportError:
+        raise SpecError("model cases need Hugging Face transformers: pip install 'kl-bench[hf]'") from None
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def check_model_dir(path: Path, key: str) -> None:
+    """A one-line error for a path that is not a saved model folder (never a hub download)."""
+    if not path.exists():
+        raise SpecError(f"model folder not found: {path} (a local folder saved with save_pretrained; "
+                        "nothing is downloaded)", key=key)
+    if not (path / "config.json").is_file():
+        raise SpecError(f"{path} is not a saved model folder (no config.json)", key=key)
+
+
+def load_model(path: Path, dtype: str, key: str):
+    """A causal LM from a local folder, in eval mode, on the CPU."""
+    check_model_dir(path, key)
+    tf = transformers_module()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = tf.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype])
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else "unreadable"
+        raise SpecError(f"cannot load the model in {path}: {e.__class__.__name__}: {first}", key=key) from None
+    # Older transformers take torch_dtype, not dtype: cast explicitly so that `dtype` holds on every version.
+    return model.to(DTYPES[dtype]).eval()
+
+
+def vocab_size(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def read_prompts(path: Path, tokenizer_dir: Path) -> list[list[int]]:
+    """Token ids of every prompt: a text file (one prompt a line, tokenised with the tokenizer saved in
+    ``tokenizer_dir``, the policy's folder) or ``.jsonl`` with ``input_ids`` on every line."""
+    if not path.is_file():
+        raise SpecError(f"prompts file not found: {path}", key="prompts")
+    if path.suffix.lower() == ".jsonl":
+        out = []
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["input_ids"]
+            except (ValueError, KeyError, TypeError):
+                raise SpecError(f"{path}: line {i} is not a JSON object with 'input_ids'", key="prompts") from None
+            if not (isinstance(ids, list) and ids and all(isinstance(x, int) and x >= 0 for x in ids)):
+                raise SpecError(f"{path}: line {i}: input_ids must be a non-empty list of token ids", key="prompts")
+            out.append(ids)
+    else:
+        lines = [s for s in path.read_text().splitlines() if s.strip()]
+        tf = transformers_module()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tok = tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else "unreadable"
+            raise SpecError(f"a text prompts file needs the tokenizer saved in the policy's folder {tokenizer_dir} "
+                            f"({e.__class__.__name__}: {first}); or give .jsonl with input_ids", key="prompts") from None
+        out = [tok(s)["input_ids"] for s in lines]
+        if any(not ids for ids in out):
+            raise SpecError(f"{path}: a prompt tokenises to no tokens", key="prompts")
+    if not out:
+        raise SpecError(f"{path}: no prompts", key="prompts")
+    return out
+
+
+def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [n, L] (pad id 0, masked) and the attention mask [n, L] (1 on real tokens)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def log_probs64(logits: torch.Tensor) -> torch.Tensor:
+    """Normalised float64 log-probs from model logits [..., V]: log-softmax in float32 (or the model's
+    wider dtype), then cast to float64 for every statistic (module docstring)."""
+    wide = logits if logits.dtype == torch.float64 else logits.float()
+    return torch.log_softmax(wide, dim=-1).to(torch.float64)
+
+
+class Step:
+    """One batch of prompts fed through a model with its KV cache, one token at a time."""
+
+    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor):
+        """``ids``, ``mask``: left-padded prompts [n, L]. Positions count real tokens only, so a padded
+        prompt sees exactly the positions it would see alone."""
+        self.model, self.mask = model, mask
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        self.cache, self.last = out.past_key_values, out.logits[:, -1]
+        self.pos = pos[:, -1:]
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Feed the next tokens [n]; ``self.last`` becomes the logits [n, V] after them."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.pos = self.pos + 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos,
+                         past_key_values=self.cache, use_cache=True)
+        self.cache, self.last = out.past_key_values, out.logits[:, -1]
+
+
+@torch.no_grad()
+def next_token_logprobs(model, prompts: list[list[int]], batch_size: int, device) -> torch.Tensor:
+    """log q(·|prompt) for every prompt, float64 [B, V] (CPU), ``batch_size`` prompts per forward pass."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        ids, mask = left_pad(prompts[i:i + batch_size], device)
+        out.append(log_probs64(Step(model, ids, mask).last).cpu())
+    return torch.cat(out)

@@ -1,0 +1,295 @@
+"""Case kind ``model``: a policy q and a reference p that are causal LMs saved in local folders.
+
+- ``length = 1``: the next-token distributions of the prompts are a categorical case with one context
+  per prompt (:class:`NextTokenPair`): exact truth, moments, λ*, planning and gradients as for
+  ``categorical``.
+- ``length = T > 1``: continuations of up to T tokens are sampled from q (or the sampler b) with both
+  models' KV caches (:class:`ModelPair`); at every step both full next-token distributions are computed,
+  so each path gives L = Σ_t log r_t, every per-token estimator and the analytic per-step KL (``full``).
+  The sequence KL(q‖p) has no exact value here: the reference is the Rao–Blackwellised ``full`` mean with
+  its standard error (``reference_row``; summary columns ``ref_kl``, ``ref_se``, ``z_ref``), never
+  called exact.
+
+A draw picks a prompt uniformly (as a categorical draw picks a context), then a continuation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...config import Table, positive
+from ...draws import Draws, Row
+from ...errors import SpecError
+from ...estimators import RowSource
+from ...logits import sampler_logprobs
+from ...targets import FORWARD, REVERSE
+from ..base import CaseConfig, JointMoments, Pair, register_kind
+from ..categorical import CategoricalPair
+from . import lm
+
+MAX_MODEL_LENGTH = 1 << 16
+# Rows whose spread the growth figure shows against the prefix length t (the last one is the reference).
+GROWTH_ROWS = ("seq k1", "seq k3", "tok k3", "tok full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCase(CaseConfig):
+    policy: Path                 # q: a folder saved with save_pretrained (tokenizer too for a .txt prompts file)
+    reference: Path              # p
+    prompts: Path                # .txt (one prompt a line) or .jsonl ({"input_ids": [...]} a line)
+    length: int = 1              # T: 1 = next token (exact); > 1 = sampled continuations
+    eos: int | None = None       # a continuation ends at this token (included)
+    dtype: str = "float32"       # the models' dtype; statistics are float64 whatever it is
+    batch_size: int = 64         # prompts per forward pass, continuations generated together
+
+
+def _device_for_forward() -> torch.device:
+    """Next-token log-probs are computed once, at build time: on the GPU when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@register_kind("model", description="a policy and a reference causal LM (local folders, transformers): next token "
+               "(exact) or sampled continuations (reference: the full mean ± SE)",
+               sampler_keys=("temperature", "top_k", "top_p", "min_length", "weights", "weight_cap"),
+               weight_kinds=("token", "sequence"))
+class ModelPair(Pair):
+    """Sampled continuations of T > 1 tokens (module docstring)."""
+    aggregates = ("seq", "tok")
+    expensive_draws = True
+
+    def __init__(self, name: str, policy, reference, prompts: list[list[int]], length: int, eos: int | None,
+                 batch_size: int, label: str = "", sampler=None):
+        """``policy``, ``reference``: causal LMs (CPU; moved to the run's device on first use);
+        ``prompts``: token ids; ``sampler``: a SamplerSpec (temperature, top-k/p, min_length, weights)."""
+        self.name, self.label = name, label
+        self.policy, self.reference, self.prompts = policy, reference, prompts
+        self.length, self.eos, self.batch_size = int(length), eos, int(batch_size)
+        self.vocab = lm.vocab_size(policy)
+        self.sampler = sampler
+        sp = sampler
+        self.min_length = sp.min_length if sp is not None and eos is not None else 0
+        self.reshape = sp is not None and (sp.temperature != 1.0 or sp.top_k is not None or sp.top_p is not None)
+        self.has_sampler = self.reshape or self.min_length > 0 or (sp is not None and sp.weights != "none")
+        self.weights = sp.weights if sp is not None else "none"
+        self.weight_cap = sp.weight_cap if sp is not None else None
+        self.sampler_label = sp.describe() if self.has_sampler else ""
+        self._device: torch.device | None = None
+        # Growth in T from the prefixes of every generated path: per step t, float64 sums of v and v² of
+        # GROWTH_ROWS (n paths in growth_n); see growth().
+        self.growth_sums = torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
+        self.growth_n = 0
+
+    # ------------------------------------------------------------------ spec → pair
+    @classmethod
+    def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> ModelCase:
+        paths = {k: spec_dir / t.get(k, "str") for k in ("policy", "reference", "prompts")}
+        length = t.get("length", "int", 1, lambda v: None if 1 <= v <= MAX_MODEL_LENGTH else
+                       f"must lie in [1, {MAX_MODEL_LENGTH}], got {v}")
+        eos = t.get("eos", "int", None, lambda v: None if v >= 0 else f"must be a token id ≥ 0, got {v}")
+        dtype = t.get("dtype", "str", "float32", lambda v: None if v in lm.DTYPES else
+                      f"must be one of {', '.join(lm.DTYPES)}, got '{v}'")
+        batch_size = t.get("batch_size", "int", 64, positive)
+        t.finish()
+        sp = common.get("sampler")
+        if sp is not None and sp.min_length and (eos is None or length == 1):
+            raise t.error("min_length needs an eos token and length > 1", key="sampler.min_length")
+        return ModelCase(length=length, eos=eos, dtype=dtype, batch_size=batch_size, **paths, **common)
+
+    @classmethod
+    def from_config(cls, case: ModelCase) -> Pair:
+        policy = lm.load_model(case.policy, case.dtype, "policy")
+        reference = lm.load_model(case.reference, case.dtype, "reference")
+        v = lm.vocab_size(policy)
+        if lm.vocab_size(reference) != v:
+            raise SpecError(f"the reference has vocabulary {lm.vocab_size(reference)} but the policy has {v}",
+                            key="reference")
+        prompts = lm.read_prompts(case.prompts, case.policy)
+        top = max(max(p) for p in prompts)
+        if top >= v:
+            raise SpecError(f"{case.prompts}: token id {top} is outside the models' vocabulary [0, {v})", key="prompts")
+        if case.eos is not None and case.eos >= v:
+            raise SpecError(f"must be a token id in [0, {v}), got {case.eos}", key="eos")
+        label = f"policy {case.policy.name}, reference {case.reference.name}, {len(prompts)} prompts"
+        if case.length == 1:
+            return NextTokenPair.build(case, policy, reference, prompts, label)
+        return cls(case.name, policy, reference, prompts, case.length, case.eos, case.batch_size, label=label,
+                   sampler=case.sampler)
+
+    def metadata(self) -> dict[str, Any]:
+        # No exact value: the summary's reference is the `full` row's mean (reference_row).
+        return {**super().metadata(), "label": self.label, "length": self.length,
+                "reference": "full mean ± SE (Rao–Blackwellised Monte Carlo, not exact)" if self.has_reference else
+                "none: draws from a sampler without sequence IS weights, so the full mean is not KL(q‖p)",
+                "growth": self.growth()}
+
+    def growth(self) -> dict[str, Any]:
+        """std/ref of GROWTH_ROWS at prefix lengths t = 1, 2, 4, ..., T of every path generated so far
+        (ref: the mean of the `full` prefix, Monte Carlo): {"T": [...], "paths": n, row: [...]}."""
+        if not self.growth_n:
+            return {}
+        ts = sorted({min(1 << k, self.length) for k in range(self.length.bit_length() + 1)})
+        n = self.growth_n
+        mean = self.growth_sums[:, :, 0] / n
+        std = (self.growth_sums[:, :, 1] / n - mean ** 2).clamp(min=0).sqrt()
+        ref = mean[:, -1]
+        out: dict[str, Any] = {"T": ts, "paths": n}
+        for j, row in enumerate(GROWTH_ROWS):
+            out[row] = [float(std[t - 1, j] / ref[t - 1]) if ref[t - 1] > 0 else None for t in ts]
+        return out
+
+    def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
+        return ("tok",) if source.token_only else self.aggregates
+
+    # ------------------------------------------------------------------ truth: none exists
+    def true_values(self) -> dict[str, float]:
+        # Sampled continuations of real models: no exact value of either KL (reference_row instead).
+        return {REVERSE: math.nan, FORWARD: math.nan}
+
+    def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:
+        return math.nan, math.nan
+
+    def exact_joint(self, aggregate: str = "seq") -> JointMoments:
+        return JointMoments(math.nan, math.nan, math.nan, math.nan, math.nan)
+
+    def reference_row(self) -> str | None:
+        # Under a sampler b ≠ q the full mean is E_b[Σ_t KL(q‖p)(h_t)], not KL(q‖p), unless every row
+        # carries the sequence weight Π_t q/b (per-token weights do not reweight the history).
+        return "tok:full" if self.has_reference else None
+
+    @property
+    def has_reference(self) -> bool:
+        return not self.has_sampler or self.weights == "sequence"
+
+    def describe(self) -> str:
+        eos = f", eos={self.eos}" if self.eos is not None else ""
+        return (f"model continuations V={self.vocab}, T={self.length}{eos}: {self.label}"
+                + (f"; {self.sampler_label}" if self.sampler_label else ""))
+
+    # ------------------------------------------------------------------ sampling
+    def piece_draws(self, device: torch.device) -> int:
+        # A piece is one generation batch: memory is batch_size × (KV caches + a few [V] rows).
+        return self.batch_size
+
+    def _models_on(self, device: torch.device):
+        if self._device != device:
+            self.policy.to(device)
+            self.reference.to(device)
+            self._device = device
+        return self.policy, self.reference
+
+    def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
+                     tok_rows: list[Row] = ()) -> Draws:
+        """``n`` continuations, generated ``batch_size`` at a time from ``generator`` (in order)."""
+        parts = [self.generate(min(self.batch_size, n - i), generator, device, tok_rows)
+                 for i in range(0, n, self.batch_size)]
+        if len(parts) == 1:
+            return parts[0]
+        cat = {k: (None if getattr(parts[0], k) is None else torch.cat([getattr(p, k) for p in parts]))
+               for k in ("logr", "full", "tok", "tok_b", "weight")}
+        return Draws(**cat, tok_weighted=parts[0].tok_weighted)
+
+    def behaviour(self, lq: torch.Tensor, t: int) -> torch.Tensor:
+        """log b(·|h_t) [n, V] float64: q reshaped by temperature/top-k/top-p, EOS suppressed while t <
+        min_length (renormalised)."""
+        sp = self.sampler
+        lb = sampler_logprobs(lq, sp.temperature, sp.top_k, sp.top_p) if self.reshape else lq
+        if t < self.min_length:
+            lb = lb.clone()
+            lb[:, self.eos] = -torch.inf
+            lb = torch.log_softmax(lb, dim=-1)
+        return lb
+
+    @torch.no_grad()
+    def generate(self, n: int, generator: torch.Generator, device: torch.device, tok_rows: list[Row] = (),
+                 prefixes: torch.Tensor | None = None, record: list | None = None) -> Draws:
+        """``n`` ≤ batch_size continuations: prompts drawn uniformly, then up to T tokens x_t ~ b(·|h_t) by
+        inverse CDF on float64 uniforms from ``generator`` (never the global RNG), with both models' KV
+        caches. Per path (float64 [n]): L = Σ_t log r_t, full = Σ_t KL(q(·|h_t) ‖ p(·|h_t)), token sums.
+        ``prefixes``: a float64 [T, n, 2] tensor that receives (L, full) after each step (growth in T).
+        ``record``: a list that receives, per step, (token, log q, log p, KL(q‖p) at h_t, alive) [n] each,
+        and first the prompt indices (kl-bench dump-logits)."""
+        q_model, p_model = self._models_on(device)
+        idx = torch.randint(len(self.prompts), (n,), generator=generator, device=device).tolist()
+        ids, mask = lm.left_pad([self.prompts[i] for i in idx], device)
+        sq, sp = lm.Step(q_model, ids, mask), lm.Step(p_model, ids, mask)
+        if record is not None:
+            record.append(torch.tensor(idx))
+        f64 = dict(dtype=torch.float64, device=device)
+        logr, full, tok_b = torch.zeros(n, **f64), torch.zeros(n, **f64), torch.zeros(n, **f64)
+        tok = torch.zeros(n, len(tok_rows), **f64)
+        alive = torch.ones(n, **f64)
+        weight = torch.ones(n, **f64) if self.weights != "none" else None
+        rows = torch.arange(n, device=device)
+        tok_k3 = torch.zeros(n, **f64)
+        grow = torch.zeros(self.length, len(GROWTH_ROWS), 2, **f64)
+        for t in range(self.length):
+            lq, lp = lm.log_probs64(sq.last), lm.log_probs64(sp.last)            # [n, V] float64
+            lb = self.behaviour(lq, t) if self.has_sampler else lq
+            u = torch.rand(n, 1, generator=generator, **f64)
+            cdf = lb.exp().cumsum(-1)
+            # Inverse CDF: the first token whose cumulative mass exceeds u·total; a zero-probability
+            # token has an empty interval and is never drawn.
+            x = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=self.vocab - 1)
+            g = lp[rows, x] - lq[rows, x]                                        # log r_t
+            kl_t = (lq.exp() * (lq - lp)).sum(-1)                                # analytic KL at h_t
+            logr += alive * g
+            full += alive * kl_t
+            tok_b += alive * torch.expm1(g)
+            tok_k3 += alive * (torch.expm1(g) - g)
+            # Prefix t + 1 of every path (a path that ended keeps its values): seq k1, seq k3, tok k3, full.
+            v = torch.stack([-logr, torch.expm1(logr) - logr, tok_k3, full], -1)
+            grow[t, :, 0], grow[t, :, 1] = v.sum(0), (v * v).sum(0)
+            step_w = None
+            if weight is not None:                     # q/b of the drawn token, capped
+                w_t = torch.exp(lq[rows, x] - lb[rows, x])
+                if self.weight_cap is not None:
+                    w_t = w_t.clamp(max=self.weight_cap)
+                weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+                step_w = w_t if self.weights == "token" else None
+            if tok_rows:
+                vals = torch.stack([kl_t if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
+                tok += (alive if step_w is None else alive * step_w)[:, None] * vals
+            if prefixes is not None:
+                prefixes[t, :, 0], prefixes[t, :, 1] = logr, full
+            if record is not None:
+                record.append((x, lq[rows, x], lp[rows, x], kl_t, alive.clone()))
+            if self.eos is not None:
+                alive = alive * (x != self.eos)
+            if t + 1 < self.length:
+                if not bool(alive.any()):
+                    if prefixes is not None:
+                        prefixes[t + 1:] = prefixes[t]
+                    grow[t + 1:] = grow[t]
+                    break
+                sq.advance(x)
+                sp.advance(x)
+        if not self.has_sampler:          # prefixes of draws from q only (the reference is an E_q)
+            self.growth_sums += grow.cpu()
+            self.growth_n += n
+        return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
+
+
+class NextTokenPair(CategoricalPair):
+    """``length = 1``: the prompts' next-token distributions as a categorical with one context a prompt."""
+    kind = "model"
+
+    @classmethod
+    def build(cls, case: ModelCase, policy, reference, prompts: list[list[int]], label: str) -> "NextTokenPair":
+        dev = _device_for_forward()
+        lq = lm.next_token_logprobs(policy.to(dev), prompts, case.batch_size, dev)
+        lp = lm.next_token_logprobs(reference.to(dev), prompts, case.batch_size, dev)
+        sp = case.sampler
+        if sp is None:
+            return cls(case.name, lq, lp, label=label)
+        log_b = sampler_logprobs(lq, sp.temperature, sp.top_k, sp.top_p)
+        # One token: sequence weights are token weights.
+        return cls(case.name, lq, lp, label=label, log_b=log_b, weights="none" if sp.weights == "none" else "token",
+                   weight_cap=sp.weight_cap, sampler_label=sp.describe())
+
+    def describe(self) -> str:
+        return f"model next token, V={self.vocab}, {self.contexts} prompts: {self.label}" + (
+            f"; {self.sampler_label}" if self.sampler_label else "")

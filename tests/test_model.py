@@ -1,0 +1,196 @@
+"""kind = "model" on two tiny random GPT-2 models built in the test (no download): next-token exact truth
+against an independent forward pass, continuations against the Rao–Blackwellised `full` reference, T = 1
+against the next-token case, chunk independence, and one-line errors for bad input."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kl_bench
+from kl_bench.api import prepare
+from kl_bench.engine import run_case
+from kl_bench.errors import SpecError
+from kl_bench.results import summarize, to_frame
+
+from .conftest import CPU, model_case
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _spec(cases, draws=1024, batches=16, estimators=("k1", "k2", "k3", "full")) -> dict:
+    return {"spec_version": 1,
+            "experiment": {"name": "model", "draws": draws, "seed": 3, "batches": batches, "device": "cpu",
+                           "estimators": list(estimators)},
+            "case": cases}
+
+
+def _independent_logprobs(folder, prompts) -> torch.Tensor:
+    """log-softmax of the last position of each prompt alone (no padding, no cache), float64 [B, V]."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+    with torch.no_grad():
+        return torch.stack([torch.log_softmax(model(input_ids=torch.tensor([p])).logits[0, -1].double(), -1)
+                            for p in prompts])
+
+
+def test_next_token_truth_is_an_exact_sum_over_the_vocabulary(tiny_models):
+    pair = prepare(_spec([model_case(tiny_models)])).pairs[0]
+    from kl_bench.pairs.model import lm
+    prompts = lm.read_prompts(tiny_models / "prompts.txt", tiny_models / "policy")
+    lq = _independent_logprobs(tiny_models / "policy", prompts)
+    lp = _independent_logprobs(tiny_models / "reference", prompts)
+    assert pair.kind == "model" and pair.contexts == len(prompts) and pair.vocab == 1000
+    # Batched, left-padded forwards agree with one prompt at a time to float32 rounding.
+    assert torch.allclose(pair.log_q, lq, atol=1e-5) and torch.allclose(pair.log_p, lp, atol=1e-5)
+    kl = float((lq.exp() * (lq - lp)).sum(-1).mean())           # float64 sum over the vocabulary
+    fwd = float((lp.exp() * (lp - lq)).sum(-1).mean())
+    assert pair.kl() == pytest.approx(kl, rel=1e-5) and pair.kl_forward() == pytest.approx(fwd, rel=1e-5)
+    df = kl_bench.run(_spec([model_case(tiny_models)], draws=200_000, batches=50)).summary
+    assert (df["true_kl"][df.target == "KL(q||p)"] == pair.kl()).all()
+    assert df["z"].abs().max() < 5, df[["estimator", "mean", "exact_mean", "z"]]
+
+
+def test_continuations_agree_with_the_full_reference(tiny_models):
+    res = kl_bench.run(_spec([model_case(tiny_models, length=6)], draws=1024))
+    df = res.summary.set_index(["estimator", "aggregate"])
+    ref = df.loc[("full", "tok")]
+    assert math.isnan(ref["true_kl"]) and ref["ref_kl"] == ref["mean"] and ref["ref_se"] > 0
+    for row in [("k1", "seq"), ("k3", "seq"), ("k1", "tok"), ("k3", "tok")]:
+        assert abs(df.loc[row, "z_ref"]) < 5, (row, df.loc[row, ["mean", "se", "z_ref"]])
+        assert math.isnan(df.loc[row, "z"]) and math.isnan(df.loc[row, "exact_mean"])   # never called exact
+    # The analytic per-step KL has a lower variance than Σ_t k1 (Rao–Blackwell).
+    assert ref["std"] < df.loc[("k1", "seq"), "std"]
+    assert "not exact" in res.envelope["cases"]["m"]["reference"]
+    # Growth in T from the prefixes of the same paths: at t = 1 the sequence and token k3 coincide.
+    growth = res.envelope["cases"]["m"]["growth"]
+    assert growth["T"] == [1, 2, 4, 6] and growth["paths"] >= 1024
+    assert growth["seq k3"][0] == pytest.approx(growth["tok k3"][0], rel=1e-12)
+    assert growth["tok full"][-1] == pytest.approx(ref["std"] / ref["mean"], rel=0.2)
+
+
+def test_one_token_continuations_reproduce_the_next_token_case(tiny_models):
+    nxt = prepare(_spec([model_case(tiny_models)])).pairs[0]
+    cont = prepare(_spec([model_case(tiny_models, length=2)])).pairs[0]
+    cont.length = 1
+    n = 100
+    draws = cont.generate(n, torch.Generator().manual_seed(5), CPU)
+    idx = torch.randint(nxt.contexts, (n,), generator=torch.Generator().manual_seed(5))
+    kl_ctx = (nxt.log_q.exp() * (nxt.log_q - nxt.log_p)).sum(-1)
+    assert torch.allclose(draws.full, kl_ctx[idx], rtol=1e-6, atol=1e-9)
+    # log r of the drawn token is an entry of the next-token table of its prompt
+    table = (nxt.log_p - nxt.log_q)[idx]
+    assert ((table - draws.logr[:, None]).abs().min(-1).values < 1e-6).all()
+
+
+def test_chunk_never_changes_the_continuation_sums(tiny_models):
+    pair = prepare(_spec([model_case(tiny_models, length=3, batch_size=16)])).pairs[0]
+    runs = [run_case(pair, ["k1", "k3", "full"], draws=96, seed=1, batches=3, chunk=c, device=CPU, joint=True)
+            for c in (1, 40, 1 << 22)]
+    assert torch.equal(runs[0].sums, runs[1].sums) and torch.equal(runs[0].sums, runs[2].sums)
+
+
+def test_sampler_with_and_without_weights(tiny_models):
+    base = model_case(tiny_models, length=4, eos=0)
+    rows = {}
+    for w in ("none", "token", "sequence"):
+        spec = _spec([{**base, "sampler": {"temperature": 1.3, "min_length": 2, "weights": w}}], draws=256,
+                     estimators=("k1", "full"))
+        pair = prepare(spec).pairs[0]
+        assert pair.has_sampler and "T=1.3" in pair.describe()
+        rows[w] = to_frame(summarize(run_case(pair, ["k1", "full"], draws=256, seed=0, batches=4, chunk=1 << 20,
+                                              device=CPU)))
+    assert all(df["mean"].notna().all() for df in rows.values())
+    # Only sequence weights make the full mean a reference for KL(q‖p) under a sampler.
+    assert rows["none"]["ref_kl"].isna().all() and rows["token"]["ref_kl"].isna().all()
+    assert rows["sequence"]["ref_kl"].notna().all()
+
+
+@pytest.mark.parametrize("keys, match", [
+    ({"policy": "/nonexistent/policy"}, "key 'policy': model folder not found"),
+    ({"prompts": "/nonexistent/prompts.txt"}, "key 'prompts': prompts file not found"),
+    ({"length": 0}, "key 'length': must lie in"),
+    ({"dtype": "int8"}, "key 'dtype': must be one of"),
+    ({"eos": 5000}, "key 'eos': must be a token id in [0, 1000)"),
+    ({"temperatur": 1.0}, "unknown key"),
+    ({"sampler": {"min_length": 2}}, "min_length needs an eos token"),
+])
+def test_bad_model_cases_are_one_line_errors(tiny_models, keys, match):
+    with pytest.raises(SpecError) as e:
+        prepare(_spec([{**model_case(tiny_models), **keys}]))
+    assert match in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_jsonl_prompts(tiny_models, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"ids": [1, 2]}\n')
+    with pytest.raises(SpecError, match="line 1 is not a JSON object with 'input_ids'"):
+        prepare(_spec([model_case(tiny_models, prompts=str(bad))]))
+
+
+@pytest.mark.slow
+def test_cli_missing_model_is_exit_2(tiny_models, tmp_path):
+    spec = tmp_path / "bad.toml"
+    spec.write_text(f'spec_version = 1\n[experiment]\nname = "x"\ndraws = 100\n[[case]]\nname = "m"\nkind = "model"\n'
+                    f'policy = "missing"\nreference = "{tiny_models / "reference"}"\nprompts = "{tiny_models / "prompts.txt"}"\n')
+    out = subprocess.run([sys.executable, "-m", "kl_bench", "run", str(spec), "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "case 'm': key 'policy': model folder not found" in out.stderr + out.stdout
+
+
+def test_no_generation_call_exceeds_batch_size(tiny_models, monkeypatch):
+    """Memory is one generation batch (batch_size continuations), whatever the engine's batch."""
+    from kl_bench.pairs.model import ModelPair
+    pair = prepare(_spec([model_case(tiny_models, length=2, batch_size=16)])).pairs[0]
+    seen, orig = [], ModelPair.generate
+
+    def spy(self, n, *args, **kwargs):
+        seen.append(n)
+        return orig(self, n, *args, **kwargs)
+    monkeypatch.setattr(ModelPair, "generate", spy)
+    run_case(pair, ["k1", "full"], draws=100, seed=0, batches=2, chunk=1 << 22, device=CPU)
+    assert max(seen) == 16 and sum(seen) == 100
+
+
+def test_dump_logits_feeds_categorical_and_logprobs_cases(tiny_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    out = tmp_path / "dump"
+    r = CliRunner().invoke(app, ["dump-logits", "--policy", str(tiny_models / "policy"), "--reference",
+                                 str(tiny_models / "reference"), "--prompts", str(tiny_models / "prompts.jsonl"),
+                                 "--out", str(out), "--length", "4", "--samples", "300", "--eos", "0",
+                                 "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    nt = str(out / "next_token.pt")
+    cat = prepare(_spec([{"name": "c", "kind": "categorical", "q": {"file": nt, "key": "policy"},
+                          "p": {"file": nt, "key": "reference"}}])).pairs[0]
+    model = prepare(_spec([model_case(tiny_models)])).pairs[0]
+    assert cat.kl() == pytest.approx(model.kl(), rel=1e-5)          # float32 storage of the log-probs
+    data = torch.load(out / "continuations.pt")
+    assert data["logp_policy"].shape == data["mask"].shape == (300, 4)
+    df = kl_bench.run(_spec([{"name": "l", "kind": "logprobs", "file": str(out / "continuations.pt")}],
+                            draws=20_000)).summary.set_index(["estimator", "aggregate"])
+    for row in [("k1", "seq"), ("k3", "tok")]:
+        assert abs(df.loc[row, "z_ref"]) < 5
+    bad = CliRunner().invoke(app, ["dump-logits", "--policy", str(tmp_path / "none"), "--reference", "x",
+                                   "--prompts", "y", "--out", str(out)])
+    assert bad.exit_code == 2 and "model folder not found" in bad.output
+
+
+@pytest.mark.slow
+def test_report_of_cases_without_an_exact_value(tiny_models, tmp_path):
+    """Figures of model continuations (with λ rows) and of logs with and without kl_full render."""
+    from .test_trainer_inputs import _log
+    no_kl = _log(60)
+    del no_kl["kl_full"]
+    spec = _spec([model_case(tiny_models, "T3", length=3), {"name": "log", "kind": "logprobs", **_log(60)},
+                  {"name": "bare", "kind": "logprobs", **no_kl}], draws=256, batches=4)
+    spec["experiment"]["lambdas"] = [0.5, "optimal"]
+    res = kl_bench.run(spec)
+    res.write(tmp_path / "out")
+    report = res.report(tmp_path / "rep")
+    figures = {p.name for p in (tmp_path / "rep" / "figures").iterdir()}
+    assert report.exists() and "growth_T3.png" in figures and "bias_std_T3.png" in figures
