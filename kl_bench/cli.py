@@ -336,17 +336,20 @@ def list_() -> None:
     """List the registered estimators, pair-supplied rows and case kinds, one line each."""
     from .estimators import ESTIMATORS, PAIR_ROWS
     from .pairs import CASE_KINDS
-    for name, e in [*ESTIMATORS.items(), *PAIR_ROWS.items()]:
+    rows = [*ESTIMATORS.items(), *PAIR_ROWS.items()]
+    wn = max(len(name) for name, _ in rows)
+    wf = max(len(e.formula) for _, e in rows)
+    for name, e in rows:
         what = "row      " if e.analytic else "estimator"
-        out_console.print(f"{what}  {name:<8} {e.formula:<26} target {e.target}"
+        out_console.print(f"{what}  {name:<{wn}}  {e.formula:<{wf}}  target {e.target}"
                           f"{'  unbiased' if e.unbiased else '  biased'}{'  ≥0' if e.nonnegative else ''}",
                           markup=False)
     from importlib.metadata import entry_points
     for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:
-            out_console.print(f"plug-in    {ep.name:<8} {ep.value}  (entry point, loaded when used)", markup=False)
+            out_console.print(f"plug-in    {ep.name:<{wn}}  {ep.value}  (entry point, loaded when used)", markup=False)
     for name, k in CASE_KINDS.items():
-        out_console.print(f"kind       {name:<12} {k.description}", markup=False)
+        out_console.print(f"kind       {name:<{wn}}  {k.description}", markup=False)
 
 
 # ----------------------------------------------------------------------------- models (issue 14)
