@@ -17,10 +17,10 @@ import time
 import torch
 
 from kl_bench.engine import run_case
-from kl_bench.estimators import ESTIMATORS, lookup
+from kl_bench.estimators import lookup
 from kl_bench.pairs import GaussianPair
 
-NAMES = [n for n in ESTIMATORS.names() if n != "full"]
+NAMES = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3"]   # the core estimators (presets are variants of these)
 CHUNK = 1 << 22
 MQ, SQ, MP, SP = 0.0, 1.0, 0.3, 1.1
 
