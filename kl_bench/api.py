@@ -92,13 +92,17 @@ def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: 
 
 
 def execute(prep: Prepared, *, progress=None, resume: dict[str, torch.Tensor] | None = None,
-            on_sums: Callable[[str, torch.Tensor], None] | None = None) -> "Result":
+            on_sums: Callable[[str, torch.Tensor], None] | None = None, ranks=None) -> "Result | None":
     """Sample a prepared spec. ``progress``: a :class:`kl_bench.progress.LazyProgress` (or anything with
-    ``advance(n)`` and ``label(text)``); ``resume``/``on_sums``: checkpointing (kl_bench.engine.run_case)."""
+    ``advance(n)`` and ``label(text)``); ``resume``/``on_sums``: checkpointing (kl_bench.engine.run_case).
+    ``ranks``: this process's place in a multi-process job (:func:`kl_bench.distributed.start`); rank 0
+    gets the Result, byte for byte the one-process Result, and the other ranks None."""
+    from .distributed import SINGLE
     from .experiment import run_spec
     outcome = run_spec(prep.spec, prep.pairs, prep.device, progress=None if progress is None else progress.advance,
-                       resume=resume, on_sums=on_sums, on_phase=None if progress is None else progress.label)
-    return Result(prep.spec, prep.pairs, outcome, prep.device, resumed=bool(resume))
+                       resume=resume, on_sums=on_sums, on_phase=None if progress is None else progress.label,
+                       ranks=ranks or SINGLE)
+    return None if outcome is None else Result(prep.spec, prep.pairs, outcome, prep.device, resumed=bool(resume))
 
 
 def run(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None,
@@ -166,6 +170,9 @@ class Result:
             "draws_per_case": {c.name: n for c, n in zip(spec.cases, spec.case_draws())}, "batches": exp.batches,
             "device": str(device), "device_name": _device_name(device), "versions": _versions(),
             "git_commit": _git_commit(), "wall_seconds": round(outcome.wall, 3), "resumed": resumed,
+            # Processes that drew the batches, and per case and pass the [lo, hi) batch ranges of each rank
+            # (batches restored from a checkpoint are in no range).
+            "world_size": outcome.world_size, "rank_batches": outcome.drawn,
             "sampling_seconds": round(sum(r.seconds for r in runs), 3),
             "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
             "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
