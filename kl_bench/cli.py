@@ -224,7 +224,8 @@ def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], 
                 with contextlib.suppress(OSError):
                     save_checkpoint(out_dir, identity, state)
                     saved = True
-            _interrupted(f"interrupted: no results were written; earlier results in {out_dir} are untouched"
+            why = " (a process of the torchrun job failed, or the job was stopped)" if hs.ranks.world_size > 1 else ""
+            _interrupted(f"interrupted{why}: no results were written; earlier results in {out_dir} are untouched"
                          + ("; continue with --resume" if saved else ""))
         finally:
             progress.close()

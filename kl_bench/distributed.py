@@ -25,8 +25,11 @@ from typing import Any, Iterator
 # simulation, gradient passes whose totals cannot be merged exactly) while the others wait.
 TIMEOUT_ENV = "KL_BENCH_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 1800.0
-# Test hook: "RANK:PHASE" makes that rank die (os._exit(1)) when it reaches PHASE (start, main, gradients).
+# Test hook: "RANK:PHASE" or "RANK:PHASE:N" makes that rank die (os._exit(1)) when it reaches PHASE
+# (start; main: after drawing its slice of a round of a main or pilot pass; gradients: after a batch of a
+# gradient pass) for the Nth time (default the first), as a crashed process would.
 FAIL_ENV = "KL_BENCH_RANK_FAIL"
+_reached: dict[str, int] = {}
 
 
 class RankFailure(Exception):
@@ -68,9 +71,11 @@ class Ranks:
 
     def fail_point(self, phase: str) -> None:
         """Test hook (:data:`FAIL_ENV`): this rank dies here, as a crashed process would."""
-        want = os.environ.get(FAIL_ENV, "")
-        if want and want == f"{self.rank}:{phase}":
-            os._exit(1)
+        want = os.environ.get(FAIL_ENV, "").split(":")
+        if len(want) >= 2 and want[:2] == [str(self.rank), phase]:
+            _reached[phase] = _reached.get(phase, 0) + 1
+            if _reached[phase] == (int(want[2]) if len(want) > 2 else 1):
+                os._exit(1)
 
 
 SINGLE = Ranks()
@@ -82,8 +87,14 @@ def _collective(fn) -> None:
     except KeyboardInterrupt:
         raise
     except Exception as e:      # noqa: BLE001 - gloo and NCCL raise RuntimeError subclasses, or others
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise RankFailure(f"another process of the job failed or stopped answering ({first})") from None
+        raise RankFailure(f"another process of the job failed or stopped answering ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    """The gist of a backend error: its first line without gloo's "[file.cc:NNN]" source location."""
+    import re
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:120]
 
 
 def rounds(first: int, total: int, per_chunk: int, ranks: Ranks) -> Iterator[tuple[int, int, int, int]]:
@@ -152,8 +163,7 @@ def start(device) -> tuple[Ranks, Any]:
         try:
             dist.init_process_group(backend, timeout=timeout)
         except Exception as e:      # noqa: BLE001
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-            raise RankFailure(f"cannot join the torchrun job ({backend}): {first}") from None
+            raise RankFailure(f"cannot join the torchrun job ({backend}): {_first_line(e)}") from None
     ranks = Ranks(dist.get_rank(), dist.get_world_size())
     ranks.fail_point("start")
     return ranks, device

@@ -33,6 +33,7 @@ class CaseOutcome:
     sweep: pd.DataFrame | None
     pilot_lambda: float | None
     reservoir: torch.Tensor      # [≤ RESERVOIR, rows] per-draw values from an independent stream
+    pilot_drawn: list = dataclasses.field(default_factory=list)  # per rank: pilot batch ranges it drew
 
     def batch_frame(self) -> pd.DataFrame:
         """Per-batch means of every row (the report's convergence plot), long format."""
@@ -65,7 +66,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
     # (against their exact E_b), but no sweep or cv_opt is made.
     joint = (bool(cvs) or exp.optimal) and not pair.has_sampler
-    pilot_lambda = None
+    pilot_lambda, pilot_drawn = None, []
     if exp.optimal and joint:
         # cv_opt's λ comes from an independent pilot stream, so its scored variance is honest:
         # a λ fitted on the very draws it is scored on would look better than it is.
@@ -73,6 +74,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                          chunk=exp.chunk, device=device, joint=True, stream="pilot", ranks=ranks)
         # Rank 0 holds the pilot's sums; every rank needs the λ (the cv_opt row is drawn everywhere).
         lams = ranks.broadcast([lambda_star_mc(pilot, agg)[0] for agg in aggs] if ranks.root else None)
+        pilot_drawn = pilot.drawn
         for agg, lam in zip(aggs, lams):
             pilot_lambda = lam if math.isfinite(lam) else 0.0
             cvs.append(Row(make_cv(pilot_lambda, fitted=True), agg))
@@ -101,7 +103,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                                   lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a),
                                   measured))
     return CaseOutcome(run, out, pd.concat(sweeps, ignore_index=True) if sweeps else None, pilot_lambda,
-                       values[:RESERVOIR])
+                       values[:RESERVOIR], pilot_drawn)
 
 
 BATCH_SCHEMA: dict[str, str] = {
@@ -215,7 +217,8 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
         except SpecError as e:              # e.g. a plug-in that returns NaN on some draws: name where
             raise e.located(file=str(spec.path), case=pair.name) from None
     rows = [row for o in outcomes if o is not None for row in o.rows]
-    drawn = {o.run.pair.name: {"main": o.run.drawn} for o in outcomes if o is not None}
+    drawn = {o.run.pair.name: {**({"pilot": o.pilot_drawn} if o.pilot_drawn else {}), "main": o.run.drawn}
+             for o in outcomes if o is not None}
     grads = None
     if exp.gradients:
         from . import gradients as G
