@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import signal
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -25,7 +26,7 @@ from typing import Any, Iterator
 # simulation, gradient passes whose totals cannot be merged exactly) while the others wait.
 TIMEOUT_ENV = "KL_BENCH_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 1800.0
-# Test hook: "RANK:PHASE" or "RANK:PHASE:N" makes that rank die (os._exit(1)) when it reaches PHASE
+# Test hook: "RANK:PHASE" or "RANK:PHASE:N" makes that rank die (SIGKILL) when it reaches PHASE
 # (start; main: after drawing its slice of a round of a main or pilot pass; gradients: after a batch of a
 # gradient pass) for the Nth time (default the first), as a crashed process would.
 FAIL_ENV = "KL_BENCH_RANK_FAIL"
@@ -70,12 +71,12 @@ class Ranks:
             _collective(dist.barrier)
 
     def fail_point(self, phase: str) -> None:
-        """Test hook (:data:`FAIL_ENV`): this rank dies here, as a crashed process would."""
+        """Test hook (:data:`FAIL_ENV`): this rank dies here, as a crashed (or OOM-killed) process would."""
         want = os.environ.get(FAIL_ENV, "").split(":")
         if len(want) >= 2 and want[:2] == [str(self.rank), phase]:
             _reached[phase] = _reached.get(phase, 0) + 1
             if _reached[phase] == (int(want[2]) if len(want) > 2 else 1):
-                os._exit(1)
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 SINGLE = Ranks()
