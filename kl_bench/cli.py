@@ -122,14 +122,23 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
     try:
         _run(hs, spec, out, draws, seed, device, quiet, report_, resume, checkpoint_every, no_checkpoint)
     except RankFailure as e:
+        _ignore_signals()          # torchrun's SIGTERM to the survivors must not add a second line
         hs.cancel()
         err_console.print(f"error: rank {hs.ranks.rank}: {e}; no results were written", markup=False)
         raise typer.Exit(1)
     except BaseException:
+        if hs.ranks.world_size > 1:
+            _ignore_signals()
         hs.cancel()
         raise
     finally:
         hs.close()
+
+
+def _ignore_signals() -> None:
+    """The job is ending and what went wrong has been (or is being) said: later signals add nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _Handshake:

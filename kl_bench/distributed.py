@@ -95,7 +95,8 @@ def _first_line(e: Exception) -> str:
     """The gist of a backend error: its first line without gloo's "[file.cc:NNN]" source location."""
     import re
     line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"^\[[^\]]*\]\s*", "", line)[:120]
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". ")[0]     # gloo adds advice after the first sentence
+    return line[:120]
 
 
 def rounds(first: int, total: int, per_chunk: int, ranks: Ranks) -> Iterator[tuple[int, int, int, int]]:
