@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from .draws import Draws, Row, row_values, tok_rows
+from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .errors import SpecError
 from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
 from .pairs.base import Pair
-from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .seeding import batch_generator, batch_sizes, batch_streams
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
@@ -205,6 +205,7 @@ def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.nd
     if not split and not ranks.root:
         return None
     lo, hi = block(len(sizes), ranks) if split else (0, len(sizes))
+    acc.keep_batches = split
     parts: list[GradBatch] = []
     for batch in batch_streams(seed, f"{pair.name}/gradients", sizes, device)[lo:hi]:
         parts.append(acc.add(batch))

@@ -72,6 +72,7 @@ def test_gradient_totals_merged_from_blocks_are_the_one_process_bytes(case):
     parts = []
     for r in range(3):
         acc = pair.gradient_accumulator(items, dirs, CPU)
+        acc.keep_batches = True
         lo, hi = block(len(streams), Ranks(r, 3))
         for b in streams[lo:hi]:
             acc.add(b)

@@ -91,6 +91,7 @@ class GradientAccumulator(ABC):
     # ranks' partial totals. Only an accumulator whose merged total is bit for bit the one-process total
     # (exact integer counts, or per-batch sums added in batch order) says so; the others run on rank 0.
     splittable: ClassVar[bool] = False
+    keep_batches: bool = False      # set by the engine on a split pass: keep what merge needs per batch
 
     def partial(self) -> Any:
         """This rank's share of the totals (picklable), for :meth:`merge`."""
@@ -275,7 +276,7 @@ class ScoreGradients(GradientAccumulator):
         self.pair, self.items, self.device = pair, items, device
         self.u = np.stack(list(directions.values())).T                  # [P, D]
         self._total = np.zeros((len(items), pair.gradient_params))
-        self._sums: list[np.ndarray] = []      # per-batch Σ g, to merge ranks in batch order
+        self._sums: list[np.ndarray] = []      # per-batch Σ g on a split pass, to merge ranks in batch order
 
     splittable = True
 
@@ -289,7 +290,8 @@ class ScoreGradients(GradientAccumulator):
                 gsum[j] += gj.sum(0).cpu().numpy()
                 sq[j] += float((gj * gj).sum())
         self._total += gsum
-        self._sums.append(gsum)
+        if self.keep_batches:
+            self._sums.append(gsum)
         for j in range(len(self.items)):
             proj[j] = gsum[j] @ self.u
         return GradBatch(proj, sq)
