@@ -243,3 +243,13 @@ def test_without_torchrun_teardown_a_dead_rank_is_one_line_from_the_survivor(one
     assert len(err0.strip().splitlines()) == 1 and err0.startswith("error: rank 0: another process") and \
         "no results were written" in err0, err0
     assert not (out / "summary.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_refusal_by_rank_0_stops_every_rank_with_its_one_line(one_process, tmp_path):
+    spec, _ = one_process
+    res = _torchrun("run", spec, "--out", tmp_path / "none", "--quiet", "--resume")
+    assert res.returncode != 0
+    assert _ours(res.stderr) == [f"error: {tmp_path / 'none'}: key '--resume': nothing to resume: no checkpoint in "
+                                 "the results folder"], res.stderr
+    assert not (tmp_path / "none").exists()
