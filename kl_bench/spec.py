@@ -60,7 +60,7 @@ class Spec:
     text: str = field(repr=False)   # the TOML text (a dict spec: its JSON, tensors by shape and sha256)
     spec_version: int = SPEC_VERSION
     # Cases expanded from [[sweep]] tables: case name → {swept key: value} (summary.csv's sweep.* columns).
-    sweep_values: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)
+    sweep_values: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def sha256(self) -> str:

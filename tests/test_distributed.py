@@ -253,3 +253,52 @@ def test_a_refusal_by_rank_0_stops_every_rank_with_its_one_line(one_process, tmp
     assert _ours(res.stderr) == [f"error: {tmp_path / 'none'}: key '--resume': nothing to resume: no checkpoint in "
                                  "the results folder"], res.stderr
     assert not (tmp_path / "none").exists()
+
+
+LARGE_VOCAB = """
+spec_version = 1
+[experiment]
+name = "big"
+draws = 2_000_000
+batches = 20
+device = "cpu"
+estimators = ["k1", "k3"]
+gradients = true
+
+[[case]]
+name = "v50k"
+kind = "categorical"
+vocab = 50257
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.3, seed = 2 }
+"""
+
+
+@pytest.fixture(scope="module")
+def large_vocab_two_processes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("big")
+    spec = tmp / "big.toml"
+    spec.write_text(LARGE_VOCAB)
+    res = _torchrun("run", spec, "--out", tmp / "two", "--quiet")     # torchrun: OMP_NUM_THREADS=1 per process
+    assert res.returncode == 0, res.stderr
+    return spec, tmp / "two"
+
+
+@pytest.mark.slow
+def test_large_vocabulary_matches_one_process_with_the_same_threads(large_vocab_two_processes, tmp_path):
+    spec, two = large_vocab_two_processes
+    res = _kl_bench("run", spec, "--out", tmp_path / "one", "--quiet", env=_env(OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr
+    for name in ("summary.csv", "batches.csv", "gradients.csv"):
+        assert (tmp_path / "one" / name).read_bytes() == (two / name).read_bytes(), name
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="known: sums over a large vocabulary (exact moments; the count path's torch.mv) run in "
+                          "multithreaded kernels whose rounding depends on the number of intra-op threads, and "
+                          "torchrun gives each process one; differences ~1e-14 relative")
+def test_large_vocabulary_matches_one_process_with_more_threads(large_vocab_two_processes, tmp_path):
+    spec, two = large_vocab_two_processes
+    res = _kl_bench("run", spec, "--out", tmp_path / "one", "--quiet", env=_env(OMP_NUM_THREADS="2"))
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "one" / "summary.csv").read_bytes() == (two / "summary.csv").read_bytes()
