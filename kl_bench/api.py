@@ -35,6 +35,7 @@ import torch
 
 from .errors import SpecError
 from .pairs import Pair, build_pair
+from .threads import single_threaded
 from .spec import Spec, load_spec, spec_from_dict, with_overrides
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class Prepared:
         return str(self.spec.path)
 
 
+@single_threaded
 def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Prepared:
     """Load and validate everything before any sampling: spec, flags, device, pairs, exact oracles."""
     from .experiment import validate_oracles
@@ -91,14 +93,19 @@ def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: 
     return Prepared(sp, pairs, dev)
 
 
+@single_threaded
 def execute(prep: Prepared, *, progress=None, resume: dict[str, torch.Tensor] | None = None,
-            on_sums: Callable[[str, torch.Tensor], None] | None = None) -> "Result":
+            on_sums: Callable[[str, torch.Tensor], None] | None = None, ranks=None) -> "Result | None":
     """Sample a prepared spec. ``progress``: a :class:`kl_bench.progress.LazyProgress` (or anything with
-    ``advance(n)`` and ``label(text)``); ``resume``/``on_sums``: checkpointing (kl_bench.engine.run_case)."""
+    ``advance(n)`` and ``label(text)``); ``resume``/``on_sums``: checkpointing (kl_bench.engine.run_case).
+    ``ranks``: this process's place in a multi-process job (:func:`kl_bench.distributed.start`); rank 0
+    gets the Result, byte for byte the one-process Result, and the other ranks None."""
+    from .distributed import SINGLE
     from .experiment import run_spec
     outcome = run_spec(prep.spec, prep.pairs, prep.device, progress=None if progress is None else progress.advance,
-                       resume=resume, on_sums=on_sums, on_phase=None if progress is None else progress.label)
-    return Result(prep.spec, prep.pairs, outcome, prep.device, resumed=bool(resume))
+                       resume=resume, on_sums=on_sums, on_phase=None if progress is None else progress.label,
+                       ranks=ranks or SINGLE)
+    return None if outcome is None else Result(prep.spec, prep.pairs, outcome, prep.device, resumed=bool(resume))
 
 
 def run(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None,
@@ -166,6 +173,9 @@ class Result:
             "draws_per_case": {c.name: n for c, n in zip(spec.cases, spec.case_draws())}, "batches": exp.batches,
             "device": str(device), "device_name": _device_name(device), "versions": _versions(),
             "git_commit": _git_commit(), "wall_seconds": round(outcome.wall, 3), "resumed": resumed,
+            # Processes that drew the batches, and per case and pass the [lo, hi) batch ranges of each rank
+            # (batches restored from a checkpoint are in no range).
+            "world_size": outcome.world_size, "rank_batches": outcome.drawn,
             "sampling_seconds": round(sum(r.seconds for r in runs), 3),
             "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
             "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
@@ -228,6 +238,7 @@ class Result:
                 f"draws={self.draws:,})")
 
 
+@single_threaded
 def exact(spec) -> "pd.DataFrame":
     """The exact table of every case, no sampling: true value, exact mean and std of every row, and the
     planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them."""

@@ -115,7 +115,75 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
                                                help="write a checkpoint at most this often (> 0; inf: never)"),
         no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint")) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
-    lambda_sweep.csv) into the results folder, atomically."""
+    lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across
+    the processes and rank 0 writes the very bytes one process would (README "Scaling out")."""
+    from .distributed import RankFailure
+    hs = _Handshake()
+    try:
+        _run(hs, spec, out, draws, seed, device, quiet, report_, resume, checkpoint_every, no_checkpoint)
+    except RankFailure as e:
+        _ignore_signals()          # torchrun's SIGTERM to the survivors must not add a second line
+        hs.cancel()
+        err_console.print(f"error: rank {hs.ranks.rank}: {e}; no results were written", markup=False)
+        raise typer.Exit(1)
+    except BaseException:
+        if hs.ranks.world_size > 1:
+            _ignore_signals()
+        hs.cancel()
+        raise
+    finally:
+        hs.close()
+
+
+def _ignore_signals() -> None:
+    """The job is ending and what went wrong has been (or is being) said: later signals add nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class _Handshake:
+    """Under torchrun, rank 0 checks the output folder and reads the checkpoint alone, then tells the other
+    ranks to start (with the resumed sums) or to stop (it has reported an error): :meth:`send` once, or
+    :meth:`cancel`."""
+
+    def __init__(self):
+        from .distributed import SINGLE
+        self.ranks, self.sent = SINGLE, False
+
+    def join(self, prep):
+        from .distributed import start
+        self.ranks, prep.device = start(prep.device)
+        return self.ranks
+
+    def send(self, done) -> None:
+        self.sent = True
+        self.ranks.broadcast(done)
+
+    def cancel(self) -> None:
+        from .distributed import RankFailure
+        if self.ranks.root and self.ranks.world_size > 1 and not self.sent:
+            self.sent = True
+            with contextlib.suppress(RankFailure):
+                self.ranks.broadcast(None)
+
+    def close(self) -> None:
+        if self.ranks.world_size > 1:
+            from .distributed import stop
+            stop()
+
+
+def _follow(prep, ranks) -> None:
+    """A rank other than 0: draw its share of the batches; rank 0 writes and prints everything."""
+    from .api import execute
+    done = ranks.broadcast(None)
+    if done is None:            # rank 0 refused the run and said why
+        raise typer.Exit(2)
+    execute(prep, resume=done, ranks=ranks)
+
+
+def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], seed: Optional[int],
+         device: Optional[str], quiet: bool, report_: bool, resume: bool, checkpoint_every: float,
+         no_checkpoint: bool) -> None:
     from .api import execute, prepare
     from .progress import LazyProgress
     from .storage import (CHECKPOINT, FolderLock, check_output_dir, checkpoint_identity, clean_stale, fs_error,
@@ -126,6 +194,8 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
                             key="--checkpoint-every")
         every = math.inf if no_checkpoint else checkpoint_every
         prep = prepare(spec, draws=draws, seed=seed, device=device)
+        if not hs.join(prep).root:
+            return _follow(prep, hs.ranks)
         self_signal("pairs")
         sp = prep.spec
         out_dir = output_dir(out if out is not None else Path("results") / sp.experiment.name)
@@ -139,6 +209,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         clean_stale(out_dir)
         done = load_checkpoint(out_dir, identity, {c.name: min(sp.experiment.batches, n)
                                                    for c, n in zip(sp.cases, case_draws)}) if resume else {}
+        hs.send(done)
         state = dict(done)
         last = [time.monotonic()]
 
@@ -154,7 +225,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         from .experiment import total_draws
         progress = LazyProgress(total_draws(sp), enabled=not quiet, console=err_console)
         try:
-            result = execute(prep, progress=progress, resume=done, on_sums=on_sums)
+            result = execute(prep, progress=progress, resume=done, on_sums=on_sums, ranks=hs.ranks)
         except KeyboardInterrupt:
             progress.close()
             saved = False
@@ -162,7 +233,8 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
                 with contextlib.suppress(OSError):
                     save_checkpoint(out_dir, identity, state)
                     saved = True
-            _interrupted(f"interrupted: no results were written; earlier results in {out_dir} are untouched"
+            why = " (a process of the torchrun job failed, or the job was stopped)" if hs.ranks.world_size > 1 else ""
+            _interrupted(f"interrupted{why}: no results were written; earlier results in {out_dir} are untouched"
                          + ("; continue with --resume" if saved else ""))
         finally:
             progress.close()

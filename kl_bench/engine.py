@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .draws import Draws, Row, row_values, tok_rows
+from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .errors import SpecError
 from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
@@ -72,6 +73,7 @@ class CaseRun:
     exact: dict[str, tuple[float, float]] = field(default_factory=dict)  # row label → (mean, var)
     seconds: float = 0.0
     joint: list[tuple[str, float, float]] = field(default_factory=list)  # (aggregate, ca, cb) blocks
+    drawn: list[list[list[int]]] = field(default_factory=list)  # per rank: [lo, hi) batch ranges it drew
 
     @property
     def draws(self) -> int:
@@ -108,7 +110,7 @@ def _finite_or_zero(x: float) -> float:
 def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
              chunk: int, device: torch.device, joint: bool = False, stream: str = "",
              progress: Callable[[int], None] | None = None, resume: torch.Tensor | None = None,
-             on_sums: Callable[[torch.Tensor], None] | None = None) -> CaseRun:
+             on_sums: Callable[[torch.Tensor], None] | None = None, ranks: Ranks = SINGLE) -> CaseRun:
     """Sample ``draws`` draws of ``pair`` in batches and accumulate every row's features.
 
     ``rows``: :class:`Row`s, or registry names / Estimators (expanded over the pair's aggregates).
@@ -116,6 +118,9 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     independent random stream (e.g. "pilot"). ``resume``: the [k, P] sums of the first k batches from a
     checkpoint; since batch i depends on (seed, case, i) alone, skipping them gives identical results.
     ``on_sums`` receives the sums of all batches done so far after every chunk (for checkpoints).
+    ``ranks``: this process's share of a multi-process run (kl_bench.distributed): each rank draws a slice
+    of every round and rank 0 gathers the rows in batch order, so its sums (and ``progress``/``on_sums``
+    calls) are those of one process; the other ranks get a CaseRun without sums.
     """
     rows = as_rows(rows, pair)
     exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
@@ -141,18 +146,24 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
         first = resume.shape[0]
         if progress is not None:
             progress(sum(sizes[:first]))
-    for start in range(first, len(sizes), per_chunk):
-        part = streams[start:start + per_chunk]
-        out.append(run(part).cpu())
+    for start, stop, lo, hi in rounds(first, len(sizes), per_chunk, ranks):
+        mine = run(streams[lo:hi]).cpu() if hi > lo else None
+        ranks.fail_point("main")
+        parts = ranks.gather(mine)
+        if parts is None:           # not rank 0: rank 0 keeps the rows
+            continue
+        out += [p for p in parts if p is not None]
         if progress is not None:
-            progress(sum(b.size for b in part))
+            progress(sum(sizes[start:stop]))
         if on_sums is not None:
             out = [torch.cat(out)]
             on_sums(out[0])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return CaseRun(pair, rows, shifts, torch.tensor(sizes), torch.cat(out), exact,
-                   time.perf_counter() - t0, blocks)
+    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks)
+    sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
+    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, exact, time.perf_counter() - t0, blocks,
+                   drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
 
 
 def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,
@@ -176,19 +187,41 @@ class GradientRun:
     proj: np.ndarray          # [K, J, D] per batch Σ g·u_d
     sq: np.ndarray            # [K, J] per batch Σ |g|²
     proj2: np.ndarray | None  # [K, J, D] per batch Σ (g·u_d)², where the kind measures spreads
+    drawn: list[list[list[int]]] = field(default_factory=list)  # per rank: [lo, hi) batch ranges it drew
 
 
 def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], *, draws: int, seed: int,
                   batches: int, device: torch.device,
-                  progress: Callable[[int], None] | None = None) -> GradientRun:
-    """Per-batch gradient sums of every item; batch i draws from the stream (seed, case/gradients, i)."""
+                  progress: Callable[[int], None] | None = None, ranks: Ranks = SINGLE) -> GradientRun | None:
+    """Per-batch gradient sums of every item; batch i draws from the stream (seed, case/gradients, i).
+
+    ``ranks``: with several processes each rank draws a contiguous block of batches and rank 0 merges
+    them (:meth:`GradientAccumulator.merge`) into the very totals one process gets; an accumulator whose
+    totals cannot be merged exactly (``splittable`` false) runs the whole pass on rank 0. Returns None on
+    the other ranks."""
     sizes = batch_sizes(draws, batches)
     acc = pair.gradient_accumulator(items, directions, device)
+    split = ranks.world_size > 1 and acc.splittable
+    if not split and not ranks.root:
+        return None
+    lo, hi = block(len(sizes), ranks) if split else (0, len(sizes))
+    acc.keep_batches = split
     parts: list[GradBatch] = []
-    for batch in batch_streams(seed, f"{pair.name}/gradients", sizes, device):
+    for batch in batch_streams(seed, f"{pair.name}/gradients", sizes, device)[lo:hi]:
         parts.append(acc.add(batch))
+        ranks.fail_point("gradients")
         if progress is not None:
             progress(batch.size)
+    drawn = [[[0, len(sizes)]]] + [[] for _ in range(ranks.world_size - 1)]
+    if split:
+        got = ranks.gather((parts, acc.partial()))
+        if got is None:
+            return None
+        parts = [b for p, _ in got for b in p]
+        acc.merge([partial for _, partial in got])
+        drawn = [[list(block(len(sizes), Ranks(r, ranks.world_size)))] for r in range(ranks.world_size)]
+        if progress is not None:
+            progress(sum(sizes) - sum(sizes[lo:hi]))
     proj2 = np.stack([b.proj2 for b in parts]) if parts[0].proj2 is not None else None
     return GradientRun(items, np.array(sizes, dtype=np.float64), acc.total(), np.stack([b.proj for b in parts]),
-                       np.stack([b.sq for b in parts]), proj2)
+                       np.stack([b.sq for b in parts]), proj2, drawn)

@@ -10,6 +10,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from .distributed import SINGLE, Ranks
 from .draws import Row
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
 from .estimators import make_cv, resolve_estimator
@@ -32,6 +33,7 @@ class CaseOutcome:
     sweep: pd.DataFrame | None
     pilot_lambda: float | None
     reservoir: torch.Tensor      # [≤ RESERVOIR, rows] per-draw values from an independent stream
+    pilot_drawn: list = dataclasses.field(default_factory=list)  # per rank: pilot batch ranges it drew
 
     def batch_frame(self) -> pd.DataFrame:
         """Per-batch means of every row (the report's convergence plot), long format."""
@@ -57,9 +59,11 @@ def pilot_draws(draws: int, pair: Pair | None = None) -> int:
 def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                         progress: Callable[[int], None] | None = None, draws: int | None = None,
                         resume: torch.Tensor | None = None,
-                        on_sums: Callable[[torch.Tensor], None] | None = None) -> CaseOutcome:
+                        on_sums: Callable[[torch.Tensor], None] | None = None,
+                        ranks: Ranks = SINGLE) -> CaseOutcome | None:
     """``draws``: this case's number of draws (default: the experiment's). ``resume``/``on_sums``:
-    checkpointing of the main pass (see :func:`kl_bench.engine.run_case`)."""
+    checkpointing of the main pass (see :func:`kl_bench.engine.run_case`). ``ranks``: the pilot and main
+    passes are split across processes; rank 0 does the rest and returns the outcome, the others None."""
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
     aggs = pair.aggregates
@@ -68,18 +72,22 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
     # (against their exact E_b), but no sweep or cv_opt is made.
     joint = (bool(cvs) or exp.optimal) and not pair.has_sampler
-    pilot_lambda = None
+    pilot_lambda, pilot_drawn = None, []
     if exp.optimal and joint:
         # cv_opt's λ comes from an independent pilot stream, so its scored variance is honest:
         # a λ fitted on the very draws it is scored on would look better than it is.
         pilot = run_case(pair, [], draws=pilot_draws(exp.draws, pair), seed=exp.seed, batches=exp.batches,
-                         chunk=exp.chunk, device=device, joint=True, stream="pilot")
-        for agg in aggs:
-            lam, _ = lambda_star_mc(pilot, agg)
+                         chunk=exp.chunk, device=device, joint=True, stream="pilot", ranks=ranks)
+        # Rank 0 holds the pilot's sums; every rank needs the λ (the cv_opt row is drawn everywhere).
+        lams = ranks.broadcast([lambda_star_mc(pilot, agg)[0] for agg in aggs] if ranks.root else None)
+        pilot_drawn = pilot.drawn
+        for agg, lam in zip(aggs, lams):
             pilot_lambda = lam if math.isfinite(lam) else 0.0
             cvs.append(Row(make_cv(pilot_lambda, fitted=True), agg))
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
-                   device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums)
+                   device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums, ranks=ranks)
+    if not ranks.root:
+        return None
     small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws, pair),
                                          seed=exp.seed, device=device)
     out = summarize(run)
@@ -101,7 +109,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                                   lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a),
                                   measured))
     return CaseOutcome(run, out, pd.concat(sweeps, ignore_index=True) if sweeps else None, pilot_lambda,
-                       values[:RESERVOIR])
+                       values[:RESERVOIR], pilot_drawn)
 
 
 BATCH_SCHEMA: dict[str, str] = {
@@ -136,6 +144,8 @@ class SpecOutcome:
     case_draws: list[int]
     wall: float
     gradients: pd.DataFrame | None = None
+    world_size: int = 1
+    drawn: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # case → pass → per rank ranges
 
     def files(self) -> dict[str, bytes]:
         """The data files of a results folder (run.json is built by the caller)."""
@@ -188,10 +198,12 @@ def total_draws(spec) -> int:
 def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[int], None] | None = None,
              resume: dict[str, torch.Tensor] | None = None,
              on_sums: Callable[[str, torch.Tensor], None] | None = None,
-             on_phase: Callable[[str], None] | None = None) -> SpecOutcome:
+             on_phase: Callable[[str], None] | None = None, ranks: Ranks = SINGLE) -> SpecOutcome | None:
     """Run every case of a validated spec. ``resume``: {case: sums so far} from a checkpoint;
     ``on_sums(case, sums)`` is called after every chunk of a main pass; ``on_phase(text)`` when a case or
-    phase starts; ``progress(n)`` after every n draws (main and gradient passes)."""
+    phase starts; ``progress(n)`` after every n draws (main and gradient passes). ``ranks``: this
+    process's share of a multi-process run (kl_bench.distributed); only rank 0 gets the outcome (the
+    others None), identical to a one-process run's."""
     import time
 
     from .results import to_frame
@@ -206,10 +218,13 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
         try:
             outcomes.append(run_experiment_case(
                 pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
-                on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums))))
+                on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums)),
+                ranks=ranks))
         except SpecError as e:              # e.g. a plug-in that returns NaN on some draws: name where
             raise e.located(file=str(spec.path), case=pair.name) from None
-    rows = [row for o in outcomes for row in o.rows]
+    rows = [row for o in outcomes if o is not None for row in o.rows]
+    drawn = {o.run.pair.name: {**({"pilot": o.pilot_drawn} if o.pilot_drawn else {}), "main": o.run.drawn}
+             for o in outcomes if o is not None}
     grads = None
     if exp.gradients:
         from . import gradients as G
@@ -219,6 +234,20 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
             if on_phase is not None:
                 on_phase(f"{pair.name} (gradients)")
             grad_rows += G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device,
-                                         progress=progress)
+                                         progress=progress, ranks=ranks, drawn=drawn.get(pair.name))
         grads = G.to_frame(grad_rows)
-    return SpecOutcome(to_frame(rows), outcomes, case_draws, time.perf_counter() - t0, grads)
+    if not ranks.root:
+        return None
+    summary = add_sweep_columns(to_frame(rows), spec)
+    return SpecOutcome(summary, outcomes, case_draws, time.perf_counter() - t0, grads, ranks.world_size, drawn)
+
+
+def add_sweep_columns(summary: pd.DataFrame, spec) -> pd.DataFrame:
+    """summary.csv with one ``sweep.<key>`` column per swept case key (kl_bench.results.SWEEP_PREFIX),
+    after the schema's columns; unchanged for a spec without ``[[sweep]]`` tables."""
+    from .results import SWEEP_PREFIX
+    values = spec.sweep_values
+    keys = list(dict.fromkeys(k for v in values.values() for k in v))
+    for key in keys:
+        summary[SWEEP_PREFIX + key] = [values.get(c, {}).get(key, math.nan) for c in summary["case"]]
+    return summary

@@ -68,14 +68,20 @@ def unit(v: np.ndarray) -> np.ndarray:
 
 
 def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int, device,
-                  progress=None) -> list[dict]:
-    """gradients.csv rows for one case."""
+                  progress=None, ranks=None, drawn: dict | None = None) -> list[dict]:
+    """gradients.csv rows for one case. ``ranks``: split the pass across processes (the rows are made on
+    rank 0; the others get []). ``drawn``: a dict that receives the batches each rank drew, as "gradients"."""
     pair.require_gradients()
     refs = pair.gradient_references()
     rev, fwd = refs[REVERSE], refs[FORWARD]
     dirs = {"reverse": unit(rev), "forward": unit(fwd)}
     items = gradient_items(pair, estimators)
-    run = run_gradients(pair, items, dirs, draws=draws, seed=seed, batches=batches, device=device, progress=progress)
+    run = run_gradients(pair, items, dirs, draws=draws, seed=seed, batches=batches, device=device, progress=progress,
+                        **({} if ranks is None else {"ranks": ranks}))
+    if run is None:
+        return []
+    if drawn is not None:
+        drawn["gradients"] = run.drawn
     exacts = [pair.gradient_exact(it, dirs) for it in items]
     rows = []
     for j, (item, ex) in enumerate(zip(items, exacts)):

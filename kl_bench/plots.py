@@ -429,3 +429,72 @@ def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
         _legend(used[-1], list(handles.values()), list(handles), fontsize="x-small", ncol=1 if faceted else 2,
                 loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
+
+
+@_themed
+def plot_sweep(summary: pd.DataFrame, key: str, axes=None, title: str = ""):
+    """std/true (log) and bias/true (symlog) against one swept case key, one line per estimator: measured
+    as markers joined by a line, exact as a thin dashed line of the same colour.
+
+    ``summary``: summary rows of the cases of a [[sweep]] (``key``: one of its ``sweep.*`` columns). When
+    the sweep has other keys, each of their value combinations gets its own row of panels (at most 4; with
+    more, only the middle combination is shown and the title says so).
+    """
+    df = summary[summary["lambda"].isna() & summary[key].notna()].copy()
+    df["label"] = [row_label(r) for _, r in df.iterrows()]
+    others = [c for c in df.columns if c.startswith("sweep.") and c != key and df[c].notna().any()]
+    combos = list(dict.fromkeys(tuple(r) for r in df[others].itertuples(index=False))) if others else [()]
+    note = ""
+    if len(combos) > 4:
+        mid = combos[len(combos) // 2]
+        note = " (at " + ", ".join(f"{k.removeprefix('sweep.')} = {v:g}" if isinstance(v, float) else
+                                    f"{k.removeprefix('sweep.')} = {v}" for k, v in zip(others, mid)) + ")"
+        combos = [mid]
+    if axes is None:
+        fig = Figure(figsize=(11, 3.4 * len(combos) + 0.8), layout="constrained")
+        axes = fig.subplots(len(combos), 2, squeeze=False)
+    else:
+        fig = np.atleast_1d(axes).ravel()[0].figure
+        axes = np.atleast_1d(axes).reshape(-1, 2)
+    x_all = df[key]
+    numeric = pd.api.types.is_numeric_dtype(x_all)
+    positions = None if numeric else {v: i for i, v in enumerate(dict.fromkeys(x_all))}
+    labels = list(dict.fromkeys(df["label"]))
+    for i, combo in enumerate(combos):
+        part = df
+        for k, v in zip(others, combo):
+            part = part[part[k] == v]
+        for j, label in enumerate(labels):
+            d = part[part["label"] == label].sort_values(key)
+            x = d[key].to_numpy(dtype=float) if numeric else d[key].map(positions).to_numpy(dtype=float)
+            color, marker = PALETTE[j % len(PALETTE)], "o" if j < len(PALETTE) else "s"
+            for ax, measured, exact in ((axes[i][0], d["rel_std"], d["exact_rel_std"]),
+                                        (axes[i][1], d["rel_bias"], d["exact_rel_bias"])):
+                ax.plot(x, measured.to_numpy(dtype=float), color=color, marker=marker, ms=4, lw=1.4, label=label)
+                ax.plot(x, exact.replace([np.inf, -np.inf], np.nan).to_numpy(dtype=float), color=color, lw=0.9,
+                        ls="--")
+        row_title = ", ".join(f"{k.removeprefix('sweep.')} = {v:g}" if isinstance(v, float) else
+                              f"{k.removeprefix('sweep.')} = {v}" for k, v in zip(others, combo))
+        ax_std, ax_bias = axes[i]
+        ax_std.set_yscale("log")
+        _plain_log_labels(ax_std.yaxis)
+        ax_std.set_ylabel("per-draw std / true KL  (log)")
+        ax_bias.set_yscale("symlog", linthresh=1e-3)
+        ax_bias.axhline(0, color="grey", lw=1)
+        ax_bias.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _percent(v)))
+        ax_bias.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax_bias.set_ylabel("bias / true KL  (symlog)")
+        for ax in (ax_std, ax_bias):
+            if row_title:
+                ax.set_title(row_title, fontsize="medium")
+            if numeric and (x_all > 0).all() and x_all.max() / x_all.min() >= 20:
+                ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            elif not numeric:
+                ax.set_xticks(range(len(positions)), [str(v) for v in positions])
+            ax.set_xlabel(key.removeprefix("sweep."))
+    _legend(fig, *axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize="small",
+            title="— measured\n-- exact")
+    fig.suptitle(title + note)
+    return fig

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from .draws import row_key, row_label
-from .results import COLUMNS
+from .results import COLUMNS, SWEEP_PREFIX
 from .storage import atomic_write_bytes
 from .verify import read_results_folder
 
@@ -189,7 +189,19 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
     df = with_reference(df)
     figs = []
     multi = len(results) > 1
+    # Cases made by [[sweep]] tables are shown against their swept keys, not one figure set per case
+    # (a 12 × 3 grid would otherwise make a hundred figures).
+    swept_keys = [c for c in df.columns if c.startswith(SWEEP_PREFIX)]
+    swept = set(df.loc[df[swept_keys].notna().any(axis=1), "case"]) if swept_keys else set()
+    for key in swept_keys:
+        rows = df[df[key].notna()]
+        name = key.removeprefix(SWEEP_PREFIX)
+        figs.append((f"sweep_{_slug(name)}.png", f"std/true and bias/true against {name}, one line per estimator "
+                     "(lines with markers: measured; dashed: exact)",
+                     png_bytes(plots.plot_sweep(rows, key, title=f"estimators across the sweep of {name}"))))
     for case in dict.fromkeys(df["case"]):
+        if case in swept:
+            continue
         rows = df[df["case"] == case]
         if not np.isfinite(rows[["rel_std", "exact_rel_std"]].astype(float).to_numpy()).any():
             continue          # neither a true value nor a reference to scale by (a log without kl_full)
@@ -208,7 +220,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                 figs.append((f"{prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
                              png_bytes(plots.plot_lambda_curve(sw, title=f"{name}: control variate −log r + λ(r−1)"))))
         if res.reservoir:
-            for case in dict.fromkeys(s["case"]):
+            for case in [c for c in dict.fromkeys(s["case"]) if c not in swept]:
                 rows = s[(s["case"] == case) & s["lambda"].isna()]
                 values = {}
                 for _, r in rows.iterrows():
@@ -222,7 +234,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                                  png_bytes(plots.plot_distribution(values, title=f"{case}: per-draw estimates "
                                                               "(negative region shaded)"))))
         if res.batches is not None:
-            for case in dict.fromkeys(s["case"]):
+            for case in [c for c in dict.fromkeys(s["case"]) if c not in swept]:
                 figs.append((f"{prefix}convergence_{_slug(case)}.png", f"{case}: running estimate against draws",
                              png_bytes(plots.plot_convergence(res.batches[res.batches["case"] == case],
                                                          s[s["case"] == case],
@@ -253,6 +265,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                              f"{case}{words}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
                              png_bytes(plots.plot_gradient_cosine(part, title=f"{case}{words}: what a batch gradient "
                                                              "points at"))))
+        s = s[~s["case"].isin(swept)]       # one bar group per case: too many for a sweep's grid
         if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
             figs.append((f"{prefix}planning.png", "draws for ±10% error with 95% probability",
                          png_bytes(plots.plot_planning(s, title=f"{res.name}: batch-size planning"))))

@@ -68,6 +68,10 @@ SCHEMA: dict[str, str] = {
              "|z_ref| < 5 is agreement with the reference; KL(q||p) rows only",
 }
 COLUMNS = list(SCHEMA)
+# Cases made by [[sweep]] tables (kl_bench.spec.expand_sweeps) add one column per swept key after the
+# columns above, named SWEEP_PREFIX + key (e.g. "sweep.p.noise", "sweep.sampler.temperature"): the key's
+# value in that case, empty for a case not swept over it. A spec without [[sweep]] has none.
+SWEEP_PREFIX = "sweep."
 # `kl-bench exact` / kl_bench.exact(): the columns that need no sampling (planning from exact moments).
 _MEASURED = {"draws", "batches", "mean", "std", "se", "std_se", "bias", "rel_bias", "rel_std", "z", "z_var",
              "frac_negative", "lambda_star_mc", "lambda_star_mc_se", "p_neg_b64", "heavy_tail", "excess_std"}

@@ -59,6 +59,8 @@ class Spec:
     path: Path                 # the spec file, or Path("<dict>") for a spec given as a dict
     text: str = field(repr=False)   # the TOML text (a dict spec: its JSON, tensors by shape and sha256)
     spec_version: int = SPEC_VERSION
+    # Cases expanded from [[sweep]] tables: case name → {swept key: value} (summary.csv's sweep.* columns).
+    sweep_values: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def sha256(self) -> str:
@@ -197,12 +199,148 @@ def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path
     raw_cases = top.raw("case")
     if not isinstance(raw_cases, list) or not raw_cases:
         raise top.error("needs at least one [[case]] table", key="case")
-    top.finish(["spec_version", "experiment", "case"])
+    raw_sweeps = top.raw("sweep")
+    top.finish(["spec_version", "experiment", "case", "sweep"])
+    expanded, swept = expand_sweeps(raw_cases, raw_sweeps, file)
     cases: list[CaseConfig] = []
-    for i, raw in enumerate(raw_cases):
-        cases.append(_parse_case(raw, i, file, spec_dir, cases))
-    spec = Spec(exp, tuple(cases), path, text)
+    for i, (raw, origin) in enumerate(expanded):
+        try:
+            cases.append(_parse_case(raw, i, file, spec_dir, cases))
+        except SpecError as e:      # a swept value the case refuses: name the sweep and its key
+            key = next((k for k in (origin[1] if origin else {}) if e.key and (e.key == k or e.key.startswith(k + "."))),
+                       None)
+            if key is None:
+                raise
+            raise SpecError(f"value {origin[1][key]!r} for case '{raw['name']}': {e.message}", file=file,
+                            case=None, key=f"sweep[{origin[0] + 1}].{key}") from None
+    spec = Spec(exp, tuple(cases), path, text, sweep_values=swept)
     return spec
+
+
+# ----------------------------------------------------------------------------- [[sweep]]
+# A sweep names a base case and maps case keys (dotted for nested tables: "p.noise",
+# "sampler.temperature") to values: a list, {geomspace = [a, b], num = n} or {linspace = [a, b], num = n}.
+# The base case is replaced by one case per combination of values (the cartesian product of the table's
+# keys), named "<base>[key=value,...]"; several sweeps of one base add their cases together.
+MAX_SWEEP_CASES = 1024      # cases a spec's sweeps may make: a grid beyond it is almost surely a typo
+_GRID_DIGITS = 4            # geomspace/linspace values are rounded to this many significant digits,
+                            # so case names stay short and every value is written exactly
+
+
+def _grid_values(v: Any, where: str, file: str) -> list[Any]:
+    def err(msg: str) -> SpecError:
+        return SpecError(msg, file=file, key=where)
+    if isinstance(v, list):
+        if not v:
+            raise err("must list at least one value")
+        if any(isinstance(x, (dict, list)) for x in v):
+            raise err("must list plain values (numbers, strings, booleans)")
+        return list(v)
+    if not isinstance(v, dict):
+        raise err(f"must be a list of values, or {{ geomspace = [a, b], num = n }} / {{ linspace = [a, b], num = n }}; "
+                  f"got {typename(v)}")
+    kinds = [k for k in ("geomspace", "linspace") if k in v]
+    unknown = [k for k in v if k not in ("geomspace", "linspace", "num")]
+    if unknown:
+        raise err(f"unknown key '{unknown[0]}'{did_you_mean(unknown[0], ['geomspace', 'linspace', 'num'])}")
+    if len(kinds) != 1:
+        raise err("needs exactly one of geomspace or linspace")
+    ends, num = v[kinds[0]], v.get("num")
+    if (not isinstance(ends, list) or len(ends) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                                            for x in ends)):
+        raise err(f"{kinds[0]} must be [first, last] numbers")
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise err(f"num must be an integer ≥ 1, got {num!r}")
+    a, b = float(ends[0]), float(ends[1])
+    if kinds[0] == "geomspace" and not (a > 0 and b > 0):
+        raise err("geomspace needs positive ends")
+    if num == 1:
+        pts = [a]
+    elif kinds[0] == "geomspace":
+        pts = [math.exp(math.log(a) + (math.log(b) - math.log(a)) * i / (num - 1)) for i in range(num)]
+    else:
+        pts = [a + (b - a) * i / (num - 1) for i in range(num)]
+    return [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        short = f"{v:g}"
+        return short if float(short) == v else repr(v)
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{"p": {"noise": [..]}} → {"p.noise": [..]} (TOML's unquoted dotted keys), stopping at grid helpers."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not ({"geomspace", "linspace", "num"} & set(v)):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def expand_sweeps(raw_cases: list, raw_sweeps: Any, file: str) -> tuple[list[tuple[Any, Any]], dict]:
+    """The [[case]] list with every swept base case replaced by its cases: [(raw case, origin)], origin
+    (sweep index, {key: value}) or None; and {case name: {key: value}} of the swept cases."""
+    if raw_sweeps is None:
+        return [(c, None) for c in raw_cases], {}
+    if not isinstance(raw_sweeps, list):
+        raise SpecError(f"must be an array of tables ([[sweep]]), got {typename(raw_sweeps)}", file=file, key="sweep")
+    import copy
+    import itertools
+    by_name = {c.get("name"): c for c in raw_cases if isinstance(c, dict)}
+    made: dict[str, list[tuple[Any, Any]]] = {}
+    total = 0
+    for i, sw in enumerate(raw_sweeps):
+        where = f"sweep[{i + 1}]"
+        if not isinstance(sw, dict):
+            raise SpecError(f"must be a table, got {typename(sw)}", file=file, key=where)
+        base_name = sw.get("case")
+        if not isinstance(base_name, str):
+            raise SpecError("needs case = \"<name of a [[case]]>\"", file=file, key=f"{where}.case")
+        if base_name not in by_name:
+            raise SpecError(f"no [[case]] named '{base_name}'{did_you_mean(base_name, [n for n in by_name if n])}",
+                            file=file, key=f"{where}.case")
+        grid = _flatten({k: v for k, v in sw.items() if k != "case"})
+        if not grid:
+            raise SpecError("sweeps no key: add e.g. noise = [0.1, 0.3]", file=file, key=where)
+        for key in grid:
+            if key in ("name", "kind"):
+                raise SpecError("cannot be swept (it names the case and its kind)", file=file, key=f"{where}.{key}")
+        values = {k: _grid_values(v, f"{where}.{k}", file) for k, v in grid.items()}
+        n = math.prod(len(v) for v in values.values())
+        total += n
+        if total > MAX_SWEEP_CASES:
+            raise SpecError(f"the sweeps make {total:,}+ cases, more than {MAX_SWEEP_CASES:,}: sweep fewer values",
+                            file=file, key=where)
+        for combo in itertools.product(*values.values()):
+            assigned = dict(zip(values, combo))
+            raw = copy.deepcopy(by_name[base_name])
+            for key, v in assigned.items():
+                node = raw
+                *path, leaf = key.split(".")
+                for part in path:
+                    node = node.setdefault(part, {})
+                    if not isinstance(node, dict):
+                        raise SpecError(f"'{part}' of case '{base_name}' is not a table", file=file,
+                                        key=f"{where}.{key}")
+                node[leaf] = v
+            raw["name"] = f"{base_name}[" + ";".join(f"{k}={_fmt_value(v)}" for k, v in assigned.items()) + "]"
+            made.setdefault(base_name, []).append((raw, (i, assigned)))
+    out, swept, seen = [], {}, set()
+    for c in raw_cases:
+        name = c.get("name") if isinstance(c, dict) else None
+        for raw, origin in made.get(name, [(c, None)]) if name in made else [(c, None)]:
+            if origin is not None:
+                if raw["name"] in seen:
+                    raise SpecError(f"makes the case '{raw['name']}' twice (two sweeps over the same values?)",
+                                    file=file, key=f"sweep[{origin[0] + 1}]")
+                seen.add(raw["name"])
+                swept[raw["name"]] = origin[1]
+            out.append((raw, origin))
+    return out, swept
 
 
 def parse_spec(text: str, path: Path) -> Spec:

@@ -13,9 +13,16 @@ from .conftest import mc_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 # Rounded log-probs (precision) change the feature table, not how the ids are drawn: those cases are
-# covered by their unrounded twins.
-CASES = [(path, case) for path in sorted((ROOT / "experiments").glob("*.toml"))
-         for case in load_spec(path).cases if case.kind == "categorical" and case.precision is None]
+# covered by their unrounded twins; a sweep's grid is one pair at many settings (its base case is enough).
+SPECS = {path: load_spec(path) for path in sorted((ROOT / "experiments").glob("*.toml"))}
+CASES, _seen = [], set()
+for _path, _spec in SPECS.items():
+    for _case in _spec.cases:
+        _key = repr((_case.vocab, _case.q, _case.p, _case.sampler))        # the same pair in two experiments
+        if (_case.kind == "categorical" and _case.precision is None and _case.name not in _spec.sweep_values
+                and _key not in _seen):
+            _seen.add(_key)
+            CASES.append((_path, _case))
 ROWS = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full"]
 
 

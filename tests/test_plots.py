@@ -106,6 +106,21 @@ def distribution_values() -> dict[str, np.ndarray]:
     return {"k1": -logr, "k2": logr**2 / 2, "k3": r - 1 - logr}
 
 
+def sweep_summary() -> pd.DataFrame:
+    """summary.csv rows of a [[sweep]]: the Gaussian rows at five noise values × two temperatures."""
+    gauss = summary_frame().query("case == 'gauss'")
+    parts = []
+    for noise in (0.01, 0.03, 0.1, 0.3, 1.0):
+        for temp in (0.8, 1.0):
+            d = gauss.copy()
+            d["case"] = f"g[noise={noise:g};temperature={temp:g}]"
+            d[["rel_std", "exact_rel_std"]] = d[["rel_std", "exact_rel_std"]] / noise ** 0.5
+            d["rel_bias"] = d["rel_bias"] + (1 - temp)
+            d["sweep.noise"], d["sweep.temperature"] = noise, temp
+            parts.append(d)
+    return pd.concat(parts, ignore_index=True)
+
+
 def calls():
     """name → (function name, args, kwargs, name of the axes argument, subplot grid for given axes)."""
     s = summary_frame()
@@ -121,6 +136,9 @@ def calls():
                            (1, 1)),
         "planning": ("plot_planning", (s,), {"title": "small"}, "ax", (1, 1)),
         "gradient_cosine": ("plot_gradient_cosine", (gradients_frame(),), {"title": "gauss"}, "ax", (1, 1)),
+        "sweep": ("plot_sweep", (sweep_summary(), "sweep.temperature"), {"title": "sweep"}, "axes", (1, 2)),
+        "sweep_faceted": ("plot_sweep", (sweep_summary()[lambda d: d["sweep.temperature"] == 0.8], "sweep.noise"),
+                          {}, "axes", (1, 2)),
     }
 
 

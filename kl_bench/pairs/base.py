@@ -87,6 +87,21 @@ class GradientAccumulator(ABC):
     def total(self) -> np.ndarray:
         """[J, P]: Σ over every draw so far of each item's per-draw gradient."""
 
+    # Several processes (kl_bench.distributed): each rank adds a block of batches, then rank 0 merges the
+    # ranks' partial totals. Only an accumulator whose merged total is bit for bit the one-process total
+    # (exact integer counts, or per-batch sums added in batch order) says so; the others run on rank 0.
+    splittable: ClassVar[bool] = False
+    keep_batches: bool = False      # set by the engine on a split pass: keep what merge needs per batch
+
+    def partial(self) -> Any:
+        """This rank's share of the totals (picklable), for :meth:`merge`."""
+        raise NotImplementedError
+
+    def merge(self, partials: list[Any]) -> None:
+        """Rank 0: every rank's :meth:`partial`, in rank order (contiguous blocks of batches), into the
+        totals one process adding every batch in order would hold."""
+        raise NotImplementedError
+
 
 class Pair(ABC):
     """A distribution pair (q, p) of one case: exact truth, exact moments, sampling and gradients."""
@@ -279,6 +294,9 @@ class ScoreGradients(GradientAccumulator):
         self.pair, self.items, self.device = pair, items, device
         self.u = np.stack(list(directions.values())).T                  # [P, D]
         self._total = np.zeros((len(items), pair.gradient_params))
+        self._sums: list[np.ndarray] = []      # per-batch Σ g on a split pass, to merge ranks in batch order
+
+    splittable = True
 
     def add(self, batch: BatchStream) -> GradBatch:
         proj, sq = np.zeros((len(self.items), self.u.shape[1])), np.zeros(len(self.items))
@@ -290,12 +308,24 @@ class ScoreGradients(GradientAccumulator):
                 gsum[j] += gj.sum(0).cpu().numpy()
                 sq[j] += float((gj * gj).sum())
         self._total += gsum
+        if self.keep_batches:
+            self._sums.append(gsum)
         for j in range(len(self.items)):
             proj[j] = gsum[j] @ self.u
         return GradBatch(proj, sq)
 
     def total(self) -> np.ndarray:
         return self._total
+
+    def partial(self) -> list[np.ndarray]:
+        return self._sums
+
+    def merge(self, partials: list[list[np.ndarray]]) -> None:
+        # Float sums depend on their order: add the batch sums from zero in batch order, as one process does.
+        self._sums = [g for part in partials for g in part]
+        self._total = np.zeros_like(self._total)
+        for g in self._sums:
+            self._total += g
 
 
 @dataclass(frozen=True)

@@ -330,6 +330,17 @@ class _CategoricalGradients(GradientAccumulator):
             self.counts.index_add_(0, ids, counts)
         return GradBatch(out[: self.nd * self.nj].reshape(self.nj, self.nd), out[self.nd * self.nj:])
 
+    # Counts are whole numbers (exact in float64 below 2^53), so any grouping of batches sums them exactly.
+    splittable = True
+
+    def partial(self) -> torch.Tensor:
+        return self.counts
+
+    def merge(self, partials: list[torch.Tensor]) -> None:
+        self.counts = torch.zeros_like(self.counts)
+        for c in partials:
+            self.counts += c
+
     def total(self) -> np.ndarray:
         p = self.pair
         q = p.log_q.exp()

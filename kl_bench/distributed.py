@@ -1,0 +1,184 @@
+"""Splitting a run across processes (``torchrun --nproc-per-node N -m kl_bench run SPEC``).
+
+Batch i of a case draws from generators seeded by (seed, case, i) alone (kl_bench.seeding), and its
+float64 sums do not depend on which process drew it. So each process (rank) draws a share of the batches,
+rank 0 gathers the per-batch rows and puts them back in batch order, and everything computed from them
+(summary.csv, batches.csv, lambda_sweep.csv, checkpoints) is byte-identical to a one-process run. Only
+rank 0 reads checkpoints, writes files or prints; the other ranks print nothing but errors.
+
+The main pass goes in rounds: in each round every rank draws one contiguous slice of the next
+``world_size × c`` batches and rank 0 gathers them, so after every round rank 0 holds a prefix of the
+batches, exactly what a one-process checkpoint holds (``--resume`` works unchanged).
+
+``torch.distributed`` is imported only when a process group is started: ``import kl_bench`` stays light.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+# Seconds a collective waits for the other ranks before giving up (a rank that hangs, or a job started
+# by hand without torchrun's teardown). Generous: rank 0 works alone on some phases (small-batch
+# simulation, gradient passes whose totals cannot be merged exactly) while the others wait.
+TIMEOUT_ENV = "KL_BENCH_DIST_TIMEOUT"
+DEFAULT_TIMEOUT = 1800.0
+# Test hook: "RANK:PHASE" or "RANK:PHASE:N" makes that rank die (SIGKILL) when it reaches PHASE
+# (start; main: after drawing its slice of a round of a main or pilot pass; gradients: after a batch of a
+# gradient pass) for the Nth time (default the first), as a crashed process would.
+FAIL_ENV = "KL_BENCH_RANK_FAIL"
+_reached: dict[str, int] = {}
+
+
+class RankFailure(Exception):
+    """Another rank failed (or a collective timed out): the job stops, and nothing is written."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job. ``Ranks()`` is a one-process run (no collectives)."""
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def root(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on rank 0; None on the others."""
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out = [None] * self.world_size if self.root else None
+        _collective(lambda: dist.gather_object(obj, out, dst=0))
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (pickled: floats and tensors arrive bit for bit)."""
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+        box = [obj if self.root else None]
+        _collective(lambda: dist.broadcast_object_list(box, src=0))
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+            _collective(dist.barrier)
+
+    def fail_point(self, phase: str) -> None:
+        """Test hook (:data:`FAIL_ENV`): this rank dies here, as a crashed (or OOM-killed) process would."""
+        want = os.environ.get(FAIL_ENV, "").split(":")
+        if len(want) >= 2 and want[:2] == [str(self.rank), phase]:
+            _reached[phase] = _reached.get(phase, 0) + 1
+            if _reached[phase] == (int(want[2]) if len(want) > 2 else 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+SINGLE = Ranks()
+
+
+def _collective(fn) -> None:
+    try:
+        fn()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:      # noqa: BLE001 - gloo and NCCL raise RuntimeError subclasses, or others
+        raise RankFailure(f"another process of the job failed or stopped answering ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    """The gist of a backend error: its first line without gloo's "[file.cc:NNN]" source location."""
+    import re
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". ")[0]     # gloo adds advice after the first sentence
+    return line[:120]
+
+
+def rounds(first: int, total: int, per_chunk: int, ranks: Ranks) -> Iterator[tuple[int, int, int, int]]:
+    """(start, stop, lo, hi) of each round of a pass over batches ``first``..``total``: the round covers
+    batches [start, stop), this rank draws [lo, hi) of them (possibly none). The slice per rank is at
+    most ``per_chunk`` batches, and small enough that every rank gets work."""
+    w = ranks.world_size
+    c = max(1, min(per_chunk, math.ceil((total - first) / w))) if total > first else 1
+    for start in range(first, total, c * w):
+        stop = min(start + c * w, total)
+        lo = min(start + ranks.rank * c, stop)
+        yield start, stop, lo, min(lo + c, stop)
+
+
+def drawn_by_rank(first: int, total: int, per_chunk: int, world_size: int) -> list[list[list[int]]]:
+    """The batches each rank draws in a pass (run.json): per rank, merged [lo, hi) ranges."""
+    out: list[list[list[int]]] = []
+    for r in range(world_size):
+        ranges: list[list[int]] = []
+        for _, _, lo, hi in rounds(first, total, per_chunk, Ranks(r, world_size)):
+            if hi <= lo:
+                continue
+            if ranges and ranges[-1][1] == lo:
+                ranges[-1][1] = hi
+            else:
+                ranges.append([lo, hi])
+        out.append(ranges)
+    return out
+
+
+def block(total: int, ranks: Ranks) -> tuple[int, int]:
+    """Rank r's contiguous block [lo, hi) of ``total`` batches (a pass without checkpoints)."""
+    return total * ranks.rank // ranks.world_size, total * (ranks.rank + 1) // ranks.world_size
+
+
+def env_world() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun with more than one process, else None."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        return None
+    if world <= 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    return rank, world, local
+
+
+def start(device) -> tuple[Ranks, Any]:
+    """Join torchrun's process group when there is one: gloo on CPU devices, NCCL on CUDA (device
+    cuda:LOCAL_RANK). Returns (ranks, device); a one-process run gets (SINGLE, device) unchanged."""
+    env = env_world()
+    if env is None:
+        return SINGLE, device
+    rank, world, local = env
+    import torch
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)))
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group(backend, timeout=timeout)
+        except Exception as e:      # noqa: BLE001
+            raise RankFailure(f"cannot join the torchrun job ({backend}): {_first_line(e)}") from None
+    ranks = Ranks(dist.get_rank(), dist.get_world_size())
+    ranks.fail_point("start")
+    return ranks, device
+
+
+def stop() -> None:
+    """Leave the process group, if one was joined."""
+    import sys
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:       # noqa: BLE001 - a peer already gone: nothing left to release
+            pass
