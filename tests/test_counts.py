@@ -18,9 +18,10 @@ SPECS = {path: load_spec(path) for path in sorted((ROOT / "experiments").glob("*
 CASES, _seen = [], set()
 for _path, _spec in SPECS.items():
     for _case in _spec.cases:
+        if _case.kind != "categorical":
+            continue
         _key = repr((_case.vocab, _case.q, _case.p, _case.sampler))        # the same pair in two experiments
-        if (_case.kind == "categorical" and _case.precision is None and _case.name not in _spec.sweep_values
-                and _key not in _seen):
+        if _case.precision is None and _case.name not in _spec.sweep_values and _key not in _seen:
             _seen.add(_key)
             CASES.append((_path, _case))
 ROWS = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full"]
