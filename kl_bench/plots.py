@@ -329,7 +329,9 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     df["label"] = [row_label(r) for _, r in df.iterrows()]
     fig, ax = _axes(ax, width=8, height=0.3 * len(df) + 1.5)
     n_cases = df["case"].nunique()
-    sns.barplot(df, y="label", x="n_for_10pct", hue="case", ax=ax, palette=PALETTE[:n_cases], orient="h")
+    # Beyond the colour-blind palette's 10 colours, evenly spaced hues: no two cases share a colour.
+    palette = PALETTE[:n_cases] if n_cases <= len(PALETTE) else sns.color_palette("husl", n_cases)
+    sns.barplot(df, y="label", x="n_for_10pct", hue="case", ax=ax, palette=palette, orient="h")
     ax.set_xscale("log")
     ax.set_xlabel("draws for ±10% error with 95% probability  (log)")
     ax.set_ylabel("")
