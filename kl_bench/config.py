@@ -136,6 +136,7 @@ class Table:
             raise self.error(f"must be a table, got {typename(data)}", key=prefix.rstrip(".") or None)
         self.data = data
         self.used: set[str] = set()
+        self.known: set[str] = set()     # keys the parser asked about (has) without reading: still allowed
 
     def error(self, message: str, key: str | None = None) -> SpecError:
         return SpecError(message, file=self.file, case=self.case, key=key)
@@ -144,6 +145,7 @@ class Table:
         return f"{self.prefix}{k}"
 
     def has(self, k: str) -> bool:
+        self.known.add(k)
         return k in self.data
 
     def raw(self, k: str) -> Any:
@@ -185,7 +187,7 @@ class Table:
         return Table(self.data[k], self.file, self.case, f"{self.key(k)}.")
 
     def finish(self, allowed: list[str] | None = None) -> None:
-        allowed = list(self.used) if allowed is None else allowed
+        allowed = list(self.used | self.known) if allowed is None else allowed
         for k in self.data:
             if k not in self.used:
                 raise self.error(f"unknown key{did_you_mean(k, allowed)}; allowed: "

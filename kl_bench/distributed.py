@@ -21,6 +21,8 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from .errors import SpecError
+
 # Seconds a collective waits for the other ranks before giving up (a rank that hangs, or a job started
 # by hand without torchrun's teardown). Generous: rank 0 works alone on some phases (small-batch
 # simulation, gradient passes whose totals cannot be merged exactly) while the others wait.
@@ -132,16 +134,35 @@ def block(total: int, ranks: Ranks) -> tuple[int, int]:
     return total * ranks.rank // ranks.world_size, total * (ranks.rank + 1) // ranks.world_size
 
 
+TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def env_world() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) when started by torchrun with more than one process, else None."""
+    """(rank, world size, local rank) when started by torchrun with more than one process, else None.
+
+    A torchrun environment that is only partly there, or inconsistent (a rank outside the world, a
+    value that is not a number), is refused in one line: silently running alone would write a whole
+    result per process into the same folder, and joining would wait for ranks that never come."""
+    env = {k: os.environ[k] for k in TORCHRUN_ENV if k in os.environ}
+    if not env or env.get("WORLD_SIZE", "1").strip() == "1" and set(env) <= {"WORLD_SIZE", "RANK", "LOCAL_RANK"} \
+            and env.get("RANK", "0").strip() == "0":
+        return None                 # no torchrun, or a one-process job: run alone
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        local = int(env.get("LOCAL_RANK", str(rank)))
     except ValueError:
+        bad = next(k for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in env and not env[k].strip().isdigit())
+        raise SpecError(f"torchrun environment: {bad}={env[bad]!r} is not a whole number", key=bad) from None
+    if world == 1 and rank == 0:
         return None
-    if world <= 1 or "MASTER_ADDR" not in os.environ:
-        return None
+    missing = [k for k in TORCHRUN_ENV if k not in env and k != "LOCAL_RANK"]
+    if missing:
+        raise SpecError(f"torchrun environment is incomplete: {', '.join(k + '=' + env[k] for k in env)} set, but not "
+                        f"{' or '.join(missing)}; start the job with torchrun, or unset these variables to run in "
+                        "one process", key=missing[0])
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise SpecError(f"torchrun environment: RANK={rank} must lie in [0, WORLD_SIZE={world})", key="RANK")
     return rank, world, local
 
 

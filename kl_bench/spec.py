@@ -251,6 +251,8 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
         raise err(f"{kinds[0]} must be [first, last] numbers")
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise err(f"num must be an integer ≥ 1, got {num!r}")
+    if num > MAX_SWEEP_CASES:        # refused before a single value is made: a grid this size is a typo
+        raise err(f"num = {num:,} makes more than {MAX_SWEEP_CASES:,} cases: sweep fewer values")
     a, b = float(ends[0]), float(ends[1])
     if kinds[0] == "geomspace" and not (a > 0 and b > 0):
         raise err("geomspace needs positive ends")

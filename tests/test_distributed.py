@@ -299,3 +299,27 @@ def test_large_vocabulary_matches_one_process_with_more_threads(large_vocab_two_
     res = _kl_bench("run", spec, "--out", tmp_path / "one", "--quiet", env=_env(OMP_NUM_THREADS="2"))
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "one" / "summary.csv").read_bytes() == (two / "summary.csv").read_bytes()
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "incomplete"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "incomplete"),
+    ({"WORLD_SIZE": "two"}, "not a whole number"),
+    ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29578"}, "must lie in [0, WORLD_SIZE=2)"),
+])
+def test_a_partial_or_inconsistent_torchrun_environment_is_one_line(env, words, tmp_path, monkeypatch):
+    """Never a silent one-process run per rank into one folder, never a wait for ranks that cannot come."""
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spec = tmp_path / "s.toml"
+    spec.write_text('spec_version = 1\n[experiment]\ndraws = 1000\ndevice = "cpu"\n[[case]]\nname = "g"\n'
+                    'kind = "gaussian"\nq = { mean = 0.0, std = 1.0 }\np = { mean = 0.1, std = 1.0 }\n')
+    res = CliRunner().invoke(app, ["run", str(spec), "--out", str(tmp_path / "out"), "-q"])
+    assert res.exit_code == 2, res.output
+    assert words in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "out").exists()

@@ -188,3 +188,22 @@ def test_a_checkpoint_with_the_wrong_number_of_batches_is_refused(spec, tmp_path
     _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]), "no such case")
     (out / storage.CHECKPOINT).write_bytes(b"not a checkpoint")
     _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]), "checkpoint is unreadable")
+
+
+@pytest.mark.parametrize("case, typo, suggestion, also", [
+    ('kind = "categorical"\nvocab = 10\nq = { logits = "zipf" }\np = { from = "q", noise = 0.1 }\nsamplr = { top_p = 0.9 }\n',
+     "samplr", "sampler", ("precision", "sampling")),
+    ('kind = "rollout"\nvocab = 10\nbuckets = 2\nlength = 3\nq = { logits = "zipf" }\np = { from = "q", noise = 0.1 }\n'
+     'bucketof = "mod"\n', "bucketof", "bucket_of", ("sampler", "precision")),
+])
+def test_unknown_key_lists_every_allowed_key_even_ones_not_given(tmp_path, case, typo, suggestion, also):
+    """Keys a parser only asks about (sampler, precision, bucket_of) are allowed keys too: the list and
+    the suggestion must name them."""
+    spec = tmp_path / "s.toml"
+    spec.write_text(f'spec_version = 1\n[experiment]\ndraws = 1000\n[[case]]\nname = "c"\n{case}')
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2
+    line = res.output.strip()
+    assert f"key '{typo}': unknown key (did you mean '{suggestion}'?)" in line, line
+    allowed = line.split("allowed: ")[1].split(", ")
+    assert suggestion in allowed and all(a in allowed for a in also), line

@@ -86,6 +86,8 @@ def test_several_sweeps_of_one_case_add_their_cases_and_linspace_works(write_spe
     ('case = "c"\nname = ["a", "b"]', "cannot be swept"),
     ('case = "c"\n"p.noise" = [0.1, 0.1]', "makes the case 'c[p.noise=0.1]' twice"),
     (f'case = "c"\n"p.noise" = {{ geomspace = [0.01, 3], num = {MAX_SWEEP_CASES + 1} }}', "more than 1,024"),
+    # refused before any value is made (a grid of 10^12 values would fill the memory first)
+    ('case = "c"\n"p.noise" = { geomspace = [0.01, 3], num = 1_000_000_000_000 }', "more than 1,024"),
 ])
 def test_bad_sweeps_are_one_line_naming_the_sweep_and_key(write_spec, sweep, expect):
     text = _error(write_spec, "[[sweep]]\n" + sweep)
