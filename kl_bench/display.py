@@ -5,6 +5,7 @@ import math
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .draws import row_label
@@ -52,7 +53,7 @@ def _std_cell(r, value: float) -> str:
 
 def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
     """One case: measured value ± SE next to the exact one, relative bias and noise, z."""
-    t = Table(title=f"{case}: {description}", title_justify="left", show_edge=False, pad_edge=False)
+    t = Table(title=escape(f"{case}: {description}"), title_justify="left", show_edge=False, pad_edge=False)
     for col, just in [("estimator", "left"), ("target", "left"), ("true", "right"), ("mean ± se", "right"),
                       ("exact mean", "right"), ("bias/true", "right"), ("exact", "right"),
                       ("std/true", "right"), ("exact", "right"), ("z", "right"), ("P(<0)", "right")]:
@@ -126,14 +127,14 @@ def lambda_table(df: pd.DataFrame) -> Table:
         measured = f"{fmt(mc)} ± {fmt(r0['lambda_star_mc_se'], 2)}" + ("†" if heavy else "") \
             if isinstance(mc, float) and math.isfinite(mc) else ""
         sampled = isinstance(r0.get("sampler", ""), str) and r0.get("sampler", "") != ""
-        t.add_row(f"{case} ({agg})" if agg else case, "n/a (sampler)" if sampled and not math.isfinite(star)
+        t.add_row(escape(f"{case} ({agg})" if agg else case), "n/a (sampler)" if sampled and not math.isfinite(star)
                   else fmt(star), measured,
                   at(0.0), at(1.0), fmt(best), opt_cell, ratio)
     return t
 
 
 def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
-    t = Table(title=f"{case}: {description}", title_justify="left", show_edge=False, pad_edge=False)
+    t = Table(title=escape(f"{case}: {description}"), title_justify="left", show_edge=False, pad_edge=False)
     for col in ["estimator", "target", "true", "exact mean", "bias/true", "std/true"]:
         t.add_column(col, justify="left" if col in ("estimator", "target") else "right")
     for _, r in df[df["case"] == case].iterrows():
@@ -158,17 +159,24 @@ def with_reference(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+MAX_TABLE_CASES = 8     # the side-by-side table's case columns beyond which it is not printed
+
+
 def schulman_table(df: pd.DataFrame) -> Table:
     """Schulman's layout: rows are estimators; per case, bias/true and stdev/true, measured (exact)."""
     df = with_reference(df)
     cases = list(dict.fromkeys(df["case"]))
+    if len(cases) > MAX_TABLE_CASES:      # a sweep's grid: one column pair per case would not fit a screen
+        t = Table(title=f"bias/true and stdev/true: {len(cases)} cases, too many for one table (see summary.csv "
+                        "and the report's sweep figures)", title_justify="left", show_edge=False, pad_edge=False)
+        return t
     t = Table(title="bias/true and stdev/true per estimator (measured, exact in brackets)",
               title_justify="left", show_edge=False, pad_edge=False)
     t.add_column("estimator")
     for c in cases:
         true = df.loc[df["case"] == c, "true_kl"].iloc[0]
         approx = "≈" if "approx" in df and df.loc[df["case"] == c, "approx"].iloc[0] else "="
-        t.add_column(f"{c}\nbias/true", justify="right")
+        t.add_column(escape(f"{c}\nbias/true"), justify="right")
         t.add_column(f"KL{approx}{fmt(true, 3)}\nstdev/true", justify="right")
     keys = list(dict.fromkeys(zip(df["estimator"], df["aggregate"].fillna(""))))
     for est, agg in keys:
@@ -218,7 +226,7 @@ def mismatch_table(df: pd.DataFrame) -> Table:
         rel = r["exact_rel_bias"] if isinstance(r["exact_rel_bias"], float) and math.isfinite(r["exact_rel_bias"]) \
             else r["rel_bias"]
         arrow = "" if not math.isfinite(rel) or abs(rel) < 0.01 else ("[red]▲[/] " if rel > 0 else "[blue]▼[/] ")
-        t.add_row(r["case"], r["sampler"], row_label(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+        t.add_row(escape(r["case"]), escape(str(r["sampler"])), row_label(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
                   f"{arrow}{rel:+.1%}" if math.isfinite(rel) else "", f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}",
                   fmt(r["frac_negative"], 2), fmt(r.get("p_neg_b64", math.nan), 2))
     return t
@@ -243,7 +251,7 @@ def gradient_table(g: pd.DataFrame) -> Table:
         style = {"reverse": "[green]reverse[/]", "forward": "[yellow]forward[/]", "zero": "[red]zero[/]"}.get(eq, eq)
         zmax = max(abs(r["z_reverse"]), abs(r["z_forward"])) if math.isfinite(r["z_reverse"]) else math.nan
         trace = fmt(r["exact_trace_cov"]) if math.isfinite(r["exact_trace_cov"]) else f"({fmt(r['trace_cov'])})"
-        t.add_row(r["case"], lab, r["mode"], style, f"{fmt(r['exact_cos_reverse'])} ({fmt(r['cos_reverse'])})",
+        t.add_row(escape(r["case"]), lab, r["mode"], style, f"{fmt(r['exact_cos_reverse'])} ({fmt(r['cos_reverse'])})",
                   f"{fmt(r['exact_cos_forward'])} ({fmt(r['cos_forward'])})", fmt(r["exact_relerr_reverse"]),
                   trace, fmt(r["n_for_cos90"]), fmt(zmax, 2))
     return t
