@@ -310,8 +310,12 @@ class NextTokenPair(CategoricalPair):
     @classmethod
     def build(cls, case: ModelCase, policy, reference, prompts: list[list[int]], label: str) -> "NextTokenPair":
         dev = _device_for_forward()
-        lq = lm.next_token_logprobs(policy.to(dev), prompts, case.batch_size, dev)
-        lp = lm.next_token_logprobs(reference.to(dev), prompts, case.batch_size, dev)
+        # The float32 log-softmax cast to float64 sums to 1 only to float32 rounding (Σ exp ≈ 1 ± 1e-7), so
+        # a truth Σ q (log q − log p) and exact means weighted by exp(log q) would disagree at ~1e-8 (k3's
+        # exact mean picks up Σp − Σq). Renormalise once in float64: the truth, the exact moments and the
+        # sampling all use these tables, the very ones a categorical case reads from dump-logits' file.
+        lq = torch.log_softmax(lm.next_token_logprobs(policy.to(dev), prompts, case.batch_size, dev), dim=-1)
+        lp = torch.log_softmax(lm.next_token_logprobs(reference.to(dev), prompts, case.batch_size, dev), dim=-1)
         sp = case.sampler
         if sp is None:
             return cls(case.name, lq, lp, label=label)
