@@ -256,7 +256,9 @@ class ModelPair(Pair):
         tok_k3 = torch.zeros(n, **f64)
         grow = torch.zeros(self.length, len(GROWTH_ROWS), 2, **f64) if growth is not None else None
         for t in range(self.length):
-            lq, lp = lm.log_probs64(sq.last), lm.log_probs64(sp.last)            # [n, V] float64
+            # [n, V] float64, renormalised in float64 like a next-token case's tables (NextTokenPair.build)
+            lq = torch.log_softmax(lm.log_probs64(sq.last), dim=-1)
+            lp = torch.log_softmax(lm.log_probs64(sp.last), dim=-1)
             lb = self.behaviour(lq, t) if self.has_sampler else lq
             u = torch.rand(n, 1, generator=generator, **f64)
             cdf = lb.exp().cumsum(-1)
