@@ -232,3 +232,31 @@ def test_report_of_cases_without_an_exact_value(tiny_models, tmp_path):
     report = res.report(tmp_path / "rep")
     figures = {p.name for p in (tmp_path / "rep" / "figures").iterdir()}
     assert report.exists() and "growth_T3.png" in figures and "bias_std_T3.png" in figures
+
+
+def test_tables_of_continuations_show_measured_values_against_the_reference(tiny_models):
+    """No exact value: no empty brackets in the terminal tables; the paper table shows the measured values
+    against the Monte Carlo reference (KL ≈), its exact cells –; the description names the prompts once."""
+    import pandas as pd
+    from rich.console import Console
+
+    from kl_bench import display, report
+    spec = _spec([model_case(tiny_models), model_case(tiny_models, "T3", length=3)], draws=128, batches=4)
+    res = kl_bench.run(spec)
+    df = res.summary
+    console = Console(width=300, record=True)
+    console.print(display.schulman_table(df[df["lambda"].isna()]))
+    console.print(display.rollout_table(df, {"T3": 3}))
+    text = console.export_text()
+    assert "()" not in text and "≈" in text and "Monte Carlo" in text
+    t3 = df[(df["case"] == "T3") & (df["estimator"] == "k1") & (df["aggregate"] == "seq")].iloc[0]
+    assert f"≈{display.fmt(t3['std'] / t3['ref_kl'])}" in text
+    d = df.assign(key=df["case"], label=[kl_bench.draws.row_label(r) for _, r in df.iterrows()])
+    cases, rows = report.paper_table(d)
+    md = report.table_md(cases, rows, "caption")
+    assert "T3 (KL ≈ " in md and "m (KL = " in md
+    cells = dict(rows)["seq k1"][[k for k, _, _ in cases].index("T3")]
+    assert cells[0] != "–" and cells[1] == "–" and cells[2] != "–" and cells[3] == "–"
+    assert isinstance(pd.to_numeric(cells[0]), float)
+    desc = res.envelope["cases"]["m"]["description"]
+    assert desc.count("prompts") == 1, desc

@@ -327,5 +327,6 @@ class NextTokenPair(CategoricalPair):
                    weight_cap=sp.weight_cap, sampler_label=sp.describe())
 
     def describe(self) -> str:
-        return f"model next token, V={self.vocab}, {self.contexts} prompts: {self.label}" + (
+        # The label already names the prompts' count (ModelPair.from_config).
+        return f"model next token, V={self.vocab}: {self.label}" + (
             f"; {self.sampler_label}" if self.sampler_label else "")
