@@ -223,6 +223,7 @@ def rollout_table(df: pd.DataFrame, lengths: dict[str, int]) -> Table:
                          (f"≈{measured}" if measured else ""))
         t.add_row(*cells)
     if approx_any:
+        t.title = "rollouts: std/true against sequence length T, exact (measured); ≈: measured only, std/reference"
         t.caption = ("≈: no exact value; the measured std / the reference (the Rao–Blackwellised full mean, "
                      "Monte Carlo)")
         t.caption_justify = "left"

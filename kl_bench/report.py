@@ -268,10 +268,11 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         for name, meta in res.envelope.get("cases", {}).items():
             if meta.get("growth"):
                 figs.append((f"{prefix}growth_{_slug(name)}.png",
-                             f"{name}: std/reference against T, from the prefixes of the same paths",
+                             f"{name}: std/reference (the full mean, Monte Carlo) against T, from the prefixes of the "
+                             "same paths as the summary (the main pass)",
                              png_bytes(plots.plot_rollout_growth(*growth_frame(name, meta["growth"]),
-                                                                title=f"{name}: prefixes of the same paths; "
-                                                                      "reference = full mean (Monte Carlo)"))))
+                                                                title=f"{name}: prefixes of the main pass's "
+                                                                      f"{meta['growth'].get('paths', '?')} paths"))))
         for k, (label, members) in enumerate(families.items()):
             if len(members) > 1:
                 ref = "approx" in s and bool(s.loc[s["case"].isin(members), "approx"].any())
