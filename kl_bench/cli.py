@@ -431,7 +431,7 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                 prompts: Path = typer.Option(..., "--prompts", help="prompts: .txt (one a line) or .jsonl (input_ids)"),
                 out: Path = typer.Option(..., "--out", help="output folder"),
                 length: int = typer.Option(1, "--length", help="T > 1: also sample continuations of T tokens"),
-                samples: int = typer.Option(0, "--samples", help="continuations to sample (default: one per prompt)"),
+                samples: int = typer.Option(0, "--samples", help="continuations to sample; 0: one per prompt", show_default=False),
                 seed: int = typer.Option(0, "--seed"),
                 eos: Optional[int] = typer.Option(None, "--eos", help="a continuation ends at this token id"),
                 dtype: str = typer.Option("float32", "--dtype"),

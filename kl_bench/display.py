@@ -46,9 +46,15 @@ def fmt_rel(x: float) -> str:
 
 
 
+def _with_exact(measured: str, exact: str) -> str:
+    """"measured (exact)", or the measured value alone where no exact value exists (no empty brackets)."""
+    return f"{measured} ({exact})" if exact else measured
+
+
 def _std_cell(r, value: float) -> str:
     # A std measured on a heavy tail is not to be trusted: mark it instead of printing it plainly.
-    return f"{fmt(value)}†" if r.get("heavy_tail") else fmt(value)
+    heavy = r.get("heavy_tail")
+    return f"{fmt(value)}†" if isinstance(heavy, str) and heavy else fmt(value)     # NaN (from a CSV) is no flag
 
 
 def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
@@ -172,6 +178,10 @@ def schulman_table(df: pd.DataFrame) -> Table:
         return t
     t = Table(title="bias/true and stdev/true per estimator (measured, exact in brackets)",
               title_justify="left", show_edge=False, pad_edge=False)
+    if "approx" in df and df["approx"].any():
+        t.caption = ("≈: no exact value; measured against the reference, the Rao–Blackwellised full mean "
+                     "(Monte Carlo), and no exact value in brackets")
+        t.caption_justify = "left"
     t.add_column("estimator")
     for c in cases:
         true = df.loc[df["case"] == c, "true_kl"].iloc[0]
@@ -187,8 +197,8 @@ def schulman_table(df: pd.DataFrame) -> Table:
                 cells += ["", ""]
                 continue
             r = row.iloc[0]
-            cells.append(f"{fmt_rel(r['rel_bias'])} ({fmt_rel(r['exact_rel_bias'])})")
-            cells.append(f"{_std_cell(r, r['rel_std'])} ({fmt(r['exact_rel_std'])})")
+            cells.append(_with_exact(fmt_rel(r['rel_bias']), fmt_rel(r['exact_rel_bias'])))
+            cells.append(_with_exact(_std_cell(r, r['rel_std']), fmt(r['exact_rel_std'])))
         t.add_row(*cells)
     return t
 
@@ -200,18 +210,31 @@ def rollout_table(df: pd.DataFrame, lengths: dict[str, int]) -> Table:
     """Rollout cases by length: exact std/true (measured) of seq-k1, seq-k3, tok-k3 and full."""
     t = Table(title="rollouts: std/true against sequence length T, exact (measured)", title_justify="left",
               show_edge=False, pad_edge=False)
+    approx_any = False
     for col in ["case", "T", "KL(q||p)"] + [f"{a} {e}" for e, a in ROLLOUT_COLUMNS]:
         t.add_column(col, justify="left" if col == "case" else "right")
     df = with_reference(df)
     for case, length in lengths.items():
         c = df[df["case"] == case]
         approx = "≈" if "approx" in c and c["approx"].iloc[0] else ""     # a Monte Carlo reference, not exact
+        approx_any = approx_any or bool(approx)
         cells = [case, str(length), approx + fmt(c["true_kl"].iloc[0], 3)]
         for est, agg in ROLLOUT_COLUMNS:
             hit = c[(c["estimator"] == est) & (c["aggregate"] == agg) & c["lambda"].isna()]
-            cells.append("" if hit.empty else
-                         f"{fmt(hit.iloc[0]['exact_rel_std'])} ({_std_cell(hit.iloc[0], hit.iloc[0]['rel_std'])})")
+            if hit.empty:
+                cells.append("")
+                continue
+            h = hit.iloc[0]
+            measured = _std_cell(h, h["rel_std"])
+            # No exact value: the measured std/reference alone, marked ≈ like the KL column.
+            cells.append(f"{fmt(h['exact_rel_std'])} ({measured})" if fmt(h["exact_rel_std"]) else
+                         (f"≈{measured}" if measured else ""))
         t.add_row(*cells)
+    if approx_any:
+        t.title = "rollouts: std/true against sequence length T, exact (measured); ≈: measured only, std/reference"
+        t.caption = ("≈: no exact value; the measured std / the reference (the Rao–Blackwellised full mean, "
+                     "Monte Carlo)")
+        t.caption_justify = "left"
     return t
 
 

@@ -81,12 +81,19 @@ def tex_number(s: str) -> str:
 def paper_table(df: pd.DataFrame):
     """Schulman's layout: rows are estimators; per case bias/true and stdev/true, measured and exact.
 
-    Returns (cases [(key, title, true_kl)], rows [(label, [cells per case: 4 strings])])."""
-    df = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
+    A case without an exact value but with a Monte Carlo reference (model continuations, logged log-probs)
+    shows its measured values against that reference (display.with_reference), its title marked ≈ and its
+    exact cells –.
+
+    Returns (cases [(key, title, true_kl)], rows [(label, [cells per case: 4 strings])]); the title of a
+    case against a reference ends in " ≈" (see kl_head)."""
+    from .display import with_reference
+    df = with_reference(df[df["lambda"].isna() | (df["estimator"] == "cv_opt")])
     cases = []
     for key in dict.fromkeys(df["key"]):
         c = df[df["key"] == key]
-        cases.append((key, key, float(c["true_kl"].iloc[0])))
+        approx = "approx" in c and bool(c["approx"].iloc[0])
+        cases.append((key, key + (" ≈" if approx else ""), float(c["true_kl"].iloc[0])))
     labels = list(dict.fromkeys(df["label"]))
     rows = []
     for lab in labels:
@@ -116,9 +123,20 @@ def _caption(results: list[Results]) -> str:
         cases = "; ".join(f"{name}: {meta.get('description', '')}" for name, meta in env.get("cases", {}).items())
         bits.append(f"{res.name}: {draws_txt} draws per case, seed {env.get('seed')}, device {env.get('device')}. "
                     f"Cases: {cases}.")
+    approx = any(meta.get("reference", "").startswith("full mean") for res in results
+                 for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
+    note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
+            "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
     return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL, "
             "measured (exact in the adjacent column); † marks a heavy-tailed row whose measured std "
-            "cannot be trusted. " + " ".join(bits))
+            "cannot be trusted. " + note + " ".join(bits))
+
+
+def kl_head(title: str, true: float) -> tuple[str, str]:
+    """(case title, "KL = x" or "KL ≈ x" for a case measured against its Monte Carlo reference)."""
+    if title.endswith(" ≈"):
+        return title[:-2], f"KL ≈ {sig(true)}"
+    return title, f"KL = {sig(true)}"
 
 
 def table_tex(cases, rows, caption: str) -> str:
@@ -127,7 +145,9 @@ def table_tex(cases, rows, caption: str) -> str:
     lines = [r"% kl-bench paper table; needs \usepackage{booktabs} and \usepackage{graphicx}",
              r"\begin{table}[t]", r"\centering", r"\resizebox{\textwidth}{!}{%",
              rf"\begin{{tabular}}{{{colspec}}}", r"\toprule"]
-    head = " & ".join(rf"\multicolumn{{4}}{{c}}{{{tex(title)} (KL $=$ {tex_number(sig(true))})}}"
+    rel = {True: r"$\approx$", False: "$=$"}
+    head = " & ".join(rf"\multicolumn{{4}}{{c}}{{{tex(kl_head(title, true)[0])} (KL "
+                      rf"{rel[title.endswith(' ≈')]} {tex_number(sig(true))})}}"
                       for _, title, true in cases)
     lines.append(f" & {head} \\\\")
     lines.append("".join(rf"\cmidrule(lr){{{2 + 4 * i}-{5 + 4 * i}}}" for i in range(n)))
@@ -143,7 +163,7 @@ def table_tex(cases, rows, caption: str) -> str:
 
 
 def table_md(cases, rows, caption: str) -> str:
-    head = "| estimator | " + " | ".join(f"{title} (KL = {sig(true)}) bias/true | exact | stdev/true | exact"
+    head = "| estimator | " + " | ".join("{} ({}) bias/true | exact | stdev/true | exact".format(*kl_head(title, true))
                                          for _, title, true in cases) + " |"
     sep = "|---|" + "---:|" * (4 * len(cases))
     body = ["| " + label + " | " + " | ".join(c for cell in cells for c in cell) + " |" for label, cells in rows]
@@ -207,8 +227,9 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
             continue          # neither a true value nor a reference to scale by (a log without kl_full)
         ref = "approx" in rows and bool(rows["approx"].any())
         what = "the full-mean reference (Monte Carlo, no exact value)" if ref else "the true KL"
+        marks = "95% CI; no exact values, so no ×" if ref else "95% CI; × exact"
         figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias and std per estimator relative to {what} "
-                     "(95% CI; × exact)", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to {what}"))))
+                     f"({marks})", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to {what}"))))
     for res in results:
         prefix = f"{_slug(res.name)}_" if multi else ""
         s = with_reference(res.summary)
@@ -247,13 +268,17 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
         for name, meta in res.envelope.get("cases", {}).items():
             if meta.get("growth"):
                 figs.append((f"{prefix}growth_{_slug(name)}.png",
-                             f"{name}: std/reference against T, from the prefixes of the same paths",
+                             f"{name}: std/reference (the full mean, Monte Carlo) against T, from the prefixes of the "
+                             "same paths as the summary (the main pass)",
                              png_bytes(plots.plot_rollout_growth(*growth_frame(name, meta["growth"]),
-                                                                title=f"{name}: prefixes of the same paths; "
-                                                                      "reference = full mean (Monte Carlo)"))))
+                                                                title=f"{name}: prefixes of the main pass's "
+                                                                      f"{meta['growth'].get('paths', '?')} paths"))))
         for k, (label, members) in enumerate(families.items()):
             if len(members) > 1:
-                figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): std/true against T",
+                ref = "approx" in s and bool(s.loc[s["case"].isin(members), "approx"].any())
+                what = "std/reference against T (reference: the full mean, Monte Carlo; ×: measured, no exact lines)" if ref else \
+                    "std/true against T (lines: exact; ×: measured)"
+                figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): {what}",
                              png_bytes(plots.plot_rollout_growth(s, members, title=f"rollouts: {label}"))))
         if res.gradients is not None:
             grads = res.gradients
@@ -370,7 +395,7 @@ def _report_html(results, df, figs, caption, cases, rows) -> str:
         parts.append(f"<h2>{esc(res.name)}</h2><ul>" + "".join(
             f"<li>{html_inline(line[2:])}</li>" for line in _run_lines(res)) + "</ul>")
     table = ["<table class='paper'><tr><th></th>" + "".join(
-        f"<th colspan='4'>{esc(title)} (KL = {esc(sig(true))})</th>" for _, title, true in cases) + "</tr>",
+        "<th colspan='4'>{} ({})</th>".format(*map(esc, kl_head(title, true))) for _, title, true in cases) + "</tr>",
         "<tr><th>estimator</th>" + "<th>bias/true</th><th>exact</th><th>stdev/true</th><th>exact</th>"
         * len(cases) + "</tr>"]
     for label, cells in rows:

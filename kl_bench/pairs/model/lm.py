@@ -5,8 +5,10 @@ KV-cached continuations.
 Numerics: the models run in their ``dtype`` (float32 by default); each step's log-softmax is taken in
 float32 (at least) and then cast to float64, so that every statistic (log r = log p − log q, the
 per-step analytic KL, sums over tokens and draws) accumulates in float64. The float64 values are exact
-functions of the float32 log-probs, so a next-token case's truth is an exact float64 sum over the
-vocabulary of those log-probs.
+functions of the float32 log-probs. The pairs renormalise them once more in float64 (they sum to 1 only
+to float32 rounding), so a next-token case's truth and its exact means are float64 sums over the
+vocabulary of the same normalised tables, the ones a categorical case builds from dump-logits' float32
+file, and a continuation's per-step KL is that of normalised distributions.
 """
 from __future__ import annotations
 

@@ -78,10 +78,11 @@ class ModelPair(Pair):
         self.weight_cap = sp.weight_cap if sp is not None else None
         self.sampler_label = sp.describe() if self.has_sampler else ""
         self._device: torch.device | None = None
-        # Growth in T from the prefixes of every generated path: per step t, float64 sums of v and v² of
-        # GROWTH_ROWS (n paths in growth_n); see growth().
-        self.growth_sums = torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
-        self.growth_n = 0
+        # Growth in T from the prefixes of the main pass's paths (the draws summary.csv uses; never the
+        # pilot, small-batch or other streams): per main-stream batch index i, (draws, float64 [T, R, 2] sums
+        # of v and v² of GROWTH_ROWS at every step). growth() adds them in batch order, so the figure
+        # depends on (seed, case, i) alone, never on chunking; see batch_sums().
+        self.growth_batches: dict[int, tuple[int, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ spec → pair
     @classmethod
@@ -127,14 +128,18 @@ class ModelPair(Pair):
                 "growth": self.growth()}
 
     def growth(self) -> dict[str, Any]:
-        """std/ref of GROWTH_ROWS at prefix lengths t = 1, 2, 4, ..., T of every path generated so far
-        (ref: the mean of the `full` prefix, Monte Carlo): {"T": [...], "paths": n, row: [...]}."""
-        if not self.growth_n:
+        """std/ref of GROWTH_ROWS at prefix lengths t = 1, 2, 4, ..., T of the main pass's paths (the
+        draws of summary.csv; ref: the mean of the `full` prefix, Monte Carlo; std: the population std of
+        the paths' prefix values): {"T": [...], "paths": n, row: [...]}."""
+        if not self.growth_batches:
             return {}
         ts = sorted({min(1 << k, self.length) for k in range(self.length.bit_length() + 1)})
-        n = self.growth_n
-        mean = self.growth_sums[:, :, 0] / n
-        std = (self.growth_sums[:, :, 1] / n - mean ** 2).clamp(min=0).sqrt()
+        n = sum(m for m, _ in self.growth_batches.values())
+        sums = torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
+        for i in sorted(self.growth_batches):                # batch order: independent of chunking
+            sums += self.growth_batches[i][1]
+        mean = sums[:, :, 0] / n
+        std = (sums[:, :, 1] / n - mean ** 2).clamp(min=0).sqrt()
         ref = mean[:, -1]
         out: dict[str, Any] = {"T": ts, "paths": n}
         for j, row in enumerate(GROWTH_ROWS):
@@ -181,10 +186,31 @@ class ModelPair(Pair):
             self._device = device
         return self.policy, self.reference
 
+    def batch_sums(self, features, tok_rows: list[Row], device: torch.device):
+        """As Pair.batch_sums; batches of the main stream (tag = the case name: not the pilot or any other
+        stream) also record their paths' prefix sums for growth(), keyed by batch index."""
+        piece = self.piece_draws(device)
+
+        def run(batches) -> torch.Tensor:
+            out = []
+            for batch in batches:
+                grow = (torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
+                        if batch.tag == self.name and not self.has_sampler else None)
+                total = None
+                for m, g in batch.pieces(piece):
+                    s = features(self.sample_draws(m, g, device, tok_rows, growth=grow)).sum(0)
+                    total = s if total is None else total + s
+                out.append(total)
+                if grow is not None:
+                    self.growth_batches[batch.index] = (batch.size, grow)
+            return torch.stack(out)
+        return run
+
     def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
-                     tok_rows: list[Row] = ()) -> Draws:
-        """``n`` continuations, generated ``batch_size`` at a time from ``generator`` (in order)."""
-        parts = [self.generate(min(self.batch_size, n - i), generator, device, tok_rows)
+                     tok_rows: list[Row] = (), growth: torch.Tensor | None = None) -> Draws:
+        """``n`` continuations, generated ``batch_size`` at a time from ``generator`` (in order).
+        ``growth``: a float64 [T, R, 2] CPU tensor that receives the prefix sums of GROWTH_ROWS."""
+        parts = [self.generate(min(self.batch_size, n - i), generator, device, tok_rows, growth=growth)
                  for i in range(0, n, self.batch_size)]
         if len(parts) == 1:
             return parts[0]
@@ -205,13 +231,16 @@ class ModelPair(Pair):
 
     @torch.no_grad()
     def generate(self, n: int, generator: torch.Generator, device: torch.device, tok_rows: list[Row] = (),
-                 prefixes: torch.Tensor | None = None, record: list | None = None) -> Draws:
+                 prefixes: torch.Tensor | None = None, record: list | None = None,
+                 growth: torch.Tensor | None = None) -> Draws:
         """``n`` ≤ batch_size continuations: prompts drawn uniformly, then up to T tokens x_t ~ b(·|h_t) by
         inverse CDF on float64 uniforms from ``generator`` (never the global RNG), with both models' KV
         caches. Per path (float64 [n]): L = Σ_t log r_t, full = Σ_t KL(q(·|h_t) ‖ p(·|h_t)), token sums.
         ``prefixes``: a float64 [T, n, 2] tensor that receives (L, full) after each step (growth in T).
         ``record``: a list that receives, per step, (token, log q, log p, KL(q‖p) at h_t, alive) [n] each,
-        and first the prompt indices (kl-bench dump-logits)."""
+        and first the prompt indices (kl-bench dump-logits).
+        ``growth``: a float64 [T, R, 2] CPU tensor to which the sums of v and v² of GROWTH_ROWS over the
+        paths' prefixes are added (growth in T; only the main pass passes one)."""
         q_model, p_model = self._models_on(device)
         idx = torch.randint(len(self.prompts), (n,), generator=generator, device=device).tolist()
         ids, mask = lm.left_pad([self.prompts[i] for i in idx], device)
@@ -225,9 +254,11 @@ class ModelPair(Pair):
         weight = torch.ones(n, **f64) if self.weights != "none" else None
         rows = torch.arange(n, device=device)
         tok_k3 = torch.zeros(n, **f64)
-        grow = torch.zeros(self.length, len(GROWTH_ROWS), 2, **f64)
+        grow = torch.zeros(self.length, len(GROWTH_ROWS), 2, **f64) if growth is not None else None
         for t in range(self.length):
-            lq, lp = lm.log_probs64(sq.last), lm.log_probs64(sp.last)            # [n, V] float64
+            # [n, V] float64, renormalised in float64 like a next-token case's tables (NextTokenPair.build)
+            lq = torch.log_softmax(lm.log_probs64(sq.last), dim=-1)
+            lp = torch.log_softmax(lm.log_probs64(sp.last), dim=-1)
             lb = self.behaviour(lq, t) if self.has_sampler else lq
             u = torch.rand(n, 1, generator=generator, **f64)
             cdf = lb.exp().cumsum(-1)
@@ -241,8 +272,9 @@ class ModelPair(Pair):
             tok_b += alive * torch.expm1(g)
             tok_k3 += alive * (torch.expm1(g) - g)
             # Prefix t + 1 of every path (a path that ended keeps its values): seq k1, seq k3, tok k3, full.
-            v = torch.stack([-logr, torch.expm1(logr) - logr, tok_k3, full], -1)
-            grow[t, :, 0], grow[t, :, 1] = v.sum(0), (v * v).sum(0)
+            if grow is not None:
+                v = torch.stack([-logr, torch.expm1(logr) - logr, tok_k3, full], -1)
+                grow[t, :, 0], grow[t, :, 1] = v.sum(0), (v * v).sum(0)
             step_w = None
             if weight is not None:                     # q/b of the drawn token, capped
                 w_t = torch.exp(lq[rows, x] - lb[rows, x])
@@ -263,13 +295,13 @@ class ModelPair(Pair):
                 if not bool(alive.any()):
                     if prefixes is not None:
                         prefixes[t + 1:] = prefixes[t]
-                    grow[t + 1:] = grow[t]
+                    if grow is not None:
+                        grow[t + 1:] = grow[t]
                     break
                 sq.advance(x)
                 sp.advance(x)
-        if not self.has_sampler:          # prefixes of draws from q only (the reference is an E_q)
-            self.growth_sums += grow.cpu()
-            self.growth_n += n
+        if grow is not None:              # the caller passes one for draws from q only (the reference is an E_q)
+            growth += grow.cpu()
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
 
 
@@ -280,8 +312,12 @@ class NextTokenPair(CategoricalPair):
     @classmethod
     def build(cls, case: ModelCase, policy, reference, prompts: list[list[int]], label: str) -> "NextTokenPair":
         dev = _device_for_forward()
-        lq = lm.next_token_logprobs(policy.to(dev), prompts, case.batch_size, dev)
-        lp = lm.next_token_logprobs(reference.to(dev), prompts, case.batch_size, dev)
+        # The float32 log-softmax cast to float64 sums to 1 only to float32 rounding (Σ exp ≈ 1 ± 1e-7), so
+        # a truth Σ q (log q − log p) and exact means weighted by exp(log q) would disagree at ~1e-8 (k3's
+        # exact mean picks up Σp − Σq). Renormalise once in float64: the truth, the exact moments and the
+        # sampling all use these tables, the very ones a categorical case reads from dump-logits' file.
+        lq = torch.log_softmax(lm.next_token_logprobs(policy.to(dev), prompts, case.batch_size, dev), dim=-1)
+        lp = torch.log_softmax(lm.next_token_logprobs(reference.to(dev), prompts, case.batch_size, dev), dim=-1)
         sp = case.sampler
         if sp is None:
             return cls(case.name, lq, lp, label=label)
@@ -291,5 +327,6 @@ class NextTokenPair(CategoricalPair):
                    weight_cap=sp.weight_cap, sampler_label=sp.describe())
 
     def describe(self) -> str:
-        return f"model next token, V={self.vocab}, {self.contexts} prompts: {self.label}" + (
+        # The label already names the prompts' count (ModelPair.from_config).
+        return f"model next token, V={self.vocab}: {self.label}" + (
             f"; {self.sampler_label}" if self.sampler_label else "")
