@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 import torch
 
 from kl_bench.engine import run_case
 from kl_bench.estimators import lookup
 from kl_bench.pairs import GaussianPair
+from bench_vocab50k import timed  # benchmarks/, beside this script: best-of-n timing with CUDA syncs
 
 NAMES = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3"]   # the core estimators (presets are variants of these)
 CHUNK = 1 << 22
@@ -50,19 +50,6 @@ def raw_limit(n: int, device: torch.device) -> torch.Tensor:
     for start in range(0, n, CHUNK):
         total += torch.randn(min(CHUNK, n - start), dtype=torch.float64, generator=g, device=device).sum()
     return total
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:

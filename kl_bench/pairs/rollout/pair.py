@@ -218,8 +218,9 @@ class RolloutPair(Pair):
         a, e = rollout_dp.moment_matrices(self.log_q.exp(), m, h, self.bucket, self.buckets, self.eos, kmax)
         return rollout_dp.propagate(a, e, self.length)
 
-    def _dp_b(self, m_fn, h_fn, kmax: int) -> list[float]:
-        """E_b[M S^k] under the sampler's phases; ``m_fn``/``h_fn`` map a phase's log b to tables."""
+    def _phase_matrices(self, m_fn, h_fn, kmax: int) -> list:
+        """Per sampler phase, the DP's moment matrices and step count; ``m_fn``/``h_fn`` map a phase's
+        log b to tables."""
         phases = []
         for lb, steps in self.phases:
             b = lb.exp()
@@ -228,7 +229,11 @@ class RolloutPair(Pair):
             h = torch.where(b > 0, h_fn(lb), torch.zeros_like(b))
             a, e = rollout_dp.moment_matrices(b, m, h, self.bucket, self.buckets, self.eos, kmax)
             phases.append((a, e, steps))
-        return rollout_dp.propagate_phases(phases)
+        return phases
+
+    def _dp_b(self, m_fn, h_fn, kmax: int) -> list[float]:
+        """E_b[M S^k] under the sampler's phases."""
+        return rollout_dp.propagate_phases(self._phase_matrices(m_fn, h_fn, kmax))
 
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor:
         # The cap applies to each token's q/b; a sequence weight is the product of capped token
@@ -342,14 +347,7 @@ class RolloutPair(Pair):
 
     def _length_dp(self, m_fn, h_fn, kmax: int) -> torch.Tensor:
         """[T, kmax+1]: E_b[M S^k ; |y| = ℓ] for ℓ = 1..T under the sampler's phases (b = q without one)."""
-        phases = []
-        for lb, steps in self.phases:
-            b = lb.exp()
-            m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
-            h = torch.where(b > 0, h_fn(lb), torch.zeros_like(b))
-            a, e = rollout_dp.moment_matrices(b, m, h, self.bucket, self.buckets, self.eos, kmax)
-            phases.append((a, e, steps))
-        return rollout_dp.propagate_by_length(phases)
+        return rollout_dp.propagate_by_length(self._phase_matrices(m_fn, h_fn, kmax))
 
     def _length_moments(self, est: RowSource, aggregate: str) -> tuple[float, float]:
         """(mean, variance) of tok_mean (Σ_t f / |y|, times W with sequence weights) or tok_gm
