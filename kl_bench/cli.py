@@ -100,11 +100,29 @@ def _warn_infinite(df, console: Console) -> None:
                               f"trustworthy", markup=False)
 
 
+def _draws_flag(value: Optional[str]):
+    """``--draws`` as a spec writes draws: 10000000, 10_000_000 or 1e7. Anything else is passed on as
+    text, for the spec's own check to refuse in one line naming the file and ``--draws``."""
+    if value is None:
+        return None
+    text = value.strip().replace("_", "")
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        f = float(text)
+    except ValueError:
+        return value
+    return int(f) if math.isfinite(f) and f.is_integer() else value
+
+
 @app.command(cls=_Command)
 def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
         out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: results/<name>/]"),
-        draws: Optional[int] = typer.Option(None, "--draws", metavar="N", help="draws for every case: replaces "
-                                            "[experiment] draws and each case's own draws"),
+        draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=_draws_flag,
+                                            help="draws for every case (1e7 and 10_000_000 work, as in a spec): "
+                                            "replaces [experiment] draws and each case's own draws"),
         seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
         device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE",
                                              help="override [experiment] device: auto|cpu|cuda|cuda:N"),
@@ -314,7 +332,8 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
           results: Optional[Path] = typer.Option(None, "--results", help="check this results folder instead of running"),
           alpha: float = typer.Option(0.001, "--alpha", help="family-wise error rate (Holm)"),
           seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
-          draws: Optional[int] = typer.Option(None, "--draws", help="override [experiment] draws"),
+          draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=_draws_flag,
+                                              help="override [experiment] draws"),
           device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device"),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="print only failures and the verdict")) -> None:
     """Statistical regression gate: every statistic against its exact value and a stored baseline.
@@ -358,7 +377,8 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
                                                 help="baseline JSON [default: results/baselines/<name>.json]"),
              results: Optional[Path] = typer.Option(None, "--results", metavar="DIR",
                                                     help="take the numbers from this results folder"),
-             draws: Optional[int] = typer.Option(None, "--draws", metavar="N", help="override the draws of every case"),
+             draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=_draws_flag,
+                                                 help="override the draws of every case"),
              seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
              device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
              quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:

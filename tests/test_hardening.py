@@ -139,7 +139,7 @@ def test_a_signal_at_any_phase_is_one_line_and_keeps_earlier_results(spec, tmp_p
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("args,needle", [(["run", "--draws", "abc", "x.toml"], "Invalid value for '--draws'"),
+@pytest.mark.parametrize("args,needle", [(["run", "--seed", "abc", "x.toml"], "Invalid value for '--seed'"),
                                          (["run"], "Missing argument 'SPEC'"), (["nosuch"], "No such command"),
                                          (["run", "x.toml", "--bogus"], "No such option")])
 def test_flag_errors_are_one_line(args, needle):
@@ -207,3 +207,17 @@ def test_unknown_key_lists_every_allowed_key_even_ones_not_given(tmp_path, case,
     assert f"key '{typo}': unknown key (did you mean '{suggestion}'?)" in line, line
     allowed = line.split("allowed: ")[1].split(", ")
     assert suggestion in allowed and all(a in allowed for a in also), line
+
+
+@pytest.mark.parametrize("draws, ok", [("1e4", True), ("10_000", True), ("abc", False), ("1.5", False)])
+def test_draws_flag_reads_like_the_spec(tmp_path, draws, ok):
+    """--draws takes what a spec's draws takes (1e4, 10_000); anything else names the file and the flag."""
+    spec = tmp_path / "s.toml"
+    spec.write_text('spec_version = 1\n[experiment]\ndraws = 1000\ndevice = "cpu"\n[[case]]\nname = "g"\n'
+                    'kind = "gaussian"\nq = { mean = 0.0, std = 1.0 }\np = { mean = 0.1, std = 1.0 }\n')
+    res = runner.invoke(app, ["run", str(spec), "--draws", draws, "--out", str(tmp_path / "o"), "-q"])
+    if ok:
+        assert res.exit_code == 0 and "10000" in (tmp_path / "o" / "run.json").read_text(), res.output
+    else:
+        assert res.exit_code == 2 and f"key '--draws': must be an integer, got '{draws}'" in res.output, res.output
+        assert str(spec) in res.output and not (tmp_path / "o").exists()
