@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import pandas as pd
 import torch
 
+from . import gradients as G
 from .distributed import SINGLE, Ranks
 from .draws import Row
+from .errors import SpecError
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
 from .estimators import make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import add_planning
-from .results import frame_to_csv_bytes, summarize
+from .results import SWEEP_PREFIX, frame_to_csv_bytes, summarize, to_frame
 from .spec import Experiment
 
 SMALL_BATCH = 64            # p_neg_b64: batch size ...
@@ -174,7 +177,6 @@ class SpecOutcome:
 def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> None:
     """Every number needs an exact oracle: each pair refuses the estimators it has none for (and, with
     gradients, a kind without gradient oracles is refused), before any sampling."""
-    from .errors import SpecError
     sources = [resolve_estimator(n) for n in spec.experiment.estimators]
     for case, pair in zip(spec.cases, pairs):
         try:
@@ -204,14 +206,11 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
     phase starts; ``progress(n)`` after every n draws (main and gradient passes). ``ranks``: this
     process's share of a multi-process run (kl_bench.distributed); only rank 0 gets the outcome (the
     others None), identical to a one-process run's."""
-    import time
 
-    from .results import to_frame
     exp = spec.experiment
     case_draws = spec.case_draws()
     t0 = time.perf_counter()
     outcomes = []
-    from .errors import SpecError
     for pair, n in zip(pairs, case_draws):
         if on_phase is not None:
             on_phase(pair.name)
@@ -227,7 +226,6 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
              for o in outcomes if o is not None}
     grads = None
     if exp.gradients:
-        from . import gradients as G
         ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
         grad_rows = []
         for pair, n in zip(pairs, case_draws):
@@ -245,7 +243,6 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
 def add_sweep_columns(summary: pd.DataFrame, spec) -> pd.DataFrame:
     """summary.csv with one ``sweep.<key>`` column per swept case key (kl_bench.results.SWEEP_PREFIX),
     after the schema's columns; unchanged for a spec without ``[[sweep]]`` tables."""
-    from .results import SWEEP_PREFIX
     values = spec.sweep_values
     keys = list(dict.fromkeys(k for v in values.values() for k in v))
     for key in keys:
