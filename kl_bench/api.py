@@ -85,11 +85,12 @@ class Prepared:
 @single_threaded
 def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Prepared:
     """Load and validate everything before any sampling: spec, flags, device, pairs, exact oracles."""
-    from .experiment import validate_oracles
+    from .experiment import check_group_draws, validate_oracles
     sp = load(spec, draws=draws, seed=seed, device=device)
     dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
     pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
     validate_oracles(sp, pairs, str(sp.path))
+    check_group_draws(sp, pairs, str(sp.path))
     return Prepared(sp, pairs, dev)
 
 
@@ -253,7 +254,7 @@ def exact(spec) -> "pd.DataFrame":
     rows = []
     for p in pairs:
         for row in exact_rows(p, [p.adapt(s) for s in sources]):
-            add_planning(row)
+            add_planning(row, p.row_group(row["aggregate"]))
             if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
                 row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star
             rows.append(row)

@@ -6,12 +6,18 @@ A **row** is an estimator with an aggregation:
 - ``"tok"``: rollouts: the per-token estimator summed over the generated tokens (what GRPO/PPO code does).
 - ``"tok_mean"``: rollouts: that sum divided by the sequence's length |y| (the per-sequence token mean
   that "seq-mean-token-mean" aggregation averages).
+- ``"tok_batch"``: rollouts: "token-mean" aggregation over a trainer batch of B consecutive sequences,
+  Σ_i Σ_t f_{i,t} / Σ_i |y_i|. One value per group of B draws (``Row.group`` = B): the group's value
+  is repeated at each of its members, and the engine counts it once (kl_bench.engine.make_features).
+  Groups are formed within each piece of a batch (kl_bench.seeding): the last ``piece mod B`` draws of
+  a piece belong to no group (their value is NaN). B = 1 is ``tok_mean``.
 - ``"tok_gm"``: rollouts under a sampler with ``weights = "geometric"``: the token sum times TRL's
   sequence-level weight exp((1/|y|) Σ_t log(q_t/b_t)), the geometric mean of the token ratios.
 A pair-supplied row (``full``: the analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok".
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +25,9 @@ import torch
 from .estimators import Estimator, RowSource
 from .targets import REVERSE
 
-TOK_AGGREGATES = ("tok", "tok_mean", "tok_gm")     # rows built from per-token sums along the path
-# A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which tok_mean and
-# tok_gm rows need per draw. It is the last column of Draws.tok whenever such a row is present.
+TOK_AGGREGATES = ("tok", "tok_mean", "tok_gm", "tok_batch")   # rows built from per-token sums along the path
+# A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which tok_mean,
+# tok_gm and tok_batch rows need per draw. It is the last column of Draws.tok whenever such a row is present.
 LENGTH = Estimator("length", lambda logr: torch.ones_like(logr), REVERSE, False, True, "1 per token")
 
 
@@ -45,6 +51,7 @@ def row_label(r) -> str:
 class Row:
     est: RowSource
     aggregate: str = ""
+    group: int = 1          # draws per value: B for "tok_batch" (one value per trainer batch), else 1
 
     @property
     def label(self) -> str:
@@ -63,6 +70,8 @@ class Draws:
     weight: importance weight q/b of the draw (sequence: Π_t q/b) when a sampler b ≠ q is weighted;
         None means 1. Every row is multiplied by it, except token rows when ``tok_weighted``.
     tok_weighted: the token sums already carry per-token weights.
+    segments: sizes of the consecutive pieces the draws come from (None: one piece); group rows form
+        their groups within each piece, so that a batch's groups never depend on how pieces are joined.
     """
     logr: torch.Tensor
     full: torch.Tensor
@@ -70,10 +79,45 @@ class Draws:
     tok_b: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     tok_weighted: bool = False
+    segments: list[int] | None = None
 
 
 def _needs_length(rows: list[Row]) -> bool:
-    return any(r.aggregate in ("tok_mean", "tok_gm") for r in rows)
+    return any(r.aggregate in ("tok_mean", "tok_gm", "tok_batch") for r in rows)
+
+
+def groups_in(size: int, group: int, piece: int) -> int:
+    """Values a group row gets from a batch of ``size`` draws drawn in pieces of ``piece``: whole groups
+    of ``group`` draws within each piece."""
+    full, rest = divmod(size, piece)
+    return full * (piece // group) + rest // group
+
+
+def group_starts(draws: Draws, group: int) -> torch.Tensor:
+    """[n] bool: True at the first draw of every whole group of ``group`` draws within each segment."""
+    n = draws.logr.shape[0]
+    out = torch.zeros(n, dtype=torch.bool, device=draws.logr.device)
+    start = 0
+    for m in draws.segments or [n]:
+        out[start:start + (m // group) * group:group] = True
+        start += m
+    return out
+
+
+def _group_values(total: torch.Tensor, length: torch.Tensor, group: int, segments: list[int] | None) -> torch.Tensor:
+    """[n]: Σ total / Σ length over the draw's group of ``group`` consecutive draws within its segment,
+    NaN for the draws of a segment's incomplete last group. Reshape-and-sum per segment (no scatter-add):
+    the sums' order is fixed, so the bytes are the same on every device and every run."""
+    out = torch.full_like(total, math.nan)
+    start = 0
+    for m in segments or [total.shape[0]]:
+        k = (m // group) * group
+        if k:
+            num = total[start:start + k].view(-1, group).sum(1)
+            den = length[start:start + k].view(-1, group).sum(1)
+            out[start:start + k] = (num / den).repeat_interleave(group)
+        start += m
+    return out
 
 
 def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
@@ -87,6 +131,8 @@ def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
             t += 1
             if row.aggregate == "tok_mean":
                 col = col / length
+            if row.aggregate == "tok_batch":        # unweighted draws only (the rollout kind refuses weights)
+                col = _group_values(col, length, row.group, draws.segments)
             if row.aggregate == "tok_gm":
                 # W^{1/|y|} = exp(mean_t log(q_t/b_t)), with W = Π_t q_t/b_t the product weight of the draw
                 col = col * torch.exp(torch.log(w) / length)

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .draws import Draws, Row, row_values, tok_rows
+from .draws import Draws, Row, group_starts, groups_in, row_values, tok_rows
 from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .errors import SpecError
 from .estimators import resolve_estimator
@@ -47,6 +47,7 @@ def make_features(rows: list[Row], shifts: list[float],
     and quadratic in λ, so these five sums give the whole λ curve from one pass.
     """
     shift = torch.tensor(shifts, dtype=torch.float64)
+    grouped = [(j, r.group) for j, r in enumerate(rows) if r.group > 1]
 
     def features(draws: Draws) -> torch.Tensor:
         parts = []
@@ -54,6 +55,13 @@ def make_features(rows: list[Row], shifts: list[float],
             f = row_values(draws, rows)                                  # [n, Q]
             centred = f - shift.to(f.device)
             parts = [centred, centred * centred, (f < 0).to(torch.float64)]
+            if grouped:
+                # A group row's value is repeated at each member of its group: count it once, at the
+                # group's first draw (zero elsewhere, and for draws in no group).
+                keep = torch.ones_like(f, dtype=torch.bool)
+                for j, group in grouped:
+                    keep[:, j] = group_starts(draws, group)
+                parts = [torch.where(keep, x, torch.zeros_like(x)) for x in parts]
         for aggregate, ca, cb in joint or []:
             a = -draws.logr - ca
             b = (draws.tok_b if aggregate == "tok" else torch.expm1(draws.logr)) - cb
@@ -70,6 +78,7 @@ class CaseRun:
     shifts: list[float]
     sizes: torch.Tensor          # [K] int64, draws per batch
     sums: torch.Tensor           # [K, 3Q + 5J] float64 per-batch feature sums (CPU)
+    counts: torch.Tensor         # [K, Q] float64, values per batch of each row (draws; groups for group rows)
     exact: dict[str, tuple[float, float]] = field(default_factory=dict)  # row label → (mean, var)
     seconds: float = 0.0
     joint: list[tuple[str, float, float]] = field(default_factory=list)  # (aggregate, ca, cb) blocks
@@ -99,8 +108,15 @@ def as_rows(items, pair: Pair) -> list[Row]:
             out.append(it)
             continue
         est = resolve_estimator(it)
-        out += [Row(est, a) for a in pair.aggregates_for(est)]
+        out += [Row(est, a, pair.row_group(a)) for a in pair.aggregates_for(est)]
     return out
+
+
+def row_counts(rows: list[Row], sizes: list[int], piece: int) -> torch.Tensor:
+    """[K, Q] float64: how many values each row gets from each batch (the draws; whole groups within
+    each piece for a group row, see kl_bench.draws)."""
+    return torch.tensor([[float(n if r.group == 1 else groups_in(n, r.group, piece)) for r in rows] for n in sizes],
+                        dtype=torch.float64).reshape(len(sizes), len(rows))
 
 
 def _finite_or_zero(x: float) -> float:
@@ -162,8 +178,8 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
         torch.cuda.synchronize(device)
     width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks)
     sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
-    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, exact, time.perf_counter() - t0, blocks,
-                   drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
+    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),
+                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
 
 
 def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,
@@ -175,7 +191,14 @@ def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: in
     draws = pair.sample_draws(batch * batches, g, device, tok_rows(rows))
     values = row_values(draws, rows)
     neg = (values.view(batches, batch, len(rows)).mean(dim=1) < 0).double().mean(dim=0)
-    return {r.label: float(v) for r, v in zip(rows, neg)}, values.cpu()
+    out = {r.label: float(v) for r, v in zip(rows, neg)}
+    for j, r in enumerate(rows):
+        if r.group > 1:       # the mean of the max(1, batch // B) values of consecutive groups
+            per = max(1, batch // r.group)
+            v = values[group_starts(draws, r.group), j]
+            v = v[:v.shape[0] // per * per].view(-1, per).mean(dim=1)
+            out[r.label] = float((v < 0).double().mean()) if v.shape[0] else math.nan
+    return out, values.cpu()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import add_planning
 from .results import SWEEP_PREFIX, frame_to_csv_bytes, summarize, to_frame
+from .seeding import batch_sizes
 from .spec import Experiment
 
 SMALL_BATCH = 64            # p_neg_b64: batch size ...
@@ -95,7 +96,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                                          seed=exp.seed, device=device)
     out = summarize(run)
     for r, row in zip(run.rows, out):
-        add_planning(row)
+        add_planning(row, r.group)
         row["p_neg_b64"] = small[r.label]
     sweeps = []
     for agg in aggs if joint else ():
@@ -123,12 +124,12 @@ BATCH_SCHEMA: dict[str, str] = {
 
 
 def batch_means_frame(run: CaseRun, rows: list[dict]) -> pd.DataFrame:
-    n_k = run.sizes.double()
     parts = []
     for j, (r, row) in enumerate(zip(run.rows, rows)):
+        n_k = run.counts[:, j]       # values per batch: draws, or whole groups of a token-mean row
         parts.append(pd.DataFrame({
             "case": row["case"], "estimator": row["estimator"], "lambda": row["lambda"],
-            "aggregate": row["aggregate"], "batch": range(len(n_k)), "draws": run.sizes.numpy(),
+            "aggregate": row["aggregate"], "batch": range(len(n_k)), "draws": (n_k * r.group).long().numpy(),
             "batch_mean": (run.shifts[j] + run.sums[:, j] / n_k).numpy()}))
     return pd.concat(parts, ignore_index=True)[list(BATCH_SCHEMA)]
 
@@ -190,6 +191,20 @@ def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> N
                 pair.require_gradients()
         except SpecError as e:
             raise e.located(file=spec_file, case=case.name) from None
+
+
+def check_group_draws(spec, pairs: list[Pair], spec_file: str | None = None) -> None:
+    """Rows with one value per group of B draws (token-mean) need a whole group in every batch, before
+    any sampling: refuse a case whose smallest batch is smaller."""
+    sources = [resolve_estimator(n) for n in spec.experiment.estimators]
+    for case, pair, draws in zip(spec.cases, pairs, spec.case_draws()):
+        group = max((pair.row_group(a) for s in sources for a in pair.aggregates_for(pair.adapt(s))), default=1)
+        sizes = batch_sizes(draws, spec.experiment.batches)
+        if min(sizes) < group:
+            raise SpecError(f"tok_batch rows take one value per {group} draws, and {draws:,} draws in "
+                            f"{len(sizes)} batches give batches of {min(sizes):,}: give the case at least "
+                            f"{group * spec.experiment.batches:,} draws, or lower [experiment] batches",
+                            file=spec_file, case=case.name, key="draws")
 
 
 def total_draws(spec) -> int:

@@ -55,13 +55,14 @@ def rmse(bias: float, std: float, n: int) -> float:
     return math.sqrt(bias * bias + std * std / n)
 
 
-def add_planning(row: dict) -> None:
+def add_planning(row: dict, group: int = 1) -> None:
     """Fill n_for_10pct and rmse_b{64,1024,16384} of a summary row, from the exact bias and std where
-    they are known, else from the measured ones."""
+    they are known, else from the measured ones. ``group``: draws per value of the row (B for a
+    token-mean row: a batch of n draws holds n/B of its values; below B draws there is none)."""
     true = row["true_kl"]
     mean = row["exact_mean"] if math.isfinite(row["exact_mean"]) else row.get("mean", math.nan)
     std = row["exact_std"] if not math.isnan(row["exact_std"]) else row.get("std", math.nan)
     bias = mean - true if math.isfinite(true) else math.nan
-    row["n_for_10pct"] = n_for_rel_error(bias, std, true)
+    row["n_for_10pct"] = group * n_for_rel_error(bias, std, true)
     for n in RMSE_SIZES:
-        row[f"rmse_b{n}"] = rmse(bias, std, n)
+        row[f"rmse_b{n}"] = rmse(bias, std, n // group) if n >= group else math.nan

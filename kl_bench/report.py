@@ -247,8 +247,9 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                 for _, r in rows.iterrows():
                     lam = None if isinstance(r["lambda"], float) and math.isnan(r["lambda"]) else float(r["lambda"])
                     key = f"{case}|{row_key(r['estimator'], lam, r['aggregate'])}"
-                    if key in res.reservoir:
-                        values[row_label(r)] = res.reservoir[key]
+                    if key in res.reservoir:       # NaN: draws in no whole token-mean group
+                        v = res.reservoir[key]
+                        values[row_label(r)] = v[~np.isnan(v)]
                 if values:
                     figs.append((f"{prefix}distribution_{_slug(case)}.png",
                                  f"{case}: per-draw distribution of each estimator (ECDF)",

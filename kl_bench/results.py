@@ -21,14 +21,17 @@ SCHEMA: dict[str, str] = {
     "kind": "case kind: gaussian | categorical | rollout",
     "estimator": "estimator name from the registry (kl-bench list)",
     "lambda": "λ of the control variate cv(λ); empty for other estimators",
-    "aggregate": "rollouts: seq (estimator of L = Σ log r_t; k3 uses R = e^L) or tok (per-token estimator "
-                 "summed over the generated tokens); empty for single draws",
+    "aggregate": "rollouts: seq (estimator of L = Σ log r_t; k3 uses R = e^L), tok (per-token estimator "
+                 "summed over the generated tokens), tok_mean (that sum / |y|), tok_batch (token-mean over a "
+                 "trainer batch of B sequences: Σ over its tokens / their number; one value per batch of B, "
+                 "so std, frac_negative and the planning columns are per batch of B), tok_gm (the sum times "
+                 "TRL's geometric sequence weight); empty for single draws",
     "target": "what the estimator estimates: KL(q||p) or KL(p||q)",
     "true_kl": "exact value of the target",
-    "draws": "number of Monte Carlo draws x ~ q",
+    "draws": "number of Monte Carlo draws x ~ q (tok_batch rows: the draws in whole batches of B)",
     "batches": "number of batches used for the batch-means standard error",
     "mean": "Monte Carlo mean of the estimator over all draws",
-    "std": "Monte Carlo standard deviation of one draw's estimate",
+    "std": "Monte Carlo standard deviation of one draw's estimate (tok_batch: of one batch of B's value)",
     "se": "standard error of `mean`, from batch means",
     "std_se": "standard error of `std` (batch means of the squared deviations from the exact mean, delta method)",
     "bias": "mean − true_kl",
@@ -56,11 +59,13 @@ SCHEMA: dict[str, str] = {
     "excess_std": "cv rows: exact_std at this λ / exact_std at λ* − 1 (0 at the optimum)",
     "n_for_10pct": "draws a batch needs for its mean to be within 10% of true_kl with 95% probability "
                    "(normal approximation, exact bias and std where known; inf if the bias alone exceeds 10%)",
-    "rmse_b64": "root-mean-square error of a batch mean of 64 draws, bias included",
+    "rmse_b64": "root-mean-square error of a batch mean of 64 draws, bias included (tok_batch rows: of the "
+                "mean of 64/B batch values; empty when B > 64)",
     "rmse_b1024": "the same for 1024 draws",
     "rmse_b16384": "the same for 16384 draws",
     "p_neg_b64": "probability that a batch mean of 64 draws is negative, simulated on min(4096, max(256, "
-                 "draws/256)) batches of 64 independent draws",
+                 "draws/256)) batches of 64 independent draws (tok_batch rows: the mean of max(1, 64/B) "
+                 "consecutive batch values)",
     "ref_kl": "cases without an exact value (model continuations, logged log-probs): the reference for KL(q||p), "
               "the measured mean of the Rao–Blackwellised `full` row (Monte Carlo, NOT exact); empty elsewhere",
     "ref_se": "standard error of ref_kl (batch means)",
@@ -90,12 +95,12 @@ def _div(a: float, b: float) -> float:
 def summarize(run: CaseRun) -> list[dict[str, Any]]:
     """Rows of the summary table for one case (see :data:`SCHEMA`)."""
     e_count = len(run.rows)
-    n_k = run.sizes.to(torch.float64)
-    n = float(n_k.sum())
-    k = n_k.shape[0]
+    k = run.sizes.shape[0]
     rows = []
     for j, row in enumerate(run.rows):
         est = row.est
+        n_k = run.counts[:, j]           # values per batch: draws, or whole groups for a group row
+        n = float(n_k.sum())
         s1, s2, neg = run.sums[:, j], run.sums[:, e_count + j], run.sums[:, 2 * e_count + j]
         shift = run.shifts[j]
         centred_mean = float(s1.sum()) / n
@@ -126,7 +131,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         rows.append({
             "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
             "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate, "target": est.target,
-            "true_kl": true, "draws": int(n), "batches": k, "mean": mean, "std": std, "se": se, "std_se": std_se,
+            "true_kl": true, "draws": int(n) * row.group, "batches": k, "mean": mean, "std": std, "se": se, "std_se": std_se,
             "bias": bias, "rel_bias": _div(bias, true), "rel_std": _div(std, true),
             "exact_mean": exact_mean, "exact_std": exact_std,
             "exact_rel_bias": _div(exact_mean - true, true) if math.isfinite(exact_mean) else math.nan,
@@ -159,6 +164,8 @@ def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
     ref_mean = run.shifts[j_ref] + float(s_ref.sum()) / n
     ref_se = batch_means_se(s_ref / n_k - float(s_ref.sum()) / n, n_k / n)
     for j, (row, out) in enumerate(zip(run.rows, rows)):
+        if row.group > 1:          # the paired differences below are per draw
+            continue
         fixed = run.pair.reference_comparison(row.est, row.aggregate)
         if fixed is not None:
             out["ref_kl"], out["ref_se"], out["z_ref"] = fixed

@@ -90,3 +90,38 @@ def propagate_by_length(phases: list[tuple[torch.Tensor, torch.Tensor, int]], st
             out.append(ended)
     out[-1] = out[-1] + state.sum(dim=1)        # still alive after T steps: length T
     return torch.stack(out)
+
+
+def token_mean_moments(by_length: torch.Tensor, group: int) -> tuple[float, float]:
+    """(mean, variance) of the token-mean v = Σ_i S_i / Σ_i |y_i| over a batch of ``group`` = B independent
+    sequences, from ``by_length`` [T, 3] = :func:`propagate_by_length` with m = 1 and k ≤ 2: entry [ℓ − 1, k]
+    = E[S^k ; |y| = ℓ].
+
+    With generating functions over the total length, P(z) = Σ_ℓ P(|y| = ℓ) z^ℓ and A_k(z) = Σ_ℓ E[S^k ; |y| = ℓ] z^ℓ,
+    exchangeability gives E[v] = B Σ_x [z^x](A_1 P^{B−1}) / x. For the variance, with μ = E[v] and
+    D_i = S_i − μ|y_i| (so v − μ = Σ_i D_i / Σ_i |y_i|, no cancellation against μ²):
+        E[(v − μ)²] = B Σ_x [z^x](A_2^D P^{B−1}) / x² + B(B−1) Σ_x [z^x]((A_1^D)² P^{B−2}) / x²,
+    A_1^D = A_1 − μ ℓ P and A_2^D = A_2 − 2μ ℓ A_1 + μ² ℓ² P coefficient by coefficient. The products are
+    polynomial products of degree ≤ B·T, done by one real FFT of that size in float64 (docs/trainers.md)."""
+    t = by_length.shape[0]
+    p, a1, a2 = (torch.cat([torch.zeros(1, dtype=torch.float64), by_length[:, k].to(torch.float64).cpu()])
+                 for k in range(3))                                     # coefficients of z^0..z^T
+    if not bool(torch.isfinite(by_length).all()):
+        return math.inf, math.inf
+    b = int(group)
+    size = b * t + 1
+    fft = torch.fft.rfft
+    f_p = fft(p, size)
+
+    def coef(spectrum):          # the polynomial's coefficients of z^1..z^{B·T}
+        return torch.fft.irfft(spectrum, size)[1:]
+    x = torch.arange(1, size, dtype=torch.float64)
+    mean = b * float((coef(fft(a1, size) * f_p ** (b - 1)) / x).sum())
+    ell = torch.arange(t + 1, dtype=torch.float64)
+    a1d = a1 - mean * ell * p
+    a2d = a2 - 2 * mean * ell * a1 + mean * mean * ell * ell * p
+    second = b * float((coef(fft(a2d, size) * f_p ** (b - 1)) / x**2).sum())
+    if b > 1:
+        f_a1d = fft(a1d, size)
+        second += b * (b - 1) * float((coef(f_a1d * f_a1d * f_p ** (b - 2)) / x**2).sum())
+    return mean, max(second, 0.0)

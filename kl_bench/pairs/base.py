@@ -164,6 +164,11 @@ class Pair(ABC):
         """The aggregates on which ``source`` gets a row (rollouts: token-only sources are not on seq)."""
         return self.aggregates
 
+    def row_group(self, aggregate: str) -> int:
+        """Draws per value of a row on ``aggregate``: 1 (per draw) unless the kind aggregates groups of draws
+        (rollouts' "tok_batch": B sequences per trainer batch)."""
+        return 1
+
     @abstractmethod
     def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
         """(E_q[f], Var_q[f]) per draw, exactly; NaN where unknown, +inf where divergent."""

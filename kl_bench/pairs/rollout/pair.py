@@ -32,6 +32,10 @@ from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulat
 from . import gradients as grad
 
 
+MAX_TOKEN_MEAN_BATCH = 4096        # B of tok_batch rows: at most a CPU piece / 16, so few draws fall outside groups
+MAX_TOKEN_MEAN_TOKENS = 2**22      # B × T: the size of the FFT behind the exact moments
+
+
 @dataclass(frozen=True, kw_only=True)
 class RolloutCase(CaseConfig):
     """Two autoregressive token models whose next-token logits depend on the previous token only
@@ -46,6 +50,7 @@ class RolloutCase(CaseConfig):
     eos_prob: float | None = None   # sets q(eos|c) = p(eos|c) = eos_prob in every bucket
     precision: Precision | None = None   # log-probs as a trainer rounds them (kl_bench.precision)
     per_sequence_mean: bool = False      # also tok_mean rows: Σ_t f / |y| per sequence
+    token_mean_batch: int | None = None  # also tok_batch rows: Σ f / Σ |y| over batches of B sequences
 
 
 def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
@@ -72,7 +77,8 @@ class RolloutPair(Pair):
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
                  min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False):
+                 sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False,
+                 token_mean_batch: int | None = None):
         """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
         ``precision``: every row sees the per-token log r as a trainer rounds it (kl_bench.precision);
         the truth stays the float64 KL.
@@ -82,7 +88,8 @@ class RolloutPair(Pair):
         "token" multiplies each token's term by q/b and sequence-level rows by the product of those;
         "sequence" multiplies every row by W = Π_t q/b; "geometric" does too and adds tok_gm rows, the
         token sum times W^{1/|y|} (TRL's sequence-level weight). ``weight_cap`` caps each token's q/b.
-        ``per_sequence_mean``: tok_mean rows (Σ_t f / |y|) besides the token sums."""
+        ``per_sequence_mean``: tok_mean rows (Σ_t f / |y|) besides the token sums. ``token_mean_batch`` = B:
+        tok_batch rows, the "token-mean" of B consecutive sequences (Σ_i Σ_t f / Σ_i |y_i|), one value per B."""
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
         self.min_length = int(min_length) if eos is not None else 0
@@ -95,6 +102,10 @@ class RolloutPair(Pair):
         if per_sequence_mean and weights == "token":
             raise SpecError("per_sequence_mean needs weights = \"none\", \"sequence\" or \"geometric\" (a token-weighted "
                             "sum over |y| has no length-aware oracle here)", key="per_sequence_mean")
+        self.token_mean_batch = token_mean_batch
+        if token_mean_batch is not None and weights != "none":
+            raise SpecError("token_mean_batch needs unweighted draws (weights = \"none\"): a weighted token-mean "
+                            "has no exact oracle here", key="token_mean_batch")
         if precision is not None:   # a fixed function of (bucket, token): the dynamic program stays exact
             self.logr_table = rounded_logr(self.log_q, self.log_p, precision)
         q = self.log_q.exp()
@@ -150,11 +161,20 @@ class RolloutPair(Pair):
             raise t.error("needs an eos token", key="eos_prob")
         precision = parse_precision(t)          # before the sources, which finish the table
         per_sequence_mean = t.bool("per_sequence_mean", False)
+
+        def batch_ok(b: int) -> str | None:
+            if not 1 <= b <= MAX_TOKEN_MEAN_BATCH:
+                return f"must lie in [1, {MAX_TOKEN_MEAN_BATCH}], got {b}"
+            if b * length > MAX_TOKEN_MEAN_TOKENS:
+                return (f"times length must be ≤ 2^22 (the exact moments convolve B length distributions), "
+                        f"got {b} × {length}")
+            return None
+        token_mean_batch = t.get("token_mean_batch", "int", None, batch_ok)
         q, p = parse_pair_sources(t, spec_dir)
         check_table_size(t, vocab, q, p, contexts=buckets, what="buckets")
         return RolloutCase(vocab=vocab, buckets=buckets, bucket_of=bucket_of, length=length, eos=eos, q=q, p=p,
                            eos_prob=eos_prob, precision=precision,
-                           per_sequence_mean=per_sequence_mean, **common)
+                           per_sequence_mean=per_sequence_mean, token_mean_batch=token_mean_batch, **common)
 
     def metadata(self) -> dict[str, Any]:
         # `length`: the report plots std/true against it across cases of one family (`label`).
@@ -166,7 +186,11 @@ class RolloutPair(Pair):
         base = ("tok",) if source.token_only else self.aggregates
         mean = ("tok_mean",) if self.per_sequence_mean and source.lam is None else ()
         geo = ("tok_gm",) if self.weights == "geometric" and source.lam is None else ()
-        return base + mean + geo
+        batch = ("tok_batch",) if self.token_mean_batch is not None and source.lam is None else ()
+        return base + mean + batch + geo
+
+    def row_group(self, aggregate: str) -> int:
+        return self.token_mean_batch if aggregate == "tok_batch" else 1
 
     @classmethod
     def from_config(cls, case: RolloutCase) -> "RolloutPair":
@@ -191,14 +215,15 @@ class RolloutPair(Pair):
         label = describe_sources(case.q, case.p)
         if sp is None:
             return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label, precision=case.precision,
-                       per_sequence_mean=case.per_sequence_mean)
+                       per_sequence_mean=case.per_sequence_mean, token_mean_batch=case.token_mean_batch)
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
         plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
         return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label,
                    log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
-                   precision=case.precision, per_sequence_mean=case.per_sequence_mean)
+                   precision=case.precision, per_sequence_mean=case.per_sequence_mean,
+                   token_mean_batch=case.token_mean_batch)
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
@@ -289,6 +314,11 @@ class RolloutPair(Pair):
     def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:
         if aggregate in ("tok_mean", "tok_gm"):
             return self._length_moments(est, aggregate)
+        if aggregate == "tok_batch":        # draws are unweighted (refused otherwise): b's length split
+            f = self._tok_values(est)
+            ones = torch.ones_like(f)
+            return rollout_dp.token_mean_moments(self._length_dp(lambda lb: ones, lambda lb: f, 2),
+                                                 self.token_mean_batch)
         if self.has_sampler:
             return self._sampler_moments(est, aggregate)
         if aggregate == "tok" or est.analytic:
@@ -468,7 +498,9 @@ class RolloutPair(Pair):
                 # short vectors); every operation is per path, so a piece's sum does not depend on its
                 # neighbours. Contiguous per-piece reductions (no scatter-add): deterministic on CUDA.
                 sizes = [m for _, m, _ in group]
-                f = features(self.simulate(sizes, [g for _, _, g in group], device, tok_rows))
+                draws = self.simulate(sizes, [g for _, _, g in group], device, tok_rows)
+                draws.segments = sizes        # token-mean groups stay within a piece
+                f = features(draws)
                 for (k, _, _), part in zip(group, torch.split(f, sizes)):
                     s = part.sum(0)
                     totals[k] = s if totals[k] is None else totals[k] + s
