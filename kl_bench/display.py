@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .draws import row_label
+from .draws import PER_TOKEN, row_label
 from .estimators import CV, PAIR_ROWS
 from .targets import REVERSE
 
@@ -303,11 +303,12 @@ def recommendations(df: pd.DataFrame) -> list[str]:
     """One line per case: the estimator of KL(q||p) with the smallest RMSE for a batch mean of 64 draws
     (and of 1024, when another wins there), the batch it needs for ±10% with 95% probability, and its
     heavy-tail class. RMSE includes the bias against the true KL (exact where known). Only estimators of
-    sampled log-probs compete: pair-supplied rows (``full``) need the whole next-token distributions."""
+    sampled log-probs compete: pair-supplied rows (``full``) need the whole next-token distributions, and
+    rates per token (``tok_mean``, ``tok_batch``) estimate KL(q||p)/E|y|, another quantity."""
     out = []
     for case in dict.fromkeys(df["case"]):
         c = df[(df["case"] == case) & (df["target"] == REVERSE) & (df["estimator"] != CV)
-               & ~df["estimator"].isin(list(PAIR_ROWS))]
+               & ~df["estimator"].isin(list(PAIR_ROWS)) & ~df["aggregate"].isin(PER_TOKEN)]
         c = c[c["rmse_b64"].astype(float).map(math.isfinite)]
         if c.empty:
             out.append(reference_recommendation(df, case) or f"{case}: no estimator of KL(q||p) has a finite RMSE here")

@@ -26,6 +26,7 @@ from .estimators import Estimator, RowSource
 from .targets import REVERSE
 
 TOK_AGGREGATES = ("tok", "tok_mean", "tok_gm", "tok_batch")   # rows built from per-token sums along the path
+PER_TOKEN = ("tok_mean", "tok_batch")   # divided by lengths: rates per generated token, not sequence totals
 # A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which tok_mean,
 # tok_gm and tok_batch rows need per draw. It is the last column of Draws.tok whenever such a row is present.
 LENGTH = Estimator("length", lambda logr: torch.ones_like(logr), REVERSE, False, True, "1 per token")

@@ -27,7 +27,9 @@ SCHEMA: dict[str, str] = {
                  "so std, frac_negative and the planning columns are per batch of B), tok_gm (the sum times "
                  "TRL's geometric sequence weight); empty for single draws",
     "target": "what the estimator estimates: KL(q||p) or KL(p||q)",
-    "true_kl": "exact value of the target",
+    "true_kl": "exact value of the target; tok_mean and tok_batch rows (divided by lengths): the target per "
+               "generated token, true value / E_q|y|, which a token-mean of any unbiased per-token estimator "
+               "tends to",
     "draws": "number of Monte Carlo draws x ~ q (tok_batch rows: the draws in whole batches of B)",
     "batches": "number of batches used for the batch-means standard error",
     "mean": "Monte Carlo mean of the estimator over all draws",
@@ -111,7 +113,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         se = batch_means_se(s1 / n_k - centred_mean, n_k / n) if math.isfinite(centred_mean) else math.nan
         exact_mean, exact_var = run.exact[row.label]
         exact_std = math.sqrt(exact_var) if exact_var >= 0 else math.nan
-        true = run.pair.true_value(est.target)
+        true = run.pair.true_value(est.target, row.aggregate)
         bias = mean - true if math.isfinite(true) else math.nan
         z = z_score(mean, exact_mean, se, max(abs(mean), abs(exact_mean)))
         # Σ(f − c)²/N with c = exact mean is an unbiased estimate of the exact variance, so its
@@ -185,7 +187,7 @@ def exact_rows(pair, estimators) -> list[dict[str, Any]]:
         est = row.est
         mean, var = pair.exact_moments(est, row.aggregate)
         std = math.sqrt(var) if var >= 0 else math.nan
-        true = pair.true_value(est.target)
+        true = pair.true_value(est.target, row.aggregate)
         rows.append({"case": pair.name, "kind": pair.kind, "estimator": est.name,
                      "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate,
                      "target": est.target, "true_kl": true, "exact_mean": mean, "exact_std": std,

@@ -107,3 +107,124 @@ def test_geometric_weights_refuse_gradients_and_token_weights_refuse_per_sequenc
         geo.require_gradients()
     with pytest.raises(SpecError, match="per_sequence_mean"):
         RolloutPair("t", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=lb, weights="token", per_sequence_mean=True)
+
+
+# ----------------------------------------------------------------------------- token-mean over B sequences
+@pytest.mark.parametrize("eos", [None, 4])
+def test_token_mean_batch_against_enumeration_of_every_batch(eos):
+    """tok_batch = Σ_i Σ_t f / Σ_i |y_i| over B sequences: every B-tuple of sequences (V = 5, T = 3)
+    enumerated, against the generating-function convolution; B = 1 is the per-sequence mean."""
+    import itertools
+    lq, lp, _ = _tables()
+    est = lookup("k3")
+    for b in (1, 2, 3):
+        pair = RolloutPair("q", lq, lp, torch.arange(5) % 2, 3, eos, per_sequence_mean=True, token_mean_batch=b)
+        seqs = [(prob, sum(float(est.fn(lp[c, x] - lq[c, x])) for c, x in path), len(path))
+                for prob, path in brute_force_sequences(pair)]
+        mean = second = 0.0
+        for combo in itertools.product(seqs, repeat=b):
+            prob = math.prod(s[0] for s in combo)
+            v = sum(s[1] for s in combo) / sum(s[2] for s in combo)
+            mean, second = mean + prob * v, second + prob * v * v
+        got = pair.exact_moments(est, "tok_batch")
+        assert got[0] == pytest.approx(mean, rel=1e-12) and got[1] == pytest.approx(second - mean**2, rel=1e-10)
+        if b == 1:
+            assert got == pytest.approx(pair.exact_moments(est, "tok_mean"), rel=1e-12)
+
+
+def test_token_mean_batch_without_eos_is_the_mean_of_sums_over_t():
+    """Every sequence has T tokens: Σ_i S_i / (B·T) has mean E[S]/T and variance Var(S)/(B·T²), for any B."""
+    lq, lp, _ = _tables(v=30, c=3)
+    est = lookup("k2")
+    for b in (1, 16, 1000):
+        pair = RolloutPair("r", lq, lp, torch.arange(30) % 3, 9, None, token_mean_batch=b)
+        m, v = pair.exact_moments(est, "tok")
+        got = pair.exact_moments(est, "tok_batch")
+        # the FFT's rounding: ~1e-15 per spectral power step, times B at most
+        assert got[0] == pytest.approx(m / 9, rel=b * 1e-14) and got[1] == pytest.approx(v / (b * 81), rel=b * 1e-14)
+
+
+def test_token_mean_batch_tends_to_its_limit_with_a_ratio_bias_of_order_one_over_b():
+    """E[v_B] − E[S]/E[|y|] = c/B + O(1/B²), with the delta method's c = (μ_S Var|y|/μ_L − Cov(S, |y|))/μ_L²
+    (all exact from the length-split program): the remainder after c/B shrinks like 1/B²."""
+    pair, _ = _pair()
+    est = lookup("k3")
+    by_len = pair._length_dp(lambda lb: torch.ones_like(lb), lambda lb: pair._tok_values(est), 2)
+    ell = torch.arange(1, pair.length + 1, dtype=torch.float64)
+    mu_l, e_l2 = float((by_len[:, 0] * ell).sum()), float((by_len[:, 0] * ell**2).sum())
+    mu_s, e_sl = float(by_len[:, 1].sum()), float((by_len[:, 1] * ell).sum())
+    c = (mu_s * (e_l2 - mu_l**2) / mu_l - (e_sl - mu_s * mu_l)) / mu_l**2
+    limit = pair.token_mean_limit(est)
+    assert limit == pytest.approx(mu_s / mu_l, rel=1e-12)
+    rest = {}
+    for b in (64, 128):
+        p = RolloutPair("r", pair.log_q, pair.log_p, pair.bucket, pair.length, pair.eos, token_mean_batch=b)
+        rest[b] = p.exact_moments(est, "tok_batch")[0] - limit - c / b
+        assert abs(rest[b]) < 0.1 * abs(c / b)
+    assert 3 < rest[64] / rest[128] < 5          # O(1/B²): halving B quadruples it
+
+
+def test_token_mean_batch_monte_carlo_against_exact():
+    """Rows with one value per group of B = 10 draws: mean, variance and counts, through the engine
+    (groups within each piece; pieces of 1000 draws leave none out; here batches of 3,000)."""
+    pair, _ = _pair(per_sequence_mean=True, token_mean_batch=10)
+    rows = as_rows([lookup(n) for n in ("k1", "k2", "k3", "full")], pair)
+    assert {r.aggregate: r.group for r in rows} == {"seq": 1, "tok": 1, "tok_mean": 1, "tok_batch": 10}
+    df = mc_frame(pair, rows, draws=60_000, seed=11, batches=20)
+    tb = df[df["aggregate"] == "tok_batch"]
+    assert len(tb) == 4 and (tb["draws"] == 60_000).all()
+    assert (df["z"].abs() < 5).all() and (df["z_var"].abs() < 5).all(), df[["estimator", "aggregate", "z", "z_var"]]
+    # one value per 10 draws: its std is that of a batch of 10's token-mean, well below a sequence's
+    k3 = df[df["estimator"] == "k3"].set_index("aggregate")
+    assert k3.loc["tok_batch", "exact_std"] < k3.loc["tok_mean", "exact_std"]
+
+
+def test_token_mean_groups_stay_within_pieces_and_leave_the_rest_out():
+    """A batch of 25 draws in pieces [10, 10, 5] with B = 4: groups [0:4], [4:8], [10:14], [14:18], [20:24];
+    each value is Σ tok / Σ |y| over its group by hand; draws 8, 9, 18, 19 and 24 are in none."""
+    from kl_bench.draws import Draws, groups_in, row_values
+    g = torch.Generator().manual_seed(0)
+    tok = torch.rand(25, generator=g, dtype=torch.float64)
+    length = torch.randint(1, 9, (25,), generator=g).double()
+    d = Draws(torch.zeros(25), torch.zeros(25), torch.stack([tok, length], 1), segments=[10, 10, 5])
+    v = row_values(d, [Row(lookup("k3"), "tok_batch", 4)])[:, 0]
+    for lo in (0, 4, 10, 14, 20):
+        want = float(tok[lo:lo + 4].sum() / length[lo:lo + 4].sum())
+        assert torch.equal(v[lo:lo + 4], torch.full((4,), want, dtype=torch.float64))
+    assert torch.isnan(v[[8, 9, 18, 19, 24]]).all()
+    assert groups_in(25, 4, 10) == 5 and groups_in(40, 4, 10) == 8 and groups_in(40, 1, 10) == 40
+
+
+def test_token_mean_batch_refusals(tmp_path):
+    """Weighted draws, B out of range, B × T beyond the FFT, and batches smaller than B: one line each."""
+    from kl_bench.errors import SpecError
+    pair, lb = _pair()
+    with pytest.raises(SpecError, match="token_mean_batch needs unweighted draws"):
+        RolloutPair("t", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=lb, weights="sequence", token_mean_batch=4)
+    from kl_bench.api import prepare
+    base = {"kind": "rollout", "name": "r", "vocab": 50, "buckets": 2, "length": 8, "eos": 49,
+            "q": {"logits": "zipf", "exponent": 1.1, "seed": 1}, "p": {"from": "q", "noise": 0.3, "seed": 2}}
+    for keys, msg in (({"token_mean_batch": 0}, r"must lie in \[1, 4096\], got 0"),
+                      ({"token_mean_batch": 4096, "length": 2048}, r"times length must be ≤ 2\^22"),
+                      ({"token_mean_batch": 64}, r"one value per 64 draws, and 1,000 draws in 100 batches give "
+                                                  r"batches of 10: give the case at least 6,400 draws")):
+        spec = {"spec_version": 1, "experiment": {"name": "t", "draws": 1000, "batches": 100, "estimators": ["k3"]},
+                "case": [{**base, **keys}]}
+        with pytest.raises(SpecError, match=msg) as e:
+            prepare(spec)
+        assert e.value.case == "r"
+
+
+def test_rows_divided_by_lengths_compare_with_the_kl_per_token():
+    """tok_mean and tok_batch rows estimate a rate per generated token: their true value is KL/E_q|y|
+    (E_q|y| against enumeration), the limit of the token-mean of the analytic per-step KL."""
+    from kl_bench.targets import FORWARD, REVERSE
+    lq, lp, _ = _tables()
+    pair = RolloutPair("q", lq, lp, torch.arange(5) % 2, 4, 4, per_sequence_mean=True, token_mean_batch=3)
+    mean_length = sum(prob * len(path) for prob, path in brute_force_sequences(pair))
+    assert pair.mean_length() == pytest.approx(mean_length, rel=1e-12)
+    for target in (REVERSE, FORWARD):
+        for agg in ("tok_mean", "tok_batch"):
+            assert pair.true_value(target, agg) == pytest.approx(pair.true_value(target) / mean_length, rel=1e-12)
+        assert pair.true_value(target, "tok") == pair.true_value(target, "seq") == pair.true_value(target)
+    assert pair.token_mean_limit(lookup("full")) == pytest.approx(pair.true_value(REVERSE, "tok_batch"), rel=1e-12)

@@ -36,6 +36,9 @@ CASES = {
                                        "p": torch.cat([torch.full((5,), -math.inf), zipf_logits(495, 1.1, 2)[0]])}),
     "rollout": ("rollout", {"vocab": 200, "buckets": 4, "length": 6, "eos": 199, "q": ZIPF, "p": NOISY,
                             "sampler": {"behavior": {"from": "q", "noise": 0.1, "seed": 5}, "weights": "token"}}),
+    # Token-mean rows: one value per 7 sequences, groups within each piece (1000 draws here: leftovers).
+    "rollout-token-mean": ("rollout", {"vocab": 200, "buckets": 4, "length": 6, "eos": 199, "eos_prob": 0.2,
+                                       "q": ZIPF, "p": NOISY, "per_sequence_mean": True, "token_mean_batch": 7}),
     # Logged per-token log-probs (a trainer's view): tensors [B, T] with a mask and kl_full.
     "logprobs": ("logprobs", {"logp_policy": -torch.rand(40, 5, generator=torch.Generator().manual_seed(1)) - 0.1,
                               "logp_ref": -torch.rand(40, 5, generator=torch.Generator().manual_seed(2)) - 0.1,

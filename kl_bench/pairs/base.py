@@ -144,7 +144,9 @@ class Pair(ABC):
     def true_values(self) -> dict[str, float]:
         """Exact value of every target this pair supports (kl_bench.targets); may be +inf."""
 
-    def true_value(self, target: str) -> float:
+    def true_value(self, target: str, aggregate: str = "") -> float:
+        """The exact target of a row on ``aggregate`` (rollouts: per generated token for rows divided by
+        lengths)."""
         values = self.true_values()
         if target not in values:
             known = ", ".join(values)

@@ -20,7 +20,7 @@ import torch
 from ... import rollout_dp
 from ...alias import AliasTable, build_alias
 from ...config import MAX_LENGTH, Table, at_most, positive
-from ...draws import Draws, Row
+from ...draws import PER_TOKEN, Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource, poly_square
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
@@ -285,6 +285,17 @@ class RolloutPair(Pair):
 
     def true_values(self) -> dict[str, float]:
         return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
+
+    def true_value(self, target: str, aggregate: str = "") -> float:
+        # Rows divided by lengths estimate a rate per generated token: compare them with the target over
+        # E_q|y| (what the token-mean of an unbiased per-token estimator converges to, draws from q).
+        value = super().true_value(target)
+        return value / self.mean_length() if aggregate in PER_TOKEN else value
+
+    def mean_length(self) -> float:
+        """E_q|y|, exact."""
+        ones = torch.ones_like(self.logr_table)
+        return self._dp(ones, ones, 1)[1]
 
     def kl(self) -> float:
         if self.precision is not None:     # the truth is the float64 KL, not the rounded table's
