@@ -224,7 +224,8 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
 @_themed
 def plot_distribution(values: dict[str, np.ndarray], ax=None, title: str = ""):
     """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded."""
-    fig, ax = _axes(ax, width=9)
+    # The legend sits beside the axes, one line per estimator: the figure grows with it (or it squeezes the axes).
+    fig, ax = _axes(ax, width=9, height=max(4.0, 0.24 * (len(values) + 2)))
     lo = min((float(np.min(v)) for v in values.values() if len(v)), default=-1.0)
     hi = max((float(np.max(v)) for v in values.values() if len(v)), default=1.0)
     for k, (label, v) in enumerate(values.items()):
