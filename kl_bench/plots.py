@@ -301,10 +301,11 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
 def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None, title: str = ""):
     """Rollouts: exact std/true (lines) and measured (markers) against T, log-log, per estimator and
     aggregation. ``summary``: rows of rollout cases that differ only in their length T."""
-    fig, ax = _axes(ax, width=7.5)
     df = summary[summary["lambda"].isna() & summary["case"].isin(lengths)].copy()
     df["T"] = df["case"].map(lengths)
     df["label"] = [row_label(r) for _, r in df.iterrows()]
+    # The legend sits beside the axes, one line per row: the figure grows with it.
+    fig, ax = _axes(ax, width=9.5, height=max(4.0, 0.24 * (df["label"].nunique() + 2)))
     any_exact = False
     for k, (label, d) in enumerate(df.groupby("label", sort=False)):
         d = d.sort_values("T")
@@ -325,7 +326,7 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
     else:       # no exact value: measured against the Monte Carlo reference, no lines to announce
         ax.set_ylabel("per-rollout std / reference  (log)")
         ax.set_title(title + "\n(×: measured; reference: the full mean, Monte Carlo)")
-    _legend(ax, fontsize="x-small", ncol=2)
+    _legend(ax, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 

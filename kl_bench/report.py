@@ -275,7 +275,7 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
                                                                 title=f"{name}: prefixes of the main pass's "
                                                                       f"{meta['growth'].get('paths', '?')} paths"))))
         for k, (label, members) in enumerate(families.items()):
-            if len(members) > 1:
+            if len(set(members.values())) > 1:      # a curve against T needs two lengths at least
                 ref = "approx" in s and bool(s.loc[s["case"].isin(members), "approx"].any())
                 what = "std/reference against T (reference: the full mean, Monte Carlo; ×: measured, no exact lines)" if ref else \
                     "std/true against T (lines: exact; ×: measured)"

@@ -186,3 +186,21 @@ def test_html_text_helpers():
     assert html_inline("results: `a<b`; spec `x.toml`") == "results: <code>a&lt;b</code>; spec <code>x.toml</code>"
     assert html_inline("odd ` tick") == "odd &#96; tick"
     assert html_text("case `x`") == "case &#96;x&#96;"
+
+
+def test_no_growth_figure_for_one_length_and_token_mean_rows_are_drawn(tmp_path):
+    """Two rollout cases of one family at the same T draw no std-against-T figure (a single point per
+    line); tok_mean and tok_batch rows appear in the per-case figures like every other row."""
+    one_t = SPEC.split("[[case]]\nname = \"roll-T4\"")[0].split("[[case]]")[0] + "\n".join(
+        f'[[case]]\nname = "r{i}"\nkind = "rollout"\nvocab = 60\nbuckets = 3\nlength = 6\neos = 59\n'
+        f'eos_prob = 0.2\nper_sequence_mean = true\ntoken_mean_batch = 8\ndraws = 8000\n'
+        f'q = {{logits = "zipf", exponent = 1.1, seed = 1}}\np = {{from = "q", noise = 0.{i + 2}, seed = 2}}\n'
+        for i in range(2))
+    spec = tmp_path / "one.toml"
+    spec.write_text(one_t)
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "one"), "--quiet", "--report"])
+    assert res.exit_code == 0, res.output
+    figs = {p.name for p in (tmp_path / "one" / "report" / "figures").iterdir()}
+    assert "bias_std_r0.png" in figs and not any(f.startswith("rollout_growth") for f in figs), figs
+    md = (tmp_path / "one" / "report" / "report.md").read_text()
+    assert "tok_batch k3" in md and "tok_mean k3" in md
