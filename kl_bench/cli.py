@@ -90,6 +90,15 @@ def _warn_infinite(df, console: Console) -> None:
             names = ", ".join(row_label(r) for _, r in c[c["target"] == target].iterrows())
             console.print(f"warning: case '{case}': {target} is infinite (a zero probability where the other "
                           f"side has mass); {names} cannot estimate it", markup=False)
+        if "draws" in c and len(c):
+            # Rows with one value per group of B (tok_batch) use only the draws in whole groups of a batch.
+            most = int(c["draws"].max())
+            short = c[c["draws"] < 0.99 * most]
+            if not short.empty:
+                used = int(short["draws"].min())
+                console.print(f"warning: case '{case}': tok_batch rows use {used:,} of {most:,} draws (only whole "
+                              "groups of token_mean_batch within each batch count): make draws / batches a "
+                              "multiple of token_mean_batch", markup=False)
         if "heavy_tail" not in c:
             continue
         for kind, text in reasons.items():

@@ -57,6 +57,12 @@ def _std_cell(r, value: float) -> str:
     return f"{fmt(value)}†" if isinstance(heavy, str) and heavy else fmt(value)     # NaN (from a CSV) is no flag
 
 
+def target_cell(r) -> str:
+    """The row's target as shown: rows divided by lengths (tok_mean, tok_batch) estimate it per token."""
+    agg = r.get("aggregate", "")
+    return f"{r['target']}/token" if isinstance(agg, str) and agg in PER_TOKEN else r["target"]
+
+
 def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
     """One case: measured value ± SE next to the exact one, relative bias and noise, z."""
     t = Table(title=escape(f"{case}: {description}"), title_justify="left", show_edge=False, pad_edge=False)
@@ -72,7 +78,7 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
         zs = fmt(z, 2)
         if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
             zs = f"[bold red]{zs}[/]"
-        t.add_row(row_label(r), r["target"], true,
+        t.add_row(row_label(r), target_cell(r), true,
                   f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}", fmt(r["exact_mean"], 4),
                   fmt_rel(r["rel_bias"]), fmt_rel(r["exact_rel_bias"]), _std_cell(r, r["rel_std"]),
                   fmt(r["exact_rel_std"]), zs, fmt(r["frac_negative"], 2))
@@ -144,7 +150,7 @@ def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
     for col in ["estimator", "target", "true", "exact mean", "bias/true", "std/true"]:
         t.add_column(col, justify="left" if col in ("estimator", "target") else "right")
     for _, r in df[df["case"] == case].iterrows():
-        t.add_row(row_label(r), r["target"], fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+        t.add_row(row_label(r), target_cell(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
                   fmt_rel(r["exact_rel_bias"]), fmt(r["exact_rel_std"]))
     return t
 

@@ -94,30 +94,22 @@ def groups_in(size: int, group: int, piece: int) -> int:
     return full * (piece // group) + rest // group
 
 
+def group_index(draws: Draws, group: int) -> torch.Tensor:
+    """[G·B] int64: the positions of the draws in whole groups of ``group`` = B consecutive draws within each
+    segment, group after group (no Python loop over segments: small batches make thousands of them)."""
+    device = draws.logr.device
+    m = torch.tensor(draws.segments or [draws.logr.shape[0]], dtype=torch.int64, device=device)
+    k = m // group * group                                  # draws of each segment in whole groups
+    starts, k_starts = torch.cumsum(m, 0) - m, torch.cumsum(k, 0) - k
+    total = int(k.sum())
+    return (torch.repeat_interleave(starts, k, output_size=total)
+            + torch.arange(total, device=device) - torch.repeat_interleave(k_starts, k, output_size=total))
+
+
 def group_starts(draws: Draws, group: int) -> torch.Tensor:
     """[n] bool: True at the first draw of every whole group of ``group`` draws within each segment."""
-    n = draws.logr.shape[0]
-    out = torch.zeros(n, dtype=torch.bool, device=draws.logr.device)
-    start = 0
-    for m in draws.segments or [n]:
-        out[start:start + (m // group) * group:group] = True
-        start += m
-    return out
-
-
-def _group_values(total: torch.Tensor, length: torch.Tensor, group: int, segments: list[int] | None) -> torch.Tensor:
-    """[n]: Σ total / Σ length over the draw's group of ``group`` consecutive draws within its segment,
-    NaN for the draws of a segment's incomplete last group. Reshape-and-sum per segment (no scatter-add):
-    the sums' order is fixed, so the bytes are the same on every device and every run."""
-    out = torch.full_like(total, math.nan)
-    start = 0
-    for m in segments or [total.shape[0]]:
-        k = (m // group) * group
-        if k:
-            num = total[start:start + k].view(-1, group).sum(1)
-            den = length[start:start + k].view(-1, group).sum(1)
-            out[start:start + k] = (num / den).repeat_interleave(group)
-        start += m
+    out = torch.zeros(draws.logr.shape[0], dtype=torch.bool, device=draws.logr.device)
+    out[group_index(draws, group)[::group]] = True
     return out
 
 
@@ -126,6 +118,7 @@ def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
     cols, t = [], 0
     w = draws.weight
     length = draws.tok[:, -1] if _needs_length(rows) else None
+    groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # B → (group_index, Σ|y| per group)
     for row in rows:
         if row.aggregate in TOK_AGGREGATES:
             col = draws.tok[:, t]
@@ -133,7 +126,16 @@ def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
             if row.aggregate == "tok_mean":
                 col = col / length
             if row.aggregate == "tok_batch":        # unweighted draws only (the rollout kind refuses weights)
-                col = _group_values(col, length, row.group, draws.segments)
+                # Σ tok / Σ |y| over each group, repeated at its members; NaN for draws in no whole group.
+                # Reshape-and-sum (no scatter-add): the same bytes on every device and every run.
+                b = row.group
+                if b not in groups:
+                    idx = group_index(draws, b)
+                    groups[b] = idx, length[idx].view(-1, b).sum(1)
+                idx, den = groups[b]
+                value = col[idx].view(-1, b).sum(1) / den
+                col = torch.full_like(col, math.nan)
+                col[idx] = value.repeat_interleave(b)
             if row.aggregate == "tok_gm":
                 # W^{1/|y|} = exp(mean_t log(q_t/b_t)), with W = Π_t q_t/b_t the product weight of the draw
                 col = col * torch.exp(torch.log(w) / length)

@@ -201,10 +201,10 @@ def check_group_draws(spec, pairs: list[Pair], spec_file: str | None = None) -> 
         group = max((pair.row_group(a) for s in sources for a in pair.aggregates_for(pair.adapt(s))), default=1)
         sizes = batch_sizes(draws, spec.experiment.batches)
         if min(sizes) < group:
-            raise SpecError(f"tok_batch rows take one value per {group} draws, and {draws:,} draws in "
-                            f"{len(sizes)} batches give batches of {min(sizes):,}: give the case at least "
-                            f"{group * spec.experiment.batches:,} draws, or lower [experiment] batches",
-                            file=spec_file, case=case.name, key="draws")
+            raise SpecError(f"tok_batch rows take one value per {group} draws (token_mean_batch), and {draws:,} "
+                            f"draws in {len(sizes)} batches give batches of {min(sizes):,}: give the case at least "
+                            f"{group * spec.experiment.batches:,} draws (its own draws or [experiment] draws), or "
+                            "lower [experiment] batches", file=spec_file, case=case.name, key="draws")
 
 
 def total_draws(spec) -> int:

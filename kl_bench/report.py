@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .draws import row_key, row_label
+from .draws import PER_TOKEN, row_key, row_label
 from .results import COLUMNS, SWEEP_PREFIX
 from .storage import atomic_write_bytes
 from .verify import read_results_folder
@@ -127,6 +127,8 @@ def _caption(results: list[Results]) -> str:
                  for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
             "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
+    if any(res.summary["aggregate"].isin(PER_TOKEN).any() for res in results):
+        note += "tok_mean and tok_batch rows are relative to the KL per generated token, KL/E|y|. "
     return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL, "
             "measured (exact in the adjacent column); † marks a heavy-tailed row whose measured std "
             "cannot be trusted. " + note + " ".join(bits))

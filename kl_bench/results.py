@@ -45,7 +45,7 @@ SCHEMA: dict[str, str] = {
     "exact_rel_std": "exact_std / true_kl",
     "z": "(mean − exact_mean) / se: |z| < 5 is agreement with the exact value",
     "z_var": "(Σ(f − exact_mean)²/N − exact_std²) / its batch-means SE: the variance against the exact one",
-    "frac_negative": "fraction of draws whose estimate is < 0",
+    "frac_negative": "fraction of draws whose estimate is < 0 (tok_batch rows: of groups of B)",
     "sampler": "how draws were made when not from q (temperature, top-k/p, EOS suppression, stale policy, "
                "IS weights); empty for x ~ q. exact_mean is then E_b of the estimator, bias against KL(q||p)",
     "support_miss": "mass of q (worst context or step) that the sampler never draws; > 0 biases every estimate",
@@ -60,7 +60,8 @@ SCHEMA: dict[str, str] = {
                          "E_q[r⁴] = ∞, see heavy_tail of cv rows)",
     "excess_std": "cv rows: exact_std at this λ / exact_std at λ* − 1 (0 at the optimum)",
     "n_for_10pct": "draws a batch needs for its mean to be within 10% of true_kl with 95% probability "
-                   "(normal approximation, exact bias and std where known; inf if the bias alone exceeds 10%)",
+                   "(normal approximation, exact bias and std where known; inf if the bias alone exceeds 10%; "
+                   "tok_batch rows: B × the groups needed)",
     "rmse_b64": "root-mean-square error of a batch mean of 64 draws, bias included (tok_batch rows: of the "
                 "mean of 64/B batch values; empty when B > 64)",
     "rmse_b1024": "the same for 1024 draws",

@@ -13,6 +13,7 @@ an absorbing "ended" accumulator with the same rule. Sequence-level estimators n
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -92,55 +93,77 @@ def propagate_by_length(phases: list[tuple[torch.Tensor, torch.Tensor, int]], st
     return torch.stack(out)
 
 
-def token_mean_moments(by_length: torch.Tensor, group: int) -> tuple[float, float]:
-    """(mean, variance) of the token-mean v = Σ_i S_i / Σ_i |y_i| over a batch of ``group`` = B independent
-    sequences, from ``by_length`` [T, 3] = :func:`propagate_by_length` with m = 1 and k ≤ 2: entry [ℓ − 1, k]
-    = E[S^k ; |y| = ℓ].
+@dataclass(frozen=True)
+class LengthSpectra:
+    """The spectra of P^{B−1} and P^{B−2} (P: the length's generating function) on an FFT grid, shared by
+    every token-mean row of a case: see :func:`token_mean_moments`."""
+    size: int                    # B·T + 1 coefficients, z^0..z^{B·T}
+    n: int                       # FFT length: the next power of two ≥ size (a length with large prime
+                                 # factors, such as B·T + 1, makes the FFT several times slower)
+    lo: int                      # B·ℓ_min and B·ℓ_max: the support of the sum of B lengths
+    hi: int
+    power1: torch.Tensor         # spectrum of P^{B−1}, complex [n/2 + 1]
+    power2: torch.Tensor         # spectrum of P^{B−2} (B ≥ 2), else of 1
 
-    With generating functions over the total length, P(z) = Σ_ℓ P(|y| = ℓ) z^ℓ and A_k(z) = Σ_ℓ E[S^k ; |y| = ℓ] z^ℓ,
-    exchangeability gives E[v] = B Σ_x [z^x](A_1 P^{B−1}) / x. For the variance, with μ = E[v] and
-    D_i = S_i − μ|y_i| (so v − μ = Σ_i D_i / Σ_i |y_i|, no cancellation against μ²):
-        E[(v − μ)²] = B Σ_x [z^x](A_2^D P^{B−1}) / x² + B(B−1) Σ_x [z^x]((A_1^D)² P^{B−2}) / x²,
-    A_1^D = A_1 − μ ℓ P and A_2^D = A_2 − 2μ ℓ A_1 + μ² ℓ² P coefficient by coefficient. The products are
-    polynomial products of degree ≤ B·T, done by real FFTs of that size in float64 (docs/trainers.md); the
-    result agrees with enumerating every batch to ~1e-12 (B ≤ 3, tests) and carries an FFT rounding of
-    order B²·1e-16 relative in the variance."""
-    t = by_length.shape[0]
-    p, a1, a2 = (torch.cat([torch.zeros(1, dtype=torch.float64), by_length[:, k].to(torch.float64).cpu()])
-                 for k in range(3))                                     # coefficients of z^0..z^T
-    if not bool(torch.isfinite(by_length).all()):
-        return math.inf, math.inf
-    b = int(group)
+
+def length_spectra(p_length: torch.Tensor, group: int) -> LengthSpectra:
+    """``p_length`` [T]: P(|y| = ℓ) for ℓ = 1..T; ``group`` = B ≥ 1."""
+    t, b = p_length.shape[0], int(group)
+    p = torch.cat([torch.zeros(1, dtype=torch.float64), p_length.to(torch.float64).cpu()])
     size = b * t + 1
-    fft = torch.fft.rfft
-    f_p = fft(p, size)
+    n = 1 << (size - 1).bit_length()
+    f_p = torch.fft.rfft(p, n)
 
-    def power(k):                # P^k's spectrum by repeated squaring: O(log k) roundings, not z**k's exp(k log z)
+    def power(k):                # by repeated squaring: O(log k) roundings, not z**k's exp(k log z)
         out, base = torch.ones_like(f_p), f_p
         while k:
             if k & 1:
                 out = out * base
             base, k = base * base, k >> 1
         return out
+    power2 = power(max(b - 2, 0))
+    power1 = power2 * f_p if b >= 2 else power2
+    support = (p > 0).nonzero()
+    return LengthSpectra(size, n, b * int(support.min()), b * int(support.max()), power1, power2)
+
+
+def token_mean_moments(by_length: torch.Tensor, group: int,
+                       spectra: LengthSpectra | None = None) -> tuple[float, float]:
+    """(mean, variance) of the token-mean v = Σ_i S_i / Σ_i |y_i| over a batch of ``group`` = B independent
+    sequences, from ``by_length`` [T, 3] = :func:`propagate_by_length` with m = 1 and k ≤ 2: entry [ℓ − 1, k]
+    = E[S^k ; |y| = ℓ]. ``spectra``: :func:`length_spectra` of by_length[:, 0], when already computed.
+
+    With generating functions over the total length, P(z) = Σ_ℓ P(|y| = ℓ) z^ℓ and A_k(z) = Σ_ℓ E[S^k ; |y| = ℓ] z^ℓ,
+    exchangeability gives E[v] = B Σ_x [z^x](A_1 P^{B−1}) / x. For the variance, with μ = E[v] and
+    D_i = S_i − μ|y_i| (so v − μ = Σ_i D_i / Σ_i |y_i|, no cancellation against μ²):
+        E[(v − μ)²] = B Σ_x [z^x](A_2^D P^{B−1}) / x² + B(B−1) Σ_x [z^x]((A_1^D)² P^{B−2}) / x²,
+    A_1^D = A_1 − μ ℓ P and A_2^D = A_2 − 2μ ℓ A_1 + μ² ℓ² P coefficient by coefficient. The products are
+    polynomial products of degree ≤ B·T, done by real FFTs in float64 (docs/trainers.md#6-aggregations
+    has the rounding: ~1e-12 relative in ordinary cases, up to ~1e-8 in the variance when T is long and
+    sequences ending at step 1 are rare)."""
+    if not bool(torch.isfinite(by_length).all()):
+        return math.inf, math.inf
+    t, b = by_length.shape[0], int(group)
+    sp = spectra if spectra is not None else length_spectra(by_length[:, 0], b)
+    p, a1, a2 = (torch.cat([torch.zeros(1, dtype=torch.float64), by_length[:, k].to(torch.float64).cpu()])
+                 for k in range(3))                                     # coefficients of z^0..z^T
+    fft = torch.fft.rfft
 
     # B lengths in [ℓ_min, ℓ_max] sum to [B·ℓ_min, B·ℓ_max]: every coefficient outside is exactly 0. The
     # FFT leaves rounding noise there (≈ 1e-16 of the largest coefficient), which 1/x and 1/x² would
-    # amplify up to B²-fold at small x: set it to 0. (Without EOS only x = B·T is left: no noise at all.)
-    support = (p > 0).nonzero()
-    lo, hi = b * int(support.min()), b * int(support.max())
-
+    # amplify at small x: set it to 0.
     def coef(spectrum):          # the polynomial's coefficients of z^1..z^{B·T}, zero off the support
-        c = torch.fft.irfft(spectrum, size)
-        c[:lo] = 0.0
-        c[hi + 1:] = 0.0
+        c = torch.fft.irfft(spectrum, sp.n)[:sp.size]
+        c[:sp.lo] = 0.0
+        c[sp.hi + 1:] = 0.0
         return c[1:]
-    x = torch.arange(1, size, dtype=torch.float64)
-    mean = b * float((coef(fft(a1, size) * power(b - 1)) / x).sum())
+    x = torch.arange(1, sp.size, dtype=torch.float64)
+    mean = b * float((coef(fft(a1, sp.n) * sp.power1) / x).sum())
     ell = torch.arange(t + 1, dtype=torch.float64)
     a1d = a1 - mean * ell * p
     a2d = a2 - 2 * mean * ell * a1 + mean * mean * ell * ell * p
-    second = b * float((coef(fft(a2d, size) * power(b - 1)) / x**2).sum())
+    second = b * float((coef(fft(a2d, sp.n) * sp.power1) / x**2).sum())
     if b > 1:
-        f_a1d = fft(a1d, size)
-        second += b * (b - 1) * float((coef(f_a1d * f_a1d * power(b - 2)) / x**2).sum())
+        f_a1d = fft(a1d, sp.n)
+        second += b * (b - 1) * float((coef(f_a1d * f_a1d * sp.power2) / x**2).sum())
     return mean, max(second, 0.0)

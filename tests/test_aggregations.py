@@ -110,26 +110,46 @@ def test_geometric_weights_refuse_gradients_and_token_weights_refuse_per_sequenc
 
 
 # ----------------------------------------------------------------------------- token-mean over B sequences
-@pytest.mark.parametrize("eos", [None, 4])
-def test_token_mean_batch_against_enumeration_of_every_batch(eos):
+@pytest.mark.parametrize("eos,sampler", [(None, None), (4, None), (4, "temperature"), (4, "top_k+min_length")])
+def test_token_mean_batch_against_enumeration_of_every_batch(eos, sampler):
     """tok_batch = Σ_i Σ_t f / Σ_i |y_i| over B sequences: every B-tuple of sequences (V = 5, T = 3)
-    enumerated, against the generating-function convolution; B = 1 is the per-sequence mean."""
+    enumerated, with their probabilities under the sampler b (unweighted draws), against the
+    generating-function convolution; B = 1 is the per-sequence mean. The variance is enumerated in the
+    centred form Σ P (v − mean)², free of E[v²] − E[v]²'s cancellation."""
     import itertools
     lq, lp, _ = _tables()
-    est = lookup("k3")
-    for b in (1, 2, 3):
-        pair = RolloutPair("q", lq, lp, torch.arange(5) % 2, 3, eos, per_sequence_mean=True, token_mean_batch=b)
-        seqs = [(prob, sum(float(est.fn(lp[c, x] - lq[c, x])) for c, x in path), len(path))
-                for prob, path in brute_force_sequences(pair)]
-        mean = second = 0.0
-        for combo in itertools.product(seqs, repeat=b):
-            prob = math.prod(s[0] for s in combo)
-            v = sum(s[1] for s in combo) / sum(s[2] for s in combo)
-            mean, second = mean + prob * v, second + prob * v * v
-        got = pair.exact_moments(est, "tok_batch")
-        assert got[0] == pytest.approx(mean, rel=1e-12) and got[1] == pytest.approx(second - mean**2, rel=1e-10)
-        if b == 1:
-            assert got == pytest.approx(pair.exact_moments(est, "tok_mean"), rel=1e-12)
+    bucket = torch.arange(5) % 2
+    log_b, min_length = None, 0
+    if sampler == "temperature":
+        log_b = torch.log_softmax(lq / 0.6, -1)
+    elif sampler == "top_k+min_length":
+        top = torch.topk(lq, 3, dim=-1).indices
+        log_b = torch.log_softmax(torch.full_like(lq, -torch.inf).scatter(-1, top, lq.gather(-1, top)), -1)
+        min_length = 1
+    for est in (lookup("k3"), lookup("full")):
+        for b in (1, 2, 3):
+            pair = RolloutPair("q", lq, lp, bucket, 3, eos, per_sequence_mean=True, token_mean_batch=b, log_b=log_b,
+                               min_length=min_length)
+            # sequences with their probability under b (EOS suppressed at the first step with min_length)
+            on_b = RolloutPair("b", pair.phases[-1][0], lp, bucket, 3, eos)
+            seqs = []
+            for prob, path in brute_force_sequences(on_b):
+                if prob == 0 or (min_length and path[0][1] == eos):
+                    continue
+                if min_length:       # the first token comes from the renormalised early phase instead
+                    c0, x0 = path[0]
+                    prob = prob / float(on_b.log_q[c0, x0].exp()) * float(pair.phases[0][0][c0, x0].exp())
+                value = sum(float(pair.kl_ctx[c]) if est.analytic else float(est.fn(lp[c, x] - lq[c, x]))
+                            for c, x in path)
+                seqs.append((prob, value, len(path)))
+            tuples = [(math.prod(s[0] for s in combo), sum(s[1] for s in combo) / sum(s[2] for s in combo))
+                      for combo in itertools.product(seqs, repeat=b)]
+            mean = sum(p * v for p, v in tuples)
+            var = sum(p * (v - mean) ** 2 for p, v in tuples)
+            got = pair.exact_moments(est, "tok_batch")
+            assert got[0] == pytest.approx(mean, rel=1e-12) and got[1] == pytest.approx(var, rel=1e-12)
+            if b == 1:
+                assert got == pytest.approx(pair.exact_moments(est, "tok_mean"), rel=1e-12)
 
 
 def test_token_mean_batch_without_eos_is_the_mean_of_sums_over_t():
@@ -140,7 +160,7 @@ def test_token_mean_batch_without_eos_is_the_mean_of_sums_over_t():
         pair = RolloutPair("r", lq, lp, torch.arange(30) % 3, 9, None, token_mean_batch=b)
         m, v = pair.exact_moments(est, "tok")
         got = pair.exact_moments(est, "tok_batch")
-        # the FFT's rounding: ~1e-15 per spectral power step, times B at most
+        # P^{B−1}'s spectrum raises its own rounding (~1e-16) to the power B − 1: B·1e-16, margin 100
         assert got[0] == pytest.approx(m / 9, rel=b * 1e-14) and got[1] == pytest.approx(v / (b * 81), rel=b * 1e-14)
 
 
@@ -166,7 +186,7 @@ def test_token_mean_batch_tends_to_its_limit_with_a_ratio_bias_of_order_one_over
 
 def test_token_mean_batch_monte_carlo_against_exact():
     """Rows with one value per group of B = 10 draws: mean, variance and counts, through the engine
-    (groups within each piece; pieces of 1000 draws leave none out; here batches of 3,000)."""
+    (batches of 3,000 draws: 300 whole groups each, none left out)."""
     pair, _ = _pair(per_sequence_mean=True, token_mean_batch=10)
     rows = as_rows([lookup(n) for n in ("k1", "k2", "k3", "full")], pair)
     assert {r.aggregate: r.group for r in rows} == {"seq": 1, "tok": 1, "tok_mean": 1, "tok_batch": 10}
@@ -177,6 +197,22 @@ def test_token_mean_batch_monte_carlo_against_exact():
     # one value per 10 draws: its std is that of a batch of 10's token-mean, well below a sequence's
     k3 = df[df["estimator"] == "k3"].set_index("aggregate")
     assert k3.loc["tok_batch", "exact_std"] < k3.loc["tok_mean", "exact_std"]
+
+
+def test_token_mean_batch_monte_carlo_under_a_sampler_with_groups_cut_by_batches():
+    """Draws from b (temperature 0.7, top-k 50, EOS suppressed for 2 steps), B = 7 in batches of 2,000
+    draws: 285 groups each, 5 draws left out per batch; mean and variance against exact."""
+    pair, _ = _pair()
+    top = torch.topk(pair.log_q / 0.7, 50, dim=-1).indices
+    log_b = torch.log_softmax(torch.full_like(pair.log_q, -torch.inf).scatter(-1, top, (pair.log_q / 0.7).gather(-1, top)), -1)
+    log_b[:, 399] = pair.log_q[:, 399]                      # keep EOS in b's support
+    log_b = torch.log_softmax(log_b, -1)
+    sampled = RolloutPair("s", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=log_b, min_length=2,
+                          token_mean_batch=7)
+    rows = [r for r in as_rows([lookup(n) for n in ("k1", "k3", "full")], sampled) if r.aggregate == "tok_batch"]
+    df = mc_frame(sampled, rows, draws=60_000, seed=5, batches=30)
+    assert (df["draws"] == 30 * 285 * 7).all()
+    assert (df["z"].abs() < 5).all() and (df["z_var"].abs() < 5).all(), df[["estimator", "z", "z_var"]]
 
 
 def test_token_mean_groups_stay_within_pieces_and_leave_the_rest_out():
@@ -206,8 +242,8 @@ def test_token_mean_batch_refusals(tmp_path):
             "q": {"logits": "zipf", "exponent": 1.1, "seed": 1}, "p": {"from": "q", "noise": 0.3, "seed": 2}}
     for keys, msg in (({"token_mean_batch": 0}, r"must lie in \[1, 4096\], got 0"),
                       ({"token_mean_batch": 4096, "length": 2048}, r"times length must be ≤ 2\^22"),
-                      ({"token_mean_batch": 64}, r"one value per 64 draws, and 1,000 draws in 100 batches give "
-                                                  r"batches of 10: give the case at least 6,400 draws")):
+                      ({"token_mean_batch": 64}, r"one value per 64 draws \(token_mean_batch\), and 1,000 draws in "
+                                                  r"100 batches give batches of 10: give the case at least 6,400 draws")):
         spec = {"spec_version": 1, "experiment": {"name": "t", "draws": 1000, "batches": 100, "estimators": ["k3"]},
                 "case": [{**base, **keys}]}
         with pytest.raises(SpecError, match=msg) as e:
@@ -228,3 +264,23 @@ def test_rows_divided_by_lengths_compare_with_the_kl_per_token():
             assert pair.true_value(target, agg) == pytest.approx(pair.true_value(target) / mean_length, rel=1e-12)
         assert pair.true_value(target, "tok") == pair.true_value(target, "seq") == pair.true_value(target)
     assert pair.token_mean_limit(lookup("full")) == pytest.approx(pair.true_value(REVERSE, "tok_batch"), rel=1e-12)
+
+
+def test_run_warns_when_token_mean_rows_leave_draws_out(tmp_path):
+    """Batches of 1,000 draws with B = 64: 960 in whole groups, 4% left out: one warning line naming the
+    case and the remedy; none when batches are multiples of B."""
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    case = ('[[case]]\nname = "r"\nkind = "rollout"\nvocab = 50\nbuckets = 2\nlength = 6\neos = 49\n'
+            'token_mean_batch = 64\nq = {logits = "zipf", exponent = 1.1, seed = 1}\np = {from = "q", noise = 0.3, seed = 2}\n')
+    for draws, warned in ((20_000, True), (20_480, False)):
+        spec = tmp_path / f"w{draws}.toml"
+        spec.write_text(f'spec_version = 1\n[experiment]\nname = "w"\ndraws = {draws}\nbatches = 20\n'
+                        f'estimators = ["k3"]\n{case}')
+        res = CliRunner().invoke(app, ["run", str(spec), "--out", str(tmp_path / f"o{draws}")])
+        assert res.exit_code == 0, res.output
+        if warned:
+            assert "warning: case 'r': tok_batch rows use 19,200 of 20,000 draws" in res.output, res.output
+        else:
+            assert "tok_batch rows use" not in res.output, res.output

@@ -32,7 +32,7 @@ from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulat
 from . import gradients as grad
 
 
-MAX_TOKEN_MEAN_BATCH = 4096        # B of tok_batch rows: at most a CPU piece / 16, so few draws fall outside groups
+MAX_TOKEN_MEAN_BATCH = 4096        # B of tok_batch rows (groups never span batches or pieces: see kl_bench.draws)
 MAX_TOKEN_MEAN_TOKENS = 2**22      # B × T: the size of the FFT behind the exact moments
 
 
@@ -103,6 +103,7 @@ class RolloutPair(Pair):
             raise SpecError("per_sequence_mean needs weights = \"none\", \"sequence\" or \"geometric\" (a token-weighted "
                             "sum over |y| has no length-aware oracle here)", key="per_sequence_mean")
         self.token_mean_batch = token_mean_batch
+        self._length_spectra: rollout_dp.LengthSpectra | None = None
         if token_mean_batch is not None and weights != "none":
             raise SpecError("token_mean_batch needs unweighted draws (weights = \"none\"): a weighted token-mean "
                             "has no exact oracle here", key="token_mean_batch")
@@ -328,8 +329,10 @@ class RolloutPair(Pair):
         if aggregate == "tok_batch":        # draws are unweighted (refused otherwise): b's length split
             f = self._tok_values(est)
             ones = torch.ones_like(f)
-            return rollout_dp.token_mean_moments(self._length_dp(lambda lb: ones, lambda lb: f, 2),
-                                                 self.token_mean_batch)
+            by_length = self._length_dp(lambda lb: ones, lambda lb: f, 2)
+            if self._length_spectra is None:      # the lengths' part: the same for every row of the case
+                self._length_spectra = rollout_dp.length_spectra(by_length[:, 0], self.token_mean_batch)
+            return rollout_dp.token_mean_moments(by_length, self.token_mean_batch, self._length_spectra)
         if self.has_sampler:
             return self._sampler_moments(est, aggregate)
         if aggregate == "tok" or est.analytic:
