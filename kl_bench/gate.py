@@ -1,12 +1,14 @@
 """The statistical regression gate: compare a run's statistics with exact values and with a stored
 baseline, correcting for the number of comparisons (Holm's step-down at a family-wise level α).
 
-Each comparison is a z statistic with a two-sided normal p-value:
+Each comparison is a z statistic with a two-sided p-value:
 - mean vs exact:     (mean − exact_mean) / se
 - std vs exact:      (std − exact_std) / std_se
 - mean vs baseline:  (mean − mean_b) / √(se² + se_b²)
 - std vs baseline:   (std − std_b) / √(std_se² + std_se_b²)
-Standard errors come from batch means. Rows whose measured spread cannot be trusted (heavy tails) skip
+Standard errors come from K batch means, so the statistic is Student-t with K − 1 degrees of freedom
+(Welch–Satterthwaite for two runs), not normal: with K = 12 a normal p-value would call |z| = 5.9 a
+one-in-10⁸ event when it is one in 10⁴. Rows whose measured spread cannot be trusted (heavy tails) skip
 the std comparisons, and rows with an infinite variance skip the mean's too: their SE means nothing.
 """
 from __future__ import annotations
@@ -28,7 +30,9 @@ from .stats import HeavyTail, z_score
 
 BASELINE_VERSION = 1
 BASELINE_FIELDS = ["case", "estimator", "lambda", "aggregate", "target", "draws", "mean", "std", "se", "std_se",
-                   "exact_mean", "exact_std", "heavy_tail"]
+                   "exact_mean", "exact_std", "heavy_tail", "batches"]
+# Fields a baseline may lack (written by later versions; older baselines still load): treated as unknown.
+_LATER_FIELDS = ("batches",)
 
 
 # Heavy-tail findings that come from the exact oracle (HeavyTail.exact): the measured spread (and its SE)
@@ -47,6 +51,7 @@ class Comparison:
     se: float
     z: float
     p: float
+    dof: float = math.inf     # degrees of freedom of the SE (batch means: K − 1); inf: normal
     threshold: float = math.nan   # |z| threshold at this comparison's Holm rank
     passed: bool = True
 
@@ -73,9 +78,32 @@ def row_name(r) -> str:
     return f"{r['case']}: {row_label(r)}"
 
 
-def _z(value: float, ref: float, se: float, scale: float) -> tuple[float, float]:
+def _dof(*parts: tuple[float, float]) -> float:
+    """Degrees of freedom of a standard error √(Σ se_i²) whose se_i come from K_i batch means
+    (Welch–Satterthwaite: (Σ se_i²)² / Σ se_i⁴/(K_i − 1)); inf where a K_i is unknown or an SE is zero."""
+    num = den = 0.0
+    for se, batches in parts:
+        try:
+            k = float(batches)          # a number from a DataFrame row (numpy) or a baseline (float)
+        except (TypeError, ValueError):
+            return math.inf
+        if not (math.isfinite(k) and k >= 2 and math.isfinite(se)):
+            return math.inf
+        num += se * se
+        den += se**4 / (k - 1)
+    return num * num / den if den > 0 else math.inf
+
+
+def _tail(z: float, dof: float) -> float:
+    """Two-sided p-value of z under Student-t with ``dof`` degrees of freedom (normal when inf)."""
+    if math.isnan(z):
+        return 1.0
+    return float(2 * (stats.norm.sf(abs(z)) if math.isinf(dof) else stats.t.sf(abs(z), dof)))
+
+
+def _z(value: float, ref: float, se: float, scale: float, dof: float = math.inf) -> tuple[float, float]:
     z = z_score(value, ref, se, scale)
-    return z, float(2 * stats.norm.sf(abs(z))) if not math.isnan(z) else 1.0
+    return z, _tail(z, dof)
 
 
 def exact_comparisons(df: pd.DataFrame) -> list[Comparison]:
@@ -85,12 +113,15 @@ def exact_comparisons(df: pd.DataFrame) -> list[Comparison]:
         heavy = heavy if heavy in EXACT_HEAVY else ""
         if heavy == HeavyTail.INFINITE_VARIANCE or math.isinf(r["true_kl"]):
             continue
+        k = r.get("batches", math.nan)
         if math.isfinite(r["exact_mean"]):
-            z, p = _z(r["mean"], r["exact_mean"], r["se"], max(abs(r["mean"]), abs(r["exact_mean"])))
-            out.append(Comparison(row_name(r), "mean vs exact", r["mean"], r["exact_mean"], r["se"], z, p))
+            dof = _dof((r["se"], k))
+            z, p = _z(r["mean"], r["exact_mean"], r["se"], max(abs(r["mean"]), abs(r["exact_mean"])), dof)
+            out.append(Comparison(row_name(r), "mean vs exact", r["mean"], r["exact_mean"], r["se"], z, p, dof))
         if not heavy and math.isfinite(r["exact_std"]) and math.isfinite(r.get("std_se", math.nan)):
-            z, p = _z(r["std"], r["exact_std"], r["std_se"], max(abs(r["exact_mean"]), r["exact_std"]))
-            out.append(Comparison(row_name(r), "std vs exact", r["std"], r["exact_std"], r["std_se"], z, p))
+            dof = _dof((r["std_se"], k))
+            z, p = _z(r["std"], r["exact_std"], r["std_se"], max(abs(r["exact_mean"]), r["exact_std"]), dof)
+            out.append(Comparison(row_name(r), "std vs exact", r["std"], r["exact_std"], r["std_se"], z, p, dof))
     return out
 
 
@@ -108,13 +139,16 @@ def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[li
         heavy = {r.get("heavy_tail", "") or "", b.get("heavy_tail") or ""} & EXACT_HEAVY
         if HeavyTail.INFINITE_VARIANCE.value in heavy:
             continue
+        k, k_b = r.get("batches", math.nan), b.get("batches", math.nan)
         se = math.hypot(r["se"], b["se"])
-        z, p = _z(r["mean"], b["mean"], se, max(abs(r["mean"]), abs(b["mean"])))
-        out.append(Comparison(row_name(r), "mean vs baseline", r["mean"], b["mean"], se, z, p))
+        dof = _dof((r["se"], k), (b["se"], k_b))
+        z, p = _z(r["mean"], b["mean"], se, max(abs(r["mean"]), abs(b["mean"])), dof)
+        out.append(Comparison(row_name(r), "mean vs baseline", r["mean"], b["mean"], se, z, p, dof))
         if not heavy and math.isfinite(r.get("std_se", math.nan)) and math.isfinite(b.get("std_se", math.nan)):
             se = math.hypot(r["std_se"], b["std_se"])
-            z, p = _z(r["std"], b["std"], se, max(abs(r["mean"]), r["std"], b["std"]))
-            out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p))
+            dof = _dof((r["std_se"], k), (b["std_se"], k_b))
+            z, p = _z(r["std"], b["std"], se, max(abs(r["mean"]), r["std"], b["std"]), dof)
+            out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p, dof))
     for key, b in base.items():
         if key not in seen:
             notes.append(f"{b['case']}: {b['estimator']}: in the baseline but not in this run")
@@ -130,7 +164,7 @@ def holm(comparisons: list[Comparison], alpha: float) -> list[Comparison]:
     for rank, i in enumerate(order):
         c = comparisons[i]
         level = alpha / (m - rank)
-        c.threshold = float(stats.norm.isf(level / 2))
+        c.threshold = float(stats.norm.isf(level / 2) if math.isinf(c.dof) else stats.t.isf(level / 2, c.dof))
         if rejecting and c.p <= level:
             c.passed = False
         else:
@@ -177,7 +211,7 @@ def load_baseline(path: Path) -> dict[str, Any]:
 # Baseline fields by type: numbers that every row must have, numbers that may be null (NaN: make_baseline
 # writes NaN as null, e.g. the se of a row whose estimates are infinite), text.
 _REQUIRED_NUMBERS = ("draws",)
-_OPTIONAL_NUMBERS = ("mean", "std", "se", "lambda", "std_se", "exact_mean", "exact_std")
+_OPTIONAL_NUMBERS = ("mean", "std", "se", "lambda", "std_se", "exact_mean", "exact_std", "batches")
 _REQUIRED_TEXT = ("case", "estimator", "target")
 _OPTIONAL_TEXT = ("aggregate", "heavy_tail")
 _INF_TEXT = {"inf": math.inf, "infinity": math.inf, "+inf": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
@@ -218,7 +252,7 @@ def normalize_baseline(data: Any, where: str = "baseline") -> dict[str, Any]:
         if not isinstance(r, dict):
             got = "null" if r is None else f"not an object ({json.dumps(r)[:40]})"
             raise SpecError(f"baseline row {i + 1} is {got} (corrupted baseline?)", file=where)
-        missing = [k for k in BASELINE_FIELDS if k not in r]
+        missing = [k for k in BASELINE_FIELDS if k not in r and k not in _LATER_FIELDS]
         if missing:
             raise SpecError(f"baseline row {i + 1} lacks {', '.join(missing)}", file=where)
         for k in _REQUIRED_TEXT:
@@ -230,7 +264,7 @@ def normalize_baseline(data: Any, where: str = "baseline") -> dict[str, Any]:
             if r[k] is not None and not isinstance(r[k], str):
                 raise SpecError(f"{name}: {k} must be a string or null, got {json.dumps(r[k])[:40]}", file=where)
         for k in _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS:
-            r[k] = _baseline_number(r[k], f"{name}: {k}", where, k in _REQUIRED_NUMBERS)
+            r[k] = _baseline_number(r.get(k), f"{name}: {k}", where, k in _REQUIRED_NUMBERS)
         if not (math.isfinite(r["draws"]) and r["draws"] >= 1 and r["draws"] == int(r["draws"])):
             raise SpecError(f"{name}: draws must be a whole number ≥ 1, got {r['draws']:g}", file=where)
         if r["se"] < 0 or r["std"] < 0:        # NaN compares False: allowed

@@ -235,3 +235,36 @@ def test_check_reads_an_existing_results_folder(write_spec, tmp_path):
 
 def test_gaussian_pair_untouched_by_patches():
     assert GaussianPair("g", [0.0], [1.0], [1.0], [1.0]).kl() == pytest.approx(0.5)
+
+
+def test_few_batches_use_student_t_and_keep_the_false_alarm_rate():
+    """z = mean/SE from K = 12 batch means is Student-t with 11 degrees of freedom: 4000 null runs at
+    α = 0.01 reject about 1% (binomial SE 0.16%) with the t p-value; a normal p-value would reject
+    P(|t₁₁| > 2.576) ≈ 2.6%."""
+    from kl_bench.gate import _dof, _tail
+    from kl_bench.stats import batch_means_se
+    g = np.random.default_rng(4)
+    k, runs, alpha = 12, 4000, 0.01
+    means = g.standard_normal((runs, k))                   # batch means of equal batches
+    z = means.mean(1) / batch_means_se(means - means.mean(1, keepdims=True), np.full(k, 1 / k))
+    dof = _dof((1.0, k))
+    assert dof == k - 1 and _dof((1.0, k), (1.0, k)) == 2 * (k - 1) and math.isinf(_dof((1.0, math.nan)))
+    rate = np.mean([_tail(float(v), dof) < alpha for v in z])
+    normal_rate = np.mean([_tail(float(v), math.inf) < alpha for v in z])
+    se = math.sqrt(alpha * (1 - alpha) / runs)
+    assert abs(rate - alpha) < 5 * se and normal_rate > alpha + 5 * se, (rate, normal_rate)
+
+
+def test_baselines_without_batches_still_load_and_compare_with_a_normal_tail():
+    """Baselines written before the batches field was stored: loaded, compared with dof = inf."""
+    row = {"case": "c", "estimator": "k3", "lambda": None, "aggregate": "", "target": "KL(q||p)", "draws": 1000,
+           "mean": 1.0, "std": 1.0, "se": 0.01, "std_se": 0.01, "exact_mean": 1.0, "exact_std": 1.0,
+           "heavy_tail": ""}
+    base = normalize_baseline({"kl_bench_baseline": 1, "rows": [dict(row)]})
+    assert math.isnan(base["rows"][0]["batches"])
+    run = pd.DataFrame([{**row, "lambda": math.nan, "mean": 1.05, "batches": 12}])
+    (mean_cmp, *_), _ = baseline_comparisons(run, base)
+    assert math.isinf(mean_cmp.dof)
+    with_k = normalize_baseline({"kl_bench_baseline": 1, "rows": [{**row, "batches": 12}]})
+    (mean_cmp, *_), _ = baseline_comparisons(run, with_k)
+    assert mean_cmp.dof == pytest.approx(22.0)
