@@ -72,8 +72,9 @@ def _user_errors() -> Iterator[None]:
         _fail(e)
 
 
-def _warn_infinite(df, console: Console) -> None:
-    """One warning per case and kind of trouble, naming the estimators."""
+def _warn_rows(df, console: Console) -> None:
+    """One warning per case and kind of trouble (infinite targets, heavy tails, a sampler missing mass,
+    token-mean rows leaving draws out), naming the estimators."""
     from .draws import row_label
     from .stats import HeavyTail
     reasons = {h.value: h.explanation for h in HeavyTail if h not in (HeavyTail.NONE, HeavyTail.SUPPORT_MISS)}
@@ -282,7 +283,7 @@ def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], 
         if result.gradients is not None:
             out_console.print()
             show(out_console, gradient_table(result.gradients))
-        _warn_infinite(df, err_console)
+        _warn_rows(df, err_console)
         from .display import recommendations
         out_console.print()
         for line in recommendations(df):
@@ -420,7 +421,7 @@ def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
             check_output_file(out)
         df = api.exact(spec)
     print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
-    _warn_infinite(df, err_console)
+    _warn_rows(df, err_console)
     if out is not None:
         from .results import frame_to_csv_bytes
         from .storage import atomic_write_bytes
