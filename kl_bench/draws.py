@@ -113,12 +113,14 @@ def group_starts(draws: Draws, group: int) -> torch.Tensor:
     return out
 
 
-def row_values(draws: Draws, rows: list[Row]) -> torch.Tensor:
-    """[n, len(rows)] values of every row for every draw."""
+def row_values(draws: Draws, rows: list[Row],
+               groups: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """[n, len(rows)] values of every row for every draw. ``groups``: filled with B → (group_index, Σ|y|
+    per group) for the group rows, so that a caller needing the groups too does not build them again."""
     cols, t = [], 0
     w = draws.weight
     length = draws.tok[:, -1] if _needs_length(rows) else None
-    groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # B → (group_index, Σ|y| per group)
+    groups = {} if groups is None else groups
     for row in rows:
         if row.aggregate in TOK_AGGREGATES:
             col = draws.tok[:, t]

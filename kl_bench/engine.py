@@ -52,7 +52,8 @@ def make_features(rows: list[Row], shifts: list[float],
     def features(draws: Draws) -> torch.Tensor:
         parts = []
         if rows:
-            f = row_values(draws, rows)                                  # [n, Q]
+            groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            f = row_values(draws, rows, groups)                          # [n, Q]
             centred = f - shift.to(f.device)
             parts = [centred, centred * centred, (f < 0).to(torch.float64)]
             if grouped:
@@ -60,7 +61,8 @@ def make_features(rows: list[Row], shifts: list[float],
                 # group's first draw (zero elsewhere, and for draws in no group).
                 keep = torch.ones_like(f, dtype=torch.bool)
                 for j, group in grouped:
-                    keep[:, j] = group_starts(draws, group)
+                    keep[:, j] = False
+                    keep[groups[group][0][::group], j] = True
                 parts = [torch.where(keep, x, torch.zeros_like(x)) for x in parts]
         for aggregate, ca, cb in joint or []:
             a = -draws.logr - ca

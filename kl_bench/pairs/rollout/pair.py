@@ -104,6 +104,7 @@ class RolloutPair(Pair):
                             "sum over |y| has no length-aware oracle here)", key="per_sequence_mean")
         self.token_mean_batch = token_mean_batch
         self._length_spectra: rollout_dp.LengthSpectra | None = None
+        self._mean_length: float | None = None
         if token_mean_batch is not None and weights != "none":
             raise SpecError("token_mean_batch needs unweighted draws (weights = \"none\"): a weighted token-mean "
                             "has no exact oracle here", key="token_mean_batch")
@@ -294,9 +295,11 @@ class RolloutPair(Pair):
         return value / self.mean_length() if aggregate in PER_TOKEN else value
 
     def mean_length(self) -> float:
-        """E_q|y|, exact."""
-        ones = torch.ones_like(self.logr_table)
-        return self._dp(ones, ones, 1)[1]
+        """E_q|y|, exact (computed once: every per-token row's truth divides by it)."""
+        if self._mean_length is None:
+            ones = torch.ones_like(self.logr_table)
+            self._mean_length = self._dp(ones, ones, 1)[1]
+        return self._mean_length
 
     def kl(self) -> float:
         if self.precision is not None:     # the truth is the float64 KL, not the rounded table's
