@@ -41,6 +41,7 @@ from .spec import Spec, load_spec, spec_from_dict, with_overrides
 if TYPE_CHECKING:
     import pandas as pd
 
+    from .advice import Advice
     from .gate import Comparison
     from .experiment import SpecOutcome
 
@@ -233,6 +234,19 @@ class Result:
             from .storage import write_results
             write_results(folder, self._files, self.envelope)
             return write_report([folder], Path(directory))
+
+    def recommendations(self, *, batch: int = 64, tolerance: float = 0.1) -> list["Advice"]:
+        """Per case, what to log (the estimator of KL(q||p) with the lowest RMSE at ``batch`` among those
+        that can get within ±``tolerance``) and what to put in the loss (from the gradient rows when the
+        spec computed them, else the on-policy identities): :mod:`kl_bench.advice`. ``str()`` of each is
+        the line ``kl-bench run`` prints."""
+        from .advice import recommendations
+        return recommendations(self.summary, self.gradients, batch=batch, tolerance=tolerance)
+
+    def warnings(self) -> list[str]:
+        """The warning lines ``kl-bench run`` prints (infinite targets, heavy tails, support misses)."""
+        from .advice import warnings
+        return warnings(self.summary)
 
     def __repr__(self) -> str:
         return (f"Result(experiment={self.spec.experiment.name!r}, cases={len(self.pairs)}, rows={len(self.summary)}, "

@@ -73,41 +73,33 @@ def _user_errors() -> Iterator[None]:
 
 
 def _warn_rows(df, console: Console) -> None:
-    """One warning per case and kind of trouble (infinite targets, heavy tails, a sampler missing mass,
-    token-mean rows leaving draws out), naming the estimators."""
-    from .draws import row_label
-    from .stats import HeavyTail
-    reasons = {h.value: h.explanation for h in HeavyTail if h not in (HeavyTail.NONE, HeavyTail.SUPPORT_MISS)}
-    for case in dict.fromkeys(df["case"]):
-        c = df[df["case"] == case]
-        miss = c["support_miss"].max() if "support_miss" in c else 0.0
-        if miss > 0:
-            weighted = (c["heavy_tail"] == HeavyTail.SUPPORT_MISS.value).any()
-            console.print(f"warning: case '{case}': the sampler never draws {miss:.3g} of q's mass (worst "
-                          f"context or step): " + ("the importance weight q/b is infinite there, so the "
-                          "weighted estimates miss that mass (flagged heavy_tail)" if weighted else
-                          "every estimate is biased; the exact bias is shown"), markup=False)
-        for target in dict.fromkeys(c.loc[c["true_kl"] == math.inf, "target"]):
-            names = ", ".join(row_label(r) for _, r in c[c["target"] == target].iterrows())
-            console.print(f"warning: case '{case}': {target} is infinite (a zero probability where the other "
-                          f"side has mass); {names} cannot estimate it", markup=False)
-        if "draws" in c and len(c):
-            # Rows with one value per group of B (tok_batch) use only the draws in whole groups of a batch.
-            most = int(c["draws"].max())
-            short = c[c["draws"] < 0.99 * most]
-            if not short.empty:
-                used = int(short["draws"].min())
-                console.print(f"warning: case '{case}': tok_batch rows use {used:,} of {most:,} draws (only whole "
-                              "groups of token_mean_batch within each batch count): make draws / batches a "
-                              "multiple of token_mean_batch", markup=False)
-        if "heavy_tail" not in c:
-            continue
-        for kind, text in reasons.items():
-            hit = c[(c["heavy_tail"] == kind) & (c["true_kl"] != math.inf)]
-            if not hit.empty:
-                names = ", ".join(row_label(r) for _, r in hit.iterrows())
-                console.print(f"warning: case '{case}': {names}: {text}; measured std and se are not "
-                              f"trustworthy", markup=False)
+    from .advice import warnings
+    for line in warnings(df):
+        console.print(line, markup=False)
+
+
+def _advise(advice) -> None:
+    """The advice lines (kl_bench.advice): what to log, what to put in the loss. A sentence that holds
+    for several cases alike (the on-policy identities) is printed once, naming them."""
+    out_console.print()
+    general: dict[str, list[str]] = {}
+    for a in advice:
+        if a.general:
+            general.setdefault(a.detail, []).append(a.case)
+        else:
+            out_console.print(a.text, markup=False, soft_wrap=True)
+    for detail, cases in general.items():
+        who = cases[0] if len(cases) == 1 else f"{', '.join(cases)}"
+        out_console.print(f"{who}: {detail}", markup=False, soft_wrap=True)
+
+
+def _advice_options(batch: int, tolerance: float) -> None:
+    """A bad --batch or --tolerance: one line, exit 2, before any sampling."""
+    from .advice import AdviceOptionError, check_options
+    try:
+        check_options(batch, tolerance)
+    except AdviceOptionError as e:
+        _fail(SpecError(str(e), key=f"--{e.key}"))
 
 
 def _draws_flag(value: Optional[str]):
@@ -141,14 +133,19 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its checkpoint"),
         checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", metavar="SECONDS",
                                                help="write a checkpoint at most this often (> 0; inf: never)"),
-        no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint")) -> None:
+        no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint"),
+        wide: bool = typer.Option(False, "--wide", help="the full per-case tables (every column), whatever the width"),
+        batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
+        tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
+                                        help="the advice's relative tolerance (0.05: ±5%)")) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
     lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across
     the processes and rank 0 writes the very bytes one process would (README "Scaling out")."""
     from .distributed import RankFailure
     hs = _Handshake()
     try:
-        _run(hs, spec, out, draws, seed, device, quiet, report_, resume, checkpoint_every, no_checkpoint)
+        _run(hs, spec, out, draws, seed, device, quiet, report_, resume, checkpoint_every, no_checkpoint,
+             _View(wide, batch, tolerance))
     except RankFailure as e:
         _ignore_signals()          # torchrun's SIGTERM to the survivors must not add a second line
         hs.cancel()
@@ -209,9 +206,17 @@ def _follow(prep, ranks) -> None:
     execute(prep, resume=done, ranks=ranks)
 
 
+class _View:
+    """How the terminal shows a run: full tables or compact, and the advice's batch and tolerance."""
+
+    def __init__(self, wide: bool = False, batch: int = 64, tolerance: float = 0.1):
+        _advice_options(batch, tolerance)
+        self.wide, self.batch, self.tolerance = wide, batch, tolerance
+
+
 def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], seed: Optional[int],
          device: Optional[str], quiet: bool, report_: bool, resume: bool, checkpoint_every: float,
-         no_checkpoint: bool) -> None:
+         no_checkpoint: bool, view: "_View") -> None:
     from .api import execute, prepare
     from .progress import LazyProgress
     from .storage import (CHECKPOINT, FolderLock, check_output_dir, checkpoint_identity, clean_stale, fs_error,
@@ -276,18 +281,14 @@ def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], 
             raise fs_error(e, out_dir) from None
         remove_checkpoint(out_dir)
     if not quiet:
-        from .display import gradient_table, print_tables, show
+        from .display import gradient_table, print_tables, show_or_point
         df = result.summary
         lengths = {name: meta["length"] for name, meta in result.envelope["cases"].items() if meta.get("length")}
-        print_tables(out_console, df, result.descriptions(), lengths=lengths)
+        print_tables(out_console, df, result.descriptions(), lengths=lengths, wide=view.wide)
         if result.gradients is not None:
-            out_console.print()
-            show(out_console, gradient_table(result.gradients))
+            show_or_point(out_console, gradient_table(result.gradients), "gradient", view.wide)
         _warn_rows(df, err_console)
-        from .display import recommendations
-        out_console.print()
-        for line in recommendations(df):
-            out_console.print(line, markup=False)
+        _advise(result.recommendations(batch=view.batch, tolerance=view.tolerance))
         env = result.envelope
         total = (f", {result.outcome.wall:.1f} s in all" if result.outcome.wall > 1.2 * env["sampling_seconds"] + 0.5
                  else "")
@@ -411,17 +412,23 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
 
 @app.command(cls=_Command)
 def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
-          out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file")) -> None:
-    """Print the exact KL and estimator moments of every case, without sampling."""
+          out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file"),
+          batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
+          tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
+                                          help="the advice's relative tolerance (0.05: ±5%)")) -> None:
+    """Print the exact KL and estimator moments of every case, and the advice, without sampling."""
     from . import api
+    from .advice import recommendations
     from .display import print_tables
     from .storage import check_output_file, fs_error
+    _advice_options(batch, tolerance)
     with _user_errors():
         if out is not None:
             check_output_file(out)
         df = api.exact(spec)
     print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
     _warn_rows(df, err_console)
+    _advise(recommendations(df, batch=batch, tolerance=tolerance))
     if out is not None:
         from .results import frame_to_csv_bytes
         from .storage import atomic_write_bytes

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 from rich.console import Console
@@ -9,41 +10,43 @@ from rich.markup import escape
 from rich.table import Table
 
 from .draws import PER_TOKEN, row_label
-from .estimators import CV, PAIR_ROWS
-from .targets import REVERSE
+from .formatting import count, fmt, fmt_rel, pct
 
 
-def show(console: Console, table) -> None:
+_TRAILING = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$")     # spaces before any closing style codes
+
+
+def show(console: Console, table, wide: bool = False) -> None:
     """Print a table: boxed for a terminal (rich fits it to the terminal's width); plain text when stdout
-    is not a terminal (a file, a pipe, CI): no box-drawing, one space between columns, nothing around."""
+    is not a terminal (a file, a pipe, CI): no box-drawing, one space between columns, nothing around.
+    Lines never end in spaces (rich pads every line to the table's width). ``wide``: at the table's
+    natural width, cells whole, even where lines are longer than the terminal."""
     if not console.is_terminal:
         table.box = None
         table.padding = (0, 1)
         table.pad_edge = False
         table.show_edge = False
-    console.print(table)
+    width = console.width
+    if wide:                # rich never prints wider than the console: widen it for this table alone
+        console.width = max(natural_width(console, table), width)
+    try:
+        with console.capture() as cap:
+            console.print(table)
+    finally:
+        console.width = width
+    text = "".join(_TRAILING.sub(r"\1", line) + "\n" for line in cap.get().splitlines())
+    console.file.write(text)
+    console.file.flush()
 
 
-def fmt(x: float, digits: int = 3) -> str:
-    """Significant-digit formatting that shows inf and leaves missing values blank."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return ""
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0:
-        return "0"
-    if 1e-3 <= abs(x) < 1e5:
-        return f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:.0f}"
-    return f"{x:.{digits - 1}e}"
+def fits(console: Console, table) -> bool:
+    """Whether a table's natural width fits the console (a pipe is 400 columns wide: see cli)."""
+    return natural_width(console, table) <= console.width
 
 
-def fmt_rel(x: float) -> str:
-    """A relative bias; |x| < 1e-9 is float64 rounding of two exact sums, shown as 0."""
-    if isinstance(x, float) and math.isfinite(x) and abs(x) < 1e-9:
-        return "0"
-    return fmt(x)
-
-
+def natural_width(console: Console, table) -> int:
+    """The columns a table takes when nothing constrains it (rich caps a measure at the console's width)."""
+    return console.measure(table, options=console.options.update_width(100_000)).maximum
 
 
 def _with_exact(measured: str, exact: str) -> str:
@@ -91,6 +94,49 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
     if captions:
         t.caption = "\n".join(captions)
         t.caption_justify = "left"
+    return t
+
+
+SHORT_TARGET = {"KL(q||p)": "q||p", "KL(p||q)": "p||q"}
+
+
+def heading(df: pd.DataFrame, case: str, description: str) -> str:
+    """A case's heading line: its name, its q and p, and the truth of each target (exact, or the Monte
+    Carlo reference marked ≈ where no exact value exists)."""
+    c = df[df["case"] == case]
+    truths = []
+    for target in dict.fromkeys(c["target"]):
+        r = c[c["target"] == target].iloc[0]
+        if _has_reference(r):
+            truths.append(f"{target} ≈ {fmt(r['ref_kl'], 4)} ± {fmt(r['ref_se'], 2)} (Monte Carlo reference)")
+        elif isinstance(r["true_kl"], float) and not math.isnan(r["true_kl"]):
+            truths.append(f"{target} = {fmt(r['true_kl'], 4)}")
+    return f"{case}: {description}" + (f"\n  {', '.join(truths)}" if truths else "")
+
+
+def compact_table(df: pd.DataFrame, case: str, tolerance: float = 0.1) -> Table:
+    """One case in ≤ 80 columns, one line per row: relative bias measured ± SE with the exact one, std/true,
+    the batch for ±10% with 95% probability, z and P(<0). The truth is in :func:`heading`; `--wide` gives
+    :func:`detail_table`."""
+    t = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1))
+    for col in ["estimator", "target", "bias/true ± se", "exact", "std/true", f"n ±{tolerance:.0%}", "z", "P(<0)"]:
+        t.add_column(col, justify="left" if col in ("estimator", "target") else "right", no_wrap=True)
+    for _, r in df[df["case"] == case].iterrows():
+        true, z = r["true_kl"], r["z"]
+        if _has_reference(r):
+            true, z = r["ref_kl"], r.get("z_ref", math.nan)
+        ok = isinstance(true, float) and math.isfinite(true) and true != 0
+        bias = pct((r["mean"] - true) / abs(true)) if ok else ""
+        se = pct(r["se"] / abs(true), sign=False) if ok else ""
+        mark = "†" if isinstance(r.get("heavy_tail"), str) and r.get("heavy_tail") else ""
+        zs = fmt(z, 2)
+        if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
+            zs = f"[bold red]{zs}[/]"
+        tgt = target_cell(r)
+        short = SHORT_TARGET.get(r["target"], r["target"]) + tgt[len(r["target"]):]
+        t.add_row(escape(row_label(r)), short, f"{bias} ± {se}{mark}" if bias else "",
+                  pct(r["exact_rel_bias"]), _std_cell(r, r["rel_std"] if ok else math.nan),
+                  count(r.get("n_for_10pct", math.nan)), zs, fmt(r["frac_negative"], 2))
     return t
 
 
@@ -287,64 +333,50 @@ def gradient_table(g: pd.DataFrame) -> Table:
 
 
 def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str], exact_only: bool = False,
-                 lengths: dict[str, int] | None = None) -> None:
+                 lengths: dict[str, int] | None = None, wide: bool = False) -> None:
+    """Every table of a run (or of ``kl-bench exact``). Per case: the compact table, or the full one with
+    ``wide`` or where it fits a terminal. Side-by-side tables are printed where they fit (a pipe always
+    fits), else one line says where their numbers are."""
     for case in dict.fromkeys(df["case"]):
-        show(console, exact_table(df, case, descriptions[case]) if exact_only
-             else detail_table(df, case, descriptions[case]))
+        if exact_only:
+            show(console, exact_table(df, case, descriptions[case]))
+        else:
+            full = detail_table(df, case, descriptions[case])
+            if wide or (console.is_terminal and fits(console, full)):
+                show(console, full, wide)
+            else:
+                console.print(escape(heading(df, case, descriptions[case])), soft_wrap=True)
+                show(console, compact_table(df, case))
+                _captions(console, df, case)
         console.print()
-    if not exact_only and df["case"].nunique() > 1:
-        show(console, schulman_table(df[df["lambda"].isna()]))
-    if not exact_only and lengths:
-        console.print()
-        show(console, rollout_table(df, lengths))
-    if not exact_only and "sampler" in df and (df["sampler"].fillna("") != "").any():
-        console.print()
-        show(console, mismatch_table(df))
-    if not exact_only and "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
-        console.print()
-        show(console, lambda_table(df))
+    if exact_only:
+        return
+    extra = []
+    if df["case"].nunique() > 1:
+        extra.append(("side-by-side", schulman_table(df[df["lambda"].isna()])))
+    if lengths:
+        extra.append(("rollout", rollout_table(df, lengths)))
+    if "sampler" in df and (df["sampler"].fillna("") != "").any():
+        extra.append(("sampling mismatch", mismatch_table(df)))
+    if "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
+        extra.append(("control variate", lambda_table(df)))
+    for name, table in extra:
+        show_or_point(console, table, name, wide)
 
 
-def recommendations(df: pd.DataFrame) -> list[str]:
-    """One line per case: the estimator of KL(q||p) with the smallest RMSE for a batch mean of 64 draws
-    (and of 1024, when another wins there), the batch it needs for ±10% with 95% probability, and its
-    heavy-tail class. RMSE includes the bias against the true KL (exact where known). Only estimators of
-    sampled log-probs compete: pair-supplied rows (``full``) need the whole next-token distributions, and
-    rates per token (``tok_mean``, ``tok_batch``) estimate KL(q||p)/E|y|, another quantity."""
-    out = []
-    for case in dict.fromkeys(df["case"]):
-        c = df[(df["case"] == case) & (df["target"] == REVERSE) & (df["estimator"] != CV)
-               & ~df["estimator"].isin(list(PAIR_ROWS)) & ~df["aggregate"].isin(PER_TOKEN)]
-        c = c[c["rmse_b64"].astype(float).map(math.isfinite)]
-        if c.empty:
-            out.append(reference_recommendation(df, case) or f"{case}: no estimator of KL(q||p) has a finite RMSE here")
-            continue
-        best = c.loc[c["rmse_b64"].astype(float).idxmin()]
-        true = float(best["true_kl"])
-        rel = f", {best['rmse_b64'] / true:.3g}× the true KL" if math.isfinite(true) and true > 0 else ""
-        line = f"{case}: use {row_label(best)} (RMSE {fmt(best['rmse_b64'])} at a batch of 64{rel}"
-        big = c.loc[c["rmse_b1024"].astype(float).idxmin()]
-        if row_label(big) != row_label(best):
-            line += f"; at 1024 {row_label(big)}, RMSE {fmt(big['rmse_b1024'])}"
-        n = float(best["n_for_10pct"])
-        line += f"); ±10% with 95% probability needs a batch of {n:,.0f}" if math.isfinite(n) else \
-            "); no batch size brings it within ±10% (its bias alone is larger)"
-        if best.get("heavy_tail"):
-            line += f"; warning: {best['heavy_tail']}"
-        out.append(line)
-    return out
+def show_or_point(console: Console, table: Table, name: str, wide: bool = False) -> None:
+    """A secondary table where it fits the console (or with ``wide``); else one line pointing to it."""
+    if wide or fits(console, table):
+        show(console, table, wide)
+    else:
+        console.print(f"({name} table: {natural_width(console, table)} columns wide; --wide prints it, "
+                      "summary.csv holds every number)", markup=False, soft_wrap=True)
+    console.print()
 
 
-def reference_recommendation(df: pd.DataFrame, case: str) -> str | None:
-    """Where no exact value exists but a Monte Carlo reference does: the sampled-log-prob estimator with
-    the smallest measured RMSE at a batch of 64 against the reference, sqrt((mean − ref)² + std²/64)."""
-    c = df[(df["case"] == case) & (df["target"] == REVERSE) & (df["estimator"] != CV)
-           & ~df["estimator"].isin(list(PAIR_ROWS))]
-    if "ref_kl" not in c or c["ref_kl"].isna().all():
-        return None
-    rmse = ((c["mean"] - c["ref_kl"]) ** 2 + c["std"] ** 2 / 64) ** 0.5
-    if not rmse.map(math.isfinite).any():
-        return None
-    best = c.loc[rmse.idxmin()]
-    return (f"{case}: use {row_label(best)} (measured RMSE {fmt(float(rmse.min()))} at a batch of 64 against the "
-            f"reference, the full mean {fmt(best['ref_kl'])} ± {fmt(best['ref_se'], 2)}: Monte Carlo, no exact value)")
+def _captions(console: Console, df: pd.DataFrame, case: str) -> None:
+    rows = df[df["case"] == case]
+    if rows["heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
+        console.print("  † heavy tail: the measured std and se are not trustworthy", markup=False)
+    if any(_has_reference(r) for _, r in rows.iterrows()):
+        console.print("  ≈ no exact value: bias and z are against the Monte Carlo reference", markup=False)

@@ -142,8 +142,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             "z": z,
             "z_var": z_var,
             "frac_negative": float(neg.sum()) / n,
-            "sampler": (run.pair.sampler_label.removeprefix("sampler b: ") or "b ≠ q") if run.pair.has_sampler else "",
-            "support_miss": run.pair.support_miss,
+            **sampler_columns(run.pair),
             "heavy_tail": heavy,
         })
     ref = run.pair.reference_row()
@@ -181,6 +180,12 @@ def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
         out["z_ref"] = z_score(out["mean"], ref_mean, se, max(abs(out["mean"]), abs(ref_mean)))
 
 
+def sampler_columns(pair) -> dict[str, Any]:
+    """The sampler and support_miss columns of a pair's rows (summary and exact tables alike)."""
+    return {"sampler": (pair.sampler_label.removeprefix("sampler b: ") or "b ≠ q") if pair.has_sampler else "",
+            "support_miss": pair.support_miss}
+
+
 def exact_rows(pair, estimators) -> list[dict[str, Any]]:
     """Rows with only the exact columns filled: `kl-bench exact`."""
     rows = []
@@ -193,7 +198,7 @@ def exact_rows(pair, estimators) -> list[dict[str, Any]]:
                      "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate,
                      "target": est.target, "true_kl": true, "exact_mean": mean, "exact_std": std,
                      "exact_rel_bias": _div(mean - true, true) if math.isfinite(mean) else math.nan,
-                     "exact_rel_std": _div(std, true)})
+                     "exact_rel_std": _div(std, true), **sampler_columns(pair)})
     return rows
 
 

@@ -166,7 +166,7 @@ def test_run_prints_a_recommendation_and_a_rate_that_matches_its_time(spec, tmp_
     import json
     res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
     assert res.exit_code == 0
-    assert "g: use k3 (RMSE" in res.output and "±10% with 95% probability needs a batch of" in res.output
+    assert "g: to log, k3 (RMSE" in res.output and "±10% with 95% probability needs a batch of" in res.output
     env = json.loads((tmp_path / "o" / "run.json").read_text())
     # the rate is draws over the sampling time that is stated (run.json rounds the time to 1 ms)
     assert abs(env["draws_per_second"] * env["sampling_seconds"] - 20_000) <= env["draws_per_second"] * 0.0005 + 1
