@@ -5,6 +5,7 @@ The Python API (see README "Python API" and :mod:`kl_bench.api`):
 - :func:`run` (a spec path, :class:`Spec` or dict → :class:`Result`), :meth:`Result.write`,
   :meth:`Result.report`
 - :func:`exact` (the exact table, no sampling) and :func:`check` (the regression gate → CheckReport)
+- :func:`load_results` (a results folder → :class:`Result`, with its advice and report)
 - :func:`estimate` (per-token values of any estimator on a trainer's log-prob tensors)
 - :data:`ESTIMATORS` (a read-only mapping) and :func:`register_estimator` (plug-ins)
 
@@ -14,7 +15,7 @@ can install its signal handlers before torch loads.
 from .version import __version__  # noqa: F401  (in __all__)
 
 _EXPORTS = {
-    "CheckReport": "api", "Result": "api", "check": "api", "estimate": "api", "exact": "api", "load": "api",
+    "CheckReport": "api", "Result": "api", "check": "api", "estimate": "api", "exact": "api", "load": "api", "load_results": "api",
     "run": "api", "SpecError": "errors", "ESTIMATORS": "estimators", "Estimator": "estimators",
     "register_estimator": "estimators", "CASE_KINDS": "pairs", "Pair": "pairs", "register_kind": "pairs",
     "Spec": "spec", "load_spec": "spec", "parse_spec": "spec", "TARGETS": "targets",

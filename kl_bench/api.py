@@ -189,13 +189,48 @@ class Result:
         from .results import read_frame
         return read_frame(self._files["batches.csv"])
 
+    @classmethod
+    def stored(cls, folder: str | Path) -> "Result":
+        """A results folder read back (verified: kl_bench.verify) as a Result: its tables, run.json, the
+        advice and the report. What only a live run has (``spec``, ``pairs``, ``outcome``) is None."""
+        from .report import load_results as read
+        got = read(Path(folder))
+        self = cls.__new__(cls)
+        self.spec = self.outcome = self.device = None
+        self.pairs = []
+        self.summary, self.lambda_sweep, self.gradients = got.summary, got.sweep, got.gradients
+        self.envelope, self.path = got.envelope, got.path
+        from .verify import DATA_FILES
+        # The folder was just verified (sha256 of every file against run.json): its bytes, for write().
+        self._files = {n: (got.path / n).read_bytes() for n in DATA_FILES if (got.path / n).is_file()}
+        return self
+
     @property
     def draws(self) -> int:
+        if self.outcome is None:
+            return int(sum(self.summary.drop_duplicates("case")["draws"].fillna(0)))
         return sum(o.run.draws for o in self.outcome.cases)
 
     def descriptions(self) -> dict[str, str]:
         """Case name → one line describing its q and p."""
+        if not self.pairs:
+            cases = self.envelope.get("cases") or {}
+            return {c: str((cases.get(c) or {}).get("description", "")) for c in dict.fromkeys(self.summary["case"])}
         return {p.name: p.describe() for p in self.pairs}
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: per case the compact table (as `kl-bench run` prints at 80 columns), then the
+        advice."""
+        import html
+
+        from .display import compact_frame, heading
+        parts = [f"<h4>{html.escape(repr(self))}</h4>"]
+        for case, text in self.descriptions().items():
+            head = heading(self.summary, case, text).replace("\n", "<br>")
+            parts.append(f"<p><b>{html.escape(head).replace('&lt;br&gt;', '<br>')}</b></p>")
+            parts.append(compact_frame(self.summary, case).to_html(index=False, border=0))
+        parts.append("<ul>" + "".join(f"<li>{html.escape(a.text)}</li>" for a in self.recommendations()) + "</ul>")
+        return "\n".join(parts)
 
     def files(self) -> dict[str, bytes]:
         """The data files of the results folder (run.json is added by :meth:`write`)."""
@@ -249,8 +284,16 @@ class Result:
         return warnings(self.summary)
 
     def __repr__(self) -> str:
-        return (f"Result(experiment={self.spec.experiment.name!r}, cases={len(self.pairs)}, rows={len(self.summary)}, "
-                f"draws={self.draws:,})")
+        name = self.envelope.get("experiment", "")
+        where = f", path={str(self.path)!r}" if self.outcome is None else ""
+        return (f"Result(experiment={name!r}, cases={self.summary['case'].nunique()}, rows={len(self.summary)}, "
+                f"draws={self.draws:,}{where})")
+
+
+def load_results(folder: str | Path) -> Result:
+    """A results folder written by ``kl-bench run`` (or :meth:`Result.write`) as a :class:`Result`,
+    verified on reading; a missing, incomplete or corrupted folder is a one-line :class:`SpecError`."""
+    return Result.stored(folder)
 
 
 @single_threaded
@@ -301,6 +344,39 @@ class CheckReport:
         return pd.DataFrame([{"row": c.row, "statistic": c.statistic, "value": c.value, "reference": c.reference,
                               "se": c.se, "z": c.z, "p": c.p, "z_limit": c.threshold, "passed": c.passed}
                              for c in self.comparisons])
+
+    def to_json(self) -> bytes:
+        """The verdict and every comparison, for CI (``kl-bench check --json FILE``). Non-finite numbers
+        are written as null (JSON has no NaN or inf)."""
+        import json
+
+        def num(x):
+            return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+        doc = {"kl_bench_check": 1, "passed": self.passed, "verdict": self.verdict, "alpha": self.alpha,
+               "baseline": self.baseline, "notes": list(self.notes),
+               "comparisons": [{"row": c.row, "statistic": c.statistic, "value": num(c.value),
+                                "reference": num(c.reference), "se": num(c.se), "z": num(c.z), "p": num(c.p),
+                                "z_limit": num(c.threshold), "passed": bool(c.passed),
+                                **({} if c.passed else {"failure": c.sentence()})} for c in self.comparisons]}
+        return (json.dumps(doc, indent=1, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+    def to_junit(self) -> bytes:
+        """JUnit XML (one testcase per comparison, a failure element with its sentence), the format CI
+        systems display (``kl-bench check --junit FILE``)."""
+        from xml.etree import ElementTree as ET
+        suite = ET.Element("testsuite", name="kl-bench check", tests=str(len(self.comparisons)),
+                           failures=str(len(self.failures)), errors="0", skipped="0")
+        props = ET.SubElement(suite, "properties")
+        ET.SubElement(props, "property", name="alpha", value=f"{self.alpha:g}")
+        ET.SubElement(props, "property", name="baseline", value=self.baseline or "")
+        for c in self.comparisons:
+            case = ET.SubElement(suite, "testcase", classname=c.row, name=c.statistic)
+            if not c.passed:
+                ET.SubElement(case, "failure", message=c.sentence(), type="StatisticalRegression")
+        if self.notes:
+            ET.SubElement(suite, "system-out").text = "\n".join(self.notes)
+        ET.indent(suite)
+        return ET.tostring(suite, encoding="utf-8", xml_declaration=True) + b"\n"
 
     @property
     def verdict(self) -> str:

@@ -346,11 +346,19 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
           draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=_draws_flag,
                                               help="override [experiment] draws"),
           device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device"),
-          quiet: bool = typer.Option(False, "--quiet", "-q", help="print only failures and the verdict")) -> None:
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="print only failures and the verdict"),
+          json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                  help="also write the verdict and every comparison as JSON"),
+          junit: Optional[Path] = typer.Option(None, "--junit", metavar="FILE",
+                                               help="also write JUnit XML (one testcase per comparison)")) -> None:
     """Statistical regression gate: every statistic against its exact value and a stored baseline.
     Exit 0 when all pass, 1 when any fails, 2 for bad input."""
     from . import api
+    from .storage import check_output_file
     with _user_errors():
+        for path in (json_out, junit):
+            if path is not None:
+                check_output_file(path)
         if not 0 < alpha < 1:
             raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
         sp0 = api.load(spec)
@@ -378,8 +386,22 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     for c in rep.failures:
         out_console.print(f"FAIL {c.sentence()}", markup=False)
     out_console.print(rep.verdict, markup=False)
+    _write_reports({json_out: rep.to_json, junit: rep.to_junit})
     if not rep.passed:
         raise typer.Exit(1)
+
+
+def _write_reports(targets: dict) -> None:
+    """Machine-readable copies of the gate's verdict, written atomically (path → bytes maker)."""
+    from .storage import atomic_write_bytes, fs_error
+    for path, make in targets.items():
+        if path is None:
+            continue
+        with _user_errors():
+            try:
+                atomic_write_bytes(path, make())
+            except OSError as e:
+                raise fs_error(e, path) from None
 
 
 @app.command(cls=_Command)

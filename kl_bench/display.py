@@ -114,13 +114,14 @@ def heading(df: pd.DataFrame, case: str, description: str) -> str:
     return f"{case}: {description}" + (f"\n  {', '.join(truths)}" if truths else "")
 
 
-def compact_table(df: pd.DataFrame, case: str, tolerance: float = 0.1) -> Table:
-    """One case in ≤ 80 columns, one line per row: relative bias measured ± SE with the exact one, std/true,
-    the batch for ±10% with 95% probability, z and P(<0). The truth is in :func:`heading`; `--wide` gives
-    :func:`detail_table`."""
-    t = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1))
-    for col in ["estimator", "target", "bias/true ± se", "exact", "std/true", f"n ±{tolerance:.0%}", "z", "P(<0)"]:
-        t.add_column(col, justify="left" if col in ("estimator", "target") else "right", no_wrap=True)
+COMPACT_COLUMNS = ["estimator", "target", "bias/true ± se", "exact", "std/true", "n ±10%", "z", "P(<0)"]
+
+
+def compact_frame(df: pd.DataFrame, case: str) -> pd.DataFrame:
+    """One case's rows as the compact table shows them (strings, columns COMPACT_COLUMNS): relative bias
+    measured ± SE with the exact one, std/true († where its SE is not valid), the batch for ±10% with 95%
+    probability, z (against the reference where no exact value exists) and P(<0)."""
+    cells = []
     for _, r in df[df["case"] == case].iterrows():
         true, z = r["true_kl"], r["z"]
         if _has_reference(r):
@@ -129,14 +130,25 @@ def compact_table(df: pd.DataFrame, case: str, tolerance: float = 0.1) -> Table:
         bias = pct((r["mean"] - true) / abs(true)) if ok else ""
         se = pct(r["se"] / abs(true), sign=False) if ok else ""
         mark = "†" if isinstance(r.get("heavy_tail"), str) and r.get("heavy_tail") else ""
-        zs = fmt(z, 2)
-        if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
-            zs = f"[bold red]{zs}[/]"
-        tgt = target_cell(r)
-        short = SHORT_TARGET.get(r["target"], r["target"]) + tgt[len(r["target"]):]
-        t.add_row(escape(row_label(r)), short, f"{bias} ± {se}{mark}" if bias else "",
-                  pct(r["exact_rel_bias"]), _std_cell(r, r["rel_std"] if ok else math.nan),
-                  count(r.get("n_for_10pct", math.nan)), zs, fmt(r["frac_negative"], 2))
+        short = SHORT_TARGET.get(r["target"], r["target"]) + target_cell(r)[len(r["target"]):]
+        cells.append([row_label(r), short, f"{bias} ± {se}{mark}" if bias else "", pct(r["exact_rel_bias"]),
+                      _std_cell(r, r["rel_std"] if ok else math.nan), count(r.get("n_for_10pct", math.nan)),
+                      fmt(z, 2), fmt(r["frac_negative"], 2)])
+    return pd.DataFrame(cells, columns=COMPACT_COLUMNS)
+
+
+def compact_table(df: pd.DataFrame, case: str) -> Table:
+    """One case in ≤ 80 columns, one line per row (:func:`compact_frame`). The truth is in :func:`heading`;
+    `--wide` gives :func:`detail_table`."""
+    t = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1))
+    for col in COMPACT_COLUMNS:
+        t.add_column(col, justify="left" if col in ("estimator", "target") else "right", no_wrap=True)
+    for cells in compact_frame(df, case).itertuples(index=False):
+        cells = [escape(c) for c in cells]
+        z = cells[6]
+        if z and z not in ("inf", "-inf") and abs(float(z)) >= 5:
+            cells[6] = f"[bold red]{z}[/]"
+        t.add_row(*cells)
     return t
 
 

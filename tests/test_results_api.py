@@ -1,0 +1,89 @@
+"""A results folder from Python (issue 25, item 9): kl_bench.load_results, a notebook's view, and the
+gate's verdict as JSON and JUnit XML for CI."""
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from typer.testing import CliRunner
+
+import kl_bench
+from kl_bench.cli import app
+
+runner = CliRunner()
+
+SPEC = {"spec_version": 1,
+        "experiment": {"name": "lr", "draws": 20_000, "batches": 20, "device": "cpu", "estimators": ["k1", "k3"]},
+        "case": [{"name": "g", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.5, "std": 1.0}}]}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    res = kl_bench.run(SPEC)
+    return res, res.write(tmp_path_factory.mktemp("r") / "lr")
+
+
+def test_load_results_gives_back_the_tables_and_the_advice_of_the_run(written):
+    res, folder = written
+    back = kl_bench.load_results(folder)
+    assert back.summary.equals(res.summary)
+    assert back.envelope["spec_sha256"] == res.envelope["spec_sha256"]
+    assert back.descriptions() == res.descriptions()
+    assert [a.text for a in back.recommendations()] == [a.text for a in res.recommendations()]
+    assert back.draws == res.draws == 20_000
+    assert "path=" in repr(back) and "experiment='lr'" in repr(back)
+
+
+def test_a_loaded_result_writes_the_same_data_files(written, tmp_path):
+    _, folder = written
+    copy = kl_bench.load_results(folder).write(tmp_path / "copy")
+    for name in ("summary.csv", "batches.csv"):
+        assert (copy / name).read_bytes() == (folder / name).read_bytes()
+
+
+def test_load_results_of_a_bad_folder_is_a_spec_error(tmp_path):
+    with pytest.raises(kl_bench.SpecError, match="not a results folder"):
+        kl_bench.load_results(tmp_path / "nothing")
+
+
+def test_the_notebook_view_shows_each_case_and_the_advice(written):
+    res, _ = written
+    html = res._repr_html_()
+    assert html.count("<table") == 1 and "bias/true ± se" in html
+    assert "g: to log, " in html and "KL(q||p) = 0.125" in html
+
+
+def test_check_json_and_junit_agree_with_the_report(written, tmp_path):
+    _, folder = written
+    spec = tmp_path / "lr.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "lr"\ndraws = 20_000\nbatches = 20\ndevice = "cpu"\n'
+                    'estimators = ["k1", "k3"]\n[[case]]\nname = "g"\nkind = "gaussian"\n'
+                    'q = { mean = 0.0, std = 1.0 }\np = { mean = 0.5, std = 1.0 }\n')
+    res = runner.invoke(app, ["check", str(spec), "--results", str(folder), "--json", str(tmp_path / "c.json"),
+                              "--junit", str(tmp_path / "c.xml"), "-q"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "c.json").read_text())
+    rep = kl_bench.check(kl_bench.load_results(folder).summary)
+    assert doc["passed"] is True and len(doc["comparisons"]) == len(rep.comparisons) > 0
+    assert [c["z"] for c in doc["comparisons"]] == pytest.approx(list(rep.table["z"]))
+    suite = ET.parse(tmp_path / "c.xml").getroot()
+    assert suite.get("tests") == str(len(rep.comparisons)) and suite.get("failures") == "0"
+
+
+def test_a_failing_comparison_is_a_junit_failure_with_its_sentence(written):
+    res, _ = written
+    bad = res.summary.copy()
+    bad.loc[bad["estimator"] == "k1", "mean"] += 50 * bad.loc[bad["estimator"] == "k1", "se"]
+    rep = kl_bench.check(bad)
+    assert not rep.passed
+    suite = ET.fromstring(rep.to_junit())
+    failures = suite.findall("testcase/failure")
+    assert suite.get("failures") == str(len(failures)) == str(len(rep.failures)) > "0"
+    assert failures[0].get("message") == rep.failures[0].sentence()
+    doc = json.loads(rep.to_json())
+    assert doc["passed"] is False and any("failure" in c for c in doc["comparisons"])
+
+
+def test_check_json_onto_a_directory_is_one_line_and_exit_2(written, tmp_path):
+    _, folder = written
+    res = runner.invoke(app, ["check", "experiments/schulman.toml", "--results", str(folder), "--json", str(tmp_path)])
+    assert res.exit_code == 2 and res.output.startswith("error:") and len(res.output.strip().splitlines()) == 1
