@@ -16,7 +16,7 @@ from .distributed import SINGLE, Ranks
 from .draws import Row
 from .errors import SpecError
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
-from .estimators import make_cv, resolve_estimator
+from .estimators import FULL, make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import add_planning
@@ -60,6 +60,15 @@ def pilot_draws(draws: int, pair: Pair | None = None) -> int:
     return min(draws, max(10_000, draws // 10))
 
 
+def with_reference_row(rows: list[Row], pair: Pair) -> list[Row]:
+    """The rows, plus the pair's Monte Carlo reference row (e.g. ``tok:full``) where the case has no exact
+    value and the spec's estimators leave it out: every row's ref_kl and z_ref need it."""
+    ref = pair.reference_row()
+    if ref is None or ref in {r.label for r in rows}:
+        return rows
+    return rows + [r for r in as_rows([pair.adapt(FULL)], pair) if r.label == ref]
+
+
 def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                         progress: Callable[[int], None] | None = None, draws: int | None = None,
                         resume: torch.Tensor | None = None,
@@ -71,7 +80,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
     aggs = pair.aggregates
-    rows = as_rows([pair.adapt(resolve_estimator(n)) for n in exp.estimators], pair)
+    rows = with_reference_row(as_rows([pair.adapt(resolve_estimator(n)) for n in exp.estimators], pair), pair)
     cvs = as_rows([make_cv(lam) for lam in exp.lambdas], pair)
     # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
     # (against their exact E_b), but no sweep or cv_opt is made.

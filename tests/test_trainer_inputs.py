@@ -122,3 +122,19 @@ def test_logprobs_file_missing_key(tmp_path):
     torch.save({"logp_policy": torch.zeros(2, 2)}, tmp_path / "log.pt")
     with pytest.raises(SpecError, match="key 'logp_ref'.*no tensor named 'logp_ref'"):
         prepare(_spec({"kind": "logprobs", "file": str(tmp_path / "log.pt")}))
+
+
+def test_the_reference_is_reported_whatever_the_estimators_list(tmp_path):
+    """Issue 25 item 8: without `full` in the estimators, a log with kl_full still reports ref_kl and z_ref
+    (the reference row is added), and the advice names an estimator instead of "no finite RMSE"."""
+    log = _log()
+    with_full = kl_bench.run(_spec({"kind": "logprobs", **log}, estimators=("k1", "k3", "full"))).summary
+    res = kl_bench.run(_spec({"kind": "logprobs", **log}, estimators=("k1", "k3")))
+    df = res.summary
+    assert "full" in set(df["estimator"])                       # the reference row, added
+    k = df[df["estimator"].isin(["k1", "k3"])]
+    assert k["ref_kl"].notna().all() and k["z_ref"].notna().all()
+    cols = ["estimator", "aggregate", "mean", "ref_kl", "ref_se", "z_ref"]
+    assert df[cols].reset_index(drop=True).equals(with_full[cols].reset_index(drop=True))
+    value = [a for a in res.recommendations() if a.use == "value"][0]
+    assert value.row and "no estimator" not in value.text and "Monte Carlo" in value.text
