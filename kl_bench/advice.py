@@ -116,38 +116,46 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     if not plans:
         ref = _reference_advice(df, case, batch)
         return ref or Advice(case, "value", "", "no estimator of KL(q||p) has a finite RMSE here")
-    tol = _pct(tolerance)
-    hint = f"; {_sampler_hint(df[df['case'] == case])}" if _sampler(c) else ""
-    hint = "" if hint == "; " else hint
+    hint = _sampler_hint(df[df["case"] == case]) if _sampler(c) else ""
+    hint = f"; {hint}" if hint else ""
     reach = {i: p for i, p in plans.items() if _finite(p[1])}
     if not reach:      # never recommend what cannot reach the tolerance as if it could
         best = min(plans, key=lambda i: plans[i][0])
-        label = row_label(c.loc[best])
-        return Advice(case, "value", "", f"to log: no estimator of KL(q||p) gets within {tol} at any "
-                      f"batch size (each one's bias alone is larger; the lowest RMSE at {batch:,} is {label}'s, "
-                      f"{plans[best][2]:+.1%} biased){hint}")
+        return Advice(case, "value", "", f"to log: no estimator of KL(q||p) gets within {_pct(tolerance)} at "
+                      f"any batch size (each one's bias alone is larger; the lowest RMSE at {batch:,} is "
+                      f"{row_label(c.loc[best])}'s, {plans[best][2]:+.1%} biased){hint}")
     best = min(reach, key=lambda i: reach[i][0])
     r = c.loc[best]
-    err, n, rel = reach[best]
-    true = float(r["true_kl"])
-    scale = f", {err / true:.3g}× the KL" if _finite(true) and true > 0 else ""
-    line = (f"to log, {row_label(r)} (RMSE {fmt(err)} at a batch of {batch:,}{scale}); {tol} with "
-            f"{PROB:.0%} probability needs a batch of {n:,.0f}")
-    fewer = min(reach, key=lambda i: reach[i][1])
-    if reach[fewer][1] < n and fewer != best:
-        other = c.loc[fewer]
-        bias = "unbiased" if abs(reach[fewer][2]) < 1e-9 else f"{reach[fewer][2]:+.1%} biased"
-        line += f"; {row_label(other)} gets there with fewer draws ({reach[fewer][1]:,.0f}, {bias})"
-    lower = [i for i, p in plans.items() if i not in reach and p[0] < err]
-    if lower:
-        names = ", ".join(row_label(c.loc[i]) for i in lower)
-        line += f" ({names}: lower RMSE at {batch:,}, but biased beyond {tol} at any batch)"
-    if _finite(rel) and abs(rel) > 1e-6 and hint:
+    line = _best_line(r, reach[best], batch, tolerance) + _alternatives(c, plans, reach, best, batch, tolerance)
+    if _finite(reach[best][2]) and abs(reach[best][2]) > 1e-6:
         line += hint
     heavy = r.get("heavy_tail")
     if isinstance(heavy, str) and heavy:
         line += f"; warning: {heavy}"
     return Advice(case, "value", row_label(r), line)
+
+
+def _best_line(r, plan: tuple[float, float, float], batch: int, tolerance: float) -> str:
+    err, n, _ = plan
+    true = float(r["true_kl"])
+    scale = f", {err / true:.3g}× the KL" if _finite(true) and true > 0 else ""
+    return (f"to log, {row_label(r)} (RMSE {fmt(err)} at a batch of {batch:,}{scale}); {_pct(tolerance)} with "
+            f"{PROB:.0%} probability needs a batch of {n:,.0f}")
+
+
+def _alternatives(c: pd.DataFrame, plans: dict, reach: dict, best, batch: int, tolerance: float) -> str:
+    """What the user might pick instead: the estimator that reaches the tolerance with fewer draws, and
+    those with a lower RMSE at the batch that never reach it (named, so that they are not mistaken)."""
+    out = ""
+    fewer = min(reach, key=lambda i: reach[i][1])
+    if fewer != best and reach[fewer][1] < reach[best][1]:
+        bias = "unbiased" if abs(reach[fewer][2]) < 1e-9 else f"{reach[fewer][2]:+.1%} biased"
+        out += f"; {row_label(c.loc[fewer])} gets there with fewer draws ({reach[fewer][1]:,.0f}, {bias})"
+    lower = [i for i, p in plans.items() if i not in reach and p[0] < reach[best][0]]
+    if lower:
+        names = ", ".join(row_label(c.loc[i]) for i in lower)
+        out += f" ({names}: lower RMSE at {batch:,}, but biased beyond {_pct(tolerance)} at any batch)"
+    return out
 
 
 def _reference_advice(df: pd.DataFrame, case: str, batch: int) -> Advice | None:
