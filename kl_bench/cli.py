@@ -38,6 +38,8 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a messag
 
 _interrupt_reported = [False]
 
+DEFAULT_RUNS = Path("runs")        # where `kl-bench run` writes without --out (git-ignored)
+
 
 def _interrupted(message: str) -> None:
     """Say what an interrupt left behind, in one line, and exit 130."""
@@ -121,7 +123,7 @@ def _draws_flag(value: Optional[str]):
 
 @app.command(cls=_Command)
 def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
-        out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: results/<name>/]"),
+        out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: runs/<name>/]"),
         draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=_draws_flag,
                                             help="draws for every case (1e7 and 10_000_000 work, as in a spec): "
                                             "replaces [experiment] draws and each case's own draws"),
@@ -231,7 +233,9 @@ def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], 
             return _follow(prep, hs.ranks)
         self_signal("pairs")
         sp = prep.spec
-        out_dir = output_dir(out if out is not None else Path("results") / sp.experiment.name)
+        # runs/ (git-ignored), not results/: the committed results stay as committed when a user follows
+        # the README (tools/regenerate_results.sh writes results/<name> explicitly).
+        out_dir = output_dir(out if out is not None else DEFAULT_RUNS / sp.experiment.name)
         if resume and not (out_dir / CHECKPOINT).exists():      # before anything is created
             raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir),
                             key="--resume")
@@ -311,9 +315,9 @@ def _write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
 def report(dirs: list[Path] = typer.Argument(..., metavar="DIR", show_default=False,
                                              help="one or more results folders written by `kl-bench run`"),
            out: Optional[Path] = typer.Option(None, "--out", help="report folder [default: DIR/report, or "
-                                              "results/report for several folders]")) -> None:
+                                              "runs/report for several folders]")) -> None:
     """Plots, the paper-style table (LaTeX and Markdown) and a browsable report from results folders."""
-    target = out or (dirs[0] / "report" if len(dirs) == 1 else Path("results") / "report")
+    target = out or (dirs[0] / "report" if len(dirs) == 1 else DEFAULT_RUNS / "report")
     _write_report(dirs, target)
 
 

@@ -77,10 +77,11 @@ def test_flags_override_the_spec(write_spec, tmp_path):
     assert (pd.read_csv(tmp_path / "o" / "summary.csv")["draws"] == 3000).all()
 
 
-def test_default_output_folder_is_results_name(write_spec, tmp_path, monkeypatch):
+def test_default_output_folder_is_runs_name(write_spec, tmp_path, monkeypatch):
+    """runs/<name>/, git-ignored: following the README never rewrites the committed results/ (issue 25)."""
     monkeypatch.chdir(tmp_path)
     assert invoke("run", write_spec(GOOD), "--quiet").exit_code == 0
-    assert (tmp_path / "results" / "tiny" / "summary.csv").exists()
+    assert (tmp_path / "runs" / "tiny" / "summary.csv").exists() and not (tmp_path / "results").exists()
 
 
 def test_exact_prints_and_writes_without_sampling(write_spec, tmp_path):

@@ -170,7 +170,7 @@ def test_extreme_gaussian_through_the_real_command(tmp_path):
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "key 'q.std'" in proc.stderr
-    assert not (tmp_path / "out").exists() and not (tmp_path / "results").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
 
 
 # ----------------------------------------------------------------------------- logits files and tensors
