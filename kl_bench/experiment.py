@@ -79,7 +79,6 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     passes are split across processes; rank 0 does the rest and returns the outcome, the others None."""
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
-    aggs = pair.aggregates
     rows = with_reference_row(as_rows([pair.adapt(resolve_estimator(n)) for n in exp.estimators], pair), pair)
     cvs = as_rows([make_cv(lam) for lam in exp.lambdas], pair)
     # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
@@ -87,16 +86,9 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     joint = (bool(cvs) or exp.optimal) and not pair.has_sampler
     pilot_lambda, pilot_drawn = None, []
     if exp.optimal and joint:
-        # cv_opt's λ comes from an independent pilot stream, so its scored variance is honest:
-        # a λ fitted on the very draws it is scored on would look better than it is.
-        pilot = run_case(pair, [], draws=pilot_draws(exp.draws, pair), seed=exp.seed, batches=exp.batches,
-                         chunk=exp.chunk, device=device, joint=True, stream="pilot", ranks=ranks)
-        # Rank 0 holds the pilot's sums; every rank needs the λ (the cv_opt row is drawn everywhere).
-        lams = ranks.broadcast([lambda_star_mc(pilot, agg)[0] for agg in aggs] if ranks.root else None)
-        pilot_drawn = pilot.drawn
-        for agg, lam in zip(aggs, lams):
-            pilot_lambda = lam if math.isfinite(lam) else 0.0
-            cvs.append(Row(make_cv(pilot_lambda, fitted=True), agg))
+        fitted, pilot_drawn = _pilot_rows(pair, exp, device, ranks)
+        cvs += fitted
+        pilot_lambda = fitted[-1].est.lam
     run = run_case(pair, rows + cvs, draws=exp.draws, seed=exp.seed, batches=exp.batches, chunk=exp.chunk,
                    device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums, ranks=ranks)
     if not ranks.root:
@@ -107,22 +99,37 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
     for r, row in zip(run.rows, out):
         add_planning(row, r.group)
         row["p_neg_b64"] = small[r.label]
-    sweeps = []
-    for agg in aggs if joint else ():
-        exact_joint = pair.exact_joint(agg)
-        star, (star_mc, star_se) = exact_joint.lambda_star, lambda_star_mc(run, agg)
-        best_std = math.sqrt(exact_joint.var(star)) if math.isfinite(star) else math.nan
-        for r, row in zip(run.rows, out):
-            if r.est.lam is not None and r.aggregate == agg:
-                row.update(lambda_star=star, lambda_star_mc=star_mc, lambda_star_mc_se=star_se,
-                           excess_std=_excess(row["exact_std"], best_std))
-        measured = {float(r.est.lam): row["frac_negative"] for r, row in zip(run.rows, out)
-                    if r.est.lam is not None and not r.est.fitted and r.aggregate == agg}
-        sweeps.append(sweep_frame(run, agg, exact_joint, pair.kl(),
-                                  lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a),
-                                  measured))
+    sweeps = [_lambda_sweep(pair, run, out, agg) for agg in (pair.aggregates if joint else ())]
     return CaseOutcome(run, out, pd.concat(sweeps, ignore_index=True) if sweeps else None, pilot_lambda,
                        values[:RESERVOIR], pilot_drawn)
+
+
+def _pilot_rows(pair: Pair, exp: Experiment, device: torch.device, ranks: Ranks) -> tuple[list[Row], list]:
+    """cv_opt's rows, one per aggregate, with λ fitted on an independent pilot stream, so that its scored
+    variance is honest (a λ fitted on the very draws it is scored on would look better than it is)."""
+    pilot = run_case(pair, [], draws=pilot_draws(exp.draws, pair), seed=exp.seed, batches=exp.batches,
+                     chunk=exp.chunk, device=device, joint=True, stream="pilot", ranks=ranks)
+    # Rank 0 holds the pilot's sums; every rank needs the λ (the cv_opt row is drawn everywhere).
+    lams = ranks.broadcast([lambda_star_mc(pilot, agg)[0] for agg in pair.aggregates] if ranks.root else None)
+    fitted = [Row(make_cv(lam if math.isfinite(lam) else 0.0, fitted=True), agg)
+              for agg, lam in zip(pair.aggregates, lams)]
+    return fitted, pilot.drawn
+
+
+def _lambda_sweep(pair: Pair, run: CaseRun, out: list[dict], agg: str) -> pd.DataFrame:
+    """λ*'s columns of the cv rows on one aggregate (exact, and measured with its SE), and the sweep's
+    frame: the exact std and P(<0) of cv(λ) over a grid, with the measured values of the rows run."""
+    exact_joint = pair.exact_joint(agg)
+    star, (star_mc, star_se) = exact_joint.lambda_star, lambda_star_mc(run, agg)
+    best_std = math.sqrt(exact_joint.var(star)) if math.isfinite(star) else math.nan
+    for r, row in zip(run.rows, out):
+        if r.est.lam is not None and r.aggregate == agg:
+            row.update(lambda_star=star, lambda_star_mc=star_mc, lambda_star_mc_se=star_se,
+                       excess_std=_excess(row["exact_std"], best_std))
+    measured = {float(r.est.lam): row["frac_negative"] for r, row in zip(run.rows, out)
+                if r.est.lam is not None and not r.est.fitted and r.aggregate == agg}
+    return sweep_frame(run, agg, exact_joint, pair.kl(),
+                       lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a), measured)
 
 
 BATCH_SCHEMA: dict[str, str] = {
@@ -248,20 +255,25 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
     rows = [row for o in outcomes if o is not None for row in o.rows]
     drawn = {o.run.pair.name: {**({"pilot": o.pilot_drawn} if o.pilot_drawn else {}), "main": o.run.drawn}
              for o in outcomes if o is not None}
-    grads = None
-    if exp.gradients:
-        ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
-        grad_rows = []
-        for pair, n in zip(pairs, case_draws):
-            if on_phase is not None:
-                on_phase(f"{pair.name} (gradients)")
-            grad_rows += G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device,
-                                         progress=progress, ranks=ranks, drawn=drawn.get(pair.name))
-        grads = G.to_frame(grad_rows)
+    grads = _gradient_pass(spec, pairs, device, progress, on_phase, ranks, drawn) if exp.gradients else None
     if not ranks.root:
         return None
     summary = add_sweep_columns(to_frame(rows), spec)
     return SpecOutcome(summary, outcomes, case_draws, time.perf_counter() - t0, grads, ranks.world_size, drawn)
+
+
+def _gradient_pass(spec, pairs: list[Pair], device: torch.device, progress, on_phase, ranks: Ranks,
+                   drawn: dict) -> pd.DataFrame:
+    """gradients.csv's rows: every estimator × mode of every case, on its own draws."""
+    exp = spec.experiment
+    ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
+    grad_rows = []
+    for pair, n in zip(pairs, spec.case_draws()):
+        if on_phase is not None:
+            on_phase(f"{pair.name} (gradients)")
+        grad_rows += G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device,
+                                     progress=progress, ranks=ranks, drawn=drawn.get(pair.name))
+    return G.to_frame(grad_rows)
 
 
 def add_sweep_columns(summary: pd.DataFrame, spec) -> pd.DataFrame:
