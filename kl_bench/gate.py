@@ -13,6 +13,7 @@ the std comparisons, and rows with an infinite variance skip the mean's too: the
 """
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import json
 import math
@@ -185,9 +186,12 @@ def make_baseline(df: pd.DataFrame, spec) -> dict[str, Any]:
                 v = None
             row[k] = v.item() if hasattr(v, "item") else v
         rows.append(row)
-    return {"kl_bench_baseline": BASELINE_VERSION, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(
-            timespec="seconds"), "spec_name": spec.experiment.name, "spec_sha256": spec.sha256,
-            "seed": spec.experiment.seed, "rows": rows}
+    out = {"kl_bench_baseline": BASELINE_VERSION, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(
+           timespec="seconds"), "spec_name": spec.experiment.name, "spec_sha256": spec.sha256,
+           "seed": spec.experiment.seed, "rows": rows}
+    # What load_baseline would refuse is never stored (a NaN mean, a negative se, a repeated row).
+    normalize_baseline(copy.deepcopy(out), f"the baseline of {spec.path}")
+    return out
 
 
 def baseline_bytes(baseline: dict[str, Any]) -> bytes:

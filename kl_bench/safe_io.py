@@ -49,6 +49,7 @@ CAPS: dict[str, int] = {
     "reservoir.npz": 2 * GiB,
     "checkpoint": 2 * GiB,       # float64 sums: batches × features per case
     "prompts": 256 * MiB,
+    "model config": 16 * MiB,    # config.json and tokenizer_config.json of a model folder
 }
 
 

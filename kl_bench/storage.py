@@ -179,6 +179,11 @@ def write_results(out_dir: Path, files: dict[str, bytes], envelope: dict[str, An
 _COMMITTED: set[str] = set()
 
 
+def written_folders() -> list[str]:
+    """Every folder this process has swapped new contents into (for the line an interrupt prints)."""
+    return sorted(_COMMITTED)
+
+
 def committed(out_dir: Path) -> bool:
     """Whether this process has swapped new contents into ``out_dir`` (see :func:`write_folder`)."""
     return str(Path(output_dir(Path(out_dir))).absolute()) in _COMMITTED
