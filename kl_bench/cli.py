@@ -269,6 +269,7 @@ def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], 
         try:
             self_signal("write")
             result.write_files(out_dir)
+            self_signal("written")
             remove_checkpoint(out_dir)
         except KeyboardInterrupt:
             _interrupted(_interrupt_line(out_dir, "results", "earlier results in {out} are untouched"))
@@ -312,6 +313,7 @@ def _write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
         out = check_output_dir(out)
         try:
             write_report(dirs, out)
+            self_signal("report-written")
         except KeyboardInterrupt:
             _interrupted(_interrupt_line(out, "report files", "an earlier report in {out} is untouched"))
         except OSError as e:
@@ -497,7 +499,7 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
 
 
 # Test hook: "PHASE" or "PHASE:SIGTERM" makes the process signal itself at that phase of start-up or
-# writing (start, spec, pairs, write), so that the signal tests need no sleeps.
+# writing (start, pairs, write, written, report-written), so that the signal tests need no sleeps.
 _SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,6 +362,22 @@ def check_logits(logits: torch.Tensor, what: str) -> None:
         raise SpecError(f"{what}: a row of logits is all −inf (no token has probability > 0)")
 
 
+# The standard errors of a variance use 4th powers of per-draw values: |log r| beyond (float64 max)^{1/4}
+# ≈ 1.16e77 overflows them (and k2 = ½(log r)² squared), so the run would end in inf − inf = NaN.
+MAX_ABS_LOG_RATIO = sys.float_info.max ** 0.25
+
+
+def log_ratio_problem(logr: torch.Tensor) -> str | None:
+    """Why finite log-ratios ``logr`` (any shape; ±inf entries are zero probabilities, allowed) cannot be
+    benchmarked in float64, or None."""
+    finite = logr[torch.isfinite(logr)]
+    worst = float(finite.abs().max()) if finite.numel() else 0.0
+    if worst >= MAX_ABS_LOG_RATIO:
+        return (f"a log-ratio log p − log q reaches {worst:.3g}; beyond {MAX_ABS_LOG_RATIO:.3g} its 4th power "
+                "overflows float64")
+    return None
+
+
 def check_derived(source: torch.Tensor, derived: torch.Tensor, side: str, src) -> None:
     """A table derived by temperature and noise must stay finite wherever its source is: a temperature
     near 0 or a huge noise overflows float64 to ±inf, and inf − inf in the softmax is NaN."""
@@ -403,6 +420,7 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
             raw[side] = base
             check_derived(raw[src.source], base, side, src)
     lq, lp = raw["q"], raw["p"]
+    derived = next((side for side, src in (("p", p), ("q", q)) if isinstance(src, DerivedLogits)), None)
     if lq.shape != lp.shape:
         if lq.shape[1] != lp.shape[1]:
             raise SpecError(f"q has vocabulary {lq.shape[1]} but p has {lp.shape[1]}", key="p")
@@ -411,7 +429,14 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
             lq, lp = lq.expand(b, -1), lp.expand(b, -1)
         else:
             raise SpecError(f"q has {lq.shape[0]} contexts but p has {lp.shape[0]}", key="p")
-    return torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)
+    lq, lp = torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)
+    problem = log_ratio_problem(torch.where(torch.isfinite(lq), lp - lq, torch.zeros_like(lq)))
+    if problem:
+        src = {"p": p, "q": q}.get(derived)
+        key = (f"{derived}.noise" if src.noise > 0 and src.temperature == 1 else f"{derived}.temperature") \
+            if derived else "p"
+        raise SpecError(f"{problem} (extreme logits?)", key=key)
+    return lq, lp
 
 
 def sampler_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,

@@ -56,9 +56,9 @@ def check_output_file(path: Path) -> Path:
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
         raise SpecError("must name a file", file=str(path), key="--out")
+    _check_name_length(path)
     if path.is_dir():
         raise SpecError("is a folder; give a file name", file=str(path), key="--out")
-    _check_name_length(path)
     check_write_target(path, key="--out")       # a symlink or /dev/null is refused, never replaced
     _check_parent_writable(path)
     return path
@@ -80,6 +80,7 @@ def _check_name_length(path: Path) -> None:
 def output_dir(path: Path) -> Path:
     """The folder results go to: a symlink to a folder is followed (the link itself stays)."""
     path = Path(path)
+    _check_name_length(path)
     return path.resolve() if path.is_symlink() and path.resolve().is_dir() else path
 
 
@@ -90,8 +91,8 @@ def check_output_dir(path: Path) -> Path:
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
         raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key="--out")
-    path = output_dir(path)
     _check_name_length(path)
+    path = output_dir(path)
     check_dir_target(path, key="--out")
     _check_parent_writable(path)
     return path
@@ -247,8 +248,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
 
 def _stage_file(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666 & ~_UMASK)
-    with os.fdopen(fd, "wb") as fh:
+    with open(path, "xb") as fh:        # O_CREAT | O_EXCL: a new file, never one a symlink points to
         _write_file(fh, data)
 
 
