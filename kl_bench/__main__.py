@@ -4,8 +4,14 @@ import signal
 import sys
 
 
+_seen = [0]
+
+
 def _on_signal(signum, frame):
-    raise KeyboardInterrupt
+    # The first signal stops start-up; later ones (Ctrl-C pressed again) are ignored: one line, exit 130.
+    _seen[0] += 1
+    if _seen[0] == 1:
+        raise KeyboardInterrupt
 
 
 def entry() -> None:
@@ -14,6 +20,8 @@ def entry() -> None:
     try:
         from .cli import main
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.stderr.write("interrupted: nothing was written\n")
         sys.exit(130)
     main()

@@ -250,7 +250,9 @@ class Result:
     def write_files(self, directory: str | Path) -> Path:
         """:meth:`write` for a caller that already holds the folder's lock (the CLI, which checkpoints)."""
         from .storage import write_results
+        from .verify import refuse_undefined_statistics
         directory = Path(directory)
+        refuse_undefined_statistics(self.summary, str(self.spec.path))
         write_results(directory, self._files, self.envelope)
         self.path = directory
         return directory
@@ -264,6 +266,8 @@ class Result:
             return write_report([self.path], Path(directory) if directory else self.path / "report")
         if directory is None:
             raise SpecError("give report() a folder, or write() the results first")
+        from .verify import refuse_undefined_statistics
+        refuse_undefined_statistics(self.summary, str(self.spec.path))
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / self.spec.experiment.name
             from .storage import write_results
@@ -332,7 +336,8 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.comparisons)
+        """All comparisons passed, and there was at least one: a gate that compared nothing fails."""
+        return bool(self.comparisons) and all(c.passed for c in self.comparisons)
 
     @property
     def failures(self) -> list["Comparison"]:
@@ -381,6 +386,9 @@ class CheckReport:
     @property
     def verdict(self) -> str:
         n, bad = len(self.comparisons), len(self.failures)
+        if n == 0:
+            return ("check: FAILED: nothing was compared (no row has an exact value or a baseline row to compare "
+                    "with), so nothing was verified" + (f"; baseline {self.baseline}" if self.baseline else ""))
         return (f"check: {n - bad} passed, {bad} failed ({n} comparisons against exact values"
                 + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
 

@@ -278,12 +278,12 @@ def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], 
         try:
             self_signal("write")
             result.write_files(out_dir)
+            self_signal("written")
+            remove_checkpoint(out_dir)
         except KeyboardInterrupt:
-            _interrupted(f"interrupted while writing: no results were written; earlier results in {out_dir} "
-                         "are untouched")
+            _interrupted(_interrupt_line(out_dir, "results", "earlier results in {out} are untouched"))
         except OSError as e:
             raise fs_error(e, out_dir) from None
-        remove_checkpoint(out_dir)
     if not quiet:
         from .display import gradient_table, print_tables, show_or_point
         df = result.summary
@@ -303,10 +303,26 @@ def _run(hs: _Handshake, spec: Path, out: Optional[Path], draws: Optional[int], 
         _write_report([out_dir], out_dir / "report", quiet)
 
 
+def _interrupt_line(out: Path, what: str, untouched: str) -> str:
+    """The truth after an interrupt while ``out`` was being written: whether the new contents are in."""
+    from .storage import committed
+    if committed(out):
+        return f"interrupted after the {what} were written to {out} (they are complete)"
+    return f"interrupted while writing: no {what} were written; " + untouched.format(out=out)
+
+
 def _write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
     from .report import write_report
+    from .storage import check_output_dir, fs_error
     with _user_errors():
-        write_report(dirs, out)
+        out = check_output_dir(out)
+        try:
+            write_report(dirs, out)
+            self_signal("report-written")
+        except KeyboardInterrupt:
+            _interrupted(_interrupt_line(out, "report files", "an earlier report in {out} is untouched"))
+        except OSError as e:
+            raise fs_error(e, out, "cannot write the report") from None
     if not quiet:
         out_console.print(f"report → {out}/report.html ({len(list((out / 'figures').glob('*.png')))} figures)")
 
@@ -516,18 +532,38 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
 
 
 # Test hook: "PHASE" or "PHASE:SIGTERM" makes the process signal itself at that phase of start-up or
-# writing (start, spec, pairs, write), so that the signal tests need no sleeps.
+# writing (start, pairs, write, written, report-written), so that the signal tests need no sleeps.
 _SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
 
 
 def self_signal(phase: str) -> None:
+    """A phase boundary: the test hook above, and the place where a signal that some library swallowed
+    (a KeyboardInterrupt raised inside a finaliser is only printed) still stops the run before it writes."""
     want = os.environ.get(_SELF_SIGNAL_ENV, "")
     if want.split(":")[0] == phase:
         os.kill(os.getpid(), signal.SIGTERM if want.endswith(":SIGTERM") else signal.SIGINT)
+    if _signals_seen[0]:
+        raise KeyboardInterrupt
+
+
+# Signals received so far: the first raises KeyboardInterrupt, later ones (Ctrl-C pressed three times,
+# SIGTERM during the shutdown that the first began) are counted and ignored, so the exit is the first's
+# one line and code 130, never a second traceback or a death by signal.
+_signals_seen = [0]
 
 
 def _on_signal(signum, frame):
-    raise KeyboardInterrupt
+    _signals_seen[0] += 1
+    if _signals_seen[0] == 1:
+        raise KeyboardInterrupt
+
+
+def _interrupted_anywhere() -> str:
+    """The line for an interrupt the command did not report itself: what this process has written."""
+    storage = sys.modules.get("kl_bench.storage")      # never imported (with torch) just to say nothing
+    written = storage.written_folders() if storage is not None else []
+    return (f"interrupted after writing {', '.join(written)} (complete)" if written
+            else "interrupted: nothing was written")
 
 
 def _is_abort(e: BaseException) -> bool:
@@ -545,7 +581,10 @@ def main(argv: list[str] | None = None) -> None:
         self_signal("start")
         rv = app(args=argv, standalone_mode=False, prog_name="kl-bench")
         if rv == 130 and not _interrupt_reported[0]:     # typer turns a Ctrl-C in a command into 130
-            err_console.print("interrupted: nothing was written", markup=False)
+            err_console.print(_interrupted_anywhere(), markup=False)
+        if _signals_seen[0] and rv in (0, None):         # a signal some library swallowed: not a success
+            err_console.print(_interrupted_anywhere(), markup=False)
+            rv = 130
         sys.exit(rv if isinstance(rv, int) else 0)
     except NoArgsIsHelpError as e:
         print(e.ctx.get_help() if e.ctx is not None else str(e))
@@ -558,8 +597,11 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, typer.Abort, RuntimeError) as e:
         if not isinstance(e, KeyboardInterrupt) and not _is_abort(e):
             raise
-        err_console.print("interrupted: nothing was written", markup=False)
+        if not _interrupt_reported[0]:
+            err_console.print(_interrupted_anywhere(), markup=False)
         sys.exit(130)
+    finally:
+        _ignore_signals()          # the outcome is said: a signal during shutdown must not add to it
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from typing import Any, Callable
 
 from .errors import SpecError
@@ -36,8 +37,14 @@ def convert(v: Any, kind: str, err: Callable[[str], SpecError]) -> Any:
     if kind == "float":
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise err(f"must be a number, got {typename(v)} {v!r}")
+        if isinstance(v, int) and abs(v) > 1e308:       # float(v) would raise OverflowError
+            raise err("must be a finite number, got an integer beyond float64's range")
         if not math.isfinite(v):
             raise err(f"must be finite, got {v!r}")
+        # Subnormal numbers (0 < |v| < 2.2e-308) have lost precision, and 1/v overflows float64: no
+        # parameter means such a value (a temperature of 1e-320 would divide logits by zero).
+        if v != 0 and abs(v) < sys.float_info.min:
+            raise err(f"must be 0 or at least {sys.float_info.min:.3g} in magnitude (a subnormal number), got {v!r}")
         return float(v)
     if kind == "str":
         if not isinstance(v, str):

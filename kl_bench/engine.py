@@ -31,6 +31,7 @@ from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
 from .pairs.base import Pair
 from .seeding import batch_generator, batch_sizes, batch_streams
+from .storage import check_resumed_sums
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
 
@@ -160,6 +161,9 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     if resume is not None and resume.shape[0]:
         if resume.shape[1] != len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks):
             raise SpecError("checkpoint does not match this spec's estimators; delete it or run without --resume")
+        bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes)
+        if bad:
+            raise SpecError(f"checkpoint of case '{pair.name}' {bad} (corrupted?); delete it or run without --resume")
         out.append(resume.to(torch.float64))
         first = resume.shape[0]
         if progress is not None:

@@ -176,13 +176,16 @@ def _checked(est: Estimator) -> Estimator:
             out = user_fn(logr)
         except SpecError:
             raise
-        except Exception as e:
+        except (Exception, SystemExit) as e:      # sys.exit() in a plug-in must not end kl-bench with exit 0
             raise SpecError(f"estimator '{est.name}' raised {e.__class__.__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
         if not isinstance(out, torch.Tensor) or out.shape != logr.shape:
             got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise SpecError(f"estimator '{est.name}' must return a tensor of the input's shape "
                             f"{list(logr.shape)}, got {got}")
+        if out.requires_grad and not logr.requires_grad:
+            raise SpecError(f"estimator '{est.name}' returned a tensor that requires grad (it uses a parameter): "
+                            "return a function of log r alone")
         bad = torch.isnan(out) & ~torch.isnan(logr)
         if bool(bad.any()):
             x = float(logr[bad].reshape(-1)[0])

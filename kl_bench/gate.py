@@ -13,6 +13,7 @@ the std comparisons, and rows with an infinite variance skip the mean's too: the
 """
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import json
 import math
@@ -26,6 +27,7 @@ from scipy import stats
 from .draws import row_label
 from .errors import SpecError
 from .estimators import CV_OPT
+from .safe_io import parse_json, read_regular
 from .stats import HeavyTail, z_score
 
 BASELINE_VERSION = 1
@@ -95,9 +97,10 @@ def _dof(*parts: tuple[float, float]) -> float:
 
 
 def _tail(z: float, dof: float) -> float:
-    """Two-sided p-value of z under Student-t with ``dof`` degrees of freedom (normal when inf)."""
+    """Two-sided p-value of z under Student-t with ``dof`` degrees of freedom (normal when inf). A NaN z
+    (a NaN statistic or reference) has p = 0: the gate fails it rather than pass a number it cannot read."""
     if math.isnan(z):
-        return 1.0
+        return 0.0
     return float(2 * (stats.norm.sf(abs(z)) if math.isinf(dof) else stats.t.sf(abs(z), dof)))
 
 
@@ -183,9 +186,12 @@ def make_baseline(df: pd.DataFrame, spec) -> dict[str, Any]:
                 v = None
             row[k] = v.item() if hasattr(v, "item") else v
         rows.append(row)
-    return {"kl_bench_baseline": BASELINE_VERSION, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(
-            timespec="seconds"), "spec_name": spec.experiment.name, "spec_sha256": spec.sha256,
-            "seed": spec.experiment.seed, "rows": rows}
+    out = {"kl_bench_baseline": BASELINE_VERSION, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(
+           timespec="seconds"), "spec_name": spec.experiment.name, "spec_sha256": spec.sha256,
+           "seed": spec.experiment.seed, "rows": rows}
+    # What load_baseline would refuse is never stored (a NaN mean, a negative se, a repeated row).
+    normalize_baseline(copy.deepcopy(out), f"the baseline of {spec.path}")
+    return out
 
 
 def baseline_bytes(baseline: dict[str, Any]) -> bytes:
@@ -199,19 +205,16 @@ def baseline_bytes(baseline: dict[str, Any]) -> bytes:
 def load_baseline(path: Path) -> dict[str, Any]:
     """Read and validate a baseline; a truncated or corrupted file is a one-line SpecError."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise SpecError("baseline file not found (make one with `kl-bench baseline SPEC`)", file=str(path))
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SpecError(f"baseline is not valid JSON (truncated or corrupted?): {e}", file=str(path)) from None
+    data = parse_json(read_regular(path, "baseline"), path, "baseline")
     return normalize_baseline(data, str(path))
 
 
 # Baseline fields by type: numbers that every row must have, numbers that may be null (NaN: make_baseline
 # writes NaN as null, e.g. the se of a row whose estimates are infinite), text.
-_REQUIRED_NUMBERS = ("draws",)
-_OPTIONAL_NUMBERS = ("mean", "std", "se", "lambda", "std_se", "exact_mean", "exact_std", "batches")
+_REQUIRED_NUMBERS = ("draws", "mean")
+_OPTIONAL_NUMBERS = ("std", "se", "lambda", "std_se", "exact_mean", "exact_std", "batches")
 _REQUIRED_TEXT = ("case", "estimator", "target")
 _OPTIONAL_TEXT = ("aggregate", "heavy_tail")
 _INF_TEXT = {"inf": math.inf, "infinity": math.inf, "+inf": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
@@ -267,8 +270,14 @@ def normalize_baseline(data: Any, where: str = "baseline") -> dict[str, Any]:
             r[k] = _baseline_number(r.get(k), f"{name}: {k}", where, k in _REQUIRED_NUMBERS)
         if not (math.isfinite(r["draws"]) and r["draws"] >= 1 and r["draws"] == int(r["draws"])):
             raise SpecError(f"{name}: draws must be a whole number ≥ 1, got {r['draws']:g}", file=where)
-        if r["se"] < 0 or r["std"] < 0:        # NaN compares False: allowed
-            raise SpecError(f"{name}: std and se must be ≥ 0, got std {r['std']:g}, se {r['se']:g}", file=where)
+        if r["se"] < 0 or r["std"] < 0 or r["std_se"] < 0:        # NaN compares False: allowed
+            raise SpecError(f"{name}: std, se and std_se must be ≥ 0, got std {r['std']:g}, se {r['se']:g}, "
+                            f"std_se {r['std_se']:g}", file=where)
+        if math.isfinite(r["mean"]) and (math.isnan(r["se"]) or math.isnan(r["std"])):
+            raise SpecError(f"{name}: se and std must be numbers where the mean is finite (corrupted baseline?)",
+                            file=where)
+        if not (math.isnan(r["batches"]) or (r["batches"] >= 1 and r["batches"] == int(r["batches"]))):
+            raise SpecError(f"{name}: batches must be a whole number ≥ 1, got {r['batches']:g}", file=where)
         r["aggregate"] = r["aggregate"] or ""
         r["heavy_tail"] = r["heavy_tail"] or ""
         key = row_key(r)

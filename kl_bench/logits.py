@@ -8,6 +8,8 @@ must keep its digits there.
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +20,7 @@ import torch
 from .config import BYTES_PER_CELL, Table, check_memory, fmt_count, nonnegative, positive
 from .errors import SpecError
 from .registry import did_you_mean
+from .safe_io import load_npy, open_regular
 
 
 @dataclass(frozen=True)
@@ -245,13 +248,27 @@ def read_logits_file(path: Path, key: str | None = None, mask: Path | None = Non
 
 
 def read_tensor_file(path: Path, key: str | None = None, what: str = "logits") -> torch.Tensor:
-    """One numeric tensor from .npy, .pt or .safetensors, as float64 (any shape; see read_logits_file)."""
-    if not path.exists():
+    """One numeric tensor from .npy, .pt or .safetensors, as float64 (any shape; see read_logits_file).
+    Only a regular file is opened, within half of this machine's memory (kl_bench.safe_io); a .npy header
+    is checked against the file's size before numpy allocates the array."""
+    if not path.exists() and not path.is_symlink():
         raise SpecError(f"{what} file not found: {path}")
     suffix = path.suffix.lower()
+    if suffix not in (".npy", ".pt", ".safetensors"):
+        raise SpecError(f"{path}: {what} files must end in .npy, .pt or .safetensors, got '{suffix}'")
+    try:
+        fh = open_regular(path, "tensor", what)
+    except SpecError as e:
+        raise SpecError(f"{e.file}: {e.message}") from None
+    with fh:
+        return _read_tensor(fh, path, suffix, key, what)
+
+
+def _read_tensor(fh, path: Path, suffix: str, key: str | None, what: str) -> torch.Tensor:
+    size = os.fstat(fh.fileno()).st_size
     try:
         if suffix == ".npy":
-            arr = np.load(path, allow_pickle=False)
+            arr = load_npy(fh, size, str(path))
             if what == "mask" and arr.dtype == np.bool_:
                 arr = arr.astype(np.uint8)
             if not np.issubdtype(arr.dtype, np.number):
@@ -266,7 +283,7 @@ def read_tensor_file(path: Path, key: str | None = None, what: str = "logits") -
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:
-                    obj = torch.load(path, map_location="cpu", weights_only=True)
+                    obj = torch.load(fh, map_location="cpu", weights_only=True)
                 except Exception as e:
                     first = str(e).splitlines()[0] if str(e) else "unreadable"
                     if "weights only load failed" in first.lower() or e.__class__.__name__ == "UnpicklingError":
@@ -279,29 +296,30 @@ def read_tensor_file(path: Path, key: str | None = None, what: str = "logits") -
             if not isinstance(obj, torch.Tensor):
                 raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), "
                                 f"got {type(obj).__name__}")
+            if obj.is_meta:
+                raise SpecError(f"{path}: holds a meta tensor (a shape without data): save the values")
             msg = unsupported_array(obj)
             if msg:
                 raise SpecError(f"{path}: {msg}")
             t = obj.detach().to(torch.float64)
         elif suffix == ".safetensors":
             try:
-                from safetensors.torch import load_file
+                from safetensors.torch import load as load_safetensors
             except ImportError:
                 raise SpecError(f"{path}: reading .safetensors needs the safetensors package: "
                                 "pip install 'kl-bench[hf]'") from None
-            obj = pick_key(load_file(str(path)), key, path)
+            # The header states each tensor's byte range: safetensors checks them against the bytes given.
+            obj = pick_key(load_safetensors(fh.read()), key, path)
             if what == "mask" and obj.dtype == torch.bool:
                 obj = obj.to(torch.uint8)
             msg = unsupported_array(obj)
             if msg:
                 raise SpecError(f"{path}: {msg}")
             t = obj.to(torch.float64)
-        else:
-            raise SpecError(f"{path}: {what} files must end in .npy, .pt or .safetensors, got '{suffix}'")
         if key is not None and suffix == ".npy":
             raise SpecError(f"{path}: a .npy file holds one array; 'key' is for .pt dicts and .safetensors")
-    except SpecError:
-        raise
+    except SpecError as e:
+        raise SpecError(f"{e.file}: {e.message}" if e.file else e.message) from None
     except Exception as e:  # corrupt or truncated files: numpy/torch raise many types
         raise SpecError(f"cannot read logits file {path}: {e.__class__.__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'}") from None
@@ -344,6 +362,32 @@ def check_logits(logits: torch.Tensor, what: str) -> None:
         raise SpecError(f"{what}: a row of logits is all −inf (no token has probability > 0)")
 
 
+# The standard errors of a variance use 4th powers of per-draw values: |log r| beyond (float64 max)^{1/4}
+# ≈ 1.16e77 overflows them (and k2 = ½(log r)² squared), so the run would end in inf − inf = NaN.
+MAX_ABS_LOG_RATIO = sys.float_info.max ** 0.25
+
+
+def log_ratio_problem(logr: torch.Tensor) -> str | None:
+    """Why finite log-ratios ``logr`` (any shape; ±inf entries are zero probabilities, allowed) cannot be
+    benchmarked in float64, or None."""
+    finite = logr[torch.isfinite(logr)]
+    worst = float(finite.abs().max()) if finite.numel() else 0.0
+    if worst >= MAX_ABS_LOG_RATIO:
+        return (f"a log-ratio log p − log q reaches {worst:.3g}; beyond {MAX_ABS_LOG_RATIO:.3g} its 4th power "
+                "overflows float64")
+    return None
+
+
+def check_derived(source: torch.Tensor, derived: torch.Tensor, side: str, src) -> None:
+    """A table derived by temperature and noise must stay finite wherever its source is: a temperature
+    near 0 or a huge noise overflows float64 to ±inf, and inf − inf in the softmax is NaN."""
+    bad = torch.isfinite(source) & ~torch.isfinite(derived)
+    if bool(bad.any()):
+        key = f"{side}.noise" if src.noise > 0 and src.temperature == 1 else f"{side}.temperature"
+        raise SpecError(f"the derived logits overflow float64 (temperature {src.temperature:g}, noise "
+                        f"{src.noise:g}: |logit / temperature + noise·ε| must stay below 1.8e308)", key=key)
+
+
 def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, contexts: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build (log q, log p), both normalised float64 [B, V], validating shapes and values.
@@ -360,9 +404,10 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
             elif isinstance(src, TensorLogits):
                 raw[side] = _tensor_logits(src.tensor)
             if side in raw:
-                check_logits(raw[side], side)
+                named = f"{side} ({src.path})" if isinstance(src, FileLogits) else side
+                check_logits(raw[side], named)
                 if vocab is not None and raw[side].shape[1] != vocab:
-                    raise SpecError(f"{side} has vocabulary {raw[side].shape[1]} but vocab = {vocab}")
+                    raise SpecError(f"{named} has vocabulary {raw[side].shape[1]} but vocab = {vocab}")
         except SpecError as e:
             raise e.located(key="vocab" if "vocab" in e.message else f"{side}.file"
                             if isinstance(src, FileLogits) else side) from None
@@ -373,7 +418,9 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
                 g = torch.Generator().manual_seed(src.seed)
                 base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
             raw[side] = base
+            check_derived(raw[src.source], base, side, src)
     lq, lp = raw["q"], raw["p"]
+    derived = next((side for side, src in (("p", p), ("q", q)) if isinstance(src, DerivedLogits)), None)
     if lq.shape != lp.shape:
         if lq.shape[1] != lp.shape[1]:
             raise SpecError(f"q has vocabulary {lq.shape[1]} but p has {lp.shape[1]}", key="p")
@@ -382,7 +429,14 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
             lq, lp = lq.expand(b, -1), lp.expand(b, -1)
         else:
             raise SpecError(f"q has {lq.shape[0]} contexts but p has {lp.shape[0]}", key="p")
-    return torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)
+    lq, lp = torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)
+    problem = log_ratio_problem(torch.where(torch.isfinite(lq), lp - lq, torch.zeros_like(lq)))
+    if problem:
+        src = {"p": p, "q": q}.get(derived)
+        key = (f"{derived}.noise" if src.noise > 0 and src.temperature == 1 else f"{derived}.temperature") \
+            if derived else "p"
+        raise SpecError(f"{problem} (extreme logits?)", key=key)
+    return lq, lp
 
 
 def sampler_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -410,9 +464,10 @@ def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor)
     if isinstance(src, (FileLogits, TensorLogits)):
         raw = (read_logits_file(src.path, src.key, src.mask, src.mask_key) if isinstance(src, FileLogits)
                else _tensor_logits(src.tensor))
-        check_logits(raw, "sampler.behavior")
+        named = f"sampler.behavior ({src.path})" if isinstance(src, FileLogits) else "sampler.behavior"
+        check_logits(raw, named)
         if raw.shape[1] != log_q.shape[1]:
-            raise SpecError(f"behavior logits have vocabulary {raw.shape[1]} but q has {log_q.shape[1]}",
+            raise SpecError(f"{named}: behavior logits have vocabulary {raw.shape[1]} but q has {log_q.shape[1]}",
                             key="sampler.behavior.file")
         if raw.shape[0] not in (1, log_q.shape[0]):
             raise SpecError(f"behavior logits have {raw.shape[0]} rows but q has {log_q.shape[0]}",
@@ -421,14 +476,21 @@ def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor)
     if isinstance(src, ZipfLogits):
         raise SpecError("a behavior policy is derived from q or p ({from = \"q\", noise = ...}) or read from a file",
                         key="sampler.behavior")
-    base = (log_q if src.source == "q" else log_p) / src.temperature
+    source = log_q if src.source == "q" else log_p
+    base = source / src.temperature
     if src.noise > 0:
         g = torch.Generator().manual_seed(src.seed)
         base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
+    check_derived(source, base, "sampler.behavior", src)
     return base
 
 
 def sampler_for(sampler, log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     """b's log-probabilities [B, V] for a SamplerSpec (categoricals and rollouts)."""
     base = behavior_logits(sampler.behavior, log_q, log_p) if sampler.behavior is not None else log_q
-    return sampler_logprobs(base, sampler.temperature, sampler.top_k, sampler.top_p)
+    out = sampler_logprobs(base, sampler.temperature, sampler.top_k, sampler.top_p)
+    # logits / temperature overflows float64 for a temperature near 0: the softmax of ±inf is NaN.
+    if bool(torch.isnan(out).any()):
+        raise SpecError(f"the sampler's logits / temperature overflow float64 (temperature {sampler.temperature:g}): "
+                        "use a larger temperature", key="sampler.temperature")
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
@@ -34,11 +35,17 @@ def import_object(ref: str, what: str) -> Any:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise SpecError(f"{what} plug-in '{ref}' must look like 'package.module:object'")
+    # The standard library holds no estimator but sys.exit, os._exit, os.system and the like: refuse it
+    # by name, before anything is imported or called.
+    if module_name.split(".")[0] in sys.stdlib_module_names | {"_sitebuiltins"}:
+        raise SpecError(f"{what} plug-in '{ref}' names Python's standard library ('{module_name}'): a plug-in "
+                        "is an object of your own module")
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # an ImportError, or whatever the module raised while importing
-        raise SpecError(f"{what} plug-in '{ref}' cannot be imported: {e.__class__.__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    except (Exception, SystemExit) as e:  # an ImportError, or whatever the module raised (sys.exit included)
+        why = f"it called sys.exit({e.code!r})" if isinstance(e, SystemExit) else \
+            f"{e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise SpecError(f"{what} plug-in '{ref}' cannot be imported: {why}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise SpecError(f"{what} plug-in '{ref}': module '{module_name}' has no attribute '{attr}'")
@@ -99,7 +106,7 @@ class Registry(Mapping[str, T], Generic[T]):
             if ep.name == name:
                 try:
                     obj = ep.load()
-                except Exception as e:
+                except (Exception, SystemExit) as e:
                     raise SpecError(f"{self.what} '{name}' (entry point {ep.value}) cannot be loaded: "
                                     f"{e.__class__.__name__}: {e}") from None
                 return self._adapt(name, obj)

@@ -17,7 +17,7 @@ import pandas as pd
 
 from .draws import PER_TOKEN, row_key, row_label
 from .results import COLUMNS, SWEEP_PREFIX
-from .storage import atomic_write_bytes
+from .storage import write_folder
 from .verify import read_results_folder
 
 
@@ -302,10 +302,10 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
 
 # ----------------------------------------------------------------------------- report
 def write_report(dirs: list[Path], out: Path) -> Path:
-    """Build the report of results folders ``dirs`` and write its files into ``out`` (each atomically;
-    every input is read and every figure drawn before the first file is written)."""
-    for name, data in build_report(dirs).items():
-        atomic_write_bytes(Path(out) / name, data)
+    """Build the report of results folders ``dirs`` and write it as the folder ``out``, atomically (every
+    input is read and every figure drawn first; then the folder is swapped in whole, kl_bench.storage)."""
+    files = build_report(dirs)
+    write_folder(Path(out), files)
     return Path(out)
 
 

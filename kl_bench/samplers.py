@@ -47,6 +47,11 @@ class SamplerSpec:
         return "sampler b: " + (", ".join(bits) or "q itself")
 
 
+# b = N(μq, (std_scale·σq)²): its variance and the squared standard scores of the exact moments must stay
+# finite in float64 (≈ 1.8e308); 1e150² = 1e300 leaves room for σq and the scores.
+MAX_STD_SCALE = 1e150
+
+
 def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: tuple[str, ...],
                   others: dict[str, tuple[str, ...]], spec_dir: Path) -> SamplerSpec:
     """A case's ``sampler`` table. ``allowed``: the keys this kind declares; ``weight_kinds``: the
@@ -63,7 +68,9 @@ def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: t
         top_k=t.get("top_k", "int", None, lambda v: None if v >= 1 else f"must be ≥ 1, got {v}"),
         top_p=t.get("top_p", "float", None, lambda v: None if 0 < v <= 1 else f"must lie in (0, 1], got {v}"),
         min_length=t.get("min_length", "int", 0, nonnegative),
-        std_scale=t.get("std_scale", "float", 1.0, positive),
+        std_scale=t.get("std_scale", "float", 1.0, lambda v: positive(v) or (
+            None if v <= MAX_STD_SCALE else f"must be ≤ {MAX_STD_SCALE:g} (the variance (std_scale·σ)² must stay "
+            f"within float64), got {v:g}")),
         behavior=behavior,
         weights=t.get("weights", "str", "none", lambda v: None if v in weights else
                       f"must be one of {', '.join(weights)}, got '{v}'{did_you_mean(v, list(weights))}"),

@@ -12,18 +12,18 @@ import hashlib
 import json
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, convert,
-                     fmt_count, nonnegative, positive, typename)
+                     fmt_count, positive, typename)
 from .errors import SpecError
 from .estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup
 from .logits import is_array, unsupported_array
 from .pairs import CASE_KINDS, CaseConfig
 from .registry import did_you_mean
+from .safe_io import decode_text, parse_toml, read_regular
 from .samplers import parse_sampler
 
 SPEC_VERSION = 1
@@ -32,6 +32,14 @@ SPEC_VERSION = 1
 MAX_LAMBDA = 1e3
 _DRAWS_WHY = "2^53: draws are counted in float64"
 _check_draws = at_most(MAX_DRAWS, _DRAWS_WHY)
+# Seeds are 64-bit everywhere they are stored or handed on (checkpoints, numpy and torch generators).
+MAX_SEED = (1 << 64) - 1
+
+
+def _check_seed(v: int) -> str | None:
+    if v < 0:
+        return f"must be ≥ 0, got {fmt_count(v)}"
+    return f"must be < 2^64 (seeds are 64-bit), got {fmt_count(v)}" if v > MAX_SEED else None
 
 
 def _check_batches(v: int) -> str | None:
@@ -85,7 +93,7 @@ def _parse_experiment(t: Table, stem: str) -> Experiment:
     exp = Experiment(
         name=t.get("name", "str", stem, _check_experiment_name),
         draws=t.get("draws", "int", check=_check_draws),
-        seed=t.get("seed", "int", 0, nonnegative),
+        seed=t.get("seed", "int", 0, _check_seed),
         device=t.get("device", "str", "auto", check_device),
         estimators=names,
         batches=t.get("batches", "int", 200, _check_batches),
@@ -348,10 +356,7 @@ def expand_sweeps(raw_cases: list, raw_sweeps: Any, file: str) -> tuple[list[tup
 def parse_spec(text: str, path: Path) -> Spec:
     """Parse and validate spec ``text`` read from ``path`` (used for messages and relative files)."""
     path = Path(path)
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"TOML syntax error: {e}", file=str(path)) from None
+    data = parse_toml(text, path)
     return _parse_data(data, str(path), path.parent, path.stem, text, path)
 
 
@@ -394,12 +399,8 @@ def spec_from_dict(data: dict[str, Any], base_dir: str | Path | None = None, nam
 def load_spec(path: str | Path) -> Spec:
     """Read and validate a spec file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError("spec file not found", file=str(path)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"cannot read spec file: {e.__class__.__name__}: {e}", file=str(path)) from None
+    # A regular file only (a FIFO or /dev/zero is one line, never a hang), at most 16 MiB, UTF-8 text.
+    text = decode_text(read_regular(path, "spec"), path, "spec")
     return parse_spec(text, path)
 
 
@@ -425,8 +426,9 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
         # --draws sets every case, per-case overrides included.
         spec = dataclasses.replace(spec, cases=tuple(dataclasses.replace(c, draws=None) for c in spec.cases))
     if seed is not None:
-        if seed < 0:
-            raise SpecError(f"must be ≥ 0, got {seed}", file=str(spec.path), key="--seed")
+        msg = _check_seed(seed)
+        if msg:
+            raise SpecError(msg, file=str(spec.path), key="--seed")
         exp = dataclasses.replace(exp, seed=seed)
     if device is not None:
         msg = check_device(device)

@@ -14,9 +14,11 @@ import ctypes.util
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from .errors import SpecError
+from .safe_io import check_dir_target, check_write_target, open_lock_file, read_regular
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -53,15 +56,31 @@ def check_output_file(path: Path) -> Path:
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
         raise SpecError("must name a file", file=str(path), key="--out")
+    _check_name_length(path)
     if path.is_dir():
         raise SpecError("is a folder; give a file name", file=str(path), key="--out")
+    check_write_target(path, key="--out")       # a symlink or /dev/null is refused, never replaced
     _check_parent_writable(path)
     return path
+
+
+# Linux's limit on one path component (NAME_MAX); the temporary names beside a target add a prefix.
+_NAME_MAX = 255
+_TMP_EXTRA = 40
+
+
+def _check_name_length(path: Path) -> None:
+    """An output name too long for the file system once kl-bench's temporary prefix is added."""
+    size = len(os.fsencode(path.name))
+    if size + _TMP_EXTRA > _NAME_MAX:
+        raise SpecError(f"the name is {size} bytes; at most {_NAME_MAX - _TMP_EXTRA} bytes are allowed "
+                        f"(file names are limited to {_NAME_MAX} bytes)", file=str(path)[:120] + "…", key="--out")
 
 
 def output_dir(path: Path) -> Path:
     """The folder results go to: a symlink to a folder is followed (the link itself stays)."""
     path = Path(path)
+    _check_name_length(path)
     return path.resolve() if path.is_symlink() and path.resolve().is_dir() else path
 
 
@@ -72,9 +91,9 @@ def check_output_dir(path: Path) -> Path:
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
         raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key="--out")
+    _check_name_length(path)
     path = output_dir(path)
-    if path.exists() and not path.is_dir():
-        raise SpecError("exists and is not a folder", file=str(path), key="--out")
+    check_dir_target(path, key="--out")
     _check_parent_writable(path)
     return path
 
@@ -99,12 +118,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
     write a temporary file in the same folder, fsync it, then rename it over the target."""
     path = Path(path)
+    check_write_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    # mkstemp opens with O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name[:100]}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             _write_file(fh, data)
         os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp makes 0600 files; results are for sharing
+        check_write_target(path)            # again: a link or device may have appeared meanwhile
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -138,7 +160,7 @@ def clean_stale(out_dir: Path) -> None:
     if out_dir.parent.exists():
         for p in out_dir.parent.glob(f".{out_dir.name}.staging-*"):
             shutil.rmtree(p, ignore_errors=True)
-    if out_dir.exists():
+    if out_dir.is_dir():
         for p in out_dir.glob(".tmp-*"):
             p.unlink(missing_ok=True)
 
@@ -148,40 +170,99 @@ def write_results(out_dir: Path, files: dict[str, bytes], envelope: dict[str, An
 
     Entries of an existing folder that this run does not produce (a report, notes) are carried over.
     """
-    out_dir = Path(out_dir)
-    delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
     envelope = dict(envelope)
     envelope["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
     files = {**files, "run.json": (json.dumps(envelope, indent=2, default=str) + "\n").encode()}
+    write_folder(out_dir, files)
+
+
+# Folders this process has swapped in (resolved paths): what an interrupt's line may say was written.
+_COMMITTED: set[str] = set()
+
+
+def written_folders() -> list[str]:
+    """Every folder this process has swapped new contents into (for the line an interrupt prints)."""
+    return sorted(_COMMITTED)
+
+
+def committed(out_dir: Path) -> bool:
+    """Whether this process has swapped new contents into ``out_dir`` (see :func:`write_folder`)."""
+    return str(Path(output_dir(Path(out_dir))).absolute()) in _COMMITTED
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM while the folder is swapped and the swap recorded, so that the line an
+    interrupt prints knows whether the new contents are in place (delivered when the block ends)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, ValueError, OSError):        # not POSIX, or not the main thread
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` ({relative path: bytes}, "a/b.png" allowed) as the folder ``out_dir``, atomically:
+    staged in a sibling folder, then exchanged with the old one in one call (or renamed into place).
+    Entries of an old folder whose top-level name is not among ``files`` are carried over. A path that
+    exists as anything but a folder is refused (one line); a symlink to a folder is followed."""
+    out_dir = output_dir(Path(out_dir))
+    check_dir_target(out_dir)
+    delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
     stage = staging_dir(out_dir)
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
+    tops = {name.split("/")[0] for name in files}
     try:
         for name, data in files.items():
-            with open(stage / name, "wb") as fh:
-                _write_file(fh, data)
-            os.chmod(stage / name, 0o666 & ~_UMASK)
+            _stage_file(stage / name, data)
             if delay:
                 time.sleep(delay)
-        if not out_dir.exists():
-            os.rename(stage, out_dir)
-            return
-        for entry in out_dir.iterdir():
-            if entry.name not in files and not entry.name.startswith((".tmp-", ".checkpoint")):
-                dest = stage / entry.name
-                if entry.is_dir():
-                    shutil.copytree(entry, dest, copy_function=os.link)
-                else:
-                    os.link(entry, dest)
-        if _exchange(stage, out_dir):
-            shutil.rmtree(stage, ignore_errors=True)       # now holds the previous results
-            return
-        for name in list(files)[:-1] + ["run.json"]:        # fallback: file by file, run.json last
+        if out_dir.exists():
+            _carry_over(out_dir, stage, tops)
+        key = str(out_dir.absolute())
+        with _signals_held():
+            if not out_dir.exists():
+                os.rename(stage, out_dir)
+                _COMMITTED.add(key)
+                return
+            if _exchange(stage, out_dir):
+                _COMMITTED.add(key)
+                shutil.rmtree(stage, ignore_errors=True)       # now holds the previous results
+                return
+        names = list(files)
+        last = [n for n in names if n == "run.json"]
+        for name in [n for n in names if n != "run.json"] + last:     # fallback: file by file, run.json last
             atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
+        _COMMITTED.add(key)
         shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+
+
+def _stage_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "xb") as fh:        # O_CREAT | O_EXCL: a new file, never one a symlink points to
+        _write_file(fh, data)
+
+
+def _carry_over(out_dir: Path, stage: Path, tops: set[str]) -> None:
+    """Hard-link the old folder's other entries into the staging folder (a report, notes)."""
+    for entry in out_dir.iterdir():
+        if entry.name not in tops and not entry.name.startswith((".tmp-", ".checkpoint")):
+            dest = stage / entry.name
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry), dest)
+            elif entry.is_dir():
+                shutil.copytree(entry, dest, copy_function=os.link, symlinks=True)
+            else:
+                os.link(entry, dest)
 
 
 class FolderLock:
@@ -202,30 +283,34 @@ class FolderLock:
             raise fs_error(e, self.out_dir) from None
         for _ in range(100):
             try:
-                self.fh = open(self.path, "a+")
+                self.fh = open_lock_file(self.path)      # never through a symlink, never a FIFO
+            except SpecError as e:
+                raise SpecError(f"{e.message} ({e.file})", file=str(self.out_dir)) from None
             except OSError as e:
                 raise fs_error(e, self.out_dir) from None
             try:
                 fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 self.fh.seek(0)
-                holder = self.fh.read().strip() or "?"
+                holder = self.fh.read(64).decode("ascii", "replace").strip() or "?"
                 self.fh.close()
                 self.fh = None
                 raise SpecError(f"results folder is being written by another kl-bench run (pid {holder}); "
                                 f"wait for it to finish or choose another --out", file=str(self.out_dir)) from None
             # The holder before us may have unlinked the file we opened: lock the file at the path.
             try:
-                same = os.fstat(self.fh.fileno()).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(self.fh.fileno()).st_ino == os.lstat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
                 break
             self.fh.close()
             self.fh = None
+        if self.fh is None:
+            raise SpecError("cannot take the lock: its file keeps being replaced", file=str(self.out_dir))
         self.fh.seek(0)
         self.fh.truncate()
-        self.fh.write(str(os.getpid()))
+        self.fh.write(str(os.getpid()).encode())
         self.fh.flush()
         return self
 
@@ -251,7 +336,6 @@ def checkpoint_identity(spec, device: torch.device, case_draws: list[int]) -> di
 
 
 def save_checkpoint(out_dir: Path, identity: dict[str, Any], sums: dict[str, torch.Tensor]) -> None:
-    import io
     buf = io.BytesIO()
     torch.save({"identity": identity, "sums": {k: v.clone() for k, v in sums.items()}}, buf)
     atomic_write_bytes(Path(out_dir) / CHECKPOINT, buf.getvalue())
@@ -264,16 +348,19 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any],
     path = Path(out_dir) / CHECKPOINT
     if not path.exists():
         raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir))
+    raw = read_regular(path, "checkpoint")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as e:
         raise SpecError(f"checkpoint is unreadable ({e.__class__.__name__}); delete {path}", file=str(out_dir)) from None
     if not isinstance(data, dict) or not isinstance(data.get("sums"), dict):
         raise SpecError(f"checkpoint is not a kl-bench checkpoint; delete {path}", file=str(out_dir))
     for case, sums in data["sums"].items():
-        if not isinstance(sums, torch.Tensor) or sums.ndim != 2 or sums.dtype != torch.float64:
+        if not isinstance(sums, torch.Tensor) or sums.ndim != 2 or sums.dtype != torch.float64 or sums.is_meta:
             raise SpecError(f"checkpoint sums of case '{case}' are not a 2-D float64 table; delete {path}",
                             file=str(out_dir))
+        if bool(torch.isnan(sums).any()):
+            raise SpecError(f"checkpoint sums of case '{case}' hold NaN (corrupted?); delete {path}", file=str(out_dir))
         if batches is not None and (case not in batches or sums.shape[0] > batches[case]):
             want = f"the run has {batches[case]}" if case in batches else "the spec has no such case"
             raise SpecError(f"checkpoint holds {sums.shape[0]} batches of case '{case}' but {want}; delete {path}",
@@ -287,3 +374,26 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any],
 
 def remove_checkpoint(out_dir: Path) -> None:
     (Path(out_dir) / CHECKPOINT).unlink(missing_ok=True)
+
+
+def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int]) -> str | None:
+    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J] (kl_bench.engine's layout: per
+    row the centred values, their squares and the count of negative values; per joint block a, b, a², b²,
+    ab), or None. ``finite``: per row, whether its exact mean is finite (only such a row's sums must be);
+    ``sizes``: the draws of each batch. A checkpoint is data on disk: anything impossible is refused."""
+    k = sums.shape[0]
+    if torch.isnan(sums).any():
+        return "holds NaN sums"
+    vals, squares, negs = sums[:, :rows], sums[:, rows:2 * rows], sums[:, 2 * rows:3 * rows]
+    keep = torch.tensor(finite, dtype=torch.bool)
+    if not bool(torch.isfinite(torch.cat([vals[:, keep], squares[:, keep]], 1)).all()):
+        return "holds infinite sums for an estimator whose exact mean is finite"
+    if bool((squares < 0).any()):
+        return "holds a negative sum of squares"
+    n = torch.tensor(sizes[:k], dtype=torch.float64)[:, None]
+    if bool(((negs < 0) | (negs > n) | (negs != torch.round(negs))).any()):
+        return "holds a count of negative estimates that is not a whole number in [0, the batch's draws]"
+    joint = sums[:, 3 * rows:].reshape(k, -1, 5)
+    if bool((joint[..., 2:4] < 0).any()):
+        return "holds a negative joint sum of squares"
+    return None

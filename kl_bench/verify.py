@@ -10,7 +10,13 @@ A results folder (``kl-bench run``) is checked as a whole, and every problem is 
 - ``summary.csv`` and ``batches.csv`` (and ``lambda_sweep.csv``, ``gradients.csv`` when present) have
   their schema's columns, every row has as many fields as the header (a truncated file does not), the
   file ends with a newline, numeric columns parse as numbers, and the key text columns are not empty.
-- ``reservoir.npz`` is a readable archive of numeric arrays (no pickles).
+- Every number is plausible: counts are whole numbers ≥ 0, standard deviations and errors are ≥ 0 (or
+  empty), a statistic of a row that has draws is never NaN (an empty cell) where its mean is finite, and
+  each table holds one row per key (case, estimator, aggregate, λ; batches.csv: and batch).
+- ``reservoir.npz`` is a readable archive of numeric arrays (no pickles), each array's header checked
+  against its size before it is allocated.
+- Every file is opened as a regular file only (never a FIFO or a device) and read up to a size cap
+  (kl_bench.safe_io).
 - The cases agree: summary.csv's cases are exactly run.json's ``cases`` (when recorded), and
   batches.csv holds only those cases.
 
@@ -21,9 +27,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
-import json
 import re
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ from .experiment import BATCH_SCHEMA
 from .gradients import GRAD_SCHEMA
 from .lambdas import SWEEP_SCHEMA
 from .results import SCHEMA, TEXT_COLUMNS, read_frame
+from .safe_io import cap_for, load_npz, parse_json, read_regular
 from .spec import load_spec
 
 # The columns every results folder has had; later columns are optional so that older results still load.
@@ -68,26 +73,29 @@ def _schemas() -> dict[str, tuple[list[str], list[str]]]:
 # Text columns that identify a row: an empty cell there is a damaged file.
 _KEY_TEXT = ("case", "estimator", "target", "mode")
 # Counts: a whole number ≥ 0 on every row.
-_COUNTS = {"summary.csv": ("draws",), "batches.csv": ("batch", "draws")}
+_COUNTS = {"summary.csv": ("draws", "batches"), "batches.csv": ("batch", "draws"), "lambda_sweep.csv": ("draws",),
+           "gradients.csv": ("draws", "params")}
+# One row per key: the columns that identify a row of each table.
+_KEYS = {"summary.csv": ("case", "estimator", "aggregate", "lambda"),
+         "batches.csv": ("case", "estimator", "aggregate", "lambda", "batch"),
+         "lambda_sweep.csv": ("case", "aggregate", "lambda"),
+         "gradients.csv": ("case", "estimator", "aggregate", "lambda", "mode")}
+# Spreads: ≥ 0 (an empty cell is allowed: e.g. no std_se where the 4th moment is infinite).
+_SPREADS = {"summary.csv": ("std", "se", "std_se", "ref_se"), "lambda_sweep.csv": ("std", "se")}
+# Statistics that every row with draws has (a NaN there is a writer's bug or an overflow, never a result),
+# and those it has wherever that first one is finite.
+_DEFINED = {"summary.csv": ("mean", ("std", "se")), "lambda_sweep.csv": ("mean", ("std", "se")),
+            "batches.csv": ("batch_mean", ())}
 
 
 def _read_bytes(path: Path, folder: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise SpecError(f"{path.name} is unreadable: {e.strerror or e}", file=str(folder)) from None
+    return read_regular(path, path.name if path.name in ("run.json", *DATA_FILES) else "run.json", path.name)
 
 
 def read_envelope(path: Path) -> dict:
     """run.json of a results folder as a dict; anything else (not UTF-8, not JSON, not an object) is an error."""
     path = Path(path)
-    data = _read_bytes(path, path.parent)
-    try:
-        env = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise SpecError("run.json is not text (corrupted?)", file=str(path)) from None
-    except json.JSONDecodeError as e:
-        raise SpecError(f"run.json is not valid JSON (truncated or corrupted?): {e}", file=str(path)) from None
+    env = parse_json(_read_bytes(path, path.parent), path, "run.json")
     if not isinstance(env, dict):
         raise SpecError(f"run.json must hold a JSON object, not {_json_type(env)} (corrupted?)", file=str(path))
     for key, typ, what in (("files", dict, "an object"), ("cases", dict, "an object"),
@@ -189,23 +197,79 @@ def _parse_table(name: str, data: bytes, p: Path):
             if len(empty):
                 raise SpecError(f"column '{c}' is empty in row {int(empty[0]) + 1} (line {int(empty[0]) + 2})",
                                 file=str(p))
-    for c in _COUNTS.get(name, ()):
-        if c in df.columns:
-            v = df[c].to_numpy(dtype=float)
-            bad = np.flatnonzero(~np.isfinite(v) | (v < 0) | (v != np.round(v)))
-            if len(bad):
-                raise SpecError(f"column '{c}' must be a whole number ≥ 0, but row {bad[0] + 1} (line {bad[0] + 2}) "
-                                f"has {df[c].iloc[bad[0]].item()!r}", file=str(p))
+    _check_values(name, df, p)
     return df
 
 
+def _first_bad(df, c: str, bad: np.ndarray, what: str, p: Path) -> None:
+    rows = np.flatnonzero(bad)
+    if len(rows):
+        i = int(rows[0])
+        case = f" (case {df['case'].iloc[i]!r})" if "case" in df.columns else ""
+        raise SpecError(f"column '{c}' {what}, but row {i + 1} (line {i + 2}){case} has {df[c].iloc[i]!r}",
+                        file=str(p))
+
+
+def undefined_statistic(name: str, df) -> tuple[str, np.ndarray, str] | None:
+    """The first column of table ``name`` holding NaN where a number is due (see _DEFINED): (column,
+    mask of the bad rows, what it must hold), or None."""
+    main, others = _DEFINED.get(name, (None, ()))
+    if main not in df.columns:
+        return None
+    has = df["draws"].to_numpy(dtype=float) > 0 if "draws" in df.columns else np.ones(len(df), bool)
+    v = df[main].to_numpy(dtype=float)
+    if (has & np.isnan(v)).any():
+        return main, has & np.isnan(v), "must hold a number on every row with draws"
+    for c in others:
+        if c in df.columns and (bad := has & np.isfinite(v) & np.isnan(df[c].to_numpy(dtype=float))).any():
+            return c, bad, f"must hold a number where {main} is finite"
+    return None
+
+
+def refuse_undefined_statistics(df, where: str) -> None:
+    """Before results are written: a NaN statistic (float64 overflow in a case's numbers) is one line
+    naming the case and the row, never an empty cell in summary.csv."""
+    hit = undefined_statistic("summary.csv", df)
+    if hit is not None:
+        c, bad, _ = hit
+        r = df.iloc[int(np.flatnonzero(bad)[0])]
+        agg = r.get("aggregate")
+        row = f"{r['estimator']} ({agg})" if isinstance(agg, str) and agg else str(r["estimator"])
+        raise SpecError(f"the {c} of {row} is NaN: "
+                        "the case's numbers overflow float64 (an extreme value in the spec or its files?); "
+                        "no results were written", file=where, case=str(r["case"]))
+
+
+def _check_values(name: str, df, p: Path) -> None:
+    """Counts, spreads, statistics that must be defined, and one row per key (module docstring)."""
+    def col(c: str) -> np.ndarray:
+        return df[c].to_numpy(dtype=float)
+    for c in _COUNTS.get(name, ()):
+        if c in df.columns:
+            v = col(c)
+            _first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
+    for c in _SPREADS.get(name, ()):
+        if c in df.columns:
+            _first_bad(df, c, col(c) < 0, "must be ≥ 0 (a spread)", p)
+    hit = undefined_statistic(name, df)
+    if hit is not None:
+        c, bad, what = hit
+        _first_bad(df, c, bad, what, p)
+    key = [c for c in _KEYS.get(name, ()) if c in df.columns]
+    if key:
+        frame = df[key].copy()
+        if "lambda" in frame:         # λ as written (12 digits suffice to tell grid values apart)
+            frame["lambda"] = frame["lambda"].astype(float).round(12)
+        dup = np.flatnonzero(frame.duplicated(keep="first").to_numpy())
+        if len(dup):
+            i = int(dup[0])
+            shown = ", ".join(f"{c} {df[c].iloc[i]!r}" for c in key if str(df[c].iloc[i]) not in ("", "nan"))
+            raise SpecError(f"row {i + 1} (line {i + 2}) repeats an earlier row's key ({shown}): one row per "
+                            f"{', '.join(key)}", file=str(p))
+
+
 def _load_reservoir(data: bytes, p: Path) -> dict[str, np.ndarray]:
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            out = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
-        raise SpecError(f"unreadable (truncated or corrupted?): {e.__class__.__name__}: "
-                        f"{(str(e).splitlines() or [''])[0]}", file=str(p)) from None
+    out = load_npz(data, str(p), cap_for("reservoir.npz"))
     for k, v in out.items():
         if not np.issubdtype(v.dtype, np.number):
             raise SpecError(f"array {k!r} is not numeric ({v.dtype})", file=str(p))

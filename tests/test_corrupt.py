@@ -329,8 +329,11 @@ def test_a_baseline_of_random_bytes_or_nulls(made, tmp_path):
 def test_a_sound_baseline_still_normalises(made):
     data = normalize_baseline(_baseline(made), "b")
     assert all(isinstance(r["mean"], float) for r in data["rows"])
-    data = _baseline(made)
-    data["rows"][0]["std"] = "inf"
+    data = _baseline(made)                 # a row whose estimates are infinite: mean and std inf, se null
+    data["rows"][0]["mean"] = data["rows"][0]["std"] = "inf"
     data["rows"][0]["se"] = None
     r = normalize_baseline(data, "b")["rows"][0]
     assert r["std"] == float("inf") and r["se"] != r["se"]
+    data["rows"][0]["mean"] = 0.1          # a finite mean needs its se: a null one is a damaged baseline
+    with pytest.raises(SpecError, match="se and std must be numbers"):
+        normalize_baseline(data, "b")

@@ -14,6 +14,7 @@ reference, only when ``kl_full`` is given, is the ``full`` row's mean ± SE (Σ_
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from ..config import Table
 from ..draws import Draws, Row
 from ..errors import SpecError
 from ..estimators import RowSource
-from ..logits import is_array, read_tensor_file, unsupported_array
+from ..logits import is_array, log_ratio_problem, read_tensor_file, unsupported_array
 from ..targets import FORWARD, REVERSE
 from .base import CaseConfig, JointMoments, Pair, register_kind
 
@@ -45,6 +46,25 @@ class TensorRef:
 @dataclass(frozen=True, kw_only=True)
 class LogprobsCase(CaseConfig):
     inputs: dict[str, TensorRef] = field(default_factory=dict)
+
+
+# r = e^{log r} is finite below log(float64 max) ≈ 709.78: logged sequences (drawn from q) with a larger
+# log-ratio make r = inf on a sampled draw, and the sequence estimators' means inf − inf = NaN.
+_LOG_MAX = math.log(sys.float_info.max)
+
+
+def _check_log_ratios(logp: torch.Tensor, logq: torch.Tensor, on: torch.Tensor, ref) -> None:
+    """Refuse logged log-probs whose log-ratios leave float64 in the estimators: per token and per
+    sequence, r = e^{log r} finite and |log r| within :data:`~kl_bench.logits.MAX_ABS_LOG_RATIO`."""
+    g = torch.where(on, logp - logq, torch.zeros_like(logp))
+    seq = g.sum(-1)
+    where = f"{ref.file}: " if ref.file is not None else ""
+    problem = log_ratio_problem(torch.cat([g.reshape(-1), seq]))
+    if problem is None and max(float(g.max()), float(seq.max())) >= _LOG_MAX:
+        problem = (f"a log-ratio log p − log q reaches {max(float(g.max()), float(seq.max())):.4g}: r = p/q "
+                   f"overflows float64 beyond e^{_LOG_MAX:.4g}")
+    if problem:
+        raise SpecError(f"{where}{problem} (implausible log-probs?)", key="logp_ref")
 
 
 @register_kind("logprobs", description="logged per-token log-probs of sampled tokens (logp_policy, logp_ref, mask, "
@@ -126,6 +146,7 @@ class LogprobsPair(Pair):
                 raise SpecError("holds NaN or ±inf on unmasked tokens", key=name)
             if name in data and name != "kl_full" and bool((data[name][on] > 1e-6).any()):
                 raise SpecError("log-probabilities must be ≤ 0", key=name)
+        _check_log_ratios(data["logp_ref"], data["logp_policy"], on, case.inputs["logp_ref"])
         b, tt = mask.shape
         return cls(case.name, data["logp_policy"], data["logp_ref"], mask, data.get("kl_full"),
                    label=f"{b} logged sequences × {tt} positions, {int(mask.sum())} tokens"

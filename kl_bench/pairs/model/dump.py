@@ -4,12 +4,15 @@ case) and, with ``length`` > 1, sampled continuations' per-token log-probs with 
 analytic KL (``continuations.pt``: a ``logprobs`` case)."""
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
 
+from ...config import MAX_DRAWS, check_device
 from ...errors import SpecError
 from ...seeding import batch_generator
+from ...storage import atomic_write_bytes, check_output_dir, fs_error
 from . import lm
 from .pair import ModelPair
 
@@ -21,23 +24,20 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
     and, when ``length`` > 1, ``out/continuations.pt`` ({"logp_policy", "logp_ref", "mask", "kl_full"}
     [N, T] float32/float64, "tokens" [N, T], "prompt" [N]) for ``samples`` continuations (default: one
     per prompt) drawn from the policy, batch i seeded by (seed, "dump", i). Returns the written paths."""
-    if dtype not in lm.DTYPES:
-        raise SpecError(f"--dtype must be one of {', '.join(lm.DTYPES)}, got '{dtype}'")
-    if length < 1:
-        raise SpecError(f"--length must be ≥ 1, got {length}")
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    dev = _check_options(out, length=length, samples=samples, dtype=dtype, batch_size=batch_size, eos=eos,
+                         device=device)
     q = lm.load_model(policy, dtype, "--policy")
     p = lm.load_model(reference, dtype, "--reference")
     try:
         ids = lm.read_prompts(prompts, policy)
+        lm.check_prompts(ids, prompts, [q, p], length if length > 1 else 0, eos, key="--prompts")
     except SpecError as e:
-        raise SpecError(e.message, key="--prompts") from None
-    out.mkdir(parents=True, exist_ok=True)
+        raise SpecError(e.message, key=e.key if e.key == "--eos" else "--prompts") from None
     written = {}
     lq = lm.next_token_logprobs(q.to(dev), ids, batch_size, dev)
     lp = lm.next_token_logprobs(p.to(dev), ids, batch_size, dev)
     written["next_token"] = out / "next_token.pt"
-    torch.save({"policy": lq.float(), "reference": lp.float()}, written["next_token"])
+    _save(written["next_token"], {"policy": lq.float(), "reference": lp.float()})
     if length > 1:
         pair = ModelPair("dump", q, p, ids, length, eos, batch_size)
         n = samples or len(ids)
@@ -58,5 +58,34 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
         data = {k: torch.cat(v) for k, v in cols.items()}
         data["mask"] = data["mask"].to(torch.uint8)
         written["continuations"] = out / "continuations.pt"
-        torch.save(data, written["continuations"])
+        _save(written["continuations"], data)
     return written
+
+
+def _check_options(out: Path, *, length: int, samples: int, dtype: str, batch_size: int, eos: int | None,
+                   device: str) -> torch.device:
+    """Every option of dump-logits checked before a model is loaded (one line naming the option); returns
+    the device. The output folder must be a folder that can be written (not a file, /dev/null, /proc)."""
+    checks = [("--dtype", dtype in lm.DTYPES, f"must be one of {', '.join(lm.DTYPES)}, got '{dtype}'"),
+              ("--length", length >= 1, f"must be ≥ 1, got {length}"),
+              ("--samples", 0 <= samples <= MAX_DRAWS, f"must lie in [0, 2^53] (0: one per prompt), got {samples}"),
+              ("--batch-size", 1 <= batch_size <= lm.MAX_BATCH_SIZE, f"must lie in [1, 2^20], got {batch_size}"),
+              ("--eos", eos is None or eos >= 0, f"must be a token id ≥ 0, got {eos}"),
+              ("--device", check_device(device) is None, check_device(device) or "")]
+    for key, ok, msg in checks:
+        if not ok:
+            raise SpecError(msg, key=key)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecError(f"'{device}' was asked for but this machine has no CUDA device", key="--device")
+    check_output_dir(out)
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def _save(path: Path, data: dict) -> None:
+    """torch.save into memory, then an atomic write that never follows a symlink or replaces a device."""
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    try:
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError as e:
+        raise fs_error(e, path) from None

@@ -19,6 +19,10 @@ from pathlib import Path
 import torch
 
 from ...errors import SpecError
+from ...safe_io import decode_text, parse_json, read_regular
+
+# Prompts per forward pass: beyond it a batch's activations exceed any machine's memory.
+MAX_BATCH_SIZE = 1 << 20
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +44,39 @@ def check_model_dir(path: Path, key: str) -> None:
                         "nothing is downloaded)", key=key)
     if not (path / "config.json").is_file():
         raise SpecError(f"{path} is not a saved model folder (no config.json)", key=key)
+    refuse_remote_code(path, key)
+
+
+def refuse_remote_code(path: Path, key: str) -> None:
+    """A model or tokenizer folder whose config names its own Python code (``auto_map``) is refused:
+    kl-bench never runs code from a model folder (transformers' trust_remote_code stays False)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        f = path / name
+        if f.exists():
+            data = parse_json(read_regular(f, "model config", name), f, name)
+            if isinstance(data, dict) and (data.get("auto_map") or data.get("trust_remote_code")):
+                raise SpecError(f"{f} asks for code from the model folder (auto_map); kl-bench never runs such "
+                                "code: use a model that transformers supports natively", key=key)
+
+
+def check_prompts(prompts: list[list[int]], path: Path, models: list, length: int, eos: int | None,
+                  key: str = "prompts") -> None:
+    """Token ids inside every model's vocabulary, and the longest prompt plus ``length`` generated tokens
+    within every model's positions (beyond them a model indexes past its position table)."""
+    vocab = min(vocab_size(m) for m in models)
+    top = max(max(p) for p in prompts)
+    if top >= vocab:
+        raise SpecError(f"{path}: token id {top} is outside the models' vocabulary [0, {vocab})", key=key)
+    if eos is not None and not 0 <= eos < vocab:
+        raise SpecError(f"must be a token id in [0, {vocab}), got {eos}", key="eos" if key == "prompts" else "--eos")
+    limits = [getattr(m.config, "max_position_embeddings", None) or getattr(m.config, "n_positions", None)
+              for m in models]
+    limit = min((int(x) for x in limits if isinstance(x, int) and x > 0), default=None)
+    longest = max(len(p) for p in prompts)
+    if limit is not None and longest + length > limit:
+        i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
+        raise SpecError(f"{path}: prompt {i + 1} has {longest} tokens; with {length} generated that is more than "
+                        f"the model's {limit} positions", key=key)
 
 
 def load_model(path: Path, dtype: str, key: str):
@@ -49,7 +86,8 @@ def load_model(path: Path, dtype: str, key: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = tf.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype])
+            model = tf.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=DTYPES[dtype],
+                                                            trust_remote_code=False)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else "unreadable"
         raise SpecError(f"cannot load the model in {path}: {e.__class__.__name__}: {first}", key=key) from None
@@ -64,27 +102,23 @@ def vocab_size(model) -> int:
 def read_prompts(path: Path, tokenizer_dir: Path) -> list[list[int]]:
     """Token ids of every prompt: a text file (one prompt a line, tokenised with the tokenizer saved in
     ``tokenizer_dir``, the policy's folder) or ``.jsonl`` with ``input_ids`` on every line."""
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise SpecError(f"prompts file not found: {path}", key="prompts")
+    try:                      # a regular file of at most 256 MiB of UTF-8 text: never a FIFO or a binary
+        text = decode_text(read_regular(path, "prompts"), path, "prompts")
+    except SpecError as e:
+        raise SpecError(f"{e.file}: {e.message}", key="prompts") from None
     if path.suffix.lower() == ".jsonl":
-        out = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)["input_ids"]
-            except (ValueError, KeyError, TypeError):
-                raise SpecError(f"{path}: line {i} is not a JSON object with 'input_ids'", key="prompts") from None
-            if not (isinstance(ids, list) and ids and all(isinstance(x, int) and x >= 0 for x in ids)):
-                raise SpecError(f"{path}: line {i}: input_ids must be a non-empty list of token ids", key="prompts")
-            out.append(ids)
+        out = [_jsonl_ids(line, i, path) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     else:
-        lines = [s for s in path.read_text().splitlines() if s.strip()]
+        lines = [s for s in text.splitlines() if s.strip()]
         tf = transformers_module()
+        refuse_remote_code(tokenizer_dir, "prompts")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                tok = tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+                tok = tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True,
+                                                       trust_remote_code=False)
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else "unreadable"
             raise SpecError(f"a text prompts file needs the tokenizer saved in the policy's folder {tokenizer_dir} "
@@ -95,6 +129,16 @@ def read_prompts(path: Path, tokenizer_dir: Path) -> list[list[int]]:
     if not out:
         raise SpecError(f"{path}: no prompts", key="prompts")
     return out
+
+
+def _jsonl_ids(line: str, i: int, path: Path) -> list[int]:
+    try:
+        ids = json.loads(line)["input_ids"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise SpecError(f"{path}: line {i} is not a JSON object with 'input_ids'", key="prompts") from None
+    if not (isinstance(ids, list) and ids and all(type(x) is int and x >= 0 for x in ids)):
+        raise SpecError(f"{path}: line {i}: input_ids must be a non-empty list of token ids", key="prompts")
+    return ids
 
 
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...config import Table, positive
+from ...config import Table, at_most
 from ...draws import Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource
@@ -93,7 +93,7 @@ class ModelPair(Pair):
         eos = t.get("eos", "int", None, lambda v: None if v >= 0 else f"must be a token id ≥ 0, got {v}")
         dtype = t.get("dtype", "str", "float32", lambda v: None if v in lm.DTYPES else
                       f"must be one of {', '.join(lm.DTYPES)}, got '{v}'")
-        batch_size = t.get("batch_size", "int", 64, positive)
+        batch_size = t.get("batch_size", "int", 64, at_most(lm.MAX_BATCH_SIZE, "2^20 prompts per forward pass"))
         t.finish()
         sp = common.get("sampler")
         if sp is not None and sp.min_length and (eos is None or length == 1):
@@ -109,11 +109,7 @@ class ModelPair(Pair):
             raise SpecError(f"the reference has vocabulary {lm.vocab_size(reference)} but the policy has {v}",
                             key="reference")
         prompts = lm.read_prompts(case.prompts, case.policy)
-        top = max(max(p) for p in prompts)
-        if top >= v:
-            raise SpecError(f"{case.prompts}: token id {top} is outside the models' vocabulary [0, {v})", key="prompts")
-        if case.eos is not None and case.eos >= v:
-            raise SpecError(f"must be a token id in [0, {v}), got {case.eos}", key="eos")
+        lm.check_prompts(prompts, case.prompts, [policy, reference], case.length, case.eos)
         label = f"policy {case.policy.name}, reference {case.reference.name}, {len(prompts)} prompts"
         if case.length == 1:
             return NextTokenPair.build(case, policy, reference, prompts, label)

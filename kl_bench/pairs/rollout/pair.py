@@ -57,12 +57,12 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
     """An int array [V] with values in [0, C) from .npy or .pt."""
     t = read_logits_file(path)          # same loader: checks existence, format and readability
     if t.shape[0] != 1 or t.shape[1] != vocab:
-        raise SpecError(f"bucket map must have shape [{vocab}], got {list(t.shape[1:]) if t.shape[0] == 1 else list(t.shape)}")
+        raise SpecError(f"{path}: bucket map must have shape [{vocab}], got {list(t.shape[1:]) if t.shape[0] == 1 else list(t.shape)}")
     t = t[0]
     if not torch.equal(t, t.round()):
-        raise SpecError("bucket map must hold integers")
+        raise SpecError(f"{path}: bucket map must hold integers")
     if t.min() < 0 or t.max() >= buckets:
-        raise SpecError(f"bucket map values must lie in [0, {buckets}), got [{int(t.min())}, {int(t.max())}]")
+        raise SpecError(f"{path}: bucket map values must lie in [0, {buckets}), got [{int(t.min())}, {int(t.max())}]")
     return t.long()
 
 
