@@ -200,9 +200,10 @@ class Result:
         self.pairs = []
         self.summary, self.lambda_sweep, self.gradients = got.summary, got.sweep, got.gradients
         self.envelope, self.path = got.envelope, got.path
+        from .safe_io import read_regular
         from .verify import DATA_FILES
         # The folder was just verified (sha256 of every file against run.json): its bytes, for write().
-        self._files = {n: (got.path / n).read_bytes() for n in DATA_FILES if (got.path / n).is_file()}
+        self._files = {n: read_regular(got.path / n, n) for n in DATA_FILES if (got.path / n).is_file()}
         return self
 
     @property
@@ -252,7 +253,7 @@ class Result:
         from .storage import write_results
         from .verify import refuse_undefined_statistics
         directory = Path(directory)
-        refuse_undefined_statistics(self.summary, str(self.spec.path))
+        refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         write_results(directory, self._files, self.envelope)
         self.path = directory
         return directory
@@ -267,7 +268,7 @@ class Result:
         if directory is None:
             raise SpecError("give report() a folder, or write() the results first")
         from .verify import refuse_undefined_statistics
-        refuse_undefined_statistics(self.summary, str(self.spec.path))
+        refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / self.spec.experiment.name
             from .storage import write_results

@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import io
 import json
+import functools
 import os
 import shutil
 import signal
@@ -50,6 +51,19 @@ def fs_error(err: OSError, target: Path, what: str = "cannot write results", key
     return SpecError(f"{what}: {reason}", file=str(target), key=key)
 
 
+def _os_errors_as_input_errors(check):
+    """A path check that meets an OSError (a folder it may not search: EACCES on stat, ELOOP, ENAMETOOLONG)
+    says so in one line naming the path, as every other refusal does."""
+    @functools.wraps(check)
+    def wrapped(path: Path) -> Path:
+        try:
+            return check(path)
+        except OSError as e:
+            raise fs_error(e, Path(path), "cannot be written", key="--out") from None
+    return wrapped
+
+
+@_os_errors_as_input_errors
 def check_output_file(path: Path) -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
     folder that cannot be created or written."""
@@ -84,6 +98,7 @@ def output_dir(path: Path) -> Path:
     return path.resolve() if path.is_symlink() and path.resolve().is_dir() else path
 
 
+@_os_errors_as_input_errors
 def check_output_dir(path: Path) -> Path:
     """Refuse, before any sampling, a results folder that cannot be written: '', '.', '..', an existing
     file (or /dev/null), a path under a file, a location that cannot be created or written (/proc, a
