@@ -91,6 +91,7 @@ def _check_name_length(path: Path) -> None:
                         f"(file names are limited to {_NAME_MAX} bytes)", file=str(path)[:120] + "…", key="--out")
 
 
+@_os_errors_as_input_errors
 def output_dir(path: Path) -> Path:
     """The folder results go to: a symlink to a folder is followed (the link itself stays)."""
     path = Path(path)
