@@ -126,3 +126,77 @@ def test_k3_in_the_loss_is_mass_covering():
         fin[label] = (tr["kl_rev"][-1], tr["kl_fwd"][-1])
     for other in ("k1/reward", "k2/loss"):
         assert fin["k3/loss"][1] < fin[other][1] and fin["k3/loss"][0] > fin[other][0]
+
+
+# ----------------------------------------------------------------------------- rollouts
+def _rollout(c=2, v=6, t=3, eos=0, beta=0.8):
+    bucket = torch.arange(v) % c
+    r = torch.randn(c, v, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    return RolloutProblem("r", _logits((c, v), 3), _logits((c, v), 4), r, beta, bucket, t, eos)
+
+
+def _rollout_objective(pb, theta):
+    """J(θ) by brute-force enumeration of every sequence (independent of the dynamic program)."""
+    lq = torch.log_softmax(theta, -1)
+    total = theta.new_zeros(())
+
+    def rec(c, logq, logp, rew, depth):
+        nonlocal total
+        for x in range(lq.shape[1]):
+            a, b, r = logq + lq[c, x], logp + pb.log_p[c, x], rew + pb.reward[c, x]
+            if depth + 1 == pb.length or x == pb.eos:
+                total = total + a.exp() * (r - pb.beta * (a - b))
+            else:
+                rec(int(pb.bucket[x]), a, b, r, depth + 1)
+    rec(0, theta.new_zeros(()), theta.new_zeros(()), theta.new_zeros(()), 0)
+    return total
+
+
+def test_rollout_values_and_true_gradient_match_brute_force():
+    pb = _rollout()
+    theta = pb.theta0 + 0.3 * _logits(pb.theta0.shape, 7)
+    values, grad_j = pb.evaluate(theta)
+    th = theta.clone().requires_grad_(True)
+    j = _rollout_objective(pb, th)
+    (g,) = torch.autograd.grad(j, th)
+    assert abs(values["objective"] - float(j.detach())) < 1e-12
+    assert torch.allclose(grad_j, g, rtol=0, atol=1e-12)
+    assert values["kl_opt"] > 0
+
+
+def _rollout_follows_autograd(label, steps):
+    """seq rows of the correct modes and the per-token score-function sum have E[update] = ∇J: the exact
+    trajectory (expected gradients by the counting dynamic program) equals SGD on autograd of J."""
+    pb = _rollout()
+    combo = parse_combination(label, ("tok", "seq"))
+    lr = 0.5
+    ours = [th for _, th, _ in trajectory(pb.theta0, Optimizer("sgd", lr), steps,
+                                          lambda th, t: pb.expected_update(th, combo))]
+    theta = pb.theta0.clone()
+    for t in range(steps + 1):
+        assert torch.allclose(ours[t], theta, rtol=0, atol=1e-10)
+        _, g = pb.evaluate(theta)
+        theta = theta + lr * g
+
+
+@pytest.mark.parametrize("label", ["k1/reward/seq", "k3/loss_is/seq", "k1/reward/tok"])
+def test_rollout_correct_modes_follow_autograd_of_the_true_objective(label):
+    _rollout_follows_autograd(label, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["k1/reward/seq", "k2/loss/seq", "k3/loss_is/seq", "k1/reward/tok"])
+def test_rollout_correct_modes_follow_autograd_over_50_steps(label):
+    _rollout_follows_autograd(label, 50)
+
+
+def test_rollout_k1_in_the_loss_never_moves_the_policy():
+    pb = _rollout()
+    pb = RolloutProblem(pb.name, pb.theta0, pb.log_p, torch.zeros_like(pb.reward), pb.beta, pb.bucket, pb.length,
+                        pb.eos)
+    combo = parse_combination("k1/loss/tok", ("tok", "seq"))
+    # E[Σ_t s_t] = 0 exactly; the counting dynamic program leaves rounding of ~1e-17 (SGD here: Adam
+    # would divide that rounding by its own scale and take steps of ~lr·1e-9).
+    run = list(trajectory(pb.theta0, Optimizer("sgd", 1.0), 50, lambda th, t: pb.expected_update(th, combo)))
+    assert max(float(g.abs().max()) for _, _, g in run) < 1e-14
+    assert max(float((th - pb.theta0).abs().max()) for _, th, _ in run) < 1e-12
