@@ -200,3 +200,116 @@ def test_rollout_k1_in_the_loss_never_moves_the_policy():
     run = list(trajectory(pb.theta0, Optimizer("sgd", 1.0), 50, lambda th, t: pb.expected_update(th, combo)))
     assert max(float(g.abs().max()) for _, _, g in run) < 1e-14
     assert max(float((th - pb.theta0).abs().max()) for _, th, _ in run) < 1e-12
+
+
+# ----------------------------------------------------------------------------- sampled, specs, CLI
+def _spec(train: dict, cases=None, draws=400) -> dict:
+    cat = {"name": "cat", "kind": "categorical", "vocab": 12, "q": {"logits": "zipf", "exponent": 1.1, "seed": 1},
+           "p": {"from": "q", "noise": 0.5, "seed": 2}}
+    base = {"optimizer": "sgd", "lr": 0.5, "steps": 12, "beta": 0.5, "reward": {"random": 1.0},
+            "combinations": ["k1/reward", "k3/loss"]}
+    return {"spec_version": 1, "experiment": {"name": "t", "draws": draws, "seed": 3, "device": "cpu"},
+            "train": {**base, **train}, "case": cases or [cat]}
+
+
+def test_sampled_trajectories_scatter_around_the_exact_one():
+    """The mean of 24 sampled trajectories at every step, within 5 standard errors (sd/√seeds) of the exact
+    trajectory. (Curvature makes E[value(θ_t)] differ from value(E θ_t) by O(lr²·Var/n), far below the SE.)"""
+    from kl_bench import api
+    res = api.train(_spec({"gradients": ["exact", "sampled"], "seeds": 24, "record_every": 3}))
+    df = res.frame
+    for combo, d in df.groupby("combination"):
+        ex = d[d.gradients == "exact"].set_index("step")
+        sa = d[d.gradients == "sampled"].set_index("step")
+        assert (sa.seeds == 24).all() and (sa.draws == 400).all()
+        for m in ("kl_rev", "kl_fwd", "entropy", "objective", "kl_opt"):
+            se = sa[f"{m}_sd"].iloc[1:] / math.sqrt(24)
+            z = (sa[m].iloc[1:] - ex[m].iloc[1:]) / se
+            assert (se > 0).all() and (z.abs() < 5).all(), (combo, m, z.tolist())
+            # step 0: every run starts at the initial policy (the mean of 24 equal numbers, up to rounding)
+            assert abs(sa[m].iloc[0] - ex[m].iloc[0]) < 1e-12 and sa[f"{m}_sd"].iloc[0] < 1e-12
+
+
+def test_sampled_bytes_do_not_depend_on_chunk():
+    """70,000 draws a step: two pieces (2^16 + rest); chunk only groups them for the search."""
+    from kl_bench import api
+    spec = dict(_spec({"gradients": ["sampled"], "seeds": 2, "steps": 2}, draws=70_000))
+    a = api.train({**spec, "train": {**spec["train"], "chunk": 1000}}).files()
+    b = api.train({**spec, "train": {**spec["train"], "chunk": 1 << 22}}).files()
+    assert a == b
+
+
+def test_sampled_rollout_matches_the_exact_expectation_at_step_0():
+    """One step's sampled update from (seed, case/train/run, 0): its mean over runs is the exact expected update."""
+    from kl_bench.seeding import BatchStream
+    pb = _rollout()
+    combo = parse_combination("k3/loss/tok", ("tok", "seq"))
+    exact = pb.expected_update(pb.theta0, combo)
+    runs = torch.stack([pb.sampled_update(pb.theta0, combo, BatchStream(0, f"r/train/{i}", 0, 500, torch.device("cpu")),
+                                          1 << 16, 1 << 20) for i in range(40)])
+    z = (runs.mean(0) - exact) / (runs.std(0) / math.sqrt(40))
+    assert float(z.abs().max()) < 5
+
+
+TRAIN_TOML = {"optimizer": '"sgd"', "lr": "0.5", "steps": "3", "beta": "0.5", "reward": "{ random = 1.0 }",
+              "combinations": '["k1/reward", "k3/loss"]'}
+CASE_TOML = """
+[[case]]
+name = "cat"
+kind = "categorical"
+vocab = 12
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.5, seed = 2 }
+"""
+
+BAD = [
+    ({"optimizer": None, "optimiser": '"sgd"'}, "train.optimiser", "did you mean 'optimizer'"),
+    ({"optimizer": '"adamw"'}, "train.optimizer", "did you mean 'adam'"),
+    ({"lr": "-1.0"}, "train.lr", "must be > 0"),
+    ({"steps": '"ten"'}, "train.steps", "must be an integer"),
+    ({"combinations": '["k3/los"]'}, "train.combinations", "did you mean 'loss'"),
+    ({"combinations": '["k9/loss"]'}, "train.combinations", "unknown estimator"),
+    ({"combinations": '["k3/loss/tok"]'}, "train.combinations", "aggregate 'tok' is not available"),
+    ({"gradients": '["sampeld"]'}, "train.gradients", "did you mean 'sampled'"),
+    ({"reward": "{ randm = 1.0 }"}, "train.reward", "did you mean 'random'"),
+    ({"reward": "{ tokens = [99] }"}, "train.reward.tokens", "outside the vocabulary"),
+    ({"beta": "0.0"}, "train.beta", "must be > 0"),
+]
+
+
+@pytest.mark.parametrize("bad,key,message", BAD)
+def test_bad_train_input_is_one_line_exit_2(tmp_path, bad, key, message):
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    table = {k: v for k, v in {**TRAIN_TOML, **bad}.items() if v is not None}
+    text = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = 10\ndevice = "cpu"\n[train]\n'
+            + "".join(f"{k} = {v}\n" for k, v in table.items()) + CASE_TOML)
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    res = CliRunner().invoke(app, ["train", str(path), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    err = res.output.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert f"key '{key}'" in err and message in err and str(path) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_command_writes_csv_and_envelope(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    from kl_bench.results import read_frame
+    from kl_bench.training import TRAIN_SCHEMA
+    text = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = 10\ndevice = "cpu"\n[train]\n'
+            + "".join(f"{k} = {v}\n" for k, v in TRAIN_TOML.items()) + CASE_TOML)
+    (tmp_path / "s.toml").write_text(text)
+    res = CliRunner().invoke(app, ["train", str(tmp_path / "s.toml"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "closest to the optimum" in res.output and "k1/reward" in res.output
+    df = read_frame(tmp_path / "out" / "train.csv")
+    assert list(df.columns) == list(TRAIN_SCHEMA) and len(df) == 2 * 4
+    env = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert env["kl_bench_train"] == 1 and set(env["files"]) == {"train.csv"}
