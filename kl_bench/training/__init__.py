@@ -29,9 +29,10 @@ def train_rows(spec, device: torch.device) -> tuple[list[dict], TrainConfig, flo
     Everything is validated (cases built, combinations parsed) before the first step."""
     cfg = parse_train(spec.train, str(spec.path), spec.path.parent)
     names = [c.name for c in spec.cases]
-    for n in cfg.cases:
-        if n not in names:
-            raise SpecError(f"no case named '{n}'{did_you_mean(n, names)}", file=str(spec.path), key="train.cases")
+    for key, listed in (("train.cases", cfg.cases), ("train.reward.cases", cfg.reward.cases)):
+        for n in listed:
+            if n not in names:
+                raise SpecError(f"no case named '{n}'{did_you_mean(n, names)}", file=str(spec.path), key=key)
     cases = [c for c in spec.cases if not cfg.cases or c.name in cfg.cases]
     draws = cfg.draws or spec.experiment.draws
     plans = []

@@ -2,6 +2,7 @@
 every bad value one line naming the file and the key)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,17 @@ MAX_STEPS = 1 << 20            # steps are sequential: a million is already hour
 @dataclass(frozen=True)
 class RewardSpec:
     """``kind``: "none" (pure regularisation towards p), "random" (N(0, scale²) per (context, token), drawn
-    from ``seed``), "file" (a [B, V] / [C, V] table in .npy/.pt/.safetensors, ``key`` inside it), "tokens"
+    from ``seed``; −|N(0, scale²)| with ``penalty``: a cost on every token), "file" (a [B, V] / [C, V] table in .npy/.pt/.safetensors, ``key`` inside it), "tokens"
     (``value`` on the token ids ``tokens`` in every context, 0 elsewhere)."""
     kind: str = "none"
     scale: float = 1.0
     seed: int = 0
+    penalty: bool = False
     file: Path | None = None
     key: str | None = None
     tokens: tuple[int, ...] = ()
     value: float = 1.0
+    cases: tuple[str, ...] = ()    # the cases that get the reward (default: all; the others get none)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class TrainConfig:
     chunk: int = 1 << 20           # draws searched at once (memory only: never changes a byte)
     record_every: int = 1          # write every k-th step (and the last)
     cases: tuple[str, ...] = ()    # the cases to train (default: all)
+    sampled_combinations: tuple[str, ...] = ()   # those with sampled runs (default: all combinations)
 
 
 def _str_list(t: Table, k: str, allowed: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -75,7 +79,8 @@ def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
         hint = did_you_mean(unknown, list(REWARD_KINDS)) if unknown else ""
         raise r.error(f"needs exactly one of {', '.join(REWARD_KINDS)}{hint}", key=t.key("reward"))
     if kinds[0] == "random":
-        spec = RewardSpec("random", scale=r.get("random", "float", check=positive), seed=r.get("seed", "int", 0))
+        spec = RewardSpec("random", scale=r.get("random", "float", check=positive), seed=r.get("seed", "int", 0),
+                          penalty=r.bool("penalty", False))
     elif kinds[0] == "file":
         f = Path(r.get("file", "str"))
         spec = RewardSpec("file", file=f if f.is_absolute() else spec_dir / f, key=r.get("key", "str", None))
@@ -85,8 +90,9 @@ def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
                                                          for x in toks):
             raise r.error(f"must be a non-empty list of token ids (integers ≥ 0), got {toks!r}", key=r.key("tokens"))
         spec = RewardSpec("tokens", tokens=tuple(toks), value=r.get("value", "float", 1.0))
+    cases = r.get("cases", "str_list", ())
     r.finish()
-    return spec
+    return dataclasses.replace(spec, cases=cases)
 
 
 def _parse_optimizer(t: Table) -> Optimizer:
@@ -121,5 +127,8 @@ def parse_train(raw: Any, file: str, spec_dir: Path) -> TrainConfig:
         record_every=t.get("record_every", "int", 1, positive),
         cases=_str_list(t, "cases", None, ()),
     )
+    if t.has("sampled_combinations"):
+        sub = _str_list(t, "sampled_combinations", cfg.combinations, ())
+        cfg = dataclasses.replace(cfg, sampled_combinations=sub)
     t.finish()
     return cfg

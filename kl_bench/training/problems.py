@@ -20,12 +20,13 @@ from .rollout import RolloutProblem
 def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int) -> torch.Tensor:
     """The reward [rows, V] (float64) of one case: rows = contexts (categorical) or buckets (rollout)."""
     rows, vocab = shape
-    if spec.kind == "none":
+    if spec.kind == "none" or (spec.cases and case not in spec.cases):
         return torch.zeros(shape, dtype=torch.float64)
     if spec.kind == "random":
         # Its own stream (seed, case/reward): the reward does not move when draws or steps change.
         g = batch_generator(seed + spec.seed, f"{case}/reward", 0, torch.device("cpu"))
-        return spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)
+        r = spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)
+        return -r.abs() if spec.penalty else r
     if spec.kind == "tokens":
         bad = [t for t in spec.tokens if t >= vocab]
         if bad:

@@ -123,7 +123,7 @@ def train_combination(plan: Plan, combo: Combination, cfg: TrainConfig, *, seed:
     if "exact" in cfg.gradients:
         traj = run_trajectory(pb, opt, cfg.steps, cfg.record_every, lambda th, t: pb.expected_update(th, combo))
         rows += _rows(pb.name, combo, "exact", 0, 1, steps, traj, None)
-    if "sampled" in cfg.gradients:
+    if "sampled" in cfg.gradients and (not cfg.sampled_combinations or combo.label in cfg.sampled_combinations):
         piece = piece_draws(device)
         runs = []
         for r in range(cfg.seeds):
