@@ -313,3 +313,20 @@ def test_train_command_writes_csv_and_envelope(tmp_path):
     assert list(df.columns) == list(TRAIN_SCHEMA) and len(df) == 2 * 4
     env = json.loads((tmp_path / "out" / "run.json").read_text())
     assert env["kl_bench_train"] == 1 and set(env["files"]) == {"train.csv"}
+
+
+def test_figures_leave_global_state_alone_and_render_every_case(tmp_path):
+    import matplotlib
+
+    from kl_bench import api
+    from kl_bench.training.plots import plot_metric, plot_training, render_training_figures
+    res = api.train(_spec({"gradients": ["exact", "sampled"], "seeds": 2, "steps": 4}))
+    before = dict(matplotlib.rcParams)
+    fig = plot_training(res.frame)
+    assert len(fig.axes) == 4 and fig.axes[0].get_ylabel() == "KL(q‖p)"
+    assert len(fig.axes[0].lines) == 4            # 2 combinations × (exact line + sampled mean)
+    assert plot_metric(res.frame, "kl_opt").axes[0].get_ylabel().startswith("KL(q‖q*)")
+    assert dict(matplotlib.rcParams) == before
+    res.write(tmp_path / "run")
+    paths = render_training_figures(tmp_path / "run", tmp_path / "fig")
+    assert [p.name for p in paths] == ["training_cat.png"] and paths[0].stat().st_size > 10_000

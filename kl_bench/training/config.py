@@ -65,6 +65,14 @@ def _str_list(t: Table, k: str, allowed: tuple[str, ...] | None, default: tuple[
     return tuple(vals)
 
 
+def _token_ids(r: Table) -> tuple[int, ...]:
+    toks = r.raw("tokens")
+    ok = isinstance(toks, list) and toks and all(not isinstance(x, bool) and isinstance(x, int) and x >= 0 for x in toks)
+    if not ok:
+        raise r.error(f"must be a non-empty list of token ids (integers ≥ 0), got {toks!r}", key=r.key("tokens"))
+    return tuple(toks)
+
+
 def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
     raw = t.raw("reward")
     if raw is None or raw == "none":
@@ -85,11 +93,7 @@ def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
         f = Path(r.get("file", "str"))
         spec = RewardSpec("file", file=f if f.is_absolute() else spec_dir / f, key=r.get("key", "str", None))
     else:
-        toks = r.raw("tokens")
-        if not isinstance(toks, list) or not toks or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
-                                                         for x in toks):
-            raise r.error(f"must be a non-empty list of token ids (integers ≥ 0), got {toks!r}", key=r.key("tokens"))
-        spec = RewardSpec("tokens", tokens=tuple(toks), value=r.get("value", "float", 1.0))
+        spec = RewardSpec("tokens", tokens=_token_ids(r), value=r.get("value", "float", 1.0))
     cases = r.get("cases", "str_list", ())
     r.finish()
     return dataclasses.replace(spec, cases=cases)
