@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .advice import Advice
     from .gate import Comparison
     from .experiment import SpecOutcome
+    from .training import TrainResult
 
 def load(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Spec:
     """A :class:`Spec` from a path, a Spec, or a dict with the TOML's structure (tensors allowed as
@@ -470,3 +471,26 @@ def estimate(logp: torch.Tensor, logq: torch.Tensor, estimator="k3", *, mask: to
 
 __all__ = ["load", "prepare", "execute", "run", "Result", "exact", "check", "CheckReport", "estimate",
            "resolve_device"]
+
+
+# ----------------------------------------------------------------------------- training trajectories (issue 22)
+@single_threaded
+def train(spec, *, seed: int | None = None, device: str | None = None) -> "TrainResult":
+    """Optimisation trajectories of a spec with a ``[train]`` table (kl_bench.training, docs/training.md):
+    train.csv's rows and run.json's envelope, in memory; :meth:`TrainResult.write` writes the folder."""
+    from .training import TrainResult, train_rows
+    sp = load(spec, seed=seed, device=device)
+    dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
+    rows, cfg, wall = train_rows(sp, dev)
+    exp = sp.experiment
+    envelope = {
+        "kl_bench_train": 1,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "spec_path": str(sp.path), "spec_sha256": sp.sha256, "spec_text": sp.text,
+        "experiment": exp.name, "seed": exp.seed, "device": str(dev), "device_name": _device_name(dev),
+        "versions": _versions(), "git_commit": _git_commit(), "wall_seconds": round(wall, 3),
+        "train": {"optimizer": cfg.optimizer.name, "lr": cfg.optimizer.lr, "steps": cfg.steps, "beta": cfg.beta,
+                  "gradients": list(cfg.gradients), "draws_per_step": cfg.draws or exp.draws, "seeds": cfg.seeds,
+                  "reward": cfg.reward.kind, "combinations": list(cfg.combinations)},
+    }
+    return TrainResult(rows, envelope)

@@ -69,6 +69,8 @@ class Spec:
     spec_version: int = SPEC_VERSION
     # Cases expanded from [[sweep]] tables: case name → {swept key: value} (summary.csv's sweep.* columns).
     sweep_values: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+    # The raw [train] table, parsed by kl_bench.training (optimisation trajectories), or None.
+    train: Any = field(default=None, repr=False, compare=False)
 
     @property
     def sha256(self) -> str:
@@ -208,7 +210,8 @@ def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path
     if not isinstance(raw_cases, list) or not raw_cases:
         raise top.error("needs at least one [[case]] table", key="case")
     raw_sweeps = top.raw("sweep")
-    top.finish(["spec_version", "experiment", "case", "sweep"])
+    raw_train = top.raw("train")
+    top.finish(["spec_version", "experiment", "case", "sweep", "train"])
     expanded, swept = expand_sweeps(raw_cases, raw_sweeps, file)
     cases: list[CaseConfig] = []
     for i, (raw, origin) in enumerate(expanded):
@@ -221,7 +224,7 @@ def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path
                 raise
             raise SpecError(f"value {origin[1][key]!r} for case '{raw['name']}': {e.message}", file=file,
                             case=None, key=f"sweep[{origin[0] + 1}].{key}") from None
-    spec = Spec(exp, tuple(cases), path, text, sweep_values=swept)
+    spec = Spec(exp, tuple(cases), path, text, sweep_values=swept, train=raw_train)
     return spec
 
 

@@ -50,6 +50,14 @@ def _moments(pair: "RolloutPair", log_sample: torch.Tensor, m: torch.Tensor, h: 
     return rollout_dp.propagate_tensor([(a, e, pair.length)])
 
 
+def path_moments(pair: "RolloutPair", log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor,
+                 kmax: int = 1) -> torch.Tensor:
+    """E[M S^k], k = 0..kmax, for paths drawn from softmax(``log_sample``) [C, V] with the pair's buckets,
+    length and EOS (M = Π_t m, S = Σ_t h; m, h: [C, V]): a tensor [kmax + 1], differentiable with
+    respect to ``log_sample``, m and h (kl_bench.training differentiates J(θ) through it)."""
+    return _moments(pair, log_sample, m, h, kmax)
+
+
 def reference(pair: "RolloutPair") -> tuple[np.ndarray, np.ndarray]:
     """(∇θ KL(q‖p), ∇θ KL(p‖q)) flattened [C·V], by autograd through the dynamic program."""
     ones = torch.ones_like(pair.log_q)

@@ -1,0 +1,106 @@
+"""Training-trajectory throughput: exact steps per second against a plain autograd baseline, in one process.
+
+Both pipelines take Adam ascent steps (the same pure kl_bench.training.adam) on the same exact objective
+J(θ) = E_q[reward] − β KL(q‖p), from the same start:
+
+  kl-bench   the trainer's expected update of a combination, in closed form (categorical: q ⊙ a − q(q·a)
+             with a = reward − β c(log r)) or by the counting dynamic program (rollout:
+             kl_bench.pairs.rollout.gradients.exact_mean plus the reward's score function)
+  autograd   J(θ) written as a differentiable float64 expression (categorical: the vocabulary sums;
+             rollout: the forward dynamic program) and torch.autograd.grad of it
+
+k1/reward has E[update] = ∇J, so the two trajectories must agree: the largest |Δθ| after the run is printed.
+One intra-op thread (as every kl-bench entry point).
+
+    python benchmarks/bench_training.py [--smoke] [--steps 50] [--rollout-steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from kl_bench.logits import zipf_logits
+from kl_bench.pairs import RolloutPair
+from kl_bench.pairs.rollout import gradients as rg
+from kl_bench.training import CategoricalProblem, Optimizer, RolloutProblem, parse_combination, trajectory
+
+
+def _pair_logits(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log_softmax(zipf_logits(vocab, 1.1, 1).expand(rows, vocab)
+                           + 0.5 * torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(lq + 0.5 * torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
+    return lq, lp
+
+
+def categorical(vocab: int) -> CategoricalProblem:
+    lq, lp = _pair_logits(1, vocab, 2)
+    r = -torch.randn(1, vocab, generator=torch.Generator().manual_seed(3), dtype=torch.float64).abs()
+    return CategoricalProblem("bench", lq, lp, r, 0.5)
+
+
+def rollout(c: int, vocab: int, length: int) -> RolloutProblem:
+    lq, lp = _pair_logits(c, vocab, 4)
+    r = -torch.randn(c, vocab, generator=torch.Generator().manual_seed(5), dtype=torch.float64).abs()
+    return RolloutProblem("bench", lq, lp, r, 0.5, torch.arange(vocab) % c, length, 0)
+
+
+def cat_objective(pb: CategoricalProblem, theta: torch.Tensor) -> torch.Tensor:
+    lq = torch.log_softmax(theta, -1)
+    q = lq.exp()
+    return ((q * pb.reward).sum(-1) - pb.beta * (q * (lq - pb.log_p)).sum(-1)).mean()
+
+
+def roll_objective(pb: RolloutProblem, theta: torch.Tensor) -> torch.Tensor:
+    lq = torch.log_softmax(theta, -1)
+    pair = RolloutPair("bench", lq.detach(), pb.log_p, pb.bucket, pb.length, pb.eos)
+    return rg.path_moments(pair, theta, torch.ones_like(lq), pb.reward - pb.beta * (lq - pb.log_p))[1]
+
+
+def autograd_direction(objective):
+    def direction(theta: torch.Tensor, t: int) -> torch.Tensor:
+        th = theta.detach().clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(objective(th), th)
+        return g
+    return direction
+
+
+def timed(pb, direction, steps: int) -> tuple[float, torch.Tensor]:
+    t0 = time.perf_counter()
+    last = None
+    for _, theta, _ in trajectory(pb.theta0, Optimizer("adam", 0.05), steps, direction):
+        last = theta
+    return steps / (time.perf_counter() - t0), last
+
+
+def bench(name: str, pb, objective, labels: list[str], aggregates: tuple[str, ...], steps: int) -> None:
+    base_rate, base_theta = timed(pb, autograd_direction(lambda th: objective(pb, th)), steps)
+    print(f"{name}: autograd of J            {base_rate:9.1f} steps/s")
+    for label in labels:
+        combo = parse_combination(label, aggregates)
+        rate, theta = timed(pb, lambda th, t: pb.expected_update(th, combo), steps)
+        agree = f"   max |Δθ| vs autograd after {steps} steps: {float((theta - base_theta).abs().max()):.1e}" \
+            if label.startswith("k1/reward") else ""
+        print(f"{name}: kl-bench {label:<16} {rate:9.1f} steps/s  ({rate / base_rate:.2f}× autograd){agree}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
+    ap.add_argument("--steps", type=int, default=50, help="categorical steps per pipeline")
+    ap.add_argument("--rollout-steps", type=int, default=5, help="rollout steps per pipeline")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    v, (c, rv, t) = (50257, (32, 5000, 64)) if not a.smoke else (500, (4, 50, 6))
+    steps, rsteps = (a.steps, a.rollout_steps) if not a.smoke else (5, 2)
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread")
+    bench(f"categorical V={v}", categorical(v), cat_objective, ["k1/reward", "k2/loss", "k3/loss"], (), steps)
+    bench(f"rollout C={c} V={rv} T={t}", rollout(c, rv, t), roll_objective, ["k1/reward/seq", "k1/reward/tok",
+                                                                            "k3/loss/tok"], ("tok", "seq"), rsteps)
+
+
+if __name__ == "__main__":
+    main()

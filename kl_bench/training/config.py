@@ -1,0 +1,138 @@
+"""The ``[train]`` table of a spec → a frozen :class:`TrainConfig` (unknown keys rejected with "did you mean",
+every bad value one line naming the file and the key)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import MAX_DRAWS, Table, at_most, positive, typename
+from ..errors import SpecError
+from ..registry import did_you_mean
+from .optim import OPTIMIZERS, Optimizer
+
+GRADIENTS = ("exact", "sampled")
+REWARD_KINDS = ("random", "file", "tokens")
+MAX_STEPS = 1 << 20            # steps are sequential: a million is already hours
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """``kind``: "none" (pure regularisation towards p), "random" (N(0, scale²) per (context, token), drawn
+    from ``seed``; −|N(0, scale²)| with ``penalty``: a cost on every token), "file" (a [B, V] / [C, V] table in .npy/.pt/.safetensors, ``key`` inside it), "tokens"
+    (``value`` on the token ids ``tokens`` in every context, 0 elsewhere)."""
+    kind: str = "none"
+    scale: float = 1.0
+    seed: int = 0
+    penalty: bool = False
+    file: Path | None = None
+    key: str | None = None
+    tokens: tuple[int, ...] = ()
+    value: float = 1.0
+    cases: tuple[str, ...] = ()    # the cases that get the reward (default: all; the others get none)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    optimizer: Optimizer
+    steps: int
+    beta: float
+    combinations: tuple[str, ...]
+    reward: RewardSpec = RewardSpec()
+    gradients: tuple[str, ...] = ("exact",)
+    draws: int | None = None       # per step of a sampled run (default: [experiment] draws)
+    seeds: int = 8                 # sampled runs per combination (bands)
+    chunk: int = 1 << 20           # draws searched at once (memory only: never changes a byte)
+    record_every: int = 1          # write every k-th step (and the last)
+    cases: tuple[str, ...] = ()    # the cases to train (default: all)
+    sampled_combinations: tuple[str, ...] = ()   # those with sampled runs (default: all combinations)
+
+
+def _str_list(t: Table, k: str, allowed: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    raw = t.raw(k)
+    if raw is None:
+        return default
+    vals = (raw,) if isinstance(raw, str) else t.get(k, "str_list")
+    if not vals:
+        raise t.error("must not be empty", key=t.key(k))
+    for v in vals:
+        if allowed is not None and v not in allowed:
+            raise t.error(f"unknown value '{v}'{did_you_mean(v, list(allowed))}; allowed: {', '.join(allowed)}",
+                          key=t.key(k))
+    if len(set(vals)) != len(vals):
+        raise t.error("lists a value twice", key=t.key(k))
+    return tuple(vals)
+
+
+def _token_ids(r: Table) -> tuple[int, ...]:
+    toks = r.raw("tokens")
+    ok = isinstance(toks, list) and toks and all(not isinstance(x, bool) and isinstance(x, int) and x >= 0 for x in toks)
+    if not ok:
+        raise r.error(f"must be a non-empty list of token ids (integers ≥ 0), got {toks!r}", key=r.key("tokens"))
+    return tuple(toks)
+
+
+def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
+    raw = t.raw("reward")
+    if raw is None or raw == "none":
+        return RewardSpec()
+    if not isinstance(raw, dict):
+        raise t.error(f"must be \"none\" or a table with one of {', '.join(REWARD_KINDS)}, got {typename(raw)} {raw!r}",
+                      key=t.key("reward"))
+    r = t.sub("reward")
+    kinds = [k for k in REWARD_KINDS if r.has(k)]
+    if len(kinds) != 1:
+        unknown = next((k for k in raw if k not in REWARD_KINDS), None)
+        hint = did_you_mean(unknown, list(REWARD_KINDS)) if unknown else ""
+        raise r.error(f"needs exactly one of {', '.join(REWARD_KINDS)}{hint}", key=t.key("reward"))
+    if kinds[0] == "random":
+        spec = RewardSpec("random", scale=r.get("random", "float", check=positive), seed=r.get("seed", "int", 0),
+                          penalty=r.bool("penalty", False))
+    elif kinds[0] == "file":
+        f = Path(r.get("file", "str"))
+        spec = RewardSpec("file", file=f if f.is_absolute() else spec_dir / f, key=r.get("key", "str", None))
+    else:
+        spec = RewardSpec("tokens", tokens=_token_ids(r), value=r.get("value", "float", 1.0))
+    cases = r.get("cases", "str_list", ())
+    r.finish()
+    return dataclasses.replace(spec, cases=cases)
+
+
+def _parse_optimizer(t: Table) -> Optimizer:
+    name = t.get("optimizer", "str", "adam")
+    if name not in OPTIMIZERS:
+        raise t.error(f"unknown optimizer '{name}'{did_you_mean(name, list(OPTIMIZERS))}; known: {', '.join(OPTIMIZERS)}",
+                      key=t.key("optimizer"))
+    betas = t.get("betas", "float_or_list", (0.9, 0.999))
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise t.error(f"must be two numbers in [0, 1), got {list(betas)}", key=t.key("betas"))
+    return Optimizer(name, t.get("lr", "float", check=positive), (betas[0], betas[1]),
+                     t.get("eps", "float", 1e-8, positive))
+
+
+def parse_train(raw: Any, file: str, spec_dir: Path) -> TrainConfig:
+    """The ``[train]`` table (a dict) of the spec ``file``."""
+    if raw is None:
+        raise SpecError("needs a [train] table (optimizer, lr, steps, beta, combinations)", file=file, key="train")
+    t = Table(raw, file, None, "train.")
+    if "combinations" not in raw:
+        t.get("combinations", "str_list")      # missing: says so, or names the misspelt key
+    cfg = TrainConfig(
+        optimizer=_parse_optimizer(t),
+        steps=t.get("steps", "int", check=at_most(MAX_STEPS, "2^20: steps run one after another")),
+        beta=t.get("beta", "float", check=positive),
+        combinations=_str_list(t, "combinations", None, ()),
+        reward=_parse_reward(t, spec_dir),
+        gradients=_str_list(t, "gradients", GRADIENTS, ("exact",)),
+        draws=t.get("draws", "int", None, at_most(MAX_DRAWS, "2^53: draws are counted in float64")),
+        seeds=t.get("seeds", "int", 8, at_most(1 << 16, "2^16: one trajectory per seed")),
+        chunk=t.get("chunk", "int", 1 << 20, positive),
+        record_every=t.get("record_every", "int", 1, positive),
+        cases=_str_list(t, "cases", None, ()),
+    )
+    if t.has("sampled_combinations"):
+        sub = _str_list(t, "sampled_combinations", cfg.combinations, ())
+        cfg = dataclasses.replace(cfg, sampled_combinations=sub)
+    t.finish()
+    return cfg

@@ -1,0 +1,139 @@
+"""Trajectories: the optimiser driven by each combination's update, exact or from n draws per step, and
+the rows of train.csv (exact values of the policy at every recorded step)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from ..errors import SpecError
+from ..seeding import BatchStream, piece_draws
+from .combos import Combination, parse_combination
+from .config import TrainConfig
+from .optim import Optimizer
+from .problems import training_kind
+
+TRAIN_SCHEMA: dict[str, str] = {
+    "case": "case name",
+    "combination": "estimator/mode[/aggregate] as written in [train] combinations",
+    "estimator": "estimator (registry name, plug-in or library preset)",
+    "mode": "where the trainer puts it: loss | reward | loss_is | straight_through | loss_is_nemo (kl_bench.modes)",
+    "aggregate": "rollouts: tok (per-token estimator summed along the path) or seq (estimator of the sequence "
+                 "log-ratio); empty for categoricals",
+    "gradients": "exact (the expected update: a deterministic trajectory) or sampled (n draws a step; the values "
+                 "are means over the seeds)",
+    "draws": "draws per step (0 for exact trajectories)",
+    "seeds": "sampled trajectories averaged (1 for exact)",
+    "step": "optimiser steps taken before this row's state (0: the initial policy)",
+    "kl_rev": "KL(q||p) of the policy, exact (categorical: mean over contexts; rollout: over sequences)",
+    "kl_fwd": "KL(p||q), exact",
+    "entropy": "entropy of q in nats, exact (rollout: of the sequence)",
+    "reward": "E_q[reward], exact (rollout: of the summed reward)",
+    "objective": "J = E_q[reward] − β KL(q||p), exact",
+    "kl_opt": "KL(q||q*), q* ∝ p·exp(reward/β) the maximiser of J, exact: the distance to the true optimum",
+    "grad_norm": "|update direction| taken from this state (sampled: mean over seeds)",
+    "cos_true": "cosine of the update direction with ∇J (empty where ∇J = 0 or the update is 0; sampled: mean)",
+    "kl_rev_sd": "sampled: standard deviation of kl_rev across seeds (the band); empty for exact rows",
+    "kl_fwd_sd": "sampled: the same for kl_fwd",
+    "entropy_sd": "sampled: the same for entropy",
+    "reward_sd": "sampled: the same for reward",
+    "objective_sd": "sampled: the same for objective",
+    "kl_opt_sd": "sampled: the same for kl_opt",
+}
+METRICS = ("kl_rev", "kl_fwd", "entropy", "reward", "objective", "kl_opt")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One case ready to train: its problem and parsed combinations."""
+    problem: object
+    combos: tuple[Combination, ...]
+
+
+def plan_case(case, pair, cfg: TrainConfig, seed: int) -> Plan:
+    """Validate the combinations against the case's kind and build its problem."""
+    build, aggregates = training_kind(case.kind, case.name)
+    combos = []
+    for text in cfg.combinations:
+        try:
+            combos.append(parse_combination(text, aggregates))
+        except SpecError as e:
+            raise e.located(case=case.name, key="train.combinations") from None
+    return Plan(build(pair, cfg, seed), tuple(combos))
+
+
+def trajectory(theta0: torch.Tensor, opt: Optimizer, steps: int,
+               direction: Callable[[torch.Tensor, int], torch.Tensor]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(t, θ_t, g_t) for t = 0..steps: g_t = direction(θ_t, t) is the update taken from θ_t (the last one is
+    computed but not applied)."""
+    theta, state = theta0, opt.init(theta0)
+    for t in range(steps + 1):
+        g = direction(theta, t)
+        yield t, theta, g
+        if t < steps:
+            theta, state = opt.step(theta, g, state)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(a.norm()), float(b.norm())
+    return float((a * b).sum()) / (na * nb) if na > 0 and nb > 0 else math.nan
+
+
+def recorded(steps: int, every: int) -> list[int]:
+    """The steps written: every k-th and the last."""
+    return sorted(set(range(0, steps + 1, every)) | {steps})
+
+
+def run_trajectory(problem, opt: Optimizer, steps: int, every: int, direction) -> dict[str, np.ndarray]:
+    """Exact metrics, |g| and cos(g, ∇J) at every recorded step: {name: [K]}."""
+    keep = set(recorded(steps, every))
+    out: dict[str, list[float]] = {k: [] for k in (*METRICS, "grad_norm", "cos_true")}
+    for t, theta, g in trajectory(problem.theta0, opt, steps, direction):
+        if t in keep:
+            values, grad_j = problem.evaluate(theta)
+            for k in METRICS:
+                out[k].append(values[k])
+            out["grad_norm"].append(float(g.norm()))
+            out["cos_true"].append(cosine(g, grad_j))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _rows(case: str, combo: Combination, kind: str, draws: int, seeds: int, steps: list[int],
+          mean: dict[str, np.ndarray], sd: dict[str, np.ndarray] | None) -> list[dict]:
+    rows = []
+    for i, t in enumerate(steps):
+        row = {"case": case, "combination": combo.label, "estimator": combo.estimator, "mode": combo.mode,
+               "aggregate": combo.aggregate, "gradients": kind, "draws": draws, "seeds": seeds, "step": t}
+        row.update({k: float(v[i]) for k, v in mean.items()})
+        row.update({f"{k}_sd": float(sd[k][i]) if sd is not None else math.nan for k in METRICS})
+        rows.append(row)
+    return rows
+
+
+def train_combination(plan: Plan, combo: Combination, cfg: TrainConfig, *, seed: int, draws: int,
+                      device: torch.device) -> list[dict]:
+    """Rows of one combination: its exact trajectory and/or the mean and spread of ``cfg.seeds`` sampled ones.
+    Sampled run r draws step t's batch from the stream (seed, "<case>/train/<r>", t) in fixed pieces."""
+    pb, opt = plan.problem, cfg.optimizer
+    steps = recorded(cfg.steps, cfg.record_every)
+    rows: list[dict] = []
+    if "exact" in cfg.gradients:
+        traj = run_trajectory(pb, opt, cfg.steps, cfg.record_every, lambda th, t: pb.expected_update(th, combo))
+        rows += _rows(pb.name, combo, "exact", 0, 1, steps, traj, None)
+    if "sampled" in cfg.gradients and (not cfg.sampled_combinations or combo.label in cfg.sampled_combinations):
+        piece = piece_draws(device)
+        runs = []
+        for r in range(cfg.seeds):
+            def direction(th, t, r=r):
+                batch = BatchStream(seed, f"{pb.name}/train/{r}", t, draws, device)
+                return pb.sampled_update(th, combo, batch, piece, cfg.chunk)
+            runs.append(run_trajectory(pb, opt, cfg.steps, cfg.record_every, direction))
+        mean = {k: np.mean([x[k] for x in runs], 0) for k in runs[0]}
+        # ddof = 1: the spread of one sampled trajectory; the mean's standard error is sd/√seeds.
+        sd = {k: np.std([x[k] for x in runs], 0, ddof=1) if cfg.seeds > 1 else np.full(len(steps), math.nan)
+              for k in METRICS}
+        rows += _rows(pb.name, combo, "sampled", draws, cfg.seeds, steps, mean, sd)
+    return rows

@@ -1,0 +1,332 @@
+"""Optimisation trajectories (kl_bench.training): exact trajectories against independent implementations,
+the optimum q* reached, sampled trajectories around the exact one, determinism, and bad [train] input."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kl_bench.training import (CategoricalProblem, Optimizer, RolloutProblem, parse_combination, run_trajectory,
+                               trajectory)
+
+STEPS = 60
+
+
+def _logits(shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(scale * torch.randn(*shape, dtype=torch.float64, generator=g), -1)
+
+
+def _categorical(b=3, v=12, beta=0.7, reward=True):
+    r = torch.randn(b, v, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) if reward \
+        else torch.zeros(b, v, dtype=torch.float64)
+    return CategoricalProblem("c", _logits((b, v), 1), _logits((b, v), 2), r, beta)
+
+
+def _thetas(pb, label, opt, steps=STEPS):
+    combo = parse_combination(label, ())
+    return [th for _, th, _ in trajectory(pb.theta0, opt, steps, lambda th, t: pb.expected_update(th, combo))]
+
+
+def _objective(pb, theta):
+    """J(θ) written independently: mean over contexts of E_q[reward] − β KL(q‖p)."""
+    lq = torch.log_softmax(theta, -1)
+    q = lq.exp()
+    return ((q * pb.reward).sum(-1) - pb.beta * (q * (lq - pb.log_p)).sum(-1)).mean()
+
+
+def _autograd_sgd(pb, lr, steps):
+    theta, out = pb.theta0.clone(), []
+    for _ in range(steps + 1):
+        out.append(theta.clone())
+        th = theta.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(_objective(pb, th), th)
+        theta = theta + lr * g
+    return out
+
+
+def _autograd_adam(pb, lr, steps):
+    # torch.optim.Adam on a local parameter: an independent Adam (its state lives in this optimiser only).
+    th = torch.nn.Parameter(pb.theta0.clone())
+    opt = torch.optim.Adam([th], lr=lr, maximize=True)
+    out = []
+    for _ in range(steps + 1):
+        out.append(th.detach().clone())
+        opt.zero_grad()
+        _objective(pb, th).backward()
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("label", ["k1/reward", "k2/loss", "k3/loss_is"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_correct_modes_follow_autograd_of_the_true_objective(label, optimizer):
+    pb = _categorical()
+    lr = 0.5 if optimizer == "sgd" else 0.05
+    ours = _thetas(pb, label, Optimizer(optimizer, lr))
+    ref = (_autograd_sgd if optimizer == "sgd" else _autograd_adam)(pb, lr, STEPS)
+    assert len(ours) == STEPS + 1
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, rtol=0, atol=1e-10)
+    assert float((ours[-1] - ours[0]).abs().max()) > 0.1         # the policy did move
+
+
+def _independent_kl_gradient(label, lq, lp):
+    """∇θ of the KL term as each biased combination's expectation, written from the closed forms
+    (DESIGN.md gradient table): k3 loss → ∇KL(p‖q) = q − p; k3 reward → E[k3 s]; k1 loss → 0. Per context."""
+    q, p = lq.exp(), lp.exp()
+    if label == "k3/loss":
+        return q - p
+    if label == "k3/reward":
+        k3 = torch.expm1(lp - lq) - (lp - lq)
+        return q * (k3 - (q * k3).sum(-1, keepdim=True))
+    assert label == "k1/loss"
+    return torch.zeros_like(q)
+
+
+@pytest.mark.parametrize("label", ["k3/loss", "k3/reward", "k1/loss"])
+def test_biased_modes_follow_their_closed_form(label):
+    pb = _categorical()
+    lr = 0.3
+    ours = _thetas(pb, label, Optimizer("sgd", lr))
+    theta = pb.theta0.clone()
+    b = theta.shape[0]
+    for t in range(STEPS + 1):
+        assert torch.allclose(ours[t], theta, rtol=0, atol=1e-10)
+        lq = torch.log_softmax(theta, -1)
+        q = lq.exp()
+        g_r = q * (pb.reward - (q * pb.reward).sum(-1, keepdim=True))
+        theta = theta + lr * (g_r - pb.beta * _independent_kl_gradient(label, lq, pb.log_p)) / b
+
+
+def test_k1_in_the_loss_never_moves_the_policy():
+    pb = _categorical(reward=False)
+    ours = _thetas(pb, "k1/loss", Optimizer("adam", 0.1))
+    assert all(torch.equal(th, pb.theta0) for th in ours)
+
+
+@pytest.mark.parametrize("label", ["k1/reward", "k2/loss"])
+def test_categorical_optimum_is_reached(label):
+    pb = _categorical(b=2, v=6, beta=1.0)
+    combo = parse_combination(label, ())
+    tr = run_trajectory(pb, Optimizer("sgd", 8.0), 150, 150, lambda th, t: pb.expected_update(th, combo))
+    assert tr["kl_opt"][0] > 0.1
+    assert tr["kl_opt"][-1] < 1e-12
+    # At q*, KL(q*‖q*) = 0 and J = β log Z: the identity the rollout kind uses for its distance.
+    log_z = torch.logsumexp(pb.log_p + pb.reward / pb.beta, -1).mean()
+    assert abs(tr["objective"][-1] - pb.beta * float(log_z)) < 1e-10
+
+
+def test_k3_in_the_loss_is_mass_covering():
+    pb = _categorical(reward=True)
+    fin = {}
+    for label in ("k1/reward", "k2/loss", "k3/loss"):
+        combo = parse_combination(label, ())
+        tr = run_trajectory(pb, Optimizer("adam", 0.1), 150, 150, lambda th, t: pb.expected_update(th, combo))
+        fin[label] = (tr["kl_rev"][-1], tr["kl_fwd"][-1])
+    for other in ("k1/reward", "k2/loss"):
+        assert fin["k3/loss"][1] < fin[other][1] and fin["k3/loss"][0] > fin[other][0]
+
+
+# ----------------------------------------------------------------------------- rollouts
+def _rollout(c=2, v=6, t=3, eos=0, beta=0.8):
+    bucket = torch.arange(v) % c
+    r = torch.randn(c, v, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    return RolloutProblem("r", _logits((c, v), 3), _logits((c, v), 4), r, beta, bucket, t, eos)
+
+
+def _rollout_objective(pb, theta):
+    """J(θ) by brute-force enumeration of every sequence (independent of the dynamic program)."""
+    lq = torch.log_softmax(theta, -1)
+    total = theta.new_zeros(())
+
+    def rec(c, logq, logp, rew, depth):
+        nonlocal total
+        for x in range(lq.shape[1]):
+            a, b, r = logq + lq[c, x], logp + pb.log_p[c, x], rew + pb.reward[c, x]
+            if depth + 1 == pb.length or x == pb.eos:
+                total = total + a.exp() * (r - pb.beta * (a - b))
+            else:
+                rec(int(pb.bucket[x]), a, b, r, depth + 1)
+    rec(0, theta.new_zeros(()), theta.new_zeros(()), theta.new_zeros(()), 0)
+    return total
+
+
+def test_rollout_values_and_true_gradient_match_brute_force():
+    pb = _rollout()
+    theta = pb.theta0 + 0.3 * _logits(pb.theta0.shape, 7)
+    values, grad_j = pb.evaluate(theta)
+    th = theta.clone().requires_grad_(True)
+    j = _rollout_objective(pb, th)
+    (g,) = torch.autograd.grad(j, th)
+    assert abs(values["objective"] - float(j.detach())) < 1e-12
+    assert torch.allclose(grad_j, g, rtol=0, atol=1e-12)
+    assert values["kl_opt"] > 0
+
+
+def _rollout_follows_autograd(label, steps):
+    """seq rows of the correct modes and the per-token score-function sum have E[update] = ∇J: the exact
+    trajectory (expected gradients by the counting dynamic program) equals SGD on autograd of J."""
+    pb = _rollout()
+    combo = parse_combination(label, ("tok", "seq"))
+    lr = 0.5
+    ours = [th for _, th, _ in trajectory(pb.theta0, Optimizer("sgd", lr), steps,
+                                          lambda th, t: pb.expected_update(th, combo))]
+    theta = pb.theta0.clone()
+    for t in range(steps + 1):
+        assert torch.allclose(ours[t], theta, rtol=0, atol=1e-10)
+        _, g = pb.evaluate(theta)
+        theta = theta + lr * g
+
+
+@pytest.mark.parametrize("label", ["k1/reward/seq", "k3/loss_is/seq", "k1/reward/tok"])
+def test_rollout_correct_modes_follow_autograd_of_the_true_objective(label):
+    _rollout_follows_autograd(label, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["k1/reward/seq", "k2/loss/seq", "k3/loss_is/seq", "k1/reward/tok"])
+def test_rollout_correct_modes_follow_autograd_over_50_steps(label):
+    _rollout_follows_autograd(label, 50)
+
+
+def test_rollout_k1_in_the_loss_never_moves_the_policy():
+    pb = _rollout()
+    pb = RolloutProblem(pb.name, pb.theta0, pb.log_p, torch.zeros_like(pb.reward), pb.beta, pb.bucket, pb.length,
+                        pb.eos)
+    combo = parse_combination("k1/loss/tok", ("tok", "seq"))
+    # E[Σ_t s_t] = 0 exactly; the counting dynamic program leaves rounding of ~1e-17 (SGD here: Adam
+    # would divide that rounding by its own scale and take steps of ~lr·1e-9).
+    run = list(trajectory(pb.theta0, Optimizer("sgd", 1.0), 50, lambda th, t: pb.expected_update(th, combo)))
+    assert max(float(g.abs().max()) for _, _, g in run) < 1e-14
+    assert max(float((th - pb.theta0).abs().max()) for _, th, _ in run) < 1e-12
+
+
+# ----------------------------------------------------------------------------- sampled, specs, CLI
+def _spec(train: dict, cases=None, draws=400) -> dict:
+    cat = {"name": "cat", "kind": "categorical", "vocab": 12, "q": {"logits": "zipf", "exponent": 1.1, "seed": 1},
+           "p": {"from": "q", "noise": 0.5, "seed": 2}}
+    base = {"optimizer": "sgd", "lr": 0.5, "steps": 12, "beta": 0.5, "reward": {"random": 1.0},
+            "combinations": ["k1/reward", "k3/loss"]}
+    return {"spec_version": 1, "experiment": {"name": "t", "draws": draws, "seed": 3, "device": "cpu"},
+            "train": {**base, **train}, "case": cases or [cat]}
+
+
+def test_sampled_trajectories_scatter_around_the_exact_one():
+    """The mean of 24 sampled trajectories at every step, within 5 standard errors (sd/√seeds) of the exact
+    trajectory. (Curvature makes E[value(θ_t)] differ from value(E θ_t) by O(lr²·Var/n), far below the SE.)"""
+    from kl_bench import api
+    res = api.train(_spec({"gradients": ["exact", "sampled"], "seeds": 24, "record_every": 3}))
+    df = res.frame
+    for combo, d in df.groupby("combination"):
+        ex = d[d.gradients == "exact"].set_index("step")
+        sa = d[d.gradients == "sampled"].set_index("step")
+        assert (sa.seeds == 24).all() and (sa.draws == 400).all()
+        for m in ("kl_rev", "kl_fwd", "entropy", "objective", "kl_opt"):
+            se = sa[f"{m}_sd"].iloc[1:] / math.sqrt(24)
+            z = (sa[m].iloc[1:] - ex[m].iloc[1:]) / se
+            assert (se > 0).all() and (z.abs() < 5).all(), (combo, m, z.tolist())
+            # step 0: every run starts at the initial policy (the mean of 24 equal numbers, up to rounding)
+            assert abs(sa[m].iloc[0] - ex[m].iloc[0]) < 1e-12 and sa[f"{m}_sd"].iloc[0] < 1e-12
+
+
+def test_sampled_bytes_do_not_depend_on_chunk():
+    """70,000 draws a step: two pieces (2^16 + rest); chunk only groups them for the search."""
+    from kl_bench import api
+    spec = dict(_spec({"gradients": ["sampled"], "seeds": 2, "steps": 2}, draws=70_000))
+    a = api.train({**spec, "train": {**spec["train"], "chunk": 1000}}).files()
+    b = api.train({**spec, "train": {**spec["train"], "chunk": 1 << 22}}).files()
+    assert a == b
+
+
+def test_sampled_rollout_matches_the_exact_expectation_at_step_0():
+    """One step's sampled update from (seed, case/train/run, 0): its mean over runs is the exact expected update."""
+    from kl_bench.seeding import BatchStream
+    pb = _rollout()
+    combo = parse_combination("k3/loss/tok", ("tok", "seq"))
+    exact = pb.expected_update(pb.theta0, combo)
+    runs = torch.stack([pb.sampled_update(pb.theta0, combo, BatchStream(0, f"r/train/{i}", 0, 500, torch.device("cpu")),
+                                          1 << 16, 1 << 20) for i in range(40)])
+    z = (runs.mean(0) - exact) / (runs.std(0) / math.sqrt(40))
+    assert float(z.abs().max()) < 5
+
+
+TRAIN_TOML = {"optimizer": '"sgd"', "lr": "0.5", "steps": "3", "beta": "0.5", "reward": "{ random = 1.0 }",
+              "combinations": '["k1/reward", "k3/loss"]'}
+CASE_TOML = """
+[[case]]
+name = "cat"
+kind = "categorical"
+vocab = 12
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.5, seed = 2 }
+"""
+
+BAD = [
+    ({"optimizer": None, "optimiser": '"sgd"'}, "train.optimiser", "did you mean 'optimizer'"),
+    ({"optimizer": '"adamw"'}, "train.optimizer", "did you mean 'adam'"),
+    ({"lr": "-1.0"}, "train.lr", "must be > 0"),
+    ({"steps": '"ten"'}, "train.steps", "must be an integer"),
+    ({"combinations": '["k3/los"]'}, "train.combinations", "did you mean 'loss'"),
+    ({"combinations": '["k9/loss"]'}, "train.combinations", "unknown estimator"),
+    ({"combinations": '["k3/loss/tok"]'}, "train.combinations", "aggregate 'tok' is not available"),
+    ({"gradients": '["sampeld"]'}, "train.gradients", "did you mean 'sampled'"),
+    ({"reward": "{ randm = 1.0 }"}, "train.reward", "did you mean 'random'"),
+    ({"reward": "{ tokens = [99] }"}, "train.reward.tokens", "outside the vocabulary"),
+    ({"beta": "0.0"}, "train.beta", "must be > 0"),
+]
+
+
+@pytest.mark.parametrize("bad,key,message", BAD)
+def test_bad_train_input_is_one_line_exit_2(tmp_path, bad, key, message):
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    table = {k: v for k, v in {**TRAIN_TOML, **bad}.items() if v is not None}
+    text = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = 10\ndevice = "cpu"\n[train]\n'
+            + "".join(f"{k} = {v}\n" for k, v in table.items()) + CASE_TOML)
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    res = CliRunner().invoke(app, ["train", str(path), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    err = res.output.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert f"key '{key}'" in err and message in err and str(path) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_command_writes_csv_and_envelope(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    from kl_bench.results import read_frame
+    from kl_bench.training import TRAIN_SCHEMA
+    text = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = 10\ndevice = "cpu"\n[train]\n'
+            + "".join(f"{k} = {v}\n" for k, v in TRAIN_TOML.items()) + CASE_TOML)
+    (tmp_path / "s.toml").write_text(text)
+    res = CliRunner().invoke(app, ["train", str(tmp_path / "s.toml"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "closest to the optimum" in res.output and "k1/reward" in res.output
+    df = read_frame(tmp_path / "out" / "train.csv")
+    assert list(df.columns) == list(TRAIN_SCHEMA) and len(df) == 2 * 4
+    env = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert env["kl_bench_train"] == 1 and set(env["files"]) == {"train.csv"}
+
+
+def test_figures_leave_global_state_alone_and_render_every_case(tmp_path):
+    import matplotlib
+
+    from kl_bench import api
+    from kl_bench.training.plots import plot_metric, plot_training, render_training_figures
+    res = api.train(_spec({"gradients": ["exact", "sampled"], "seeds": 2, "steps": 4}))
+    before = dict(matplotlib.rcParams)
+    fig = plot_training(res.frame)
+    assert len(fig.axes) == 4 and fig.axes[0].get_ylabel() == "KL(q‖p)"
+    assert len(fig.axes[0].lines) == 4            # 2 combinations × (exact line + sampled mean)
+    assert plot_metric(res.frame, "kl_opt").axes[0].get_ylabel().startswith("KL(q‖q*)")
+    assert dict(matplotlib.rcParams) == before
+    res.write(tmp_path / "run")
+    paths = render_training_figures(tmp_path / "run", tmp_path / "fig")
+    assert [p.name for p in paths] == ["training_cat.png"] and paths[0].stat().st_size > 10_000
