@@ -7,10 +7,12 @@ Estimators, case kinds and targets are all registries. A registry is a read-only
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from .errors import SpecError
@@ -28,6 +30,23 @@ class UnknownName(SpecError, KeyError):
     """A registry lookup that found nothing; ``str()`` is the one-line message."""
 
     __str__ = SpecError.__str__
+
+
+@contextlib.contextmanager
+def plugin_path(folder: str | Path | None) -> Iterator[None]:
+    """Plug-ins named in a spec are looked for beside the spec too, as a user who writes ``mykl.py`` next
+    to ``my.toml`` expects: the spec's folder is on the import path while the spec's names are resolved
+    (later lookups find the module in Python's import cache)."""
+    entry = str(Path(folder).resolve()) if folder is not None and Path(folder).is_dir() else None
+    added = entry is not None and entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(entry)
 
 
 def import_object(ref: str, what: str) -> Any:

@@ -22,7 +22,7 @@ from .errors import SpecError
 from .estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup
 from .logits import is_array, unsupported_array
 from .pairs import CASE_KINDS, CaseConfig
-from .registry import did_you_mean
+from .registry import did_you_mean, plugin_path
 from .safe_io import decode_text, parse_toml, read_regular
 from .samplers import parse_sampler
 
@@ -137,7 +137,8 @@ def _parse_estimators(t: Table) -> tuple[str | EstimatorOption, ...]:
         else:
             item_name = out_item = convert(item, "str", lambda m: t.error(m, key=key))
         try:
-            source = lookup(item_name)          # imports a plug-in now, so that a broken one fails here
+            with plugin_path(Path(t.file).parent if t.file and Path(t.file).is_file() else None):
+                source = lookup(item_name)      # imports a plug-in now, so that a broken one fails here
         except SpecError as e:
             raise e.located(file=t.file, key=key) from None
         if isinstance(out_item, EstimatorOption) and source.analytic:

@@ -196,3 +196,26 @@ def test_a_plugin_that_fails_mid_run_names_the_spec_and_the_case(plugin_dir):
     assert res.exit_code == 2 and len(err.splitlines()) == 1 and str(spec) in err and "case 'g'" in err, err
     assert "returned NaN" in err and not (plugin_dir / "o").exists()
     assert not list(plugin_dir.glob(".*.lock"))
+
+
+def test_a_plugin_module_beside_the_spec_is_found_as_the_readme_shows(tmp_path, monkeypatch):
+    """Issue 25 item 9: the README's example (mykl.py next to the spec) works as written, from any
+    working directory, and leaves the import path as it was."""
+    import sys
+
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    mod = f"mykl_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{mod}.py").write_text("import torch\n\ndef half_k3(logr):\n    return 0.5 * (torch.expm1(logr) - logr)\n")
+    spec = tmp_path / "my.toml"
+    spec.write_text(f'spec_version = 1\n[experiment]\nname = "p"\ndraws = 4000\nbatches = 10\n'
+                    f'estimators = ["k3", "{mod}:half_k3"]\n[[case]]\nname = "g"\nkind = "gaussian"\n'
+                    'q = { mean = 0.0, std = 1.0 }\np = { mean = 0.3, std = 1.0 }\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    before = list(sys.path)
+    res = CliRunner().invoke(app, ["exact", str(spec)])
+    assert res.exit_code == 0, res.output
+    assert f"{mod}:half_k3" in res.output and sys.path == before
