@@ -537,13 +537,20 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                 eos: Optional[int] = typer.Option(None, "--eos", help="a continuation ends at this token id"),
                 dtype: str = typer.Option("float32", "--dtype"),
                 batch_size: int = typer.Option(64, "--batch-size"),
-                device: str = typer.Option("auto", "--device")) -> None:
+                device: str = typer.Option("auto", "--device"),
+                quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress")) -> None:
     """Write both models' next-token log-probs [B, V] (next_token.pt) and, with --length > 1, sampled
     continuations' per-token log-probs with a mask (continuations.pt), to benchmark on any machine."""
     from .pairs.model.dump import dump_logits as dump
-    with _user_errors():
-        written = dump(policy, reference, prompts, out, length=length, samples=samples, seed=seed, dtype=dtype,
-                       batch_size=batch_size, eos=eos, device=device)
+    from .progress import LazyProgress
+    # prompts (next token), then the continuations; the count of prompts is known once they are read
+    bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="rows")
+    try:
+        with _user_errors():
+            written = dump(policy, reference, prompts, out, length=length, samples=samples, seed=seed,
+                           dtype=dtype, batch_size=batch_size, eos=eos, device=device, progress=bar)
+    finally:
+        bar.close()
     for what, path in written.items():
         out_console.print(f"{what}: {path}", markup=False)
     nt = written["next_token"]

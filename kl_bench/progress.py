@@ -13,8 +13,8 @@ class LazyProgress:
     """``advance(n)`` after every chunk of draws, ``label(text)`` when a case or phase starts, ``close()``
     at the end. Silent when not ``enabled``."""
 
-    def __init__(self, total: int, enabled: bool, console=None):
-        self.total, self.enabled, self.done = total, enabled, 0
+    def __init__(self, total: int, enabled: bool, console=None, unit: str = "draws"):
+        self.total, self.enabled, self.done, self.unit = total, enabled, 0, unit
         self.console = console
         self.text = ""
         self.t0 = time.perf_counter()
@@ -26,6 +26,12 @@ class LazyProgress:
             from rich.console import Console
             self.console = Console(stderr=True)
         return self.console
+
+    def set_total(self, total: int) -> None:
+        """The total, once it is known (dump-logits: after the prompts are read)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.update(self.task, total=total)
 
     def label(self, text: str) -> None:
         self.text = text
@@ -39,8 +45,8 @@ class LazyProgress:
         if self.text == self.said or elapsed <= PROGRESS_AFTER_S:
             return
         self.said = self.text
-        self._console().print(f"progress: {self.text}: {self.done:,}/{self.total:,} draws done, "
-                              f"{self.done / elapsed:,.0f} draws/s, {elapsed:.1f} s", markup=False, soft_wrap=True)
+        self._console().print(f"progress: {self.text}: {self.done:,}/{self.total:,} {self.unit} done, "
+                              f"{self.done / elapsed:,.0f} {self.unit}/s, {elapsed:.1f} s", markup=False, soft_wrap=True)
 
     def advance(self, n: int) -> None:
         self.done += n
@@ -63,7 +69,7 @@ class LazyProgress:
             return
         rate = self.done / max(time.perf_counter() - self.t0, 1e-9)
         self.bar.update(self.task, completed=min(self.done, self.total), label=self.text,
-                        count=f"{self.done:,}/{self.total:,} draws", rate=f"{rate:,.0f} draws/s")
+                        count=f"{self.done:,}/{self.total:,} {self.unit}", rate=f"{rate:,.0f} {self.unit}/s")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -260,3 +260,21 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     assert isinstance(pd.to_numeric(cells[0]), float)
     desc = res.envelope["cases"]["m"]["description"]
     assert desc.count("prompts") == 1, desc
+
+
+def test_dump_logits_reports_progress_per_phase(tiny_models, tmp_path, monkeypatch):
+    """Issue 25 item 9: dump-logits tells its progress (prompts, then continuations) with the total known."""
+    from kl_bench import progress as P
+    from kl_bench.pairs.model.dump import dump_logits
+    monkeypatch.setattr(P, "PROGRESS_AFTER_S", -1.0)
+    import io
+
+    from rich.console import Console
+    buf = io.StringIO()
+    bar = P.LazyProgress(0, enabled=True, console=Console(file=buf, force_terminal=False, width=400), unit="rows")
+    dump_logits(tiny_models / "policy", tiny_models / "reference", tiny_models / "prompts.jsonl", tmp_path / "d",
+                length=3, samples=40, device="cpu", batch_size=16, progress=bar)
+    n_prompts = len((tiny_models / "prompts.jsonl").read_text().splitlines())
+    assert bar.total == n_prompts + 40 and bar.done == bar.total
+    lines = buf.getvalue().splitlines()
+    assert [line.split(":")[1].strip() for line in lines] == ["next-token log-probs", "continuations of 3 tokens"]

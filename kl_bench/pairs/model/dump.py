@@ -19,11 +19,13 @@ from .pair import ModelPair
 
 def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, length: int = 1, samples: int = 0,
                 seed: int = 0, dtype: str = "float32", batch_size: int = 64, eos: int | None = None,
-                device: str = "auto") -> dict[str, Path]:
+                device: str = "auto", progress=None) -> dict[str, Path]:
     """Write ``out/next_token.pt`` ({"policy", "reference"}: float32 log-probs [B, V], one row a prompt)
     and, when ``length`` > 1, ``out/continuations.pt`` ({"logp_policy", "logp_ref", "mask", "kl_full"}
     [N, T] float32/float64, "tokens" [N, T], "prompt" [N]) for ``samples`` continuations (default: one
-    per prompt) drawn from the policy, batch i seeded by (seed, "dump", i). Returns the written paths."""
+    per prompt) drawn from the policy, batch i seeded by (seed, "dump", i). Returns the written paths.
+    ``progress``: an object with ``label(text)`` and ``advance(n)`` (kl_bench.progress.LazyProgress),
+    told of every batch of prompts and continuations."""
     dev = _check_options(out, length=length, samples=samples, dtype=dtype, batch_size=batch_size, eos=eos,
                          device=device)
     q = lm.load_model(policy, dtype, "--policy")
@@ -34,8 +36,13 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
     except SpecError as e:
         raise SpecError(e.message, key=e.key if e.key == "--eos" else "--prompts") from None
     written = {}
+    if progress is not None:
+        progress.set_total(len(ids) + ((samples or len(ids)) if length > 1 else 0))
+        progress.label("next-token log-probs")
     lq = lm.next_token_logprobs(q.to(dev), ids, batch_size, dev)
     lp = lm.next_token_logprobs(p.to(dev), ids, batch_size, dev)
+    if progress is not None:
+        progress.advance(len(ids))
     written["next_token"] = out / "next_token.pt"
     _save(written["next_token"], {"policy": lq.float(), "reference": lp.float()})
     if length > 1:
@@ -43,6 +50,8 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
         n = samples or len(ids)
         cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "logp_policy", "logp_ref", "kl_full", "mask",
                                                               "prompt")}
+        if progress is not None:
+            progress.label(f"continuations of {length} tokens")
         for i, start in enumerate(range(0, n, batch_size)):
             rec: list = []
             m = min(batch_size, n - start)
@@ -55,6 +64,8 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
                 if pad:
                     col = torch.cat([col, torch.zeros(m, pad, dtype=col.dtype)], 1)
                 cols[k].append(col)
+            if progress is not None:
+                progress.advance(m)
         data = {k: torch.cat(v) for k, v in cols.items()}
         data["mask"] = data["mask"].to(torch.uint8)
         written["continuations"] = out / "continuations.pt"
