@@ -392,3 +392,15 @@ def _captions(console: Console, df: pd.DataFrame, case: str) -> None:
         console.print("  † heavy tail: the measured std and se are not trustworthy", markup=False)
     if any(_has_reference(r) for _, r in rows.iterrows()):
         console.print("  ≈ no exact value: bias and z are against the Monte Carlo reference", markup=False)
+
+
+def check_table(rep) -> Table:
+    """The regression gate's comparisons (a :class:`kl_bench.api.CheckReport`), one line each."""
+    t = Table(show_edge=False, pad_edge=False, title=f"{len(rep.comparisons)} comparisons, family-wise α = "
+              f"{rep.alpha:g} (Holm)", title_justify="left")
+    for col in ["row", "statistic", "value", "reference", "z", "|z| limit", "result"]:
+        t.add_column(col, justify="left" if col in ("row", "statistic", "result") else "right")
+    for c in rep.comparisons:
+        t.add_row(escape(c.row), c.statistic, f"{c.value:.6g}", f"{c.reference:.6g}", f"{c.z:+.2f}",
+                  f"{c.threshold:.2f}", "pass" if c.passed else "[bold red]FAIL[/]")
+    return t

@@ -270,7 +270,7 @@ def open_lock_file(path: str | Path) -> BinaryIO:
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags, 0o644)
-    except OSError as e:
+    except OSError:
         if os.path.islink(path):
             raise SpecError("the lock file is a symbolic link; refusing to follow it (remove it)",
                             file=str(path)) from None

@@ -2,7 +2,6 @@
 the optimum q* reached, sampled trajectories around the exact one, determinism, and bad [train] input."""
 import math
 
-import numpy as np
 import pytest
 import torch
 

@@ -20,8 +20,8 @@ MAX_STEPS = 1 << 20            # steps are sequential: a million is already hour
 @dataclass(frozen=True)
 class RewardSpec:
     """``kind``: "none" (pure regularisation towards p), "random" (N(0, scale²) per (context, token), drawn
-    from ``seed``; −|N(0, scale²)| with ``penalty``: a cost on every token), "file" (a [B, V] / [C, V] table in .npy/.pt/.safetensors, ``key`` inside it), "tokens"
-    (``value`` on the token ids ``tokens`` in every context, 0 elsewhere)."""
+    from ``seed``; −|N(0, scale²)| with ``penalty``: a cost on every token), "file" (a [B, V] / [C, V]
+    table in .npy/.pt/.safetensors, ``key`` inside it), "tokens" (``value`` on the token ids ``tokens`` in every context, 0 elsewhere)."""
     kind: str = "none"
     scale: float = 1.0
     seed: int = 0

@@ -1,0 +1,68 @@
+"""Command-line interface: a thin layer over the Python API, one module per command (run, report,
+check and baseline, exact, train, list, dump-logits). The work, including the run's lock, checkpoints
+and interrupts, is in the API (:func:`kl_bench.runner.run_to_folder`); here are flags, tables and lines.
+
+Heavy modules (pandas, scipy, matplotlib) are imported inside the commands that need them, so that
+``kl-bench --help`` and ``kl-bench list`` start quickly.
+"""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from .. import signals
+from . import dump, exact, gate, listing, report, run, train  # noqa: F401  (each registers its command)
+from .common import app, err_console, interrupt_reported
+
+__all__ = ["app", "main"]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from ..version import __version__
+        print(f"kl-bench {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """kl-bench: bias, variance and failure modes of Monte Carlo KL estimators, measured next to the exact truth."""
+
+
+def _is_abort(e: BaseException) -> bool:
+    # click turns a KeyboardInterrupt inside a command into its own Abort (typer vendors click)
+    return type(e).__name__ == "Abort"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: every usage error is one line (exit 2), every interrupt one line (exit 130)."""
+    signals.install()
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    try:
+        signals.phase("start")
+        rv = app(args=argv, standalone_mode=False, prog_name="kl-bench")
+        if rv == 130 and not interrupt_reported[0]:     # typer turns a Ctrl-C in a command into 130
+            err_console.print(signals.interrupted_anywhere(), markup=False)
+        if signals.seen[0] and rv in (0, None):         # a signal some library swallowed: not a success
+            err_console.print(signals.interrupted_anywhere(), markup=False)
+            rv = 130
+        sys.exit(rv if isinstance(rv, int) else 0)
+    except NoArgsIsHelpError as e:
+        print(e.ctx.get_help() if e.ctx is not None else str(e))
+        sys.exit(0)
+    except ClickException as e:
+        err_console.print(f"error: {' '.join(e.format_message().split())}", markup=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort, RuntimeError) as e:
+        if not isinstance(e, KeyboardInterrupt) and not _is_abort(e):
+            raise
+        if not interrupt_reported[0]:
+            err_console.print(signals.interrupted_anywhere(), markup=False)
+        sys.exit(130)
+    finally:
+        signals.ignore()          # the outcome is said: a signal during shutdown must not add to it
+

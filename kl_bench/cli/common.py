@@ -1,0 +1,133 @@
+"""What every command shares: the typer app, the two consoles, one-line errors (exit 2) and interrupts
+(exit 130), and the presentation helpers a run and ``exact`` print with."""
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+import typer.core
+from rich.console import Console
+
+from ..errors import SpecError
+
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="kl-bench: bias, variance and failure modes of Monte Carlo KL estimators, "
+                       "measured next to the exact truth.")
+
+
+class Command(typer.core.TyperCommand):
+    """Usage lines as users know them: `kl-bench run [OPTIONS] SPEC`, not `{SPEC}`."""
+
+    def collect_usage_pieces(self, ctx):
+        return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
+
+
+# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap.
+out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, never wrapped
+
+interrupt_reported = [False]
+DEFAULT_RUNS = Path("runs")        # where `kl-bench run` and `train` write without --out (git-ignored)
+
+
+def interrupted(message: str) -> None:
+    """Say what an interrupt left behind, in one line, and exit 130."""
+    err_console.print(message, markup=False)
+    interrupt_reported[0] = True
+    raise typer.Exit(130)
+
+
+def fail(err: SpecError) -> None:
+    err_console.print(f"error: {err}", markup=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    try:
+        yield
+    except SpecError as e:
+        fail(e)
+
+
+def warn_rows(df, console: Console) -> None:
+    from ..advice import warnings
+    for line in warnings(df):
+        console.print(line, markup=False)
+
+
+def advise(advice) -> None:
+    """The advice lines (kl_bench.advice): what to log, what to put in the loss. A sentence that holds
+    for several cases alike (the on-policy identities) is printed once, naming them."""
+    out_console.print()
+    general: dict[str, list[str]] = {}
+    for a in advice:
+        if a.general:
+            general.setdefault(a.detail, []).append(a.case)
+        else:
+            out_console.print(a.text, markup=False, soft_wrap=True)
+    for detail, cases in general.items():
+        out_console.print(f"{', '.join(cases)}: {detail}", markup=False, soft_wrap=True)
+
+
+def advice_options(batch: int, tolerance: float) -> None:
+    """A bad --batch or --tolerance: one line, exit 2, before any sampling."""
+    from ..advice import AdviceOptionError, check_options
+    try:
+        check_options(batch, tolerance)
+    except AdviceOptionError as e:
+        fail(SpecError(str(e), key=f"--{e.key}"))
+
+
+def draws_flag(value: Optional[str]):
+    """``--draws`` as a spec writes draws: 10000000, 10_000_000 or 1e7. Anything else is passed on as
+    text, for the spec's own check to refuse in one line naming the file and ``--draws``."""
+    if value is None:
+        return None
+    text = value.strip().replace("_", "")
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        f = float(text)
+    except ValueError:
+        return value
+    return int(f) if math.isfinite(f) and f.is_integer() else value
+
+
+def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
+    """The report of results folders into ``out``: one line on success, one on any error or interrupt."""
+    from .. import signals
+    from ..report import write_report as write
+    from ..runner import interrupt_line
+    from ..storage import check_output_dir, fs_error
+    with user_errors():
+        out = check_output_dir(out)
+        try:
+            write(dirs, out)
+            signals.phase("report-written")
+        except KeyboardInterrupt:
+            interrupted(interrupt_line(out, "report files", "an earlier report in {out} is untouched"))
+        except OSError as e:
+            raise fs_error(e, out, "cannot write the report") from None
+    if not quiet:
+        out_console.print(f"report → {out}/report.html ({len(list((out / 'figures').glob('*.png')))} figures)")
+
+
+def write_outputs(targets: dict) -> None:
+    """Extra output files (path → a function making their bytes), written atomically; None paths skipped."""
+    from ..storage import atomic_write_bytes, fs_error
+    for path, make in targets.items():
+        if path is None:
+            continue
+        with user_errors():
+            try:
+                atomic_write_bytes(path, make())
+            except OSError as e:
+                raise fs_error(e, path) from None

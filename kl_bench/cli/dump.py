@@ -1,0 +1,43 @@
+"""``kl-bench dump-logits``: both models' log-probs written once, to benchmark on any machine."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import Command, app, err_console, out_console, user_errors
+
+
+@app.command("dump-logits", cls=Command)
+def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model folder (save_pretrained)"),
+                reference: Path = typer.Option(..., "--reference", help="reference model folder"),
+                prompts: Path = typer.Option(..., "--prompts", help="prompts: .txt (one a line) or .jsonl (input_ids)"),
+                out: Path = typer.Option(..., "--out", help="output folder"),
+                length: int = typer.Option(1, "--length", help="T > 1: also sample continuations of T tokens"),
+                samples: int = typer.Option(0, "--samples", help="continuations to sample; 0: one per prompt", show_default=False),
+                seed: int = typer.Option(0, "--seed"),
+                eos: Optional[int] = typer.Option(None, "--eos", help="a continuation ends at this token id"),
+                dtype: str = typer.Option("float32", "--dtype"),
+                batch_size: int = typer.Option(64, "--batch-size"),
+                device: str = typer.Option("auto", "--device"),
+                quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress")) -> None:
+    """Write both models' next-token log-probs [B, V] (next_token.pt) and, with --length > 1, sampled
+    continuations' per-token log-probs with a mask (continuations.pt), to benchmark on any machine."""
+    from ..pairs.model.dump import dump_logits as dump
+    from ..progress import LazyProgress
+    # prompts (next token), then the continuations; the count of prompts is known once they are read
+    bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="rows")
+    try:
+        with user_errors():
+            written = dump(policy, reference, prompts, out, length=length, samples=samples, seed=seed,
+                           dtype=dtype, batch_size=batch_size, eos=eos, device=device, progress=bar)
+    finally:
+        bar.close()
+    for what, path in written.items():
+        out_console.print(f"{what}: {path}", markup=False)
+    nt = written["next_token"]
+    out_console.print(f'use: [[case]] kind = "categorical", q = {{file = "{nt}", key = "policy"}}, '
+                      f'p = {{file = "{nt}", key = "reference"}}', markup=False)
+    if "continuations" in written:
+        out_console.print(f'use: [[case]] kind = "logprobs", file = "{written["continuations"]}"', markup=False)

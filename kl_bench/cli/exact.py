@@ -1,0 +1,34 @@
+"""``kl-bench exact``: the exact table and the advice, without sampling."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import Command, advice_options, advise, app, err_console, out_console, user_errors, warn_rows, write_outputs
+
+
+@app.command(cls=Command)
+def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
+          out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file"),
+          batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
+          tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
+                                          help="the advice's relative tolerance (0.05: ±5%)")) -> None:
+    """Print the exact KL and estimator moments of every case, and the advice, without sampling."""
+    from .. import api
+    from ..advice import recommendations
+    from ..display import print_tables
+    from ..results import frame_to_csv_bytes
+    from ..storage import check_output_file
+    advice_options(batch, tolerance)
+    with user_errors():
+        if out is not None:
+            check_output_file(out)
+        df = api.exact(spec)
+    print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
+    warn_rows(df, err_console)
+    advise(recommendations(df, batch=batch, tolerance=tolerance))
+    if out is not None:
+        write_outputs({out: lambda: frame_to_csv_bytes(df)})
+        out_console.print(f"→ {out}")

@@ -1,0 +1,103 @@
+"""``kl-bench check`` (the statistical regression gate) and ``kl-bench baseline`` (what it compares with)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import SpecError
+from .common import Command, app, draws_flag, out_console, user_errors, write_outputs
+
+BASELINES = Path("results") / "baselines"        # committed: the gate's default reference
+
+
+def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, quiet: bool):
+    """(spec, summary DataFrame): from --results DIR (verified against the spec), or by running the spec."""
+    from ..api import load, load_results, run
+    with user_errors():
+        sp = load(spec_path, draws=draws, seed=seed, device=device)
+        if results is not None:
+            res = load_results(results)
+            from ..verify import check_results_match_spec
+            check_results_match_spec(res, sp)          # another experiment's folder: one line, exit 2
+            if res.envelope.get("spec_sha256") != sp.sha256:
+                out_console.print(f"note: {results} was produced by a different version of {spec_path} "
+                                  f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)",
+                                  markup=False)
+            return sp, res.summary
+        result = run(sp, progress=not quiet)
+    return sp, result.summary
+
+
+@app.command(cls=Command)
+def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
+          baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline JSON [default: "
+                                                  "results/baselines/<name>.json when it exists]"),
+          results: Optional[Path] = typer.Option(None, "--results", help="check this results folder instead of running"),
+          alpha: float = typer.Option(0.001, "--alpha", help="family-wise error rate (Holm)"),
+          seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
+          draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
+                                              help="override [experiment] draws"),
+          device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device"),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="print only failures and the verdict"),
+          json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                  help="also write the verdict and every comparison as JSON"),
+          junit: Optional[Path] = typer.Option(None, "--junit", metavar="FILE",
+                                               help="also write JUnit XML (one testcase per comparison)")) -> None:
+    """Statistical regression gate: every statistic against its exact value and a stored baseline.
+    Exit 0 when all pass, 1 when any fails, 2 for bad input."""
+    from .. import api
+    from ..storage import check_output_file
+    with user_errors():
+        for path in (json_out, junit):
+            if path is not None:
+                check_output_file(path)
+        if not 0 < alpha < 1:
+            raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
+        sp0 = api.load(spec)
+        base_path = baseline or BASELINES / f"{sp0.experiment.name}.json"
+        use_base = baseline is not None or base_path.exists()
+        if use_base:
+            from ..gate import load_baseline
+            load_baseline(base_path)          # a broken baseline fails before any sampling
+    sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
+    with user_errors():
+        rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
+    if not quiet:
+        from ..display import check_table, show
+        show(out_console, check_table(rep))
+    for note in rep.notes:
+        out_console.print(f"note: {note}", markup=False)
+    for c in rep.failures:
+        out_console.print(f"FAIL {c.sentence()}", markup=False)
+    out_console.print(rep.verdict, markup=False)
+    write_outputs({json_out: rep.to_json, junit: rep.to_junit})
+    if not rep.passed:
+        raise typer.Exit(1)
+
+
+@app.command(cls=Command)
+def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
+             out: Optional[Path] = typer.Option(None, "--out", metavar="FILE",
+                                                help="baseline JSON [default: results/baselines/<name>.json]"),
+             results: Optional[Path] = typer.Option(None, "--results", metavar="DIR",
+                                                    help="take the numbers from this results folder"),
+             draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
+                                                 help="override the draws of every case"),
+             seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
+             device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
+             quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:
+    """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline."""
+    from ..gate import baseline_bytes, make_baseline
+    from ..storage import check_output_file
+    if out is not None:
+        with user_errors():
+            check_output_file(out)
+    sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
+    target = out or BASELINES / f"{sp.experiment.name}.json"
+    with user_errors():
+        data = baseline_bytes(make_baseline(df, sp))
+    write_outputs({target: lambda: data})
+    if not quiet:
+        out_console.print(f"baseline of {len(df)} rows → {target}", markup=False)

@@ -1,0 +1,77 @@
+"""``kl-bench run``: :func:`kl_bench.runner.run_to_folder`, then the tables, warnings and advice."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import (Command, advice_options, advise, app, draws_flag, err_console, interrupted, out_console,
+                     user_errors, warn_rows, write_report)
+
+
+@app.command(cls=Command)
+def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
+        out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: runs/<name>/]"),
+        draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
+                                            help="draws for every case (1e7 and 10_000_000 work, as in a spec): "
+                                            "replaces [experiment] draws and each case's own draws"),
+        seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
+        device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE",
+                                             help="override [experiment] device: auto|cpu|cuda|cuda:N"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables"),
+        report_: bool = typer.Option(False, "--report", help="then write the report into DIR/report/"),
+        resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its checkpoint"),
+        checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", metavar="SECONDS",
+                                               help="write a checkpoint at most this often (> 0; inf: never)"),
+        no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint"),
+        wide: bool = typer.Option(False, "--wide", help="the full per-case tables (every column), whatever the width"),
+        batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
+        tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
+                                        help="the advice's relative tolerance (0.05: ±5%)")) -> None:
+    """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
+    lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across
+    the processes and rank 0 writes the very bytes one process would (README "Scaling out")."""
+    from ..errors import SpecError
+    from ..runner import RankFailed, RefusedByRankZero, RunInterrupted, run_to_folder
+    advice_options(batch, tolerance)
+    with user_errors():
+        if not checkpoint_every > 0:          # also refuses NaN
+            raise SpecError(f"must be > 0 (inf, or --no-checkpoint: never), got {checkpoint_every}",
+                            key="--checkpoint-every")
+        try:
+            result = run_to_folder(spec, out, draws=draws, seed=seed, device=device, resume=resume,
+                                   checkpoint_every=math.inf if no_checkpoint else checkpoint_every,
+                                   progress=not quiet, console=err_console)
+        except RunInterrupted as e:
+            interrupted(e.message)
+        except RankFailed as e:
+            err_console.print(f"error: {e}", markup=False)
+            raise typer.Exit(1)
+        except RefusedByRankZero:
+            raise typer.Exit(2)
+    if result is None:          # a rank other than 0 of a torchrun job: rank 0 reports
+        return
+    if not quiet:
+        show_run(result, wide, batch, tolerance)
+    if report_:
+        write_report([result.path], result.path / "report", quiet)
+
+
+def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
+    """What a person reads after a run: the tables, the warnings, the advice, and the time it took."""
+    from ..display import gradient_table, print_tables, show_or_point
+    df = result.summary
+    lengths = {name: meta["length"] for name, meta in result.envelope["cases"].items() if meta.get("length")}
+    print_tables(out_console, df, result.descriptions(), lengths=lengths, wide=wide)
+    if result.gradients is not None:
+        show_or_point(out_console, gradient_table(result.gradients), "gradient", wide)
+    warn_rows(df, err_console)
+    advise(result.recommendations(batch=batch, tolerance=tolerance))
+    env = result.envelope
+    total = (f", {result.outcome.wall:.1f} s in all" if result.outcome.wall > 1.2 * env["sampling_seconds"] + 0.5
+             else "")
+    cases = f" over {len(result.pairs)} cases" if len(result.pairs) > 1 else ""
+    out_console.print(f"\n{result.draws:,} draws{cases} sampled in {env['sampling_seconds']:.1f} s "
+                      f"({env['draws_per_second']:,} draws/s on {result.device}){total} → {result.path}/summary.csv")

@@ -1,0 +1,189 @@
+"""A run written to its results folder, as ``kl-bench run`` does it, for a script too: the folder's lock,
+checkpoints and ``resume``, progress, the torchrun handshake, interrupts that leave a true account of
+what was written, and the atomic write (:func:`run_to_folder`)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from . import signals
+from .api import Result, execute, prepare
+from .distributed import SINGLE, RankFailure, Ranks
+from .errors import SpecError
+from .experiment import total_draws
+from .progress import LazyProgress
+from .storage import (CHECKPOINT, FolderLock, check_output_dir, checkpoint_identity, clean_stale, committed,
+                      fs_error, load_checkpoint, output_dir, remove_checkpoint, save_checkpoint)
+
+DEFAULT_RUNS = Path("runs")        # where a run goes without an output folder (git-ignored)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM; ``message`` says in one line what was (not) written."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class RankFailed(RankFailure):
+    """Another process of a torchrun job failed; ``rank`` is this process's rank."""
+
+    def __init__(self, rank: int, why: str):
+        super().__init__(f"rank {rank}: {why}; no results were written")
+        self.rank = rank
+
+
+class Handshake:
+    """Under torchrun, rank 0 checks the output folder and reads the checkpoint alone, then tells the other
+    ranks to start (with the resumed sums) or to stop (it has reported an error): :meth:`send` once, or
+    :meth:`cancel`."""
+
+    def __init__(self):
+        self.ranks: Ranks = SINGLE
+        self.sent = False
+
+    def join(self, prep) -> Ranks:
+        from .distributed import start
+        self.ranks, prep.device = start(prep.device)
+        return self.ranks
+
+    def send(self, done) -> None:
+        self.sent = True
+        self.ranks.broadcast(done)
+
+    def cancel(self) -> None:
+        if self.ranks.root and self.ranks.world_size > 1 and not self.sent:
+            self.sent = True
+            with contextlib.suppress(RankFailure):
+                self.ranks.broadcast(None)
+
+    def close(self) -> None:
+        if self.ranks.world_size > 1:
+            from .distributed import stop
+            stop()
+
+
+def run_to_folder(spec, out: str | Path | None = None, *, draws: int | None = None, seed: int | None = None,
+                  device: str | None = None, resume: bool = False, checkpoint_every: float = 30.0,
+                  progress: bool = False, console=None) -> Result | None:
+    """Run ``spec`` and write its results folder (default ``runs/<name>/``) atomically, as ``kl-bench
+    run`` does: a concurrent run on the folder is refused, a checkpoint is written at most every
+    ``checkpoint_every`` seconds (``inf``: never) and ``resume=True`` continues from it, giving the bytes
+    of an uninterrupted run. ``progress``: a bar (or log lines) on ``console`` (default stderr).
+
+    Under torchrun every process calls it; rank 0 writes and returns the :class:`Result`, the others
+    return None. Raises :class:`SpecError` for bad input, :class:`RunInterrupted` (with its one line) on
+    SIGINT/SIGTERM, :class:`RankFailed` when another process of the job failed."""
+    if not checkpoint_every > 0:          # also refuses NaN
+        raise SpecError(f"must be > 0 (inf: never), got {checkpoint_every}", key="--checkpoint-every")
+    hs = Handshake()
+    try:
+        return _run(hs, spec, out, dict(draws=draws, seed=seed, device=device), resume, checkpoint_every,
+                    progress, console)
+    except RankFailure as e:
+        signals.ignore()          # torchrun's SIGTERM to the survivors must not add a second line
+        hs.cancel()
+        raise RankFailed(hs.ranks.rank, str(e)) from None
+    except BaseException:
+        if hs.ranks.world_size > 1:
+            signals.ignore()
+        hs.cancel()
+        raise
+    finally:
+        hs.close()
+
+
+def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, progress: bool,
+         console) -> Result | None:
+    prep = prepare(spec, **overrides)
+    if not hs.join(prep).root:
+        return _follow(prep, hs.ranks)
+    signals.phase("pairs")
+    sp = prep.spec
+    out_dir = output_dir(Path(out) if out is not None else DEFAULT_RUNS / sp.experiment.name)
+    if resume and not (out_dir / CHECKPOINT).exists():      # before anything is created
+        raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir), key="--resume")
+    out_dir = check_output_dir(out_dir)
+    case_draws = sp.case_draws()
+    identity = checkpoint_identity(sp, prep.device, case_draws)
+    with FolderLock(out_dir):
+        clean_stale(out_dir)
+        done = load_checkpoint(out_dir, identity, {c.name: min(sp.experiment.batches, n)
+                                                   for c, n in zip(sp.cases, case_draws)}) if resume else {}
+        hs.send(done)
+        saver = _Checkpoints(out_dir, identity, done, every)
+        bar = LazyProgress(total_draws(sp), enabled=progress, console=console)
+        try:
+            result = execute(prep, progress=bar, resume=done, on_sums=saver.on_sums, ranks=hs.ranks)
+        except KeyboardInterrupt:
+            bar.close()
+            why = " (a process of the torchrun job failed, or the job was stopped)" if hs.ranks.world_size > 1 else ""
+            raise RunInterrupted(f"interrupted{why}: no results were written; earlier results in {out_dir} are "
+                                 "untouched" + ("; continue with --resume" if saver.save_now() else "")) from None
+        finally:
+            bar.close()
+        _write(result, out_dir)
+    return result
+
+
+class RefusedByRankZero(Exception):
+    """A rank other than 0 stops: rank 0 refused the run and has said why (nothing more to print)."""
+
+
+def _follow(prep, ranks: Ranks) -> None:
+    """A rank other than 0: draw its share of the batches; rank 0 writes and reports everything."""
+    done = ranks.broadcast(None)
+    if done is None:
+        raise RefusedByRankZero()
+    execute(prep, resume=done, ranks=ranks)
+    return None
+
+
+def _write(result: Result, out_dir: Path) -> None:
+    try:
+        signals.phase("write")
+        result.write_files(out_dir)
+        signals.phase("written")
+        remove_checkpoint(out_dir)
+    except KeyboardInterrupt:
+        raise RunInterrupted(interrupt_line(out_dir, "results", "earlier results in {out} are untouched")) from None
+    except OSError as e:
+        raise fs_error(e, out_dir) from None
+
+
+class _Checkpoints:
+    """The main passes' sums so far, saved at most every ``every`` seconds (and once more on an interrupt)."""
+
+    def __init__(self, out_dir: Path, identity: Any, done: dict, every: float):
+        self.out_dir, self.identity, self.every = out_dir, identity, every
+        self.state = dict(done)
+        self.last = time.monotonic()
+
+    def on_sums(self, case: str, sums) -> None:
+        self.state[case] = sums
+        if time.monotonic() - self.last >= self.every:
+            try:
+                save_checkpoint(self.out_dir, self.identity, self.state)
+            except OSError as e:
+                raise fs_error(e, self.out_dir, "cannot write a checkpoint") from None
+            self.last = time.monotonic()
+
+    def save_now(self) -> bool:
+        """After an interrupt: save what was drawn, if checkpoints are on; whether one was saved."""
+        if not (math.isfinite(self.every) and self.state):
+            return False
+        with contextlib.suppress(OSError):
+            save_checkpoint(self.out_dir, self.identity, self.state)
+            return True
+        return False
+
+
+def interrupt_line(out: Path, what: str, untouched: str) -> str:
+    """The truth after an interrupt while ``out`` was being written: whether the new contents are in."""
+    if committed(out):
+        return f"interrupted after the {what} were written to {out} (they are complete)"
+    return f"interrupted while writing: no {what} were written; " + untouched.format(out=out)

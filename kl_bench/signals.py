@@ -1,0 +1,52 @@
+"""Signals as one line: the first SIGINT or SIGTERM stops the command (a KeyboardInterrupt); later ones
+(Ctrl-C pressed three times, torchrun's SIGTERM during the shutdown that the first began) are counted
+and ignored, so the exit is the first's one line and code 130, never a second traceback or a death by
+signal. :func:`phase` marks the boundaries where a signal that some library swallowed (a
+KeyboardInterrupt raised inside a finaliser is only printed) still stops the run before it writes.
+
+No torch, no pandas: the console script installs these handlers before anything heavy loads."""
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Callable
+
+seen = [0]                  # signals received so far
+
+# Called with the phase's name at every boundary (start, pairs, write, written, report-written). Empty in
+# production; kl_bench._testing adds one that signals the process at a chosen phase (tests need no sleeps).
+listeners: list[Callable[[str], None]] = []
+
+
+def on_signal(signum, frame) -> None:
+    seen[0] += 1
+    if seen[0] == 1:
+        raise KeyboardInterrupt
+
+
+def install() -> None:
+    """SIGTERM handled like SIGINT from the first moment: one line, never a traceback."""
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def ignore() -> None:
+    """The job is ending and what went wrong has been (or is being) said: later signals add nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def phase(name: str) -> None:
+    """A phase boundary: tell the listeners, then stop if a signal came and was swallowed."""
+    for listener in listeners:
+        listener(name)
+    if seen[0]:
+        raise KeyboardInterrupt
+
+
+def interrupted_anywhere() -> str:
+    """The line for an interrupt the command did not report itself: what this process has written."""
+    storage = sys.modules.get("kl_bench.storage")      # never imported (with torch) just to say nothing
+    written = storage.written_folders() if storage is not None else []
+    return (f"interrupted after writing {', '.join(written)} (complete)" if written
+            else "interrupted: nothing was written")
