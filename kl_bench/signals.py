@@ -7,6 +7,7 @@ KeyboardInterrupt raised inside a finaliser is only printed) still stops the run
 No torch, no pandas: the console script installs these handlers before anything heavy loads."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from typing import Callable
@@ -34,6 +35,31 @@ def ignore() -> None:
     """The job is ending and what went wrong has been (or is being) said: later signals add nothing."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def held():
+    """SIGINT and SIGTERM held (delivered when the block ends). Around imports of compiled extensions: a
+    KeyboardInterrupt raised inside a pybind11 callback during ``import torch`` aborts the process
+    (std::terminate, exit −6) or kills it by the signal, instead of the one line and exit 130."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):        # not POSIX, or not the main thread
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def import_heavy() -> None:
+    """torch, numpy and pandas imported with the signals held (see :func:`held`); a signal that came
+    meanwhile is raised right after, in Python, where it is one line."""
+    with held():
+        import numpy  # noqa: F401
+        import pandas  # noqa: F401
+        import torch  # noqa: F401
 
 
 def phase(name: str) -> None:

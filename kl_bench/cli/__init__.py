@@ -40,8 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     """The console script: every usage error is one line (exit 2), every interrupt one line (exit 130)."""
     signals.install()
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    args = sys.argv[1:] if argv is None else argv
     try:
         signals.phase("start")
+        if args and not {"-h", "--help", "--version", "--install-completion", "--show-completion"} & set(args):
+            signals.import_heavy()          # every command needs torch: imported where a signal is safe
         rv = app(args=argv, standalone_mode=False, prog_name="kl-bench")
         if rv == 130 and not interrupt_reported[0]:     # typer turns a Ctrl-C in a command into 130
             err_console.print(signals.interrupted_anywhere(), markup=False)
