@@ -91,4 +91,5 @@ def in_precision(source: RowSource, precision: Precision) -> RowSource:
         return source
     return Estimator(source.name, functools.partial(_in_dtype, base=source.fn, dtype=precision.dtype("estimator")),
                      source.target, False, source.nonnegative, f"{source.formula} in {SHORT[precision.estimator]}",
-                     straight_through=source.straight_through, weighted=source.weighted, source=source.source)
+                     straight_through=source.straight_through, weighted=source.weighted, source=source.source,
+                     library_mode=source.library_mode)
