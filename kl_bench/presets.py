@@ -215,6 +215,15 @@ def trl_ppo_k3(logr: torch.Tensor) -> torch.Tensor:
     return _k3_exp_m1_first(logr)
 
 
+def trl_sequence_weight(log_weight: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """TRL's ``importance_sampling_level = "sequence"`` weight exp((1/|y|) Σ_t log(q_t/b_t)), from the summed
+    log-ratio ``log_weight`` [n] and the lengths |y| [n] → [n]. Formed as TRL forms it
+    (trl/trainer/grpo_trainer.py, ``log_importance_weights``: the masked log-ratio sum over the length, then
+    exp), in log space: the product Π_t q_t/b_t overflows float64 once |Σ log w| > 709 (a 4096-token
+    sequence with Σ = 720 has weight e^{720/4096} = 1.19, not ∞^{1/4096})."""
+    return torch.exp(log_weight / length)
+
+
 # ----------------------------------------------------------------------------- NeMo-RL
 def nemo_k1(logr: torch.Tensor) -> torch.Tensor:
     """NeMo-RL ``k1``: −clamp(ℓ, ±20), clamped to ±10. Shape-preserving."""

@@ -338,3 +338,37 @@ def test_straight_through_presets_gave_nan_in_the_library_order_and_are_defined_
         assert float(lib_grad) == math.inf                            # d/dlogprob ½(logprob − ref)²
         assert float(lookup(name).fn(ref - logprob.detach())) == limit
         assert float(M.coefficient(lookup(name), "loss")(ref - logprob.detach())) == math.inf
+
+
+def test_trl_geometric_sequence_weight_is_formed_in_log_space():
+    """A 4096-token sequence whose token log-ratios sum to 720: TRL's weight is exp(720/4096) = 1.192…,
+    finite, where the product Π_t q_t/b_t = e^720 overflows float64 (and e^−720 underflows to 0)."""
+    from kl_bench.draws import Draws, Row, row_values
+    from kl_bench.presets import trl_sequence_weight
+    n_tok, total = 4096, 720.0
+    log_ratio = torch.full((1, n_tok), total / n_tok, dtype=torch.float64)
+    mask = torch.ones_like(log_ratio)
+    trl = torch.exp((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))   # TRL's log_importance_weights
+    assert torch.equal(trl_sequence_weight(torch.tensor([total], dtype=torch.float64),
+                                           torch.tensor([float(n_tok)], dtype=torch.float64)), trl)
+    assert float(trl) == pytest.approx(math.exp(720 / 4096), rel=1e-15) and 1.19 < float(trl) < 1.2
+    # through the row machinery: tok_gm = (Σ_t f_t) · W^{1/|y|}, with W = e^720 = inf, e^−800 = 0 in float64
+    for lw_sum in (total, -800.0):
+        lw = torch.tensor([lw_sum], dtype=torch.float64)
+        d = Draws(logr=torch.zeros(1, dtype=torch.float64), full=torch.zeros(1, dtype=torch.float64),
+                  tok=torch.tensor([[2.5, float(n_tok)]], dtype=torch.float64), weight=torch.exp(lw),
+                  log_weight=lw)
+        assert float(d.weight[0]) in (math.inf, 0.0)
+        est = lookup("k3")
+        v = row_values(d, [Row(est, "tok_gm")])
+        assert float(v[0, 0]) == pytest.approx(2.5 * math.exp(lw_sum / 4096), rel=1e-14)
+
+
+def test_rollout_sampler_log_weight_is_the_log_of_its_product_weight():
+    from kl_bench.pairs import RolloutPair
+    lq = torch.log_softmax(zipf_logits(40, 1.1, 1, 2), -1)
+    lp = torch.log_softmax(zipf_logits(40, 1.1, 1, 2) / 0.8, -1)
+    lb = torch.log_softmax(lq * 0.7, -1)
+    pair = RolloutPair("r", lq, lp, torch.arange(40) % 2, 12, 39, log_b=lb, weights="geometric", weight_cap=3.0)
+    d = pair.sample_draws(500, torch.Generator().manual_seed(0), CPU)
+    assert d.log_weight is not None and torch.allclose(d.log_weight, torch.log(d.weight), rtol=0, atol=1e-12)

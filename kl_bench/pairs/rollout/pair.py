@@ -268,6 +268,11 @@ class RolloutPair(Pair):
         w = torch.exp(self.log_q - lb)
         return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
 
+    def token_log_weight(self, lb: torch.Tensor) -> torch.Tensor:
+        """log of :meth:`token_weight`: log(q/b), capped at log(weight_cap)."""
+        lw = self.log_q - lb
+        return lw.clamp(max=math.log(self.weight_cap)) if self.weight_cap is not None else lw
+
     def seq_moments(self, s: int) -> list[float]:
         """E_q[R^s L^k] for k = 0..4 (R = e^L, L the sequence log-ratio); cached on the pair."""
         if s not in self._seq_cache:
@@ -411,8 +416,11 @@ class RolloutPair(Pair):
             # W^{1/ℓ} = Π_t w_t^{1/ℓ} is multiplicative once ℓ is fixed: one program per final length.
             mean = second = 0.0
             for ell in range(1, self.length + 1):
-                mean += float(self._length_dp(lambda lb: self.token_weight(lb) ** (1 / ell), lambda lb: f, 1)[ell - 1, 1])
-                second += float(self._length_dp(lambda lb: self.token_weight(lb) ** (2 / ell), lambda lb: f, 2)[ell - 1, 2])
+                # w^{1/ℓ} as exp(log w / ℓ): finite whenever the geometric mean is
+                mean += float(self._length_dp(lambda lb: torch.exp(self.token_log_weight(lb) / ell), lambda lb: f,
+                                              1)[ell - 1, 1])
+                second += float(self._length_dp(lambda lb: torch.exp(2 * self.token_log_weight(lb) / ell),
+                                                lambda lb: f, 2)[ell - 1, 2])
         if not math.isfinite(second):
             return mean, math.inf
         return mean, max(second - mean * mean, 0.0)
@@ -468,6 +476,7 @@ class RolloutPair(Pair):
         g_flat, kl_ctx, bucket = self.logr_table.reshape(-1).to(device), self.kl_ctx.to(device), self.bucket.to(device)
         v, n = self.vocab, sum(sizes)
         weight = torch.ones(n, dtype=torch.float64, device=device) if logw is not None else None
+        log_weight = torch.zeros(n, dtype=torch.float64, device=device) if logw is not None else None
         c = torch.zeros(n, dtype=torch.int64, device=device)
         alive = torch.ones(n, dtype=torch.float64, device=device)
         logr = torch.zeros(n, dtype=torch.float64, device=device)
@@ -492,6 +501,10 @@ class RolloutPair(Pair):
                 if self.weight_cap is not None:
                     w_t = w_t.clamp(max=self.weight_cap)
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+                lw_t = logw[phase_of[t]][base + x]
+                if self.weight_cap is not None:
+                    lw_t = lw_t.clamp(max=math.log(self.weight_cap))
+                log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
                 step_w = w_t if self.weights == "token" else None
             if record is not None:
                 record.append((base + x, alive, w_t if logw is not None else None))
@@ -501,7 +514,8 @@ class RolloutPair(Pair):
             if self.eos is not None:
                 alive = alive * (x != self.eos)
             c = bucket[x]
-        return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
+        return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token",
+                     log_weight=log_weight)
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         piece = self.piece_draws(device)
