@@ -30,7 +30,7 @@ from ..errors import SpecError
 from ..estimators import RowSource
 from ..precision import Precision, in_precision, parse_precision, rounded_logr
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
-                      resolve_pair_logits, sampler_for)
+                      resolve_pair_source_logits, sampler_for)
 from ..seeding import BatchStream
 from ..targets import FORWARD, REVERSE
 from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
@@ -55,12 +55,14 @@ class CategoricalPair(Pair):
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = "", sampling: str = "auto", precision: Precision | None = None):
+                 sampler_label: str = "", sampling: str = "auto", precision: Precision | None = None,
+                 logits: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``log_q``, ``log_p``: normalised float64 log-probabilities [B, V]. ``log_b``: a sampler b ≠ q
         that draws the tokens while the estimators keep using q's and p's log-probs; ``weights``
         ("token") multiplies every estimate by q/b, capped at ``weight_cap``. ``sampling``: how a
         batch's count vector is drawn (module docstring). ``precision``: the estimators see log r as a
-        trainer computes it in lower precision (kl_bench.precision)."""
+        trainer computes it in lower precision (kl_bench.precision) from ``logits``, (q's, p's) as the
+        source holds them [B, V] (None: the log-probs are what is given)."""
         self.name = name
         self.sampling = sampling
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
@@ -78,7 +80,8 @@ class CategoricalPair(Pair):
         self._logr = (self.log_p - self.log_q).reshape(-1)[self._support]
         self.precision = precision
         if precision is not None:       # a fixed function of (context, token): exact sums stay exact
-            self._logr = rounded_logr(self.log_q, self.log_p, precision).reshape(-1)[self._support]
+            self._rounded = precision.rounding_input(logits, self.log_q, self.log_p)
+            self._logr = rounded_logr(*self._rounded, precision).reshape(-1)[self._support]
         self._alias = build_alias(w[self._support].numpy())
         # The multinomial's probabilities, renormalised in float64 (numpy checks that they sum to 1).
         pw = w[self._support].numpy()
@@ -111,20 +114,23 @@ class CategoricalPair(Pair):
 
     @classmethod
     def from_config(cls, case: CategoricalCase) -> "CategoricalPair":
-        lq, lp = resolve_pair_logits(case.q, case.p, case.vocab)
+        zq, zp = resolve_pair_source_logits(case.q, case.p, case.vocab)
+        lq, lp = torch.log_softmax(zq, -1), torch.log_softmax(zp, -1)
         sp = case.sampler
         label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, label=label, sampling=case.sampling, precision=case.precision)
+            return cls(case.name, lq, lp, label=label, sampling=case.sampling, precision=case.precision,
+                       logits=(zq, zp))
         return cls(case.name, lq, lp, label=label, log_b=sampler_for(sp, lq, lp), weights=sp.weights,
                    weight_cap=sp.weight_cap, sampler_label=sp.describe(), sampling=case.sampling,
-                   precision=case.precision)
+                   precision=case.precision, logits=(zq, zp))
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
 
     def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "label": self.label, "sampling": self.sampling}
+        meta = {**super().metadata(), "label": self.label, "sampling": self.sampling}
+        return meta if self.precision is None else {**meta, "precision": self.precision.metadata(self._rounded)}
 
     @property
     def support_ids(self) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ...errors import SpecError
 from ...estimators import RowSource, poly_square
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
-                       resolve_pair_logits, sampler_for)
+                       resolve_pair_source_logits, sampler_for)
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
 from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
@@ -78,7 +78,7 @@ class RolloutPair(Pair):
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
                  min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
                  sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False,
-                 token_mean_batch: int | None = None):
+                 token_mean_batch: int | None = None, logits: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
         ``precision``: every row sees the per-token log r as a trainer rounds it (kl_bench.precision);
         the truth stays the float64 KL.
@@ -109,7 +109,9 @@ class RolloutPair(Pair):
             raise SpecError("token_mean_batch needs unweighted draws (weights = \"none\"): a weighted token-mean "
                             "has no exact oracle here", key="token_mean_batch")
         if precision is not None:   # a fixed function of (bucket, token): the dynamic program stays exact
-            self.logr_table = rounded_logr(self.log_q, self.log_p, precision)
+            # ``logits``: (q's, p's) bucket logits [C, V] as the source holds them (kl_bench.precision)
+            self._rounded = precision.rounding_input(logits, self.log_q, self.log_p)
+            self.logr_table = rounded_logr(*self._rounded, precision)
         q = self.log_q.exp()
         self.kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
         self._alias: AliasTable | None = None      # built on first sampling (exact runs need none)
@@ -180,7 +182,8 @@ class RolloutPair(Pair):
 
     def metadata(self) -> dict[str, Any]:
         # `length`: the report plots std/true against it across cases of one family (`label`).
-        return {**super().metadata(), "label": self.label, "length": self.length}
+        meta = {**super().metadata(), "label": self.label, "length": self.length}
+        return meta if self.precision is None else {**meta, "precision": self.precision.metadata(self._rounded)}
 
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
         # A function of L other than a polynomial in R and L has no exact sequence-level oracle (it would
@@ -196,8 +199,12 @@ class RolloutPair(Pair):
 
     @classmethod
     def from_config(cls, case: RolloutCase) -> "RolloutPair":
-        lq, lp = resolve_pair_logits(case.q, case.p, case.vocab, contexts=case.buckets)
+        zq, zp = resolve_pair_source_logits(case.q, case.p, case.vocab, contexts=case.buckets)
+        lq, lp = torch.log_softmax(zq, -1), torch.log_softmax(zp, -1)
         if case.eos_prob is not None:
+            # the source's per-row offset (its log-normaliser) kept on the EOS-adjusted log-probs
+            zq, zp = (_set_eos_prob(t.log_softmax(-1), case.eos, case.eos_prob) + t.logsumexp(-1, keepdim=True)
+                      for t in (zq, zp))
             lq, lp = (_set_eos_prob(t, case.eos, case.eos_prob) for t in (lq, lp))
         for side, t in (("q", lq), ("p", lp)):
             if t.shape != (case.buckets, case.vocab):
@@ -217,7 +224,8 @@ class RolloutPair(Pair):
         label = describe_sources(case.q, case.p)
         if sp is None:
             return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label, precision=case.precision,
-                       per_sequence_mean=case.per_sequence_mean, token_mean_batch=case.token_mean_batch)
+                       per_sequence_mean=case.per_sequence_mean, token_mean_batch=case.token_mean_batch,
+                       logits=(zq, zp))
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
         plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
@@ -225,7 +233,7 @@ class RolloutPair(Pair):
                    log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
                    precision=case.precision, per_sequence_mean=case.per_sequence_mean,
-                   token_mean_batch=case.token_mean_batch)
+                   token_mean_batch=case.token_mean_batch, logits=(zq, zp))
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
