@@ -47,12 +47,32 @@ OUT_CLAMP = 10.0      # verl low_var_kl, OpenRLHF compute_approx_kl, NeMo-RL's k
 
 @dataclass(frozen=True)
 class WeightedClamp:
-    """How NeMo-RL puts an importance weight w = q/sg(q) around a clamped estimator:
-    loss = clamp(w · base(clamp(log r, ±logr_clamp)), ±clamp); where either clamp fires the weight is
-    detached, so the token's gradient is zero (kl_bench.modes, mode ``loss_is_nemo``)."""
+    """How NeMo-RL puts an importance weight w around a clamped estimator (``calculate_kl``):
+    loss = clamp(w · base(clamp(log r, ±logr_clamp)), ±clamp), w detached where the input clamp fires,
+    so where either clamp fires the token's gradient is zero (kl_bench.modes, mode ``loss_is_nemo``).
+    On-policy w = q/sg(q) = 1; with ``use_on_policy_kl_approximation`` under a sampler b, w = q/b."""
     base: Callable[[torch.Tensor], torch.Tensor] = field(compare=False)
     logr_clamp: float | None
     clamp: float | None
+
+    def active(self, logr: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Where neither clamp fires: |log r| ≤ logr_clamp and |w · base(clamp(log r))| ≤ clamp, inclusive
+        as torch.clamp passes gradients at the bounds (w = 1 when None). Bool, shape of ``logr``."""
+        x = logr.clamp(-self.logr_clamp, self.logr_clamp) if self.logr_clamp is not None else logr
+        ok = logr.abs() <= self.logr_clamp if self.logr_clamp is not None else torch.ones_like(logr, dtype=torch.bool)
+        v = self.base(x) if weight is None else weight * self.base(x)
+        return ok & (v.abs() <= self.clamp) if self.clamp is not None else ok
+
+    def coefficient(self, logr: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-draw gradient coefficient c with ∇θ loss = c · ∇θ log q: w (f − f′)(log r) where no clamp
+        fires (∇w = w s, ∇ log r = −s, w not detached there), 0 where one does. Shape of ``logr``."""
+        with torch.enable_grad():
+            x = logr.detach().clone().requires_grad_(True)
+            f = self.base(x)
+            (df,) = torch.autograd.grad(f.sum(), x)
+        c = f.detach() - df
+        c = c if weight is None else weight * c
+        return torch.where(self.active(logr, weight), c, torch.zeros_like(c))
 
 
 # ----------------------------------------------------------------------------- base formulas

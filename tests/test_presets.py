@@ -209,10 +209,58 @@ def test_gradient_rows_of_every_preset_match_their_exact_expected_gradients():
     assert (plus["equals"] == "reverse").all(), plus[["estimator", "equals"]]
 
 
-def test_nemo_mode_is_refused_under_a_sampler():
-    pair = _clamps_fire()
-    sampled = CategoricalPair("s", pair.log_q, pair.log_p, log_b=torch.log_softmax(pair.log_q * 0.9, -1))
-    modes = {it.mode for it in G.gradient_items(sampled, [lookup("nemo.k3")])}
+def _nemo_under_sampler_brute_force(pair, kl_type, approximation):
+    """Σ_x b(x) ∇θ loss_x(θ), θ = q's logits, loss_x = NeMo-RL's calculate_kl with its ClippedPGLossFn
+    weight written out: exp(curr − gen) with gen = log b (use_on_policy_kl_approximation) or
+    exp(curr − sg curr) (the default), nan_to_num'd as NeMo-RL does."""
+    theta = pair.log_q[0].clone().requires_grad_(True)
+    curr = torch.log_softmax(theta, -1)
+    gen = pair.log_b[0]
+    w = torch.exp(curr - gen) if approximation else torch.exp(curr - curr.detach())
+    w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+    loss = _nemo_calculate_kl(curr, pair.log_p[0], kl_type, importance_sampling_weights=w)
+    (g,) = torch.autograd.grad((gen.exp() * loss).sum(), theta)
+    return g.numpy()
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_nemo_order_under_a_sampler_categorical(kl_type):
+    """Under a stale sampler b: weights = "token" is NeMo's use_on_policy_kl_approximation (w = q/b, not
+    detached, inside the output clamp), weights = "none" its default weight; both exact expected gradients
+    equal autograd of NeMo's expression summed over b, and the approximation's clamp test sees w·f."""
+    base = _clamps_fire()
+    log_b = torch.log_softmax(base.log_q * 0.9, -1)
+    est = lookup(f"nemo.{kl_type}")
+    for weights, approximation in (("token", True), ("none", False)):
+        pair = CategoricalPair("s", base.log_q, base.log_p, log_b=log_b, weights=weights)
+        assert "loss_is_nemo" in {it.mode for it in G.gradient_items(pair, [est])}
+        got = pair.gradient_exact(GradItem.of(est, "loss_is_nemo"), {}).mean
+        want = _nemo_under_sampler_brute_force(pair, kl_type, approximation)
+        assert np.allclose(got, want, rtol=1e-10, atol=1e-14), (kl_type, weights)
+    # the clamp's test sees w·f: on this pair some k1 and k3 tokens are clamped at w = 1 and not at
+    # w = q/b, or the reverse (k2's values sit far from the bound 10 there)
+    w = torch.exp(pair.log_q - log_b).reshape(-1)[pair.support_ids]
+    wc = est.weighted
+    differ = int((wc.active(pair.support_logr, w) != wc.active(pair.support_logr)).sum())
+    assert differ == {"k1": 1, "k2": 0, "k3": 2}[kl_type]
+
+
+def test_nemo_under_a_sampler_monte_carlo_rows():
+    base = _clamps_fire()
+    pair = CategoricalPair("s", base.log_q, base.log_p, log_b=torch.log_softmax(base.log_q * 0.9, -1),
+                           weights="token")
+    rows = pd.DataFrame(G.gradient_rows(pair, [lookup("nemo.k3")], draws=100_000, seed=4, batches=50, device=CPU))
+    assert "loss_is_nemo" in set(rows["mode"])
+    assert (rows[["z_reverse", "z_forward"]].abs() < 5).all().all(), rows[["mode", "z_reverse", "z_forward"]]
+
+
+def test_nemo_mode_is_refused_under_a_sampler_on_rollouts():
+    from kl_bench.pairs import RolloutPair
+    lq = torch.log_softmax(zipf_logits(30, 1.1, 1, 2), -1)
+    lp = torch.log_softmax(zipf_logits(30, 1.1, 1, 2) / 0.5, -1)
+    pair = RolloutPair("r", lq, lp, torch.arange(30) % 2, 4, 29, log_b=torch.log_softmax(lq * 0.9, -1),
+                       weights="token")
+    modes = {it.mode for it in G.gradient_items(pair, [lookup("nemo.k3")])}
     assert "loss_is_nemo" not in modes and "loss_is" in modes
 
 

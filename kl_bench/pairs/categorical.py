@@ -52,6 +52,7 @@ class CategoricalCase(CaseConfig):
                sampler_keys=("temperature", "top_k", "top_p", "behavior", "weights", "weight_cap"))
 class CategoricalPair(Pair):
     supports_gradients = True
+    clamp_sees_weight = True
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
@@ -276,9 +277,14 @@ class CategoricalPair(Pair):
                 FORWARD: ((q - lp.exp()) / b).reshape(-1).numpy()}
 
     def coefficient_table(self, item: GradItem) -> torch.Tensor:
-        """c(log r) on every drawn id [M], times the detached q/b of a weighted sampler."""
-        c = item.coef(self._logr)
-        return c * self._is_weight if self._is_weight is not None else c
+        """c(log r) on every drawn id [M], times the detached q/b of a weighted sampler. NeMo-RL's order
+        (loss_is_nemo) under a weighted sampler is its use_on_policy_kl_approximation: w = q/b enters
+        before the output clamp, so the clamp's test sees w·f (kl_bench.presets.WeightedClamp)."""
+        if self._is_weight is None:
+            return item.coef(self._logr)
+        if item.mode == "loss_is_nemo":
+            return item.est.weighted.coefficient(self._logr, self._is_weight)
+        return item.coef(self._logr) * self._is_weight
 
     def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad:
         """E[c s] for s = e_x − q_b (in row b), under the mixture (1/B) b_b(x) (b = q without a sampler)."""
