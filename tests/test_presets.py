@@ -420,3 +420,40 @@ def test_rollout_sampler_log_weight_is_the_log_of_its_product_weight():
     pair = RolloutPair("r", lq, lp, torch.arange(40) % 2, 12, 39, log_b=lb, weights="geometric", weight_cap=3.0)
     d = pair.sample_draws(500, torch.Generator().manual_seed(0), CPU)
     assert d.log_weight is not None and torch.allclose(d.log_weight, torch.log(d.weight), rtol=0, atol=1e-12)
+
+
+def _off_policy_brute_force(pair, loss_fn):
+    """Σ_x b(x) ∇θ loss_x(θ), θ = q's logits, for a library's per-token loss written out with the old
+    (behaviour) log-probs = log b."""
+    theta = pair.log_q[0].clone().requires_grad_(True)
+    curr, old = torch.log_softmax(theta, -1), pair.log_b[0]
+    (g,) = torch.autograd.grad((old.exp() * loss_fn(curr, old, pair.log_p[0])).sum(), theta)
+    return g.numpy()
+
+
+def test_off_policy_openrlhf_unbiased_gradient_and_trl_bias_correction():
+    """Off-policy, OpenRLHF's unbiased_gradient multiplies ∇½ℓ² by sg(min(q/q_old, 10)): kl-bench's
+    openrlhf.kN+ in the loss under weights = "token", weight_cap = 10. TRL's k3 · coef_1 with coef_1 =
+    exp(curr − old), not detached: trl.grpo in loss_is under weights = "token", uncapped."""
+    base = _clamps_fire()
+    log_b = torch.log_softmax(base.log_q * 0.2, -1)       # stale enough that q/b exceeds 10 on some tokens
+    capped = CategoricalPair("o", base.log_q, base.log_p, log_b=log_b, weights="token", weight_cap=10.0)
+    assert float(torch.exp(base.log_q - log_b).max()) > 10
+
+    def openrlhf(curr, old, ref):        # compute_approx_kl(..., log_probs_old=old, unbiased_gradient=True)
+        log_ratio = curr.float() - ref.float()
+        value = ((-log_ratio).exp() - 1 + log_ratio).clamp(min=-10, max=10)
+        w = (curr.float() - old.float()).exp().clamp(max=10.0).detach()
+        grad_surrogate = w * (log_ratio**2 / 2.0)
+        return value.detach() + grad_surrogate - grad_surrogate.detach()
+    got = capped.gradient_exact(GradItem.of(lookup("openrlhf.k3+"), "loss"), {}).mean
+    want = _off_policy_brute_force(capped, openrlhf)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-7)     # OpenRLHF's float32 log-ratios
+
+    plain = CategoricalPair("o", base.log_q, base.log_p, log_b=log_b, weights="token")
+
+    def trl(curr, old, ref):             # per_token_kl * coef_1, use_bias_correction_kl = True
+        per_token_kl = torch.exp(ref - curr) - (ref - curr) - 1
+        return per_token_kl * torch.exp(curr - old)
+    got = plain.gradient_exact(GradItem.of(lookup("trl.grpo"), "loss_is"), {}).mean
+    assert np.allclose(got, _off_policy_brute_force(plain, trl), rtol=1e-10, atol=1e-13)
