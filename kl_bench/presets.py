@@ -159,7 +159,9 @@ def neg_inf_limit(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch
     def safe(logr: torch.Tensor) -> torch.Tensor:
         inf = torch.isneginf(logr)
         out = fn(torch.where(inf, torch.zeros_like(logr), logr))
-        return torch.where(inf, fn(logr.detach()).detach(), out)
+        # f(−∞) is one constant: evaluated on a single element, not on the whole tensor again
+        at_inf = fn(torch.full((1,), -torch.inf, dtype=logr.dtype, device=logr.device)).detach()
+        return torch.where(inf, at_inf, out)
     safe.__name__ = fn.__name__
     return safe
 
