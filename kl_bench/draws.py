@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .estimators import Estimator, RowSource
+from .presets import trl_sequence_weight
 from .targets import REVERSE
 
 TOK_AGGREGATES = ("tok", "tok_mean", "tok_gm", "tok_batch")   # rows built from per-token sums along the path
@@ -70,6 +71,7 @@ class Draws:
     tok_b: rollouts: Σ_t (r_t − 1), the control variate's per-token term.
     weight: importance weight q/b of the draw (sequence: Π_t q/b) when a sampler b ≠ q is weighted;
         None means 1. Every row is multiplied by it, except token rows when ``tok_weighted``.
+    log_weight: rollouts: Σ_t log(q_t/b_t) of the draw (log of ``weight``, never overflowing), for tok_gm.
     tok_weighted: the token sums already carry per-token weights.
     segments: sizes of the consecutive pieces the draws come from (None: one piece); group rows form
         their groups within each piece, so that a batch's groups never depend on how pieces are joined.
@@ -81,6 +83,7 @@ class Draws:
     weight: torch.Tensor | None = None
     tok_weighted: bool = False
     segments: list[int] | None = None
+    log_weight: torch.Tensor | None = None
 
 
 def _needs_length(rows: list[Row]) -> bool:
@@ -139,8 +142,8 @@ def row_values(draws: Draws, rows: list[Row],
                 col = torch.full_like(col, math.nan)
                 col[idx] = value.repeat_interleave(b)
             if row.aggregate == "tok_gm":
-                # W^{1/|y|} = exp(mean_t log(q_t/b_t)), with W = Π_t q_t/b_t the product weight of the draw
-                col = col * torch.exp(torch.log(w) / length)
+                # W^{1/|y|} = exp(mean_t log(q_t/b_t)), from the log-weight: W itself may overflow
+                col = col * trl_sequence_weight(draws.log_weight, length)
             elif w is not None and not draws.tok_weighted:
                 col = col * w
         else:

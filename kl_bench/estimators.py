@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from .errors import SpecError
-from .presets import PRESETS, WeightedClamp
+from .presets import PRESETS, WeightedClamp, neg_inf_limit
 from .registry import Registry, UnknownName, did_you_mean
 from .targets import FORWARD, REVERSE, check_target
 
@@ -55,6 +55,7 @@ class Estimator:
     # NeMo-RL's importance-weighted clamp order (kl_bench.presets): gets the loss_is_nemo gradient mode
     weighted: WeightedClamp | None = None
     source: str = ""           # library presets: the file whose formula it reproduces
+    library_mode: str = ""     # library presets: the gradient mode the library applies by default
     analytic: ClassVar[bool] = False   # a function of log r (PairRow: supplied by the pair)
 
     def __post_init__(self):
@@ -122,11 +123,14 @@ def abs_logr(logr: torch.Tensor) -> torch.Tensor:
     return logr.abs()
 
 
+# r·log r: d/dℓ = r(log r + 1) → 0 as log r → −∞, but autograd of the product meets 0·∞ there.
+@neg_inf_limit
 def fwd_k1(logr: torch.Tensor) -> torch.Tensor:
     """fwd_k1 = r log r. Shape-preserving. Importance-weighted, unbiased for KL(p‖q)."""
     return _r_logr(logr)
 
 
+@neg_inf_limit
 def fwd_k3(logr: torch.Tensor) -> torch.Tensor:
     """fwd_k3 = r log r − (r − 1). Shape-preserving. Unbiased for KL(p‖q) and ≥ 0."""
     return _r_logr(logr) - torch.expm1(logr)
@@ -156,7 +160,8 @@ ESTIMATORS.add("fwd_k3", Estimator("fwd_k3", fwd_k3, FORWARD, True, True, "r·lo
 # Library presets ("<library>.<name>", no colon: a colon marks a plug-in), formula for formula.
 for _p in PRESETS:
     ESTIMATORS.add(_p.name, Estimator(_p.name, _p.fn, REVERSE, _p.unbiased, _p.nonnegative, _p.formula, _p.poly,
-                                      _p.abs_poly, weighted=_p.weighted, source=_p.source))
+                                      _p.abs_poly, weighted=_p.weighted, source=_p.source,
+                                      library_mode=_p.mode))
 
 DEFAULT_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full")
 CV, CV_OPT = "cv", "cv_opt"     # names of the control-variate rows in results

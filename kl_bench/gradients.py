@@ -56,10 +56,10 @@ def gradient_items(pair: Pair, sources) -> list[GradItem]:
     """Every (estimator, mode, aggregate) row of a case, on the aggregates the pair gives each estimator
     (rollouts: token-only estimators have no sequence rows); pair-supplied rows have no gradient."""
     ests = [pair.adapt(e) for e in sources if not e.analytic]
-    # NeMo-RL's clamp order is defined on-policy (w = q/sg(q) has value 1); under a sampler the clamp
-    # would see w·f with w = q/b, which the per-draw coefficient c(log r) cannot express: no such row.
+    # NeMo-RL's clamp order under a sampler: the clamp sees w·f with w = q/b, which a per-draw coefficient
+    # c(log r) cannot express; only pairs that apply the weight inside the clamp's test get the row.
     return [GradItem.of(e, m, a) for a in pair.aggregates for e in ests if a in pair.aggregates_for(e)
-            for m in modes_for(e) if m != "loss_is_nemo" or not pair.has_sampler]
+            for m in modes_for(e) if m != "loss_is_nemo" or not pair.has_sampler or pair.clamp_sees_weight]
 
 
 def unit(v: np.ndarray) -> np.ndarray:

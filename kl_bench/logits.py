@@ -25,14 +25,17 @@ from .safe_io import load_npy, open_regular
 
 @dataclass(frozen=True)
 class ZipfLogits:
-    """LLM-like rank-frequency logits: logit(x) = −exponent · log rank(x), ranks a seeded
-    random permutation (one per context when ``contexts`` > 1). Shape [V] or [contexts, V]."""
+    """LLM-like rank-frequency logits: logit(x) = offset − exponent · log rank(x), ranks a seeded
+    random permutation (one per context when ``contexts`` > 1). Shape [V] or [contexts, V]. ``offset``
+    (the top token's logit) changes nothing but what rounding the logits as given sees
+    (kl_bench.precision): log-softmax is invariant to it."""
     exponent: float
     seed: int
     contexts: int | None = None    # None: 1 for categoricals, the bucket count for rollouts
+    offset: float = 0.0
 
     def describe(self) -> str:
-        return f"zipf(s={self.exponent:g})"
+        return f"zipf(s={self.exponent:g}" + (f", offset {self.offset:g})" if self.offset else ")")
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,13 @@ class TensorLogits:
 
 @dataclass(frozen=True)
 class DerivedLogits:
-    """The other side's logits, divided by ``temperature``, plus N(0, noise²) noise."""
+    """The other side's logits, divided by ``temperature``, plus N(0, noise²) noise, plus ``offset`` (which
+    only rounding the logits as given sees, kl_bench.precision)."""
     source: str            # "q" or "p"
     noise: float = 0.0
     temperature: float = 1.0
     seed: int = 0
+    offset: float = 0.0
 
     def describe(self) -> str:
         bits = [self.source]
@@ -84,6 +89,8 @@ class DerivedLogits:
             bits.append(f"/T={self.temperature:g}")
         if self.noise > 0:
             bits.append(f"+N(0,{self.noise:g}²)")
+        if self.offset:
+            bits.append(f"{self.offset:+g}")
         return "".join(bits)
 
 
@@ -140,7 +147,8 @@ def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> Logits
                           key=t.key("logits"))
         src = ZipfLogits(exponent=t.get("exponent", "float", 1.1, positive),
                          seed=t.get("seed", "int", 0, nonnegative),
-                         contexts=t.get("contexts", "int", None, positive))
+                         contexts=t.get("contexts", "int", None, positive),
+                         offset=t.get("offset", "float", 0.0))
         t.finish()
         return src
     if t.has("from"):
@@ -155,7 +163,8 @@ def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> Logits
         src = DerivedLogits(source=source,
                             noise=t.get("noise", "float", 0.0, nonnegative),
                             temperature=t.get("temperature", "float", 1.0, positive),
-                            seed=t.get("seed", "int", 0, nonnegative))
+                            seed=t.get("seed", "int", 0, nonnegative),
+                            offset=t.get("offset", "float", 0.0))
         t.finish()
         return src
     raise t.error("needs one of 'file', 'logits' (a generator), 'from' (the other side) or a tensor",
@@ -392,13 +401,21 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build (log q, log p), both normalised float64 [B, V], validating shapes and values.
     ``contexts``: the default number of contexts of a Zipf generator (rollouts: the bucket count)."""
+    zq, zp = resolve_pair_source_logits(q, p, vocab, contexts)
+    return torch.log_softmax(zq, dim=-1), torch.log_softmax(zp, dim=-1)
+
+
+def resolve_pair_source_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, contexts: int | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q's logits, p's logits) as the sources hold them, float64 [B, V], unnormalised (a generator's with
+    its offset, a derived side's from the other's raw logits): what precision ``of = "logits"`` rounds."""
     raw: dict[str, torch.Tensor] = {}
     for side, src in (("q", q), ("p", p)):
         try:
             if isinstance(src, ZipfLogits):
                 if vocab is None:
                     raise SpecError("missing required key (needed for generated logits)")
-                raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts or contexts or 1)
+                raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts or contexts or 1) + src.offset
             elif isinstance(src, FileLogits):
                 raw[side] = read_logits_file(src.path, src.key, src.mask, src.mask_key)
             elif isinstance(src, TensorLogits):
@@ -417,7 +434,7 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
             if src.noise > 0:
                 g = torch.Generator().manual_seed(src.seed)
                 base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
-            raw[side] = base
+            raw[side] = base + src.offset
             check_derived(raw[src.source], base, side, src)
     lq, lp = raw["q"], raw["p"]
     derived = next((side for side, src in (("p", p), ("q", q)) if isinstance(src, DerivedLogits)), None)
@@ -429,8 +446,10 @@ def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, con
             lq, lp = lq.expand(b, -1), lp.expand(b, -1)
         else:
             raise SpecError(f"q has {lq.shape[0]} contexts but p has {lp.shape[0]}", key="p")
-    lq, lp = torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)
-    problem = log_ratio_problem(torch.where(torch.isfinite(lq), lp - lq, torch.zeros_like(lq)))
+    # Extreme derived logits (noise = 1e308, a temperature of 1e-310) give log-ratios whose moments
+    # overflow: refused here, naming the key, rather than written as NaN statistics.
+    nq, np_ = torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)
+    problem = log_ratio_problem(torch.where(torch.isfinite(nq), np_ - nq, torch.zeros_like(nq)))
     if problem:
         src = {"p": p, "q": q}.get(derived)
         key = (f"{derived}.noise" if src.noise > 0 and src.temperature == 1 else f"{derived}.temperature") \

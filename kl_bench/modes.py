@@ -26,12 +26,8 @@ MODES = ("loss", "reward", "loss_is", "straight_through", "loss_is_nemo")
 
 
 def nemo_active(est: Estimator, logr: torch.Tensor) -> torch.Tensor:
-    """Where neither of NeMo-RL's clamps fires (on-policy, w = 1): |log r| ≤ L and |f(clamp(log r))| ≤ K,
-    inclusive as torch.clamp passes gradients at the bounds. Bool, shape of ``logr``."""
-    wc = est.weighted
-    x = logr.clamp(-wc.logr_clamp, wc.logr_clamp) if wc.logr_clamp is not None else logr
-    ok = logr.abs() <= wc.logr_clamp if wc.logr_clamp is not None else torch.ones_like(logr, dtype=torch.bool)
-    return ok & (wc.base(x).abs() <= wc.clamp) if wc.clamp is not None else ok
+    """Where neither of NeMo-RL's clamps fires (on-policy, w = 1): kl_bench.presets.WeightedClamp.active."""
+    return est.weighted.active(logr)
 
 
 def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -56,9 +52,7 @@ def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Ten
     if mode == "loss_is_nemo":
         # ∇(w·f(log r)) = w·(f − f′)·s where no clamp fires (∇w = w s, ∇ log r = −s, w = 1 on-policy); zero
         # where one fires, since NeMo-RL detaches the weight there and the clamped value is constant.
-        base = Estimator(est.name, est.weighted.base, est.target, est.unbiased, est.nonnegative, est.formula)
-        d = coefficient(base, "loss_is")
-        return lambda logr: torch.where(nemo_active(est, logr), d(logr), torch.zeros_like(logr))
+        return est.weighted.coefficient
     raise ValueError(mode)
 
 

@@ -37,7 +37,7 @@ def test_bf16_logits_bias_of_k1_by_hand():
     """bf16 logits, float64 log-softmax and estimator: the exact mean of k1 is Σ q(x)(log q̃ − log p̃) with
     q the exact policy; 0.1 → 0.10009765625 (205/2048), 0.15 → 0.150390625, and so on."""
     assert _bf16_by_hand(0.1) == 0.10009765625 and _bf16_by_hand(0.15) == 0.150390625
-    # kl-bench rounds the normalised log-probs (kl_bench.precision); so does the hand figure
+    # a pair built from log-probs alone is given those: it rounds them (as of = "logprobs" does)
     lq, lp = _log_softmax(Q_LOGITS), _log_softmax(P_LOGITS)
     lq_r, lp_r = _log_softmax([_bf16_by_hand(v) for v in lq]), _log_softmax([_bf16_by_hand(v) for v in lp])
     kl = sum(math.exp(a) * (a - b) for a, b in zip(lq, lp))
@@ -48,6 +48,57 @@ def test_bf16_logits_bias_of_k1_by_hand():
     assert pair.kl() == pytest.approx(kl, rel=1e-13)              # the truth stays the float64 KL
     assert mean == pytest.approx(k1_mean, rel=1e-12, abs=1e-15)
     assert abs(mean - kl) > 1e-4 * kl                              # and rounding moved the mean
+
+
+def test_bf16_logits_as_given_by_hand_and_the_logprobs_choice():
+    """of = "logits" rounds the source's raw logits (0.1 → 205/2048, …) before log-softmax; of = "logprobs"
+    rounds the normalised log-probs. Both exact means follow their rounding, the truth is the float64 KL,
+    and the two differ (log-softmax is invariant to a shift, rounding is not)."""
+    from kl_bench.logits import TensorLogits
+    from kl_bench.pairs.categorical import CategoricalCase
+    lq, lp = _log_softmax(Q_LOGITS), _log_softmax(P_LOGITS)
+    kl = sum(math.exp(a) * (a - b) for a, b in zip(lq, lp))
+    want = {"logits": (Q_LOGITS, P_LOGITS), "logprobs": (lq, lp)}
+    means = {}
+    for of, (zq, zp) in want.items():
+        lq_r, lp_r = _log_softmax([_bf16_by_hand(v) for v in zq]), _log_softmax([_bf16_by_hand(v) for v in zp])
+        k1_mean = sum(math.exp(a) * (ar - br) for a, ar, br in zip(lq, lq_r, lp_r))
+        case = CategoricalCase(name="c", vocab=None, q=TensorLogits.of(torch.tensor(Q_LOGITS, dtype=torch.float64)),
+                               p=TensorLogits.of(torch.tensor(P_LOGITS, dtype=torch.float64)),
+                               precision=Precision(logits="bfloat16", of=of))
+        pair = CategoricalPair.from_config(case)
+        means[of], _ = pair.exact_moments(pair.adapt(lookup("k1")))
+        assert pair.kl() == pytest.approx(kl, rel=1e-13)
+        assert means[of] == pytest.approx(k1_mean, rel=1e-12, abs=1e-15)
+        meta = pair.metadata()["precision"]
+        assert meta["of"] == of and meta["max_rounded"]["q"] == max(zq)
+        assert (("as given" in pair.describe()) == (of == "logits"))
+    assert means["logits"] != means["logprobs"]
+
+
+def test_zipf_offset_moves_only_the_rounding_of_the_logits_as_given(tmp_path):
+    """A generator's offset is the top logit: float64 results do not depend on it, bf16 logits as given do
+    (steps of 2^-3 near 20 against 2^-9 or finer below 1), normalised rounding (of = "logprobs") does not."""
+    from kl_bench.spec import load_spec
+    from kl_bench.pairs import build_pair
+
+    def mean_k1(offset, precision):
+        case = (f'name = "c"\nkind = "categorical"\nvocab = 2000\n'
+                f'q = {{logits = "zipf", exponent = 1.1, seed = 1, offset = {offset}}}\n'
+                f'p = {{from = "q", noise = 0.05, seed = 2}}\n' + (f"precision = {precision}\n" if precision else ""))
+        spec = load_spec(_spec(tmp_path, case))
+        pair = build_pair(spec.cases[0])
+        return pair.exact_moments(pair.adapt(lookup("k1")))[0], pair
+    m0, p0 = mean_k1(0.0, None)
+    m20, p20 = mean_k1(20.0, None)
+    assert m0 == pytest.approx(m20, rel=1e-12) and "offset 20" in p20.describe()
+    lp0, _ = mean_k1(0.0, '{logits = "bf16", of = "logprobs"}')
+    lp20, _ = mean_k1(20.0, '{logits = "bf16", of = "logprobs"}')
+    assert lp0 == pytest.approx(lp20, rel=1e-12)
+    g0, _ = mean_k1(0.0, '{logits = "bf16"}')
+    g20, pair = mean_k1(20.0, '{logits = "bf16"}')
+    assert pair.metadata()["precision"]["max_rounded"]["q"] == 20.0
+    assert abs(g20 - m0) > 3 * abs(g0 - m0) > 0       # coarser steps at 20: a larger rounding bias
 
 
 def _zipf_pair(precision, vocab=3000, noise=0.05):
@@ -109,6 +160,8 @@ CAT = 'name = "c"\nkind = "categorical"\nvocab = 10\nq = {logits = "zipf", expon
     (CAT + 'precision = {logits = "bf17"}', "key 'precision.logits': must be one of float64"),
     (CAT + 'precision = {logit = "bf16"}', "key 'precision.logit': unknown key (did you mean 'logits'?)"),
     (CAT + 'precision = "bf16"', "key 'precision': must be a table"),
+    (CAT + 'precision = {logits = "bf16", of = "probs"}', "key 'precision.of': must be \"logits\""),
+    (CAT.replace("seed = 1}", "seed = 1, offset = nan}"), "key 'q.offset': must be finite"),
 ])
 def test_bad_precision_keys_are_one_line_and_exit_2(tmp_path, case, message):
     res = CliRunner().invoke(app, ["run", _spec(tmp_path, case), "--out", str(tmp_path / "o"), "--quiet"])
@@ -139,3 +192,21 @@ def test_categorical_gradients_use_the_rounded_log_ratio():
     g_r = pair.gradient_exact(GradItem.of(pair.adapt(lookup("k3")), "loss"), {}).mean
     g_0 = ref.gradient_exact(GradItem.of(lookup("k3"), "loss"), {}).mean
     assert np.linalg.norm(g_r - g_0) > 1e-3 * np.linalg.norm(g_0)
+
+
+def test_monte_carlo_matches_the_exact_moments_of_logits_rounded_at_offset_20():
+    """Raw logits whose top is 20 (a model's scale), rounded to bf16 as given: the measured means agree
+    with the exact rounded sums, and the rounding bias exceeds that of the normalised log-probs."""
+    ref = _zipf_pair(None)
+    lq, lp = ref.log_q, ref.log_p
+    given = CategoricalPair("g", lq, lp, precision=Precision("bfloat16", "float32", "float32"),
+                            logits=(lq - lq.max() + 20, lp - lq.max() + 20))
+    normalised = CategoricalPair("n", lq, lp, precision=Precision("bfloat16", "float32", "float32", of="logprobs"),
+                                 logits=(lq - lq.max() + 20, lp - lq.max() + 20))
+    df = mc_frame(given, [given.adapt(lookup(n)) for n in ("k1", "k3")], draws=200_000, seed=6, batches=50)
+    assert (df["z"].abs() < 5).all(), df[["estimator", "z"]]
+    k3 = lookup("k3")
+    exact = ref.exact_moments(k3)[0]
+    bias_given = given.exact_moments(given.adapt(k3))[0] - exact
+    bias_norm = normalised.exact_moments(normalised.adapt(k3))[0] - exact
+    assert abs(bias_given) > 2 * abs(bias_norm) > 0

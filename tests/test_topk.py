@@ -8,7 +8,7 @@ import torch
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
 from kl_bench.pairs.rollout import brute_force_sequences
-from kl_bench.topk import categorical_topk, full_forward_kl, rollout_topk, topk_forward_kl
+from kl_bench.topk import TRL_TAIL, VERL, categorical_topk, full_forward_kl, rollout_topk, topk_forward_kl
 
 
 def _by_hand(lq, lp, k, by="p", renormalize=False):
@@ -48,3 +48,52 @@ def test_rollout_topk_path_sum_against_enumeration():
     want_full = sum(prob * sum(float(full[c]) for c, _ in path) for prob, path in brute_force_sequences(pair))
     got = rollout_topk(lq, lp, bucket, 3, 5, 2, clamp_min=None)
     assert got["topk"] == pytest.approx(want_top, rel=1e-12) and got["full"] == pytest.approx(want_full, rel=1e-12)
+
+
+def _verl_written_out(lq, lp, k):
+    """verl 1dda039: fsdp/losses.py compute_forward_kl_topk + kl_divergence, losses.py clamp_min(0.0) and
+    the loss clamp, with the defaults log_prob_min_clamp = −10, loss_max_clamp = 10."""
+    teacher_topk_log_probs, teacher_topk_ids = torch.topk(lp, k, dim=-1)
+    student_topk_log_probs = torch.gather(lq, dim=-1, index=teacher_topk_ids)
+    student_topk_log_probs = student_topk_log_probs.clamp_min(-10.0)
+    teacher_topk_log_probs = teacher_topk_log_probs.clamp_min(-10.0)
+    log_p, log_q = teacher_topk_log_probs.float(), student_topk_log_probs.float()
+    kld = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    return kld.clamp_min(0.0).clamp(min=-10.0, max=10.0)
+
+
+def _trl_tail_written_out(lq, lp, k):
+    """TRL 1.16.0 experimental/sdpo/loss_utils.py add_tail_bucket on both sides, then Σ p (log p − log q)."""
+    def add_tail_bucket(log_probs):
+        log_s = torch.logsumexp(log_probs, dim=-1, keepdim=True)
+        log_s = torch.clamp(log_s, max=-1e-7)
+        tail_log = torch.log(-torch.expm1(log_s))
+        return torch.cat([log_probs, tail_log], dim=-1)
+    ids = torch.topk(lp, k, dim=-1).indices
+    t, s = add_tail_bucket(lp.gather(-1, ids)), add_tail_bucket(lq.gather(-1, ids))
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def test_library_defaults_value_for_value():
+    g = torch.Generator().manual_seed(1)
+    lq = torch.log_softmax(3 * torch.randn(64, 200, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(lq + 1.5 * torch.randn(64, 200, generator=g, dtype=torch.float64), -1)
+    assert float(lp.min()) < -10                          # the −10 floor fires
+    for k in (1, 5, 50, 200):
+        verl = topk_forward_kl(lq, lp, k, **VERL)
+        assert torch.equal(verl, _verl_written_out(lq, lp, k).double())
+        tail = topk_forward_kl(lq, lp, k, **TRL_TAIL)
+        assert torch.allclose(tail, _trl_tail_written_out(lq, lp, k), rtol=1e-12, atol=1e-15)
+        # coarsening to S ∪ {rest} never increases a divergence: 0 ≤ tail ≤ KL(p‖q)
+        assert bool((tail >= -1e-15).all()) and bool((tail <= full_forward_kl(lq, lp) + 1e-12).all())
+
+
+def test_verl_clamps_fire():
+    lq = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0, -2.0]], dtype=torch.float64), -1)
+    lp = torch.log_softmax(torch.tensor([[1.0, 2.2, 0.4, -0.5, -3.0]], dtype=torch.float64), -1)
+    assert float(topk_forward_kl(lq, lp, 1, by="q", clamp_min=None)[0]) < 0     # negative truncated sum …
+    assert float(topk_forward_kl(lq, lp, 1, **{**VERL, "by": "q"})[0]) == 0.0   # … clamped at 0 by verl
+    big = torch.log_softmax(torch.tensor([[0.0, -40.0]], dtype=torch.float64), -1)
+    top = torch.log_softmax(torch.tensor([[-40.0, 0.0]], dtype=torch.float64), -1)
+    assert float(topk_forward_kl(big, top, 1, clamp_min=None)[0]) == pytest.approx(40.0, rel=1e-12)
+    assert float(topk_forward_kl(big, top, 1, **VERL)[0]) == 10.0               # −10 floor: p̃ log(p̃/q̃) = 10

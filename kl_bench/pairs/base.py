@@ -113,6 +113,9 @@ class Pair(ABC):
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"
     supports_gradients: ClassVar[bool] = False
+    # loss_is_nemo rows under a sampler: NeMo-RL's output clamp sees w·f, w = q/b (its
+    # use_on_policy_kl_approximation), so the pair must apply the weight inside the clamp's test
+    clamp_sees_weight: ClassVar[bool] = False
     expensive_draws: ClassVar[bool] = False  # a draw costs model forward passes: keep side simulations small
 
     # ---------------------------------------------------------------- spec → pair

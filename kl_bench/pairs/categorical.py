@@ -30,7 +30,7 @@ from ..errors import SpecError
 from ..estimators import RowSource
 from ..precision import Precision, in_precision, parse_precision, rounded_logr
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
-                      resolve_pair_logits, sampler_for)
+                      resolve_pair_source_logits, sampler_for)
 from ..seeding import BatchStream
 from ..targets import FORWARD, REVERSE
 from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
@@ -52,15 +52,18 @@ class CategoricalCase(CaseConfig):
                sampler_keys=("temperature", "top_k", "top_p", "behavior", "weights", "weight_cap"))
 class CategoricalPair(Pair):
     supports_gradients = True
+    clamp_sees_weight = True
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = "", sampling: str = "auto", precision: Precision | None = None):
+                 sampler_label: str = "", sampling: str = "auto", precision: Precision | None = None,
+                 logits: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``log_q``, ``log_p``: normalised float64 log-probabilities [B, V]. ``log_b``: a sampler b ≠ q
         that draws the tokens while the estimators keep using q's and p's log-probs; ``weights``
         ("token") multiplies every estimate by q/b, capped at ``weight_cap``. ``sampling``: how a
         batch's count vector is drawn (module docstring). ``precision``: the estimators see log r as a
-        trainer computes it in lower precision (kl_bench.precision)."""
+        trainer computes it in lower precision (kl_bench.precision) from ``logits``, (q's, p's) as the
+        source holds them [B, V] (None: the log-probs are what is given)."""
         self.name = name
         self.sampling = sampling
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
@@ -78,7 +81,8 @@ class CategoricalPair(Pair):
         self._logr = (self.log_p - self.log_q).reshape(-1)[self._support]
         self.precision = precision
         if precision is not None:       # a fixed function of (context, token): exact sums stay exact
-            self._logr = rounded_logr(self.log_q, self.log_p, precision).reshape(-1)[self._support]
+            self._rounded = precision.rounding_input(logits, self.log_q, self.log_p)
+            self._logr = rounded_logr(*self._rounded, precision).reshape(-1)[self._support]
         self._alias = build_alias(w[self._support].numpy())
         # The multinomial's probabilities, renormalised in float64 (numpy checks that they sum to 1).
         pw = w[self._support].numpy()
@@ -111,20 +115,23 @@ class CategoricalPair(Pair):
 
     @classmethod
     def from_config(cls, case: CategoricalCase) -> "CategoricalPair":
-        lq, lp = resolve_pair_logits(case.q, case.p, case.vocab)
+        zq, zp = resolve_pair_source_logits(case.q, case.p, case.vocab)
+        lq, lp = torch.log_softmax(zq, -1), torch.log_softmax(zp, -1)
         sp = case.sampler
         label = describe_sources(case.q, case.p)
         if sp is None:
-            return cls(case.name, lq, lp, label=label, sampling=case.sampling, precision=case.precision)
+            return cls(case.name, lq, lp, label=label, sampling=case.sampling, precision=case.precision,
+                       logits=(zq, zp))
         return cls(case.name, lq, lp, label=label, log_b=sampler_for(sp, lq, lp), weights=sp.weights,
                    weight_cap=sp.weight_cap, sampler_label=sp.describe(), sampling=case.sampling,
-                   precision=case.precision)
+                   precision=case.precision, logits=(zq, zp))
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
 
     def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "label": self.label, "sampling": self.sampling}
+        meta = {**super().metadata(), "label": self.label, "sampling": self.sampling}
+        return meta if self.precision is None else {**meta, "precision": self.precision.metadata(self._rounded)}
 
     @property
     def support_ids(self) -> torch.Tensor:
@@ -270,9 +277,14 @@ class CategoricalPair(Pair):
                 FORWARD: ((q - lp.exp()) / b).reshape(-1).numpy()}
 
     def coefficient_table(self, item: GradItem) -> torch.Tensor:
-        """c(log r) on every drawn id [M], times the detached q/b of a weighted sampler."""
-        c = item.coef(self._logr)
-        return c * self._is_weight if self._is_weight is not None else c
+        """c(log r) on every drawn id [M], times the detached q/b of a weighted sampler. NeMo-RL's order
+        (loss_is_nemo) under a weighted sampler is its use_on_policy_kl_approximation: w = q/b enters
+        before the output clamp, so the clamp's test sees w·f (kl_bench.presets.WeightedClamp)."""
+        if self._is_weight is None:
+            return item.coef(self._logr)
+        if item.mode == "loss_is_nemo":
+            return item.est.weighted.coefficient(self._logr, self._is_weight)
+        return item.coef(self._logr) * self._is_weight
 
     def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad:
         """E[c s] for s = e_x − q_b (in row b), under the mixture (1/B) b_b(x) (b = q without a sampler)."""

@@ -25,7 +25,7 @@ from ...errors import SpecError
 from ...estimators import RowSource, poly_square
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
-                       resolve_pair_logits, sampler_for)
+                       resolve_pair_source_logits, sampler_for)
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
 from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
@@ -78,7 +78,7 @@ class RolloutPair(Pair):
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
                  min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
                  sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False,
-                 token_mean_batch: int | None = None):
+                 token_mean_batch: int | None = None, logits: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
         ``precision``: every row sees the per-token log r as a trainer rounds it (kl_bench.precision);
         the truth stays the float64 KL.
@@ -109,7 +109,9 @@ class RolloutPair(Pair):
             raise SpecError("token_mean_batch needs unweighted draws (weights = \"none\"): a weighted token-mean "
                             "has no exact oracle here", key="token_mean_batch")
         if precision is not None:   # a fixed function of (bucket, token): the dynamic program stays exact
-            self.logr_table = rounded_logr(self.log_q, self.log_p, precision)
+            # ``logits``: (q's, p's) bucket logits [C, V] as the source holds them (kl_bench.precision)
+            self._rounded = precision.rounding_input(logits, self.log_q, self.log_p)
+            self.logr_table = rounded_logr(*self._rounded, precision)
         q = self.log_q.exp()
         self.kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
         self._alias: AliasTable | None = None      # built on first sampling (exact runs need none)
@@ -180,7 +182,8 @@ class RolloutPair(Pair):
 
     def metadata(self) -> dict[str, Any]:
         # `length`: the report plots std/true against it across cases of one family (`label`).
-        return {**super().metadata(), "label": self.label, "length": self.length}
+        meta = {**super().metadata(), "label": self.label, "length": self.length}
+        return meta if self.precision is None else {**meta, "precision": self.precision.metadata(self._rounded)}
 
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
         # A function of L other than a polynomial in R and L has no exact sequence-level oracle (it would
@@ -196,8 +199,12 @@ class RolloutPair(Pair):
 
     @classmethod
     def from_config(cls, case: RolloutCase) -> "RolloutPair":
-        lq, lp = resolve_pair_logits(case.q, case.p, case.vocab, contexts=case.buckets)
+        zq, zp = resolve_pair_source_logits(case.q, case.p, case.vocab, contexts=case.buckets)
+        lq, lp = torch.log_softmax(zq, -1), torch.log_softmax(zp, -1)
         if case.eos_prob is not None:
+            # the source's per-row offset (its log-normaliser) kept on the EOS-adjusted log-probs
+            zq, zp = (_set_eos_prob(t.log_softmax(-1), case.eos, case.eos_prob) + t.logsumexp(-1, keepdim=True)
+                      for t in (zq, zp))
             lq, lp = (_set_eos_prob(t, case.eos, case.eos_prob) for t in (lq, lp))
         for side, t in (("q", lq), ("p", lp)):
             if t.shape != (case.buckets, case.vocab):
@@ -217,7 +224,8 @@ class RolloutPair(Pair):
         label = describe_sources(case.q, case.p)
         if sp is None:
             return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label, precision=case.precision,
-                       per_sequence_mean=case.per_sequence_mean, token_mean_batch=case.token_mean_batch)
+                       per_sequence_mean=case.per_sequence_mean, token_mean_batch=case.token_mean_batch,
+                       logits=(zq, zp))
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
         plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
@@ -225,7 +233,7 @@ class RolloutPair(Pair):
                    log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
                    precision=case.precision, per_sequence_mean=case.per_sequence_mean,
-                   token_mean_batch=case.token_mean_batch)
+                   token_mean_batch=case.token_mean_batch, logits=(zq, zp))
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
@@ -267,6 +275,11 @@ class RolloutPair(Pair):
         # weights, so it stays multiplicative (and exact by the DP).
         w = torch.exp(self.log_q - lb)
         return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
+
+    def token_log_weight(self, lb: torch.Tensor) -> torch.Tensor:
+        """log of :meth:`token_weight`: log(q/b), capped at log(weight_cap)."""
+        lw = self.log_q - lb
+        return lw.clamp(max=math.log(self.weight_cap)) if self.weight_cap is not None else lw
 
     def seq_moments(self, s: int) -> list[float]:
         """E_q[R^s L^k] for k = 0..4 (R = e^L, L the sequence log-ratio); cached on the pair."""
@@ -411,8 +424,11 @@ class RolloutPair(Pair):
             # W^{1/ℓ} = Π_t w_t^{1/ℓ} is multiplicative once ℓ is fixed: one program per final length.
             mean = second = 0.0
             for ell in range(1, self.length + 1):
-                mean += float(self._length_dp(lambda lb: self.token_weight(lb) ** (1 / ell), lambda lb: f, 1)[ell - 1, 1])
-                second += float(self._length_dp(lambda lb: self.token_weight(lb) ** (2 / ell), lambda lb: f, 2)[ell - 1, 2])
+                # w^{1/ℓ} as exp(log w / ℓ): finite whenever the geometric mean is
+                mean += float(self._length_dp(lambda lb: torch.exp(self.token_log_weight(lb) / ell), lambda lb: f,
+                                              1)[ell - 1, 1])
+                second += float(self._length_dp(lambda lb: torch.exp(2 * self.token_log_weight(lb) / ell),
+                                                lambda lb: f, 2)[ell - 1, 2])
         if not math.isfinite(second):
             return mean, math.inf
         return mean, max(second - mean * mean, 0.0)
@@ -468,6 +484,7 @@ class RolloutPair(Pair):
         g_flat, kl_ctx, bucket = self.logr_table.reshape(-1).to(device), self.kl_ctx.to(device), self.bucket.to(device)
         v, n = self.vocab, sum(sizes)
         weight = torch.ones(n, dtype=torch.float64, device=device) if logw is not None else None
+        log_weight = torch.zeros(n, dtype=torch.float64, device=device) if logw is not None else None
         c = torch.zeros(n, dtype=torch.int64, device=device)
         alive = torch.ones(n, dtype=torch.float64, device=device)
         logr = torch.zeros(n, dtype=torch.float64, device=device)
@@ -492,6 +509,10 @@ class RolloutPair(Pair):
                 if self.weight_cap is not None:
                     w_t = w_t.clamp(max=self.weight_cap)
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+                lw_t = logw[phase_of[t]][base + x]
+                if self.weight_cap is not None:
+                    lw_t = lw_t.clamp(max=math.log(self.weight_cap))
+                log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
                 step_w = w_t if self.weights == "token" else None
             if record is not None:
                 record.append((base + x, alive, w_t if logw is not None else None))
@@ -501,7 +522,8 @@ class RolloutPair(Pair):
             if self.eos is not None:
                 alive = alive * (x != self.eos)
             c = bucket[x]
-        return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
+        return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token",
+                     log_weight=log_weight)
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         piece = self.piece_draws(device)
