@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .engine import run_gradients
-from .modes import GradItem, modes_for
+from .modes import MODES, GradItem, modes_for
 from .pairs.base import Pair
 from .stats import mean_and_se
 from .targets import FORWARD, REVERSE
@@ -26,7 +26,7 @@ GRAD_SCHEMA: dict[str, str] = {
     "lambda": "λ for cv rows",
     "sampler": "the case's sampler, empty when x ~ q: draws come from b, and with importance weights every "
                "per-draw gradient is multiplied by the detached q/b (rollouts: per token or per sequence)",
-    "mode": "loss | reward | loss_is | straight_through (see kl_bench.modes)",
+    "mode": " | ".join(MODES) + " (kl_bench.modes.MODES)",
     "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
     "draws": "Monte Carlo draws",
     "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, other",
@@ -56,10 +56,10 @@ def gradient_items(pair: Pair, sources) -> list[GradItem]:
     """Every (estimator, mode, aggregate) row of a case, on the aggregates the pair gives each estimator
     (rollouts: token-only estimators have no sequence rows); pair-supplied rows have no gradient."""
     ests = [pair.adapt(e) for e in sources if not e.analytic]
-    # NeMo-RL's clamp order is defined on-policy (w = q/sg(q) has value 1); under a sampler the clamp
-    # would see w·f with w = q/b, which the per-draw coefficient c(log r) cannot express: no such row.
+    # A mode defined on-policy only (NeMo-RL's clamp order: w = q/sg(q) has value 1; under a sampler the
+    # clamp would see w·f with w = q/b, which the per-draw coefficient c(log r) cannot express): no row.
     return [GradItem.of(e, m, a) for a in pair.aggregates for e in ests if a in pair.aggregates_for(e)
-            for m in modes_for(e) if m != "loss_is_nemo" or not pair.has_sampler]
+            for m in modes_for(e) if MODES[m].off_policy or not pair.has_sampler]
 
 
 def unit(v: np.ndarray) -> np.ndarray:
