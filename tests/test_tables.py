@@ -148,3 +148,22 @@ def test_optional_aggregates_follow_the_case_switches_in_table_order():
     assert on.aggregates_for(make_cv(0.5)) == ("seq", "tok")
     assert [on.row_group(a) for a in on.aggregates_for(ESTIMATORS["k3"])] == [1, 1, 1, 4]
     assert np.isclose(on.true_value(REVERSE, "tok_mean") * on.mean_length(), on.kl(), rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------- sampler options
+def test_every_declared_sampler_key_is_an_option_and_every_logit_option_reshapes_b():
+    import dataclasses
+
+    from kl_bench.pairs import CASE_KINDS
+    from kl_bench.samplers import LOGIT_KEYS, SamplerSpec
+    fields = {f.name for f in dataclasses.fields(SamplerSpec)}
+    for kind in CASE_KINDS.values():
+        assert set(kind.sampler_keys) <= fields, kind.name
+    example = {"temperature": 0.7, "top_k": 3, "top_p": 0.5}
+    assert set(example) == set(LOGIT_KEYS)
+    lq = _rollout().log_q
+    assert not SamplerSpec().reshapes and torch.equal(SamplerSpec().reshape(lq), torch.log_softmax(lq, -1))
+    for key, value in example.items():
+        sp = SamplerSpec(**{key: value})
+        assert sp.reshapes and not torch.allclose(sp.logprobs(lq, lq), lq), key
+        assert sp.describe() != SamplerSpec().describe()

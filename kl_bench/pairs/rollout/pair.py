@@ -25,7 +25,8 @@ from ...errors import SpecError
 from ...estimators import RowSource, poly_square
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
-                       resolve_pair_logits, sampler_for)
+                       resolve_pair_logits)
+from ...samplers import LOGIT_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
 from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
@@ -68,7 +69,7 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
 
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
-               sampler_keys=("temperature", "top_k", "top_p", "min_length", "behavior", "weights", "weight_cap"),
+               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS),
                weight_kinds=("token", "sequence", "geometric"))
 class RolloutPair(Pair):
     aggregates = ("seq", "tok")
@@ -218,9 +219,8 @@ class RolloutPair(Pair):
                        per_sequence_mean=case.per_sequence_mean, token_mean_batch=case.token_mean_batch)
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
-        plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
         return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label,
-                   log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
+                   log_b=sp.logprobs(lq, lp) if sp.reshapes else None, min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
                    precision=case.precision, per_sequence_mean=case.per_sequence_mean,
                    token_mean_batch=case.token_mean_batch)
