@@ -24,6 +24,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from .draws import row_label
+from .modes import MODES
 
 PALETTE = sns.color_palette("colorblind")
 
@@ -222,8 +223,11 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
 
 
 @_themed
-def plot_distribution(values: dict[str, np.ndarray], ax=None, title: str = ""):
-    """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded."""
+def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
+    """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded.
+
+    ``draws``: one row per draw, columns ``label`` (the row's label) and ``value`` (its per-draw value)."""
+    values = {label: part["value"].to_numpy(dtype=float) for label, part in draws.groupby("label", sort=False)}
     # The legend sits beside the axes, one line per estimator: the figure grows with it (or it squeezes the axes).
     fig, ax = _axes(ax, width=9, height=max(4.0, 0.24 * (len(values) + 2)))
     lo = min((float(np.min(v)) for v in values.values() if len(v)), default=-1.0)
@@ -360,7 +364,6 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     return fig
 
 
-GRAD_MODES = ("loss", "reward", "loss_is", "straight_through")
 _STYLES = ["-", "--", ":", "-."]
 
 
@@ -375,12 +378,9 @@ def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
     legend. Given a single ``ax`` (or fewer axes than modes), every line is drawn there, coloured by
     estimator and styled by mode, so that no two lines look alike."""
     g = grads[np.isfinite(grads["exact_along_reverse"].astype(float))].copy()
-
-    def est_label(r) -> str:
-        lam = r["lambda"]
-        return f"{r['estimator']}{f'({lam:.3g})' if isinstance(lam, float) and math.isfinite(lam) else ''}"
-    g["est_label"] = [est_label(r) for _, r in g.iterrows()]
-    modes = sorted(dict.fromkeys(g["mode"]), key=lambda m: (GRAD_MODES.index(m) if m in GRAD_MODES else 99, m))
+    g["est_label"] = [row_label(r, aggregate=False) for _, r in g.iterrows()]
+    order = list(MODES)           # the modes' table order; a mode it does not know goes last
+    modes = sorted(dict.fromkeys(g["mode"]), key=lambda m: (order.index(m) if m in order else len(order), m))
     modes = modes or [""]
     ests = list(dict.fromkeys(g["est_label"]))
     colour = {e: PALETTE[k % len(PALETTE)] for k, e in enumerate(ests)}
@@ -415,7 +415,8 @@ def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
         handles.setdefault("cos = 0.9", line)
         p.set_xscale("log")
         if faceted:
-            p.set_title(f"mode: {modes[k]}", fontsize="medium")
+            words = MODES[modes[k]].label if modes[k] in MODES else ""
+            p.set_title(f"mode: {modes[k]}" + (f"\n({words})" if words else ""), fontsize="medium")
     lows = [float(np.nanmin(line.get_ydata())) for p in used for line in p.get_lines()
             if len(np.atleast_1d(line.get_ydata())) > 2 and np.isfinite(line.get_ydata()).any()]
     for p in used:
