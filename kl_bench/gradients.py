@@ -90,7 +90,7 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
         row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
                "lambda": est.lam if est.lam is not None else math.nan,
                "mode": item.mode, "params": pair.gradient_params, "draws": draws}
-        row.update(_compare("", mc_mean, rev, fwd))
+        row.update(compare(mc_mean, rev, fwd))
         m2, se_m2 = mean_and_se(run.sq[:, j], run.sizes)
         row["trace_cov"] = m2 - float(mc_mean @ mc_mean)
         # E|g|² from batch means of Σ|g|²; its SE makes the trace testable against the exact value.
@@ -101,7 +101,7 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
             ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
             row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
         if ex is not None:
-            row.update(_compare("exact_", ex.mean, rev, fwd))
+            row.update(compare(ex.mean, rev, fwd, "exact_"))
             row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
             row["equals"] = equals(ex.mean, rev, fwd)
             var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
@@ -123,18 +123,15 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
     return rows
 
 
-def _compare(prefix: str, g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> dict:
+def compare(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, prefix: str = "") -> dict:
+    """Cosine and relative error of the gradient ``g`` [P] against both references, as gradients.csv's
+    ``{prefix}cos_*`` and ``{prefix}relerr_*`` columns."""
     out = {}
     for name, ref in (("reverse", rev), ("forward", fwd)):
         gn, rn = np.linalg.norm(g), np.linalg.norm(ref)
         out[f"{prefix}cos_{name}"] = float(g @ ref / (gn * rn)) if gn > 0 and rn > 0 else math.nan
         out[f"{prefix}relerr_{name}"] = float(np.linalg.norm(g - ref) / rn) if rn > 0 else math.nan
     return out
-
-
-def cosines(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> dict:
-    """Cosine and relative error of ``g`` against both references (public for tests and benchmarks)."""
-    return _compare("", g, rev, fwd)
 
 
 def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> str:
