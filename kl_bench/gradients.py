@@ -83,44 +83,49 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
     if drawn is not None:
         drawn["gradients"] = run.drawn
     exacts = [pair.gradient_exact(it, dirs) for it in items]
-    rows = []
-    for j, (item, ex) in enumerate(zip(items, exacts)):
-        est = item.est
-        mc_mean = run.total[j] / draws
-        row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
-               "lambda": est.lam if est.lam is not None else math.nan,
-               "mode": item.mode, "params": pair.gradient_params, "draws": draws}
-        row.update(compare(mc_mean, rev, fwd))
-        m2, se_m2 = mean_and_se(run.sq[:, j], run.sizes)
-        row["trace_cov"] = m2 - float(mc_mean @ mc_mean)
-        # E|g|² from batch means of Σ|g|²; its SE makes the trace testable against the exact value.
-        row["z_trace"] = (m2 - ex.second) / se_m2 if ex is not None and se_m2 > 0 and math.isfinite(ex.second) \
-            and pair.gradient_fourth_moment_finite(item) else math.nan
-        for d, name in enumerate(("reverse", "forward")):
-            m, se = mean_and_se(run.proj[:, j, d], run.sizes)
-            ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
-            row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
-        if ex is not None:
-            row.update(compare(ex.mean, rev, fwd, "exact_"))
-            row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
-            row["equals"] = equals(ex.mean, rev, fwd)
-            var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
-            if run.proj2 is not None:       # exact mean, measured spread (e.g. rollouts)
-                mu_u = float(run.proj[:, j, 0].sum() / draws)
-                var_u, trace = float(run.proj2[:, j, 0].sum() / draws) - mu_u**2, row["trace_cov"]
-            row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], var_u, trace)
-            row["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
-            row["exact_norm"] = float(np.linalg.norm(ex.mean))
-            if row["equals"] == "zero":          # the cosine of a zero vector is rounding noise
-                for c in ("exact_cos_reverse", "exact_cos_forward"):
-                    row[c] = math.nan
-        else:
-            row.update({c: math.nan for c in ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse",
-                                              "exact_relerr_forward", "exact_trace_cov", "n_for_cos90",
-                                              "exact_along_reverse", "exact_norm")})
-            row["equals"] = ""
-        rows.append(row)
-    return rows
+    return [_row(pair, item, ex, run, j, dirs, rev, fwd, draws) for j, (item, ex) in enumerate(zip(items, exacts))]
+
+
+EXACT_COLUMNS = ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse", "exact_relerr_forward",
+                 "exact_trace_cov", "n_for_cos90", "exact_along_reverse", "exact_norm")
+
+
+def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, rev: np.ndarray, fwd: np.ndarray,
+         draws: int) -> dict:
+    """One gradients.csv row: the Monte Carlo columns of item j, then the exact ones (empty without ``ex``)."""
+    est = item.est
+    mc_mean = run.total[j] / draws
+    row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
+           "lambda": est.lam if est.lam is not None else math.nan,
+           "mode": item.mode, "params": pair.gradient_params, "draws": draws}
+    row.update(compare(mc_mean, rev, fwd))
+    m2, se_m2 = mean_and_se(run.sq[:, j], run.sizes)
+    row["trace_cov"] = m2 - float(mc_mean @ mc_mean)
+    # E|g|² from batch means of Σ|g|²; its SE makes the trace testable against the exact value.
+    row["z_trace"] = (m2 - ex.second) / se_m2 if ex is not None and se_m2 > 0 and math.isfinite(ex.second) \
+        and pair.gradient_fourth_moment_finite(item) else math.nan
+    for d, name in enumerate(("reverse", "forward")):
+        m, se = mean_and_se(run.proj[:, j, d], run.sizes)
+        ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
+        row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
+    if ex is None:
+        row.update({c: math.nan for c in EXACT_COLUMNS})
+        row["equals"] = ""
+        return row
+    row.update(compare(ex.mean, rev, fwd, "exact_"))
+    row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
+    row["equals"] = equals(ex.mean, rev, fwd)
+    var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
+    if run.proj2 is not None:       # exact mean, measured spread (e.g. rollouts)
+        mu_u = float(run.proj[:, j, 0].sum() / draws)
+        var_u, trace = float(run.proj2[:, j, 0].sum() / draws) - mu_u**2, row["trace_cov"]
+    row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], var_u, trace)
+    row["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
+    row["exact_norm"] = float(np.linalg.norm(ex.mean))
+    if row["equals"] == "zero":          # the cosine of a zero vector is rounding noise
+        for c in ("exact_cos_reverse", "exact_cos_forward"):
+            row[c] = math.nan
+    return row
 
 
 def compare(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, prefix: str = "") -> dict:

@@ -263,8 +263,7 @@ class RolloutPair(Pair):
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor:
         # The cap applies to each token's q/b; a sequence weight is the product of capped token
         # weights, so it stays multiplicative (and exact by the DP).
-        w = torch.exp(self.log_q - lb)
-        return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
+        return self._capped(torch.exp(self.log_q - lb))
 
     def seq_moments(self, s: int) -> list[float]:
         """E_q[R^s L^k] for k = 0..4 (R = e^L, L the sequence log-ratio); cached on the pair."""
@@ -471,21 +470,13 @@ class RolloutPair(Pair):
         ``record``: when a list, each step appends (key, alive, w) of shape [n]: key = c·V + x (the
         bucket the token was drawn from and the token), alive = 1.0 where the step belongs to the
         sequence, w the token's (capped) weight q/b (None without weights)."""
-        if self._phase_alias is None:
-            self._phase_alias = [self.alias_table()] if not self.has_sampler else [
-                _flat_alias(lb) for lb, _ in self.phases]
-        tables = [(t.prob.to(device), t.alias.to(device)) for t in self._phase_alias]
-        logw = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self.phases] if self.weights != "none" else None
-        phase_of = [i for i, (_, steps) in enumerate(self.phases) for _ in range(steps)] if self.has_sampler \
-            else [0] * self.length
+        tables, logw, phase_of = self._sampler_tables(device)
         g_flat, kl_ctx, bucket = self.logr_table.reshape(-1).to(device), self.kl_ctx.to(device), self.bucket.to(device)
         v, n = self.vocab, sum(sizes)
         weight = torch.ones(n, dtype=torch.float64, device=device) if logw is not None else None
         c = torch.zeros(n, dtype=torch.int64, device=device)
         alive = torch.ones(n, dtype=torch.float64, device=device)
-        logr = torch.zeros(n, dtype=torch.float64, device=device)
-        full = torch.zeros_like(logr)
-        tok_b = torch.zeros_like(logr)
+        logr, full, tok_b = (torch.zeros(n, dtype=torch.float64, device=device) for _ in range(3))
         tok = torch.zeros(n, len(tok_rows), dtype=torch.float64, device=device)
         for t in range(self.length):
             prob, alias = tables[phase_of[t]]
@@ -494,27 +485,38 @@ class RolloutPair(Pair):
             j = u.long().clamp_(max=v - 1)
             base = c * v
             x = torch.where(u - j < prob[base + j], j, alias[base + j])
-            g = g_flat[base + x]
-            kl_c = kl_ctx[c]
+            g, kl_c = g_flat[base + x], kl_ctx[c]
             logr += alive * g
             full += alive * kl_c
             tok_b += alive * torch.expm1(g)
-            step_w = None
-            if logw is not None:                    # q/b of this token, for sequences still alive
-                w_t = torch.exp(logw[phase_of[t]][base + x])
-                if self.weight_cap is not None:
-                    w_t = w_t.clamp(max=self.weight_cap)
+            w_t = None if logw is None else self._capped(torch.exp(logw[phase_of[t]][base + x]))
+            if w_t is not None:                     # q/b of this token, for sequences still alive
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
-                step_w = w_t if self.weights == "token" else None
             if record is not None:
-                record.append((base + x, alive, w_t if logw is not None else None))
+                record.append((base + x, alive, w_t))
             if tok_rows:
                 vals = torch.stack([kl_c if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
-                tok += (alive if step_w is None else alive * step_w)[:, None] * vals
+                tok += (alive * w_t if self.weights == "token" else alive)[:, None] * vals
             if self.eos is not None:
                 alive = alive * (x != self.eos)
             c = bucket[x]
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
+
+    def _sampler_tables(self, device: torch.device):
+        """Per phase the flattened alias tables [(prob, alias)] of b, per phase log(q/b) [C·V] (None
+        without weights), and the phase of each step t."""
+        if self._phase_alias is None:
+            self._phase_alias = [self.alias_table()] if not self.has_sampler else [
+                _flat_alias(lb) for lb, _ in self.phases]
+        tables = [(t.prob.to(device), t.alias.to(device)) for t in self._phase_alias]
+        logw = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self.phases] if self.weights != "none" else None
+        phase_of = [i for i, (_, steps) in enumerate(self.phases) for _ in range(steps)] if self.has_sampler \
+            else [0] * self.length
+        return tables, logw, phase_of
+
+    def _capped(self, w: torch.Tensor) -> torch.Tensor:
+        """A token's weight q/b with the case's cap applied."""
+        return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         piece = self.piece_draws(device)
