@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from .draws import per_token_aggregates, row_key, row_label
+from .draws import AGGREGATES, row_key, row_label
 from .registry import Registry
 from .results import COLUMNS, SWEEP_PREFIX
 from .storage import atomic_write_bytes
@@ -129,8 +129,12 @@ def _caption(results: list[Results]) -> str:
                  for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
             "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
-    if any(res.summary["aggregate"].isin(per_token_aggregates()).any() for res in results):
-        note += "tok_mean and tok_batch rows are relative to the KL per generated token, KL/E|y|. "
+    present = [a for a in AGGREGATES if a and any(res.summary["aggregate"].eq(a).any() for res in results)]
+    if present:         # what each aggregate of the rows is, in the table's words
+        note += "Rows: " + "; ".join(f"{a}: {AGGREGATES[a].label}" for a in present) + ". "
+    per_token = [a for a in present if AGGREGATES[a].per_token]
+    if per_token:
+        note += f"{' and '.join(per_token)} rows are relative to the KL per generated token, KL/E|y|. "
     return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL, "
             "measured (exact in the adjacent column); † marks a heavy-tailed row whose measured std "
             "cannot be trusted. " + note + " ".join(bits))
