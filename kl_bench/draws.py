@@ -140,7 +140,8 @@ class Aggregate:
     ``length``: the value needs |y| per draw. ``grouped``: one value per group of ``Row.group`` draws.
     ``applies(source)``: whether an estimator gets a row on it; ``enabled(pair)``: for an optional
     aggregate, whether the case switches it on (None: given wherever the kind lists it in
-    ``Pair.aggregates``). ``label``: what the aggregate is, in words (the report's caption)."""
+    ``Pair.aggregates``). ``label``: what the aggregate is, in words (the report's caption; plain text
+    that LaTeX also takes)."""
     name: str
     label: str
     value: Callable[[torch.Tensor, "Row", Batch], torch.Tensor]
@@ -199,14 +200,14 @@ def _plain(source: RowSource) -> bool:
 
 for _agg in (
     Aggregate("", "the estimator of the draw's log r", _weighted),
-    Aggregate("seq", "the estimator of the sequence log-ratio L = Σ_t log r_t", _weighted,
+    Aggregate("seq", "the estimator of the sequence log-ratio L, the sum of the tokens' log r", _weighted,
               exact=lambda pair, est: pair.exact_seq(est), applies=lambda source: not source.token_only),
     Aggregate("tok", "the per-token estimator summed over the generated tokens", _token_weighted, token=True,
               exact=lambda pair, est: pair.exact_tok(est)),
     Aggregate("tok_mean", "the token sum over the sequence's length |y|", _per_sequence_mean, token=True,
               exact=lambda pair, est: pair.exact_tok_mean(est), per_token=True, length=True, applies=_plain,
               enabled=lambda pair: pair.per_sequence_mean),
-    Aggregate("tok_batch", "token-mean over a trainer batch of B sequences, Σ_i Σ_t f / Σ_i |y_i|",
+    Aggregate("tok_batch", "token-mean over a trainer batch of B sequences: their token sums over their lengths",
               _token_mean_batch, token=True, exact=lambda pair, est: pair.exact_tok_batch(est), per_token=True,
               length=True, grouped=True, applies=_plain, enabled=lambda pair: pair.token_mean_batch is not None),
     Aggregate("tok_gm", "the token sum times TRL's weight W^(1/|y|)", _geometric, token=True,

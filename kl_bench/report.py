@@ -129,15 +129,22 @@ def _caption(results: list[Results]) -> str:
                  for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
             "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
-    present = [a for a in AGGREGATES if a and any(res.summary["aggregate"].eq(a).any() for res in results)]
-    if present:         # what each aggregate of the rows is, in the table's words
-        note += "Rows: " + "; ".join(f"{a}: {AGGREGATES[a].label}" for a in present) + ". "
-    per_token = [a for a in present if AGGREGATES[a].per_token]
-    if per_token:
-        note += f"{' and '.join(per_token)} rows are relative to the KL per generated token, KL/E|y|. "
+    note += _aggregate_note(results)
     return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL, "
             "measured (exact in the adjacent column); † marks a heavy-tailed row whose measured std "
             "cannot be trusted. " + note + " ".join(bits))
+
+
+def _aggregate_note(results: list[Results]) -> str:
+    """What each aggregate of the rows is, in the AGGREGATES table's words, and which are per token."""
+    present = [a for a in AGGREGATES if a and any(res.summary["aggregate"].eq(a).any() for res in results)]
+    if not present:
+        return ""
+    note = "Rows: " + "; ".join(f"{a}: {AGGREGATES[a].label}" for a in present) + ". "
+    per_token = [a for a in present if AGGREGATES[a].per_token]
+    if per_token:
+        note += f"{' and '.join(per_token)} rows are relative to the KL per generated token, KL/E|y|. "
+    return note
 
 
 def kl_head(title: str, true: float) -> tuple[str, str]:
