@@ -1,6 +1,7 @@
 """What one batch of draws hands to the estimators, and the rows that are estimated from it.
 
-A **row** is an estimator with an aggregation:
+A **row** is an estimator with an aggregation, one :class:`Aggregate` entry of :data:`AGGREGATES` each
+(its Monte Carlo value, its exact hook, its label, its target scaling):
 - ``""``: single draws (Gaussian, categorical): the estimator applied to log r.
 - ``"seq"``: rollouts: the estimator applied to the sequence log-ratio L = Σ_t log r_t (R = e^L).
 - ``"tok"``: rollouts: the per-token estimator summed over the generated tokens (what GRPO/PPO code does).
@@ -19,17 +20,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from .estimators import Estimator, RowSource
 from .presets import trl_sequence_weight
+from .registry import Registry
 from .targets import REVERSE
 
-TOK_AGGREGATES = ("tok", "tok_mean", "tok_gm", "tok_batch")   # rows built from per-token sums along the path
-PER_TOKEN = ("tok_mean", "tok_batch")   # divided by lengths: rates per generated token, not sequence totals
-# A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which tok_mean,
-# tok_gm and tok_batch rows need per draw. It is the last column of Draws.tok whenever such a row is present.
+# A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which the aggregates
+# with ``length`` need per draw. It is the last column of Draws.tok whenever such a row is present.
 LENGTH = Estimator("length", lambda logr: torch.ones_like(logr), REVERSE, False, True, "1 per token")
 
 
@@ -39,13 +40,15 @@ def row_key(name: str, lam: float | None, aggregate: str) -> str:
     return f"{aggregate}:{base}" if aggregate else base
 
 
-def row_label(r) -> str:
-    """How a summary row is shown: 'k3', 'cv(0.5)', 'cv_opt(0.583)', 'seq k3', 'tok cv(1)'."""
+def row_label(r, aggregate: bool = True) -> str:
+    """How a row (a summary or gradients row, anything with ``estimator``, ``lambda`` and ``aggregate``)
+    is shown: 'k3', 'cv(0.5)', 'cv_opt(0.583)', 'seq k3', 'tok cv(1)'; without the aggregate when
+    ``aggregate`` is False (a figure of one aggregate's rows)."""
     lam = r.get("lambda", float("nan"))
     name = r["estimator"]
     if isinstance(lam, float) and lam == lam:
         name = f"{name}({lam:.3g})"
-    agg = r.get("aggregate", "")
+    agg = r.get("aggregate", "") if aggregate else ""
     return f"{agg} {name}" if isinstance(agg, str) and agg else name
 
 
@@ -86,10 +89,6 @@ class Draws:
     log_weight: torch.Tensor | None = None
 
 
-def _needs_length(rows: list[Row]) -> bool:
-    return any(r.aggregate in ("tok_mean", "tok_gm", "tok_batch") for r in rows)
-
-
 def groups_in(size: int, group: int, piece: int) -> int:
     """Values a group row gets from a batch of ``size`` draws drawn in pieces of ``piece``: whole groups
     of ``group`` draws within each piece."""
@@ -116,46 +115,141 @@ def group_starts(draws: Draws, group: int) -> torch.Tensor:
     return out
 
 
+# ----------------------------------------------------------------------------- aggregates
+@dataclass
+class Batch:
+    """What an aggregate's value sees of one batch: the draws, the lengths |y| [n] (when a row needs
+    them) and the cache of group rows, B → (group_index [G·B], Σ|y| per group [G])."""
+    draws: Draws
+    length: torch.Tensor | None
+    groups: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+    def group(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if b not in self.groups:
+            idx = group_index(self.draws, b)
+            self.groups[b] = idx, self.length[idx].view(-1, b).sum(1)
+        return self.groups[b]
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """How a row turns a draw into one value: one entry of :data:`AGGREGATES` per aggregate.
+
+    ``value(col, row, batch)``: the Monte Carlo value per draw [n], from ``col`` [n], the estimator on the
+    draw's log r (or the pair's field), or with ``token`` its per-token sum along the path (a column of
+    Draws.tok). ``exact(pair, est)``: (mean, variance) of a row, for kinds whose oracle dispatches on the
+    aggregate (rollouts: the dynamic program); None where each kind computes its own. ``per_token``: the
+    row is a rate per generated token, so its truth is the target / E_q|y| (its target scaling).
+    ``length``: the value needs |y| per draw. ``grouped``: one value per group of ``Row.group`` draws.
+    ``applies(source)``: whether an estimator gets a row on it; ``enabled(pair)``: for an optional
+    aggregate, whether the case switches it on (None: given wherever the kind lists it in
+    ``Pair.aggregates``). ``label``: what the aggregate is, in words (the report's caption; plain text
+    that LaTeX also takes)."""
+    name: str
+    label: str
+    value: Callable[[torch.Tensor, "Row", Batch], torch.Tensor]
+    token: bool = False
+    exact: Callable[[Any, RowSource], tuple[float, float]] | None = None
+    per_token: bool = False
+    length: bool = False
+    grouped: bool = False
+    applies: Callable[[RowSource], bool] = lambda source: True
+    enabled: Callable[[Any], bool] | None = None
+
+
+AGGREGATES: Registry[Aggregate] = Registry("aggregate")
+
+
+def register_aggregate(agg: Aggregate, *, replace: bool = False) -> Aggregate:
+    """Add an aggregate (the table's order is the order of a case's rows)."""
+    return AGGREGATES.add(agg.name, agg, replace=replace)
+
+
+def _weighted(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
+    """Every row is multiplied by the draw's importance weight q/b (when b ≠ q is weighted)."""
+    w = batch.draws.weight
+    return col if w is None else col * w
+
+
+def _token_weighted(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
+    """Token sums that carry per-token weights already are not weighted again."""
+    return col if batch.draws.tok_weighted else _weighted(col, row, batch)
+
+
+def _per_sequence_mean(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
+    return _token_weighted(col / batch.length, row, batch)
+
+
+def _token_mean_batch(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
+    # Σ tok / Σ |y| over each group, repeated at its members; NaN for draws in no whole group. Unweighted
+    # draws only (the rollout kind refuses weights). Reshape-and-sum (no scatter-add): the same bytes on
+    # every device and every run.
+    b = row.group
+    idx, den = batch.group(b)
+    value = col[idx].view(-1, b).sum(1) / den
+    out = torch.full_like(col, math.nan)
+    out[idx] = value.repeat_interleave(b)
+    return out
+
+
+def _geometric(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
+    # W^{1/|y|} = exp(mean_t log(q_t/b_t)), from the log-weight: W = Π_t q_t/b_t itself may overflow
+    return col * trl_sequence_weight(batch.draws.log_weight, batch.length)
+
+
+def _plain(source: RowSource) -> bool:
+    return source.lam is None
+
+
+for _agg in (
+    Aggregate("", "the estimator of the draw's log r", _weighted),
+    Aggregate("seq", "the estimator of the sequence log-ratio L, the sum of the tokens' log r", _weighted,
+              exact=lambda pair, est: pair.exact_seq(est), applies=lambda source: not source.token_only),
+    Aggregate("tok", "the per-token estimator summed over the generated tokens", _token_weighted, token=True,
+              exact=lambda pair, est: pair.exact_tok(est)),
+    Aggregate("tok_mean", "the token sum over the sequence's length |y|", _per_sequence_mean, token=True,
+              exact=lambda pair, est: pair.exact_tok_mean(est), per_token=True, length=True, applies=_plain,
+              enabled=lambda pair: pair.per_sequence_mean),
+    Aggregate("tok_batch", "token-mean over a trainer batch of B sequences: their token sums over their lengths",
+              _token_mean_batch, token=True, exact=lambda pair, est: pair.exact_tok_batch(est), per_token=True,
+              length=True, grouped=True, applies=_plain, enabled=lambda pair: pair.token_mean_batch is not None),
+    Aggregate("tok_gm", "the token sum times TRL's weight W^(1/|y|)", _geometric, token=True,
+              exact=lambda pair, est: pair.exact_tok_gm(est), length=True, applies=_plain,
+              enabled=lambda pair: pair.weights == "geometric"),
+):
+    register_aggregate(_agg)
+
+
+def per_token_aggregates() -> tuple[str, ...]:
+    """The aggregates whose rows are rates per generated token (truth: target / E_q|y|)."""
+    return tuple(name for name, a in AGGREGATES.items() if a.per_token)
+
+
+PER_TOKEN = per_token_aggregates()     # the built-ins' (readers that need plug-ins call the function)
+
+
+def _needs_length(rows: list[Row]) -> bool:
+    return any(AGGREGATES[r.aggregate].length for r in rows)
+
+
 def row_values(draws: Draws, rows: list[Row],
                groups: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
     """[n, len(rows)] values of every row for every draw. ``groups``: filled with B → (group_index, Σ|y|
     per group) for the group rows, so that a caller needing the groups too does not build them again."""
+    batch = Batch(draws, draws.tok[:, -1] if _needs_length(rows) else None, {} if groups is None else groups)
     cols, t = [], 0
-    w = draws.weight
-    length = draws.tok[:, -1] if _needs_length(rows) else None
-    groups = {} if groups is None else groups
     for row in rows:
-        if row.aggregate in TOK_AGGREGATES:
-            col = draws.tok[:, t]
-            t += 1
-            if row.aggregate == "tok_mean":
-                col = col / length
-            if row.aggregate == "tok_batch":        # unweighted draws only (the rollout kind refuses weights)
-                # Σ tok / Σ |y| over each group, repeated at its members; NaN for draws in no whole group.
-                # Reshape-and-sum (no scatter-add): the same bytes on every device and every run.
-                b = row.group
-                if b not in groups:
-                    idx = group_index(draws, b)
-                    groups[b] = idx, length[idx].view(-1, b).sum(1)
-                idx, den = groups[b]
-                value = col[idx].view(-1, b).sum(1) / den
-                col = torch.full_like(col, math.nan)
-                col[idx] = value.repeat_interleave(b)
-            if row.aggregate == "tok_gm":
-                # W^{1/|y|} = exp(mean_t log(q_t/b_t)), from the log-weight: W itself may overflow
-                col = col * trl_sequence_weight(draws.log_weight, length)
-            elif w is not None and not draws.tok_weighted:
-                col = col * w
+        agg = AGGREGATES[row.aggregate]
+        if agg.token:
+            col, t = draws.tok[:, t], t + 1
         else:
             col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
-            if w is not None:
-                col = col * w
-        cols.append(col)
+        cols.append(agg.value(col, row, batch))
     return torch.stack(cols, dim=-1)
 
 
 def tok_rows(rows: list[Row]) -> list[Row]:
     """The rows whose per-token sums a rollout accumulates along the path (plus the length row last,
     when a per-sequence mean or a geometric weight needs it)."""
-    out = [r for r in rows if r.aggregate in TOK_AGGREGATES]
+    out = [r for r in rows if AGGREGATES[r.aggregate].token]
     return out + [Row(LENGTH, "tok")] if _needs_length(rows) else out

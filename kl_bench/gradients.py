@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .engine import run_gradients
-from .modes import GradItem, modes_for
+from .modes import MODES, GradItem, modes_for
 from .pairs.base import Pair
 from .stats import mean_and_se
 from .targets import FORWARD, REVERSE
@@ -26,7 +26,7 @@ GRAD_SCHEMA: dict[str, str] = {
     "lambda": "λ for cv rows",
     "sampler": "the case's sampler, empty when x ~ q: draws come from b, and with importance weights every "
                "per-draw gradient is multiplied by the detached q/b (rollouts: per token or per sequence)",
-    "mode": "loss | reward | loss_is | straight_through (see kl_bench.modes)",
+    "mode": " | ".join(MODES) + " (kl_bench.modes.MODES)",
     "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
     "draws": "Monte Carlo draws",
     "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, other",
@@ -56,10 +56,11 @@ def gradient_items(pair: Pair, sources) -> list[GradItem]:
     """Every (estimator, mode, aggregate) row of a case, on the aggregates the pair gives each estimator
     (rollouts: token-only estimators have no sequence rows); pair-supplied rows have no gradient."""
     ests = [pair.adapt(e) for e in sources if not e.analytic]
-    # NeMo-RL's clamp order under a sampler: the clamp sees w·f with w = q/b, which a per-draw coefficient
-    # c(log r) cannot express; only pairs that apply the weight inside the clamp's test get the row.
+    # A mode defined on-policy only (NeMo-RL's clamp order: w = q/sg(q) has value 1; under a sampler the
+    # clamp sees w·f with w = q/b, which a per-draw coefficient c(log r) cannot express): a row only where
+    # the pair applies the weight inside the clamp's test (categoricals: Pair.clamp_sees_weight).
     return [GradItem.of(e, m, a) for a in pair.aggregates for e in ests if a in pair.aggregates_for(e)
-            for m in modes_for(e) if m != "loss_is_nemo" or not pair.has_sampler or pair.clamp_sees_weight]
+            for m in modes_for(e) if MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight]
 
 
 def unit(v: np.ndarray) -> np.ndarray:
@@ -83,58 +84,60 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
     if drawn is not None:
         drawn["gradients"] = run.drawn
     exacts = [pair.gradient_exact(it, dirs) for it in items]
-    rows = []
-    for j, (item, ex) in enumerate(zip(items, exacts)):
-        est = item.est
-        mc_mean = run.total[j] / draws
-        row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
-               "lambda": est.lam if est.lam is not None else math.nan,
-               "mode": item.mode, "params": pair.gradient_params, "draws": draws}
-        row.update(_compare("", mc_mean, rev, fwd))
-        m2, se_m2 = mean_and_se(run.sq[:, j], run.sizes)
-        row["trace_cov"] = m2 - float(mc_mean @ mc_mean)
-        # E|g|² from batch means of Σ|g|²; its SE makes the trace testable against the exact value.
-        row["z_trace"] = (m2 - ex.second) / se_m2 if ex is not None and se_m2 > 0 and math.isfinite(ex.second) \
-            and pair.gradient_fourth_moment_finite(item) else math.nan
-        for d, name in enumerate(("reverse", "forward")):
-            m, se = mean_and_se(run.proj[:, j, d], run.sizes)
-            ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
-            row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
-        if ex is not None:
-            row.update(_compare("exact_", ex.mean, rev, fwd))
-            row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
-            row["equals"] = equals(ex.mean, rev, fwd)
-            var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
-            if run.proj2 is not None:       # exact mean, measured spread (e.g. rollouts)
-                mu_u = float(run.proj[:, j, 0].sum() / draws)
-                var_u, trace = float(run.proj2[:, j, 0].sum() / draws) - mu_u**2, row["trace_cov"]
-            row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], var_u, trace)
-            row["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
-            row["exact_norm"] = float(np.linalg.norm(ex.mean))
-            if row["equals"] == "zero":          # the cosine of a zero vector is rounding noise
-                for c in ("exact_cos_reverse", "exact_cos_forward"):
-                    row[c] = math.nan
-        else:
-            row.update({c: math.nan for c in ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse",
-                                              "exact_relerr_forward", "exact_trace_cov", "n_for_cos90",
-                                              "exact_along_reverse", "exact_norm")})
-            row["equals"] = ""
-        rows.append(row)
-    return rows
+    return [_row(pair, item, ex, run, j, dirs, rev, fwd, draws) for j, (item, ex) in enumerate(zip(items, exacts))]
 
 
-def _compare(prefix: str, g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> dict:
+EXACT_COLUMNS = ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse", "exact_relerr_forward",
+                 "exact_trace_cov", "n_for_cos90", "exact_along_reverse", "exact_norm")
+
+
+def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, rev: np.ndarray, fwd: np.ndarray,
+         draws: int) -> dict:
+    """One gradients.csv row: the Monte Carlo columns of item j, then the exact ones (empty without ``ex``)."""
+    est = item.est
+    mc_mean = run.total[j] / draws
+    row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
+           "lambda": est.lam if est.lam is not None else math.nan,
+           "mode": item.mode, "params": pair.gradient_params, "draws": draws}
+    row.update(compare(mc_mean, rev, fwd))
+    m2, se_m2 = mean_and_se(run.sq[:, j], run.sizes)
+    row["trace_cov"] = m2 - float(mc_mean @ mc_mean)
+    # E|g|² from batch means of Σ|g|²; its SE makes the trace testable against the exact value.
+    row["z_trace"] = (m2 - ex.second) / se_m2 if ex is not None and se_m2 > 0 and math.isfinite(ex.second) \
+        and pair.gradient_fourth_moment_finite(item) else math.nan
+    for d, name in enumerate(("reverse", "forward")):
+        m, se = mean_and_se(run.proj[:, j, d], run.sizes)
+        ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
+        row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
+    if ex is None:
+        row.update({c: math.nan for c in EXACT_COLUMNS})
+        row["equals"] = ""
+        return row
+    row.update(compare(ex.mean, rev, fwd, "exact_"))
+    row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
+    row["equals"] = equals(ex.mean, rev, fwd)
+    var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
+    if run.proj2 is not None:       # exact mean, measured spread (e.g. rollouts)
+        mu_u = float(run.proj[:, j, 0].sum() / draws)
+        var_u, trace = float(run.proj2[:, j, 0].sum() / draws) - mu_u**2, row["trace_cov"]
+    row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], var_u, trace)
+    row["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
+    row["exact_norm"] = float(np.linalg.norm(ex.mean))
+    if row["equals"] == "zero":          # the cosine of a zero vector is rounding noise
+        for c in ("exact_cos_reverse", "exact_cos_forward"):
+            row[c] = math.nan
+    return row
+
+
+def compare(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, prefix: str = "") -> dict:
+    """Cosine and relative error of the gradient ``g`` [P] against both references, as gradients.csv's
+    ``{prefix}cos_*`` and ``{prefix}relerr_*`` columns."""
     out = {}
     for name, ref in (("reverse", rev), ("forward", fwd)):
         gn, rn = np.linalg.norm(g), np.linalg.norm(ref)
         out[f"{prefix}cos_{name}"] = float(g @ ref / (gn * rn)) if gn > 0 and rn > 0 else math.nan
         out[f"{prefix}relerr_{name}"] = float(np.linalg.norm(g - ref) / rn) if rn > 0 else math.nan
     return out
-
-
-def cosines(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> dict:
-    """Cosine and relative error of ``g`` against both references (public for tests and benchmarks)."""
-    return _compare("", g, rev, fwd)
 
 
 def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> str:

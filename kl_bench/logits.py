@@ -458,26 +458,6 @@ def resolve_pair_source_logits(q: LogitsSource, p: LogitsSource, vocab: int | No
     return lq, lp
 
 
-def sampler_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                     top_p: float | None = None) -> torch.Tensor:
-    """The sampling distribution b of generation code: logits [B, V] divided by the temperature, then
-    the top-k tokens kept (ties at the k-th value are kept too), then top-p: the smallest set of most
-    likely tokens whose probability reaches p (the first token always stays). Returns normalised
-    float64 log-probabilities [B, V] with −inf outside b's support."""
-    z = logits.to(torch.float64) / temperature
-    if top_k is not None and top_k < z.shape[-1]:
-        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
-        z = torch.where(z >= kth, z, torch.full_like(z, -torch.inf))
-    if top_p is not None and top_p < 1:
-        probs = torch.softmax(z, dim=-1)
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p          # mass of the more likely tokens
-        keep_sorted = before < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        z = torch.where(keep, z, torch.full_like(z, -torch.inf))
-    return torch.log_softmax(z, dim=-1)
-
-
 def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
     """A stale behavior policy's logits [B, V]: derived from q or p (noise, temperature) or a file."""
     if isinstance(src, (FileLogits, TensorLogits)):
@@ -502,14 +482,3 @@ def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor)
         base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
     check_derived(source, base, "sampler.behavior", src)
     return base
-
-
-def sampler_for(sampler, log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
-    """b's log-probabilities [B, V] for a SamplerSpec (categoricals and rollouts)."""
-    base = behavior_logits(sampler.behavior, log_q, log_p) if sampler.behavior is not None else log_q
-    out = sampler_logprobs(base, sampler.temperature, sampler.top_k, sampler.top_p)
-    # logits / temperature overflows float64 for a temperature near 0: the softmax of ±inf is NaN.
-    if bool(torch.isnan(out).any()):
-        raise SpecError(f"the sampler's logits / temperature overflow float64 (temperature {sampler.temperature:g}): "
-                        "use a larger temperature", key="sampler.temperature")
-    return out

@@ -1,5 +1,9 @@
 """Where a trainer puts an estimator, as a per-draw gradient c(log r) · ∇θ log q(x) (docs/gradients.md).
 
+Every mode is one :class:`Mode` entry of :data:`MODES` (its coefficient, its polynomial form, its
+trainer objective, its label, the estimators it applies to); nothing else in the package branches on a
+mode's name. The built-in modes:
+
 | mode | what is differentiated | c(log r) |
 |---|---|---|
 | loss | f(log r), the sample held fixed | −f′(log r) |
@@ -21,17 +25,46 @@ import torch
 
 from .errors import SpecError
 from .estimators import Estimator, Poly
+from .registry import Registry
 
-MODES = ("loss", "reward", "loss_is", "straight_through", "loss_is_nemo")
-
-
-def nemo_active(est: Estimator, logr: torch.Tensor) -> torch.Tensor:
-    """Where neither of NeMo-RL's clamps fires (on-policy, w = 1): kl_bench.presets.WeightedClamp.active."""
-    return est.weighted.active(logr)
+Coefficient = Callable[[torch.Tensor], torch.Tensor]
 
 
-def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """c(log r) such that the mode's per-draw gradient is c(log r) · ∇θ log q(x). Shape-preserving."""
+@dataclass(frozen=True)
+class Mode:
+    """One place a trainer puts an estimator f.
+
+    ``coefficient(est)``: c(log r) [shape-preserving] with per-draw gradient c(log r)·∇θ log q(x).
+    ``poly(est)``: c as a polynomial Σ a r^s (log r)^k (d/dL r^s = s r^s), or None where it is not one
+    (the exact oracles of the Gaussian and the rollout sequence rows need it).
+    ``trainer_loss(est, log_q_x, log_p_x)``: the per-draw objective as trainers write it (log_q_x depends
+    on θ); autograd of it gives c(log r)·∇θ log q(x) (checks ``coefficient``; the plain baseline).
+    ``applies(est)``: whether the estimator gets a row in this mode.
+    ``score``: the gradient is the value times the whole score of the draw (score function): on rollout
+    token rows (Σ_t f_t)·S, where the other modes give each token's own Σ_t c(log r_t) s_t.
+    ``off_policy``: defined under a sampler b ≠ q (NeMo-RL's clamp order is defined on-policy only).
+    """
+    name: str
+    label: str
+    coefficient: Callable[[Estimator], Coefficient]
+    poly: Callable[[Estimator], Poly | None]
+    trainer_loss: Callable[[Estimator, torch.Tensor, torch.Tensor], torch.Tensor]
+    applies: Callable[[Estimator], bool] = lambda est: True
+    score: bool = False
+    off_policy: bool = True
+
+
+MODES: Registry[Mode] = Registry("gradient mode")
+
+
+def register_mode(mode: Mode, *, replace: bool = False) -> Mode:
+    """Add a gradient mode (its rows appear wherever an estimator it applies to has gradient rows)."""
+    return MODES.add(mode.name, mode, replace=replace)
+
+
+# ----------------------------------------------------------------------------- the maths of the built-ins
+def derivative(est: Estimator, what: str = "gradient") -> Coefficient:
+    """f′(log r) by autograd of the estimator's own function (clamps differentiate as in trainers' code)."""
     def deriv(logr: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
             x = logr.detach().clone().requires_grad_(True)
@@ -39,88 +72,133 @@ def coefficient(est: Estimator, mode: str) -> Callable[[torch.Tensor], torch.Ten
                 (g,) = torch.autograd.grad(est.fn(x).sum(), x)
             except RuntimeError as e:       # a plug-in written with non-differentiable operations
                 raise SpecError(f"estimator '{est.name}' is not differentiable with autograd, which the "
-                                f"{mode} gradient mode needs: {str(e).splitlines()[0]}") from None
+                                f"{what} gradient mode needs: {str(e).splitlines()[0]}") from None
         return g
-    if mode == "loss":
-        return lambda logr: -deriv(logr)
-    if mode == "reward":
-        return lambda logr: est.fn(logr)
-    if mode == "loss_is":
-        return lambda logr: est.fn(logr) - deriv(logr)
-    if mode == "straight_through":
-        return lambda logr: -logr
-    if mode == "loss_is_nemo":
-        # ∇(w·f(log r)) = w·(f − f′)·s where no clamp fires (∇w = w s, ∇ log r = −s, w = 1 on-policy); zero
-        # where one fires, since NeMo-RL detaches the weight there and the clamped value is constant.
-        return est.weighted.coefficient
-    raise ValueError(mode)
+    return deriv
+
+
+def poly_derivative(poly: Poly) -> Poly:
+    """d/dL of Σ a r^s L^k (r = e^L): Σ a (s r^s L^k + k r^s L^(k−1))."""
+    out: Poly = {}
+    for (s, k), a in poly.items():
+        if s:
+            out[(s, k)] = out.get((s, k), 0.0) + a * s
+        if k:
+            out[(s, k - 1)] = out.get((s, k - 1), 0.0) + a * k
+    return out
+
+
+def _loss_poly(est: Estimator) -> Poly | None:
+    return None if est.poly is None else {key: -v for key, v in poly_derivative(est.poly).items()}
+
+
+def _loss_is_poly(est: Estimator) -> Poly | None:
+    if est.poly is None:
+        return None
+    out = dict(est.poly)
+    for key, v in poly_derivative(est.poly).items():
+        out[key] = out.get(key, 0.0) - v
+    return out
+
+
+def _loss_is_coefficient(est: Estimator, what: str = "loss_is") -> Coefficient:
+    d = derivative(est, what)
+    return lambda logr: est.fn(logr) - d(logr)
+
+
+def _is_weight(log_q_x: torch.Tensor) -> torch.Tensor:
+    """q_θ/sg(q_θ): value 1, gradient ∇θ log q(x)."""
+    return torch.exp(log_q_x - log_q_x.detach())
+
+
+def _straight_through_loss(est: Estimator, log_q_x: torch.Tensor, log_p_x: torch.Tensor) -> torch.Tensor:
+    logr = log_p_x - log_q_x              # the value of the estimator (k3), the gradient of k2
+    k2 = 0.5 * logr**2
+    return k2 + (est.fn(logr) - k2).detach()
+
+
+def nemo_active(est: Estimator, logr: torch.Tensor) -> torch.Tensor:
+    """Where neither of NeMo-RL's clamps fires (on-policy, w = 1): kl_bench.presets.WeightedClamp.active."""
+    return est.weighted.active(logr)
+
+
+def _nemo_coefficient(est: Estimator) -> Coefficient:
+    # ∇(w·f(log r)) = w·(f − f′)·s where no clamp fires (∇w = w s, ∇ log r = −s, w = 1 on-policy); zero
+    # where one fires, since NeMo-RL detaches the weight there and the clamped value is constant
+    # (kl_bench.presets.WeightedClamp.coefficient, defined at log r = −∞ too).
+    return est.weighted.coefficient
+
+
+def _nemo_loss(est: Estimator, log_q_x: torch.Tensor, log_p_x: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL: clamp(w · f(clamp(log r))), w detached where a clamp fires."""
+    logr = log_p_x - log_q_x
+    wc = est.weighted
+    w = _is_weight(log_q_x)
+    w = torch.where(nemo_active(est, logr.detach()), w, w.detach())
+    x = logr.clamp(-wc.logr_clamp, wc.logr_clamp) if wc.logr_clamp is not None else logr
+    v = w * wc.base(x)
+    return v.clamp(-wc.clamp, wc.clamp) if wc.clamp is not None else v
+
+
+for _mode in (
+    Mode("loss", "f in the loss, sample held fixed",
+         coefficient=lambda est: (lambda logr, d=derivative(est, "loss"): -d(logr)),
+         poly=_loss_poly, trainer_loss=lambda est, lq, lp: est.fn(lp - lq)),
+    Mode("reward", "score function: sg(f)·log q",
+         coefficient=lambda est: est.fn, poly=lambda est: None if est.poly is None else dict(est.poly),
+         trainer_loss=lambda est, lq, lp: est.fn(lp - lq).detach() * lq, score=True),
+    Mode("loss_is", "f·q/sg(q) in the loss",
+         coefficient=_loss_is_coefficient, poly=_loss_is_poly,
+         trainer_loss=lambda est, lq, lp: est.fn(lp - lq) * _is_weight(lq)),
+    Mode("straight_through", "value of f, gradient of k2",
+         coefficient=lambda est: (lambda logr: -logr), poly=lambda est: {(0, 1): -1.0},
+         trainer_loss=_straight_through_loss, applies=lambda est: est.straight_through),
+    Mode("loss_is_nemo", "NeMo-RL's clamped f·q/sg(q)",
+         coefficient=_nemo_coefficient, poly=lambda est: None, trainer_loss=_nemo_loss,
+         applies=lambda est: est.weighted is not None, off_policy=False),
+):
+    register_mode(_mode)
+
+
+# ----------------------------------------------------------------------------- lookups
+def coefficient(est: Estimator, mode: str) -> Coefficient:
+    """c(log r) such that the mode's per-draw gradient is c(log r) · ∇θ log q(x). Shape-preserving."""
+    return MODES[mode].coefficient(est)
 
 
 def trainer_loss(est: Estimator, mode: str, log_q_x: torch.Tensor, log_p_x: torch.Tensor) -> torch.Tensor:
     """The per-draw objective of a mode as trainers write it (log_q_x depends on θ): autograd of it
     gives c(log r)·∇θ log q(x). Used to check :func:`coefficient` and as the plain benchmark baseline."""
-    logr = log_p_x - log_q_x
-    if mode == "loss":
-        return est.fn(logr)
-    if mode == "reward":
-        return est.fn(logr).detach() * log_q_x
-    if mode == "loss_is":
-        return est.fn(logr) * torch.exp(log_q_x - log_q_x.detach())
-    if mode == "straight_through":            # the value of k3, the gradient of k2
-        k2 = 0.5 * logr**2
-        return k2 + (est.fn(logr) - k2).detach()
-    if mode == "loss_is_nemo":            # NeMo-RL: clamp(w · f(clamp(log r))), w detached where a clamp fires
-        wc = est.weighted
-        w = torch.exp(log_q_x - log_q_x.detach())
-        w = torch.where(nemo_active(est, logr.detach()), w, w.detach())
-        x = logr.clamp(-wc.logr_clamp, wc.logr_clamp) if wc.logr_clamp is not None else logr
-        v = w * wc.base(x)
-        return v.clamp(-wc.clamp, wc.clamp) if wc.clamp is not None else v
-    raise ValueError(mode)
+    return MODES[mode].trainer_loss(est, log_q_x, log_p_x)
 
 
 def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
     """c as a polynomial Σ a r^s (log r)^k, when the estimator is one (d/dL r^s = s r^s)."""
-    if mode == "straight_through":
-        return {(0, 1): -1.0}
-    if est.poly is None or mode == "loss_is_nemo":
-        return None
-    deriv: Poly = {}
-    for (s, k), a in est.poly.items():
-        if s:
-            deriv[(s, k)] = deriv.get((s, k), 0.0) + a * s
-        if k:
-            deriv[(s, k - 1)] = deriv.get((s, k - 1), 0.0) + a * k
-    if mode == "reward":
-        return dict(est.poly)
-    if mode == "loss":
-        return {key: -v for key, v in deriv.items()}
-    out = dict(est.poly)
-    for key, v in deriv.items():
-        out[key] = out.get(key, 0.0) - v
-    return out
+    return MODES[mode].poly(est)
 
 
 def modes_for(est: Estimator) -> list[str]:
-    """The modes an estimator gets: straight_through and loss_is_nemo only where the estimator declares them."""
-    return [m for m in MODES if (m != "straight_through" or est.straight_through)
-            and (m != "loss_is_nemo" or est.weighted is not None)]
+    """The modes an estimator gets (straight_through and loss_is_nemo only where the estimator declares them)."""
+    return [name for name, mode in MODES.items() if mode.applies(est)]
 
 
 @dataclass(frozen=True)
 class GradItem:
     """One gradient row: an estimator in a mode, on an aggregate of the pair ("" for single draws).
     ``coef`` maps log r [n] to the per-draw coefficient c(log r) of the score; ``cpoly`` is c as a
-    polynomial Σ a r^s (log r)^k when it is one (else None)."""
+    polynomial Σ a r^s (log r)^k when it is one (else None); ``score``: the mode's gradient is the value
+    times the whole score (:attr:`Mode.score`)."""
     est: Estimator
     mode: str
     aggregate: str
     coef: Callable[[torch.Tensor], torch.Tensor]
     cpoly: Poly | None
+    score: bool = False
 
     @classmethod
     def of(cls, est: Estimator, mode: str, aggregate: str = "") -> "GradItem":
-        return cls(est, mode, aggregate, coefficient(est, mode), coefficient_poly(est, mode))
+        m = MODES[mode]
+        return cls(est, mode, aggregate, m.coefficient(est), m.poly(est), m.score)
 
 
 @dataclass

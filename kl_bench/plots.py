@@ -24,6 +24,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from .draws import row_label
+from .modes import MODES
 
 PALETTE = sns.color_palette("colorblind")
 
@@ -171,6 +172,14 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     for ax in axes:
         ax.set_yticks(range(len(labels)), labels)
         ax.invert_yaxis()
+    _bias_std_scales(axes, df)
+    _legend(axes[1], loc="best", fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
+def _bias_std_scales(axes, df: pd.DataFrame) -> None:
+    """Bias: symlog in percent around 0, ticks through the CIs and exact values; std: log."""
     axes[0].axvline(0, color="grey", lw=1)
     ci = 1.96 * df["se"] / df["true_kl"].astype(float)
     bias = pd.concat([df["rel_bias"], df["exact_rel_bias"], df["rel_bias"] - ci, df["rel_bias"] + ci])
@@ -188,9 +197,6 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
         axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
     axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[1].set_xlabel("per-draw std / true KL  (log)")
-    _legend(axes[1], loc="best", fontsize="small")
-    fig.suptitle(title)
-    return fig
 
 
 @_themed
@@ -222,8 +228,11 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
 
 
 @_themed
-def plot_distribution(values: dict[str, np.ndarray], ax=None, title: str = ""):
-    """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded."""
+def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
+    """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded.
+
+    ``draws``: one row per draw, columns ``label`` (the row's label) and ``value`` (its per-draw value)."""
+    values = {label: part["value"].to_numpy(dtype=float) for label, part in draws.groupby("label", sort=False)}
     # The legend sits beside the axes, one line per estimator: the figure grows with it (or it squeezes the axes).
     fig, ax = _axes(ax, width=9, height=max(4.0, 0.24 * (len(values) + 2)))
     lo = min((float(np.min(v)) for v in values.values() if len(v)), default=-1.0)
@@ -360,7 +369,6 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     return fig
 
 
-GRAD_MODES = ("loss", "reward", "loss_is", "straight_through")
 _STYLES = ["-", "--", ":", "-."]
 
 
@@ -375,25 +383,56 @@ def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
     legend. Given a single ``ax`` (or fewer axes than modes), every line is drawn there, coloured by
     estimator and styled by mode, so that no two lines look alike."""
     g = grads[np.isfinite(grads["exact_along_reverse"].astype(float))].copy()
-
-    def est_label(r) -> str:
-        lam = r["lambda"]
-        return f"{r['estimator']}{f'({lam:.3g})' if isinstance(lam, float) and math.isfinite(lam) else ''}"
-    g["est_label"] = [est_label(r) for _, r in g.iterrows()]
-    modes = sorted(dict.fromkeys(g["mode"]), key=lambda m: (GRAD_MODES.index(m) if m in GRAD_MODES else 99, m))
+    g["est_label"] = [row_label(r, aggregate=False) for _, r in g.iterrows()]
+    order = list(MODES)           # the modes' table order; a mode it does not know goes last
+    modes = sorted(dict.fromkeys(g["mode"]), key=lambda m: (order.index(m) if m in order else len(order), m))
     modes = modes or [""]
+    fig, panels = _mode_panels(ax, len(modes))
+    faceted = len(panels) >= len(modes) and len(modes) > 1
+    handles, measured = _cosine_lines(g, panels, modes, faceted)
+    used = panels[:len(modes)] if faceted else panels[:1]
+    _cosine_axes(used, modes if faceted else None, handles)
+    for p in panels[len(used):]:
+        p.set_visible(False)
+    if measured:
+        title += "\n(exact mean gradient, measured per-draw variance)"
+    _cosine_labels(fig, used, handles, title, faceted, own_figure=ax is None)
+    return fig
+
+
+def _cosine_axes(used: list, modes: list[str] | None, handles: dict) -> None:
+    """The cos = 0.9 line, a log batch axis, a y range shared by the panels, and (``modes``: faceted)
+    each panel's mode as its title."""
+    for k, p in enumerate(used):
+        handles.setdefault("cos = 0.9", p.axhline(0.9, color="grey", lw=1, ls=":", label="cos = 0.9"))
+        p.set_xscale("log")
+        if modes is not None:
+            words = MODES[modes[k]].label if modes[k] in MODES else ""
+            p.set_title(f"mode: {modes[k]}" + (f"\n({words})" if words else ""), fontsize="medium")
+    lows = [float(np.nanmin(line.get_ydata())) for p in used for line in p.get_lines()
+            if len(np.atleast_1d(line.get_ydata())) > 2 and np.isfinite(line.get_ydata()).any()]
+    for p in used:
+        p.set_ylim(min([-0.05, *lows]) - 0.05, 1.05)
+
+
+def _mode_panels(ax, n_modes: int):
+    """(figure, axes list): one panel per mode on a new figure (two columns), or the given axes."""
+    if ax is not None:
+        panels = list(np.atleast_1d(ax).ravel())
+        return panels[0].figure, panels
+    ncols = min(2, n_modes)
+    nrows = int(np.ceil(n_modes / ncols))
+    fig = Figure(figsize=(4.6 * ncols + 2.2, 3.3 * nrows + 0.8), layout="constrained")
+    return fig, list(np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)).ravel())
+
+
+def _cosine_lines(g: pd.DataFrame, panels: list, modes: list[str], faceted: bool) -> tuple[dict, bool]:
+    """Draw cos_n ≈ (m·u)/√(|m|² + tr Σ / n) of every row; ({legend label: line}, whether a measured trace
+    stood in for a missing exact one). Faceted: a panel per mode, a colour (and style) per estimator;
+    else one panel, coloured by estimator and styled by mode."""
     ests = list(dict.fromkeys(g["est_label"]))
     colour = {e: PALETTE[k % len(PALETTE)] for k, e in enumerate(ests)}
     est_style = {e: _STYLES[k // len(PALETTE) % len(_STYLES)] for k, e in enumerate(ests)}
-    if ax is None:
-        ncols = min(2, len(modes))
-        nrows = int(np.ceil(len(modes) / ncols))
-        fig = Figure(figsize=(4.6 * ncols + 2.2, 3.3 * nrows + 0.8), layout="constrained")
-        panels = list(np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)).ravel())
-    else:
-        panels = list(np.atleast_1d(ax).ravel())
-        fig = panels[0].figure
-    faceted = len(panels) >= len(modes) and len(modes) > 1
     n = np.logspace(0, 7, 200)
     measured = False
     handles: dict[str, object] = {}
@@ -409,36 +448,25 @@ def plot_gradient_cosine(grads: pd.DataFrame, ax=None, title: str = ""):
             target, ls, label = panels[0], _STYLES[k % len(_STYLES)], f"{r['est_label']} {r['mode']}"
         (line,) = target.plot(n, cos, color=colour[r["est_label"]], ls=ls, lw=1.8, label=label)
         handles.setdefault(label, line)
-    used = panels[:len(modes)] if faceted else panels[:1]
-    for k, p in enumerate(used):
-        line = p.axhline(0.9, color="grey", lw=1, ls=":", label="cos = 0.9")
-        handles.setdefault("cos = 0.9", line)
-        p.set_xscale("log")
-        if faceted:
-            p.set_title(f"mode: {modes[k]}", fontsize="medium")
-    lows = [float(np.nanmin(line.get_ydata())) for p in used for line in p.get_lines()
-            if len(np.atleast_1d(line.get_ydata())) > 2 and np.isfinite(line.get_ydata()).any()]
-    for p in used:
-        p.set_ylim(min([-0.05, *lows]) - 0.05, 1.05)
-    for p in panels[len(used):]:
-        p.set_visible(False)
-    if measured:
-        title += "\n(exact mean gradient, measured per-draw variance)"
+    return handles, measured
+
+
+def _cosine_labels(fig, used: list, handles: dict, title: str, faceted: bool, own_figure: bool) -> None:
+    """Axis labels, title and the one legend: beside the figure when faceted on its own figure."""
     xlabel, ylabel = "batch size n  (log)", "expected cos(batch-mean gradient, ∇KL(q‖p))"
-    if faceted and ax is None:
+    if faceted and own_figure:
         fig.supxlabel(xlabel)
         fig.supylabel(ylabel)
         fig.suptitle(title)
         _legend(fig, list(handles.values()), list(handles), fontsize="small", loc="outside right upper",
                 title="estimator")
-    else:
-        for p in used:
-            p.set_xlabel(xlabel, fontsize="small" if faceted else None)
-        used[0].set_ylabel(ylabel)
-        (fig.suptitle if faceted else used[0].set_title)(title)
-        _legend(used[-1], list(handles.values()), list(handles), fontsize="x-small", ncol=1 if faceted else 2,
-                loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return fig
+        return
+    for p in used:
+        p.set_xlabel(xlabel, fontsize="small" if faceted else None)
+    used[0].set_ylabel(ylabel)
+    (fig.suptitle if faceted else used[0].set_title)(title)
+    _legend(used[-1], list(handles.values()), list(handles), fontsize="x-small", ncol=1 if faceted else 2,
+            loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 @_themed
@@ -452,14 +480,7 @@ def plot_sweep(summary: pd.DataFrame, key: str, axes=None, title: str = ""):
     """
     df = summary[summary["lambda"].isna() & summary[key].notna()].copy()
     df["label"] = [row_label(r) for _, r in df.iterrows()]
-    others = [c for c in df.columns if c.startswith("sweep.") and c != key and df[c].notna().any()]
-    combos = list(dict.fromkeys(tuple(r) for r in df[others].itertuples(index=False))) if others else [()]
-    note = ""
-    if len(combos) > 4:
-        mid = combos[len(combos) // 2]
-        note = " (at " + ", ".join(f"{k.removeprefix('sweep.')} = {v:g}" if isinstance(v, float) else
-                                    f"{k.removeprefix('sweep.')} = {v}" for k, v in zip(others, mid)) + ")"
-        combos = [mid]
+    others, combos, note = _sweep_rows(df, key)
     if axes is None:
         fig = Figure(figsize=(11, 3.4 * len(combos) + 0.8), layout="constrained")
         axes = fig.subplots(len(combos), 2, squeeze=False)
@@ -468,6 +489,7 @@ def plot_sweep(summary: pd.DataFrame, key: str, axes=None, title: str = ""):
         axes = np.atleast_1d(axes).reshape(-1, 2)
     x_all = df[key]
     numeric = pd.api.types.is_numeric_dtype(x_all)
+    # Text values sit at evenly spaced positions, in order of appearance.
     positions = None if numeric else {v: i for i, v in enumerate(dict.fromkeys(x_all))}
     labels = list(dict.fromkeys(df["label"]))
     for i, combo in enumerate(combos):
@@ -477,34 +499,59 @@ def plot_sweep(summary: pd.DataFrame, key: str, axes=None, title: str = ""):
         for j, label in enumerate(labels):
             d = part[part["label"] == label].sort_values(key)
             x = d[key].to_numpy(dtype=float) if numeric else d[key].map(positions).to_numpy(dtype=float)
-            color, marker = PALETTE[j % len(PALETTE)], "o" if j < len(PALETTE) else "s"
-            for ax, measured, exact in ((axes[i][0], d["rel_std"], d["exact_rel_std"]),
-                                        (axes[i][1], d["rel_bias"], d["exact_rel_bias"])):
-                ax.plot(x, measured.to_numpy(dtype=float), color=color, marker=marker, ms=4, lw=1.4, label=label)
-                ax.plot(x, exact.replace([np.inf, -np.inf], np.nan).to_numpy(dtype=float), color=color, lw=0.9,
-                        ls="--")
-        row_title = ", ".join(f"{k.removeprefix('sweep.')} = {v:g}" if isinstance(v, float) else
-                              f"{k.removeprefix('sweep.')} = {v}" for k, v in zip(others, combo))
-        ax_std, ax_bias = axes[i]
-        ax_std.set_yscale("log")
-        _plain_log_labels(ax_std.yaxis)
-        ax_std.set_ylabel("per-draw std / true KL  (log)")
-        ax_bias.set_yscale("symlog", linthresh=1e-3)
-        ax_bias.axhline(0, color="grey", lw=1)
-        ax_bias.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _percent(v)))
-        ax_bias.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax_bias.set_ylabel("bias / true KL  (symlog)")
-        for ax in (ax_std, ax_bias):
-            if row_title:
-                ax.set_title(row_title, fontsize="medium")
-            if numeric and (x_all > 0).all() and x_all.max() / x_all.min() >= 20:
-                ax.set_xscale("log")
-                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-            elif not numeric:
-                ax.set_xticks(range(len(positions)), [str(v) for v in positions])
-            ax.set_xlabel(key.removeprefix("sweep."))
+            _sweep_line(axes[i], x, d, label, j)
+        _sweep_axes(axes[i], key, _setting(others, combo), x_all, positions)
     _legend(fig, *axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize="small",
             title="— measured\n-- exact")
     fig.suptitle(title + note)
     return fig
+
+
+def _sweep_rows(df: pd.DataFrame, key: str) -> tuple[list[str], list[tuple], str]:
+    """(the other swept keys, their value combinations to draw (a row each), a title note): at most 4
+    rows; with more, only the middle combination, and the note says which."""
+    others = [c for c in df.columns if c.startswith("sweep.") and c != key and df[c].notna().any()]
+    combos = list(dict.fromkeys(tuple(r) for r in df[others].itertuples(index=False))) if others else [()]
+    if len(combos) <= 4:
+        return others, combos, ""
+    mid = combos[len(combos) // 2]
+    return others, [mid], f" (at {_setting(others, mid)})"
+
+
+def _setting(keys: list[str], values: tuple) -> str:
+    """'noise = 0.1, temperature = 0.8' for swept keys and their values."""
+    return ", ".join(f"{k.removeprefix('sweep.')} = {v:g}" if isinstance(v, float) else
+                     f"{k.removeprefix('sweep.')} = {v}" for k, v in zip(keys, values))
+
+
+def _sweep_line(row_axes, x: np.ndarray, d: pd.DataFrame, label: str, j: int) -> None:
+    """One estimator's std/true and bias/true: measured with markers, exact thin and dashed."""
+    color, marker = PALETTE[j % len(PALETTE)], "o" if j < len(PALETTE) else "s"
+    for ax, measured, exact in ((row_axes[0], d["rel_std"], d["exact_rel_std"]),
+                                (row_axes[1], d["rel_bias"], d["exact_rel_bias"])):
+        ax.plot(x, measured.to_numpy(dtype=float), color=color, marker=marker, ms=4, lw=1.4, label=label)
+        ax.plot(x, exact.replace([np.inf, -np.inf], np.nan).to_numpy(dtype=float), color=color, lw=0.9, ls="--")
+
+
+def _sweep_axes(row_axes, key: str, row_title: str, x_all: pd.Series, positions: dict | None) -> None:
+    """Scales, labels and ticks of one row of a sweep figure (std: log; bias: symlog in percent)."""
+    ax_std, ax_bias = row_axes
+    ax_std.set_yscale("log")
+    _plain_log_labels(ax_std.yaxis)
+    ax_std.set_ylabel("per-draw std / true KL  (log)")
+    ax_bias.set_yscale("symlog", linthresh=1e-3)
+    ax_bias.axhline(0, color="grey", lw=1)
+    ax_bias.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _percent(v)))
+    ax_bias.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax_bias.set_ylabel("bias / true KL  (symlog)")
+    wide = positions is None and (x_all > 0).all() and x_all.max() / x_all.min() >= 20
+    for ax in (ax_std, ax_bias):
+        if row_title:
+            ax.set_title(row_title, fontsize="medium")
+        if wide:
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        elif positions is not None:
+            ax.set_xticks(range(len(positions)), [str(v) for v in positions])
+        ax.set_xlabel(key.removeprefix("sweep."))

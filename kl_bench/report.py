@@ -9,13 +9,15 @@ import base64
 import html
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pandas as pd
 
-from .draws import PER_TOKEN, row_key, row_label
+from .draws import AGGREGATES, row_key, row_label
+from .registry import Registry
 from .results import COLUMNS, SWEEP_PREFIX
 from .storage import write_folder
 from .verify import read_results_folder
@@ -127,11 +129,22 @@ def _caption(results: list[Results]) -> str:
                  for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
             "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
-    if any(res.summary["aggregate"].isin(PER_TOKEN).any() for res in results):
-        note += "tok_mean and tok_batch rows are relative to the KL per generated token, KL/E|y|. "
+    note += _aggregate_note(results)
     return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL, "
             "measured (exact in the adjacent column); † marks a heavy-tailed row whose measured std "
             "cannot be trusted. " + note + " ".join(bits))
+
+
+def _aggregate_note(results: list[Results]) -> str:
+    """What each aggregate of the rows is, in the AGGREGATES table's words, and which are per token."""
+    present = [a for a in AGGREGATES if a and any(res.summary["aggregate"].eq(a).any() for res in results)]
+    if not present:
+        return ""
+    note = "Rows: " + "; ".join(f"{a}: {AGGREGATES[a].label}" for a in present) + ". "
+    per_token = [a for a in present if AGGREGATES[a].per_token]
+    if per_token:
+        note += f"{' and '.join(per_token)} rows are relative to the KL per generated token, KL/E|y|. "
+    return note
 
 
 def kl_head(title: str, true: float) -> tuple[str, str]:
@@ -202,101 +215,191 @@ def growth_frame(case: str, growth: dict) -> tuple[pd.DataFrame, dict[str, int]]
     return pd.DataFrame(rows), lengths
 
 
+@dataclass
+class FigureContext:
+    """What a figure's panels are chosen from: every row (``df``, against the reference where no exact
+    value exists), the cases made by [[sweep]] tables (``swept``, shown against their swept keys), and for
+    a per-run figure the run (``res``), its summary ``s`` and its file-name ``prefix``."""
+    results: list[Results]
+    df: pd.DataFrame
+    swept: set
+    res: Results | None = None
+    s: pd.DataFrame | None = None
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One figure file: ``plot(data, title=title, **kwargs)`` saved as ``file`` with ``caption``."""
+    file: str
+    caption: str
+    title: str
+    data: Any
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FigureKind:
+    """A registered figure: ``plot`` names a kl_bench.plots function (data, ax, title, ...) → figure
+    (imported on first use: matplotlib is slow to load); ``panels(ctx)`` yields its Panels; ``per_run``:
+    drawn for each results folder rather than once over all of them."""
+    name: str
+    plot: str
+    panels: Callable[[FigureContext], Iterator[Panel]]
+    per_run: bool
+
+
+FIGURES: Registry[FigureKind] = Registry("figure")
+
+
+def figure(name: str, plot: str, *, per_run: bool = False):
+    """Register a function ``panels(ctx) -> Iterator[Panel]`` as a figure of the report (in order)."""
+    def register(panels: Callable[[FigureContext], Iterator[Panel]]):
+        FIGURES.add(name, FigureKind(name, plot, panels, per_run))
+        return panels
+    return register
+
+
+def _finite(rows: pd.DataFrame, cols=("rel_std", "exact_rel_std")) -> bool:
+    return bool(np.isfinite(rows[list(cols)].astype(float).to_numpy()).any())
+
+
+@figure("sweep", "plot_sweep")
+def _sweep_panels(ctx: FigureContext) -> Iterator[Panel]:
+    for key in [c for c in ctx.df.columns if c.startswith(SWEEP_PREFIX)]:
+        name = key.removeprefix(SWEEP_PREFIX)
+        yield Panel(f"sweep_{_slug(name)}.png", f"std/true and bias/true against {name}, one line per estimator "
+                    "(lines with markers: measured; dashed: exact)", f"estimators across the sweep of {name}",
+                    ctx.df[ctx.df[key].notna()], {"key": key})
+
+
+@figure("bias_std", "plot_bias_std")
+def _bias_std_panels(ctx: FigureContext) -> Iterator[Panel]:
+    for case in dict.fromkeys(ctx.df["case"]):
+        rows = ctx.df[ctx.df["case"] == case]
+        if case in ctx.swept or not _finite(rows):
+            continue          # neither a true value nor a reference to scale by (a log without kl_full)
+        ref = "approx" in rows and bool(rows["approx"].any())
+        what = "the full-mean reference (Monte Carlo, no exact value)" if ref else "the true KL"
+        marks = "95% CI; no exact values, so no ×" if ref else "95% CI; × exact"
+        yield Panel(f"bias_std_{_slug(case)}.png", f"{case}: bias and std per estimator relative to {what} ({marks})",
+                    f"{case}: bias and noise relative to {what}", rows)
+
+
+@figure("lambda", "plot_lambda_curve", per_run=True)
+def _lambda_panels(ctx: FigureContext) -> Iterator[Panel]:
+    if ctx.res.sweep is None:
+        return
+    for (case, agg), sw in ctx.res.sweep.groupby(["case", "aggregate"], sort=False):
+        name = f"{case} ({agg})" if agg else case
+        if _finite(sw):             # else no true value to scale by (model continuations): the table has λ*
+            yield Panel(f"{ctx.prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
+                        f"{name}: control variate −log r + λ(r−1)", sw)
+
+
+def _unswept(ctx: FigureContext) -> list[str]:
+    return [c for c in dict.fromkeys(ctx.s["case"]) if c not in ctx.swept]
+
+
+@figure("distribution", "plot_distribution", per_run=True)
+def _distribution_panels(ctx: FigureContext) -> Iterator[Panel]:
+    if not ctx.res.reservoir:
+        return
+    for case in _unswept(ctx):
+        rows = ctx.s[(ctx.s["case"] == case) & ctx.s["lambda"].isna()]
+        parts = []
+        for _, r in rows.iterrows():
+            key = f"{case}|{row_key(r['estimator'], None, r['aggregate'])}"
+            if key in ctx.res.reservoir:       # NaN: draws in no whole token-mean group
+                v = ctx.res.reservoir[key]
+                parts.append(pd.DataFrame({"label": row_label(r), "value": v[~np.isnan(v)]}))
+        if parts:
+            yield Panel(f"{ctx.prefix}distribution_{_slug(case)}.png",
+                        f"{case}: per-draw distribution of each estimator (ECDF)",
+                        f"{case}: per-draw estimates (negative region shaded)", pd.concat(parts, ignore_index=True))
+
+
+@figure("convergence", "plot_convergence", per_run=True)
+def _convergence_panels(ctx: FigureContext) -> Iterator[Panel]:
+    if ctx.res.batches is None:
+        return
+    for case in _unswept(ctx):
+        yield Panel(f"{ctx.prefix}convergence_{_slug(case)}.png", f"{case}: running estimate against draws",
+                    f"{case}: convergence (±2 SE)", ctx.res.batches[ctx.res.batches["case"] == case],
+                    {"summary": ctx.s[ctx.s["case"] == case]})
+
+
+@figure("growth", "plot_rollout_growth", per_run=True)
+def _model_growth_panels(ctx: FigureContext) -> Iterator[Panel]:
+    for name, meta in ctx.res.envelope.get("cases", {}).items():
+        if meta.get("growth"):
+            frame, lengths = growth_frame(name, meta["growth"])
+            yield Panel(f"{ctx.prefix}growth_{_slug(name)}.png",
+                        f"{name}: std/reference (the full mean, Monte Carlo) against T, from the prefixes of the "
+                        "same paths as the summary (the main pass)",
+                        f"{name}: prefixes of the main pass's {meta['growth'].get('paths', '?')} paths", frame,
+                        {"lengths": lengths})
+
+
+@figure("rollout_growth", "plot_rollout_growth", per_run=True)
+def _rollout_growth_panels(ctx: FigureContext) -> Iterator[Panel]:
+    cases = ctx.res.envelope.get("cases", {})
+    families: dict[str, dict[str, int]] = {}
+    for name, meta in cases.items():
+        if meta.get("length"):
+            families.setdefault(meta.get("label", ""), {})[name] = meta["length"]
+    for k, (label, members) in enumerate(families.items()):
+        if len(set(members.values())) > 1:      # a curve against T needs two lengths at least
+            s = ctx.s
+            ref = "approx" in s and bool(s.loc[s["case"].isin(members), "approx"].any())
+            what = "std/reference against T (reference: the full mean, Monte Carlo; ×: measured, no exact lines)" \
+                if ref else "std/true against T (lines: exact; ×: measured)"
+            yield Panel(f"{ctx.prefix}rollout_growth_{k}.png", f"rollouts ({label}): {what}", f"rollouts: {label}", s,
+                        {"lengths": members})
+
+
+@figure("gradient_cosine", "plot_gradient_cosine", per_run=True)
+def _gradient_panels(ctx: FigureContext) -> Iterator[Panel]:
+    grads = ctx.res.gradients
+    if grads is None:
+        return
+    aggs = grads["aggregate"].astype("string").fillna("") if "aggregate" in grads else pd.Series("", index=grads.index)
+    for (case, agg), part in grads.groupby([grads["case"], aggs], sort=False):
+        tag, words = (f"_{agg}", f" ({agg} rows)") if agg else ("", "")
+        yield Panel(f"{ctx.prefix}gradient_cosine_{_slug(case)}{tag}.png",
+                    f"{case}{words}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
+                    f"{case}{words}: what a batch gradient points at", part)
+
+
+@figure("planning", "plot_planning", per_run=True)
+def _planning_panels(ctx: FigureContext) -> Iterator[Panel]:
+    s = ctx.s[~ctx.s["case"].isin(ctx.swept)]       # one bar group per case: too many for a sweep's grid
+    if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
+        yield Panel(f"{ctx.prefix}planning.png", "draws for ±10% error with 95% probability",
+                    f"{ctx.res.name}: batch-size planning", s)
+
+
 def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, str, bytes]]:
-    """[(file name, caption, PNG bytes)] for every figure the available results support."""
+    """[(file name, caption, PNG bytes)] for every figure of :data:`FIGURES` the results support: the
+    figures over all runs, then each run's."""
     from . import plots
     from .display import with_reference
     # Cases without an exact value (model continuations, logged log-probs) are plotted against their
     # Monte Carlo reference (ref_kl), as the tables show them.
     df = with_reference(df)
-    figs = []
-    multi = len(results) > 1
     # Cases made by [[sweep]] tables are shown against their swept keys, not one figure set per case
     # (a 12 × 3 grid would otherwise make a hundred figures).
     swept_keys = [c for c in df.columns if c.startswith(SWEEP_PREFIX)]
     swept = set(df.loc[df[swept_keys].notna().any(axis=1), "case"]) if swept_keys else set()
-    for key in swept_keys:
-        rows = df[df[key].notna()]
-        name = key.removeprefix(SWEEP_PREFIX)
-        figs.append((f"sweep_{_slug(name)}.png", f"std/true and bias/true against {name}, one line per estimator "
-                     "(lines with markers: measured; dashed: exact)",
-                     png_bytes(plots.plot_sweep(rows, key, title=f"estimators across the sweep of {name}"))))
-    for case in dict.fromkeys(df["case"]):
-        if case in swept:
-            continue
-        rows = df[df["case"] == case]
-        if not np.isfinite(rows[["rel_std", "exact_rel_std"]].astype(float).to_numpy()).any():
-            continue          # neither a true value nor a reference to scale by (a log without kl_full)
-        ref = "approx" in rows and bool(rows["approx"].any())
-        what = "the full-mean reference (Monte Carlo, no exact value)" if ref else "the true KL"
-        marks = "95% CI; no exact values, so no ×" if ref else "95% CI; × exact"
-        figs.append((f"bias_std_{_slug(case)}.png", f"{case}: bias and std per estimator relative to {what} "
-                     f"({marks})", png_bytes(plots.plot_bias_std(rows, title=f"{case}: bias and noise relative to {what}"))))
-    for res in results:
-        prefix = f"{_slug(res.name)}_" if multi else ""
-        s = with_reference(res.summary)
-        if res.sweep is not None:
-            for (case, agg), sw in res.sweep.groupby(["case", "aggregate"], sort=False):
-                name = f"{case} ({agg})" if agg else case
-                if not np.isfinite(sw[["rel_std", "exact_rel_std"]].astype(float).to_numpy()).any():
-                    continue          # no true value to scale by (model continuations): the table has λ*
-                figs.append((f"{prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
-                             png_bytes(plots.plot_lambda_curve(sw, title=f"{name}: control variate −log r + λ(r−1)"))))
-        if res.reservoir:
-            for case in [c for c in dict.fromkeys(s["case"]) if c not in swept]:
-                rows = s[(s["case"] == case) & s["lambda"].isna()]
-                values = {}
-                for _, r in rows.iterrows():
-                    lam = None if isinstance(r["lambda"], float) and math.isnan(r["lambda"]) else float(r["lambda"])
-                    key = f"{case}|{row_key(r['estimator'], lam, r['aggregate'])}"
-                    if key in res.reservoir:       # NaN: draws in no whole token-mean group
-                        v = res.reservoir[key]
-                        values[row_label(r)] = v[~np.isnan(v)]
-                if values:
-                    figs.append((f"{prefix}distribution_{_slug(case)}.png",
-                                 f"{case}: per-draw distribution of each estimator (ECDF)",
-                                 png_bytes(plots.plot_distribution(values, title=f"{case}: per-draw estimates "
-                                                              "(negative region shaded)"))))
-        if res.batches is not None:
-            for case in [c for c in dict.fromkeys(s["case"]) if c not in swept]:
-                figs.append((f"{prefix}convergence_{_slug(case)}.png", f"{case}: running estimate against draws",
-                             png_bytes(plots.plot_convergence(res.batches[res.batches["case"] == case],
-                                                         s[s["case"] == case],
-                                                         title=f"{case}: convergence (±2 SE)"))))
-        lengths = {name: meta["length"] for name, meta in res.envelope.get("cases", {}).items()
-                   if meta.get("length")}
-        families: dict[str, dict[str, int]] = {}
-        for name, length in lengths.items():
-            families.setdefault(res.envelope["cases"][name].get("label", ""), {})[name] = length
-        for name, meta in res.envelope.get("cases", {}).items():
-            if meta.get("growth"):
-                figs.append((f"{prefix}growth_{_slug(name)}.png",
-                             f"{name}: std/reference (the full mean, Monte Carlo) against T, from the prefixes of the "
-                             "same paths as the summary (the main pass)",
-                             png_bytes(plots.plot_rollout_growth(*growth_frame(name, meta["growth"]),
-                                                                title=f"{name}: prefixes of the main pass's "
-                                                                      f"{meta['growth'].get('paths', '?')} paths"))))
-        for k, (label, members) in enumerate(families.items()):
-            if len(set(members.values())) > 1:      # a curve against T needs two lengths at least
-                ref = "approx" in s and bool(s.loc[s["case"].isin(members), "approx"].any())
-                what = "std/reference against T (reference: the full mean, Monte Carlo; ×: measured, no exact lines)" if ref else \
-                    "std/true against T (lines: exact; ×: measured)"
-                figs.append((f"{prefix}rollout_growth_{k}.png", f"rollouts ({label}): {what}",
-                             png_bytes(plots.plot_rollout_growth(s, members, title=f"rollouts: {label}"))))
-        if res.gradients is not None:
-            grads = res.gradients
-            aggs = (grads["aggregate"].astype("string").fillna("") if "aggregate" in grads
-                    else pd.Series("", index=grads.index))
-            for (case, agg), part in grads.groupby([grads["case"], aggs], sort=False):
-                tag, words = (f"_{agg}", f" ({agg} rows)") if agg else ("", "")
-                figs.append((f"{prefix}gradient_cosine_{_slug(case)}{tag}.png",
-                             f"{case}{words}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
-                             png_bytes(plots.plot_gradient_cosine(part, title=f"{case}{words}: what a batch gradient "
-                                                             "points at"))))
-        s = s[~s["case"].isin(swept)]       # one bar group per case: too many for a sweep's grid
-        if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
-            figs.append((f"{prefix}planning.png", "draws for ±10% error with 95% probability",
-                         png_bytes(plots.plot_planning(s, title=f"{res.name}: batch-size planning"))))
+    top = FigureContext(results, df, swept)
+    contexts = [top] + [FigureContext(results, df, swept, res, with_reference(res.summary),
+                                      f"{_slug(res.name)}_" if len(results) > 1 else "") for res in results]
+    figs = []
+    for ctx in contexts:
+        for kind in FIGURES.values():
+            if kind.per_run == (ctx.res is not None):
+                figs += [(p.file, p.caption, png_bytes(getattr(plots, kind.plot)(p.data, title=p.title, **p.kwargs)))
+                         for p in kind.panels(ctx)]
     return figs
 
 

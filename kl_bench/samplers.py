@@ -1,16 +1,76 @@
 """Sampling mismatch: draws come from b ≠ q while the estimators keep using q's and p's log-probs.
 
-Each case kind declares which sampler keys it understands (``sampler_keys`` of its registration); a key
-that a kind does not declare is refused for that kind, so a new key can never be silently ignored.
+Every sampler option is one field of :class:`SamplerSpec`, declared with :func:`option`: its type and
+check, how ``describe`` shows it and, for an option that reshapes next-token logits, its transform (applied
+in field order by :meth:`SamplerSpec.reshape`; kinds that draw tokens call :meth:`SamplerSpec.logprobs`, so
+a new logit option reaches every such kind without an edit there). Each case kind declares which options
+it handles (``sampler_keys`` of its registration); an option a kind does not declare is refused for that
+kind with one line, so none is ever silently ignored.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
+
+import torch
 
 from .config import Table, nonnegative, positive
-from .logits import LogitsSource, parse_logits_source
+from .errors import SpecError
+from .logits import LogitsSource, behavior_logits, parse_logits_source
 from .registry import did_you_mean
+
+
+# b = N(μq, (std_scale·σq)²): its variance and the squared standard scores of the exact moments must stay
+# finite in float64 (≈ 1.8e308); 1e150² = 1e300 leaves room for σq and the scores.
+MAX_STD_SCALE = 1e150
+
+
+def _std_scale(v: float) -> str | None:
+    return positive(v) or (None if v <= MAX_STD_SCALE else f"must be ≤ {MAX_STD_SCALE:g} (the variance "
+                           f"(std_scale·σ)² must stay within float64), got {v:g}")
+
+
+def option(default: Any, kind: str, check: Callable[[Any], str | None] | None = None, *,
+           describe: Callable[["SamplerSpec"], str | None] | None = None,
+           logits: Callable[[torch.Tensor, Any], torch.Tensor] | None = None):
+    """A SamplerSpec field: ``kind``/``check`` for :meth:`config.Table.get`; ``describe(spec)``: its words
+    in the sampler's description when set (None: nothing); ``logits(z, value)``: the transform of float64
+    logits z [B, V] the option applies when set (−inf outside b's support)."""
+    return field(default=default, metadata={"kind": kind, "check": check, "describe": describe, "logits": logits})
+
+
+def _top_k(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k largest logits (ties at the k-th value are kept too)."""
+    if k >= z.shape[-1]:
+        return z
+    kth = torch.topk(z, k, dim=-1).values[..., -1:]
+    return torch.where(z >= kth, z, torch.full_like(z, -torch.inf))
+
+
+def _top_p(z: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (the first always stays)."""
+    if p >= 1:
+        return z
+    probs = torch.softmax(z, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p          # mass of the more likely tokens
+    keep = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before < p)
+    return torch.where(keep, z, torch.full_like(z, -torch.inf))
+
+
+def _weights_words(sp: "SamplerSpec") -> str:
+    return f"{sp.weights} IS weights" + (f" capped at {sp.weight_cap:g}" if sp.weight_cap else "")
+
+
+def _at_least_one(v: int) -> str | None:
+    return None if v >= 1 else f"must be ≥ 1, got {v}"
+
+
+def _probability(v: float) -> str | None:
+    return None if 0 < v <= 1 else f"must lie in (0, 1], got {v}"
+
 
 @dataclass(frozen=True)
 class SamplerSpec:
@@ -19,37 +79,54 @@ class SamplerSpec:
     b = N(μq, (std_scale·σq)²). ``weights`` multiplies estimates by q/b: per token ("token") or by the
     product over the sequence ("sequence"); ``weight_cap`` caps each token's q/b.
     """
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_length: int = 0
-    std_scale: float = 1.0
-    behavior: "LogitsSource | None" = None
-    weights: str = "none"
-    weight_cap: float | None = None
+    behavior: "LogitsSource | None" = option(None, "behavior", describe=lambda sp: "stale behavior policy")
+    temperature: float = option(1.0, "float", positive, describe=lambda sp: f"T={sp.temperature:g}",
+                                logits=lambda z, t: z / t)
+    top_k: int | None = option(None, "int", _at_least_one, describe=lambda sp: f"top-k={sp.top_k}", logits=_top_k)
+    top_p: float | None = option(None, "float", _probability, describe=lambda sp: f"top-p={sp.top_p:g}",
+                                 logits=_top_p)
+    min_length: int = option(0, "int", nonnegative, describe=lambda sp: f"EOS suppressed for {sp.min_length} tokens")
+    std_scale: float = option(1.0, "float", lambda v: _std_scale(v), describe=lambda sp: f"std×{sp.std_scale:g}")
+    weights: str = option("none", "weights", describe=_weights_words)
+    weight_cap: float | None = option(None, "float", positive)        # described with the weights
+
+    def set_options(self) -> list[dataclasses.Field]:
+        """The options not at their defaults, in field order."""
+        return [f for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether b's next-token distribution differs from q's (a behavior policy or a logit option)."""
+        return any(f.metadata["logits"] is not None or f.name == "behavior" for f in self.set_options())
+
+    def reshape(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution b of generation code from logits [B, V]: every set logit option's
+        transform in field order (temperature, top-k, top-p). Normalised float64 log-probs [B, V], −inf
+        outside b's support."""
+        z = logits.to(torch.float64)
+        for f in self.set_options():
+            if f.metadata["logits"] is not None:
+                z = f.metadata["logits"](z, getattr(self, f.name))
+        return torch.log_softmax(z, dim=-1)
+
+    def logprobs(self, log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+        """b's log-probabilities [B, V] (categoricals and rollouts): the behavior policy's logits (derived
+        from q or p, or a file) or q's, reshaped."""
+        base = behavior_logits(self.behavior, log_q, log_p) if self.behavior is not None else log_q
+        out = self.reshape(base)
+        # logits / temperature overflows float64 for a temperature near 0: the softmax of ±inf is NaN.
+        if bool(torch.isnan(out).any()):
+            raise SpecError(f"the sampler's logits / temperature overflow float64 (temperature {self.temperature:g}): "
+                            "use a larger temperature", key="sampler.temperature")
+        return out
 
     def describe(self) -> str:
-        bits = []
-        if self.behavior is not None:
-            bits.append("stale behavior policy")
-        if self.temperature != 1.0:
-            bits.append(f"T={self.temperature:g}")
-        if self.top_k is not None:
-            bits.append(f"top-k={self.top_k}")
-        if self.top_p is not None:
-            bits.append(f"top-p={self.top_p:g}")
-        if self.min_length:
-            bits.append(f"EOS suppressed for {self.min_length} tokens")
-        if self.std_scale != 1.0:
-            bits.append(f"std×{self.std_scale:g}")
-        if self.weights != "none":
-            bits.append(f"{self.weights} IS weights" + (f" capped at {self.weight_cap:g}" if self.weight_cap else ""))
+        bits = [f.metadata["describe"](self) for f in self.set_options() if f.metadata["describe"] is not None]
         return "sampler b: " + (", ".join(bits) or "q itself")
 
 
-# b = N(μq, (std_scale·σq)²): its variance and the squared standard scores of the exact moments must stay
-# finite in float64 (≈ 1.8e308); 1e150² = 1e300 leaves room for σq and the scores.
-MAX_STD_SCALE = 1e150
+LOGIT_KEYS = tuple(f.name for f in dataclasses.fields(SamplerSpec) if f.metadata["logits"] is not None)
+WEIGHT_KEYS = ("weights", "weight_cap")
 
 
 def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: tuple[str, ...],
@@ -61,21 +138,17 @@ def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: t
             where = [name for name, keys in others.items() if k in keys]
             hint = f" (only for {' and '.join(where)} cases)" if where else did_you_mean(k, list(allowed))
             raise t.error(f"unknown key for a {kind} sampler{hint}; allowed: {', '.join(allowed)}", key=t.key(k))
-    behavior = parse_logits_source(t, "behavior", "b", spec_dir) if t.has("behavior") else None
     weights = ("none",) + tuple(weight_kinds)
-    sampler = SamplerSpec(
-        temperature=t.get("temperature", "float", 1.0, positive),
-        top_k=t.get("top_k", "int", None, lambda v: None if v >= 1 else f"must be ≥ 1, got {v}"),
-        top_p=t.get("top_p", "float", None, lambda v: None if 0 < v <= 1 else f"must lie in (0, 1], got {v}"),
-        min_length=t.get("min_length", "int", 0, nonnegative),
-        std_scale=t.get("std_scale", "float", 1.0, lambda v: positive(v) or (
-            None if v <= MAX_STD_SCALE else f"must be ≤ {MAX_STD_SCALE:g} (the variance (std_scale·σ)² must stay "
-            f"within float64), got {v:g}")),
-        behavior=behavior,
-        weights=t.get("weights", "str", "none", lambda v: None if v in weights else
-                      f"must be one of {', '.join(weights)}, got '{v}'{did_you_mean(v, list(weights))}"),
-        weight_cap=t.get("weight_cap", "float", None, positive),
-    )
+
+    def value(f: dataclasses.Field) -> Any:
+        kind_ = f.metadata["kind"]
+        if kind_ == "behavior":
+            return parse_logits_source(t, "behavior", "b", spec_dir) if t.has("behavior") else None
+        if kind_ == "weights":
+            return t.get(f.name, "str", f.default, lambda v: None if v in weights else
+                         f"must be one of {', '.join(weights)}, got '{v}'{did_you_mean(v, list(weights))}")
+        return t.get(f.name, kind_, f.default, f.metadata["check"])
+    sampler = SamplerSpec(**{f.name: value(f) for f in dataclasses.fields(SamplerSpec)})
     t.finish()
     if sampler.weight_cap is not None and sampler.weights == "none":
         raise t.error("weight_cap needs weights = \"token\" or \"sequence\"", key=t.key("weight_cap"))

@@ -10,6 +10,43 @@ from kl_bench.results import summarize, to_frame
 CPU = torch.device("cpu")
 
 
+def toml_value(v) -> str:
+    """A Python value as TOML (strings, numbers, booleans, lists, inline tables)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + " }"
+    return "[" + ", ".join(toml_value(x) for x in v) + "]"
+
+
+def spec_toml(experiment: dict, cases: list[dict]) -> str:
+    """Spec text from an [experiment] table and [[case]] tables (spec_version 1)."""
+    lines = ["spec_version = 1", "[experiment]", *(f"{k} = {toml_value(v)}" for k, v in experiment.items())]
+    for case in cases:
+        lines += ["[[case]]", *(f"{k} = {toml_value(v)}" for k, v in case.items())]
+    return "\n".join(lines) + "\n"
+
+
+GAUSS = {"name": "g", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 1.0, "std": 1.0}}
+CATEGORICAL = {"name": "c", "kind": "categorical", "vocab": 200, "q": {"logits": "zipf", "exponent": 1.1, "seed": 1},
+               "p": {"from": "q", "noise": 0.4, "seed": 2}}
+
+
+@pytest.fixture
+def build_spec():
+    """Spec text from keyword arguments: ``build_spec(cases=[...], name=..., draws=..., ...)``; the
+    experiment defaults to a small CPU run of k1 and k3 on :data:`GAUSS` and :data:`CATEGORICAL`."""
+    def build(cases: list[dict] | None = None, **experiment) -> str:
+        exp = {"name": "test", "draws": 20_000, "seed": 0, "device": "cpu", "batches": 50,
+               "estimators": ["k1", "k3"], **experiment}
+        return spec_toml(exp, [GAUSS, CATEGORICAL] if cases is None else cases)
+    return build
+
+
 @pytest.fixture
 def write_spec(tmp_path: Path):
     """Write a spec file from (dedented) text; returns its path."""

@@ -9,54 +9,30 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kl_bench import check, run
 from kl_bench import estimators as est_mod
-from kl_bench.gate import (baseline_bytes, baseline_comparisons, exact_comparisons, holm, make_baseline,
-                             normalize_baseline)
+from kl_bench.gate import baseline_bytes, baseline_comparisons, make_baseline, normalize_baseline
 from kl_bench.cli import app
 from kl_bench.estimators import ESTIMATORS
-from kl_bench.experiment import run_spec
-from kl_bench.pairs import GaussianPair, build_pair
+from kl_bench.pairs import GaussianPair
 from kl_bench.spec import parse_spec
 
-from .conftest import CPU
+from .conftest import CATEGORICAL, CPU, GAUSS, spec_toml
 
 runner = CliRunner()
 
-SPEC = """
-spec_version = 1
-[experiment]
-name = "gate"
-draws = {draws}
-seed = {seed}
-device = "cpu"
-batches = 50
-estimators = {estimators}
-[[case]]
-name = "g"
-kind = "gaussian"
-q = {{mean = 0.0, std = 1.0}}
-p = {{mean = 1.0, std = 1.0}}
-[[case]]
-name = "c"
-kind = "categorical"
-vocab = 200
-q = {{logits = "zipf", exponent = 1.1, seed = 1}}
-p = {{from = "q", noise = 0.4, seed = 2}}
-"""
-
-
-def _spec(draws=20_000, seed=0, estimators='["k1", "k2", "k3", "fwd_k1", "fwd_k3"]', tmp=None):
+def _spec(draws=20_000, seed=0, estimators=("k1", "k2", "k3", "fwd_k1", "fwd_k3"), cases=(GAUSS, CATEGORICAL)):
     from pathlib import Path
-    return parse_spec(SPEC.format(draws=draws, seed=seed, estimators=estimators), Path("gate.toml"))
+    text = spec_toml({"name": "gate", "draws": draws, "seed": seed, "device": "cpu", "batches": 50,
+                      "estimators": list(estimators)}, list(cases))
+    return parse_spec(text, Path("gate.toml"))
 
 
 def _gate(spec, baseline=None, alpha=0.001):
-    df = run_spec(spec, [build_pair(c) for c in spec.cases], CPU).summary
-    comps = exact_comparisons(df)
-    if baseline is not None:
-        comps += baseline_comparisons(df, baseline)[0]
-    holm(comps, alpha)
-    return df, [c for c in comps if not c.passed]
+    """The gate as the API runs it: (summary, failed comparisons)."""
+    result = run(spec)
+    report = check(result, baseline=baseline, alpha=alpha)
+    return result.summary, report.failures
 
 
 def test_clean_run_passes_and_another_seed_passes_against_the_baseline():
@@ -153,11 +129,8 @@ def test_float32_running_accumulator_fails_at_1e8_draws_but_not_at_1e6(monkeypat
             return torch.stack(out)
         return run
     monkeypatch.setattr(gaussian.GaussianPair, "batch_sums", float32_batch_sums)
-    text = SPEC.split("[[case]]\nname = \"c\"")[0]
     for draws, should_fail in ((1_000_000, False), (100_000_000, True)):
-        from pathlib import Path
-        spec = parse_spec(text.format(draws=draws, seed=0, estimators='["k1"]'), Path("gate.toml"))
-        _, failed = _gate(spec)
+        _, failed = _gate(_spec(draws=draws, estimators=["k1"], cases=[GAUSS]))
         assert bool(failed) == should_fail, (draws, [c.sentence() for c in failed])
 
 
@@ -172,14 +145,13 @@ def test_false_alarm_rate_is_at_most_nominal_over_many_seeds():
     assert failures <= seeds * alpha + 3 * math.sqrt(seeds * alpha * (1 - alpha))
 
 
-CLI_SPEC = SPEC.format(draws=20_000, seed=0, estimators='["k1", "k3"]')
 
 
 @pytest.mark.parametrize("damage, needle", [
     ("truncate", "not valid JSON"), ("garbage", "not valid JSON"), ("version", "not a kl-bench baseline"),
     ("no-rows", "has no rows"), ("missing-field", "lacks se"), ("missing-file", "not found")])
-def test_broken_baselines_give_one_clear_line(damage, needle, write_spec, tmp_path):
-    spec = write_spec(CLI_SPEC, "gate.toml")
+def test_broken_baselines_give_one_clear_line(damage, needle, build_spec, write_spec, tmp_path):
+    spec = write_spec(build_spec(name="gate"), "gate.toml")
     base = tmp_path / "base.json"
     assert runner.invoke(app, ["baseline", str(spec), "--out", str(base)]).exit_code == 0
     text = base.read_text()
@@ -203,14 +175,14 @@ def test_broken_baselines_give_one_clear_line(damage, needle, write_spec, tmp_pa
     assert len(msg.splitlines()) == 1 and needle in msg and str(base) in msg
 
 
-def test_cli_check_exit_codes_and_changed_spec_notice(write_spec, tmp_path):
-    spec = write_spec(CLI_SPEC, "gate.toml")
+def test_cli_check_exit_codes_and_changed_spec_notice(build_spec, write_spec, tmp_path):
+    spec = write_spec(build_spec(name="gate"), "gate.toml")
     base = tmp_path / "base.json"
     assert runner.invoke(app, ["baseline", str(spec), "--out", str(base)]).exit_code == 0
     ok = runner.invoke(app, ["check", str(spec), "--baseline", str(base), "--seed", "3"])
     assert ok.exit_code == 0, ok.output
     assert "0 failed" in ok.output and "mean vs baseline" in ok.output and "std vs exact" in ok.output
-    changed = write_spec(CLI_SPEC.replace("mean = 1.0", "mean = 1.3"), "gate.toml")
+    changed = write_spec(build_spec(name="gate").replace("mean = 1.0", "mean = 1.3"), "gate.toml")
     res = runner.invoke(app, ["check", str(changed), "--baseline", str(base)])
     assert "the spec changed since the baseline" in res.output
     assert res.exit_code == 1 and "FAIL g: k1: the mean moved from" in res.output
@@ -218,8 +190,8 @@ def test_cli_check_exit_codes_and_changed_spec_notice(write_spec, tmp_path):
     assert res.exit_code == 2 and "--alpha" in res.stderr
 
 
-def test_check_reads_an_existing_results_folder(write_spec, tmp_path):
-    spec = write_spec(CLI_SPEC, "gate.toml")
+def test_check_reads_an_existing_results_folder(build_spec, write_spec, tmp_path):
+    spec = write_spec(build_spec(name="gate"), "gate.toml")
     assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "r"), "--quiet"]).exit_code == 0
     df = pd.read_csv(tmp_path / "r" / "summary.csv")
     df.loc[df["estimator"] == "k3", "mean"] *= 1.5                    # tamper with a stored number
@@ -233,8 +205,17 @@ def test_check_reads_an_existing_results_folder(write_spec, tmp_path):
     assert res.exit_code == 1 and "k3: the mean moved" in res.output
 
 
-def test_gaussian_pair_untouched_by_patches():
-    assert GaussianPair("g", [0.0], [1.0], [1.0], [1.0]).kl() == pytest.approx(0.5)
+def test_patches_of_the_injected_bugs_are_undone():
+    """Runs after test_injected_bugs_fail_the_gate: the estimators are the registered originals again and
+    Gaussian draws are q's again, E_q[−log r] = KL = 0.5 within 5 standard errors (a leaked sign flip
+    gives −0.5), and a clean run passes the gate (a leaked patch of any of them fails it)."""
+    assert all(ESTIMATORS[n].fn is getattr(est_mod, n) for n in ("k1", "k3", "fwd_k1"))
+    pair = GaussianPair("g", [0.0], [1.0], [1.0], [1.0])
+    logr, _, _ = pair.sample(100_000, torch.Generator().manual_seed(0), CPU)
+    k1 = -logr.double()
+    assert abs(float(k1.mean()) - pair.kl()) < 5 * float(k1.std()) / math.sqrt(k1.numel())
+    _, failed = _gate(_spec())
+    assert not failed, [c.sentence() for c in failed]
 
 
 def test_few_batches_use_student_t_and_keep_the_false_alarm_rate():

@@ -181,7 +181,7 @@ def test_categorical_sampler_gradients_against_brute_force_and_monte_carlo(weigh
                 brute[ctx] += 0.5 * b[ctx, x] * w * float(c(lr)[0]) * s
         got = pair.gradient_exact(GradItem.of(est, mode), {}).mean
         assert np.allclose(got, brute.reshape(-1), rtol=1e-10, atol=1e-15), (est.name, mode)
-        assert G.cosines(brute.reshape(-1), rev, fwd)["cos_reverse"] == pytest.approx(
+        assert G.compare(brute.reshape(-1), rev, fwd)["cos_reverse"] == pytest.approx(
             rows.iloc[j]["exact_cos_reverse"], abs=1e-12) or rows.iloc[j]["equals"] == "zero"
     assert (rows["sampler"] == "temperature=1.5").all()
     assert (rows["z_reverse"].abs() < 5).all() and (rows["z_trace"].abs() < 5).all(), rows[["estimator", "mode",

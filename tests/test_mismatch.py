@@ -12,7 +12,7 @@ from kl_bench import oracles as exact
 from kl_bench.cli import app
 from kl_bench.estimators import resolve_estimator, lookup
 from kl_bench.experiment import run_experiment_case
-from kl_bench.logits import sampler_logprobs
+from kl_bench.samplers import SamplerSpec
 from kl_bench.pairs import CategoricalPair, GaussianPair, RolloutPair
 from kl_bench.spec import EstimatorOption, Experiment
 
@@ -55,7 +55,7 @@ def _brute_b(logits: np.ndarray, temperature=1.0, top_k=None, top_p=None) -> np.
                                  dict(temperature=1.3, top_k=6, top_p=0.9)])
 def test_sampler_distribution_matches_a_by_hand_construction(cfg):
     lq, _ = _logits()
-    b = sampler_logprobs(lq, **cfg).exp().numpy()
+    b = SamplerSpec(**cfg).reshape(lq).exp().numpy()
     assert np.allclose(b, _brute_b(lq.numpy(), **cfg), atol=1e-12)
 
 
@@ -67,7 +67,7 @@ def test_categorical_expectations_under_b_match_brute_force(cfg, weights):
         lb = torch.log_softmax(lq + 0.4 * torch.randn(lq.shape, generator=torch.Generator().manual_seed(3),
                                                       dtype=torch.float64), -1)
     else:
-        lb = sampler_logprobs(lq, **cfg)
+        lb = SamplerSpec(**cfg).reshape(lq)
     pair = CategoricalPair("c", lq, lp, log_b=lb, weights=weights)
     bw = lb.exp().numpy() / 3
     w = np.where(bw > 0, np.exp(lq.numpy() - lb.numpy()), 0.0)
@@ -118,7 +118,7 @@ def _tiny_rollout(**kw):
     g = torch.Generator().manual_seed(0)
     lq = torch.log_softmax(torch.randn(2, 4, generator=g, dtype=torch.float64), -1)
     lp = torch.log_softmax(torch.randn(2, 4, generator=g, dtype=torch.float64), -1)
-    lb = sampler_logprobs(lq, temperature=0.7, top_k=3)
+    lb = SamplerSpec(temperature=0.7, top_k=3).reshape(lq)
     return RolloutPair("r", lq, lp, torch.arange(4) % 2, 3, 3, log_b=lb, **kw)
 
 
@@ -187,7 +187,7 @@ def test_monte_carlo_agrees_with_the_exact_expectation_under_b(which):
     elif which == "gauss-IS":
         pair = GaussianPair("g", [0.0], [1.0], [0.0], [1.2], std_scale=1.3, weights="token")
     elif which == "cat-top-p":
-        pair = CategoricalPair("c", lq, lp, log_b=sampler_logprobs(lq, top_p=0.9))
+        pair = CategoricalPair("c", lq, lp, log_b=SamplerSpec(top_p=0.9).reshape(lq))
     elif which == "cat-stale-IS":
         lb = torch.log_softmax(lq + 0.3 * torch.randn(lq.shape, generator=torch.Generator().manual_seed(5),
                                                       dtype=torch.float64), -1)
@@ -309,7 +309,7 @@ def test_every_option_has_an_exact_oracle():
     d = torch.log_softmax(c + 0.3 * torch.randn(4, 60, generator=torch.Generator().manual_seed(7),
                                                 dtype=torch.float64), -1)
     pair = RolloutPair("r", c, d, torch.arange(60) % 4, 10, 59, min_length=4, weights="sequence", weight_cap=1.5,
-                       log_b=sampler_logprobs(c, temperature=1.2))
+                       log_b=SamplerSpec(temperature=1.2).reshape(c))
     ests = ["k1", "abs", EstimatorOption("k3", "k3 est±1", clamp=1.0)]
     rows = as_rows([resolve_estimator(e) for e in ests], pair)
     assert {(r.est.name, r.aggregate) for r in rows} == {("k1", "seq"), ("k1", "tok"), ("abs", "tok"),

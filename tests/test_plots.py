@@ -99,11 +99,12 @@ def gradients_frame() -> pd.DataFrame:
     return _frame(rows, GRAD_SCHEMA)
 
 
-def distribution_values() -> dict[str, np.ndarray]:
+def distribution_values() -> pd.DataFrame:
     rng = np.random.default_rng(1)
     logr = rng.normal(-0.1, 0.5, 2000)
     r = np.exp(logr)
-    return {"k1": -logr, "k2": logr**2 / 2, "k3": r - 1 - logr}
+    values = {"k1": -logr, "k2": logr**2 / 2, "k3": r - 1 - logr}
+    return pd.concat([pd.DataFrame({"label": k, "value": v}) for k, v in values.items()], ignore_index=True)
 
 
 def sweep_summary() -> pd.DataFrame:
@@ -228,15 +229,65 @@ def test_rcparams_are_restored_when_a_plot_function_fails(plots):
     assert _rc() == before
 
 
-def test_plot_functions_keep_their_signatures(plots):
-    params = {name: list(inspect.signature(getattr(plots, name)).parameters)
-              for name in ("plot_bias_std", "plot_lambda_curve", "plot_distribution", "plot_convergence",
-                           "plot_rollout_growth", "plot_planning", "plot_gradient_cosine")}
-    assert params == {"plot_bias_std": ["df", "axes", "title"], "plot_lambda_curve": ["sweep", "ax", "title"],
-                      "plot_distribution": ["values", "ax", "title"],
-                      "plot_convergence": ["batches", "summary", "axes", "title"],
-                      "plot_rollout_growth": ["summary", "lengths", "ax", "title"],
-                      "plot_planning": ["summary", "ax", "title"], "plot_gradient_cosine": ["grads", "ax", "title"]}
+def _results():
+    """One run's results (kl_bench.report.Results) made of the small frames: every figure has panels."""
+    from kl_bench.report import Results
+    s = summary_frame()
+    cases = {"gauss": {"length": None, "label": ""}, "roll-T4": {"length": 4, "label": "roll"},
+             "roll-T8": {"length": 8, "label": "roll"},
+             "model": {"growth": {"T": [1, 2, 4], "paths": 500, "tok k3": [1.0, 1.4, 2.0], "tok full": [0.5, 0.6, None]}}}
+    draws = distribution_values()
+    reservoir = {f"gauss|{k}": draws.loc[draws["label"] == k, "value"].to_numpy() for k in ("k1", "k2", "k3")}
+    batches = pd.concat([batches_frame(s, case) for case in dict.fromkeys(s["case"])], ignore_index=True)
+    return Results(Path("run"), "run", s, {"cases": cases}, sweep_frame(), batches, reservoir, gradients_frame())
+
+
+def _figure_panels():
+    from kl_bench.report import FIGURES, FigureContext
+    res = _results()
+    df = pd.concat([res.summary, sweep_summary()], ignore_index=True)
+    top = FigureContext([res], df, set(sweep_summary()["case"]))
+    run = FigureContext([res], df, top.swept, res, res.summary)
+    return {name: list(kind.panels(run if kind.per_run else top)) for name, kind in FIGURES.items()}
+
+
+def test_every_registered_figure_takes_a_frame_and_axes_and_returns_its_figure(plots):
+    """Each figure of the report's registry draws its panels from a DataFrame, on a new figure or on given
+    axes, leaves rcParams and pyplot alone, and is exercised by the plot tests below."""
+    from matplotlib.figure import Figure
+    from matplotlib.pyplot import get_fignums
+    from kl_bench.report import FIGURES
+    assert {k.plot for k in FIGURES.values()} <= {fn for fn, *_ in calls().values()}
+    for name, panels in _figure_panels().items():
+        assert panels, f"figure {name}: no panel from results that hold every table"
+        fn = getattr(plots, FIGURES[name].plot)
+        for p in panels[:2]:
+            assert isinstance(p.data, pd.DataFrame) and p.file.endswith(".png") and p.caption
+            before, open_before = _rc(), get_fignums()
+            fig = fn(p.data, title=p.title, **p.kwargs)
+            assert isinstance(fig, Figure) and _rc() == before and get_fignums() == open_before
+            # given axes: as many as it made itself where it takes several ("axes"), else one
+            ax_arg = "axes" if "axes" in inspect.signature(fn).parameters else "ax"
+            target = Figure().subplots(1, len(fig.axes)) if ax_arg == "axes" else Figure().subplots()
+            assert fn(p.data, title=p.title, **p.kwargs, **{ax_arg: target}) is np.atleast_1d(target).ravel()[0].figure
+
+
+def test_a_figure_registered_from_a_test_is_in_the_report(plots):
+    """A new figure is one decorated function: build_figures draws it with the others."""
+    from kl_bench import report as R
+    res = _results()
+
+    @R.figure("toy_std", "plot_planning", per_run=True)
+    def _toy(ctx):
+        yield R.Panel("toy.png", "toy: the planning bars again", "toy", ctx.s)
+    try:
+        df = res.summary.assign(label=[R.row_label(r) for _, r in res.summary.iterrows()])
+        names = [name for name, _, _ in R.build_figures([res], df)]
+    finally:
+        R.FIGURES.remove("toy_std")
+    assert names.index("toy.png") == names.index("planning.png") + 1
+    assert {"bias_std_gauss.png", "lambda_gauss.png", "distribution_gauss.png", "convergence_gauss.png",
+            "rollout_growth_0.png", "gradient_cosine_gauss.png"} <= set(names)
 
 
 # ----------------------------------------------------------------------------- each plot function
@@ -350,7 +401,8 @@ def test_gradient_cosine_is_faceted_by_mode_with_one_legend(plots):
     panels = [ax for ax in fig.axes if ax.get_visible()]
     modes = list(dict.fromkeys(grads["mode"]))
     assert len(panels) == len(modes)
-    assert [ax.get_title() for ax in panels] == [f"mode: {m}" for m in modes]
+    from kl_bench.modes import MODES
+    assert [ax.get_title() for ax in panels] == [f"mode: {m}\n({MODES[m].label})" for m in modes]
     for ax, mode in zip(panels, modes):
         curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
         assert len(curves) == (grads["mode"] == mode).sum()

@@ -30,7 +30,8 @@ from ..errors import SpecError
 from ..estimators import RowSource
 from ..precision import Precision, in_precision, parse_precision, rounded_logr
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
-                      resolve_pair_source_logits, sampler_for)
+                      resolve_pair_source_logits)
+from ..samplers import LOGIT_KEYS, WEIGHT_KEYS
 from ..seeding import BatchStream
 from ..targets import FORWARD, REVERSE
 from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
@@ -49,7 +50,7 @@ class CategoricalCase(CaseConfig):
 
 
 @register_kind("categorical", description="categoricals over a vocabulary, [V] or [B, V] logits; exact sums",
-               sampler_keys=("temperature", "top_k", "top_p", "behavior", "weights", "weight_cap"))
+               sampler_keys=(*LOGIT_KEYS, "behavior", *WEIGHT_KEYS))
 class CategoricalPair(Pair):
     supports_gradients = True
     clamp_sees_weight = True
@@ -122,7 +123,7 @@ class CategoricalPair(Pair):
         if sp is None:
             return cls(case.name, lq, lp, label=label, sampling=case.sampling, precision=case.precision,
                        logits=(zq, zp))
-        return cls(case.name, lq, lp, label=label, log_b=sampler_for(sp, lq, lp), weights=sp.weights,
+        return cls(case.name, lq, lp, label=label, log_b=sp.logprobs(lq, lp), weights=sp.weights,
                    weight_cap=sp.weight_cap, sampler_label=sp.describe(), sampling=case.sampling,
                    precision=case.precision, logits=(zq, zp))
 

@@ -19,6 +19,7 @@ from ..config import Table, positive
 from ..draws import Draws
 from ..errors import SpecError
 from ..estimators import Estimator, Poly, RowSource, poly_square
+from ..samplers import WEIGHT_KEYS
 from ..targets import FORWARD, REVERSE
 from .base import CaseConfig, ExactGrad, GradItem, JointMoments, Pair, register_kind
 
@@ -80,7 +81,7 @@ def _check_ratios(t: Table, q: GaussianParams, p: GaussianParams) -> None:
 
 
 @register_kind("gaussian", description="diagonal Gaussians q = N(μq, σq²), p = N(μp, σp²); closed forms",
-               sampler_keys=("std_scale", "weights", "weight_cap"))
+               sampler_keys=("std_scale", *WEIGHT_KEYS))
 class GaussianPair(Pair):
     supports_gradients = True
 

@@ -25,7 +25,7 @@ from ...config import Table, at_most
 from ...draws import Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource
-from ...logits import sampler_logprobs
+from ...samplers import LOGIT_KEYS, WEIGHT_KEYS
 from ...targets import FORWARD, REVERSE
 from ..base import CaseConfig, JointMoments, Pair, register_kind
 from ..categorical import CategoricalPair
@@ -54,7 +54,7 @@ def _device_for_forward() -> torch.device:
 
 @register_kind("model", description="a policy and a reference causal LM (local folders, transformers): next token "
                "(exact) or sampled continuations (reference: the full mean ± SE)",
-               sampler_keys=("temperature", "top_k", "top_p", "min_length", "weights", "weight_cap"),
+               sampler_keys=(*LOGIT_KEYS, "min_length", *WEIGHT_KEYS),
                weight_kinds=("token", "sequence"))
 class ModelPair(Pair):
     """Sampled continuations of T > 1 tokens (module docstring)."""
@@ -72,7 +72,7 @@ class ModelPair(Pair):
         self.sampler = sampler
         sp = sampler
         self.min_length = sp.min_length if sp is not None and eos is not None else 0
-        self.reshape = sp is not None and (sp.temperature != 1.0 or sp.top_k is not None or sp.top_p is not None)
+        self.reshape = sp is not None and sp.reshapes
         self.has_sampler = self.reshape or self.min_length > 0 or (sp is not None and sp.weights != "none")
         self.weights = sp.weights if sp is not None else "none"
         self.weight_cap = sp.weight_cap if sp is not None else None
@@ -218,7 +218,7 @@ class ModelPair(Pair):
         """log b(·|h_t) [n, V] float64: q reshaped by temperature/top-k/top-p, EOS suppressed while t <
         min_length (renormalised)."""
         sp = self.sampler
-        lb = sampler_logprobs(lq, sp.temperature, sp.top_k, sp.top_p) if self.reshape else lq
+        lb = sp.reshape(lq) if self.reshape else lq
         if t < self.min_length:
             lb = lb.clone()
             lb[:, self.eos] = -torch.inf
@@ -317,7 +317,7 @@ class NextTokenPair(CategoricalPair):
         sp = case.sampler
         if sp is None:
             return cls(case.name, lq, lp, label=label)
-        log_b = sampler_logprobs(lq, sp.temperature, sp.top_k, sp.top_p)
+        log_b = sp.reshape(lq)
         # One token: sequence weights are token weights.
         return cls(case.name, lq, lp, label=label, log_b=log_b, weights="none" if sp.weights == "none" else "token",
                    weight_cap=sp.weight_cap, sampler_label=sp.describe())

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ... import rollout_dp
 from ...seeding import BatchStream
+from ...draws import AGGREGATES
 from ..base import GradBatch, GradientAccumulator, GradItem
 
 if TYPE_CHECKING:                      # the pair module imports this one
@@ -106,42 +107,57 @@ def exact_mean(pair: "RolloutPair", item: GradItem) -> np.ndarray | None:
     """E_b[per-draw gradient] of one row, flattened [C·V], b the case's sampler (q when none), with its
     importance weights; None where no exact value exists (a non-polynomial estimator of the sequence
     log-ratio, or moments beyond float64)."""
-    est, mode, aggregate = item.est, item.mode, item.aggregate
-    g, weights = pair.logr_table, pair.weights
-    wt = pair.token_weight
+    if AGGREGATES[item.aggregate].token:
+        counts = _score_counts(pair, item) if item.score else _local_counts(pair, item)
+    else:
+        counts = _sequence_counts(pair, item)
+    if counts is None:
+        return None
+    out = _score_part(pair, counts)
+    return out if np.isfinite(out).all() else None      # E[R^s …] beyond float64: no exact value
 
-    def ones(lb: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(lb)
-    seq_w = wt if weights != "none" else ones                    # W = Π_t w_t multiplies sequence terms
-    if aggregate == "tok":
-        if mode == "reward":        # (Σ_t f_t)·S: token weights inside the sum, sequence weights outside
-            f = est.fn(g)
-            if weights == "token":
-                counts = _count_moment(pair, ones, lambda lb: wt(lb) * f, [0.0, 1.0])
-            else:
-                counts = _count_moment(pair, seq_w, lambda lb: f, [0.0, 1.0])
-        else:                       # Σ_t (w_t) c_t s_t: linear in the counts N
-            c_tab = item.coef(g)
-            if weights == "token":  # w_t depends on the phase's b: count each phase's steps apart
-                counts = sum(_count_moment(pair, ones, ones, [1.0], phase=i)
-                             * torch.where(lb.exp() > 0, wt(lb), torch.zeros_like(lb))
-                             for i, (lb, _) in enumerate(pair.phases)) * c_tab
-            else:
-                counts = _count_moment(pair, seq_w, ones, [1.0]) * c_tab
-        out = _score_part(pair, counts)
-        return out if np.isfinite(out).all() else None
+
+def _ones(lb: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(lb)
+
+
+def _sequence_weight(pair: "RolloutPair"):
+    """W = Π_t w_t, which multiplies sequence terms, as a per-step table of a phase's log b."""
+    return pair.token_weight if pair.weights != "none" else _ones
+
+
+def _score_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor:
+    """E[F·N] for a score-function token row, F = Σ_t f_t: token weights inside the sum, sequence weights
+    outside."""
+    f = item.est.fn(pair.logr_table)
+    if pair.weights == "token":
+        return _count_moment(pair, _ones, lambda lb: pair.token_weight(lb) * f, [0.0, 1.0])
+    return _count_moment(pair, _sequence_weight(pair), lambda lb: f, [0.0, 1.0])
+
+
+def _local_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor:
+    """E[N]·c for Σ_t (w_t) c_t s_t: linear in the counts N."""
+    c_tab = item.coef(pair.logr_table)
+    if pair.weights == "token":  # w_t depends on the phase's b: count each phase's steps apart
+        return sum(_count_moment(pair, _ones, _ones, [1.0], phase=i)
+                   * torch.where(lb.exp() > 0, pair.token_weight(lb), torch.zeros_like(lb))
+                   for i, (lb, _) in enumerate(pair.phases)) * c_tab
+    return _count_moment(pair, _sequence_weight(pair), _ones, [1.0]) * c_tab
+
+
+def _sequence_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor | None:
+    """E[W c(L) N] for a sequence row whose coefficient is a polynomial Σ a R^s L^k (else None)."""
     poly = item.cpoly
     if poly is None:
         return None
+    g, seq_w = pair.logr_table, _sequence_weight(pair)
     by_s: dict[int, list[float]] = {}
     for (s, k), a in poly.items():
         coefs = by_s.setdefault(s, [])
         coefs.extend([0.0] * (k + 1 - len(coefs)))
         coefs[k] += a
-    counts = sum(_count_moment(pair, lambda lb, s=s: seq_w(lb) * torch.exp(s * g), lambda lb: g, coefs)
-                 for s, coefs in by_s.items())
-    out = _score_part(pair, counts)
-    return out if np.isfinite(out).all() else None      # E[R^s …] beyond float64: no exact value
+    return sum(_count_moment(pair, lambda lb, s=s: seq_w(lb) * torch.exp(s * g), lambda lb: g, coefs)
+               for s, coefs in by_s.items())
 
 
 # ----------------------------------------------------------------------------- Monte Carlo
@@ -206,11 +222,11 @@ class RolloutGradients(GradientAccumulator):
                                 .sum(-1, keepdim=True)).reshape(-1) for u in directions]).to(device)
         # Rows whose per-step weight depends on the step alone (local tok rows, no importance weights)
         # need only the (bucket, token) counts for their totals; the others accumulate their own weights.
-        self.local = [j for j, it in enumerate(items) if it.aggregate == "tok" and it.mode != "reward"
-                      and pair.weights == "none"]
+        # Token rows of a mode that is not a score function: Σ_t w_t c(log r_t) s_t, one table c(c, x).
+        per_token = [j for j, it in enumerate(items) if AGGREGATES[it.aggregate].token and not it.score]
+        self.local = per_token if pair.weights == "none" else []
         self.per_draw = [j for j in range(len(items)) if j not in self.local]
-        self.tables = {j: it.coef(pair.logr_table).reshape(-1).to(device)
-                       for j, it in enumerate(items) if it.aggregate == "tok" and it.mode != "reward"}
+        self.tables = {j: items[j].coef(pair.logr_table).reshape(-1).to(device) for j in per_token}
         self.w_total = torch.zeros(c_ * v, len(self.per_draw), dtype=torch.float64)
         self.counts = torch.zeros(c_ * v, dtype=torch.float64)
         # Draws per piece: [m, T] recorded steps stay within 2^21 entries (fixed per case: same bytes for
@@ -236,9 +252,9 @@ class RolloutGradients(GradientAccumulator):
             hs = self.hu[:, keys]                                     # [D, m, T]
             w_cols = []
             for j, it in enumerate(items):
-                if it.aggregate == "seq":                              # W c(L) · S
+                if not AGGREGATES[it.aggregate].token:                 # W c(L) · S
                     w = seq_w * it.coef(big_l)[:, None] * alive
-                elif it.mode == "reward":                              # (Σ_t w_t f_t) · S, or W (Σ_t f_t) · S
+                elif it.score:                                         # (Σ_t w_t f_t) · S, or W (Σ_t f_t) · S
                     w = (seq_w if pair.weights == "sequence" else 1.0) * (it.est.fn(logr_t) * tok_w).sum(
                         1, keepdim=True) * alive
                 else:                                                  # Σ_t w_t c(log r_t) s_t

@@ -20,12 +20,13 @@ import torch
 from ... import rollout_dp
 from ...alias import AliasTable, build_alias
 from ...config import MAX_LENGTH, Table, at_most, positive
-from ...draws import PER_TOKEN, Draws, Row
+from ...draws import AGGREGATES, Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource, poly_square
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
-                       resolve_pair_source_logits, sampler_for)
+                       resolve_pair_source_logits)
+from ...samplers import LOGIT_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
 from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
@@ -68,7 +69,7 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
 
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
-               sampler_keys=("temperature", "top_k", "top_p", "min_length", "behavior", "weights", "weight_cap"),
+               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS),
                weight_kinds=("token", "sequence", "geometric"))
 class RolloutPair(Pair):
     aggregates = ("seq", "tok")
@@ -186,16 +187,14 @@ class RolloutPair(Pair):
         return meta if self.precision is None else {**meta, "precision": self.precision.metadata(self._rounded)}
 
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
-        # A function of L other than a polynomial in R and L has no exact sequence-level oracle (it would
-        # need L's whole distribution), and trainers apply such functions per token: tok rows only.
-        base = ("tok",) if source.token_only else self.aggregates
-        mean = ("tok_mean",) if self.per_sequence_mean and source.lam is None else ()
-        geo = ("tok_gm",) if self.weights == "geometric" and source.lam is None else ()
-        batch = ("tok_batch",) if self.token_mean_batch is not None and source.lam is None else ()
-        return base + mean + batch + geo
+        # In the table's order: seq and tok (a function of L other than a polynomial in R and L has no
+        # exact sequence-level oracle, and trainers apply such functions per token: tok rows only), then
+        # the aggregates the case switches on (per_sequence_mean, token_mean_batch, geometric weights).
+        return tuple(name for name, a in AGGREGATES.items()
+                     if (name in self.aggregates if a.enabled is None else a.enabled(self)) and a.applies(source))
 
     def row_group(self, aggregate: str) -> int:
-        return self.token_mean_batch if aggregate == "tok_batch" else 1
+        return self.token_mean_batch if AGGREGATES[aggregate].grouped else 1
 
     @classmethod
     def from_config(cls, case: RolloutCase) -> "RolloutPair":
@@ -228,9 +227,8 @@ class RolloutPair(Pair):
                        logits=(zq, zp))
         if sp.min_length and case.eos is None:
             raise SpecError("min_length needs an eos token", key="sampler.min_length")
-        plain = sp.behavior is None and sp.temperature == 1.0 and sp.top_k is None and sp.top_p is None
         return cls(case.name, lq, lp, bucket, case.length, case.eos, label=label,
-                   log_b=None if plain else sampler_for(sp, lq, lp), min_length=sp.min_length,
+                   log_b=sp.logprobs(lq, lp) if sp.reshapes else None, min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
                    precision=case.precision, per_sequence_mean=case.per_sequence_mean,
                    token_mean_batch=case.token_mean_batch, logits=(zq, zp))
@@ -273,8 +271,7 @@ class RolloutPair(Pair):
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor:
         # The cap applies to each token's q/b; a sequence weight is the product of capped token
         # weights, so it stays multiplicative (and exact by the DP).
-        w = torch.exp(self.log_q - lb)
-        return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
+        return self._capped(torch.exp(self.log_q - lb))
 
     def token_log_weight(self, lb: torch.Tensor) -> torch.Tensor:
         """log of :meth:`token_weight`: log(q/b), capped at log(weight_cap)."""
@@ -305,7 +302,7 @@ class RolloutPair(Pair):
         # Rows divided by lengths estimate a rate per generated token: compare them with the target over
         # E_q|y| (what the token-mean of an unbiased per-token estimator converges to, draws from q).
         value = super().true_value(target)
-        return value / self.mean_length() if aggregate in PER_TOKEN else value
+        return value / self.mean_length() if AGGREGATES[aggregate].per_token else value
 
     def mean_length(self) -> float:
         """E_q|y|, exact (computed once: every per-token row's truth divides by it)."""
@@ -340,24 +337,36 @@ class RolloutPair(Pair):
         return total
 
     def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:
-        if aggregate in ("tok_mean", "tok_gm"):
-            return self._length_moments(est, aggregate)
-        if aggregate == "tok_batch":        # draws are unweighted (refused otherwise): b's length split
-            f = self._tok_values(est)
-            ones = torch.ones_like(f)
-            by_length = self._length_dp(lambda lb: ones, lambda lb: f, 2)
-            if self._length_spectra is None:      # the lengths' part: the same for every row of the case
-                self._length_spectra = rollout_dp.length_spectra(by_length[:, 0], self.token_mean_batch)
-            return rollout_dp.token_mean_moments(by_length, self.token_mean_batch, self._length_spectra)
+        # Each aggregate's exact hook (kl_bench.draws.AGGREGATES) calls one of the exact_* methods below.
+        return AGGREGATES[aggregate].exact(self, est)
+
+    def exact_seq(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of f(L), L the sequence log-ratio: polynomial moments E[R^s L^k] by the DP."""
+        if est.analytic:
+            return self.exact_tok(est)
         if self.has_sampler:
-            return self._sampler_moments(est, aggregate)
-        if aggregate == "tok" or est.analytic:
-            m = self.tok_moments(self._tok_values(est))
-            return m[1], max(m[2] - m[1] ** 2, 0.0)
+            return self._sampler_seq_moments(est)
         if est.poly is None:
             return math.nan, math.nan          # |L|: no exact rollout oracle
         mean, second = self._poly_mean(est.poly), self._poly_mean(poly_square(est.poly))
         return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
+
+    def exact_tok(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of the token sum Σ_t f(log r_t): additive along the path."""
+        if self.has_sampler:
+            return self._sampler_tok_moments(est)
+        m = self.tok_moments(self._tok_values(est))
+        return m[1], max(m[2] - m[1] ** 2, 0.0)
+
+    def exact_tok_batch(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of one token-mean value Σ_i Σ_t f / Σ_i |y_i| over B sequences. Draws are
+        unweighted (refused otherwise): b's length split."""
+        f = self._tok_values(est)
+        ones = torch.ones_like(f)
+        by_length = self._length_dp(lambda lb: ones, lambda lb: f, 2)
+        if self._length_spectra is None:      # the lengths' part: the same for every row of the case
+            self._length_spectra = rollout_dp.length_spectra(by_length[:, 0], self.token_mean_batch)
+        return rollout_dp.token_mean_moments(by_length, self.token_mean_batch, self._length_spectra)
 
     def kurtosis_proxy(self, est: RowSource, aggregate: str = "seq") -> float:
         # Sequence-level estimators with an R^s term are dominated by it in the tail:
@@ -370,25 +379,28 @@ class RolloutPair(Pair):
         num, den = self.seq_moments(4 * s_max)[0], self.seq_moments(2 * s_max)[0]
         return num / den**2 if math.isfinite(num) and math.isfinite(den) and den > 0 else math.inf
 
-    def _sampler_moments(self, est: RowSource, aggregate: str) -> tuple[float, float]:
-        """(E_b[v], Var_b[v]) of a row under the sampler, by the phased dynamic program."""
+    def _sampler_tok_moments(self, est: RowSource) -> tuple[float, float]:
+        """(E_b[v], Var_b[v]) of a tok row under the sampler, by the phased dynamic program."""
+        ones = torch.ones_like(self.logr_table)
+        wt = self.token_weight
+        f = self._tok_values(est)
+        if self.weights == "token":             # Σ_t w_t f_t: additive
+            mom = self._dp_b(lambda lb: ones, lambda lb: wt(lb) * f, 2)
+            return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+        if self.weights in ("sequence", "geometric"):   # W · Σ_t f_t: weight multiplicative, sum additive
+            m1 = self._dp_b(lambda lb: wt(lb), lambda lb: f, 1)[1]
+            m2 = self._dp_b(lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
+            return _mean_var(m1, m2)
+        mom = self._dp_b(lambda lb: ones, lambda lb: f, 2)
+        return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+
+    def _sampler_seq_moments(self, est: RowSource) -> tuple[float, float]:
+        """(E_b[v], Var_b[v]) of a seq row (a polynomial in R and L) under the sampler."""
+        if est.poly is None:
+            return math.nan, math.nan
         ones = torch.ones_like(self.logr_table)
         weighted = self.weights != "none"
         wt = self.token_weight
-
-        if aggregate == "tok" or est.analytic:
-            f = self._tok_values(est)
-            if self.weights == "token":             # Σ_t w_t f_t: additive
-                mom = self._dp_b(lambda lb: ones, lambda lb: wt(lb) * f, 2)
-                return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
-            if self.weights in ("sequence", "geometric"):   # W · Σ_t f_t: weight multiplicative, sum additive
-                m1 = self._dp_b(lambda lb: wt(lb), lambda lb: f, 1)[1]
-                m2 = self._dp_b(lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
-                return m1, (math.inf if not math.isfinite(m2) else max(m2 - m1 * m1, 0.0))
-            mom = self._dp_b(lambda lb: ones, lambda lb: f, 2)
-            return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
-        if est.poly is None:
-            return math.nan, math.nan
 
         def moment(poly, power):   # E_b[W^power Σ c R^s L^k]
             total = 0.0
@@ -409,29 +421,29 @@ class RolloutPair(Pair):
         """[T, kmax+1]: E_b[M S^k ; |y| = ℓ] for ℓ = 1..T under the sampler's phases (b = q without one)."""
         return rollout_dp.propagate_by_length(self._phase_matrices(m_fn, h_fn, kmax))
 
-    def _length_moments(self, est: RowSource, aggregate: str) -> tuple[float, float]:
-        """(mean, variance) of tok_mean (Σ_t f / |y|, times W with sequence weights) or tok_gm
-        (Σ_t f · W^{1/|y|}), exact by splitting the dynamic program on the final length |y|."""
+    def exact_tok_mean(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of Σ_t f / |y| (times W with sequence weights), exact by splitting the dynamic
+        program on the final length |y|."""
         f = self._tok_values(est)
         ones = torch.ones_like(f)
         lengths = torch.arange(1, self.length + 1, dtype=torch.float64)
-        if aggregate == "tok_mean":
-            seq_w = self.weights in ("sequence", "geometric")
-            m1 = self._length_dp(lambda lb: self.token_weight(lb) if seq_w else ones, lambda lb: f, 1)[:, 1]
-            m2 = self._length_dp(lambda lb: self.token_weight(lb) ** 2 if seq_w else ones, lambda lb: f, 2)[:, 2]
-            mean, second = float((m1 / lengths).sum()), float((m2 / lengths**2).sum())
-        else:
-            # W^{1/ℓ} = Π_t w_t^{1/ℓ} is multiplicative once ℓ is fixed: one program per final length.
-            mean = second = 0.0
-            for ell in range(1, self.length + 1):
-                # w^{1/ℓ} as exp(log w / ℓ): finite whenever the geometric mean is
-                mean += float(self._length_dp(lambda lb: torch.exp(self.token_log_weight(lb) / ell), lambda lb: f,
-                                              1)[ell - 1, 1])
-                second += float(self._length_dp(lambda lb: torch.exp(2 * self.token_log_weight(lb) / ell),
-                                                lambda lb: f, 2)[ell - 1, 2])
-        if not math.isfinite(second):
-            return mean, math.inf
-        return mean, max(second - mean * mean, 0.0)
+        seq_w = self.weights in ("sequence", "geometric")
+        m1 = self._length_dp(lambda lb: self.token_weight(lb) if seq_w else ones, lambda lb: f, 1)[:, 1]
+        m2 = self._length_dp(lambda lb: self.token_weight(lb) ** 2 if seq_w else ones, lambda lb: f, 2)[:, 2]
+        return _mean_var(float((m1 / lengths).sum()), float((m2 / lengths**2).sum()))
+
+    def exact_tok_gm(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of Σ_t f · W^{1/|y|}: W^{1/ℓ} = Π_t w_t^{1/ℓ} is multiplicative once ℓ is fixed,
+        so one program per final length."""
+        f = self._tok_values(est)
+        mean = second = 0.0
+        for ell in range(1, self.length + 1):
+            # w^{1/ℓ} as exp(log w / ℓ): finite whenever the geometric mean is
+            mean += float(self._length_dp(lambda lb: torch.exp(self.token_log_weight(lb) / ell), lambda lb: f,
+                                          1)[ell - 1, 1])
+            second += float(self._length_dp(lambda lb: torch.exp(2 * self.token_log_weight(lb) / ell),
+                                            lambda lb: f, 2)[ell - 1, 2])
+        return _mean_var(mean, second)
 
     def token_mean_limit(self, est: RowSource) -> float:
         """E[Σ_t f] / E[|y|]: what "token-mean" aggregation (Σ over a batch's tokens / their number)
@@ -474,22 +486,14 @@ class RolloutPair(Pair):
         ``record``: when a list, each step appends (key, alive, w) of shape [n]: key = c·V + x (the
         bucket the token was drawn from and the token), alive = 1.0 where the step belongs to the
         sequence, w the token's (capped) weight q/b (None without weights)."""
-        if self._phase_alias is None:
-            self._phase_alias = [self.alias_table()] if not self.has_sampler else [
-                _flat_alias(lb) for lb, _ in self.phases]
-        tables = [(t.prob.to(device), t.alias.to(device)) for t in self._phase_alias]
-        logw = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self.phases] if self.weights != "none" else None
-        phase_of = [i for i, (_, steps) in enumerate(self.phases) for _ in range(steps)] if self.has_sampler \
-            else [0] * self.length
+        tables, logw, phase_of = self._sampler_tables(device)
         g_flat, kl_ctx, bucket = self.logr_table.reshape(-1).to(device), self.kl_ctx.to(device), self.bucket.to(device)
         v, n = self.vocab, sum(sizes)
         weight = torch.ones(n, dtype=torch.float64, device=device) if logw is not None else None
         log_weight = torch.zeros(n, dtype=torch.float64, device=device) if logw is not None else None
         c = torch.zeros(n, dtype=torch.int64, device=device)
         alive = torch.ones(n, dtype=torch.float64, device=device)
-        logr = torch.zeros(n, dtype=torch.float64, device=device)
-        full = torch.zeros_like(logr)
-        tok_b = torch.zeros_like(logr)
+        logr, full, tok_b = (torch.zeros(n, dtype=torch.float64, device=device) for _ in range(3))
         tok = torch.zeros(n, len(tok_rows), dtype=torch.float64, device=device)
         for t in range(self.length):
             prob, alias = tables[phase_of[t]]
@@ -498,32 +502,43 @@ class RolloutPair(Pair):
             j = u.long().clamp_(max=v - 1)
             base = c * v
             x = torch.where(u - j < prob[base + j], j, alias[base + j])
-            g = g_flat[base + x]
-            kl_c = kl_ctx[c]
+            g, kl_c = g_flat[base + x], kl_ctx[c]
             logr += alive * g
             full += alive * kl_c
             tok_b += alive * torch.expm1(g)
-            step_w = None
-            if logw is not None:                    # q/b of this token, for sequences still alive
-                w_t = torch.exp(logw[phase_of[t]][base + x])
-                if self.weight_cap is not None:
-                    w_t = w_t.clamp(max=self.weight_cap)
+            w_t = None if logw is None else self._capped(torch.exp(logw[phase_of[t]][base + x]))
+            if w_t is not None:                     # q/b of this token, for sequences still alive
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
                 lw_t = logw[phase_of[t]][base + x]
                 if self.weight_cap is not None:
                     lw_t = lw_t.clamp(max=math.log(self.weight_cap))
                 log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
-                step_w = w_t if self.weights == "token" else None
             if record is not None:
-                record.append((base + x, alive, w_t if logw is not None else None))
+                record.append((base + x, alive, w_t))
             if tok_rows:
                 vals = torch.stack([kl_c if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
-                tok += (alive if step_w is None else alive * step_w)[:, None] * vals
+                tok += (alive * w_t if self.weights == "token" else alive)[:, None] * vals
             if self.eos is not None:
                 alive = alive * (x != self.eos)
             c = bucket[x]
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token",
                      log_weight=log_weight)
+
+    def _sampler_tables(self, device: torch.device):
+        """Per phase the flattened alias tables [(prob, alias)] of b, per phase log(q/b) [C·V] (None
+        without weights), and the phase of each step t."""
+        if self._phase_alias is None:
+            self._phase_alias = [self.alias_table()] if not self.has_sampler else [
+                _flat_alias(lb) for lb, _ in self.phases]
+        tables = [(t.prob.to(device), t.alias.to(device)) for t in self._phase_alias]
+        logw = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self.phases] if self.weights != "none" else None
+        phase_of = [i for i, (_, steps) in enumerate(self.phases) for _ in range(steps)] if self.has_sampler \
+            else [0] * self.length
+        return tables, logw, phase_of
+
+    def _capped(self, w: torch.Tensor) -> torch.Tensor:
+        """A token's weight q/b with the case's cap applied."""
+        return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         piece = self.piece_draws(device)
@@ -580,6 +595,13 @@ class RolloutPair(Pair):
                 + (f": {self.label}" if self.label else "")
                 + (f"; {self.sampler_label}" if self.sampler_label else "")
                 + (f"; {self.precision.describe()}" if self.precision is not None else ""))
+
+
+def _mean_var(mean: float, second: float) -> tuple[float, float]:
+    """(mean, variance) from the first two moments; an infinite second moment is an infinite variance."""
+    if not math.isfinite(second):
+        return mean, math.inf
+    return mean, max(second - mean * mean, 0.0)
 
 
 def _flat_alias(log_b: torch.Tensor) -> AliasTable:
