@@ -12,7 +12,7 @@ only; the code below is ours), at the commits pinned in :data:`COMMITS`:
 | verl.low_var_kl | same | clamp(e^ℓ̃ − ℓ̃ − 1, ±10), ℓ̃ = clamp(ℓ, ±20) | loss |
 | verl.<name>+ | same, ``kl_penalty`` | value of <name>, gradient of ½ℓ² (straight-through) | loss |
 | openrlhf.k1, k2, k3 | openrlhf/models/utils.py, ``compute_approx_kl`` | −ℓ, ½ℓ², e^ℓ − 1 − ℓ in float32; ±10 | reward (default) or loss |
-| openrlhf.k1+, k2+, k3+ | same, OpenRLHF #1309 (``--algo.kl.unbiased_gradient``) | value of kN, gradient of w·½ℓ², w = sg(min(q/q_old, 10)) | loss |
+| openrlhf.k1+, k2+, k3+ | same, OpenRLHF #1309 (``unbiased_gradient``) | value of kN, gradient of w·½ℓ², w = sg(min(q/q_old, 10)) | loss |
 | trl.grpo | trl/trainer/grpo_trainer.py (``use_bias_correction_kl``) | e^ℓ − ℓ − 1, unclamped, × coef_1 | loss_is |
 | trl.ppo_k1, trl.ppo_k3 | trl/experimental/ppo/ppo_trainer.py (``kl_estimator``) | −ℓ; (e^ℓ − 1) − ℓ | reward |
 | nemo.k1, k2, k3 | nemo_rl/algorithms/utils.py (``calculate_kl``), loss/loss_functions.py | −ℓ̃, ½ℓ̃², e^ℓ̃ − 1 − ℓ̃; ±10 | loss_is_nemo |
