@@ -67,3 +67,12 @@ def test_aggregations_through_estimate(agg):
             "seq-mean-token-mean": sum(s.mean() for s in per_seq) / 3,
             "seq-mean-token-sum": sum(s.sum() for s in per_seq) / 3}[agg]
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("version", ["1.15.2", "2.0.0", "x"])
+def test_unsupported_trl_version_is_one_line(version):
+    from kl_bench.integrations.trl import check_trl_version
+    with pytest.raises(kl_bench.SpecError, match=r"supported: trl >= 1.16, < 1.17") as e:
+        check_trl_version(version)
+    assert "\n" not in str(e.value)
+    assert check_trl_version("1.16.3") == "1.16.3"

@@ -39,10 +39,12 @@ from .sampler import Sampler, sampler_scores
 
 @dataclass(frozen=True)
 class Head:
-    """An output layer: logits = h @ weight.T + bias. ``weight`` [V, d], ``bias`` [V] or None. A final
-    norm (if the model has one after its body) is applied by the caller to the hidden states."""
+    """An output layer: logits = (h @ weight.T + bias) · scale. ``weight`` [V, d], ``bias`` [V] or None;
+    ``scale``: 1/T for trainers that divide the logits by the sampling temperature (TRL). A final norm (if
+    the model has one after its body) is applied by the caller to the hidden states."""
     weight: torch.Tensor
     bias: torch.Tensor | None = None
+    scale: float = 1.0
 
     @property
     def vocab(self) -> int:
@@ -51,7 +53,8 @@ class Head:
     def logits(self, h: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Logits of ids [lo, hi) for hidden states ``h`` [n, d] (already in the compute dtype): [n, hi − lo]."""
         z = h @ self.weight[lo:hi].to(h.dtype).T
-        return z if self.bias is None else z + self.bias[lo:hi].to(h.dtype)
+        z = z if self.bias is None else z + self.bias[lo:hi].to(h.dtype)
+        return z if self.scale == 1.0 else z * self.scale
 
 
 class _Moments:
