@@ -482,6 +482,20 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
         out_console.print(f'use: [[case]] kind = "logprobs", file = "{written["continuations"]}"', markup=False)
 
 
+# ----------------------------------------------------------------------------- trainer audit (issue 24)
+@app.command("audit", cls=_Command)
+def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step-*.safetensors files (docs/audit.md)",
+                                        show_default=False),
+          out: Optional[Path] = typer.Option(None, "--out", help="results folder (default: DIR/audit)"),
+          tile: int = typer.Option(8192, "--tile", help="vocabulary ids per tile (hidden-state steps)"),
+          chunk: int = typer.Option(256, "--chunk", help="positions per chunk (hidden-state steps)")) -> None:
+    """Audit saved training steps: the trainer's KL against the exact KL, bias by source, z, consistency."""
+    from .audit.offline import audit_command
+    with _user_errors():
+        written = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: out_console.print(s, markup=False))
+    out_console.print(f"→ {written}", markup=False)
+
+
 # Test hook: "PHASE" or "PHASE:SIGTERM" makes the process signal itself at that phase of start-up or
 # writing (start, spec, pairs, write), so that the signal tests need no sleeps.
 _SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..audit.sampler import Sampler
-from ..audit.step import AuditLog, StepAudit, step_sums
+from ..audit.step import AuditLog, StepAudit, step_line, step_sums
 from ..audit.stream import Head, stream_values
 from ..errors import SpecError
 
@@ -324,10 +324,7 @@ class KLAudit(_Base):
             for key, v in metrics.items():
                 store["train"][f"kl_audit/{key}"].append(float(v))
         if self._is_main():
-            self.print(f"kl_audit: step {a.step} {a.source} ({a.estimator}, {a.aggregation}, {a.tokens} tokens): "
-                       f"logged {a.logged:.5g}, exact {a.exact:.5g}, bias {a.bias:+.3g} ± {a.se:.2g} (z = {a.z:+.2f}); "
-                       f"sampler {a.bias_sampler:+.3g}, precision {a.bias_precision:+.2g}; "
-                       f"consistency z = {a.consistency_z:+.2f}")
+            self.print(f"kl_audit: {step_line(a)}")
         self._warn_step(a)
 
     def _warn_step(self, a: StepAudit) -> None:
