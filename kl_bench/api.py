@@ -350,11 +350,11 @@ def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None,
     positional form ``estimate(logp, logq, estimator)`` (reference first) still works; a swap would
     silently negate log r, which is why the keywords are the documented way.
 
-    ``policy``, ``reference``: log π(x) and log ref(x) of the sampled tokens, any (equal) shape and dtype;
+    ``policy``, ``reference``: log q(x) and log p(x) of the sampled tokens, any (equal) shape and dtype;
     the values are computed in that dtype, as a trainer would, and autograd flows through them.
     ``policy_logits``, ``reference_logits`` [..., V] instead: with ``ids`` [...] (the sampled tokens) the
     log-probs are their log-softmax (in the logits' dtype) at ``ids``; with ``estimator="full"`` the value
-    at each position is the exact KL(π‖ref) = Σ_v π log(π/ref), in float64 (kl_bench.audit). ``mask``
+    at each position is the exact KL(q‖p) = Σ_v q log(q/p), in float64 (kl_bench.audit). ``mask``
     (the values' shape, bool or 0/1) zeroes padding. ``aggregation``: ``"token-mean"``,
     ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum"`` (with a [B, T] mask; the trainers' formulas,
     kl_bench.audit.aggregate) returns one 0-d tensor. ``estimator``: a registry name, a plug-in
@@ -394,7 +394,7 @@ def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None,
 
 
 def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_logits, ids, est):
-    """(log π, log ref) for :func:`estimate`: sampled tokens' log-probs, or logits [..., V] for ``full``."""
+    """(log q, log p) for :func:`estimate`: sampled tokens' log-probs, or logits [..., V] for ``full``."""
     forms = [(logq, logp), (policy, reference), (policy_logits, reference_logits)]
     given = [i for i, (a, b) in enumerate(forms) if a is not None or b is not None]
     if len(given) != 1 or any(x is None for x in forms[given[0]] if given):

@@ -82,14 +82,14 @@ def test_exact_values_against_enumeration(sp):
         assert pv.miss[i].item() == pytest.approx(sum(p for p, q in zip(pi, b) if q == 0), abs=1e-13)
         for j, name in enumerate(EST):
             f = kl_bench.ESTIMATORS[name].fn(torch.tensor([c - a for a, c in zip(lp, lr)], dtype=torch.float64)).tolist()
-            for w, mean, var in ((pi, pv.mean_pi, pv.var_pi), (b, pv.mean_b, pv.var_b)):
+            for w, mean, var in ((pi, pv.mean_q, pv.var_q), (b, pv.mean_b, pv.var_b)):
                 m = sum(x * y for x, y in zip(w, f))
                 assert mean[i, j].item() == pytest.approx(m, rel=1e-11, abs=1e-13)
                 assert var[i, j].item() == pytest.approx(sum(x * (y - m) ** 2 for x, y in zip(w, f)), rel=1e-10, abs=1e-13)
             assert pv.neg_b[i, j].item() == pytest.approx(sum(x for x, y in zip(b, f) if y < 0), abs=1e-13)
         logb = [math.log(q) if q > 0 else -math.inf for q in b]
         assert pv.tok_logb[i].item() == pytest.approx(logb[ids[i]], abs=1e-12)
-        assert pv.tok_logpi[i].item() == pytest.approx(lp[ids[i]], abs=1e-13)
+        assert pv.tok_logq[i].item() == pytest.approx(lp[ids[i]], abs=1e-13)
         e = sum(q * lq for q, lq in zip(b, logb) if q > 0)
         assert pv.logb_mean[i].item() == pytest.approx(e, abs=1e-12)
         assert pv.logb_var[i].item() == pytest.approx(sum(q * (lq - e) ** 2 for q, lq in zip(b, logb) if q > 0), abs=1e-11)
@@ -164,8 +164,8 @@ def test_streaming_equals_dense(sp, candidates):
     dense = position_values(zp, zr, EST, sp, ids=ids, eos_banned=ban, context_ids=ctx)
     st = stream_values(hp, hr, Head(wp, bias), Head(wr), EST, sp, ids=ids, eos_banned=ban, context_ids=ctx,
                        chunk=7, tile=128, candidates=candidates)
-    for name in ("kl", "mean_pi", "var_pi", "mean_b", "var_b", "neg_b", "miss", "logb_mean", "logb_var",
-                 "tok_logpi", "tok_logref", "tok_logb"):
+    for name in ("kl", "mean_q", "var_q", "mean_b", "var_b", "neg_b", "miss", "logb_mean", "logb_var",
+                 "tok_logq", "tok_logp", "tok_logb"):
         a, b = getattr(dense, name), getattr(st, name)
         assert torch.equal(torch.isinf(a), torch.isinf(b)), name
         fin = torch.isfinite(a)
@@ -302,3 +302,14 @@ def test_sampler_settings_reject_unknown_keys():
     with pytest.raises(SpecError, match="needs eos_token_id"):
         Sampler(min_new_tokens=2)
     assert Sampler.from_dict({"top_k": 0, "top_p": 1.0, "eos_token_id": 5}).is_identity
+
+
+def test_stream_kl_is_pass_one_of_stream_values():
+    g = _gen(12)
+    hp, hr = 0.4 * torch.randn(9, 6, generator=g), 0.4 * torch.randn(9, 6, generator=g)
+    wp, wr = torch.randn(300, 6, generator=g), torch.randn(300, 6, generator=g)
+    full = stream_values(hp, hr, Head(wp), Head(wr), (), chunk=4, tile=64)
+    kl = kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), chunk=4, tile=64)
+    assert torch.allclose(kl, full.kl, rtol=1e-13, atol=1e-15)
+    dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, ())
+    assert torch.allclose(kl, dense.kl, rtol=1e-12, atol=1e-14)

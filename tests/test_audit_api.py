@@ -22,7 +22,7 @@ def test_keywords_equal_the_positional_form_and_a_swap_flips_k1():
     logp = torch.log_softmax(zp, -1).gather(-1, ids[..., None]).squeeze(-1)
     kw = kl_bench.estimate(policy=logq, reference=logp, estimator="k1")
     assert torch.equal(kw, kl_bench.estimate(logp, logq, "k1"))
-    assert torch.equal(kw, logq - logp)                                   # k1 = −log r = log π − log ref
+    assert torch.equal(kw, logq - logp)                                   # k1 = −log r = log q − log p
     assert torch.equal(kl_bench.estimate(policy=logp, reference=logq, estimator="k1"), -kw)
     via_logits = kl_bench.estimate(policy_logits=zq, reference_logits=zp, ids=ids, estimator="k3")
     assert torch.equal(via_logits, kl_bench.estimate(policy=logq, reference=logp, estimator="k3"))

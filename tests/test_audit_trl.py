@@ -88,3 +88,44 @@ def test_rloo_k1_in_the_reward(tiny_models, tmp_path):
 def test_dropout_and_bf16_warn(tiny_models, tmp_path):
     _, cb, _ = _run(tiny_models, tmp_path, steps=1, disable_dropout=False, bf16=True)
     assert any("dropout is active" in w for w in cb.warnings) and any("bf16" in w for w in cb.warnings)
+
+
+def test_calibration_the_z_test_rejects_at_its_nominal_rate(tiny_models, tmp_path):
+    # Learning rate 0: every step samples from the same policy, so the steps are independent repetitions
+    # and z ~ N(0, 1) at each; at α = 0.05 the number of rejections is Binomial(S, 0.05).
+    steps, alpha = 60, 0.05
+    _, cb, _ = _run(tiny_models, tmp_path, steps=steps, learning_rate=0.0, seed=1)
+    z = torch.tensor([r.z for r in cb.log.rows])
+    cz = torch.tensor([r.consistency_z for r in cb.log.rows])
+    assert len(z) == steps
+    for stat in (z, cz):
+        rejected = int((stat.abs() > 1.959964).sum())
+        assert abs(rejected - steps * alpha) < 5 * (steps * alpha * (1 - alpha)) ** 0.5
+        assert abs(stat.square().mean().item() - 1) < 5 * (2 / steps) ** 0.5
+        assert abs(stat.mean().item()) < 5 / steps ** 0.5
+
+
+def test_two_cpu_processes_reduce_the_audit(tmp_path):
+    """torchrun, 2 gloo processes: each rank audits its own rows, rank 0 logs the sums of both."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "mp"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "-m", "kl_bench.integrations.demo", "--steps", "2", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = (out / "audit.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    table = [dict(zip(header, r.split(","))) for r in rows[1:]]
+    assert len(table) == 2 and all(int(r["tokens"]) == 2 * 64 and int(r["sequences"]) == 16 for r in table)
+    logged = [h["kl"] for h in json.loads((out / "trl_log_history.json").read_text()) if "kl" in h]
+    # TRL's kl is its global masked mean over both ranks; the audit's `logged` is the same token mean,
+    # reduced from the ranks' float64 sums (TRL sums in float32).
+    for r, kl in zip(table, logged):
+        assert float(r["logged"]) == pytest.approx(kl, rel=1e-5)
+    assert sum(line.startswith("kl_audit: step") for line in res.stdout.splitlines()) == 2     # rank 0 only

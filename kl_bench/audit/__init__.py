@@ -4,8 +4,8 @@ from .aggregate import AGGREGATIONS, aggregate, aggregation_weights
 from .exact import PositionValues, position_values
 from .sampler import Sampler, sampler_logprobs
 from .step import AUDIT_COLUMNS, AuditLog, StepAudit, audit_step, step_sums
-from .stream import Head, stream_values
+from .stream import Head, stream_kl, stream_values
 
 __all__ = ["AGGREGATIONS", "AUDIT_COLUMNS", "AuditLog", "Head", "PositionValues", "Sampler", "StepAudit",
            "aggregate", "aggregation_weights", "audit_step", "position_values", "sampler_logprobs", "step_sums",
-           "stream_values"]
+           "stream_kl", "stream_values"]

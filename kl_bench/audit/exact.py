@@ -1,11 +1,11 @@
 """Exact per-position values from full next-token logits (the dense path).
 
-At each position i the policy π_i and the reference ref_i are the softmax of their logits [N, V]. With
-log r = log ref − log π (notation of kl_bench.estimators), for every estimator f (a function of log r):
+At each position i the policy q_i and the reference p_i are the softmax of their logits [N, V]. With
+log r = log p − log q (notation of kl_bench.estimators), for every estimator f (a function of log r):
 
-    KL_i = Σ_v π_i(v) log(π_i(v)/ref_i(v)),  E_π[f] = Σ_v π_i(v) f(log r_i(v)),  Var_π[f] likewise,
+    KL_i = Σ_v q_i(v) log(q_i(v)/p_i(v)),  E_q[f] = Σ_v q_i(v) f(log r_i(v)),  Var_q[f] likewise,
 
-and under the sampler's b_i (kl_bench.audit.sampler) E_b[f], Var_b[f], P_b(f < 0), the π-mass b never
+and under the sampler's b_i (kl_bench.audit.sampler) E_b[f], Var_b[f], P_b(f < 0), the q-mass b never
 draws, and the moments of log b (the consistency check's statistic). Everything is float64 whatever the
 logits' dtype: the sums run over up to 10^5 terms, and KL is a small difference of O(1) numbers.
 Variances are centred sums Σ w (f − E f)², never E f² − (E f)², which cancels catastrophically at small KL.
@@ -26,22 +26,22 @@ from .sampler import Sampler, sampler_logprobs
 class PositionValues:
     """Exact values at N positions. [N] tensors, [N, F] for the F ``estimators`` (columns in that order).
 
-    ``kl``: KL(π‖ref); ``mean_pi``/``var_pi``: E_π[f], Var_π[f]; ``mean_b``/``var_b``/``neg_b``: E_b[f],
-    Var_b[f], P_b(f < 0); ``miss``: π-mass outside b's support; ``logb_mean``/``logb_var``: E_b[log b],
-    Var_b[log b]; ``tok_logpi``/``tok_logref``/``tok_logb``: log π, log ref, log b of the sampled token
+    ``kl``: KL(q‖p); ``mean_q``/``var_q``: E_q[f], Var_q[f]; ``mean_b``/``var_b``/``neg_b``: E_b[f],
+    Var_b[f], P_b(f < 0); ``miss``: q-mass outside b's support; ``logb_mean``/``logb_var``: E_b[log b],
+    Var_b[log b]; ``tok_logq``/``tok_logp``/``tok_logb``: log q, log p, log b of the sampled token
     (NaN where no ids were given)."""
     estimators: tuple[str, ...]
     kl: torch.Tensor
-    mean_pi: torch.Tensor
-    var_pi: torch.Tensor
+    mean_q: torch.Tensor
+    var_q: torch.Tensor
     mean_b: torch.Tensor
     var_b: torch.Tensor
     neg_b: torch.Tensor
     miss: torch.Tensor
     logb_mean: torch.Tensor
     logb_var: torch.Tensor
-    tok_logpi: torch.Tensor
-    tok_logref: torch.Tensor
+    tok_logq: torch.Tensor
+    tok_logp: torch.Tensor
     tok_logb: torch.Tensor
 
     @property
@@ -109,16 +109,16 @@ def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: S
                         f"and {list(reference.shape)}")
     names, fns = estimator_functions(estimators)
     sampler = sampler or Sampler()
-    lpi = torch.log_softmax(policy.to(torch.float64), dim=-1)
-    lref = torch.log_softmax(reference.to(torch.float64), dim=-1)
-    logr = lref - lpi
+    lq = torch.log_softmax(policy.to(torch.float64), dim=-1)
+    lp = torch.log_softmax(reference.to(torch.float64), dim=-1)
+    logr = lp - lq
     f = torch.stack([fn(logr) for fn in fns], dim=-1) if fns else logr.new_zeros(logr.shape + (0,))
-    mean_pi, var_pi = _moments(lpi, f)
-    kl = _moments(lpi, (-logr).unsqueeze(-1))[0].squeeze(-1)
-    lb = lpi if sampler.is_identity else sampler_logprobs(policy, sampler, eos_banned=eos_banned, context_ids=context_ids)
+    mean_q, var_q = _moments(lq, f)
+    kl = _moments(lq, (-logr).unsqueeze(-1))[0].squeeze(-1)
+    lb = lq if sampler.is_identity else sampler_logprobs(policy, sampler, eos_banned=eos_banned, context_ids=context_ids)
     mean_b, var_b = _moments(lb, f)
     neg_b = _moments(lb, (f < 0).to(torch.float64))[0]
-    miss = torch.where(torch.isneginf(lb), torch.exp(lpi), torch.zeros_like(lpi)).sum(dim=-1)
+    miss = torch.where(torch.isneginf(lb), torch.exp(lq), torch.zeros_like(lq)).sum(dim=-1)
     logb_mean, logb_var = (t.squeeze(-1) for t in _moments(lb, lb.unsqueeze(-1)))
-    return PositionValues(names, kl, mean_pi, var_pi, mean_b, var_b, neg_b, miss, logb_mean, logb_var,
-                          _gather(lpi, ids), _gather(lref, ids), _gather(lb, ids))
+    return PositionValues(names, kl, mean_q, var_q, mean_b, var_b, neg_b, miss, logb_mean, logb_var,
+                          _gather(lq, ids), _gather(lp, ids), _gather(lb, ids))

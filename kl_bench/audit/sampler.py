@@ -93,7 +93,7 @@ class Sampler:
 
     @property
     def is_identity(self) -> bool:
-        """b = π at every position (nothing set)."""
+        """b = q at every position (nothing set)."""
         return (self.temperature == 1.0 and not self.truncates and self.repetition_penalty == 1.0
                 and self.min_new_tokens == 0)
 
@@ -102,7 +102,7 @@ class Sampler:
                 if getattr(self, n) not in (None, 0, 1.0)]
         if self.min_new_tokens:
             bits.append(f"min_new_tokens={self.min_new_tokens}")
-        return "b = π" if self.is_identity else "b: " + ", ".join(bits)
+        return "b = q" if self.is_identity else "b: " + ", ".join(bits)
 
 
 def penalize(logits: torch.Tensor, context_ids: torch.Tensor | None, penalty: float, lo: int = 0) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """Step audits: a trainer's KL estimate against the exact value of the policy its loss scores.
 
 A step's estimate is Σ_t w_t f(x_t) over the masked tokens (weights of its aggregation,
-kl_bench.audit.aggregate). With KL_t, E_π[f]_t, E_b[f]_t, Var_b[f]_t the exact per-position values
+kl_bench.audit.aggregate). With KL_t, E_q[f]_t, E_b[f]_t, Var_b[f]_t the exact per-position values
 (kl_bench.audit.exact), it splits exactly as
 
-    logged − Σ w KL = Σ w (E_π f − KL)            estimator bias
-                    + Σ w (E_b f − E_π f)          sampler bias (b ≠ π: temperature, top-k, top-p, ...)
+    logged − Σ w KL = Σ w (E_q f − KL)            estimator bias
+                    + Σ w (E_b f − E_q f)          sampler bias (b ≠ q: temperature, top-k, top-p, ...)
                     + Σ w (f(x) − E_b f)           noise: mean 0, SE² = Σ w² Var_b f
                     + (logged − recomputed)        precision and mismatch (the trainer's log-probs
                                                    against float64 ones from the audited logits).
@@ -34,7 +34,7 @@ from .aggregate import aggregation_units
 from .exact import PositionValues
 
 # The additive sums of one step (one float64 vector; ranks add theirs).
-SUMS = ("denominator", "logged", "recomputed", "exact", "expected_pi", "expected_b", "noise_var", "tokens",
+SUMS = ("denominator", "logged", "recomputed", "exact", "expected_q", "expected_b", "noise_var", "tokens",
         "sequences", "logged_negative", "p_negative", "miss", "consistency_sum", "consistency_var", "impossible")
 
 
@@ -59,13 +59,13 @@ def step_sums(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor,
     u, d = aggregation_units(mask, aggregation)
     um = u[mask]
     fn = resolve_estimator(estimator).fn
-    recomputed = fn(values.tok_logref - values.tok_logpi)          # float64 log r of the sampled tokens
+    recomputed = fn(values.tok_logp - values.tok_logq)          # float64 log r of the sampled tokens
     logged = trainer.detach().cpu().to(torch.float64)[mask]
     logb = values.tok_logb
     possible = torch.isfinite(logb)
     cons = torch.where(possible, logb - values.logb_mean, torch.zeros_like(logb))
     sums = [d, (um * logged).sum(), (um * recomputed).sum(), (um * values.kl).sum(),
-            (um * values.mean_pi[:, col]).sum(), (um * values.mean_b[:, col]).sum(),
+            (um * values.mean_q[:, col]).sum(), (um * values.mean_b[:, col]).sum(),
             (um.square() * values.var_b[:, col]).sum(), mask.sum(), mask.shape[0], (logged < 0).sum(),
             values.neg_b[:, col].sum(), values.miss.sum(), cons.sum(),
             torch.where(possible, values.logb_var, torch.zeros_like(logb)).sum(),
@@ -85,7 +85,7 @@ class StepAudit:
     logged: float
     recomputed: float
     exact: float
-    expected_pi: float
+    expected_q: float
     expected_b: float
     se: float
     bias: float
@@ -107,7 +107,7 @@ class StepAudit:
         s = dict(zip(SUMS, sums.tolist()))
         d = max(s["denominator"], 1.0)
         logged, rec, exact = s["logged"] / d, s["recomputed"] / d, s["exact"] / d
-        e_pi, e_b, se = s["expected_pi"] / d, s["expected_b"] / d, math.sqrt(s["noise_var"]) / d
+        e_pi, e_b, se = s["expected_q"] / d, s["expected_b"] / d, math.sqrt(s["noise_var"]) / d
         tokens = max(s["tokens"], 1.0)
         return cls(step, source, estimator, aggregation, int(s["sequences"]), int(s["tokens"]), logged, rec, exact,
                    e_pi, e_b, se, logged - exact, z_score(logged, exact, se, abs(exact) + abs(logged)),
@@ -147,19 +147,19 @@ AUDIT_COLUMNS: dict[str, str] = {
     "tokens": "masked tokens audited (all ranks)",
     "logged": "the trainer's estimate: its own per-token values under its aggregation",
     "recomputed": "the same formula on float64 log-probs of the sampled tokens from the audited logits",
-    "exact": "Σ w KL(π‖ref) over the positions: the value the estimate is for",
-    "expected_pi": "Σ w E_π[f]: the estimate's expectation were tokens drawn from π",
+    "exact": "Σ w KL(q‖p) over the positions: the value the estimate is for",
+    "expected_q": "Σ w E_q[f]: the estimate's expectation were tokens drawn from q",
     "expected_b": "Σ w E_b[f]: its expectation under the sampler b that drew them",
     "se": "standard error of the noise, √Σ w² Var_b[f] (exact conditional variances)",
     "bias": "logged − exact",
     "z": "bias / se",
-    "bias_estimator": "expected_pi − exact (the formula's own bias; 0 for k1, k3)",
-    "bias_sampler": "expected_b − expected_pi (temperature, top-k, top-p, min-p, ...)",
+    "bias_estimator": "expected_q − exact (the formula's own bias; 0 for k1, k3)",
+    "bias_sampler": "expected_b − expected_q (temperature, top-k, top-p, min-p, ...)",
     "bias_precision": "logged − recomputed (rounding of the trainer's log-probs; dropout; position mismatch)",
     "noise": "recomputed − expected_b (sampling noise, mean 0, SD se)",
     "frac_negative": "fraction of the trainer's per-token values below 0",
     "p_negative": "exact token average of P_b(f < 0)",
-    "miss": "token average of the π-mass b can never draw",
+    "miss": "token average of the q-mass b can never draw",
     "consistency_z": "z of Σ(log b(x) − E_b log b): ≈ N(0,1) when tokens came from the audited b; −inf: b(x) = 0",
     "impossible": "sampled tokens with b(x) = 0 under the audited logits",
     "consistency_sum": "Σ (log b(x) − E_b log b) (pooled across steps)",

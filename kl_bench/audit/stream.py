@@ -4,16 +4,16 @@ Positions are taken ``chunk`` at a time and the vocabulary ``tile`` ids at a tim
 z = h Wᵀ (+ bias) are made, used and dropped, so memory is O(N + chunk × tile × F) whatever V is.
 
 Pass 1 (one output-layer forward of each model) runs an online log-sum-exp of the policy's and the
-reference's logits and, in the same loop, KL = E_π[z_π − z_ref] − lse_π + lse_ref, where the expectation is
-merged tile by tile (below) with the unnormalised weights exp(z_π): it needs no normaliser in advance.
+reference's logits and, in the same loop, KL = E_q[z_q − z_p] − lse_q + lse_p, where the expectation is
+merged tile by tile (below) with the unnormalised weights exp(z_q): it needs no normaliser in advance.
 It also keeps the sampler's running maximum score and top candidates, from which the per-row threshold τ
 of b follows (kl_bench.audit.sampler): top-k is the k-th largest score (an exact streaming k-selection);
 top-p is found among the top ``candidates`` scores when their mass reaches p, and otherwise (a flat row)
 from that one row's full score vector, built tile by tile (O(V) for one row); min-p is an offset from the
 maximum.
 
-Pass 2 (only when estimators are asked for, or b ≠ π) remakes the tiles: f(log r) needs log r =
-(z_ref − lse_ref) − (z_π − lse_π), hence both normalisers from pass 1.
+Pass 2 (only when estimators are asked for, or b ≠ q) remakes the tiles: f(log r) needs log r =
+(z_p − lse_p) − (z_q − lse_q), hence both normalisers from pass 1.
 
 Merging tiles: a tile with total weight W_t = Σ exp(logw), weighted mean μ_t and variance V_t joins the
 running (W, μ, V) as μ ← a μ + b μ_t, V ← a V + b V_t + a b (μ_t − μ)², with a = W/(W + W_t),
@@ -98,37 +98,43 @@ def _top_p_threshold(cand: torch.Tensor, norm: torch.Tensor, p: float) -> tuple[
 class _Scan:
     """What one position chunk needs: hidden states in the compute dtype, its sampler inputs, the ids."""
 
-    def __init__(self, hp, hr, heads, sampler, tile, eos_banned, context_ids, ids):
-        self.hp, self.hr, self.heads, self.sampler, self.tile = hp, hr, heads, sampler, tile
+    def __init__(self, hq, hp, heads, sampler, tile, eos_banned, context_ids, ids):
+        self.hq, self.hp, self.heads, self.sampler, self.tile = hq, hp, heads, sampler, tile
         self.eos_banned, self.context_ids, self.ids = eos_banned, context_ids, ids
 
-    def tiles(self, policy_only: bool = False):
-        """(lo, z_π, z_ref, s) for each vocabulary tile (z_ref None when ``policy_only``)."""
+    def tiles(self, policy_only: bool = False, scores: bool = True):
+        """(lo, z_q, z_p, s) for each vocabulary tile (z_p None when ``policy_only``, s None unless
+        ``scores``)."""
         vocab = self.heads[0].vocab
         for lo in range(0, vocab, self.tile):
             hi = min(lo + self.tile, vocab)
-            zp = self.heads[0].logits(self.hp, lo, hi).to(torch.float64)
-            zr = None if policy_only else self.heads[1].logits(self.hr, lo, hi).to(torch.float64)
-            s = sampler_scores(zp, self.sampler, lo=lo, eos_banned=self.eos_banned, context_ids=self.context_ids)
-            yield lo, zp, zr, s
+            zq = self.heads[0].logits(self.hq, lo, hi).to(torch.float64)
+            zp = None if policy_only else self.heads[1].logits(self.hp, lo, hi).to(torch.float64)
+            s = sampler_scores(zq, self.sampler, lo=lo, eos_banned=self.eos_banned,
+                               context_ids=self.context_ids) if scores else None
+            yield lo, zq, zp, s
 
 
-def _pass1(scan: _Scan, candidates: int):
-    n = scan.hp.shape[0]
-    lse_p = torch.full((n,), -torch.inf, dtype=torch.float64)
-    lse_r, lse_s, s_max = lse_p.clone(), lse_p.clone(), lse_p.clone()
+def _pass1(scan: _Scan, candidates: int, sampler: bool = True):
+    """Online log-sum-exps of both models (and of the sampler's scores unless ``sampler`` is False), the
+    merged E_q[z_q − z_p], the running maximum score and the top ``candidates`` scores."""
+    n = scan.hq.shape[0]
+    lse_q = torch.full((n,), -torch.inf, dtype=torch.float64)
+    lse_p, lse_s, s_max = lse_q.clone(), lse_q.clone(), lse_q.clone()
     diff = _Moments(n, 1)
     cand = torch.full((n, 0), -torch.inf, dtype=torch.float64)
-    for _, zp, zr, s in scan.tiles():
+    for _, zq, zp, s in scan.tiles(scores=sampler):
+        lse_q = torch.logaddexp(lse_q, torch.logsumexp(zq, dim=-1))
         lse_p = torch.logaddexp(lse_p, torch.logsumexp(zp, dim=-1))
-        lse_r = torch.logaddexp(lse_r, torch.logsumexp(zr, dim=-1))
+        diff.add(zq, (zq - zp).unsqueeze(-1))
+        if not sampler:
+            continue
         lse_s = torch.logaddexp(lse_s, torch.logsumexp(s, dim=-1))
         s_max = torch.maximum(s_max, s.max(dim=-1).values)
-        diff.add(zp, (zp - zr).unsqueeze(-1))
         if candidates:
             both = torch.cat([cand, s], dim=-1)
             cand = torch.topk(both, min(candidates, both.shape[-1]), dim=-1).values
-    return lse_p, lse_r, lse_s, s_max, diff.mean.squeeze(-1), cand
+    return lse_q, lse_p, lse_s, s_max, diff.mean.squeeze(-1), cand
 
 
 def _candidates(scan: _Scan, k: int, rows: torch.Tensor) -> torch.Tensor:
@@ -165,43 +171,94 @@ def _thresholds(scan: _Scan, lse_s, s_max, cand) -> torch.Tensor:
     return tau
 
 
-def _pass2(scan: _Scan, fns, lse_p, lse_r, tau):
-    n, nf = scan.hp.shape[0], len(fns)
-    under_pi, under_b = _Moments(n, nf), _Moments(n, 2 * nf + 1)
+def _pass2(scan: _Scan, fns, lse_q, lse_p, tau):
+    n, nf = scan.hq.shape[0], len(fns)
+    under_q, under_b = _Moments(n, nf), _Moments(n, 2 * nf + 1)
     lse_miss = torch.full((n,), -torch.inf, dtype=torch.float64)
-    tok = torch.full((n, 3), torch.nan, dtype=torch.float64)        # z_π, z_ref, s of the sampled token
-    for lo, zp, zr, s in scan.tiles():
-        lp, lr = zp - lse_p.unsqueeze(-1), zr - lse_r.unsqueeze(-1)
-        logr = lr - lp
+    tok = torch.full((n, 3), torch.nan, dtype=torch.float64)        # z_q, z_p, s of the sampled token
+    for lo, zq, zp, s in scan.tiles():
+        lq, lp = zq - lse_q.unsqueeze(-1), zp - lse_p.unsqueeze(-1)
+        logr = lp - lq
         f = torch.stack([fn(logr) for fn in fns], dim=-1) if fns else logr.new_zeros(logr.shape + (0,))
-        under_pi.add(zp, f)
+        under_q.add(zq, f)
         inside = s >= tau.unsqueeze(-1)
         under_b.add(torch.where(inside, s, -torch.inf), torch.cat([f, (f < 0).to(f.dtype), s.unsqueeze(-1)], dim=-1))
-        lse_miss = torch.logaddexp(lse_miss, torch.logsumexp(torch.where(inside, -torch.inf, zp), dim=-1))
+        lse_miss = torch.logaddexp(lse_miss, torch.logsumexp(torch.where(inside, -torch.inf, zq), dim=-1))
         if scan.ids is not None:
             j = scan.ids - lo
             here = (j >= 0) & (j < s.shape[-1])
             jj = torch.where(here, j, 0).unsqueeze(-1)
-            got = torch.stack([zp.gather(-1, jj), zr.gather(-1, jj), s.gather(-1, jj)], dim=-1).squeeze(1)
+            got = torch.stack([zq.gather(-1, jj), zp.gather(-1, jj), s.gather(-1, jj)], dim=-1).squeeze(1)
             tok = torch.where(here.unsqueeze(-1), got, tok)
-    return under_pi, under_b, lse_miss, tok
+    return under_q, under_b, lse_miss, tok
 
 
 def _chunk_values(scan: _Scan, fns, names, candidates: int) -> PositionValues:
     sp = scan.sampler
     need_cand = max(sp.k or 0, candidates if sp.p is not None and sp.k is None else 0)
-    lse_p, lse_r, lse_s, s_max, diff, cand = _pass1(scan, need_cand)
-    kl = diff - lse_p + lse_r
+    lse_q, lse_p, lse_s, s_max, diff, cand = _pass1(scan, need_cand)
+    kl = diff - lse_q + lse_p
     tau = _thresholds(scan, lse_s, s_max, cand)
-    pi, b, lse_miss, tok = _pass2(scan, fns, lse_p, lse_r, tau)
+    moments_q, b, lse_miss, tok = _pass2(scan, fns, lse_q, lse_p, tau)
     nf = len(fns)
     logzb = b.logw
     s_tok = tok[:, 2]
     logb_tok = torch.where(s_tok >= tau, s_tok - logzb, torch.full_like(s_tok, -torch.inf))
     logb_tok = torch.where(torch.isnan(s_tok), s_tok, logb_tok)
-    return PositionValues(names, kl, pi.mean, pi.var, b.mean[:, :nf], b.var[:, :nf], b.mean[:, nf:2 * nf],
-                          torch.exp(lse_miss - lse_p), b.mean[:, -1] - logzb, b.var[:, -1],
-                          tok[:, 0] - lse_p, tok[:, 1] - lse_r, logb_tok)
+    return PositionValues(names, kl, moments_q.mean, moments_q.var, b.mean[:, :nf], b.var[:, :nf], b.mean[:, nf:2 * nf],
+                          torch.exp(lse_miss - lse_q), b.mean[:, -1] - logzb, b.var[:, -1],
+                          tok[:, 0] - lse_q, tok[:, 1] - lse_p, logb_tok)
+
+
+class _LogSumExp:
+    """Running log Σ exp(z) per row and, optionally, Σ exp(z)·y (a weighted sum whose weights share the
+    running maximum), merged tile by tile: S ← S·e^{M − M'} + S_t·e^{m − M'} with M' = max(M, m)."""
+
+    def __init__(self, n: int):
+        self.m = torch.full((n,), -torch.inf, dtype=torch.float64)
+        self.s = torch.zeros(n, dtype=torch.float64)
+        self.a = torch.zeros(n, dtype=torch.float64)
+
+    def add(self, z: torch.Tensor, y: torch.Tensor | None = None) -> None:
+        m_t = z.max(dim=-1).values
+        e = torch.exp(z - m_t.unsqueeze(-1))          # in z's dtype; the sums below are float64
+        m_t = m_t.to(torch.float64)
+        new = torch.maximum(self.m, m_t)
+        old_w, new_w = torch.exp(self.m - new), torch.exp(m_t - new)
+        self.s = self.s * old_w + e.sum(dim=-1, dtype=torch.float64) * new_w
+        if y is not None:
+            self.a = self.a * old_w + (e * y).sum(dim=-1, dtype=torch.float64) * new_w
+        self.m = new
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.m + torch.log(self.s)
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.a / self.s
+
+
+def stream_kl(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, policy_head: Head, reference_head: Head,
+              *, chunk: int = 256, tile: int = 8192, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """KL(q‖p) [N] only, in one pass (one output-layer forward of each model), as
+    E_q[z_q − z_p] − lse_q + lse_p with two running log-sum-exps (the first carrying E_q[z_q − z_p]).
+    The elementwise work runs in ``dtype`` (two exps a logit pair) and every sum in float64: with float64
+    the values equal :func:`stream_values`' to rounding; with float32 each term carries float32 rounding
+    (~1e-7 relative), the order of the float32 logits' own."""
+    if policy_head.vocab != reference_head.vocab:
+        raise SpecError(f"policy and reference vocabularies differ: {policy_head.vocab} and {reference_head.vocab}")
+    out = []
+    for i in range(0, policy_hidden.shape[0], chunk):
+        hq, hp = policy_hidden[i:i + chunk].to(dtype), reference_hidden[i:i + chunk].to(dtype)
+        q, p = _LogSumExp(hq.shape[0]), _LogSumExp(hq.shape[0])
+        for lo in range(0, policy_head.vocab, tile):
+            hi = min(lo + tile, policy_head.vocab)
+            zq, zp = policy_head.logits(hq, lo, hi), reference_head.logits(hp, lo, hi)
+            q.add(zq, zq - zp)
+            p.add(zp)
+        out.append(q.mean - q.lse + p.lse)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
 def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, policy_head: Head, reference_head: Head,

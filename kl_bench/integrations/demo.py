@@ -1,6 +1,7 @@
 """A tiny GRPO (or RLOO) run on random GPT-2s with KLAudit attached: CPU, no download, ~20 s.
 
     python -m kl_bench.integrations.demo [--top-k 20] [--steps 3] [--out DIR]
+    torchrun --nproc-per-node 2 -m kl_bench.integrations.demo --out DIR      # two CPU processes (gloo)
 
 Builds the tiny policy and reference (kl_bench.pairs.model.tiny), loads the reference's weights into the
 trainer's reference model (TRL builds it from the policy's path), trains with a toy reward, and audits
@@ -94,6 +95,10 @@ def main(argv=None) -> int:
                            equal_length=not a.left_padding, **extra)
         tr.add_callback(KLAudit(tr, every=1, max_rows=8, out=a.out))
         tr.train()
+        if a.out is not None and tr.accelerator.is_main_process:
+            # TRL's own logged metrics beside the audit, to compare `kl` with the audit's `logged`.
+            import json
+            (Path(a.out) / "trl_log_history.json").write_text(json.dumps(tr.state.log_history, indent=1) + "\n")
     return 0
 
 

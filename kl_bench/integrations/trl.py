@@ -61,7 +61,7 @@ class TrainerFacts:
     phase: str
 
 
-# GRPO: per_token_kl = exp(ref − π) − (ref − π) − 1 in the loss (× coef_1 = 1 on-policy), logged as its
+# GRPO: per_token_kl = exp(ref − logp) − (ref − logp) − 1 = k3 (log r = ref − logp) in the loss (× coef_1 = 1 on-policy), logged as its
 # masked token mean. RLOO: old − ref (k1) from the pass after generation, summed per sequence into the reward.
 FACTS = {"GRPOTrainer": TrainerFacts("trl.grpo", "loss", "token-mean", "loss"),
          "RLOOTrainer": TrainerFacts("k1", "reward", "seq-mean-token-sum", "generation")}
@@ -332,10 +332,10 @@ class KLAudit(_Base):
             self._warn("z", f"step {a.step}: the logged KL {a.logged:.4g} is {a.bias:+.3g} from the exact {a.exact:.4g} "
                             f"(z = {a.z:+.1f}); see the bias split in kl_audit/bias_sampler and bias_precision",
                        once=False)
-        if abs(a.expected_b - a.expected_pi) > 0.05 * abs(a.expected_pi):
+        if abs(a.expected_b - a.expected_q) > 0.05 * abs(a.expected_q):
             self._warn("sampler", f"step {a.step}: the sampler ({self.sampler.describe()}) moves the estimator's mean "
-                                  f"by {(a.expected_b - a.expected_pi) / abs(a.expected_pi):+.0%}: the logged KL is of "
-                                  "another distribution; sample with top_k=0, top_p=1, min_p=0 or weight by π/b",
+                                  f"by {(a.expected_b - a.expected_q) / abs(a.expected_q):+.0%}: the logged KL is of "
+                                  "another distribution; sample with top_k=0, top_p=1, min_p=0 or weight by q/b",
                        once=False)
         if abs(a.consistency_z) > self.threshold:
             self._warn("consistency", f"step {a.step}: the sampled tokens do not fit the distribution the loss scores "
