@@ -11,7 +11,7 @@
   B. The audit's share of a training step: the tiny GRPO run (kl_bench.integrations.demo) with and
      without KLAudit(every=1), when trl is installed.
 
-    python benchmarks/bench_audit.py [--positions 256] [--threads 2] [--no-memory] [--no-trainer] [--smoke]
+    python benchmarks/bench_audit.py [--positions 256] [--threads 2] [--no-memory] [--no-trainer] [--no-layer] [--smoke]
 """
 from __future__ import annotations
 
@@ -136,12 +136,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-trainer", action="store_true", help="skip part B")
+    ap.add_argument("--no-layer", action="store_true", help="skip part A")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.smoke:
         a.positions, a.vocab, a.dim, a.tile, a.repeat, a.steps, a.no_memory = 8, 1000, 16, 256, 1, 1, True
-    part_a(a.positions, a.vocab, a.dim, a.tile, a.repeat, not a.no_memory)
+    if not a.no_layer:
+        part_a(a.positions, a.vocab, a.dim, a.tile, a.repeat, not a.no_memory)
     if not a.no_trainer:
         part_b(a.steps, a.repeat)
 

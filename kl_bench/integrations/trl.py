@@ -125,17 +125,25 @@ class KLAudit(_Base):
 
     # ------------------------------------------------------------------ setup
     def _sampler(self) -> Sampler:
+        """b from the generation settings TRL passes to generate() (its merged generation_kwargs, which a
+        user's args.generation_kwargs override), with the trainer's attributes as defaults."""
         tr = self.trainer
         kw = dict(getattr(tr, "generation_kwargs", None) or {})
         other = sorted(k for k, v in kw.items() if k not in MODELLED and v is not None)
         if getattr(tr.args, "use_vllm", False):
             other.append("use_vllm")
+        temperature = float(getattr(tr, "temperature", 1.0) or 1.0)
+        if kw.get("temperature") is not None and float(kw["temperature"]) != temperature:
+            other.append(f"temperature {kw['temperature']} in generation_kwargs but {temperature} in the loss")
         if other:
             self._warn("unmodelled", f"generation options the audit does not model: {', '.join(other)}; the "
                                      "sampler bias and the consistency check ignore them")
+
+        def setting(name):
+            return kw[name] if kw.get(name) is not None else getattr(tr, name, None)
         eos = kw.get("eos_token_id", getattr(tr, "eos_token_ids", None))
-        return Sampler(top_k=getattr(tr, "top_k", None), top_p=getattr(tr, "top_p", None),
-                       min_p=getattr(tr, "min_p", None), repetition_penalty=getattr(tr, "repetition_penalty", None) or 1.0,
+        return Sampler(top_k=setting("top_k"), top_p=setting("top_p"), min_p=setting("min_p"),
+                       repetition_penalty=setting("repetition_penalty") or 1.0,
                        min_new_tokens=int(kw.get("min_new_tokens") or 0),
                        eos_token_id=() if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos]))
 
