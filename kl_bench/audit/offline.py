@@ -135,20 +135,29 @@ def _check_shapes(s: SavedStep) -> None:
     for k in form:
         if tuple(t[k].shape[:2]) != bt or t[k].ndim != 3:
             raise SpecError(f"must be [B, T, ·] with [B, T] = {list(bt)}, got {list(t[k].shape)}", file=where, key=k)
-    if form == HIDDEN:
-        for side in ("policy", "reference"):
-            w = t.get(f"{side}_weight")
-            if w is None:
-                raise SpecError(f"missing tensor (here or in {HEADS_FILE})", file=where, key=f"{side}_weight")
-            if w.ndim != 2 or w.shape[1] != t[f"{side}_hidden"].shape[-1]:
-                raise SpecError(f"must be [V, d] with d = {t[f'{side}_hidden'].shape[-1]}, got {list(w.shape)}",
-                                file=where, key=f"{side}_weight")
-    elif t["policy_logits"].shape != t["reference_logits"].shape:
-        raise SpecError(f"must have policy_logits' shape {list(t['policy_logits'].shape)}", file=where,
-                        key="reference_logits")
+    _check_vocabulary(s, form)
     if s.sampler.repetition_penalty != 1.0 and "prompt_ids" not in t:
         raise SpecError("repetition_penalty needs prompt_ids (the ids before the completion)", file=where,
                         key="prompt_ids")
+
+
+def _check_vocabulary(s: SavedStep, form: tuple[str, str]) -> None:
+    """Logits of one shape, or output layers [V, d] matching the hidden states' d."""
+    t, where = s.tensors, str(s.path)
+    if form == LOGITS:
+        if t["policy_logits"].shape != t["reference_logits"].shape:
+            raise SpecError(f"must have policy_logits' shape {list(t['policy_logits'].shape)}", file=where,
+                            key="reference_logits")
+        return
+    for side in ("policy", "reference"):
+        w, d = t.get(f"{side}_weight"), t[f"{side}_hidden"].shape[-1]
+        if w is None:
+            raise SpecError(f"missing tensor (here or in {HEADS_FILE})", file=where, key=f"{side}_weight")
+        if w.ndim != 2 or w.shape[1] != d:
+            raise SpecError(f"must be [V, d] with d = {d}, got {list(w.shape)}", file=where, key=f"{side}_weight")
+    if t["policy_weight"].shape[0] != t["reference_weight"].shape[0]:
+        raise SpecError(f"vocabulary {t['reference_weight'].shape[0]} differs from the policy's "
+                        f"{t['policy_weight'].shape[0]}", file=where, key="reference_weight")
 
 
 def step_values(s: SavedStep, *, tile: int = 8192, chunk: int = 256) -> PositionValues:

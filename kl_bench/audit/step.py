@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -209,11 +210,10 @@ class AuditLog:
             w.writerow([repr(v) if isinstance(v, float) else v for v in asdict(r).values()])
         return buf.getvalue().encode()
 
-    def write(self, directory, **envelope) -> "Path":
+    def write(self, directory, **envelope) -> Path:
         """Write ``audit.csv`` and ``run.json`` (``envelope`` merged in: settings, versions) atomically
         (kl_bench.storage: staged folder swapped in whole, under the folder's lock)."""
         import datetime as dt
-        from pathlib import Path
 
         from ..storage import FolderLock, check_output_dir, clean_stale, write_results
         directory = check_output_dir(Path(directory))
