@@ -7,6 +7,8 @@ The Python API (see README "Python API" and :mod:`kl_bench.api`):
 - :func:`exact` (the exact table, no sampling) and :func:`check` (the regression gate → CheckReport)
 - :func:`load_results` (a results folder → :class:`Result`, with its advice and report)
 - :func:`estimate` (per-token values of any estimator on a trainer's log-prob tensors)
+- the trainer audit (:mod:`kl_bench.audit`): :func:`position_values`, :func:`stream_values`,
+  :class:`Sampler` and :func:`sampler_logprobs` (generation's b, exactly), :class:`AuditLog`
 - :data:`ESTIMATORS` (a read-only mapping) and :func:`register_estimator` (plug-ins)
 
 Names are loaded on first use (PEP 562), so that importing the package is instant and the command line
@@ -20,6 +22,9 @@ _EXPORTS = {
     "Estimator": "estimators",
     "register_estimator": "estimators", "CASE_KINDS": "pairs", "Pair": "pairs", "register_kind": "pairs",
     "Spec": "spec", "load_spec": "spec", "parse_spec": "spec", "TARGETS": "targets",
+    # the trainer audit (docs/audit.md)
+    "AuditLog": "audit", "Sampler": "audit", "sampler_logprobs": "audit", "position_values": "audit",
+    "stream_values": "audit",
 }
 
 __all__ = sorted(["__version__", *_EXPORTS])

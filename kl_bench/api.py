@@ -438,35 +438,87 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
 
 
 # ----------------------------------------------------------------------------- in a training loop
-def estimate(logp: torch.Tensor, logq: torch.Tensor, estimator="k3", *, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token values of a registered estimator on a trainer's log-prob tensors.
+def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None, estimator="k3", *,
+             policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
+             policy_logits: torch.Tensor | None = None, reference_logits: torch.Tensor | None = None,
+             ids: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+             aggregation: str | None = None) -> torch.Tensor:
+    """Per-token values (or their aggregate) of a registered estimator on a trainer's tensors.
 
-    ``logp``, ``logq``: log p(x) and log q(x) of the sampled tokens, any (equal) shape and dtype; the
-    values are computed in that dtype, as a trainer would, and autograd flows through them. ``mask``
-    (same shape, bool or 0/1) zeroes padding. ``estimator``: a registry name, a plug-in reference, or an
-    :class:`~kl_bench.estimators.Estimator`.
+    Call it with keywords, in the trainers' order (policy first; TRL, verl and OpenRLHF all pass the
+    policy's log-probs first): ``estimate(policy=logprobs, reference=ref_logprobs, estimator="k3")``. The
+    positional form ``estimate(logp, logq, estimator)`` (reference first) still works; a swap would
+    silently negate log r, which is why the keywords are the documented way.
+
+    ``policy``, ``reference``: log q(x) and log p(x) of the sampled tokens, any (equal) shape and dtype;
+    the values are computed in that dtype, as a trainer would, and autograd flows through them.
+    ``policy_logits``, ``reference_logits`` [..., V] instead: with ``ids`` [...] (the sampled tokens) the
+    log-probs are their log-softmax (in the logits' dtype) at ``ids``; with ``estimator="full"`` the value
+    at each position is the exact KL(q‖p) = Σ_v q log(q/p), in float64 (kl_bench.audit). ``mask``
+    (the values' shape, bool or 0/1) zeroes padding. ``aggregation``: ``"token-mean"``,
+    ``"seq-mean-token-mean"`` or ``"seq-mean-token-sum"`` (with a [B, T] mask; the trainers' formulas,
+    kl_bench.audit.aggregate) returns one 0-d tensor. ``estimator``: a registry name, a plug-in
+    reference, or an Estimator.
 
     >>> import torch, kl_bench
     >>> logq = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]], dtype=torch.float64))
     >>> logp = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]], dtype=torch.float64))
-    >>> kl_bench.estimate(logp, logq, "k3", mask=torch.tensor([[1, 1], [1, 0]])).round(decimals=4).tolist()
+    >>> mask = torch.tensor([[1, 1], [1, 0]])
+    >>> kl_bench.estimate(policy=logq, reference=logp, estimator="k3", mask=mask).round(decimals=4).tolist()
     [[0.1931, 0.0], [0.0, 0.0]]
+    >>> round(kl_bench.estimate(policy=logq, reference=logp, estimator="k3", mask=mask,
+    ...                         aggregation="token-mean").item(), 4)
+    0.0644
     """
     from .estimators import resolve_estimator
     est = resolve_estimator(estimator)
-    logp, logq = torch.as_tensor(logp), torch.as_tensor(logq)
+    logq, logp = _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_logits, ids, est)
     if est.analytic:
-        raise SpecError(f"'{est.name}' needs the full next-token distributions, not sampled log-probs")
-    if logp.shape != logq.shape:
-        raise SpecError(f"logp and logq must have one shape, got {list(logp.shape)} and {list(logq.shape)}")
-    values = est.fn(logp - logq)
+        from .audit.exact import position_values
+        v = logq.shape[-1]
+        values = position_values(logq.detach().reshape(-1, v), logp.detach().reshape(-1, v), ()).kl.view(logq.shape[:-1])
+    else:
+        values = est.fn(logp - logq)
     if mask is None:
+        if aggregation is not None:
+            raise SpecError("an aggregation needs the mask", key="mask")
         return values
     mask = torch.as_tensor(mask, device=values.device)
     if mask.shape != values.shape:
         raise SpecError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
+    if aggregation is not None:
+        from .audit.aggregate import aggregate
+        return aggregate(values, mask, aggregation)
     # where, not a product: a padded position may hold inf or NaN log-probs, and inf·0 would be NaN.
     return torch.where(mask.bool(), values, torch.zeros_like(values))
+
+
+def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_logits, ids, est):
+    """(log q, log p) for :func:`estimate`: sampled tokens' log-probs, or logits [..., V] for ``full``."""
+    forms = [(logq, logp), (policy, reference), (policy_logits, reference_logits)]
+    given = [i for i, (a, b) in enumerate(forms) if a is not None or b is not None]
+    if len(given) != 1 or any(x is None for x in forms[given[0]] if given):
+        raise SpecError("give policy= and reference= (the sampled tokens' log-probs), or policy_logits= and "
+                        "reference_logits=, or (logp, logq) positionally: one pair, both sides")
+    q, p = (torch.as_tensor(x) for x in forms[given[0]])
+    if q.shape != p.shape:
+        raise SpecError(f"policy and reference must have one shape, got {list(q.shape)} and {list(p.shape)}")
+    logits = given[0] == 2
+    if est.analytic:
+        if not logits or ids is not None:
+            raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
+                            "reference_logits= [..., V], no ids")
+        return q, p
+    if logits:
+        if ids is None:
+            raise SpecError("logits need ids= (the sampled tokens) for a per-token estimator")
+        ids = torch.as_tensor(ids, device=q.device).to(torch.long)
+        if ids.shape != q.shape[:-1]:
+            raise SpecError(f"ids must have the logits' shape without the vocabulary {list(q.shape[:-1])}, "
+                            f"got {list(ids.shape)}")
+        q = torch.log_softmax(q, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        p = torch.log_softmax(p, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return q, p
 
 
 __all__ = ["load", "prepare", "execute", "run", "Result", "exact", "check", "CheckReport", "estimate",

@@ -1,5 +1,5 @@
 """Command-line interface: a thin layer over the Python API, one module per command (run, report,
-check and baseline, exact, train, list, dump-logits). The work, including the run's lock, checkpoints
+check and baseline, exact, train, list, dump-logits, audit). The work, including the run's lock, checkpoints
 and interrupts, is in the API (:func:`kl_bench.runner.run_to_folder`); here are flags, tables and lines.
 
 Heavy modules (pandas, scipy, matplotlib) are imported inside the commands that need them, so that
@@ -12,7 +12,7 @@ import sys
 import typer
 
 from .. import signals
-from . import dump, exact, gate, listing, report, run, train  # noqa: F401  (each registers its command)
+from . import audit, dump, exact, gate, listing, report, run, train  # noqa: F401  (each registers its command)
 from .common import app, err_console, interrupt_reported
 
 __all__ = ["app", "main"]

@@ -1,0 +1,124 @@
+"""Exact per-position values from full next-token logits (the dense path).
+
+At each position i the policy q_i and the reference p_i are the softmax of their logits [N, V]. With
+log r = log p − log q (notation of kl_bench.estimators), for every estimator f (a function of log r):
+
+    KL_i = Σ_v q_i(v) log(q_i(v)/p_i(v)),  E_q[f] = Σ_v q_i(v) f(log r_i(v)),  Var_q[f] likewise,
+
+and under the sampler's b_i (kl_bench.audit.sampler) E_b[f], Var_b[f], P_b(f < 0), the q-mass b never
+draws, and the moments of log b (the consistency check's statistic). Everything is float64 whatever the
+logits' dtype: the sums run over up to 10^5 terms, and KL is a small difference of O(1) numbers.
+Variances are centred sums Σ w (f − E f)², never E f² − (E f)², which cancels catastrophically at small KL.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+
+from ..errors import SpecError
+from ..estimators import resolve_estimator
+from .sampler import Sampler, sampler_logprobs
+
+
+@dataclass(frozen=True)
+class PositionValues:
+    """Exact values at N positions. [N] tensors, [N, F] for the F ``estimators`` (columns in that order).
+
+    ``kl``: KL(q‖p); ``mean_q``/``var_q``: E_q[f], Var_q[f]; ``mean_b``/``var_b``/``neg_b``: E_b[f],
+    Var_b[f], P_b(f < 0); ``miss``: q-mass outside b's support; ``logb_mean``/``logb_var``: E_b[log b],
+    Var_b[log b]; ``tok_logq``/``tok_logp``/``tok_logb``: log q, log p, log b of the sampled token
+    (NaN where no ids were given)."""
+    estimators: tuple[str, ...]
+    kl: torch.Tensor
+    mean_q: torch.Tensor
+    var_q: torch.Tensor
+    mean_b: torch.Tensor
+    var_b: torch.Tensor
+    neg_b: torch.Tensor
+    miss: torch.Tensor
+    logb_mean: torch.Tensor
+    logb_var: torch.Tensor
+    tok_logq: torch.Tensor
+    tok_logp: torch.Tensor
+    tok_logb: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return self.kl.shape[0]
+
+    def column(self, estimator: str) -> int:
+        try:
+            return self.estimators.index(estimator)
+        except ValueError:
+            raise SpecError(f"estimator '{estimator}' was not audited; audited: {', '.join(self.estimators)}") from None
+
+    def select(self, rows: torch.Tensor) -> "PositionValues":
+        """The values at ``rows`` (an index or bool mask over the N positions)."""
+        return PositionValues(self.estimators, *(getattr(self, f.name)[rows] for f in fields(self)[1:]))
+
+    @staticmethod
+    def cat(parts: Sequence["PositionValues"]) -> "PositionValues":
+        """Positions of several tables, in order (chunks of one step, or rows gathered from ranks)."""
+        est = parts[0].estimators
+        if any(p.estimators != est for p in parts):
+            raise SpecError("tables audit different estimators")
+        return PositionValues(est, *(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(PositionValues)[1:]))
+
+
+def estimator_functions(estimators: Sequence) -> tuple[tuple[str, ...], list]:
+    """Registry names (or Estimator objects) → (names, functions of log r). ``full`` is refused: it is
+    the KL itself, always reported."""
+    names, fns = [], []
+    for item in estimators:
+        est = resolve_estimator(item)
+        if est.analytic:
+            raise SpecError(f"'{est.name}' is not a function of log r: the exact KL is always reported")
+        names.append(est.name)
+        fns.append(est.fn)
+    return tuple(names), fns
+
+
+def _moments(logw: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E and Var of ``values`` [N, V, F] under the normalised weights exp(logw) [N, V] (−inf: excluded).
+    Excluded entries are replaced by 0 first, so that an infinite value where the weight is 0 is no NaN."""
+    w = torch.exp(logw).unsqueeze(-1)
+    v = torch.where(w > 0, values, torch.zeros_like(values))
+    mean = (w * v).sum(dim=1)
+    var = (w * (v - mean.unsqueeze(1)).square()).sum(dim=1)
+    return mean, var
+
+
+def _gather(logp: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    if ids is None:
+        return torch.full(logp.shape[:1], torch.nan, dtype=torch.float64)
+    return logp.gather(-1, ids.to(torch.long).view(-1, 1)).squeeze(-1)
+
+
+def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: Sequence = ("k1", "k3"),
+                    sampler: Sampler | None = None, *, ids: torch.Tensor | None = None,
+                    eos_banned: torch.Tensor | None = None, context_ids: torch.Tensor | None = None) -> PositionValues:
+    """Exact per-position values from logits ``policy`` [N, V] and ``reference`` [N, V] (any float dtype).
+
+    ``ids`` [N]: the token sampled at each position (for the sampled-token columns); ``eos_banned`` [N]
+    and ``context_ids`` [N, L]: per-position inputs of the sampler (:func:`~.sampler.sampler_logprobs`).
+    Memory: a few [N, V, F] float64 tensors; for large V use :func:`kl_bench.audit.stream.stream_values`."""
+    if policy.shape != reference.shape or policy.ndim != 2:
+        raise SpecError(f"policy and reference logits must be [N, V] of one shape, got {list(policy.shape)} "
+                        f"and {list(reference.shape)}")
+    names, fns = estimator_functions(estimators)
+    sampler = sampler or Sampler()
+    lq = torch.log_softmax(policy.to(torch.float64), dim=-1)
+    lp = torch.log_softmax(reference.to(torch.float64), dim=-1)
+    logr = lp - lq
+    f = torch.stack([fn(logr) for fn in fns], dim=-1) if fns else logr.new_zeros(logr.shape + (0,))
+    mean_q, var_q = _moments(lq, f)
+    kl = _moments(lq, (-logr).unsqueeze(-1))[0].squeeze(-1)
+    lb = lq if sampler.is_identity else sampler_logprobs(policy, sampler, eos_banned=eos_banned, context_ids=context_ids)
+    mean_b, var_b = _moments(lb, f)
+    neg_b = _moments(lb, (f < 0).to(torch.float64))[0]
+    miss = torch.where(torch.isneginf(lb), torch.exp(lq), torch.zeros_like(lq)).sum(dim=-1)
+    logb_mean, logb_var = (t.squeeze(-1) for t in _moments(lb, lb.unsqueeze(-1)))
+    return PositionValues(names, kl, mean_q, var_q, mean_b, var_b, neg_b, miss, logb_mean, logb_var,
+                          _gather(lq, ids), _gather(lp, ids), _gather(lb, ids))

@@ -1,0 +1,152 @@
+"""The sampling distribution b of generation code, exactly, from the policy's logits.
+
+transformers (and TRL through it) turns the policy's logits z into b by this chain, in this order
+(``GenerationMixin._get_logits_processor``): the repetition penalty (z/θ where z > 0, z·θ where z < 0,
+at every id already in the context), EOS banned until ``min_new_tokens`` completion tokens exist, the
+temperature, top-k (ties at the k-th value kept), top-p (the smallest set of most likely tokens whose
+mass reaches p; the most likely token always stays), min-p (tokens with probability below
+min_p × the largest probability dropped). Every step after the temperature keeps exactly the tokens whose
+score s = (transformed z)/T is at least a per-row threshold τ, so that
+
+    b(x) = exp(s(x)) · 1[s(x) ≥ τ] / Σ_y exp(s(y)) · 1[s(y) ≥ τ].
+
+The dense form below uses :meth:`kl_bench.samplers.SamplerSpec.reshape` (temperature, top-k, top-p) and adds
+what it lacks; the streamed form (kl_bench.audit.stream) finds the same τ tile by tile.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..errors import SpecError
+from ..samplers import SamplerSpec
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """Generation settings that change b. ``None``/1.0/0 mean "off", as in transformers' GenerationConfig.
+    ``eos_token_id``: the ids banned while fewer than ``min_new_tokens`` completion tokens exist."""
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    min_new_tokens: int = 0
+    eos_token_id: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        def bad(key, msg):
+            raise SpecError(msg, key=f"sampler.{key}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            bad("temperature", f"must be a positive number, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            bad("top_k", f"must be ≥ 0 (0: off), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            bad("top_p", f"must lie in (0, 1], got {self.top_p}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            bad("min_p", f"must lie in [0, 1], got {self.min_p}")
+        if self.min_new_tokens < 0:
+            bad("min_new_tokens", f"must be ≥ 0, got {self.min_new_tokens}")
+        if self.min_new_tokens and not self.eos_token_id:
+            bad("min_new_tokens", "needs eos_token_id")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+
+    @classmethod
+    def from_dict(cls, d: dict, file: str | None = None) -> "Sampler":
+        """From a dict (a saved step's ``generation`` settings); an unknown key is an error naming it."""
+        known = {f.name for f in fields(cls)}
+        for k in d:
+            if k not in known:
+                raise SpecError(f"unknown generation setting; known: {', '.join(sorted(known))}", file=file,
+                                key=f"generation.{k}")
+        d = dict(d)
+        if "eos_token_id" in d:
+            e = d["eos_token_id"]
+            d["eos_token_id"] = () if e is None else tuple(int(x) for x in (e if isinstance(e, (list, tuple)) else [e]))
+        try:
+            return cls(**d)
+        except SpecError as e:
+            raise e.located(file=file) from None
+        except TypeError as e:
+            raise SpecError(str(e), file=file, key="generation") from None
+
+    # Normalised views: 0/None/1.0 → off.
+    @property
+    def k(self) -> int | None:
+        return self.top_k if self.top_k else None
+
+    @property
+    def p(self) -> float | None:
+        return self.top_p if self.top_p is not None and self.top_p < 1 else None
+
+    @property
+    def mp(self) -> float | None:
+        return self.min_p if self.min_p else None
+
+    @property
+    def truncates(self) -> bool:
+        """b drops tokens (a threshold τ > −∞ in some row)."""
+        return self.k is not None or self.p is not None or self.mp is not None
+
+    @property
+    def is_identity(self) -> bool:
+        """b = q at every position (nothing set)."""
+        return (self.temperature == 1.0 and not self.truncates and self.repetition_penalty == 1.0
+                and self.min_new_tokens == 0)
+
+    def describe(self) -> str:
+        bits = [f"{n}={getattr(self, n)}" for n in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+                if getattr(self, n) not in (None, 0, 1.0)]
+        if self.min_new_tokens:
+            bits.append(f"min_new_tokens={self.min_new_tokens}")
+        return "b = q" if self.is_identity else "b: " + ", ".join(bits)
+
+
+def penalize(logits: torch.Tensor, context_ids: torch.Tensor | None, penalty: float, lo: int = 0) -> torch.Tensor:
+    """transformers' repetition penalty on a vocabulary tile [n, t] holding ids [lo, lo + t): at every id
+    in the row's ``context_ids`` [n, L] (−1: padding), z > 0 → z/θ, z ≤ 0 → z·θ. Returns a new tensor."""
+    if penalty == 1.0 or context_ids is None:
+        return logits
+    t = logits.shape[-1]
+    idx = context_ids.to(torch.long) - lo
+    inside = (idx >= 0) & (idx < t)
+    seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    seen.scatter_(-1, torch.where(inside, idx, 0), inside)
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def sampler_scores(logits: torch.Tensor, sampler: Sampler, *, lo: int = 0, eos_banned: torch.Tensor | None = None,
+                   context_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The score s = (transformed z)/T of a vocabulary tile [n, t] (ids [lo, lo + t)), float64: repetition
+    penalty, EOS ban (rows where ``eos_banned`` [n] is true), temperature. b ∝ exp(s) where s ≥ τ."""
+    z = penalize(logits.to(torch.float64), context_ids, sampler.repetition_penalty, lo)
+    if eos_banned is not None and sampler.eos_token_id:
+        t = z.shape[-1]
+        for e in sampler.eos_token_id:
+            if lo <= e < lo + t:
+                z = z.clone()
+                z[:, e - lo] = torch.where(eos_banned, -torch.inf, z[:, e - lo])
+    return z / sampler.temperature
+
+
+def sampler_logprobs(logits: torch.Tensor, sampler: Sampler | None = None, *, eos_banned: torch.Tensor | None = None,
+                     context_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """log b [N, V] (float64, −inf outside b's support) from the policy's logits [N, V] (any dtype).
+
+    ``eos_banned`` [N] bool: rows where fewer than ``min_new_tokens`` completion tokens precede the
+    position; ``context_ids`` [N, L] (−1 padding): the ids the repetition penalty sees at each position."""
+    sampler = sampler or Sampler()
+    # Temperature, top-k and top-p are kl_bench.samplers.SamplerSpec.reshape (the benchmark's own emulation);
+    # the penalty and the EOS ban act on the raw logits before it, min-p on its output.
+    z = sampler_scores(logits, Sampler(repetition_penalty=sampler.repetition_penalty,
+                                       min_new_tokens=sampler.min_new_tokens, eos_token_id=sampler.eos_token_id),
+                       eos_banned=eos_banned, context_ids=context_ids)
+    lb = SamplerSpec(temperature=sampler.temperature, top_k=sampler.k, top_p=sampler.p).reshape(z)
+    if sampler.mp is not None:
+        # min-p compares probabilities with min_p × the largest one: in log space, a fixed offset from the max.
+        keep = lb >= lb.max(dim=-1, keepdim=True).values + math.log(sampler.mp)
+        lb = torch.log_softmax(torch.where(keep, lb, torch.full_like(lb, -torch.inf)), dim=-1)
+    return lb

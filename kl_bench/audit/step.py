@@ -1,0 +1,225 @@
+"""Step audits: a trainer's KL estimate against the exact value of the policy its loss scores.
+
+A step's estimate is Σ_t w_t f(x_t) over the masked tokens (weights of its aggregation,
+kl_bench.audit.aggregate). With KL_t, E_q[f]_t, E_b[f]_t, Var_b[f]_t the exact per-position values
+(kl_bench.audit.exact), it splits exactly as
+
+    logged − Σ w KL = Σ w (E_q f − KL)            estimator bias
+                    + Σ w (E_b f − E_q f)          sampler bias (b ≠ q: temperature, top-k, top-p, ...)
+                    + Σ w (f(x) − E_b f)           noise: mean 0, SE² = Σ w² Var_b f
+                    + (logged − recomputed)        precision and mismatch (the trainer's log-probs
+                                                   against float64 ones from the audited logits).
+
+The noise terms d_t = w_t (f(x_t) − E_b[f | h_t]) form a martingale difference sequence along each
+sampled path (x_t ~ b(·|h_t) given the history), so Var(Σ d_t) = E Σ w_t² Var_b[f | h_t]: the SE from
+the exact conditional variances is a valid standard error, and z = bias / SE is ≈ N(0, 1) when the
+estimate is unbiased for the exact KL (docs/audit.md). The consistency check applies the same argument
+to g = log b: Σ (log b(x_t) − E_b[log b]) / √Σ Var_b[log b] is ≈ N(0, 1) when the tokens were drawn from
+the b computed from the audited logits, and a token b cannot draw (b(x) = 0) is a certain mismatch.
+
+Steps and ranks combine through additive sums (:func:`step_sums`): summing the vectors of two ranks
+gives the sums of their union.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SpecError
+from ..estimators import resolve_estimator
+from ..stats import z_score
+from .aggregate import aggregation_units
+from .exact import PositionValues
+
+# The additive sums of one step (one float64 vector; ranks add theirs).
+SUMS = ("denominator", "logged", "recomputed", "exact", "expected_q", "expected_b", "noise_var", "tokens",
+        "sequences", "logged_negative", "p_negative", "miss", "consistency_sum", "consistency_var", "impossible")
+
+
+def _scatter(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    out[mask] = x.to(torch.float64)
+    return out
+
+
+def step_sums(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor, *, estimator: str,
+              aggregation: str) -> torch.Tensor:
+    """The additive sums [len(SUMS)] of one step on one rank.
+
+    ``values``: exact values at the masked positions of ``mask`` [B, T], in row-major order;
+    ``trainer`` [B, T]: the trainer's per-token values of ``estimator`` (any dtype; padding ignored)."""
+    mask = mask.bool().cpu()
+    if trainer.shape != mask.shape:
+        raise SpecError(f"the trainer's values have shape {list(trainer.shape)} but the mask {list(mask.shape)}")
+    if values.n != int(mask.sum()):
+        raise SpecError(f"{values.n} audited positions for {int(mask.sum())} masked tokens")
+    col = values.column(resolve_estimator(estimator).name)
+    u, d = aggregation_units(mask, aggregation)
+    um = u[mask]
+    fn = resolve_estimator(estimator).fn
+    recomputed = fn(values.tok_logp - values.tok_logq)          # float64 log r of the sampled tokens
+    logged = trainer.detach().cpu().to(torch.float64)[mask]
+    logb = values.tok_logb
+    possible = torch.isfinite(logb)
+    cons = torch.where(possible, logb - values.logb_mean, torch.zeros_like(logb))
+    sums = [d, (um * logged).sum(), (um * recomputed).sum(), (um * values.kl).sum(),
+            (um * values.mean_q[:, col]).sum(), (um * values.mean_b[:, col]).sum(),
+            (um.square() * values.var_b[:, col]).sum(), mask.sum(), mask.shape[0], (logged < 0).sum(),
+            values.neg_b[:, col].sum(), values.miss.sum(), cons.sum(),
+            torch.where(possible, values.logb_var, torch.zeros_like(logb)).sum(),
+            (~possible & ~torch.isnan(logb)).sum()]
+    return torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in sums])
+
+
+@dataclass(frozen=True)
+class StepAudit:
+    """One audited step of one KL term (``source``); the fields are audit.csv's columns (AUDIT_COLUMNS)."""
+    step: int
+    source: str
+    estimator: str
+    aggregation: str
+    sequences: int
+    tokens: int
+    logged: float
+    recomputed: float
+    exact: float
+    expected_q: float
+    expected_b: float
+    se: float
+    bias: float
+    z: float
+    bias_estimator: float
+    bias_sampler: float
+    bias_precision: float
+    noise: float
+    frac_negative: float
+    p_negative: float
+    miss: float
+    consistency_z: float
+    impossible: int
+    consistency_sum: float
+    consistency_var: float
+
+    @classmethod
+    def from_sums(cls, sums: torch.Tensor, *, step: int, source: str, estimator: str, aggregation: str) -> "StepAudit":
+        s = dict(zip(SUMS, sums.tolist()))
+        d = max(s["denominator"], 1.0)
+        logged, rec, exact = s["logged"] / d, s["recomputed"] / d, s["exact"] / d
+        e_pi, e_b, se = s["expected_q"] / d, s["expected_b"] / d, math.sqrt(s["noise_var"]) / d
+        tokens = max(s["tokens"], 1.0)
+        return cls(step, source, estimator, aggregation, int(s["sequences"]), int(s["tokens"]), logged, rec, exact,
+                   e_pi, e_b, se, logged - exact, z_score(logged, exact, se, abs(exact) + abs(logged)),
+                   e_pi - exact, e_b - e_pi, logged - rec, rec - e_b, s["logged_negative"] / tokens,
+                   s["p_negative"] / tokens, s["miss"] / tokens, consistency_z(s["consistency_sum"], s["consistency_var"],
+                                                                              s["impossible"]),
+                   int(s["impossible"]), s["consistency_sum"], s["consistency_var"])
+
+
+def step_line(a: "StepAudit") -> str:
+    """One line per audited step (``kl-bench audit`` and the TRL callback print it)."""
+    return (f"step {a.step} {a.source} ({a.estimator}, {a.aggregation}, {a.tokens} tokens): logged {a.logged:.5g}, "
+            f"exact {a.exact:.5g}, bias {a.bias:+.3g} ± {a.se:.2g} (z = {a.z:+.2f}); sampler {a.bias_sampler:+.3g}, "
+            f"precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
+
+
+def consistency_z(total: float, var: float, impossible: float) -> float:
+    """z of Σ (log b(x) − E_b log b) over √Σ Var_b log b; −inf when some token had b(x) = 0."""
+    if impossible > 0:
+        return -math.inf
+    return total / math.sqrt(var) if var > 0 else 0.0
+
+
+def audit_step(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor, *, estimator: str,
+               aggregation: str = "token-mean", step: int = 0, source: str = "kl") -> StepAudit:
+    """Audit one step on one process (see :func:`step_sums` for the inputs)."""
+    sums = step_sums(values, trainer, mask, estimator=estimator, aggregation=aggregation)
+    return StepAudit.from_sums(sums, step=step, source=source, estimator=estimator, aggregation=aggregation)
+
+
+AUDIT_COLUMNS: dict[str, str] = {
+    "step": "the trainer's global step",
+    "source": "which KL term: e.g. 'loss' (GRPO's KL in the loss), 'reward' (RLOO's KL in the reward)",
+    "estimator": "the registry name of the trainer's per-token formula (e.g. trl.grpo, k1)",
+    "aggregation": "token-mean, seq-mean-token-mean or seq-mean-token-sum",
+    "sequences": "sequences audited (all ranks)",
+    "tokens": "masked tokens audited (all ranks)",
+    "logged": "the trainer's estimate: its own per-token values under its aggregation",
+    "recomputed": "the same formula on float64 log-probs of the sampled tokens from the audited logits",
+    "exact": "Σ w KL(q‖p) over the positions: the value the estimate is for",
+    "expected_q": "Σ w E_q[f]: the estimate's expectation were tokens drawn from q",
+    "expected_b": "Σ w E_b[f]: its expectation under the sampler b that drew them",
+    "se": "standard error of the noise, √Σ w² Var_b[f] (exact conditional variances)",
+    "bias": "logged − exact",
+    "z": "bias / se",
+    "bias_estimator": "expected_q − exact (the formula's own bias; 0 for k1, k3)",
+    "bias_sampler": "expected_b − expected_q (temperature, top-k, top-p, min-p, ...)",
+    "bias_precision": "logged − recomputed (rounding of the trainer's log-probs; dropout; position mismatch)",
+    "noise": "recomputed − expected_b (sampling noise, mean 0, SD se)",
+    "frac_negative": "fraction of the trainer's per-token values below 0",
+    "p_negative": "exact token average of P_b(f < 0)",
+    "miss": "token average of the q-mass b can never draw",
+    "consistency_z": "z of Σ(log b(x) − E_b log b): ≈ N(0,1) when tokens came from the audited b; −inf: b(x) = 0",
+    "impossible": "sampled tokens with b(x) = 0 under the audited logits",
+    "consistency_sum": "Σ (log b(x) − E_b log b) (pooled across steps)",
+    "consistency_var": "Σ Var_b[log b] (pooled across steps)",
+}
+
+
+class AuditLog:
+    """Steps pooled per source: pooled bias z and consistency z over all steps, and the results folder.
+
+    Pooling: the steps' noises are independent given the history (a martingale again), so the mean bias
+    over S steps has SE √Σ se² / S and the pooled z = Σ bias / √Σ se²."""
+
+    def __init__(self):
+        self.rows: list[StepAudit] = []
+
+    def add(self, audit: StepAudit) -> StepAudit:
+        self.rows.append(audit)
+        return audit
+
+    def pooled(self) -> dict[str, dict]:
+        """source → steps, mean bias, its SE, pooled z, mean sampler bias, pooled consistency z, impossible."""
+        out = {}
+        for source in dict.fromkeys(r.source for r in self.rows):
+            rows = [r for r in self.rows if r.source == source]
+            n = len(rows)
+            bias = sum(r.bias for r in rows)
+            var = sum(r.se ** 2 for r in rows)
+            out[source] = {
+                "steps": n, "estimator": rows[-1].estimator, "mean_logged": sum(r.logged for r in rows) / n,
+                "mean_exact": sum(r.exact for r in rows) / n, "mean_bias": bias / n, "se": math.sqrt(var) / n,
+                "z": z_score(bias, 0.0, math.sqrt(var), sum(abs(r.exact) for r in rows)),
+                "mean_bias_sampler": sum(r.bias_sampler for r in rows) / n,
+                "mean_bias_precision": sum(r.bias_precision for r in rows) / n,
+                "consistency_z": consistency_z(sum(r.consistency_sum for r in rows),
+                                               sum(r.consistency_var for r in rows), sum(r.impossible for r in rows)),
+                "impossible": sum(r.impossible for r in rows)}
+        return out
+
+    def csv_bytes(self) -> bytes:
+        import csv
+        import io
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(AUDIT_COLUMNS)
+        for r in self.rows:
+            w.writerow([repr(v) if isinstance(v, float) else v for v in asdict(r).values()])
+        return buf.getvalue().encode()
+
+    def write(self, directory, **envelope) -> Path:
+        """Write ``audit.csv`` and ``run.json`` (``envelope`` merged in: settings, versions) atomically
+        (kl_bench.storage: staged folder swapped in whole, under the folder's lock)."""
+        import datetime as dt
+
+        from ..storage import FolderLock, check_output_dir, clean_stale, write_results
+        directory = check_output_dir(Path(directory))
+        env = {"kl_bench_audit": 1, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "columns": AUDIT_COLUMNS, "pooled": self.pooled(), **envelope}
+        with FolderLock(directory):
+            clean_stale(directory)
+            write_results(directory, {"audit.csv": self.csv_bytes()}, env)
+        return directory

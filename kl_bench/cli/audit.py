@@ -1,0 +1,22 @@
+"""``kl-bench audit DIR``: saved training steps against the exact KL (docs/audit.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import Command, app, out_console, user_errors
+
+
+@app.command("audit", cls=Command)
+def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step-*.safetensors files (docs/audit.md)",
+                                        show_default=False),
+          out: Optional[Path] = typer.Option(None, "--out", help="results folder (default: DIR/audit)"),
+          tile: int = typer.Option(8192, "--tile", help="vocabulary ids per tile (hidden-state steps)"),
+          chunk: int = typer.Option(256, "--chunk", help="positions per chunk (hidden-state steps)")) -> None:
+    """Audit saved training steps: the trainer's KL against the exact KL, bias by source, z, consistency."""
+    from ..audit.offline import audit_command
+    with user_errors():
+        written = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: out_console.print(s, markup=False))
+    out_console.print(f"→ {written}", markup=False)

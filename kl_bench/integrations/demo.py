@@ -1,0 +1,106 @@
+"""A tiny GRPO (or RLOO) run on random GPT-2s with KLAudit attached: CPU, no download, ~20 s.
+
+    python -m kl_bench.integrations.demo [--top-k 20] [--steps 3] [--out DIR]
+    torchrun --nproc-per-node 2 -m kl_bench.integrations.demo --out DIR      # two CPU processes (gloo)
+
+Builds the tiny policy and reference (kl_bench.pairs.model.tiny), loads the reference's weights into the
+trainer's reference model (TRL builds it from the policy's path), trains with a toy reward, and audits
+every step. Used by the README and by tests/test_audit_trl.py.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+
+def tokenizer(models: Path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(models / "policy")
+    tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def prompts(models: Path, count: int, equal_length: bool) -> list[str]:
+    """Prompts from the tiny models' prompt file; ``equal_length``: all of one token length (no padding)."""
+    tok = tokenizer(models)
+    lines = [x for x in (models / "prompts.txt").read_text().splitlines() if x.strip()]
+    if not equal_length:
+        return (lines * count)[:count]
+    ids = [tok(x)["input_ids"][:4] for x in lines]
+    ids = [x for x in ids if len(x) == 4]
+    return [tok.decode(ids[i % len(ids)]) for i in range(count)]
+
+
+def build_trainer(models: Path, out: Path, *, trainer: str = "grpo", steps: int = 3, equal_length: bool = True,
+                  position_ids: bool = False, learning_rate: float = 1e-3, seed: int = 0, **config):
+    """A TRL trainer on the tiny models. ``position_ids``: patch the policy and reference forwards to
+    derive position ids from the attention mask (as generate() does), which left padding needs."""
+    import torch
+    from datasets import Dataset
+    from transformers import GPT2LMHeadModel
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    Config, Trainer = (GRPOConfig, GRPOTrainer) if trainer == "grpo" else (RLOOConfig, RLOOTrainer)
+    settings = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8, "beta": 0.1,
+                "bf16": False, "disable_dropout": True, "gradient_checkpointing": False, **config}
+    args = Config(output_dir=str(out), max_steps=steps, learning_rate=learning_rate, logging_steps=1,
+                  report_to="none", use_cpu=True, seed=seed, save_strategy="no", **settings)
+    rows = settings["per_device_train_batch_size"] // settings["num_generations"]
+    dataset = Dataset.from_dict({"prompt": prompts(models, rows * steps, equal_length)})
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) / 10 for c in completions]
+
+    tr = Trainer(model=str(models / "policy"), reward_funcs=reward, args=args, train_dataset=dataset,
+                 processing_class=tokenizer(models))
+    ref = GPT2LMHeadModel.from_pretrained(models / "reference")
+    with torch.no_grad():
+        tr.ref_model.load_state_dict(ref.state_dict())
+    if position_ids:
+        for model in (tr.model, tr.ref_model):
+            _derive_position_ids(model)
+    return tr
+
+
+def _derive_position_ids(model) -> None:
+    """Patch ``model.forward`` so that a call without position_ids gets them from the attention mask
+    (cumsum − 1, as generate() builds them): left-padded rows then see the positions they were sampled at."""
+    forward = model.forward
+
+    def patched(*args, attention_mask=None, position_ids=None, **kwargs):
+        if position_ids is None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return forward(*args, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    model.forward = patched
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trainer", choices=("grpo", "rloo"), default="grpo")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--left-padding", action="store_true", help="prompts of different lengths")
+    ap.add_argument("--out", default=None, help="write audit.csv and run.json there")
+    a = ap.parse_args(argv)
+    import torch
+    from .trl import KLAudit
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        from ..pairs.model.tiny import build_tiny_models
+        models = build_tiny_models(Path(tmp) / "models")
+        extra = {} if a.top_k is None else {"top_k": a.top_k}
+        tr = build_trainer(models, Path(tmp) / "run", trainer=a.trainer, steps=a.steps,
+                           equal_length=not a.left_padding, **extra)
+        tr.add_callback(KLAudit(tr, every=1, max_rows=8, out=a.out))
+        tr.train()
+        if a.out is not None and tr.accelerator.is_main_process:
+            # TRL's own logged metrics beside the audit, to compare `kl` with the audit's `logged`.
+            import json
+            (Path(a.out) / "trl_log_history.json").write_text(json.dumps(tr.state.log_history, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""`kl-bench audit DIR` on saved steps (safetensors): logits and hidden-state forms agree, the results folder
+is written, and bad input is one line naming file and key with exit code 2."""
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import kl_bench
+from kl_bench.audit import Sampler, audit_step, position_values, sampler_logprobs
+from kl_bench.audit.offline import audit_folder, save_step
+from kl_bench.cli import app
+
+pytest.importorskip("safetensors")
+runner = CliRunner()
+B, T, V, D = 3, 5, 97, 8
+
+
+def _step(g, gen: dict):
+    hp, hr = 0.5 * torch.randn(B, T, D, generator=g), 0.5 * torch.randn(B, T, D, generator=g)
+    wp, wr = torch.randn(V, D, generator=g), torch.randn(V, D, generator=g)
+    zp, zr = hp.double() @ wp.double().T, hr.double() @ wr.double().T
+    sp = Sampler.from_dict(gen)
+    ids = torch.multinomial(torch.exp(sampler_logprobs(zp.view(-1, V), sp)), 1, generator=g).view(B, T)
+    mask = torch.arange(T) < torch.tensor([[5], [3], [4]])
+    lp = torch.log_softmax(zp, -1).gather(-1, ids[..., None]).squeeze(-1).float()
+    lr = torch.log_softmax(zr, -1).gather(-1, ids[..., None]).squeeze(-1).float()
+    kl = kl_bench.estimate(policy=lp, reference=lr, estimator="trl.grpo")
+    return dict(hp=hp, hr=hr, wp=wp, wr=wr, zp=zp, zr=zr, ids=ids, mask=mask, kl=kl)
+
+
+def _save(folder, s, i, gen, form):
+    common = dict(completion_ids=s["ids"], mask=s["mask"].to(torch.uint8), trainer_kl=s["kl"], step=i,
+                  estimator="trl.grpo", source="loss", generation=gen)
+    if form == "logits":
+        save_step(folder / f"step-{i:04d}.safetensors", policy_logits=s["zp"], reference_logits=s["zr"], **common)
+    else:
+        save_step(folder / f"step-{i:04d}.safetensors", policy_hidden=s["hp"], reference_hidden=s["hr"], **common)
+
+
+@pytest.fixture
+def folders(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    gen = {"top_k": 10}
+    steps = [_step(g, gen) for _ in range(3)]
+    out = {}
+    for form in ("logits", "hidden"):
+        d = tmp_path / form
+        d.mkdir()
+        out[form] = d
+    for i, s in enumerate(steps):
+        _save(out["logits"], s, i, gen, "logits")
+        if i == 0:     # step 0 takes its output layers from the folder's heads.safetensors
+            _save(out["hidden"], s, i, gen, "hidden")
+        else:          # the others carry their own
+            _save_with_heads(out["hidden"], s, i, gen)
+    from safetensors.torch import save_file
+    save_file({"policy_weight": steps[0]["wp"], "reference_weight": steps[0]["wr"]},
+              str(out["hidden"] / "heads.safetensors"))
+    return out, steps
+
+
+def _save_with_heads(folder, s, i, gen):
+    save_step(folder / f"step-{i:04d}.safetensors", completion_ids=s["ids"], mask=s["mask"], trainer_kl=s["kl"],
+              step=i, estimator="trl.grpo", source="loss", generation=gen, policy_hidden=s["hp"],
+              reference_hidden=s["hr"], policy_weight=s["wp"], reference_weight=s["wr"])
+
+
+def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
+    dirs, steps = folders
+    res = runner.invoke(app, ["audit", str(dirs["logits"])])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("step ") >= 3 and "pooled loss over 3 steps" in res.output
+    csv = (dirs["logits"] / "audit" / "audit.csv").read_text().splitlines()
+    assert len(csv) == 4
+    env = json.loads((dirs["logits"] / "audit" / "run.json").read_text())
+    assert env["pooled"]["loss"]["steps"] == 3
+    a = audit_folder(dirs["logits"]).rows
+    h = audit_folder(dirs["hidden"], tile=16).rows
+    for x, y, s in zip(a, h, steps):
+        m = s["mask"]
+        direct = audit_step(position_values(s["zp"][m], s["zr"][m], ("trl.grpo",), Sampler(top_k=10), ids=s["ids"][m]),
+                            s["kl"], m, estimator="trl.grpo", source="loss")
+        for f in ("logged", "exact", "expected_b", "se", "z", "consistency_z", "miss"):
+            assert getattr(x, f) == pytest.approx(getattr(direct, f), rel=1e-12, abs=1e-14), f
+            assert getattr(y, f) == pytest.approx(getattr(direct, f), rel=1e-10, abs=1e-12), f
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: save_step(d / "step-0009.safetensors", completion_ids=torch.zeros(2, 3, dtype=torch.long),
+                         mask=torch.ones(2, 3), trainer_kl=torch.zeros(2, 3), step=9, estimator="trl.grpo"),
+     "step-0009.safetensors: key 'policy_logits': needs policy_logits and reference_logits"),
+    (lambda d: save_step(d / "step-0009.safetensors", completion_ids=torch.zeros(2, 3, dtype=torch.long),
+                         mask=torch.ones(2, 4), trainer_kl=torch.zeros(2, 3), step=9, estimator="trl.grpo",
+                         policy_logits=torch.zeros(2, 3, 5), reference_logits=torch.zeros(2, 3, 5)),
+     "key 'mask': must have completion_ids' shape"),
+    (lambda d: save_step(d / "step-0009.safetensors", completion_ids=torch.zeros(2, 3, dtype=torch.long),
+                         mask=torch.ones(2, 3), trainer_kl=torch.zeros(2, 3), step=9, estimator="k33",
+                         policy_logits=torch.zeros(2, 3, 5), reference_logits=torch.zeros(2, 3, 5)),
+     "key 'estimator': unknown estimator 'k33'"),
+    (lambda d: save_step(d / "step-0009.safetensors", completion_ids=torch.zeros(2, 3, dtype=torch.long),
+                         mask=torch.ones(2, 3), trainer_kl=torch.zeros(2, 3), step=9, estimator="k3",
+                         generation={"top_kk": 5}, policy_logits=torch.zeros(2, 3, 5),
+                         reference_logits=torch.zeros(2, 3, 5)),
+     "key 'generation.top_kk': unknown generation setting"),
+    (lambda d: (d / "step-0009.safetensors").write_bytes(b"not a safetensors file"), "step-0009.safetensors: cannot read"),
+])
+def test_bad_saved_steps_are_one_line_errors_and_nothing_is_written(folders, edit, match):
+    dirs, _ = folders
+    edit(dirs["logits"])
+    res = runner.invoke(app, ["audit", str(dirs["logits"])])
+    assert res.exit_code == 2, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and match in lines[0] and "Traceback" not in res.output
+    assert not (dirs["logits"] / "audit").exists()
+
+
+def test_an_empty_folder_is_one_line(tmp_path):
+    res = runner.invoke(app, ["audit", str(tmp_path)])
+    assert res.exit_code == 2 and "no step-*.safetensors files" in res.output

@@ -1,0 +1,131 @@
+"""KLAudit on real TRL runs (GRPOTrainer, RLOOTrainer) with the tiny random GPT-2s built in the test: no
+GPU, no hub. Each run takes 5–15 s on a 2-core CPU, hence slow; .ci/run installs the trl extra and runs
+this file."""
+import pytest
+import torch
+
+import kl_bench
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+trl = pytest.importorskip("trl")
+
+
+def _run(models, tmp_path, *, steps=3, max_rows=8, **kw):
+    from kl_bench.integrations.demo import build_trainer
+    from kl_bench.integrations.trl import KLAudit
+    tr = build_trainer(models, tmp_path / "run", steps=steps, **kw)
+    lines = []
+    cb = KLAudit(tr, every=1, max_rows=max_rows, print_fn=lines.append, out=tmp_path / "audit")
+    tr.add_callback(cb)
+    tr.train()
+    return tr, cb, lines
+
+
+def test_grpo_clean_run_logged_kl_exact_kl_and_z(tiny_models, tmp_path):
+    # learning rate 0: the policy that sampled every step is the one on disk, so an independent float64
+    # forward through both models gives the exact KL of the last step.
+    tr, cb, lines = _run(tiny_models, tmp_path, learning_rate=0.0)
+    logged = [h["kl"] for h in tr.state.log_history if "kl" in h]
+    assert len(logged) == 3 == len(cb.log.rows)
+    last = cb.last_inputs
+    # TRL's logged kl is kl_bench.estimate on TRL's own log-probs, bit for bit (max_rows covers the batch).
+    mine = kl_bench.estimate(policy=last["policy_logps"], reference=last["ref_logps"], estimator="trl.grpo",
+                             mask=last["mask"], aggregation="token-mean")
+    assert mine.item() == logged[-1]
+    assert cb.log.rows[-1].logged == pytest.approx(logged[-1], rel=1e-6)
+    # The audit's exact KL against a float64 forward of both models on the same rows.
+    from transformers import GPT2LMHeadModel
+    k = last["mask"].shape[1]
+    ids = last["input_ids"]
+    lps = []
+    for folder in ("policy", "reference"):
+        model = GPT2LMHeadModel.from_pretrained(tiny_models / folder).double().eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[:, -k - 1:-1]
+        lps.append(torch.log_softmax(logits, -1))
+    kl = (lps[0].exp() * (lps[0] - lps[1])).sum(-1)[last["mask"]]
+    assert cb.log.rows[-1].exact == pytest.approx(kl.mean().item(), rel=1e-5)    # float32 body vs float64 body
+    assert torch.allclose(last["values"].kl, kl, rtol=1e-4, atol=1e-6)
+    pooled = cb.log.pooled()["loss"]
+    assert all(abs(r.z) < 5 for r in cb.log.rows) and abs(pooled["z"]) < 5 and abs(pooled["consistency_z"]) < 5
+    assert all(abs(r.bias_precision) < 1e-5 and abs(r.bias_sampler) < 1e-12 for r in cb.log.rows)
+    assert not cb.warnings and sum(line.startswith("kl_audit: step") for line in lines) == 3
+    assert (tmp_path / "audit" / "audit.csv").exists() and (tmp_path / "audit" / "run.json").exists()
+    assert any(k.startswith("kl_audit/z") for h in tr.state.log_history for k in h)
+
+
+def test_grpo_top_k_warns_that_the_sampler_moves_the_mean(tiny_models, tmp_path):
+    tr, cb, lines = _run(tiny_models, tmp_path, top_k=20, use_bias_correction_kl=False)
+    assert any("the sampler (b: top_k=20) moves the estimator's mean" in w for w in cb.warnings)
+    assert all(r.miss > 0 and r.bias_sampler != 0 for r in cb.log.rows)
+    assert abs(cb.log.pooled()["loss"]["consistency_z"]) < 5      # the tokens do come from the audited b
+
+
+def test_left_padding_trips_the_consistency_check_and_position_ids_clear_it(tiny_models, tmp_path):
+    kw = dict(equal_length=False, max_rows=16, per_device_train_batch_size=16)
+    _, cb, _ = _run(tiny_models, tmp_path / "pad", **kw)
+    assert cb.log.pooled()["loss"]["consistency_z"] < -5
+    assert any("position ids" in w for w in cb.warnings)
+    _, cb, _ = _run(tiny_models, tmp_path / "pos", position_ids=True, **kw)
+    assert abs(cb.log.pooled()["loss"]["consistency_z"]) < 5 and not any("position ids" in w for w in cb.warnings)
+
+
+def test_rloo_k1_in_the_reward(tiny_models, tmp_path):
+    tr, cb, _ = _run(tiny_models, tmp_path, trainer="rloo", learning_rate=0.0)
+    rows = cb.log.rows
+    assert len(rows) == 3 and all(r.estimator == "k1" and r.source == "reward" for r in rows)
+    last = cb.last_inputs
+    logged = [h["kl"] for h in tr.state.log_history if "kl" in h]
+    mine = kl_bench.estimate(policy=last["policy_logps"], reference=last["ref_logps"], estimator="k1",
+                             mask=last["mask"], aggregation="token-mean")
+    assert mine.item() == logged[-1]
+    assert all(abs(r.z) < 5 and abs(r.bias_precision) < 1e-4 for r in rows)
+
+
+def test_dropout_and_bf16_warn(tiny_models, tmp_path):
+    _, cb, _ = _run(tiny_models, tmp_path, steps=1, disable_dropout=False, bf16=True)
+    assert any("dropout is active" in w for w in cb.warnings) and any("bf16" in w for w in cb.warnings)
+
+
+def test_calibration_the_z_test_rejects_at_its_nominal_rate(tiny_models, tmp_path):
+    # Learning rate 0: every step samples from the same policy, so the steps are independent repetitions
+    # and z ~ N(0, 1) at each; at α = 0.05 the number of rejections is Binomial(S, 0.05).
+    steps, alpha = 60, 0.05
+    _, cb, _ = _run(tiny_models, tmp_path, steps=steps, learning_rate=0.0, seed=1)
+    z = torch.tensor([r.z for r in cb.log.rows])
+    cz = torch.tensor([r.consistency_z for r in cb.log.rows])
+    assert len(z) == steps
+    for stat in (z, cz):
+        rejected = int((stat.abs() > 1.959964).sum())
+        assert abs(rejected - steps * alpha) < 5 * (steps * alpha * (1 - alpha)) ** 0.5
+        assert abs(stat.square().mean().item() - 1) < 5 * (2 / steps) ** 0.5
+        assert abs(stat.mean().item()) < 5 / steps ** 0.5
+
+
+def test_two_cpu_processes_reduce_the_audit(tmp_path):
+    """torchrun, 2 gloo processes: each rank audits its own rows, rank 0 logs the sums of both."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "mp"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "-m", "kl_bench.integrations.demo", "--steps", "2", "--out", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = (out / "audit.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    table = [dict(zip(header, r.split(","))) for r in rows[1:]]
+    assert len(table) == 2 and all(int(r["tokens"]) == 2 * 64 and int(r["sequences"]) == 16 for r in table)
+    logged = [h["kl"] for h in json.loads((out / "trl_log_history.json").read_text()) if "kl" in h]
+    # TRL's kl is its global masked mean over both ranks; the audit's `logged` is the same token mean,
+    # reduced from the ranks' float64 sums (TRL sums in float32).
+    for r, kl in zip(table, logged):
+        assert float(r["logged"]) == pytest.approx(kl, rel=1e-5)
+    assert sum(line.startswith("kl_audit: step") for line in res.stdout.splitlines()) == 2     # rank 0 only
