@@ -1,0 +1,84 @@
+"""The README and docs/ as a new user meets them (issue 25 item 10): every relative link resolves (file
+and anchor), every `kl-bench` command and flag they show exists, and the README stays a first-hour
+document."""
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kl_bench.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors: headings lower-cased, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().lower()
+            text = re.sub(r"[^\w\- ]", "", text.replace("`", ""))
+            out.add(text.replace(" ", "-"))
+    return out
+
+
+def _links(page: Path):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)      # not inside code blocks
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        # a link's target is a path and/or an anchor (maths such as [z^x](A_1^D ...) is not a link)
+        if not target.startswith(("http://", "https://", "mailto:")) and re.fullmatch(r"[\w./#%-]+", target):
+            yield target
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    bad = []
+    for target in _links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            bad.append(f"{target}: no heading with anchor #{anchor}")
+    assert not bad, "\n".join(bad)
+
+
+def _shown_commands():
+    """(page, (command, the rest of its line)) for `kl-bench ...` in code blocks and inline code."""
+    for page in PAGES:
+        text = page.read_text()
+        for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                yield from ((page, cmd) for cmd in
+                            re.findall(r"(?:^|&& |\| |\$ )kl-bench ([a-z-]+)((?: [^&|#]*)?)", line.strip()))
+        for inline in re.findall(r"`kl-bench ([a-z-]+)([^`]*)`", re.sub(r"```.*?```", "", text, flags=re.S)):
+            yield page, inline
+
+
+def test_every_shown_command_and_flag_exists():
+    runner = CliRunner()
+    helps: dict[str, str] = {}
+    bad = []
+    shown = list(_shown_commands())
+    assert len({c for _, (c, _) in shown}) >= 8          # the docs show the commands: nothing vacuous
+    for page, (command, rest) in shown:
+        if command not in helps:
+            res = runner.invoke(app, [command, "--help"])
+            helps[command] = res.output if res.exit_code == 0 else ""
+        if not helps[command]:
+            bad.append(f"{page.name}: kl-bench {command}: no such command")
+            continue
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest):
+            if flag not in helps[command]:
+                bad.append(f"{page.name}: kl-bench {command} {flag}: no such option")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_readme_is_a_first_hour_document():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.split()) < 2500
+    for needed in ("## Install and run (one command)", "## Tests (one command)", "## Reading the output",
+                   "## Python API", "## Where to go next"):
+        assert needed in text
