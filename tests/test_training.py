@@ -312,6 +312,14 @@ def test_train_command_writes_csv_and_envelope(tmp_path):
     assert list(df.columns) == list(TRAIN_SCHEMA) and len(df) == 2 * 4
     env = json.loads((tmp_path / "out" / "run.json").read_text())
     assert env["kl_bench_train"] == 1 and set(env["files"]) == {"train.csv"}
+    # `kl-bench report` on a training folder: the figures and the final values of every combination
+    rep = CliRunner().invoke(app, ["report", str(tmp_path / "out")])
+    assert rep.exit_code == 0, rep.output
+    md = (tmp_path / "out" / "report" / "report.md").read_text()
+    last = df[df["step"] == df["step"].max()]
+    for r in last.itertuples():
+        assert f"| {r.case} | {r.combination} | {r.gradients} | {r.step} | {r.kl_rev:.4g} |" in md
+    assert (tmp_path / "out" / "report" / "figures" / "training_cat.pdf").stat().st_size > 1000
 
 
 def test_figures_leave_global_state_alone_and_render_every_case(tmp_path):

@@ -107,17 +107,23 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
     from ..report import write_report as write
     from ..runner import interrupt_line
     from ..storage import check_output_dir, fs_error
+    from ..storage import write_folder
+    from ..training.report import is_training_folder, training_report_files
     with user_errors():
         out = check_output_dir(out)
         try:
-            write(dirs, out)
+            if len(dirs) == 1 and is_training_folder(dirs[0]):       # a `kl-bench train` folder
+                write_folder(out, training_report_files(dirs[0]))
+            else:
+                write(dirs, out)
             signals.phase("report-written")
         except KeyboardInterrupt:
             interrupted(interrupt_line(out, "report files", "an earlier report in {out} is untouched"))
         except OSError as e:
             raise fs_error(e, out, "cannot write the report") from None
     if not quiet:
-        out_console.print(f"report → {out}/report.html ({len(list((out / 'figures').glob('*.png')))} figures)")
+        page = "report.html" if (out / "report.html").exists() else "report.md"
+        out_console.print(f"report → {out}/{page} ({len(list((out / 'figures').glob('*.png')))} figures)")
 
 
 def write_outputs(targets: dict) -> None:
