@@ -18,7 +18,7 @@ from .version import __version__  # noqa: F401  (in __all__)
 
 _EXPORTS = {
     "CheckReport": "api", "Result": "api", "check": "api", "estimate": "api", "exact": "api", "load": "api",
-    "load_results": "api", "run": "api", "train": "api", "SpecError": "errors", "ESTIMATORS": "estimators",
+    "load_results": "api", "run": "api", "train": "api", "SpecError": "errors", "ShapeError": "errors", "ESTIMATORS": "estimators",
     "Estimator": "estimators",
     "register_estimator": "estimators", "CASE_KINDS": "pairs", "Pair": "pairs", "register_kind": "pairs",
     "Spec": "spec", "load_spec": "spec", "parse_spec": "spec", "TARGETS": "targets",

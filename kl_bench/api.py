@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .errors import SpecError
+from .errors import ShapeError, SpecError
 from .pairs import Pair, build_pair
 from .threads import single_threaded
 from .spec import Spec, load_spec, spec_from_dict, with_overrides
@@ -485,7 +485,7 @@ def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None,
         return values
     mask = torch.as_tensor(mask, device=values.device)
     if mask.shape != values.shape:
-        raise SpecError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
+        raise ShapeError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
     if aggregation is not None:
         from .audit.aggregate import aggregate
         return aggregate(values, mask, aggregation)
@@ -502,7 +502,7 @@ def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_log
                         "reference_logits=, or (logp, logq) positionally: one pair, both sides")
     q, p = (torch.as_tensor(x) for x in forms[given[0]])
     if q.shape != p.shape:
-        raise SpecError(f"policy and reference must have one shape, got {list(q.shape)} and {list(p.shape)}")
+        raise ShapeError(f"policy and reference must have one shape, got {list(q.shape)} and {list(p.shape)}")
     logits = given[0] == 2
     if est.analytic:
         if not logits or ids is not None:
@@ -514,7 +514,7 @@ def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_log
             raise SpecError("logits need ids= (the sampled tokens) for a per-token estimator")
         ids = torch.as_tensor(ids, device=q.device).to(torch.long)
         if ids.shape != q.shape[:-1]:
-            raise SpecError(f"ids must have the logits' shape without the vocabulary {list(q.shape[:-1])}, "
+            raise ShapeError(f"ids must have the logits' shape without the vocabulary {list(q.shape[:-1])}, "
                             f"got {list(ids.shape)}")
         q = torch.log_softmax(q, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         p = torch.log_softmax(p, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)

@@ -36,3 +36,8 @@ class SpecError(Exception):
             parts.append(f"key '{self.key}'")
         parts.append(self.message)
         return ": ".join(parts).replace("\n", " ")
+
+
+class ShapeError(SpecError, ValueError):
+    """Tensors of the wrong shape handed to the Python API (e.g. :func:`kl_bench.estimate`): a
+    ``ValueError`` as numerical code expects, and a :class:`SpecError` (one line) for the CLI."""

@@ -4,6 +4,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 import kl_bench
@@ -87,3 +88,15 @@ def test_check_json_onto_a_directory_is_one_line_and_exit_2(written, tmp_path):
     _, folder = written
     res = runner.invoke(app, ["check", "experiments/schulman.toml", "--results", str(folder), "--json", str(tmp_path)])
     assert res.exit_code == 2 and res.output.startswith("error:") and len(res.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kw", [
+    dict(policy=torch.zeros(2, 3), reference=torch.zeros(3, 2)),
+    dict(policy=torch.zeros(2, 3), reference=torch.zeros(2, 3), mask=torch.ones(5)),
+    dict(policy=torch.zeros(2, 3), reference=torch.zeros(2, 3), mask=torch.ones(6), aggregation="token-mean"),
+])
+def test_shape_errors_in_estimate_are_value_errors_with_one_line(kw):
+    """Issue 25 item 9: numerical code catches ValueError; the CLI's one line still holds."""
+    with pytest.raises(ValueError) as e:
+        kl_bench.estimate(**kw)
+    assert isinstance(e.value, kl_bench.SpecError) and "\n" not in str(e.value) and "shape" in str(e.value)

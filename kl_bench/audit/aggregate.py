@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpecError
+from ..errors import ShapeError, SpecError
 from ..registry import did_you_mean
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -28,7 +28,7 @@ def aggregation_units(mask: torch.Tensor, aggregation: str) -> tuple[torch.Tenso
         raise SpecError(f"unknown aggregation '{aggregation}'{did_you_mean(aggregation, list(AGGREGATIONS))}; "
                         f"known: {', '.join(AGGREGATIONS)}", key="aggregation")
     if mask.ndim != 2:
-        raise SpecError(f"an aggregation needs a [B, T] mask, got shape {list(mask.shape)}", key="mask")
+        raise ShapeError(f"an aggregation needs a [B, T] mask, got shape {list(mask.shape)}", key="mask")
     m = mask.to(torch.float64)
     rows = torch.tensor(float(m.shape[0]), dtype=torch.float64)
     if aggregation == "token-mean":
@@ -51,7 +51,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: str) -> tor
     seq-mean-token-sum = mean_b(Σ_t v·m). Padded entries may hold inf or NaN: they count as 0."""
     aggregation_weights(mask[:1], aggregation)          # validates the name and the shape
     if values.shape != mask.shape:
-        raise SpecError(f"mask must have the values' shape {list(values.shape)}, got {list(mask.shape)}", key="mask")
+        raise ShapeError(f"mask must have the values' shape {list(values.shape)}, got {list(mask.shape)}", key="mask")
     m = mask.to(device=values.device, dtype=values.dtype)
     v = torch.where(m.bool(), values, torch.zeros_like(values))
     if aggregation == "token-mean":
