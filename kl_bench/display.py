@@ -168,39 +168,33 @@ def lambda_table(df: pd.DataFrame) -> Table:
         t.add_column(col, justify="left" if col == "case" else "right")
     cvs = df[df["estimator"].isin(["cv", "cv_opt"])]
     for case, agg in dict.fromkeys(zip(cvs["case"], cvs["aggregate"].fillna(""))):
-        c = cvs[(cvs["case"] == case) & (cvs["aggregate"].fillna("") == agg)]
-        r0 = c.iloc[0]
-        true = r0["true_kl"]
-
-        def at(lam):
-            hit = c[(c["estimator"] == "cv") & (c["lambda"] == lam)]
-            if hit.empty:
-                return ""
-            h = hit.iloc[0]
-            return f"{fmt(h['exact_rel_std'])} ({_std_cell(h, h['rel_std'])})"
-        star = r0["lambda_star"]
-        # Exact std at λ*: from any cv row, std(λ)/(1 + excess_std(λ)).
-        best = math.nan
-        for _, h in c.iterrows():
-            if math.isfinite(h["exact_std"]) and math.isfinite(h["excess_std"]):
-                best = h["exact_std"] / (1 + h["excess_std"]) / true
-                break
-        opt = c[c["estimator"] == "cv_opt"]
-        opt_cell = ""
-        if not opt.empty:
-            o = opt.iloc[0]
-            opt_cell = f"{fmt(o['exact_rel_std'])} ({_std_cell(o, o['rel_std'])}) λ={o['lambda']:.3g}"
-        k3 = c[(c["estimator"] == "cv") & (c["lambda"] == 1.0)]
-        ratio = f"{k3.iloc[0]['excess_std'] + 1:.3g}×" if not k3.empty else ""
-        heavy = c["heavy_tail"].fillna("").astype(str).str.len().gt(0).any()
-        mc = r0["lambda_star_mc"]
-        measured = f"{fmt(mc)} ± {fmt(r0['lambda_star_mc_se'], 2)}" + ("†" if heavy else "") \
-            if isinstance(mc, float) and math.isfinite(mc) else ""
-        sampled = isinstance(r0.get("sampler", ""), str) and r0.get("sampler", "") != ""
-        t.add_row(escape(f"{case} ({agg})" if agg else case), "n/a (sampler)" if sampled and not math.isfinite(star)
-                  else fmt(star), measured,
-                  at(0.0), at(1.0), fmt(best), opt_cell, ratio)
+        t.add_row(*_lambda_cells(cvs[(cvs["case"] == case) & (cvs["aggregate"].fillna("") == agg)], case, agg))
     return t
+
+
+def _lambda_cells(c: pd.DataFrame, case: str, agg: str) -> list[str]:
+    """One case (and aggregate) of :func:`lambda_table`: its cv rows ``c``."""
+    r0 = c.iloc[0]
+
+    def at(lam):
+        hit = c[(c["estimator"] == "cv") & (c["lambda"] == lam)]
+        return "" if hit.empty else f"{fmt(hit.iloc[0]['exact_rel_std'])} ({_std_cell(hit.iloc[0], hit.iloc[0]['rel_std'])})"
+    star = r0["lambda_star"]
+    # Exact std at λ*: from any cv row, std(λ)/(1 + excess_std(λ)).
+    usable = c[c["exact_std"].map(math.isfinite) & c["excess_std"].map(math.isfinite)]
+    best = usable.iloc[0]["exact_std"] / (1 + usable.iloc[0]["excess_std"]) / r0["true_kl"] if len(usable) else math.nan
+    opt = c[c["estimator"] == "cv_opt"]
+    opt_cell = "" if opt.empty else \
+        f"{fmt(opt.iloc[0]['exact_rel_std'])} ({_std_cell(opt.iloc[0], opt.iloc[0]['rel_std'])}) λ={opt.iloc[0]['lambda']:.3g}"
+    k3 = c[(c["estimator"] == "cv") & (c["lambda"] == 1.0)]
+    ratio = f"{k3.iloc[0]['excess_std'] + 1:.3g}×" if not k3.empty else ""
+    heavy = c["heavy_tail"].fillna("").astype(str).str.len().gt(0).any()
+    mc = r0["lambda_star_mc"]
+    measured = f"{fmt(mc)} ± {fmt(r0['lambda_star_mc_se'], 2)}" + ("†" if heavy else "") \
+        if isinstance(mc, float) and math.isfinite(mc) else ""
+    sampled = isinstance(r0.get("sampler", ""), str) and r0.get("sampler", "") != ""
+    return [escape(f"{case} ({agg})" if agg else case), "n/a (sampler)" if sampled and not math.isfinite(star)
+            else fmt(star), measured, at(0.0), at(1.0), fmt(best), opt_cell, ratio]
 
 
 def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:

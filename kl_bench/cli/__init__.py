@@ -36,22 +36,30 @@ def _is_abort(e: BaseException) -> bool:
     return type(e).__name__ == "Abort"
 
 
+def _runs_a_command(args: list[str]) -> bool:
+    """Whether the arguments run a command (help, the version and completion need no torch)."""
+    return bool(args) and not {"-h", "--help", "--version", "--install-completion", "--show-completion"} & set(args)
+
+
+def _exit_code(rv) -> int:
+    """A command's return value as the exit code, with the line an unreported interrupt needs."""
+    if rv == 130 and not interrupt_reported[0]:     # typer turns a Ctrl-C in a command into 130
+        err_console.print(signals.interrupted_anywhere(), markup=False)
+    if signals.seen[0] and rv in (0, None):         # a signal some library swallowed: not a success
+        err_console.print(signals.interrupted_anywhere(), markup=False)
+        rv = 130
+    return rv if isinstance(rv, int) else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """The console script: every usage error is one line (exit 2), every interrupt one line (exit 130)."""
     signals.install()
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
-    args = sys.argv[1:] if argv is None else argv
     try:
         signals.phase("start")
-        if args and not {"-h", "--help", "--version", "--install-completion", "--show-completion"} & set(args):
+        if _runs_a_command(sys.argv[1:] if argv is None else argv):
             signals.import_heavy()          # every command needs torch: imported where a signal is safe
-        rv = app(args=argv, standalone_mode=False, prog_name="kl-bench")
-        if rv == 130 and not interrupt_reported[0]:     # typer turns a Ctrl-C in a command into 130
-            err_console.print(signals.interrupted_anywhere(), markup=False)
-        if signals.seen[0] and rv in (0, None):         # a signal some library swallowed: not a success
-            err_console.print(signals.interrupted_anywhere(), markup=False)
-            rv = 130
-        sys.exit(rv if isinstance(rv, int) else 0)
+        sys.exit(_exit_code(app(args=argv, standalone_mode=False, prog_name="kl-bench")))
     except NoArgsIsHelpError as e:
         print(e.ctx.get_help() if e.ctx is not None else str(e))
         sys.exit(0)
