@@ -75,6 +75,18 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
     assert len(csv) == 4
     env = json.loads((dirs["logits"] / "audit" / "run.json").read_text())
     assert env["pooled"]["loss"]["steps"] == 3
+    # `kl-bench report` on the audit folder: the figures and the pooled line per source
+    rep = runner.invoke(app, ["report", str(dirs["logits"] / "audit")])
+    assert rep.exit_code == 0, rep.output
+    report = dirs["logits"] / "audit" / "report"
+    import pandas as pd
+    from kl_bench.audit.report import pooled_line
+    df = pd.read_csv(dirs["logits"] / "audit" / "audit.csv")
+    assert pooled_line(df[df["source"] == "loss"]) in (report / "report.md").read_text()
+    z = df["bias"].sum() / (df["se"] ** 2).sum() ** 0.5
+    assert f"pooled z = {z:+.2f}" in (report / "report.md").read_text()
+    assert (report / "figures" / "audit_loss.png").stat().st_size > 10_000
+    assert (report / "figures" / "audit_loss.pdf").read_bytes().startswith(b"%PDF")
     a = audit_folder(dirs["logits"]).rows
     h = audit_folder(dirs["hidden"], tile=16).rows
     for x, y, s in zip(a, h, steps):

@@ -107,6 +107,7 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
     from ..report import write_report as write
     from ..runner import interrupt_line
     from ..storage import check_output_dir, fs_error
+    from ..audit.report import audit_report_files, is_audit_folder
     from ..storage import write_folder
     from ..training.report import is_training_folder, training_report_files
     with user_errors():
@@ -114,6 +115,8 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
         try:
             if len(dirs) == 1 and is_training_folder(dirs[0]):       # a `kl-bench train` folder
                 write_folder(out, training_report_files(dirs[0]))
+            elif len(dirs) == 1 and is_audit_folder(dirs[0]):        # an audit (TRL callback, kl-bench audit)
+                write_folder(out, audit_report_files(dirs[0]))
             else:
                 write(dirs, out)
             signals.phase("report-written")
