@@ -17,6 +17,11 @@ def _on_signal(signum, frame):
 def entry() -> None:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    # Held until the command's compiled extensions are imported (kl_bench.cli.main releases them): a
+    # KeyboardInterrupt raised inside a pybind11 callback of an import aborts the process (−6) or kills
+    # it by the signal instead of the one line and exit 130. A signal that came meanwhile is raised then.
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         from .cli import main
     except KeyboardInterrupt:

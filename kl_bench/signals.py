@@ -54,12 +54,22 @@ def held():
 
 
 def import_heavy() -> None:
-    """torch, numpy and pandas imported with the signals held (see :func:`held`); a signal that came
-    meanwhile is raised right after, in Python, where it is one line."""
+    """The compiled extensions every command loads (torch, numpy, pandas, scipy's special functions,
+    statistics and FFT) imported with the signals held (see :func:`held`); a signal that came meanwhile is
+    raised right after, in Python, where it is one line."""
     with held():
         import numpy  # noqa: F401
         import pandas  # noqa: F401
+        import scipy.fft  # noqa: F401
+        import scipy.special  # noqa: F401
+        import scipy.stats  # noqa: F401
         import torch  # noqa: F401
+
+
+def release() -> None:
+    """Deliver the signals the console script held during start-up (kl_bench.__main__), if any."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def phase(name: str) -> None:

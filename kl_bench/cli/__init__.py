@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         signals.phase("start")
         if _runs_a_command(sys.argv[1:] if argv is None else argv):
             signals.import_heavy()          # every command needs torch: imported where a signal is safe
+        signals.release()                   # a signal held since start-up is raised here, as one line
         sys.exit(_exit_code(app(args=argv, standalone_mode=False, prog_name="kl-bench")))
     except NoArgsIsHelpError as e:
         print(e.ctx.get_help() if e.ctx is not None else str(e))
