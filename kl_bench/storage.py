@@ -19,7 +19,6 @@ import json
 import functools
 import os
 import shutil
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import signals
 from .errors import SpecError
 from .safe_io import check_dir_target, check_write_target, open_lock_file, read_regular
 
@@ -206,22 +206,6 @@ def committed(out_dir: Path) -> bool:
     return str(Path(output_dir(Path(out_dir))).absolute()) in _COMMITTED
 
 
-@contextlib.contextmanager
-def _signals_held():
-    """Hold SIGINT and SIGTERM while the folder is swapped and the swap recorded, so that the line an
-    interrupt prints knows whether the new contents are in place (delivered when the block ends)."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    except (AttributeError, ValueError, OSError):        # not POSIX, or not the main thread
-        old = None
-    try:
-        yield
-    finally:
-        if old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
     """Write ``files`` ({relative path: bytes}, "a/b.png" allowed) as the folder ``out_dir``, atomically:
     staged in a sibling folder, then exchanged with the old one in one call (or renamed into place).
@@ -242,7 +226,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
         if out_dir.exists():
             _carry_over(out_dir, stage, tops)
         key = str(out_dir.absolute())
-        with _signals_held():
+        with signals.held():   # the line an interrupt prints must know whether the swap is done
             if not out_dir.exists():
                 os.rename(stage, out_dir)
                 _COMMITTED.add(key)
