@@ -162,14 +162,20 @@ def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, t
 
 @pytest.mark.slow
 def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
-    spec = write_spec(LONG.format(draws=40_000_000))
+    # Long enough that the second process (start-up, imports, spec) reaches the lock on a loaded machine.
+    spec = write_spec(LONG.format(draws=120_000_000))
     out = tmp_path / "out"
     first = _cli("run", spec, "--out", out, "--quiet", "--checkpoint-every", "0.2")
-    # The first checkpoint proves the first run holds the lock and is sampling.
-    _wait_for(lambda: (out / ".checkpoint.pt").exists() or first.poll() is not None)
-    rc, err = _finish(_cli("run", spec, "--out", out, "--quiet"), 120)
-    assert first.poll() is None, "the first run ended too early for this test"
-    assert rc == 2, err
-    assert "being written by another kl-bench run" in err and err.count("\n") == 1
-    assert _finish(first)[0] == 0
-    _consistent(out)
+    try:
+        # The first checkpoint proves the first run holds the lock and is sampling.
+        _wait_for(lambda: (out / ".checkpoint.pt").exists() or first.poll() is not None)
+        rc, err = _finish(_cli("run", spec, "--out", out, "--quiet"), 120)
+        assert first.poll() is None, "the first run ended too early for this test"
+        assert rc == 2, err
+        assert "being written by another kl-bench run" in err and err.count("\n") == 1
+        assert _finish(first)[0] == 0
+        _consistent(out)
+    finally:
+        if first.poll() is None:          # a failed assertion: no process or pipe left behind
+            first.kill()
+            first.communicate()
