@@ -3,20 +3,12 @@ Ctrl-C or SIGTERM at any moment of start-up is one line (exit 130), never a trac
 import signal
 import sys
 
-
-_seen = [0]
-
-
-def _on_signal(signum, frame):
-    # The first signal stops start-up; later ones (Ctrl-C pressed again) are ignored: one line, exit 130.
-    _seen[0] += 1
-    if _seen[0] == 1:
-        raise KeyboardInterrupt
+from . import signals
 
 
 def entry() -> None:
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    # The first signal stops start-up; later ones (Ctrl-C pressed again) are ignored: one line, exit 130.
+    signals.install()
     # Held until the command's compiled extensions are imported (kl_bench.cli.main releases them): a
     # KeyboardInterrupt raised inside a pybind11 callback of an import aborts the process (−6) or kills
     # it by the signal instead of the one line and exit 130. A signal that came meanwhile is raised then.

@@ -181,6 +181,16 @@ def clean_stale(out_dir: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def write_locked(out_dir: Path, files: dict[str, bytes], envelope: dict[str, Any]) -> Path:
+    """:func:`write_results` under the folder's lock, after cleaning a crashed writer's leftovers: what
+    every results folder (a run's, a training's, an audit's) is written with. Returns the folder."""
+    out_dir = Path(out_dir)
+    with FolderLock(out_dir):
+        clean_stale(out_dir)
+        write_results(out_dir, files, envelope)
+    return out_dir
+
+
 def write_results(out_dir: Path, files: dict[str, bytes], envelope: dict[str, Any]) -> None:
     """Write a results folder atomically. run.json records the sha256 of each data file.
 

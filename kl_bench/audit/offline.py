@@ -16,6 +16,7 @@ import torch
 from ..errors import SpecError
 from ..estimators import resolve_estimator
 from ..registry import UnknownName
+from ..storage import atomic_write_bytes, check_output_dir
 from .aggregate import AGGREGATIONS
 from .exact import PositionValues, position_values
 from .sampler import Sampler
@@ -40,7 +41,6 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     factor the trainer applies to the logits before its log-softmax (1/T in TRL and verl)."""
     from safetensors.torch import save
 
-    from ..storage import atomic_write_bytes
     meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
             "source": source, "generation": json.dumps(generation or {}), "logit_scale": repr(float(logit_scale))}
     data = {"completion_ids": completion_ids, "mask": mask, "trainer_kl": trainer_kl, **tensors}
@@ -214,7 +214,6 @@ def audit_folder(directory, *, on_step=None, tile: int = 8192, chunk: int = 256)
 def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, echo=print) -> Path:
     """``kl-bench audit DIR``: audit every saved step, print a line each and the pooled verdict, write
     ``--out`` (default DIR/audit) with audit.csv and run.json."""
-    from ..storage import check_output_dir
     out = check_output_dir(Path(out) if out is not None else Path(directory) / "audit")
     if tile < 1 or chunk < 1:
         raise SpecError(f"must be ≥ 1, got {min(tile, chunk)}", key="--tile" if tile < 1 else "--chunk")

@@ -31,6 +31,7 @@ import torch
 from ..errors import SpecError
 from ..estimators import resolve_estimator
 from ..stats import z_score
+from ..storage import check_output_dir, write_locked
 from .aggregate import aggregation_units
 from .exact import PositionValues
 
@@ -215,11 +216,7 @@ class AuditLog:
         (kl_bench.storage: staged folder swapped in whole, under the folder's lock)."""
         import datetime as dt
 
-        from ..storage import FolderLock, check_output_dir, clean_stale, write_results
         directory = check_output_dir(Path(directory))
         env = {"kl_bench_audit": 1, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "columns": AUDIT_COLUMNS, "pooled": self.pooled(), **envelope}
-        with FolderLock(directory):
-            clean_stale(directory)
-            write_results(directory, {"audit.csv": self.csv_bytes()}, env)
-        return directory
+        return write_locked(directory, {"audit.csv": self.csv_bytes()}, env)

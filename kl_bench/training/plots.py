@@ -15,6 +15,8 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
+from ..results import read_frame
+
 PALETTE = sns.color_palette("colorblind")
 _STYLE = {**sns.axes_style("whitegrid"), "axes.prop_cycle": matplotlib.cycler(color=PALETTE)}
 LABELS = {"kl_rev": "KL(q‖p)", "kl_fwd": "KL(p‖q)", "entropy": "entropy of q (nats)", "objective": "J = E[reward] − β KL(q‖p)",
@@ -63,7 +65,6 @@ def plot_training(df: pd.DataFrame, case: str | None = None, axes=None):
 
 def render_training_figures(folder: str | Path, out_dir: str | Path) -> list[Path]:
     """Write training_<case>.png for every case of ``folder``/train.csv into ``out_dir``; the paths written."""
-    from ..results import read_frame
     df = read_frame(Path(folder) / "train.csv")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from typing import Any
 import pandas as pd
 
 from ..results import frame_to_csv_bytes, read_frame
+from ..storage import write_locked
 from .run import TRAIN_SCHEMA
 
 
@@ -25,12 +26,7 @@ class TrainResult:
 
     def write(self, directory: str | Path) -> Path:
         """train.csv and run.json (with its sha256), swapped in whole; a concurrent run is refused."""
-        from ..storage import FolderLock, clean_stale, write_results
-        directory = Path(directory)
-        with FolderLock(directory):
-            clean_stale(directory)
-            write_results(directory, self.files(), self.envelope)
-        self.path = directory
+        self.path = write_locked(Path(directory), self.files(), self.envelope)
         return directory
 
     def final(self) -> pd.DataFrame:
