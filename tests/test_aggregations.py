@@ -2,6 +2,7 @@
 dynamic program against brute-force enumeration, Monte Carlo against exact, and token-mean's limit."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,7 +117,6 @@ def test_token_mean_batch_against_enumeration_of_every_batch(eos, sampler):
     enumerated, with their probabilities under the sampler b (unweighted draws), against the
     generating-function convolution; B = 1 is the per-sequence mean. The variance is enumerated in the
     centred form Σ P (v − mean)², free of E[v²] − E[v]²'s cancellation."""
-    import itertools
     lq, lp, _ = _tables()
     bucket = torch.arange(5) % 2
     log_b, min_length = None, 0
@@ -142,10 +142,16 @@ def test_token_mean_batch_against_enumeration_of_every_batch(eos, sampler):
                 value = sum(float(pair.kl_ctx[c]) if est.analytic else float(est.fn(lp[c, x] - lq[c, x]))
                             for c, x in path)
                 seqs.append((prob, value, len(path)))
-            tuples = [(math.prod(s[0] for s in combo), sum(s[1] for s in combo) / sum(s[2] for s in combo))
-                      for combo in itertools.product(seqs, repeat=b)]
-            mean = sum(p * v for p, v in tuples)
-            var = sum(p * (v - mean) ** 2 for p, v in tuples)
+            # every B-tuple at once: outer products/sums over B copies of the sequence list (125^3 at most)
+            prob, val, length = (np.array(col, dtype=np.float64) for col in zip(*seqs))
+            p_t, v_t, n_t = np.ones(1), np.zeros(1), np.zeros(1)
+            for _ in range(b):
+                p_t = np.multiply.outer(p_t, prob).ravel()
+                v_t = np.add.outer(v_t, val).ravel()
+                n_t = np.add.outer(n_t, length).ravel()
+            ratio = v_t / n_t
+            mean = math.fsum(p_t * ratio)
+            var = math.fsum(p_t * (ratio - mean) ** 2)
             got = pair.exact_moments(est, "tok_batch")
             assert got[0] == pytest.approx(mean, rel=1e-12) and got[1] == pytest.approx(var, rel=1e-12)
             if b == 1:

@@ -135,7 +135,8 @@ def test_sigkill_while_writing_leaves_the_earlier_results_whole(write_spec, tmp_
 
 @pytest.mark.slow
 def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, tmp_path):
-    spec = write_spec(LONG.format(draws=40_000_000))
+    # 12M draws: seconds of sampling; the kill comes at the first checkpoint (every 0.2 s), long before.
+    spec = write_spec(LONG.format(draws=12_000_000))
     whole = _cli("run", spec, "--out", tmp_path / "whole", "--quiet")
     rc, err = _finish(whole)
     assert rc == 0, err
@@ -162,8 +163,8 @@ def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, t
 
 @pytest.mark.slow
 def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
-    # Long enough that the second process (start-up, imports, spec) reaches the lock on a loaded machine.
-    spec = write_spec(LONG.format(draws=120_000_000))
+    # The first run is far too long to finish here (10^10 draws): events, not timing, end it.
+    spec = write_spec(LONG.format(draws=10_000_000_000))
     out = tmp_path / "out"
     first = _cli("run", spec, "--out", out, "--quiet", "--checkpoint-every", "0.2")
     try:
@@ -173,7 +174,14 @@ def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
         assert first.poll() is None, "the first run ended too early for this test"
         assert rc == 2, err
         assert "being written by another kl-bench run" in err and err.count("\n") == 1
-        assert _finish(first)[0] == 0
+        # The refused run touched nothing: the first one is still sampling and stops cleanly on SIGINT...
+        first.send_signal(signal.SIGINT)
+        rc, err = _finish(first)
+        assert rc == 130 and "interrupted" in err and err.count("\n") == 1, err
+        assert sorted(os.listdir(out)) == [".checkpoint.pt"]
+        # ...and its lock is released with it: the next run takes the folder and lands whole.
+        small = write_spec(LONG.format(draws=100_000), "small.toml")
+        assert _finish(_cli("run", small, "--out", out, "--quiet"))[0] == 0
         _consistent(out)
     finally:
         if first.poll() is None:          # a failed assertion: no process or pipe left behind
