@@ -163,8 +163,8 @@ def n_for_cosine(mean: np.ndarray, u: np.ndarray, var_u: float, trace_cov: float
         return math.nan            # a variance without a value (e.g. D > 1 Gaussians): unknown, not ∞
     if not (math.isfinite(var_u) and math.isfinite(trace_cov)) or m2 == 0 or mu / math.sqrt(m2) <= target:
         return math.inf
-    from scipy import stats
-    zq = stats.norm.ppf(prob)
+    from scipy import special          # ndtri: the normal quantile (stats.norm.ppf, without scipy.stats)
+    zq = special.ndtri(prob)
 
     def ok(n: float) -> bool:
         return (mu - zq * math.sqrt(max(var_u, 0) / n)) / math.sqrt(m2 + max(trace_cov, 0) / n) >= target

@@ -55,14 +55,13 @@ def held():
 
 def import_heavy() -> None:
     """The compiled extensions every command loads (torch, numpy, pandas, scipy's special functions,
-    statistics and FFT) imported with the signals held (see :func:`held`); a signal that came meanwhile is
+    and FFT) imported with the signals held (see :func:`held`); a signal that came meanwhile is
     raised right after, in Python, where it is one line."""
     with held():
         import numpy  # noqa: F401
         import pandas  # noqa: F401
         import scipy.fft  # noqa: F401
         import scipy.special  # noqa: F401
-        import scipy.stats  # noqa: F401
         import torch  # noqa: F401
 
 
