@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import signal
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -28,11 +27,6 @@ from .errors import SpecError
 # simulation, gradient passes whose totals cannot be merged exactly) while the others wait.
 TIMEOUT_ENV = "KL_BENCH_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 1800.0
-# Test hook: "RANK:PHASE" or "RANK:PHASE:N" makes that rank die (SIGKILL) when it reaches PHASE
-# (start; main: after drawing its slice of a round of a main or pilot pass; gradients: after a batch of a
-# gradient pass) for the Nth time (default the first), as a crashed process would.
-FAIL_ENV = "KL_BENCH_RANK_FAIL"
-_reached: dict[str, int] = {}
 
 
 class RankFailure(Exception):
@@ -71,14 +65,6 @@ class Ranks:
         if self.world_size > 1:
             import torch.distributed as dist
             _collective(dist.barrier)
-
-    def fail_point(self, phase: str) -> None:
-        """Test hook (:data:`FAIL_ENV`): this rank dies here, as a crashed (or OOM-killed) process would."""
-        want = os.environ.get(FAIL_ENV, "").split(":")
-        if len(want) >= 2 and want[:2] == [str(self.rank), phase]:
-            _reached[phase] = _reached.get(phase, 0) + 1
-            if _reached[phase] == (int(want[2]) if len(want) > 2 else 1):
-                os.kill(os.getpid(), signal.SIGKILL)
 
 
 SINGLE = Ranks()
@@ -187,9 +173,7 @@ def start(device) -> tuple[Ranks, Any]:
             dist.init_process_group(backend, timeout=timeout)
         except Exception as e:      # noqa: BLE001
             raise RankFailure(f"cannot join the torchrun job ({backend}): {_first_line(e)}") from None
-    ranks = Ranks(dist.get_rank(), dist.get_world_size())
-    ranks.fail_point("start")
-    return ranks, device
+    return Ranks(dist.get_rank(), dist.get_world_size()), device
 
 
 def stop() -> None:
