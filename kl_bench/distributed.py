@@ -123,6 +123,23 @@ def block(total: int, ranks: Ranks) -> tuple[int, int]:
 TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _alone(env: dict[str, str]) -> bool:
+    """No torchrun variable, or only those of a one-process job (WORLD_SIZE 1, RANK 0, no address)."""
+    return not env or (env.get("WORLD_SIZE", "1").strip() == "1" and set(env) <= {"WORLD_SIZE", "RANK", "LOCAL_RANK"}
+                       and env.get("RANK", "0").strip() == "0")
+
+
+def _env_numbers(env: dict[str, str]) -> tuple[int, int, int]:
+    """(world size, rank, local rank) as integers; a value that is not a whole number is refused."""
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        return world, rank, int(env.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        bad = next(k for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in env and not env[k].strip().isdigit())
+        raise SpecError(f"torchrun environment: {bad}={env[bad]!r} is not a whole number", key=bad) from None
+
+
 def env_world() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) when started by torchrun with more than one process, else None.
 
@@ -130,16 +147,9 @@ def env_world() -> tuple[int, int, int] | None:
     value that is not a number), is refused in one line: silently running alone would write a whole
     result per process into the same folder, and joining would wait for ranks that never come."""
     env = {k: os.environ[k] for k in TORCHRUN_ENV if k in os.environ}
-    if not env or env.get("WORLD_SIZE", "1").strip() == "1" and set(env) <= {"WORLD_SIZE", "RANK", "LOCAL_RANK"} \
-            and env.get("RANK", "0").strip() == "0":
+    if _alone(env):
         return None                 # no torchrun, or a one-process job: run alone
-    try:
-        world = int(env.get("WORLD_SIZE", "1"))
-        rank = int(env.get("RANK", "0"))
-        local = int(env.get("LOCAL_RANK", str(rank)))
-    except ValueError:
-        bad = next(k for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in env and not env[k].strip().isdigit())
-        raise SpecError(f"torchrun environment: {bad}={env[bad]!r} is not a whole number", key=bad) from None
+    world, rank, local = _env_numbers(env)
     if world == 1 and rank == 0:
         return None
     missing = [k for k in TORCHRUN_ENV if k not in env and k != "LOCAL_RANK"]
