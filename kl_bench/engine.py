@@ -29,7 +29,7 @@ from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .errors import SpecError
 from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
-from .pairs.base import GradientAccumulator, Pair
+from .pairs.base import GradientAccumulator, Pair, gradient_oracle
 from .seeding import BatchStream, batch_generator, batch_sizes, batch_streams
 from .storage import check_resumed_sums
 
@@ -250,8 +250,11 @@ def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.nd
     them (:meth:`GradientAccumulator.merge`) into the very totals one process gets; an accumulator whose
     totals cannot be merged exactly (``splittable`` false) runs the whole pass on rank 0. Returns None on
     the other ranks."""
+    oracle = gradient_oracle(pair)
+    if oracle is None:
+        raise pair.no_gradients()
     sizes = batch_sizes(draws, batches)
-    acc = pair.gradient_accumulator(items, directions, device)
+    acc = oracle.gradient_accumulator(items, directions, device)
     split = ranks.world_size > 1 and acc.splittable
     if not split and not ranks.root:
         return None

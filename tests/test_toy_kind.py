@@ -18,6 +18,8 @@ import kl_bench
 from kl_bench.cli import app
 from kl_bench.config import Table
 from kl_bench.draws import Draws
+from kl_bench.engine import run_gradients
+from kl_bench.errors import SpecError
 from kl_bench.modes import ExactGrad
 from kl_bench.pairs import CASE_KINDS, CaseConfig, Pair, register_kind
 from kl_bench.pairs.base import (CaseParser, GradientOracle, JointMoments, Oracle, Sampler, ScoreGradientOracle,
@@ -113,6 +115,9 @@ def test_the_toy_kinds_implement_the_protocols_they_claim():
         assert isinstance(cls, CaseParser) and issubclass(cls, Oracle) and issubclass(cls, Sampler)
     assert gradient_oracle(plain) is None and not isinstance(plain, (GradientOracle, ScoreSampler))
     assert gradient_oracle(grad) is grad and isinstance(grad, ScoreSampler)
+    # the engine asks the protocol: a kind without it is refused in one line, not an AttributeError
+    with pytest.raises(SpecError, match="has no gradient oracles"):
+        run_gradients(plain, [], {}, draws=10, seed=0, batches=1, device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module", autouse=True)

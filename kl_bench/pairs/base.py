@@ -353,13 +353,14 @@ class Pair(ABC):
         """Refuse, in one line, a gradient pass on a pair without gradient oracles (or without the two
         references every gradient row is compared with)."""
         if gradient_oracle(self) is None:
-            raise self._no_gradients()
+            raise self.no_gradients()
         missing = [t for t in (REVERSE, FORWARD) if t not in self.true_values()]
         if missing:
             raise SpecError(f"gradient rows compare with ∇{' and ∇'.join(missing)}, which a {self.kind} case has "
                             "no exact value of: set gradients = false or drop this case", case=self.name)
 
-    def _no_gradients(self) -> SpecError:
+    def no_gradients(self) -> SpecError:
+        """The one-line refusal of a gradient pass on a kind without :class:`GradientOracle`."""
         return SpecError(f"case kind '{self.kind}' has no gradient oracles: set gradients = false or drop "
                          "this case", case=self.name)
 
