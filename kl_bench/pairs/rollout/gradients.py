@@ -50,7 +50,7 @@ class RolloutTables(Protocol):
     bucket: torch.Tensor           # bucket map of rollout_dp
     buckets: int                   # C
     vocab: int                     # V
-    eos: int
+    eos: int | None                # the end-of-sequence token (None: every path has length T)
     length: int                    # T, the maximal length
     phases: list                   # [(log b [C, V], steps)]: the sampler's phases
     weights: str                   # importance weights: "none", "token" or "sequence"
