@@ -158,6 +158,9 @@ class Sampler(Protocol):
     def batch_sums(self, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
         """Per-batch sums of the per-draw features, each batch drawn from its own stream."""
 
+    def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
+        """How many batches to hand :meth:`batch_sums` at once."""
+
 
 @runtime_checkable
 class GradientOracle(Protocol):
@@ -222,13 +225,12 @@ class Pair(ABC):
     @classmethod
     @abstractmethod
     def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> CaseConfig:
-        """The kind's config from its case table ``t`` (finish ``t``: unknown keys are errors);
-        ``common``: name, draws and sampler, already parsed, to pass on to the config."""
+        """See :meth:`CaseParser.parse`."""
 
     @classmethod
     @abstractmethod
     def from_config(cls, config: CaseConfig) -> "Pair":
-        """Build the pair (may read files); input errors are SpecErrors naming the key."""
+        """See :meth:`CaseParser.from_config`."""
 
     def validate(self, sources: list[RowSource]) -> None:
         """Refuse (SpecError) estimators this pair has no exact oracle for, before any sampling."""
@@ -245,7 +247,7 @@ class Pair(ABC):
     # ---------------------------------------------------------------- truth
     @abstractmethod
     def true_values(self) -> dict[str, float]:
-        """Exact value of every target this pair supports (kl_bench.targets); may be +inf."""
+        """See :meth:`Oracle.true_values`."""
 
     def true_value(self, target: str, aggregate: str = "") -> float:
         """The exact target of a row on ``aggregate`` (rollouts: per generated token for rows divided by
@@ -276,12 +278,11 @@ class Pair(ABC):
 
     @abstractmethod
     def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
-        """(E_q[f], Var_q[f]) per draw, exactly; NaN where unknown, +inf where divergent."""
+        """See :meth:`Oracle.exact_moments`."""
 
     @abstractmethod
     def exact_joint(self, aggregate: str = "") -> JointMoments:
-        """Exact moments of (−log r, r − 1) under q (rollouts: of (−L, R − 1) with "seq" and of
-        (−L, Σ_t (r_t − 1)) with "tok")."""
+        """See :meth:`Oracle.exact_joint`."""
 
     def fourth_moment_finite(self, est: RowSource, aggregate: str = "") -> bool:
         """Whether E_q[f⁴] < ∞. Without it a measured variance converges slowly, is usually too low,
@@ -311,7 +312,7 @@ class Pair(ABC):
 
     @abstractmethod
     def describe(self) -> str:
-        """One line describing q and p, for captions and tables."""
+        """See :meth:`Oracle.describe`."""
 
     # ---------------------------------------------------------------- sampling
     def piece_draws(self, device: torch.device) -> int:
@@ -347,7 +348,7 @@ class Pair(ABC):
     @abstractmethod
     def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
                      tok_rows: list[Row] = ()) -> Draws:
-        """``n`` explicit draws (for small-batch simulations and tests)."""
+        """See :meth:`Sampler.sample_draws`."""
 
     def require_gradients(self) -> None:
         """Refuse, in one line, a gradient pass on a pair without gradient oracles (or without the two
