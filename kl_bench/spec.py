@@ -456,13 +456,13 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
     if device is not None and not isinstance(device, str):
         raise SpecError(f"must be a string, got {device!r}", file=path, key="--device")
     changes = {}
-    for field, value, check in (("draws", draws, _check_draws), ("seed", seed, _check_seed),
-                                ("device", device, check_device)):
+    for name, value, check in (("draws", draws, _check_draws), ("seed", seed, _check_seed),
+                               ("device", device, check_device)):
         msg = None if value is None else check(value)
         if msg:
-            raise SpecError(msg, file=path, key=f"--{field}")
+            raise SpecError(msg, file=path, key=f"--{name}")
         if value is not None:
-            changes[field] = value
+            changes[name] = value
     if draws is not None:       # --draws sets every case, per-case overrides included
         spec = dataclasses.replace(spec, cases=tuple(dataclasses.replace(c, draws=None) for c in spec.cases))
     return dataclasses.replace(spec, experiment=dataclasses.replace(spec.experiment, **changes))
