@@ -4,6 +4,10 @@ script with the hooks that the environment asks for installed first.
 - ``KL_BENCH_SELF_SIGNAL=PHASE[:SIGTERM]``: the process signals itself (SIGINT by default) at that phase
   boundary (:func:`kl_bench.signals.phase`: start, pairs, write, written, report-written), so that the
   signal tests need no sleeps.
+- ``KL_BENCH_RANK_FAIL=RANK:PHASE[:N]``: the process of that rank (torchrun's ``RANK``) dies by SIGKILL, as a
+  crashed or OOM-killed process would, the Nth time (default the first) it reaches PHASE: ``start`` (it
+  joined the process group), ``main`` (it drew its slice of a round of a main or pilot pass, before the
+  gather), ``gradients`` (it added a batch of a gradient pass).
 """
 from __future__ import annotations
 
@@ -11,9 +15,15 @@ import os
 import signal
 
 SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
+RANK_FAIL_ENV = "KL_BENCH_RANK_FAIL"
 
 
 def install_from_env() -> None:
+    _install_self_signal()
+    _install_rank_fail()
+
+
+def _install_self_signal() -> None:
     want = os.environ.get(SELF_SIGNAL_ENV, "")
     if not want:
         return
@@ -24,6 +34,41 @@ def install_from_env() -> None:
         if name == target:
             os.kill(os.getpid(), sig)
     signals.listeners.append(listener)
+
+
+def _install_rank_fail() -> None:
+    want = os.environ.get(RANK_FAIL_ENV, "").split(":")
+    if len(want) < 2 or want[0] != os.environ.get("RANK", "0"):
+        return
+    phase, nth, reached = want[1], int(want[2]) if len(want) > 2 else 1, [0]
+    # Imported only here: the plain test runs keep the console script's light start-up.
+    from . import distributed, engine
+
+    def point(name: str) -> None:
+        if name == phase:
+            reached[0] += 1
+            if reached[0] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    start, gather, add_batches = distributed.start, distributed.Ranks.gather, engine.add_batches
+
+    def start_then_fail(device):
+        out = start(device)
+        point("start")
+        return out
+
+    def fail_then_gather(self, obj):
+        if not isinstance(obj, tuple):      # a main pass's rows (a tensor, or None); gradient passes send tuples
+            point("main")
+        return gather(self, obj)
+
+    def add_then_fail(acc, batches, progress):
+        out = []
+        for batch in batches:
+            out += add_batches(acc, [batch], progress)
+            point("gradients")
+        return out
+    distributed.start, distributed.Ranks.gather, engine.add_batches = start_then_fail, fail_then_gather, add_then_fail
 
 
 if __name__ == "__main__":

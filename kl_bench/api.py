@@ -509,15 +509,19 @@ def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_log
             raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
                             "reference_logits= [..., V], no ids")
         return q, p
-    if logits:
-        if ids is None:
-            raise SpecError("logits need ids= (the sampled tokens) for a per-token estimator")
-        ids = torch.as_tensor(ids, device=q.device).to(torch.long)
-        if ids.shape != q.shape[:-1]:
-            raise ShapeError(f"ids must have the logits' shape without the vocabulary {list(q.shape[:-1])}, "
-                            f"got {list(ids.shape)}")
-        q = torch.log_softmax(q, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-        p = torch.log_softmax(p, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return _sampled_logprobs(q, p, ids) if logits else (q, p)
+
+
+def _sampled_logprobs(q: torch.Tensor, p: torch.Tensor, ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [..., V] of both sides → the log-probs [...] of the sampled tokens ``ids`` [...]."""
+    if ids is None:
+        raise SpecError("logits need ids= (the sampled tokens) for a per-token estimator")
+    ids = torch.as_tensor(ids, device=q.device).to(torch.long)
+    if ids.shape != q.shape[:-1]:
+        raise ShapeError(f"ids must have the logits' shape without the vocabulary {list(q.shape[:-1])}, "
+                        f"got {list(ids.shape)}")
+    q = torch.log_softmax(q, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    p = torch.log_softmax(p, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return q, p
 
 

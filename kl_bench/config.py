@@ -23,43 +23,56 @@ def typename(v: Any) -> str:
             list: "a list", dict: "a table"}.get(type(v), type(v).__name__)
 
 
+def _to_int(v: Any, err: Callable[[str], SpecError]) -> int:
+    # Integral floats are accepted so that `draws = 1e7` works.
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise err(f"must be an integer, got {typename(v)} {v!r}")
+    if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+        raise err(f"must be an integer, got {v!r}")
+    return int(v)
+
+
+def _to_float(v: Any, err: Callable[[str], SpecError]) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise err(f"must be a number, got {typename(v)} {v!r}")
+    if isinstance(v, int) and abs(v) > 1e308:       # float(v) would raise OverflowError
+        raise err("must be a finite number, got an integer beyond float64's range")
+    if not math.isfinite(v):
+        raise err(f"must be finite, got {v!r}")
+    # Subnormal numbers (0 < |v| < 2.2e-308) have lost precision, and 1/v overflows float64: no
+    # parameter means such a value (a temperature of 1e-320 would divide logits by zero).
+    if v != 0 and abs(v) < sys.float_info.min:
+        raise err(f"must be 0 or at least {sys.float_info.min:.3g} in magnitude (a subnormal number), got {v!r}")
+    return float(v)
+
+
+def _to_str(v: Any, err: Callable[[str], SpecError]) -> str:
+    if not isinstance(v, str):
+        raise err(f"must be a string, got {typename(v)} {v!r}")
+    return v
+
+
+def _to_float_or_list(v: Any, err: Callable[[str], SpecError]) -> tuple[float, ...]:
+    if isinstance(v, list) and not v:
+        raise err("must not be an empty list")
+    return tuple(convert(x, "float", err) for x in (v if isinstance(v, list) else [v]))
+
+
+def _to_str_list(v: Any, err: Callable[[str], SpecError]) -> tuple[str, ...]:
+    if not isinstance(v, list):
+        raise err(f"must be a list of strings, got {typename(v)}")
+    return tuple(convert(x, "str", err) for x in v)
+
+
+CONVERTERS: dict[str, Callable[[Any, Callable[[str], SpecError]], Any]] = {
+    "int": _to_int, "float": _to_float, "str": _to_str, "float_or_list": _to_float_or_list, "str_list": _to_str_list}
+
+
 def convert(v: Any, kind: str, err: Callable[[str], SpecError]) -> Any:
-    """``v`` as 'int', 'float', 'str', 'float_or_list' (a tuple) or 'str_list' (a tuple)."""
+    """``v`` as 'int', 'float', 'str', 'float_or_list' (a tuple) or 'str_list' (a tuple) (:data:`CONVERTERS`)."""
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0 and not isinstance(v, (bool, int, float, str)):
         v = v.item()                  # a numpy or torch scalar from a dict spec
-    if kind == "int":
-        # Integral floats are accepted so that `draws = 1e7` works.
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise err(f"must be an integer, got {typename(v)} {v!r}")
-        if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
-            raise err(f"must be an integer, got {v!r}")
-        return int(v)
-    if kind == "float":
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise err(f"must be a number, got {typename(v)} {v!r}")
-        if isinstance(v, int) and abs(v) > 1e308:       # float(v) would raise OverflowError
-            raise err("must be a finite number, got an integer beyond float64's range")
-        if not math.isfinite(v):
-            raise err(f"must be finite, got {v!r}")
-        # Subnormal numbers (0 < |v| < 2.2e-308) have lost precision, and 1/v overflows float64: no
-        # parameter means such a value (a temperature of 1e-320 would divide logits by zero).
-        if v != 0 and abs(v) < sys.float_info.min:
-            raise err(f"must be 0 or at least {sys.float_info.min:.3g} in magnitude (a subnormal number), got {v!r}")
-        return float(v)
-    if kind == "str":
-        if not isinstance(v, str):
-            raise err(f"must be a string, got {typename(v)} {v!r}")
-        return v
-    if kind == "float_or_list":
-        items = v if isinstance(v, list) else [v]
-        if isinstance(v, list) and not v:
-            raise err("must not be an empty list")
-        return tuple(convert(x, "float", err) for x in items)
-    if kind == "str_list":
-        if not isinstance(v, list):
-            raise err(f"must be a list of strings, got {typename(v)}")
-        return tuple(convert(x, "str", err) for x in v)
-    raise AssertionError(kind)
+    return CONVERTERS[kind](v, err)
 
 
 # ----------------------------------------------------------------------------- size limits

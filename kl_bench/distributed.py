@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import signal
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -28,11 +27,6 @@ from .errors import SpecError
 # simulation, gradient passes whose totals cannot be merged exactly) while the others wait.
 TIMEOUT_ENV = "KL_BENCH_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 1800.0
-# Test hook: "RANK:PHASE" or "RANK:PHASE:N" makes that rank die (SIGKILL) when it reaches PHASE
-# (start; main: after drawing its slice of a round of a main or pilot pass; gradients: after a batch of a
-# gradient pass) for the Nth time (default the first), as a crashed process would.
-FAIL_ENV = "KL_BENCH_RANK_FAIL"
-_reached: dict[str, int] = {}
 
 
 class RankFailure(Exception):
@@ -71,14 +65,6 @@ class Ranks:
         if self.world_size > 1:
             import torch.distributed as dist
             _collective(dist.barrier)
-
-    def fail_point(self, phase: str) -> None:
-        """Test hook (:data:`FAIL_ENV`): this rank dies here, as a crashed (or OOM-killed) process would."""
-        want = os.environ.get(FAIL_ENV, "").split(":")
-        if len(want) >= 2 and want[:2] == [str(self.rank), phase]:
-            _reached[phase] = _reached.get(phase, 0) + 1
-            if _reached[phase] == (int(want[2]) if len(want) > 2 else 1):
-                os.kill(os.getpid(), signal.SIGKILL)
 
 
 SINGLE = Ranks()
@@ -137,6 +123,23 @@ def block(total: int, ranks: Ranks) -> tuple[int, int]:
 TORCHRUN_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _alone(env: dict[str, str]) -> bool:
+    """No torchrun variable, or only those of a one-process job (WORLD_SIZE 1, RANK 0, no address)."""
+    return not env or (env.get("WORLD_SIZE", "1").strip() == "1" and set(env) <= {"WORLD_SIZE", "RANK", "LOCAL_RANK"}
+                       and env.get("RANK", "0").strip() == "0")
+
+
+def _env_numbers(env: dict[str, str]) -> tuple[int, int, int]:
+    """(world size, rank, local rank) as integers; a value that is not a whole number is refused."""
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        return world, rank, int(env.get("LOCAL_RANK", str(rank)))
+    except ValueError:
+        bad = next(k for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in env and not env[k].strip().isdigit())
+        raise SpecError(f"torchrun environment: {bad}={env[bad]!r} is not a whole number", key=bad) from None
+
+
 def env_world() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) when started by torchrun with more than one process, else None.
 
@@ -144,16 +147,9 @@ def env_world() -> tuple[int, int, int] | None:
     value that is not a number), is refused in one line: silently running alone would write a whole
     result per process into the same folder, and joining would wait for ranks that never come."""
     env = {k: os.environ[k] for k in TORCHRUN_ENV if k in os.environ}
-    if not env or env.get("WORLD_SIZE", "1").strip() == "1" and set(env) <= {"WORLD_SIZE", "RANK", "LOCAL_RANK"} \
-            and env.get("RANK", "0").strip() == "0":
+    if _alone(env):
         return None                 # no torchrun, or a one-process job: run alone
-    try:
-        world = int(env.get("WORLD_SIZE", "1"))
-        rank = int(env.get("RANK", "0"))
-        local = int(env.get("LOCAL_RANK", str(rank)))
-    except ValueError:
-        bad = next(k for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in env and not env[k].strip().isdigit())
-        raise SpecError(f"torchrun environment: {bad}={env[bad]!r} is not a whole number", key=bad) from None
+    world, rank, local = _env_numbers(env)
     if world == 1 and rank == 0:
         return None
     missing = [k for k in TORCHRUN_ENV if k not in env and k != "LOCAL_RANK"]
@@ -187,9 +183,7 @@ def start(device) -> tuple[Ranks, Any]:
             dist.init_process_group(backend, timeout=timeout)
         except Exception as e:      # noqa: BLE001
             raise RankFailure(f"cannot join the torchrun job ({backend}): {_first_line(e)}") from None
-    ranks = Ranks(dist.get_rank(), dist.get_world_size())
-    ranks.fail_point("start")
-    return ranks, device
+    return Ranks(dist.get_rank(), dist.get_world_size()), device
 
 
 def stop() -> None:

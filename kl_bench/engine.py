@@ -29,8 +29,8 @@ from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .errors import SpecError
 from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
-from .pairs.base import Pair
-from .seeding import batch_generator, batch_sizes, batch_streams
+from .pairs.base import GradientAccumulator, Pair, gradient_oracle
+from .seeding import BatchStream, batch_generator, batch_sizes, batch_streams
 from .storage import check_resumed_sums
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
@@ -126,6 +126,32 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
+def _report(progress: Callable[[int], None] | None, draws: int) -> None:
+    if progress is not None:
+        progress(draws)
+
+
+def _joint_blocks(pair: Pair, joint: bool) -> list[tuple[str, float, float]]:
+    """(aggregate, ca, cb) per aggregate: the joint (−log r, r − 1) features shifted by their exact means."""
+    if not joint:
+        return []
+    blocks = []
+    for agg in pair.aggregates:
+        jm = pair.exact_joint(agg)
+        blocks.append((agg, _finite_or_zero(jm.mean_a), _finite_or_zero(jm.mean_b)))
+    return blocks
+
+
+def _check_resume(resume: torch.Tensor, pair: Pair, rows: list[Row], exact: dict[str, tuple[float, float]],
+                  width: int, sizes: list[int]) -> None:
+    """Refuse checkpoint sums [k, width] that are not this spec's (other estimators) or are corrupted."""
+    if resume.shape[1] != width:
+        raise SpecError("checkpoint does not match this spec's estimators; delete it or run without --resume")
+    bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes)
+    if bad:
+        raise SpecError(f"checkpoint of case '{pair.name}' {bad} (corrupted?); delete it or run without --resume")
+
+
 def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
              chunk: int, device: torch.device, joint: bool = False, stream: str = "",
              progress: Callable[[int], None] | None = None, resume: torch.Tensor | None = None,
@@ -144,45 +170,31 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     rows = as_rows(rows, pair)
     exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
     shifts = [_finite_or_zero(exact[r.label][0]) for r in rows]
-    blocks = []
-    if joint:
-        for agg in pair.aggregates:
-            jm = pair.exact_joint(agg)
-            blocks.append((agg, _finite_or_zero(jm.mean_a), _finite_or_zero(jm.mean_b)))
-    features = make_features(rows, shifts, blocks)
+    blocks = _joint_blocks(pair, joint)
+    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks)
     sizes = batch_sizes(draws, batches)
-    tag = pair.name + (f"/{stream}" if stream else "")
-    streams = batch_streams(seed, tag, sizes, device)
-    run = pair.batch_sums(features, tok_rows(rows), device)
+    streams = batch_streams(seed, pair.name + (f"/{stream}" if stream else ""), sizes, device)
+    run = pair.batch_sums(make_features(rows, shifts, blocks), tok_rows(rows), device)
     per_chunk = pair.batches_per_chunk(max(sizes), chunk)
     t0 = time.perf_counter()
     out = []
     first = 0
     if resume is not None and resume.shape[0]:
-        if resume.shape[1] != len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks):
-            raise SpecError("checkpoint does not match this spec's estimators; delete it or run without --resume")
-        bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes)
-        if bad:
-            raise SpecError(f"checkpoint of case '{pair.name}' {bad} (corrupted?); delete it or run without --resume")
+        _check_resume(resume, pair, rows, exact, width, sizes)
         out.append(resume.to(torch.float64))
         first = resume.shape[0]
-        if progress is not None:
-            progress(sum(sizes[:first]))
+        _report(progress, sum(sizes[:first]))
     for start, stop, lo, hi in rounds(first, len(sizes), per_chunk, ranks):
-        mine = run(streams[lo:hi]).cpu() if hi > lo else None
-        ranks.fail_point("main")
-        parts = ranks.gather(mine)
+        parts = ranks.gather(run(streams[lo:hi]).cpu() if hi > lo else None)
         if parts is None:           # not rank 0: rank 0 keeps the rows
             continue
         out += [p for p in parts if p is not None]
-        if progress is not None:
-            progress(sum(sizes[start:stop]))
+        _report(progress, sum(sizes[start:stop]))
         if on_sums is not None:
             out = [torch.cat(out)]
             on_sums(out[0])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks)
     sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
     return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),
                    exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
@@ -219,6 +231,16 @@ class GradientRun:
     drawn: list[list[list[int]]] = field(default_factory=list)  # per rank: [lo, hi) batch ranges it drew
 
 
+def add_batches(acc: GradientAccumulator, batches: list[BatchStream],
+                progress: Callable[[int], None] | None) -> list[GradBatch]:
+    """Add each batch to ``acc`` in order; the batches' sums."""
+    parts = []
+    for batch in batches:
+        parts.append(acc.add(batch))
+        _report(progress, batch.size)
+    return parts
+
+
 def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], *, draws: int, seed: int,
                   batches: int, device: torch.device,
                   progress: Callable[[int], None] | None = None, ranks: Ranks = SINGLE) -> GradientRun | None:
@@ -228,29 +250,34 @@ def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.nd
     them (:meth:`GradientAccumulator.merge`) into the very totals one process gets; an accumulator whose
     totals cannot be merged exactly (``splittable`` false) runs the whole pass on rank 0. Returns None on
     the other ranks."""
+    oracle = gradient_oracle(pair)
+    if oracle is None:
+        raise pair.no_gradients()
     sizes = batch_sizes(draws, batches)
-    acc = pair.gradient_accumulator(items, directions, device)
+    acc = oracle.gradient_accumulator(items, directions, device)
     split = ranks.world_size > 1 and acc.splittable
     if not split and not ranks.root:
         return None
     lo, hi = block(len(sizes), ranks) if split else (0, len(sizes))
     acc.keep_batches = split
-    parts: list[GradBatch] = []
-    for batch in batch_streams(seed, f"{pair.name}/gradients", sizes, device)[lo:hi]:
-        parts.append(acc.add(batch))
-        ranks.fail_point("gradients")
-        if progress is not None:
-            progress(batch.size)
+    parts = add_batches(acc, batch_streams(seed, f"{pair.name}/gradients", sizes, device)[lo:hi], progress)
     drawn = [[[0, len(sizes)]]] + [[] for _ in range(ranks.world_size - 1)]
     if split:
-        got = ranks.gather((parts, acc.partial()))
-        if got is None:
+        parts = _merge_ranks(acc, parts, ranks)
+        if parts is None:
             return None
-        parts = [b for p, _ in got for b in p]
-        acc.merge([partial for _, partial in got])
         drawn = [[list(block(len(sizes), Ranks(r, ranks.world_size)))] for r in range(ranks.world_size)]
-        if progress is not None:
-            progress(sum(sizes) - sum(sizes[lo:hi]))
+        _report(progress, sum(sizes) - sum(sizes[lo:hi]))
     proj2 = np.stack([b.proj2 for b in parts]) if parts[0].proj2 is not None else None
     return GradientRun(items, np.array(sizes, dtype=np.float64), acc.total(), np.stack([b.proj for b in parts]),
                        np.stack([b.sq for b in parts]), proj2, drawn)
+
+
+def _merge_ranks(acc: GradientAccumulator, parts: list[GradBatch], ranks: Ranks) -> list[GradBatch] | None:
+    """Rank 0: every rank's batch sums in batch order, and ``acc`` merged into the one-process totals;
+    None on the other ranks."""
+    got = ranks.gather((parts, acc.partial()))
+    if got is None:
+        return None
+    acc.merge([partial for _, partial in got])
+    return [b for p, _ in got for b in p]

@@ -232,14 +232,7 @@ def read_logits_file(path: Path, key: str | None = None, mask: Path | None = Non
     """
     t = read_tensor_file(path, key)
     if t.ndim == 3 and 0 not in t.shape:
-        m = None if mask is None else read_tensor_file(mask, mask_key, what="mask")
-        if m is not None and tuple(m.shape) != tuple(t.shape[:2]):
-            raise SpecError(f"{mask}: mask has shape {list(m.shape)} but the logits are {list(t.shape)} "
-                            f"(needs [B, T] = {list(t.shape[:2])})")
-        t = t.reshape(-1, t.shape[-1]) if m is None else t[m != 0]
-        if t.shape[0] == 0:
-            raise SpecError(f"{mask}: the mask selects no position")
-        return t
+        return _masked_positions(t, mask, mask_key)
     if mask is not None:
         m = read_tensor_file(mask, mask_key, what="mask")
         rows = t.shape[0] if t.ndim == 2 else 1
@@ -253,6 +246,18 @@ def read_logits_file(path: Path, key: str | None = None, mask: Path | None = Non
         t = t.unsqueeze(0)
     if t.ndim != 2 or t.shape[1] == 0 or t.shape[0] == 0:
         raise SpecError(f"{path}: logits must have shape [V], [B, V] or [B, T, V], got {list(t.shape)}")
+    return t
+
+
+def _masked_positions(t: torch.Tensor, mask: Path | None, mask_key: str | None) -> torch.Tensor:
+    """[B, T, V] logits → [N, V]: the positions whose [B, T] mask entry is nonzero (every one without a mask)."""
+    m = None if mask is None else read_tensor_file(mask, mask_key, what="mask")
+    if m is not None and tuple(m.shape) != tuple(t.shape[:2]):
+        raise SpecError(f"{mask}: mask has shape {list(m.shape)} but the logits are {list(t.shape)} "
+                        f"(needs [B, T] = {list(t.shape[:2])})")
+    t = t.reshape(-1, t.shape[-1]) if m is None else t[m != 0]
+    if t.shape[0] == 0:
+        raise SpecError(f"{mask}: the mask selects no position")
     return t
 
 
@@ -276,63 +281,71 @@ def read_tensor_file(path: Path, key: str | None = None, what: str = "logits") -
 def _read_tensor(fh, path: Path, suffix: str, key: str | None, what: str) -> torch.Tensor:
     size = os.fstat(fh.fileno()).st_size
     try:
-        if suffix == ".npy":
-            arr = load_npy(fh, size, str(path))
-            if what == "mask" and arr.dtype == np.bool_:
-                arr = arr.astype(np.uint8)
-            if not np.issubdtype(arr.dtype, np.number):
-                raise SpecError(f"{path}: logits must be numeric, got dtype {arr.dtype}")
-            msg = unsupported_array(arr)
-            if msg:
-                raise SpecError(f"{path}: {msg}")
-            t = torch.from_numpy(np.asarray(arr, dtype=np.float64))
-        elif suffix == ".pt":
-            # torch.load warns about pickle protocols, sparse layouts and the like on files that are not
-            # plain tensor files: those become the one-line error below, never a warning first.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                try:
-                    obj = torch.load(fh, map_location="cpu", weights_only=True)
-                except Exception as e:
-                    first = str(e).splitlines()[0] if str(e) else "unreadable"
-                    if "weights only load failed" in first.lower() or e.__class__.__name__ == "UnpicklingError":
-                        first = "it holds pickled objects other than tensors (loaded with weights_only=True)"
-                    raise SpecError(f"cannot read logits file {path}: not a plain tensor file: "
-                                    f"{e.__class__.__name__}: {first}") from None
-            obj = pick_key(obj, key, path)
-            if what == "mask" and isinstance(obj, torch.Tensor) and obj.dtype == torch.bool:
-                obj = obj.to(torch.uint8)
-            if not isinstance(obj, torch.Tensor):
-                raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), "
-                                f"got {type(obj).__name__}")
-            if obj.is_meta:
-                raise SpecError(f"{path}: holds a meta tensor (a shape without data): save the values")
-            msg = unsupported_array(obj)
-            if msg:
-                raise SpecError(f"{path}: {msg}")
-            t = obj.detach().to(torch.float64)
-        elif suffix == ".safetensors":
-            try:
-                from safetensors.torch import load as load_safetensors
-            except ImportError:
-                raise SpecError(f"{path}: reading .safetensors needs the safetensors package: "
-                                "pip install 'kl-bench[hf]'") from None
-            # The header states each tensor's byte range: safetensors checks them against the bytes given.
-            obj = pick_key(load_safetensors(fh.read()), key, path)
-            if what == "mask" and obj.dtype == torch.bool:
-                obj = obj.to(torch.uint8)
-            msg = unsupported_array(obj)
-            if msg:
-                raise SpecError(f"{path}: {msg}")
-            t = obj.to(torch.float64)
-        if key is not None and suffix == ".npy":
+        t = _READERS[suffix](fh, size, path, key, what)
+        if key is not None and suffix == ".npy":        # after reading: a file that cannot be read says so first
             raise SpecError(f"{path}: a .npy file holds one array; 'key' is for .pt dicts and .safetensors")
+        return t
     except SpecError as e:
         raise SpecError(f"{e.file}: {e.message}" if e.file else e.message) from None
     except Exception as e:  # corrupt or truncated files: numpy/torch raise many types
         raise SpecError(f"cannot read logits file {path}: {e.__class__.__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'}") from None
-    return t
+
+
+def _supported(obj, path: Path):
+    msg = unsupported_array(obj)
+    if msg:
+        raise SpecError(f"{path}: {msg}")
+    return obj
+
+
+def _read_npy(fh, size: int, path: Path, what: str) -> torch.Tensor:
+    arr = load_npy(fh, size, str(path))
+    if what == "mask" and arr.dtype == np.bool_:
+        arr = arr.astype(np.uint8)
+    if not np.issubdtype(arr.dtype, np.number):
+        raise SpecError(f"{path}: logits must be numeric, got dtype {arr.dtype}")
+    return torch.from_numpy(np.asarray(_supported(arr, path), dtype=np.float64))
+
+
+def _read_pt(fh, size: int, path: Path, key: str | None, what: str) -> torch.Tensor:
+    # torch.load warns about pickle protocols, sparse layouts and the like on files that are not
+    # plain tensor files: those become the one-line error below, never a warning first.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            obj = torch.load(fh, map_location="cpu", weights_only=True)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else "unreadable"
+            if "weights only load failed" in first.lower() or e.__class__.__name__ == "UnpicklingError":
+                first = "it holds pickled objects other than tensors (loaded with weights_only=True)"
+            raise SpecError(f"cannot read logits file {path}: not a plain tensor file: "
+                            f"{e.__class__.__name__}: {first}") from None
+    obj = pick_key(obj, key, path)
+    if what == "mask" and isinstance(obj, torch.Tensor) and obj.dtype == torch.bool:
+        obj = obj.to(torch.uint8)
+    if not isinstance(obj, torch.Tensor):
+        raise SpecError(f"{path}: expected a tensor (or a dict with one tensor), got {type(obj).__name__}")
+    if obj.is_meta:
+        raise SpecError(f"{path}: holds a meta tensor (a shape without data): save the values")
+    return _supported(obj, path).detach().to(torch.float64)
+
+
+def _read_safetensors(fh, size: int, path: Path, key: str | None, what: str) -> torch.Tensor:
+    try:
+        from safetensors.torch import load as load_safetensors
+    except ImportError:
+        raise SpecError(f"{path}: reading .safetensors needs the safetensors package: "
+                        "pip install 'kl-bench[hf]'") from None
+    # The header states each tensor's byte range: safetensors checks them against the bytes given.
+    obj = pick_key(load_safetensors(fh.read()), key, path)
+    if what == "mask" and obj.dtype == torch.bool:
+        obj = obj.to(torch.uint8)
+    return _supported(obj, path).to(torch.float64)
+
+
+_READERS = {".npy": lambda fh, size, path, key, what: _read_npy(fh, size, path, what),
+            ".pt": _read_pt, ".safetensors": _read_safetensors}
 
 
 def pick_key(obj, key: str | None, path: Path):
@@ -411,51 +424,67 @@ def resolve_pair_source_logits(q: LogitsSource, p: LogitsSource, vocab: int | No
     its offset, a derived side's from the other's raw logits): what precision ``of = "logits"`` rounds."""
     raw: dict[str, torch.Tensor] = {}
     for side, src in (("q", q), ("p", p)):
-        try:
-            if isinstance(src, ZipfLogits):
-                if vocab is None:
-                    raise SpecError("missing required key (needed for generated logits)")
-                raw[side] = zipf_logits(vocab, src.exponent, src.seed, src.contexts or contexts or 1) + src.offset
-            elif isinstance(src, FileLogits):
-                raw[side] = read_logits_file(src.path, src.key, src.mask, src.mask_key)
-            elif isinstance(src, TensorLogits):
-                raw[side] = _tensor_logits(src.tensor)
-            if side in raw:
-                named = f"{side} ({src.path})" if isinstance(src, FileLogits) else side
-                check_logits(raw[side], named)
-                if vocab is not None and raw[side].shape[1] != vocab:
-                    raise SpecError(f"{named} has vocabulary {raw[side].shape[1]} but vocab = {vocab}")
-        except SpecError as e:
-            raise e.located(key="vocab" if "vocab" in e.message else f"{side}.file"
-                            if isinstance(src, FileLogits) else side) from None
+        if not isinstance(src, DerivedLogits):
+            raw[side] = _own_logits(side, src, vocab, contexts)
     for side, src in (("q", q), ("p", p)):
         if isinstance(src, DerivedLogits):
-            base = raw[src.source] / src.temperature
-            if src.noise > 0:
-                g = torch.Generator().manual_seed(src.seed)
-                base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
+            base = _perturbed(raw[src.source], src)
             raw[side] = base + src.offset
             check_derived(raw[src.source], base, side, src)
-    lq, lp = raw["q"], raw["p"]
-    derived = next((side for side, src in (("p", p), ("q", q)) if isinstance(src, DerivedLogits)), None)
-    if lq.shape != lp.shape:
-        if lq.shape[1] != lp.shape[1]:
-            raise SpecError(f"q has vocabulary {lq.shape[1]} but p has {lp.shape[1]}", key="p")
-        if lq.shape[0] == 1 or lp.shape[0] == 1:   # one side shared by every context
-            b = max(lq.shape[0], lp.shape[0])
-            lq, lp = lq.expand(b, -1), lp.expand(b, -1)
-        else:
-            raise SpecError(f"q has {lq.shape[0]} contexts but p has {lp.shape[0]}", key="p")
+    lq, lp = _broadcast(raw["q"], raw["p"])
     # Extreme derived logits (noise = 1e308, a temperature of 1e-310) give log-ratios whose moments
     # overflow: refused here, naming the key, rather than written as NaN statistics.
     nq, np_ = torch.log_softmax(lq, dim=-1), torch.log_softmax(lp, dim=-1)
     problem = log_ratio_problem(torch.where(torch.isfinite(nq), np_ - nq, torch.zeros_like(nq)))
     if problem:
+        derived = next((side for side, src in (("p", p), ("q", q)) if isinstance(src, DerivedLogits)), None)
         src = {"p": p, "q": q}.get(derived)
         key = (f"{derived}.noise" if src.noise > 0 and src.temperature == 1 else f"{derived}.temperature") \
             if derived else "p"
         raise SpecError(f"{problem} (extreme logits?)", key=key)
     return lq, lp
+
+
+def _own_logits(side: str, src: LogitsSource, vocab: int | None, contexts: int | None) -> torch.Tensor:
+    """A side's logits [B, V] from a generator, a file or a tensor, checked (errors name the side's key)."""
+    try:
+        if isinstance(src, ZipfLogits):
+            if vocab is None:
+                raise SpecError("missing required key (needed for generated logits)")
+            out = zipf_logits(vocab, src.exponent, src.seed, src.contexts or contexts or 1) + src.offset
+        elif isinstance(src, FileLogits):
+            out = read_logits_file(src.path, src.key, src.mask, src.mask_key)
+        else:
+            out = _tensor_logits(src.tensor)
+        named = f"{side} ({src.path})" if isinstance(src, FileLogits) else side
+        check_logits(out, named)
+        if vocab is not None and out.shape[1] != vocab:
+            raise SpecError(f"{named} has vocabulary {out.shape[1]} but vocab = {vocab}")
+        return out
+    except SpecError as e:
+        raise e.located(key="vocab" if "vocab" in e.message else f"{side}.file"
+                        if isinstance(src, FileLogits) else side) from None
+
+
+def _perturbed(source: torch.Tensor, src: DerivedLogits) -> torch.Tensor:
+    """source / temperature + noise·ε, ε ~ N(0, 1) from the source's own seed (before the offset)."""
+    base = source / src.temperature
+    if src.noise > 0:
+        g = torch.Generator().manual_seed(src.seed)
+        base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
+    return base
+
+
+def _broadcast(lq: torch.Tensor, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q's and p's logits on the same [B, V]: a one-row side is shared by every context."""
+    if lq.shape == lp.shape:
+        return lq, lp
+    if lq.shape[1] != lp.shape[1]:
+        raise SpecError(f"q has vocabulary {lq.shape[1]} but p has {lp.shape[1]}", key="p")
+    if lq.shape[0] != 1 and lp.shape[0] != 1:
+        raise SpecError(f"q has {lq.shape[0]} contexts but p has {lp.shape[0]}", key="p")
+    b = max(lq.shape[0], lp.shape[0])
+    return lq.expand(b, -1), lp.expand(b, -1)
 
 
 def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
@@ -476,9 +505,6 @@ def behavior_logits(src: LogitsSource, log_q: torch.Tensor, log_p: torch.Tensor)
         raise SpecError("a behavior policy is derived from q or p ({from = \"q\", noise = ...}) or read from a file",
                         key="sampler.behavior")
     source = log_q if src.source == "q" else log_p
-    base = source / src.temperature
-    if src.noise > 0:
-        g = torch.Generator().manual_seed(src.seed)
-        base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
+    base = _perturbed(source, src)
     check_derived(source, base, "sampler.behavior", src)
     return base

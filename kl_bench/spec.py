@@ -7,14 +7,16 @@ and the key. Unknown keys are rejected with a "did you mean" suggestion. See REA
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, convert,
                      fmt_count, positive, typename)
@@ -121,26 +123,10 @@ def _parse_estimators(t: Table) -> tuple[str | EstimatorOption, ...]:
     out: list[str | EstimatorOption] = []
     for i, item in enumerate(raw):
         if isinstance(item, dict):
-            sub = Table(item, t.file, t.case, f"{key}[{i + 1}].")
-            name = sub.get("name", "str")
-            opt = EstimatorOption(name=name, label="",
-                                  logr_clamp=sub.get("logr_clamp", "float", None, positive),
-                                  clamp=sub.get("clamp", "float", None, positive))
-            label = sub.get("label", "str", None)
-            sub.finish()
-            if opt.logr_clamp is None and opt.clamp is None:
-                raise sub.error("needs logr_clamp or clamp (or use the plain name)", key=f"{key}[{i + 1}]")
-            if label is None:
-                label = name + (f"|logr|≤{opt.logr_clamp:g}" if opt.logr_clamp else "") + \
-                    (f"|est|≤{opt.clamp:g}" if opt.clamp else "")
-            item_name, out_item = name, dataclasses.replace(opt, label=label)
+            item_name, out_item = _estimator_option(Table(item, t.file, t.case, f"{key}[{i + 1}]."), f"{key}[{i + 1}]")
         else:
             item_name = out_item = convert(item, "str", lambda m: t.error(m, key=key))
-        try:
-            with plugin_path(Path(t.file).parent if t.file and Path(t.file).is_file() else None):
-                source = lookup(item_name)      # imports a plug-in now, so that a broken one fails here
-        except SpecError as e:
-            raise e.located(file=t.file, key=key) from None
+        source = _lookup_estimator(item_name, t.file, key)
         if isinstance(out_item, EstimatorOption) and source.analytic:
             raise t.error(f"'{item_name}' does not depend on log r: clamps do not apply", key=key)
         out.append(out_item)
@@ -149,6 +135,31 @@ def _parse_estimators(t: Table) -> tuple[str | EstimatorOption, ...]:
     if dup is not None:
         raise t.error(f"lists '{dup}' twice (give clamped variants distinct labels)", key=key)
     return tuple(out)
+
+
+def _lookup_estimator(name: str, file: str | None, key: str):
+    """The registered (or plug-in) estimator ``name``; a plug-in is imported now, so that a broken one fails
+    here (plug-in paths relative to the spec's folder)."""
+    try:
+        with plugin_path(Path(file).parent if file and Path(file).is_file() else None):
+            return lookup(name)
+    except SpecError as e:
+        raise e.located(file=file, key=key) from None
+
+
+def _estimator_option(sub: Table, where: str) -> tuple[str, EstimatorOption]:
+    """(name, option) of a clamped variant's table {name, logr_clamp, clamp, label}."""
+    name = sub.get("name", "str")
+    opt = EstimatorOption(name=name, label="", logr_clamp=sub.get("logr_clamp", "float", None, positive),
+                          clamp=sub.get("clamp", "float", None, positive))
+    label = sub.get("label", "str", None)
+    sub.finish()
+    if opt.logr_clamp is None and opt.clamp is None:
+        raise sub.error("needs logr_clamp or clamp (or use the plain name)", key=where)
+    if label is None:
+        label = name + (f"|logr|≤{opt.logr_clamp:g}" if opt.logr_clamp else "") + \
+            (f"|est|≤{opt.clamp:g}" if opt.clamp else "")
+    return name, dataclasses.replace(opt, label=label)
 
 
 def _parse_lambdas(t: Table) -> tuple[tuple[float, ...], bool]:
@@ -251,30 +262,44 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
     if not isinstance(v, dict):
         raise err(f"must be a list of values, or {{ geomspace = [a, b], num = n }} / {{ linspace = [a, b], num = n }}; "
                   f"got {typename(v)}")
+    grid, a, b, num = _grid_spec(v, err)
+    if num == 1:
+        pts = [a]
+    elif grid == "geomspace":
+        pts = [math.exp(math.log(a) + (math.log(b) - math.log(a)) * i / (num - 1)) for i in range(num)]
+    else:
+        pts = [a + (b - a) * i / (num - 1) for i in range(num)]
+    return [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
+
+
+def _grid_spec(v: dict, err: Callable[[str], SpecError]) -> tuple[str, float, float, int]:
+    """(geomspace or linspace, first, last, num) of a grid table, checked."""
     kinds = [k for k in ("geomspace", "linspace") if k in v]
     unknown = [k for k in v if k not in ("geomspace", "linspace", "num")]
     if unknown:
         raise err(f"unknown key '{unknown[0]}'{did_you_mean(unknown[0], ['geomspace', 'linspace', 'num'])}")
     if len(kinds) != 1:
         raise err("needs exactly one of geomspace or linspace")
-    ends, num = v[kinds[0]], v.get("num")
-    if (not isinstance(ends, list) or len(ends) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, float))
-                                                            for x in ends)):
+    ends = v[kinds[0]]
+    if not isinstance(ends, list) or len(ends) != 2 or not all(_is_number(x) for x in ends):
         raise err(f"{kinds[0]} must be [first, last] numbers")
+    num = _grid_num(v.get("num"), err)
+    a, b = float(ends[0]), float(ends[1])
+    if kinds[0] == "geomspace" and not (a > 0 and b > 0):
+        raise err("geomspace needs positive ends")
+    return kinds[0], a, b, num
+
+
+def _grid_num(num: Any, err: Callable[[str], SpecError]) -> int:
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise err(f"num must be an integer ≥ 1, got {num!r}")
     if num > MAX_SWEEP_CASES:        # refused before a single value is made: a grid this size is a typo
         raise err(f"num = {num:,} makes more than {MAX_SWEEP_CASES:,} cases: sweep fewer values")
-    a, b = float(ends[0]), float(ends[1])
-    if kinds[0] == "geomspace" and not (a > 0 and b > 0):
-        raise err("geomspace needs positive ends")
-    if num == 1:
-        pts = [a]
-    elif kinds[0] == "geomspace":
-        pts = [math.exp(math.log(a) + (math.log(b) - math.log(a)) * i / (num - 1)) for i in range(num)]
-    else:
-        pts = [a + (b - a) * i / (num - 1) for i in range(num)]
-    return [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
+    return num
+
+
+def _is_number(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
 
 
 def _fmt_value(v: Any) -> str:
@@ -302,47 +327,60 @@ def expand_sweeps(raw_cases: list, raw_sweeps: Any, file: str) -> tuple[list[tup
         return [(c, None) for c in raw_cases], {}
     if not isinstance(raw_sweeps, list):
         raise SpecError(f"must be an array of tables ([[sweep]]), got {typename(raw_sweeps)}", file=file, key="sweep")
-    import copy
-    import itertools
     by_name = {c.get("name"): c for c in raw_cases if isinstance(c, dict)}
     made: dict[str, list[tuple[Any, Any]]] = {}
     total = 0
     for i, sw in enumerate(raw_sweeps):
         where = f"sweep[{i + 1}]"
-        if not isinstance(sw, dict):
-            raise SpecError(f"must be a table, got {typename(sw)}", file=file, key=where)
-        base_name = sw.get("case")
-        if not isinstance(base_name, str):
-            raise SpecError("needs case = \"<name of a [[case]]>\"", file=file, key=f"{where}.case")
-        if base_name not in by_name:
-            raise SpecError(f"no [[case]] named '{base_name}'{did_you_mean(base_name, [n for n in by_name if n])}",
-                            file=file, key=f"{where}.case")
-        grid = _flatten({k: v for k, v in sw.items() if k != "case"})
-        if not grid:
-            raise SpecError("sweeps no key: add e.g. noise = [0.1, 0.3]", file=file, key=where)
-        for key in grid:
-            if key in ("name", "kind"):
-                raise SpecError("cannot be swept (it names the case and its kind)", file=file, key=f"{where}.{key}")
-        values = {k: _grid_values(v, f"{where}.{k}", file) for k, v in grid.items()}
-        n = math.prod(len(v) for v in values.values())
-        total += n
+        base_name, values = _sweep_values(sw, where, by_name, file)
+        total += math.prod(len(v) for v in values.values())
         if total > MAX_SWEEP_CASES:
             raise SpecError(f"the sweeps make {total:,}+ cases, more than {MAX_SWEEP_CASES:,}: sweep fewer values",
                             file=file, key=where)
         for combo in itertools.product(*values.values()):
             assigned = dict(zip(values, combo))
-            raw = copy.deepcopy(by_name[base_name])
-            for key, v in assigned.items():
-                node = raw
-                *path, leaf = key.split(".")
-                for part in path:
-                    node = node.setdefault(part, {})
-                    if not isinstance(node, dict):
-                        raise SpecError(f"'{part}' of case '{base_name}' is not a table", file=file,
-                                        key=f"{where}.{key}")
-                node[leaf] = v
-            raw["name"] = f"{base_name}[" + ";".join(f"{k}={_fmt_value(v)}" for k, v in assigned.items()) + "]"
+            raw = _swept_case(by_name[base_name], base_name, assigned, where, file)
             made.setdefault(base_name, []).append((raw, (i, assigned)))
+    return _in_case_order(raw_cases, made, file)
+
+
+def _sweep_values(sw: Any, where: str, by_name: dict, file: str) -> tuple[str, dict[str, list[Any]]]:
+    """(base case name, {dotted key: its values}) of one [[sweep]] table, checked."""
+    if not isinstance(sw, dict):
+        raise SpecError(f"must be a table, got {typename(sw)}", file=file, key=where)
+    base_name = sw.get("case")
+    if not isinstance(base_name, str):
+        raise SpecError("needs case = \"<name of a [[case]]>\"", file=file, key=f"{where}.case")
+    if base_name not in by_name:
+        raise SpecError(f"no [[case]] named '{base_name}'{did_you_mean(base_name, [n for n in by_name if n])}",
+                        file=file, key=f"{where}.case")
+    grid = _flatten({k: v for k, v in sw.items() if k != "case"})
+    if not grid:
+        raise SpecError("sweeps no key: add e.g. noise = [0.1, 0.3]", file=file, key=where)
+    for key in grid:
+        if key in ("name", "kind"):
+            raise SpecError("cannot be swept (it names the case and its kind)", file=file, key=f"{where}.{key}")
+    return base_name, {k: _grid_values(v, f"{where}.{k}", file) for k, v in grid.items()}
+
+
+def _swept_case(base: dict, base_name: str, assigned: dict[str, Any], where: str, file: str) -> dict:
+    """A copy of the base case with the swept (dotted) keys set, named "<base>[key=value;...]"."""
+    raw = copy.deepcopy(base)
+    for key, v in assigned.items():
+        node = raw
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"'{part}' of case '{base_name}' is not a table", file=file, key=f"{where}.{key}")
+        node[leaf] = v
+    raw["name"] = f"{base_name}[" + ";".join(f"{k}={_fmt_value(v)}" for k, v in assigned.items()) + "]"
+    return raw
+
+
+def _in_case_order(raw_cases: list, made: dict[str, list[tuple[Any, Any]]],
+                   file: str) -> tuple[list[tuple[Any, Any]], dict]:
+    """Every swept base case replaced, in place, by its cases; a case name made twice is refused."""
     out, swept, seen = [], {}, set()
     for c in raw_cases:
         name = c.get("name") if isinstance(c, dict) else None
@@ -411,32 +449,20 @@ def load_spec(path: str | Path) -> Spec:
 def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = None,
                    device: str | None = None) -> Spec:
     """Apply command-line overrides (validated like the spec's own fields)."""
-    exp = spec.experiment
+    path = str(spec.path)
     for key, value in (("--draws", draws), ("--seed", seed)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise SpecError(f"must be an integer, got {value!r}", file=str(spec.path), key=key)
+            raise SpecError(f"must be an integer, got {value!r}", file=path, key=key)
     if device is not None and not isinstance(device, str):
-        raise SpecError(f"must be a string, got {device!r}", file=str(spec.path), key="--device")
-    if draws is not None:
-        if isinstance(draws, bool) or not isinstance(draws, int):
-            if isinstance(draws, float) and math.isfinite(draws) and draws.is_integer():
-                draws = int(draws)
-            else:
-                raise SpecError(f"must be an integer, got {draws!r}", file=str(spec.path), key="--draws")
-        msg = _check_draws(draws)
+        raise SpecError(f"must be a string, got {device!r}", file=path, key="--device")
+    changes = {}
+    for name, value, check in (("draws", draws, _check_draws), ("seed", seed, _check_seed),
+                               ("device", device, check_device)):
+        msg = None if value is None else check(value)
         if msg:
-            raise SpecError(msg, file=str(spec.path), key="--draws")
-        exp = dataclasses.replace(exp, draws=draws)
-        # --draws sets every case, per-case overrides included.
+            raise SpecError(msg, file=path, key=f"--{name}")
+        if value is not None:
+            changes[name] = value
+    if draws is not None:       # --draws sets every case, per-case overrides included
         spec = dataclasses.replace(spec, cases=tuple(dataclasses.replace(c, draws=None) for c in spec.cases))
-    if seed is not None:
-        msg = _check_seed(seed)
-        if msg:
-            raise SpecError(msg, file=str(spec.path), key="--seed")
-        exp = dataclasses.replace(exp, seed=seed)
-    if device is not None:
-        msg = check_device(device)
-        if msg:
-            raise SpecError(msg, file=str(spec.path), key="--device")
-        exp = dataclasses.replace(exp, device=device)
-    return dataclasses.replace(spec, experiment=exp)
+    return dataclasses.replace(spec, experiment=dataclasses.replace(spec.experiment, **changes))

@@ -140,7 +140,7 @@ def _kl_bench(*args, env=None) -> subprocess.CompletedProcess:
 def _torchrun(*args, nproc=2, env=None) -> subprocess.CompletedProcess:
     # --standalone: a free port on localhost, so parallel jobs on one machine do not collide.
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "-m", "kl_bench", *map(str, args)], capture_output=True, text=True,
+                           str(nproc), "-m", "kl_bench._testing", *map(str, args)], capture_output=True, text=True,
                           env=env or _env(), timeout=300)
 
 
@@ -234,7 +234,7 @@ def test_without_torchrun_teardown_a_dead_rank_is_one_line_from_the_survivor(one
     base = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", KL_BENCH_RANK_FAIL="1:main",
                 KL_BENCH_DIST_TIMEOUT="120")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "kl_bench", "run", str(spec), "--out", str(out), "--quiet"]
+    cmd = [sys.executable, "-m", "kl_bench._testing", "run", str(spec), "--out", str(out), "--quiet"]
     procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     (_, err0), (_, err1) = (p.communicate(timeout=300) for p in procs)

@@ -1,5 +1,7 @@
 """A new case kind is one module: a toy two-point kind, registered from this file alone, runs end to end
-(summary, exact, check with a baseline, gradients) with nothing else in the package touched.
+(summary, exact, check with a baseline, gradients) with nothing else in the package touched. It implements
+the protocols of kl_bench.pairs.base: CaseParser, Oracle and Sampler on Pair's defaults, and (the optional)
+GradientOracle through ScoreSampler and ScoreGradientOracle's default accumulator.
 
 q = Bernoulli(q1), p = Bernoulli(p1) over x ∈ {0, 1}; θ = logit(q1), so ∇θ log q(x) = x − q1.
 """
@@ -16,9 +18,12 @@ import kl_bench
 from kl_bench.cli import app
 from kl_bench.config import Table
 from kl_bench.draws import Draws
+from kl_bench.engine import run_gradients
+from kl_bench.errors import SpecError
 from kl_bench.modes import ExactGrad
 from kl_bench.pairs import CASE_KINDS, CaseConfig, Pair, register_kind
-from kl_bench.pairs.base import JointMoments
+from kl_bench.pairs.base import (CaseParser, GradientOracle, JointMoments, Oracle, Sampler, ScoreGradientOracle,
+                                  ScoreSampler, gradient_oracle)
 from kl_bench.results import read_frame
 from kl_bench.targets import FORWARD, REVERSE
 
@@ -36,7 +41,7 @@ def _prob(v):
 
 
 class TwoPointPair(Pair):
-    supports_gradients = True
+    """No gradient oracles: a kind implements only what it supports."""
 
     def __init__(self, name: str, q1: float, p1: float):
         self.name, self.q1, self.p1 = name, q1, p1
@@ -82,7 +87,10 @@ class TwoPointPair(Pair):
         x = self._draw(n, generator, device)
         return Draws(self.logr.to(device)[x], torch.full((n,), self.kl(), dtype=torch.float64, device=device))
 
-    # gradients: θ = logit(q1), one parameter
+
+
+class TwoPointGradientPair(ScoreGradientOracle, TwoPointPair):
+    """With gradients: θ = logit(q1), one parameter; the accumulator is ScoreGradientOracle's."""
     gradient_params = 1
 
     def gradient_references(self):
@@ -101,14 +109,21 @@ class TwoPointPair(Pair):
         return self.logr.to(device)[x], None, self.score.to(device)[x][:, None]
 
 
-class NoGradientPair(TwoPointPair):
-    supports_gradients = False
+def test_the_toy_kinds_implement_the_protocols_they_claim():
+    plain, grad = TwoPointPair("a", 0.3, 0.45), TwoPointGradientPair("b", 0.3, 0.45)
+    for cls in (TwoPointPair, TwoPointGradientPair):
+        assert isinstance(cls, CaseParser) and issubclass(cls, Oracle) and issubclass(cls, Sampler)
+    assert gradient_oracle(plain) is None and not isinstance(plain, (GradientOracle, ScoreSampler))
+    assert gradient_oracle(grad) is grad and isinstance(grad, ScoreSampler)
+    # the engine asks the protocol: a kind without it is refused in one line, not an AttributeError
+    with pytest.raises(SpecError, match="has no gradient oracles"):
+        run_gradients(plain, [], {}, draws=10, seed=0, batches=1, device=torch.device("cpu"))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def toy_kinds():
-    register_kind("two_point", description="toy: q = Bernoulli(q1), p = Bernoulli(p1)")(TwoPointPair)
-    register_kind("two_point_nograd", description="toy without gradient oracles")(NoGradientPair)
+    register_kind("two_point", description="toy: q = Bernoulli(q1), p = Bernoulli(p1)")(TwoPointGradientPair)
+    register_kind("two_point_nograd", description="toy without gradient oracles")(TwoPointPair)
     yield
     CASE_KINDS.remove("two_point")
     CASE_KINDS.remove("two_point_nograd")
@@ -192,7 +207,7 @@ def test_toy_kind_errors_are_one_line(tmp_path):
     assert res.exit_code == 2 and "unknown key for a two_point sampler" in res.stderr
 
 
-class ReverseOnlyPair(TwoPointPair):
+class ReverseOnlyPair(TwoPointGradientPair):
     """A kind with an exact value of KL(q‖p) only."""
 
     def true_values(self):

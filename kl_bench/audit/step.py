@@ -184,22 +184,8 @@ class AuditLog:
 
     def pooled(self) -> dict[str, dict]:
         """source → steps, mean bias, its SE, pooled z, mean sampler bias, pooled consistency z, impossible."""
-        out = {}
-        for source in dict.fromkeys(r.source for r in self.rows):
-            rows = [r for r in self.rows if r.source == source]
-            n = len(rows)
-            bias = sum(r.bias for r in rows)
-            var = sum(r.se ** 2 for r in rows)
-            out[source] = {
-                "steps": n, "estimator": rows[-1].estimator, "mean_logged": sum(r.logged for r in rows) / n,
-                "mean_exact": sum(r.exact for r in rows) / n, "mean_bias": bias / n, "se": math.sqrt(var) / n,
-                "z": z_score(bias, 0.0, math.sqrt(var), sum(abs(r.exact) for r in rows)),
-                "mean_bias_sampler": sum(r.bias_sampler for r in rows) / n,
-                "mean_bias_precision": sum(r.bias_precision for r in rows) / n,
-                "consistency_z": consistency_z(sum(r.consistency_sum for r in rows),
-                                               sum(r.consistency_var for r in rows), sum(r.impossible for r in rows)),
-                "impossible": sum(r.impossible for r in rows)}
-        return out
+        return {source: _pool([r for r in self.rows if r.source == source])
+                for source in dict.fromkeys(r.source for r in self.rows)}
 
     def csv_bytes(self) -> bytes:
         import csv
@@ -220,3 +206,19 @@ class AuditLog:
         env = {"kl_bench_audit": 1, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "columns": AUDIT_COLUMNS, "pooled": self.pooled(), **envelope}
         return write_locked(directory, {"audit.csv": self.csv_bytes()}, env)
+
+
+def _pool(rows: list[StepAudit]) -> dict:
+    """The pooled row of one source's steps (see :meth:`AuditLog.pooled`)."""
+    n = len(rows)
+    bias = sum(r.bias for r in rows)
+    var = sum(r.se ** 2 for r in rows)
+    return {
+        "steps": n, "estimator": rows[-1].estimator, "mean_logged": sum(r.logged for r in rows) / n,
+        "mean_exact": sum(r.exact for r in rows) / n, "mean_bias": bias / n, "se": math.sqrt(var) / n,
+        "z": z_score(bias, 0.0, math.sqrt(var), sum(abs(r.exact) for r in rows)),
+        "mean_bias_sampler": sum(r.bias_sampler for r in rows) / n,
+        "mean_bias_precision": sum(r.bias_precision for r in rows) / n,
+        "consistency_z": consistency_z(sum(r.consistency_sum for r in rows),
+                                       sum(r.consistency_var for r in rows), sum(r.impossible for r in rows)),
+        "impossible": sum(r.impossible for r in rows)}

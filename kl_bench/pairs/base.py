@@ -1,9 +1,18 @@
-"""The one interface every case kind implements, and the registry of kinds.
+"""What a case kind implements, as small protocols, and the registry of kinds.
 
-A kind is one module (or package) under ``kl_bench/pairs/``: its config dataclass, its parser and
-allowed keys, its sampler keys, its oracle validation, its metadata for ``run.json``, its sampling, its
-exact moments and its gradient oracles, registered with :func:`register_kind`. Nothing outside
-``pairs/`` asks what type a pair is; it asks the methods below.
+A kind is one module (or package) under ``kl_bench/pairs/``, registered with :func:`register_kind`. Its
+class implements:
+
+- :class:`CaseParser` (required): its config dataclass from the case's TOML table, and the pair from it;
+- :class:`Oracle` (required): the exact value of each target, the exact moments of every row, a caption;
+- :class:`Sampler` (required): draws x ~ q (or b) and their per-batch feature sums;
+- :class:`GradientOracle` (optional): exact gradients and a per-draw gradient accumulator. A kind with a
+  few parameters implements :class:`ScoreSampler` and takes :class:`ScoreGradientOracle`'s accumulator.
+
+:class:`Pair` is the base class with the shared defaults of the required three (row aggregates, run.json
+metadata, piece-by-piece batch sums). Nothing outside ``pairs/`` asks what type a pair is: it asks these
+protocols (:func:`gradient_oracle`), and a kind that does not implement an optional one is refused in one
+line where it would be needed.
 """
 from __future__ import annotations
 
@@ -11,7 +20,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -103,8 +112,103 @@ class GradientAccumulator(ABC):
         raise NotImplementedError
 
 
+@runtime_checkable
+class CaseParser(Protocol):
+    """Spec → config → pair (class methods of a kind's pair class)."""
+
+    @classmethod
+    def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> CaseConfig:
+        """The kind's config from its case table ``t`` (finish ``t``: unknown keys are errors);
+        ``common``: name, draws and sampler, already parsed, to pass on to the config."""
+
+    @classmethod
+    def from_config(cls, config: CaseConfig) -> "Pair":
+        """Build the pair (may read files); input errors are SpecErrors naming the key."""
+
+
+@runtime_checkable
+class Oracle(Protocol):
+    """The exact truth of a pair: targets, per-row moments, the joint moments of the λ curve."""
+
+    def true_values(self) -> dict[str, float]:
+        """Exact value of every target this pair supports (kl_bench.targets); may be +inf."""
+
+    def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
+        """(E_q[f], Var_q[f]) per draw, exactly; NaN where unknown, +inf where divergent."""
+
+    def exact_joint(self, aggregate: str = "") -> JointMoments:
+        """Exact moments of (−log r, r − 1) under q (rollouts: of (−L, R − 1) with "seq" and of
+        (−L, Σ_t (r_t − 1)) with "tok")."""
+
+    def describe(self) -> str:
+        """One line describing q and p, for captions and tables."""
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Draws x ~ q (or a behaviour b ≠ q), seeded by the engine's streams."""
+
+    def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
+                     tok_rows: list[Row] = ()) -> Draws:
+        """``n`` explicit draws (for small-batch simulations and tests)."""
+
+    def piece_draws(self, device: torch.device) -> int:
+        """Draws per piece (kl_bench.seeding)."""
+
+    def batch_sums(self, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
+        """Per-batch sums of the per-draw features, each batch drawn from its own stream."""
+
+    def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
+        """How many batches to hand :meth:`batch_sums` at once."""
+
+
+@runtime_checkable
+class GradientOracle(Protocol):
+    """Optional (docs/gradients.md): exact gradients ∇θ of q's parameters and their Monte Carlo estimate."""
+
+    @property
+    def gradient_params(self) -> int:
+        """Number of parameters θ of q that gradients are taken with respect to."""
+
+    def gradient_references(self) -> dict[str, np.ndarray]:
+        """{target: ∇θ of its exact value} [P] for every target."""
+
+    def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad | None:
+        """The exact expected per-draw gradient of ``item`` (and its second moments where exact), or
+        None where no exact value exists. ``directions``: unit vectors for projected variances."""
+
+    def gradient_accumulator(self, items: list[GradItem], directions: dict[str, np.ndarray],
+                             device: torch.device) -> GradientAccumulator:
+        """Per-draw gradients of every item, batch by batch."""
+
+    def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
+        """E|c s|⁴ < ∞ (else a measured gradient variance cannot be tested against its exact value)."""
+
+
+@runtime_checkable
+class ScoreSampler(Protocol):
+    """Draws with their per-draw score features, for :class:`ScoreGradients` (kinds with few parameters)."""
+
+    @property
+    def gradient_params(self) -> int:
+        """P, the length of a score."""
+
+    def piece_draws(self, device: torch.device) -> int:
+        """Draws per piece (kl_bench.seeding)."""
+
+    def sample_scores(self, n: int, generator: torch.Generator,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``n`` draws as (log r [n], importance weight q/b [n] or None, score ∇θ log q(x) [n, P])."""
+
+
+def gradient_oracle(pair: Any) -> GradientOracle | None:
+    """The pair as a gradient oracle, or None where its kind has none."""
+    return pair if isinstance(pair, GradientOracle) else None
+
+
 class Pair(ABC):
-    """A distribution pair (q, p) of one case: exact truth, exact moments, sampling and gradients."""
+    """The base of a kind's pair class: the shared defaults of :class:`CaseParser`, :class:`Oracle` and
+    :class:`Sampler` (a kind adds :class:`GradientOracle` where it has one)."""
     name: str
     kind: ClassVar[str] = ""
     aggregates: tuple[str, ...] = ("",)   # rollouts: ("seq", "tok")
@@ -112,7 +216,6 @@ class Pair(ABC):
     sampler_label: str = ""
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"
-    supports_gradients: ClassVar[bool] = False
     # loss_is_nemo rows under a sampler: NeMo-RL's output clamp sees w·f, w = q/b (its
     # use_on_policy_kl_approximation), so the pair must apply the weight inside the clamp's test
     clamp_sees_weight: ClassVar[bool] = False
@@ -122,13 +225,12 @@ class Pair(ABC):
     @classmethod
     @abstractmethod
     def parse(cls, t: Table, common: dict[str, Any], spec_dir: Path) -> CaseConfig:
-        """The kind's config from its case table ``t`` (finish ``t``: unknown keys are errors);
-        ``common``: name, draws and sampler, already parsed, to pass on to the config."""
+        """See :meth:`CaseParser.parse`."""
 
     @classmethod
     @abstractmethod
     def from_config(cls, config: CaseConfig) -> "Pair":
-        """Build the pair (may read files); input errors are SpecErrors naming the key."""
+        """See :meth:`CaseParser.from_config`."""
 
     def validate(self, sources: list[RowSource]) -> None:
         """Refuse (SpecError) estimators this pair has no exact oracle for, before any sampling."""
@@ -145,7 +247,7 @@ class Pair(ABC):
     # ---------------------------------------------------------------- truth
     @abstractmethod
     def true_values(self) -> dict[str, float]:
-        """Exact value of every target this pair supports (kl_bench.targets); may be +inf."""
+        """See :meth:`Oracle.true_values`."""
 
     def true_value(self, target: str, aggregate: str = "") -> float:
         """The exact target of a row on ``aggregate`` (rollouts: per generated token for rows divided by
@@ -176,12 +278,11 @@ class Pair(ABC):
 
     @abstractmethod
     def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
-        """(E_q[f], Var_q[f]) per draw, exactly; NaN where unknown, +inf where divergent."""
+        """See :meth:`Oracle.exact_moments`."""
 
     @abstractmethod
     def exact_joint(self, aggregate: str = "") -> JointMoments:
-        """Exact moments of (−log r, r − 1) under q (rollouts: of (−L, R − 1) with "seq" and of
-        (−L, Σ_t (r_t − 1)) with "tok")."""
+        """See :meth:`Oracle.exact_joint`."""
 
     def fourth_moment_finite(self, est: RowSource, aggregate: str = "") -> bool:
         """Whether E_q[f⁴] < ∞. Without it a measured variance converges slowly, is usually too low,
@@ -211,7 +312,7 @@ class Pair(ABC):
 
     @abstractmethod
     def describe(self) -> str:
-        """One line describing q and p, for captions and tables."""
+        """See :meth:`Oracle.describe`."""
 
     # ---------------------------------------------------------------- sampling
     def piece_draws(self, device: torch.device) -> int:
@@ -247,60 +348,47 @@ class Pair(ABC):
     @abstractmethod
     def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
                      tok_rows: list[Row] = ()) -> Draws:
-        """``n`` explicit draws (for small-batch simulations and tests)."""
-
-    # ---------------------------------------------------------------- gradients (docs/gradients.md)
-    @property
-    def gradient_params(self) -> int:
-        """Number of parameters θ of q that gradients are taken with respect to."""
-        raise self._no_gradients()
-
-    def gradient_references(self) -> dict[str, np.ndarray]:
-        """{target: ∇θ of its exact value} [P] for every target."""
-        raise self._no_gradients()
-
-    def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad | None:
-        """The exact expected per-draw gradient of ``item`` (and its second moments where exact), or
-        None where no exact value exists. ``directions``: unit vectors for projected variances."""
-        raise self._no_gradients()
-
-    def sample_scores(self, n: int, generator: torch.Generator, device: torch.device):
-        """``n`` draws as (log r [n], importance weight q/b [n] or None, score ∇θ log q(x) [n, P]): the
-        per-draw score features. Kinds with few parameters implement this and get the default
-        :meth:`gradient_accumulator`; kinds with many (a vocabulary) override the accumulator instead."""
-        raise self._no_gradients()
-
-    def gradient_accumulator(self, items: list[GradItem], directions: dict[str, np.ndarray],
-                             device: torch.device) -> GradientAccumulator:
-        """Per-draw gradients c(log r)·(w)·s from :meth:`sample_scores`, batch by batch."""
-        if not self.supports_gradients:
-            raise self._no_gradients()
-        return ScoreGradients(self, items, directions, device)
-
-    def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
-        """E|c s|⁴ < ∞ (else a measured gradient variance cannot be tested against its exact value)."""
-        return True
+        """See :meth:`Sampler.sample_draws`."""
 
     def require_gradients(self) -> None:
         """Refuse, in one line, a gradient pass on a pair without gradient oracles (or without the two
         references every gradient row is compared with)."""
-        if not self.supports_gradients:
-            raise self._no_gradients()
+        if gradient_oracle(self) is None:
+            raise self.no_gradients()
         missing = [t for t in (REVERSE, FORWARD) if t not in self.true_values()]
         if missing:
             raise SpecError(f"gradient rows compare with ∇{' and ∇'.join(missing)}, which a {self.kind} case has "
                             "no exact value of: set gradients = false or drop this case", case=self.name)
 
-    def _no_gradients(self) -> SpecError:
+    def no_gradients(self) -> SpecError:
+        """The one-line refusal of a gradient pass on a kind without :class:`GradientOracle`."""
         return SpecError(f"case kind '{self.kind}' has no gradient oracles: set gradients = false or drop "
                          "this case", case=self.name)
+
+
+class GradientDefaults:
+    """Mixin for a :class:`GradientOracle`: the defaults a kind overrides where they do not hold."""
+
+    def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
+        """E|c s|⁴ < ∞ (else a measured gradient variance cannot be tested against its exact value)."""
+        return True
+
+
+class ScoreGradientOracle(GradientDefaults):
+    """Mixin for a kind that implements :class:`ScoreSampler` (few parameters): the default accumulator
+    :class:`ScoreGradients`; the kind adds its exact gradients (``gradient_references``, ``gradient_exact``)."""
+
+    def gradient_accumulator(self, items: list[GradItem], directions: dict[str, np.ndarray],
+                             device: torch.device) -> GradientAccumulator:
+        """Per-draw gradients c(log r)·(w)·s from :meth:`ScoreSampler.sample_scores`, batch by batch."""
+        return ScoreGradients(self, items, directions, device)
 
 
 class ScoreGradients(GradientAccumulator):
     """The default accumulator: explicit per-draw gradients g = c(log r)·w·s [m, P], one piece of m draws at a time
     (memory O(m·P))."""
 
-    def __init__(self, pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], device: torch.device):
+    def __init__(self, pair: ScoreSampler, items: list[GradItem], directions: dict[str, np.ndarray], device: torch.device):
         self.pair, self.items, self.device = pair, items, device
         self.u = np.stack(list(directions.values())).T                  # [P, D]
         self._total = np.zeros((len(items), pair.gradient_params))
@@ -354,8 +442,8 @@ def register_kind(name: str, *, description: str, sampler_keys: tuple[str, ...] 
                   weight_kinds: tuple[str, ...] = ("token",)):
     """Class decorator: register a :class:`Pair` subclass as case kind ``name``.
 
-    The class implements :meth:`Pair.parse` and :meth:`Pair.from_config` (its config dataclass
-    subclasses :class:`CaseConfig`), and everything else :class:`Pair` asks."""
+    The class implements :class:`CaseParser` (its config dataclass subclasses :class:`CaseConfig`),
+    :class:`Oracle` and :class:`Sampler`, and :class:`GradientOracle` where it has gradients."""
     def deco(cls: type[Pair]) -> type[Pair]:
         cls.kind = name
         CASE_KINDS.add(name, CaseKind(name, cls, description, tuple(sampler_keys), tuple(weight_kinds)))

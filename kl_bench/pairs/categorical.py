@@ -34,8 +34,8 @@ from ..logits import (LogitsSource, check_table_size, describe_sources, has_voca
 from ..samplers import LOGIT_KEYS, WEIGHT_KEYS
 from ..seeding import BatchStream
 from ..targets import FORWARD, REVERSE
-from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradItem,
-                   JointMoments, Pair, register_kind)
+from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradientDefaults,
+                   GradItem, JointMoments, Pair, register_kind)
 
 SAMPLING = ("auto", "counts", "tokens")
 
@@ -51,8 +51,7 @@ class CategoricalCase(CaseConfig):
 
 @register_kind("categorical", description="categoricals over a vocabulary, [V] or [B, V] logits; exact sums",
                sampler_keys=(*LOGIT_KEYS, "behavior", *WEIGHT_KEYS))
-class CategoricalPair(Pair):
-    supports_gradients = True
+class CategoricalPair(GradientDefaults, Pair):
     clamp_sees_weight = True
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",

@@ -21,7 +21,7 @@ from ..errors import SpecError
 from ..estimators import Estimator, Poly, RowSource, poly_square
 from ..samplers import WEIGHT_KEYS
 from ..targets import FORWARD, REVERSE
-from .base import CaseConfig, ExactGrad, GradItem, JointMoments, Pair, register_kind
+from .base import CaseConfig, ExactGrad, GradItem, JointMoments, Pair, ScoreGradientOracle, register_kind
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,7 @@ def _check_ratios(t: Table, q: GaussianParams, p: GaussianParams) -> None:
 
 @register_kind("gaussian", description="diagonal Gaussians q = N(μq, σq²), p = N(μp, σp²); closed forms",
                sampler_keys=("std_scale", *WEIGHT_KEYS))
-class GaussianPair(Pair):
-    supports_gradients = True
+class GaussianPair(ScoreGradientOracle, Pair):
 
     def __init__(self, name: str, mq, sq, mp, sp, std_scale: float = 1.0, weights: str = "none",
                  weight_cap: float | None = None, sampler_label: str = ""):

@@ -53,6 +53,42 @@ class LogprobsCase(CaseConfig):
 _LOG_MAX = math.log(sys.float_info.max)
 
 
+def _read_inputs(case: LogprobsCase) -> dict[str, torch.Tensor]:
+    """Every input tensor of the case (an optional one that its file does not hold is left out)."""
+    data: dict[str, torch.Tensor] = {}
+    for name, ref in case.inputs.items():
+        if ref.tensor is not None:
+            data[name] = ref.tensor
+            continue
+        try:
+            data[name] = read_tensor_file(ref.file, ref.key, what=name)
+        except SpecError as e:
+            if ref.optional and "no tensor named" in e.message:
+                continue
+            raise e.located(key=name) from None
+    return data
+
+
+def _checked_shapes(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every input of logp_policy's shape, [B, T] or [N] (→ [N, 1]: one token per sequence)."""
+    shape = data["logp_policy"].shape
+    for name, v in data.items():
+        if v.shape != shape:
+            raise SpecError(f"has shape {list(v.shape)} but logp_policy has {list(shape)}", key=name)
+        if v.ndim not in (1, 2) or 0 in v.shape:
+            raise SpecError(f"must have shape [B, T] or [N], got {list(v.shape)}", key=name)
+    return {k: (v[:, None] if v.ndim == 1 else v) for k, v in data.items()}
+
+
+def _checked_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The unmasked tokens (bool [B, T]) of a 0/1 mask in which every sequence has one."""
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise SpecError("must hold 0 and 1 only", key="mask")
+    if not bool((mask.sum(-1) > 0).all()):
+        raise SpecError("a sequence has no unmasked token", key="mask")
+    return mask > 0
+
+
 def _check_log_ratios(logp: torch.Tensor, logq: torch.Tensor, on: torch.Tensor, ref) -> None:
     """Refuse logged log-probs whose log-ratios leave float64 in the estimators: per token and per
     sequence, r = e^{log r} finite and |log r| within :data:`~kl_bench.logits.MAX_ABS_LOG_RATIO`."""
@@ -117,30 +153,9 @@ class LogprobsPair(Pair):
 
     @classmethod
     def from_config(cls, case: LogprobsCase) -> "LogprobsPair":
-        data: dict[str, torch.Tensor] = {}
-        for name, ref in case.inputs.items():
-            if ref.tensor is not None:
-                data[name] = ref.tensor
-                continue
-            try:
-                data[name] = read_tensor_file(ref.file, ref.key, what=name)
-            except SpecError as e:
-                if ref.optional and "no tensor named" in e.message:
-                    continue
-                raise e.located(key=name) from None
-        shape = data["logp_policy"].shape
-        for name, v in data.items():
-            if v.shape != shape:
-                raise SpecError(f"has shape {list(v.shape)} but logp_policy has {list(shape)}", key=name)
-            if v.ndim not in (1, 2) or 0 in v.shape:
-                raise SpecError(f"must have shape [B, T] or [N], got {list(v.shape)}", key=name)
-        data = {k: (v[:, None] if v.ndim == 1 else v) for k, v in data.items()}
+        data = _checked_shapes(_read_inputs(case))
         mask = data.get("mask", torch.ones_like(data["logp_policy"]))
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise SpecError("must hold 0 and 1 only", key="mask")
-        if not bool((mask.sum(-1) > 0).all()):
-            raise SpecError("a sequence has no unmasked token", key="mask")
-        on = mask > 0
+        on = _checked_mask(mask)
         for name in ("logp_policy", "logp_ref", "kl_full"):
             if name in data and not bool(torch.isfinite(data[name][on]).all()):
                 raise SpecError("holds NaN or ±inf on unmasked tokens", key=name)

@@ -35,7 +35,6 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
         lm.check_prompts(ids, prompts, [q, p], length if length > 1 else 0, eos, key="--prompts")
     except SpecError as e:
         raise SpecError(e.message, key=e.key if e.key == "--eos" else "--prompts") from None
-    written = {}
     if progress is not None:
         progress.set_total(len(ids) + ((samples or len(ids)) if length > 1 else 0))
         progress.label("next-token log-probs")
@@ -43,34 +42,40 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
     lp = lm.next_token_logprobs(p.to(dev), ids, batch_size, dev)
     if progress is not None:
         progress.advance(len(ids))
-    written["next_token"] = out / "next_token.pt"
+    written = {"next_token": out / "next_token.pt"}
     _save(written["next_token"], {"policy": lq.float(), "reference": lp.float()})
     if length > 1:
         pair = ModelPair("dump", q, p, ids, length, eos, batch_size)
-        n = samples or len(ids)
-        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "logp_policy", "logp_ref", "kl_full", "mask",
-                                                              "prompt")}
-        if progress is not None:
-            progress.label(f"continuations of {length} tokens")
-        for i, start in enumerate(range(0, n, batch_size)):
-            rec: list = []
-            m = min(batch_size, n - start)
-            pair.generate(m, batch_generator(seed, "dump", i, dev), dev, record=rec)
-            cols["prompt"].append(rec[0])
-            steps = rec[1:]
-            pad = length - len(steps)             # every sequence ended early: the rest is masked
-            for k, j in (("tokens", 0), ("logp_policy", 1), ("logp_ref", 2), ("kl_full", 3), ("mask", 4)):
-                col = torch.stack([s[j] for s in steps], 1).cpu()
-                if pad:
-                    col = torch.cat([col, torch.zeros(m, pad, dtype=col.dtype)], 1)
-                cols[k].append(col)
-            if progress is not None:
-                progress.advance(m)
-        data = {k: torch.cat(v) for k, v in cols.items()}
-        data["mask"] = data["mask"].to(torch.uint8)
         written["continuations"] = out / "continuations.pt"
-        _save(written["continuations"], data)
+        _save(written["continuations"], _continuations(pair, samples or len(ids), seed, dev, progress))
     return written
+
+
+def _continuations(pair: ModelPair, n: int, seed: int, dev: torch.device, progress) -> dict[str, torch.Tensor]:
+    """``n`` continuations from the policy, ``pair.batch_size`` at a time (batch i seeded by (seed, "dump", i)),
+    as the columns of continuations.pt."""
+    length, batch_size = pair.length, pair.batch_size
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "logp_policy", "logp_ref", "kl_full", "mask",
+                                                          "prompt")}
+    if progress is not None:
+        progress.label(f"continuations of {length} tokens")
+    for i, start in enumerate(range(0, n, batch_size)):
+        rec: list = []
+        m = min(batch_size, n - start)
+        pair.generate(m, batch_generator(seed, "dump", i, dev), dev, record=rec)
+        cols["prompt"].append(rec[0])
+        steps = rec[1:]
+        pad = length - len(steps)             # every sequence ended early: the rest is masked
+        for k, j in (("tokens", 0), ("logp_policy", 1), ("logp_ref", 2), ("kl_full", 3), ("mask", 4)):
+            col = torch.stack([s[j] for s in steps], 1).cpu()
+            if pad:
+                col = torch.cat([col, torch.zeros(m, pad, dtype=col.dtype)], 1)
+            cols[k].append(col)
+        if progress is not None:
+            progress.advance(m)
+    data = {k: torch.cat(v) for k, v in cols.items()}
+    data["mask"] = data["mask"].to(torch.uint8)
+    return data
 
 
 def _check_options(out: Path, *, length: int, samples: int, dtype: str, batch_size: int, eos: int | None,

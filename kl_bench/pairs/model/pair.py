@@ -244,13 +244,8 @@ class ModelPair(Pair):
         if record is not None:
             record.append(torch.tensor(idx))
         f64 = dict(dtype=torch.float64, device=device)
-        logr, full, tok_b = torch.zeros(n, **f64), torch.zeros(n, **f64), torch.zeros(n, **f64)
-        tok = torch.zeros(n, len(tok_rows), **f64)
-        alive = torch.ones(n, **f64)
-        weight = torch.ones(n, **f64) if self.weights != "none" else None
+        paths = _Paths.start(n, len(tok_rows), self.weights != "none", self.length if growth is not None else 0, f64)
         rows = torch.arange(n, device=device)
-        tok_k3 = torch.zeros(n, **f64)
-        grow = torch.zeros(self.length, len(GROWTH_ROWS), 2, **f64) if growth is not None else None
         for t in range(self.length):
             # [n, V] float64, renormalised in float64 like a next-token case's tables (NextTokenPair.build)
             lq = torch.log_softmax(lm.log_probs64(sq.last), dim=-1)
@@ -261,44 +256,77 @@ class ModelPair(Pair):
             # Inverse CDF: the first token whose cumulative mass exceeds u·total; a zero-probability
             # token has an empty interval and is never drawn.
             x = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=self.vocab - 1)
-            g = lp[rows, x] - lq[rows, x]                                        # log r_t
-            kl_t = (lq.exp() * (lq - lp)).sum(-1)                                # analytic KL at h_t
-            logr += alive * g
-            full += alive * kl_t
-            tok_b += alive * torch.expm1(g)
-            tok_k3 += alive * (torch.expm1(g) - g)
-            # Prefix t + 1 of every path (a path that ended keeps its values): seq k1, seq k3, tok k3, full.
-            if grow is not None:
-                v = torch.stack([-logr, torch.expm1(logr) - logr, tok_k3, full], -1)
-                grow[t, :, 0], grow[t, :, 1] = v.sum(0), (v * v).sum(0)
-            step_w = None
-            if weight is not None:                     # q/b of the drawn token, capped
-                w_t = torch.exp(lq[rows, x] - lb[rows, x])
-                if self.weight_cap is not None:
-                    w_t = w_t.clamp(max=self.weight_cap)
-                weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
-                step_w = w_t if self.weights == "token" else None
-            if tok_rows:
-                vals = torch.stack([kl_t if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
-                tok += (alive if step_w is None else alive * step_w)[:, None] * vals
+            kl_t = self._step(paths, t, lq[rows, x], lp[rows, x], lb[rows, x], (lq.exp() * (lq - lp)).sum(-1),
+                              tok_rows)
             if prefixes is not None:
-                prefixes[t, :, 0], prefixes[t, :, 1] = logr, full
+                prefixes[t, :, 0], prefixes[t, :, 1] = paths.logr, paths.full
             if record is not None:
-                record.append((x, lq[rows, x], lp[rows, x], kl_t, alive.clone()))
+                record.append((x, lq[rows, x], lp[rows, x], kl_t, paths.alive.clone()))
             if self.eos is not None:
-                alive = alive * (x != self.eos)
+                paths.alive = paths.alive * (x != self.eos)
             if t + 1 < self.length:
-                if not bool(alive.any()):
-                    if prefixes is not None:
-                        prefixes[t + 1:] = prefixes[t]
-                    if grow is not None:
-                        grow[t + 1:] = grow[t]
+                if not bool(paths.alive.any()):
+                    paths.hold(t, prefixes)
                     break
                 sq.advance(x)
                 sp.advance(x)
-        if grow is not None:              # the caller passes one for draws from q only (the reference is an E_q)
-            growth += grow.cpu()
-        return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token")
+        if paths.grow is not None:        # the caller passes one for draws from q only (the reference is an E_q)
+            growth += paths.grow.cpu()
+        return Draws(paths.logr, paths.full, paths.tok, paths.tok_b, weight=paths.weight,
+                     tok_weighted=self.weights == "token")
+
+    def _step(self, paths: "_Paths", t: int, lq_x: torch.Tensor, lp_x: torch.Tensor, lb_x: torch.Tensor,
+              kl_t: torch.Tensor, tok_rows: list[Row]) -> torch.Tensor:
+        """Add step t's drawn tokens (their log q, log p, log b [n]; the analytic KL(q‖p) at h_t [n]) to the
+        paths that are still alive; returns kl_t."""
+        alive = paths.alive
+        g = lp_x - lq_x                                                          # log r_t
+        paths.logr += alive * g
+        paths.full += alive * kl_t
+        paths.tok_b += alive * torch.expm1(g)
+        paths.tok_k3 += alive * (torch.expm1(g) - g)
+        # Prefix t + 1 of every path (a path that ended keeps its values): seq k1, seq k3, tok k3, full.
+        if paths.grow is not None:
+            v = torch.stack([-paths.logr, torch.expm1(paths.logr) - paths.logr, paths.tok_k3, paths.full], -1)
+            paths.grow[t, :, 0], paths.grow[t, :, 1] = v.sum(0), (v * v).sum(0)
+        step_w = None
+        if paths.weight is not None:               # q/b of the drawn token, capped
+            w_t = torch.exp(lq_x - lb_x)
+            if self.weight_cap is not None:
+                w_t = w_t.clamp(max=self.weight_cap)
+            paths.weight = paths.weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+            step_w = w_t if self.weights == "token" else None
+        if tok_rows:
+            vals = torch.stack([kl_t if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
+            paths.tok += (alive if step_w is None else alive * step_w)[:, None] * vals
+        return kl_t
+
+
+@dataclass
+class _Paths:
+    """Running per-path sums of one :meth:`ModelPair.generate` call: float64 [n] each (tok [n, R], the token
+    rows; grow [T, len(GROWTH_ROWS), 2], prefix sums of v and v², or None)."""
+    logr: torch.Tensor
+    full: torch.Tensor
+    tok_b: torch.Tensor
+    tok_k3: torch.Tensor
+    tok: torch.Tensor
+    alive: torch.Tensor
+    weight: torch.Tensor | None
+    grow: torch.Tensor | None
+
+    @classmethod
+    def start(cls, n: int, tok_rows: int, weighted: bool, grow_length: int, f64: dict) -> "_Paths":
+        return cls(torch.zeros(n, **f64), torch.zeros(n, **f64), torch.zeros(n, **f64), torch.zeros(n, **f64),
+                   torch.zeros(n, tok_rows, **f64), torch.ones(n, **f64), torch.ones(n, **f64) if weighted else None,
+                   torch.zeros(grow_length, len(GROWTH_ROWS), 2, **f64) if grow_length else None)
+
+    def hold(self, t: int, prefixes: torch.Tensor | None) -> None:
+        """Every path ended at step t: the later prefixes keep step t's values."""
+        if prefixes is not None:
+            prefixes[t + 1:] = prefixes[t]
+        if self.grow is not None:
+            self.grow[t + 1:] = self.grow[t]
 
 
 class NextTokenPair(CategoricalPair):

@@ -29,7 +29,7 @@ batch size for cos ≥ 0.9 use measured variances (exact expected gradient, meas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -40,18 +40,37 @@ from ...seeding import BatchStream
 from ...draws import AGGREGATES
 from ..base import GradBatch, GradientAccumulator, GradItem
 
-if TYPE_CHECKING:                      # the pair module imports this one
-    from .pair import RolloutPair
+
+class RolloutTables(Protocol):
+    """What the gradient oracles read of a rollout pair (kl_bench.pairs.rollout.pair implements it; this
+    module does not import it): q's and p's bucket tables, the bucket map, the sampling phases, weights."""
+    log_q: torch.Tensor            # [C, V] log q(x | bucket c)
+    log_p: torch.Tensor            # [C, V]
+    logr_table: torch.Tensor       # [C, V] log r(c, x) (rounded where the case sets a precision)
+    bucket: torch.Tensor           # bucket map of rollout_dp
+    buckets: int                   # C
+    vocab: int                     # V
+    eos: int | None                # the end-of-sequence token (None: every path has length T)
+    length: int                    # T, the maximal length
+    phases: list                   # [(log b [C, V], steps)]: the sampler's phases
+    weights: str                   # importance weights: "none", "token" or "sequence"
+
+    def token_weight(self, lb: torch.Tensor) -> torch.Tensor: ...
+
+    def piece_draws(self, device: torch.device) -> int: ...
+
+    def simulate(self, sizes: list[int], gens: list[torch.Generator], device: torch.device,
+                 tok_rows: list = (), record: list | None = None): ...
 
 
 # ----------------------------------------------------------------------------- exact
-def _moments(pair: "RolloutPair", log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor, kmax: int) -> torch.Tensor:
+def _moments(pair: RolloutTables, log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor, kmax: int) -> torch.Tensor:
     """E_{sample}[M S^k], k = 0..kmax, as a differentiable tensor (sampling from softmax(log_sample))."""
     a, e = rollout_dp.moment_matrices(torch.softmax(log_sample, -1), m, h, pair.bucket, pair.buckets, pair.eos, kmax)
     return rollout_dp.propagate_tensor([(a, e, pair.length)])
 
 
-def path_moments(pair: "RolloutPair", log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor,
+def path_moments(pair: RolloutTables, log_sample: torch.Tensor, m: torch.Tensor, h: torch.Tensor,
                  kmax: int = 1) -> torch.Tensor:
     """E[M S^k], k = 0..kmax, for paths drawn from softmax(``log_sample``) [C, V] with the pair's buckets,
     length and EOS (M = Π_t m, S = Σ_t h; m, h: [C, V]): a tensor [kmax + 1], differentiable with
@@ -59,7 +78,7 @@ def path_moments(pair: "RolloutPair", log_sample: torch.Tensor, m: torch.Tensor,
     return _moments(pair, log_sample, m, h, kmax)
 
 
-def reference(pair: "RolloutPair") -> tuple[np.ndarray, np.ndarray]:
+def reference(pair: RolloutTables) -> tuple[np.ndarray, np.ndarray]:
     """(∇θ KL(q‖p), ∇θ KL(p‖q)) flattened [C·V], by autograd through the dynamic program."""
     ones = torch.ones_like(pair.log_q)
     theta = pair.log_q.clone().requires_grad_(True)
@@ -72,7 +91,7 @@ def reference(pair: "RolloutPair") -> tuple[np.ndarray, np.ndarray]:
     return g_rev.reshape(-1).numpy(), g_fwd.reshape(-1).numpy()
 
 
-def _count_moment(pair: "RolloutPair", m_fn, h_fn, coefs: list[float], phase: int | None = None) -> torch.Tensor:
+def _count_moment(pair: RolloutTables, m_fn, h_fn, coefs: list[float], phase: int | None = None) -> torch.Tensor:
     """Σ_k a_k E_b[M S^k N(c, x)] for every (c, x) at once, [C, V]: N(c, x) counts the steps that drew
     x from bucket c, and E_b[M S^k N] = ∂/∂η E_b[M e^{Σ_t η(c_{t−1}, x_t)} S^k] at η = 0, i.e. autograd
     of the (phased) dynamic program with respect to a per-step log-weight. b is the case's sampler (q
@@ -97,13 +116,13 @@ def _count_moment(pair: "RolloutPair", m_fn, h_fn, coefs: list[float], phase: in
     return g
 
 
-def _score_part(pair: "RolloutPair", counts: torch.Tensor) -> np.ndarray:
+def _score_part(pair: RolloutTables, counts: torch.Tensor) -> np.ndarray:
     """E[F · S] from E[F · N]: S = Σ_t e_{x_t} − q(·|c_{t−1}), so row c is E[F N_c] − (Σ_x E[F N_c(x)]) q_c."""
     q = pair.log_q.exp()
     return (counts - counts.sum(-1, keepdim=True) * q).reshape(-1).numpy()
 
 
-def exact_mean(pair: "RolloutPair", item: GradItem) -> np.ndarray | None:
+def exact_mean(pair: RolloutTables, item: GradItem) -> np.ndarray | None:
     """E_b[per-draw gradient] of one row, flattened [C·V], b the case's sampler (q when none), with its
     importance weights; None where no exact value exists (a non-polynomial estimator of the sequence
     log-ratio, or moments beyond float64)."""
@@ -121,12 +140,12 @@ def _ones(lb: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(lb)
 
 
-def _sequence_weight(pair: "RolloutPair"):
+def _sequence_weight(pair: RolloutTables):
     """W = Π_t w_t, which multiplies sequence terms, as a per-step table of a phase's log b."""
     return pair.token_weight if pair.weights != "none" else _ones
 
 
-def _score_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor:
+def _score_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor:
     """E[F·N] for a score-function token row, F = Σ_t f_t: token weights inside the sum, sequence weights
     outside."""
     f = item.est.fn(pair.logr_table)
@@ -135,7 +154,7 @@ def _score_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor:
     return _count_moment(pair, _sequence_weight(pair), lambda lb: f, [0.0, 1.0])
 
 
-def _local_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor:
+def _local_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor:
     """E[N]·c for Σ_t (w_t) c_t s_t: linear in the counts N."""
     c_tab = item.coef(pair.logr_table)
     if pair.weights == "token":  # w_t depends on the phase's b: count each phase's steps apart
@@ -145,7 +164,7 @@ def _local_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor:
     return _count_moment(pair, _sequence_weight(pair), _ones, [1.0]) * c_tab
 
 
-def _sequence_counts(pair: "RolloutPair", item: GradItem) -> torch.Tensor | None:
+def _sequence_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor | None:
     """E[W c(L) N] for a sequence row whose coefficient is a polynomial Σ a R^s L^k (else None)."""
     poly = item.cpoly
     if poly is None:
@@ -211,7 +230,7 @@ class RolloutGradients(GradientAccumulator):
     """Per-batch sums of every row's per-draw gradient, its projections and squared norm, from recorded
     paths (``RolloutPair.simulate(record=...)``); totals accumulate on the CPU with index_add_."""
 
-    def __init__(self, pair: "RolloutPair", items: list[GradItem], directions: list[np.ndarray], device):
+    def __init__(self, pair: RolloutTables, items: list[GradItem], directions: list[np.ndarray], device):
         self.pair, self.items, self.device = pair, items, device
         c_, v = pair.buckets, pair.vocab
         q = self.q = pair.log_q.exp()

@@ -29,7 +29,8 @@ from ...logits import (LogitsSource, check_table_size, describe_sources, parse_p
 from ...samplers import LOGIT_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
-from ..base import BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments, Pair, register_kind
+from ..base import (BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradientDefaults, GradItem,
+                    JointMoments, Pair, register_kind)
 from . import gradients as grad
 
 
@@ -71,9 +72,8 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
                "exact dynamic programming",
                sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS),
                weight_kinds=("token", "sequence", "geometric"))
-class RolloutPair(Pair):
+class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
-    supports_gradients = True           # second moments are measured (GradBatch.proj2): |S|² couples steps
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
