@@ -54,10 +54,16 @@ def _with_exact(measured: str, exact: str) -> str:
     return f"{measured} ({exact})" if exact else measured
 
 
+def dagger(r) -> str:
+    """"†" for a heavy-tailed row (its measured std, SE, CI and z are not valid), else "". Every column
+    whose value leans on the measured SE carries it, not only the std."""
+    heavy = r.get("heavy_tail")
+    return "†" if isinstance(heavy, str) and heavy else ""      # NaN (from a CSV) is no flag
+
+
 def _std_cell(r, value: float) -> str:
     # A std measured on a heavy tail is not to be trusted: mark it instead of printing it plainly.
-    heavy = r.get("heavy_tail")
-    return f"{fmt(value)}†" if isinstance(heavy, str) and heavy else fmt(value)     # NaN (from a CSV) is no flag
+    return fmt(value) + dagger(r)
 
 
 def target_cell(r) -> str:
@@ -78,16 +84,16 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
         true = fmt(r["true_kl"], 4)
         if _has_reference(r):       # no exact value: the Monte Carlo reference, marked as such
             z, true = r.get("z_ref", math.nan), f"≈{fmt(r['ref_kl'], 4)} ± {fmt(r['ref_se'], 2)}"
-        zs = fmt(z, 2)
+        zs = fmt(z, 2) + dagger(r)
         if isinstance(z, float) and math.isfinite(z) and abs(z) >= 5:
             zs = f"[bold red]{zs}[/]"
         t.add_row(row_label(r), target_cell(r), true,
-                  f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}", fmt(r["exact_mean"], 4),
-                  fmt_rel(r["rel_bias"]), fmt_rel(r["exact_rel_bias"]), _std_cell(r, r["rel_std"]),
+                  f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}{dagger(r)}", fmt(r["exact_mean"], 4),
+                  fmt_rel(r["rel_bias"]) + dagger(r), fmt_rel(r["exact_rel_bias"]), _std_cell(r, r["rel_std"]),
                   fmt(r["exact_rel_std"]), zs, fmt(r["frac_negative"], 2))
     captions = []
     if df.loc[df["case"] == case, "heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
-        captions.append("† heavy tail (see heavy_tail): the measured std and se are not trustworthy")
+        captions.append("† heavy tail (see heavy_tail): the measured std, se and z are not trustworthy")
     if any(_has_reference(r) for _, r in df[df["case"] == case].iterrows()):
         captions.append("≈: no exact value exists; 'true' is the reference, the Rao–Blackwellised full mean ± SE "
                         "(Monte Carlo, not exact), and z is z_ref against it")
@@ -129,11 +135,11 @@ def compact_frame(df: pd.DataFrame, case: str) -> pd.DataFrame:
         ok = isinstance(true, float) and math.isfinite(true) and true != 0
         bias = pct((r["mean"] - true) / abs(true)) if ok else ""
         se = pct(r["se"] / abs(true), sign=False) if ok else ""
-        mark = "†" if isinstance(r.get("heavy_tail"), str) and r.get("heavy_tail") else ""
+        mark = dagger(r)
         short = SHORT_TARGET.get(r["target"], r["target"]) + target_cell(r)[len(r["target"]):]
         cells.append([row_label(r), short, f"{bias} ± {se}{mark}" if bias else "", pct(r["exact_rel_bias"]),
                       _std_cell(r, r["rel_std"] if ok else math.nan), count(r.get("n_for_10pct", math.nan)),
-                      fmt(z, 2), fmt(r["frac_negative"], 2)])
+                      fmt(z, 2) + mark, fmt(r["frac_negative"], 2)])
     return pd.DataFrame(cells, columns=COMPACT_COLUMNS)
 
 
@@ -383,7 +389,7 @@ def show_or_point(console: Console, table: Table, name: str, wide: bool = False)
 def _captions(console: Console, df: pd.DataFrame, case: str) -> None:
     rows = df[df["case"] == case]
     if rows["heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
-        console.print("  † heavy tail: the measured std and se are not trustworthy", markup=False)
+        console.print("  † heavy tail: the measured std, se and z are not trustworthy", markup=False)
     if any(_has_reference(r) for _, r in rows.iterrows()):
         console.print("  ≈ no exact value: bias and z are against the Monte Carlo reference", markup=False)
 

@@ -91,12 +91,26 @@ def _percent(v: float) -> str:
     return ("−" if v < 0 else "") + text + "%"
 
 
+def _log_label(v: float) -> str:
+    """A log-axis tick: plain between 0.001 and 10⁴ (0.5, 2, 300), a power of ten outside (10⁶)."""
+    if v <= 0:
+        return ""
+    if 1e-3 <= v < 1e4:
+        return f"{v:g}"
+    k = math.log10(v)
+    return f"$10^{{{k:.0f}}}$" if abs(k - round(k)) < 1e-9 else ""
+
+
 def _plain_log_labels(axis) -> None:
-    """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹."""
-    fmt = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    axis.set_major_formatter(fmt)
-    axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
-        lambda v, _: f"{v:g}" if f"{v:.1g}"[0] in "25" else ""))
+    """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹; the 2s and 5s between the
+    decades only while the axis spans under two decades (more would overlap), looked up at draw time."""
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _log_label(v)))
+
+    def minor(v, _):
+        lo, hi = sorted(axis.get_view_interval())
+        narrow = lo > 0 and hi / lo < 100
+        return _log_label(v) if narrow and f"{v:.1g}"[0] in "25" else ""
+    axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))
 
 
 def _axes(ax, ncols=1, width=6.4, height=4.0):
@@ -143,14 +157,31 @@ def _legend(target, handles=None, labels=None, **kwargs):
     return target.legend([h for h, _ in keep], [lab for _, lab in keep], **kwargs)
 
 
+def _heavy(d: pd.DataFrame) -> np.ndarray:
+    """[rows] bool: heavy-tailed rows (their measured SE, so every CI drawn from it, is not valid)."""
+    if "heavy_tail" not in d:
+        return np.zeros(len(d), dtype=bool)
+    return d["heavy_tail"].fillna("").astype(str).str.len().gt(0).to_numpy()
+
+
+def _against(df: pd.DataFrame) -> str:
+    """What the values are relative to: the true KL, or the Monte Carlo reference where no exact value
+    exists (display.with_reference marks those rows ``approx``)."""
+    return "reference" if "approx" in df and bool(df["approx"].fillna(False).astype(bool).any()) else "true KL"
+
+
+HEAVY_NOTE = "hollow, †: heavy tail\n(CI not valid)"
+
+
 @_themed
 def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     """Bias/true (with 95% CI) and std/true (with 95% CI) per estimator of one case; exact values as ×.
+    Heavy-tailed rows are hollow and their labels end in †: their CIs are not valid.
 
     ``df``: summary rows of one case (a ``run`` column, if present, separates results folders).
     """
     df = df[df["lambda"].isna()].copy()
-    df["label"] = [row_label(r) for _, r in df.iterrows()]
+    df["label"] = [row_label(r) + (" †" if h else "") for (_, r), h in zip(df.iterrows(), _heavy(df))]
     runs = list(dict.fromkeys(df["run"])) if "run" in df and df["run"].nunique() > 1 else [None]
     fig, axes = _axes(axes, 2, 11, 0.45 * df["label"].nunique() + 1.6)
     labels = list(dict.fromkeys(df["label"]))
@@ -160,11 +191,7 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
         d = df if run is None else df[df["run"] == run]
         yy = np.array([y[lab] for lab in d["label"]]) + offsets[k]
         true = d["true_kl"].to_numpy(dtype=float)
-        color = PALETTE[k % len(PALETTE)]
-        axes[0].errorbar(d["rel_bias"], yy, xerr=1.96 * d["se"] / true, fmt="o", color=color,
-                         label=run or "measured ± 95% CI", capsize=3)
-        axes[1].errorbar(d["rel_std"], yy, xerr=1.96 * d["std_se"].fillna(0) / true, fmt="o", color=color,
-                         label=run or "measured ± 95% CI", capsize=3)
+        _bias_std_points(axes, d, yy, true, PALETTE[k % len(PALETTE)], run, first=k == 0)
         if k == 0 and np.isfinite(d[["exact_rel_bias", "exact_rel_std"]].astype(float).to_numpy()).any():
             axes[0].scatter(d["exact_rel_bias"], yy, marker="x", s=70, color="black", zorder=3, label="exact")
             axes[1].scatter(d["exact_rel_std"].replace(np.inf, np.nan), yy, marker="x", s=70, color="black",
@@ -178,6 +205,18 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     return fig
 
 
+def _bias_std_points(axes, d: pd.DataFrame, yy: np.ndarray, true: np.ndarray, color, run, first: bool) -> None:
+    """One run's measured bias/true and std/true with 95% CIs; heavy-tailed rows hollow (CIs not valid)."""
+    for heavy in (False, True):
+        h = _heavy(d) == heavy
+        style = {"mfc": "white", "ls": "none", "alpha": 0.8} if heavy else {}
+        label = (HEAVY_NOTE if first else None) if heavy else (run or "measured ± 95% CI")
+        axes[0].errorbar(d["rel_bias"][h], yy[h], xerr=1.96 * d["se"][h] / true[h], fmt="o", color=color,
+                         label=label, capsize=3, **style)
+        axes[1].errorbar(d["rel_std"][h], yy[h], xerr=1.96 * d["std_se"][h].fillna(0) / true[h], fmt="o",
+                         color=color, label=label, capsize=3, **style)
+
+
 def _bias_std_scales(axes, df: pd.DataFrame) -> None:
     """Bias: symlog in percent around 0, ticks through the CIs and exact values; std: log."""
     axes[0].axvline(0, color="grey", lw=1)
@@ -189,14 +228,14 @@ def _bias_std_scales(axes, df: pd.DataFrame) -> None:
     if not bias.empty:
         _symlog_ticks(axes[0], float(bias.min()), float(bias.max()), lt, max_ticks=5, formatter=_percent)
     axes[0].tick_params(axis="x", labelsize="small")
-    axes[0].set_xlabel("bias / true KL  (symlog; 0 = unbiased)")
+    axes[0].set_xlabel(f"bias / {_against(df)}  (symlog; 0 = unbiased)")
     axes[1].set_xscale("log")
     stds = pd.concat([df["rel_std"], df["exact_rel_std"]]).replace([np.inf, -np.inf], np.nan).dropna()
     stds = stds[stds > 0]
     if not stds.empty:
         axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
-    axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axes[1].set_xlabel("per-draw std / true KL  (log)")
+    _plain_log_labels(axes[1].xaxis)
+    axes[1].set_xlabel(f"per-draw std / {_against(df)}  (log)")
 
 
 @_themed
@@ -501,8 +540,9 @@ def plot_sweep(summary: pd.DataFrame, key: str, axes=None, title: str = ""):
             x = d[key].to_numpy(dtype=float) if numeric else d[key].map(positions).to_numpy(dtype=float)
             _sweep_line(axes[i], x, d, label, j)
         _sweep_axes(axes[i], key, _setting(others, combo), x_all, positions)
+    heavy = _heavy(df).any()
     _legend(fig, *axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize="small",
-            title="— measured\n-- exact")
+            title="— measured ± 95% CI\n-- exact" + ("\n" + HEAVY_NOTE if heavy else ""))
     fig.suptitle(title + note)
     return fig
 
@@ -525,11 +565,20 @@ def _setting(keys: list[str], values: tuple) -> str:
 
 
 def _sweep_line(row_axes, x: np.ndarray, d: pd.DataFrame, label: str, j: int) -> None:
-    """One estimator's std/true and bias/true: measured with markers, exact thin and dashed."""
+    """One estimator's std/true and bias/true: measured with markers and 95% CIs, exact thin and dashed;
+    heavy-tailed points hollow (their CIs are not valid)."""
     color, marker = PALETTE[j % len(PALETTE)], "o" if j < len(PALETTE) else "s"
-    for ax, measured, exact in ((row_axes[0], d["rel_std"], d["exact_rel_std"]),
-                                (row_axes[1], d["rel_bias"], d["exact_rel_bias"])):
-        ax.plot(x, measured.to_numpy(dtype=float), color=color, marker=marker, ms=4, lw=1.4, label=label)
+    true = d["true_kl"].abs().to_numpy(dtype=float)
+    heavy = _heavy(d)
+    for ax, measured, se, exact in ((row_axes[0], d["rel_std"], d["std_se"], d["exact_rel_std"]),
+                                    (row_axes[1], d["rel_bias"], d["se"], d["exact_rel_bias"])):
+        y = measured.to_numpy(dtype=float)
+        ci = 1.96 * se.fillna(0).to_numpy(dtype=float) / true
+        ax.plot(x, y, color=color, lw=1.2, label=label)
+        ax.errorbar(x[~heavy], y[~heavy], yerr=ci[~heavy], fmt=marker, ms=4, color=color, capsize=2, lw=0.8)
+        if heavy.any():
+            ax.errorbar(x[heavy], y[heavy], yerr=ci[heavy], fmt=marker, ms=5, color=color, mfc="white", capsize=2,
+                        lw=0.8, alpha=0.8)
         ax.plot(x, exact.replace([np.inf, -np.inf], np.nan).to_numpy(dtype=float), color=color, lw=0.9, ls="--")
 
 
@@ -539,11 +588,10 @@ def _sweep_axes(row_axes, key: str, row_title: str, x_all: pd.Series, positions:
     ax_std.set_yscale("log")
     _plain_log_labels(ax_std.yaxis)
     ax_std.set_ylabel("per-draw std / true KL  (log)")
-    ax_bias.set_yscale("symlog", linthresh=1e-3)
+    # Bias on a linear axis with its CIs: a symlog axis spikes at 0 and makes noise read as structure.
     ax_bias.axhline(0, color="grey", lw=1)
     ax_bias.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _percent(v)))
-    ax_bias.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax_bias.set_ylabel("bias / true KL  (symlog)")
+    ax_bias.set_ylabel("bias / true KL  (± 95% CI)")
     wide = positions is None and (x_all > 0).all() and x_all.max() / x_all.min() >= 20
     for ax in (ax_std, ax_bias):
         if row_title:

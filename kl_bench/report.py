@@ -80,39 +80,50 @@ def tex_number(s: str) -> str:
 
 
 # ----------------------------------------------------------------------------- paper table
+def pm(value: float, se: float, mark: str = "") -> str:
+    """"value ± se" (3 and 2 significant digits), with ``mark`` (†: the SE is not valid) after it."""
+    text = sig(value)
+    if text == "–":
+        return text
+    return (f"{text} ± {sig(se, 2)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
+
+
 def paper_table(df: pd.DataFrame):
-    """Schulman's layout: rows are estimators; per case bias/true and stdev/true, measured and exact.
+    """Schulman's layout: rows are estimators; per case bias/true and stdev/true, measured ± SE and exact.
 
     A case without an exact value but with a Monte Carlo reference (model continuations, logged log-probs)
     shows its measured values against that reference (display.with_reference), its title marked ≈ and its
     exact cells –.
 
-    Returns (cases [(key, title, true_kl)], rows [(label, [cells per case: 4 strings])]); the title of a
-    case against a reference ends in " ≈" (see kl_head)."""
-    from .display import with_reference
+    Returns (cases [(key, title, true_kl, kind)], rows [(label, [cells per case: 4 strings])]): the
+    measured cells are "value ± SE", with † where the row is heavy-tailed (its SE is not valid); the title
+    of a case against a reference ends in " ≈" (see kl_head)."""
+    from .display import dagger, with_reference
     df = with_reference(df[df["lambda"].isna() | (df["estimator"] == "cv_opt")])
     cases = []
     for key in dict.fromkeys(df["key"]):
         c = df[df["key"] == key]
         approx = "approx" in c and bool(c["approx"].iloc[0])
-        cases.append((key, key + (" ≈" if approx else ""), float(c["true_kl"].iloc[0])))
+        cases.append((key, key + (" ≈" if approx else ""), float(c["true_kl"].iloc[0]), str(c["kind"].iloc[0])))
     labels = list(dict.fromkeys(df["label"]))
     rows = []
     for lab in labels:
         cells = []
-        for key, _, _ in cases:
+        for key, _, _, _ in cases:
             hit = df[(df["key"] == key) & (df["label"] == lab)]
             if hit.empty:
                 cells.append(["", "", "", ""])
                 continue
             r = hit.iloc[0]
-            cells.append([sig(r["rel_bias"]), sig(r["exact_rel_bias"]), sig(r["rel_std"]) + ("†" if r["heavy_tail"] else ""),
-                          sig(r["exact_rel_std"])])
+            scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
+            cells.append([pm(r["rel_bias"], r["se"] / scale, dagger(r)), sig(r["exact_rel_bias"]),
+                          pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])])
         rows.append((lab, cells))
     return cases, rows
 
 
-def _caption(results: list[Results]) -> str:
+def _caption(results: list[Results]) -> tuple[str, str]:
+    """(the tables' short caption, the runs' provenance: draws per case, seed, device, cases)."""
     bits = []
     for res in results:
         env = res.envelope
@@ -130,9 +141,9 @@ def _caption(results: list[Results]) -> str:
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
             "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
     note += _aggregate_note(results)
-    return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL, "
-            "measured (exact in the adjacent column); † marks a heavy-tailed row whose measured std "
-            "cannot be trusted. " + note + " ".join(bits))
+    return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL: measured "
+            "± SE, exact in the adjacent column; † marks a heavy-tailed row, whose measured std, SE and CI "
+            "are not valid. " + note).strip(), " ".join(bits)
 
 
 def _aggregate_note(results: list[Results]) -> str:
@@ -154,44 +165,84 @@ def kl_head(title: str, true: float) -> tuple[str, str]:
     return title, f"KL = {sig(true)}"
 
 
-def table_tex(cases, rows, caption: str) -> str:
-    n = len(cases)
-    colspec = "l" + "rrrr" * n
-    lines = [r"% kl-bench paper table; needs \usepackage{booktabs} and \usepackage{graphicx}",
-             r"\begin{table}[t]", r"\centering", r"\resizebox{\textwidth}{!}{%",
-             rf"\begin{{tabular}}{{{colspec}}}", r"\toprule"]
-    rel = {True: r"$\approx$", False: "$=$"}
-    head = " & ".join(rf"\multicolumn{{4}}{{c}}{{{tex(kl_head(title, true)[0])} (KL "
-                      rf"{rel[title.endswith(' ≈')]} {tex_number(sig(true))})}}"
-                      for _, title, true in cases)
-    lines.append(f" & {head} \\\\")
-    lines.append("".join(rf"\cmidrule(lr){{{2 + 4 * i}-{5 + 4 * i}}}" for i in range(n)))
-    sub = " & ".join(["bias/true & exact & stdev/true & exact"] * n)
-    lines.append(f"estimator & {sub} \\\\")
-    lines.append(r"\midrule")
-    for label, cells in rows:
-        lines.append(tex(label) + " & " + " & ".join(tex_number(c) if c else "" for cell in cells for c in cell)
-                     + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}}", rf"\caption{{{tex(caption)}}}", r"\label{tab:kl-bench}",
-              r"\end{table}", ""]
+TEX_ROWS_PER_TABLE = 40        # body rows of one table float: one page of an article at \small
+
+
+def _tex_families(cases, rows) -> list[list[tuple]]:
+    """The cases in groups of one kind each (in order), cut so that no table has more than
+    TEX_ROWS_PER_TABLE body rows: [[(case, [(label, 4 cells)])]]."""
+    groups: list[list[tuple]] = []
+    kind, size = None, 0
+    for i, case in enumerate(cases):
+        body = [(label, cells[i]) for label, cells in rows if any(cells[i])]
+        if not groups or case[3] != kind or size + len(body) + 1 > TEX_ROWS_PER_TABLE:
+            groups.append([])
+            kind, size = case[3], 0
+        groups[-1].append((case, body))
+        size += len(body) + 1
+    return groups
+
+
+def table_tex(cases, rows, caption: str, provenance: str = "") -> str:
+    """The paper table as LaTeX a paper can include as it is: one booktabs table per family of cases (same
+    kind, at most TEX_ROWS_PER_TABLE rows), five columns (estimator, bias/true ± SE, exact, std/true ± SE,
+    exact), a case's title as a row above its estimators, a short caption; no \\resizebox, so the type
+    stays the document's. ``provenance`` (draws, seeds, devices) goes in a comment at the top."""
+    lines = [r"% kl-bench paper tables; need \usepackage{booktabs}"]
+    lines += [f"% {line}" for line in provenance.splitlines() if line]
+    groups = _tex_families(cases, rows)
+    for g, group in enumerate(groups):
+        part = f" ({g + 1} of {len(groups)})" if len(groups) > 1 else ""
+        lines += [r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{lrrrr}", r"\toprule",
+                  r"estimator & bias/true $\pm$ SE & exact & std/true $\pm$ SE & exact \\"]
+        for (key, title, true, _), body in group:
+            rel = r"$\approx$" if title.endswith(" ≈") else "$=$"
+            lines += [r"\midrule", rf"\multicolumn{{5}}{{l}}{{\emph{{{tex(kl_head(title, true)[0])}}} "
+                      rf"(KL {rel} {tex_number(sig(true))})}} \\"]
+            lines += [tex(label) + " & " + " & ".join(tex_cell(c) for c in cells) + r" \\" for label, cells in body]
+        lines += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{tex(caption)}{part}}}",
+                  rf"\label{{tab:kl-bench-{g + 1}}}", r"\end{table}", ""]
     return "\n".join(lines)
 
 
+def tex_cell(cell: str) -> str:
+    """A table cell in LaTeX: "v ± se†" with each number as tex_number shows it."""
+    mark = "$^\\dagger$" if cell.endswith("†") else ""
+    parts = cell.removesuffix("†").split(" ± ")
+    return " $\\pm$ ".join(tex_number(p) for p in parts) + mark if cell else ""
+
+
 def table_md(cases, rows, caption: str) -> str:
-    head = "| estimator | " + " | ".join("{} ({}) bias/true | exact | stdev/true | exact".format(*kl_head(title, true))
-                                         for _, title, true in cases) + " |"
+    head = "| estimator | " + " | ".join("{} ({}) bias/true ± SE | exact | stdev/true ± SE | exact".format(
+        *kl_head(title, true)) for _, title, true, _ in cases) + " |"
     sep = "|---|" + "---:|" * (4 * len(cases))
     body = ["| " + label + " | " + " | ".join(c for cell in cells for c in cell) + " |" for label, cells in rows]
     return "\n".join([head, sep, *body, "", f"*{caption}*", ""])
 
 
 # ----------------------------------------------------------------------------- figures
-def png_bytes(fig) -> bytes:
+FIGURE_FORMATS = ("png", "pdf", "svg")     # PNG for the pages; PDF and SVG for a paper (vector)
+# No creation dates and a fixed SVG id salt: the same results give the same bytes.
+_METADATA = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None},
+             "svg": {"Date": None}}
+
+
+def figure_bytes(fig, formats=FIGURE_FORMATS) -> dict[str, bytes]:
+    """{format: the figure saved in it} (PNG at 110 dpi), then the figure is closed."""
+    import matplotlib
     import matplotlib.pyplot as plt
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    out = {}
+    with matplotlib.rc_context({"svg.hashsalt": "kl-bench", "pdf.compression": 6}):
+        for fmt in formats:
+            buf = io.BytesIO()
+            fig.savefig(buf, format=fmt, dpi=110, metadata=_METADATA.get(fmt))
+            out[fmt] = buf.getvalue()
     plt.close(fig)
-    return buf.getvalue()
+    return out
+
+
+def png_bytes(fig) -> bytes:
+    return figure_bytes(fig, ("png",))["png"]
 
 
 def _slug(text: str) -> str:
@@ -379,9 +430,10 @@ def _planning_panels(ctx: FigureContext) -> Iterator[Panel]:
                     f"{ctx.res.name}: batch-size planning", s)
 
 
-def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, str, bytes]]:
-    """[(file name, caption, PNG bytes)] for every figure of :data:`FIGURES` the results support: the
-    figures over all runs, then each run's."""
+def build_figures(results: list[Results], df: pd.DataFrame,
+                  formats=FIGURE_FORMATS) -> list[tuple[str, str, dict[str, bytes]]]:
+    """[(file name (.png), caption, {format: bytes})] for every figure of :data:`FIGURES` the results
+    support: the figures over all runs, then each run's."""
     from . import plots
     from .display import with_reference
     # Cases without an exact value (model continuations, logged log-probs) are plotted against their
@@ -398,7 +450,8 @@ def build_figures(results: list[Results], df: pd.DataFrame) -> list[tuple[str, s
     for ctx in contexts:
         for kind in FIGURES.values():
             if kind.per_run == (ctx.res is not None):
-                figs += [(p.file, p.caption, png_bytes(getattr(plots, kind.plot)(p.data, title=p.title, **p.kwargs)))
+                figs += [(p.file, p.caption, figure_bytes(getattr(plots, kind.plot)(p.data, title=p.title,
+                                                                                  **p.kwargs), formats))
                          for p in kind.panels(ctx)]
     return figs
 
@@ -412,12 +465,77 @@ def write_report(dirs: list[Path], out: Path) -> Path:
     return Path(out)
 
 
+def run_labels(results: list[Results]) -> list[str]:
+    """How each folder is named in a report of several: its experiment; with its seed where experiments
+    repeat; with its folder's name where those repeat too; numbered as a last resort (never a full path)."""
+    exp = [r.name for r in results]
+    seeded = [f"{r.name} seed {r.envelope.get('seed')}" for r in results]
+    folders = [f"{r.name} ({r.path.name})" for r in results]
+    for labels in (exp, seeded, folders):
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"{lab} #{i + 1}" for i, lab in enumerate(folders)]
+
+
+DIFF_COLUMNS = {                      # differences.csv: one row per (run, case, row) also found in the first run
+    "run": "the run compared (its label in the report)",
+    "against": "the run it is compared with: the first folder given that has the row",
+    "case": "case name", "row": "the row's label (estimator, λ, aggregate)",
+    "mean": "this run's mean", "mean_against": "the other run's mean",
+    "diff": "mean − mean_against",
+    "rel_diff": "diff / |true KL| (or the reference where no exact value exists)",
+    "se": "SE of diff: √(se² + se_against²), the runs being independent",
+    "z": "diff / se: |z| > 5 says the runs measure different things (not valid where heavy_tail)",
+    "heavy_tail": "† where either row is heavy-tailed (its SE, so z, is not valid)",
+}
+
+
+def differences(df: pd.DataFrame) -> pd.DataFrame:
+    """Row-by-row differences between runs (columns :data:`DIFF_COLUMNS`): each run's row against the same
+    (case, row) of the first run that has it. ``df``: the report's frame (columns run, case, label, mean,
+    se, true_kl, heavy_tail)."""
+    from .display import dagger, with_reference
+    d = with_reference(df)
+    d = d[d["lambda"].isna() | (d["estimator"] == "cv_opt")]
+    out = []
+    for (case, label), g in d.groupby(["case", "label"], sort=False):
+        if g["run"].nunique() < 2:
+            continue
+        a = g.iloc[0]
+        for _, b in g.iloc[1:].iterrows():
+            diff = float(b["mean"]) - float(a["mean"])
+            se = math.hypot(float(a["se"]), float(b["se"]))
+            true = abs(float(a["true_kl"]))
+            out.append({"run": b["run"], "against": a["run"], "case": case, "row": label, "mean": b["mean"],
+                        "mean_against": a["mean"], "diff": diff,
+                        "rel_diff": diff / true if true and math.isfinite(true) else math.nan, "se": se,
+                        "z": _z(diff, se), "heavy_tail": dagger(a) or dagger(b)})
+    return pd.DataFrame(out, columns=list(DIFF_COLUMNS))
+
+
+def _z(diff: float, se: float) -> float:
+    """diff / se; where both runs are exact (se = 0): 0 if they agree to the bit, else ±∞."""
+    if se > 0 or math.isnan(se):
+        return diff / se if se > 0 else math.nan
+    return 0.0 if diff == 0 else math.copysign(math.inf, diff)
+
+
+def differences_md(diffs: pd.DataFrame) -> str:
+    """The differences as a Markdown table (rel. difference, its SE, z)."""
+    lines = ["| run | against | case | row | diff/true | ± SE | z |", "|---|---|---|---|---:|---:|---:|"]
+    for _, r in diffs.iterrows():
+        true = abs(r["diff"] / r["rel_diff"]) if r["rel_diff"] and math.isfinite(r["rel_diff"]) else math.nan
+        se = r["se"] / true if math.isfinite(true) and true else math.nan
+        lines.append(f"| {r['run']} | {r['against']} | {r['case']} | {r['row']} | {sig(r['rel_diff'])} | "
+                     f"{sig(se, 2)} | {sig(r['z'], 2)}{r['heavy_tail']} |")
+    return "\n".join(lines)
+
+
 def build_report(dirs: list[Path]) -> dict[str, bytes]:
     results = [load_results(d) for d in dirs]
-    names = [r.name for r in results]
-    if len(set(names)) != len(names):      # same folder name twice: use the full paths
-        for r in results:
-            r.name = str(r.path)
+    if len(results) > 1:
+        for r, label in zip(results, run_labels(results)):
+            r.name = label
     frames = []
     for res in results:
         d = res.summary.copy()
@@ -426,15 +544,21 @@ def build_report(dirs: list[Path]) -> dict[str, bytes]:
         d["label"] = [row_label(r) for _, r in d.iterrows()]
         frames.append(d)
     df = pd.concat(frames, ignore_index=True)
-    caption = _caption(results)
+    short, provenance = _caption(results)
+    caption = f"{short} {provenance}"
     cases, rows = paper_table(df)
-    tex_text, md_table = table_tex(cases, rows, caption), table_md(cases, rows, caption)
+    tex_text, md_table = table_tex(cases, rows, short, provenance), table_md(cases, rows, caption)
     figs = build_figures(results, df)
-    files = {f"figures/{name}": data for name, _, data in figs}
+    files = {f"figures/{name.removesuffix('.png')}.{fmt}": data for name, _, by_fmt in figs
+             for fmt, data in by_fmt.items()}
     files["table.tex"] = tex_text.encode()
     files["table.md"] = md_table.encode()
-    files["report.md"] = _report_md(results, md_table, figs).encode()
-    files["report.html"] = _report_html(results, df, figs, caption, cases, rows).encode()
+    diffs = differences(df) if len(results) > 1 else None
+    if diffs is not None:
+        from .results import frame_to_csv_bytes
+        files["differences.csv"] = frame_to_csv_bytes(diffs)
+    files["report.md"] = _report_md(results, md_table, figs, diffs).encode()
+    files["report.html"] = _report_html(results, df, figs, caption, cases, rows, diffs).encode()
     return files
 
 
@@ -446,13 +570,23 @@ def _run_lines(res: Results) -> list[str]:
             f"{env.get('draws_per_second', 0):,} draws/s"]
 
 
-def _report_md(results: list[Results], md_table: str, figs) -> str:
+DIFF_NOTE = ("Each run's rows against the same rows of the first folder that has them: the difference of "
+             "the means relative to the true KL, its SE √(se² + se′²) and z = difference / SE (|z| > 5: the "
+             "runs disagree beyond their noise; † heavy-tailed, z not valid). All of them: differences.csv.")
+
+
+def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame | None = None) -> str:
     out = ["# kl-bench report", ""]
     for res in results:
         out += [f"## {res.name}", *_run_lines(res), ""]
-    out += ["## Paper table", "", md_table, "## Figures", ""]
+    out += ["## Paper table", "", md_table]
+    if diffs is not None:
+        out += ["## Differences between runs", "", DIFF_NOTE, "", differences_md(diffs), ""]
+    out += ["## Figures", ""]
     for name, caption, _ in figs:
-        out += [f"### {caption}", "", f"![{caption}](figures/{name})", ""]
+        stem = name.removesuffix(".png")
+        out += [f"### {caption}", "", f"![{caption}](figures/{name})", "",
+                f"Vector: [PDF](figures/{stem}.pdf), [SVG](figures/{stem}.svg)", ""]
     for res in results:
         heavy = res.summary[res.summary["heavy_tail"] != ""]
         if not heavy.empty:
@@ -492,7 +626,7 @@ def _scroll(table_html: str) -> str:
     return f"<div class='scroll'>{table_html}</div>"
 
 
-def _report_html(results, df, figs, caption, cases, rows) -> str:
+def _report_html(results, df, figs, caption, cases, rows, diffs=None) -> str:
     esc = html_text
     parts = ["<!doctype html><html><head><meta charset='utf-8'>"
              "<meta name='viewport' content='width=device-width, initial-scale=1'><title>kl-bench report</title>",
@@ -501,17 +635,24 @@ def _report_html(results, df, figs, caption, cases, rows) -> str:
         parts.append(f"<h2>{esc(res.name)}</h2><ul>" + "".join(
             f"<li>{html_inline(line[2:])}</li>" for line in _run_lines(res)) + "</ul>")
     table = ["<table class='paper'><tr><th></th>" + "".join(
-        "<th colspan='4'>{} ({})</th>".format(*map(esc, kl_head(title, true))) for _, title, true in cases) + "</tr>",
-        "<tr><th>estimator</th>" + "<th>bias/true</th><th>exact</th><th>stdev/true</th><th>exact</th>"
+        "<th colspan='4'>{} ({})</th>".format(*map(esc, kl_head(title, true))) for _, title, true, _ in cases)
+        + "</tr>", "<tr><th>estimator</th>" + "<th>bias/true ± SE</th><th>exact</th><th>stdev/true ± SE</th><th>exact</th>"
         * len(cases) + "</tr>"]
     for label, cells in rows:
         table.append(f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(c)}</td>" for cell in cells for c in cell)
                      + "</tr>")
     table.append("</table>")
     parts.append("<h2>Paper table</h2>" + _scroll("\n".join(table)))
-    parts.append(f"<p class='caption'>{html_inline(caption)}</p><h2>Figures</h2>")
-    for name, cap, data in figs:
-        b64 = base64.b64encode(data).decode()
+    parts.append(f"<p class='caption'>{html_inline(caption)}</p>")
+    if diffs is not None:
+        shown = diffs.assign(z=[f"{sig(z, 2)}{h}" for z, h in zip(diffs["z"], diffs["heavy_tail"])])
+        table_html = shown[["run", "against", "case", "row", "diff", "rel_diff", "se", "z"]].to_html(
+            index=False, float_format=lambda x: sig(x, 3), na_rep="", border=0, classes="rows")
+        parts.append(f"<h2>Differences between runs</h2><p>{html_text(DIFF_NOTE)}</p>"
+                     + _scroll(table_html.replace("`", "&#96;")))
+    parts.append("<h2>Figures</h2>")
+    for name, cap, by_fmt in figs:
+        b64 = base64.b64encode(by_fmt["png"]).decode()
         parts.append(f"<figure id='{esc(name)}'><img src='data:image/png;base64,{b64}' alt='figures/{esc(name)}'>"
                      f"<figcaption>{html_inline(cap)} (<code>figures/{esc(name)}</code>)</figcaption></figure>")
     parts.append("<h2>All rows</h2>")

@@ -255,9 +255,10 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     cases, rows = report.paper_table(d)
     md = report.table_md(cases, rows, "caption")
     assert "T3 (KL ≈ " in md and "m (KL = " in md
-    cells = dict(rows)["seq k1"][[k for k, _, _ in cases].index("T3")]
+    cells = dict(rows)["seq k1"][[c[0] for c in cases].index("T3")]
     assert cells[0] != "–" and cells[1] == "–" and cells[2] != "–" and cells[3] == "–"
-    assert isinstance(pd.to_numeric(cells[0]), float)
+    value, se = cells[0].rstrip("†").split(" ± ")         # measured ± SE (against the reference)
+    assert isinstance(pd.to_numeric(value), float) and float(se) > 0
     desc = res.envelope["cases"]["m"]["description"]
     assert desc.count("prompts") == 1, desc
 

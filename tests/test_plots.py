@@ -282,7 +282,7 @@ def test_a_figure_registered_from_a_test_is_in_the_report(plots):
         yield R.Panel("toy.png", "toy: the planning bars again", "toy", ctx.s)
     try:
         df = res.summary.assign(label=[R.row_label(r) for _, r in res.summary.iterrows()])
-        names = [name for name, _, _ in R.build_figures([res], df)]
+        names = [name for name, _, _ in R.build_figures([res], df, ("png",))]
     finally:
         R.FIGURES.remove("toy_std")
     assert names.index("toy.png") == names.index("planning.png") + 1

@@ -1,5 +1,6 @@
 """`kl-bench report`: every figure from a small run, valid PNGs, the paper table's numbers, the HTML's
 references, several folders side by side, and clear errors for missing or incomplete folders."""
+import math
 import re
 import shutil
 import struct
@@ -10,10 +11,14 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kl_bench import plots
+from pathlib import Path
+
+from kl_bench import plots, report
+from kl_bench.draws import row_label
 from kl_bench.cli import app
 from kl_bench.report import tex_number, load_results, sig
 
+ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 SPEC = """
@@ -85,10 +90,15 @@ def test_every_figure_is_rendered_as_a_sensible_png(small_run):
     expected |= {"lambda_gauss.png", "lambda_cat.png", "lambda_roll-T4-seq.png", "lambda_roll-T4-tok.png",
                  "lambda_roll-T8-seq.png", "lambda_roll-T8-tok.png", "rollout_growth_0.png", "planning.png"}
     assert expected <= set(figs), expected - set(figs)
-    for name in figs:
+    for name in [f for f in figs if f.endswith(".png")]:
         data = (small_run / "report" / "figures" / name).read_bytes()
         w, h = _png_size(data)
         assert 400 <= w <= 3000 and 250 <= h <= 3000 and len(data) > 10_000, (name, w, h, len(data))
+        # the same figure as vectors for a paper: PDF and SVG beside the PNG
+        stem = small_run / "report" / "figures" / name.removesuffix(".png")
+        assert stem.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
+        assert b"<svg" in stem.with_suffix(".svg").read_bytes()[:2000]
+    assert len(figs) == 3 * sum(f.endswith(".png") for f in figs)
 
 
 def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
@@ -96,19 +106,46 @@ def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
     df = pd.read_csv(small_run / "summary.csv", keep_default_na=True)
     rows = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
     for _, r in rows.iterrows():
-        for col in ("rel_bias", "exact_rel_bias", "rel_std", "exact_rel_std"):
-            shown = tex_number(sig(r[col]))
+        true = abs(r["true_kl"])
+        for col, se in (("rel_bias", r["se"] / true), ("exact_rel_bias", None), ("rel_std", r["std_se"] / true),
+                        ("exact_rel_std", None)):
+            shown = tex_number(sig(r[col])) + ("" if se is None else rf" $\pm$ {tex_number(sig(se, 2))}")
             assert shown in text, (r["case"], r["estimator"], col, shown)
-    # structure: balanced braces, booktabs rules, every row has 1 + 4·cases cells
-    assert text.count("{") == text.count("}")
-    for rule in (r"\toprule", r"\midrule", r"\bottomrule", r"\caption{", r"\begin{tabular}"):
+    # A paper includes it as it is: booktabs, five columns, no \resizebox, every row 5 cells, a short caption.
+    assert text.count("{") == text.count("}") and "resizebox" not in text
+    for rule in (r"\toprule", r"\midrule", r"\bottomrule", r"\caption{", r"\begin{tabular}{lrrrr}"):
         assert rule in text
-    ncols = len(re.search(r"\\begin\{tabular\}\{(\w+)\}", text).group(1))
-    assert ncols == 1 + 4 * df["case"].nunique()
-    body = text.split(r"\midrule")[1].split(r"\bottomrule")[0].strip().splitlines()
-    assert all(line.count("&") == ncols - 1 for line in body)
-    assert "20,000 draws" in text or "20,000" in text       # the caption names draws and seed
-    assert "seed 0" in text
+    for table in text.split(r"\begin{tabular}")[1:]:
+        body = table.split(r"\bottomrule")[0].splitlines()[3:]
+        assert all(line.count("&") == 4 for line in body if not line.startswith(("\\midrule", "\\multicolumn"))), body
+        assert sum(line.count("&") == 4 for line in body) <= report.TEX_ROWS_PER_TABLE
+    for case in df["case"].unique():
+        assert rf"\emph{{{case}}}" in text
+    captions = re.findall(r"\\caption\{(.*)\}", text)
+    assert captions and all(len(c) < 400 for c in captions), captions
+    assert "% " in text and "20,000" in text and "seed 0" in text      # provenance in a comment
+
+
+def test_heavy_tailed_rows_are_marked_in_every_measured_column():
+    """A heavy-tailed row (results/rollout: moderate-T256's seq k3) carries † on its measured bias ± SE and
+    std ± SE in the paper table and on its z in the terminal table: its SE is not valid."""
+    from kl_bench import display
+    res = report.load_results(ROOT / "results" / "rollout")
+    df = res.summary.assign(key=res.summary["case"], label=[row_label(r) for _, r in res.summary.iterrows()])
+    heavy = df[df["heavy_tail"] != ""]
+    assert not heavy.empty
+    cases, rows = report.paper_table(df)
+    keys = [c[0] for c in cases]
+    for _, r in heavy.iterrows():
+        if not (math.isnan(r["lambda"]) or r["estimator"] == "cv_opt"):
+            continue
+        cells = dict(rows)[r["label"]][keys.index(r["case"])]
+        assert cells[0].endswith("†") and cells[2].endswith("†") and not cells[1].endswith("†"), cells
+        compact = display.compact_frame(df, r["case"])
+        line = compact[compact.iloc[:, 0] == r["label"]].iloc[0]
+        assert line.iloc[2].endswith("†") and line.iloc[6].endswith("†"), list(line)
+    light = df[(df["heavy_tail"] == "") & df["lambda"].isna()].iloc[0]
+    assert not dict(rows)[light["label"]][keys.index(light["case"])][0].endswith("†")
 
 
 @pytest.mark.skipif(shutil.which("pdflatex") is None, reason="pdflatex is not installed")
@@ -123,9 +160,11 @@ def test_table_tex_compiles(small_run, tmp_path):
 def test_report_html_references_and_embeds_every_figure(small_run):
     html = (small_run / "report" / "report.html").read_text()
     md = (small_run / "report" / "report.md").read_text()
+    pngs = list((small_run / "report" / "figures").glob("*.png"))
     for p in (small_run / "report" / "figures").iterdir():
-        assert f"figures/{p.name}" in html and f"figures/{p.name}" in md
-    assert html.count("data:image/png;base64,") == len(list((small_run / "report" / "figures").iterdir()))
+        assert f"figures/{p.name}" in md
+        assert p.suffix != ".png" or f"figures/{p.name}" in html
+    assert html.count("data:image/png;base64,") == len(pngs)
     assert "bias/true" in (small_run / "report" / "table.md").read_text()
 
 
@@ -136,7 +175,33 @@ def test_several_folders_side_by_side(small_run, tmp_path):
     res = runner.invoke(app, ["report", str(small_run), str(other), "--out", str(tmp_path / "both")])
     assert res.exit_code == 0, res.output
     table = (tmp_path / "both" / "table.md").read_text()
-    assert "small/gauss" in table and "other/gauss" in table
+    # the same experiment and seed twice: told apart by folder name, never by absolute path
+    assert "small (small)/gauss" in table and "small (other)/gauss" in table and str(tmp_path) not in table
+    diffs = pd.read_csv(tmp_path / "both" / "differences.csv")
+    assert len(diffs) > 0 and (diffs["diff"] == 0).all() and (diffs["z"] == 0).all()     # identical copies
+    assert "Differences between runs" in (tmp_path / "both" / "report.md").read_text()
+    assert "differences:" in res.output and "|z| > 5 in 0" in res.output
+
+
+def test_runs_are_labelled_by_experiment_and_seed_and_differences_carry_z():
+    from kl_bench.report import Results, differences, run_labels
+
+    def res(name, seed, folder):
+        return Results(Path("/abs/path") / folder, name, pd.DataFrame(), {"seed": seed}, None, None, None)
+    assert run_labels([res("a", 0, "x"), res("b", 0, "y")]) == ["a", "b"]
+    assert run_labels([res("a", 0, "x"), res("a", 1, "y")]) == ["a seed 0", "a seed 1"]
+    assert run_labels([res("a", 0, "x"), res("a", 0, "y")]) == ["a (x)", "a (y)"]
+    assert run_labels([res("a", 0, "x"), res("a", 0, "x")]) == ["a (x) #1", "a (x) #2"]
+    nan = float("nan")
+    rows = pd.DataFrame({"run": ["A", "B", "A", "B", "A"], "case": ["c"] * 4 + ["d"],
+                         "label": ["k1", "k1", "k3", "k3", "k1"], "estimator": ["k1", "k1", "k3", "k3", "k1"],
+                         "lambda": [nan] * 5, "mean": [1.0, 1.3, 2.0, 2.0, 5.0], "se": [0.03, 0.04, 0.1, 0.1, 1.0],
+                         "true_kl": [1.0] * 4 + [5.0], "heavy_tail": ["", "", "", "big", ""]})
+    d = differences(rows)
+    assert list(d["row"]) == ["k1", "k3"]                     # d/k1 is in one run only: not compared
+    k1 = d.iloc[0]
+    assert k1["diff"] == pytest.approx(0.3) and k1["se"] == pytest.approx(0.05) and k1["z"] == pytest.approx(6.0)
+    assert k1["against"] == "A" and k1["heavy_tail"] == "" and d.iloc[1]["heavy_tail"] == "†"
 
 
 @pytest.mark.parametrize("damage", ["missing", "no-summary", "no-envelope", "bad-columns", "bad-json"])

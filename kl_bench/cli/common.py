@@ -127,6 +127,27 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
     if not quiet:
         page = "report.html" if (out / "report.html").exists() else "report.md"
         out_console.print(f"report → {out}/{page} ({len(list((out / 'figures').glob('*.png')))} figures)")
+        if (out / "differences.csv").exists():
+            for line in difference_lines(out / "differences.csv"):
+                out_console.print(line, markup=False)
+
+
+def difference_lines(path: Path, most: int = 8) -> list[str]:
+    """The runs' differences for the terminal: how many rows were compared, then the largest |z| first
+    (at most ``most`` lines; all of them in differences.csv)."""
+    from ..display import fmt
+    from ..results import read_frame
+    d = read_frame(path)
+    if d.empty:
+        return ["differences: the runs share no (case, row) to compare"]
+    d = d.assign(az=d["z"].abs()).sort_values("az", ascending=False, na_position="last")
+    lines = [f"differences: {len(d)} rows compared with the first run; |z| > 5 in {int((d['az'] > 5).sum())} "
+             f"(largest first; all in {path.name})"]
+    for _, r in d.head(most).iterrows():
+        lines.append(f"  {r['run']} vs {r['against']}: {r['case']} {r['row']}: diff/true {fmt(r['rel_diff'])} "
+                     f"± {fmt(r['se'] / abs(r['diff'] / r['rel_diff']) if r['rel_diff'] else float('nan'), 2)}, "
+                     f"z {fmt(r['z'], 2)}{r['heavy_tail']}")
+    return lines
 
 
 def write_outputs(targets: dict) -> None:
