@@ -151,7 +151,7 @@ def compact_table(df: pd.DataFrame, case: str) -> Table:
         t.add_column(col, justify="left" if col in ("estimator", "target") else "right", no_wrap=True)
     for cells in compact_frame(df, case).itertuples(index=False):
         cells = [escape(c) for c in cells]
-        z = cells[6]
+        z = cells[6].rstrip("†")               # † (heavy tail) after the number
         if z and z not in ("inf", "-inf") and abs(float(z)) >= 5:
             cells[6] = f"[bold red]{z}[/]"
         t.add_row(*cells)
