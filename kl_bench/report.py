@@ -227,8 +227,10 @@ _METADATA = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer"
              "svg": {"Date": None}}
 
 
-def figure_bytes(fig, formats=FIGURE_FORMATS) -> dict[str, bytes]:
-    """{format: the figure saved in it} (PNG at 110 dpi), then the figure is closed."""
+def figure_bytes(fig, formats=None) -> dict[str, bytes]:
+    """{format: the figure saved in it} (PNG at 110 dpi; ``formats``: default FIGURE_FORMATS), then the
+    figure is closed."""
+    formats = formats or FIGURE_FORMATS
     import matplotlib
     import matplotlib.pyplot as plt
     out = {}
@@ -431,7 +433,7 @@ def _planning_panels(ctx: FigureContext) -> Iterator[Panel]:
 
 
 def build_figures(results: list[Results], df: pd.DataFrame,
-                  formats=FIGURE_FORMATS) -> list[tuple[str, str, dict[str, bytes]]]:
+                  formats=None) -> list[tuple[str, str, dict[str, bytes]]]:
     """[(file name (.png), caption, {format: bytes})] for every figure of :data:`FIGURES` the results
     support: the figures over all runs, then each run's."""
     from . import plots
@@ -583,10 +585,11 @@ def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame 
     if diffs is not None:
         out += ["## Differences between runs", "", DIFF_NOTE, "", differences_md(diffs), ""]
     out += ["## Figures", ""]
-    for name, caption, _ in figs:
+    for name, caption, by_fmt in figs:
         stem = name.removesuffix(".png")
-        out += [f"### {caption}", "", f"![{caption}](figures/{name})", "",
-                f"Vector: [PDF](figures/{stem}.pdf), [SVG](figures/{stem}.svg)", ""]
+        out += [f"### {caption}", "", f"![{caption}](figures/{name})", ""]
+        vectors = [f"[{fmt.upper()}](figures/{stem}.{fmt})" for fmt in by_fmt if fmt != "png"]
+        out += [f"Vector: {', '.join(vectors)}", ""] if vectors else []
     for res in results:
         heavy = res.summary[res.summary["heavy_tail"] != ""]
         if not heavy.empty:

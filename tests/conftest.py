@@ -86,3 +86,11 @@ def model_case(models, name: str = "m", **keys) -> dict:
     """A `kind = "model"` case dict on the tiny models (absolute paths)."""
     return {"name": name, "kind": "model", "policy": str(models / "policy"), "reference": str(models / "reference"),
             "prompts": str(models / "prompts.txt"), **keys}
+
+
+@pytest.fixture(autouse=True)
+def png_figures_only(monkeypatch):
+    """Reports in tests draw their figures as PNG only (PDF and SVG triple the drawing time);
+    tests/test_report.py::test_figures_are_also_written_as_deterministic_vectors checks the vectors."""
+    from kl_bench import report
+    monkeypatch.setattr(report, "FIGURE_FORMATS", ("png",))

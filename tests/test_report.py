@@ -94,11 +94,23 @@ def test_every_figure_is_rendered_as_a_sensible_png(small_run):
         data = (small_run / "report" / "figures" / name).read_bytes()
         w, h = _png_size(data)
         assert 400 <= w <= 3000 and 250 <= h <= 3000 and len(data) > 10_000, (name, w, h, len(data))
-        # the same figure as vectors for a paper: PDF and SVG beside the PNG
-        stem = small_run / "report" / "figures" / name.removesuffix(".png")
-        assert stem.with_suffix(".pdf").read_bytes()[:5] == b"%PDF-"
-        assert b"<svg" in stem.with_suffix(".svg").read_bytes()[:2000]
-    assert len(figs) == 3 * sum(f.endswith(".png") for f in figs)
+
+
+def test_figures_are_also_written_as_deterministic_vectors(small_run):
+    """For a paper: every figure as PDF and SVG beside the PNG (the default formats; the tests' conftest
+    draws PNG only), the same bytes each time (no dates), linked from report.md."""
+    assert report.FIGURE_FORMATS == ("png",)          # conftest's png_figures_only
+    res = report.load_results(small_run)
+    rows = res.summary[res.summary["case"] == "gauss"]
+    made = [report.figure_bytes(plots.plot_bias_std(rows, title="gauss"), ("png", "pdf", "svg")) for _ in range(2)]
+    assert made[0] == made[1]
+    assert made[0]["pdf"][:5] == b"%PDF-" and b"<svg" in made[0]["svg"][:2000] and made[0]["png"][:4] == b"\x89PNG"
+    md = report._report_md([res], "", [("bias_std_gauss.png", "c", made[0])])
+    assert "(figures/bias_std_gauss.pdf)" in md and "(figures/bias_std_gauss.svg)" in md
+    assert "Vector" not in report._report_md([res], "", [("bias_std_gauss.png", "c", {"png": b""})])
+    import inspect
+    assert inspect.signature(report.build_figures).parameters["formats"].default is None
+    assert report.figure_bytes.__defaults__ == (None,)
 
 
 def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
