@@ -192,7 +192,7 @@ class Result:
 
     @classmethod
     def stored(cls, folder: str | Path) -> "Result":
-        """A results folder read back (verified: kl_bench.verify) as a Result: its tables, run.json, the
+        """A results folder read back (verified: kl_bench.results.verify) as a Result: its tables, run.json, the
         advice and the report. What only a live run has (``spec``, ``pairs``, ``outcome``) is None."""
         from .report import load_results as read
         got = read(Path(folder))
@@ -202,7 +202,7 @@ class Result:
         self.summary, self.lambda_sweep, self.gradients = got.summary, got.sweep, got.gradients
         self.envelope, self.path = got.envelope, got.path
         from .safe_io import read_regular
-        from .verify import DATA_FILES
+        from .results.verify import DATA_FILES
         # The folder was just verified (sha256 of every file against run.json): its bytes, for write().
         self._files = {n: read_regular(got.path / n, n) for n in DATA_FILES if (got.path / n).is_file()}
         return self
@@ -252,7 +252,7 @@ class Result:
     def write_files(self, directory: str | Path) -> Path:
         """:meth:`write` for a caller that already holds the folder's lock (the CLI, which checkpoints)."""
         from .storage import write_results
-        from .verify import refuse_undefined_statistics
+        from .results.verify import refuse_undefined_statistics
         directory = Path(directory)
         refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         write_results(directory, self._files, self.envelope)
@@ -268,7 +268,7 @@ class Result:
             return write_report([self.path], Path(directory) if directory else self.path / "report")
         if directory is None:
             raise SpecError("give report() a folder, or write() the results first")
-        from .verify import refuse_undefined_statistics
+        from .results.verify import refuse_undefined_statistics
         refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / self.spec.experiment.name
@@ -309,7 +309,8 @@ def exact(spec) -> "pd.DataFrame":
     from .estimators import make_cv, resolve_estimator
     from .experiment import validate_oracles
     from .planning import add_planning
-    from .results import EXACT_COLUMNS, exact_rows, to_frame
+    from .results import EXACT_COLUMNS, to_frame
+    from .results.rows import exact_rows
     sp = load(spec)
     pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
     validate_oracles(sp, pairs, str(sp.path))
@@ -415,7 +416,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
         from .report import load_results
         loaded = load_results(Path(results))
         if spec is not None:
-            from .verify import check_results_match_spec
+            from .results.verify import check_results_match_spec
             check_results_match_spec(loaded, load(spec))
         df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
     comparisons = exact_comparisons(df)

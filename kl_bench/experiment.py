@@ -20,7 +20,8 @@ from .estimators import FULL, make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import add_planning
-from .results import SWEEP_PREFIX, frame_to_csv_bytes, summarize, to_frame
+from .results import BATCH_SCHEMA, SWEEP_PREFIX, frame_to_csv_bytes, to_frame
+from .results.rows import summarize
 from .seeding import batch_sizes
 from .spec import Experiment
 
@@ -132,11 +133,6 @@ def _lambda_sweep(pair: Pair, run: CaseRun, out: list[dict], agg: str) -> pd.Dat
                        lambda lam, a=agg: pair.exact_prob_negative(make_cv(float(lam)).fn, a), measured)
 
 
-BATCH_SCHEMA: dict[str, str] = {
-    "case": "case name", "estimator": "estimator", "lambda": "λ for cv rows", "aggregate": "rollout aggregation",
-    "batch": "batch index (draws of batch i are seeded from (seed, case, i))",
-    "draws": "draws in this batch", "batch_mean": "mean of the estimator over the batch's draws",
-}
 
 
 def batch_means_frame(run: CaseRun, rows: list[dict]) -> pd.DataFrame:

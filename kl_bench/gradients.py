@@ -17,39 +17,9 @@ from .engine import run_gradients
 from .modes import MODES, GradItem, modes_for
 from .pairs.base import Pair
 from .stats import mean_and_se
+from .results.schema import GRAD_SCHEMA
 from .targets import FORWARD, REVERSE
 
-GRAD_SCHEMA: dict[str, str] = {
-    "case": "case name", "estimator": "estimator (or clamped variant label)",
-    "aggregate": "rollouts: seq (estimator of the sequence log-ratio L) or tok (per-token estimator summed over "
-                 "tokens; see kl_bench.pairs.rollout.gradients); empty for Gaussians and categoricals",
-    "lambda": "λ for cv rows",
-    "sampler": "the case's sampler, empty when x ~ q: draws come from b, and with importance weights every "
-               "per-draw gradient is multiplied by the detached q/b (rollouts: per token or per sequence)",
-    "mode": " | ".join(MODES) + " (kl_bench.modes.MODES)",
-    "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
-    "draws": "Monte Carlo draws",
-    "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, other",
-    "cos_reverse": "cosine of the Monte Carlo mean gradient with the exact ∇KL(q||p)",
-    "cos_forward": "cosine of the Monte Carlo mean gradient with the exact ∇KL(p||q)",
-    "relerr_reverse": "|mean gradient − ∇KL(q||p)| / |∇KL(q||p)| (Monte Carlo)",
-    "relerr_forward": "|mean gradient − ∇KL(p||q)| / |∇KL(p||q)| (Monte Carlo)",
-    "exact_cos_reverse": "cosine of the exact expected gradient with ∇KL(q||p)",
-    "exact_cos_forward": "cosine of the exact expected gradient with ∇KL(p||q)",
-    "exact_relerr_reverse": "|E[gradient] − ∇KL(q||p)| / |∇KL(q||p)| (exact)",
-    "exact_relerr_forward": "|E[gradient] − ∇KL(p||q)| / |∇KL(p||q)| (exact)",
-    "z_reverse": "(MC − exact) of the gradient's component along ∇KL(q||p), in batch-means standard errors",
-    "z_forward": "the same along ∇KL(p||q)",
-    "trace_cov": "per-draw gradient variance: trace of its covariance (Monte Carlo)",
-    "exact_trace_cov": "the same, exact (empty on rollouts: no exact second moments)",
-    "z_trace": "(E|g|² measured − exact) in batch-means standard errors; empty where E|g|⁴ = ∞ (Gaussian rows "
-               "whose coefficient has an r term when E_q[r⁴] = ∞): there the measured trace cannot be trusted",
-    "n_for_cos90": "batch size for cosine ≥ 0.9 with ∇KL(q||p) with 95% probability (normal approximation, "
-                   "exact moments; rollouts: exact mean, measured variances); inf when the expectation itself is "
-                   "not within 0.9 or the per-draw variance is infinite; empty without an exact mean",
-    "exact_along_reverse": "exact E[gradient]·u, u the unit vector along ∇KL(q||p) (for the cosine-vs-batch plot)",
-    "exact_norm": "|E[gradient]| (exact)",
-}
 
 
 def gradient_items(pair: Pair, sources) -> list[GradItem]:

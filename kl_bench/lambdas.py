@@ -14,24 +14,8 @@ import pandas as pd
 from .engine import CaseRun
 from .pairs.base import JointMoments
 from .stats import batch_means_se, jackknife_se
+from .results.schema import SWEEP_SCHEMA
 
-SWEEP_SCHEMA: dict[str, str] = {
-    "case": "case name",
-    "aggregate": "rollouts: seq (R = e^L) or tok (per-token sums); empty for single draws",
-    "lambda": "λ of cv(λ) = −log r + λ(r − 1); λ = 0 is k1, λ = 1 is k3",
-    "true_kl": "exact KL(q||p), the target of every λ",
-    "mean": "Monte Carlo mean of cv(λ), from the joint moments of one pass",
-    "se": "its batch-means standard error",
-    "std": "Monte Carlo per-draw standard deviation of cv(λ)",
-    "rel_std": "std / true_kl",
-    "exact_mean": "exact E_q[cv(λ)] (= KL(q||p) when supp p ⊆ supp q)",
-    "exact_std": "exact per-draw standard deviation (inf for λ ≠ 0 when χ²(p||q) = ∞)",
-    "exact_rel_std": "exact_std / true_kl",
-    "p_negative_exact": "exact P_q(cv(λ) < 0) (categoricals; empty where no exact method exists)",
-    "frac_negative": "measured fraction of negative draws, on the spec's coarser λ grid only",
-    "lambda_star": "exact variance-optimal λ* = Cov(log r, r)/Var(r)",
-    "lambda_star_mc": "empirical λ* from the same draws",
-}
 
 
 def mc_joint(run: CaseRun, aggregate: str = "") -> tuple[JointMoments, np.ndarray, np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ from .draws import AGGREGATES, row_key, row_label
 from .registry import Registry
 from .results import COLUMNS, SWEEP_PREFIX
 from .storage import write_folder
-from .verify import read_results_folder
+from .results.verify import read_results_folder
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Results:
 
 
 def load_results(path: Path) -> Results:
-    """Read and verify a results folder (kl_bench.verify: sha256 of every data file against run.json,
+    """Read and verify a results folder (kl_bench.results.verify: sha256 of every data file against run.json,
     schema and dtypes of every table, consistent cases); a missing, incomplete or corrupted folder is a
     one-line SpecError."""
     got = read_results_folder(path)

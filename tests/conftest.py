@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kl_bench.engine import run_case
-from kl_bench.results import summarize, to_frame
+from kl_bench.results import to_frame
+from kl_bench.results.rows import summarize
 
 CPU = torch.device("cpu")
 

@@ -138,3 +138,77 @@ def test_import_is_side_effect_free():
     code = "import sys, kl_bench; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# ----------------------------------------------------------------------------- layers
+# The layers, lowest first: (name, its one job, its modules and packages). A module may import its own
+# layer and the ones below, never one above (function-local imports included). Every module of kl_bench
+# belongs to exactly one layer (a package entry covers its submodules unless a submodule is listed
+# elsewhere): a new module must be placed here, or this test fails. README's Architecture section
+# shows the same table.
+LAYERS = [
+    ("foundation", "errors, registries, typed TOML tables, safe file I/O, atomic storage, signals, formatting",
+     ["errors", "registry", "config", "safe_io", "storage", "signals", "progress", "threads", "formatting",
+      "version"]),
+    ("maths", "estimators, targets, clamps and presets, gradient modes, aggregates, exact oracles, statistics",
+     ["estimators", "targets", "presets", "modes", "draws", "oracles", "rollout_dp", "topk", "precision",
+      "stats", "planning"]),
+    ("sampling", "logits sources, samplers (the mismatch options), seeds, alias tables",
+     ["logits", "samplers", "seeding", "alias"]),
+    ("kinds", "one module or package per case kind and its protocols (kl_bench/pairs)", ["pairs"]),
+    ("engine", "seeded batches, feature sums, the gradient pass, torchrun ranks", ["engine", "distributed"]),
+    ("results", "the stored tables: schemas, the CSV reader and writer, verification, summary rows",
+     ["results"]),
+    ("experiment", "a spec end to end: parsing, pilot, main pass, λ sweep, gradient rows",
+     ["spec", "experiment", "lambdas", "gradients"]),
+    ("applications", "training trajectories and the trainer audit", ["training", "audit"]),
+    ("analysis", "the regression gate and the advice (what to log, what to put in the loss)", ["gate", "advice"]),
+    ("presentation", "terminal tables, figures, the report", ["display", "plots", "report"]),
+    ("interfaces", "the Python API, runs written to folders, the CLI, the TRL callback",
+     ["kl_bench", "api", "runner", "cli", "__main__", "_testing", "integrations"]),
+]
+
+
+def _layer_of(module: str) -> int | None:
+    """The index in LAYERS of the longest entry that is ``module`` or a package holding it."""
+    best, index = -1, None
+    for i, (_, _, entries) in enumerate(LAYERS):
+        for entry in entries:
+            full = "kl_bench" if entry == "kl_bench" else f"kl_bench.{entry}"
+            inside = module.startswith(full + ".") and entry != "kl_bench"   # the top package: itself only
+            if (module == full or inside) and len(full) > best:
+                best, index = len(full), i
+    return index
+
+
+def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_layers():
+    graph = _imports(_modules())
+    unplaced = sorted(m for m in graph if _layer_of(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+    up = [f"{m} ({LAYERS[_layer_of(m)][0]}) imports {t} ({LAYERS[_layer_of(t)][0]})"
+          for m, targets in sorted(graph.items()) for t in sorted(targets) if _layer_of(t) > _layer_of(m)]
+    assert not up, "imports up the layers:\n" + "\n".join(up)
+
+
+def test_the_layer_table_can_fail():
+    assert _layer_of("kl_bench.pairs.rollout.pair") == 3 and _layer_of("kl_bench.results.verify") == 5
+    assert _layer_of("kl_bench.nowhere") is None and _layer_of("kl_bench") == len(LAYERS) - 1
+
+
+def test_the_readme_shows_the_layer_table():
+    readme = (PKG.parent / "README.md").read_text()
+    for name, job, _ in LAYERS:
+        assert f"| {name} | {job} |" in readme, name
+
+
+def test_reading_reporting_and_gating_results_load_no_engine_kind_or_sampler():
+    """`kl-bench report` and `check --results` read folders: they must not load the machinery that wrote
+    them (the engine, a case kind, a sampler, the spec parser, the summary-row builder)."""
+    code = ("import sys, kl_bench.report, kl_bench.gate, kl_bench.results.verify, kl_bench.advice; "
+            "print('\\n'.join(sorted(sys.modules)))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                cwd=PKG.parent).stdout.split())
+    forbidden = ("kl_bench.engine", "kl_bench.pairs", "kl_bench.samplers", "kl_bench.spec", "kl_bench.experiment",
+                 "kl_bench.results.rows", "kl_bench.distributed", "kl_bench.logits")
+    assert "kl_bench.report" in loaded
+    assert not [m for m in loaded if m.startswith(forbidden)], [m for m in loaded if m.startswith(forbidden)]

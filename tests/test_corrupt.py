@@ -15,7 +15,7 @@ from kl_bench.cli import app
 from kl_bench.errors import SpecError
 from kl_bench.gate import load_baseline, normalize_baseline
 from kl_bench.report import load_results
-from kl_bench.verify import DATA_FILES, check_results_match_spec, verify_results_folder
+from kl_bench.results.verify import DATA_FILES, check_results_match_spec, verify_results_folder
 
 runner = CliRunner()
 
@@ -263,7 +263,7 @@ def test_api_check_of_a_damaged_folder_raises_spec_error(folder):
 def test_check_results_match_spec(made, tmp_path):
     good = load_results(made["good"])
     check_results_match_spec(good, kl_bench.load(made["spec"]))
-    check_results_match_spec(made["good"], made["spec"])           # paths work too
+    check_results_match_spec(made["good"], kl_bench.load(made["spec"]))   # a folder's path works too
     with pytest.raises(SpecError, match="experiment 'corrupt', not of 'other'") as e:
         check_results_match_spec(good, kl_bench.load(made["other"]))
     assert len(str(e.value).splitlines()) == 1 and str(made["good"]) in str(e.value)

@@ -6,7 +6,8 @@ import torch
 from kl_bench import seeding
 from kl_bench.api import prepare
 from kl_bench.engine import run_case
-from kl_bench.results import summarize, to_frame
+from kl_bench.results import to_frame
+from kl_bench.results.rows import summarize
 
 from .test_chunking import CASES, ROWS, _spec
 

@@ -12,7 +12,8 @@ import kl_bench
 from kl_bench.api import prepare
 from kl_bench.engine import run_case
 from kl_bench.errors import SpecError
-from kl_bench.results import summarize, to_frame
+from kl_bench.results import to_frame
+from kl_bench.results.rows import summarize
 
 from .conftest import CPU, model_case
 

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kl_bench.gradients import GRAD_SCHEMA
+from kl_bench.results import GRAD_SCHEMA
 from kl_bench.lambdas import SWEEP_SCHEMA
 from kl_bench.results import SCHEMA
 

@@ -274,7 +274,7 @@ def test_a_logprobs_log_ratio_of_1e308_is_refused(tmp_path):
 
 def test_a_nan_statistic_is_never_written(tmp_path, monkeypatch):
     """The last line of defence: whatever overflowed, an empty mean is one line naming case and row."""
-    from kl_bench.verify import refuse_undefined_statistics
+    from kl_bench.results.verify import refuse_undefined_statistics
     res = api.run(str(_spec(tmp_path, "n")))
     df = res.summary.copy()
     df.loc[df.index[1], "mean"] = float("nan")

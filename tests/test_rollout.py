@@ -15,7 +15,8 @@ from kl_bench.experiment import run_experiment_case
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
 from kl_bench.pairs.rollout import brute_force_sequences
-from kl_bench.results import summarize, to_frame
+from kl_bench.results import to_frame
+from kl_bench.results.rows import summarize
 from kl_bench.spec import Experiment
 
 from .conftest import CPU

@@ -19,7 +19,7 @@ def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, q
         sp = load(spec_path, draws=draws, seed=seed, device=device)
         if results is not None:
             res = load_results(results)
-            from ..verify import check_results_match_spec
+            from ..results.verify import check_results_match_spec
             check_results_match_spec(res, sp)          # another experiment's folder: one line, exit 2
             if res.envelope.get("spec_sha256") != sp.sha256:
                 out_console.print(f"note: {results} was produced by a different version of {spec_path} "

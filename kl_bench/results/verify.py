@@ -34,13 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SpecError
-from .experiment import BATCH_SCHEMA
-from .gradients import GRAD_SCHEMA
-from .lambdas import SWEEP_SCHEMA
-from .results import SCHEMA, TEXT_COLUMNS, read_frame
-from .safe_io import cap_for, load_npz, parse_json, read_regular
-from .spec import load_spec
+from ..errors import SpecError
+from .frames import read_frame
+from .schema import BATCH_SCHEMA, GRAD_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
+from ..safe_io import cap_for, load_npz, parse_json, read_regular
 
 # The columns every results folder has had; later columns are optional so that older results still load.
 SUMMARY_REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se",
@@ -323,15 +320,14 @@ def verify_results_folder(path: str | Path) -> None:
 def check_results_match_spec(results, spec) -> None:
     """Raise :class:`SpecError` unless the results folder ``results`` (a path, or a
     :class:`kl_bench.report.Results`) was produced by an experiment of ``spec``'s name with exactly the
-    spec's cases (run.json's ``cases`` and summary.csv's case column). ``spec``: a path, or a loaded
-    :class:`kl_bench.spec.Spec`."""
+    spec's cases (run.json's ``cases`` and summary.csv's case column). ``spec``: a loaded
+    :class:`kl_bench.spec.Spec` (anything with ``experiment.name``, ``cases`` and ``path``: reading
+    results never parses a spec here)."""
     if isinstance(results, (str, Path)):
         contents = read_results_folder(results)
         folder, env, summary = contents.path, contents.envelope, contents.summary
     else:
         folder, env, summary = Path(results.path), results.envelope, results.summary
-    if isinstance(spec, (str, Path)):
-        spec = load_spec(spec)
     spec_name = spec.experiment.name
     where = str(folder)
     ran = env.get("experiment")

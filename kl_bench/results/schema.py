@@ -1,0 +1,140 @@
+"""Every table kl-bench stores, as data: column → meaning, in the files' column order (docs/results.md).
+
+The one place a column is declared: writers select these columns, readers (:mod:`kl_bench.results.verify`)
+check them. No torch, no engine: reading a results folder never loads the machinery that wrote it.
+"""
+from __future__ import annotations
+
+# Column → meaning. The order here is the column order of summary.csv.
+SCHEMA: dict[str, str] = {
+    "case": "case name from the spec",
+    "kind": "case kind: gaussian | categorical | rollout",
+    "estimator": "estimator name from the registry (kl-bench list)",
+    "lambda": "λ of the control variate cv(λ); empty for other estimators",
+    "aggregate": "rollouts: seq (estimator of L = Σ log r_t; k3 uses R = e^L), tok (per-token estimator "
+                 "summed over the generated tokens), tok_mean (that sum / |y|), tok_batch (token-mean over a "
+                 "trainer batch of B sequences: Σ over its tokens / their number; one value per batch of B, "
+                 "so std, frac_negative and the planning columns are per batch of B), tok_gm (the sum times "
+                 "TRL's geometric sequence weight); empty for single draws",
+    "target": "what the estimator estimates: KL(q||p) or KL(p||q)",
+    "true_kl": "exact value of the target; tok_mean and tok_batch rows (divided by lengths): the target per "
+               "generated token, true value / E_q|y|, which a token-mean of any unbiased per-token estimator "
+               "tends to",
+    "draws": "number of Monte Carlo draws x ~ q (tok_batch rows: the draws in whole batches of B)",
+    "batches": "number of batches used for the batch-means standard error",
+    "mean": "Monte Carlo mean of the estimator over all draws",
+    "std": "Monte Carlo standard deviation of one draw's estimate (tok_batch: of one batch of B's value)",
+    "se": "standard error of `mean`, from batch means",
+    "std_se": "standard error of `std` (batch means of the squared deviations from the exact mean, delta method)",
+    "bias": "mean − true_kl",
+    "rel_bias": "bias / true_kl (empty when true_kl is 0 or inf)",
+    "rel_std": "std / true_kl: per-draw noise relative to the truth (Schulman's stdev/true)",
+    "exact_mean": "exact E_q[estimator] (closed form or exact sum)",
+    "exact_std": "exact per-draw standard deviation; inf when the variance diverges",
+    "exact_rel_bias": "(exact_mean − true_kl) / true_kl",
+    "exact_rel_std": "exact_std / true_kl",
+    "z": "(mean − exact_mean) / se: |z| < 5 is agreement with the exact value",
+    "z_var": "(Σ(f − exact_mean)²/N − exact_std²) / its batch-means SE: the variance against the exact one",
+    "frac_negative": "fraction of draws whose estimate is < 0 (tok_batch rows: of groups of B)",
+    "sampler": "how draws were made when not from q (temperature, top-k/p, EOS suppression, stale policy, "
+               "IS weights); empty for x ~ q. exact_mean is then E_b of the estimator, bias against KL(q||p)",
+    "support_miss": "mass of q (worst context or step) that the sampler never draws; > 0 biases every estimate",
+    "heavy_tail": "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
+                  "usually too low), 'kurtosis > draws' (rollouts: exact E[R⁴ˢ]/E[R²ˢ]² exceeds the draws, so "
+                  "the measured std is unreliable), 'infinite IS weight (b misses q's support)' (weighted rows of a "
+                  "sampler that never draws some of q's mass), 'unstable batches' (one batch carries most of Σ(f − c)²), "
+                  "or empty",
+    "lambda_star": "cv rows: exact variance-optimal λ* = Cov(log r, r)/Var(r) (empty if unknown)",
+    "lambda_star_mc": "cv rows: empirical λ* from this run's draws",
+    "lambda_star_mc_se": "cv rows: standard error of lambda_star_mc (batch jackknife; unreliable when "
+                         "E_q[r⁴] = ∞, see heavy_tail of cv rows)",
+    "excess_std": "cv rows: exact_std at this λ / exact_std at λ* − 1 (0 at the optimum)",
+    "n_for_10pct": "draws a batch needs for its mean to be within 10% of true_kl with 95% probability "
+                   "(normal approximation, exact bias and std where known; inf if the bias alone exceeds 10%; "
+                   "tok_batch rows: B × the groups needed)",
+    "rmse_b64": "root-mean-square error of a batch mean of 64 draws, bias included (tok_batch rows: of the "
+                "mean of 64/B batch values; empty when B > 64)",
+    "rmse_b1024": "the same for 1024 draws",
+    "rmse_b16384": "the same for 16384 draws",
+    "p_neg_b64": "probability that a batch mean of 64 draws is negative, simulated on min(4096, max(256, "
+                 "draws/256)) batches of 64 independent draws (tok_batch rows: the mean of max(1, 64/B) "
+                 "consecutive batch values)",
+    "ref_kl": "cases without an exact value (model continuations, logged log-probs): the reference for KL(q||p), "
+              "the measured mean of the Rao–Blackwellised `full` row (Monte Carlo, NOT exact); empty elsewhere",
+    "ref_se": "standard error of ref_kl (batch means)",
+    "z_ref": "(mean − ref_kl) / SE of the difference (batch means of the paired difference, same paths): "
+             "|z_ref| < 5 is agreement with the reference; KL(q||p) rows only",
+}
+COLUMNS = list(SCHEMA)
+# Cases made by [[sweep]] tables (kl_bench.spec.expand_sweeps) add one column per swept key after the
+# columns above, named SWEEP_PREFIX + key (e.g. "sweep.p.noise", "sweep.sampler.temperature"): the key's
+# value in that case, empty for a case not swept over it. A spec without [[sweep]] has none.
+SWEEP_PREFIX = "sweep."
+# `kl-bench exact` / kl_bench.exact(): the columns that need no sampling (planning from exact moments).
+MEASURED = {"draws", "batches", "mean", "std", "se", "std_se", "bias", "rel_bias", "rel_std", "z", "z_var",
+             "frac_negative", "lambda_star_mc", "lambda_star_mc_se", "p_neg_b64", "heavy_tail", "excess_std"}
+EXACT_COLUMNS = [c for c in COLUMNS if c not in MEASURED]
+# Text columns of every results CSV: read as strings, empty cells as "" (not NaN).
+TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler", "mode", "equals"]
+
+
+# batches.csv: one row per (case, row, batch): the batch means behind every standard error.
+BATCH_SCHEMA: dict[str, str] = {
+    "case": "case name", "estimator": "estimator", "lambda": "λ for cv rows", "aggregate": "rollout aggregation",
+    "batch": "batch index (draws of batch i are seeded from (seed, case, i))",
+    "draws": "draws in this batch", "batch_mean": "mean of the estimator over the batch's draws",
+}
+
+
+# lambda_sweep.csv: cv(λ) = −log r + λ(r − 1) over the λ grid, per case and aggregate.
+SWEEP_SCHEMA: dict[str, str] = {
+    "case": "case name",
+    "aggregate": "rollouts: seq (R = e^L) or tok (per-token sums); empty for single draws",
+    "lambda": "λ of cv(λ) = −log r + λ(r − 1); λ = 0 is k1, λ = 1 is k3",
+    "true_kl": "exact KL(q||p), the target of every λ",
+    "mean": "Monte Carlo mean of cv(λ), from the joint moments of one pass",
+    "se": "its batch-means standard error",
+    "std": "Monte Carlo per-draw standard deviation of cv(λ)",
+    "rel_std": "std / true_kl",
+    "exact_mean": "exact E_q[cv(λ)] (= KL(q||p) when supp p ⊆ supp q)",
+    "exact_std": "exact per-draw standard deviation (inf for λ ≠ 0 when χ²(p||q) = ∞)",
+    "exact_rel_std": "exact_std / true_kl",
+    "p_negative_exact": "exact P_q(cv(λ) < 0) (categoricals; empty where no exact method exists)",
+    "frac_negative": "measured fraction of negative draws, on the spec's coarser λ grid only",
+    "lambda_star": "exact variance-optimal λ* = Cov(log r, r)/Var(r)",
+    "lambda_star_mc": "empirical λ* from the same draws",
+}
+
+
+# gradients.csv: one row per (case, estimator, aggregate, λ, mode) with gradient rows on.
+GRAD_SCHEMA: dict[str, str] = {
+    "case": "case name", "estimator": "estimator (or clamped variant label)",
+    "aggregate": "rollouts: seq (estimator of the sequence log-ratio L) or tok (per-token estimator summed over "
+                 "tokens; see kl_bench.pairs.rollout.gradients); empty for Gaussians and categoricals",
+    "lambda": "λ for cv rows",
+    "sampler": "the case's sampler, empty when x ~ q: draws come from b, and with importance weights every "
+               "per-draw gradient is multiplied by the detached q/b (rollouts: per token or per sequence)",
+    "mode": "the gradient mode: where the trainer puts the estimator (one entry of kl_bench.modes.MODES)",
+    "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
+    "draws": "Monte Carlo draws",
+    "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, other",
+    "cos_reverse": "cosine of the Monte Carlo mean gradient with the exact ∇KL(q||p)",
+    "cos_forward": "cosine of the Monte Carlo mean gradient with the exact ∇KL(p||q)",
+    "relerr_reverse": "|mean gradient − ∇KL(q||p)| / |∇KL(q||p)| (Monte Carlo)",
+    "relerr_forward": "|mean gradient − ∇KL(p||q)| / |∇KL(p||q)| (Monte Carlo)",
+    "exact_cos_reverse": "cosine of the exact expected gradient with ∇KL(q||p)",
+    "exact_cos_forward": "cosine of the exact expected gradient with ∇KL(p||q)",
+    "exact_relerr_reverse": "|E[gradient] − ∇KL(q||p)| / |∇KL(q||p)| (exact)",
+    "exact_relerr_forward": "|E[gradient] − ∇KL(p||q)| / |∇KL(p||q)| (exact)",
+    "z_reverse": "(MC − exact) of the gradient's component along ∇KL(q||p), in batch-means standard errors",
+    "z_forward": "the same along ∇KL(p||q)",
+    "trace_cov": "per-draw gradient variance: trace of its covariance (Monte Carlo)",
+    "exact_trace_cov": "the same, exact (empty on rollouts: no exact second moments)",
+    "z_trace": "(E|g|² measured − exact) in batch-means standard errors; empty where E|g|⁴ = ∞ (Gaussian rows "
+               "whose coefficient has an r term when E_q[r⁴] = ∞): there the measured trace cannot be trusted",
+    "n_for_cos90": "batch size for cosine ≥ 0.9 with ∇KL(q||p) with 95% probability (normal approximation, "
+                   "exact moments; rollouts: exact mean, measured variances); inf when the expectation itself is "
+                   "not within 0.9 or the per-draw variance is infinite; empty without an exact mean",
+    "exact_along_reverse": "exact E[gradient]·u, u the unit vector along ∇KL(q||p) (for the cosine-vs-batch plot)",
+    "exact_norm": "|E[gradient]| (exact)",
+}
