@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .errors import ShapeError, SpecError
+from .results.schema import FORMAT_VERSION
 from .pairs import Pair, build_pair
 from .threads import single_threaded
 from .spec import Spec, load_spec, spec_from_dict, with_overrides
@@ -169,7 +170,7 @@ class Result:
         runs = [o.run for o in outcome.cases]
         exp = spec.experiment
         self.envelope: dict[str, Any] = {
-            "kl_bench_run": 1,
+            "kl_bench_run": FORMAT_VERSION,        # the results format (kl_bench.results.schema)
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "spec_path": str(spec.path), "spec_sha256": spec.sha256, "spec_text": spec.text,
             "experiment": exp.name, "seed": exp.seed,

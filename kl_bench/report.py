@@ -18,7 +18,7 @@ import pandas as pd
 
 from .draws import AGGREGATES, row_key, row_label
 from .registry import Registry
-from .results import COLUMNS, SWEEP_PREFIX
+from .results import SWEEP_PREFIX
 from .storage import write_folder
 from .results.verify import read_results_folder
 
@@ -40,13 +40,9 @@ def load_results(path: Path) -> Results:
     """Read and verify a results folder (kl_bench.results.verify: sha256 of every data file against run.json,
     schema and dtypes of every table, consistent cases); a missing, incomplete or corrupted folder is a
     one-line SpecError."""
-    got = read_results_folder(path)
-    summary = got.summary
-    for c in COLUMNS:                  # columns added by later versions: empty in older results
-        if c not in summary.columns:
-            summary[c] = "" if c == "heavy_tail" else np.nan
+    got = read_results_folder(path)          # in today's format (kl_bench.results.migrate)
     name = got.envelope.get("experiment") if isinstance(got.envelope.get("experiment"), str) else got.path.name
-    return Results(got.path, name, summary, got.envelope, got.sweep, got.batches, got.reservoir,
+    return Results(got.path, name, got.summary, got.envelope, got.sweep, got.batches, got.reservoir,
                    got.gradients)
 
 

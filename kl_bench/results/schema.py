@@ -5,6 +5,13 @@ check them. No torch, no engine: reading a results folder never loads the machin
 """
 from __future__ import annotations
 
+# The results folder's format, recorded in run.json as "kl_bench_run" (kl_bench.results.migrate reads
+# every older version; a newer one is refused). History:
+#   1: every folder written before the version meant anything: summary.csv may lack columns added since
+#      (they are filled in when read: empty text, NaN numbers).
+#   2: summary.csv holds every column of SCHEMA.
+FORMAT_VERSION = 2
+
 # Column → meaning. The order here is the column order of summary.csv.
 SCHEMA: dict[str, str] = {
     "case": "case name from the spec",

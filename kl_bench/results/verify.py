@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import SpecError
 from .frames import read_frame
+from .migrate import folder_version, migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
 from ..safe_io import cap_for, load_npz, parse_json, read_regular
 
@@ -289,6 +290,7 @@ def read_results_folder(path: str | Path) -> FolderContents:
     tables = {name: _parse_table(name, blobs[name], folder / name) if name in blobs else None
               for name in ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv")}
     reservoir = _load_reservoir(blobs["reservoir.npz"], folder / "reservoir.npz") if "reservoir.npz" in blobs else None
+    folder_version(env, str(folder / "run.json"))        # a newer format: one line, before any table is read
     summary = tables["summary.csv"]
     cases = list(dict.fromkeys(summary["case"]))
     recorded = env.get("cases")
@@ -307,8 +309,8 @@ def read_results_folder(path: str | Path) -> FolderContents:
             if stray:
                 raise SpecError(f"holds cases that summary.csv lacks: {', '.join(map(str, stray[:5]))}",
                                 file=str(folder / name))
-    return FolderContents(folder, env, summary, tables["batches.csv"], tables["lambda_sweep.csv"],
-                          tables["gradients.csv"], reservoir)
+    return migrate(FolderContents(folder, env, summary, tables["batches.csv"], tables["lambda_sweep.csv"],
+                                  tables["gradients.csv"], reservoir), str(folder))
 
 
 def verify_results_folder(path: str | Path) -> None:

@@ -1,0 +1,52 @@
+"""Older results folders brought to today's format when read (kl_bench.results.schema.FORMAT_VERSION).
+
+One function per version step, applied in order to what :func:`kl_bench.results.verify.read_results_folder`
+read (after the files were verified against their recorded hashes: a migration never hides damage). The
+folder on disk is never rewritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import SpecError
+from .schema import COLUMNS, FORMAT_VERSION, TEXT_COLUMNS
+
+VERSION_KEY = "kl_bench_run"
+
+
+def _from_1(contents: Any) -> Any:
+    """1 → 2: summary columns added by later versions, empty in older results (text "" and numbers NaN)."""
+    summary = contents.summary.copy()
+    for c in COLUMNS:
+        if c not in summary.columns:
+            summary[c] = "" if c in TEXT_COLUMNS else np.nan
+    return dataclasses.replace(contents, summary=summary[COLUMNS + [c for c in summary.columns if c not in COLUMNS]])
+
+
+# MIGRATIONS[v] turns a folder of version v into one of version v + 1.
+MIGRATIONS: dict[int, Callable[[Any], Any]] = {1: _from_1}
+
+
+def folder_version(envelope: dict, where: str) -> int:
+    """The format version run.json records (1 where it records none); one line if it is not one we read."""
+    version = envelope.get(VERSION_KEY, 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise SpecError(f"run.json: {VERSION_KEY} = {version!r} is not a results format version", file=where)
+    if version > FORMAT_VERSION:
+        raise SpecError(f"written by a newer kl-bench (results format {version}; this one reads up to "
+                        f"{FORMAT_VERSION}): upgrade kl-bench to read it", file=where)
+    return version
+
+
+def migrate(contents: Any, where: str) -> Any:
+    """``contents`` (a FolderContents of any version we read) in today's format, its envelope saying so."""
+    version = folder_version(contents.envelope, where)
+    for v in range(version, FORMAT_VERSION):
+        contents = MIGRATIONS[v](contents)
+    if version != FORMAT_VERSION:
+        contents = dataclasses.replace(contents, envelope={**contents.envelope, VERSION_KEY: FORMAT_VERSION,
+                                                           "migrated_from": version})
+    return contents
