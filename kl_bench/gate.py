@@ -245,41 +245,10 @@ def normalize_baseline(data: Any, where: str = "baseline") -> dict[str, Any]:
     """Validate a decoded baseline and convert its numbers (None → NaN, "inf" → inf). Every problem (a
     row that is null or not an object, a missing key, a value of the wrong type, a duplicated row) is a
     one-line SpecError naming ``where`` and the row."""
-    version = data.get("kl_bench_baseline") if isinstance(data, dict) else None
-    if isinstance(version, bool) or version != BASELINE_VERSION:
-        raise SpecError(f"not a kl-bench baseline of version {BASELINE_VERSION}", file=where)
-    rows = data.get("rows")
-    if not isinstance(rows, list) or not rows:
-        raise SpecError("baseline has no rows" + ("" if rows is None or isinstance(rows, list)
-                        else f" ('rows' is not a list but {type(rows).__name__})"), file=where)
     seen: dict[tuple, int] = {}
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict):
-            got = "null" if r is None else f"not an object ({json.dumps(r)[:40]})"
-            raise SpecError(f"baseline row {i + 1} is {got} (corrupted baseline?)", file=where)
-        missing = [k for k in BASELINE_FIELDS if k not in r and k not in _LATER_FIELDS]
-        if missing:
-            raise SpecError(f"baseline row {i + 1} lacks {', '.join(missing)}", file=where)
-        for k in _REQUIRED_TEXT:
-            if not isinstance(r[k], str) or not r[k]:
-                raise SpecError(f"baseline row {i + 1}: {k} must be a non-empty string, got "
-                                f"{json.dumps(r[k])[:40]}", file=where)
-        name = f"baseline row {i + 1} ({r['case']}: {r['estimator']})"
-        for k in _OPTIONAL_TEXT:
-            if r[k] is not None and not isinstance(r[k], str):
-                raise SpecError(f"{name}: {k} must be a string or null, got {json.dumps(r[k])[:40]}", file=where)
-        for k in _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS:
-            r[k] = _baseline_number(r.get(k), f"{name}: {k}", where, k in _REQUIRED_NUMBERS)
-        if not (math.isfinite(r["draws"]) and r["draws"] >= 1 and r["draws"] == int(r["draws"])):
-            raise SpecError(f"{name}: draws must be a whole number ≥ 1, got {r['draws']:g}", file=where)
-        if r["se"] < 0 or r["std"] < 0 or r["std_se"] < 0:        # NaN compares False: allowed
-            raise SpecError(f"{name}: std, se and std_se must be ≥ 0, got std {r['std']:g}, se {r['se']:g}, "
-                            f"std_se {r['std_se']:g}", file=where)
-        if math.isfinite(r["mean"]) and (math.isnan(r["se"]) or math.isnan(r["std"])):
-            raise SpecError(f"{name}: se and std must be numbers where the mean is finite (corrupted baseline?)",
-                            file=where)
-        if not (math.isnan(r["batches"]) or (r["batches"] >= 1 and r["batches"] == int(r["batches"]))):
-            raise SpecError(f"{name}: batches must be a whole number ≥ 1, got {r['batches']:g}", file=where)
+    for i, r in enumerate(_baseline_rows(data, where)):
+        name = _check_row_fields(i, r, where)
+        _check_row_numbers(name, r, where)
         r["aggregate"] = r["aggregate"] or ""
         r["heavy_tail"] = r["heavy_tail"] or ""
         key = row_key(r)
@@ -287,3 +256,54 @@ def normalize_baseline(data: Any, where: str = "baseline") -> dict[str, Any]:
             raise SpecError(f"{name} repeats row {seen[key]} (same case, estimator, aggregate and λ)", file=where)
         seen[key] = i + 1
     return data
+
+
+def _baseline_rows(data: Any, where: str) -> list:
+    """The rows of a baseline of this version (one line if it is not one, or has none)."""
+    version = data.get("kl_bench_baseline") if isinstance(data, dict) else None
+    if isinstance(version, bool) or version != BASELINE_VERSION:
+        raise SpecError(f"not a kl-bench baseline of version {BASELINE_VERSION}", file=where)
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise SpecError("baseline has no rows" + ("" if rows is None or isinstance(rows, list)
+                        else f" ('rows' is not a list but {type(rows).__name__})"), file=where)
+    return rows
+
+
+def _check_row_fields(i: int, r: Any, where: str) -> str:
+    """Row ``i`` is an object with every key and its text fields are strings; returns its name for errors."""
+    if not isinstance(r, dict):
+        got = "null" if r is None else f"not an object ({json.dumps(r)[:40]})"
+        raise SpecError(f"baseline row {i + 1} is {got} (corrupted baseline?)", file=where)
+    missing = [k for k in BASELINE_FIELDS if k not in r and k not in _LATER_FIELDS]
+    if missing:
+        raise SpecError(f"baseline row {i + 1} lacks {', '.join(missing)}", file=where)
+    for k in _REQUIRED_TEXT:
+        if not isinstance(r[k], str) or not r[k]:
+            raise SpecError(f"baseline row {i + 1}: {k} must be a non-empty string, got "
+                            f"{json.dumps(r[k])[:40]}", file=where)
+    name = f"baseline row {i + 1} ({r['case']}: {r['estimator']})"
+    for k in _OPTIONAL_TEXT:
+        if r[k] is not None and not isinstance(r[k], str):
+            raise SpecError(f"{name}: {k} must be a string or null, got {json.dumps(r[k])[:40]}", file=where)
+    return name
+
+
+def _whole(x: float) -> bool:
+    return math.isfinite(x) and x >= 1 and x == int(x)
+
+
+def _check_row_numbers(name: str, r: dict, where: str) -> None:
+    """The row's numbers converted (None → NaN) and in range: draws and batches whole, spreads ≥ 0."""
+    for k in _REQUIRED_NUMBERS + _OPTIONAL_NUMBERS:
+        r[k] = _baseline_number(r.get(k), f"{name}: {k}", where, k in _REQUIRED_NUMBERS)
+    if not _whole(r["draws"]):
+        raise SpecError(f"{name}: draws must be a whole number ≥ 1, got {r['draws']:g}", file=where)
+    if r["se"] < 0 or r["std"] < 0 or r["std_se"] < 0:        # NaN compares False: allowed
+        raise SpecError(f"{name}: std, se and std_se must be ≥ 0, got std {r['std']:g}, se {r['se']:g}, "
+                        f"std_se {r['std_se']:g}", file=where)
+    if math.isfinite(r["mean"]) and (math.isnan(r["se"]) or math.isnan(r["std"])):
+        raise SpecError(f"{name}: se and std must be numbers where the mean is finite (corrupted baseline?)",
+                        file=where)
+    if not (math.isnan(r["batches"]) or _whole(r["batches"])):
+        raise SpecError(f"{name}: batches must be a whole number ≥ 1, got {r['batches']:g}", file=where)

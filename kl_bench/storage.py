@@ -366,20 +366,27 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any],
     if not isinstance(data, dict) or not isinstance(data.get("sums"), dict):
         raise SpecError(f"checkpoint is not a kl-bench checkpoint; delete {path}", file=str(out_dir))
     for case, sums in data["sums"].items():
-        if not isinstance(sums, torch.Tensor) or sums.ndim != 2 or sums.dtype != torch.float64 or sums.is_meta:
-            raise SpecError(f"checkpoint sums of case '{case}' are not a 2-D float64 table; delete {path}",
-                            file=str(out_dir))
-        if bool(torch.isnan(sums).any()):
-            raise SpecError(f"checkpoint sums of case '{case}' hold NaN (corrupted?); delete {path}", file=str(out_dir))
-        if batches is not None and (case not in batches or sums.shape[0] > batches[case]):
-            want = f"the run has {batches[case]}" if case in batches else "the spec has no such case"
-            raise SpecError(f"checkpoint holds {sums.shape[0]} batches of case '{case}' but {want}; delete {path}",
-                            file=str(out_dir))
+        problem = _checkpoint_sums_problem(case, sums, batches)
+        if problem:
+            raise SpecError(f"checkpoint {problem}; delete {path}", file=str(out_dir))
     if data.get("identity") != identity:
         diff = [k for k in identity if data.get("identity", {}).get(k) != identity[k]]
         raise SpecError(f"checkpoint was made with a different {', '.join(diff)}; rerun without --resume",
                         file=str(out_dir))
     return data["sums"]
+
+
+def _checkpoint_sums_problem(case: str, sums: Any, batches: dict[str, int] | None) -> str | None:
+    """What is wrong with one case's sums in a checkpoint (a 2-D float64 table without NaN, no more
+    batches than the run has), in words, or None."""
+    if not isinstance(sums, torch.Tensor) or sums.ndim != 2 or sums.dtype != torch.float64 or sums.is_meta:
+        return f"sums of case '{case}' are not a 2-D float64 table"
+    if bool(torch.isnan(sums).any()):
+        return f"sums of case '{case}' hold NaN (corrupted?)"
+    if batches is not None and (case not in batches or sums.shape[0] > batches[case]):
+        want = f"the run has {batches[case]}" if case in batches else "the spec has no such case"
+        return f"holds {sums.shape[0]} batches of case '{case}' but {want}"
+    return None
 
 
 def remove_checkpoint(out_dir: Path) -> None:

@@ -109,16 +109,20 @@ def _json_type(v: Any) -> str:
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-def _check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
-    files = env.get("files")
-    if files is None:            # written before run.json recorded hashes: nothing to compare with
-        return
-    where = str(folder / "run.json")
+def _check_file_list(files: dict, where: str) -> None:
+    """run.json's ``files``: plain file names, each with a sha256."""
     for name, digest in files.items():
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
             raise SpecError(f"run.json: 'files' names an invalid file {name!r} (corrupted?)", file=where)
         if not isinstance(digest, str) or not _SHA.match(digest):
             raise SpecError(f"run.json: 'files' has no valid sha256 for {name} (got {digest!r})", file=where)
+
+
+def _check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
+    files = env.get("files")
+    if files is None:            # written before run.json recorded hashes: nothing to compare with
+        return
+    _check_file_list(files, str(folder / "run.json"))
     for name in DATA_FILES:
         if (folder / name).exists() and name not in files:
             raise SpecError(f"{name} is not recorded in run.json (left over from another run?)",
@@ -165,8 +169,6 @@ def _check_csv_structure(data: bytes, p: Path) -> list[str]:
 
 def _parse_table(name: str, data: bytes, p: Path):
     """A results CSV checked against its schema and parsed as :func:`kl_bench.results.read_frame` does."""
-    import pandas as pd
-
     columns, required = _schemas()[name]
     header = _check_csv_structure(data, p)
     missing = [c for c in required if c not in header]
@@ -179,7 +181,20 @@ def _parse_table(name: str, data: bytes, p: Path):
         raise SpecError(f"cannot parse: {e.__class__.__name__}: {first}", file=str(p)) from None
     if df.empty:
         raise SpecError("has a header but no rows (truncated?)", file=str(p))
-    numeric = [c for c in columns if c in df.columns and c not in TEXT_COLUMNS]
+    _check_numeric_columns(df, [c for c in columns if c in df.columns and c not in TEXT_COLUMNS], p)
+    for c in _KEY_TEXT:
+        if c in df.columns:
+            empty = df.index[df[c].astype(str).str.strip() == ""]
+            if len(empty):
+                raise SpecError(f"column '{c}' is empty in row {int(empty[0]) + 1} (line {int(empty[0]) + 2})",
+                                file=str(p))
+    _check_values(name, df, p)
+    return df
+
+
+def _check_numeric_columns(df, numeric: list[str], p: Path) -> None:
+    """Each of ``numeric`` parsed as numbers (not booleans, not text); one line naming the first bad cell."""
+    import pandas as pd
     for c in numeric:
         col = df[c]
         if pd.api.types.is_bool_dtype(col) or not pd.api.types.is_numeric_dtype(col):
@@ -189,14 +204,6 @@ def _parse_table(name: str, data: bytes, p: Path):
             shown = bad.iloc[0] if len(bad) else col.iloc[0]
             raise SpecError(f"column '{c}' must hold numbers, but row {i + 1} (line {i + 2}) has {str(shown)[:40]!r}",
                             file=str(p))
-    for c in _KEY_TEXT:
-        if c in df.columns:
-            empty = df.index[df[c].astype(str).str.strip() == ""]
-            if len(empty):
-                raise SpecError(f"column '{c}' is empty in row {int(empty[0]) + 1} (line {int(empty[0]) + 2})",
-                                file=str(p))
-    _check_values(name, df, p)
-    return df
 
 
 def _first_bad(df, c: str, bad: np.ndarray, what: str, p: Path) -> None:
@@ -274,6 +281,31 @@ def _load_reservoir(data: bytes, p: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _check_recorded_cases(folder: Path, recorded: list[str], cases: list[str]) -> None:
+    """run.json's cases are summary.csv's."""
+    missing = [c for c in recorded if c not in cases]
+    extra = [c for c in cases if c not in recorded]
+    if missing or extra:
+        raise SpecError("summary.csv and run.json disagree on the cases: "
+                        + "; ".join(filter(None, [missing and "no rows for " + ", ".join(missing),
+                                                  extra and "rows of unrecorded " + ", ".join(extra)])),
+                        file=str(folder))
+
+
+def _check_cases(folder: Path, env: dict, tables: dict) -> None:
+    """summary.csv and run.json name the same cases; the other tables name none that summary.csv lacks."""
+    cases = list(dict.fromkeys(tables["summary.csv"]["case"]))
+    recorded = env.get("cases")
+    if isinstance(recorded, dict) and recorded:
+        _check_recorded_cases(folder, list(recorded), cases)
+    for name in ("batches.csv", "lambda_sweep.csv", "gradients.csv"):
+        t = tables[name]
+        stray = [] if t is None else [c for c in dict.fromkeys(t["case"]) if c not in cases]
+        if stray:
+            raise SpecError(f"holds cases that summary.csv lacks: {', '.join(map(str, stray[:5]))}",
+                            file=str(folder / name))
+
+
 def read_results_folder(path: str | Path) -> FolderContents:
     """Verify a results folder (see the module docstring) and return its parsed contents."""
     folder = Path(path)
@@ -292,23 +324,7 @@ def read_results_folder(path: str | Path) -> FolderContents:
     reservoir = _load_reservoir(blobs["reservoir.npz"], folder / "reservoir.npz") if "reservoir.npz" in blobs else None
     folder_version(env, str(folder / "run.json"))        # a newer format: one line, before any table is read
     summary = tables["summary.csv"]
-    cases = list(dict.fromkeys(summary["case"]))
-    recorded = env.get("cases")
-    if isinstance(recorded, dict) and recorded:
-        missing = [c for c in recorded if c not in cases]
-        extra = [c for c in cases if c not in recorded]
-        if missing or extra:
-            raise SpecError("summary.csv and run.json disagree on the cases: "
-                            + "; ".join(filter(None, [missing and "no rows for " + ", ".join(missing),
-                                                      extra and "rows of unrecorded " + ", ".join(extra)])),
-                            file=str(folder))
-    for name in ("batches.csv", "lambda_sweep.csv", "gradients.csv"):
-        t = tables[name]
-        if t is not None:
-            stray = [c for c in dict.fromkeys(t["case"]) if c not in cases]
-            if stray:
-                raise SpecError(f"holds cases that summary.csv lacks: {', '.join(map(str, stray[:5]))}",
-                                file=str(folder / name))
+    _check_cases(folder, env, tables)
     return migrate(FolderContents(folder, env, summary, tables["batches.csv"], tables["lambda_sweep.csv"],
                                   tables["gradients.csv"], reservoir), str(folder))
 
@@ -341,15 +357,21 @@ def check_results_match_spec(results, spec) -> None:
     if isinstance(env.get("cases"), dict):
         have_sets.append(("run.json", list(env["cases"])))
     for source, have in have_sets:
-        missing = [c for c in wanted if c not in have]
-        extra = [c for c in have if c not in wanted]
-        if missing or extra:
-            bits = []
-            if missing:
-                bits.append("lacks the spec's case" + ("s " if len(missing) > 1 else " ") + _names(missing))
-            if extra:
-                bits.append("holds case" + ("s " if len(extra) > 1 else " ") + _names(extra) + " that the spec lacks")
+        bits = _case_differences(wanted, have)
+        if bits:
             raise SpecError(f"not the results of {spec.path}: {source} " + " and ".join(bits), file=where)
+
+
+def _case_differences(wanted: list[str], have: list[str]) -> list[str]:
+    """What a folder's cases lack and hold beyond a spec's, in words (empty: the same cases)."""
+    missing = [c for c in wanted if c not in have]
+    extra = [c for c in have if c not in wanted]
+    bits = []
+    if missing:
+        bits.append("lacks the spec's case" + ("s " if len(missing) > 1 else " ") + _names(missing))
+    if extra:
+        bits.append("holds case" + ("s " if len(extra) > 1 else " ") + _names(extra) + " that the spec lacks")
+    return bits
 
 
 def _names(names: list[str], most: int = 6) -> str:
