@@ -122,7 +122,8 @@ BODIES = {"categorical": 'vocab = 50\nq = {logits = "zipf", seed = 1}\np = {from
     ("categorical", 'sampler = {temperature = 0.8, weights = "token", weight_floor = 2.0, weight_cap = 1.0}',
      ["sampler.weight_floor", "≤ weight_cap"]),
     ("gaussian", 'sampler = {std_scale = 1.2, weights = "token", clip_low = 0.2}', ["sampler.clip_low", "only for categorical"]),
-    ("rollout", 'sampler = {temperature = 0.8, weights = "token", mask_high = 2.0}', ["sampler.mask_high", "only for categorical"]),
+    ("rollout", 'sampler = {temperature = 0.8, weights = "token", clip_high = 0.2}', ["sampler.clip_high", "only for categorical"]),
+    ("rollout", 'sampler = {temperature = 0.8, weights = "sequence", mask_high = 2.0}', ["sampler.mask_high", "needs weights"]),
 ])
 def test_bad_correction_options_are_one_line_exit_2(kind, sampler, needles, write_spec, tmp_path):
     text = BASE.replace("KIND", kind).replace("BODY", BODIES[kind] + "\n" + sampler)
@@ -133,3 +134,39 @@ def test_bad_correction_options_are_one_line_exit_2(kind, sampler, needles, writ
     for needle in needles:
         assert needle in msg, (needle, msg)
     assert not (tmp_path / "o").exists()
+
+
+ROLL_CORR = WeightCorrection(floor=0.9, mask=(0.845, 1.9))
+
+
+def test_rollout_token_floor_and_mask_match_brute_force_over_every_sequence():
+    """weights = "token" with a floor and a mask: tok rows weight each token by its corrected q/b, seq
+    rows by the product of them (a masked token drops its sequence), exactly as enumerated."""
+    from kl_bench.estimators import lookup
+    from .test_mismatch import _rollout_brute, _tiny_rollout
+    pair = _tiny_rollout(weights="token", correction=ROLL_CORR)
+    seqs = _rollout_brute(pair, "token")
+    ws = [w for _, path in seqs for _, _, w in path]
+    assert min(ws) < 0.845 and max(ws) > 1.9 and any(0.845 <= w < 0.9 for w in ws)   # every branch is used
+    g = pair.logr_table.numpy()
+    prob = np.array([p for p, _ in seqs])
+    for name in ("k1", "k3"):
+        fn = lookup(name).fn
+        seq_vals, tok_vals = [], []
+        for _, path in seqs:
+            cw = [float(ROLL_CORR.detached(torch.tensor(w, dtype=torch.float64))) for _, _, w in path]
+            seq_vals.append(np.prod(cw) * float(fn(torch.tensor(sum(g[c, x] for c, x, _ in path)))))
+            tok_vals.append(sum(w * float(fn(torch.tensor(g[c, x]))) for (c, x, _), w in zip(path, cw)))
+        for agg, vals in (("seq", np.array(seq_vals)), ("tok", np.array(tok_vals))):
+            m = float((prob * vals).sum())
+            v = float((prob * (vals - m) ** 2).sum())
+            em, ev = pair.exact_moments(lookup(name), agg)
+            assert em == pytest.approx(m, rel=1e-10, abs=1e-13) and ev == pytest.approx(v, rel=1e-9, abs=1e-13)
+
+
+def test_rollout_masked_gradient_rows_agree_with_the_dynamic_program():
+    from .test_mismatch import _tiny_rollout
+    pair = _tiny_rollout(weights="token", correction=ROLL_CORR)
+    rows = G.gradient_rows(pair, [ESTIMATORS["k1"], ESTIMATORS["k3"]], draws=4_000, seed=2, batches=20, device=CPU)
+    z = np.array([r["z_reverse"] for r in rows if np.isfinite(r["exact_norm"])])
+    assert len(z) >= 4 and np.isfinite(z).all() and (np.abs(z) < 5).all(), z
