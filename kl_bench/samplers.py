@@ -20,6 +20,7 @@ from .config import Table, nonnegative, positive
 from .errors import SpecError
 from .logits import LogitsSource, behavior_logits, parse_logits_source
 from .registry import did_you_mean
+from .weights import WeightCorrection
 
 
 # b = N(μq, (std_scale·σq)²): its variance and the squared standard scores of the exact moments must stay
@@ -61,10 +62,9 @@ def _top_p(z: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _weights_words(sp: "SamplerSpec") -> str:
-    from .weights import WeightCorrection      # weights imports modes, which the spec layer need not load
     more = WeightCorrection.of(sp).words()
     return f"{sp.weights} IS weights" + (f" capped at {sp.weight_cap:g}" if sp.weight_cap else "") \
-        + (f" {more}" if more else "")
+        + (f", {more}" if more else "")
 
 
 def _epsilon_low(v: float) -> str | None:

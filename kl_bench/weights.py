@@ -96,6 +96,7 @@ class WeightCorrection:
             bits.append(f"PPO clip [{1 - self.clip[0]:g}, {1 + self.clip[1]:g}]")
         if self.dual is not None:
             bits.append(f"dual clip {self.dual:g}")
+        text = ", ".join(bits)
         if self.clip is not None or self.dual is not None:
-            bits.append("(clip on " + " and ".join(CLIPPED_BRANCH) + " rows)")
-        return " ".join(bits)
+            text += " (clip on " + " and ".join(CLIPPED_BRANCH) + " rows)"
+        return text
