@@ -24,7 +24,7 @@ import torch
 from .errors import SpecError
 from .estimators import Estimator
 from .registry import Registry
-from .seeding import batch_sizes, batch_streams, piece_draws
+from .seeding import PIECE_DRAWS, batch_sizes, batch_streams, piece_draws
 from .stats import mean_and_se
 from .targets import REVERSE
 
@@ -56,9 +56,13 @@ BASELINES.add("leave_one_out", Baseline("leave_one_out", "RLOO: minus the mean o
                                         _leave_one_out, lambda g: 1.0))
 
 
+# Groups are drawn within pieces of whole groups, so a group may not exceed the smallest piece size.
+MAX_GROUP = min(PIECE_DRAWS.values())
+
+
 def check_group(group: int, key: str = "group") -> None:
-    if group < 2:
-        raise SpecError(f"a group baseline needs G ≥ 2 draws per group, got {group}", key=key)
+    if not 2 <= group <= MAX_GROUP:
+        raise SpecError(f"a group baseline needs 2 ≤ G ≤ {MAX_GROUP} draws per group, got {group}", key=key)
 
 
 def _id_tables(pair):
@@ -96,11 +100,10 @@ def exact_baseline_gradient(pair, est: Estimator, baseline: str | None, group: i
     return {"mean": mean, "second": exact_second(w, f, s2, baseline, group)}
 
 
-def _batch_sums(pair, est: Estimator, baseline: str, group: int, stream, u: torch.Tensor) -> tuple[float, float]:
-    """(Σ g·u, Σ |g|²) over one batch of whole groups, drawn piece by piece (pieces of whole groups)."""
-    _, logr, s2, ctx, tok = _id_tables(pair)
-    q = pair.log_q.exp()
-    su = u[ctx, tok] - (q * u).sum(-1)[ctx]                          # s·u per id
+def _batch_sums(pair, est: Estimator, baseline: str, group: int, stream, tables) -> tuple[float, float]:
+    """(Σ g·u, Σ |g|²) over one batch of whole groups, drawn piece by piece (pieces of whole groups).
+    ``tables``: (log r, |s|², s·u) per drawn id, each [M]."""
+    logr, s2, su = tables
     proj = sq = 0.0
     for n, gen in stream.pieces(piece_draws(stream.device) // group * group):
         ids = pair.sample_ids(n, gen, stream.device)
@@ -118,6 +121,8 @@ def baseline_rows(pair, estimators, baselines, groups, *, draws: int, seed: int,
     rev = pair.gradient_references()[REVERSE]
     u_np = rev / np.linalg.norm(rev)
     u = torch.as_tensor(u_np).reshape(pair.contexts, pair.vocab)
+    _, logr, s2, ctx, tok = _id_tables(pair)
+    tables = (logr, s2, u[ctx, tok] - (pair.log_q.exp() * u).sum(-1)[ctx])      # s·u per id
     rows = []
     for g in groups:
         check_group(g)
@@ -126,13 +131,14 @@ def baseline_rows(pair, estimators, baselines, groups, *, draws: int, seed: int,
         for est in estimators:
             plain = exact_baseline_gradient(pair, est, None, g)
             for name in baselines:
-                rows.append(_row(pair, est, name, g, plain, streams, u, u_np))
+                rows.append(_row(pair, est, name, g, plain, streams, tables, u_np))
     return rows
 
 
-def _row(pair, est, name, g, plain, streams, u, u_np) -> dict:
+def _row(pair, est, name, g, plain, streams, tables, u_np) -> dict:
+    """One baseline row (``baseline_rows``'s columns)."""
     ex = exact_baseline_gradient(pair, est, name, g)
-    sums = np.array([_batch_sums(pair, est, name, g, s, u) for s in streams])
+    sums = np.array([_batch_sums(pair, est, name, g, s, tables) for s in streams])
     sizes = np.array([s.size for s in streams], dtype=float)
     m, se = mean_and_se(sums[:, 0], sizes)
     m2, se2 = mean_and_se(sums[:, 1], sizes)

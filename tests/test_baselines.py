@@ -81,7 +81,7 @@ def test_monte_carlo_rows_agree_with_the_exact_moments_and_are_reproducible():
 
 def test_bad_group_and_sampler_are_refused():
     pair, _ = _pair()
-    with pytest.raises(SpecError, match="G ≥ 2"):
+    with pytest.raises(SpecError, match="2 ≤ G ≤ 65536"):
         BL.baseline_rows(pair, [ESTIMATORS["k1"]], ["group_mean"], [1], draws=100, seed=0)
     lq = pair.log_q
     sampled = CategoricalPair("s", lq, pair.log_p, log_b=torch.log_softmax(lq / 0.8, -1))
