@@ -68,6 +68,14 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
     return t.long()
 
 
+def _floor_or_mask(correction: WeightCorrection | None) -> WeightCorrection | None:
+    """The correction when it floors or masks q/b; None for the cap alone (computed as before, so that
+    its bytes do not move)."""
+    if correction is None or (correction.floor is None and correction.mask is None):
+        return None
+    return correction
+
+
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
                sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *TOKEN_CORRECTION_KEYS),
@@ -96,9 +104,7 @@ class RolloutPair(Pair):
         ``correction``: a lower bound and a mask of each token's q/b (kl_bench.weights; weights = "token")."""
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
-        # Floors and masks of q/b (None: the cap alone, computed as before so that its bytes do not move).
-        self.correction = correction if correction is not None and (
-            correction.floor is not None or correction.mask is not None) else None
+        self.correction = _floor_or_mask(correction)
         self.min_length = int(min_length) if eos is not None else 0
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
