@@ -170,3 +170,20 @@ def test_rollout_masked_gradient_rows_agree_with_the_dynamic_program():
     rows = G.gradient_rows(pair, [ESTIMATORS["k1"], ESTIMATORS["k3"]], draws=4_000, seed=2, batches=20, device=CPU)
     z = np.array([r["z_reverse"] for r in rows if np.isfinite(r["exact_norm"])])
     assert len(z) >= 4 and np.isfinite(z).all() and (np.abs(z) < 5).all(), z
+
+
+def test_categorical_values_use_the_corrected_weight():
+    """summary rows: E_b[ρ'·f] and its variance, ρ' floored, capped and masked, by a sum written out here."""
+    corr = WeightCorrection(cap=1.5, floor=0.8, mask=(0.6, 2.0))
+    zq, lp, lb = _logits()
+    lq = torch.log_softmax(zq, -1)
+    rho = torch.exp(lq - lb)
+    w = torch.where((rho >= 0.6) & (rho <= 2.0), rho.clamp(0.8, 1.5), torch.zeros_like(rho))
+    prob = lb.exp() / lq.shape[0]
+    pair = _pair(corr)
+    for name in ("k1", "k3"):
+        vals = w * ESTIMATORS[name].fn(lp - lq)
+        m = float((prob * vals).sum())
+        v = float((prob * (vals - m) ** 2).sum())
+        em, ev = pair.exact_moments(ESTIMATORS[name])
+        assert em == pytest.approx(m, rel=1e-12) and ev == pytest.approx(v, rel=1e-12)
