@@ -186,5 +186,15 @@ def _check_corrections(t: Table, sp: SamplerSpec) -> None:
         a, b = getattr(sp, lo), getattr(sp, hi)
         if a is not None and b is not None and a > b:
             raise t.error(f"must be ≤ {hi} ({b:g}), got {a:g}", key=t.key(lo))
+    _check_clip(t, sp)
+
+
+def _check_clip(t: Table, sp: SamplerSpec) -> None:
+    """The PPO clip: not with a bound of the detached weight, and a dual clip above the clip's upper end."""
+    clipped = [k for k in ("clip_low", "clip_high", "dual_clip") if getattr(sp, k) is not None]
+    bounded = [k for k in ("weight_cap", "weight_floor") if getattr(sp, k) is not None]
+    if clipped and bounded:       # one ratio here: a bound on the detached ρ and a clip of ρ itself conflict
+        raise t.error(f"{bounded[0]} and {clipped[0]} both bound q/b (the detached weight and the PPO ratio): set one "
+                      "of them (masks combine with either)", key=t.key(bounded[0]))
     if sp.dual_clip is not None and sp.clip_high is not None and sp.dual_clip <= 1 + sp.clip_high:
         raise t.error(f"must be > 1 + clip_high ({1 + sp.clip_high:g}), got {sp.dual_clip:g}", key=t.key("dual_clip"))

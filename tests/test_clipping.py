@@ -21,7 +21,7 @@ CORRECTIONS = {
     "icepop": WeightCorrection(mask=(0.7, 1.3)),
     "ppo": WeightCorrection(clip=(0.2, 0.28)),
     "ppo-dual": WeightCorrection(clip=(0.2, 0.2), dual=1.5),
-    "ppo+mask": WeightCorrection(clip=(0.1, 0.1), mask=(0.5, 2.0)),
+    "ppo+mask": WeightCorrection(clip=(0.1, 0.1), mask=(0.5, 2.0)),      # (a cap or floor with a clip is refused)
 }
 
 
@@ -121,6 +121,8 @@ BODIES = {"categorical": 'vocab = 50\nq = {logits = "zipf", seed = 1}\np = {from
      ["sampler.mask_low", "≤ mask_high"]),
     ("categorical", 'sampler = {temperature = 0.8, weights = "token", weight_floor = 2.0, weight_cap = 1.0}',
      ["sampler.weight_floor", "≤ weight_cap"]),
+    ("categorical", 'sampler = {temperature = 0.8, weights = "token", weight_cap = 2.0, clip_high = 0.2}',
+     ["sampler.weight_cap", "set one"]),
     ("gaussian", 'sampler = {std_scale = 1.2, weights = "token", clip_low = 0.2}', ["sampler.clip_low", "only for categorical"]),
     ("rollout", 'sampler = {temperature = 0.8, weights = "token", clip_high = 0.2}', ["sampler.clip_high", "only for categorical"]),
     ("rollout", 'sampler = {temperature = 0.8, weights = "sequence", mask_high = 2.0}', ["sampler.mask_high", "needs weights"]),
