@@ -20,6 +20,7 @@ from .config import Table, nonnegative, positive
 from .errors import SpecError
 from .logits import LogitsSource, behavior_logits, parse_logits_source
 from .registry import did_you_mean
+from .weights import WeightCorrection
 
 
 # b = N(μq, (std_scale·σq)²): its variance and the squared standard scores of the exact moments must stay
@@ -61,7 +62,17 @@ def _top_p(z: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _weights_words(sp: "SamplerSpec") -> str:
-    return f"{sp.weights} IS weights" + (f" capped at {sp.weight_cap:g}" if sp.weight_cap else "")
+    more = WeightCorrection.of(sp).words()
+    return f"{sp.weights} IS weights" + (f" capped at {sp.weight_cap:g}" if sp.weight_cap else "") \
+        + (f", {more}" if more else "")
+
+
+def _epsilon_low(v: float) -> str | None:
+    return None if 0 <= v < 1 else f"must lie in [0, 1) (the clip's lower end 1 − ε must stay positive), got {v:g}"
+
+
+def _dual(v: float) -> str | None:
+    return None if v > 1 else f"must be > 1 (the dual clip bounds ratios above 1 + ε_high), got {v:g}"
 
 
 def _at_least_one(v: int) -> str | None:
@@ -89,6 +100,13 @@ class SamplerSpec:
     std_scale: float = option(1.0, "float", lambda v: _std_scale(v), describe=lambda sp: f"std×{sp.std_scale:g}")
     weights: str = option("none", "weights", describe=_weights_words)
     weight_cap: float | None = option(None, "float", positive)        # described with the weights
+    # Further corrections of ρ = q/b (kl_bench.weights, docs/weights.md), described with the weights.
+    weight_floor: float | None = option(None, "float", positive)      # truncated IS lower bound max(ρ, ·)
+    mask_low: float | None = option(None, "float", nonnegative)       # ρ < mask_low: the draw is masked
+    mask_high: float | None = option(None, "float", positive)         # ρ > mask_high: masked (IcePop)
+    clip_low: float | None = option(None, "float", _epsilon_low)      # PPO surrogate: ε_low
+    clip_high: float | None = option(None, "float", nonnegative)      # PPO surrogate: ε_high
+    dual_clip: float | None = option(None, "float", _dual)            # dual-clip PPO: c
 
     def set_options(self) -> list[dataclasses.Field]:
         """The options not at their defaults, in field order."""
@@ -127,6 +145,8 @@ class SamplerSpec:
 
 LOGIT_KEYS = tuple(f.name for f in dataclasses.fields(SamplerSpec) if f.metadata["logits"] is not None)
 WEIGHT_KEYS = ("weights", "weight_cap")
+CORRECTION_KEYS = ("weight_floor", "mask_low", "mask_high", "clip_low", "clip_high", "dual_clip")
+TOKEN_CORRECTION_KEYS = CORRECTION_KEYS[:3]     # transforms of the detached weight alone (rollouts)
 
 
 def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: tuple[str, ...],
@@ -152,4 +172,29 @@ def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: t
     t.finish()
     if sampler.weight_cap is not None and sampler.weights == "none":
         raise t.error("weight_cap needs weights = \"token\" or \"sequence\"", key=t.key("weight_cap"))
+    _check_corrections(t, sampler)
     return sampler
+
+
+def _check_corrections(t: Table, sp: SamplerSpec) -> None:
+    """The weight corrections act on per-token weights and need consistent bounds."""
+    for k in CORRECTION_KEYS:
+        if getattr(sp, k) is not None and sp.weights != "token":
+            raise t.error("needs weights = \"token\" (it corrects the per-token weight q/b)", key=t.key(k))
+    pairs = (("weight_floor", "weight_cap"), ("mask_low", "mask_high"))
+    for lo, hi in pairs:
+        a, b = getattr(sp, lo), getattr(sp, hi)
+        if a is not None and b is not None and a > b:
+            raise t.error(f"must be ≤ {hi} ({b:g}), got {a:g}", key=t.key(lo))
+    _check_clip(t, sp)
+
+
+def _check_clip(t: Table, sp: SamplerSpec) -> None:
+    """The PPO clip: not with a bound of the detached weight, and a dual clip above the clip's upper end."""
+    clipped = [k for k in ("clip_low", "clip_high", "dual_clip") if getattr(sp, k) is not None]
+    bounded = [k for k in ("weight_cap", "weight_floor") if getattr(sp, k) is not None]
+    if clipped and bounded:       # one ratio here: a bound on the detached ρ and a clip of ρ itself conflict
+        raise t.error(f"{bounded[0]} and {clipped[0]} both bound q/b (the detached weight and the PPO ratio): set one "
+                      "of them (masks combine with either)", key=t.key(bounded[0]))
+    if sp.dual_clip is not None and sp.clip_high is not None and sp.dual_clip <= 1 + sp.clip_high:
+        raise t.error(f"must be > 1 + clip_high ({1 + sp.clip_high:g}), got {sp.dual_clip:g}", key=t.key("dual_clip"))

@@ -31,9 +31,10 @@ from ..estimators import RowSource
 from ..precision import Precision, in_precision, parse_precision, rounded_logr
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_source_logits)
-from ..samplers import LOGIT_KEYS, WEIGHT_KEYS
+from ..samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ..seeding import BatchStream
 from ..targets import FORWARD, REVERSE
+from ..weights import WeightCorrection
 from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradientDefaults,
                    GradItem, JointMoments, Pair, register_kind)
 
@@ -50,20 +51,22 @@ class CategoricalCase(CaseConfig):
 
 
 @register_kind("categorical", description="categoricals over a vocabulary, [V] or [B, V] logits; exact sums",
-               sampler_keys=(*LOGIT_KEYS, "behavior", *WEIGHT_KEYS))
+               sampler_keys=(*LOGIT_KEYS, "behavior", *WEIGHT_KEYS, *CORRECTION_KEYS))
 class CategoricalPair(GradientDefaults, Pair):
     clamp_sees_weight = True
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
                  sampler_label: str = "", sampling: str = "auto", precision: Precision | None = None,
-                 logits: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 logits: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 correction: WeightCorrection | None = None):
         """``log_q``, ``log_p``: normalised float64 log-probabilities [B, V]. ``log_b``: a sampler b ≠ q
         that draws the tokens while the estimators keep using q's and p's log-probs; ``weights``
         ("token") multiplies every estimate by q/b, capped at ``weight_cap``. ``sampling``: how a
         batch's count vector is drawn (module docstring). ``precision``: the estimators see log r as a
         trainer computes it in lower precision (kl_bench.precision) from ``logits``, (q's, p's) as the
-        source holds them [B, V] (None: the log-probs are what is given)."""
+        source holds them [B, V] (None: the log-probs are what is given). ``correction``: further bounds,
+        masks and the PPO clip of the weight (kl_bench.weights; its cap replaces ``weight_cap``)."""
         self.name = name
         self.sampling = sampling
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
@@ -88,10 +91,11 @@ class CategoricalPair(GradientDefaults, Pair):
         pw = w[self._support].numpy()
         self._pvals = pw / pw.sum()
         # Importance weights q/b of the drawn ids (a cap bounds the variance at the price of bias).
-        self._is_weight = None
+        self._is_weight = self._raw_weight = None
+        self.correction = correction if correction is not None else WeightCorrection(cap=weight_cap)
         if self.log_b is not None and weights == "token":
-            iw = torch.exp((self.log_q - self.log_b).reshape(-1)[self._support])
-            self._is_weight = iw.clamp(max=weight_cap) if weight_cap is not None else iw
+            self._raw_weight = torch.exp((self.log_q - self.log_b).reshape(-1)[self._support])
+            self._is_weight = self.correction.detached(self._raw_weight)
         # Mass of q that b never draws: an unweighted estimate is biased, a weighted one misses it.
         self.support_miss = 0.0 if self.log_b is None else float(
             (self.log_q.exp() * (self.log_b == -torch.inf)).sum(-1).mean())
@@ -124,7 +128,7 @@ class CategoricalPair(GradientDefaults, Pair):
                        logits=(zq, zp))
         return cls(case.name, lq, lp, label=label, log_b=sp.logprobs(lq, lp), weights=sp.weights,
                    weight_cap=sp.weight_cap, sampler_label=sp.describe(), sampling=case.sampling,
-                   precision=case.precision, logits=(zq, zp))
+                   precision=case.precision, logits=(zq, zp), correction=WeightCorrection.of(sp))
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
@@ -284,6 +288,8 @@ class CategoricalPair(GradientDefaults, Pair):
             return item.coef(self._logr)
         if item.mode == "loss_is_nemo":
             return item.est.weighted.coefficient(self._logr, self._is_weight)
+        if self.correction.clips(item.mode):        # the PPO surrogate (kl_bench.weights)
+            return self.correction.coefficient(item.est, item.mode, self._logr, self._raw_weight)
         return item.coef(self._logr) * self._is_weight
 
     def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad:

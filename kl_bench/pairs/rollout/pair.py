@@ -26,9 +26,10 @@ from ...estimators import RowSource, poly_square
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
                        resolve_pair_source_logits)
-from ...samplers import LOGIT_KEYS, WEIGHT_KEYS
+from ...samplers import LOGIT_KEYS, TOKEN_CORRECTION_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
+from ...weights import WeightCorrection
 from ..base import (BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradientDefaults, GradItem,
                     JointMoments, Pair, register_kind)
 from . import gradients as grad
@@ -68,9 +69,17 @@ def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
     return t.long()
 
 
+def _floor_or_mask(correction: WeightCorrection | None) -> WeightCorrection | None:
+    """The correction when it floors or masks q/b; None for the cap alone (computed as before, so that
+    its bytes do not move)."""
+    if correction is None or (correction.floor is None and correction.mask is None):
+        return None
+    return correction
+
+
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
-               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS),
+               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *TOKEN_CORRECTION_KEYS),
                weight_kinds=("token", "sequence", "geometric"))
 class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
@@ -79,7 +88,8 @@ class RolloutPair(GradientDefaults, Pair):
                  length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
                  min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
                  sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False,
-                 token_mean_batch: int | None = None, logits: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 token_mean_batch: int | None = None, logits: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 correction: WeightCorrection | None = None):
         """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
         ``precision``: every row sees the per-token log r as a trainer rounds it (kl_bench.precision);
         the truth stays the float64 KL.
@@ -90,9 +100,11 @@ class RolloutPair(GradientDefaults, Pair):
         "sequence" multiplies every row by W = Π_t q/b; "geometric" does too and adds tok_gm rows, the
         token sum times W^{1/|y|} (TRL's sequence-level weight). ``weight_cap`` caps each token's q/b.
         ``per_sequence_mean``: tok_mean rows (Σ_t f / |y|) besides the token sums. ``token_mean_batch`` = B:
-        tok_batch rows, the "token-mean" of B consecutive sequences (Σ_i Σ_t f / Σ_i |y_i|), one value per B."""
+        tok_batch rows, the "token-mean" of B consecutive sequences (Σ_i Σ_t f / Σ_i |y_i|), one value per B.
+        ``correction``: a lower bound and a mask of each token's q/b (kl_bench.weights; weights = "token")."""
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
+        self.correction = _floor_or_mask(correction)
         self.min_length = int(min_length) if eos is not None else 0
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
@@ -231,7 +243,7 @@ class RolloutPair(GradientDefaults, Pair):
                    log_b=sp.logprobs(lq, lp) if sp.reshapes else None, min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
                    precision=case.precision, per_sequence_mean=case.per_sequence_mean,
-                   token_mean_batch=case.token_mean_batch, logits=(zq, zp))
+                   token_mean_batch=case.token_mean_batch, logits=(zq, zp), correction=WeightCorrection.of(sp))
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
@@ -275,7 +287,13 @@ class RolloutPair(GradientDefaults, Pair):
 
     def token_log_weight(self, lb: torch.Tensor) -> torch.Tensor:
         """log of :meth:`token_weight`: log(q/b), capped at log(weight_cap)."""
-        lw = self.log_q - lb
+        return self._capped_log(self.log_q - lb)
+
+    def _capped_log(self, lw: torch.Tensor) -> torch.Tensor:
+        """log of a token's corrected weight from log(q/b): the cap in log space (no overflow); with a
+        floor or mask, the log of the corrected weight (−inf where masked: the token or sequence drops)."""
+        if self.correction is not None:
+            return torch.log(self.correction.detached(torch.exp(lw)))
         return lw.clamp(max=math.log(self.weight_cap)) if self.weight_cap is not None else lw
 
     def seq_moments(self, s: int) -> list[float]:
@@ -509,9 +527,7 @@ class RolloutPair(GradientDefaults, Pair):
             w_t = None if logw is None else self._capped(torch.exp(logw[phase_of[t]][base + x]))
             if w_t is not None:                     # q/b of this token, for sequences still alive
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
-                lw_t = logw[phase_of[t]][base + x]
-                if self.weight_cap is not None:
-                    lw_t = lw_t.clamp(max=math.log(self.weight_cap))
+                lw_t = self._capped_log(logw[phase_of[t]][base + x])
                 log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
             if record is not None:
                 record.append((base + x, alive, w_t))
@@ -537,7 +553,9 @@ class RolloutPair(GradientDefaults, Pair):
         return tables, logw, phase_of
 
     def _capped(self, w: torch.Tensor) -> torch.Tensor:
-        """A token's weight q/b with the case's cap applied."""
+        """A token's weight q/b with the case's cap (and floor and mask, kl_bench.weights) applied."""
+        if self.correction is not None:
+            return self.correction.detached(w)
         return w.clamp(max=self.weight_cap) if self.weight_cap is not None else w
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
