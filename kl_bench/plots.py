@@ -326,14 +326,17 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
         se = np.sqrt(np.maximum(sq, 0) / np.maximum(k_idx - 1, 1))
         color = PALETTE[k % len(PALETTE)]
         ax.plot(cum_n, run_mean, color=color, lw=1.5)
-        ax.fill_between(cum_n[1:], (run_mean - 2 * se)[1:], (run_mean + 2 * se)[1:], color=color, alpha=0.2)
+        heavy = bool(_heavy(pd.DataFrame([r]))[0])
+        ax.fill_between(cum_n[1:], (run_mean - 2 * se)[1:], (run_mean + 2 * se)[1:], color=color, alpha=0.2,
+                        hatch="//" if heavy else None)
         if math.isfinite(r["true_kl"]):
             ax.axhline(r["true_kl"], color="black", lw=1.2, ls=":", label="true KL")
         biased = math.isfinite(r["exact_mean"]) and not math.isclose(r["exact_mean"], r["true_kl"], rel_tol=1e-6)
         if biased:
             ax.axhline(r["exact_mean"], color="grey", lw=1.2, ls="--", label="exact mean (biased)")
         ax.set_xscale("log")
-        ax.set_title(row_label(r), fontsize="medium")
+        # A heavy tail: the band is drawn from an SE that is not valid (hatched, and the title says so).
+        ax.set_title(row_label(r) + ("  † heavy tail: band not valid" if heavy else ""), fontsize="medium")
         ax.tick_params(labelsize="small")
         if k == 0 or biased:
             _legend(ax, fontsize="x-small")
