@@ -8,6 +8,8 @@ script with the hooks that the environment asks for installed first.
   crashed or OOM-killed process would, the Nth time (default the first) it reaches PHASE: ``start`` (it
   joined the process group), ``main`` (it drew its slice of a round of a main or pilot pass, before the
   gather), ``gradients`` (it added a batch of a gradient pass).
+- ``KL_BENCH_WRITE_DELAY=SECONDS``: a pause after each file staged by :func:`kl_bench.storage.write_folder`,
+  so that a test can kill the process while a results folder is half staged.
 """
 from __future__ import annotations
 
@@ -16,11 +18,28 @@ import signal
 
 SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
 RANK_FAIL_ENV = "KL_BENCH_RANK_FAIL"
+WRITE_DELAY_ENV = "KL_BENCH_WRITE_DELAY"
 
 
 def install_from_env() -> None:
     _install_self_signal()
     _install_rank_fail()
+    _install_write_delay()
+
+
+def _install_write_delay() -> None:
+    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+    if not delay:
+        return
+    import time
+
+    from . import storage
+    stage = storage.stage_file
+
+    def slow(path, data) -> None:
+        stage(path, data)
+        time.sleep(delay)          # the test waits for the staging folder, then kills mid-write
+    storage.stage_file = slow
 
 
 def _install_self_signal() -> None:

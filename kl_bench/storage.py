@@ -20,7 +20,6 @@ import functools
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,6 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-# Test hook: seconds to sleep between staged writes, so that signal tests can land mid-write.
-_WRITE_DELAY_ENV = "KL_BENCH_WRITE_DELAY"
 
 
 def _write_file(fh, data: bytes) -> None:
@@ -223,16 +220,13 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
     exists as anything but a folder is refused (one line); a symlink to a folder is followed."""
     out_dir = output_dir(Path(out_dir))
     check_dir_target(out_dir)
-    delay = float(os.environ.get(_WRITE_DELAY_ENV, "0") or 0)
     stage = staging_dir(out_dir)
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     tops = {name.split("/")[0] for name in files}
     try:
         for name, data in files.items():
-            _stage_file(stage / name, data)
-            if delay:
-                time.sleep(delay)
+            stage_file(stage / name, data)
         if out_dir.exists():
             _carry_over(out_dir, stage, tops)
         key = str(out_dir.absolute())
@@ -256,7 +250,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
         raise
 
 
-def _stage_file(path: Path, data: bytes) -> None:
+def stage_file(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "xb") as fh:        # O_CREAT | O_EXCL: a new file, never one a symlink points to
         _write_file(fh, data)

@@ -198,7 +198,10 @@ def test_resume_under_torchrun_after_a_rank_died(one_process, tmp_path):
                     env=_env(KL_BENCH_RANK_FAIL="1:main:5"))
     assert res.returncode != 0
     lines = _ours(res.stderr)
-    assert len(lines) == 1 and "no results were written" in lines[0], res.stderr
+    # Rank 0 either sees rank 1's death itself or is stopped first by torchrun's SIGTERM (a race that a
+    # loaded machine decides either way): both lines say that nothing was written.
+    assert len(lines) == 1 and ("no results were written" in lines[0] or "nothing was written" in lines[0]), \
+        res.stderr
     assert "kl_bench" + os.sep not in res.stderr          # no traceback from our code (torchrun prints its own)
     assert not (out / "summary.csv").exists() and (out / ".checkpoint.pt").exists()
     res = _torchrun("run", spec, "--out", out, "--quiet", "--resume")
