@@ -405,7 +405,8 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
     (a path, Spec or dict), a results folder must hold that experiment's cases."""
     import pandas as pd
 
-    from .gate import baseline_comparisons, exact_comparisons, holm, load_baseline, normalize_baseline
+    from .gate import baseline_comparisons, exact_comparisons, holm
+    from .results.baseline import load_baseline, normalize_baseline
     if not 0 < alpha < 1:
         raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
     sha = spec_sha256

@@ -31,7 +31,6 @@ from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
 from .pairs.base import GradientAccumulator, Pair, gradient_oracle
 from .seeding import BatchStream, batch_generator, batch_sizes, batch_streams
-from .storage import check_resumed_sums
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
 
@@ -281,3 +280,26 @@ def _merge_ranks(acc: GradientAccumulator, parts: list[GradBatch], ranks: Ranks)
         return None
     acc.merge([partial for _, partial in got])
     return [b for p, _ in got for b in p]
+
+
+def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int]) -> str | None:
+    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J] (kl_bench.engine's layout: per
+    row the centred values, their squares and the count of negative values; per joint block a, b, a², b²,
+    ab), or None. ``finite``: per row, whether its exact mean is finite (only such a row's sums must be);
+    ``sizes``: the draws of each batch. A checkpoint is data on disk: anything impossible is refused."""
+    k = sums.shape[0]
+    if torch.isnan(sums).any():
+        return "holds NaN sums"
+    vals, squares, negs = sums[:, :rows], sums[:, rows:2 * rows], sums[:, 2 * rows:3 * rows]
+    keep = torch.tensor(finite, dtype=torch.bool)
+    if not bool(torch.isfinite(torch.cat([vals[:, keep], squares[:, keep]], 1)).all()):
+        return "holds infinite sums for an estimator whose exact mean is finite"
+    if bool((squares < 0).any()):
+        return "holds a negative sum of squares"
+    n = torch.tensor(sizes[:k], dtype=torch.float64)[:, None]
+    if bool(((negs < 0) | (negs > n) | (negs != torch.round(negs))).any()):
+        return "holds a count of negative estimates that is not a whole number in [0, the batch's draws]"
+    joint = sums[:, 3 * rows:].reshape(k, -1, 5)
+    if bool((joint[..., 2:4] < 0).any()):
+        return "holds a negative joint sum of squares"
+    return None

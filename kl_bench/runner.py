@@ -15,8 +15,8 @@ from .distributed import SINGLE, RankFailure, Ranks
 from .errors import SpecError
 from .experiment import total_draws
 from .progress import LazyProgress
-from .storage import (CHECKPOINT, FolderLock, check_output_dir, checkpoint_identity, clean_stale, committed,
-                      fs_error, load_checkpoint, output_dir, remove_checkpoint, save_checkpoint)
+from .results.checkpoint import CHECKPOINT, checkpoint_identity, load_checkpoint, remove_checkpoint, save_checkpoint
+from .storage import FolderLock, check_output_dir, clean_stale, committed, fs_error, output_dir
 
 DEFAULT_RUNS = Path("runs")        # where a run goes without an output folder (git-ignored)
 

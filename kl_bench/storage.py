@@ -1,5 +1,5 @@
 """Results that are never lost: atomic files, an atomic swap of the whole results folder, a lock
-against two runs writing one folder, and checkpoints for --resume.
+against two runs writing one folder (checkpoints for --resume: kl_bench.results.checkpoint).
 
 A run stages every file in a sibling folder ``.NAME.staging-PID`` and then exchanges it with ``NAME``
 in one ``renameat2(RENAME_EXCHANGE)`` call (Linux ≥ 3.15): readers see the old folder or the new one,
@@ -14,7 +14,6 @@ import ctypes.util
 import errno
 import fcntl
 import hashlib
-import io
 import json
 import functools
 import os
@@ -23,11 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from . import signals
 from .errors import SpecError
-from .safe_io import check_dir_target, check_write_target, open_lock_file, read_regular
+from .safe_io import check_dir_target, check_write_target, open_lock_file
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -327,84 +325,3 @@ class FolderLock:
             fcntl.flock(self.fh.fileno(), fcntl.LOCK_UN)
             self.fh.close()
             self.fh = None
-
-
-# ----------------------------------------------------------------------------- checkpoints
-CHECKPOINT = ".checkpoint.pt"
-
-
-def checkpoint_identity(spec, device: torch.device, case_draws: list[int]) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: the spec text, seed, device, draws and batches."""
-    return {"spec_sha256": spec.sha256, "seed": spec.experiment.seed, "device": str(device),
-            "draws": list(case_draws), "batches": spec.experiment.batches}
-
-
-def save_checkpoint(out_dir: Path, identity: dict[str, Any], sums: dict[str, torch.Tensor]) -> None:
-    buf = io.BytesIO()
-    torch.save({"identity": identity, "sums": {k: v.clone() for k, v in sums.items()}}, buf)
-    atomic_write_bytes(Path(out_dir) / CHECKPOINT, buf.getvalue())
-
-
-def load_checkpoint(out_dir: Path, identity: dict[str, Any],
-                    batches: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
-    """The batch sums of an interrupted run. ``batches``: {case: number of batches of this run}; a
-    checkpoint holding other cases, more batches, or anything but 2-D float64 sums is refused."""
-    path = Path(out_dir) / CHECKPOINT
-    if not path.exists():
-        raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir))
-    raw = read_regular(path, "checkpoint")
-    try:
-        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise SpecError(f"checkpoint is unreadable ({e.__class__.__name__}); delete {path}", file=str(out_dir)) from None
-    if not isinstance(data, dict) or not isinstance(data.get("sums"), dict):
-        raise SpecError(f"checkpoint is not a kl-bench checkpoint; delete {path}", file=str(out_dir))
-    for case, sums in data["sums"].items():
-        problem = _checkpoint_sums_problem(case, sums, batches)
-        if problem:
-            raise SpecError(f"checkpoint {problem}; delete {path}", file=str(out_dir))
-    if data.get("identity") != identity:
-        diff = [k for k in identity if data.get("identity", {}).get(k) != identity[k]]
-        raise SpecError(f"checkpoint was made with a different {', '.join(diff)}; rerun without --resume",
-                        file=str(out_dir))
-    return data["sums"]
-
-
-def _checkpoint_sums_problem(case: str, sums: Any, batches: dict[str, int] | None) -> str | None:
-    """What is wrong with one case's sums in a checkpoint (a 2-D float64 table without NaN, no more
-    batches than the run has), in words, or None."""
-    if not isinstance(sums, torch.Tensor) or sums.ndim != 2 or sums.dtype != torch.float64 or sums.is_meta:
-        return f"sums of case '{case}' are not a 2-D float64 table"
-    if bool(torch.isnan(sums).any()):
-        return f"sums of case '{case}' hold NaN (corrupted?)"
-    if batches is not None and (case not in batches or sums.shape[0] > batches[case]):
-        want = f"the run has {batches[case]}" if case in batches else "the spec has no such case"
-        return f"holds {sums.shape[0]} batches of case '{case}' but {want}"
-    return None
-
-
-def remove_checkpoint(out_dir: Path) -> None:
-    (Path(out_dir) / CHECKPOINT).unlink(missing_ok=True)
-
-
-def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int]) -> str | None:
-    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J] (kl_bench.engine's layout: per
-    row the centred values, their squares and the count of negative values; per joint block a, b, a², b²,
-    ab), or None. ``finite``: per row, whether its exact mean is finite (only such a row's sums must be);
-    ``sizes``: the draws of each batch. A checkpoint is data on disk: anything impossible is refused."""
-    k = sums.shape[0]
-    if torch.isnan(sums).any():
-        return "holds NaN sums"
-    vals, squares, negs = sums[:, :rows], sums[:, rows:2 * rows], sums[:, 2 * rows:3 * rows]
-    keep = torch.tensor(finite, dtype=torch.bool)
-    if not bool(torch.isfinite(torch.cat([vals[:, keep], squares[:, keep]], 1)).all()):
-        return "holds infinite sums for an estimator whose exact mean is finite"
-    if bool((squares < 0).any()):
-        return "holds a negative sum of squares"
-    n = torch.tensor(sizes[:k], dtype=torch.float64)[:, None]
-    if bool(((negs < 0) | (negs > n) | (negs != torch.round(negs))).any()):
-        return "holds a count of negative estimates that is not a whole number in [0, the batch's draws]"
-    joint = sums[:, 3 * rows:].reshape(k, -1, 5)
-    if bool((joint[..., 2:4] < 0).any()):
-        return "holds a negative joint sum of squares"
-    return None

@@ -95,3 +95,14 @@ def png_figures_only(monkeypatch):
     tests/test_report.py::test_figures_are_also_written_as_deterministic_vectors checks the vectors."""
     from kl_bench import report
     monkeypatch.setattr(report, "FIGURE_FORMATS", ("png",))
+
+
+# Test files of the optional extras (hf: your own models; trl: the trainer audit). They skip where the extra
+# is missing; .ci/run installs the extras and runs them with `-m 'slow or extras'`, where they must not skip.
+EXTRAS_FILES = {"test_model.py", "test_trainer_inputs.py", "test_audit_trl.py"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name in EXTRAS_FILES:
+            item.add_marker(pytest.mark.extras)

@@ -130,7 +130,7 @@ def test_check_passes_a_clean_run_and_fails_a_moved_one(spec_path):
     report = kl_bench.check(result)
     assert report.passed and not report.failures and len(report.table) == len(report.comparisons) > 20
     assert "0 failed" in report.verdict
-    from kl_bench.gate import make_baseline
+    from kl_bench.results.baseline import make_baseline
     base = make_baseline(result.summary, result.spec)
     assert kl_bench.check(kl_bench.run(spec_path, draws=30_000, seed=9), baseline=base).passed
     moved = result.summary.copy()

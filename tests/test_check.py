@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from kl_bench import check, run
 from kl_bench import estimators as est_mod
-from kl_bench.gate import baseline_bytes, baseline_comparisons, make_baseline, normalize_baseline
+from kl_bench.gate import baseline_comparisons
+from kl_bench.results.baseline import baseline_bytes, make_baseline, normalize_baseline
 from kl_bench.cli import app
 from kl_bench.estimators import ESTIMATORS
 from kl_bench.pairs import GaussianPair

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 import kl_bench
 from kl_bench.cli import app
 from kl_bench.errors import SpecError
-from kl_bench.gate import load_baseline, normalize_baseline
+from kl_bench.results.baseline import load_baseline, normalize_baseline
 from kl_bench.report import load_results
 from kl_bench.results.verify import DATA_FILES, check_results_match_spec, verify_results_folder
 

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kl_bench import storage
+from kl_bench.results import checkpoint
 from kl_bench.cli import app
 
 runner = CliRunner()
@@ -181,13 +182,13 @@ def test_a_checkpoint_with_the_wrong_number_of_batches_is_refused(spec, tmp_path
     out = tmp_path / "res"
     out.mkdir()
     prep = prepare(spec)
-    identity = storage.checkpoint_identity(prep.spec, prep.device, prep.spec.case_draws())
-    storage.save_checkpoint(out, identity, {"g": torch.zeros(21, 12, dtype=torch.float64)})    # the run has 20
+    identity = checkpoint.checkpoint_identity(prep.spec, prep.device, prep.spec.case_draws())
+    checkpoint.save_checkpoint(out, identity, {"g": torch.zeros(21, 12, dtype=torch.float64)})    # the run has 20
     _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]),
                     "checkpoint holds 21 batches of case 'g' but the run has 20")
-    storage.save_checkpoint(out, identity, {"other": torch.zeros(3, 12, dtype=torch.float64)})
+    checkpoint.save_checkpoint(out, identity, {"other": torch.zeros(3, 12, dtype=torch.float64)})
     _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]), "no such case")
-    (out / storage.CHECKPOINT).write_bytes(b"not a checkpoint")
+    (out / checkpoint.CHECKPOINT).write_bytes(b"not a checkpoint")
     _one_line_error(runner.invoke(app, ["run", str(spec), "--out", str(out), "--resume"]), "checkpoint is unreadable")
 
 

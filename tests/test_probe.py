@@ -23,7 +23,9 @@ from typer.testing import CliRunner
 from kl_bench import api, cli as cli_module, safe_io, signals, storage
 from kl_bench.api import CheckReport
 from kl_bench.errors import SpecError
-from kl_bench.gate import exact_comparisons, holm, load_baseline
+from kl_bench.gate import exact_comparisons, holm
+from kl_bench.results import checkpoint
+from kl_bench.results.baseline import load_baseline
 from kl_bench.logits import read_tensor_file
 
 runner = CliRunner()
@@ -211,13 +213,13 @@ def test_a_gate_that_compared_nothing_fails(made):
 def _checkpoint(spec_path: Path, out: Path, edit) -> None:
     """A checkpoint of 3 batches that the run would accept, then damaged by ``edit``."""
     sp = api.load(spec_path)
-    ident = storage.checkpoint_identity(sp, torch.device("cpu"), sp.case_draws())
+    ident = checkpoint.checkpoint_identity(sp, torch.device("cpu"), sp.case_draws())
     # The layout of kl_bench.engine: per estimator (k1, k3) the centred sums, their squares, the counts
     # of negative values; 1000 draws per batch (20,000 in 20 batches).
     sums = torch.tensor([[0.5, -0.2, 900.0, 800.0, 300.0, 0.0]] * 3, dtype=torch.float64)
     edit(sums)
     out.mkdir(parents=True, exist_ok=True)
-    storage.save_checkpoint(out, ident, {"g": sums})
+    checkpoint.save_checkpoint(out, ident, {"g": sums})
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -433,7 +435,7 @@ def test_a_fifo_or_device_as_baseline_logits_checkpoint_or_batches_is_one_line(m
     _one_line(runner.invoke(app_(), ["check", str(made["spec"]), "--results", str(folder), "-q"]), 2, "FIFO")
     out = tmp_path / "res"
     out.mkdir()
-    os.mkfifo(out / storage.CHECKPOINT)
+    os.mkfifo(out / checkpoint.CHECKPOINT)
     _one_line(runner.invoke(app_(), ["run", str(made["spec"]), "--out", str(out), "-q", "--resume"]), 2, "FIFO")
 
 

@@ -59,7 +59,7 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
         base_path = baseline or BASELINES / f"{sp0.experiment.name}.json"
         use_base = baseline is not None or base_path.exists()
         if use_base:
-            from ..gate import load_baseline
+            from ..results.baseline import load_baseline
             load_baseline(base_path)          # a broken baseline fails before any sampling
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
@@ -89,7 +89,7 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
              device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
              quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:
     """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline."""
-    from ..gate import baseline_bytes, make_baseline
+    from ..results.baseline import baseline_bytes, make_baseline
     from ..storage import check_output_file
     if out is not None:
         with user_errors():
