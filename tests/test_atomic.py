@@ -137,8 +137,8 @@ def test_sigkill_while_writing_leaves_the_earlier_results_whole(write_spec, tmp_
 
 @pytest.mark.slow
 def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, tmp_path):
-    # 12M draws: seconds of sampling; the kill comes at the first checkpoint (every 0.2 s), long before.
-    spec = write_spec(LONG.format(draws=12_000_000))
+    # 6M draws: seconds of sampling; the kill comes at the first checkpoint (every 0.2 s), long before.
+    spec = write_spec(LONG.format(draws=6_000_000))
     whole = _cli("run", spec, "--out", tmp_path / "whole", "--quiet")
     rc, err = _finish(whole)
     assert rc == 0, err
@@ -165,8 +165,9 @@ def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, t
 
 @pytest.mark.slow
 def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
-    # The first run is far too long to finish here (10^10 draws): events, not timing, end it.
-    spec = write_spec(LONG.format(draws=10_000_000_000))
+    # The first run is far too long to finish here (4·10^8 draws, minutes): events, not timing, end it.
+    # Its batches stay small (10^6 draws: a checkpoint and a SIGINT are seen within a second).
+    spec = write_spec(LONG.format(draws=400_000_000))
     out = tmp_path / "out"
     first = _cli("run", spec, "--out", out, "--quiet", "--checkpoint-every", "0.2")
     try:

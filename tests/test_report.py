@@ -180,19 +180,22 @@ def test_report_html_references_and_embeds_every_figure(small_run):
     assert "bias/true" in (small_run / "report" / "table.md").read_text()
 
 
-@pytest.mark.slow
-def test_several_folders_side_by_side(small_run, tmp_path):
-    other = tmp_path / "other"
-    shutil.copytree(small_run, other)
-    res = runner.invoke(app, ["report", str(small_run), str(other), "--out", str(tmp_path / "both")])
+def test_several_folders_side_by_side(tmp_path, build_spec, write_spec):
+    """`report A B` on two small folders: labels, the differences with z, the terminal lines."""
+    gauss = {"name": "gauss", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.4, "std": 1.0}}
+    spec = write_spec(build_spec([gauss], name="small", draws=4000, batches=8))
+    for folder in ("small", "other"):            # the same experiment and seed twice
+        assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / folder), "--quiet"]).exit_code == 0
+    res = runner.invoke(app, ["report", str(tmp_path / "small"), str(tmp_path / "other"), "--out",
+                              str(tmp_path / "both")])
     assert res.exit_code == 0, res.output
     table = (tmp_path / "both" / "table.md").read_text()
-    # the same experiment and seed twice: told apart by folder name, never by absolute path
+    # told apart by folder name, never by absolute path
     assert "small (small)/gauss" in table and "small (other)/gauss" in table and str(tmp_path) not in table
     diffs = pd.read_csv(tmp_path / "both" / "differences.csv")
-    assert len(diffs) > 0 and (diffs["diff"] == 0).all() and (diffs["z"] == 0).all()     # identical copies
+    assert len(diffs) == 2 and (diffs["diff"] == 0).all() and (diffs["z"] == 0).all()     # identical runs
     assert "Differences between runs" in (tmp_path / "both" / "report.md").read_text()
-    assert "differences:" in res.output and "|z| > 5 in 0" in res.output
+    assert "differences: 2 rows compared" in res.output and "|z| > 5 in 0" in res.output
 
 
 def test_runs_are_labelled_by_experiment_and_seed_and_differences_carry_z():
