@@ -183,7 +183,7 @@ def test_squared_norm_of_a_path_gradient_against_explicit_vectors():
 
 def test_monte_carlo_against_exact_within_five_standard_errors():
     pair = _roll(t=4, noise=0.8, seed=1)
-    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=200_000, seed=5, batches=100, device=CPU))
+    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=60_000, seed=5, batches=100, device=CPU))
     exact = rows[rows["equals"] != ""]
     assert len(exact) == 35 and (rows["aggregate"].isin(["seq", "tok"])).all()
     assert (exact["z_reverse"].abs() < 5).all() and (exact["z_forward"].abs() < 5).all(), \
@@ -194,7 +194,7 @@ def test_monte_carlo_against_exact_within_five_standard_errors():
     assert len(items) == len(rows) and ("abs", "seq") not in {(e.name, a) for e, _, a in items}
     rev, fwd = _refs(pair)
     mc = run_gradients(pair, [GradItem.of(*it) for it in items], {"reverse": G.unit(rev), "forward": G.unit(fwd)},
-                       draws=200_000, seed=5, batches=100, device=CPU)
+                       draws=60_000, seed=5, batches=100, device=CPU)
     n_k = mc.sizes
     for j, item in enumerate(items):
         _, second = _brute(pair, *item)
