@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from .draws import AGGREGATES
 from .engine import run_gradients
 from .modes import MODES, GradItem, modes_for
 from .pairs.base import Pair
@@ -29,8 +30,11 @@ def gradient_items(pair: Pair, sources) -> list[GradItem]:
     # A mode defined on-policy only (NeMo-RL's clamp order: w = q/sg(q) has value 1; under a sampler the
     # clamp sees w·f with w = q/b, which a per-draw coefficient c(log r) cannot express): a row only where
     # the pair applies the weight inside the clamp's test (categoricals: Pair.clamp_sees_weight).
-    return [GradItem.of(e, m, a) for a in pair.aggregates for e in ests if a in pair.aggregates_for(e)
-            for m in modes_for(e) if MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight]
+    # Token-only modes (reward+loss, reward_to_go, reward_partial) get rows on token aggregates only: on
+    # one draw or a sequence log-ratio they equal loss_is or reward (kl_bench.modes).
+    return [GradItem.of(e, m, a) for a in pair.gradient_aggregates for e in ests if a in pair.aggregates_for(e)
+            for m in modes_for(e, token=AGGREGATES[a].token)
+            if MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight]
 
 
 def unit(v: np.ndarray) -> np.ndarray:

@@ -11,9 +11,15 @@ mode's name. The built-in modes:
 | loss_is | f(log r) · q_θ/sg(q_θ) | f(log r) − f′(log r) |
 | straight_through | value of f, gradient of k2 (estimators that declare it: k3) | −log r |
 | loss_is_nemo | clamp(w·f(clamp(log r))), w = q/sg(q) detached where a clamp fires (NeMo-RL) | (f − f′)·1[no clamp] |
+| reward+loss | sg(f)·log q + f: the KL term in the reward and in the loss (Shah et al.'s fix) | f − f′ |
+| reward_to_go | Σ_{s≥t} sg(f_s) · log q(x_t): each token's score times the KL still to come (Tang & Munos) | f |
+| reward_partial | Σ_t sg(f_t) · log q(x_t): each token's score times its own f only (a partial form) | f |
 
 f′ comes from autograd of the estimator function itself, so clamped variants differentiate as trainers'
-code does.
+code does. The last three differ from ``loss_is`` and ``reward`` only on a rollout's token rows (on one
+draw, or on the sequence log-ratio, reward+loss is loss_is and the other two are reward), so they have
+token rows only (:attr:`Mode.token_only`); :attr:`Mode.token` says how each mode spreads over a
+sequence's tokens.
 """
 from __future__ import annotations
 
@@ -50,8 +56,21 @@ class Mode:
     poly: Callable[[Estimator], Poly | None]
     trainer_loss: Callable[[Estimator, torch.Tensor, torch.Tensor], torch.Tensor]
     applies: Callable[[Estimator], bool] = lambda est: True
-    score: bool = False
+    token: str = "local"
+    token_only: bool = False
     off_policy: bool = True
+
+    def __post_init__(self):
+        if self.token not in TOKEN_FORMS:
+            raise ValueError(f"mode '{self.name}': token must be one of {TOKEN_FORMS}, not '{self.token}'")
+
+    @property
+    def score(self) -> bool:
+        """The mode's token rows multiply the sequence's score S by a value (score or score+local)."""
+        return self.token in ("score", "score+local")
+
+
+TOKEN_FORMS = ("local", "score", "to_go", "score+local")
 
 
 MODES: Registry[Mode] = Registry("gradient mode")
@@ -146,7 +165,7 @@ for _mode in (
          poly=_loss_poly, trainer_loss=lambda est, lq, lp: est.fn(lp - lq)),
     Mode("reward", "score function: sg(f)·log q",
          coefficient=lambda est: est.fn, poly=lambda est: None if est.poly is None else dict(est.poly),
-         trainer_loss=lambda est, lq, lp: est.fn(lp - lq).detach() * lq, score=True),
+         trainer_loss=lambda est, lq, lp: est.fn(lp - lq).detach() * lq, token="score"),
     Mode("loss_is", "f·q/sg(q) in the loss",
          coefficient=_loss_is_coefficient, poly=_loss_is_poly,
          trainer_loss=lambda est, lq, lp: est.fn(lp - lq) * _is_weight(lq)),
@@ -156,6 +175,18 @@ for _mode in (
     Mode("loss_is_nemo", "NeMo-RL's clamped f·q/sg(q)",
          coefficient=_nemo_coefficient, poly=lambda est: None, trainer_loss=_nemo_loss,
          applies=lambda est: est.weighted is not None, off_policy=False),
+    # One draw's form (coefficient, polynomial, trainer loss) is what a categorical or one sequence
+    # log-ratio would get; the token form is what distinguishes these three (kl_bench.pairs.rollout).
+    Mode("reward+loss", "f in the reward and in the loss",
+         coefficient=_loss_is_coefficient, poly=_loss_is_poly,
+         trainer_loss=lambda est, lq, lp: est.fn(lp - lq).detach() * lq + est.fn(lp - lq),
+         token="score+local", token_only=True),
+    Mode("reward_to_go", "score times the f still to come",
+         coefficient=lambda est: est.fn, poly=lambda est: None if est.poly is None else dict(est.poly),
+         trainer_loss=lambda est, lq, lp: est.fn(lp - lq).detach() * lq, token="to_go", token_only=True),
+    Mode("reward_partial", "each token's score times its own f (partial)",
+         coefficient=lambda est: est.fn, poly=lambda est: None if est.poly is None else dict(est.poly),
+         trainer_loss=lambda est, lq, lp: est.fn(lp - lq).detach() * lq, token="local", token_only=True),
 ):
     register_mode(_mode)
 
@@ -177,28 +208,33 @@ def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
     return MODES[mode].poly(est)
 
 
-def modes_for(est: Estimator) -> list[str]:
-    """The modes an estimator gets (straight_through and loss_is_nemo only where the estimator declares them)."""
-    return [name for name, mode in MODES.items() if mode.applies(est)]
+def modes_for(est: Estimator, token: bool = False) -> list[str]:
+    """The modes an estimator gets (straight_through and loss_is_nemo only where the estimator declares
+    them); ``token``: on a token aggregate (else the token-only modes are left out)."""
+    return [name for name, mode in MODES.items() if mode.applies(est) and (token or not mode.token_only)]
 
 
 @dataclass(frozen=True)
 class GradItem:
     """One gradient row: an estimator in a mode, on an aggregate of the pair ("" for single draws).
     ``coef`` maps log r [n] to the per-draw coefficient c(log r) of the score; ``cpoly`` is c as a
-    polynomial Σ a r^s (log r)^k when it is one (else None); ``score``: the mode's gradient is the value
-    times the whole score (:attr:`Mode.score`)."""
+    polynomial Σ a r^s (log r)^k when it is one (else None); ``token``: the mode's form on token rows
+    (:attr:`Mode.token`)."""
     est: Estimator
     mode: str
     aggregate: str
     coef: Callable[[torch.Tensor], torch.Tensor]
     cpoly: Poly | None
-    score: bool = False
+    token: str = "local"
+
+    @property
+    def score(self) -> bool:
+        return self.token in ("score", "score+local")
 
     @classmethod
     def of(cls, est: Estimator, mode: str, aggregate: str = "") -> "GradItem":
         m = MODES[mode]
-        return cls(est, mode, aggregate, m.coefficient(est), m.poly(est), m.score)
+        return cls(est, mode, aggregate, m.coefficient(est), m.poly(est), m.token)
 
 
 @dataclass

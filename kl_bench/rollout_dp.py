@@ -167,3 +167,81 @@ def token_mean_moments(by_length: torch.Tensor, group: int,
         f_a1d = fft(a1d, sp.n)
         second += b * (b - 1) * float((coef(f_a1d * f_a1d * sp.power2) / x**2).sum())
     return mean, max(second, 0.0)
+
+
+# ----------------------------------------------------------------------------- per-step expectations
+@dataclass(frozen=True)
+class StepTables:
+    """One step's tables [C, V] for :func:`step_expectations`: the sampling law b, the multiplicative
+    weight m (a sequence importance weight's factor; 1 for none), the additive increment f (the per-token
+    estimator, times a token weight where the caller wants one) and u (a weight on the step's own count:
+    a token importance weight of the score's step; 1 for none)."""
+    b: torch.Tensor
+    m: torch.Tensor
+    f: torch.Tensor
+    u: torch.Tensor
+
+
+SUMS = ("one", "all", "to_go")
+
+
+def step_expectations(steps: list[StepTables], bucket: torch.Tensor, eos: int | None, part: str,
+                      gamma: torch.Tensor | None = None) -> torch.Tensor:
+    """E[Σ_t u_t · N_t(c, x) · M · γ(|y|) · F_t] for every (c, x) at once, [C, V] (float64), where
+    N_t(c, x) = 1 if step t drew x from bucket c, M = Π_s m_s, and F_t is 1 (``part = "one"``), the
+    whole sum Σ_s f_s (``"all"``) or the sum still to come Σ_{s≥t} f_s (``"to_go"``, reward-to-go).
+    ``steps``: one :class:`StepTables` per step t = 1..T (phases repeat the same object); ``gamma`` [T]:
+    a factor of the final length, γ(ℓ) = gamma[ℓ − 1] (None: 1).
+
+    A forward pass carries α_t[c] = E[M_{≤t}; alive at c after t steps] and β_t[c] = E[M_{≤t} Σ_{s≤t} f_s;
+    alive at c]; a backward pass carries Z_t[c] = E[M_{>t} γ(|y|) | alive at c after t] and
+    V_t[c] = E[M_{>t} γ(|y|) Σ_{s>t} f_s | alive at c]. The draw of x from c at step t then contributes
+    b m u (α_{t−1} F-part), with the continuation (Z, V) after x: (γ(t), 0) when x is EOS or t = T, else
+    (Z_t, V_t)[bucket(x)]. O(T·C·V); no autograd. Used for reward-to-go and length-normalised gradient
+    rows (kl_bench.pairs.rollout.gradients), whose weights are not products over steps."""
+    if part not in SUMS:
+        raise ValueError(f"part must be one of {SUMS}")
+    length = len(steps)
+    c, v = steps[0].b.shape
+    dt = torch.float64
+    gam = torch.ones(length, dtype=dt) if gamma is None else gamma.to(dt)
+    not_eos = torch.ones(v, dtype=dt)
+    if eos is not None:
+        not_eos[eos] = 0.0
+    # Backward: the continuation values (zc, vc) [C, V] of drawing x from c at step t.
+    cont: list[tuple[torch.Tensor, torch.Tensor]] = [None] * length      # type: ignore[list-item]
+    z_next = torch.full((c,), float(gam[length - 1]), dtype=dt)
+    v_next = torch.zeros(c, dtype=dt)
+    for t in range(length, 0, -1):
+        st = steps[t - 1]
+        if t == length:
+            zc, vc = torch.full((c, v), float(gam[t - 1]), dtype=dt), torch.zeros(c, v, dtype=dt)
+        else:
+            zc = not_eos * z_next[bucket][None, :] + (1 - not_eos) * gam[t - 1]
+            vc = not_eos * v_next[bucket][None, :]
+        cont[t - 1] = (zc, vc)
+        bm = st.b * st.m
+        z_next, v_next = (bm * zc).sum(-1), (bm * (st.f * zc + vc)).sum(-1)
+    # Forward: accumulate the contributions.
+    alpha = torch.zeros(c, dtype=dt)
+    alpha[0] = 1.0
+    beta = torch.zeros(c, dtype=dt)
+    out = torch.zeros(c, v, dtype=dt)
+    for t in range(1, length + 1):
+        st = steps[t - 1]
+        zc, vc = cont[t - 1]
+        bm = st.b * st.m
+        a = alpha[:, None]
+        if part == "one":
+            term = a * zc
+        elif part == "to_go":
+            term = a * (st.f * zc + vc)
+        else:
+            term = beta[:, None] * zc + a * (st.f * zc + vc)
+        out += bm * st.u * term
+        # Move on (EOS draws leave the alive states).
+        go = bm * not_eos
+        new_alpha = torch.zeros(c, dtype=dt).index_add_(0, bucket, (a * go).sum(0))
+        new_beta = torch.zeros(c, dtype=dt).index_add_(0, bucket, (go * (beta[:, None] + a * st.f)).sum(0))
+        alpha, beta = new_alpha, new_beta
+    return out

@@ -30,8 +30,8 @@ def _roll(c=2, v=5, t=3, eos=4, seed=0, noise=0.6):
     return RolloutPair("r", lq, lp, torch.arange(v) % c, t, eos)
 
 
-def _items(ests=ESTS):
-    return [(e, m, a) for a in ("seq", "tok") for e in ests for m in M.modes_for(e)]
+def _items(ests=ESTS, aggs=("seq", "tok")):
+    return [(e, m, a) for a in aggs for e in ests for m in M.modes_for(e, token=a != "seq")]
 
 
 def _refs(pair):
@@ -88,16 +88,27 @@ def _brute(pair: RolloutPair, est, mode: str, agg: str) -> tuple[np.ndarray, flo
             s[cb, x] += 1
             steps.append((s.reshape(-1), torch.tensor([gt[cb, x]], dtype=torch.float64)))
         big_l = sum(lr for _, lr in steps)
-        score = sum(s for s, _ in steps)
-        if agg == "seq":
-            g = big_w * float(c(big_l)[0]) * score
-        elif mode == "reward":
-            g = seq_only * sum(w * float(est.fn(lr)[0]) for w, (_, lr) in zip(tok_w, steps)) * score
-        else:
-            g = seq_only * sum(w * float(c(lr)[0]) * s for w, (s, lr) in zip(tok_w, steps))
+        g = big_w * float(c(big_l)[0]) * sum(s for s, _ in steps) if agg == "seq" else \
+            seq_only * _token_gradient(est, M.MODES[mode].token, c, steps, tok_w) / (len(steps) if agg == "tok_mean" else 1)
         mean += prob * g
         second += prob * float(g @ g)
     return mean, second
+
+
+def _token_gradient(est, form: str, c, steps, tok_w) -> np.ndarray:
+    """One path's token-row gradient written out per form (kl_bench.modes.TOKEN_FORMS), from the steps'
+    (score vector, log r) and token weights."""
+    f = [float(est.fn(lr)[0]) for _, lr in steps]
+    cs = [float(c(lr)[0]) for _, lr in steps]
+    score = sum(s for s, _ in steps)
+    if form == "local":
+        return sum(w * ct * s for w, ct, (s, _) in zip(tok_w, cs, steps))
+    if form == "to_go":
+        return sum(w * sum(f[t:]) * s for t, (w, (s, _)) in enumerate(zip(tok_w, steps)))
+    out = sum(w * ft for w, ft in zip(tok_w, f)) * score
+    if form == "score+local":
+        out = out + sum(w * (ct - ft) * s for w, ct, ft, (s, _) in zip(tok_w, cs, f, steps))
+    return out
 
 
 def _reference_by_enumeration(pair: RolloutPair) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +134,7 @@ def test_references_and_exact_means_against_enumeration(kw):
     scale = np.abs(b_rev).max()
     assert np.allclose(rev, b_rev, rtol=0, atol=1e-12 * scale) and np.allclose(fwd, b_fwd, rtol=0, atol=1e-12 * scale)
     checked = 0
-    for est, mode, agg in _items():
+    for est, mode, agg in _items(aggs=("seq", "tok", "tok_mean")):
         ex = _exact(pair, est, mode, agg)
         if est.token_only and agg == "seq":
             assert ex is None               # |L| is not a polynomial in (R, L): no exact value
@@ -131,7 +142,7 @@ def test_references_and_exact_means_against_enumeration(kw):
         want, _ = _brute(pair, est, mode, agg)
         assert np.allclose(ex, want, rtol=0, atol=1e-12 * scale), (est.name, mode, agg)
         checked += 1
-    assert checked == 35
+    assert checked == 90          # seq 25, tok 35 (5 token-only forms × 6), tok_mean 30
 
 
 def test_what_each_mode_equals_on_a_multi_token_rollout():
@@ -185,7 +196,8 @@ def test_monte_carlo_against_exact_within_five_standard_errors():
     pair = _roll(t=4, noise=0.8, seed=1)
     rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=60_000, seed=5, batches=100, device=CPU))
     exact = rows[rows["equals"] != ""]
-    assert len(exact) == 35 and (rows["aggregate"].isin(["seq", "tok"])).all()
+    # seq: 5 estimators with an exact value × 3 modes + k3's straight_through; tok: 6 × 6 + 1
+    assert len(exact) == 53 and (rows["aggregate"].isin(["seq", "tok"])).all()
     assert (exact["z_reverse"].abs() < 5).all() and (exact["z_forward"].abs() < 5).all(), \
         exact[["estimator", "mode", "aggregate", "z_reverse", "z_forward"]]
     assert rows["exact_trace_cov"].isna().all() and rows["z_trace"].isna().all()

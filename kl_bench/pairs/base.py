@@ -271,6 +271,11 @@ class Pair(ABC):
         """The aggregates on which ``source`` gets a row (rollouts: token-only sources are not on seq)."""
         return self.aggregates
 
+    @property
+    def gradient_aggregates(self) -> tuple[str, ...]:
+        """The aggregates that get gradient rows (each also in :meth:`aggregates_for` of the estimator)."""
+        return self.aggregates
+
     def row_group(self, aggregate: str) -> int:
         """Draws per value of a row on ``aggregate``: 1 (per draw) unless the kind aggregates groups of draws
         (rollouts' "tok_batch": B sequences per trainer batch)."""

@@ -21,7 +21,9 @@ from .combos import Combination
 def expected_score_gradient(q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """E_x[a(x)(e_x − q_b)] averaged over the B contexts: (1/B)(q ⊙ a − q·(q·a)). q, a: [B, V] → [B, V]."""
     qa = q * a
-    return (qa - q * qa.sum(-1, keepdim=True)) / q.shape[0]
+    # ⟨q, a⟩/Σq rather than ⟨q, a⟩: the same number for a normalised q, but a constant a (k1 in the loss)
+    # then gives exactly zero, whatever the last bit of Σq (the summation order differs between CPUs).
+    return (qa - q * (qa.sum(-1, keepdim=True) / q.sum(-1, keepdim=True))) / q.shape[0]
 
 
 def count_gradient(q: torch.Tensor, counts: torch.Tensor, a: torch.Tensor) -> torch.Tensor:

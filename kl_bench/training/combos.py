@@ -46,8 +46,8 @@ def parse_combination(text: str, aggregates: tuple[str, ...]) -> Combination:
         raise SpecError(f"'{name}' is not a function of log r and has no per-draw gradient")
     if mode not in MODES:
         raise SpecError(f"'{text}': unknown mode '{mode}'{did_you_mean(mode, list(MODES))}; known: {', '.join(MODES)}")
-    if mode not in modes_for(est):
-        raise SpecError(f"'{text}': estimator '{name}' has no {mode} mode (it has {', '.join(modes_for(est))})")
+    if mode not in modes_for(est, token=True):     # token-only modes: on a categorical, loss_is or reward
+        raise SpecError(f"'{text}': estimator '{name}' has no {mode} mode (it has {', '.join(modes_for(est, token=True))})")
     aggregate = parts[2] if len(parts) == 3 else (aggregates[0] if aggregates else "")
     if aggregate not in (aggregates or ("",)):
         allowed = ", ".join(aggregates) if aggregates else "none (a categorical has no aggregates)"

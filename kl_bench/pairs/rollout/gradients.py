@@ -126,14 +126,65 @@ def exact_mean(pair: RolloutTables, item: GradItem) -> np.ndarray | None:
     """E_b[per-draw gradient] of one row, flattened [C·V], b the case's sampler (q when none), with its
     importance weights; None where no exact value exists (a non-polynomial estimator of the sequence
     log-ratio, or moments beyond float64)."""
-    if AGGREGATES[item.aggregate].token:
+    agg = AGGREGATES[item.aggregate]
+    if not agg.token:
+        counts = _sequence_counts(pair, item)
+    elif item.aggregate == "tok" and item.token in ("local", "score"):
         counts = _score_counts(pair, item) if item.score else _local_counts(pair, item)
     else:
-        counts = _sequence_counts(pair, item)
+        counts = _step_counts(pair, item, _length_factor(pair, item.aggregate))
     if counts is None:
         return None
     out = _score_part(pair, counts)
     return out if np.isfinite(out).all() else None      # E[R^s …] beyond float64: no exact value
+
+
+def _length_factor(pair: RolloutTables, aggregate: str) -> torch.Tensor | None:
+    """γ(ℓ) [T], the factor of the final length |y| = ℓ that an aggregate puts on a sequence's terms:
+    None (1) for ``tok``, 1/ℓ for ``tok_mean``."""
+    if aggregate == "tok":
+        return None
+    if aggregate == "tok_mean":
+        return 1.0 / torch.arange(1, pair.length + 1, dtype=torch.float64)
+    raise ValueError(f"no gradient rows on aggregate '{aggregate}'")
+
+
+def _step_tables(pair: RolloutTables, f: torch.Tensor) -> list[rollout_dp.StepTables]:
+    """Per step t = 1..T the tables of :func:`kl_bench.rollout_dp.step_expectations` under the sampler:
+    sequence weights multiply (m), token weights weigh each step's own count (u) and, inside a score
+    row's sum, each token's f (the convention of the ``score`` form: (Σ_t w_t f_t)·S)."""
+    out = []
+    for lb, steps in pair.phases:
+        b = lb.exp()
+        w = torch.where(b > 0, pair.token_weight(lb), torch.zeros_like(b)) if pair.weights != "none" \
+            else torch.ones_like(b)
+        ones = torch.ones_like(b)
+        st = rollout_dp.StepTables(b, w if pair.weights == "sequence" else ones, f,
+                                   w if pair.weights == "token" else ones)
+        out.extend([st] * steps)
+    return out
+
+
+def _step_counts(pair: RolloutTables, item: GradItem, gamma: torch.Tensor | None) -> torch.Tensor:
+    """E[γ(|y|) · per-step weight · N] for a token row of any form (kl_bench.modes.TOKEN_FORMS), by the
+    forward–backward program of :func:`kl_bench.rollout_dp.step_expectations`."""
+    f = item.est.fn(pair.logr_table)
+    tok_w = pair.weights == "token"
+
+    def run(part: str, table: torch.Tensor) -> torch.Tensor:
+        steps = _step_tables(pair, table)
+        if part == "all" and tok_w:          # (Σ_t w_t f_t)·S: the weight inside the sum, not on the step
+            steps = [rollout_dp.StepTables(st.b, st.m, st.u * table, torch.ones_like(st.b)) for st in steps]
+        return rollout_dp.step_expectations(steps, pair.bucket, pair.eos, part, gamma)
+
+    if item.token == "local":
+        return run("one", f) * item.coef(pair.logr_table)
+    if item.token == "to_go":                # Σ_t w_t (Σ_{s≥t} f_s) s_t: the ratio on the advantage
+        return run("to_go", f)
+    score = run("all", f)
+    if item.token == "score":
+        return score
+    return score + run("one", f) * (item.coef(pair.logr_table) - f)       # score+local
 
 
 def _ones(lb: torch.Tensor) -> torch.Tensor:
@@ -242,8 +293,8 @@ class RolloutGradients(GradientAccumulator):
         # Rows whose per-step weight depends on the step alone (local tok rows, no importance weights)
         # need only the (bucket, token) counts for their totals; the others accumulate their own weights.
         # Token rows of a mode that is not a score function: Σ_t w_t c(log r_t) s_t, one table c(c, x).
-        per_token = [j for j, it in enumerate(items) if AGGREGATES[it.aggregate].token and not it.score]
-        self.local = per_token if pair.weights == "none" else []
+        per_token = [j for j, it in enumerate(items) if AGGREGATES[it.aggregate].token and it.token == "local"]
+        self.local = [j for j in per_token if items[j].aggregate == "tok"] if pair.weights == "none" else []
         self.per_draw = [j for j in range(len(items)) if j not in self.local]
         self.tables = {j: items[j].coef(pair.logr_table).reshape(-1).to(device) for j in per_token}
         self.w_total = torch.zeros(c_ * v, len(self.per_draw), dtype=torch.float64)
@@ -271,13 +322,8 @@ class RolloutGradients(GradientAccumulator):
             hs = self.hu[:, keys]                                     # [D, m, T]
             w_cols = []
             for j, it in enumerate(items):
-                if not AGGREGATES[it.aggregate].token:                 # W c(L) · S
-                    w = seq_w * it.coef(big_l)[:, None] * alive
-                elif it.score:                                         # (Σ_t w_t f_t) · S, or W (Σ_t f_t) · S
-                    w = (seq_w if pair.weights == "sequence" else 1.0) * (it.est.fn(logr_t) * tok_w).sum(
-                        1, keepdim=True) * alive
-                else:                                                  # Σ_t w_t c(log r_t) s_t
-                    w = (seq_w if pair.weights == "sequence" else 1.0) * self.tables[j][keys] * tok_w
+                w = seq_w * it.coef(big_l)[:, None] * alive if not AGGREGATES[it.aggregate].token else \
+                    self._token_weights(it, j, keys, alive, logr_t, tok_w, seq_w)
                 if j not in self.local:
                     w_cols.append(w)
                 pj = (w[None] * hs).sum(2)                           # [D, m]
@@ -289,6 +335,27 @@ class RolloutGradients(GradientAccumulator):
             if w_cols:
                 self.w_total.index_add_(0, flat_keys, torch.stack(w_cols, -1).reshape(-1, len(w_cols)).cpu())
         return GradBatch(proj, sq, proj2)
+
+    def _token_weights(self, it: GradItem, j: int, keys, alive, logr_t, tok_w, seq_w) -> torch.Tensor:
+        """Per-step weights w [m, T] of a token row, its per-draw gradient being Σ_t w_t s_t (forms:
+        kl_bench.modes.TOKEN_FORMS): local c_t, score Σ_s f_s, to_go Σ_{s≥t} f_s, score+local both; token
+        importance weights w_t on each step (inside the sum for score), a sequence weight W on all; times
+        1/|y| for ``tok_mean``."""
+        outer = seq_w if self.pair.weights == "sequence" else 1.0
+        w = torch.zeros_like(alive)
+        if it.token in ("local", "score+local"):
+            table = self.tables[j] if it.token == "local" else (
+                it.coef(self.g_flat) - it.est.fn(self.g_flat))
+            w = w + table[keys] * tok_w
+        if it.score:
+            w = w + (it.est.fn(logr_t) * tok_w).sum(1, keepdim=True) * alive
+        elif it.token == "to_go":            # the sum still to come: a reversed cumulative sum per path
+            f = it.est.fn(logr_t) * alive
+            w = w + f.flip(1).cumsum(1).flip(1) * tok_w
+        w = outer * w
+        if it.aggregate == "tok_mean":
+            w = w / alive.sum(1, keepdim=True)
+        return w
 
     def total(self) -> np.ndarray:
         total = np.zeros((len(self.items), self.pair.buckets * self.pair.vocab))

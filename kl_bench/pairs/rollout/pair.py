@@ -205,6 +205,12 @@ class RolloutPair(GradientDefaults, Pair):
         return tuple(name for name, a in AGGREGATES.items()
                      if (name in self.aggregates if a.enabled is None else a.enabled(self)) and a.applies(source))
 
+    @property
+    def gradient_aggregates(self) -> tuple[str, ...]:
+        # seq and tok, and the per-sequence token mean where the case has it (GRPO's 1/|y|: exact by the
+        # forward–backward program with a factor of the final length, kl_bench.pairs.rollout.gradients).
+        return self.aggregates + (("tok_mean",) if self.per_sequence_mean else ())
+
     def row_group(self, aggregate: str) -> int:
         return self.token_mean_batch if AGGREGATES[aggregate].grouped else 1
 
