@@ -58,17 +58,44 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
     if drawn is not None:
         drawn["gradients"] = run.drawn
     exacts = [pair.gradient_exact(it, dirs) for it in items]
-    return [_row(pair, item, ex, run, j, dirs, rev, fwd, draws) for j, (item, ex) in enumerate(zip(items, exacts))]
+    selves = self_references(pair, items)
+    return [_row(pair, item, ex, run, j, dirs, _scaled(pair, item, rev, fwd), draws, selves[j])
+            for j, (item, ex) in enumerate(zip(items, exacts))]
+
+
+def self_references(pair: Pair, items: list[GradItem]) -> list[np.ndarray | None]:
+    """∇θ E_q[v] of each row's value v (the ``self`` target), computed once per (estimator, aggregate);
+    None where the kind has no exact value or it is not finite."""
+    cache: dict = {}
+    out = []
+    for it in items:
+        key = (it.est.name, it.est.lam, it.aggregate)
+        if key not in cache:
+            g = pair.gradient_self(it)
+            cache[key] = g if g is not None and np.isfinite(g).all() else None
+        out.append(cache[key])
+    return out
+
+
+def _scaled(pair: Pair, item: GradItem, rev: np.ndarray, fwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The references a row is compared with: a row divided by lengths (a rate per token) against the
+    KL gradients over E_q|y|, the same scaling as its value's truth (kl_bench.pairs.rollout true_value)."""
+    if not AGGREGATES[item.aggregate].per_token:
+        return rev, fwd
+    scale = pair.true_value(REVERSE, item.aggregate) / pair.true_value(REVERSE)
+    return rev * scale, fwd * scale
 
 
 EXACT_COLUMNS = ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse", "exact_relerr_forward",
                  "exact_trace_cov", "n_for_cos90", "exact_along_reverse", "exact_norm")
 
 
-def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, rev: np.ndarray, fwd: np.ndarray,
-         draws: int) -> dict:
-    """One gradients.csv row: the Monte Carlo columns of item j, then the exact ones (empty without ``ex``)."""
+def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, refs: tuple[np.ndarray, np.ndarray],
+         draws: int, own: np.ndarray | None = None) -> dict:
+    """One gradients.csv row: the Monte Carlo columns of item j, then the exact ones (empty without ``ex``).
+    ``refs``: (∇KL(q‖p), ∇KL(p‖q)) as this row is compared with them; ``own``: the ``self`` target."""
     est = item.est
+    rev, fwd = refs
     mc_mean = run.total[j] / draws
     row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
            "lambda": est.lam if est.lam is not None else math.nan,
@@ -89,7 +116,7 @@ def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, rev: np.ndarra
         return row
     row.update(compare(ex.mean, rev, fwd, "exact_"))
     row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
-    row["equals"] = equals(ex.mean, rev, fwd)
+    row["equals"] = equals(ex.mean, rev, fwd, own)
     var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
     if run.proj2 is not None:       # exact mean, measured spread (e.g. rollouts)
         mu_u = float(run.proj[:, j, 0].sum() / draws)
@@ -114,8 +141,10 @@ def compare(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, prefix: str = "") -
     return out
 
 
-def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> str:
-    """Which exact gradient the expectation equals (to float64 rounding of exact sums)."""
+def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, own: np.ndarray | None = None) -> str:
+    """Which exact gradient the expectation equals (to float64 rounding of exact sums): ∇KL(q‖p), ∇KL(p‖q),
+    zero, or ``self`` = ∇E_q[v] of the row's own value v (``own``): what the value follows used as an
+    objective, e.g. k2 in loss_is or reward+loss on-policy (the first three win where they coincide)."""
     scale = max(np.linalg.norm(rev), np.linalg.norm(fwd))
     tol = 1e-9 * scale
     if np.linalg.norm(g - rev) <= tol:
@@ -124,6 +153,8 @@ def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray) -> str:
         return "forward"
     if np.linalg.norm(g) <= tol:
         return "zero"
+    if own is not None and np.linalg.norm(g - own) <= 1e-9 * max(scale, np.linalg.norm(own)):
+        return "self"
     return "other"
 
 

@@ -239,3 +239,25 @@ def test_coefficients_match_autograd_of_the_trainer_losses(mode):
             s[x] += 1
             c = M.coefficient(est, mode)(pair.log_p[0, x:x + 1] - pair.log_q[0, x:x + 1])
             assert torch.allclose(g, c * s, rtol=1e-12, atol=1e-14), (est.name, mode, x)
+
+
+def test_self_target_of_categoricals_and_gaussians():
+    """∇θ E_q[f] against autograd of Σ_x q_θ(x) f(log p − log q_θ) (categoricals; also under a sampler,
+    which does not move the target), and against loss_is on-policy for Gaussians; a row that equals
+    it and no KL gradient is labelled `self` (k2 in loss_is)."""
+    pair = _cat()
+    lb = torch.log_softmax(pair.log_q / 1.5, -1)
+    sampled = CategoricalPair("s", pair.log_q, pair.log_p, log_b=lb, weights="token")
+    for est in ESTS:
+        theta = pair.log_q.clone().requires_grad_(True)
+        lq = torch.log_softmax(theta, -1)
+        (want,) = torch.autograd.grad((lq.exp() * est.fn(pair.log_p - lq)).sum(-1).mean(), theta)
+        for pr in (pair, sampled):
+            got = pr.gradient_self(GradItem.of(est, "loss"))
+            assert np.allclose(got, want.reshape(-1).numpy(), rtol=0, atol=1e-13), est.name
+    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=1_000, seed=0, batches=10, device=CPU))
+    got = {(r["estimator"], r["mode"]): r["equals"] for _, r in rows.iterrows()}
+    assert got[("k2", "loss_is")] == "self" and got[("k3", "loss_is")] == "reverse"
+    gauss = GaussianPair("g", [0.0], [1.0], [0.3], [1.2])
+    k2 = GradItem.of(ESTIMATORS["k2"], "loss_is")
+    assert np.array_equal(gauss.gradient_self(k2), gauss.gradient_exact(k2, {}).mean)

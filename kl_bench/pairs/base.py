@@ -184,6 +184,10 @@ class GradientOracle(Protocol):
     def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
         """E|c s|⁴ < ∞ (else a measured gradient variance cannot be tested against its exact value)."""
 
+    def gradient_self(self, item: GradItem) -> np.ndarray | None:
+        """∇θ E_q[v] [P], v the row's value (the estimator on the item's aggregate): the ``self`` target,
+        what the row's value would follow used as an objective; None where the kind has no exact value."""
+
 
 @runtime_checkable
 class ScoreSampler(Protocol):
@@ -266,6 +270,10 @@ class Pair(ABC):
     def kl_forward(self) -> float:
         """Exact KL(p‖q); may be +inf."""
         return self.true_value(FORWARD)
+
+    def gradient_self(self, item: GradItem) -> np.ndarray | None:
+        """∇θ E_q[row value] (the ``self`` target, :class:`GradientOracle`); None: the kind has none."""
+        return None
 
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
         """The aggregates on which ``source`` gets a row (rollouts: token-only sources are not on seq)."""

@@ -29,6 +29,7 @@ from ..draws import Draws
 from ..errors import SpecError
 from ..estimators import RowSource
 from ..precision import Precision, in_precision, parse_precision, rounded_logr
+from ..modes import derivative
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_source_logits)
 from ..samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
@@ -295,6 +296,24 @@ class CategoricalPair(GradientDefaults, Pair):
     def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad:
         """E[c s] for s = e_x − q_b (in row b), under the mixture (1/B) b_b(x) (b = q without a sampler)."""
         return self.exact_gradient_of_table(self.coefficient_table(item), directions)
+
+    def gradient_self(self, item: GradItem) -> np.ndarray | None:
+        """∇θ E_q[f(log r)] = E_q[(f − f′)(log r)·s] (the score rule; ∇ log r = −s), whatever the sampler:
+        rows (1/B)(q⊙c − q⟨q, c⟩) over q's support, with log r as the estimators see it. Under a sampler
+        with rounded log-probs (the rounded table covers b's ids only) there is none."""
+        if self.precision is not None and self.has_sampler:
+            return None
+        q = self.log_q.exp()
+        if self.precision is None:
+            ctx, tok = torch.nonzero(q > 0, as_tuple=True)
+            logr = self.log_p[ctx, tok] - self.log_q[ctx, tok]
+        else:
+            (ctx, tok), logr = self._ids(), self._logr
+        d = derivative(item.est, "self")
+        c = torch.zeros_like(q)
+        c[ctx, tok] = item.est.fn(logr) - d(logr)
+        qc = q * torch.where(q > 0, c, torch.zeros_like(c))
+        return ((qc - q * qc.sum(-1, keepdim=True)) / self.contexts).reshape(-1).numpy()
 
     def exact_gradient_of_table(self, c_table: torch.Tensor, directions: dict[str, np.ndarray]) -> ExactGrad:
         """E[c s] for per-id coefficients ``c_table`` [M] (sums over the vocabulary)."""

@@ -287,6 +287,14 @@ class GaussianPair(ScoreGradientOracle, Pair):
             proj_var[name] = ex - float(mean @ u) ** 2
         return ExactGrad(mean, second, proj_var)
 
+    def gradient_self(self, item: GradItem) -> np.ndarray | None:
+        """∇θ E_q[f(log r)] = E_q[(f − f′)·s]: loss_is's exact expected gradient on-policy (polynomial f);
+        None under a sampler (its oracle takes expectations under b)."""
+        if self.has_sampler:
+            return None
+        ex = self.gradient_exact(GradItem.of(item.est, "loss_is"), {})
+        return None if ex is None else ex.mean
+
     def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
         """E|c s|⁴ < ∞ iff q^{1−4s} p^{4s} (under a sampler: b^{1−4m} q^{4m−4s} p^{4s}) normalises, s the
         largest power of r in c (|s|⁴ is a polynomial in z)."""

@@ -91,6 +91,28 @@ def reference(pair: RolloutTables) -> tuple[np.ndarray, np.ndarray]:
     return g_rev.reshape(-1).numpy(), g_fwd.reshape(-1).numpy()
 
 
+def self_gradient(pair: RolloutTables, item: GradItem) -> np.ndarray | None:
+    """∇θ E_q[v] flattened [C·V] for the row's value v (the ``self`` target), by autograd through the
+    dynamic program with θ both in the sampling law and in log r: v = Σ_t f_t (``tok``), Σ_t f_t/|y|
+    (``tok_mean``, split on the final length) or f(L) for a polynomial f (``seq``; else None)."""
+    theta = pair.log_q.clone().requires_grad_(True)
+    g = pair.log_p - torch.log_softmax(theta, -1)
+    ones = torch.ones_like(g)
+    if item.aggregate == "tok":
+        value = _moments(pair, theta, ones, item.est.fn(g), 1)[1]
+    elif item.aggregate == "tok_mean":
+        a, e = rollout_dp.moment_matrices(torch.softmax(theta, -1), ones, item.est.fn(g), pair.bucket,
+                                          pair.buckets, pair.eos, 1)
+        by_len = rollout_dp.propagate_by_length([(a, e, pair.length)])[:, 1]
+        value = (by_len / torch.arange(1, pair.length + 1, dtype=torch.float64)).sum()
+    elif item.est.poly is not None:
+        value = sum(a * _moments(pair, theta, torch.exp(s * g), g, k)[k] for (s, k), a in item.est.poly.items())
+    else:
+        return None
+    (grad,) = torch.autograd.grad(value, theta)
+    return grad.reshape(-1).numpy()
+
+
 def _count_moment(pair: RolloutTables, m_fn, h_fn, coefs: list[float], phase: int | None = None) -> torch.Tensor:
     """Σ_k a_k E_b[M S^k N(c, x)] for every (c, x) at once, [C, V]: N(c, x) counts the steps that drew
     x from bucket c, and E_b[M S^k N] = ∂/∂η E_b[M e^{Σ_t η(c_{t−1}, x_t)} S^k] at η = 0, i.e. autograd

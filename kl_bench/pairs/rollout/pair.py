@@ -610,6 +610,9 @@ class RolloutPair(GradientDefaults, Pair):
         mean = grad.exact_mean(self, item)
         return None if mean is None else ExactGrad(mean, math.nan, {})
 
+    def gradient_self(self, item: GradItem) -> np.ndarray | None:
+        return grad.self_gradient(self, item)
+
     def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
         return grad.RolloutGradients(self, items, list(directions.values()), device)
 
