@@ -31,10 +31,13 @@ def gradient_items(pair: Pair, sources) -> list[GradItem]:
     # clamp sees w·f with w = q/b, which a per-draw coefficient c(log r) cannot express): a row only where
     # the pair applies the weight inside the clamp's test (categoricals: Pair.clamp_sees_weight).
     # Token-only modes (reward+loss, reward_to_go, reward_partial) get rows on token aggregates only: on
-    # one draw or a sequence log-ratio they equal loss_is or reward (kl_bench.modes).
+    # one draw or a sequence log-ratio they equal loss_is or reward (kl_bench.modes). A group aggregate
+    # (the token-mean over B sequences, a loss aggregation) gets the modes whose tokens each carry their
+    # own term (local); a value shared by the group times each sequence's score is no trainer's form.
     return [GradItem.of(e, m, a) for a in pair.gradient_aggregates for e in ests if a in pair.aggregates_for(e)
             for m in modes_for(e, token=AGGREGATES[a].token)
-            if MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight]
+            if (MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight)
+            and (not AGGREGATES[a].grouped or MODES[m].token == "local")]
 
 
 def unit(v: np.ndarray) -> np.ndarray:

@@ -169,6 +169,30 @@ def token_mean_moments(by_length: torch.Tensor, group: int,
     return mean, max(second, 0.0)
 
 
+def inverse_total_length(p_length: torch.Tensor, group: int) -> torch.Tensor:
+    """γ(ℓ) = B · E[1/(ℓ + L′)] for ℓ = 1..T, [T], where L′ is the sum of B − 1 independent lengths with
+    P(|y| = ℓ) = ``p_length`` [T] and B = ``group``: the factor a token-mean over B sequences,
+    Σ_i Σ_t g_{i,t} / Σ_i |y_i|, puts on one sequence of length ℓ (by exchangeability the group's value
+    has the mean B·E[Σ_t g_{1,t} / (|y_1| + L′)]). L′'s law is the coefficients of P^{B−1}
+    (:func:`length_spectra`, zeroed off its support (B−1)·[ℓ_min, ℓ_max]); the sums over it for every ℓ
+    at once are one FFT correlation with 1/x, float64 (rounding ~1e-16 of the largest term)."""
+    t, b = p_length.shape[0], int(group)
+    if b == 1:
+        return 1.0 / torch.arange(1, t + 1, dtype=torch.float64)
+    sp = length_spectra(p_length, b)
+    size = (b - 1) * t + 1                                  # coefficients z^0..z^{(B−1)T} of P^{B−1}
+    c = torch.fft.irfft(sp.power1, sp.n)[:size]
+    support = (p_length > 0).nonzero()
+    lo, hi = (b - 1) * (int(support.min()) + 1), (b - 1) * (int(support.max()) + 1)
+    c[:lo] = 0.0
+    c[hi + 1:] = 0.0
+    # γ(ℓ)/B = Σ_k c_k / (ℓ + k): the correlation of c with h(x) = 1/x, x = 1..size + T.
+    h = 1.0 / torch.arange(1, size + t + 1, dtype=torch.float64)
+    n = 1 << (size + h.shape[0]).bit_length()
+    corr = torch.fft.irfft(torch.fft.rfft(h, n) * torch.conj(torch.fft.rfft(c, n)), n)
+    return b * corr[:t]
+
+
 # ----------------------------------------------------------------------------- per-step expectations
 @dataclass(frozen=True)
 class StepTables:

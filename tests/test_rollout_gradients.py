@@ -1,6 +1,7 @@
 """Rollout gradients: references and exact expected gradients against enumeration of every sequence,
 the per-draw |g|² formula against explicit vectors, Monte Carlo against exact (|z| < 5), T = 1 against
 the categorical benchmark, and determinism."""
+import itertools
 import math
 
 import numpy as np
@@ -302,3 +303,45 @@ def test_per_draw_weights_match_autograd_of_the_trainer_losses():
             want = want - want.sum(-1, keepdim=True) * q
             assert torch.allclose(g, want, rtol=1e-12, atol=1e-13), (est.name, mode, agg, i)
 
+
+
+@pytest.mark.parametrize("b,shape", [(2, dict(c=2, v=4, t=3, eos=3, seed=3)), (3, dict(c=2, v=3, t=2, eos=2, seed=5))])
+def test_token_mean_batch_gradients_against_enumeration_of_groups(b, shape):
+    """tok_batch rows: the gradient of one group's token-mean Σ_i Σ_t c_t s_t / Σ_i |y_i| (local forms),
+    exact against enumeration of every B-tuple of sequences, and the Monte Carlo pass (one gradient per
+    group; batches of 1,001 rollouts leave draws in no whole group) within 5 SE of it: its mean along
+    both KL gradients and its per-group E|G|²."""
+    base = _roll(noise=0.7, **shape)
+    pair = RolloutPair("r", base.log_q, base.log_p, base.bucket, base.length, base.eos, token_mean_batch=b)
+    q = pair.log_q.exp().numpy()
+    paths = brute_force_sequences(pair)
+    probs = np.array([p for p, _ in paths])
+    lengths = np.array([len(path) for _, path in paths], dtype=float)
+    items = [it for it in G.gradient_items(pair, ESTS[:3]) if it.aggregate == "tok_batch"]
+    assert {it.mode for it in items} == {"loss", "loss_is", "straight_through", "reward_partial"}
+    rev, fwd = _refs(pair)
+    dirs = {"reverse": G.unit(rev), "forward": G.unit(fwd)}
+    mc = run_gradients(pair, items, dirs, draws=40_040, seed=3, batches=40, device=CPU)
+    for j, it in enumerate(items):
+        c = M.coefficient(it.est, it.mode)
+        vecs = np.zeros((len(paths), q.size))          # Σ_t c(log r_t) s_t of each sequence
+        for i, (_, path) in enumerate(paths):
+            for cb, x in path:
+                ct = float(c(pair.logr_table[cb, x].reshape(1))[0])
+                vecs[i, cb * q.shape[1]:(cb + 1) * q.shape[1]] -= ct * q[cb]
+                vecs[i, cb * q.shape[1] + x] += ct
+        mean, second = np.zeros(q.size), 0.0
+        for group in itertools.product(range(len(paths)), repeat=b):
+            idx = list(group)
+            g = vecs[idx].sum(0) / lengths[idx].sum()
+            prob = probs[idx].prod()
+            mean += prob * g
+            second += prob * float(g @ g)
+        ex = pair.gradient_exact(it, dirs).mean
+        assert np.allclose(ex, mean, rtol=0, atol=1e-12 * np.abs(rev).max()), (it.est.name, it.mode)
+        n_k = mc.sizes
+        for stat, want in ((mc.proj[:, j, 0], float(mean @ dirs["reverse"])), (mc.proj[:, j, 1], float(mean @ dirs["forward"])),
+                           (mc.sq[:, j], second)):
+            m = stat.sum() / n_k.sum()
+            se = math.sqrt(float(((stat / n_k - m) ** 2).sum()) / (len(n_k) - 1) / len(n_k))
+            assert abs(m - want) / se < 5, (it.est.name, it.mode, m, want, se)

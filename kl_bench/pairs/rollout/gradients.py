@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from ... import rollout_dp
 from ...seeding import BatchStream
-from ...draws import AGGREGATES
+from ...draws import AGGREGATES, groups_in
+from ...errors import SpecError
 from ..base import GradBatch, GradientAccumulator, GradItem
 
 
@@ -54,6 +55,7 @@ class RolloutTables(Protocol):
     length: int                    # T, the maximal length
     phases: list                   # [(log b [C, V], steps)]: the sampler's phases
     weights: str                   # importance weights: "none", "token" or "sequence"
+    token_mean_batch: int | None   # B of the tok_batch rows (None: none)
 
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor: ...
 
@@ -163,12 +165,26 @@ def exact_mean(pair: RolloutTables, item: GradItem) -> np.ndarray | None:
 
 def _length_factor(pair: RolloutTables, aggregate: str) -> torch.Tensor | None:
     """γ(ℓ) [T], the factor of the final length |y| = ℓ that an aggregate puts on a sequence's terms:
-    None (1) for ``tok``, 1/ℓ for ``tok_mean``."""
+    None (1) for ``tok``, 1/ℓ for ``tok_mean``, B·E[1/(ℓ + L′)] for ``tok_batch`` (L′ the other B − 1
+    lengths of the group, under the sampler: :func:`kl_bench.rollout_dp.inverse_total_length`)."""
     if aggregate == "tok":
         return None
     if aggregate == "tok_mean":
         return 1.0 / torch.arange(1, pair.length + 1, dtype=torch.float64)
+    if aggregate == "tok_batch":
+        return rollout_dp.inverse_total_length(_length_law(pair), pair.token_mean_batch)
     raise ValueError(f"no gradient rows on aggregate '{aggregate}'")
+
+
+def _length_law(pair: RolloutTables) -> torch.Tensor:
+    """P_b(|y| = ℓ) for ℓ = 1..T, [T], under the sampler's phases."""
+    phases = []
+    for lb, steps in pair.phases:
+        b = lb.exp()
+        a, e = rollout_dp.moment_matrices(b, torch.ones_like(b), torch.ones_like(b), pair.bucket, pair.buckets,
+                                          pair.eos, 0)
+        phases.append((a, e, steps))
+    return rollout_dp.propagate_by_length(phases)[:, 0]
 
 
 def _step_tables(pair: RolloutTables, f: torch.Tensor) -> list[rollout_dp.StepTables]:
@@ -340,23 +356,47 @@ class RolloutGradients(GradientAccumulator):
                 1, keepdim=True) if pair.weights != "none" else 1.0
             logr_t = self.g_flat[keys] * alive
             big_l = logr_t.sum(1)
-            srt = SortedPaths.of(keys, self.q_flat, self.qq, pair.vocab)
-            hs = self.hu[:, keys]                                     # [D, m, T]
+            units = {1: (keys, SortedPaths.of(keys, self.q_flat, self.qq, pair.vocab), self.hu[:, keys], None, 1.0)}
             w_cols = []
             for j, it in enumerate(items):
                 w = seq_w * it.coef(big_l)[:, None] * alive if not AGGREGATES[it.aggregate].token else \
                     self._token_weights(it, j, keys, alive, logr_t, tok_w, seq_w)
+                b = pair.token_mean_batch if AGGREGATES[it.aggregate].grouped else 1
+                if b not in units:
+                    units[b] = self._groups(keys, alive, b, batch.size)
+                _, srt, hs, per_member, factor = units[b]
+                if per_member is not None:   # one gradient per group: Σ_i Σ_t w s / Σ_i |y_i|
+                    n = per_member.shape[0]
+                    w = torch.cat([factor * w[:n] / per_member[:, None], torch.zeros_like(w[n:])])
+                    uw = w[:n].reshape(n // b, -1) / factor
+                else:
+                    uw = w
                 if j not in self.local:
                     w_cols.append(w)
-                pj = (w[None] * hs).sum(2)                           # [D, m]
-                proj[j] += pj.sum(1).cpu().numpy()
-                proj2[j] += (pj * pj).sum(1).cpu().numpy()
-                sq[j] += float(srt.sq_norm(w).sum())
+                pj = (uw[None] * hs).sum(2)                          # [D, units]
+                proj[j] += factor * pj.sum(1).cpu().numpy()
+                proj2[j] += factor * (pj * pj).sum(1).cpu().numpy()
+                sq[j] += factor * float(srt.sq_norm(uw).sum())
             flat_keys = keys.reshape(-1).cpu()
             self.counts.index_add_(0, flat_keys, alive.reshape(-1).cpu())
             if w_cols:
                 self.w_total.index_add_(0, flat_keys, torch.stack(w_cols, -1).reshape(-1, len(w_cols)).cpu())
         return GradBatch(proj, sq, proj2)
+
+    def _groups(self, keys: torch.Tensor, alive: torch.Tensor, b: int, size: int):
+        """The units of a tok_batch row in a piece: its whole groups of B = ``b`` consecutive paths as
+        (keys [G, B·T], their SortedPaths, projections [D, G, B·T], Σ|y| of each member's group [G·B],
+        factor). Each group's gradient is one value; ``factor`` = draws / groups of the batch makes the
+        batch's sums those of the group mean times its draws (the engine divides by draws), so the draws
+        that fall in no whole group (the end of a piece) leave no bias."""
+        groups = groups_in(size, b, self.piece)
+        if groups == 0:
+            raise SpecError(f"batches of {size} rollouts hold no whole group of token_mean_batch = {b}: raise "
+                            "the draws or lower the batches", case=getattr(self.pair, "name", None), key="token_mean_batch")
+        g = keys.shape[0] // b
+        kg = keys[:g * b].reshape(g, -1)
+        per_member = alive[:g * b].sum(1).view(g, b).sum(1).repeat_interleave(b)
+        return kg, SortedPaths.of(kg, self.q_flat, self.qq, self.pair.vocab), self.hu[:, kg], per_member, size / groups
 
     def _token_weights(self, it: GradItem, j: int, keys, alive, logr_t, tok_w, seq_w) -> torch.Tensor:
         """Per-step weights w [m, T] of a token row, its per-draw gradient being Σ_t w_t s_t (forms:

@@ -209,7 +209,9 @@ class RolloutPair(GradientDefaults, Pair):
     def gradient_aggregates(self) -> tuple[str, ...]:
         # seq and tok, and the per-sequence token mean where the case has it (GRPO's 1/|y|: exact by the
         # forward–backward program with a factor of the final length, kl_bench.pairs.rollout.gradients).
-        return self.aggregates + (("tok_mean",) if self.per_sequence_mean else ())
+        # The token-mean over B sequences too (local forms only, kl_bench.gradients.gradient_items).
+        return self.aggregates + (("tok_mean",) if self.per_sequence_mean else ()) \
+            + (("tok_batch",) if self.token_mean_batch is not None else ())
 
     def row_group(self, aggregate: str) -> int:
         return self.token_mean_batch if AGGREGATES[aggregate].grouped else 1
