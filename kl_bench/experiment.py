@@ -162,6 +162,7 @@ class SpecOutcome:
     gradients: pd.DataFrame | None = None
     world_size: int = 1
     drawn: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # case → pass → per rank ranges
+    gradient_vectors: dict[str, "np.ndarray"] = dataclasses.field(default_factory=dict)  # gradients.npz
 
     def files(self) -> dict[str, bytes]:
         """The data files of a results folder (run.json is built by the caller)."""
@@ -184,6 +185,10 @@ class SpecOutcome:
             files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
         if self.gradients is not None:
             files["gradients.csv"] = frame_to_csv_bytes(self.gradients)
+        if self.gradient_vectors:       # exact vectors, float64 (kl_bench.gradients.vector_key)
+            buf = io.BytesIO()
+            np.savez_compressed(buf, **self.gradient_vectors)
+            files["gradients.npz"] = buf.getvalue()
         return files
 
 
@@ -251,16 +256,19 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
     rows = [row for o in outcomes if o is not None for row in o.rows]
     drawn = {o.run.pair.name: {**({"pilot": o.pilot_drawn} if o.pilot_drawn else {}), "main": o.run.drawn}
              for o in outcomes if o is not None}
-    grads = _gradient_pass(spec, pairs, device, progress, on_phase, ranks, drawn) if exp.gradients else None
+    vectors: dict = {}
+    grads = _gradient_pass(spec, pairs, device, progress, on_phase, ranks, drawn, vectors) if exp.gradients else None
     if not ranks.root:
         return None
     summary = add_sweep_columns(to_frame(rows), spec)
-    return SpecOutcome(summary, outcomes, case_draws, time.perf_counter() - t0, grads, ranks.world_size, drawn)
+    return SpecOutcome(summary, outcomes, case_draws, time.perf_counter() - t0, grads, ranks.world_size, drawn,
+                       vectors)
 
 
 def _gradient_pass(spec, pairs: list[Pair], device: torch.device, progress, on_phase, ranks: Ranks,
-                   drawn: dict) -> pd.DataFrame:
-    """gradients.csv's rows: every estimator × mode of every case, on its own draws."""
+                   drawn: dict, vectors: dict) -> pd.DataFrame:
+    """gradients.csv's rows: every estimator × mode of every case, on its own draws. ``vectors`` receives
+    gradients.npz's exact vectors of the kinds that export them (:attr:`Pair.exports_gradient_vectors`)."""
     exp = spec.experiment
     ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
     grad_rows = []
@@ -268,7 +276,8 @@ def _gradient_pass(spec, pairs: list[Pair], device: torch.device, progress, on_p
         if on_phase is not None:
             on_phase(f"{pair.name} (gradients)")
         grad_rows += G.gradient_rows(pair, ests, draws=n, seed=exp.seed, batches=exp.batches, device=device,
-                                     progress=progress, ranks=ranks, drawn=drawn.get(pair.name))
+                                     progress=progress, ranks=ranks, drawn=drawn.get(pair.name),
+                                     vectors=vectors if pair.exports_gradient_vectors else None)
     return G.to_frame(grad_rows)
 
 

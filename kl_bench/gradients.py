@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .draws import AGGREGATES
+from .draws import AGGREGATES, row_key
 from .engine import run_gradients
 from .modes import MODES, GradItem, modes_for
 from .pairs.base import Pair
@@ -46,9 +46,11 @@ def unit(v: np.ndarray) -> np.ndarray:
 
 
 def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int, device,
-                  progress=None, ranks=None, drawn: dict | None = None) -> list[dict]:
+                  progress=None, ranks=None, drawn: dict | None = None, vectors: dict | None = None) -> list[dict]:
     """gradients.csv rows for one case. ``ranks``: split the pass across processes (the rows are made on
-    rank 0; the others get []). ``drawn``: a dict that receives the batches each rank drew, as "gradients"."""
+    rank 0; the others get []). ``drawn``: a dict that receives the batches each rank drew, as "gradients".
+    ``vectors``: a dict that receives the exact vectors [P] (:func:`vector_key`): every row's expected
+    gradient, and the references ∇KL(q‖p), ∇KL(p‖q) and each row's ``self`` target."""
     pair.require_gradients()
     refs = pair.gradient_references()
     rev, fwd = refs[REVERSE], refs[FORWARD]
@@ -62,8 +64,31 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
         drawn["gradients"] = run.drawn
     exacts = [pair.gradient_exact(it, dirs) for it in items]
     selves = self_references(pair, items)
+    if vectors is not None:
+        vectors.update(exact_vectors(pair, items, exacts, selves, rev, fwd))
     return [_row(pair, item, ex, run, j, dirs, _scaled(pair, item, rev, fwd), draws, selves[j])
             for j, (item, ex) in enumerate(zip(items, exacts))]
+
+
+def vector_key(case: str, what: str, item: GradItem | None = None) -> str:
+    """A key of gradients.npz: "case|reference|reverse", "case|reference|forward", "case|self|<row>" and
+    "case|exact|<row>|<mode>" with <row> the row's key ('k3', 'cv@0.5', 'tok:k3', kl_bench.draws.row_key)."""
+    if item is None:
+        return f"{case}|reference|{what}"
+    row = row_key(item.est.name, item.est.lam, item.aggregate)
+    return f"{case}|self|{row}" if what == "self" else f"{case}|{what}|{row}|{item.mode}"
+
+
+def exact_vectors(pair: Pair, items: list[GradItem], exacts: list, selves: list, rev: np.ndarray,
+                  fwd: np.ndarray) -> dict[str, np.ndarray]:
+    """gradients.npz's arrays of one case (float64 [P], θ flattened as the kind documents it)."""
+    out = {vector_key(pair.name, "reverse"): rev, vector_key(pair.name, "forward"): fwd}
+    for it, ex, own in zip(items, exacts, selves):
+        if ex is not None:
+            out[vector_key(pair.name, "exact", it)] = ex.mean
+        if own is not None:
+            out[vector_key(pair.name, "self", it)] = own
+    return out
 
 
 def self_references(pair: Pair, items: list[GradItem]) -> list[np.ndarray | None]:

@@ -47,6 +47,7 @@ CAPS: dict[str, int] = {
     "gradients.csv": 256 * MiB,
     "batches.csv": 2 * GiB,      # one row per batch (≤ 2^20) and case
     "reservoir.npz": 2 * GiB,
+    "gradients.npz": 2 * GiB,    # float64 vectors of B·V parameters per gradient row
     "checkpoint": 2 * GiB,       # float64 sums: batches × features per case
     "prompts": 256 * MiB,
     "model config": 16 * MiB,    # config.json and tokenizer_config.json of a model folder

@@ -261,3 +261,41 @@ def test_self_target_of_categoricals_and_gaussians():
     gauss = GaussianPair("g", [0.0], [1.0], [0.3], [1.2])
     k2 = GradItem.of(ESTIMATORS["k2"], "loss_is")
     assert np.array_equal(gauss.gradient_self(k2), gauss.gradient_exact(k2, {}).mean)
+
+
+def test_gradients_npz_holds_the_exact_vectors_of_categoricals(write_spec, tmp_path):
+    """gradients.npz: every categorical row's exact expected gradient, its self target and both KL
+    gradients, float64, equal to the oracle's; recorded in run.json and verified when read."""
+    spec = write_spec("""
+spec_version = 1
+[experiment]
+draws = 4000
+device = "cpu"
+batches = 10
+estimators = ["k1", "k2", "k3"]
+gradients = true
+[[case]]
+name = "c"
+kind = "categorical"
+vocab = 50
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.3, seed = 2 }
+""")
+    from kl_bench import load_results
+    from kl_bench.results.verify import verify_results_folder
+    from kl_bench.spec import load_spec
+    res = CliRunner().invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    vec = np.load(tmp_path / "o" / "gradients.npz")
+    pair = CategoricalPair.from_config(load_spec(spec).cases[0])
+    refs = pair.gradient_references()
+    assert np.array_equal(vec["c|reference|reverse"], refs[REVERSE]) and vec["c|reference|forward"].dtype == np.float64
+    for it in G.gradient_items(pair, [ESTIMATORS[n] for n in ("k1", "k2", "k3")]):
+        assert np.array_equal(vec[G.vector_key("c", "exact", it)], pair.gradient_exact(it, {}).mean), it.mode
+    assert np.array_equal(vec["c|self|k2"], pair.gradient_self(GradItem.of(ESTIMATORS["k2"], "loss")))
+    assert len(vec.files) == 2 + 10 + 3
+    verify_results_folder(tmp_path / "o")
+    load_results(tmp_path / "o")
+    (tmp_path / "o" / "gradients.npz").write_bytes(b"PK\x03\x04 not an archive")
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "gradients.npz" in res.stderr, res.stderr

@@ -297,6 +297,9 @@ class CategoricalPair(GradientDefaults, Pair):
         """E[c s] for s = e_x − q_b (in row b), under the mixture (1/B) b_b(x) (b = q without a sampler)."""
         return self.exact_gradient_of_table(self.coefficient_table(item), directions)
 
+    # θ = q's logits [B, V], flattened row by row: the exact vectors go to gradients.npz (B·V float64 each).
+    exports_gradient_vectors = True
+
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         """∇θ E_q[f(log r)] = E_q[(f − f′)(log r)·s] (the score rule; ∇ log r = −s), whatever the sampler:
         rows (1/B)(q⊙c − q⟨q, c⟩) over q's support, with log r as the estimators see it. Under a sampler

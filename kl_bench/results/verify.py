@@ -44,7 +44,7 @@ from ..safe_io import cap_for, load_npz, parse_json, read_regular
 SUMMARY_REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se",
                     "bias", "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
 # Data files a run writes (run.json records their sha256).
-DATA_FILES = ("summary.csv", "batches.csv", "reservoir.npz", "lambda_sweep.csv", "gradients.csv")
+DATA_FILES = ("summary.csv", "batches.csv", "reservoir.npz", "lambda_sweep.csv", "gradients.csv", "gradients.npz")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -274,7 +274,8 @@ def _check_values(name: str, df, p: Path) -> None:
 
 
 def _load_reservoir(data: bytes, p: Path) -> dict[str, np.ndarray]:
-    out = load_npz(data, str(p), cap_for("reservoir.npz"))
+    """A numeric .npz archive (reservoir.npz, gradients.npz), every array checked."""
+    out = load_npz(data, str(p), cap_for(p.name))
     for k, v in out.items():
         if not np.issubdtype(v.dtype, np.number):
             raise SpecError(f"array {k!r} is not numeric ({v.dtype})", file=str(p))
@@ -322,6 +323,8 @@ def read_results_folder(path: str | Path) -> FolderContents:
     tables = {name: _parse_table(name, blobs[name], folder / name) if name in blobs else None
               for name in ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv")}
     reservoir = _load_reservoir(blobs["reservoir.npz"], folder / "reservoir.npz") if "reservoir.npz" in blobs else None
+    if "gradients.npz" in blobs:                  # readable and numeric (the Python API loads it on demand)
+        _load_reservoir(blobs["gradients.npz"], folder / "gradients.npz")
     folder_version(env, str(folder / "run.json"))        # a newer format: one line, before any table is read
     summary = tables["summary.csv"]
     _check_cases(folder, env, tables)
