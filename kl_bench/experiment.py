@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 
 from . import gradients as G
+from .baselines import BASELINES, baseline_rows
 from .distributed import SINGLE, Ranks
 from .draws import Row
 from .errors import SpecError
@@ -21,6 +22,7 @@ from .lambdas import lambda_star_mc, sweep_frame
 from .pairs import Pair
 from .planning import add_planning
 from .results import BATCH_SCHEMA, SWEEP_PREFIX, frame_to_csv_bytes, to_frame
+from .results.schema import GROUP_BASELINE_SCHEMA
 from .results.rows import summarize
 from .seeding import batch_sizes
 from .spec import Experiment
@@ -163,6 +165,7 @@ class SpecOutcome:
     world_size: int = 1
     drawn: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # case → pass → per rank ranges
     gradient_vectors: dict[str, "np.ndarray"] = dataclasses.field(default_factory=dict)  # gradients.npz
+    group_baselines: pd.DataFrame | None = None        # group_baselines.csv (kl_bench.baselines)
 
     def files(self) -> dict[str, bytes]:
         """The data files of a results folder (run.json is built by the caller)."""
@@ -185,6 +188,8 @@ class SpecOutcome:
             files["lambda_sweep.csv"] = frame_to_csv_bytes(pd.concat(sweeps, ignore_index=True))
         if self.gradients is not None:
             files["gradients.csv"] = frame_to_csv_bytes(self.gradients)
+        if self.group_baselines is not None:
+            files["group_baselines.csv"] = frame_to_csv_bytes(self.group_baselines)
         if self.gradient_vectors:       # exact vectors, float64 (kl_bench.gradients.vector_key)
             buf = io.BytesIO()
             np.savez_compressed(buf, **self.gradient_vectors)
@@ -206,8 +211,26 @@ def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> N
                                     f"exact value of (it has: {', '.join(truth)})", key="experiment.estimators")
             if spec.experiment.gradients:
                 pair.require_gradients()
+            _check_baseline_groups(spec, case, pair)
         except SpecError as e:
             raise e.located(file=spec_file, case=case.name) from None
+
+
+def _check_baseline_groups(spec, case, pair: Pair) -> None:
+    """Group-baseline rows: a kind with their oracle (categoricals), draws from q, whole groups in every batch."""
+    groups = spec.experiment.baseline_groups
+    if not groups:
+        return
+    if not pair.group_baselines:
+        raise SpecError(f"group baselines (baseline_groups) have exact values on categorical cases only, not on "
+                        f"{pair.kind} cases", key="experiment.baseline_groups")
+    if pair.has_sampler:
+        raise SpecError("group baselines (baseline_groups) are defined for x ~ q: remove the sampler or the "
+                        "baseline_groups", key="sampler")
+    draws, batches = case.draws or spec.experiment.draws, spec.experiment.batches
+    if draws // max(groups) < batches:
+        raise SpecError(f"baseline_groups up to G = {max(groups)} need whole groups in each of the {batches} batches: "
+                        f"give the case at least {max(groups) * batches:,} draws", key="draws")
 
 
 def check_group_draws(spec, pairs: list[Pair], spec_file: str | None = None) -> None:
@@ -262,7 +285,7 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
         return None
     summary = add_sweep_columns(to_frame(rows), spec)
     return SpecOutcome(summary, outcomes, case_draws, time.perf_counter() - t0, grads, ranks.world_size, drawn,
-                       vectors)
+                       vectors, _baseline_pass(spec, pairs, device, on_phase))
 
 
 def _gradient_pass(spec, pairs: list[Pair], device: torch.device, progress, on_phase, ranks: Ranks,
@@ -279,6 +302,23 @@ def _gradient_pass(spec, pairs: list[Pair], device: torch.device, progress, on_p
                                      progress=progress, ranks=ranks, drawn=drawn.get(pair.name),
                                      vectors=vectors if pair.exports_gradient_vectors else None)
     return G.to_frame(grad_rows)
+
+
+def _baseline_pass(spec, pairs: list[Pair], device: torch.device, on_phase) -> pd.DataFrame | None:
+    """group_baselines.csv's rows: every estimator (functions of log r) × {group_mean, leave_one_out} × G
+    of every case, on their own streams (made on the root process alone: the same bytes for any number
+    of processes)."""
+    exp = spec.experiment
+    if not exp.baseline_groups:
+        return None
+    ests = [e for e in (resolve_estimator(n) for n in exp.estimators) if not e.analytic]
+    rows = []
+    for pair, n in zip(pairs, spec.case_draws()):
+        if on_phase is not None:
+            on_phase(f"{pair.name} (group baselines)")
+        rows += baseline_rows(pair, ests, list(BASELINES), exp.baseline_groups, draws=n, seed=exp.seed,
+                              batches=exp.batches, device=device)
+    return pd.DataFrame(rows, columns=list(GROUP_BASELINE_SCHEMA))
 
 
 def add_sweep_columns(summary: pd.DataFrame, spec) -> pd.DataFrame:

@@ -45,6 +45,7 @@ CAPS: dict[str, int] = {
     "summary.csv": 256 * MiB,
     "lambda_sweep.csv": 256 * MiB,
     "gradients.csv": 256 * MiB,
+    "group_baselines.csv": 256 * MiB,
     "batches.csv": 2 * GiB,      # one row per batch (≤ 2^20) and case
     "reservoir.npz": 2 * GiB,
     "gradients.npz": 2 * GiB,    # float64 vectors of B·V parameters per gradient row

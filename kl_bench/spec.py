@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, convert,
                      fmt_count, positive, typename)
+from .baselines import MAX_GROUP
 from .errors import SpecError
 from .estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup
 from .logits import is_array, unsupported_array
@@ -60,6 +61,7 @@ class Experiment:
     lambdas: tuple[float, ...] = ()   # λ values of cv(λ) = −log r + λ(r − 1)
     optimal: bool = False             # "optimal" in lambdas: add cv_opt with λ from a pilot pass
     gradients: bool = False           # also write gradients.csv (kl_bench.gradients)
+    baseline_groups: tuple[int, ...] = ()   # G values: also write group_baselines.csv (kl_bench.baselines)
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,30 @@ def _parse_experiment(t: Table, stem: str) -> Experiment:
         lambdas=lambdas,
         optimal=optimal,
         gradients=t.bool("gradients", False),
+        baseline_groups=_parse_groups(t),
     )
     t.finish()
     return exp
+
+
+def _parse_groups(t: Table) -> tuple[int, ...]:
+    """`baseline_groups = [2, 8]`: group sizes G of the group-mean and leave-one-out rows."""
+    raw = t.raw("baseline_groups")
+    if raw is None:
+        return ()
+    key = t.key("baseline_groups")
+    if not isinstance(raw, list) or not raw:
+        raise t.error(f"must be a non-empty list of group sizes, got {typename(raw)}", key=key)
+    out = []
+    for v in raw:
+        g = convert(v, "int", lambda m: t.error(m, key=key))
+        if not 2 <= g <= MAX_GROUP:
+            raise t.error(f"group sizes must be 2 ≤ G ≤ {fmt_count(MAX_GROUP)} (whole groups fit a piece of "
+                          f"draws), got {fmt_count(g)}", key=key)
+        if g in out:
+            raise t.error(f"lists G = {g} twice", key=key)
+        out.append(g)
+    return tuple(out)
 
 
 def _parse_estimators(t: Table) -> tuple[str | EstimatorOption, ...]:

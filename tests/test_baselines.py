@@ -3,6 +3,7 @@ G tokens with autograd, GRPO's 1 − 1/G shrink, Monte Carlo rows |z| < 5, bad o
 import itertools
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -87,3 +88,44 @@ def test_bad_group_and_sampler_are_refused():
     sampled = CategoricalPair("s", lq, pair.log_p, log_b=torch.log_softmax(lq / 0.8, -1))
     with pytest.raises(SpecError, match="x ~ q"):
         BL.exact_baseline_gradient(sampled, ESTIMATORS["k1"], "group_mean", 2)
+
+
+def test_group_baselines_from_a_spec(write_spec, tmp_path):
+    """`[experiment] baseline_groups` writes group_baselines.csv: one row per estimator × baseline × G,
+    the exact 1 − 1/G shrink of the group mean, Monte Carlo within 5 SE; bad input is one line, exit 2."""
+    from typer.testing import CliRunner
+    from kl_bench.cli import app
+    from kl_bench.results.verify import verify_results_folder
+    text = """
+spec_version = 1
+[experiment]
+draws = 40000
+device = "cpu"
+batches = 20
+estimators = ["k1", "k3", "full"]
+baseline_groups = [2, 8]
+[[case]]
+name = "c"
+kind = "categorical"
+vocab = 60
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.3, seed = 2 }
+"""
+    res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    rows = pd.read_csv(tmp_path / "o" / "group_baselines.csv")
+    assert len(rows) == 2 * 2 * 2 and set(rows["estimator"]) == {"k1", "k3"}
+    gm = rows[rows["baseline"] == "group_mean"]
+    assert np.allclose(gm["exact_shrink"], 1 - 1 / gm["group"], rtol=1e-12)
+    assert np.allclose(rows.loc[rows["baseline"] == "leave_one_out", "exact_shrink"], 1.0, rtol=1e-12)
+    assert (rows[["z_reverse", "z_second"]].abs() < 5).all().all()
+    verify_results_folder(tmp_path / "o")
+    for bad, words in ((text.replace("[2, 8]", "[1, 8]"), "2 ≤ G"),
+                       (text.replace("[2, 8]", "[2, 2]"), "twice"),
+                       (text.replace("draws = 40000", "draws = 100"), "whole groups"),
+                       (text.replace('kind = "categorical"\nvocab = 60\nq = { logits = "zipf", exponent = 1.1, seed = 1 }\n'
+                                     'p = { from = "q", noise = 0.3, seed = 2 }',
+                                     'kind = "gaussian"\nq = {mean = 0.0, std = 1.0}\np = {mean = 0.2, std = 1.0}'),
+                        "categorical cases only")):
+        res = CliRunner().invoke(app, ["run", str(write_spec(bad, "bad.toml")), "--out", str(tmp_path / "b")])
+        assert res.exit_code == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

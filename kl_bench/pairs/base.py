@@ -218,6 +218,7 @@ class Pair(ABC):
     aggregates: tuple[str, ...] = ("",)   # rollouts: ("seq", "tok")
     has_sampler: bool = False             # draws come from b ≠ q (see SamplerSpec)
     exports_gradient_vectors: bool = False  # gradients.npz holds its exact gradient vectors (categoricals)
+    group_baselines: bool = False         # group-baseline rows have an exact oracle (kl_bench.baselines)
     sampler_label: str = ""
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"

@@ -299,6 +299,7 @@ class CategoricalPair(GradientDefaults, Pair):
 
     # θ = q's logits [B, V], flattened row by row: the exact vectors go to gradients.npz (B·V float64 each).
     exports_gradient_vectors = True
+    group_baselines = True
 
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         """∇θ E_q[f(log r)] = E_q[(f − f′)(log r)·s] (the score rule; ∇ log r = −s), whatever the sampler:

@@ -82,7 +82,7 @@ MEASURED = {"draws", "batches", "mean", "std", "se", "std_se", "bias", "rel_bias
              "frac_negative", "lambda_star_mc", "lambda_star_mc_se", "p_neg_b64", "heavy_tail", "excess_std"}
 EXACT_COLUMNS = [c for c in COLUMNS if c not in MEASURED]
 # Text columns of every results CSV: read as strings, empty cells as "" (not NaN).
-TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler", "mode", "equals"]
+TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler", "mode", "equals", "baseline"]
 
 
 # batches.csv: one row per (case, row, batch): the batch means behind every standard error.
@@ -113,11 +113,35 @@ SWEEP_SCHEMA: dict[str, str] = {
 }
 
 
+# group_baselines.csv: one row per (case, estimator, baseline, group) with `[experiment] baseline_groups`
+# (kl_bench.baselines): the reward-mode gradient (f − b)·s with a group baseline b over G draws.
+GROUP_BASELINE_SCHEMA: dict[str, str] = {
+    "case": "case name (a categorical without a sampler: x ~ q)",
+    "estimator": "estimator f in the reward",
+    "mode": "reward (the baseline centres the reward)",
+    "baseline": "group_mean (GRPO: minus the group's mean, the draw included) or leave_one_out (RLOO: minus "
+                "the mean of the other G − 1)",
+    "group": "G, draws per group (one prompt's samples)",
+    "draws": "Monte Carlo draws, whole groups",
+    "exact_shrink": "|E[(f − b)s]| / |E[f s]|: 1 − 1/G for group_mean, 1 for leave_one_out (exact)",
+    "mc_along_reverse": "Monte Carlo mean of the per-draw gradient along the unit ∇KL(q||p)",
+    "exact_along_reverse": "its exact value",
+    "z_reverse": "(MC − exact) along ∇KL(q||p), in batch-means standard errors",
+    "mc_second": "Monte Carlo E|g|²",
+    "exact_second": "exact E|g|²",
+    "z_second": "(MC − exact) of E|g|², in batch-means standard errors",
+    "exact_trace_cov": "exact trace of the per-draw gradient covariance with the baseline",
+    "exact_trace_cov_none": "the same with no baseline",
+    "variance_ratio": "exact_trace_cov / exact_trace_cov_none: below 1 where the baseline reduces the variance",
+}
+
+
 # gradients.csv: one row per (case, estimator, aggregate, λ, mode) with gradient rows on.
 GRAD_SCHEMA: dict[str, str] = {
     "case": "case name", "estimator": "estimator (or clamped variant label)",
-    "aggregate": "rollouts: seq (estimator of the sequence log-ratio L) or tok (per-token estimator summed over "
-                 "tokens; see kl_bench.pairs.rollout.gradients); empty for Gaussians and categoricals",
+    "aggregate": "rollouts: seq (estimator of the sequence log-ratio L), tok (per-token estimator summed over "
+                 "tokens), tok_mean (that sum over |y|), tok_batch (token-mean over B sequences; one gradient "
+                 "per group); see kl_bench.pairs.rollout.gradients; empty for Gaussians and categoricals",
     "lambda": "λ for cv rows",
     "sampler": "the case's sampler, empty when x ~ q: draws come from b, and with importance weights every "
                "per-draw gradient is multiplied by the detached q/b (rollouts: per token or per sequence)",

@@ -37,14 +37,17 @@ import numpy as np
 from ..errors import SpecError
 from .frames import read_frame
 from .migrate import folder_version, migrate
-from .schema import BATCH_SCHEMA, GRAD_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
+from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
 from ..safe_io import cap_for, load_npz, parse_json, read_regular
 
 # The columns every results folder has had; later columns are optional so that older results still load.
 SUMMARY_REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se",
                     "bias", "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
 # Data files a run writes (run.json records their sha256).
-DATA_FILES = ("summary.csv", "batches.csv", "reservoir.npz", "lambda_sweep.csv", "gradients.csv", "gradients.npz")
+DATA_FILES = ("summary.csv", "batches.csv", "reservoir.npz", "lambda_sweep.csv", "gradients.csv", "gradients.npz",
+              "group_baselines.csv")
+# The tables among them (CSV files with a schema).
+TABLES = ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -65,19 +68,21 @@ def _schemas() -> dict[str, tuple[list[str], list[str]]]:
     return {"summary.csv": (list(SCHEMA), SUMMARY_REQUIRED),
             "batches.csv": (list(BATCH_SCHEMA), list(BATCH_SCHEMA)),
             "lambda_sweep.csv": (list(SWEEP_SCHEMA), ["case", "lambda", "mean", "exact_mean"]),
-            "gradients.csv": (list(GRAD_SCHEMA), ["case", "estimator", "mode"])}
+            "gradients.csv": (list(GRAD_SCHEMA), ["case", "estimator", "mode"]),
+            "group_baselines.csv": (list(GROUP_BASELINE_SCHEMA), list(GROUP_BASELINE_SCHEMA))}
 
 
 # Text columns that identify a row: an empty cell there is a damaged file.
 _KEY_TEXT = ("case", "estimator", "target", "mode")
 # Counts: a whole number ≥ 0 on every row.
 _COUNTS = {"summary.csv": ("draws", "batches"), "batches.csv": ("batch", "draws"), "lambda_sweep.csv": ("draws",),
-           "gradients.csv": ("draws", "params")}
+           "gradients.csv": ("draws", "params"), "group_baselines.csv": ("draws", "group")}
 # One row per key: the columns that identify a row of each table.
 _KEYS = {"summary.csv": ("case", "estimator", "aggregate", "lambda"),
          "batches.csv": ("case", "estimator", "aggregate", "lambda", "batch"),
          "lambda_sweep.csv": ("case", "aggregate", "lambda"),
-         "gradients.csv": ("case", "estimator", "aggregate", "lambda", "mode")}
+         "gradients.csv": ("case", "estimator", "aggregate", "lambda", "mode"),
+         "group_baselines.csv": ("case", "estimator", "baseline", "group")}
 # Spreads: ≥ 0 (an empty cell is allowed: e.g. no std_se where the 4th moment is infinite).
 _SPREADS = {"summary.csv": ("std", "se", "std_se", "ref_se"), "lambda_sweep.csv": ("std", "se")}
 # Statistics that every row with draws has (a NaN there is a writer's bug or an overflow, never a result),
@@ -299,7 +304,7 @@ def _check_cases(folder: Path, env: dict, tables: dict) -> None:
     recorded = env.get("cases")
     if isinstance(recorded, dict) and recorded:
         _check_recorded_cases(folder, list(recorded), cases)
-    for name in ("batches.csv", "lambda_sweep.csv", "gradients.csv"):
+    for name in TABLES[1:]:
         t = tables[name]
         stray = [] if t is None else [c for c in dict.fromkeys(t["case"]) if c not in cases]
         if stray:
@@ -321,7 +326,7 @@ def read_results_folder(path: str | Path) -> FolderContents:
     blobs = {name: _read_bytes(folder / name, folder) for name in DATA_FILES if (folder / name).is_file()}
     _check_hashes(folder, env, blobs)
     tables = {name: _parse_table(name, blobs[name], folder / name) if name in blobs else None
-              for name in ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv")}
+              for name in TABLES}
     reservoir = _load_reservoir(blobs["reservoir.npz"], folder / "reservoir.npz") if "reservoir.npz" in blobs else None
     if "gradients.npz" in blobs:                  # readable and numeric (the Python API loads it on demand)
         _load_reservoir(blobs["gradients.npz"], folder / "gradients.npz")
