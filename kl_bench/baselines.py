@@ -1,4 +1,4 @@
-"""Group baselines for an estimator in the reward (docs/weights.md#baselines): GRPO's group mean and RLOO's
+"""Group baselines for an estimator in the reward (docs/weights.md#group-baselines-reward-mode): GRPO's group mean and RLOO's
 leave-one-out.
 
 A trainer draws G samples per prompt and uses the per-draw gradient (f_i − b_i)·s_i, s_i = ∇θ log q(x_i),

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import pandas as pd
 import torch
@@ -164,7 +164,7 @@ class SpecOutcome:
     gradients: pd.DataFrame | None = None
     world_size: int = 1
     drawn: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # case → pass → per rank ranges
-    gradient_vectors: dict[str, "np.ndarray"] = dataclasses.field(default_factory=dict)  # gradients.npz
+    gradient_vectors: dict[str, Any] = dataclasses.field(default_factory=dict)  # gradients.npz
     group_baselines: pd.DataFrame | None = None        # group_baselines.csv (kl_bench.baselines)
 
     def files(self) -> dict[str, bytes]:
