@@ -37,7 +37,7 @@ def gradient_items(pair: Pair, sources) -> list[GradItem]:
     return [GradItem.of(e, m, a) for a in pair.gradient_aggregates for e in ests if a in pair.aggregates_for(e)
             for m in modes_for(e, token=AGGREGATES[a].token)
             if (MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight)
-            and (not AGGREGATES[a].grouped or MODES[m].token == "local")]
+            and (not AGGREGATES[a].grouped or MODES[m].token == "local") and not pair.gradient_excludes(m, a)]
 
 
 def unit(v: np.ndarray) -> np.ndarray:

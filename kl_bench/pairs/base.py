@@ -277,6 +277,11 @@ class Pair(ABC):
         """∇θ E_q[row value] (the ``self`` target, :class:`GradientOracle`); None: the kind has none."""
         return None
 
+    def gradient_excludes(self, mode: str, aggregate: str) -> bool:
+        """Whether a (mode, aggregate) gets no gradient row on this pair (e.g. a form the case's sampler
+        corrections do not define)."""
+        return False
+
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
         """The aggregates on which ``source`` gets a row (rollouts: token-only sources are not on seq)."""
         return self.aggregates

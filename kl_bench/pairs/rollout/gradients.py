@@ -56,6 +56,7 @@ class RolloutTables(Protocol):
     phases: list                   # [(log b [C, V], steps)]: the sampler's phases
     weights: str                   # importance weights: "none", "token" or "sequence"
     token_mean_batch: int | None   # B of the tok_batch rows (None: none)
+    clip: object | None            # the PPO clip (a kl_bench.weights.WeightCorrection), or None
 
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor: ...
 
@@ -187,18 +188,19 @@ def _length_law(pair: RolloutTables) -> torch.Tensor:
     return rollout_dp.propagate_by_length(phases)[:, 0]
 
 
-def _step_tables(pair: RolloutTables, f: torch.Tensor) -> list[rollout_dp.StepTables]:
+def _step_tables(pair: RolloutTables, f: torch.Tensor, u: list[torch.Tensor] | None = None) -> list[rollout_dp.StepTables]:
     """Per step t = 1..T the tables of :func:`kl_bench.rollout_dp.step_expectations` under the sampler:
     sequence weights multiply (m), token weights weigh each step's own count (u) and, inside a score
-    row's sum, each token's f (the convention of the ``score`` form: (Σ_t w_t f_t)·S)."""
+    row's sum, each token's f (the convention of the ``score`` form: (Σ_t w_t f_t)·S). ``u``: per phase,
+    the step weights to use instead (a local row's :func:`local_tables`)."""
     out = []
-    for lb, steps in pair.phases:
+    for i, (lb, steps) in enumerate(pair.phases):
         b = lb.exp()
         w = torch.where(b > 0, pair.token_weight(lb), torch.zeros_like(b)) if pair.weights != "none" \
             else torch.ones_like(b)
         ones = torch.ones_like(b)
         st = rollout_dp.StepTables(b, w if pair.weights == "sequence" else ones, f,
-                                   w if pair.weights == "token" else ones)
+                                   u[i] if u is not None else w if pair.weights == "token" else ones)
         out.extend([st] * steps)
     return out
 
@@ -209,14 +211,14 @@ def _step_counts(pair: RolloutTables, item: GradItem, gamma: torch.Tensor | None
     f = item.est.fn(pair.logr_table)
     tok_w = pair.weights == "token"
 
-    def run(part: str, table: torch.Tensor) -> torch.Tensor:
-        steps = _step_tables(pair, table)
+    def run(part: str, table: torch.Tensor, u: list[torch.Tensor] | None = None) -> torch.Tensor:
+        steps = _step_tables(pair, table, u)
         if part == "all" and tok_w:          # (Σ_t w_t f_t)·S: the weight inside the sum, not on the step
             steps = [rollout_dp.StepTables(st.b, st.m, st.u * table, torch.ones_like(st.b)) for st in steps]
         return rollout_dp.step_expectations(steps, pair.bucket, pair.eos, part, gamma)
 
     if item.token == "local":
-        return run("one", f) * item.coef(pair.logr_table)
+        return run("one", f, local_tables(pair, item))
     if item.token == "to_go":                # Σ_t w_t (Σ_{s≥t} f_s) s_t: the ratio on the advantage
         return run("to_go", f)
     score = run("all", f)
@@ -243,14 +245,34 @@ def _score_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor:
     return _count_moment(pair, _sequence_weight(pair), lambda lb: f, [0.0, 1.0])
 
 
-def _local_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor:
-    """E[N]·c for Σ_t (w_t) c_t s_t: linear in the counts N."""
+def local_tables(pair: RolloutTables, item: GradItem) -> list[torch.Tensor]:
+    """Per sampler phase, the per-step coefficient [C, V] of a local token row Σ_t a_t s_t: c(log r)
+    times the token weight w = q/b (weights = "token", zero where b never draws), or the PPO surrogate's
+    coefficient where the case clips (kl_bench.weights.WeightCorrection.coefficient: ρ·c on the free
+    branch, the clipped branch's own gradient elsewhere, from the raw ratio ρ = q/b); c alone otherwise."""
     c_tab = item.coef(pair.logr_table)
-    if pair.weights == "token":  # w_t depends on the phase's b: count each phase's steps apart
-        return sum(_count_moment(pair, _ones, _ones, [1.0], phase=i)
-                   * torch.where(lb.exp() > 0, pair.token_weight(lb), torch.zeros_like(lb))
-                   for i, (lb, _) in enumerate(pair.phases)) * c_tab
-    return _count_moment(pair, _sequence_weight(pair), _ones, [1.0]) * c_tab
+    if pair.weights != "token":
+        return [c_tab for _ in pair.phases]
+    out = []
+    for lb, _ in pair.phases:
+        drawn = lb.exp() > 0
+        if pair.clip is not None and pair.clip.clips(item.mode):
+            rho = torch.exp(pair.log_q - lb)
+            t = pair.clip.coefficient(item.est, item.mode, pair.logr_table.reshape(-1), rho.reshape(-1))
+            t = t.reshape(lb.shape)
+        else:
+            t = pair.token_weight(lb) * c_tab
+        out.append(torch.where(drawn, t, torch.zeros_like(t)))
+    return out
+
+
+def _local_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor:
+    """Σ_phases E[N_phase]·a_phase for Σ_t a_t s_t: linear in the counts N (token weights and the clip
+    depend on the phase's b: each phase's steps are counted apart)."""
+    tables = local_tables(pair, item)
+    if pair.weights == "token":
+        return sum(_count_moment(pair, _ones, _ones, [1.0], phase=i) * t for i, t in enumerate(tables))
+    return _count_moment(pair, _sequence_weight(pair), _ones, [1.0]) * tables[0]
 
 
 def _sequence_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor | None:
@@ -335,6 +357,11 @@ class RolloutGradients(GradientAccumulator):
         self.local = [j for j in per_token if items[j].aggregate == "tok"] if pair.weights == "none" else []
         self.per_draw = [j for j in range(len(items)) if j not in self.local]
         self.tables = {j: items[j].coef(pair.logr_table).reshape(-1).to(device) for j in per_token}
+        # Token weights (and the PPO clip) make a local row's per-step coefficient a table per phase.
+        self.phase_tables = {j: torch.stack([t.reshape(-1) for t in local_tables(pair, items[j])]).to(device)
+                             for j in per_token} if pair.weights == "token" else {}
+        self.phase_of = torch.tensor([i for i, (_, steps) in enumerate(pair.phases) for _ in range(steps)],
+                                     device=device)
         self.w_total = torch.zeros(c_ * v, len(self.per_draw), dtype=torch.float64)
         self.counts = torch.zeros(c_ * v, dtype=torch.float64)
         # Draws per piece: [m, T] recorded steps stay within 2^21 entries (fixed per case: same bytes for
@@ -405,7 +432,9 @@ class RolloutGradients(GradientAccumulator):
         1/|y| for ``tok_mean``."""
         outer = seq_w if self.pair.weights == "sequence" else 1.0
         w = torch.zeros_like(alive)
-        if it.token in ("local", "score+local"):
+        if j in self.phase_tables:          # Σ_t a_phase(t)(x_t) s_t: the weight is in the table
+            w = w + self.phase_tables[j][self.phase_of[None, :keys.shape[1]], keys] * alive
+        elif it.token in ("local", "score+local"):
             table = self.tables[j] if it.token == "local" else (
                 it.coef(self.g_flat) - it.est.fn(self.g_flat))
             w = w + table[keys] * tok_w

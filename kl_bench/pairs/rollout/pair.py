@@ -23,10 +23,11 @@ from ...config import MAX_LENGTH, Table, at_most, positive
 from ...draws import AGGREGATES, Draws, Row
 from ...errors import SpecError
 from ...estimators import RowSource, poly_square
+from ...modes import MODES
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
                        resolve_pair_source_logits)
-from ...samplers import LOGIT_KEYS, TOKEN_CORRECTION_KEYS, WEIGHT_KEYS
+from ...samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
 from ...weights import WeightCorrection
@@ -79,7 +80,7 @@ def _floor_or_mask(correction: WeightCorrection | None) -> WeightCorrection | No
 
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
-               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *TOKEN_CORRECTION_KEYS),
+               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *CORRECTION_KEYS),
                weight_kinds=("token", "sequence", "geometric"))
 class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
@@ -105,6 +106,12 @@ class RolloutPair(GradientDefaults, Pair):
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
         self.correction = _floor_or_mask(correction)
+        # The PPO clip changes gradients only (kl_bench.weights): of the per-token local rows, exactly.
+        self.clip = correction if correction is not None and (correction.clip is not None
+                                                              or correction.dual is not None) else None
+        if self.clip is not None and weights != "token":
+            raise SpecError("the PPO clip (clip_low, clip_high, dual_clip) clips each token's ratio: it needs "
+                            "weights = \"token\"", key="sampler.weights")
         self.min_length = int(min_length) if eos is not None else 0
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
@@ -611,6 +618,13 @@ class RolloutPair(GradientDefaults, Pair):
     def gradient_exact(self, item: GradItem, directions: dict[str, np.ndarray]) -> ExactGrad | None:
         mean = grad.exact_mean(self, item)
         return None if mean is None else ExactGrad(mean, math.nan, {})
+
+    def gradient_excludes(self, mode: str, aggregate: str) -> bool:
+        # Under the PPO clip, a token's branch depends on its own ratio and cost only in the local forms;
+        # a score-function row's cost is the whole sequence's (and a seq row has no per-token ratio):
+        # those rows are left out rather than given a form no trainer computes (docs/weights.md).
+        return self.clip is not None and self.clip.clips(mode) and (
+            not AGGREGATES[aggregate].token or MODES[mode].token != "local")
 
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         return grad.self_gradient(self, item)
