@@ -50,12 +50,26 @@ def _brute_sequences(pb):
     return out
 
 
-def _brute_objective(pb, theta, seqs, reward):
-    """J(θ) = Σ_y q(y)(R(y) − β log(q(y)/p(y))), R(y) = reward(tuple), differentiable in θ."""
-    lq = torch.log_softmax(theta, -1)
-    lq_y = torch.stack([lq[list(cs), list(y)].sum() for y, cs in seqs])
-    lp_y = torch.stack([pb.log_p[list(cs), list(y)].sum() for y, cs in seqs])
-    r = torch.tensor([reward(y) for y, _ in seqs], dtype=torch.float64)
+def _counts(pb, seqs):
+    """N [M, C·V]: how often each sequence draws token x in bucket c (log q(y) = N · log q, flattened)."""
+    n = torch.zeros(len(seqs), pb.log_p.numel(), dtype=torch.float64)
+    for i, (y, cs) in enumerate(seqs):
+        for x, c in zip(y, cs):
+            n[i, c * pb.log_p.shape[1] + x] += 1
+    return n
+
+
+def _brute(pb, reward=None):
+    """(N, R) of the recursion's sequences, R(y) = reward(tuple) (default: distinct ids, len(set(y)))."""
+    seqs = _brute_sequences(pb)
+    return _counts(pb, seqs), torch.tensor([(reward or _distinct)(y) for y, _ in seqs], dtype=torch.float64)
+
+
+def _brute_objective(pb, theta, brute):
+    """J(θ) = Σ_y q(y)(R(y) − β log(q(y)/p(y))) over the recursion's sequences, differentiable in θ."""
+    n, r = brute
+    lq_y = n @ torch.log_softmax(theta, -1).reshape(-1)
+    lp_y = n @ pb.log_p.reshape(-1)
     return (lq_y.exp() * (r - pb.beta * (lq_y - lp_y))).sum()
 
 
@@ -77,7 +91,7 @@ def test_values_and_true_gradient_match_brute_force_enumeration():
     values, grad_j = pb.evaluate(theta)
     seqs = _brute_sequences(pb)
     th = theta.clone().requires_grad_(True)
-    j = _brute_objective(pb, th, seqs, _distinct)
+    j = _brute_objective(pb, th, _brute(pb))
     (g,) = torch.autograd.grad(j, th)
     j = j.detach()
     assert abs(values["objective"] - float(j)) < 1e-12
@@ -97,14 +111,14 @@ def test_values_and_true_gradient_match_brute_force_enumeration():
     assert values["kl_opt"] > 0.01 and abs(values["kl_opt"] - (log_z - float(j) / pb.beta)) < 1e-12
 
 
-def _torch_adam(pb, seqs, lr, steps):
+def _torch_adam(pb, brute, lr, steps):
     th = torch.nn.Parameter(pb.theta0.clone())
     opt = torch.optim.Adam([th], lr=lr, maximize=True)
     out = []
     for _ in range(steps + 1):
         out.append(th.detach().clone())
         opt.zero_grad()
-        _brute_objective(pb, th, seqs, _distinct).backward()
+        _brute_objective(pb, th, brute).backward()
         opt.step()
     return out
 
@@ -115,19 +129,19 @@ def test_trajectories_follow_autograd_of_the_enumerated_objective(label, optimiz
     """These combinations' expected updates equal ∇J (the reward's score function by enumeration, the KL
     term by the counting dynamic program): 50 steps against SGD / torch.optim.Adam on autograd of J."""
     pb = _problem()
-    seqs = _brute_sequences(pb)
+    brute = _brute(pb)
     combo = parse_combination(label, AGG)
     lr = 0.5 if optimizer == "sgd" else 0.05
     ours = [th for _, th, _ in trajectory(pb.theta0, Optimizer(optimizer, lr), STEPS,
                                           lambda th, t: pb.expected_update(th, combo))]
     if optimizer == "adam":
-        ref = _torch_adam(pb, seqs, lr, STEPS)
+        ref = _torch_adam(pb, brute, lr, STEPS)
     else:
         ref, theta = [], pb.theta0.clone()
         for _ in range(STEPS + 1):
             ref.append(theta)
             th = theta.clone().requires_grad_(True)
-            (g,) = torch.autograd.grad(_brute_objective(pb, th, seqs, _distinct), th)
+            (g,) = torch.autograd.grad(_brute_objective(pb, th, brute), th)
             theta = theta + lr * g
     assert len(ours) == STEPS + 1
     for a, b in zip(ours, ref):

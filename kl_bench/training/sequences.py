@@ -166,8 +166,9 @@ class SequenceRolloutProblem(RolloutProblem):
     def _score(self, lq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ_y w(y) S(y), [C, V], with S(y) = ∇θ log q(y) = Σ_t e_{c_{t−1}, x_t} − q(·|c_{t−1}) in row c_{t−1}."""
         s = self.seqs
+        # Past a sequence's end the key is 0 and the weight 0.0: adding it changes nothing.
         acc = torch.zeros(lq.numel(), dtype=torch.float64).index_add_(
-            0, s.keys[s.mask], w[:, None].expand_as(s.keys)[s.mask])
+            0, s.keys.reshape(-1), (w[:, None] * s.mask).reshape(-1))
         acc = acc.reshape(lq.shape)
         return acc - acc.sum(-1, keepdim=True) * lq.exp()
 
