@@ -19,8 +19,12 @@ from .combos import Combination
 
 
 def expected_score_gradient(q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """E_x[a(x)(e_x − q_b)] averaged over the B contexts: (1/B)(q ⊙ a − q·(q·a)). q, a: [B, V] → [B, V]."""
-    qa = q * a
+    """E_x[a(x)(e_x − q_b)] averaged over the B contexts: (1/B)(q ⊙ a − q·(q·a)). q, a: [B, V] → [B, V].
+
+    a is taken relative to its first entry per context (E[e_x − q_b] = 0, so the expectation is the same):
+    a constant a (k1 in the loss) then gives exactly 0, not the rounding of Σq = 1, which Adam would
+    divide by its own scale and turn into steps."""
+    qa = q * (a - a[..., :1])
     return (qa - q * qa.sum(-1, keepdim=True)) / q.shape[0]
 
 
