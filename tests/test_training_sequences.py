@@ -313,6 +313,16 @@ def test_a_plug_in_beside_the_spec_trains_rollouts_and_categoricals(folder):
     assert torch.equal(plan.problem.reward[0], (x == 1).double() - 0.5)
 
 
+def test_list_names_the_sequence_rewards():
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    res = CliRunner().invoke(app, ["list"])
+    assert res.exit_code == 0, res.output
+    lines = [line.split()[:2] for line in res.output.splitlines()]
+    assert all(["reward", name] in lines for name in SEQUENCE_REWARDS.names())
+
+
 # ----------------------------------------------------------------------------- one process
 def _clean_env(monkeypatch, **env):
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

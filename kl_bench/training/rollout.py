@@ -111,8 +111,8 @@ class RolloutProblem:
         for m, g in batch.pieces(piece):
             rec: list = []
             pr.simulate([m], [g], batch.device, record=rec)
-            keys = torch.stack([x[0] for x in rec], 1)
-            alive = torch.stack([x[1] for x in rec], 1)
+            keys = torch.stack([x[0] for x in rec], 1).cpu()        # the reward and the sums live on the CPU
+            alive = torch.stack([x[1] for x in rec], 1).cpu()
             total = self.path_rewards(keys, alive)[:, None]
             w.index_add_(0, keys.reshape(-1), (total * alive).reshape(-1))
         wm = w.reshape(lq.shape)

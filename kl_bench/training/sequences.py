@@ -48,12 +48,12 @@ SEQUENCE_REWARDS: Registry[SequenceReward] = Registry("sequence reward", entry_p
 
 
 def _length(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """|y|, the number of tokens (EOS included): additive, the same as a per-token table of ones."""
+    """|y|, the number of tokens (EOS included); additive: a per-token table of ones gives the same."""
     return mask.sum(-1).to(torch.float64)
 
 
 def _distinct(tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The number of distinct token ids in y: not a sum over steps."""
+    """The number of distinct token ids in y; not a sum over steps."""
     s = torch.sort(tokens, -1).values                  # −1 (past the end) sorts first
     new = torch.ones_like(s, dtype=torch.bool)
     new[:, 1:] = s[:, 1:] != s[:, :-1]
