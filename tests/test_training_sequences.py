@@ -232,6 +232,14 @@ def words(tokens, mask):
     return "high"
 
 NOT_A_FUNCTION = 3
+
+CALLS = [0]
+
+def fails_after_planning(tokens, mask):
+    CALLS[0] += 1
+    if CALLS[0] > 1:
+        raise RuntimeError("called again")
+    return mask.sum(-1).double()
 '''
 
 CASES = {
@@ -291,6 +299,18 @@ def test_bad_sequence_reward_is_one_line_exit_2(folder, reward, case, message):
     assert "\n" not in err and "Traceback" not in err, err
     assert message in err and str(path) in err and "key 'train.reward.sequence'" in err, err
     assert ("case '" in err) == (BAD.index((reward, case, message)) > 2), err       # lookups fail before any case
+    assert not out.exists()
+
+
+def test_a_reward_failing_on_a_sampled_path_is_one_line(folder):
+    """The enumeration's call succeeds; the first sampled step's call raises: one line naming the file, the
+    case and the key, exit 2, nothing written."""
+    res, path, out = _cli(folder, "sampled-fail", "kltest_seqrewards:fails_after_planning", "roll", '["sampled"]')
+    assert res.exit_code == 2, res.output
+    err = res.output.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert (f"{path}: case 'roll': key 'train.reward.sequence': sequence reward 'kltest_seqrewards:fails_after_planning'"
+            " raised RuntimeError: called again") in err, err
     assert not out.exists()
 
 
