@@ -12,7 +12,12 @@ J(θ) = E_q[reward] − β KL(q‖p), from the same start:
 k1/reward has E[update] = ∇J, so the two trajectories must agree: the largest |Δθ| after the run is printed.
 One intra-op thread (as every kl-bench entry point).
 
-    python benchmarks/bench_training.py [--smoke] [--steps 50] [--rollout-steps 5]
+A per-sequence reward (kl_bench.training.sequences; R = distinct tokens) on a rollout near the enumeration's
+limit: kl-bench's update (the reward's score function summed over every sequence, plus the counting dynamic
+program for the KL term) against autograd of J written over the same enumerated sequences, and the cost of
+one step's exact values (evaluate: KL both ways, entropy, E[R], J, KL(q‖q*), ∇J).
+
+    python benchmarks/bench_training.py [--smoke] [--steps 50] [--rollout-steps 5] [--sequence-steps 5]
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ import torch
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
 from kl_bench.pairs.rollout import gradients as rg
-from kl_bench.training import CategoricalProblem, Optimizer, RolloutProblem, parse_combination, trajectory
+from kl_bench.training import (SEQUENCE_REWARDS, CategoricalProblem, Optimizer, RolloutProblem, SequenceRolloutProblem,
+                               parse_combination, trajectory)
+from kl_bench.training.sequences import enumerate_sequences, rewards_of
 
 
 def _pair_logits(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +53,30 @@ def rollout(c: int, vocab: int, length: int) -> RolloutProblem:
     lq, lp = _pair_logits(c, vocab, 4)
     r = -torch.randn(c, vocab, generator=torch.Generator().manual_seed(5), dtype=torch.float64).abs()
     return RolloutProblem("bench", lq, lp, r, 0.5, torch.arange(vocab) % c, length, 0)
+
+
+def sequence_rollout(c: int, vocab: int, length: int) -> SequenceRolloutProblem:
+    lq, lp = _pair_logits(c, vocab, 6)
+    bucket = torch.arange(vocab) % c
+    seqs = enumerate_sequences(bucket, vocab, length, 0)
+    fn = SEQUENCE_REWARDS["distinct"]
+    return SequenceRolloutProblem("bench", lq, lp, torch.zeros_like(lq), 1.0, bucket, length, 0, fn, seqs,
+                                  rewards_of(fn, seqs.tokens, seqs.mask))
+
+
+def seq_objective(pb: SequenceRolloutProblem, theta: torch.Tensor) -> torch.Tensor:
+    """J = Σ_y q(y)(R(y) − β log(q(y)/p(y))) over the enumerated sequences, differentiable in θ."""
+    s, lq = pb.seqs, torch.log_softmax(theta, -1)
+    lq_y = torch.where(s.mask, lq.reshape(-1)[s.keys], 0.0).sum(-1)
+    lp_y = torch.where(s.mask, pb.log_p.reshape(-1)[s.keys], 0.0).sum(-1)
+    return (lq_y.exp() * (pb.values - pb.beta * (lq_y - lp_y))).sum()
+
+
+def evaluate_rate(pb, repeats: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        pb.evaluate(pb.theta0)
+    return repeats / (time.perf_counter() - t0)
 
 
 def cat_objective(pb: CategoricalProblem, theta: torch.Tensor) -> torch.Tensor:
@@ -92,14 +123,20 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
     ap.add_argument("--steps", type=int, default=50, help="categorical steps per pipeline")
     ap.add_argument("--rollout-steps", type=int, default=5, help="rollout steps per pipeline")
+    ap.add_argument("--sequence-steps", type=int, default=5, help="per-sequence reward steps per pipeline")
     a = ap.parse_args()
     torch.set_num_threads(1)
     v, (c, rv, t) = (50257, (32, 5000, 64)) if not a.smoke else (500, (4, 50, 6))
-    steps, rsteps = (a.steps, a.rollout_steps) if not a.smoke else (5, 2)
+    steps, rsteps, ssteps = (a.steps, a.rollout_steps, a.sequence_steps) if not a.smoke else (5, 2, 2)
+    sc, sv, st = (4, 16, 5) if not a.smoke else (2, 4, 3)
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread")
     bench(f"categorical V={v}", categorical(v), cat_objective, ["k1/reward", "k2/loss", "k3/loss"], (), steps)
     bench(f"rollout C={c} V={rv} T={t}", rollout(c, rv, t), roll_objective, ["k1/reward/seq", "k1/reward/tok",
                                                                             "k3/loss/tok"], ("tok", "seq"), rsteps)
+    pb = sequence_rollout(sc, sv, st)
+    name = f"sequence reward C={sc} V={sv} T={st} ({pb.seqs.tokens.shape[0]:,} sequences)"
+    bench(name, pb, seq_objective, ["k1/reward/seq", "k3/loss/tok"], ("tok", "seq"), ssteps)
+    print(f"{name}: exact values (evaluate)  {evaluate_rate(pb, ssteps):9.1f} per s")
 
 
 if __name__ == "__main__":

@@ -537,7 +537,9 @@ __all__ = ["load", "prepare", "execute", "run", "Result", "exact", "check", "Che
 def train(spec, *, seed: int | None = None, device: str | None = None) -> "TrainResult":
     """Optimisation trajectories of a spec with a ``[train]`` table (kl_bench.training, docs/training.md):
     train.csv's rows and run.json's envelope, in memory; :meth:`TrainResult.write` writes the folder."""
+    from .distributed import one_process
     from .training import TrainResult, train_rows
+    one_process("kl_bench.train", str(spec) if isinstance(spec, (str, Path)) else None)
     sp = load(spec, seed=seed, device=device)
     dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
     rows, cfg, wall = train_rows(sp, dev)
@@ -552,4 +554,6 @@ def train(spec, *, seed: int | None = None, device: str | None = None) -> "Train
                   "gradients": list(cfg.gradients), "draws_per_step": cfg.draws or exp.draws, "seeds": cfg.seeds,
                   "reward": cfg.reward.kind, "combinations": list(cfg.combinations)},
     }
+    if cfg.reward.function is not None:           # a per-sequence reward: its registry name or plug-in reference
+        envelope["train"]["reward_function"] = cfg.reward.function.name
     return TrainResult(rows, envelope)

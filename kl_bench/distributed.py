@@ -162,6 +162,15 @@ def env_world() -> tuple[int, int, int] | None:
     return rank, world, local
 
 
+def one_process(command: str, file: str | None = None) -> None:
+    """Refuse, in one line, to run ``command`` under torchrun with more than one process: a command that does
+    not split its work across ranks would have every rank do all of it. Nothing heavy is imported first."""
+    env = env_world()
+    if env is not None:
+        raise SpecError(f"{command} runs in one process and is not split across torchrun's {env[1]} processes: "
+                        "start it without torchrun (one process writes the same bytes)", file=file)
+
+
 def start(device) -> tuple[Ranks, Any]:
     """Join torchrun's process group when there is one: gloo on CPU devices, NCCL on CUDA (device
     cuda:LOCAL_RANK). Returns (ranks, device); a one-process run gets (SINGLE, device) unchanged."""

@@ -1,4 +1,4 @@
-"""``kl-bench list``: the registered estimators, pair-supplied rows and case kinds."""
+"""``kl-bench list``: the registered estimators, pair-supplied rows, case kinds and per-sequence rewards."""
 from __future__ import annotations
 
 from .common import Command, app, out_console
@@ -6,7 +6,7 @@ from .common import Command, app, out_console
 
 @app.command("list", cls=Command)
 def list_() -> None:
-    """List the registered estimators, pair-supplied rows and case kinds, one line each."""
+    """List the registered estimators, pair-supplied rows, case kinds and per-sequence rewards, one line each."""
     from importlib.metadata import entry_points
 
     from ..estimators import ESTIMATORS, PAIR_ROWS
@@ -24,3 +24,7 @@ def list_() -> None:
             out_console.print(f"plug-in    {ep.name:<{wn}}  {ep.value}  (entry point, loaded when used)", markup=False)
     for name, k in CASE_KINDS.items():
         out_console.print(f"kind       {name:<{wn}}  {k.description}", markup=False)
+    from ..training.sequences import SEQUENCE_REWARDS
+    for name, r in SEQUENCE_REWARDS.items():
+        doc = (r.fn.__doc__ or "").strip().splitlines()[0] if r.fn.__doc__ else ""
+        out_console.print(f"reward     {name:<{wn}}  {doc}  ([train] reward = {{ sequence = \"{name}\" }})", markup=False)

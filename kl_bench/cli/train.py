@@ -16,7 +16,14 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
           device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="no summary lines")) -> None:
     """Train the policy of every case with each [train] combination (exact and/or sampled updates) and write
-    train.csv and run.json atomically (docs/training.md)."""
+    train.csv and run.json atomically (docs/training.md). One process: under torchrun it refuses to start."""
+    from ..distributed import env_world, one_process
+    with user_errors():
+        # Under torchrun: refused before the spec is read; rank 0 says why in one line, the others exit quietly.
+        world = env_world()
+        if world is not None and world[0] != 0:
+            raise typer.Exit(2)
+        one_process("kl-bench train", str(spec))
     from .. import api
     from ..spec import load_spec
     from ..storage import check_output_dir, output_dir

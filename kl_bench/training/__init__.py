@@ -3,7 +3,8 @@ training run, exact (the expected update) or from n draws a step, on categorical
 
 Layers: :mod:`.optim` (pure SGD/Adam), :mod:`.categorical` and :mod:`.rollout` (exact values, ∇J, the
 trainer's expected and sampled updates), :mod:`.config` (the ``[train]`` table), :mod:`.run` (the
-trajectories and train.csv's rows), :mod:`.result` (files and summary), :mod:`.plots` (figures).
+trajectories and train.csv's rows), :mod:`.result` (files and summary), :mod:`.plots` (figures),
+:mod:`.sequences` (a per-sequence reward R(y): its registry, the enumeration, the rollout problem).
 docs/training.md has the math.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .config import TrainConfig, parse_train
 from .optim import Optimizer, adam, sgd
 from .result import TrainResult
 from .rollout import RolloutProblem
+from .sequences import SEQUENCE_REWARDS, SequenceReward, SequenceRolloutProblem
 from .run import TRAIN_SCHEMA, plan_case, run_trajectory, train_combination, trajectory
 
 
@@ -42,11 +44,15 @@ def train_rows(spec, device: torch.device) -> tuple[list[dict], TrainConfig, flo
         except SpecError as e:
             raise e.located(file=str(spec.path)) from None
     start = time.perf_counter()
-    rows = [row for plan in plans for combo in plan.combos
-            for row in train_combination(plan, combo, cfg, seed=spec.experiment.seed, draws=draws, device=device)]
+    try:        # a plug-in reward can still fail on a sampled path: one line naming the file
+        rows = [row for plan in plans for combo in plan.combos
+                for row in train_combination(plan, combo, cfg, seed=spec.experiment.seed, draws=draws, device=device)]
+    except SpecError as e:
+        raise e.located(file=str(spec.path)) from None
     return rows, cfg, time.perf_counter() - start
 
 
-__all__ = ["TRAIN_SCHEMA", "CategoricalProblem", "Combination", "Optimizer", "RolloutProblem", "TrainConfig",
+__all__ = ["TRAIN_SCHEMA", "CategoricalProblem", "Combination", "Optimizer", "RolloutProblem", "SEQUENCE_REWARDS",
+           "SequenceReward", "SequenceRolloutProblem", "TrainConfig",
            "TrainResult", "adam", "count_gradient", "expected_score_gradient", "parse_combination", "parse_train",
            "plan_case", "run_trajectory", "sgd", "train_combination", "train_rows", "trajectory"]

@@ -9,11 +9,12 @@ from typing import Any
 
 from ..config import MAX_DRAWS, Table, at_most, positive, typename
 from ..errors import SpecError
-from ..registry import did_you_mean
+from ..registry import did_you_mean, plugin_path
 from .optim import OPTIMIZERS, Optimizer
+from .sequences import SEQUENCE_REWARDS, SequenceReward
 
 GRADIENTS = ("exact", "sampled")
-REWARD_KINDS = ("random", "file", "tokens")
+REWARD_KINDS = ("random", "file", "tokens", "sequence")
 MAX_STEPS = 1 << 20            # steps are sequential: a million is already hours
 
 
@@ -21,7 +22,9 @@ MAX_STEPS = 1 << 20            # steps are sequential: a million is already hour
 class RewardSpec:
     """``kind``: "none" (pure regularisation towards p), "random" (N(0, scale²) per (context, token), drawn
     from ``seed``; −|N(0, scale²)| with ``penalty``: a cost on every token), "file" (a [B, V] / [C, V]
-    table in .npy/.pt/.safetensors, ``key`` inside it), "tokens" (``value`` on the token ids ``tokens`` in every context, 0 elsewhere)."""
+    table in .npy/.pt/.safetensors, ``key`` inside it), "tokens" (``value`` on the token ids ``tokens`` in every
+    context, 0 elsewhere), "sequence" (``function``: R(y) of a rollout's whole sequence, from
+    :data:`kl_bench.training.sequences.SEQUENCE_REWARDS`; on a categorical, R([x]) is a table)."""
     kind: str = "none"
     scale: float = 1.0
     seed: int = 0
@@ -30,7 +33,12 @@ class RewardSpec:
     key: str | None = None
     tokens: tuple[int, ...] = ()
     value: float = 1.0
+    function: SequenceReward | None = None
     cases: tuple[str, ...] = ()    # the cases that get the reward (default: all; the others get none)
+
+    def applies_to(self, case: str) -> bool:
+        """Whether ``case`` gets this reward (not "none", and listed in ``cases`` when that is given)."""
+        return self.kind != "none" and (not self.cases or case in self.cases)
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,16 @@ def _token_ids(r: Table) -> tuple[int, ...]:
     return tuple(toks)
 
 
+def _sequence_reward(r: Table, spec_dir: Path) -> SequenceReward:
+    """A registered name or a ``"module:object"`` plug-in (imported now, found beside the spec too)."""
+    name = r.get("sequence", "str")
+    try:
+        with plugin_path(spec_dir):
+            return SEQUENCE_REWARDS[name]
+    except SpecError as e:
+        raise e.located(file=r.file, key=r.key("sequence")) from None
+
+
 def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
     raw = t.raw("reward")
     if raw is None or raw == "none":
@@ -92,8 +110,10 @@ def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
     elif kinds[0] == "file":
         f = Path(r.get("file", "str"))
         spec = RewardSpec("file", file=f if f.is_absolute() else spec_dir / f, key=r.get("key", "str", None))
-    else:
+    elif kinds[0] == "tokens":
         spec = RewardSpec("tokens", tokens=_token_ids(r), value=r.get("value", "float", 1.0))
+    else:
+        spec = RewardSpec("sequence", function=_sequence_reward(r, spec_dir))
     cases = r.get("cases", "str_list", ())
     r.finish()
     return dataclasses.replace(spec, cases=cases)

@@ -15,13 +15,19 @@ from ..seeding import batch_generator
 from .categorical import CategoricalProblem
 from .config import RewardSpec, TrainConfig
 from .rollout import RolloutProblem
+from .sequences import KEY, SequenceRolloutProblem, categorical_table, enumerate_checked, rewards_of
 
 
 def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int) -> torch.Tensor:
     """The reward [rows, V] (float64) of one case: rows = contexts (categorical) or buckets (rollout)."""
     rows, vocab = shape
-    if spec.kind == "none" or (spec.cases and case not in spec.cases):
+    if not spec.applies_to(case):
         return torch.zeros(shape, dtype=torch.float64)
+    if spec.kind == "sequence":           # a categorical's sequence is one token: R([x]) is a table
+        try:
+            return categorical_table(spec.function, rows, vocab)
+        except SpecError as e:
+            raise e.located(case=case, key=KEY) from None
     if spec.kind == "random":
         # Its own stream (seed, case/reward): the reward does not move when draws or steps change.
         g = batch_generator(seed + spec.seed, f"{case}/reward", 0, torch.device("cpu"))
@@ -65,8 +71,22 @@ def _categorical(pair, cfg: TrainConfig, seed: int) -> CategoricalProblem:
 
 def _rollout(pair, cfg: TrainConfig, seed: int) -> RolloutProblem:
     _finite(pair, pair.name)
-    r = reward_table(cfg.reward, tuple(pair.log_q.shape), pair.name, seed)
+    shape = tuple(pair.log_q.shape)
+    if cfg.reward.kind == "sequence" and cfg.reward.applies_to(pair.name):
+        return _sequence_rollout(pair, cfg)
+    r = reward_table(cfg.reward, shape, pair.name, seed)
     return RolloutProblem(pair.name, pair.log_q.clone(), pair.log_p, r, cfg.beta, pair.bucket, pair.length, pair.eos)
+
+
+def _sequence_rollout(pair, cfg: TrainConfig) -> SequenceRolloutProblem:
+    """Every sequence enumerated (or one line past the limit) and R evaluated on each, once."""
+    seqs = enumerate_checked(pair.bucket, pair.vocab, pair.length, pair.eos, pair.name)
+    try:
+        values = rewards_of(cfg.reward.function, seqs.tokens, seqs.mask)
+    except SpecError as e:
+        raise e.located(case=pair.name, key=KEY) from None
+    return SequenceRolloutProblem(pair.name, pair.log_q.clone(), pair.log_p, torch.zeros_like(pair.log_q), cfg.beta,
+                                  pair.bucket, pair.length, pair.eos, cfg.reward.function, seqs, values)
 
 
 # Kind name → (builder, the aggregates a combination may name; the first is the default).

@@ -66,9 +66,13 @@ class RolloutProblem:
                "kl_opt": self._log_z(pr) - objective / self.beta}
         return out, grad_j
 
+    @property
+    def has_reward(self) -> bool:
+        return bool(self.reward.any())
+
     def reward_gradient(self, lq: torch.Tensor) -> torch.Tensor:
         """∇θ E_q[Σ_t reward] at θ with log softmax θ = lq, [C, V] (the score function's expectation)."""
-        if not bool(self.reward.any()):
+        if not self.has_reward:
             return torch.zeros_like(lq)
         th = lq.detach().clone().requires_grad_(True)
         (g,) = torch.autograd.grad(rg.path_moments(self.pair(lq), th, torch.ones_like(lq), self.reward)[1], th)
@@ -93,17 +97,23 @@ class RolloutProblem:
         acc = pr.gradient_accumulator([combo.item], {"reverse": torch.zeros(lq.numel()).numpy()}, batch.device)
         acc.add(batch)
         g_kl = torch.from_numpy(acc.total()[0]).reshape(lq.shape)
-        g_r = torch.zeros_like(lq)
-        if bool(self.reward.any()):
-            w = torch.zeros(lq.numel(), dtype=torch.float64)
-            r_flat = self.reward.reshape(-1)
-            for m, g in batch.pieces(acc.piece):
-                rec: list = []
-                pr.simulate([m], [g], batch.device, record=rec)
-                keys = torch.stack([x[0] for x in rec], 1)
-                alive = torch.stack([x[1] for x in rec], 1)
-                total = (r_flat[keys] * alive).sum(1, keepdim=True)          # Σ_t reward per path
-                w.index_add_(0, keys.reshape(-1), (total * alive).reshape(-1))
-            wm = w.reshape(lq.shape)
-            g_r = wm - wm.sum(-1, keepdim=True) * lq.exp()                   # Σ_paths Σ_t R (e_x − q_c)
+        g_r = self._sampled_reward_gradient(pr, lq, batch, acc.piece) if self.has_reward else torch.zeros_like(lq)
         return (g_r - self.beta * g_kl) / batch.size
+
+    def path_rewards(self, keys: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """The reward of each sampled path: Σ_t reward(c_{t−1}, x_t) over its steps, [n] (keys, alive: [n, T])."""
+        return (self.reward.reshape(-1)[keys] * alive).sum(1)
+
+    def _sampled_reward_gradient(self, pr: RolloutPair, lq: torch.Tensor, batch: BatchStream, piece: int) -> torch.Tensor:
+        """Σ_paths R(y) S(y), [C, V], S(y) = Σ_t e_{x_t} − q_{c_{t−1}}: the paths drawn again from the batch's
+        piece generators (the very paths the KL term's accumulator drew)."""
+        w = torch.zeros(lq.numel(), dtype=torch.float64)
+        for m, g in batch.pieces(piece):
+            rec: list = []
+            pr.simulate([m], [g], batch.device, record=rec)
+            keys = torch.stack([x[0] for x in rec], 1).cpu()        # the reward and the sums live on the CPU
+            alive = torch.stack([x[1] for x in rec], 1).cpu()
+            total = self.path_rewards(keys, alive)[:, None]
+            w.index_add_(0, keys.reshape(-1), (total * alive).reshape(-1))
+        wm = w.reshape(lq.shape)
+        return wm - wm.sum(-1, keepdim=True) * lq.exp()
