@@ -12,6 +12,8 @@ file, and a continuation's per-step KL is that of normalised distributions.
 """
 from __future__ import annotations
 
+import inspect
+
 import json
 import warnings
 from pathlib import Path
@@ -159,6 +161,12 @@ def log_probs64(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(wide, dim=-1).to(torch.float64)
 
 
+def _cache_name(model) -> str:
+    """The keyword (and output field) of a model's KV cache: transformers 5.x names it ``cache`` (its
+    ``past_key_values`` warns that it is deprecated), 4.x ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Step:
     """One batch of prompts fed through a model with its KV cache, one token at a time."""
 
@@ -166,9 +174,10 @@ class Step:
         """``ids``, ``mask``: left-padded prompts [n, L]. Positions count real tokens only, so a padded
         prompt sees exactly the positions it would see alone."""
         self.model, self.mask = model, mask
+        self.cache_name = _cache_name(model)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
-        self.cache, self.last = out.past_key_values, out.logits[:, -1]
+        self.cache, self.last = getattr(out, self.cache_name), out.logits[:, -1]
         self.pos = pos[:, -1:]
 
     def advance(self, tokens: torch.Tensor) -> None:
@@ -176,8 +185,8 @@ class Step:
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         self.pos = self.pos + 1
         out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.pos,
-                         past_key_values=self.cache, use_cache=True)
-        self.cache, self.last = out.past_key_values, out.logits[:, -1]
+                         use_cache=True, **{self.cache_name: self.cache})
+        self.cache, self.last = getattr(out, self.cache_name), out.logits[:, -1]
 
 
 @torch.no_grad()
