@@ -188,3 +188,14 @@ def test_peft_style_reference_and_beta_zero_each_warn_one_line(tiny_models, tmp_
     tr = build_trainer(tiny_models, tmp_path / "run0", steps=1, beta=0.0)
     cb = KLAudit(tr, print_fn=lambda s: None)
     assert cb.disabled and len(cb.warnings) == 1 and "beta = 0" in cb.warnings[0]
+
+
+def test_the_head_reads_gemma_final_logit_softcapping():
+    from types import SimpleNamespace
+
+    from kl_bench.integrations.trl import _head
+    lm = torch.nn.Linear(4, 9, bias=False)
+    model = SimpleNamespace(get_output_embeddings=lambda: lm, config=SimpleNamespace(final_logit_softcapping=30.0))
+    assert _head(model, 0.5).softcap == 30.0 and _head(model, 0.5).scale == 2.0
+    model.config.final_logit_softcapping = None                        # Gemma configs may hold None: no cap
+    assert _head(model, 1.0).softcap is None

@@ -91,7 +91,11 @@ def _head(model, temperature: float) -> Head:
     out = model.get_output_embeddings()
     bias = getattr(out, "bias", None)
     # TRL divides the logits by the temperature before its log-softmax, in both models: so does the audit.
-    return Head(out.weight.detach(), None if bias is None else bias.detach(), scale=1.0 / temperature)
+    # Gemma-style models cap their logits inside forward (c·tanh(z/c), config.final_logit_softcapping),
+    # before TRL sees them: the head caps them too, before the 1/T scale.
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return Head(out.weight.detach(), None if bias is None else bias.detach(), scale=1.0 / temperature,
+                softcap=float(cap) if cap else None)
 
 
 class KLAudit(_Base):
