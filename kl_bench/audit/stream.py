@@ -265,7 +265,7 @@ def _kl_tile(zq: torch.Tensor, zp: torch.Tensor, diff: torch.Tensor, q: _LogSumE
 
 @torch.no_grad()
 def stream_kl(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, policy_head: Head, reference_head: Head,
-              *, chunk: int = 256, tile: int = 8192, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+              *, chunk: int = 256, tile: int = 4096, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """KL(q‖p) [N] only, in one pass (one output-layer forward of each model), as
     E_q[z_q − z_p] − lse_q + lse_p with two running log-sum-exps (the first carrying E_q[z_q − z_p]).
 
