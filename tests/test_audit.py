@@ -339,3 +339,21 @@ def test_stream_kl_is_pass_one_of_stream_values():
     assert torch.allclose(kl, full.kl, rtol=1e-13, atol=1e-15)
     dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, ())
     assert torch.allclose(kl, dense.kl, rtol=1e-12, atol=1e-14)
+
+
+def test_stream_kl_float32_error_is_within_its_rounding_bound():
+    # Dyadic inputs (multiples of 1/4, |entries| ≤ 2): every product and every partial sum of the d = 16
+    # terms is exact in float32, so the float32 logits equal the float64 ones and only the tile work
+    # rounds: each exp ≤ 1 ulp-ish, each tile sum of t terms in (0, 1] ≤ log2(t)·2⁻²⁴ relative, and
+    # A/S = E_q[z_q − z_p] ≤ (log2 t + 2)·2⁻²⁴·max|z_q − z_p|; lse_q, lse_p each ≤ (log2 t + 2)·2⁻²⁴.
+    g = _gen(14)
+    N, V, d, tile = 16, 3000, 16, 512
+    hp, hr = (torch.randint(-8, 9, (N, d), generator=g) / 4 for _ in range(2))
+    wp, wr = (torch.randint(-4, 5, (V, d), generator=g) / 4 for _ in range(2))
+    zq, zp = hp.double() @ wp.double().T, hr.double() @ wr.double().T
+    dense = position_values(zq, zp, ()).kl
+    kl = kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), tile=tile, dtype=torch.float32)
+    bound = (math.log2(tile) + 2) * 2.0 ** -24 * (2 + (zq - zp).abs().max().item())
+    err = (kl - dense).abs().max().item()
+    assert err <= bound
+    assert err > 0                     # float32 tile work did run (the float64 path is exact to ~1e-15)
