@@ -273,7 +273,6 @@ class KLAudit(_Base):
         self._passes = self._rows_used = 0
         if self._active:
             self.step_inputs = []
-        if self._active:
             self._check_run_settings()
 
     def on_step_end(self, args, state, control, **kwargs):
