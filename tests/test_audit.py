@@ -357,3 +357,5 @@ def test_stream_kl_float32_error_is_within_its_rounding_bound():
     err = (kl - dense).abs().max().item()
     assert err <= bound
     assert err > 0                     # float32 tile work did run (the float64 path is exact to ~1e-15)
+    with pytest.raises(SpecError, match="float32 or float64, not torch.bfloat16"):
+        kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), dtype=torch.bfloat16)

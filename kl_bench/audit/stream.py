@@ -276,6 +276,8 @@ def stream_kl(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, polic
     absolute measured at V = 151,936, benchmarks/README.md), as the model's own log-probs do."""
     if policy_head.vocab != reference_head.vocab:
         raise SpecError(f"policy and reference vocabularies differ: {policy_head.vocab} and {reference_head.vocab}")
+    if dtype not in (torch.float32, torch.float64):      # the tile sums run in dtype: 16-bit ones would round them
+        raise SpecError(f"stream_kl computes in float32 or float64, not {dtype}", key="dtype")
     n_all, vocab = policy_hidden.shape[0], policy_head.vocab
     size = min(chunk, n_all) * min(tile, vocab)
     flat = [torch.empty(size, dtype=dtype) for _ in range(3)]
