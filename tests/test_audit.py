@@ -172,6 +172,32 @@ def test_streaming_equals_dense(sp, candidates):
         assert ((a[fin] - b[fin]).abs() / (1 + a[fin].abs())).max().item() < 1e-12, name
 
 
+@pytest.mark.parametrize("sp", [Sampler(), Sampler(top_k=20, temperature=0.7)], ids=lambda s: s.describe())
+def test_soft_capped_heads_stream_equal_dense(sp):
+    # Gemma's final_logit_softcapping: z ← c·tanh(z/c) on h Wᵀ + bias, then the trainer's 1/T scale.
+    g = _gen(13)
+    N, V, d, cap, scale = 11, 517, 10, 3.0, 1 / 0.7
+    hp, hr = torch.randn(N, d, generator=g), torch.randn(N, d, generator=g)
+    wp, wr = torch.randn(V, d, generator=g), torch.randn(V, d, generator=g)      # |z| ~ 3: the cap bends them
+    bias = torch.randn(V, generator=g)
+    ids = torch.randint(V, (N,), generator=g)
+    zp = cap * torch.tanh((hp.double() @ wp.double().T + bias.double()) / cap) * scale
+    zr = cap * torch.tanh((hr.double() @ wr.double().T) / cap) * scale
+    dense = position_values(zp, zr, EST, sp, ids=ids)
+    heads = Head(wp, bias, scale, softcap=cap), Head(wr, None, scale, softcap=cap)
+    st = stream_values(hp, hr, *heads, EST, sp, ids=ids, chunk=4, tile=100)
+    kl = kl_bench.audit.stream_kl(hp, hr, *heads, chunk=4, tile=100)
+    for name in ("kl", "mean_q", "var_q", "mean_b", "var_b", "tok_logq", "tok_logp"):
+        a, b = getattr(dense, name), getattr(st, name)
+        fin = torch.isfinite(a)
+        assert ((a[fin] - b[fin]).abs() / (1 + a[fin].abs())).max().item() < 1e-12, name
+    assert ((kl - dense.kl).abs() / (1 + dense.kl.abs())).max().item() < 1e-12
+    uncapped = kl_bench.audit.stream_kl(hp, hr, Head(wp, bias, scale), Head(wr, None, scale))
+    assert (uncapped - dense.kl).abs().max().item() > 0.01           # the cap matters at these logits
+    with pytest.raises(SpecError, match="soft-cap must be a finite number > 0"):
+        Head(wp, softcap=0.0)
+
+
 def test_streaming_refuses_mismatched_heads():
     with pytest.raises(SpecError, match="vocabularies differ"):
         stream_values(torch.zeros(2, 3), torch.zeros(2, 3), Head(torch.zeros(5, 3)), Head(torch.zeros(6, 3)))
@@ -313,3 +339,23 @@ def test_stream_kl_is_pass_one_of_stream_values():
     assert torch.allclose(kl, full.kl, rtol=1e-13, atol=1e-15)
     dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, ())
     assert torch.allclose(kl, dense.kl, rtol=1e-12, atol=1e-14)
+
+
+def test_stream_kl_float32_error_is_within_its_rounding_bound():
+    # Dyadic inputs (multiples of 1/4, |entries| ≤ 2): every product and every partial sum of the d = 16
+    # terms is exact in float32, so the float32 logits equal the float64 ones and only the tile work
+    # rounds: each exp ≤ 1 ulp-ish, each tile sum of t terms in (0, 1] ≤ log2(t)·2⁻²⁴ relative, and
+    # A/S = E_q[z_q − z_p] ≤ (log2 t + 2)·2⁻²⁴·max|z_q − z_p|; lse_q, lse_p each ≤ (log2 t + 2)·2⁻²⁴.
+    g = _gen(14)
+    N, V, d, tile = 16, 3000, 16, 512
+    hp, hr = (torch.randint(-8, 9, (N, d), generator=g) / 4 for _ in range(2))
+    wp, wr = (torch.randint(-4, 5, (V, d), generator=g) / 4 for _ in range(2))
+    zq, zp = hp.double() @ wp.double().T, hr.double() @ wr.double().T
+    dense = position_values(zq, zp, ()).kl
+    kl = kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), tile=tile, dtype=torch.float32)
+    bound = (math.log2(tile) + 2) * 2.0 ** -24 * (2 + (zq - zp).abs().max().item())
+    err = (kl - dense).abs().max().item()
+    assert err <= bound
+    assert err > 0                     # float32 tile work did run (the float64 path is exact to ~1e-15)
+    with pytest.raises(SpecError, match="float32 or float64, not torch.bfloat16"):
+        kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), dtype=torch.bfloat16)

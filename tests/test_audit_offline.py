@@ -115,6 +115,10 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
                          generation={"top_kk": 5}, policy_logits=torch.zeros(2, 3, 5),
                          reference_logits=torch.zeros(2, 3, 5)),
      "key 'generation.top_kk': unknown generation setting"),
+    (lambda d: save_step(d / "step-0009.safetensors", completion_ids=torch.zeros(2, 3, dtype=torch.long),
+                         mask=torch.ones(2, 3), trainer_kl=torch.zeros(2, 3), step=9, estimator="k3",
+                         logit_softcap=-1.0, policy_logits=torch.zeros(2, 3, 5), reference_logits=torch.zeros(2, 3, 5)),
+     "key 'logit_softcap': must be a finite number > 0, got '-1.0'"),
     (lambda d: (d / "step-0009.safetensors").write_bytes(b"not a safetensors file"), "step-0009.safetensors: cannot read"),
 ])
 def test_bad_saved_steps_are_one_line_errors_and_nothing_is_written(folders, edit, match):
@@ -130,3 +134,20 @@ def test_bad_saved_steps_are_one_line_errors_and_nothing_is_written(folders, edi
 def test_an_empty_folder_is_one_line(tmp_path):
     res = runner.invoke(app, ["audit", str(tmp_path)])
     assert res.exit_code == 2 and "no step-*.safetensors files" in res.output
+
+
+def test_soft_capped_hidden_states_audit_as_their_capped_logits(tmp_path):
+    # Saved logits are the model's (already capped); hidden states need logit_softcap to be capped alike.
+    g = torch.Generator().manual_seed(3)
+    s, cap = _step(g, {}), 2.0
+    capped = {k: cap * torch.tanh(s[k] / cap) for k in ("zp", "zr")}
+    common = dict(completion_ids=s["ids"], mask=s["mask"], trainer_kl=s["kl"], step=0, estimator="trl.grpo")
+    for form in ("l", "h"):
+        (tmp_path / form).mkdir()
+    save_step(tmp_path / "l" / "step-0.safetensors", policy_logits=capped["zp"], reference_logits=capped["zr"],
+              **common)
+    save_step(tmp_path / "h" / "step-0.safetensors", policy_hidden=s["hp"], reference_hidden=s["hr"],
+              policy_weight=s["wp"], reference_weight=s["wr"], logit_softcap=cap, **common)
+    a, b = (audit_folder(tmp_path / f).rows[0] for f in ("l", "h"))
+    for name in ("exact", "expected_q", "expected_b", "se", "recomputed"):
+        assert abs(getattr(a, name) - getattr(b, name)) <= 1e-12 * (1 + abs(getattr(a, name))), name

@@ -129,3 +129,73 @@ def test_two_cpu_processes_reduce_the_audit(tmp_path):
     for r, kl in zip(table, logged):
         assert float(r["logged"]) == pytest.approx(kl, rel=1e-5)
     assert sum(line.startswith("kl_audit: step") for line in res.stdout.splitlines()) == 2     # rank 0 only
+
+
+def _dense_kl(part, heads, scale):
+    """Independent float64 oracle: log-softmax of both models' full logits from the captured hidden states."""
+    m = part["mask"]
+    lq = torch.log_softmax(part["policy_hidden"][m].double() @ heads[0].double().T * scale, -1)
+    lp = torch.log_softmax(part["ref_hidden"][m].double() @ heads[1].double().T * scale, -1)
+    return (lq.exp() * (lq - lp)).sum(-1), max(lq.abs().max().item(), lp.abs().max().item())
+
+
+def test_grpo_gradient_accumulation_audits_every_micro_batch(tiny_models, tmp_path):
+    # Two micro-batches of 8 rows a step; max_rows = 16 covers both. Learning rate 0, one step.
+    tr, cb, _ = _run(tiny_models, tmp_path / "all", steps=1, max_rows=16, learning_rate=0.0,
+                     gradient_accumulation_steps=2)
+    row, parts = cb.log.rows[-1], cb.step_inputs
+    assert len(parts) == 2 and [p["input_ids"].shape[0] for p in parts] == [8, 8] and row.sequences == 16
+    # Every row TRL generated for the step (the reference pass saw them all) is audited exactly once.
+    generated = torch.cat([r["input_ids"] for r in cb._records["ref"]])
+    audited = torch.cat([p["input_ids"] for p in parts])
+    assert sorted(map(tuple, audited.tolist())) == sorted(map(tuple, generated.tolist()))
+    mask = torch.cat([p["mask"] for p in parts])
+    assert row.tokens == int(mask.sum())
+    heads = [m.get_output_embeddings().weight.detach() for m in (tr.model, tr.ref_model)]
+    kl, big = zip(*(_dense_kl(p, heads, 1.0 / tr.temperature) for p in parts))
+    kl = torch.cat(kl)
+    # Both sides are float64 sums of V terms of size ≤ max |log-prob|: rounding ≤ V·2⁻⁵³·max (γ_V bound).
+    assert abs(row.exact - kl.mean().item()) <= heads[0].shape[0] * 2.0 ** -53 * max(big)
+    # logged: the token mean of TRL's per-token k3 from its own float32 log-probs, pooled over both.
+    logged = kl_bench.estimate(policy=torch.cat([p["policy_logps"] for p in parts]),
+                               reference=torch.cat([p["ref_logps"] for p in parts]), estimator="trl.grpo",
+                               mask=mask, aggregation="token-mean").item()
+    assert abs(row.logged - logged) <= int(mask.sum()) * 2.0 ** -24 * abs(logged)     # float32 sum rounding
+    assert not cb.warnings
+
+
+def test_max_rows_is_spread_over_the_micro_batches(tiny_models, tmp_path):
+    _, cb, _ = _run(tiny_models, tmp_path, steps=1, max_rows=5, learning_rate=0.0, gradient_accumulation_steps=2)
+    assert [p["input_ids"].shape[0] for p in cb.step_inputs] == [3, 2] and cb.log.rows[-1].sequences == 5
+
+
+def test_num_iterations_warns_once_and_audits_first_passes_only(tiny_models, tmp_path):
+    # μ = 2: the first step generates (and is audited), the second reuses its batch after an optimizer
+    # step (audit rows are numbered by the global step at the step's end: 1, 2).
+    _, cb, lines = _run(tiny_models, tmp_path, steps=2, learning_rate=0.0, num_iterations=2)
+    assert [r.step for r in cb.log.rows] == [1]
+    assert len(cb.warnings) == 1 and "num_iterations = 2" in cb.warnings[0]
+    assert sum("num_iterations" in line for line in lines) == 1
+
+
+def test_peft_style_reference_and_beta_zero_each_warn_one_line(tiny_models, tmp_path):
+    from kl_bench.integrations.demo import build_trainer
+    from kl_bench.integrations.trl import KLAudit
+    tr = build_trainer(tiny_models, tmp_path / "run", steps=1)
+    tr.ref_model = None                 # what TRL 1.16 holds under PEFT: the reference is the adapter-less policy
+    cb = KLAudit(tr, print_fn=lambda s: None)
+    assert cb.disabled and len(cb.warnings) == 1 and "PEFT" in cb.warnings[0]
+    tr = build_trainer(tiny_models, tmp_path / "run0", steps=1, beta=0.0)
+    cb = KLAudit(tr, print_fn=lambda s: None)
+    assert cb.disabled and len(cb.warnings) == 1 and "beta = 0" in cb.warnings[0]
+
+
+def test_the_head_reads_gemma_final_logit_softcapping():
+    from types import SimpleNamespace
+
+    from kl_bench.integrations.trl import _head
+    lm = torch.nn.Linear(4, 9, bias=False)
+    model = SimpleNamespace(get_output_embeddings=lambda: lm, config=SimpleNamespace(final_logit_softcapping=30.0))
+    assert _head(model, 0.5).softcap == 30.0 and _head(model, 0.5).scale == 2.0
+    model.config.final_logit_softcapping = None                        # Gemma configs may hold None: no cap
+    assert _head(model, 1.0).softcap is None

@@ -8,6 +8,7 @@ A folder holds ``step-*.safetensors`` files (one step each; the format is docume
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,17 +33,22 @@ HIDDEN = ("policy_hidden", "reference_hidden")
 
 
 def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: str, aggregation: str = "token-mean",
-              source: str = "kl", generation: dict | None = None, logit_scale: float = 1.0, **tensors) -> Path:
+              source: str = "kl", generation: dict | None = None, logit_scale: float = 1.0,
+              logit_softcap: float | None = None, **tensors) -> Path:
     """Write one step to ``path`` (.safetensors), atomically. ``tensors``: ``policy_logits`` and
     ``reference_logits`` [B, T, V]; or ``policy_hidden`` and ``reference_hidden`` [B, T, d] (the hidden
     state that predicts completion token t at index t, after the final norm) with the output layers here
     or in the folder's heads.safetensors (``policy_weight`` [V, d], ``reference_weight``, optional
     biases); optional ``prompt_ids`` [B, P] (what the repetition penalty sees). ``logit_scale``: the
-    factor the trainer applies to the logits before its log-softmax (1/T in TRL and verl)."""
+    factor the trainer applies to the logits before its log-softmax (1/T in TRL and verl).
+    ``logit_softcap``: the model's final_logit_softcapping c (Gemma), applied to h @ Wᵀ (+ bias) as
+    c·tanh(z/c) before ``logit_scale``; it only matters for hidden states (saved logits are already capped)."""
     from safetensors.torch import save
 
     meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
             "source": source, "generation": json.dumps(generation or {}), "logit_scale": repr(float(logit_scale))}
+    if logit_softcap is not None:
+        meta["logit_softcap"] = repr(float(logit_softcap))
     data = {"completion_ids": completion_ids, "mask": mask, "trainer_kl": trainer_kl, **tensors}
     data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}
     path = Path(path)
@@ -61,6 +67,7 @@ class SavedStep:
     sampler: Sampler
     logit_scale: float
     tensors: dict
+    logit_softcap: float | None = None
 
 
 def _load(path: Path) -> tuple[dict, dict]:
@@ -115,9 +122,22 @@ def read_step(path: Path, heads: dict | None = None) -> SavedStep:
     if not isinstance(generation, dict):
         raise SpecError("must be a JSON object", file=where, key="generation")
     saved = SavedStep(path, step, estimator, aggregation, _meta(meta, path, "source", "kl"),
-                      Sampler.from_dict(generation, file=where), scale, tensors)
+                      Sampler.from_dict(generation, file=where), scale, tensors, _softcap(meta, where))
     _check_shapes(saved)
     return saved
+
+
+def _softcap(meta: dict, where: str) -> float | None:
+    """The optional logit_softcap metadata entry: a finite number > 0, or absent."""
+    if "logit_softcap" not in meta:
+        return None
+    try:
+        cap = float(meta["logit_softcap"])
+    except ValueError:
+        cap = math.nan
+    if not (math.isfinite(cap) and cap > 0):
+        raise SpecError(f"must be a finite number > 0, got '{meta['logit_softcap']}'", file=where, key="logit_softcap")
+    return cap
 
 
 def _check_shapes(s: SavedStep) -> None:
@@ -176,7 +196,8 @@ def step_values(s: SavedStep, *, tile: int = 8192, chunk: int = 256) -> Position
     if "policy_logits" in t:
         return position_values(t["policy_logits"][mask].double() * s.logit_scale,
                                t["reference_logits"][mask].double() * s.logit_scale, (s.estimator,), s.sampler, **common)
-    heads = [Head(t[f"{side}_weight"], t.get(f"{side}_bias"), s.logit_scale) for side in ("policy", "reference")]
+    heads = [Head(t[f"{side}_weight"], t.get(f"{side}_bias"), s.logit_scale, s.logit_softcap)
+             for side in ("policy", "reference")]
     return stream_values(t["policy_hidden"][mask], t["reference_hidden"][mask], heads[0], heads[1], (s.estimator,),
                          s.sampler, tile=tile, chunk=chunk, **common)
 

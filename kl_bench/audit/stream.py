@@ -39,22 +39,34 @@ from .sampler import Sampler, sampler_scores
 
 @dataclass(frozen=True)
 class Head:
-    """An output layer: logits = (h @ weight.T + bias) · scale. ``weight`` [V, d], ``bias`` [V] or None;
-    ``scale``: 1/T for trainers that divide the logits by the sampling temperature (TRL). A final norm (if
-    the model has one after its body) is applied by the caller to the hidden states."""
+    """An output layer: logits = softcap(h @ weight.T + bias) · scale. ``weight`` [V, d], ``bias`` [V] or
+    None; ``softcap``: Gemma's ``final_logit_softcapping`` c, z ← c·tanh(z / c), applied by the model
+    before anything the trainer does (None: none); ``scale``: 1/T for trainers that divide the logits by
+    the sampling temperature (TRL), applied after the cap as they do. A final norm (if the model has one
+    after its body) is applied by the caller to the hidden states."""
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self):
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise SpecError(f"the logit soft-cap must be a finite number > 0, got {self.softcap}", key="softcap")
 
     @property
     def vocab(self) -> int:
         return self.weight.shape[0]
 
-    def logits(self, h: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Logits of ids [lo, hi) for hidden states ``h`` [n, d] (already in the compute dtype): [n, hi − lo]."""
-        z = h @ self.weight[lo:hi].to(h.dtype).T
-        z = z if self.bias is None else z + self.bias[lo:hi].to(h.dtype)
-        return z if self.scale == 1.0 else z * self.scale
+    def logits(self, h: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ids [lo, hi) for hidden states ``h`` [n, d] (already in the compute dtype): [n, hi − lo],
+        written into ``out`` when given (a contiguous [n, hi − lo] buffer: no allocation per tile). The
+        bias, cap and scale act in place, elementwise in h's dtype (tanh is accurate to a few ulp)."""
+        z = torch.matmul(h, self.weight[lo:hi].to(h.dtype).T, out=out)
+        if self.bias is not None:
+            z.add_(self.bias[lo:hi].to(h.dtype))
+        if self.softcap is not None:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z if self.scale == 1.0 else z.mul_(self.scale)
 
 
 class _Moments:
@@ -211,23 +223,22 @@ def _chunk_values(scan: _Scan, fns, names, candidates: int) -> PositionValues:
 
 
 class _LogSumExp:
-    """Running log Σ exp(z) per row and, optionally, Σ exp(z)·y (a weighted sum whose weights share the
-    running maximum), merged tile by tile: S ← S·e^{M − M'} + S_t·e^{m − M'} with M' = max(M, m)."""
+    """Running log Σ exp(z) per row and, optionally, A = Σ exp(z)·y, in float64, merged from each tile's
+    (max m_t, S_t = Σ e^{z − m_t}, A_t = Σ e^{z − m_t}·y): S ← S·e^{M − M'} + S_t·e^{m_t − M'} with
+    M' = max(M, m_t), A likewise. Every weight is ≤ 1, so nothing overflows whatever the logits."""
 
     def __init__(self, n: int):
         self.m = torch.full((n,), -torch.inf, dtype=torch.float64)
         self.s = torch.zeros(n, dtype=torch.float64)
         self.a = torch.zeros(n, dtype=torch.float64)
 
-    def add(self, z: torch.Tensor, y: torch.Tensor | None = None) -> None:
-        m_t = z.max(dim=-1).values
-        e = torch.exp(z - m_t.unsqueeze(-1))          # in z's dtype; the sums below are float64
+    def add(self, m_t: torch.Tensor, s_t: torch.Tensor, a_t: torch.Tensor | None = None) -> None:
         m_t = m_t.to(torch.float64)
         new = torch.maximum(self.m, m_t)
         old_w, new_w = torch.exp(self.m - new), torch.exp(m_t - new)
-        self.s = self.s * old_w + e.sum(dim=-1, dtype=torch.float64) * new_w
-        if y is not None:
-            self.a = self.a * old_w + (e * y).sum(dim=-1, dtype=torch.float64) * new_w
+        self.s = self.s * old_w + s_t.to(torch.float64) * new_w
+        if a_t is not None:
+            self.a = self.a * old_w + a_t.to(torch.float64) * new_w
         self.m = new
 
     @property
@@ -239,28 +250,51 @@ class _LogSumExp:
         return self.a / self.s
 
 
+def _kl_tile(zq: torch.Tensor, zp: torch.Tensor, diff: torch.Tensor, q: _LogSumExp, p: _LogSumExp) -> None:
+    """Fold one tile of logits into the running sums, in place on the three [n, t] buffers (they are
+    overwritten): six elementwise passes and four row reductions, no allocation of tile size.
+    The exps and the tile sums run in the logits' dtype: in float64 they are exact to rounding; in
+    float32 each tile sum of ≤ t terms in [0, 1] carries a relative error ≲ log2(t)·2⁻²⁴ (pairwise
+    summation), below the float32 logits' own rounding, and the tiles are merged in float64."""
+    torch.sub(zq, zp, out=diff)                            # z_q − z_p, before z_q is overwritten
+    mq, mp = zq.amax(dim=-1, keepdim=True), zp.amax(dim=-1, keepdim=True)
+    eq, ep = zq.sub_(mq).exp_(), zp.sub_(mp).exp_()      # e^{z − m_t} ∈ (0, 1]
+    q.add(mq.squeeze(-1), eq.sum(dim=-1), diff.mul_(eq).sum(dim=-1))
+    p.add(mp.squeeze(-1), ep.sum(dim=-1))
+
+
+@torch.no_grad()
 def stream_kl(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, policy_head: Head, reference_head: Head,
-              *, chunk: int = 256, tile: int = 8192, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+              *, chunk: int = 256, tile: int = 4096, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """KL(q‖p) [N] only, in one pass (one output-layer forward of each model), as
     E_q[z_q − z_p] − lse_q + lse_p with two running log-sum-exps (the first carrying E_q[z_q − z_p]).
-    The elementwise work runs in ``dtype`` (two exps a logit pair) and every sum in float64: with float64
-    the values equal :func:`stream_values`' to rounding; with float32 each term carries float32 rounding
-    (~1e-7 relative), the order of the float32 logits' own."""
+
+    The matmuls write into three buffers of chunk × tile elements made once (no allocation, hence no
+    page faults, per tile) and each tile is reduced in place (:func:`_kl_tile`), in ``dtype``; only the
+    per-tile sums are merged in float64. With float64 the values equal :func:`stream_values`' to rounding
+    (~1e-15); with float32 they carry the float32 logits' rounding (~1e-7 relative of each logit; 2–3e-6
+    absolute measured at V = 151,936, benchmarks/README.md), as the model's own log-probs do."""
     if policy_head.vocab != reference_head.vocab:
         raise SpecError(f"policy and reference vocabularies differ: {policy_head.vocab} and {reference_head.vocab}")
+    if dtype not in (torch.float32, torch.float64):      # the tile sums run in dtype: 16-bit ones would round them
+        raise SpecError(f"stream_kl computes in float32 or float64, not {dtype}", key="dtype")
+    n_all, vocab = policy_hidden.shape[0], policy_head.vocab
+    size = min(chunk, n_all) * min(tile, vocab)
+    flat = [torch.empty(size, dtype=dtype) for _ in range(3)]
     out = []
-    for i in range(0, policy_hidden.shape[0], chunk):
+    for i in range(0, n_all, chunk):
         hq, hp = policy_hidden[i:i + chunk].to(dtype), reference_hidden[i:i + chunk].to(dtype)
-        q, p = _LogSumExp(hq.shape[0]), _LogSumExp(hq.shape[0])
-        for lo in range(0, policy_head.vocab, tile):
-            hi = min(lo + tile, policy_head.vocab)
-            zq, zp = policy_head.logits(hq, lo, hi), reference_head.logits(hp, lo, hi)
-            q.add(zq, zq - zp)
-            p.add(zp)
+        n = hq.shape[0]
+        q, p = _LogSumExp(n), _LogSumExp(n)
+        for lo in range(0, vocab, tile):
+            hi = min(lo + tile, vocab)
+            zq, zp, diff = (b[:n * (hi - lo)].view(n, hi - lo) for b in flat)
+            _kl_tile(policy_head.logits(hq, lo, hi, out=zq), reference_head.logits(hp, lo, hi, out=zp), diff, q, p)
         out.append(q.mean - q.lse + p.lse)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
+@torch.no_grad()
 def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, policy_head: Head, reference_head: Head,
                   estimators: Sequence = ("k1", "k3"), sampler: Sampler | None = None, *,
                   ids: torch.Tensor | None = None, eos_banned: torch.Tensor | None = None,

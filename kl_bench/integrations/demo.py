@@ -47,19 +47,24 @@ def build_trainer(models: Path, out: Path, *, trainer: str = "grpo", steps: int 
                 "bf16": False, "disable_dropout": True, "gradient_checkpointing": False, **config}
     args = Config(output_dir=str(out), max_steps=steps, learning_rate=learning_rate, logging_steps=1,
                   report_to="none", use_cpu=True, seed=seed, save_strategy="no", **settings)
-    rows = settings["per_device_train_batch_size"] // settings["num_generations"]
-    dataset = Dataset.from_dict({"prompt": prompts(models, rows * steps, equal_length)})
+    # Prompts a step: one generation batch (per-device batch × steps_per_generation, which defaults to the
+    # gradient accumulation steps) holds batch / num_generations distinct prompts.
+    per_step = settings["per_device_train_batch_size"] * int(settings.get("steps_per_generation") or
+                                                             settings.get("gradient_accumulation_steps", 1))
+    dataset = Dataset.from_dict({"prompt": prompts(models, per_step // settings["num_generations"] * steps,
+                                                   equal_length)})
 
     def reward(completions, **kwargs):
         return [float(len(c)) / 10 for c in completions]
 
     tr = Trainer(model=str(models / "policy"), reward_funcs=reward, args=args, train_dataset=dataset,
                  processing_class=tokenizer(models))
-    ref = GPT2LMHeadModel.from_pretrained(models / "reference")
-    with torch.no_grad():
-        tr.ref_model.load_state_dict(ref.state_dict())
+    if tr.ref_model is not None:                      # None when beta = 0: TRL builds no reference
+        ref = GPT2LMHeadModel.from_pretrained(models / "reference")
+        with torch.no_grad():
+            tr.ref_model.load_state_dict(ref.state_dict())
     if position_ids:
-        for model in (tr.model, tr.ref_model):
+        for model in (m for m in (tr.model, tr.ref_model) if m is not None):
             _derive_position_ids(model)
     return tr
 

@@ -6,7 +6,9 @@ Every ``every`` optimizer steps it takes, from TRL's own passes (no extra forwar
 the last hidden states of the policy and the reference (a forward hook on each model's body), the
 output layers, the sampled ids, the mask, TRL's per-token log-probs of both models (hence TRL's per-token
 KL) and the generation settings; it computes the exact per-position values streamed over vocabulary tiles
-(kl_bench.audit.stream) for the first ``max_rows`` rows, audits the step (kl_bench.audit.step), logs
+(kl_bench.audit.stream) for up to ``max_rows`` rows a step, spread over the step's micro-batches (each
+gradient-accumulation pass is audited as it happens, before the optimizer step; their additive sums pool
+into one step audit), audits the step (kl_bench.audit.step), logs
 ``kl_audit/*`` metrics through TRL's reporters, prints one line, and warns (one line each) about what it
 finds. Multi-process: each rank audits its own rows; the additive sums are all-reduced, rank 0 prints.
 
@@ -89,7 +91,11 @@ def _head(model, temperature: float) -> Head:
     out = model.get_output_embeddings()
     bias = getattr(out, "bias", None)
     # TRL divides the logits by the temperature before its log-softmax, in both models: so does the audit.
-    return Head(out.weight.detach(), None if bias is None else bias.detach(), scale=1.0 / temperature)
+    # Gemma-style models cap their logits inside forward (c·tanh(z/c), config.final_logit_softcapping),
+    # before TRL sees them: the head caps them too, before the 1/T scale.
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return Head(out.weight.detach(), None if bias is None else bias.detach(), scale=1.0 / temperature,
+                softcap=float(cap) if cap else None)
 
 
 class KLAudit(_Base):
@@ -113,17 +119,37 @@ class KLAudit(_Base):
         # The last audited step's inputs on this rank (for inspection and tests): TRL's per-token log-probs
         # of both models, the mask and ids, the hidden states, and the exact values (PositionValues).
         self.last_inputs: dict | None = None
+        self.step_inputs: list[dict] = []                   # every audited micro-batch of the last audited step
         self._captured: list[torch.Tensor] = []
         self._records: dict[str, list[dict]] = {"policy": [], "ref": []}
-        if getattr(trainer, "beta", 0.0) == 0.0:
-            self._warn("beta", "beta = 0: the trainer computes no KL, nothing to audit")
-        if getattr(trainer, "ref_model", None) is None:
-            self._warn("ref", "no separate reference model (PEFT adapter or beta = 0): the audit needs one; "
-                              "nothing will be audited")
+        self._passes = self._rows_used = 0                  # policy passes and rows audited this step
+        self.disabled = self._check_setup()
         self.sampler = self._sampler()
         self._install()
 
     # ------------------------------------------------------------------ setup
+    def _check_setup(self) -> bool:
+        """One warning line for each setting the audit does not model; True when nothing can be audited."""
+        tr = self.trainer
+        if getattr(tr, "beta", 0.0) == 0.0:
+            self._warn("beta", "beta = 0: the trainer computes no KL, nothing to audit")
+            return True
+        if getattr(tr, "ref_model", None) is None:
+            # TRL 1.16 then scores the reference with the policy's own model under use_adapter(...): the
+            # base weights with the adapter disabled (or a "ref" adapter), a pass the hooks cannot tell apart.
+            self._warn("peft", "PEFT: the reference is the policy with its adapter disabled, which the audit does "
+                               "not model; nothing will be audited (give the trainer a separate ref_model to audit)")
+            return True
+        mu = int(getattr(tr, "num_iterations", 1) or 1)
+        if mu > 1:
+            # Iteration 1 scores the policy that sampled (no optimizer step since generation); iterations
+            # 2..μ reuse the batch with no reference pass, after the policy has moved: q ≠ the sampler, and
+            # the KL term is weighted by coef_1 ≠ 1 (use_bias_correction_kl). Not modelled, not audited.
+            self._warn("iterations", f"num_iterations = {mu}: only the first pass over each generation batch is "
+                                     f"audited; passes 2 to {mu} score a policy that has moved since it sampled "
+                                     "(not modelled) and are skipped")
+        return False
+
     def _sampler(self) -> Sampler:
         """b from the generation settings TRL passes to generate() (its merged generation_kwargs, which a
         user's args.generation_kwargs override), with the trainer's attributes as defaults."""
@@ -169,9 +195,8 @@ class KLAudit(_Base):
             self._record(role, input_ids, attention_mask, logits_to_keep, out[0])
             if role == "policy":
                 self._check_dropout()
-            if self._pending is None and self._records["policy"] and self._records["ref"]:
-                # Audit now, before the optimizer step changes the output layer the hidden states went through.
-                self._pending = self._audit()
+            # Audit now, before the optimizer step changes the output layer the hidden states went through.
+            self._audit_pending()
             return out
 
         def compute_loss(model, inputs, *args, **kwargs):
@@ -190,9 +215,23 @@ class KLAudit(_Base):
         if unwrapped is self._models["ref"] or model is self._models["ref"]:
             return "ref"
         phase = "loss" if self._in_loss else "generation"
-        if unwrapped is self._models["policy"] and phase == self.facts.phase and not self._records["policy"]:
+        if unwrapped is self._models["policy"] and phase == self.facts.phase and self._rows_left() > 0:
             return "policy"
         return None
+
+    def _passes_per_step(self) -> int:
+        """The policy passes a step makes in the audited phase: one per micro-batch (gradient
+        accumulation) for the loss pass; one per generation for the pass after sampling."""
+        if self.facts.phase == "loss":
+            return max(int(getattr(self.trainer.args, "gradient_accumulation_steps", 1) or 1), 1)
+        return 1
+
+    def _rows_left(self) -> int:
+        """This pass's share of the step's ``max_rows``: what is left spread evenly over the passes left
+        (ceil), so that every micro-batch is audited and a small micro-batch leaves its share to later ones."""
+        left = self.max_rows - self._rows_used
+        passes_left = max(self._passes_per_step() - self._passes, 1)
+        return -(-left // passes_left) if left > 0 else 0
 
     def _hook(self, module, args, output):
         if self._capturing:
@@ -204,12 +243,16 @@ class KLAudit(_Base):
         if hidden is None or hidden.shape[:2] != input_ids.shape:
             self._warn("hook", "the forward hook saw no hidden states of the expected shape; step not audited")
             return
-        rows = input_ids.shape[0] if role == "ref" else min(self.max_rows, input_ids.shape[0])
+        rows = input_ids.shape[0]
+        if role == "policy":
+            rows = min(self._rows_left(), rows)
+            self._passes, self._rows_used = self._passes + 1, self._rows_used + rows
         length = input_ids.shape[1]
         # The hidden state at position t predicts token t + 1: completion tokens [L − k, L) come from [L − k − 1, L − 1).
         self._records[role].append({
             "input_ids": input_ids[:rows].detach().cpu(), "mask": attention_mask[:rows, -k:].detach().cpu(),
-            "hidden": hidden[:rows, length - k - 1:length - 1].cpu(), "logps": logps[:rows].detach().cpu()})
+            "hidden": hidden[:rows, length - k - 1:length - 1].cpu(), "logps": logps[:rows].detach().cpu(),
+            "audited": False})
 
     def _warn(self, key: str, message: str, once: bool = True) -> None:
         if once and key in self._warned:
@@ -225,9 +268,11 @@ class KLAudit(_Base):
 
     # ------------------------------------------------------------------ callback events
     def on_step_begin(self, args, state, control, **kwargs):
-        self._active = state.global_step % self.every == 0
+        self._active = not self.disabled and state.global_step % self.every == 0
         self._records, self._pending = {"policy": [], "ref": []}, None
+        self._passes = self._rows_used = 0
         if self._active:
+            self.step_inputs = []
             self._check_run_settings()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -235,9 +280,15 @@ class KLAudit(_Base):
             return
         self._active = False
         if self._pending is None:
-            self._warn("match", f"step {state.global_step}: no policy rows matched with reference rows; not audited",
-                       once=False)
+            if int(getattr(self.trainer, "num_iterations", 1) or 1) == 1:     # else: said once, at the start
+                self._warn("match", f"step {state.global_step}: no policy rows matched with reference rows; not "
+                                    "audited", once=False)
             return
+        unmatched = sum(not r["audited"] for r in self._records["policy"])
+        if unmatched:
+            self._warn("partial", f"step {state.global_step}: {unmatched} of {len(self._records['policy'])} audited "
+                                  "micro-batches had no matching reference rows; the step audit covers the others",
+                       once=False)
         sums = self._reduce(self._pending)
         self._report(self.log.add(StepAudit.from_sums(sums, step=state.global_step, source=self.facts.source,
                                                       estimator=self.facts.estimator,
@@ -263,11 +314,21 @@ class KLAudit(_Base):
             self._warn("precision", f"log-probs are computed under {'bf16' if args.bf16 else 'fp16'} autocast: "
                                     "the logged KL carries their rounding (bias_precision); set bf16=False to remove it")
 
-    def _matched(self):
-        """(policy record, the reference rows matching its rows) or None."""
-        if not self._records["policy"] or not self._records["ref"]:
-            return None
-        pol = self._records["policy"][0]
+    def _audit_pending(self) -> None:
+        """Audit each policy record not yet audited that the step's reference rows cover, and add its
+        sums to the step's: the sums are additive over rows (kl_bench.audit.step), so the micro-batches
+        pool into one step audit exactly as if they were one batch."""
+        for pol in self._records["policy"]:
+            if pol["audited"] or not self._records["ref"]:
+                continue
+            sums = self._audit(pol)
+            if sums is None:
+                continue                                   # no matching reference rows (yet)
+            pol["audited"] = True
+            self._pending = sums if self._pending is None else self._pending + sums
+
+    def _matched(self, pol):
+        """The reference rows (hidden states, log-probs) matching the policy record's rows, or None."""
         refs = self._records["ref"]
         pool_ids = torch.cat([r["input_ids"] for r in refs if r["input_ids"].shape[1] == pol["input_ids"].shape[1]] or
                              [pol["input_ids"][:0]])
@@ -279,15 +340,15 @@ class KLAudit(_Base):
         idx = same.float().argmax(-1)
         cat = {key: torch.cat([r[key] for r in refs if r["input_ids"].shape[1] == pol["input_ids"].shape[1]])
                for key in ("hidden", "logps")}
-        return pol, {key: v[idx] for key, v in cat.items()}
+        return {key: v[idx] for key, v in cat.items()}
 
     @torch.no_grad()
-    def _audit(self) -> torch.Tensor | None:
-        """This rank's additive sums for the step (kl_bench.audit.step.step_sums), or None (rows unmatched)."""
-        matched = self._matched()
-        if matched is None:
+    def _audit(self, pol) -> torch.Tensor | None:
+        """This rank's additive sums for one policy record (kl_bench.audit.step.step_sums), or None
+        (its rows have no matching reference rows)."""
+        ref = self._matched(pol)
+        if ref is None:
             return None
-        pol, ref = matched
         mask = pol["mask"].bool()
         k = mask.shape[1]
         comp_ids = pol["input_ids"][:, -k:]
@@ -308,6 +369,7 @@ class KLAudit(_Base):
         self.last_inputs = {"policy_logps": pol["logps"], "ref_logps": ref["logps"], "mask": mask,
                             "input_ids": pol["input_ids"], "completion_ids": comp_ids, "policy_hidden": pol["hidden"],
                             "ref_hidden": ref["hidden"], "values": values}
+        self.step_inputs.append(self.last_inputs)
         from ..estimators import ESTIMATORS
         # TRL's per-token KL from its own log-probs, in its dtype (the preset is its formula, bit for bit).
         trainer_values = ESTIMATORS[self.facts.estimator].fn(ref["logps"] - pol["logps"])
