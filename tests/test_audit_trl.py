@@ -199,3 +199,28 @@ def test_the_head_reads_gemma_final_logit_softcapping():
     assert _head(model, 0.5).softcap == 30.0 and _head(model, 0.5).scale == 2.0
     model.config.final_logit_softcapping = None                        # Gemma configs may hold None: no cap
     assert _head(model, 1.0).softcap is None
+
+
+def _reduce_worker(rank: int, init: str, out: str) -> None:
+    """One of two gloo processes: rank 1 has no rows at this step; both call the reduction."""
+    import types
+    import torch.distributed as dist
+    from kl_bench.integrations.trl import KLAudit
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    fake = types.SimpleNamespace(trainer=types.SimpleNamespace(accelerator=types.SimpleNamespace(device="cpu")))
+    mine = torch.arange(1.0, 5.0, dtype=torch.float64) if rank == 0 else None
+    both = KLAudit._reduce(fake, mine)
+    none = KLAudit._reduce(fake, None)                    # a step where no rank has rows
+    torch.save({"both": both, "none": none}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_a_rank_without_rows_still_takes_part_in_the_reduction(tmp_path):
+    """Two gloo processes, one with no audited rows at a step: neither waits forever, both get the
+    other's sums (zeros stand in for the empty rank), and a step with no rows anywhere gives None."""
+    import torch.multiprocessing as mp
+    init = f"file://{tmp_path / 'store'}"
+    mp.start_processes(_reduce_worker, args=(init, str(tmp_path / "r")), nprocs=2, join=True, start_method="spawn")
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"r.{rank}")
+        assert torch.equal(got["both"], torch.arange(1.0, 5.0, dtype=torch.float64)) and got["none"] is None

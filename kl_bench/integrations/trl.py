@@ -279,7 +279,10 @@ class KLAudit(_Base):
         if not self._active:
             return
         self._active = False
-        if self._pending is None:
+        # Every rank takes part in the reduction, rows of its own or not (one that returned early would
+        # leave the others waiting in all_reduce).
+        sums = self._reduce(self._pending)
+        if sums is None:
             if int(getattr(self.trainer, "num_iterations", 1) or 1) == 1:     # else: said once, at the start
                 self._warn("match", f"step {state.global_step}: no policy rows matched with reference rows; not "
                                     "audited", once=False)
@@ -289,7 +292,6 @@ class KLAudit(_Base):
             self._warn("partial", f"step {state.global_step}: {unmatched} of {len(self._records['policy'])} audited "
                                   "micro-batches had no matching reference rows; the step audit covers the others",
                        once=False)
-        sums = self._reduce(self._pending)
         self._report(self.log.add(StepAudit.from_sums(sums, step=state.global_step, source=self.facts.source,
                                                       estimator=self.facts.estimator,
                                                       aggregation=self.facts.aggregation)))
@@ -375,15 +377,21 @@ class KLAudit(_Base):
         trainer_values = ESTIMATORS[self.facts.estimator].fn(ref["logps"] - pol["logps"])
         return step_sums(values, trainer_values, mask, estimator=self.facts.estimator, aggregation=self.facts.aggregation)
 
-    def _reduce(self, sums: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' additive sums (each rank audited its own rows)."""
+    def _reduce(self, sums: torch.Tensor | None) -> torch.Tensor | None:
+        """Sum the ranks' additive sums (each rank audited its own rows; None: none on this rank). Every
+        rank calls it at every audited step: first the largest length (0 where no rank has rows: None for
+        all), then the sums, zeros standing in for a rank without rows (zero rows add nothing)."""
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            device = self.trainer.accelerator.device
-            t = sums.to(device)
-            dist.all_reduce(t)
-            return t.cpu()
-        return sums
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return sums
+        device = self.trainer.accelerator.device
+        n = torch.tensor([0 if sums is None else sums.numel()], dtype=torch.int64, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        if int(n.item()) == 0:
+            return None
+        t = (torch.zeros(int(n.item()), dtype=torch.float64) if sums is None else sums).to(device)
+        dist.all_reduce(t)
+        return t.cpu()
 
     def _report(self, a: StepAudit) -> None:
         metrics = {"logged": a.logged, "exact": a.exact, "bias": a.bias, "se": a.se, "z": a.z,
