@@ -57,7 +57,7 @@ def _autograd_adam(pb, lr, steps):
     return out
 
 
-@pytest.mark.parametrize("label", ["k1/reward", "k2/loss", "k3/loss_is"])
+@pytest.mark.parametrize("label", ["k1/reward", "k2/loss", "k3/loss_is", "k3/reward+loss"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_correct_modes_follow_autograd_of_the_true_objective(label, optimizer):
     pb = _categorical()
@@ -178,13 +178,15 @@ def _rollout_follows_autograd(label, steps):
         theta = theta + lr * g
 
 
-@pytest.mark.parametrize("label", ["k1/reward/seq", "k3/loss_is/seq", "k1/reward/tok"])
+@pytest.mark.parametrize("label", ["k1/reward/seq", "k3/loss_is/seq", "k1/reward/tok", "k1/reward+loss/tok",
+                                   "k3/reward+loss/tok", "k1/reward_to_go/tok"])
 def test_rollout_correct_modes_follow_autograd_of_the_true_objective(label):
     _rollout_follows_autograd(label, 8)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label", ["k1/reward/seq", "k2/loss/seq", "k3/loss_is/seq", "k1/reward/tok"])
+@pytest.mark.parametrize("label", ["k1/reward/seq", "k2/loss/seq", "k3/loss_is/seq", "k1/reward/tok",
+                                   "k3/reward+loss/tok", "k1/reward_to_go/tok"])
 def test_rollout_correct_modes_follow_autograd_over_50_steps(label):
     _rollout_follows_autograd(label, 50)
 
