@@ -4,13 +4,16 @@ applied through :func:`matplotlib.rc_context` only while drawing). :func:`render
 function that writes files: one PNG per case of a results folder.
 
 Lines: one per combination, solid for the exact trajectory; sampled trajectories are the mean over seeds
-(dashed, same colour) with a ±1 sd band (the spread of one sampled run).
+(dashed, same colour) with a ±1 sd band (the spread of one sampled run). An exact trajectory equal to one
+drawn before (e.g. reward+loss and reward-to-go, which follow ∇J like k1 in the reward) is dotted on top of
+it and says which one it equals, so that no line hides another.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
@@ -32,11 +35,17 @@ def plot_metric(df: pd.DataFrame, metric: str = "kl_rev", ax=None, case: str | N
             ax = fig.add_subplot()
         case = case if case is not None else df["case"].iloc[0]
         d = df[df["case"] == case]
+        drawn: list[tuple[str, np.ndarray]] = []
         for k, (combo, g) in enumerate(d.groupby("combination", sort=False)):
             color = PALETTE[k % len(PALETTE)]
             ex, sa = g[g["gradients"] == "exact"], g[g["gradients"] == "sampled"]
             if len(ex):
-                ax.plot(ex["step"], ex[metric], color=color, lw=2, label=combo)
+                y = ex[metric].to_numpy()
+                same = next((c for c, prev in drawn if prev.shape == y.shape and np.allclose(y, prev, rtol=1e-9, atol=1e-12)),
+                            None)
+                ax.plot(ex["step"], y, color=color, lw=2.5 if same else 2, ls=":" if same else "-",
+                        label=combo if same is None else f"{combo} (= {same})")
+                drawn.append((combo, y))
             if len(sa):
                 n = int(sa["draws"].iloc[0])
                 ax.plot(sa["step"], sa[metric], color=color, lw=1.2, ls="--",
