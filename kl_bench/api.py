@@ -534,15 +534,21 @@ __all__ = ["load", "prepare", "execute", "run", "Result", "exact", "check", "Che
 
 # ----------------------------------------------------------------------------- training trajectories (issue 22)
 @single_threaded
-def train(spec, *, seed: int | None = None, device: str | None = None) -> "TrainResult":
+def train(spec, *, seed: int | None = None, device: str | None = None, ranks=None) -> "TrainResult | None":
     """Optimisation trajectories of a spec with a ``[train]`` table (kl_bench.training, docs/training.md):
-    train.csv's rows and run.json's envelope, in memory; :meth:`TrainResult.write` writes the folder."""
+    train.csv's rows and run.json's envelope, in memory; :meth:`TrainResult.write` writes the folder.
+    ``ranks``: a torchrun job's :class:`kl_bench.distributed.Ranks` (``kl-bench train`` under torchrun passes
+    it): the units are split across the processes and rank 0 gets the result (the others None). Without it,
+    a call under torchrun is refused in one line (each process would train everything)."""
     from .distributed import one_process
     from .training import TrainResult, train_rows
-    one_process("kl_bench.train", str(spec) if isinstance(spec, (str, Path)) else None)
+    if ranks is None:
+        one_process("kl_bench.train", str(spec) if isinstance(spec, (str, Path)) else None)
     sp = load(spec, seed=seed, device=device)
     dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
-    rows, cfg, wall = train_rows(sp, dev)
+    rows, cfg, wall = train_rows(sp, dev) if ranks is None else train_rows(sp, dev, ranks)
+    if rows is None:
+        return None
     exp = sp.experiment
     envelope = {
         "kl_bench_train": 1,
@@ -550,6 +556,7 @@ def train(spec, *, seed: int | None = None, device: str | None = None) -> "Train
         "spec_path": str(sp.path), "spec_sha256": sp.sha256, "spec_text": sp.text,
         "experiment": exp.name, "seed": exp.seed, "device": str(dev), "device_name": _device_name(dev),
         "versions": _versions(), "git_commit": _git_commit(), "wall_seconds": round(wall, 3),
+        "world_size": 1 if ranks is None else ranks.world_size,
         "train": {"optimizer": cfg.optimizer.name, "lr": cfg.optimizer.lr, "steps": cfg.steps, "beta": cfg.beta,
                   "gradients": list(cfg.gradients), "draws_per_step": cfg.draws or exp.draws, "seeds": cfg.seeds,
                   "reward": cfg.reward.kind, "combinations": list(cfg.combinations)},

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..distributed import SINGLE, Ranks
 from ..errors import SpecError
 from ..pairs import build_pair
 from ..registry import did_you_mean
@@ -23,33 +24,52 @@ from .optim import Optimizer, adam, sgd
 from .result import TrainResult
 from .rollout import RolloutProblem
 from .sequences import SEQUENCE_REWARDS, SequenceReward, SequenceRolloutProblem
-from .run import TRAIN_SCHEMA, plan_case, run_trajectory, train_combination, trajectory
+from .run import TRAIN_SCHEMA, assemble, plan_case, run_trajectory, run_unit, train_combination, trajectory, units
 
 
-def train_rows(spec, device: torch.device) -> tuple[list[dict], TrainConfig, float]:
-    """Every row of train.csv for a validated spec with a [train] table: (rows, config, seconds).
-    Everything is validated (cases built, combinations parsed) before the first step."""
-    cfg = parse_train(spec.train, str(spec.path), spec.path.parent)
+def _plans(spec, cfg: TrainConfig) -> list:
+    """The cases to train, each built and its combinations parsed (kl_bench.training.run.Plan)."""
     names = [c.name for c in spec.cases]
     for key, listed in (("train.cases", cfg.cases), ("train.reward.cases", cfg.reward.cases)):
         for n in listed:
             if n not in names:
                 raise SpecError(f"no case named '{n}'{did_you_mean(n, names)}", file=str(spec.path), key=key)
-    cases = [c for c in spec.cases if not cfg.cases or c.name in cfg.cases]
-    draws = cfg.draws or spec.experiment.draws
     plans = []
-    for case in cases:
+    for case in (c for c in spec.cases if not cfg.cases or c.name in cfg.cases):
         try:
             plans.append(plan_case(case, build_pair(case, str(spec.path)), cfg, spec.experiment.seed))
         except SpecError as e:
             raise e.located(file=str(spec.path)) from None
+    return plans
+
+
+def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE) -> tuple[list[dict] | None, TrainConfig, float]:
+    """Every row of train.csv for a validated spec with a [train] table: (rows, config, seconds).
+    Everything is validated (cases built, combinations parsed) before the first step. ``ranks``: split the
+    units (each exact trajectory, each sampled run: kl_bench.training.run.Unit) round-robin across torchrun's
+    processes and gather their metrics on rank 0, which assembles the rows (the other ranks get None): the
+    same bytes for any number of processes, since no unit's numbers depend on where it runs."""
+    cfg = parse_train(spec.train, str(spec.path), spec.path.parent)
+    plans = _plans(spec, cfg)
+    draws = cfg.draws or spec.experiment.draws
     start = time.perf_counter()
+    done: dict = {}
+    failure = None
     try:        # a plug-in reward can still fail on a sampled path: one line naming the file
-        rows = [row for plan in plans for combo in plan.combos
-                for row in train_combination(plan, combo, cfg, seed=spec.experiment.seed, draws=draws, device=device)]
+        for u in units(plans, cfg)[ranks.rank::ranks.world_size]:
+            done[u] = run_unit(plans, u, cfg, seed=spec.experiment.seed, draws=draws, device=device)
     except SpecError as e:
-        raise e.located(file=str(spec.path)) from None
-    return rows, cfg, time.perf_counter() - start
+        failure = e.located(file=str(spec.path))
+        if ranks.world_size == 1:
+            raise failure from None
+    gathered = ranks.gather((done, failure))        # every rank takes part, failed or not
+    if gathered is None:
+        return None, cfg, time.perf_counter() - start
+    errors = [f for _, f in gathered if f is not None]
+    if errors:
+        raise errors[0]
+    results = {u: m for part, _ in gathered for u, m in part.items()}
+    return assemble(plans, cfg, results, draws), cfg, time.perf_counter() - start
 
 
 __all__ = ["TRAIN_SCHEMA", "CategoricalProblem", "Combination", "Optimizer", "RolloutProblem", "SEQUENCE_REWARDS",

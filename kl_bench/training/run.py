@@ -20,7 +20,8 @@ TRAIN_SCHEMA: dict[str, str] = {
     "case": "case name",
     "combination": "estimator/mode[/aggregate] as written in [train] combinations",
     "estimator": "estimator (registry name, plug-in or library preset)",
-    "mode": "where the trainer puts it: loss | reward | loss_is | straight_through | loss_is_nemo (kl_bench.modes)",
+    "mode": "where the trainer puts it: one entry of kl_bench.modes.MODES (loss, reward, loss_is, straight_through, "
+            "loss_is_nemo, reward+loss, reward_to_go, reward_partial)",
     "aggregate": "rollouts: tok (per-token estimator summed along the path) or seq (estimator of the sequence "
                  "log-ratio); empty for categoricals",
     "gradients": "exact (the expected update: a deterministic trajectory) or sampled (n draws a step; the values "
@@ -113,27 +114,73 @@ def _rows(case: str, combo: Combination, kind: str, draws: int, seeds: int, step
     return rows
 
 
-def train_combination(plan: Plan, combo: Combination, cfg: TrainConfig, *, seed: int, draws: int,
-                      device: torch.device) -> list[dict]:
-    """Rows of one combination: its exact trajectory and/or the mean and spread of ``cfg.seeds`` sampled ones.
-    Sampled run r draws step t's batch from the stream (seed, "<case>/train/<r>", t) in fixed pieces."""
-    pb, opt = plan.problem, cfg.optimizer
+@dataclass(frozen=True)
+class Unit:
+    """One independent piece of a training run: a combination's exact trajectory (``run`` = None) or its
+    sampled run ``run`` (streams (seed, "<case>/train/<run>", step): no unit depends on another, so units
+    can run in any process and in any order and give the same bytes)."""
+    plan: int
+    combo: int
+    run: int | None
+
+
+def units(plans: list[Plan], cfg: TrainConfig) -> list[Unit]:
+    """Every unit of a run, in train.csv's order (plan, combination, exact then sampled runs)."""
+    out = []
+    for i, plan in enumerate(plans):
+        for j, combo in enumerate(plan.combos):
+            if "exact" in cfg.gradients:
+                out.append(Unit(i, j, None))
+            if "sampled" in cfg.gradients and (not cfg.sampled_combinations or combo.label in cfg.sampled_combinations):
+                out.extend(Unit(i, j, r) for r in range(cfg.seeds))
+    return out
+
+
+def run_unit(plans: list[Plan], unit: Unit, cfg: TrainConfig, *, seed: int, draws: int,
+             device: torch.device) -> dict[str, np.ndarray]:
+    """The recorded metrics of one unit ({name: [K]}, :func:`run_trajectory`)."""
+    plan = plans[unit.plan]
+    pb, combo, opt = plan.problem, plan.combos[unit.combo], cfg.optimizer
+    if unit.run is None:
+        return run_trajectory(pb, opt, cfg.steps, cfg.record_every, lambda th, t: pb.expected_update(th, combo))
+    piece = piece_draws(device)
+
+    def direction(th, t):
+        batch = BatchStream(seed, f"{pb.name}/train/{unit.run}", t, draws, device)
+        return pb.sampled_update(th, combo, batch, piece, cfg.chunk)
+    return run_trajectory(pb, opt, cfg.steps, cfg.record_every, direction)
+
+
+def assemble(plans: list[Plan], cfg: TrainConfig, results: dict[Unit, dict[str, np.ndarray]], draws: int) -> list[dict]:
+    """train.csv's rows from every unit's metrics: exact rows, then the mean and spread of the sampled runs
+    (in run order, whichever process ran them)."""
     steps = recorded(cfg.steps, cfg.record_every)
     rows: list[dict] = []
-    if "exact" in cfg.gradients:
-        traj = run_trajectory(pb, opt, cfg.steps, cfg.record_every, lambda th, t: pb.expected_update(th, combo))
-        rows += _rows(pb.name, combo, "exact", 0, 1, steps, traj, None)
-    if "sampled" in cfg.gradients and (not cfg.sampled_combinations or combo.label in cfg.sampled_combinations):
-        piece = piece_draws(device)
-        runs = []
-        for r in range(cfg.seeds):
-            def direction(th, t, r=r):
-                batch = BatchStream(seed, f"{pb.name}/train/{r}", t, draws, device)
-                return pb.sampled_update(th, combo, batch, piece, cfg.chunk)
-            runs.append(run_trajectory(pb, opt, cfg.steps, cfg.record_every, direction))
+    all_units = units(plans, cfg)
+    for i, plan in enumerate(plans):
+        for j, combo in enumerate(plan.combos):
+            mine = [u for u in all_units if (u.plan, u.combo) == (i, j)]
+            rows += _combination_rows(plan.problem.name, combo, steps, draws,
+                                      [results[u] for u in mine if u.run is None],
+                                      [results[u] for u in mine if u.run is not None])
+    return rows
+
+
+def _combination_rows(case: str, combo: Combination, steps: list[int], draws: int, exact: list, runs: list) -> list[dict]:
+    """One combination's rows: its exact trajectory, then the mean and spread of its sampled runs."""
+    rows = _rows(case, combo, "exact", 0, 1, steps, exact[0], None) if exact else []
+    if runs:
         mean = {k: np.mean([x[k] for x in runs], 0) for k in runs[0]}
         # ddof = 1: the spread of one sampled trajectory; the mean's standard error is sd/√seeds.
-        sd = {k: np.std([x[k] for x in runs], 0, ddof=1) if cfg.seeds > 1 else np.full(len(steps), math.nan)
+        sd = {k: np.std([x[k] for x in runs], 0, ddof=1) if len(runs) > 1 else np.full(len(steps), math.nan)
               for k in METRICS}
-        rows += _rows(pb.name, combo, "sampled", draws, cfg.seeds, steps, mean, sd)
+        rows += _rows(case, combo, "sampled", draws, len(runs), steps, mean, sd)
     return rows
+
+
+def train_combination(plan: Plan, combo: Combination, cfg: TrainConfig, *, seed: int, draws: int,
+                      device: torch.device) -> list[dict]:
+    """Rows of one combination: its exact trajectory and/or the mean and spread of ``cfg.seeds`` sampled ones."""
+    one = Plan(plan.problem, (combo,))
+    results = {u: run_unit([one], u, cfg, seed=seed, draws=draws, device=device) for u in units([one], cfg)}
+    return assemble([one], cfg, results, draws)

@@ -353,15 +353,7 @@ class RolloutGradients(GradientAccumulator):
         # Rows whose per-step weight depends on the step alone (local tok rows, no importance weights)
         # need only the (bucket, token) counts for their totals; the others accumulate their own weights.
         # Token rows of a mode that is not a score function: Σ_t w_t c(log r_t) s_t, one table c(c, x).
-        per_token = [j for j, it in enumerate(items) if AGGREGATES[it.aggregate].token and it.token == "local"]
-        self.local = [j for j in per_token if items[j].aggregate == "tok"] if pair.weights == "none" else []
-        self.per_draw = [j for j in range(len(items)) if j not in self.local]
-        self.tables = {j: items[j].coef(pair.logr_table).reshape(-1).to(device) for j in per_token}
-        # Token weights (and the PPO clip) make a local row's per-step coefficient a table per phase.
-        self.phase_tables = {j: torch.stack([t.reshape(-1) for t in local_tables(pair, items[j])]).to(device)
-                             for j in per_token} if pair.weights == "token" else {}
-        self.phase_of = torch.tensor([i for i, (_, steps) in enumerate(pair.phases) for _ in range(steps)],
-                                     device=device)
+        self._local_rows(pair, items, device)
         self.w_total = torch.zeros(c_ * v, len(self.per_draw), dtype=torch.float64)
         self.counts = torch.zeros(c_ * v, dtype=torch.float64)
         # Draws per piece: [m, T] recorded steps stay within 2^21 entries (fixed per case: same bytes for
@@ -409,6 +401,18 @@ class RolloutGradients(GradientAccumulator):
             if w_cols:
                 self.w_total.index_add_(0, flat_keys, torch.stack(w_cols, -1).reshape(-1, len(w_cols)).cpu())
         return GradBatch(proj, sq, proj2)
+
+    def _local_rows(self, pair: RolloutTables, items: list[GradItem], device) -> None:
+        """The tables of the local token rows: one coefficient table c(c, x) each, or per sampler phase with
+        token weights (and the PPO clip); ``local``: the rows whose totals follow from the counts alone."""
+        per_token = [j for j, it in enumerate(items) if AGGREGATES[it.aggregate].token and it.token == "local"]
+        self.local = [j for j in per_token if items[j].aggregate == "tok"] if pair.weights == "none" else []
+        self.per_draw = [j for j in range(len(items)) if j not in self.local]
+        self.tables = {j: items[j].coef(pair.logr_table).reshape(-1).to(device) for j in per_token}
+        self.phase_tables = {j: torch.stack([t.reshape(-1) for t in local_tables(pair, items[j])]).to(device)
+                             for j in per_token} if pair.weights == "token" else {}
+        self.phase_of = torch.tensor([i for i, (_, steps) in enumerate(pair.phases) for _ in range(steps)],
+                                     device=device)
 
     def _groups(self, keys: torch.Tensor, alive: torch.Tensor, b: int, size: int):
         """The units of a tok_batch row in a piece: its whole groups of B = ``b`` consecutive paths as

@@ -78,6 +78,27 @@ def _floor_or_mask(correction: WeightCorrection | None) -> WeightCorrection | No
     return correction
 
 
+def _check_length_rows(per_sequence_mean: bool, token_mean_batch: int | None, weights: str) -> None:
+    """Rows divided by lengths have exact oracles under these weights only."""
+    if per_sequence_mean and weights == "token":
+        raise SpecError("per_sequence_mean needs weights = \"none\", \"sequence\" or \"geometric\" (a token-weighted "
+                        "sum over |y| has no length-aware oracle here)", key="per_sequence_mean")
+    if token_mean_batch is not None and weights != "none":
+        raise SpecError("token_mean_batch needs unweighted draws (weights = \"none\"): a weighted token-mean "
+                        "has no exact oracle here", key="token_mean_batch")
+
+
+def _ppo_clip(correction: WeightCorrection | None, weights: str) -> WeightCorrection | None:
+    """The correction when it holds the PPO clip (it changes gradients only, kl_bench.weights: of the
+    per-token local rows, exactly); None otherwise. The clip is per token: weights = "token"."""
+    if correction is None or (correction.clip is None and correction.dual is None):
+        return None
+    if weights != "token":
+        raise SpecError("the PPO clip (clip_low, clip_high, dual_clip) clips each token's ratio: it needs "
+                        "weights = \"token\"", key="sampler.weights")
+    return correction
+
+
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
                sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *CORRECTION_KEYS),
@@ -106,28 +127,17 @@ class RolloutPair(GradientDefaults, Pair):
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
         self.correction = _floor_or_mask(correction)
-        # The PPO clip changes gradients only (kl_bench.weights): of the per-token local rows, exactly.
-        self.clip = correction if correction is not None and (correction.clip is not None
-                                                              or correction.dual is not None) else None
-        if self.clip is not None and weights != "token":
-            raise SpecError("the PPO clip (clip_low, clip_high, dual_clip) clips each token's ratio: it needs "
-                            "weights = \"token\"", key="sampler.weights")
+        self.clip = _ppo_clip(correction, weights)
         self.min_length = int(min_length) if eos is not None else 0
         self.log_q, self.log_p = log_q.to(torch.float64), log_p.to(torch.float64)
         self.bucket, self.length, self.eos = bucket.long(), int(length), eos
         self.buckets, self.vocab = self.log_q.shape
         self.logr_table = self.log_p - self.log_q                          # log r(c, x), [C, V]
         self.precision = precision
-        self.per_sequence_mean = per_sequence_mean
-        if per_sequence_mean and weights == "token":
-            raise SpecError("per_sequence_mean needs weights = \"none\", \"sequence\" or \"geometric\" (a token-weighted "
-                            "sum over |y| has no length-aware oracle here)", key="per_sequence_mean")
-        self.token_mean_batch = token_mean_batch
+        self.per_sequence_mean, self.token_mean_batch = per_sequence_mean, token_mean_batch
+        _check_length_rows(per_sequence_mean, token_mean_batch, weights)
         self._length_spectra: rollout_dp.LengthSpectra | None = None
         self._mean_length: float | None = None
-        if token_mean_batch is not None and weights != "none":
-            raise SpecError("token_mean_batch needs unweighted draws (weights = \"none\"): a weighted token-mean "
-                            "has no exact oracle here", key="token_mean_batch")
         if precision is not None:   # a fixed function of (bucket, token): the dynamic program stays exact
             # ``logits``: (q's, p's) bucket logits [C, V] as the source holds them (kl_bench.precision)
             self._rounded = precision.rounding_input(logits, self.log_q, self.log_p)
