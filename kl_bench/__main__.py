@@ -21,7 +21,14 @@ def entry() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.stderr.write("interrupted: nothing was written\n")
         sys.exit(130)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        # A KeyboardInterrupt that escaped main (a later signal that found Python's own handler) must not
+        # end the process by SIGINT (Python re-raises an uncaught one as the signal): the line is said.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -68,10 +68,13 @@ def main(argv: list[str] | None = None) -> None:
         err_console.print(f"error: {' '.join(e.format_message().split())}", markup=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except typer.Exit as e:
+        if e.exit_code == 130:
+            signals.ignore()          # interrupted and said so: later signals add nothing
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort, RuntimeError) as e:
         if not isinstance(e, KeyboardInterrupt) and not _is_abort(e):
             raise
+        signals.ignore()              # before the line: a signal now must not interrupt saying it
         if not interrupt_reported[0]:
             err_console.print(signals.interrupted_anywhere(), markup=False)
         sys.exit(130)
