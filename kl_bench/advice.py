@@ -198,6 +198,8 @@ def loss_advice(df: pd.DataFrame, case: str, gradients: pd.DataFrame | None = No
     exact_rows = g[g["equals"] == "reverse"]
     pitfalls = [f"{_grad_label(r)} has zero expected gradient" for _, r in g[g["equals"] == "zero"].iterrows()]
     pitfalls += [f"{_grad_label(r)} follows ∇KL(p||q)" for _, r in g[g["equals"] == "forward"].iterrows()]
+    pitfalls += [f"{_grad_label(r)} follows the unnormalised KL over what the sampler draws (ukl)"
+                 for _, r in g[g["equals"] == "ukl"].iterrows()]
     tail = f"; avoid: {', '.join(pitfalls[:3])}" if pitfalls else ""
     if not exact_rows.empty:
         best = exact_rows.loc[n90[exact_rows.index].idxmin()]

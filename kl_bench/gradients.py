@@ -50,10 +50,10 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
     """gradients.csv rows for one case. ``ranks``: split the pass across processes (the rows are made on
     rank 0; the others get []). ``drawn``: a dict that receives the batches each rank drew, as "gradients".
     ``vectors``: a dict that receives the exact vectors [P] (:func:`vector_key`): every row's expected
-    gradient, and the references ∇KL(q‖p), ∇KL(p‖q) and each row's ``self`` target."""
+    gradient, the references ∇KL(q‖p), ∇KL(p‖q) and ∇UKL(q_S‖p), and each row's ``self`` target."""
     pair.require_gradients()
     refs = pair.gradient_references()
-    rev, fwd = refs[REVERSE], refs[FORWARD]
+    rev, fwd, ukl = refs[REVERSE], refs[FORWARD], pair.gradient_ukl()
     dirs = {"reverse": unit(rev), "forward": unit(fwd)}
     items = gradient_items(pair, estimators)
     run = run_gradients(pair, items, dirs, draws=draws, seed=seed, batches=batches, device=device, progress=progress,
@@ -65,14 +65,14 @@ def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int
     exacts = [pair.gradient_exact(it, dirs) for it in items]
     selves = self_references(pair, items)
     if vectors is not None:
-        vectors.update(exact_vectors(pair, items, exacts, selves, rev, fwd))
-    return [_row(pair, item, ex, run, j, dirs, _scaled(pair, item, rev, fwd), draws, selves[j])
+        vectors.update(exact_vectors(pair, items, exacts, selves, rev, fwd, ukl))
+    return [_row(pair, item, ex, run, j, dirs, _scaled(pair, item, rev, fwd, ukl), draws, selves[j])
             for j, (item, ex) in enumerate(zip(items, exacts))]
 
 
 def vector_key(case: str, what: str, item: GradItem | None = None) -> str:
-    """A key of gradients.npz: "case|reference|reverse", "case|reference|forward", "case|self|<row>" and
-    "case|exact|<row>|<mode>" with <row> the row's key ('k3', 'cv@0.5', 'tok:k3', kl_bench.draws.row_key)."""
+    """A key of gradients.npz: "case|reference|reverse", "case|reference|forward", "case|reference|ukl",
+    "case|self|<row>" and "case|exact|<row>|<mode>" with <row> the row's key ('k3', 'cv@0.5', 'tok:k3', kl_bench.draws.row_key)."""
     if item is None:
         return f"{case}|reference|{what}"
     row = row_key(item.est.name, item.est.lam, item.aggregate)
@@ -80,9 +80,11 @@ def vector_key(case: str, what: str, item: GradItem | None = None) -> str:
 
 
 def exact_vectors(pair: Pair, items: list[GradItem], exacts: list, selves: list, rev: np.ndarray,
-                  fwd: np.ndarray) -> dict[str, np.ndarray]:
+                  fwd: np.ndarray, ukl: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """gradients.npz's arrays of one case (float64 [P], θ flattened as the kind documents it)."""
     out = {vector_key(pair.name, "reverse"): rev, vector_key(pair.name, "forward"): fwd}
+    if ukl is not None:
+        out[vector_key(pair.name, "ukl")] = ukl
     for it, ex, own in zip(items, exacts, selves):
         if ex is not None:
             out[vector_key(pair.name, "exact", it)] = ex.mean
@@ -105,25 +107,27 @@ def self_references(pair: Pair, items: list[GradItem]) -> list[np.ndarray | None
     return out
 
 
-def _scaled(pair: Pair, item: GradItem, rev: np.ndarray, fwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _scaled(pair: Pair, item: GradItem, rev: np.ndarray, fwd: np.ndarray,
+            ukl: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The references a row is compared with: a row divided by lengths (a rate per token) against the
     KL gradients over E_q|y|, the same scaling as its value's truth (kl_bench.pairs.rollout true_value)."""
     if not AGGREGATES[item.aggregate].per_token:
-        return rev, fwd
+        return rev, fwd, ukl
     scale = pair.true_value(REVERSE, item.aggregate) / pair.true_value(REVERSE)
-    return rev * scale, fwd * scale
+    return rev * scale, fwd * scale, None if ukl is None else ukl * scale
 
 
 EXACT_COLUMNS = ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse", "exact_relerr_forward",
                  "exact_trace_cov", "n_for_cos90", "exact_along_reverse", "exact_norm")
 
 
-def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, refs: tuple[np.ndarray, np.ndarray],
+def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, refs: tuple,
          draws: int, own: np.ndarray | None = None) -> dict:
     """One gradients.csv row: the Monte Carlo columns of item j, then the exact ones (empty without ``ex``).
-    ``refs``: (∇KL(q‖p), ∇KL(p‖q)) as this row is compared with them; ``own``: the ``self`` target."""
+    ``refs``: (∇KL(q‖p), ∇KL(p‖q), ∇UKL(q_S‖p) or None) as this row is compared with them; ``own``: the
+    ``self`` target."""
     est = item.est
-    rev, fwd = refs
+    rev, fwd, ukl = refs
     mc_mean = run.total[j] / draws
     row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
            "lambda": est.lam if est.lam is not None else math.nan,
@@ -144,7 +148,7 @@ def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, refs: tuple[np
         return row
     row.update(compare(ex.mean, rev, fwd, "exact_"))
     row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
-    row["equals"] = equals(ex.mean, rev, fwd, own)
+    row["equals"] = equals(ex.mean, rev, fwd, own, ukl)
     var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
     if run.proj2 is not None:       # exact mean, measured spread (e.g. rollouts)
         mu_u = float(run.proj[:, j, 0].sum() / draws)
@@ -169,10 +173,13 @@ def compare(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, prefix: str = "") -
     return out
 
 
-def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, own: np.ndarray | None = None) -> str:
+def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, own: np.ndarray | None = None,
+           ukl: np.ndarray | None = None) -> str:
     """Which exact gradient the expectation equals (to float64 rounding of exact sums): ∇KL(q‖p), ∇KL(p‖q),
-    zero, or ``self`` = ∇E_q[v] of the row's own value v (``own``): what the value follows used as an
-    objective, e.g. k2 in loss_is or reward+loss on-policy (the first three win where they coincide)."""
+    zero, ``ukl`` = ∇UKL(q_S‖p), the unnormalised KL over what a truncating sampler can draw (e.g. k1 in
+    the reward or k3 in loss_is under top-k with token weights), or ``self`` = ∇E_q[v] of the row's own
+    value v (``own``): what the value follows used as an objective, e.g. k2 in loss_is or reward+loss
+    on-policy (the earlier ones win where they coincide: ukl is reverse when S holds all of q's mass)."""
     scale = max(np.linalg.norm(rev), np.linalg.norm(fwd))
     tol = 1e-9 * scale
     if np.linalg.norm(g - rev) <= tol:
@@ -181,6 +188,8 @@ def equals(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, own: np.ndarray | No
         return "forward"
     if np.linalg.norm(g) <= tol:
         return "zero"
+    if ukl is not None and np.linalg.norm(g - ukl) <= tol:
+        return "ukl"
     if own is not None and np.linalg.norm(g - own) <= 1e-9 * max(scale, np.linalg.norm(own)):
         return "self"
     return "other"

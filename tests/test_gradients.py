@@ -264,8 +264,8 @@ def test_self_target_of_categoricals_and_gaussians():
 
 
 def test_gradients_npz_holds_the_exact_vectors_of_categoricals(write_spec, tmp_path):
-    """gradients.npz: every categorical row's exact expected gradient, its self target and both KL
-    gradients, float64, equal to the oracle's; recorded in run.json and verified when read."""
+    """gradients.npz: every categorical row's exact expected gradient, its self target and the KL
+    gradients (reverse, forward, ukl), float64, equal to the oracle's; recorded in run.json and verified when read."""
     spec = write_spec("""
 spec_version = 1
 [experiment]
@@ -293,7 +293,8 @@ p = { from = "q", noise = 0.3, seed = 2 }
     for it in G.gradient_items(pair, [ESTIMATORS[n] for n in ("k1", "k2", "k3")]):
         assert np.array_equal(vec[G.vector_key("c", "exact", it)], pair.gradient_exact(it, {}).mean), it.mode
     assert np.array_equal(vec["c|self|k2"], pair.gradient_self(GradItem.of(ESTIMATORS["k2"], "loss")))
-    assert len(vec.files) == 2 + 10 + 3
+    assert np.array_equal(vec["c|reference|ukl"], pair.gradient_ukl())       # = reverse here (no sampler)
+    assert len(vec.files) == 3 + 10 + 3
     verify_results_folder(tmp_path / "o")
     load_results(tmp_path / "o")
     (tmp_path / "o" / "gradients.npz").write_bytes(b"PK\x03\x04 not an archive")

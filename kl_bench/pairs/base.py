@@ -188,6 +188,11 @@ class GradientOracle(Protocol):
         """∇θ E_q[v] [P], v the row's value (the estimator on the item's aggregate): the ``self`` target,
         what the row's value would follow used as an objective; None where the kind has no exact value."""
 
+    def gradient_ukl(self) -> np.ndarray | None:
+        """∇θ UKL(q_S‖p) [P], the unnormalised KL Σ_{x∈S} q log(q/p) − q + p over S, what the sampler can
+        draw (docs/gradients.md#targets-reverse-forward-self-ukl): the ``ukl`` target; None where the kind
+        has none (it equals ∇KL(q‖p) wherever S holds all of q's mass)."""
+
 
 @runtime_checkable
 class ScoreSampler(Protocol):
@@ -275,6 +280,10 @@ class Pair(ABC):
 
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         """∇θ E_q[row value] (the ``self`` target, :class:`GradientOracle`); None: the kind has none."""
+        return None
+
+    def gradient_ukl(self) -> np.ndarray | None:
+        """∇θ UKL(q_S‖p) (the ``ukl`` target, :class:`GradientOracle`); None: the kind has none."""
         return None
 
     def gradient_excludes(self, mode: str, aggregate: str) -> bool:

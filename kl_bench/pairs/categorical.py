@@ -319,6 +319,18 @@ class CategoricalPair(GradientDefaults, Pair):
         qc = q * torch.where(q > 0, c, torch.zeros_like(c))
         return ((qc - q * qc.sum(-1, keepdim=True)) / self.contexts).reshape(-1).numpy()
 
+    def gradient_ukl(self) -> np.ndarray | None:
+        """∇θ Σ_{x∈S} [q log(q/p) − q + p], S = b's support (q's without a sampler): with ∂q_x/∂z_j =
+        q_x(δ_xj − q_j) the +1 and −1 of the derivative cancel, leaving rows (1/B)(q⊙g·1_S − q Σ_S q g),
+        g = log q − log p. It is ∇KL(q‖p) when S holds all of q's mass (Σ_x ∇q_x = 0); a truncating
+        sampler (top-k, top-p) leaves out the mass outside S, and the rows that see only S follow this."""
+        q = self.log_q.exp()
+        inside = q > 0 if self.log_b is None else self.log_b > -torch.inf
+        g = torch.where(inside, self.log_q - self.log_p, torch.zeros_like(q))
+        qg = q * g
+        out = ((qg - q * qg.sum(-1, keepdim=True)) / self.contexts).reshape(-1).numpy()
+        return out if np.isfinite(out).all() else None
+
     def exact_gradient_of_table(self, c_table: torch.Tensor, directions: dict[str, np.ndarray]) -> ExactGrad:
         """E[c s] for per-id coefficients ``c_table`` [M] (sums over the vocabulary)."""
         b, v = self.contexts, self.vocab

@@ -148,9 +148,9 @@ GRAD_SCHEMA: dict[str, str] = {
     "mode": "the gradient mode: where the trainer puts the estimator (one entry of kl_bench.modes.MODES)",
     "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
     "draws": "Monte Carlo draws",
-    "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, self "
-              "(∇E_q of the row's own value), other; rows divided by lengths (tok_mean) against the KL "
-              "gradients over E_q|y|",
+    "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, ukl "
+              "(∇ of the unnormalised KL over what the sampler can draw), self (∇E_q of the row's own value), "
+              "other; rows divided by lengths (tok_mean) against the KL gradients over E_q|y|",
     "cos_reverse": "cosine of the Monte Carlo mean gradient with the exact ∇KL(q||p)",
     "cos_forward": "cosine of the Monte Carlo mean gradient with the exact ∇KL(p||q)",
     "relerr_reverse": "|mean gradient − ∇KL(q||p)| / |∇KL(q||p)| (Monte Carlo)",

@@ -94,6 +94,29 @@ def reference(pair: RolloutTables) -> tuple[np.ndarray, np.ndarray]:
     return g_rev.reshape(-1).numpy(), g_fwd.reshape(-1).numpy()
 
 
+def ukl(pair: RolloutTables) -> np.ndarray | None:
+    """∇θ UKL(q_S‖p) flattened [C·V]: the unnormalised KL Σ_{y∈S} q(y)(log q(y)/p(y) − 1) + p(y) over S,
+    the sequences the sampler can draw (every step's token in b's support at that step), by autograd
+    through the dynamic program with the mask 1[b > 0] as the multiplicative weight m of each phase and
+    h = log q − log p. q_S is q restricted to S without renormalising (sub-stochastic per step), so its
+    mass depends on θ; that is the difference from ∇KL(q‖p), which it equals when S holds all of q's
+    mass. None where it is not finite (p = 0 inside S)."""
+    theta = pair.log_q.clone().requires_grad_(True)
+    q, lq = torch.softmax(theta, -1), torch.log_softmax(theta, -1)
+    phases = []
+    for lb, steps in pair.phases:
+        inside = (lb > -torch.inf) & (pair.log_q > -torch.inf)
+        m = inside.to(torch.float64)
+        h = torch.where(inside, lq - pair.log_p, torch.zeros_like(lq))   # never 0·inf outside S
+        a, e = rollout_dp.moment_matrices(q, m, h, pair.bucket, pair.buckets, pair.eos, 1)
+        phases.append((a, e, steps))
+    mom = rollout_dp.propagate_tensor(phases)
+    # Σ_S q(log q/p) − Σ_S q (+ Σ_S p, constant in θ)
+    (g,) = torch.autograd.grad(mom[1] - mom[0], theta)
+    out = g.reshape(-1).numpy()
+    return out if np.isfinite(out).all() else None
+
+
 def self_gradient(pair: RolloutTables, item: GradItem) -> np.ndarray | None:
     """∇θ E_q[v] flattened [C·V] for the row's value v (the ``self`` target), by autograd through the
     dynamic program with θ both in the sampling law and in log r: v = Σ_t f_t (``tok``), Σ_t f_t/|y|

@@ -639,6 +639,9 @@ class RolloutPair(GradientDefaults, Pair):
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         return grad.self_gradient(self, item)
 
+    def gradient_ukl(self) -> np.ndarray | None:
+        return grad.ukl(self)
+
     def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
         return grad.RolloutGradients(self, items, list(directions.values()), device)
 
