@@ -6,11 +6,19 @@ with b_i the mean of f over the group (``group_mean``, i included) or over the o
 (``leave_one_out``). Groups are G consecutive draws by draw index within a batch, and every batch holds
 whole groups, so the draws depend on (seed, batch index) alone and batch means are independent.
 
-Exact moments (x ~ q, i.i.d.; μ = E[f], σ² = Var f, φ(x) any per-draw feature such as |s|² or (s·u)²):
-- leave-one-out: b is independent of x_i, so E[(f − b)s] = E[f s] (E[s] = 0) and
-  E[(f − b)² φ] = E[f² φ] − 2μ E[f φ] + (μ² + σ²/(G − 1)) E[φ];
+Under a sampler b ≠ q the draws come from b and a trainer multiplies each draw's centred reward by its
+importance weight: the per-draw gradient is ρ_i (f_i − b_i)·s_i, ρ = q/b with the sampler's corrections
+(cap, floor, mask; ρ = 1 with weights = "none"), while b_i is still the plain mean of the group's f.
+
+Exact moments (x ~ b i.i.d., b = q without a sampler; μ = E_b[f], σ² = Var_b f, φ(x) any per-draw feature
+such as ρ²|s|² or (ρ s·u)²):
+- leave-one-out: b_i is independent of x_i, so E[ρ(f − b)s] = E[ρ f s] − μ E[ρ s] and
+  E[(f − b)² φ] = E[f² φ] − 2μ E[f φ] + (μ² + σ²/(G − 1)) E[φ]. E[ρ s] = 0 on x ~ q (E_q[s] = 0) and
+  under weights that undo a full-support sampler; a truncating sampler (top-k, top-p) or a mask leaves
+  E[ρ s] = Σ_S q s ≠ 0, so there even leave-one-out moves the gradient (by −μ E[ρ s]);
 - group mean: f_i − b_i = (1 − 1/G)(f_i − b_i^loo), so every moment is the leave-one-out one times
   (1 − 1/G) (the mean) or (1 − 1/G)² (second moments): the group mean shrinks the KL gradient.
+The PPO clip is not modelled here (its branch depends on the centred advantage): refused.
 """
 from __future__ import annotations
 
@@ -65,17 +73,24 @@ def check_group(group: int, key: str = "group") -> None:
         raise SpecError(f"a group baseline needs 2 ≤ G ≤ {MAX_GROUP} draws per group, got {group}", key=key)
 
 
+def check_pair(pair) -> None:
+    """Refuse (SpecError) a categorical pair whose sampler clips: the PPO clip is not modelled here."""
+    if pair.correction.clips("reward"):
+        raise SpecError("group baselines with the PPO clip are not modelled (the clip's branch depends on the "
+                        "centred advantage): drop clip_low/clip_high/dual_clip or the baseline_groups", key="sampler")
+
+
 def _id_tables(pair):
-    """Per drawn id of a categorical pair without a sampler: its probability under the draw mixture [M],
-    log r [M], |s|² [M] and the (context, token) indices (s = e_x − q_context)."""
-    if pair.has_sampler:
-        raise SpecError("group baselines are defined for x ~ q: remove the sampler", key="sampler")
-    q, v, b = pair.log_q.exp(), pair.vocab, pair.contexts
+    """Per drawn id of a categorical pair: its probability under the draw mixture (1/B)·b [M], the weight
+    ρ [M] (ones without token weights), log r [M], |s|² [M] and the (context, token) indices
+    (s = e_x − q_context)."""
+    check_pair(pair)
+    q, v = pair.log_q.exp(), pair.vocab
     ids = pair.support_ids
     ctx, tok = ids // v, ids % v
-    w = q.reshape(-1)[ids] / b
+    rho = pair.support_weight if pair.support_weight is not None else torch.ones_like(pair.support_logr)
     s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]
-    return w, pair.support_logr, s_norm2, ctx, tok
+    return pair.support_probs, rho, pair.support_logr, s_norm2, ctx, tok
 
 
 def exact_second(w: torch.Tensor, f: torch.Tensor, phi: torch.Tensor, baseline: str | None, group: int) -> float:
@@ -91,23 +106,26 @@ def exact_second(w: torch.Tensor, f: torch.Tensor, phi: torch.Tensor, baseline: 
 
 
 def exact_baseline_gradient(pair, est: Estimator, baseline: str | None, group: int) -> dict:
-    """Exact E[g] [P] (flattened logits) and E|g|² of the reward-mode per-draw gradient with a group
-    baseline (None: none) on a categorical pair."""
-    w, logr, s2, _, _ = _id_tables(pair)
+    """Exact E[g] [P] (flattened logits) and E|g|² of the reward-mode per-draw gradient ρ(f − b)s with a
+    group baseline (None: none) on a categorical pair (module docstring)."""
+    w, rho, logr, s2, _, _ = _id_tables(pair)
     f = est.fn(logr)
-    factor = 1.0 if baseline is None else BASELINES[baseline].factor(group)
-    mean = pair.exact_gradient_of_table(factor * f, {}).mean
-    return {"mean": mean, "second": exact_second(w, f, s2, baseline, group)}
+    if baseline is None:
+        c = rho * f
+    else:      # factor·ρ(f − μ): the baseline's mean μ = E_b[f] times E[ρ s] (zero on x ~ q, exactly)
+        c = BASELINES[baseline].factor(group) * rho * (f - (w * f).sum())
+    mean = pair.exact_gradient_of_table(c, {}).mean
+    return {"mean": mean, "second": exact_second(w, f, rho**2 * s2, baseline, group)}
 
 
 def _batch_sums(pair, est: Estimator, baseline: str, group: int, stream, tables) -> tuple[float, float]:
     """(Σ g·u, Σ |g|²) over one batch of whole groups, drawn piece by piece (pieces of whole groups).
-    ``tables``: (log r, |s|², s·u) per drawn id, each [M]."""
-    logr, s2, su = tables
+    ``tables``: (ρ, log r, |s|², s·u) per drawn id, each [M]."""
+    rho, logr, s2, su = tables
     proj = sq = 0.0
     for n, gen in stream.pieces(piece_draws(stream.device) // group * group):
         ids = pair.sample_ids(n, gen, stream.device)
-        c = BASELINES[baseline].centre(est.fn(logr[ids]), group)
+        c = BASELINES[baseline].centre(est.fn(logr[ids]), group) * rho[ids]
         proj += float((c * su[ids]).sum())
         sq += float((c**2 * s2[ids]).sum())
     return proj, sq
@@ -121,8 +139,8 @@ def baseline_rows(pair, estimators, baselines, groups, *, draws: int, seed: int,
     rev = pair.gradient_references()[REVERSE]
     u_np = rev / np.linalg.norm(rev)
     u = torch.as_tensor(u_np).reshape(pair.contexts, pair.vocab)
-    _, logr, s2, ctx, tok = _id_tables(pair)
-    tables = (logr, s2, u[ctx, tok] - (pair.log_q.exp() * u).sum(-1)[ctx])      # s·u per id
+    _, rho, logr, s2, ctx, tok = _id_tables(pair)
+    tables = (rho, logr, s2, u[ctx, tok] - (pair.log_q.exp() * u).sum(-1)[ctx])      # s·u per id
     rows = []
     for g in groups:
         check_group(g)
@@ -146,7 +164,7 @@ def _row(pair, est, name, g, plain, streams, tables, u_np) -> dict:
     plain_norm = float(np.linalg.norm(plain["mean"]))
     trace = ex["second"] - float(ex["mean"] @ ex["mean"])
     trace_plain = plain["second"] - plain_norm**2
-    return {"case": pair.name, "estimator": est.name, "mode": "reward", "baseline": name, "group": g,
+    return {"case": pair.name, "sampler": pair.sampler_label, "estimator": est.name, "mode": "reward", "baseline": name, "group": g,
             "draws": int(sizes.sum()),
             "exact_shrink": float(np.linalg.norm(ex["mean"])) / plain_norm if plain_norm > 0 else math.nan,
             "mc_along_reverse": m, "exact_along_reverse": ref_u, "z_reverse": (m - ref_u) / se if se > 0 else math.nan,

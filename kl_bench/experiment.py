@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 
 from . import gradients as G
-from .baselines import BASELINES, baseline_rows
+from .baselines import BASELINES, baseline_rows, check_pair as check_baselined_pair
 from .distributed import SINGLE, Ranks
 from .draws import Row
 from .errors import SpecError
@@ -217,16 +217,14 @@ def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> N
 
 
 def _check_baseline_groups(spec, case, pair: Pair) -> None:
-    """Group-baseline rows: a kind with their oracle (categoricals), draws from q, whole groups in every batch."""
+    """Group-baseline rows: a kind with their oracle (categoricals), whole groups in every batch."""
     groups = spec.experiment.baseline_groups
     if not groups:
         return
     if not pair.group_baselines:
         raise SpecError(f"group baselines (baseline_groups) have exact values on categorical cases only, not on "
                         f"{pair.kind} cases", key="experiment.baseline_groups")
-    if pair.has_sampler:
-        raise SpecError("group baselines (baseline_groups) are defined for x ~ q: remove the sampler or the "
-                        "baseline_groups", key="sampler")
+    check_baselined_pair(pair)
     draws, batches = case.draws or spec.experiment.draws, spec.experiment.batches
     if draws // max(groups) < batches:
         raise SpecError(f"baseline_groups up to G = {max(groups)} need whole groups in each of the {batches} batches: "

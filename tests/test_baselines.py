@@ -12,7 +12,9 @@ from kl_bench.errors import SpecError
 from kl_bench.estimators import ESTIMATORS
 from kl_bench.modes import GradItem
 from kl_bench.pairs import CategoricalPair
+from kl_bench.samplers import SamplerSpec
 from kl_bench.targets import REVERSE
+from kl_bench.weights import WeightCorrection
 
 
 def _pair(v=4, seed=0, b=1, scale=0.7):
@@ -80,14 +82,75 @@ def test_monte_carlo_rows_agree_with_the_exact_moments_and_are_reproducible():
     assert again == rows
 
 
-def test_bad_group_and_sampler_are_refused():
+def test_bad_group_and_clipped_sampler_are_refused():
     pair, _ = _pair()
     with pytest.raises(SpecError, match="2 ≤ G ≤ 65536"):
         BL.baseline_rows(pair, [ESTIMATORS["k1"]], ["group_mean"], [1], draws=100, seed=0)
     lq = pair.log_q
-    sampled = CategoricalPair("s", lq, pair.log_p, log_b=torch.log_softmax(lq / 0.8, -1))
-    with pytest.raises(SpecError, match="x ~ q"):
-        BL.exact_baseline_gradient(sampled, ESTIMATORS["k1"], "group_mean", 2)
+    clipped = CategoricalPair("s", lq, pair.log_p, log_b=torch.log_softmax(lq / 0.8, -1), weights="token",
+                              correction=WeightCorrection(clip=(0.2, 0.2)))
+    with pytest.raises(SpecError, match="PPO clip"):
+        BL.exact_baseline_gradient(clipped, ESTIMATORS["k1"], "group_mean", 2)
+
+
+def _sampled(kind: str, v=5, seed=2):
+    """A one-context pair drawn by b: top-3 of q with token weights (truncating: E_b[ρ s] ≠ 0), a
+    tempered q with capped token weights, or a tempered q without weights."""
+    pair, zq = _pair(v=v, seed=seed)
+    lq = pair.log_q
+    if kind == "top-k":
+        sp = SamplerSpec(top_k=3, weights="token")
+        return CategoricalPair("s", lq, pair.log_p, log_b=sp.logprobs(lq, pair.log_p), weights="token"), zq
+    lb = torch.log_softmax(lq / 1.6, -1)
+    if kind == "tempered-capped":
+        return CategoricalPair("s", lq, pair.log_p, log_b=lb, weights="token", weight_cap=1.3), zq
+    return CategoricalPair("s", lq, pair.log_p, log_b=lb), zq
+
+
+def _enumerate_sampled(pair, zq, est, baseline, g):
+    """E[g_0], E|g_0|² of ρ(x_0)·(f_0 − b_0)·∇log q_θ(x_0) over every group of G draws from b (one
+    context): ρ = min(q/b, cap) with token weights, 1 without; b_0 the plain mean of f (as trainers)."""
+    lq0, lb0 = torch.log_softmax(zq[0], -1), pair.log_b[0]
+    cap = pair.correction.cap
+    support = [x for x in range(zq.shape[1]) if lb0[x] > -torch.inf]
+    mean, second = torch.zeros(zq.shape[1], dtype=torch.float64), 0.0
+    for xs in itertools.product(support, repeat=g):
+        prob = float(torch.exp(lb0[list(xs)].sum()))
+        f = ESTIMATORS[est].fn(pair.log_p[0, list(xs)] - lq0[list(xs)])
+        base = f.mean() if baseline == "group_mean" else (f.sum() - f[0]) / (g - 1)
+        rho = 1.0
+        if pair.weights == "token":
+            rho = float(torch.exp(lq0[xs[0]] - lb0[xs[0]]))
+            rho = min(rho, cap) if cap is not None else rho
+        theta = zq[0].clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(rho * (f[0] - base).detach() * torch.log_softmax(theta, -1)[xs[0]], theta)
+        mean += prob * grad
+        second += prob * float(grad @ grad)
+    return mean.numpy(), second
+
+
+@pytest.mark.parametrize("kind", ["top-k", "tempered-capped", "tempered"])
+@pytest.mark.parametrize("baseline", ["group_mean", "leave_one_out"])
+def test_baselines_under_a_sampler_against_enumeration(kind, baseline):
+    pair, zq = _sampled(kind)
+    for est in ("k1", "k3"):
+        mean, second = _enumerate_sampled(pair, zq, est, baseline, 3)
+        ex = BL.exact_baseline_gradient(pair, ESTIMATORS[est], baseline, 3)
+        assert np.abs(ex["mean"] - mean).max() < 1e-13 * max(1.0, np.abs(mean).max()), (est, kind)
+        assert ex["second"] == pytest.approx(second, rel=1e-12)
+
+
+def test_under_truncation_leave_one_out_moves_the_gradient_and_monte_carlo_agrees():
+    """Top-k with token weights: E_b[ρ s] = Σ_S q s ≠ 0, so even leave-one-out changes the expected
+    gradient (by −μ·E_b[ρ s]); the Monte Carlo rows agree with the exact moments."""
+    pair, _ = _sampled("top-k", v=20, seed=1)
+    rows = BL.baseline_rows(pair, [ESTIMATORS["k1"], ESTIMATORS["k3"]], ["group_mean", "leave_one_out"], [4],
+                            draws=30_000, seed=3, batches=40)
+    for r in rows:
+        assert abs(r["z_reverse"]) < 5 and abs(r["z_second"]) < 5, r
+        assert r["sampler"] == pair.sampler_label
+    loo = [r for r in rows if r["baseline"] == "leave_one_out"]
+    assert all(abs(r["exact_shrink"] - 1) > 1e-3 for r in loo), [r["exact_shrink"] for r in loo]
 
 
 def test_group_baselines_from_a_spec(write_spec, tmp_path):
@@ -120,12 +183,20 @@ p = { from = "q", noise = 0.3, seed = 2 }
     assert np.allclose(rows.loc[rows["baseline"] == "leave_one_out", "exact_shrink"], 1.0, rtol=1e-12)
     assert (rows[["z_reverse", "z_second"]].abs() < 5).all().all()
     verify_results_folder(tmp_path / "o")
+    # Under a top-k sampler with token weights: the rows say so, and agree with their exact values.
+    topk = text.replace('noise = 0.3, seed = 2 }', 'noise = 0.3, seed = 2 }\nsampler = { top_k = 20, weights = "token" }')
+    res = CliRunner().invoke(app, ["run", str(write_spec(topk, "topk.toml")), "--out", str(tmp_path / "t")])
+    assert res.exit_code == 0, res.output
+    rows = pd.read_csv(tmp_path / "t" / "group_baselines.csv")
+    assert rows["sampler"].str.contains("top-k=20").all() and (rows[["z_reverse", "z_second"]].abs() < 5).all().all()
     for bad, words in ((text.replace("[2, 8]", "[1, 8]"), "2 ≤ G"),
                        (text.replace("[2, 8]", "[2, 2]"), "twice"),
                        (text.replace("draws = 40000", "draws = 100"), "whole groups"),
                        (text.replace('kind = "categorical"\nvocab = 60\nq = { logits = "zipf", exponent = 1.1, seed = 1 }\n'
                                      'p = { from = "q", noise = 0.3, seed = 2 }',
                                      'kind = "gaussian"\nq = {mean = 0.0, std = 1.0}\np = {mean = 0.2, std = 1.0}'),
-                        "categorical cases only")):
+                        "categorical cases only"),
+                       (text.replace('noise = 0.3, seed = 2 }', 'noise = 0.3, seed = 2 }\nsampler = { top_k = 20, weights = '
+                                     '"token", clip_low = 0.2 }'), "PPO clip")):
         res = CliRunner().invoke(app, ["run", str(write_spec(bad, "bad.toml")), "--out", str(tmp_path / "b")])
         assert res.exit_code == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

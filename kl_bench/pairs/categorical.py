@@ -144,6 +144,18 @@ class CategoricalPair(GradientDefaults, Pair):
         return self._support
 
     @property
+    def support_probs(self) -> torch.Tensor:
+        """Probability of every id in :attr:`support_ids` under the draw mixture (1/B)·b (b = q without a
+        sampler), float64 [M]."""
+        return self._weights()
+
+    @property
+    def support_weight(self) -> torch.Tensor | None:
+        """The corrected importance weight q/b (cap, floor, mask) of every id in :attr:`support_ids`, float64
+        [M]; None without token weights."""
+        return self._is_weight
+
+    @property
     def support_logr(self) -> torch.Tensor:
         """log r of every id in :attr:`support_ids`, float64 [M]."""
         return self._logr

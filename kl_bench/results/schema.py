@@ -116,14 +116,18 @@ SWEEP_SCHEMA: dict[str, str] = {
 # group_baselines.csv: one row per (case, estimator, baseline, group) with `[experiment] baseline_groups`
 # (kl_bench.baselines): the reward-mode gradient (f − b)·s with a group baseline b over G draws.
 GROUP_BASELINE_SCHEMA: dict[str, str] = {
-    "case": "case name (a categorical without a sampler: x ~ q)",
+    "case": "case name (a categorical case)",
+    "sampler": "the case's sampler, empty when x ~ q: the groups are drawn from b, each draw's f − b multiplied "
+               "by its (corrected) weight q/b where the sampler has token weights",
     "estimator": "estimator f in the reward",
     "mode": "reward (the baseline centres the reward)",
     "baseline": "group_mean (GRPO: minus the group's mean, the draw included) or leave_one_out (RLOO: minus "
                 "the mean of the other G − 1)",
     "group": "G, draws per group (one prompt's samples)",
     "draws": "Monte Carlo draws, whole groups",
-    "exact_shrink": "|E[(f − b)s]| / |E[f s]|: 1 − 1/G for group_mean, 1 for leave_one_out (exact)",
+    "exact_shrink": "|E[ρ(f − b)s]| / |E[ρ f s]| (ρ the weight, 1 without one), exact: 1 − 1/G for group_mean "
+                    "and 1 for leave_one_out where E[ρ s] = 0 (x ~ q, or weights that undo a full-support sampler); "
+                    "a truncating sampler (top-k, top-p, a mask) leaves E[ρ s] ≠ 0, and the baseline's mean moves it",
     "mc_along_reverse": "Monte Carlo mean of the per-draw gradient along the unit ∇KL(q||p)",
     "exact_along_reverse": "its exact value",
     "z_reverse": "(MC − exact) along ∇KL(q||p), in batch-means standard errors",
