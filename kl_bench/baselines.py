@@ -19,6 +19,11 @@ such as ρ²|s|² or (ρ s·u)²):
 - group mean: f_i − b_i = (1 − 1/G)(f_i − b_i^loo), so every moment is the leave-one-out one times
   (1 − 1/G) (the mean) or (1 − 1/G)² (second moments): the group mean shrinks the KL gradient.
 The PPO clip is not modelled here (its branch depends on the centred advantage): refused.
+
+Each kind supplies the pieces (kl_bench.pairs.base.BaselineOracle): the exact E[ρ F s], E[ρ s], μ and, where
+it has them, the second moments; and per-draw (F, ρ, s·u, |s|²) for the Monte Carlo rows. Categoricals are
+exact throughout. Rollouts (F = f(L) on ``seq``, Σ_t f_t on ``tok``; ρ the sequence weight) have exact
+expected gradients by the dynamic program and measured second moments.
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ import torch
 
 from .errors import SpecError
 from .estimators import Estimator
+from .pairs.base import BaselineExact, baseline_oracle
 from .registry import Registry
-from .seeding import PIECE_DRAWS, batch_sizes, batch_streams, piece_draws
+from .seeding import PIECE_DRAWS, batch_sizes, batch_streams
 from .stats import mean_and_se
 from .targets import REVERSE
 
@@ -64,111 +70,126 @@ BASELINES.add("leave_one_out", Baseline("leave_one_out", "RLOO: minus the mean o
                                         _leave_one_out, lambda g: 1.0))
 
 
-# Groups are drawn within pieces of whole groups, so a group may not exceed the smallest piece size.
+# Groups are drawn within pieces of whole groups: a spec's G may not exceed the smallest piece of any device
+# (a kind may have smaller pieces still: BaselineOracle.baseline_piece, checked per case).
 MAX_GROUP = min(PIECE_DRAWS.values())
 
 
-def check_group(group: int, key: str = "group") -> None:
-    if not 2 <= group <= MAX_GROUP:
-        raise SpecError(f"a group baseline needs 2 ≤ G ≤ {MAX_GROUP} draws per group, got {group}", key=key)
+def check_group(group: int, piece: int = MAX_GROUP, key: str = "group") -> None:
+    """Groups are drawn within pieces of whole groups, so a group may not exceed the case's piece size."""
+    if not 2 <= group <= piece:
+        raise SpecError(f"a group baseline needs 2 ≤ G ≤ {piece} draws per group, got {group}", key=key)
 
 
-def check_pair(pair) -> None:
-    """Refuse (SpecError) a categorical pair whose sampler clips: the PPO clip is not modelled here."""
-    if pair.correction.clips("reward"):
-        raise SpecError("group baselines with the PPO clip are not modelled (the clip's branch depends on the "
-                        "centred advantage): drop clip_low/clip_high/dual_clip or the baseline_groups", key="sampler")
+def check_pair(pair, groups: tuple[int, ...] = ()) -> None:
+    """Refuse (SpecError, one line) a case whose kind has no baseline rows, whose options they do not model,
+    or whose pieces are smaller than a group in ``groups``."""
+    oracle = baseline_oracle(pair)
+    if oracle is None:
+        raise SpecError(f"group baselines (baseline_groups) are not available on {pair.kind} cases (categorical "
+                        "and rollout cases have them)", key="experiment.baseline_groups", case=pair.name)
+    oracle.baseline_check()
+    piece = oracle.baseline_piece(torch.device("cpu"))
+    if groups and max(groups) > piece:
+        raise SpecError(f"group baselines on this case need G ≤ {piece:,} (a group is drawn within one piece of "
+                        f"{piece:,} draws), got {max(groups)}", key="experiment.baseline_groups", case=pair.name)
 
 
-def _id_tables(pair):
-    """Per drawn id of a categorical pair: its probability under the draw mixture (1/B)·b [M], the weight
-    ρ [M] (ones without token weights), log r [M], |s|² [M] and the (context, token) indices
-    (s = e_x − q_context)."""
-    check_pair(pair)
-    q, v = pair.log_q.exp(), pair.vocab
-    ids = pair.support_ids
-    ctx, tok = ids // v, ids % v
-    rho = pair.support_weight if pair.support_weight is not None else torch.ones_like(pair.support_logr)
-    s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]
-    return pair.support_probs, rho, pair.support_logr, s_norm2, ctx, tok
-
-
-def exact_second(w: torch.Tensor, f: torch.Tensor, phi: torch.Tensor, baseline: str | None, group: int) -> float:
-    """E[(f − b)² φ] for draws with probabilities w [M], values f [M] and features φ [M] (module
-    docstring); ``baseline`` None: E[f² φ]."""
+def exact_second(ex: BaselineExact, baseline: str | None, group: int) -> float:
+    """E[ρ²(F − b)²|s|²] from the exact pieces (module docstring); ``baseline`` None: E[ρ²F²|s|²]; NaN
+    where the kind has no exact second moments."""
+    if ex.phi is None:
+        return math.nan
+    f2, f1, f0 = ex.phi
     if baseline is None:
-        return float((w * f**2 * phi).sum())
-    mu = float((w * f).sum())
-    var = float((w * (f - mu) ** 2).sum())
-    loo = float((w * f**2 * phi).sum()) - 2 * mu * float((w * f * phi).sum()) \
-        + (mu**2 + var / (group - 1)) * float((w * phi).sum())
+        return f2
+    loo = f2 - 2 * ex.mu * f1 + (ex.mu**2 + ex.var / (group - 1)) * f0
     return BASELINES[baseline].factor(group) ** 2 * loo
 
 
-def exact_baseline_gradient(pair, est: Estimator, baseline: str | None, group: int) -> dict:
-    """Exact E[g] [P] (flattened logits) and E|g|² of the reward-mode per-draw gradient ρ(f − b)s with a
-    group baseline (None: none) on a categorical pair (module docstring)."""
-    w, rho, logr, s2, _, _ = _id_tables(pair)
-    f = est.fn(logr)
+def exact_mean(ex: BaselineExact, baseline: str | None, group: int) -> np.ndarray:
+    """E[ρ(F − b)s] [P]: factor·(E[ρ F s] − μ E[ρ s]); ``baseline`` None: E[ρ F s]."""
     if baseline is None:
-        c = rho * f
-    else:      # factor·ρ(f − μ): the baseline's mean μ = E_b[f] times E[ρ s] (zero on x ~ q, exactly)
-        c = BASELINES[baseline].factor(group) * rho * (f - (w * f).sum())
-    mean = pair.exact_gradient_of_table(c, {}).mean
-    return {"mean": mean, "second": exact_second(w, f, rho**2 * s2, baseline, group)}
+        return ex.rho_f_s
+    return BASELINES[baseline].factor(group) * (ex.rho_f_s - ex.mu * ex.rho_s)
 
 
-def _batch_sums(pair, est: Estimator, baseline: str, group: int, stream, tables) -> tuple[float, float]:
-    """(Σ g·u, Σ |g|²) over one batch of whole groups, drawn piece by piece (pieces of whole groups).
-    ``tables``: (ρ, log r, |s|², s·u) per drawn id, each [M]."""
-    rho, logr, s2, su = tables
-    proj = sq = 0.0
-    for n, gen in stream.pieces(piece_draws(stream.device) // group * group):
-        ids = pair.sample_ids(n, gen, stream.device)
-        c = BASELINES[baseline].centre(est.fn(logr[ids]), group) * rho[ids]
-        proj += float((c * su[ids]).sum())
-        sq += float((c**2 * s2[ids]).sum())
-    return proj, sq
+def exact_baseline_gradient(pair, est: Estimator, baseline: str | None, group: int, aggregate: str = "") -> dict:
+    """Exact E[g] [P] (flattened θ) and E|g|² (NaN where not exact) of the reward-mode per-draw gradient
+    with a group baseline (None: none)."""
+    check_pair(pair)
+    ex = pair.baseline_exact(est, aggregate)
+    if ex is None:
+        raise SpecError(f"no exact expected gradient for '{est.name}' in the reward on '{aggregate}'", case=pair.name)
+    return {"mean": exact_mean(ex, baseline, group), "second": exact_second(ex, baseline, group)}
+
+
+def _batch_sums(draw, names: list[str], group: int, stream, piece: int) -> np.ndarray:
+    """[(Σ g·u, Σ |g|²) per baseline in ``names`` (None: none)] over one batch of whole groups, drawn piece
+    by piece (pieces of whole groups), every baseline on the same draws: [len(names), 2]."""
+    out = np.zeros((len(names), 2))
+    for n, gen in stream.pieces(piece // group * group):
+        f, rho, su, s2 = draw(n, gen)
+        for i, name in enumerate(names):
+            c = (f if name is None else BASELINES[name].centre(f, group)) * rho
+            out[i] += float((c * su).sum()), float((c**2 * s2).sum())
+    return out
 
 
 def baseline_rows(pair, estimators, baselines, groups, *, draws: int, seed: int, batches: int = 100,
                   device=torch.device("cpu")) -> list[dict]:
-    """One row per (estimator, baseline, G) on a categorical pair: exact and Monte Carlo reward-mode
-    gradients with the baseline, against the same estimator with no baseline. ``draws`` is rounded down
-    to whole groups; batches hold whole groups."""
+    """One row per (aggregate, estimator, baseline, G): exact and Monte Carlo reward-mode gradients with
+    the baseline, against the same estimator with no baseline (from the same draws). ``draws`` is rounded
+    down to whole groups; batches hold whole groups. Estimators without an exact expected gradient on an
+    aggregate (a non-polynomial f of a rollout's sequence log-ratio) get no row there."""
+    check_pair(pair)
     rev = pair.gradient_references()[REVERSE]
-    u_np = rev / np.linalg.norm(rev)
-    u = torch.as_tensor(u_np).reshape(pair.contexts, pair.vocab)
-    _, rho, logr, s2, ctx, tok = _id_tables(pair)
-    tables = (rho, logr, s2, u[ctx, tok] - (pair.log_q.exp() * u).sum(-1)[ctx])      # s·u per id
+    u = rev / np.linalg.norm(rev)
+    piece = pair.baseline_piece(device)
     rows = []
     for g in groups:
-        check_group(g)
+        check_group(g, piece)
         sizes = [k * g for k in batch_sizes(draws // g, batches)]
-        streams = batch_streams(seed, f"{pair.name}/baseline-G{g}", sizes, device)
-        for est in estimators:
-            plain = exact_baseline_gradient(pair, est, None, g)
-            for name in baselines:
-                rows.append(_row(pair, est, name, g, plain, streams, tables, u_np))
+        for agg in pair.baseline_aggregates:
+            streams = batch_streams(seed, f"{pair.name}/baseline-G{g}" + (f"/{agg}" if agg else ""), sizes, device)
+            for est in estimators:
+                ex = pair.baseline_exact(est, agg) if agg in pair.aggregates_for(est) else None
+                if ex is not None:
+                    rows += _rows(pair, est, agg, ex, list(baselines), g, (streams, piece), u, device)
     return rows
 
 
-def _row(pair, est, name, g, plain, streams, tables, u_np) -> dict:
-    """One baseline row (``baseline_rows``'s columns)."""
-    ex = exact_baseline_gradient(pair, est, name, g)
-    sums = np.array([_batch_sums(pair, est, name, g, s, tables) for s in streams])
+def _rows(pair, est, agg, ex: BaselineExact, names: list[str], g: int, streams, u, device) -> list[dict]:
+    """The rows of one (estimator, aggregate, G): each baseline against none, on the same draws.
+    ``streams``: (the batches' streams, the piece size)."""
+    streams, piece = streams
+    draw = pair.baseline_draws(est, agg, u, device)
+    sums = np.stack([_batch_sums(draw, [None] + names, g, s, piece) for s in streams])   # [K, 1 + |names|, 2]
     sizes = np.array([s.size for s in streams], dtype=float)
-    m, se = mean_and_se(sums[:, 0], sizes)
-    m2, se2 = mean_and_se(sums[:, 1], sizes)
-    ref_u = float(ex["mean"] @ u_np)
-    plain_norm = float(np.linalg.norm(plain["mean"]))
-    trace = ex["second"] - float(ex["mean"] @ ex["mean"])
-    trace_plain = plain["second"] - plain_norm**2
-    return {"case": pair.name, "sampler": pair.sampler_label, "estimator": est.name, "mode": "reward", "baseline": name, "group": g,
-            "draws": int(sizes.sum()),
-            "exact_shrink": float(np.linalg.norm(ex["mean"])) / plain_norm if plain_norm > 0 else math.nan,
-            "mc_along_reverse": m, "exact_along_reverse": ref_u, "z_reverse": (m - ref_u) / se if se > 0 else math.nan,
-            "mc_second": m2, "exact_second": ex["second"],
-            "z_second": (m2 - ex["second"]) / se2 if se2 > 0 else math.nan,
-            "exact_trace_cov": trace, "exact_trace_cov_none": trace_plain,
-            "variance_ratio": trace / trace_plain if trace_plain > 0 else math.nan}
+    plain = exact_mean(ex, None, g)
+    plain_norm = float(np.linalg.norm(plain))
+    m2_none, _ = mean_and_se(sums[:, 0, 1], sizes)
+    trace_none = m2_none - plain_norm**2
+    exact_trace_none = exact_second(ex, None, g) - plain_norm**2
+    rows = []
+    for i, name in enumerate(names, start=1):
+        mean = exact_mean(ex, name, g)
+        second = exact_second(ex, name, g)
+        m, se = mean_and_se(sums[:, i, 0], sizes)
+        m2, se2 = mean_and_se(sums[:, i, 1], sizes)
+        ref_u = float(mean @ u)
+        trace, exact_trace = m2 - float(mean @ mean), second - float(mean @ mean)
+        ratio = exact_trace / exact_trace_none if math.isfinite(exact_trace_none) else trace / trace_none
+        rows.append({
+            "case": pair.name, "sampler": pair.sampler_label, "estimator": est.name, "aggregate": agg,
+            "mode": "reward", "baseline": name, "group": g, "draws": int(sizes.sum()),
+            "exact_shrink": float(np.linalg.norm(mean)) / plain_norm if plain_norm > 0 else math.nan,
+            "mc_along_reverse": m, "exact_along_reverse": ref_u,
+            "z_reverse": (m - ref_u) / se if se > 0 else math.nan,
+            "mc_second": m2, "exact_second": second,
+            "z_second": (m2 - second) / se2 if se2 > 0 and math.isfinite(second) else math.nan,
+            "trace_cov": trace, "trace_cov_none": trace_none,
+            "exact_trace_cov": exact_trace, "exact_trace_cov_none": exact_trace_none,
+            "variance_ratio": ratio if (exact_trace_none if math.isfinite(exact_trace_none) else trace_none) > 0
+            else math.nan})
+    return rows

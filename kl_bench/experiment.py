@@ -217,14 +217,11 @@ def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> N
 
 
 def _check_baseline_groups(spec, case, pair: Pair) -> None:
-    """Group-baseline rows: a kind with their oracle (categoricals), whole groups in every batch."""
+    """Group-baseline rows: a kind with their oracle (categoricals, rollouts), whole groups in every batch."""
     groups = spec.experiment.baseline_groups
     if not groups:
         return
-    if not pair.group_baselines:
-        raise SpecError(f"group baselines (baseline_groups) have exact values on categorical cases only, not on "
-                        f"{pair.kind} cases", key="experiment.baseline_groups")
-    check_baselined_pair(pair)
+    check_baselined_pair(pair, groups)
     draws, batches = case.draws or spec.experiment.draws, spec.experiment.batches
     if draws // max(groups) < batches:
         raise SpecError(f"baseline_groups up to G = {max(groups)} need whole groups in each of the {batches} batches: "

@@ -194,6 +194,50 @@ class GradientOracle(Protocol):
         has none (it equals ∇KL(q‖p) wherever S holds all of q's mass)."""
 
 
+@dataclass(frozen=True)
+class BaselineExact:
+    """Exact pieces of a reward-mode row ρ·(F − b)·s with a group baseline b (kl_bench.baselines), x ~ b
+    (the sampler; q without one), F the row's value, ρ its importance weight (1 without one):
+    ``rho_f_s`` = E[ρ F s] [P], ``rho_s`` = E[ρ s] [P], ``mu`` = E[F], ``var`` = Var F, and ``phi`` =
+    (E[F² φ], E[F φ], E[φ]) for φ = ρ²|s|² (None where the kind has no exact second moments)."""
+    rho_f_s: np.ndarray
+    rho_s: np.ndarray
+    mu: float
+    var: float = math.nan
+    phi: tuple[float, float, float] | None = None
+
+
+# Draws for baseline rows: (n, generator) → (F [n], ρ [n], s·u [n], |s|² [n]) for n draws in order.
+BaselineDraws = Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@runtime_checkable
+class BaselineOracle(Protocol):
+    """Optional (docs/weights.md#group-baselines-reward-mode): group-baseline rows of an estimator in the
+    reward, one per aggregate in :attr:`baseline_aggregates`."""
+
+    @property
+    def baseline_aggregates(self) -> tuple[str, ...]:
+        """The aggregates with baseline rows (categoricals: ""; rollouts: seq and tok)."""
+
+    def baseline_check(self) -> None:
+        """Refuse (SpecError, one line) a case whose sampler options baselines do not model."""
+
+    def baseline_exact(self, est, aggregate: str) -> BaselineExact | None:
+        """The exact pieces of the row, or None where the kind has no exact expected gradient for it."""
+
+    def baseline_draws(self, est, aggregate: str, u: np.ndarray, device: torch.device) -> BaselineDraws:
+        """Per-draw F, ρ, s·u (u [P] a unit direction) and |s|², for the Monte Carlo rows."""
+
+    def baseline_piece(self, device: torch.device) -> int:
+        """Draws per piece (groups never straddle pieces, so G may not exceed it)."""
+
+
+def baseline_oracle(pair: Any) -> BaselineOracle | None:
+    """The pair as a baseline oracle, or None where its kind has none."""
+    return pair if isinstance(pair, BaselineOracle) else None
+
+
 @runtime_checkable
 class ScoreSampler(Protocol):
     """Draws with their per-draw score features, for :class:`ScoreGradients` (kinds with few parameters)."""
@@ -223,7 +267,6 @@ class Pair(ABC):
     aggregates: tuple[str, ...] = ("",)   # rollouts: ("seq", "tok")
     has_sampler: bool = False             # draws come from b ≠ q (see SamplerSpec)
     exports_gradient_vectors: bool = False  # gradients.npz holds its exact gradient vectors (categoricals)
-    group_baselines: bool = False         # group-baseline rows have an exact oracle (kl_bench.baselines)
     sampler_label: str = ""
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"

@@ -33,11 +33,11 @@ from ..modes import derivative
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_source_logits)
 from ..samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
-from ..seeding import BatchStream
+from ..seeding import BatchStream, piece_draws
 from ..targets import FORWARD, REVERSE
 from ..weights import WeightCorrection
-from .base import (BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator, GradientDefaults,
-                   GradItem, JointMoments, Pair, register_kind)
+from .base import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator,
+                   GradientDefaults, GradItem, JointMoments, Pair, register_kind)
 
 SAMPLING = ("auto", "counts", "tokens")
 
@@ -142,18 +142,6 @@ class CategoricalPair(GradientDefaults, Pair):
     def support_ids(self) -> torch.Tensor:
         """Flattened (context·V + token) ids that the sampler can draw, int64 [M]."""
         return self._support
-
-    @property
-    def support_probs(self) -> torch.Tensor:
-        """Probability of every id in :attr:`support_ids` under the draw mixture (1/B)·b (b = q without a
-        sampler), float64 [M]."""
-        return self._weights()
-
-    @property
-    def support_weight(self) -> torch.Tensor | None:
-        """The corrected importance weight q/b (cap, floor, mask) of every id in :attr:`support_ids`, float64
-        [M]; None without token weights."""
-        return self._is_weight
 
     @property
     def support_logr(self) -> torch.Tensor:
@@ -311,7 +299,6 @@ class CategoricalPair(GradientDefaults, Pair):
 
     # θ = q's logits [B, V], flattened row by row: the exact vectors go to gradients.npz (B·V float64 each).
     exports_gradient_vectors = True
-    group_baselines = True
 
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         """∇θ E_q[f(log r)] = E_q[(f − f′)(log r)·s] (the score rule; ∇ log r = −s), whatever the sampler:
@@ -364,6 +351,46 @@ class CategoricalPair(GradientDefaults, Pair):
 
     def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
         return _CategoricalGradients(self, items, directions, device)
+
+    # ---------------------------------------------------------------- group baselines (kl_bench.baselines)
+    baseline_aggregates = ("",)
+
+    def baseline_check(self) -> None:
+        if self.correction.clips("reward"):
+            raise SpecError("group baselines with the PPO clip are not modelled (the clip's branch depends on the "
+                            "centred advantage): drop clip_low/clip_high/dual_clip or the baseline_groups",
+                            key="sampler", case=self.name)
+
+    def _baseline_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per drawn id: ρ (ones without token weights), |s|², the context and token indices."""
+        q = self.log_q.exp()
+        ctx, tok = self._ids()
+        rho = self._is_weight if self._is_weight is not None else torch.ones_like(self._logr)
+        return rho, 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx], ctx, tok, q
+
+    def baseline_exact(self, est, aggregate: str) -> BaselineExact:
+        """Sums over the drawn ids under the draw mixture w = (1/B)·b: every moment is exact."""
+        w, logr = self._weights(), self._logr
+        rho, s2, _, _, _ = self._baseline_tables()
+        f = est.fn(logr)
+        phi = rho**2 * s2
+        mu = float((w * f).sum())
+        return BaselineExact(self.exact_gradient_of_table(rho * f, {}).mean,
+                             self.exact_gradient_of_table(rho, {}).mean, mu, float((w * (f - mu) ** 2).sum()),
+                             (float((w * f**2 * phi).sum()), float((w * f * phi).sum()), float((w * phi).sum())))
+
+    def baseline_draws(self, est, aggregate: str, u: np.ndarray, device: torch.device):
+        rho, s2, ctx, tok, q = self._baseline_tables()
+        ut = torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)
+        tables = (est.fn(self._logr), rho, ut[ctx, tok] - (q * ut).sum(-1)[ctx], s2)     # F, ρ, s·u, |s|² per id
+
+        def draw(n: int, gen: torch.Generator):
+            ids = self.sample_ids(n, gen, device).cpu()
+            return tuple(t[ids] for t in tables)
+        return draw
+
+    def baseline_piece(self, device: torch.device) -> int:
+        return piece_draws(device)
 
 
 class _CategoricalGradients(GradientAccumulator):

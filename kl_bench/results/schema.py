@@ -116,11 +116,12 @@ SWEEP_SCHEMA: dict[str, str] = {
 # group_baselines.csv: one row per (case, estimator, baseline, group) with `[experiment] baseline_groups`
 # (kl_bench.baselines): the reward-mode gradient (f − b)·s with a group baseline b over G draws.
 GROUP_BASELINE_SCHEMA: dict[str, str] = {
-    "case": "case name (a categorical case)",
+    "case": "case name (a categorical or rollout case)",
     "sampler": "the case's sampler, empty when x ~ q: the groups are drawn from b, each draw's f − b multiplied "
                "by its (corrected) weight q/b where the sampler has token weights",
     "estimator": "estimator f in the reward",
-    "mode": "reward (the baseline centres the reward)",
+    "aggregate": "rollouts: seq (F = f(L), L the sequence log-ratio) or tok (F = Σ_t f_t); empty for categoricals",
+    "mode": "reward (the baseline centres the reward: the per-draw gradient is ρ·(F − b)·∇θ log q)",
     "baseline": "group_mean (GRPO: minus the group's mean, the draw included) or leave_one_out (RLOO: minus "
                 "the mean of the other G − 1)",
     "group": "G, draws per group (one prompt's samples)",
@@ -134,9 +135,13 @@ GROUP_BASELINE_SCHEMA: dict[str, str] = {
     "mc_second": "Monte Carlo E|g|²",
     "exact_second": "exact E|g|²",
     "z_second": "(MC − exact) of E|g|², in batch-means standard errors",
-    "exact_trace_cov": "exact trace of the per-draw gradient covariance with the baseline",
+    "trace_cov": "measured trace of the per-draw gradient covariance with the baseline: mc_second − |exact E g|²",
+    "trace_cov_none": "the same with no baseline, from the same draws",
+    "exact_trace_cov": "exact trace of the per-draw gradient covariance with the baseline (NaN on rollouts: "
+                       "their second moments are measured)",
     "exact_trace_cov_none": "the same with no baseline",
-    "variance_ratio": "exact_trace_cov / exact_trace_cov_none: below 1 where the baseline reduces the variance",
+    "variance_ratio": "exact_trace_cov / exact_trace_cov_none where exact, else trace_cov / trace_cov_none: below 1 "
+                      "where the baseline reduces the variance",
 }
 
 

@@ -313,6 +313,61 @@ def _sequence_counts(pair: RolloutTables, item: GradItem) -> torch.Tensor | None
                for s, coefs in by_s.items())
 
 
+# ----------------------------------------------------------------------------- group baselines
+def baseline_exact(pair: RolloutTables, est, aggregate: str):
+    """(E_b[W F S] [C·V], E_b[W S] [C·V], E_b[F]) of a reward row with F = f(L) (``seq``, polynomial f)
+    or Σ_t f_t (``tok``), W the sequence weight (1 without one); None where the first has no exact value.
+    E_b[W S] is zero on x ~ q and under weights that undo a full-support sampler; under truncation it is
+    the gradient of the mass q puts on what b can draw. E_b[F] is unweighted: a trainer's group mean is
+    the plain mean of the group's values."""
+    mean = exact_mean(pair, GradItem.of(est, "reward", aggregate))
+    if mean is None:
+        return None
+    score = _score_part(pair, _count_moment(pair, _sequence_weight(pair), _ones, [1.0]))
+    if aggregate == "seq":
+        g = pair.logr_table
+        mu = sum(a * _b_moments(pair, torch.exp(s * g), g, k)[k] for (s, k), a in est.poly.items())
+    else:
+        mu = _b_moments(pair, torch.ones_like(pair.log_q), est.fn(pair.logr_table), 1)[1]
+    return mean, score, float(mu)
+
+
+def _b_moments(pair: RolloutTables, m: torch.Tensor, h: torch.Tensor, kmax: int) -> list[float]:
+    """E_b[M S^k], k = 0..kmax, under the sampler's phases, unweighted (m, h: [C, V], zeroed where b never
+    draws, never 0·inf)."""
+    phases = []
+    for lb, steps in pair.phases:
+        b = lb.exp()
+        a, e = rollout_dp.moment_matrices(b, torch.where(b > 0, m, torch.zeros_like(b)),
+                                          torch.where(b > 0, h, torch.zeros_like(b)), pair.bucket, pair.buckets,
+                                          pair.eos, kmax)
+        phases.append((a, e, steps))
+    return rollout_dp.propagate_phases(phases)
+
+
+def baseline_draws(pair: RolloutTables, est, aggregate: str, u: np.ndarray, device):
+    """(n, generator) → (F, W, S·u, |S|²) per rollout [n] (kl_bench.pairs.base.BaselineDraws), from
+    recorded paths: F = f(L) or Σ_t f_t, W = Π_t w_t with sequence weights (else 1)."""
+    q = pair.log_q.exp()
+    ut = torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)
+    hu = (ut - (q * ut).sum(-1, keepdim=True)).reshape(-1).to(device)      # u(c, x) − ⟨q_c, u_c⟩
+    q_flat, qq, g_flat = q.reshape(-1).to(device), (q * q).sum(-1).to(device), pair.logr_table.reshape(-1).to(device)
+
+    def draw(n: int, gen: torch.Generator):
+        rec: list = []
+        pair.simulate([n], [gen], device, record=rec)
+        keys = torch.stack([r[0] for r in rec], 1)
+        alive = torch.stack([r[1] for r in rec], 1)
+        logr_t = g_flat[keys] * alive                  # 0 after the end: f(0) = 0 adds nothing there
+        f = est.fn(logr_t.sum(1)) if aggregate == "seq" else (est.fn(logr_t) * alive).sum(1)
+        w = torch.ones_like(f) if pair.weights == "none" else torch.where(
+            alive > 0, torch.stack([r[2] for r in rec], 1), torch.ones_like(alive)).prod(1)
+        su = (hu[keys] * alive).sum(1)
+        s2 = SortedPaths.of(keys, q_flat, qq, pair.vocab).sq_norm(alive)
+        return f.cpu(), w.cpu(), su.cpu(), s2.cpu()
+    return draw
+
+
 # ----------------------------------------------------------------------------- Monte Carlo
 def _run_start(ids: torch.Tensor) -> torch.Tensor:
     """For rows of sorted ids [n, T]: the index where each element's run of equal ids starts."""

@@ -31,7 +31,7 @@ from ...samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
 from ...weights import WeightCorrection
-from ..base import (BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradientDefaults, GradItem,
+from ..base import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradientAccumulator, GradientDefaults, GradItem,
                     JointMoments, Pair, register_kind)
 from . import gradients as grad
 
@@ -644,6 +644,33 @@ class RolloutPair(GradientDefaults, Pair):
 
     def gradient_accumulator(self, items, directions, device) -> GradientAccumulator:
         return grad.RolloutGradients(self, items, list(directions.values()), device)
+
+    # ---------------------------------------------------------------- group baselines (kl_bench.baselines)
+    baseline_aggregates = ("seq", "tok")
+
+    def baseline_check(self) -> None:
+        """A rollout's baseline rows centre the sequence's value F and multiply by its sequence weight W:
+        token weights (each token's ratio inside F) and the PPO clip are not modelled."""
+        if self.weights not in ("none", "sequence"):
+            raise SpecError(f"group baselines on rollouts need weights = \"none\" or \"sequence\", not "
+                            f"\"{self.weights}\" (per-token weights inside the group's values are not modelled)",
+                            key="sampler.weights", case=self.name)
+        if self.precision is not None:
+            raise SpecError("group baselines on rollouts are not available with rounded log-probs: drop precision "
+                            "or baseline_groups", key="precision", case=self.name)
+
+    def baseline_exact(self, est, aggregate: str) -> BaselineExact | None:
+        """Exact expected gradient (second moments are measured: |S|² couples the steps, see the module
+        docstring of kl_bench.pairs.rollout.gradients)."""
+        out = grad.baseline_exact(self, est, aggregate)
+        return None if out is None else BaselineExact(*out)
+
+    def baseline_draws(self, est, aggregate: str, u: np.ndarray, device: torch.device):
+        return grad.baseline_draws(self, est, aggregate, u, device)
+
+    def baseline_piece(self, device: torch.device) -> int:
+        # [n, T] recorded steps stay within 2^21 entries, as in the gradient pass.
+        return max(1, min(self.piece_draws(device), 2**21 // max(1, self.length)))
 
     def describe(self) -> str:
         eos = f", eos={self.eos}" if self.eos is not None else ""
