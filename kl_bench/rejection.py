@@ -124,6 +124,27 @@ class Rejection:
         return text if self.factorises else text + " (Monte Carlo only: a sum or mean over tokens has no exact value here)"
 
 
+class SequenceMask:
+    """The mask of a batch of rollouts accumulated along its steps, from the raw log q/b of every phase's
+    (bucket, token) [C·V]. ``rejection`` None keeps every sequence (:meth:`add` does nothing, :meth:`keep` is
+    None), so that a sampling loop needs no branch of its own."""
+
+    def __init__(self, rejection: Rejection | None, log_q: torch.Tensor, log_b: list[torch.Tensor], n: int,
+                 device: torch.device):
+        self.rejection = rejection
+        self.stats = RunningStats(n, device) if rejection is not None else None
+        self.log_rho = [(log_q - lb).reshape(-1).to(device) for lb in log_b] if rejection is not None else []
+
+    def add(self, phase: int, key: torch.Tensor, alive: torch.Tensor) -> None:
+        """One step: the phase's index, the drawn keys c·V + x [n], alive [n] (see :meth:`RunningStats.add`)."""
+        if self.stats is not None:
+            self.stats.add(self.log_rho[phase][key], alive)
+
+    def keep(self) -> torch.Tensor | None:
+        """float64 0/1 [n] (None without a mask): :meth:`Rejection.keep`."""
+        return None if self.stats is None else self.rejection.keep(self.stats)
+
+
 def parse_rejection(t: Table, key: str) -> Rejection:
     """The sampler's ``reject`` sub-table: criterion = threshold; k1 criteria take an upper ratio bound u
     (the band [1/u, u], as verl) or [lower, upper], k2/k3 criteria one positive upper bound."""

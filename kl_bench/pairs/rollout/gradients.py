@@ -388,8 +388,7 @@ class RolloutGradients(GradientAccumulator):
             for j, it in enumerate(items):
                 w = seq_w * it.coef(big_l)[:, None] * alive if not AGGREGATES[it.aggregate].token else \
                     self._token_weights(it, j, keys, alive, logr_t, tok_w, seq_w)
-                if keep is not None:         # a rejected sequence: every step's gradient masked
-                    w = torch.where(keep[:, None] > 0, w, torch.zeros_like(w))
+                w = _masked(w, keep)
                 b = pair.token_mean_batch if AGGREGATES[it.aggregate].grouped else 1
                 if b not in units:
                     units[b] = self._groups(keys, alive, b, batch.size)
@@ -416,8 +415,7 @@ class RolloutGradients(GradientAccumulator):
         """The tables of the local token rows: one coefficient table c(c, x) each, or per sampler phase with
         token weights (and the PPO clip); ``local``: the rows whose totals follow from the counts alone."""
         per_token = [j for j, it in enumerate(items) if AGGREGATES[it.aggregate].token and it.token == "local"]
-        self.local = [j for j in per_token if items[j].aggregate == "tok"] \
-            if pair.weights == "none" and pair.rejection is None else []
+        self.local = [j for j in per_token if items[j].aggregate == "tok"] if _counts_suffice(pair) else []
         self.per_draw = [j for j in range(len(items)) if j not in self.local]
         self.tables = {j: items[j].coef(pair.logr_table).reshape(-1).to(device) for j in per_token}
         self.phase_tables = {j: torch.stack([t.reshape(-1) for t in local_tables(pair, items[j])]).to(device)
@@ -470,6 +468,18 @@ class RolloutGradients(GradientAccumulator):
         for j in self.local:
             total[j] = _grad_from_weights(self.counts * self.tables[j].cpu(), self.q)
         return total
+
+
+def _counts_suffice(pair: RolloutTables) -> bool:
+    """Whether local tok rows' totals follow from the (bucket, token) counts alone: no per-draw factor (no
+    importance weights, no rejection mask)."""
+    return pair.weights == "none" and pair.rejection is None
+
+
+def _masked(w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Per-step weights [m, T] of a row with a rejected sequence's every step zeroed (``keep`` [m] 0/1; None:
+    no mask); 0, never 0·inf."""
+    return w if keep is None else torch.where(keep[:, None] > 0, w, torch.zeros_like(w))
 
 
 def _grad_from_weights(w: torch.Tensor, q: torch.Tensor) -> np.ndarray:

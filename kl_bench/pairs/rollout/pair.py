@@ -27,7 +27,7 @@ from ...modes import MODES
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
                        resolve_pair_source_logits)
-from ...rejection import Rejection, RunningStats
+from ...rejection import Rejection, SequenceMask
 from ...samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
@@ -567,9 +567,7 @@ class RolloutPair(GradientDefaults, Pair):
         logr, full, tok_b = (torch.zeros(n, dtype=torch.float64, device=device) for _ in range(3))
         tok = torch.zeros(n, len(tok_rows), dtype=torch.float64, device=device)
         # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.rejection).
-        running = RunningStats(n, device) if self.rejection is not None else None
-        log_rho = [(self.log_q - lb).reshape(-1).to(device) for lb, _ in self.phases] \
-            if running is not None else None
+        mask = SequenceMask(self.rejection, self.log_q, [lb for lb, _ in self.phases], n, device)
         for t in range(self.length):
             prob, alias = tables[phase_of[t]]
             u = torch.cat([torch.rand(k, dtype=torch.float64, generator=g, device=device)
@@ -586,8 +584,7 @@ class RolloutPair(GradientDefaults, Pair):
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
                 lw_t = self._capped_log(logw[phase_of[t]][base + x])
                 log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
-            if running is not None:
-                running.add(log_rho[phase_of[t]][base + x], alive)
+            mask.add(phase_of[t], base + x, alive)
             if record is not None:
                 record.append((base + x, alive, w_t))
             if tok_rows:
@@ -597,7 +594,7 @@ class RolloutPair(GradientDefaults, Pair):
                 alive = alive * (x != self.eos)
             c = bucket[x]
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token",
-                     log_weight=log_weight, keep=None if running is None else self.rejection.keep(running))
+                     log_weight=log_weight, keep=mask.keep())
 
     def _sampler_tables(self, device: torch.device):
         """Per phase the flattened alias tables [(prob, alias)] of b, per phase log(q/b) [C·V] (None
