@@ -29,6 +29,8 @@ from .registry import did_you_mean
 SAFETY_BOUND = 20.0
 STATS = ("k1", "k2", "k3")
 REDUCTIONS = ("sum", "mean", "max")
+# How a sampler's description starts its rejection words (kl_bench.advice recognises a masked case by it).
+WORDS = "sequences rejected unless"
 CRITERIA = tuple(f"seq_{r}_{k}" for r in REDUCTIONS for k in STATS if not (r == "max" and k == "k1"))
 
 
@@ -120,7 +122,7 @@ class Rejection:
         return keep.to(torch.float64)
 
     def words(self) -> str:
-        text = "sequences rejected unless " + " and ".join(c.words() for c in self.criteria)
+        text = f"{WORDS} " + " and ".join(c.words() for c in self.criteria)
         return text if self.factorises else text + " (Monte Carlo only: a sum or mean over tokens has no exact value here)"
 
 

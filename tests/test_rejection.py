@@ -305,3 +305,7 @@ def test_a_spec_with_a_rejection_writes_values_and_gradients(write_spec, tmp_pat
     assert summary["sampler"].str.contains("Monte Carlo only").all()
     grads = pd.read_csv(tmp_path / "o" / "gradients.csv")
     assert len(grads) and grads["exact_norm"].isna().all() and grads["cos_reverse"].notna().all()
+    assert "rejection mask" in res.output                 # the advice does not promise that weights unbias it
+    spec = tmp_path / "spec.toml"
+    exact = CliRunner().invoke(app, ["exact", str(spec)])
+    assert exact.exit_code == 0 and "no exact moments here (Monte Carlo only)" in exact.output, exact.output
