@@ -119,10 +119,7 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     plans = {i: _plan(r, batch, tolerance) for i, r in c.iterrows()}
     plans = {i: p for i, p in plans.items() if _finite(p[0])}
     if not plans:
-        ref = _reference_advice(df, case, batch)
-        if ref is None and len(c) and "mean" not in c and not c["exact_mean"].map(_finite).any():
-            return Advice(case, "value", "", "no exact moments here (Monte Carlo only): `kl-bench run` measures them")
-        return ref or Advice(case, "value", "", "no estimator of KL(q||p) has a finite RMSE here")
+        return _reference_advice(df, case, batch) or _no_plan(c, case)
     hint = _sampler_hint(df[df["case"] == case]) if _sampler(c) else ""
     hint = f"; {hint}" if hint else ""
     reach = {i: p for i, p in plans.items() if _finite(p[1])}
@@ -140,6 +137,14 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     if isinstance(heavy, str) and heavy:
         line += f"; warning: {heavy}"
     return Advice(case, "value", row_label(r), line)
+
+
+def _no_plan(c: pd.DataFrame, case: str) -> Advice:
+    """Where no candidate has a finite RMSE: a case with neither exact moments nor measured ones (Monte Carlo
+    only, e.g. a rejection mask by a sum over tokens, and nothing sampled yet) says so."""
+    if len(c) and "mean" not in c and not c["exact_mean"].map(_finite).any():
+        return Advice(case, "value", "", "no exact moments here (Monte Carlo only): `kl-bench run` measures them")
+    return Advice(case, "value", "", "no estimator of KL(q||p) has a finite RMSE here")
 
 
 def _best_line(r, plan: tuple[float, float, float], batch: int, tolerance: float) -> str:

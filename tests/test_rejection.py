@@ -221,6 +221,29 @@ def test_monte_carlo_rows_agree_with_the_exact_values_and_gradients():
         rows[["estimator", "mode", "aggregate", "z_reverse", "z_forward"]]
 
 
+def test_geometric_weights_and_the_ppo_clip_take_the_mask():
+    """tok_gm rows (TRL's W^(1/|y|)) against enumeration; the PPO clip's local rows (loss_is) under the mask
+    against Monte Carlo."""
+    from kl_bench.weights import WeightCorrection
+    pair = _pair(weights="geometric")
+    seqs = _enumerate(pair)
+    prob = np.array([p for p, *_ in seqs])
+    est = lookup("k3")
+    vals = np.array([keep * math.prod(wts) ** (1 / len(path)) * sum(float(est.fn(pair.logr_table[c, x])) for c, x in path)
+                     for _, path, wts, keep in seqs])
+    m = float((prob * vals).sum())
+    em, ev = pair.exact_moments(est, "tok_gm")
+    assert em == pytest.approx(m, rel=1e-10) and ev == pytest.approx(float((prob * (vals - m) ** 2).sum()), rel=1e-10)
+    base = _pair(weights="token")
+    clipped = RolloutPair("r", base.log_q, base.log_p, base.bucket, 3, 4, log_b=base.phases[0][0], weights="token",
+                          correction=WeightCorrection(clip=(0.2, 0.2)), rejection=base.rejection)
+    rows = pd.DataFrame(G.gradient_rows(clipped, [lookup("k1"), lookup("k3")], draws=20_000, seed=4, batches=20,
+                                        device=CPU))
+    assert ("loss_is" in set(rows["mode"])) and rows["exact_norm"].notna().all()
+    assert (rows["z_reverse"].abs() < 5).all() and (rows["z_forward"].abs() < 5).all(), \
+        rows[["estimator", "mode", "aggregate", "z_reverse", "z_forward"]]
+
+
 def test_sum_and_mean_criteria_are_monte_carlo_only_and_agree_with_enumeration():
     """seq_mean/seq_sum: no exact value (NaN, the sampler's words say so, gradient rows equal nothing); the
     Monte Carlo means still agree with the enumerated expectation."""
