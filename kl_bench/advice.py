@@ -24,6 +24,7 @@ from .draws import PER_TOKEN, row_label
 from .estimators import CV, PAIR_ROWS
 from .formatting import fmt
 from .planning import n_for_rel_error, rmse
+from .rejection import WORDS as REJECTION_WORDS
 from .stats import HeavyTail
 from .targets import REVERSE
 
@@ -36,6 +37,8 @@ IDENTITIES = ("k2 in the loss, k3 with an IS weight q/sg(q) or straight-through,
               "∇KL(q||p) exactly; k1 in the loss has zero expected gradient and k3 in the loss follows ∇KL(p||q)")
 IS_HINT = ('the bias comes from drawing from b ≠ q: importance weights q/b (sampler weights = "token", or '
            '"sequence" on a rollout) make k1 and k3 unbiased again')
+REJECTION_HINT = ("part of the bias is the sampler's rejection mask (a rejected sequence counts 0 whatever the "
+                  "importance weights), which no weight undoes")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ def _unweighted_sampler(rows: pd.DataFrame) -> bool:
 def _sampler_hint(rows: pd.DataFrame) -> str:
     """Why a sampler biases the estimates, and the remedy: IS weights where b covers q's support; where b
     never draws some of q's mass (top-k, top-p, min_length), no weight recovers it."""
+    if REJECTION_WORDS in _sampler(rows):
+        return REJECTION_HINT
     miss = rows["support_miss"].max() if "support_miss" in rows and len(rows) else 0.0
     if isinstance(miss, float) and miss > 0:
         return (f"the sampler never draws {miss:.3g} of q's mass (worst context or step), which no importance "
@@ -114,8 +119,7 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     plans = {i: _plan(r, batch, tolerance) for i, r in c.iterrows()}
     plans = {i: p for i, p in plans.items() if _finite(p[0])}
     if not plans:
-        ref = _reference_advice(df, case, batch)
-        return ref or Advice(case, "value", "", "no estimator of KL(q||p) has a finite RMSE here")
+        return _reference_advice(df, case, batch) or _no_plan(c, case)
     hint = _sampler_hint(df[df["case"] == case]) if _sampler(c) else ""
     hint = f"; {hint}" if hint else ""
     reach = {i: p for i, p in plans.items() if _finite(p[1])}
@@ -133,6 +137,14 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     if isinstance(heavy, str) and heavy:
         line += f"; warning: {heavy}"
     return Advice(case, "value", row_label(r), line)
+
+
+def _no_plan(c: pd.DataFrame, case: str) -> Advice:
+    """Where no candidate has a finite RMSE: a case with neither exact moments nor measured ones (Monte Carlo
+    only, e.g. a rejection mask by a sum over tokens, and nothing sampled yet) says so."""
+    if len(c) and "mean" not in c and not c["exact_mean"].map(_finite).any():
+        return Advice(case, "value", "", "no exact moments here (Monte Carlo only): `kl-bench run` measures them")
+    return Advice(case, "value", "", "no estimator of KL(q||p) has a finite RMSE here")
 
 
 def _best_line(r, plan: tuple[float, float, float], batch: int, tolerance: float) -> str:

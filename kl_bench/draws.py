@@ -78,6 +78,8 @@ class Draws:
     tok_weighted: the token sums already carry per-token weights.
     segments: sizes of the consecutive pieces the draws come from (None: one piece); group rows form
         their groups within each piece, so that a batch's groups never depend on how pieces are joined.
+    keep: rollouts under a rejection mask (kl_bench.rejection): 1.0 for a kept sequence, 0.0 for a rejected
+        one, whose every row's value is 0 (None: every draw kept).
     """
     logr: torch.Tensor
     full: torch.Tensor
@@ -87,6 +89,7 @@ class Draws:
     tok_weighted: bool = False
     segments: list[int] | None = None
     log_weight: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
 
 
 def groups_in(size: int, group: int, piece: int) -> int:
@@ -244,7 +247,9 @@ def row_values(draws: Draws, rows: list[Row],
             col, t = draws.tok[:, t], t + 1
         else:
             col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
-        cols.append(agg.value(col, row, batch))
+        value = agg.value(col, row, batch)
+        # A rejected sequence's tokens are all masked: 0, never 0·inf (its weight may overflow).
+        cols.append(value if draws.keep is None else torch.where(draws.keep > 0, value, torch.zeros_like(value)))
     return torch.stack(cols, dim=-1)
 
 

@@ -20,6 +20,7 @@ from .config import Table, nonnegative, positive
 from .errors import SpecError
 from .logits import LogitsSource, behavior_logits, parse_logits_source
 from .registry import did_you_mean
+from .rejection import Rejection, parse_rejection
 from .weights import WeightCorrection
 
 
@@ -88,7 +89,8 @@ class SamplerSpec:
     """b is q (or ``behavior``, a stale policy) with ``temperature``, then ``top_k``, then ``top_p``
     applied, and EOS suppressed for the first ``min_length`` tokens (rollouts); for Gaussians
     b = N(μq, (std_scale·σq)²). ``weights`` multiplies estimates by q/b: per token ("token") or by the
-    product over the sequence ("sequence"); ``weight_cap`` caps each token's q/b.
+    product over the sequence ("sequence"); ``weight_cap`` caps each token's q/b; ``reject`` masks whole
+    sequences by statistics of their tokens' q/b (rollouts).
     """
     behavior: "LogitsSource | None" = option(None, "behavior", describe=lambda sp: "stale behavior policy")
     temperature: float = option(1.0, "float", positive, describe=lambda sp: f"T={sp.temperature:g}",
@@ -107,6 +109,8 @@ class SamplerSpec:
     clip_low: float | None = option(None, "float", _epsilon_low)      # PPO surrogate: ε_low
     clip_high: float | None = option(None, "float", nonnegative)      # PPO surrogate: ε_high
     dual_clip: float | None = option(None, "float", _dual)            # dual-clip PPO: c
+    # Sequence-level rejection (verl's rollout_rs; kl_bench.rejection, docs/weights.md): rollouts.
+    reject: Rejection | None = option(None, "reject", describe=lambda sp: sp.reject.words())
 
     def set_options(self) -> list[dataclasses.Field]:
         """The options not at their defaults, in field order."""
@@ -164,6 +168,8 @@ def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: t
         kind_ = f.metadata["kind"]
         if kind_ == "behavior":
             return parse_logits_source(t, "behavior", "b", spec_dir) if t.has("behavior") else None
+        if kind_ == "reject":
+            return parse_rejection(t, "reject") if t.has("reject") else None
         if kind_ == "weights":
             return t.get(f.name, "str", f.default, lambda v: None if v in weights else
                          f"must be one of {', '.join(weights)}, got '{v}'{did_you_mean(v, list(weights))}")
@@ -173,6 +179,9 @@ def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: t
     if sampler.weight_cap is not None and sampler.weights == "none":
         raise t.error("weight_cap needs weights = \"token\" or \"sequence\"", key=t.key("weight_cap"))
     _check_corrections(t, sampler)
+    if sampler.reject is not None and not sampler.reshapes and not sampler.min_length:
+        raise t.error("needs a sampler b ≠ q (behavior, temperature, top_k, top_p or min_length): with b = q every "
+                      "ratio q/b is 1", key=t.key("reject"))
     return sampler
 
 

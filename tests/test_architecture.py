@@ -150,8 +150,9 @@ LAYERS = [
     ("foundation", "errors, registries, typed TOML tables, safe file I/O, atomic storage, signals, formatting",
      ["errors", "registry", "config", "safe_io", "storage", "signals", "progress", "threads", "formatting",
       "version"]),
-    ("maths", "estimators, targets, clamps and presets, gradient modes, weight corrections, aggregates, exact oracles, statistics",
-     ["estimators", "targets", "presets", "modes", "weights", "draws", "oracles", "rollout_dp", "topk",
+    ("maths", "estimators, targets, clamps and presets, gradient modes, weight corrections, rejection masks, "
+     "aggregates, exact oracles, statistics",
+     ["estimators", "targets", "presets", "modes", "weights", "rejection", "draws", "oracles", "rollout_dp", "topk",
       "precision", "stats", "planning"]),
     ("sampling", "logits sources, samplers (the mismatch options), seeds, alias tables",
      ["logits", "samplers", "seeding", "alias"]),

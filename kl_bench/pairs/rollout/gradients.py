@@ -57,8 +57,12 @@ class RolloutTables(Protocol):
     weights: str                   # importance weights: "none", "token" or "sequence"
     token_mean_batch: int | None   # B of the tok_batch rows (None: none)
     clip: object | None            # the PPO clip (a kl_bench.weights.WeightCorrection), or None
+    rejection: object | None       # a sequence rejection mask (a kl_bench.rejection.Rejection), or None
+    exact_under_rejection: bool    # False: the mask does not factorise over tokens (no exact gradients)
 
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor: ...
+
+    def keep_table(self, lb: torch.Tensor) -> torch.Tensor: ...
 
     def piece_draws(self, device: torch.device) -> int: ...
 
@@ -149,8 +153,9 @@ def _count_moment(pair: RolloutTables, m_fn, h_fn, coefs: list[float], phase: in
     phases = []
     for i, (lb, steps) in enumerate(pair.phases):
         b = lb.exp()
-        # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf.
-        m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
+        # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf. The
+        # rejection mask's per-token factor multiplies M (paths through a rejected token count 0).
+        m = torch.where(b > 0, m_fn(lb) * pair.keep_table(lb), torch.zeros_like(b))
         if phase is None or phase == i:
             m = m * torch.exp(eta)
         h = torch.where(b > 0, h_fn(lb), torch.zeros_like(b))
@@ -175,6 +180,8 @@ def exact_mean(pair: RolloutTables, item: GradItem) -> np.ndarray | None:
     importance weights; None where no exact value exists (a non-polynomial estimator of the sequence
     log-ratio, or moments beyond float64)."""
     agg = AGGREGATES[item.aggregate]
+    if not pair.exact_under_rejection:
+        return None                      # a rejection by a sum or mean over the tokens: Monte Carlo only
     if not agg.token:
         counts = _sequence_counts(pair, item)
     elif item.aggregate == "tok" and item.token in ("local", "score"):
@@ -222,7 +229,8 @@ def _step_tables(pair: RolloutTables, f: torch.Tensor, u: list[torch.Tensor] | N
         w = torch.where(b > 0, pair.token_weight(lb), torch.zeros_like(b)) if pair.weights != "none" \
             else torch.ones_like(b)
         ones = torch.ones_like(b)
-        st = rollout_dp.StepTables(b, w if pair.weights == "sequence" else ones, f,
+        keep = torch.where(b > 0, pair.keep_table(lb), torch.zeros_like(b))      # the rejection mask's factor
+        st = rollout_dp.StepTables(b, (w if pair.weights == "sequence" else ones) * keep, f,
                                    u[i] if u is not None else w if pair.weights == "token" else ones)
         out.extend([st] * steps)
     return out
@@ -444,7 +452,7 @@ class RolloutGradients(GradientAccumulator):
         proj, proj2, sq = np.zeros((nj, nd)), np.zeros((nj, nd)), np.zeros(nj)
         for m, generator in batch.pieces(self.piece):
             rec: list = []
-            pair.simulate([m], [generator], self.device, record=rec)
+            keep = pair.simulate([m], [generator], self.device, record=rec).keep      # [m] 0/1, or None
             keys = torch.stack([r[0] for r in rec], 1)                # [m, T]
             alive = torch.stack([r[1] for r in rec], 1)               # [m, T] 1.0 while in the sequence
             # Importance weights: per token w_t (weights = "token") or W = Π_t w_t on every term.
@@ -458,6 +466,7 @@ class RolloutGradients(GradientAccumulator):
             for j, it in enumerate(items):
                 w = seq_w * it.coef(big_l)[:, None] * alive if not AGGREGATES[it.aggregate].token else \
                     self._token_weights(it, j, keys, alive, logr_t, tok_w, seq_w)
+                w = _masked(w, keep)
                 b = pair.token_mean_batch if AGGREGATES[it.aggregate].grouped else 1
                 if b not in units:
                     units[b] = self._groups(keys, alive, b, batch.size)
@@ -484,7 +493,7 @@ class RolloutGradients(GradientAccumulator):
         """The tables of the local token rows: one coefficient table c(c, x) each, or per sampler phase with
         token weights (and the PPO clip); ``local``: the rows whose totals follow from the counts alone."""
         per_token = [j for j, it in enumerate(items) if AGGREGATES[it.aggregate].token and it.token == "local"]
-        self.local = [j for j in per_token if items[j].aggregate == "tok"] if pair.weights == "none" else []
+        self.local = [j for j in per_token if items[j].aggregate == "tok"] if _counts_suffice(pair) else []
         self.per_draw = [j for j in range(len(items)) if j not in self.local]
         self.tables = {j: items[j].coef(pair.logr_table).reshape(-1).to(device) for j in per_token}
         self.phase_tables = {j: torch.stack([t.reshape(-1) for t in local_tables(pair, items[j])]).to(device)
@@ -537,6 +546,18 @@ class RolloutGradients(GradientAccumulator):
         for j in self.local:
             total[j] = _grad_from_weights(self.counts * self.tables[j].cpu(), self.q)
         return total
+
+
+def _counts_suffice(pair: RolloutTables) -> bool:
+    """Whether local tok rows' totals follow from the (bucket, token) counts alone: no per-draw factor (no
+    importance weights, no rejection mask)."""
+    return pair.weights == "none" and pair.rejection is None
+
+
+def _masked(w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Per-step weights [m, T] of a row with a rejected sequence's every step zeroed (``keep`` [m] 0/1; None:
+    no mask); 0, never 0·inf."""
+    return w if keep is None else torch.where(keep[:, None] > 0, w, torch.zeros_like(w))
 
 
 def _grad_from_weights(w: torch.Tensor, q: torch.Tensor) -> np.ndarray:

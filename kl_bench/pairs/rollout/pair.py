@@ -27,6 +27,7 @@ from ...modes import MODES
 from ...precision import Precision, in_precision, parse_precision, rounded_logr
 from ...logits import (LogitsSource, check_table_size, describe_sources, parse_pair_sources, read_logits_file,
                        resolve_pair_source_logits)
+from ...rejection import Rejection, SequenceMask
 from ...samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...seeding import BatchStream
 from ...targets import FORWARD, REVERSE
@@ -78,8 +79,14 @@ def _floor_or_mask(correction: WeightCorrection | None) -> WeightCorrection | No
     return correction
 
 
-def _check_length_rows(per_sequence_mean: bool, token_mean_batch: int | None, weights: str) -> None:
-    """Rows divided by lengths have exact oracles under these weights only."""
+def _check_length_rows(per_sequence_mean: bool, token_mean_batch: int | None, weights: str,
+                       rejection: Rejection | None) -> None:
+    """Rows divided by lengths have exact oracles under these weights only, and none under a rejection
+    mask (a rejected sequence's tokens would leave the denominator: a ratio, not a mean of draws)."""
+    if rejection is not None and (per_sequence_mean or token_mean_batch is not None):
+        raise SpecError(f"{'per_sequence_mean' if per_sequence_mean else 'token_mean_batch'} cannot be combined "
+                        "with a rejection mask (a rejected sequence would leave the lengths' denominator): drop one",
+                        key="sampler.reject")
     if per_sequence_mean and weights == "token":
         raise SpecError("per_sequence_mean needs weights = \"none\", \"sequence\" or \"geometric\" (a token-weighted "
                         "sum over |y| has no length-aware oracle here)", key="per_sequence_mean")
@@ -101,7 +108,7 @@ def _ppo_clip(correction: WeightCorrection | None, weights: str) -> WeightCorrec
 
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
-               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *CORRECTION_KEYS),
+               sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *CORRECTION_KEYS, "reject"),
                weight_kinds=("token", "sequence", "geometric"))
 class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
@@ -111,7 +118,7 @@ class RolloutPair(GradientDefaults, Pair):
                  min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
                  sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False,
                  token_mean_batch: int | None = None, logits: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 correction: WeightCorrection | None = None):
+                 correction: WeightCorrection | None = None, rejection: Rejection | None = None):
         """``log_q``, ``log_p``: normalised float64 [C, V]; ``bucket``: int64 [V] in [0, C).
         ``precision``: every row sees the per-token log r as a trainer rounds it (kl_bench.precision);
         the truth stays the float64 KL.
@@ -123,7 +130,9 @@ class RolloutPair(GradientDefaults, Pair):
         token sum times W^{1/|y|} (TRL's sequence-level weight). ``weight_cap`` caps each token's q/b.
         ``per_sequence_mean``: tok_mean rows (Σ_t f / |y|) besides the token sums. ``token_mean_batch`` = B:
         tok_batch rows, the "token-mean" of B consecutive sequences (Σ_i Σ_t f / Σ_i |y_i|), one value per B.
-        ``correction``: a lower bound and a mask of each token's q/b (kl_bench.weights; weights = "token")."""
+        ``correction``: a lower bound and a mask of each token's q/b (kl_bench.weights; weights = "token").
+        ``rejection``: a sequence-level rejection mask on the tokens' q/b (kl_bench.rejection): a rejected
+        sequence's rows are 0, on every aggregate and under any ``weights``."""
         self.name, self.label = name, label
         self.sampler_label, self.weights, self.weight_cap = sampler_label, weights, weight_cap
         self.correction = _floor_or_mask(correction)
@@ -135,7 +144,8 @@ class RolloutPair(GradientDefaults, Pair):
         self.logr_table = self.log_p - self.log_q                          # log r(c, x), [C, V]
         self.precision = precision
         self.per_sequence_mean, self.token_mean_batch = per_sequence_mean, token_mean_batch
-        _check_length_rows(per_sequence_mean, token_mean_batch, weights)
+        self.rejection = rejection
+        _check_length_rows(per_sequence_mean, token_mean_batch, weights, rejection)
         self._length_spectra: rollout_dp.LengthSpectra | None = None
         self._mean_length: float | None = None
         if precision is not None:   # a fixed function of (bucket, token): the dynamic program stays exact
@@ -146,7 +156,7 @@ class RolloutPair(GradientDefaults, Pair):
         self.kl_ctx = (q * (self.log_q - self.log_p)).sum(-1)      # KL(q(·|c) ‖ p(·|c)), [C]
         self._alias: AliasTable | None = None      # built on first sampling (exact runs need none)
         # The sampler's phases: [(log b [C, V], steps)], EOS suppressed (renormalised) in the first.
-        self.has_sampler = log_b is not None or self.min_length > 0 or weights != "none"
+        self.has_sampler = log_b is not None or self.min_length > 0 or weights != "none" or rejection is not None
         late = self.log_q if log_b is None else log_b.to(torch.float64)
         self.phases: list[tuple[torch.Tensor, int]] = []
         if self.min_length:
@@ -268,7 +278,8 @@ class RolloutPair(GradientDefaults, Pair):
                    log_b=sp.logprobs(lq, lp) if sp.reshapes else None, min_length=sp.min_length,
                    weights=sp.weights, weight_cap=sp.weight_cap, sampler_label=sp.describe(),
                    precision=case.precision, per_sequence_mean=case.per_sequence_mean,
-                   token_mean_batch=case.token_mean_batch, logits=(zq, zp), correction=WeightCorrection.of(sp))
+                   token_mean_batch=case.token_mean_batch, logits=(zq, zp), correction=WeightCorrection.of(sp),
+                   rejection=sp.reject)
 
     def adapt(self, source: RowSource) -> RowSource:
         return source if self.precision is None else in_precision(source, self.precision)
@@ -294,8 +305,10 @@ class RolloutPair(GradientDefaults, Pair):
         phases = []
         for lb, steps in self.phases:
             b = lb.exp()
-            # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf.
-            m = torch.where(b > 0, m_fn(lb), torch.zeros_like(b))
+            # Where b never draws, weights are irrelevant (and may be inf): zero them, never 0·inf. The
+            # rejection mask's per-token factor multiplies M (a sub-stochastic b: paths through a rejected
+            # token contribute 0; its square is itself, so second moments take it once too).
+            m = torch.where(b > 0, m_fn(lb) * self.keep_table(lb), torch.zeros_like(b))
             h = torch.where(b > 0, h_fn(lb), torch.zeros_like(b))
             a, e = rollout_dp.moment_matrices(b, m, h, self.bucket, self.buckets, self.eos, kmax)
             phases.append((a, e, steps))
@@ -304,6 +317,19 @@ class RolloutPair(GradientDefaults, Pair):
     def _dp_b(self, m_fn, h_fn, kmax: int) -> list[float]:
         """E_b[M S^k] under the sampler's phases."""
         return rollout_dp.propagate_phases(self._phase_matrices(m_fn, h_fn, kmax))
+
+    def keep_table(self, lb: torch.Tensor) -> torch.Tensor:
+        """[C, V] float64 0/1: the per-token factor of the rejection mask in the phase of log b ``lb`` (1
+        without one). The mask is its product over a sequence's tokens where it factorises (seq_max
+        criteria); the sum and mean criteria are not in it, and their rows have no exact value."""
+        if self.rejection is None:
+            return torch.ones_like(lb)
+        return self.rejection.token_keep(self.log_q - lb)
+
+    @property
+    def exact_under_rejection(self) -> bool:
+        """False where a rejection mask does not factorise over tokens: no exact values or gradients."""
+        return self.rejection is None or self.rejection.factorises
 
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor:
         # The cap applies to each token's q/b; a sequence weight is the product of capped token
@@ -381,6 +407,8 @@ class RolloutPair(GradientDefaults, Pair):
 
     def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:
         # Each aggregate's exact hook (kl_bench.draws.AGGREGATES) calls one of the exact_* methods below.
+        if not self.exact_under_rejection:
+            return math.nan, math.nan           # a sum or mean over the tokens: Monte Carlo only
         return AGGREGATES[aggregate].exact(self, est)
 
     def exact_seq(self, est: RowSource) -> tuple[float, float]:
@@ -538,6 +566,8 @@ class RolloutPair(GradientDefaults, Pair):
         alive = torch.ones(n, dtype=torch.float64, device=device)
         logr, full, tok_b = (torch.zeros(n, dtype=torch.float64, device=device) for _ in range(3))
         tok = torch.zeros(n, len(tok_rows), dtype=torch.float64, device=device)
+        # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.rejection).
+        mask = SequenceMask(self.rejection, self.log_q, [lb for lb, _ in self.phases], n, device)
         for t in range(self.length):
             prob, alias = tables[phase_of[t]]
             u = torch.cat([torch.rand(k, dtype=torch.float64, generator=g, device=device)
@@ -554,6 +584,7 @@ class RolloutPair(GradientDefaults, Pair):
                 weight = weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
                 lw_t = self._capped_log(logw[phase_of[t]][base + x])
                 log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
+            mask.add(phase_of[t], base + x, alive)
             if record is not None:
                 record.append((base + x, alive, w_t))
             if tok_rows:
@@ -563,7 +594,7 @@ class RolloutPair(GradientDefaults, Pair):
                 alive = alive * (x != self.eos)
             c = bucket[x]
         return Draws(logr, full, tok, tok_b, weight=weight, tok_weighted=self.weights == "token",
-                     log_weight=log_weight)
+                     log_weight=log_weight, keep=mask.keep())
 
     def _sampler_tables(self, device: torch.device):
         """Per phase the flattened alias tables [(prob, alias)] of b, per phase log(q/b) [C·V] (None
