@@ -295,3 +295,8 @@ p = { from = "q", noise = 0.5, seed = 2 }
     res = CliRunner().invoke(app, ["run", str(write_spec(bad, "bad.toml")), "--out", str(tmp_path / "b")])
     assert res.exit_code == 2 and 'weights = "none" or "sequence"' in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    bad = text.replace('seed = 2 }', 'seed = 2 }\nsampler = { temperature = 1.3, weights = "sequence", '
+                       'reject = { seq_max_k3 = 1.0 } }')
+    res = CliRunner().invoke(app, ["run", str(write_spec(bad, "bad2.toml")), "--out", str(tmp_path / "b")])
+    assert res.exit_code == 2 and "rejection mask" in res.stderr and len(res.stderr.strip().splitlines()) == 1, \
+        res.stderr

@@ -689,6 +689,9 @@ class RolloutPair(GradientDefaults, Pair):
         if self.precision is not None:
             raise SpecError("group baselines on rollouts are not available with rounded log-probs: drop precision "
                             "or baseline_groups", key="precision", case=self.name)
+        if self.rejection is not None:
+            raise SpecError("group baselines on rollouts with a rejection mask (reject) are not modelled: drop "
+                            "reject or baseline_groups", key="sampler.reject", case=self.name)
 
     def baseline_exact(self, est, aggregate: str) -> BaselineExact | None:
         """Exact expected gradient (second moments are measured: |S|² couples the steps, see the module
