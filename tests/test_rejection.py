@@ -332,3 +332,20 @@ def test_a_spec_with_a_rejection_writes_values_and_gradients(write_spec, tmp_pat
     spec = tmp_path / "spec.toml"
     exact = CliRunner().invoke(app, ["exact", str(spec)])
     assert exact.exit_code == 0 and "no exact moments here (Monte Carlo only)" in exact.output, exact.output
+
+
+def test_trl_sequence_mask_is_seq_sum_k1_with_the_inverted_band():
+    """TRL 1.16.0's vllm_importance_sampling_mode = "sequence_mask" (grpo_trainer.py), written out: a
+    sequence is masked when W = exp(Σ_t log ρ_t) < C_min or > C_max. docs/weights.md maps it to
+    reject = { seq_sum_k1 = [1/C_max, 1/C_min] } (k1 = −log ρ)."""
+    g = torch.Generator().manual_seed(1)
+    n, t = 4000, 10
+    lr = 0.3 * torch.randn(n, t, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).to(torch.float64)
+    for c_min, c_max in ((0.5, 3.0), (0.8, 1.25)):
+        w = torch.exp((lr * mask).sum(-1))
+        trl_keep = ~((w < c_min) | (w > c_max))
+        rej = Rejection((Criterion("seq_sum_k1", 1 / c_min, 1 / c_max),))
+        assert 0.05 < float(trl_keep.double().mean()) < 0.95
+        assert torch.equal(_ours(rej, lr, mask), trl_keep)
