@@ -154,7 +154,8 @@ class Result:
     """What a run produced, in memory: the tables and the exact files of a results folder.
 
     ``summary``: summary.csv's rows (its columns and dtypes: it is read back from the very bytes
-    written); ``lambda_sweep`` and ``gradients``: DataFrames, or None when the spec asks for none;
+    written); ``lambda_sweep``, ``gradients`` and ``group_baselines``: DataFrames, or None when the spec asks
+    for none;
     ``envelope``: run.json's fields (the file hashes are added on writing)."""
 
     def __init__(self, spec: Spec, pairs: list[Pair], outcome: "SpecOutcome", device: torch.device,
@@ -184,6 +185,12 @@ class Result:
             "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
             "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
         }
+
+    @property
+    def group_baselines(self) -> "pd.DataFrame | None":
+        """group_baselines.csv's rows (``[experiment] baseline_groups``), or None when the spec asks for none."""
+        from .results import read_frame
+        return read_frame(self._files["group_baselines.csv"]) if "group_baselines.csv" in self._files else None
 
     @property
     def batches(self) -> "pd.DataFrame":

@@ -335,12 +335,31 @@ def gradient_table(g: pd.DataFrame) -> Table:
         if isinstance(agg, str) and agg:
             lab = f"{agg}-{lab}"
         eq = r["equals"] if isinstance(r["equals"], str) else ""
-        style = {"reverse": "[green]reverse[/]", "forward": "[yellow]forward[/]", "zero": "[red]zero[/]"}.get(eq, eq)
+        style = {"reverse": "[green]reverse[/]", "forward": "[yellow]forward[/]", "zero": "[red]zero[/]",
+                 "ukl": "[cyan]ukl[/]"}.get(eq, eq)
         zmax = max(abs(r["z_reverse"]), abs(r["z_forward"])) if math.isfinite(r["z_reverse"]) else math.nan
         trace = fmt(r["exact_trace_cov"]) if math.isfinite(r["exact_trace_cov"]) else f"({fmt(r['trace_cov'])})"
         t.add_row(escape(r["case"]), lab, r["mode"], style, f"{fmt(r['exact_cos_reverse'])} ({fmt(r['cos_reverse'])})",
                   f"{fmt(r['exact_cos_forward'])} ({fmt(r['cos_forward'])})", fmt(r["exact_relerr_reverse"]),
                   trace, fmt(r["n_for_cos90"]), fmt(zmax, 2))
+    return t
+
+
+def baseline_table(g: pd.DataFrame) -> Table:
+    """Group baselines in the reward (group_baselines.csv): the exact shrink of the expected gradient against
+    no baseline, the trace-of-covariance ratio (exact; measured in brackets on rollouts) and the larger |z|."""
+    t = Table(title="group baselines: |E∇| and tr Cov over no baseline's (measured in brackets)",
+              title_justify="left", show_edge=False, pad_edge=False)
+    for col in ["case", "estimator", "baseline", "G", "|E∇| ratio", "tr Cov ratio", "z"]:
+        t.add_column(col, justify="left" if col in ("case", "estimator", "baseline") else "right")
+    for _, r in g.iterrows():
+        agg = r.get("aggregate", "")
+        lab = f"{agg}-{r['estimator']}" if isinstance(agg, str) and agg else r["estimator"]
+        exact = math.isfinite(r["exact_trace_cov"])
+        ratio = fmt(r["variance_ratio"]) if exact else f"({fmt(r['variance_ratio'])})"
+        zs = [abs(r[c]) for c in ("z_reverse", "z_second") if math.isfinite(r[c])]
+        t.add_row(escape(r["case"]), lab, r["baseline"], str(int(r["group"])), fmt(r["exact_shrink"]), ratio,
+                  fmt(max(zs), 2) if zs else "")
     return t
 
 

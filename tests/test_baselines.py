@@ -285,8 +285,11 @@ eos = 5
 q = { logits = "zipf", exponent = 1.0, seed = 1 }
 p = { from = "q", noise = 0.5, seed = 2 }
 """
-    res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o")])
+    res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o"), "--wide"])
     assert res.exit_code == 0, res.output
+    assert "group baselines" in res.output and "tok-k3" in res.output and "leave_one_out" in res.output
+    from kl_bench.results.verify import verify_results_folder
+    verify_results_folder(tmp_path / "o")             # one row per (case, estimator, aggregate, baseline, G)
     got = pd.read_csv(tmp_path / "o" / "group_baselines.csv")
     gm = got[got["baseline"] == "group_mean"]
     assert len(got) == 8 and np.allclose(gm["exact_shrink"], 0.75, rtol=1e-10)

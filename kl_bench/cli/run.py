@@ -61,12 +61,14 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
 
 def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
     """What a person reads after a run: the tables, the warnings, the advice, and the time it took."""
-    from ..display import gradient_table, print_tables, show_or_point
+    from ..display import baseline_table, gradient_table, print_tables, show_or_point
     df = result.summary
     lengths = {name: meta["length"] for name, meta in result.envelope["cases"].items() if meta.get("length")}
     print_tables(out_console, df, result.descriptions(), lengths=lengths, wide=wide)
     if result.gradients is not None:
         show_or_point(out_console, gradient_table(result.gradients), "gradient", wide)
+    if result.group_baselines is not None:
+        show_or_point(out_console, baseline_table(result.group_baselines), "group baseline", wide)
     warn_rows(df, err_console)
     advise(result.recommendations(batch=batch, tolerance=tolerance))
     env = result.envelope

@@ -113,7 +113,7 @@ SWEEP_SCHEMA: dict[str, str] = {
 }
 
 
-# group_baselines.csv: one row per (case, estimator, baseline, group) with `[experiment] baseline_groups`
+# group_baselines.csv: one row per (case, estimator, aggregate, baseline, group) with `[experiment] baseline_groups`
 # (kl_bench.baselines): the reward-mode gradient (f − b)·s with a group baseline b over G draws.
 GROUP_BASELINE_SCHEMA: dict[str, str] = {
     "case": "case name (a categorical or rollout case)",

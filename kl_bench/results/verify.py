@@ -82,7 +82,7 @@ _KEYS = {"summary.csv": ("case", "estimator", "aggregate", "lambda"),
          "batches.csv": ("case", "estimator", "aggregate", "lambda", "batch"),
          "lambda_sweep.csv": ("case", "aggregate", "lambda"),
          "gradients.csv": ("case", "estimator", "aggregate", "lambda", "mode"),
-         "group_baselines.csv": ("case", "estimator", "baseline", "group")}
+         "group_baselines.csv": ("case", "estimator", "aggregate", "baseline", "group")}
 # Spreads: ≥ 0 (an empty cell is allowed: e.g. no std_se where the 4th moment is infinite).
 _SPREADS = {"summary.csv": ("std", "se", "std_se", "ref_se"), "lambda_sweep.csv": ("std", "se")}
 # Statistics that every row with draws has (a NaN there is a writer's bug or an overflow, never a result),
@@ -273,7 +273,9 @@ def _check_values(name: str, df, p: Path) -> None:
         dup = np.flatnonzero(frame.duplicated(keep="first").to_numpy())
         if len(dup):
             i = int(dup[0])
-            shown = ", ".join(f"{c} {df[c].iloc[i]!r}" for c in key if str(df[c].iloc[i]) not in ("", "nan"))
+            # .item(): numpy scalars as Python ones ('4', not 'np.int64(4)')
+            shown = ", ".join(f"{c} {getattr(v, 'item', lambda: v)()!r}" for c in key
+                              if str(v := df[c].iloc[i]) not in ("", "nan"))
             raise SpecError(f"row {i + 1} (line {i + 2}) repeats an earlier row's key ({shown}): one row per "
                             f"{', '.join(key)}", file=str(p))
 
