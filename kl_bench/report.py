@@ -34,6 +34,7 @@ class Results:
     batches: pd.DataFrame | None
     reservoir: dict[str, np.ndarray] | None
     gradients: pd.DataFrame | None = None
+    group_baselines: pd.DataFrame | None = None
 
 
 def load_results(path: Path) -> Results:
@@ -43,7 +44,7 @@ def load_results(path: Path) -> Results:
     got = read_results_folder(path)          # in today's format (kl_bench.results.migrate)
     name = got.envelope.get("experiment") if isinstance(got.envelope.get("experiment"), str) else got.path.name
     return Results(got.path, name, got.summary, got.envelope, got.sweep, got.batches, got.reservoir,
-                   got.gradients)
+                   got.gradients, got.group_baselines)
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -573,6 +574,42 @@ DIFF_NOTE = ("Each run's rows against the same rows of the first folder that has
              "runs disagree beyond their noise; † heavy-tailed, z not valid). All of them: differences.csv.")
 
 
+BASELINE_NOTE = ("GRPO's group mean and RLOO's leave-one-out in the reward, G draws per group "
+                 "(docs/weights.md#group-baselines-reward-mode): |E∇| over the no-baseline gradient's (exact), the "
+                 "trace of the per-draw covariance over the no-baseline one (exact on categoricals, measured on "
+                 "rollouts), and the larger |z| of the Monte Carlo checks. All columns: group_baselines.csv.")
+
+
+def frame_md(df: pd.DataFrame) -> str:
+    """A small DataFrame as a Markdown table: text left, numbers right, 3 significant digits."""
+    num = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "|".join("---:" if n else "---" for n in num) + "|"]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(sig(float(v)) if n and not isinstance(v, (int, np.integer)) else str(v)
+                                         for v, n in zip(row, num)) + " |")
+    return "\n".join(lines)
+
+
+def baselines_frame(results: list[Results]) -> pd.DataFrame | None:
+    """The group-baseline rows of every run, as the report shows them (None: no run has them)."""
+    frames = []
+    for res in results:
+        g = res.group_baselines
+        if g is None or g.empty:
+            continue
+        agg = g["aggregate"] if "aggregate" in g else pd.Series("", index=g.index)
+        z = pd.concat([g["z_reverse"].abs(), g["z_second"].abs()], axis=1).max(axis=1)
+        frames.append(pd.DataFrame({
+            "run": res.name, "case": g["case"],
+            "estimator": [f"{a}-{e}" if isinstance(a, str) and a else e for a, e in zip(agg, g["estimator"])],
+            "baseline": g["baseline"], "G": g["group"], "norm of E∇ / none's": g["exact_shrink"],
+            "tr Cov / none's": g["variance_ratio"], "largest abs z": z}))
+    if not frames:
+        return None
+    out = pd.concat(frames, ignore_index=True)
+    return out.drop(columns="run") if len(results) == 1 else out
+
+
 def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame | None = None) -> str:
     out = ["# kl-bench report", ""]
     for res in results:
@@ -580,6 +617,10 @@ def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame 
     out += ["## Paper table", "", md_table]
     if diffs is not None:
         out += ["## Differences between runs", "", DIFF_NOTE, "", differences_md(diffs), ""]
+    bl = baselines_frame(results)
+    if bl is not None:
+        out += ["## Group baselines", "", BASELINE_NOTE, "",
+                frame_md(bl), ""]
     out += ["## Figures", ""]
     for name, caption, by_fmt in figs:
         stem = name.removesuffix(".png")
@@ -649,6 +690,10 @@ def _report_html(results, df, figs, caption, cases, rows, diffs=None) -> str:
             index=False, float_format=lambda x: sig(x, 3), na_rep="", border=0, classes="rows")
         parts.append(f"<h2>Differences between runs</h2><p>{html_text(DIFF_NOTE)}</p>"
                      + _scroll(table_html.replace("`", "&#96;")))
+    bl = baselines_frame(results)
+    if bl is not None:
+        parts.append(f"<h2>Group baselines</h2><p>{html_text(BASELINE_NOTE)}</p>" + _scroll(bl.to_html(
+            index=False, float_format=lambda x: sig(x, 3), na_rep="", border=0, classes="rows").replace("`", "&#96;")))
     parts.append("<h2>Figures</h2>")
     for name, cap, by_fmt in figs:
         b64 = base64.b64encode(by_fmt["png"]).decode()

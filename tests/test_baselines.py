@@ -290,6 +290,11 @@ p = { from = "q", noise = 0.5, seed = 2 }
     assert "group baselines" in res.output and "tok-k3" in res.output and "leave_one_out" in res.output
     from kl_bench.results.verify import verify_results_folder
     verify_results_folder(tmp_path / "o")             # one row per (case, estimator, aggregate, baseline, G)
+    from kl_bench import report
+    res = report.load_results(tmp_path / "o")
+    md = report._report_md([res], "", [])
+    assert "## Group baselines" in md and "| r | tok-k3 | leave_one_out | 4 |" in md
+    assert "<h2>Group baselines</h2>" in report._report_html([res], res.summary, [], "", [], [])
     got = pd.read_csv(tmp_path / "o" / "group_baselines.csv")
     gm = got[got["baseline"] == "group_mean"]
     assert len(got) == 8 and np.allclose(gm["exact_shrink"], 0.75, rtol=1e-10)
@@ -303,3 +308,37 @@ p = { from = "q", noise = 0.5, seed = 2 }
     res = CliRunner().invoke(app, ["run", str(write_spec(bad, "bad2.toml")), "--out", str(tmp_path / "b")])
     assert res.exit_code == 2 and "rejection mask" in res.stderr and len(res.stderr.strip().splitlines()) == 1, \
         res.stderr
+
+
+def test_a_group_baselines_file_of_the_first_format_still_verifies(write_spec, tmp_path):
+    """group_baselines.csv written before baselines had samplers and rollouts (no sampler, aggregate,
+    trace_cov, trace_cov_none columns) still loads: those columns are not required."""
+    import hashlib
+    import json
+    from typer.testing import CliRunner
+    import kl_bench
+    from kl_bench.cli import app
+    spec = write_spec("""
+spec_version = 1
+[experiment]
+draws = 8000
+device = "cpu"
+batches = 8
+estimators = ["k1"]
+baseline_groups = [2]
+[[case]]
+name = "c"
+kind = "categorical"
+vocab = 20
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.3, seed = 2 }
+""")
+    out = tmp_path / "o"
+    assert CliRunner().invoke(app, ["run", str(spec), "--out", str(out), "--quiet"]).exit_code == 0
+    old = pd.read_csv(out / "group_baselines.csv").drop(columns=["sampler", "aggregate", "trace_cov", "trace_cov_none"])
+    old.to_csv(out / "group_baselines.csv", index=False)
+    env = json.loads((out / "run.json").read_text())
+    env["files"]["group_baselines.csv"] = hashlib.sha256((out / "group_baselines.csv").read_bytes()).hexdigest()
+    (out / "run.json").write_text(json.dumps(env))
+    got = kl_bench.load_results(out).group_baselines
+    assert len(got) == 2 and "aggregate" not in got.columns

@@ -61,6 +61,7 @@ class FolderContents:
     sweep: Any
     gradients: Any
     reservoir: dict[str, np.ndarray] | None
+    group_baselines: Any = None
 
 
 def _schemas() -> dict[str, tuple[list[str], list[str]]]:
@@ -69,7 +70,10 @@ def _schemas() -> dict[str, tuple[list[str], list[str]]]:
             "batches.csv": (list(BATCH_SCHEMA), list(BATCH_SCHEMA)),
             "lambda_sweep.csv": (list(SWEEP_SCHEMA), ["case", "lambda", "mean", "exact_mean"]),
             "gradients.csv": (list(GRAD_SCHEMA), ["case", "estimator", "mode"]),
-            "group_baselines.csv": (list(GROUP_BASELINE_SCHEMA), list(GROUP_BASELINE_SCHEMA))}
+            # sampler, aggregate, trace_cov and trace_cov_none came later (baselines under samplers, on rollouts)
+            "group_baselines.csv": (list(GROUP_BASELINE_SCHEMA),
+                                    [c for c in GROUP_BASELINE_SCHEMA
+                                     if c not in ("sampler", "aggregate", "trace_cov", "trace_cov_none")])}
 
 
 # Text columns that identify a row: an empty cell there is a damaged file.
@@ -336,7 +340,7 @@ def read_results_folder(path: str | Path) -> FolderContents:
     summary = tables["summary.csv"]
     _check_cases(folder, env, tables)
     return migrate(FolderContents(folder, env, summary, tables["batches.csv"], tables["lambda_sweep.csv"],
-                                  tables["gradients.csv"], reservoir), str(folder))
+                                  tables["gradients.csv"], reservoir, tables["group_baselines.csv"]), str(folder))
 
 
 def verify_results_folder(path: str | Path) -> None:
