@@ -684,7 +684,7 @@ class RolloutPair(GradientDefaults, Pair):
         token weights (each token's ratio inside F) and the PPO clip are not modelled."""
         if self.weights not in ("none", "sequence"):
             raise SpecError(f"group baselines on rollouts need weights = \"none\" or \"sequence\", not "
-                            f"\"{self.weights}\" (per-token weights inside the group's values are not modelled)",
+                            f"\"{self.weights}\" (only the sequence's product weight W is modelled: W·(F − b)·S)",
                             key="sampler.weights", case=self.name)
         if self.precision is not None:
             raise SpecError("group baselines on rollouts are not available with rounded log-probs: drop precision "
