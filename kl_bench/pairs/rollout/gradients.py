@@ -62,6 +62,8 @@ class RolloutTables(Protocol):
 
     def token_weight(self, lb: torch.Tensor) -> torch.Tensor: ...
 
+    def batch_length_factor(self) -> torch.Tensor: ...
+
     def keep_table(self, lb: torch.Tensor) -> torch.Tensor: ...
 
     def piece_draws(self, device: torch.device) -> int: ...
@@ -203,19 +205,8 @@ def _length_factor(pair: RolloutTables, aggregate: str) -> torch.Tensor | None:
     if aggregate == "tok_mean":
         return 1.0 / torch.arange(1, pair.length + 1, dtype=torch.float64)
     if aggregate == "tok_batch":
-        return rollout_dp.inverse_total_length(_length_law(pair), pair.token_mean_batch)
+        return pair.batch_length_factor()
     raise ValueError(f"no gradient rows on aggregate '{aggregate}'")
-
-
-def _length_law(pair: RolloutTables) -> torch.Tensor:
-    """P_b(|y| = ℓ) for ℓ = 1..T, [T], under the sampler's phases."""
-    phases = []
-    for lb, steps in pair.phases:
-        b = lb.exp()
-        a, e = rollout_dp.moment_matrices(b, torch.ones_like(b), torch.ones_like(b), pair.bucket, pair.buckets,
-                                          pair.eos, 0)
-        phases.append((a, e, steps))
-    return rollout_dp.propagate_by_length(phases)[:, 0]
 
 
 def _step_tables(pair: RolloutTables, f: torch.Tensor, u: list[torch.Tensor] | None = None) -> list[rollout_dp.StepTables]:

@@ -171,6 +171,7 @@ class RolloutPair(GradientDefaults, Pair):
         self.support_miss = max(float((q * (lb == -torch.inf)).sum(-1).max()) for lb, _ in self.phases)
         self._phase_alias: list[AliasTable] | None = None
         self._seq_cache: dict[int, list[float]] = {}
+        self._batch_factor: torch.Tensor | None = None     # γ_B of the tok_batch rows, once per pair
 
     def alias_table(self) -> AliasTable:
         # Per-bucket alias tables, flattened to [C·V] so that a step is two gathers per rollout.
@@ -491,6 +492,17 @@ class RolloutPair(GradientDefaults, Pair):
     def _length_dp(self, m_fn, h_fn, kmax: int) -> torch.Tensor:
         """[T, kmax+1]: E_b[M S^k ; |y| = ℓ] for ℓ = 1..T under the sampler's phases (b = q without one)."""
         return rollout_dp.propagate_by_length(self._phase_matrices(m_fn, h_fn, kmax))
+
+    def length_law(self) -> torch.Tensor:
+        """P_b(|y| = ℓ) for ℓ = 1..T, [T], under the sampler's phases (b = q without one)."""
+        return self._length_dp(torch.ones_like, torch.ones_like, 0)[:, 0]
+
+    def batch_length_factor(self) -> torch.Tensor:
+        """γ_B(ℓ) = B·E[1/(ℓ + L′)] [T] of the tok_batch rows (L′ the other B − 1 lengths of a group,
+        :func:`kl_bench.rollout_dp.inverse_total_length`): one FFT correlation, computed once per pair."""
+        if self._batch_factor is None:
+            self._batch_factor = rollout_dp.inverse_total_length(self.length_law(), self.token_mean_batch)
+        return self._batch_factor
 
     def exact_tok_mean(self, est: RowSource) -> tuple[float, float]:
         """(mean, variance) of Σ_t f / |y| (times W with sequence weights), exact by splitting the dynamic
