@@ -97,6 +97,19 @@ def png_figures_only(monkeypatch):
     monkeypatch.setattr(report, "FIGURE_FORMATS", ("png",))
 
 
+@pytest.fixture
+def unrendered_figures(monkeypatch):
+    """Reports whose figures are built but saved as empty bytes: for tests of which figures a report has
+    and where they go, not of how they look (tests/test_report.py renders every one and checks the PNGs)."""
+    import matplotlib.pyplot as plt
+    from kl_bench import report
+
+    def unrendered(fig, formats=None):
+        plt.close(fig)
+        return {fmt: b"" for fmt in (formats or report.FIGURE_FORMATS)}
+    monkeypatch.setattr(report, "figure_bytes", unrendered)
+
+
 # Test files of the optional extras (hf: your own models; trl: the trainer audit). They skip where the extra
 # is missing; .ci/run installs the extras and runs them with `-m 'slow or extras'`, where they must not skip.
 EXTRAS_FILES = {"test_model.py", "test_trainer_inputs.py", "test_audit_trl.py"}

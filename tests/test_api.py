@@ -141,7 +141,8 @@ def test_check_passes_a_clean_run_and_fails_a_moved_one(spec_path):
         kl_bench.check(result, alpha=2.0)
 
 
-def test_report_from_a_result(spec_path, tmp_path):
+def test_report_from_a_result(spec_path, tmp_path, unrendered_figures):
+    """Result.report writes the report's files (its figures built, not rendered: tests/test_report.py renders)."""
     result = kl_bench.run(spec_path, draws=20_000)
     out = result.report(tmp_path / "rep")
     assert (out / "report.html").exists() and (out / "table.tex").exists()

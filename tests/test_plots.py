@@ -276,8 +276,9 @@ def test_every_registered_figure_takes_a_frame_and_axes_and_returns_its_figure(p
             assert fn(p.data, title=p.title, **p.kwargs, **{ax_arg: target}) is np.atleast_1d(target).ravel()[0].figure
 
 
-def test_a_figure_registered_from_a_test_is_in_the_report(plots):
-    """A new figure is one decorated function: build_figures draws it with the others."""
+def test_a_figure_registered_from_a_test_is_in_the_report(plots, unrendered_figures):
+    """A new figure is one decorated function: build_figures draws it with the others (built, not
+    rendered: the names and their order are the question)."""
     from kl_bench import report as R
     res = _results()
 

@@ -37,8 +37,12 @@ def _is_abort(e: BaseException) -> bool:
 
 
 def _runs_a_command(args: list[str]) -> bool:
-    """Whether the arguments run a command (help, the version and completion need no torch)."""
-    return bool(args) and not {"-h", "--help", "--version", "--install-completion", "--show-completion"} & set(args)
+    """Whether the arguments run a command (help, the version, completion and a command name that does not
+    exist need no torch: the usage error comes at once)."""
+    if not args or {"-h", "--help", "--version", "--install-completion", "--show-completion"} & set(args):
+        return False
+    name = next((a for a in args if not a.startswith("-")), None)
+    return name is None or name in typer.main.get_command(app).commands
 
 
 def _exit_code(rv) -> int:
