@@ -146,14 +146,17 @@ def baseline_rows(pair, estimators, baselines, groups, *, draws: int, seed: int,
     rev = pair.gradient_references()[REVERSE]
     u = rev / np.linalg.norm(rev)
     piece = pair.baseline_piece(device)
+    # The exact pieces do not depend on G: once per (aggregate, estimator) (a dynamic program on rollouts).
+    exacts = {(agg, j): pair.baseline_exact(est, agg) if agg in pair.aggregates_for(est) else None
+              for agg in pair.baseline_aggregates for j, est in enumerate(estimators)}
     rows = []
     for g in groups:
         check_group(g, piece)
         sizes = [k * g for k in batch_sizes(draws // g, batches)]
         for agg in pair.baseline_aggregates:
             streams = batch_streams(seed, f"{pair.name}/baseline-G{g}" + (f"/{agg}" if agg else ""), sizes, device)
-            for est in estimators:
-                ex = pair.baseline_exact(est, agg) if agg in pair.aggregates_for(est) else None
+            for j, est in enumerate(estimators):
+                ex = exacts[agg, j]
                 if ex is not None:
                     rows += _rows(pair, est, agg, ex, list(baselines), g, (streams, piece), u, device)
     return rows

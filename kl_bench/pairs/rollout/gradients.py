@@ -64,6 +64,8 @@ class RolloutTables(Protocol):
 
     def batch_length_factor(self) -> torch.Tensor: ...
 
+    def b_moments(self, m_fn, h_fn, kmax: int) -> list[float]: ...
+
     def keep_table(self, lb: torch.Tensor) -> torch.Tensor: ...
 
     def piece_draws(self, device: torch.device) -> int: ...
@@ -323,25 +325,14 @@ def baseline_exact(pair: RolloutTables, est, aggregate: str):
     if mean is None:
         return None
     score = _score_part(pair, _count_moment(pair, _sequence_weight(pair), _ones, [1.0]))
+    g = pair.logr_table
     if aggregate == "seq":
-        g = pair.logr_table
-        mu = sum(a * _b_moments(pair, torch.exp(s * g), g, k)[k] for (s, k), a in est.poly.items())
+        mu = sum(a * pair.b_moments(lambda lb, s=s: torch.exp(s * g), lambda lb: g, k)[k]
+                 for (s, k), a in est.poly.items())
     else:
-        mu = _b_moments(pair, torch.ones_like(pair.log_q), est.fn(pair.logr_table), 1)[1]
+        f = est.fn(g)
+        mu = pair.b_moments(torch.ones_like, lambda lb: f, 1)[1]
     return mean, score, float(mu)
-
-
-def _b_moments(pair: RolloutTables, m: torch.Tensor, h: torch.Tensor, kmax: int) -> list[float]:
-    """E_b[M S^k], k = 0..kmax, under the sampler's phases, unweighted (m, h: [C, V], zeroed where b never
-    draws, never 0·inf)."""
-    phases = []
-    for lb, steps in pair.phases:
-        b = lb.exp()
-        a, e = rollout_dp.moment_matrices(b, torch.where(b > 0, m, torch.zeros_like(b)),
-                                          torch.where(b > 0, h, torch.zeros_like(b)), pair.bucket, pair.buckets,
-                                          pair.eos, kmax)
-        phases.append((a, e, steps))
-    return rollout_dp.propagate_phases(phases)
 
 
 def baseline_draws(pair: RolloutTables, est, aggregate: str, u: np.ndarray, device):

@@ -315,8 +315,9 @@ class RolloutPair(GradientDefaults, Pair):
             phases.append((a, e, steps))
         return phases
 
-    def _dp_b(self, m_fn, h_fn, kmax: int) -> list[float]:
-        """E_b[M S^k] under the sampler's phases."""
+    def b_moments(self, m_fn, h_fn, kmax: int) -> list[float]:
+        """E_b[M S^k], k = 0..kmax, under the sampler's phases (``m_fn``/``h_fn`` map a phase's log b to the
+        tables of M and S; zeroed where b never draws)."""
         return rollout_dp.propagate_phases(self._phase_matrices(m_fn, h_fn, kmax))
 
     def keep_table(self, lb: torch.Tensor) -> torch.Tensor:
@@ -457,13 +458,13 @@ class RolloutPair(GradientDefaults, Pair):
         wt = self.token_weight
         f = self._tok_values(est)
         if self.weights == "token":             # Σ_t w_t f_t: additive
-            mom = self._dp_b(lambda lb: ones, lambda lb: wt(lb) * f, 2)
+            mom = self.b_moments(lambda lb: ones, lambda lb: wt(lb) * f, 2)
             return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
         if self.weights in ("sequence", "geometric"):   # W · Σ_t f_t: weight multiplicative, sum additive
-            m1 = self._dp_b(lambda lb: wt(lb), lambda lb: f, 1)[1]
-            m2 = self._dp_b(lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
+            m1 = self.b_moments(lambda lb: wt(lb), lambda lb: f, 1)[1]
+            m2 = self.b_moments(lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
             return _mean_var(m1, m2)
-        mom = self._dp_b(lambda lb: ones, lambda lb: f, 2)
+        mom = self.b_moments(lambda lb: ones, lambda lb: f, 2)
         return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
 
     def _sampler_seq_moments(self, est: RowSource) -> tuple[float, float]:
@@ -479,7 +480,7 @@ class RolloutPair(GradientDefaults, Pair):
             for (s_, k), c in poly.items():
                 if c == 0:
                     continue
-                v = self._dp_b(lambda lb, s_=s_: (wt(lb) ** power if weighted else ones) * torch.exp(s_ * self.logr_table),
+                v = self.b_moments(lambda lb, s_=s_: (wt(lb) ** power if weighted else ones) * torch.exp(s_ * self.logr_table),
                                lambda lb: self.logr_table, k)[k]
                 if not math.isfinite(v):
                     return math.inf
@@ -536,8 +537,8 @@ class RolloutPair(GradientDefaults, Pair):
             return math.nan
         f = self._tok_values(est)
         ones = torch.ones_like(f)
-        num = self._dp_b(lambda lb: ones, lambda lb: f, 1)[1]
-        den = self._dp_b(lambda lb: ones, lambda lb: ones, 1)[1]
+        num = self.b_moments(lambda lb: ones, lambda lb: f, 1)[1]
+        den = self.b_moments(lambda lb: ones, lambda lb: ones, 1)[1]
         return num / den
 
     def exact_joint(self, aggregate: str = "seq") -> JointMoments:
