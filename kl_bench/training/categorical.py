@@ -20,9 +20,12 @@ from .combos import Combination
 
 def expected_score_gradient(q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """E_x[a(x)(e_x − q_b)] averaged over the B contexts: (1/B)(q ⊙ a − q·(q·a)). q, a: [B, V] → [B, V]."""
+    # The score has zero mean (Σ_x q(x)(e_x − q) = 0), so shifting a by a constant per context changes
+    # nothing in exact arithmetic. Shifting by a's first entry makes a constant a (k1 in the loss) give an
+    # exact zero by construction: a − a₀ is 0.0 in every entry, whatever the CPU's vector width or
+    # summation order (⟨q, a⟩/Σq cancelled only up to the last bit, and Adam turns 1e-17 into a step).
+    a = a - a[..., :1]
     qa = q * a
-    # ⟨q, a⟩/Σq rather than ⟨q, a⟩: the same number for a normalised q, but a constant a (k1 in the loss)
-    # then gives exactly zero, whatever the last bit of Σq (the summation order differs between CPUs).
     return (qa - q * (qa.sum(-1, keepdim=True) / q.sum(-1, keepdim=True))) / q.shape[0]
 
 
