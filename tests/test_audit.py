@@ -163,7 +163,7 @@ def test_streaming_equals_dense(sp, candidates):
     zr = hr.double() @ wr.double().T
     dense = position_values(zp, zr, EST, sp, ids=ids, eos_banned=ban, context_ids=ctx)
     st = stream_values(hp, hr, Head(wp, bias), Head(wr), EST, sp, ids=ids, eos_banned=ban, context_ids=ctx,
-                       chunk=7, tile=128, candidates=candidates)
+                       chunk=7, tile=128, candidates=candidates, dtype=torch.float64)
     for name in ("kl", "mean_q", "var_q", "mean_b", "var_b", "neg_b", "miss", "logb_mean", "logb_var",
                  "tok_logq", "tok_logp", "tok_logb"):
         a, b = getattr(dense, name), getattr(st, name)
@@ -185,14 +185,14 @@ def test_soft_capped_heads_stream_equal_dense(sp):
     zr = cap * torch.tanh((hr.double() @ wr.double().T) / cap) * scale
     dense = position_values(zp, zr, EST, sp, ids=ids)
     heads = Head(wp, bias, scale, softcap=cap), Head(wr, None, scale, softcap=cap)
-    st = stream_values(hp, hr, *heads, EST, sp, ids=ids, chunk=4, tile=100)
-    kl = kl_bench.audit.stream_kl(hp, hr, *heads, chunk=4, tile=100)
+    st = stream_values(hp, hr, *heads, EST, sp, ids=ids, chunk=4, tile=100, dtype=torch.float64)
+    kl = kl_bench.audit.stream_kl(hp, hr, *heads, chunk=4, tile=100, dtype=torch.float64)
     for name in ("kl", "mean_q", "var_q", "mean_b", "var_b", "tok_logq", "tok_logp"):
         a, b = getattr(dense, name), getattr(st, name)
         fin = torch.isfinite(a)
         assert ((a[fin] - b[fin]).abs() / (1 + a[fin].abs())).max().item() < 1e-12, name
     assert ((kl - dense.kl).abs() / (1 + dense.kl.abs())).max().item() < 1e-12
-    uncapped = kl_bench.audit.stream_kl(hp, hr, Head(wp, bias, scale), Head(wr, None, scale))
+    uncapped = kl_bench.audit.stream_kl(hp, hr, Head(wp, bias, scale), Head(wr, None, scale), dtype=torch.float64)
     assert (uncapped - dense.kl).abs().max().item() > 0.01           # the cap matters at these logits
     with pytest.raises(SpecError, match="soft-cap must be a finite number > 0"):
         Head(wp, softcap=0.0)
@@ -334,8 +334,8 @@ def test_stream_kl_is_pass_one_of_stream_values():
     g = _gen(12)
     hp, hr = 0.4 * torch.randn(9, 6, generator=g), 0.4 * torch.randn(9, 6, generator=g)
     wp, wr = torch.randn(300, 6, generator=g), torch.randn(300, 6, generator=g)
-    full = stream_values(hp, hr, Head(wp), Head(wr), (), chunk=4, tile=64)
-    kl = kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), chunk=4, tile=64)
+    full = stream_values(hp, hr, Head(wp), Head(wr), (), chunk=4, tile=64, dtype=torch.float64)
+    kl = kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), chunk=4, tile=64, dtype=torch.float64)
     assert torch.allclose(kl, full.kl, rtol=1e-13, atol=1e-15)
     dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, ())
     assert torch.allclose(kl, dense.kl, rtol=1e-12, atol=1e-14)

@@ -180,8 +180,9 @@ def _check_vocabulary(s: SavedStep, form: tuple[str, str]) -> None:
                         f"{t['policy_weight'].shape[0]}", file=where, key="reference_weight")
 
 
-def step_values(s: SavedStep, *, tile: int = 8192, chunk: int = 256) -> PositionValues:
-    """The exact per-position values at the step's masked positions."""
+def step_values(s: SavedStep, *, tile: int = 8192, chunk: int = 256, dtype: torch.dtype = torch.float64) -> PositionValues:
+    """The exact per-position values at the step's masked positions (hidden states: tile matmuls in
+    ``dtype``; float64 by default, exact to rounding, as an offline audit has the time)."""
     t = s.tensors
     mask = t["mask"].bool()
     ids = t["completion_ids"].to(torch.long)
@@ -199,7 +200,7 @@ def step_values(s: SavedStep, *, tile: int = 8192, chunk: int = 256) -> Position
     heads = [Head(t[f"{side}_weight"], t.get(f"{side}_bias"), s.logit_scale, s.logit_softcap)
              for side in ("policy", "reference")]
     return stream_values(t["policy_hidden"][mask], t["reference_hidden"][mask], heads[0], heads[1], (s.estimator,),
-                         s.sampler, tile=tile, chunk=chunk, **common)
+                         s.sampler, tile=tile, chunk=chunk, dtype=dtype, **common)
 
 
 def audit_saved(s: SavedStep, **kw) -> StepAudit:
