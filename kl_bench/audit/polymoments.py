@@ -37,6 +37,12 @@ import torch
 Poly = dict[tuple[int, int], float]
 
 
+def _contract(coefficients: torch.Tensor, moments: torch.Tensor) -> torch.Tensor:
+    """Σ_k c_k m_k over the last axis, a term with c_k = 0 counting 0 whatever m_k: a moment that
+    overflowed (float32 tile sums of u⁴ or ψ⁴ at |u| ≳ 20) then spoils only what needs it, never the KL."""
+    return torch.where(coefficients == 0, torch.zeros_like(coefficients), coefficients * moments).sum(-1)
+
+
 def degree(poly: Poly) -> int:
     """The degree in (u, ψ) of Σ a r^s (log r)^k: max s + k (r is linear in (u, ψ), log r too)."""
     return max((s + k for (s, k), a in poly.items() if a != 0), default=0)
@@ -106,7 +112,7 @@ class Basis:
         shift_psi = self.linear(em1 + delta, em1, em1 + 1.0)          # ψ(−Δ) = expm1(−Δ) + Δ
         up, pp = self.power_table(shift_u), self.power_table(shift_psi)
         rows = torch.stack([self.mul(up[i], pp[j]) for i, j in self.monomials], dim=-2)      # [..., K, K]
-        return (rows * moments.unsqueeze(-2)).sum(-1)
+        return _contract(rows, moments.unsqueeze(-2))
 
     def estimator(self, poly: Poly, delta: torch.Tensor) -> torch.Tensor:
         """f = Σ a r^s (log r)^k as a polynomial in (u, ψ) [..., K], with log r = u + δ (``delta`` [...])."""
@@ -121,10 +127,10 @@ class Basis:
 
     def mean_and_var(self, f: torch.Tensor, moments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """E[f] and Var[f] = E[(f − E f)²] from a polynomial f [..., K] and normalised moments [..., K]."""
-        mean = (f * moments).sum(-1)
+        mean = _contract(f, moments)
         g = f.clone()
         g[..., 0] = g[..., 0] - mean
-        var = (self.mul(g, g) * moments).sum(-1)
+        var = _contract(self.mul(g, g), moments)
         return mean, var.clamp(min=0.0)
 
     @cached_property

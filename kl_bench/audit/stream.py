@@ -606,6 +606,31 @@ def _redo_rows(scan: _Scan, plan: _Plan, out: _Chunk, rows: torch.Tensor) -> Non
     out.tok_logb[rows] = torch.where(torch.isnan(s_tok), s_tok, tok_logb)
 
 
+def _spoiled(plan: _Plan, out: _Chunk) -> torch.Tensor:
+    """Rows [n] where a one-pass moment is not finite: a float32 tile sum overflowed (u⁴, ψ⁴ at |u| ≳ 20),
+    or log r is infinite somewhere (p or q is 0 at an id), which the moments cannot carry."""
+    cols = [j for j, p in enumerate(plan.poly) if p is not None]
+    parts = [~torch.isfinite(out.kl)]
+    for x in (out.mean_q, out.var_q) + ((out.mean_b, out.var_b) if plan.b == "full" else ()):
+        parts.append(~torch.isfinite(x[:, cols]).all(-1) if cols else torch.zeros_like(parts[0]))
+    return torch.stack(parts).any(0)
+
+
+def _redo_spoiled(scan: _Scan, plan: _Plan, out: _Chunk, rows: torch.Tensor) -> None:
+    """Spoiled rows from the second pass, which sums f(log r) itself in float64 (an infinite f where its
+    weight is 0 counts 0; where it is not, the value is rightly infinite)."""
+    sub = scan.rows(rows)
+    fns = list(plan.fns) + [lambda logr: -logr]                      # KL = E_q[−log r]
+    tau = out.tau[rows] if plan.b == "cut" else torch.full_like(out.kl[rows], -torch.inf)
+    (mean_q, var_q), (_, mean_b, var_b), _ = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows], tau)
+    nf = len(plan.fns)
+    out.kl[rows] = mean_q[:, -1]
+    out.mean_q[rows], out.var_q[rows] = mean_q[:, :nf], var_q[:, :nf]
+    if plan.b != "cut":
+        out.mean_b[rows], out.var_b[rows] = mean_b[:, :nf], var_b[:, :nf]
+        out.neg_b[rows] = torch.where(torch.isnan(out.neg_b[rows]), out.neg_b[rows], mean_b[:, nf + 1:2 * nf + 1])
+
+
 def _any(mask: torch.Tensor) -> bool:
     """Whether any entry is true: the one host synchronisation of a chunk (on a meta tensor, where no
     value exists, False: the shapes are all a meta run checks)."""
@@ -623,6 +648,9 @@ def _chunk_values(scan: _Scan, plan: _Plan, bufs: _Buffers) -> PositionValues:
         _redo_columns(scan, plan, out, cols)
     if plan.b == "cut" and _any(out.unknown):
         _redo_rows(scan, plan, out, torch.nonzero(out.unknown).flatten())
+    spoiled = _spoiled(plan, out)
+    if _any(spoiled):
+        _redo_spoiled(scan, plan, out, torch.nonzero(spoiled).flatten())
     tok = out.tok
     return PositionValues(plan.names, out.kl, out.mean_q, out.var_q, out.mean_b, out.var_b, out.neg_b, out.miss,
                           out.logb_mean, out.logb_var, tok[:, 0] - out.lse_q, tok[:, 1] - out.lse_p, out.tok_logb)
