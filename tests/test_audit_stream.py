@@ -168,3 +168,32 @@ def test_a_token_the_reference_cannot_draw_gives_an_infinite_kl():
     dense = position_values(hp.double() @ wp.double().T, hp.double() @ wp.double().T + bias_r.double(), ("k1", "k3"))
     assert torch.isinf(st.kl).all() and torch.isinf(dense.kl).all()
     assert torch.equal(torch.isinf(st.mean_q), torch.isinf(dense.mean_q))
+
+
+@pytest.mark.parametrize("sp", SAMPLERS, ids=lambda s: s.describe())
+def test_the_sampling_pass_family_streams_equal_dense(sp):
+    # g: the sampler applied to the logits of the pass that drew the tokens (here: the policy's hidden
+    # states moved a little, as dropout or other position ids would), next to b on the scored pass's.
+    g = torch.Generator().manual_seed(21)
+    n, vocab, d = 11, 700, 10
+    hq, hr = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    hs = hq + 0.3 * torch.randn(n, d, generator=g)
+    wq, wr = torch.randn(vocab, d, generator=g), torch.randn(vocab, d, generator=g)
+    ids = torch.randint(vocab, (n,), generator=g)
+    ban = torch.rand(n, generator=g) < 0.5
+    ctx = torch.randint(-1, vocab, (n, 4), generator=g)
+    kw = dict(ids=ids, eos_banned=ban, context_ids=ctx)
+    est = ("k1", "k3", "openrlhf.k3")
+    dense = position_values(hq.double() @ wq.double().T, hr.double() @ wr.double().T, est, sp,
+                            sampling=hs.double() @ wq.double().T, **kw)
+    st = stream_values(hq, hr, Head(wq), Head(wr), est, sp, sampling_hidden=hs, tile=128, dtype=torch.float64,
+                       candidates=16, **kw)
+    assert st.g is not None and dense.g is not None
+    for fam in ("b", "g"):
+        for name in ("mean", "var", "neg", "miss", "log_mean", "log_var", "tok_log"):
+            a, b = getattr(getattr(dense, fam), name), getattr(getattr(st, fam), name)
+            assert torch.equal(torch.isinf(a), torch.isinf(b)), (fam, name)
+            fin = torch.isfinite(a)
+            err = (a[fin] - b[fin]).abs() / (1 + a[fin].abs())
+            assert err.numel() == 0 or err.max().item() < 1e-12, (fam, name)
+    assert (st.g.mean - st.b.mean).abs().max().item() > 1e-3          # the two passes do differ

@@ -44,7 +44,7 @@ import torch
 
 from ..errors import SpecError
 from ..estimators import resolve_estimator
-from .exact import PositionValues
+from .exact import PositionValues, SamplerValues
 from .polymoments import Basis, degree, finish_family, scratch_needed, tile_sums
 from .sampler import Sampler, sampler_scores
 
@@ -123,97 +123,122 @@ def _function_of_log_r(item):
     return est
 
 
-def _candidates_kept(sampler: Sampler, vocab: int, candidates: int) -> int:
-    """Scores kept per row under a truncating b: top-k alone needs its k and one more (a tie at the k-th
-    shows there); top-p and min-p a list of ``candidates``."""
-    if sampler.p is None and sampler.mp is None:
-        return min(vocab, sampler.k + 1)
-    return min(vocab, max((sampler.k or 0) + 1, candidates))
+@dataclass(frozen=True)
+class _Family:
+    """One sampling distribution the audit sums under: ``name`` "b" (the sampler on the scored policy's
+    logits) or "g" (on the logits of the pass that drew the tokens); ``kind`` "same" (b = q), "full" (its
+    own weights over every id) or "cut" (it truncates: candidates); ``keep``: candidates per row."""
+    name: str
+    kind: str
+    keep: int
+
+    @staticmethod
+    def of(name: str, sampler: Sampler, vocab: int, candidates: int) -> "_Family":
+        if sampler.truncates:
+            # top-k alone needs its k scores and one more (a tie at the k-th shows there); top-p and min-p a list
+            only_k = sampler.p is None and sampler.mp is None
+            keep = min(vocab, sampler.k + 1 if only_k else max((sampler.k or 0) + 1, candidates))
+            return _Family(name, "cut", keep)
+        return _Family(name, "same" if sampler.is_identity and name == "b" else "full", 0)
+
+    @property
+    def source(self) -> str:
+        """Whose logits its scores come from: "zq" (the scored pass) or "zg" (the sampling pass)."""
+        return "zg" if self.name == "g" else "zq"
 
 
 @dataclass(frozen=True)
 class _Plan:
     """What one call computes and how. ``poly``: per estimator, its polynomial (None: second pass);
-    ``sign``: per estimator, whether P_b(f < 0) is unknown without a second pass; ``b``: "q" (b = q),
-    "full" (b has its own weights over every id) or "cut" (b truncates: candidates)."""
+    ``sign``: per estimator, whether it changes sign (P(f < 0) then needs log r itself)."""
     names: tuple[str, ...]
     fns: tuple
     poly: tuple
     sign: tuple[bool, ...]
     basis: Basis
     sampler: Sampler
-    b: str
-    keep: int
+    families: tuple[_Family, ...]
     vocab: int
     negative: bool = True
 
     @staticmethod
-    def of(estimators: Sequence, sampler: Sampler, vocab: int, candidates: int, negative: bool = True) -> "_Plan":
+    def of(estimators: Sequence, sampler: Sampler, vocab: int, candidates: int, negative: bool,
+           sampling: bool) -> "_Plan":
         ests = [_function_of_log_r(e) for e in estimators]
         polys = tuple(e.poly for e in ests)
         top = max([1] + [2 * degree(p) for p in polys if p is not None])
-        b = "cut" if sampler.truncates else "q" if sampler.is_identity else "full"
+        fams = tuple(_Family.of(name, sampler, vocab, candidates) for name in ("b", "g")[:1 + sampling])
         return _Plan(tuple(e.name for e in ests), tuple(e.fn for e in ests), polys,
-                     tuple(not e.nonnegative for e in ests), Basis(top), sampler, b,
-                     _candidates_kept(sampler, vocab, candidates) if b == "cut" else 0, vocab, negative)
+                     tuple(not e.nonnegative for e in ests), Basis(top), sampler, fams, vocab, negative)
 
-    @property
-    def needs_lse_s(self) -> bool:
-        """b's full normaliser is needed: top-p without top-k normalises over every id."""
-        return self.b != "cut" or (self.sampler.p is not None and self.sampler.k is None)
-
-    @property
-    def take(self) -> int:
+    def take(self, fam: _Family) -> int:
         """Candidates each tile gives: all ``keep`` for top-k alone (the row's top k + 1 are among every
         tile's top k + 1), else at most 128 (a tile holding more of a large nucleus sends its row to
         the second pass, see :class:`_Candidates`)."""
         only_k = self.sampler.p is None and self.sampler.mp is None
-        return self.keep if only_k else min(self.keep, 128)
+        return fam.keep if only_k else min(fam.keep, 128)
 
-    def second_pass_columns(self) -> list[int]:
-        """Estimators whose values need the second pass over every row."""
+    def needs_lse(self, fam: _Family) -> bool:
+        """The family's full normaliser is needed: it has full support, or top-p without top-k
+        normalises over every id."""
+        return fam.kind != "cut" or (self.sampler.p is not None and self.sampler.k is None)
+
+    def second_pass_columns(self, fam: _Family) -> list[int]:
+        """Estimators whose values under ``fam`` need a second pass: non-polynomial ones (always: also
+        their q moments), sign-changing ones for P(f < 0) under a family that does not truncate."""
         return [j for j, (p, s) in enumerate(zip(self.poly, self.sign))
-                if p is None or (s and self.b != "cut" and self.negative)]
+                if p is None or (s and fam.kind != "cut" and self.negative)]
 
 
 class _Scan:
-    """One position chunk: hidden states in the compute dtype, its sampler inputs, the sampled ids."""
+    """One position chunk: hidden states in the compute dtype (``hg``: the sampling pass's, or None),
+    its sampler inputs, the sampled ids."""
 
-    def __init__(self, hq, hp, heads, sampler, tile, eos_banned, context_ids, ids):
-        self.hq, self.hp, self.heads, self.sampler, self.tile = hq, hp, heads, sampler, tile
+    def __init__(self, hq, hp, hg, heads, sampler, tile, eos_banned, context_ids, ids):
+        self.hq, self.hp, self.hg, self.heads, self.sampler, self.tile = hq, hp, hg, heads, sampler, tile
         self.eos_banned, self.context_ids, self.ids = eos_banned, context_ids, ids
 
     @property
     def n(self) -> int:
         return self.hq.shape[0]
 
+    @property
+    def banned(self) -> bool:
+        """The EOS ban is on somewhere (scores of −inf at EOS ids)."""
+        return self.eos_banned is not None and bool(self.sampler.eos_token_id)
+
     def rows(self, rows: torch.Tensor) -> "_Scan":
         """The same chunk restricted to ``rows`` (an index tensor)."""
         def pick(x):
             return None if x is None else x[rows]
-        return _Scan(self.hq[rows], self.hp[rows], self.heads, self.sampler, self.tile, pick(self.eos_banned),
-                     pick(self.context_ids), pick(self.ids))
+        return _Scan(self.hq[rows], self.hp[rows], pick(self.hg), self.heads, self.sampler, self.tile,
+                     pick(self.eos_banned), pick(self.context_ids), pick(self.ids))
 
     def tiles(self, policy_only: bool = False):
-        """(lo, z_q, z_p) for each vocabulary tile, in the compute dtype (z_p None when ``policy_only``)."""
+        """{"lo", "zq", "zp", "zg"} for each vocabulary tile, in the compute dtype (new tensors; z_p absent
+        when ``policy_only``, z_g without sampling-pass hidden states)."""
         vocab = self.heads[0].vocab
         for lo in range(0, vocab, self.tile):
             hi = min(lo + self.tile, vocab)
-            zq = self.heads[0].logits(self.hq, lo, hi)
-            yield lo, zq, None if policy_only else self.heads[1].logits(self.hp, lo, hi)
+            out = {"lo": lo, "zq": self.heads[0].logits(self.hq, lo, hi)}
+            if not policy_only:
+                out["zp"] = self.heads[1].logits(self.hp, lo, hi)
+            if self.hg is not None:
+                out["zg"] = self.heads[0].logits(self.hg, lo, hi)
+            yield out
 
-    def scores(self, zq: torch.Tensor, lo: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """b's score s of a tile of policy logits (:func:`~.sampler.sampler_scores`): z_q itself without a
-        temperature, penalty or EOS ban, z_q/T into ``out`` with only a temperature, else a new tensor."""
+    def scores(self, z: torch.Tensor, lo: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """b's score s of a tile of policy logits (:func:`~.sampler.sampler_scores`): z itself without a
+        temperature, penalty or EOS ban, z/T into ``out`` with only a temperature, else a new tensor."""
         sp = self.sampler
-        plain = sp.repetition_penalty == 1.0 and not (self.eos_banned is not None and sp.eos_token_id)
+        plain = sp.repetition_penalty == 1.0 and not self.banned
         if plain and sp.temperature == 1.0:
-            return zq
+            return z
         if plain and out is not None:
-            return torch.div(zq, sp.temperature, out=out)
-        return sampler_scores(zq, sp, lo=lo, eos_banned=self.eos_banned, context_ids=self.context_ids)
+            return torch.div(z, sp.temperature, out=out)
+        return sampler_scores(z, sp, lo=lo, eos_banned=self.eos_banned, context_ids=self.context_ids)
 
-    def gather(self, lo: int, *tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def gather(self, lo: int, tiles: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The tiles' values at the sampled ids [n, len(tiles)] and where the id lies in this tile [n]."""
         if self.ids is None:
             return None
@@ -228,7 +253,7 @@ class _Candidates:
     """The largest scores of each row, with z_q and z_p at those ids: each tile gives its top ``take``,
     and one selection at the end keeps the top ``k`` of them (descending). A tile may hold more of the
     row's top ``k`` than it gave; ``dropped`` [n], the largest score a tile left out, says where that can
-    matter: b's support (scores ≥ τ) is complete among the candidates whenever τ > dropped."""
+    matter: the support (scores ≥ τ) is complete among the candidates whenever τ > dropped."""
 
     def __init__(self, k: int, take: int, like: torch.Tensor):
         self.k, self.take = k, take
@@ -270,7 +295,7 @@ class _Buffers:
     """Tile-sized work buffers of one call, made once on the device in the compute dtype (a fresh CPU
     tensor of a few MB costs more in page faults than the arithmetic on it): views [n, t] of flat
     storage, for the tile at hand."""
-    NAMES = ("zq", "zp", "s", "w", "wb", "u", "psi")
+    NAMES = ("zq", "zp", "zg", "s_b", "s_g", "w", "w_b", "w_g", "u", "psi")
 
     def __init__(self, extra: int, chunk: int, tile: int, like: torch.Tensor):
         self.flat = [torch.empty(chunk * tile, dtype=like.dtype, device=like.device)
@@ -299,50 +324,66 @@ def _spread(w: torch.Tensor, total: torch.Tensor, x: torch.Tensor, tmp: torch.Te
     return mean, torch.sub(x, mean.unsqueeze(-1), out=tmp).square_().mul_(w).sum(-1)
 
 
-def _one_tile(scan: _Scan, plan: _Plan, rec: _Tiles, cand: _Candidates | None, lo: int, bufs: _Buffers) -> None:
-    """Fold vocabulary tile [lo, lo + t) into the chunk's records: both models' logits made once, used,
+def _family_tile(scan: _Scan, fam: _Family, s: torch.Tensor, q: tuple, buf: torch.Tensor, tmp: torch.Tensor,
+                 rec: _Tiles, plan: _Plan) -> torch.Tensor | None:
+    """A family's per-tile records from its scores s [n, t]: its normaliser, the mean and spread of s
+    under it, the q-mass where s = −inf; returns its weights when it needs moments ("full")."""
+    f = fam.name
+    mq, w, sq = q
+    if fam.kind == "same":
+        ms, wf, sf = mq, w, sq
+    elif plan.needs_lse(fam):
+        ms = _row_max(s)
+        wf, sf = _exp_sum(s, ms, buf)
+    else:
+        return None
+    rec.put(**{f"{f}_scale": ms.squeeze(-1), f"{f}_sum": sf})
+    if fam.kind == "cut":
+        return None
+    s_fin = torch.where(wf > 0, s, torch.zeros_like(s)) if scan.banned else s
+    mean, m2 = _spread(wf, sf, s_fin, tmp)
+    rec.put(**{f"{f}_mean": mean, f"{f}_m2": m2})
+    if scan.banned:
+        rec.put(**{f"{f}_miss": torch.where(torch.isneginf(s), w, torch.zeros_like(w)).sum(-1)})
+    return wf if fam.kind == "full" else None
+
+
+def _one_tile(scan: _Scan, plan: _Plan, rec: _Tiles, cands: dict, lo: int, bufs: _Buffers) -> None:
+    """Fold vocabulary tile [lo, lo + t) into the chunk's records: the models' logits made once, used,
     and overwritten by the next tile."""
     t = min(scan.tile, plan.vocab - lo)
     b, scratch = bufs.views(scan.n, t)
-    zq = scan.heads[0].logits(scan.hq, lo, lo + t, out=b["zq"])
-    zp = scan.heads[1].logits(scan.hp, lo, lo + t, out=b["zp"])
-    s = zq if plan.b == "q" else scan.scores(zq, lo, out=b["s"])
-    tok = scan.gather(lo, zq, zp, s)
+    z = {"zq": scan.heads[0].logits(scan.hq, lo, lo + t, out=b["zq"]),
+         "zp": scan.heads[1].logits(scan.hp, lo, lo + t, out=b["zp"])}
+    if scan.hg is not None:
+        z["zg"] = scan.heads[0].logits(scan.hg, lo, lo + t, out=b["zg"])
+    s = {fam.name: z["zq"] if fam.kind == "same" else scan.scores(z[fam.source], lo, out=b[f"s_{fam.name}"])
+         for fam in plan.families}
+    tok = scan.gather(lo, [z["zq"], z["zp"]] + [s[fam.name] for fam in plan.families])
     if tok is not None:
         rec.put(tok=tok[0], tok_here=tok[1])
-    if cand is not None:
-        cand.add(s, zq, zp)
-    u = torch.sub(zp, zq, out=b["u"])                                  # d = z_p − z_q
-    mq, mp = _row_max(zq), _row_max(zp)
-    w, sq = _exp_sum(zq, mq, b["w"])
-    _, sp = _exp_sum(zp, mp, b["zp"])                                   # z_p is not needed any more
+    for name, cand in cands.items():
+        cand.add(s[name], z["zq"], z["zp"])
+    u = torch.sub(z["zp"], z["zq"], out=b["u"])                          # d = z_p − z_q
+    mq, mp = _row_max(z["zq"]), _row_max(z["zp"])
+    w, sq = _exp_sum(z["zq"], mq, b["w"])
+    _, sp = _exp_sum(z["zp"], mp, b["zp"])                              # z_p is not needed any more
     centre = torch.mul(w, u, out=scratch[0]).sum(-1) / sq               # the tile's own q-mean of d
     u.sub_(centre.unsqueeze(-1))
     ps = torch.expm1(u, out=b["psi"]).sub_(u)                           # ψ(u), exact at small |u|
     rec.put(q_scale=mq.squeeze(-1), q_sum=sq, centre=centre, p_scale=mp.squeeze(-1), p_sum=sp)
-    weights = [w]
-    if plan.b != "q" and (plan.b == "full" or plan.needs_lse_s):
-        ms = _row_max(s)
-        wb, sb = _exp_sum(s, ms, b["wb"])
-        weights += [wb] if plan.b == "full" else []
-        rec.put(s_scale=ms.squeeze(-1), s_sum=sb)
-    elif plan.b == "q":
-        ms, wb, sb = mq, w, sq
-        rec.put(s_scale=ms.squeeze(-1), s_sum=sb)
-    sums = tile_sums(plan.basis, weights, u, ps, scratch)
-    rec.put(q_sums=sums[0], **({"b_sums": sums[1]} if plan.b == "full" else {}))
-    if plan.b != "cut":
-        banned = scan.eos_banned is not None and bool(plan.sampler.eos_token_id)
-        s_fin = torch.where(wb > 0, s, torch.zeros_like(s)) if banned else s
-        s_mean, s_m2 = _spread(wb, sb, s_fin, scratch[0])
-        rec.put(s_mean=s_mean, s_m2=s_m2)
-        if banned:
-            rec.put(miss=torch.where(torch.isneginf(s), w, torch.zeros_like(w)).sum(-1))
+    full = []
+    for fam in plan.families:
+        wf = _family_tile(scan, fam, s[fam.name], (mq, w, sq), b[f"w_{fam.name}"], scratch[0], rec, plan)
+        if wf is not None:
+            full.append((fam.name, wf))
+    sums = tile_sums(plan.basis, [w] + [wf for _, wf in full], u, ps, scratch)
+    rec.put(q_sums=sums[0], **{f"{name}_sums": x for (name, _), x in zip(full, sums[1:])})
 
 
-def _tokens(rec: _Tiles, n: int, like: torch.Tensor) -> torch.Tensor:
-    """(z_q, z_p, s) at the sampled ids [n, 3], float64 (NaN without ids)."""
-    out = torch.full((n, 3), torch.nan, dtype=torch.float64, device=like.device)
+def _tokens(rec: _Tiles, n: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    """(z_q, z_p, s_b[, s_g]) at the sampled ids [n, width], float64 (NaN without ids)."""
+    out = torch.full((n, width), torch.nan, dtype=torch.float64, device=like.device)
     if "tok" not in rec:
         return out
     for vals, here in zip(rec.cols["tok"], rec.cols["tok_here"]):
@@ -352,26 +393,34 @@ def _tokens(rec: _Tiles, n: int, like: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- finishing one chunk
 @dataclass
+class _Sampled:
+    """One family's finished values (float64, on the device): SamplerValues' fields, its normaliser
+    ``lse`` [n], threshold ``tau`` [n] (−inf: none) and the rows its candidates may not cover."""
+    mean: torch.Tensor
+    var: torch.Tensor
+    neg: torch.Tensor
+    miss: torch.Tensor
+    log_mean: torch.Tensor
+    log_var: torch.Tensor
+    tok_log: torch.Tensor
+    lse: torch.Tensor
+    tau: torch.Tensor
+    unknown: torch.Tensor
+
+    def values(self) -> SamplerValues:
+        return SamplerValues(self.mean, self.var, self.neg, self.miss, self.log_mean, self.log_var, self.tok_log)
+
+
+@dataclass
 class _Chunk:
-    """A chunk's finished values (float64 tensors on the device) before assembly into PositionValues.
-    ``tau`` [n]: b's threshold (−inf: none); ``unknown`` [n]: rows whose b support the candidates may
-    not cover (finished by the second pass)."""
+    """A chunk's finished values: q's, and one :class:`_Sampled` per family."""
     kl: torch.Tensor
     lse_q: torch.Tensor
     lse_p: torch.Tensor
-    lse_s: torch.Tensor
     mean_q: torch.Tensor
     var_q: torch.Tensor
-    mean_b: torch.Tensor
-    var_b: torch.Tensor
-    neg_b: torch.Tensor
-    miss: torch.Tensor
-    logb_mean: torch.Tensor
-    logb_var: torch.Tensor
     tok: torch.Tensor
-    tok_logb: torch.Tensor
-    tau: torch.Tensor
-    unknown: torch.Tensor
+    fam: dict
 
 
 def _poly_columns(plan: _Plan, moments: torch.Tensor, delta: torch.Tensor):
@@ -390,7 +439,7 @@ def _logsum(scale: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 
 def _chan(scale, total, mean, m2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiles' (log-scale, Σ w, mean, Σ w (x − mean)²) [T, n] combined: (mean, variance) [n] (Chan, Golub
+    """Tiles' (log-scale, Σ w, mean, Σ w (x − mean)²) [T, ...] combined: (mean, variance) (Chan, Golub
     and LeVeque's pairwise update, all tiles at once)."""
     log_w = scale.to(torch.float64) + torch.log(total.to(torch.float64))
     lse = torch.logsumexp(log_w, dim=0)
@@ -401,11 +450,11 @@ def _chan(scale, total, mean, m2) -> tuple[torch.Tensor, torch.Tensor]:
     return mu, (within + share * (mean64 - mu).square()).sum(0)
 
 
-def _finish(scan: _Scan, plan: _Plan, rec: _Tiles, cand: _Candidates | None) -> _Chunk:
+def _finish(scan: _Scan, plan: _Plan, rec: _Tiles, cands: dict) -> _Chunk:
     centres = rec.stacked("centre").to(torch.float64)
     q_scale, q_sums = rec.stacked("q_scale"), rec.stacked("q_sums").to(torch.float64)
-    # Σ e^{z − m} of each tile from torch's pairwise sum (the matmul's sums are coarser): the normalisers
-    # of q and p are then summed alike, and their rounding cancels in lse_q − lse_p as far as it can.
+    # Σ e^{z − m} of each tile from torch's pairwise sum: the normalisers of q and p are then summed
+    # alike, and their rounding cancels in lse_q − lse_p as far as it can.
     q_sums[..., 0] = rec.stacked("q_sum").to(torch.float64)
     lse_q, lse_p = _logsum(q_scale, q_sums[..., 0]), _logsum(rec.stacked("p_scale"), rec.stacked("p_sum"))
     share = torch.exp(q_scale.to(torch.float64) + torch.log(q_sums[..., 0]) - lse_q)
@@ -413,27 +462,34 @@ def _finish(scan: _Scan, plan: _Plan, rec: _Tiles, cand: _Candidates | None) -> 
     _, mq = finish_family(plan.basis, q_scale, q_sums, centres, centre)
     delta = centre + lse_q - lse_p                                                   # log r = u + δ
     mean_q, var_q = _poly_columns(plan, mq, delta)
-    tok = _tokens(rec, scan.n, lse_q)
-    zero = torch.zeros_like(lse_q)
-    lse_s = _logsum(rec.stacked("s_scale"), rec.stacked("s_sum")) if "s_scale" in rec else torch.zeros_like(lse_q)
-    out = _Chunk(-(delta + mq[:, 1]), lse_q, lse_p, lse_s,
-                 mean_q, var_q, mean_q.clone(), var_q.clone(), torch.full_like(mean_q, torch.nan), zero, zero, zero,
-                 tok, tok[:, 0] - lse_q, torch.full_like(zero, -torch.inf), torch.zeros_like(zero, dtype=torch.bool))
-    if plan.b == "cut":
-        _finish_cut(plan, cand, out)
-        return out
-    if plan.b == "full":
-        _, mb = finish_family(plan.basis, rec.stacked("s_scale"), rec.stacked("b_sums"), centres, centre)
-        out.mean_b, out.var_b = _poly_columns(plan, mb, delta)
-    s_mean, out.logb_var = _chan(rec.stacked("s_scale"), rec.stacked("s_sum"), rec.stacked("s_mean"),
-                                 rec.stacked("s_m2"))
-    out.logb_mean, out.tok_logb = s_mean - out.lse_s, tok[:, 2] - out.lse_s
-    for j, sign in enumerate(plan.sign):
-        if not sign:
-            out.neg_b[:, j] = 0.0                                                    # f ≥ 0 for every draw
-    if "miss" in rec:
-        out.miss = torch.exp(_logsum(q_scale, rec.stacked("miss")) - lse_q)
+    tok = _tokens(rec, scan.n, 2 + len(plan.families), lse_q)
+    out = _Chunk(-(delta + mq[:, 1]), lse_q, lse_p, mean_q, var_q, tok, {})
+    for i, fam in enumerate(plan.families):
+        s_tok = tok[:, 2 + i]
+        if fam.kind == "cut":
+            out.fam[fam.name] = _finish_cut(plan, fam, cands[fam.name], out, s_tok, rec)
+        else:
+            out.fam[fam.name] = _finish_full(plan, fam, rec, out, (centres, centre, delta), s_tok)
     return out
+
+
+def _finish_full(plan: _Plan, fam: _Family, rec: _Tiles, out: _Chunk, centring, s_tok) -> _Sampled:
+    """A family with full support: moments from its weights' tile sums (or q's, when it is q)."""
+    f = fam.name
+    centres, centre, delta = centring
+    mean, var = out.mean_q.clone(), out.var_q.clone()
+    if fam.kind == "full":
+        _, moments = finish_family(plan.basis, rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sums"), centres, centre)
+        mean, var = _poly_columns(plan, moments, delta)
+    lse = _logsum(rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sum"))
+    s_mean, s_var = _chan(rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sum"), rec.stacked(f"{f}_mean"),
+                          rec.stacked(f"{f}_m2"))
+    neg = torch.full_like(mean, torch.nan)
+    neg[:, [j for j, sign in enumerate(plan.sign) if not sign]] = 0.0               # f ≥ 0 for every draw
+    miss = torch.exp(_logsum(rec.stacked("q_scale"), rec.stacked(f"{f}_miss")) - out.lse_q) \
+        if f"{f}_miss" in rec else torch.zeros_like(lse)
+    return _Sampled(mean, var, neg, miss, s_mean - lse, s_var, s_tok - lse, lse, torch.full_like(lse, -torch.inf),
+                    torch.zeros_like(lse, dtype=torch.bool))
 
 
 def _top_p_threshold(cand: torch.Tensor, norm: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,43 +525,46 @@ def _threshold(sp: Sampler, cand: torch.Tensor, lse_s: torch.Tensor, vocab: int)
     return tau, unknown
 
 
-def _under_b(plan: _Plan, logb: torch.Tensor, keep: torch.Tensor, logr: torch.Tensor, out: _Chunk) -> None:
-    """Moments under b = exp(logb) [n, K] over the ``keep`` entries, of every estimator of ``logr``."""
+def _under(plan: _Plan, logb: torch.Tensor, keep: torch.Tensor, logr: torch.Tensor):
+    """E, Var, P(f < 0) [n, F] and E, Var of log b [n] under b = exp(logb) [n, K] over ``keep``."""
     b = torch.exp(logb)
     f = torch.stack([fn(logr) for fn in plan.fns], dim=-1) if plan.fns else logr.new_zeros(logr.shape + (0,))
     f = torch.where(keep.unsqueeze(-1), f, torch.zeros_like(f))                     # 0·inf would be NaN
-    out.mean_b = (b.unsqueeze(-1) * f).sum(1)
-    out.var_b = (b.unsqueeze(-1) * (f - out.mean_b.unsqueeze(1)).square()).sum(1)
-    out.neg_b = (b.unsqueeze(-1) * (f < 0).to(f.dtype)).sum(1)
+    mean = (b.unsqueeze(-1) * f).sum(1)
+    var = (b.unsqueeze(-1) * (f - mean.unsqueeze(1)).square()).sum(1)
+    neg = (b.unsqueeze(-1) * (f < 0).to(f.dtype)).sum(1)
     lb = torch.where(keep, logb, torch.zeros_like(logb))
-    out.logb_mean = (b * lb).sum(-1)
-    out.logb_var = (b * (lb - out.logb_mean.unsqueeze(-1)).square()).sum(-1)
+    log_mean = (b * lb).sum(-1)
+    return mean, var, neg, log_mean, (b * (lb - log_mean.unsqueeze(-1)).square()).sum(-1)
 
 
-def _finish_cut(plan: _Plan, cand: _Candidates, out: _Chunk) -> None:
-    """Everything under a truncating b from the candidates (b's support is among them; rows where it may
-    not be are marked ``unknown`` and redone by the second pass)."""
+def _finish_cut(plan: _Plan, fam: _Family, cand: _Candidates, out: _Chunk, s_tok: torch.Tensor,
+                rec: _Tiles) -> _Sampled:
+    """Everything under a truncating family from its candidates (its support is among them; rows where
+    it may not be are marked ``unknown`` and redone by the second pass)."""
     s, zq, zp = (x.to(torch.float64) for x in cand.finish())
-    out.tau, out.unknown = _threshold(plan.sampler, s, out.lse_s, plan.vocab)
-    out.unknown |= cand.dropped.to(torch.float64) >= out.tau
-    keep = (s >= out.tau.unsqueeze(-1)) & torch.isfinite(s)
+    f = fam.name
+    lse_s = _logsum(rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sum")) if f"{f}_scale" in rec \
+        else torch.zeros_like(out.lse_q)
+    tau, unknown = _threshold(plan.sampler, s, lse_s, plan.vocab)
+    unknown |= cand.dropped.to(torch.float64) >= tau
+    keep = (s >= tau.unsqueeze(-1)) & torch.isfinite(s)
     ls = torch.where(keep, s, torch.full_like(s, -torch.inf))
     lse_b = torch.logsumexp(ls, dim=-1)
     logr = (zp - out.lse_p.unsqueeze(-1)) - (zq - out.lse_q.unsqueeze(-1))
-    _under_b(plan, ls - lse_b.unsqueeze(-1), keep, logr, out)
+    mean, var, neg, log_mean, log_var = _under(plan, ls - lse_b.unsqueeze(-1), keep, logr)
     kept_q = torch.where(keep, torch.exp(zq - out.lse_q.unsqueeze(-1)), torch.zeros_like(zq)).sum(-1)
-    out.miss = (1.0 - kept_q).clamp(min=0.0)
-    s_tok = out.tok[:, 2]
-    tok_logb = torch.where(s_tok >= out.tau, s_tok - lse_b, torch.full_like(s_tok, -torch.inf))
-    out.tok_logb = torch.where(torch.isnan(s_tok), s_tok, tok_logb)
+    tok_log = torch.where(s_tok >= tau, s_tok - lse_b, torch.full_like(s_tok, -torch.inf))
+    return _Sampled(mean, var, neg, (1.0 - kept_q).clamp(min=0.0), log_mean, log_var,
+                    torch.where(torch.isnan(s_tok), s_tok, tok_log), lse_s, tau, unknown)
 
 
 # ----------------------------------------------------------------------------- the second pass
-def _widen(scan: _Scan, plan: _Plan, lse_s: torch.Tensor) -> torch.Tensor:
-    """τ [n] of b for rows whose support reaches past the candidates (a flat row's nucleus): each row's
-    whole score vector, made tile by tile in one policy-only pass (O(V) per such row; the very same
-    rounded scores as the first pass), and τ from all of it."""
-    cand = torch.cat([scan.scores(zq, lo) for lo, zq, _ in scan.tiles(policy_only=True)], dim=-1)
+def _widen(scan: _Scan, plan: _Plan, fam: _Family, lse_s: torch.Tensor) -> torch.Tensor:
+    """τ [n] of a family for rows whose support reaches past the candidates (a flat row's nucleus): each
+    row's whole score vector, made tile by tile in one pass (O(V) per such row; the very same rounded
+    scores as the first pass), and τ from all of it."""
+    cand = torch.cat([scan.scores(t[fam.source], t["lo"]) for t in scan.tiles(policy_only=True)], dim=-1)
     cand = torch.sort(cand.to(torch.float64), dim=-1, descending=True).values
     return _threshold(plan.sampler, cand, lse_s, plan.vocab)[0]
 
@@ -532,17 +591,18 @@ class _Spread:
         return _logsum(scale, total), mu, var
 
 
-def _second_pass(scan: _Scan, fns, lse_q, lse_p, tau):
-    """With the normalisers and b's threshold τ known, one more pass over the tiles: moments under q of
-    ``fns`` and under b of (f, 1[f < 0], s), and the q-mass outside b's support. Returns
-    (q: (mean, var) [n, F]; b: (log Z_b [n], mean [n, 2F + 1], var [n, 2F + 1]); miss [n])."""
+def _second_pass(scan: _Scan, fns, lse_q, lse_p, tau, source: str = "zq"):
+    """With the normalisers and the family's threshold τ known, one more pass over the tiles: moments
+    under q of ``fns`` and under the family (scores from ``source``'s logits) of (f, 1[f < 0], s), and the
+    q-mass outside its support. Returns (q: (mean, var) [n, F]; family: (log Z [n], mean [n, 2F + 1],
+    var [n, 2F + 1]); miss [n]). Sums run in float64 (f itself, as the dense path)."""
     under_q, under_b, miss = _Spread(), _Spread(), []
     shift = (lse_q - lse_p).unsqueeze(-1)
-    for lo, zq, zp in scan.tiles():
-        s = scan.scores(zq, lo)
-        logr = (zp - zq).to(torch.float64) + shift           # float64: f's arguments as the dense path
+    for t in scan.tiles():
+        s = scan.scores(t[source], t["lo"])
+        logr = (t["zp"] - t["zq"]).to(torch.float64) + shift
         f = torch.stack([fn(logr) for fn in fns], dim=-1) if fns else logr.new_zeros(logr.shape + (0,))
-        wq = torch.exp(zq.to(torch.float64) - lse_q.unsqueeze(-1))
+        wq = torch.exp(t["zq"].to(torch.float64) - lse_q.unsqueeze(-1))
         under_q.add(torch.zeros_like(lse_q), wq, f)
         inside = s >= tau.unsqueeze(-1).to(s.dtype)
         ms = _row_max(torch.where(inside, s, torch.full_like(s, -torch.inf))).to(torch.float64)
@@ -554,56 +614,58 @@ def _second_pass(scan: _Scan, fns, lse_q, lse_p, tau):
     return (mean_q, var_q), (log_zb[:, 0], mean_b, var_b), torch.stack(miss).sum(0)
 
 
-def _negative_pass(scan: _Scan, plan: _Plan, out: _Chunk, cols: list[int]) -> None:
-    """P_b(f < 0) [n] of polynomial estimators that change sign, under a b with full support: the sign of
-    f(log r) needs log r = d + (lse_q − lse_p), so one more pass, in the compute dtype (f's sign at a
-    token is decided by log r to the logits' own rounding)."""
+def _negative_pass(scan: _Scan, plan: _Plan, fam: _Family, out: _Chunk, cols: list[int]) -> None:
+    """P(f < 0) [n] of polynomial estimators that change sign, under a family with full support: the
+    sign of f(log r) needs log r = d + (lse_q − lse_p), so one more pass, in the compute dtype (f's sign
+    at a token is decided by log r to the logits' own rounding)."""
     shift = (out.lse_q - out.lse_p).unsqueeze(-1)
-    lse_b = (out.lse_q if plan.b == "q" else out.lse_s).unsqueeze(-1)
+    got = out.fam[fam.name]
     sums = torch.zeros(out.kl.shape[0], len(cols), dtype=torch.float64, device=out.kl.device)
-    for lo, zq, zp in scan.tiles():
-        s = zq if plan.b == "q" else scan.scores(zq, lo)
-        wb = torch.exp(s - lse_b.to(s.dtype))
-        logr = (zp - zq).add_(shift.to(zq.dtype))
+    for t in scan.tiles():
+        s = t["zq"] if fam.kind == "same" else scan.scores(t[fam.source], t["lo"])
+        wb = torch.exp(s - got.lse.unsqueeze(-1).to(s.dtype))
+        logr = (t["zp"] - t["zq"]).add_(shift.to(t["zq"].dtype))
         for i, j in enumerate(cols):
             sums[:, i] += torch.where(plan.fns[j](logr) < 0, wb, torch.zeros_like(wb)).sum(-1).to(torch.float64)
     for i, j in enumerate(cols):
-        out.neg_b[:, j] = sums[:, i]
+        got.neg[:, j] = sums[:, i]
 
 
-def _redo_columns(scan: _Scan, plan: _Plan, out: _Chunk, cols: list[int]) -> None:
-    """The second pass for estimators one pass cannot give (every row): the moments of non-polynomial
-    ones, and P_b(f < 0) of polynomial ones that change sign."""
+def _redo_columns(scan: _Scan, plan: _Plan, fam: _Family, out: _Chunk, cols: list[int]) -> None:
+    """The second pass for estimators one pass cannot give under ``fam`` (every row): the moments of
+    non-polynomial ones (and their q moments), P(f < 0) of polynomial ones that change sign."""
     signs = [j for j in cols if plan.poly[j] is not None]
     if signs:
-        _negative_pass(scan, plan, out, signs)
+        _negative_pass(scan, plan, fam, out, signs)
     cols = [j for j in cols if plan.poly[j] is None]
     if not cols:
         return
+    got = out.fam[fam.name]
     fns = [plan.fns[j] for j in cols]
-    tau = out.tau if plan.b == "cut" else torch.full_like(out.kl, -torch.inf)
-    (mean_q, var_q), (_, mean_b, var_b), _ = _second_pass(scan, fns, out.lse_q, out.lse_p, tau)
+    (mean_q, var_q), (_, mean_b, var_b), _ = _second_pass(scan, fns, out.lse_q, out.lse_p, got.tau, fam.source)
     nf = len(cols)
     for i, j in enumerate(cols):
         out.mean_q[:, j], out.var_q[:, j] = mean_q[:, i], var_q[:, i]
-        if plan.b != "cut":
-            out.mean_b[:, j], out.var_b[:, j], out.neg_b[:, j] = mean_b[:, i], var_b[:, i], mean_b[:, nf + i]
+        if fam.kind == "same":
+            got.mean[:, j], got.var[:, j] = mean_q[:, i], var_q[:, i]
+        if fam.kind != "cut":
+            got.mean[:, j], got.var[:, j], got.neg[:, j] = mean_b[:, i], var_b[:, i], mean_b[:, nf + i]
 
 
-def _redo_rows(scan: _Scan, plan: _Plan, out: _Chunk, rows: torch.Tensor) -> None:
-    """The second pass for rows whose sampler support the candidates may not cover: τ from the whole
-    score vector, then everything under b summed over the tiles."""
-    sub = scan.rows(rows)
-    tau = _widen(sub, plan, out.lse_s[rows])
-    _, (log_zb, mean_b, var_b), miss = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows], tau)
+def _redo_rows(scan: _Scan, plan: _Plan, fam: _Family, out: _Chunk, rows: torch.Tensor) -> None:
+    """The second pass for rows whose support the family's candidates may not cover: τ from the whole
+    score vector, then everything under the family summed over the tiles."""
+    sub, got = scan.rows(rows), out.fam[fam.name]
+    tau = _widen(sub, plan, fam, got.lse[rows])
+    _, (log_z, mean, var), miss = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows], tau, fam.source)
     nf = len(plan.fns)
-    out.tau[rows] = tau
-    out.mean_b[rows], out.var_b[rows], out.neg_b[rows] = mean_b[:, :nf], var_b[:, :nf], mean_b[:, nf:2 * nf]
-    out.logb_mean[rows], out.logb_var[rows] = mean_b[:, -1] - log_zb, var_b[:, -1]
-    out.miss[rows] = miss
-    s_tok = out.tok[rows, 2]
-    tok_logb = torch.where(s_tok >= tau, s_tok - log_zb, torch.full_like(s_tok, -torch.inf))
-    out.tok_logb[rows] = torch.where(torch.isnan(s_tok), s_tok, tok_logb)
+    got.tau[rows] = tau
+    got.mean[rows], got.var[rows], got.neg[rows] = mean[:, :nf], var[:, :nf], mean[:, nf:2 * nf]
+    got.log_mean[rows], got.log_var[rows] = mean[:, -1] - log_z, var[:, -1]
+    got.miss[rows] = miss
+    s_tok = out.tok[rows, 2 + plan.families.index(fam)]
+    tok_log = torch.where(s_tok >= tau, s_tok - log_z, torch.full_like(s_tok, -torch.inf))
+    got.tok_log[rows] = torch.where(torch.isnan(s_tok), s_tok, tok_log)
 
 
 def _spoiled(plan: _Plan, out: _Chunk) -> torch.Tensor:
@@ -611,7 +673,8 @@ def _spoiled(plan: _Plan, out: _Chunk) -> torch.Tensor:
     or log r is infinite somewhere (p or q is 0 at an id), which the moments cannot carry."""
     cols = [j for j, p in enumerate(plan.poly) if p is not None]
     parts = [~torch.isfinite(out.kl)]
-    for x in (out.mean_q, out.var_q) + ((out.mean_b, out.var_b) if plan.b == "full" else ()):
+    for x in [out.mean_q, out.var_q] + [t for f in plan.families if f.kind == "full"
+                                         for t in (out.fam[f.name].mean, out.fam[f.name].var)]:
         parts.append(~torch.isfinite(x[:, cols]).all(-1) if cols else torch.zeros_like(parts[0]))
     return torch.stack(parts).any(0)
 
@@ -621,80 +684,88 @@ def _redo_spoiled(scan: _Scan, plan: _Plan, out: _Chunk, rows: torch.Tensor) -> 
     weight is 0 counts 0; where it is not, the value is rightly infinite)."""
     sub = scan.rows(rows)
     fns = list(plan.fns) + [lambda logr: -logr]                      # KL = E_q[−log r]
-    tau = out.tau[rows] if plan.b == "cut" else torch.full_like(out.kl[rows], -torch.inf)
-    (mean_q, var_q), (_, mean_b, var_b), _ = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows], tau)
     nf = len(plan.fns)
-    out.kl[rows] = mean_q[:, -1]
-    out.mean_q[rows], out.var_q[rows] = mean_q[:, :nf], var_q[:, :nf]
-    if plan.b != "cut":
-        out.mean_b[rows], out.var_b[rows] = mean_b[:, :nf], var_b[:, :nf]
-        out.neg_b[rows] = torch.where(torch.isnan(out.neg_b[rows]), out.neg_b[rows], mean_b[:, nf + 1:2 * nf + 1])
+    for fam in plan.families:
+        got = out.fam[fam.name]
+        q, (_, mean, var), _ = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows], got.tau[rows], fam.source)
+        if fam.kind != "cut":
+            got.mean[rows], got.var[rows] = mean[:, :nf], var[:, :nf]
+            got.neg[rows] = torch.where(torch.isnan(got.neg[rows]), got.neg[rows], mean[:, nf + 1:2 * nf + 1])
+    out.kl[rows] = q[0][:, -1]
+    out.mean_q[rows], out.var_q[rows] = q[0][:, :nf], q[1][:, :nf]
 
 
 def _any(mask: torch.Tensor) -> bool:
-    """Whether any entry is true: the one host synchronisation of a chunk (on a meta tensor, where no
-    value exists, False: the shapes are all a meta run checks)."""
+    """Whether any entry is true: the host synchronisation of a chunk (on a meta tensor, where no value
+    exists, False: the shapes are all a meta run checks)."""
     return False if mask.device.type == "meta" else bool(mask.any())
 
 
 def _chunk_values(scan: _Scan, plan: _Plan, bufs: _Buffers) -> PositionValues:
     rec = _Tiles()
-    cand = _Candidates(plan.keep, plan.take, scan.hq) if plan.b == "cut" else None
+    cands = {f.name: _Candidates(f.keep, plan.take(f), scan.hq) for f in plan.families if f.kind == "cut"}
     for lo in range(0, plan.vocab, scan.tile):
-        _one_tile(scan, plan, rec, cand, lo, bufs)
-    out = _finish(scan, plan, rec, cand)
-    cols = plan.second_pass_columns()
-    if cols:
-        _redo_columns(scan, plan, out, cols)
-    if plan.b == "cut" and _any(out.unknown):
-        _redo_rows(scan, plan, out, torch.nonzero(out.unknown).flatten())
+        _one_tile(scan, plan, rec, cands, lo, bufs)
+    out = _finish(scan, plan, rec, cands)
+    for fam in plan.families:
+        cols = plan.second_pass_columns(fam)
+        if cols:
+            _redo_columns(scan, plan, fam, out, cols)
+        if fam.kind == "cut" and _any(out.fam[fam.name].unknown):
+            _redo_rows(scan, plan, fam, out, torch.nonzero(out.fam[fam.name].unknown).flatten())
     spoiled = _spoiled(plan, out)
     if _any(spoiled):
         _redo_spoiled(scan, plan, out, torch.nonzero(spoiled).flatten())
-    tok = out.tok
-    return PositionValues(plan.names, out.kl, out.mean_q, out.var_q, out.mean_b, out.var_b, out.neg_b, out.miss,
-                          out.logb_mean, out.logb_var, tok[:, 0] - out.lse_q, tok[:, 1] - out.lse_p, out.tok_logb)
+    g = out.fam["g"].values() if "g" in out.fam else None
+    return PositionValues(plan.names, out.kl, out.mean_q, out.var_q, out.tok[:, 0] - out.lse_q,
+                          out.tok[:, 1] - out.lse_p, out.fam["b"].values(), g)
 
 
 # ----------------------------------------------------------------------------- the public functions
-def _empty(names: tuple[str, ...], like: torch.Tensor) -> PositionValues:
-    empty = torch.zeros(0, dtype=torch.float64, device=like.device)
-    return PositionValues(names, empty, *(empty.view(0, 1).expand(0, len(names)),) * 5, empty, empty, empty,
-                          empty, empty, empty)
+def _empty(names: tuple[str, ...], like: torch.Tensor, sampling: bool) -> PositionValues:
+    e = torch.zeros(0, dtype=torch.float64, device=like.device)
+    ef = e.view(0, 1).expand(0, len(names))
+    sv = SamplerValues(ef, ef, ef, e, e, e, e)
+    return PositionValues(names, e, ef, ef, e, e, sv, sv if sampling else None)
 
 
 @torch.no_grad()
 def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, policy_head: Head, reference_head: Head,
                   estimators: Sequence = ("k1", "k3"), sampler: Sampler | None = None, *,
                   ids: torch.Tensor | None = None, eos_banned: torch.Tensor | None = None,
-                  context_ids: torch.Tensor | None = None, chunk: int = 256, tile: int = 4096,
-                  candidates: int = 1024, dtype: torch.dtype = torch.float32, tf32: bool = False,
-                  negative: bool = True) -> PositionValues:
+                  context_ids: torch.Tensor | None = None, sampling_hidden: torch.Tensor | None = None,
+                  chunk: int = 256, tile: int = 4096, candidates: int = 1024, dtype: torch.dtype = torch.float32,
+                  tf32: bool = False, negative: bool = True) -> PositionValues:
     """:func:`kl_bench.audit.exact.position_values` from hidden states [N, d] (each model's own, any float
     dtype, on the heads' device) and output layers, streamed: the same values, in O(N + chunk × tile)
     memory, as [N] / [N, F] float64 tensors on that device.
 
-    ``dtype``: the tile matmuls' and tile sums' dtype (float32: the model's own rounding, ~1e-7 relative
-    of each logit; float64: exact to rounding); the merges are float64 either way. ``candidates``: the
-    scores kept per position for a top-p or min-p sampler (a larger support is found by widening).
-    ``negative``: P_b(f < 0) of estimators that change sign (k1, fwd_k1) under a sampler that does not
-    truncate needs a second pass (two more forwards); False leaves those entries NaN (not computed)."""
+    ``sampling_hidden`` [N, d]: the policy's hidden states in the pass that drew the tokens, when it
+    differs from the scored one (its values are ``g``; one more matmul per tile). ``dtype``: the tile
+    matmuls' and tile sums' dtype (float32: the model's own rounding, ~1e-7 relative of each logit;
+    float64: exact to rounding); the merges are float64 either way. ``candidates``: the scores kept per
+    position for a top-p or min-p sampler (a larger support is found by widening). ``negative``: P(f < 0)
+    of estimators that change sign (k1, fwd_k1) under a sampler that does not truncate needs a second
+    pass (two more forwards); False leaves those entries NaN (not computed)."""
     _check_inputs(policy_hidden, reference_hidden, policy_head, reference_head, dtype)
+    if sampling_hidden is not None and sampling_hidden.shape != policy_hidden.shape:
+        raise SpecError(f"the sampling pass's hidden states must be {list(policy_hidden.shape)}, got "
+                        f"{list(sampling_hidden.shape)}", key="sampling_hidden")
     sampler = sampler or Sampler()
-    plan = _Plan.of(estimators, sampler, policy_head.vocab, candidates, negative)
-    parts = []
-    n_all = policy_hidden.shape[0]
+    plan = _Plan.of(estimators, sampler, policy_head.vocab, candidates, negative, sampling_hidden is not None)
+    n_all, parts = policy_hidden.shape[0], []
     bufs = _Buffers(scratch_needed(plan.basis), min(chunk, n_all), min(tile, plan.vocab),
                     policy_hidden.new_empty(0, dtype=dtype))
+
+    def rows(x, i, dt=None):
+        return None if x is None else (x[i:i + chunk] if dt is None else x[i:i + chunk].to(dt))
     with matmul_precision(tf32):
         for i in range(0, n_all, chunk):
-            j = i + chunk
-            scan = _Scan(policy_hidden[i:j].to(dtype), reference_hidden[i:j].to(dtype), (policy_head, reference_head),
-                         sampler, tile, None if eos_banned is None else eos_banned[i:j],
-                         None if context_ids is None else context_ids[i:j],
-                         None if ids is None else ids[i:j].to(torch.long))
+            scan = _Scan(rows(policy_hidden, i, dtype), rows(reference_hidden, i, dtype), rows(sampling_hidden, i, dtype),
+                         (policy_head, reference_head), sampler, tile, rows(eos_banned, i), rows(context_ids, i),
+                         rows(ids, i, torch.long))
             parts.append(_chunk_values(scan, plan, bufs))
-    return PositionValues.cat(parts) if parts else _empty(plan.names, policy_hidden)
+    return PositionValues.cat(parts) if parts else _empty(plan.names, policy_hidden, sampling_hidden is not None)
 
 
 def _kl_tile(zq: torch.Tensor, zp: torch.Tensor, diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
