@@ -220,13 +220,15 @@ def test_aggregations_are_the_trainers_formulas_bit_for_bit():
 
 
 # ----------------------------------------------------------------------------- step audit by Monte Carlo
-def _steps(g, sp: Sampler, steps: int, *, trainer="trl.grpo", draw_temperature=1.0, ref_noise=0.5, B=4, T=6, V=30):
-    """Synthetic steps: per-position logits, tokens drawn from b (of logits / draw_temperature), a trainer's
-    float32 per-token values. Every step's positions are audited in one call, then split per step."""
+def _steps(g, sp: Sampler, steps: int, *, trainer="trl.grpo", draw_temperature=1.0, ref_noise=0.5, B=4, T=6, V=30,
+           draw_noise=0.0, captured=False):
+    """Synthetic steps: per-position logits, tokens drawn from b (of logits / draw_temperature, moved by
+    ``draw_noise`` as a dropout mask would), a trainer's float32 per-token values. ``captured``: the
+    audit is given the drawing pass's logits. Every step's positions are audited in one call, then split."""
     n = steps * B * T
     zp = 1.5 * torch.randn(n, V, generator=g, dtype=torch.float64)
     zr = zp + ref_noise * torch.randn(n, V, generator=g, dtype=torch.float64)
-    draw = zp / draw_temperature
+    draw = zp / draw_temperature + draw_noise * torch.randn(n, V, generator=g, dtype=torch.float64)
     ids = torch.multinomial(torch.exp(sampler_logprobs(draw, sp)), 1, generator=g).squeeze(-1)
     lengths = torch.randint(1, T + 1, (steps, B), generator=g)
     mask = torch.arange(T) < lengths.unsqueeze(-1)                                  # [S, B, T]
@@ -234,7 +236,7 @@ def _steps(g, sp: Sampler, steps: int, *, trainer="trl.grpo", draw_temperature=1
     lr = torch.log_softmax(zr, -1).gather(-1, ids[:, None]).squeeze(-1).float()
     values = kl_bench.ESTIMATORS[trainer].fn(lr - lp).view(steps, B, T)
     flat = mask.flatten()
-    pv = position_values(zp[flat], zr[flat], (trainer,), sp, ids=ids[flat])
+    pv = position_values(zp[flat], zr[flat], (trainer,), sp, ids=ids[flat], sampling=draw[flat] if captured else None)
     ends = torch.cumsum(mask.flatten(1).sum(-1), 0).tolist()
     starts = [0] + ends[:-1]
     return [(pv.select(slice(a, b)), values[s], mask[s]) for s, (a, b) in enumerate(zip(starts, ends))]
@@ -282,6 +284,28 @@ def test_step_audit_finds_k2s_bias_and_a_draw_mismatch():
     assert abs(k2["z"]) > 5 and abs(k2["consistency_z"]) < 5
     assert abs(k2["mean_bias"] - sum(r.bias_estimator for r in log.rows if r.source == "k2") / 100) < 5 * k2["se"]
     assert mism["consistency_z"] < -5       # tokens drawn at another temperature than the one audited
+
+
+@pytest.mark.parametrize("sp", [Sampler(), Sampler(top_k=5)], ids=lambda s: s.describe())
+def test_a_sampling_pass_unlike_the_scored_one_is_its_own_bias_source(sp):
+    # Tokens drawn by a pass whose logits differ from the scored pass's (here a temperature of 2 in the
+    # drawing pass; dropout or position ids do the same): without that pass the audit books the gap as
+    # noise and the consistency check fails; with it, the gap is bias_mismatch (its exact value), the rest
+    # is noise within its SE, and the check passes.
+    S = 120
+    blind = _audit(AuditLog(), _steps(_gen(17), sp, S, draw_temperature=2.0), source="blind")
+    log = AuditLog()
+    seen = _audit(log, _steps(_gen(17), sp, S, draw_temperature=2.0, captured=True), source="seen")
+    assert blind["consistency_z"] < -5
+    assert abs(seen["consistency_z"]) < 5 and all(r.sampling_pass == r.tokens for r in log.rows)
+    mismatch = sum(r.bias_mismatch for r in log.rows) / S
+    assert abs(mismatch) > 2 * seen["se"]                          # a real source, above the noise
+    assert abs(seen["mean_bias"] - seen["mean_bias_sampler"] - mismatch) < 5 * seen["se"] + 1e-6
+    z = torch.tensor([r.noise / r.se for r in log.rows])           # what is left is noise: ≈ N(0, 1)
+    assert abs(z.mean().item()) * math.sqrt(S) < 5 and abs(z.square().mean().item() - 1) < 5 * math.sqrt(2 / S)
+    r = log.rows[0]
+    assert r.bias == pytest.approx(r.bias_estimator + r.bias_sampler + r.bias_mismatch + r.noise + r.bias_precision,
+                                   abs=1e-12)
 
 
 def test_impossible_token_fails_consistency():
