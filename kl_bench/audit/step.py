@@ -196,7 +196,7 @@ class AuditLog:
 
     def pooled(self) -> dict[str, dict]:
         """source → steps, mean bias, its SE, pooled z, mean sampler bias, pooled consistency z, impossible."""
-        return {source: _pool([r for r in self.rows if r.source == source])
+        return {source: pooled_row([r for r in self.rows if r.source == source])
                 for source in dict.fromkeys(r.source for r in self.rows)}
 
     def csv_bytes(self) -> bytes:
@@ -220,7 +220,7 @@ class AuditLog:
         return write_locked(directory, {"audit.csv": self.csv_bytes()}, env)
 
 
-def _pool(rows: list[StepAudit]) -> dict:
+def pooled_row(rows: list[StepAudit]) -> dict:
     """The pooled row of one source's steps (see :meth:`AuditLog.pooled`)."""
     n = len(rows)
     bias = sum(r.bias for r in rows)
