@@ -131,11 +131,16 @@ class AuditSession:
                                self.estimators, self.sampler, ids=record.completion_ids[mask], eos_banned=banned,
                                context_ids=ctx, sampling_hidden=sampling, chunk=self.chunk, tile=self.tile,
                                dtype=self.dtype, negative=self.negative)
-        for m in self.metrics:
-            sums = step_sums(values, record.values_for(m.source), mask, estimator=m.estimator,
-                             aggregation=m.aggregation)
-            self._pending[m.source] = sums if m.source not in self._pending else self._pending[m.source] + sums
+        self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask)
         return values
+
+    def add_values(self, values: PositionValues, trainer_values: torch.Tensor | dict, mask: torch.Tensor) -> None:
+        """Add a batch whose exact values are already computed (e.g. from full logits by
+        :func:`~.exact.position_values`): ``trainer_values`` [B, T] (or source → [B, T]), ``mask`` [B, T]."""
+        for m in self.metrics:
+            v = trainer_values[m.source] if isinstance(trainer_values, dict) else trainer_values
+            sums = step_sums(values, v, mask, estimator=m.estimator, aggregation=m.aggregation)
+            self._pending[m.source] = sums if m.source not in self._pending else self._pending[m.source] + sums
 
     @property
     def pending(self) -> bool:

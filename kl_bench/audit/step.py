@@ -234,3 +234,39 @@ def pooled_row(rows: list[StepAudit]) -> dict:
         "consistency_z": consistency_z(sum(r.consistency_sum for r in rows),
                                        sum(r.consistency_var for r in rows), sum(r.impossible for r in rows)),
         "impossible": sum(r.impossible for r in rows)}
+
+
+# Columns of older audit.csv files than today's, with the value they stand for there.
+AUDIT_DEFAULTS = {"bias_mismatch": "0.0", "sampling_pass": "0"}
+
+
+def read_audit_csv(path) -> list[StepAudit]:
+    """audit.csv read back (bounded, one line naming the file and column for anything wrong); files
+    written before a column existed get its :data:`AUDIT_DEFAULTS` (expected_g: expected_b)."""
+    import csv
+    import io
+
+    from ..safe_io import decode_text, read_regular
+    text = decode_text(read_regular(path, "summary.csv", "audit.csv"), path, "audit.csv")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    out = []
+    for i, row in enumerate(rows, start=2):
+        row = {**AUDIT_DEFAULTS, "expected_g": row.get("expected_b", ""), **row}
+        try:
+            values = {f.name: f.type_cast(row[f.name]) for f in _FIELDS}
+        except KeyError as e:
+            raise SpecError("missing column", file=str(path), key=str(e).strip("'")) from None
+        except ValueError as e:
+            raise SpecError(f"line {i}: {e}", file=str(path)) from None
+        out.append(StepAudit(**values))
+    return out
+
+
+class _Field:
+    def __init__(self, name: str, kind: str):
+        self.name = name
+        self.type_cast = {"int": lambda x: int(float(x)), "float": float, "str": str}[kind]
+
+
+_FIELDS = [_Field(name, {"int": "int", "float": "float"}.get(str(t).split(".")[-1].strip("'>"), "str"))
+           for name, t in StepAudit.__annotations__.items()]

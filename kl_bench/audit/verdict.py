@@ -63,6 +63,13 @@ def step_warnings(a: StepAudit, history: list[StepAudit], sampler: str, t: Thres
         out.append(Warning("sampler", f"step {a.step} {a.source}: the sampler ({sampler}) moves the estimator's mean by "
                                       f"{(a.expected_b - a.expected_q) / abs(a.expected_q):+.0%}: the logged KL is of "
                                       "another distribution; sample with top_k=0, top_p=1, min_p=0 or weight by q/b"))
+    if a.sampling_pass and abs(a.bias_mismatch) > t.sampler * abs(a.expected_q):
+        out.append(Warning("mismatch", f"step {a.step} {a.source}: the pass that drew the tokens differs from the "
+                                       f"scored one and moves the estimator's mean by "
+                                       f"{a.bias_mismatch / abs(a.expected_q):+.0%} (bias_mismatch "
+                                       f"{a.bias_mismatch:+.3g}); likely causes: position ids (left padding "
+                                       "without position_ids in the loss pass), dropout, the KV cache or precision "
+                                       "of generation"))
     if abs(a.consistency_z) > t.z:
         out.append(Warning("consistency", _consistency(f"step {a.step} {a.source}", a.consistency_z, a.impossible,
                                                        a.sampling_pass > 0)))
