@@ -27,7 +27,11 @@ class SamplerValues:
     """Exact values under one sampling distribution at N positions: [N] tensors, [N, F] for the F
     estimators. ``mean``/``var``/``neg``: E[f], Var[f], P(f < 0); ``miss``: the q-mass it never draws;
     ``log_mean``/``log_var``: its E[log b], Var[log b] (the consistency check's statistic); ``tok_log``:
-    log b of the sampled token (NaN where no ids were given, −inf where b cannot draw it)."""
+    log b of the sampled token (NaN where no ids were given, −inf where b cannot draw it). Against the
+    policy q whose logits it was built from (the rollout engine's mismatch, if b is the engine's sampler):
+    ``kl_q`` = KL(b‖q) = E_b[log b − log q]; ``chi2`` = Σ_{b>0} q²/b − 1 = E_b[(q/b)²] − 1; ``gap_abs`` =
+    E_b|log b − log q| (NaN where one pass cannot give it: a full-support b ≠ q, or a row past the
+    candidates)."""
     mean: torch.Tensor
     var: torch.Tensor
     neg: torch.Tensor
@@ -35,6 +39,9 @@ class SamplerValues:
     log_mean: torch.Tensor
     log_var: torch.Tensor
     tok_log: torch.Tensor
+    kl_q: torch.Tensor
+    chi2: torch.Tensor
+    gap_abs: torch.Tensor
 
     def select(self, rows: torch.Tensor) -> "SamplerValues":
         return SamplerValues(*(getattr(self, f.name)[rows] for f in fields(self)))
@@ -139,7 +146,10 @@ def _sampler_values(lq, lb, f, ids) -> SamplerValues:
     neg = _moments(lb, (f < 0).to(torch.float64))[0]
     miss = torch.where(torch.isneginf(lb), torch.exp(lq), torch.zeros_like(lq)).sum(dim=-1)
     log_mean, log_var = (t.squeeze(-1) for t in _moments(lb, lb.unsqueeze(-1)))
-    return SamplerValues(mean, var, neg, miss, log_mean, log_var, _gather(lb, ids))
+    gap = torch.where(torch.isneginf(lb), torch.zeros_like(lb), lb - lq)
+    kl_q, gap_abs = (t.squeeze(-1) for t in _moments(lb, torch.stack([gap, gap.abs()], -1))[0].split(1, -1))
+    chi2 = torch.where(torch.isneginf(lb), torch.zeros_like(lb), torch.exp(2 * lq - lb)).sum(-1) - 1.0
+    return SamplerValues(mean, var, neg, miss, log_mean, log_var, _gather(lb, ids), kl_q, chi2, gap_abs)
 
 
 def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: Sequence = ("k1", "k3"),

@@ -329,7 +329,7 @@ def _family_tile(scan: _Scan, fam: _Family, s: torch.Tensor, q: tuple, buf: torc
     """A family's per-tile records from its scores s [n, t]: its normaliser, the mean and spread of s
     under it, the q-mass where s = −inf; returns its weights when it needs moments ("full")."""
     f = fam.name
-    mq, w, sq = q
+    mq, w, sq, _ = q
     if fam.kind == "same":
         ms, wf, sf = mq, w, sq
     elif plan.needs_lse(fam):
@@ -343,6 +343,15 @@ def _family_tile(scan: _Scan, fam: _Family, s: torch.Tensor, q: tuple, buf: torc
     s_fin = torch.where(wf > 0, s, torch.zeros_like(s)) if scan.banned else s
     mean, m2 = _spread(wf, sf, s_fin, tmp)
     rec.put(**{f"{f}_mean": mean, f"{f}_m2": m2})
+    if fam.kind == "full":
+        zq = q[3]
+        rec.put(**{f"{f}_zq": torch.mul(wf, zq, out=tmp).sum(-1) / sf})           # E_b[z_q] of the tile
+        # Σ_{b>0} q²/b needs Σ e^{2 z_q − s} over b's support (s = −inf: not in it)
+        two = torch.sub(zq, s, out=tmp).add_(zq)
+        if scan.banned:
+            two = torch.where(torch.isneginf(s), torch.full_like(two, -torch.inf), two)
+        m2q = _row_max(two)
+        rec.put(**{f"{f}_chi_scale": m2q.squeeze(-1), f"{f}_chi_sum": two.sub_(m2q).exp_().sum(-1)})
     if scan.banned:
         rec.put(**{f"{f}_miss": torch.where(torch.isneginf(s), w, torch.zeros_like(w)).sum(-1)})
     return wf if fam.kind == "full" else None
@@ -374,7 +383,7 @@ def _one_tile(scan: _Scan, plan: _Plan, rec: _Tiles, cands: dict, lo: int, bufs:
     rec.put(q_scale=mq.squeeze(-1), q_sum=sq, centre=centre, p_scale=mp.squeeze(-1), p_sum=sp)
     full = []
     for fam in plan.families:
-        wf = _family_tile(scan, fam, s[fam.name], (mq, w, sq), b[f"w_{fam.name}"], scratch[0], rec, plan)
+        wf = _family_tile(scan, fam, s[fam.name], (mq, w, sq, z["zq"]), b[f"w_{fam.name}"], scratch[0], rec, plan)
         if wf is not None:
             full.append((fam.name, wf))
     sums = tile_sums(plan.basis, [w] + [wf for _, wf in full], u, ps, scratch)
@@ -406,9 +415,13 @@ class _Sampled:
     lse: torch.Tensor
     tau: torch.Tensor
     unknown: torch.Tensor
+    kl_q: torch.Tensor
+    chi2: torch.Tensor
+    gap_abs: torch.Tensor
 
     def values(self) -> SamplerValues:
-        return SamplerValues(self.mean, self.var, self.neg, self.miss, self.log_mean, self.log_var, self.tok_log)
+        return SamplerValues(self.mean, self.var, self.neg, self.miss, self.log_mean, self.log_var, self.tok_log,
+                             self.kl_q, self.chi2, self.gap_abs)
 
 
 @dataclass
@@ -488,8 +501,17 @@ def _finish_full(plan: _Plan, fam: _Family, rec: _Tiles, out: _Chunk, centring, 
     neg[:, [j for j, sign in enumerate(plan.sign) if not sign]] = 0.0               # f ≥ 0 for every draw
     miss = torch.exp(_logsum(rec.stacked("q_scale"), rec.stacked(f"{f}_miss")) - out.lse_q) \
         if f"{f}_miss" in rec else torch.zeros_like(lse)
+    zero = torch.zeros_like(lse)
+    kl_q, chi2, gap = zero, zero, zero                                               # b = q
+    if fam.kind == "full":
+        share = torch.nan_to_num(torch.exp(rec.stacked(f"{f}_scale").to(torch.float64)
+                                           + torch.log(rec.stacked(f"{f}_sum").to(torch.float64)) - lse))
+        zq_mean = (share * rec.stacked(f"{f}_zq").to(torch.float64)).sum(0)
+        kl_q = (s_mean - lse) - (zq_mean - out.lse_q)                               # E_b[log b] − E_b[log q]
+        chi2 = torch.expm1(_logsum(rec.stacked(f"{f}_chi_scale"), rec.stacked(f"{f}_chi_sum")) + lse - 2 * out.lse_q)
+        gap = torch.full_like(lse, torch.nan)                                        # |·| needs a second pass
     return _Sampled(mean, var, neg, miss, s_mean - lse, s_var, s_tok - lse, lse, torch.full_like(lse, -torch.inf),
-                    torch.zeros_like(lse, dtype=torch.bool))
+                    torch.zeros_like(lse, dtype=torch.bool), kl_q, chi2, gap)
 
 
 def _top_p_threshold(cand: torch.Tensor, norm: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -553,10 +575,16 @@ def _finish_cut(plan: _Plan, fam: _Family, cand: _Candidates, out: _Chunk, s_tok
     lse_b = torch.logsumexp(ls, dim=-1)
     logr = (zp - out.lse_p.unsqueeze(-1)) - (zq - out.lse_q.unsqueeze(-1))
     mean, var, neg, log_mean, log_var = _under(plan, ls - lse_b.unsqueeze(-1), keep, logr)
-    kept_q = torch.where(keep, torch.exp(zq - out.lse_q.unsqueeze(-1)), torch.zeros_like(zq)).sum(-1)
+    lq = zq - out.lse_q.unsqueeze(-1)
+    kept_q = torch.where(keep, torch.exp(lq), torch.zeros_like(zq)).sum(-1)
     tok_log = torch.where(s_tok >= tau, s_tok - lse_b, torch.full_like(s_tok, -torch.inf))
+    logb = ls - lse_b.unsqueeze(-1)
+    b = torch.exp(logb)
+    gap = torch.where(keep, logb - lq, torch.zeros_like(lq))
+    chi2 = torch.where(keep, torch.exp(2 * lq - logb), torch.zeros_like(lq)).sum(-1) - 1.0
     return _Sampled(mean, var, neg, (1.0 - kept_q).clamp(min=0.0), log_mean, log_var,
-                    torch.where(torch.isnan(s_tok), s_tok, tok_log), lse_s, tau, unknown)
+                    torch.where(torch.isnan(s_tok), s_tok, tok_log), lse_s, tau, unknown,
+                    (b * gap).sum(-1), chi2, (b * gap.abs()).sum(-1))
 
 
 # ----------------------------------------------------------------------------- the second pass
@@ -596,7 +624,7 @@ def _second_pass(scan: _Scan, fns, lse_q, lse_p, tau, source: str = "zq"):
     under q of ``fns`` and under the family (scores from ``source``'s logits) of (f, 1[f < 0], s), and the
     q-mass outside its support. Returns (q: (mean, var) [n, F]; family: (log Z [n], mean [n, 2F + 1],
     var [n, 2F + 1]); miss [n]). Sums run in float64 (f itself, as the dense path)."""
-    under_q, under_b, miss = _Spread(), _Spread(), []
+    under_q, under_b, miss, chi = _Spread(), _Spread(), [], []
     shift = (lse_q - lse_p).unsqueeze(-1)
     for t in scan.tiles():
         s = scan.scores(t[source], t["lo"])
@@ -607,11 +635,16 @@ def _second_pass(scan: _Scan, fns, lse_q, lse_p, tau, source: str = "zq"):
         inside = s >= tau.unsqueeze(-1).to(s.dtype)
         ms = _row_max(torch.where(inside, s, torch.full_like(s, -torch.inf))).to(torch.float64)
         wb = torch.where(inside, torch.exp(s.to(torch.float64) - ms), torch.zeros_like(wq))
-        under_b.add(ms.squeeze(-1), wb, torch.cat([f, (f < 0).to(f.dtype), s.to(torch.float64).unsqueeze(-1)], -1))
+        zq64 = t["zq"].to(torch.float64)
+        under_b.add(ms.squeeze(-1), wb, torch.cat([f, (f < 0).to(f.dtype), zq64.unsqueeze(-1),
+                                                   s.to(torch.float64).unsqueeze(-1)], -1))
         miss.append(torch.where(inside, torch.zeros_like(wq), wq).sum(-1))
+        chi.append(torch.logsumexp(torch.where(inside, 2 * zq64 - s.to(torch.float64), torch.full_like(zq64, -torch.inf)), -1))
     _, mean_q, var_q = under_q.combine()
     log_zb, mean_b, var_b = under_b.combine()
-    return (mean_q, var_q), (log_zb[:, 0], mean_b, var_b), torch.stack(miss).sum(0)
+    # columns of b: f [F], 1[f < 0] [F], z_q, s; Σ_{b>0} q²/b = e^{log Z_b − 2 lse_q} Σ e^{2 z_q − s}
+    chi2 = torch.expm1(torch.logsumexp(torch.stack(chi), 0) + log_zb[:, 0] - 2 * lse_q)
+    return (mean_q, var_q), (log_zb[:, 0], mean_b, var_b, chi2), torch.stack(miss).sum(0)
 
 
 def _negative_pass(scan: _Scan, plan: _Plan, fam: _Family, out: _Chunk, cols: list[int]) -> None:
@@ -642,7 +675,7 @@ def _redo_columns(scan: _Scan, plan: _Plan, fam: _Family, out: _Chunk, cols: lis
         return
     got = out.fam[fam.name]
     fns = [plan.fns[j] for j in cols]
-    (mean_q, var_q), (_, mean_b, var_b), _ = _second_pass(scan, fns, out.lse_q, out.lse_p, got.tau, fam.source)
+    (mean_q, var_q), (_, mean_b, var_b, _), _ = _second_pass(scan, fns, out.lse_q, out.lse_p, got.tau, fam.source)
     nf = len(cols)
     for i, j in enumerate(cols):
         out.mean_q[:, j], out.var_q[:, j] = mean_q[:, i], var_q[:, i]
@@ -657,11 +690,14 @@ def _redo_rows(scan: _Scan, plan: _Plan, fam: _Family, out: _Chunk, rows: torch.
     score vector, then everything under the family summed over the tiles."""
     sub, got = scan.rows(rows), out.fam[fam.name]
     tau = _widen(sub, plan, fam, got.lse[rows])
-    _, (log_z, mean, var), miss = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows], tau, fam.source)
+    _, (log_z, mean, var, chi2), miss = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows], tau,
+                                                     fam.source)
     nf = len(plan.fns)
     got.tau[rows] = tau
     got.mean[rows], got.var[rows], got.neg[rows] = mean[:, :nf], var[:, :nf], mean[:, nf:2 * nf]
     got.log_mean[rows], got.log_var[rows] = mean[:, -1] - log_z, var[:, -1]
+    got.kl_q[rows] = got.log_mean[rows] - (mean[:, -2] - out.lse_q[rows])
+    got.chi2[rows], got.gap_abs[rows] = chi2, torch.nan          # E_b|log b − log q| needs log Z_b in advance
     got.miss[rows] = miss
     s_tok = out.tok[rows, 2 + plan.families.index(fam)]
     tok_log = torch.where(s_tok >= tau, s_tok - log_z, torch.full_like(s_tok, -torch.inf))
@@ -687,7 +723,7 @@ def _redo_spoiled(scan: _Scan, plan: _Plan, out: _Chunk, rows: torch.Tensor) -> 
     nf = len(plan.fns)
     for fam in plan.families:
         got = out.fam[fam.name]
-        q, (_, mean, var), _ = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows], got.tau[rows], fam.source)
+        q, (_, mean, var, _), _ = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows], got.tau[rows], fam.source)
         if fam.kind != "cut":
             got.mean[rows], got.var[rows] = mean[:, :nf], var[:, :nf]
             got.neg[rows] = torch.where(torch.isnan(got.neg[rows]), got.neg[rows], mean[:, nf + 1:2 * nf + 1])
@@ -725,7 +761,7 @@ def _chunk_values(scan: _Scan, plan: _Plan, bufs: _Buffers) -> PositionValues:
 def _empty(names: tuple[str, ...], like: torch.Tensor, sampling: bool) -> PositionValues:
     e = torch.zeros(0, dtype=torch.float64, device=like.device)
     ef = e.view(0, 1).expand(0, len(names))
-    sv = SamplerValues(ef, ef, ef, e, e, e, e)
+    sv = SamplerValues(ef, ef, ef, e, e, e, e, e, e, e)
     return PositionValues(names, e, ef, ef, e, e, sv, sv if sampling else None)
 
 
