@@ -113,6 +113,8 @@ def unrendered_figures(monkeypatch):
 # Test files of the optional extras (hf: your own models; trl: the trainer audit). They skip where the extra
 # is missing; .ci/run installs the extras and runs them with `-m 'slow or extras'`, where they must not skip.
 EXTRAS_FILES = {"test_model.py", "test_trainer_inputs.py", "test_audit_trl.py"}
+# Tests inside other files that need an extra (the tiny models: transformers): marked extras by name.
+EXTRAS_TESTS = {"test_a_tiny_model_generating_in_bf16_as_the_engine"}
 
 
 # The files that take the most worker time (measured on 2 cores: the slow set's torchrun, benchmark and
@@ -132,7 +134,8 @@ NUMERICS_FILES = {"test_training.py", "test_training_sequences.py", "test_gradie
                   "test_presets.py", "test_rejection.py", "test_aggregations.py", "test_clipping.py", "test_exact.py",
                   "test_ukl.py", "test_baselines.py", "test_audit.py", "test_audit_api.py", "test_monte_carlo.py",
                   "test_rollout.py", "test_rollout_gradients.py", "test_topk.py", "test_precision.py",
-                  "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py"}
+                  "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py",
+                  "test_audit_stream.py", "test_audit_session.py", "test_audit_engine.py"}
 
 
 def pytest_collection_modifyitems(items):
@@ -142,7 +145,7 @@ def pytest_collection_modifyitems(items):
         # front). Not in pyproject's filterwarnings: there it would also turn a third-party plugin's
         # warning at configuration into an INTERNALERROR (pyproject.toml).
         item.add_marker(pytest.mark.filterwarnings("error"), append=False)
-        if item.path.name in EXTRAS_FILES:
+        if item.path.name in EXTRAS_FILES or item.originalname in EXTRAS_TESTS:
             item.add_marker(pytest.mark.extras)
         if item.path.name in NUMERICS_FILES:
             item.add_marker(pytest.mark.numerics)

@@ -29,7 +29,8 @@ from .sampler import Sampler
 from .session import AuditSession, Metric, Record
 from .step import AuditLog, StepAudit, read_audit_csv, step_line
 from .stream import Head
-from .verdict import step_warnings
+from .engine import engine_line
+from .verdict import engine_warnings, step_warnings
 
 FORMAT = "kl_bench.audit.step/2"
 FORMATS = ("kl_bench.audit.step/1", FORMAT)      # /2 adds metrics, sampling_hidden and logit_multiplier
@@ -207,14 +208,7 @@ def _check_shapes(s: SavedStep) -> None:
     bt = tuple(t["completion_ids"].shape)
     if len(bt) != 2:
         raise SpecError(f"must be [B, T], got {list(bt)}", file=where, key="completion_ids")
-    first = "trainer_kl" if "trainer_kl" in t else f"trainer_{s.metrics[0].source}"
-    for k in ["mask", first] + [f"trainer_{m.source}" for m in s.metrics[1:]]:
-        if k not in t:
-            raise SpecError("missing tensor", file=where, key=k)
-        if tuple(t[k].shape) != bt:
-            raise SpecError(f"must have completion_ids' shape {list(bt)}, got {list(t[k].shape)}", file=where, key=k)
-    if "sampling_hidden" in t and (t["sampling_hidden"].ndim != 3 or tuple(t["sampling_hidden"].shape[:2]) != bt):
-        raise SpecError(f"must be [B, T, d] with [B, T] = {list(bt)}", file=where, key="sampling_hidden")
+    _check_per_token(s, bt)
     form = LOGITS if all(k in t for k in LOGITS) else HIDDEN if all(k in t for k in HIDDEN) else None
     if form is None:
         raise SpecError("needs policy_logits and reference_logits, or policy_hidden and reference_hidden",
@@ -226,6 +220,21 @@ def _check_shapes(s: SavedStep) -> None:
     if s.sampler.repetition_penalty != 1.0 and "prompt_ids" not in t:
         raise SpecError("repetition_penalty needs prompt_ids (the ids before the completion)", file=where,
                         key="prompt_ids")
+
+
+def _check_per_token(s: SavedStep, bt: tuple) -> None:
+    """The [B, T] tensors (mask, the trainer's values per metric, the engine's log-probs) and the
+    sampling pass's hidden states [B, T, d], against completion_ids' [B, T]."""
+    t, where = s.tensors, str(s.path)
+    first = "trainer_kl" if "trainer_kl" in t else f"trainer_{s.metrics[0].source}"
+    names = ["mask", first] + [f"trainer_{m.source}" for m in s.metrics[1:]]
+    for k in names + (["engine_logprobs"] if "engine_logprobs" in t else []):
+        if k not in t:
+            raise SpecError("missing tensor", file=where, key=k)
+        if tuple(t[k].shape) != bt:
+            raise SpecError(f"must have completion_ids' shape {list(bt)}, got {list(t[k].shape)}", file=where, key=k)
+    if "sampling_hidden" in t and (t["sampling_hidden"].ndim != 3 or tuple(t["sampling_hidden"].shape[:2]) != bt):
+        raise SpecError(f"must be [B, T, d] with [B, T] = {list(bt)}", file=where, key="sampling_hidden")
 
 
 def _check_vocabulary(s: SavedStep, form: tuple[str, str]) -> None:
@@ -250,7 +259,8 @@ def _check_vocabulary(s: SavedStep, form: tuple[str, str]) -> None:
 def _record(s: SavedStep) -> Record:
     t = s.tensors
     return Record(t["policy_hidden"], t["reference_hidden"], t["completion_ids"].to(torch.long), t["mask"].bool(),
-                  s.trainer_values(), sampling_hidden=t.get("sampling_hidden"), prompt_ids=t.get("prompt_ids"))
+                  s.trainer_values(), sampling_hidden=t.get("sampling_hidden"), prompt_ids=t.get("prompt_ids"),
+                  engine_logprobs=t.get("engine_logprobs"))
 
 
 def _heads(s: SavedStep) -> tuple[Head, Head]:
@@ -356,6 +366,10 @@ def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, e
         return replay_folder(directory, echo)
     out = check_output_dir(Path(out) if out is not None else directory / "audit")
     log = audit_folder(found or directory, on_step=_echo_step(echo), tile=tile, chunk=chunk)
+    for a in log.engine:                                  # saved steps with a rollout engine's log-probs
+        echo(engine_line(a))
+        for w in engine_warnings(a):
+            echo(f"warning: {w.message}")
     for source, p in log.pooled().items():
         echo(_pooled_line(source, p))
     return log.write(out, source_folder=str(directory))

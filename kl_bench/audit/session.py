@@ -20,11 +20,20 @@ import torch
 from ..errors import SpecError
 from ..estimators import resolve_estimator
 from .aggregate import AGGREGATIONS
+from .engine import ENGINE_SUMS, EngineAudit, engine_sums
 from .exact import PositionValues
 from .sampler import Sampler
 from .step import AuditLog, StepAudit, step_sums
 from .stream import Head, stream_values
-from .verdict import Thresholds, Warning, step_warnings
+from .verdict import Thresholds, Warning, engine_warnings, step_warnings
+
+
+def _merge_engine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two batches' engine sums: added, but the maximum of logp_diff_max."""
+    out = a + b
+    i = ENGINE_SUMS.index("logp_diff_max")
+    out[i] = torch.maximum(a[i], b[i])
+    return out
 
 
 @dataclass(frozen=True)
@@ -52,7 +61,8 @@ class Record:
     (any dtype) of the metrics' estimator(s) — a dict source → [B, T] when metrics differ in formula;
     ``sampling_hidden`` [B, T, d]: the policy's hidden states in the pass that drew the tokens, when the
     adapter captured it (the mismatch part of the split); ``prompt_ids`` [B, P] (−1 or pads as the
-    trainer had them): what a repetition penalty sees."""
+    trainer had them): what a repetition penalty sees; ``engine_logprobs`` [B, T]: a rollout engine's
+    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.engine)."""
     policy_hidden: torch.Tensor
     reference_hidden: torch.Tensor
     completion_ids: torch.Tensor
@@ -60,6 +70,7 @@ class Record:
     trainer_values: torch.Tensor | dict
     sampling_hidden: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
+    engine_logprobs: torch.Tensor | None = None
 
     def __post_init__(self):
         bt = tuple(self.completion_ids.shape)
@@ -119,6 +130,7 @@ class AuditSession:
         if not self.metrics:
             raise SpecError("an audit needs at least one metric", key="metrics")
         self._pending: dict[str, torch.Tensor] = {}
+        self._engine: torch.Tensor | None = None
         self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))
 
     def add(self, record: Record, heads: tuple[Head, Head] | None = None) -> PositionValues:
@@ -132,6 +144,9 @@ class AuditSession:
                                context_ids=ctx, sampling_hidden=sampling, chunk=self.chunk, tile=self.tile,
                                dtype=self.dtype, negative=self.negative)
         self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask)
+        if record.engine_logprobs is not None:
+            sums = engine_sums(values, record.engine_logprobs, mask)
+            self._engine = sums if self._engine is None else _merge_engine(self._engine, sums)
         return values
 
     def add_values(self, values: PositionValues, trainer_values: torch.Tensor | dict, mask: torch.Tensor) -> None:
@@ -161,8 +176,16 @@ class AuditSession:
                 continue
             out.append(self.log.add(StepAudit.from_sums(sums, step=step, source=m.source, estimator=m.estimator,
                                                         aggregation=m.aggregation)))
-        self._pending = {}
+        if self._engine is not None:
+            sums = self._engine if reduce is None else reduce(self._engine)
+            if sums is not None:
+                self.log.engine.append(EngineAudit.from_sums(sums, step=step))
+        self._pending, self._engine = {}, None
         return out
+
+    def engine_warnings(self, a: EngineAudit) -> list[Warning]:
+        """What a step's engine audit says (kl_bench.audit.verdict)."""
+        return engine_warnings(a, self.thresholds)
 
     def warnings(self, audit: StepAudit) -> list[Warning]:
         """The warnings of a step audit this session made, with its source's history."""

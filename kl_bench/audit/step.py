@@ -189,6 +189,7 @@ class AuditLog:
 
     def __init__(self):
         self.rows: list[StepAudit] = []
+        self.engine: list = []                              # EngineAudit rows (kl_bench.audit.engine), if any
 
     def add(self, audit: StepAudit) -> StepAudit:
         self.rows.append(audit)
@@ -217,7 +218,22 @@ class AuditLog:
         directory = check_output_dir(Path(directory))
         env = {"kl_bench_audit": 1, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "columns": AUDIT_COLUMNS, "pooled": self.pooled(), **envelope}
-        return write_locked(directory, {"audit.csv": self.csv_bytes()}, env)
+        files = {"audit.csv": self.csv_bytes()}
+        if self.engine:                                      # a rollout engine's mismatch, per step
+            from .engine import ENGINE_COLUMNS
+            files["engine.csv"] = _csv([list(ENGINE_COLUMNS)] + [list(r.row().values()) for r in self.engine])
+            env["engine_columns"] = ENGINE_COLUMNS
+        return write_locked(directory, files, env)
+
+
+def _csv(rows: list[list]) -> bytes:
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    for row in rows:
+        w.writerow([repr(v) if isinstance(v, float) else v for v in row])
+    return buf.getvalue().encode()
 
 
 def pooled_row(rows: list[StepAudit]) -> dict:

@@ -12,8 +12,10 @@ of 2–4 per step (left padding) shows up at every step.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .engine import EngineAudit
 from .step import StepAudit, pooled_row
 
 
@@ -104,4 +106,23 @@ def _pooled_warnings(history: list[StepAudit], t: Thresholds) -> list[Warning]:
                            f"the consistency check has failed at each of the last {t.run} audited steps (|z| > "
                            f"{t.persistent:g}: {', '.join(f'{r.consistency_z:+.1f}' for r in last)}): a mismatch "
                            "that persists, not chance", once=True))
+    return out
+
+
+def engine_warnings(a: EngineAudit, t: Thresholds = Thresholds()) -> list[Warning]:
+    """Warnings of a step's rollout-engine audit: a processed engine's sampler gap in the importance
+    ratio, and an engine that differs from the trainer beyond its sampler."""
+    out = []
+    if a.convention == "processed" and abs(a.sampler_gap) > 1e-3:
+        out.append(Warning("engine_processed", f"step {a.step}: the rollout engine returns processed log-probs "
+                                               f"(renormalised after truncation): old − sampling carries "
+                                               f"{-a.sampler_gap:+.3g} per token from the sampler alone (−log kept "
+                                               "mass; TRL issue #6789): an importance ratio built on them is biased",
+                           once=True))
+    z = a.z("kl")
+    if math.isfinite(z) and abs(z) > t.z:
+        out.append(Warning("engine", f"step {a.step}: the rollout engine's distribution differs from the trainer's "
+                                     f"beyond the sampler: rollout kl {a.kl:+.3g} ± {a.kl_se:.2g} against "
+                                     f"{a.kl_exact:.3g} exact from the sampler alone (z = {z:+.1f}); likely causes: "
+                                     "the engine's precision or kernels, or stale weights"))
     return out
