@@ -510,7 +510,7 @@ def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_log
     if len(given) != 1 or any(x is None for x in forms[given[0]] if given):
         raise SpecError("give policy= and reference= (the sampled tokens' log-probs), or policy_logits= and "
                         "reference_logits=, or (logp, logq) positionally: one pair, both sides")
-    q, p = (torch.as_tensor(x) for x in forms[given[0]])
+    q, p = (torch.as_tensor(x) for x in forms[given[0]])  # host: the caller's tensors keep their device
     if q.shape != p.shape:
         raise ShapeError(f"policy and reference must have one shape, got {list(q.shape)} and {list(p.shape)}")
     logits = given[0] == 2

@@ -46,7 +46,8 @@ def make_features(rows: list[Row], shifts: list[float],
     (b = Σ_t (r_t − 1) for the "tok" aggregate): every cv(λ) = a + λb has mean and variance linear
     and quadratic in λ, so these five sums give the whole λ curve from one pass.
     """
-    shift = torch.tensor(shifts, dtype=torch.float64)
+    shift = torch.tensor(shifts, dtype=torch.float64)  # host: copied to each device once, below
+    on_device: dict[torch.device, torch.Tensor] = {}
     grouped = [(j, r.group) for j, r in enumerate(rows) if r.group > 1]
 
     def features(draws: Draws) -> torch.Tensor:
@@ -54,7 +55,9 @@ def make_features(rows: list[Row], shifts: list[float],
         if rows:
             groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             f = row_values(draws, rows, groups)                          # [n, Q]
-            centred = f - shift.to(f.device)
+            if f.device not in on_device:
+                on_device[f.device] = shift.to(f.device)
+            centred = f - on_device[f.device]
             parts = [centred, centred * centred, (f < 0).to(torch.float64)]
             if grouped:
                 # A group row's value is repeated at each member of its group: count it once, at the
@@ -117,7 +120,7 @@ def as_rows(items, pair: Pair) -> list[Row]:
 def row_counts(rows: list[Row], sizes: list[int], piece: int) -> torch.Tensor:
     """[K, Q] float64: how many values each row gets from each batch (the draws; whole groups within
     each piece for a group row, see kl_bench.draws)."""
-    return torch.tensor([[float(n if r.group == 1 else groups_in(n, r.group, piece)) for r in rows] for n in sizes],
+    return torch.tensor([[float(n if r.group == 1 else groups_in(n, r.group, piece)) for r in rows] for n in sizes],  # host: counts of the gathered sums
                         dtype=torch.float64).reshape(len(sizes), len(rows))
 
 
@@ -194,8 +197,8 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
             on_sums(out[0])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
-    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),
+    sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)  # host: the batches' sums, gathered
+    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),  # host: results on the host
                    exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
 
 
@@ -291,12 +294,12 @@ def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes:
     if torch.isnan(sums).any():
         return "holds NaN sums"
     vals, squares, negs = sums[:, :rows], sums[:, rows:2 * rows], sums[:, 2 * rows:3 * rows]
-    keep = torch.tensor(finite, dtype=torch.bool)
+    keep = torch.tensor(finite, dtype=torch.bool)  # host: a checkpoint read from disk
     if not bool(torch.isfinite(torch.cat([vals[:, keep], squares[:, keep]], 1)).all()):
         return "holds infinite sums for an estimator whose exact mean is finite"
     if bool((squares < 0).any()):
         return "holds a negative sum of squares"
-    n = torch.tensor(sizes[:k], dtype=torch.float64)[:, None]
+    n = torch.tensor(sizes[:k], dtype=torch.float64)[:, None]  # host: a checkpoint read from disk
     if bool(((negs < 0) | (negs > n) | (negs != torch.round(negs))).any()):
         return "holds a count of negative estimates that is not a whole number in [0, the batch's draws]"
     joint = sums[:, 3 * rows:].reshape(k, -1, 5)

@@ -136,7 +136,7 @@ def _moments(logw: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _gather(logp: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     if ids is None:
-        return torch.full(logp.shape[:1], torch.nan, dtype=torch.float64)
+        return torch.full(logp.shape[:1], torch.nan, dtype=torch.float64, device=logp.device)
     return logp.gather(-1, ids.to(torch.long).view(-1, 1)).squeeze(-1)
 
 

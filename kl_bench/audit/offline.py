@@ -62,7 +62,7 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     if metrics is not None:          # several metrics of one batch: trainer_<source> tensors, one per metric
         meta["metrics"] = json.dumps([[m.source, m.estimator, m.aggregation] for m in metrics])
     data = {"completion_ids": completion_ids, "mask": mask, "trainer_kl": trainer_kl, **tensors}
-    data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}
+    data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}  # host: a file is written from host memory
     path = Path(path)
     atomic_write_bytes(path, save(data, metadata=meta))
     return path
@@ -278,9 +278,9 @@ def _logit_values(s: SavedStep) -> PositionValues:
     if s.sampler.repetition_penalty != 1.0:
         full = torch.cat([t["prompt_ids"].to(torch.long), ids], dim=1)
         prefix = t["prompt_ids"].shape[1]
-        pos = torch.arange(full.shape[1])
+        pos = torch.arange(full.shape[1], device=full.device)
         ctx = torch.stack([torch.where(pos < prefix + j, full[b], -1) for b, j in mask.nonzero().tolist()])
-    banned = (torch.arange(mask.shape[1]).expand_as(mask) < s.sampler.min_new_tokens)[mask]
+    banned = (torch.arange(mask.shape[1], device=mask.device).expand_as(mask) < s.sampler.min_new_tokens)[mask]
     names = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in s.metrics))
     return position_values(t["policy_logits"][mask].double() * s.logit_scale,
                            t["reference_logits"][mask].double() * s.logit_scale, names, s.sampler,

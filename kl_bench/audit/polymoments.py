@@ -62,7 +62,7 @@ class Basis:
         pairs = [(a, b, self.index[(i1 + i2, j1 + j2)])
                  for a, (i1, j1) in enumerate(self.monomials) for b, (i2, j2) in enumerate(self.monomials)
                  if i1 + i2 + j1 + j2 <= degree]
-        self._pairs = torch.tensor(pairs, dtype=torch.long).T          # [3, P] on the CPU; moved on use
+        self._pairs = torch.tensor(pairs, dtype=torch.long).T          # host: an index table, moved to each device once (_on); [3, P] on the CPU; moved on use
 
     @property
     def size(self) -> int:
@@ -84,8 +84,10 @@ class Basis:
 
     def linear(self, const: torch.Tensor, u: torch.Tensor | float, psi: torch.Tensor | float) -> torch.Tensor:
         """const + u·u + psi·ψ as a polynomial [..., K] (broadcast over the coefficients' shapes)."""
-        const = torch.as_tensor(const, dtype=torch.float64)
-        shape = torch.broadcast_shapes(const.shape, torch.as_tensor(u).shape, torch.as_tensor(psi).shape)
+        device = next((x.device for x in (const, u, psi) if isinstance(x, torch.Tensor)), None)
+        const = torch.as_tensor(const, dtype=torch.float64, device=device)
+        shape = torch.broadcast_shapes(const.shape, torch.as_tensor(u, device=device).shape,
+                                       torch.as_tensor(psi, device=device).shape)
         out = torch.zeros(shape + (self.size,), dtype=torch.float64, device=const.device)
         out[..., self.index[(0, 0)]] = const
         if self.degree >= 1:

@@ -128,9 +128,10 @@ class StepAudit:
 
 def step_line(a: "StepAudit") -> str:
     """One line per audited step (``kl-bench audit`` and the TRL callback print it)."""
+    mismatch = f"mismatch {a.bias_mismatch:+.3g}, " if a.sampling_pass else ""
     return (f"step {a.step} {a.source} ({a.estimator}, {a.aggregation}, {a.tokens} tokens): logged {a.logged:.5g}, "
             f"exact {a.exact:.5g}, bias {a.bias:+.3g} ± {a.se:.2g} (z = {a.z:+.2f}); sampler {a.bias_sampler:+.3g}, "
-            f"precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
+            f"{mismatch}precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
 
 
 def consistency_z(total: float, var: float, impossible: float) -> float:

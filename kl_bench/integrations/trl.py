@@ -27,6 +27,7 @@ names it relies on are :data:`CONTRACT` (tests/test_audit_trl.py checks them aga
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -223,6 +224,7 @@ class KLAudit(_Base):
         self._step = 0
         self._audited_steps: set[int] = set()
         self._metrics: dict[str, float] = {}                # kl_audit/* waiting for the next log entry
+        self.seconds = 0.0                                  # wall time spent auditing (benchmarks/bench_audit.py)
         self._reset()
 
     # ------------------------------------------------------------------ setup
@@ -429,8 +431,10 @@ class KLAudit(_Base):
         record = Record(pol["hidden"], ref["hidden"], comp, pol["mask"], values, sampling_hidden=pol["sampling_hidden"],
                         prompt_ids=pol["input_ids"][:, :-pol["k"]].masked_fill(~pol["attention"][:, :-pol["k"]].bool(), -1))
         device = pol["hidden"].device
+        start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             pv = self.session.add(record, heads=tuple(h for h in heads))
+        self.seconds += time.perf_counter() - start
         self.last_inputs = {"policy_logps": pol["logps"], "ref_logps": ref["logps"], "mask": pol["mask"],
                             "input_ids": pol["input_ids"], "completion_ids": comp, "policy_hidden": pol["hidden"],
                             "ref_hidden": ref["hidden"], "sampling_hidden": pol["sampling_hidden"], "values": pv,
@@ -480,7 +484,9 @@ class KLAudit(_Base):
             return
         self._active_step = False
         self._audited_steps.add(self._step)
-        audits = self.session.finish(state.global_step, reduce=self._reduce)
+        start = time.perf_counter()
+        audits = self.session.finish(state.global_step, reduce=self._reduce)        # the step's one host sync
+        self.seconds += time.perf_counter() - start
         if not audits:
             if int(getattr(self.trainer, "num_iterations", 1) or 1) == 1:
                 self._warn("match", f"step {state.global_step}: no policy rows matched with reference rows; not "

@@ -132,7 +132,7 @@ class LogprobsPair(Pair):
                 msg = unsupported_array(raw)
                 if msg:
                     raise t.error(msg, key=name)
-                inputs[name] = TensorRef(tensor=torch.as_tensor(raw).detach().to("cpu", torch.float64))
+                inputs[name] = TensorRef(tensor=torch.as_tensor(raw).detach().to("cpu", torch.float64))  # host: a spec table, hashed from host bytes
             elif isinstance(raw, str):
                 if base is None:
                     raise t.error(f"names a key ('{raw}') but the case has no 'file'", key=name)

@@ -22,7 +22,7 @@ def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int)
     """The reward [rows, V] (float64) of one case: rows = contexts (categorical) or buckets (rollout)."""
     rows, vocab = shape
     if not spec.applies_to(case):
-        return torch.zeros(shape, dtype=torch.float64)
+        return torch.zeros(shape, dtype=torch.float64)  # host: a reward table from the spec
     if spec.kind == "sequence":           # a categorical's sequence is one token: R([x]) is a table
         try:
             return categorical_table(spec.function, rows, vocab)
@@ -31,14 +31,14 @@ def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int)
     if spec.kind == "random":
         # Its own stream (seed, case/reward): the reward does not move when draws or steps change.
         g = batch_generator(seed + spec.seed, f"{case}/reward", 0, torch.device("cpu"))
-        r = spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)
+        r = spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)  # host: a reward table from the spec
         return -r.abs() if spec.penalty else r
     if spec.kind == "tokens":
         bad = [t for t in spec.tokens if t >= vocab]
         if bad:
             raise SpecError(f"token id {bad[0]} is outside the vocabulary (V = {vocab})", case=case,
                             key="train.reward.tokens")
-        out = torch.zeros(shape, dtype=torch.float64)
+        out = torch.zeros(shape, dtype=torch.float64)  # host: a reward table from the spec
         out[:, list(spec.tokens)] = spec.value
         return out
     try:
