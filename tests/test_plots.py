@@ -341,9 +341,11 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
     import matplotlib
     import seaborn as sns
     from matplotlib.colors import same_color, to_rgba
+    from kl_bench import figstyle
     assert plots.PALETTE == sns.color_palette("colorblind")
+    assert list(figstyle.COLORBLIND) == sns.color_palette("colorblind").as_hex()
     ax = _call(plots, "lambda_curve").axes[0]
-    assert same_color(ax.lines[0].get_color(), plots.PALETTE[0])           # the exact curve
+    assert same_color(ax.lines[0].get_color(), figstyle.estimator_colour("cv"))     # the exact curve: cv(λ)'s
     assert same_color(ax.get_facecolor(), "white")
     assert all(same_color(s.get_edgecolor(), to_rgba(".8")) for s in ax.spines.values())
     tick = ax.xaxis.get_major_ticks()[0]
@@ -440,12 +442,24 @@ def test_no_legend_entry_for_a_line_that_is_not_drawn(plots):
     assert "exact" in _legend_texts(fig)
 
 
-def test_planning_title_is_never_clipped(plots):
+def test_planning_keeps_every_row_in_place_and_marks_never_there(plots):
+    """A row whose bias alone exceeds 10% keeps its slot in its case's group, marked "never" in its
+    estimator's colour (it used to be a list in the title); nothing is drawn outside the figure."""
+    from matplotlib.colors import same_color
+    from kl_bench.figstyle import estimator_colour
     s = summary_frame()
     many = pd.concat([s.assign(case=s["case"] + f"-a-long-case-name-{k}", n_for_10pct=INF) for k in range(6)]
                      + [s])
     fig = plots.plot_planning(many, title="many cases")
     renderer = _render(fig)
-    box = fig.axes[0].title.get_window_extent(renderer)
-    assert box.x0 >= 0 and box.x1 <= fig.bbox.width + 0.5 and box.y1 <= fig.bbox.height + 0.5
-    assert "no bar" in fig.axes[0].get_title()
+    ax = fig.axes[0]
+    nevers = [t for t in ax.texts if t.get_text().endswith(": never")]
+    rows = many[many["lambda"].isna()]
+    assert len(nevers) == int((~np.isfinite(rows["n_for_10pct"].astype(float))).sum())
+    assert all(same_color(t.get_color(), estimator_colour(t.get_text().split()[-2].rstrip(":"))) for t in nevers)
+    bars = [p for p in ax.patches if p.get_width() > 0]
+    assert len(bars) == int(np.isfinite(rows["n_for_10pct"].astype(float)).sum())
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(dict.fromkeys(rows["case"]))
+    for artist in [ax.title, *ax.texts, *ax.get_yticklabels()]:
+        box = artist.get_window_extent(renderer)
+        assert box.x0 >= -0.5 and box.y1 <= fig.bbox.height + 0.5, artist.get_text()

@@ -118,15 +118,20 @@ def test_figures_are_also_written_as_deterministic_vectors(small_run):
 
 
 def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
+    """bias/true in % (the vocabulary of docs/results.md: "+0.28% ± 0.34%"), std/true a plain ratio."""
+    from kl_bench.formatting import pct
     text = (small_run / "report" / "table.tex").read_text()
     df = pd.read_csv(small_run / "summary.csv", keep_default_na=True)
     rows = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
     for _, r in rows.iterrows():
         true = abs(r["true_kl"])
-        for col, se in (("rel_bias", r["se"] / true), ("exact_rel_bias", None), ("rel_std", r["std_se"] / true),
-                        ("exact_rel_std", None)):
+        for col, se in (("rel_bias", r["se"] / true), ("exact_rel_bias", None)):
+            shown = pct(r[col]).replace("%", r"\%") + ("" if se is None else rf" $\pm$ {pct(se, sign=False)}".replace("%", r"\%"))
+            assert shown in text and (pct(r[col]) == "0" or "%" in shown), (r["case"], r["estimator"], col, shown)
+        for col, se in (("rel_std", r["std_se"] / true), ("exact_rel_std", None)):
             shown = tex_number(sig(r[col])) + ("" if se is None else rf" $\pm$ {tex_number(sig(se, 2))}")
             assert shown in text, (r["case"], r["estimator"], col, shown)
+    assert "stdev" not in text and "std/true" in text
     # A paper includes it as it is: booktabs, five columns, no \resizebox, every row 5 cells, a short caption.
     assert text.count("{") == text.count("}") and "resizebox" not in text
     for rule in (r"\toprule", r"\midrule", r"\bottomrule", r"\caption{", r"\begin{tabular}{lrrrr}"):
