@@ -131,8 +131,6 @@ def _drawn(artist) -> bool:
     from matplotlib.collections import Collection, PathCollection
     from matplotlib.container import BarContainer, Container
     from matplotlib.lines import Line2D
-    if getattr(artist, "get_gid", lambda: None)() == KEY:       # a legend key (what a marker means)
-        return True
     if isinstance(artist, BarContainer):
         return any(np.isfinite([p.get_width(), p.get_height()]).all() and (p.get_width() or p.get_height())
                    for p in artist.patches)
@@ -166,7 +164,8 @@ def _legend(target, handles=None, labels=None, **kwargs):
     """ax.legend / fig.legend with only the entries whose artists draw something (none: no legend)."""
     if handles is None:
         handles, labels = target.get_legend_handles_labels()
-    keep = [(h, lab) for h, lab in zip(handles, labels) if _drawn(h)]
+    # a legend key (what a kind of mark means) is drawn nowhere and always kept
+    keep = [(h, lab) for h, lab in zip(handles, labels) if getattr(h, "get_gid", lambda: None)() == KEY or _drawn(h)]
     if not keep:
         return None
     return target.legend([h for h, _ in keep], [lab for _, lab in keep], **kwargs)
@@ -225,20 +224,25 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
         yy = np.array([y[lab] for lab in d["label"]]) + offsets[k]
         colours = [styles[key].color for key in row_keys(d)]
         _bias_std_points(axes, d, yy, colours, RUN_MARKERS[k % len(RUN_MARKERS)], run, first=k == 0)
-        if k == 0 and np.isfinite(d[["exact_rel_bias", "exact_rel_std"]].astype(float).to_numpy()).any():
-            axes[0].scatter(d["exact_rel_bias"], yy, marker="x", s=70, color="black", zorder=3, label="exact")
-            axes[1].scatter(d["exact_rel_std"].replace(np.inf, np.nan), yy, marker="x", s=70, color="black",
-                            zorder=3, label="exact")
+        if k == 0:
+            _bias_std_exact(axes, d, yy)
     for ax in axes:
         ax.set_yticks(range(len(labels)), labels)
         ax.invert_yaxis()
-    for ax in axes:
         for tick, key in zip(ax.get_yticklabels(), dict.fromkeys(row_keys(df))):
             tick.set_color(styles[key].color)      # the label in its estimator's colour, as its points
     _bias_std_scales(axes, df)
     _legend(axes[1], loc="best", fontsize="small")
     fig.suptitle(title)
     return fig
+
+
+def _bias_std_exact(axes, d: pd.DataFrame, yy: np.ndarray) -> None:
+    """The exact bias/true and std/true as black ×, where any exact value exists."""
+    if np.isfinite(d[["exact_rel_bias", "exact_rel_std"]].astype(float).to_numpy()).any():
+        axes[0].scatter(d["exact_rel_bias"], yy, marker="x", s=70, color="black", zorder=3, label="exact")
+        axes[1].scatter(d["exact_rel_std"].replace(np.inf, np.nan), yy, marker="x", s=70, color="black",
+                        zorder=3, label="exact")
 
 
 def _bias_std_points(axes, d: pd.DataFrame, yy: np.ndarray, colours: list, marker: str, run, first: bool) -> None:
@@ -340,6 +344,29 @@ def _layers(curves: list[np.ndarray], tol: float) -> list[tuple[float, object]]:
     return out
 
 
+def _ecdf_lines(ax, values: dict[str, np.ndarray], linthresh: float) -> list:
+    """Draw every ECDF (layered where lines coincide on the symlog axis, :func:`_layers`), with markers at
+    staggered quantiles; the legend's keys, one per line."""
+    levels = np.linspace(0.01, 0.99, 99)
+    curves = [_symlog(np.quantile(v, levels), linthresh) if len(v) else np.full(len(levels), np.nan)
+              for v in values.values()]
+    span = np.nanmax([np.nanmax(np.abs(c)) for c in curves] + [1.0]) * 2
+    layers = _layers(curves, 0.012 * span)
+    styles = figure_styles([label_key(label) for label in values])
+    handles = []
+    for k, (label, v) in enumerate(values.items()):
+        x = np.sort(v)
+        y = np.arange(1, len(x) + 1) / max(len(x), 1)
+        st, (lw, dash) = styles[label_key(label)], layers[k]
+        ax.step(x, y, where="post", color=st.color, ls=dash, lw=lw, label=label, zorder=2 + k)
+        # markers at quantiles 0.1, 0.3, ..., shifted by each line's rank: two lines never share a marker
+        at = np.clip(((np.arange(0.1, 1.0, 0.2) + 0.04 * k) * len(x)).astype(int), 0, max(len(x) - 1, 0))
+        if len(x):
+            ax.plot(x[at], y[at], ls="none", marker=st.marker, color=st.color, mec="white", mew=0.6, ms=6, zorder=2 + k)
+        handles.append(key_line(label, color=st.color, ls=dash, lw=min(lw, 3.0), marker=st.marker, mec="white", ms=6))
+    return handles
+
+
 @_themed
 def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded. Each line
@@ -356,23 +383,7 @@ def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     finite = np.concatenate([np.abs(v[np.isfinite(v) & (v != 0)]) for v in values.values()] or [np.ones(1)])
     # The linear zone of the symlog axis: a decade boundary below most |values| (5th percentile).
     linthresh = 10.0 ** np.floor(np.log10(np.quantile(finite, 0.05))) if finite.size else 1e-3
-    levels = np.linspace(0.01, 0.99, 99)
-    curves = [_symlog(np.quantile(v, levels), linthresh) if len(v) else np.full(len(levels), np.nan)
-              for v in values.values()]
-    span = np.nanmax([np.nanmax(np.abs(c)) for c in curves] + [1.0]) * 2
-    layers = _layers(curves, 0.012 * span)
-    styles = figure_styles([label_key(label) for label in values])
-    handles = []
-    for k, (label, v) in enumerate(values.items()):
-        x = np.sort(v)
-        y = np.arange(1, len(x) + 1) / len(x)
-        st, (lw, dash) = styles[label_key(label)], layers[k]
-        ax.step(x, y, where="post", color=st.color, ls=dash, lw=lw, label=label, zorder=2 + k)
-        # markers at quantiles 0.1, 0.3, ..., shifted by each line's rank: two lines never share a marker
-        at = np.clip(((np.arange(0.1, 1.0, 0.2) + 0.04 * k) * len(x)).astype(int), 0, max(len(x) - 1, 0))
-        if len(x):
-            ax.plot(x[at], y[at], ls="none", marker=st.marker, color=st.color, mec="white", mew=0.6, ms=6, zorder=2 + k)
-        handles.append(key_line(label, color=st.color, ls=dash, lw=min(lw, 3.0), marker=st.marker, mec="white", ms=6))
+    handles = _ecdf_lines(ax, values, linthresh)
     if lo < 0:
         handles.append(ax.axvspan(min(lo, -linthresh) * 3, 0, color="red", alpha=0.08, label="negative estimates"))
     ax.set_xscale("symlog", linthresh=linthresh)

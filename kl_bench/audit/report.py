@@ -39,10 +39,14 @@ def _axes(ax):
     return ax.figure, ax
 
 
-def _steps_axis(ax) -> None:
-    """The step axis: the trainer's steps are whole numbers, so are its ticks."""
+def _steps_axis(ax, steps) -> None:
+    """The step axis: the audited steps themselves as ticks (up to 12 of them), else whole numbers."""
     ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    steps = sorted(set(int(s) for s in steps))
+    if 0 < len(steps) <= 12:
+        ax.set_xticks(steps)
+    else:
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
 
 
 def _estimator(d: pd.DataFrame) -> str:
@@ -59,7 +63,7 @@ def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
     est = _estimator(d)
     ax.plot(d["step"], d["logged"], "o--", ms=4, color=estimator_colour(est),
             label=f"logged by the trainer ({est})" if est else "logged by the trainer")
-    _steps_axis(ax)
+    _steps_axis(ax, d["step"])
     ax.set_ylabel("KL per the trainer's aggregation")
     ax.set_title(f"{source}: logged against exact")
     ax.legend(fontsize="small")
@@ -80,7 +84,7 @@ def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
         pos, neg = pos + v.clip(lower=0), neg + v.clip(upper=0)
     ax.plot(d["step"], d["bias"], "k.", label="logged − exact")
     ax.axhline(0, color="0.5", lw=0.8)
-    _steps_axis(ax)
+    _steps_axis(ax, d["step"])
     ax.set_ylabel("bias")
     ax.set_title(f"{source}: bias by source")
     ax.legend(fontsize="small")
@@ -94,7 +98,7 @@ def plot_negative(df: pd.DataFrame, source: str, ax=None) -> Figure:
     ax.plot(d["step"], d["p_negative"], lw=2, color=EXACT_COLOUR, label="exact P(f < 0)")
     ax.plot(d["step"], d["frac_negative"], "o--", ms=4, color=estimator_colour(_estimator(d)),
             label="logged fraction < 0")
-    _steps_axis(ax)
+    _steps_axis(ax, d["step"])
     ax.set_ylabel("per-token probability")
     ax.set_title(f"{source}: negative values")
     ax.legend(fontsize="small")
@@ -152,7 +156,7 @@ def audit_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=Non
                *([links + "\n"] if links else []), table_md(STEP_HEADER, step_cells(d), [True] * len(STEP_HEADER)) + "\n"]
         parts += [f"<h2>{html_text(source)}</h2><p>{html_text(pooled_line(d))}</p>",
                   figure_html(f"audit_{safe}.png", f"{source}: logged against exact, the bias by part, negative values",
-                              by_fmt["png"]), table_html(STEP_HEADER, step_cells(d))]
+                              by_fmt["png"]), table_html(STEP_HEADER, step_cells(d), classes="steps")]
         if progress is not None:
             progress.advance(1)
     files["report.md"] = "\n".join(md).encode()
