@@ -6,10 +6,10 @@ Foundation layer (no matplotlib import): the report's figures (kl_bench.plots), 
 the audit figures all take their styles from here, so that a colour means one estimator everywhere.
 
 The six estimators of the README's table, ``full``, ``cv`` and ``cv_opt`` have fixed colours from seaborn's
-colour-blind palette; any other estimator (a library preset, a clamp, a plug-in) gets a colour from a
-second, disjoint palette chosen by a hash of its name: stable from figure to figure and run to run. Two such
-estimators can share a colour; :func:`figure_styles` then gives the later one another marker and line
-style, so that no two rows of one figure look alike.
+colour-blind palette, the library presets fixed colours of their own; any other estimator (a clamp, a
+plug-in) gets a colour from a second palette chosen by a hash of its name: stable from figure to figure and
+run to run. Two such estimators can share a colour; :func:`figure_styles` then gives the later one another
+marker and line style, so that no two rows of one figure look alike.
 """
 from __future__ import annotations
 
@@ -21,9 +21,17 @@ COLORBLIND = ("#0173b2", "#de8f05", "#029e73", "#d55e00", "#cc78bc", "#ca9161", 
               "#56b4e9")
 ESTIMATOR_COLOURS = {"k1": "#0173b2", "k2": "#de8f05", "k3": "#029e73", "abs": "#d55e00", "fwd_k1": "#cc78bc",
                      "fwd_k3": "#ca9161", "full": "#4d4d4d", "cv": "#56b4e9", "cv_opt": "#b8a300"}
-# Paul Tol's "muted" palette without the colours too close to the ones above: for every other estimator.
+# The library presets (kl_bench.presets), each its own colour, chosen so that the ones a figure shows
+# together (experiments/trainers.toml: k3, verl.low_var_kl, openrlhf.k3, nemo.k3, trl.grpo, nemo.k1) differ;
+# a "+" variant has its base's value, so its colour (a figure that shows both gives it another marker).
+PRESET_COLOURS = {"verl.kl": "#332288", "verl.abs": "#88ccee", "verl.mse": "#999933", "verl.low_var_kl": "#aa4499",
+                  "openrlhf.k1": "#882255", "openrlhf.k2": "#ddcc77", "openrlhf.k3": "#44aa99",
+                  "trl.grpo": "#cc6677", "trl.ppo_k1": "#6d4c1f", "trl.ppo_k3": "#117733",
+                  "nemo.k1": "#1f4e79", "nemo.k2": "#7a7a00", "nemo.k3": "#7570b3"}
+# Paul Tol's "muted" palette and a few more, none too close to the colours above: for every other estimator
+# (a clamp, a plug-in), by a hash of its name.
 OTHER_COLOURS = ("#332288", "#117733", "#44aa99", "#999933", "#cc6677", "#882255", "#aa4499", "#6d4c1f",
-                 "#1f4e79", "#7a7a00")
+                 "#1f4e79", "#7a7a00", "#7570b3", "#e7298a")
 # Per aggregate: (line style, marker). Single draws ("") are drawn like seq rows.
 AGGREGATE_STYLES = {"": ("-", "o"), "seq": ("-", "o"), "tok": ("--", "s"), "tok_mean": ("-.", "^"),
                     "tok_batch": (":", "v"), "tok_gm": ((0, (5, 1, 1, 1)), "D")}
@@ -59,6 +67,8 @@ def estimator_colour(name: str) -> str:
     base = base_estimator(name)
     if base in ESTIMATOR_COLOURS:
         return ESTIMATOR_COLOURS[base]
+    if base.removesuffix("+") in PRESET_COLOURS:
+        return PRESET_COLOURS[base.removesuffix("+")]
     return OTHER_COLOURS[zlib.crc32(base.encode()) % len(OTHER_COLOURS)]
 
 

@@ -113,7 +113,7 @@ def _plain_log_labels(axis) -> None:
     def minor(v, _):
         lo, hi = sorted(axis.get_view_interval())
         narrow = lo > 0 and hi / lo < 100
-        return _log_label(v) if narrow and f"{v:.1g}"[0] in "25" else ""
+        return _log_label(v) if narrow and f"{v:.0e}"[0] in "25" else ""      # the first digit, 0.5 too
     axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))
 
 
@@ -320,7 +320,7 @@ def _symlog(x: np.ndarray, linthresh: float) -> np.ndarray:
     return np.sign(x) * np.log10(1 + np.abs(x) / linthresh)
 
 
-def _layers(curves: list[np.ndarray], tol: float) -> list[tuple[float, object]]:
+def _layers(curves: list[np.ndarray], tol: float, wide: float = 6.0, thin: float = 1.8) -> list[tuple[float, object]]:
     """(line width, dash) per line so that none hides another. ``curves``: each line's positions at the same
     probability levels (display coordinates); lines closer than ``tol`` everywhere coincide to the eye. In a
     group of coinciding lines the first drawn is widest and solid, later ones narrower and dashed, so that
@@ -336,10 +336,10 @@ def _layers(curves: list[np.ndarray], tol: float) -> list[tuple[float, object]]:
     for i in range(n):
         members = [k for k in range(n) if group[k] == group[i]]
         if len(members) == 1:
-            out.append((1.8, "-"))
+            out.append((thin, "-"))
             continue
         rank = members.index(i)
-        width = 1.8 + (6.0 - 1.8) * (len(members) - 1 - rank) / (len(members) - 1)
+        width = thin + (wide - thin) * (len(members) - 1 - rank) / (len(members) - 1)
         out.append((width, LAYER_DASHES[rank % len(LAYER_DASHES)]))
     return out
 
@@ -450,6 +450,30 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
     return fig
 
 
+def _growth_lines(ax, df: pd.DataFrame, styles: dict) -> bool:
+    """One line per row against T: exact with the row's line and marker and a × for the measured value, or
+    (no exact value: model continuations) the measured values with the row's hollow markers. Rows that
+    coincide (seq k1 and tok k1 are one value) are layered: the first wider, the next narrower on top.
+    Whether any row had an exact line."""
+    parts = [d.sort_values("T") for _, d in df.groupby("label", sort=False)]
+    exact = [bool(np.isfinite(d["exact_rel_std"].astype(float)).any()) for d in parts]
+    shown = [np.log10(np.maximum((d["exact_rel_std"] if e else d["rel_std"]).replace(np.inf, np.nan)
+                                 .to_numpy(dtype=float), 1e-300)) for d, e in zip(parts, exact)]
+    grid = sorted(set(df["T"]))
+    curves = [np.interp(grid, d["T"], y, left=np.nan, right=np.nan) if len(d) else np.full(len(grid), np.nan)
+              for d, y in zip(parts, shown)]
+    layers = _layers(curves, 0.02, wide=4.5, thin=1.6)
+    for d, e, (lw, dash) in zip(parts, exact, layers):
+        label, st = d["label"].iloc[0], styles[row_keys(d)[0]]
+        if e:
+            ax.plot(d["T"], d["exact_rel_std"].replace(np.inf, np.nan), lw=lw, label=label,
+                    **{**st.kwargs(), "ls": st.ls if dash == "-" else dash})
+            ax.scatter(d["T"], d["rel_std"], color=st.color, marker="x", s=50, zorder=3)
+        else:
+            ax.plot(d["T"], d["rel_std"], lw=min(lw, 0.8), ms=7, mfc="none", mew=1.6, label=label, **st.kwargs())
+    return any(exact)
+
+
 @_themed
 def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None, title: str = ""):
     """Rollouts: exact std/true (lines) and measured (markers) against T, log-log, per estimator and
@@ -459,26 +483,19 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
     df["label"] = [row_label(r) for _, r in df.iterrows()]
     # The legend sits beside the axes, one line per row: the figure grows with it.
     fig, ax = _axes(ax, width=9.5, height=max(4.0, 0.24 * (df["label"].nunique() + 2)))
-    any_exact = False
     styles = figure_styles(row_keys(df))
-    for label, d in df.groupby("label", sort=False):
-        d = d.sort_values("T")
-        st = styles[row_keys(d)[0]]
-        ax.plot(d["T"], d["exact_rel_std"].replace(np.inf, np.nan), lw=1.8, label=label, **st.kwargs())
-        # Without exact values (model continuations) only the measured markers exist: they carry the label.
-        exact_line = bool(np.isfinite(d["exact_rel_std"].astype(float)).any())
-        any_exact = any_exact or exact_line
-        ax.scatter(d["T"], d["rel_std"], color=st.color, marker="x", s=50, label=None if exact_line else label)
+    any_exact = _growth_lines(ax, df, styles)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yscale("log")
+    _plain_log_labels(ax.yaxis)
     ax.set_xlabel("sequence length T  (log)")
     if any_exact:
         ax.set_ylabel("per-rollout std / true KL  (log)")
         ax.set_title(title + "\n(lines: exact; ×: measured)")
     else:       # no exact value: measured against the Monte Carlo reference, no lines to announce
         ax.set_ylabel("per-rollout std / reference  (log)")
-        ax.set_title(title + "\n(×: measured; reference: the full mean, Monte Carlo)")
+        ax.set_title(title + "\n(measured; reference: the full mean, Monte Carlo)")
     _legend(ax, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
@@ -615,8 +632,9 @@ def _cosine_labels(fig, used: list, handles: dict, title: str, faceted: bool, ow
         fig.supxlabel(xlabel)
         fig.supylabel(ylabel)
         fig.suptitle(title)
-        _legend(fig, list(handles.values()), list(handles), fontsize="small", loc="outside right upper",
-                title="estimator")
+        # under the panels: beside them a long title would run under the legend
+        _legend(fig, list(handles.values()), list(handles), fontsize="small", loc="outside lower center",
+                ncol=min(len(handles), 6))
         return
     for p in used:
         p.set_xlabel(xlabel, fontsize="small" if faceted else None)

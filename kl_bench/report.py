@@ -56,7 +56,7 @@ def load_results(path: Path) -> Results:
 def sig(x: float, digits: int = 3) -> str:
     """Significant digits as the paper table shows them; 0 for float64 rounding of exact zeros."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
+        return "—"
     if math.isinf(x):
         return "∞" if x > 0 else "−∞"
     if abs(x) < 1e-9:
@@ -67,7 +67,7 @@ def sig(x: float, digits: int = 3) -> str:
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "$": r"\$", "{": r"\{",
         "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "²": r"\textsuperscript{2}",
         "σ": r"$\sigma$", "μ": r"$\mu$", "λ": r"$\lambda$", "‖": r"$\|$", "−": "-", "·": r"$\cdot$",
-        "∞": r"$\infty$", "–": "--", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$"}
+        "∞": r"$\infty$", "–": "--", "—": "---", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$"}
 
 
 def tex(text: str) -> str:
@@ -75,7 +75,7 @@ def tex(text: str) -> str:
 
 
 def tex_number(s: str) -> str:
-    if "e" in s and s not in ("–",):
+    if "e" in s and s not in ("—",):
         mant, exp = s.split("e")
         return f"${mant}\\times 10^{{{int(exp)}}}$"
     return tex(s)
@@ -85,7 +85,7 @@ def tex_number(s: str) -> str:
 def pm(value: float, se: float, mark: str = "") -> str:
     """"value ± se" (3 and 2 significant digits), with ``mark`` (†: the SE is not valid) after it."""
     text = sig(value)
-    if text == "–":
+    if text == "—":
         return text
     return (f"{text} ± {sig(se, 2)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
 
@@ -93,14 +93,14 @@ def pm(value: float, se: float, mark: str = "") -> str:
 def pct_pm(value: float, se: float, mark: str = "") -> str:
     """A relative bias with its SE, both in %: "+0.28% ± 0.34%" (``mark``: † where the SE is not valid)."""
     if not (isinstance(value, (int, float)) and math.isfinite(value)):
-        return "–" if value is None or value != value else pct(value)
+        return "—" if value is None or value != value else pct(value)
     text = pct(value)
     return (f"{text} ± {pct(se, sign=False)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
 
 
 def exact_pct(value: float) -> str:
-    """An exact relative bias in % ("0" for an unbiased row, "–" where no exact value exists)."""
-    return pct(value) if isinstance(value, (int, float)) and value == value else "–"
+    """An exact relative bias in % ("0" for an unbiased row, "—" where no exact value exists)."""
+    return pct(value) if isinstance(value, (int, float)) and value == value else "—"
 
 
 def batch_cell(n: float, exact_bias: float) -> str:
@@ -121,7 +121,7 @@ def paper_table(df: pd.DataFrame):
 
     A case without an exact value but with a Monte Carlo reference (model continuations, logged log-probs)
     shows its measured values against that reference (display.with_reference), its title marked ≈ and its
-    exact cells –.
+    exact cells —.
 
     Returns (cases [(key, title, true_kl, kind)], rows [(label, [cells per case: 4 strings])]): the
     measured cells are "value ± SE", with † where the row is heavy-tailed (its SE is not valid); the title
@@ -167,7 +167,7 @@ def _caption(results: list[Results]) -> tuple[str, str]:
     approx = any(meta.get("reference", "").startswith("full mean") for res in results
                  for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
-            "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
+            "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are —. ") if approx else ""
     note += _aggregate_note(results)
     return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL (bias/true in %, "
             "std/true a ratio): measured ± SE, exact in the adjacent column; † marks a heavy-tailed row, whose "
@@ -742,7 +742,8 @@ def row_cells(r) -> list[str]:
     tables: bias/true in %, std/true a ratio, n ±10% an integer ("never", "—")."""
     from .display import dagger
     true = abs(float(r["true_kl"])) if r["true_kl"] == r["true_kl"] else math.nan
-    return [str(r["case"]), str(r["label"]), str(r["target"]), sig(r["true_kl"], 4),
+    approx = "≈" if bool(r.get("approx", False)) else ""      # against the Monte Carlo reference
+    return [str(r["case"]), row_label(r), str(r["target"]), approx + sig(r["true_kl"], 4),
             pm(r["mean"], r["se"], dagger(r)), sig(r["exact_mean"], 4),
             pct_pm(r["rel_bias"], r["se"] / true if true else math.nan, dagger(r)), exact_pct(r["exact_rel_bias"]),
             sig(r["rel_std"]), sig(r["exact_rel_std"]), batch_cell(r["n_for_10pct"], r["exact_rel_bias"]),
@@ -785,6 +786,7 @@ def _report_html(results, df, figs, caption, cases, rows, diffs=None, advice=Non
     parts.append("<h2>All rows</h2>")
     several = len(results) > 1          # one folder: a run column would repeat its name on every row
     header = (["run"] if several else []) + ROW_HEADER
-    body = [([str(r["run"])] if several else []) + row_cells(r) for _, r in df.iterrows()]
+    from .display import with_reference         # no exact value: against the reference, as the paper table
+    body = [([str(r["run"])] if several else []) + row_cells(r) for _, r in with_reference(df).iterrows()]
     parts.append(table_html(header, body))
     return page("kl-bench report", parts)

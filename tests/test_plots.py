@@ -485,8 +485,11 @@ def test_a_colour_is_the_estimators_in_every_figure_whichever_estimators_a_run_h
     gauss = s[s["case"] == "gauss"]
     k1, k3 = estimator_colour("k1"), estimator_colour("k3")
     assert len({estimator_colour(e) for e in ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full", "cv")}) == 8
-    assert estimator_colour("cv(0.5)") == estimator_colour("cv") and estimator_colour("verl.low_var_kl") == \
-        estimator_colour("verl.low_var_kl")            # a preset: a colour of its own name, every time
+    assert estimator_colour("cv(0.5)") == estimator_colour("cv")
+    import kl_bench
+    own = [n for n in kl_bench.ESTIMATORS if not n.endswith("+")] + ["full", "cv", "cv_opt"]
+    assert len({estimator_colour(n) for n in own}) == len(own)          # every registered one its own colour
+    assert estimator_colour("verl.kl+") == estimator_colour("verl.kl")   # the same value: its base's colour
     only_k3_then_k1 = gauss[gauss["estimator"].isin(["k3", "k1"])].iloc[::-1]
     draws = distribution_values()
     reversed_draws = draws[draws["label"].isin(["k3", "k1"])].iloc[::-1]

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import SpecError
 from ..estimators import resolve_estimator
+from ..formatting import plural
 from ..registry import UnknownName
 from ..storage import atomic_write_bytes, check_output_dir
 from .aggregate import AGGREGATIONS
@@ -240,6 +241,6 @@ def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, e
         raise SpecError(f"must be ≥ 1, got {min(tile, chunk)}", key="--tile" if tile < 1 else "--chunk")
     log = audit_folder(directory, on_step=lambda a: echo(step_line(a)), tile=tile, chunk=chunk)
     for source, p in log.pooled().items():
-        echo(f"pooled {source} over {p['steps']} steps: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
+        echo(f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
              f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
     return log.write(out, source_folder=str(directory))

@@ -133,13 +133,14 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
 def difference_lines(path: Path, most: int = 8) -> list[str]:
     """The runs' differences for the terminal: how many rows were compared, then the largest |z| first
     (at most ``most`` lines; all of them in differences.csv), in the report's words (diff/true ± SE in %)."""
+    from ..formatting import plural
     from ..report import difference_cells
     from ..results import read_frame
     d = read_frame(path)
     if d.empty:
         return ["differences: the runs share no (case, row) to compare"]
     d = d.assign(az=d["z"].abs()).sort_values("az", ascending=False, na_position="last")
-    lines = [f"differences: {len(d)} rows compared with the first run; |z| > 5 in {int((d['az'] > 5).sum())} "
+    lines = [f"differences: {plural(len(d), 'row')} compared with the first run; |z| > 5 in {int((d['az'] > 5).sum())} "
              f"(largest first; all in {path.name})"]
     for _, r in d.head(most).iterrows():
         run, against, case, row, rel, z = difference_cells(r)
