@@ -91,8 +91,7 @@ class LazyProgress:
                                 TextColumn("{task.fields[rate]}"), TextColumn("{task.fields[left]}"),
                                 console=console, transient=True)
             self.bar.start()
-            self.task = self.bar.add_task("run", total=self.total, completed=self.done, label="", count="",
-                                          rate="", left="")
+            self.task = self.bar.add_task("run", total=self.total, completed=self.done, **self._fields())
         elif in_notebook():          # a kernel's stderr is no terminal: the line goes in the cell's output
             from IPython.display import display
             self.cell = display(self._plain(), display_id=True)
