@@ -534,10 +534,10 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
             y += 1
         y += 1                      # a gap between cases
     ax.set_yticks(ticks, names)
-    ax.invert_yaxis()
+    ax.set_ylim(y - 1, -1)            # every slot inside, bar or "never" (top to bottom)
     ax.set_xscale("log")
     ax.set_xlim(0.8, max(never_at, 10.0) * 4)
-    ax.set_xlabel("draws for ±10% error with 95% probability  (log; never: the bias alone is larger)")
+    ax.set_xlabel("draws for ±10% error with 95% probability  (log)\nnever: the bias alone is larger than 10%")
     ax.set_title(title)
     return fig
 

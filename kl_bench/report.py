@@ -75,6 +75,9 @@ def tex(text: str) -> str:
 
 
 def tex_number(s: str) -> str:
+    """A number as the tables show it, in LaTeX: 1.2e-05 as 1.2×10⁻⁵, a percentage's % escaped."""
+    if s.endswith("%"):
+        return tex_number(s[:-1]) + r"\%"
     if "e" in s and s not in ("—",):
         mant, exp = s.split("e")
         return f"${mant}\\times 10^{{{int(exp)}}}$"

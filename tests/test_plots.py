@@ -460,9 +460,14 @@ def test_planning_keeps_every_row_in_place_and_marks_never_there(plots):
     bars = [p for p in ax.patches if p.get_width() > 0]
     assert len(bars) == int(np.isfinite(rows["n_for_10pct"].astype(float)).sum())
     assert [t.get_text() for t in ax.get_yticklabels()] == list(dict.fromkeys(rows["case"]))
-    for artist in [ax.title, *ax.texts, *ax.get_yticklabels()]:
+    inside = ax.get_window_extent(renderer)
+    for text in ax.texts:                        # every slot inside the axes, the first and last too
+        box = text.get_window_extent(renderer)
+        assert inside.y0 <= box.y0 and box.y1 <= inside.y1 and inside.x0 <= box.x0, text.get_text()
+    for artist in [ax.title, ax.xaxis.label, *ax.get_yticklabels()]:
         box = artist.get_window_extent(renderer)
-        assert box.x0 >= -0.5 and box.y1 <= fig.bbox.height + 0.5, artist.get_text()
+        assert box.x0 >= -0.5 and box.y0 >= -0.5 and box.x1 <= fig.bbox.width + 0.5 and \
+            box.y1 <= fig.bbox.height + 0.5, artist.get_text()
 
 
 # ----------------------------------------------------------------------------- colours and visibility (issue 31 item 5)
