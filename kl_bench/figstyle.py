@@ -2,8 +2,9 @@
 report, whichever estimators a run has), its line style and marker are its aggregate's (seq solid with
 circles, tok dashed with squares, ...), and in training figures its marker is its mode's.
 
-Foundation layer (no matplotlib import): the report's figures (kl_bench.plots), the training figures and
-the audit figures all take their styles from here, so that a colour means one estimator everywhere.
+Foundation layer (matplotlib is imported only inside :func:`plain_log_labels`): the report's figures
+(kl_bench.plots), the training figures and the audit figures all take their styles and their log-axis
+labels from here, so that a colour means one estimator everywhere.
 
 The six estimators of the README's table, ``full``, ``cv`` and ``cv_opt`` have fixed colours from seaborn's
 colour-blind palette, the library presets fixed colours of their own; any other estimator (a clamp, a
@@ -13,6 +14,7 @@ marker and line style, so that no two rows of one figure look alike.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, replace
 
@@ -100,3 +102,26 @@ def figure_styles(keys: list[tuple[str, ...]], style=row_style) -> dict[tuple[st
         seen.add((s.color, str(s.ls), s.marker))
         out[key] = s
     return out
+
+
+def _log_label(v: float) -> str:
+    """A log-axis tick: plain between 0.001 and 10⁴ (0.5, 2, 300), a power of ten outside (10⁶)."""
+    if v <= 0:
+        return ""
+    if 1e-3 <= v < 1e4:
+        return f"{v:g}"
+    k = math.log10(v)
+    return f"$10^{{{k:.0f}}}$" if abs(k - round(k)) < 1e-9 else ""
+
+
+def plain_log_labels(axis) -> None:
+    """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹; the 2s and 5s between the
+    decades only while the axis spans under two decades (more would overlap), looked up at draw time."""
+    import matplotlib.ticker
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _log_label(v)))
+
+    def minor(v, _):
+        lo, hi = sorted(axis.get_view_interval())
+        narrow = lo > 0 and hi / lo < 100
+        return _log_label(v) if narrow and f"{v:.0e}"[0] in "25" else ""      # the first digit, 0.5 too
+    axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))

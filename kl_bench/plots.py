@@ -27,7 +27,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from .draws import AGGREGATES, row_label
-from .figstyle import Style, estimator_colour, figure_styles, row_style
+from .figstyle import Style, estimator_colour, figure_styles, plain_log_labels, row_style
 from .modes import MODES
 
 PALETTE = sns.color_palette("colorblind")
@@ -93,28 +93,6 @@ def _percent(v: float) -> str:
     pct = abs(v) * 100
     text = f"{pct:,.0f}" if pct >= 1 else f"{pct:.2g}"
     return ("−" if v < 0 else "") + text + "%"
-
-
-def _log_label(v: float) -> str:
-    """A log-axis tick: plain between 0.001 and 10⁴ (0.5, 2, 300), a power of ten outside (10⁶)."""
-    if v <= 0:
-        return ""
-    if 1e-3 <= v < 1e4:
-        return f"{v:g}"
-    k = math.log10(v)
-    return f"$10^{{{k:.0f}}}$" if abs(k - round(k)) < 1e-9 else ""
-
-
-def _plain_log_labels(axis) -> None:
-    """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹; the 2s and 5s between the
-    decades only while the axis spans under two decades (more would overlap), looked up at draw time."""
-    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _log_label(v)))
-
-    def minor(v, _):
-        lo, hi = sorted(axis.get_view_interval())
-        narrow = lo > 0 and hi / lo < 100
-        return _log_label(v) if narrow and f"{v:.0e}"[0] in "25" else ""      # the first digit, 0.5 too
-    axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))
 
 
 def _axes(ax, ncols=1, width=6.4, height=4.0):
@@ -279,7 +257,7 @@ def _bias_std_scales(axes, df: pd.DataFrame) -> None:
     stds = stds[stds > 0]
     if not stds.empty:
         axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
-    _plain_log_labels(axes[1].xaxis)
+    plain_log_labels(axes[1].xaxis)
     axes[1].set_xlabel(f"per-draw std / {_against(df)}  (log)")
 
 
@@ -304,7 +282,7 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
             v = hit["rel_std"].iloc[0] if not np.isfinite(v) else v
             ax.scatter([lam], [v], s=90, color=color, zorder=4, label=name, edgecolor="black")
     ax.set_yscale("log")
-    _plain_log_labels(ax.yaxis)
+    plain_log_labels(ax.yaxis)
     ax.set_xlabel("λ")
     ax.set_ylabel("per-draw std / true KL  (log)")
     ax.set_title(title)
@@ -488,7 +466,7 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yscale("log")
-    _plain_log_labels(ax.yaxis)
+    plain_log_labels(ax.yaxis)
     ax.set_xlabel("sequence length T  (log)")
     if any_exact:
         ax.set_ylabel("per-rollout std / true KL  (log)")
@@ -734,7 +712,7 @@ def _sweep_axes(row_axes, key: str, row_title: str, x_all: pd.Series, positions:
     """Scales, labels and ticks of one row of a sweep figure (std: log; bias: symlog in percent)."""
     ax_std, ax_bias = row_axes
     ax_std.set_yscale("log")
-    _plain_log_labels(ax_std.yaxis)
+    plain_log_labels(ax_std.yaxis)
     ax_std.set_ylabel("per-draw std / true KL  (log)")
     # Bias on a linear axis with its CIs: a symlog axis spikes at 0 and makes noise read as structure.
     ax_bias.axhline(0, color="grey", lw=1)

@@ -117,6 +117,13 @@ def batch_cell(n: float, exact_bias: float) -> str:
     return "never" if math.isinf(n) else f"{n:,.0f}"
 
 
+def bias_se(r) -> float:
+    """The SE of a row's bias: its ``bias_se`` where the results carry one (the log's own SE for logged
+    log-probs), else the SE of its mean."""
+    value = r["bias_se"] if "bias_se" in r else math.nan
+    return float(value) if isinstance(value, (int, float)) and value == value else float(r["se"])
+
+
 # ----------------------------------------------------------------------------- paper table
 def paper_table(df: pd.DataFrame):
     """Schulman's layout: rows are estimators; per case bias/true (in %) and std/true (a ratio), measured
@@ -147,7 +154,7 @@ def paper_table(df: pd.DataFrame):
                 continue
             r = hit.iloc[0]
             scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
-            cells.append([pct_pm(r["rel_bias"], r["se"] / scale, dagger(r)), exact_pct(r["exact_rel_bias"]),
+            cells.append([pct_pm(r["rel_bias"], bias_se(r) / scale, dagger(r)), exact_pct(r["exact_rel_bias"]),
                           pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])])
         rows.append((lab, cells))
     return cases, rows
@@ -748,7 +755,7 @@ def row_cells(r) -> list[str]:
     approx = "≈" if bool(r.get("approx", False)) else ""      # against the Monte Carlo reference
     return [str(r["case"]), row_label(r), str(r["target"]), approx + sig(r["true_kl"], 4),
             pm(r["mean"], r["se"], dagger(r)), sig(r["exact_mean"], 4),
-            pct_pm(r["rel_bias"], r["se"] / true if true else math.nan, dagger(r)), exact_pct(r["exact_rel_bias"]),
+            pct_pm(r["rel_bias"], bias_se(r) / true if true else math.nan, dagger(r)), exact_pct(r["exact_rel_bias"]),
             sig(r["rel_std"]), sig(r["exact_rel_std"]), batch_cell(r["n_for_10pct"], r["exact_rel_bias"]),
             sig(r["z"], 2) + dagger(r), sig(r["frac_negative"], 2), str(r["heavy_tail"] or "")]
 

@@ -22,7 +22,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from ..figstyle import mode_style
+from ..figstyle import mode_style, plain_log_labels
 from ..results import read_frame
 
 _STYLE = {**sns.axes_style("whitegrid")}
@@ -93,6 +93,7 @@ def _axis(ax, metric: str) -> None:
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     if metric in LOG_METRICS:
         ax.set_yscale("log")
+        plain_log_labels(ax.yaxis)
 
 
 def legend_handles(ax) -> list:
