@@ -62,6 +62,7 @@ CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;p
        "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}"
        "td:first-child,th:first-child{text-align:left}"
        "table.rows td:nth-child(-n+3),table.rows th:nth-child(-n+3){text-align:left}"
+       "table.diffs td:nth-child(-n+4),table.diffs th:nth-child(-n+4){text-align:left}"
        "code{font-family:ui-monospace,monospace;font-size:0.9em;background:#f4f4f4;padding:0 3px;border-radius:3px}"
        "img{max-width:100%;height:auto;border:1px solid #eee}figure{margin:1.5em 0}"
        "figcaption{font-size:0.9em;color:#333}p.caption{font-style:italic;max-width:100%}"

@@ -601,7 +601,7 @@ def differences_md(diffs: pd.DataFrame) -> str:
 
 
 def differences_html(diffs: pd.DataFrame) -> str:
-    return table_html(DIFF_HEADER, [difference_cells(r) for _, r in diffs.iterrows()])
+    return table_html(DIFF_HEADER, [difference_cells(r) for _, r in diffs.iterrows()], classes="diffs")
 
 
 def build_report(dirs: list[Path], *, formats=None, progress=None, batch: int = 64,
