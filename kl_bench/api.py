@@ -113,15 +113,17 @@ def execute(prep: Prepared, *, progress=None, resume: dict[str, torch.Tensor] | 
 
 
 def run(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None,
-        progress: bool = False) -> "Result":
+        progress: bool | None = None) -> "Result":
     """Run every case of ``spec`` (a path, a :class:`Spec`, or a dict with the TOML's structure in which
     a categorical or rollout side may be a tensor or ndarray of logits). ``draws``, ``seed`` and
     ``device`` override the spec exactly as the CLI's flags do. Nothing is written: see
-    :meth:`Result.write`."""
+    :meth:`Result.write`. ``progress``: a progress line once the run has lasted 2 s (on a terminal's
+    stderr, or in the cell of a notebook; never in a pipe or a file); None, the default: on in a Jupyter
+    notebook, off elsewhere."""
     from .experiment import total_draws
-    from .progress import LazyProgress
+    from .progress import LazyProgress, wanted
     prep = prepare(spec, draws=draws, seed=seed, device=device)
-    bar = LazyProgress(total_draws(prep.spec), enabled=progress)
+    bar = LazyProgress(total_draws(prep.spec), enabled=wanted(progress))
     try:
         return execute(prep, progress=bar)
     finally:
@@ -181,8 +183,10 @@ class Result:
             # Processes that drew the batches, and per case and pass the [lo, hi) batch ranges of each rank
             # (batches restored from a checkpoint are in no range).
             "world_size": outcome.world_size, "rank_batches": outcome.drawn,
+            # The rate of this process: draws restored from a checkpoint (--resume) took no sampling time.
             "sampling_seconds": round(sum(r.seconds for r in runs), 3),
-            "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
+            "draws_per_second": round(sum(r.draws - r.restored for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
+            "restored_draws": sum(r.restored for r in runs),
             "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
         }
 
@@ -311,28 +315,46 @@ def load_results(folder: str | Path) -> Result:
 
 
 @single_threaded
-def exact(spec) -> "pd.DataFrame":
+def exact(spec, *, progress: bool | None = None, console=None) -> "pd.DataFrame":
     """The exact table of every case, no sampling: true value, exact mean and std of every row, and the
-    planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them."""
-    from .estimators import make_cv, resolve_estimator
+    planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them.
+    ``progress``: as :func:`run`'s (cases built, then cases computed), on ``console`` (default stderr)."""
     from .experiment import validate_oracles
-    from .planning import add_planning
+    from .progress import LazyProgress, wanted
     from .results import EXACT_COLUMNS, to_frame
-    from .results.rows import exact_rows
     sp = load(spec)
-    pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
-    validate_oracles(sp, pairs, str(sp.path))
+    bar = LazyProgress(2 * len(sp.cases), enabled=wanted(progress), console=console, unit="steps")
+    try:
+        pairs = []
+        for c in sp.cases:
+            bar.label(f"{c.name}: building")
+            pairs.append(build_pair(c, str(sp.path)))
+            bar.advance(1)
+        validate_oracles(sp, pairs, str(sp.path))
+        rows = _exact_rows(sp, pairs, bar)
+    finally:
+        bar.close()
+    df = to_frame(rows)[EXACT_COLUMNS]
+    df.attrs["descriptions"] = {p.name: p.describe() for p in pairs}     # case → one line on its q and p
+    return df
+
+
+def _exact_rows(sp: Spec, pairs: list[Pair], bar) -> list[dict]:
+    """:func:`exact`'s rows, case by case (``bar``: a LazyProgress, advanced once a case)."""
+    from .estimators import make_cv, resolve_estimator
+    from .planning import add_planning
+    from .results.rows import exact_rows
     sources = [resolve_estimator(n) for n in sp.experiment.estimators] + [make_cv(lam) for lam in sp.experiment.lambdas]
     rows = []
     for p in pairs:
+        bar.label(f"{p.name}: exact moments")
         for row in exact_rows(p, [p.adapt(s) for s in sources]):
             add_planning(row, p.row_group(row["aggregate"]))
             if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
                 row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star
             rows.append(row)
-    df = to_frame(rows)[EXACT_COLUMNS]
-    df.attrs["descriptions"] = {p.name: p.describe() for p in pairs}     # case → one line on its q and p
-    return df
+        bar.advance(1)
+    return rows
 
 
 # ----------------------------------------------------------------------------- check
@@ -541,19 +563,26 @@ __all__ = ["load", "prepare", "execute", "run", "Result", "exact", "check", "Che
 
 # ----------------------------------------------------------------------------- training trajectories (issue 22)
 @single_threaded
-def train(spec, *, seed: int | None = None, device: str | None = None, ranks=None) -> "TrainResult | None":
+def train(spec, *, seed: int | None = None, device: str | None = None, ranks=None, progress: bool | None = None,
+          console=None) -> "TrainResult | None":
     """Optimisation trajectories of a spec with a ``[train]`` table (kl_bench.training, docs/training.md):
     train.csv's rows and run.json's envelope, in memory; :meth:`TrainResult.write` writes the folder.
     ``ranks``: a torchrun job's :class:`kl_bench.distributed.Ranks` (``kl-bench train`` under torchrun passes
     it): the units are split across the processes and rank 0 gets the result (the others None). Without it,
-    a call under torchrun is refused in one line (each process would train everything)."""
-    from .distributed import one_process
+    a call under torchrun is refused in one line (each process would train everything). ``progress``: as
+    :func:`run`'s, in steps of this process's trajectories, on ``console`` (default stderr)."""
+    from .distributed import SINGLE, one_process
+    from .progress import LazyProgress, wanted
     from .training import TrainResult, train_rows
     if ranks is None:
         one_process("kl_bench.train", str(spec) if isinstance(spec, (str, Path)) else None)
     sp = load(spec, seed=seed, device=device)
     dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
-    rows, cfg, wall = train_rows(sp, dev) if ranks is None else train_rows(sp, dev, ranks)
+    bar = LazyProgress(0, enabled=wanted(progress), console=console, unit="steps")
+    try:
+        rows, cfg, wall = train_rows(sp, dev, ranks or SINGLE, bar)
+    finally:
+        bar.close()
     if rows is None:
         return None
     exp = sp.experiment

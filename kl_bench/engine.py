@@ -85,9 +85,10 @@ class CaseRun:
     sums: torch.Tensor           # [K, 3Q + 5J] float64 per-batch feature sums (CPU)
     counts: torch.Tensor         # [K, Q] float64, values per batch of each row (draws; groups for group rows)
     exact: dict[str, tuple[float, float]] = field(default_factory=dict)  # row label → (mean, var)
-    seconds: float = 0.0
+    seconds: float = 0.0         # this process's sampling time (batches restored from a checkpoint took none)
     joint: list[tuple[str, float, float]] = field(default_factory=list)  # (aggregate, ca, cb) blocks
     drawn: list[list[list[int]]] = field(default_factory=list)  # per rank: [lo, hi) batch ranges it drew
+    restored: int = 0            # draws of the batches restored from a checkpoint (not drawn by this process)
 
     @property
     def draws(self) -> int:
@@ -128,9 +129,14 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-def _report(progress: Callable[[int], None] | None, draws: int) -> None:
+def _report(progress: Callable[..., None] | None, draws: int, restored: bool = False) -> None:
+    """Tell ``progress`` of ``draws`` done; draws restored from a checkpoint as ``restored=True``, so that
+    a rate counts only the draws of this process."""
     if progress is not None:
-        progress(draws)
+        if restored:
+            progress(draws, restored=True)
+        else:
+            progress(draws)
 
 
 def _joint_blocks(pair: Pair, joint: bool) -> list[tuple[str, float, float]]:
@@ -185,7 +191,7 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
         _check_resume(resume, pair, rows, exact, width, sizes)
         out.append(resume.to(torch.float64))
         first = resume.shape[0]
-        _report(progress, sum(sizes[:first]))
+        _report(progress, sum(sizes[:first]), restored=True)
     for start, stop, lo, hi in rounds(first, len(sizes), per_chunk, ranks):
         parts = ranks.gather(run(streams[lo:hi]).cpu() if hi > lo else None)
         if parts is None:           # not rank 0: rank 0 keeps the rows
@@ -198,8 +204,9 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)  # host: the batches' sums, gathered
-    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),  # host: results on the host
-                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
+    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),  # host: results
+                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size),
+                   sum(sizes[:first]))
 
 
 def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,

@@ -46,3 +46,8 @@ def count(n: float) -> str:
     if math.isinf(n):
         return "never"
     return f"{n:,.0f}" if n < 1e6 else f"{n:.1e}"
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """'1 figure', '2 figures', '1,000 steps': a count and its noun ("" + s unless ``words`` is given)."""
+    return f"{n:,} {word if n == 1 else (words or word + 's')}"

@@ -204,22 +204,3 @@ def test_the_cli_in_an_80_column_terminal(write_spec, tmp_path):
     table = [line for line in text.splitlines() if line.startswith(("k1 ", "k2 ", "k3 ", "abs "))]
     assert len(table) == 4 and all(len(line) <= 80 for line in table), text
     assert "…" not in "\n".join(table)
-
-
-def test_progress_in_a_log_is_one_plain_line_per_case_and_phase(monkeypatch):
-    """Issue 25 item 9: where stderr is not a terminal, no bar (nothing redraws it) but one line per case
-    or phase, with the draws done and the rate."""
-    from kl_bench import progress as P
-    monkeypatch.setattr(P, "PROGRESS_AFTER_S", -1.0)
-    buf = io.StringIO()
-    bar = P.LazyProgress(3_000_000, enabled=True, console=Console(file=buf, force_terminal=False, width=400))
-    bar.label("a")
-    bar.advance(1_000_000)
-    bar.advance(1_000_000)
-    bar.label("b (gradients)")
-    bar.advance(1_000_000)
-    bar.close()
-    lines = buf.getvalue().splitlines()
-    assert [line.split(":")[1].strip() for line in lines] == ["a", "b (gradients)"]
-    assert lines[1].startswith("progress: b (gradients): 2,000,000/3,000,000 draws done, ")
-    assert bar.bar is None

@@ -237,7 +237,7 @@ def test_report_of_cases_without_an_exact_value(tiny_models, tmp_path):
 
 def test_tables_of_continuations_show_measured_values_against_the_reference(tiny_models):
     """No exact value: no empty brackets in the terminal tables; the paper table shows the measured values
-    against the Monte Carlo reference (KL ≈), its exact cells –; the description names the prompts once."""
+    against the Monte Carlo reference (KL ≈), its exact cells —; the description names the prompts once."""
     import pandas as pd
     from rich.console import Console
 
@@ -257,9 +257,9 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     md = report.table_md(cases, rows, "caption")
     assert "T3 (KL ≈ " in md and "m (KL = " in md
     cells = dict(rows)["seq k1"][[c[0] for c in cases].index("T3")]
-    assert cells[0] != "–" and cells[1] == "–" and cells[2] != "–" and cells[3] == "–"
-    value, se = cells[0].rstrip("†").split(" ± ")         # measured ± SE (against the reference)
-    assert isinstance(pd.to_numeric(value), float) and float(se) > 0
+    assert cells[0] != "—" and cells[1] == "—" and cells[2] != "—" and cells[3] == "—"
+    value, se = cells[0].rstrip("†").split(" ± ")         # measured ± SE (against the reference), in %
+    assert value.endswith("%") and math.isfinite(float(value.rstrip("%"))) and float(se.rstrip("%")) > 0
     desc = res.envelope["cases"]["m"]["description"]
     assert desc.count("prompts") == 1, desc
 
@@ -273,10 +273,14 @@ def test_dump_logits_reports_progress_per_phase(tiny_models, tmp_path, monkeypat
 
     from rich.console import Console
     buf = io.StringIO()
-    bar = P.LazyProgress(0, enabled=True, console=Console(file=buf, force_terminal=False, width=400), unit="rows")
+    bar = P.LazyProgress(0, enabled=True, console=Console(file=buf, force_terminal=True, width=400), unit="rows")
+    labels = []
+    shown = bar.label
+    bar.label = lambda text: (labels.append(text), shown(text))[-1]
     dump_logits(tiny_models / "policy", tiny_models / "reference", tiny_models / "prompts.jsonl", tmp_path / "d",
                 length=3, samples=40, device="cpu", batch_size=16, progress=bar)
     n_prompts = len((tiny_models / "prompts.jsonl").read_text().splitlines())
+    bar.close()
     assert bar.total == n_prompts + 40 and bar.done == bar.total
-    lines = buf.getvalue().splitlines()
-    assert [line.split(":")[1].strip() for line in lines] == ["next-token log-probs", "continuations of 3 tokens"]
+    assert labels == ["next-token log-probs", "continuations of 3 tokens"]
+    assert f"{bar.total:,}/{bar.total:,} rows" in buf.getvalue()

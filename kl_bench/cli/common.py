@@ -101,32 +101,30 @@ def draws_flag(value: Optional[str]):
     return int(f) if math.isfinite(f) and f.is_integer() else value
 
 
-def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
-    """The report of results folders into ``out``: one line on success, one on any error or interrupt."""
+def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) -> None:
+    """The report of results folders into ``out``: one line on success, one on any error or interrupt;
+    a progress line meanwhile (not with ``quiet``, nor in a pipe). ``options``: kl_bench.report.report_files's
+    (formats, batch, tolerance)."""
     from .. import signals
-    from ..report import write_report as write
+    from ..progress import LazyProgress
+    from ..report import summary_line, write_report as write
     from ..runner import interrupt_line
     from ..storage import check_output_dir, fs_error
-    from ..audit.report import audit_report_files, is_audit_folder
-    from ..storage import write_folder
-    from ..training.report import is_training_folder, training_report_files
     with user_errors():
         out = check_output_dir(out)
+        bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="figures")
         try:
-            if len(dirs) == 1 and is_training_folder(dirs[0]):       # a `kl-bench train` folder
-                write_folder(out, training_report_files(dirs[0]))
-            elif len(dirs) == 1 and is_audit_folder(dirs[0]):        # an audit (TRL callback, kl-bench audit)
-                write_folder(out, audit_report_files(dirs[0]))
-            else:
-                write(dirs, out)
+            write(dirs, out, progress=bar, **options)
             signals.phase("report-written")
         except KeyboardInterrupt:
+            bar.close()
             interrupted(interrupt_line(out, "report files", "an earlier report in {out} is untouched"))
         except OSError as e:
             raise fs_error(e, out, "cannot write the report") from None
+        finally:
+            bar.close()
     if not quiet:
-        page = "report.html" if (out / "report.html").exists() else "report.md"
-        out_console.print(f"report → {out}/{page} ({len(list((out / 'figures').glob('*.png')))} figures)")
+        out_console.print(summary_line(out), markup=False)
         if (out / "differences.csv").exists():
             for line in difference_lines(out / "differences.csv"):
                 out_console.print(line, markup=False)
@@ -134,19 +132,19 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
 
 def difference_lines(path: Path, most: int = 8) -> list[str]:
     """The runs' differences for the terminal: how many rows were compared, then the largest |z| first
-    (at most ``most`` lines; all of them in differences.csv)."""
-    from ..display import fmt
+    (at most ``most`` lines; all of them in differences.csv), in the report's words (diff/true ± SE in %)."""
+    from ..formatting import plural
+    from ..report import difference_cells
     from ..results import read_frame
     d = read_frame(path)
     if d.empty:
         return ["differences: the runs share no (case, row) to compare"]
     d = d.assign(az=d["z"].abs()).sort_values("az", ascending=False, na_position="last")
-    lines = [f"differences: {len(d)} rows compared with the first run; |z| > 5 in {int((d['az'] > 5).sum())} "
+    lines = [f"differences: {plural(len(d), 'row')} compared with the first run; |z| > 5 in {int((d['az'] > 5).sum())} "
              f"(largest first; all in {path.name})"]
     for _, r in d.head(most).iterrows():
-        lines.append(f"  {r['run']} vs {r['against']}: {r['case']} {r['row']}: diff/true {fmt(r['rel_diff'])} "
-                     f"± {fmt(r['se'] / abs(r['diff'] / r['rel_diff']) if r['rel_diff'] else float('nan'), 2)}, "
-                     f"z {fmt(r['z'], 2)}{r['heavy_tail']}")
+        run, against, case, row, rel, z = difference_cells(r)
+        lines.append(f"  {run} vs {against}: {case} {row}: diff/true {rel}, z {z}")
     return lines
 
 

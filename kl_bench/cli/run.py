@@ -56,7 +56,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
     if not quiet:
         show_run(result, wide, batch, tolerance)
     if report_:
-        write_report([result.path], result.path / "report", quiet)
+        write_report([result.path], result.path / "report", quiet, batch=batch, tolerance=tolerance)
 
 
 def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
@@ -75,5 +75,7 @@ def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
     total = (f", {result.outcome.wall:.1f} s in all" if result.outcome.wall > 1.2 * env["sampling_seconds"] + 0.5
              else "")
     cases = f" over {len(result.pairs)} cases" if len(result.pairs) > 1 else ""
-    out_console.print(f"\n{result.draws:,} draws{cases} sampled in {env['sampling_seconds']:.1f} s "
-                      f"({env['draws_per_second']:,} draws/s on {result.device}){total} → {result.path}/summary.csv")
+    restored = env.get("restored_draws", 0)       # --resume: restored draws took no time here
+    kept = f" ({restored:,} more restored from the checkpoint)" if restored else ""
+    out_console.print(f"\n{result.draws - restored:,} draws{cases} sampled in {env['sampling_seconds']:.1f} s "
+                      f"({env['draws_per_second']:,} draws/s on {result.device}){kept}{total} → {result.path}/summary.csv")
