@@ -412,7 +412,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
     (a path, Spec or dict), a results folder must hold that experiment's cases."""
     import pandas as pd
 
-    from .gate import baseline_comparisons, exact_comparisons, holm
+    from .gate import baseline_comparisons, exact_comparisons, holm, skipped_notes
     from .results.baseline import load_baseline, normalize_baseline
     if not 0 < alpha < 1:
         raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
@@ -429,7 +429,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
             check_results_match_spec(loaded, load(spec))
         df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
     comparisons = exact_comparisons(df)
-    notes: list[str] = []
+    notes: list[str] = skipped_notes(df)        # rows neither passed nor failed: said, not silent
     where = None
     if baseline is not None:
         if isinstance(baseline, dict):

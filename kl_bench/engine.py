@@ -36,15 +36,20 @@ FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
 
 
 JOINT_FEATURES = 5  # a − ca, b − cb, (a − ca)², (b − cb)², (a − ca)(b − cb) for a = −log r, b = r − 1
+WEIGHT_FEATURES = 2  # W, W² of the draw's importance weight (a weighted sampler b ≠ q): its effective sample size
 
 
 def make_features(rows: list[Row], shifts: list[float],
-                  joint: list[tuple[str, float, float]] | None = None) -> Callable[[Draws], torch.Tensor]:
-    """Per-draw features: Draws [n] → [n, 3·rows (+ 5·joint blocks)] float64 (see module docstring).
+                  joint: list[tuple[str, float, float]] | None = None,
+                  weights: bool = False) -> Callable[[Draws], torch.Tensor]:
+    """Per-draw features: Draws [n] → [n, 3·rows (+ 5·joint blocks) (+ 2)] float64 (see module docstring).
 
     Each joint block (aggregate, ca, cb) appends the shifted moments of a = −log r and b = r − 1
     (b = Σ_t (r_t − 1) for the "tok" aggregate): every cv(λ) = a + λb has mean and variance linear
-    and quadratic in λ, so these five sums give the whole λ curve from one pass.
+    and quadratic in λ, so these five sums give the whole λ curve from one pass. ``weights`` appends W and
+    W² of the draw's importance weight (``Draws.weight``; 1 where None): Kish's effective sample size
+    (ΣW)²/ΣW² says whether the weighted rows' means mean anything (kl_bench.stats.kish_ess). Unshifted:
+    E_b[W] = 1, and a W that underflows to 0 is a draw that carries nothing, as the rows see it.
     """
     shift = torch.tensor(shifts, dtype=torch.float64)
     grouped = [(j, r.group) for j, r in enumerate(rows) if r.group > 1]
@@ -68,6 +73,9 @@ def make_features(rows: list[Row], shifts: list[float],
             a = -draws.logr - ca
             b = (draws.tok_b if aggregate == "tok" else torch.expm1(draws.logr)) - cb
             parts.append(torch.stack([a, b, a * a, b * b, a * b], dim=-1))
+        if weights:
+            w = draws.weight if draws.weight is not None else torch.ones_like(draws.logr)
+            parts.append(torch.stack([w, w * w], dim=-1))
         return torch.cat(parts, dim=-1)
     return features
 
@@ -85,10 +93,18 @@ class CaseRun:
     seconds: float = 0.0
     joint: list[tuple[str, float, float]] = field(default_factory=list)  # (aggregate, ca, cb) blocks
     drawn: list[list[list[int]]] = field(default_factory=list)  # per rank: [lo, hi) batch ranges it drew
+    weighted: bool = False       # the sums end with the weight block (ΣW, ΣW² per batch)
 
     @property
     def draws(self) -> int:
         return int(self.sizes.sum())
+
+    def weight_sums(self) -> tuple[float, float] | None:
+        """(ΣW, ΣW²) over every draw of the importance weights (None: the sampler is not weighted)."""
+        if not self.weighted:
+            return None
+        total = self.sums[:, -WEIGHT_FEATURES:].sum(0)
+        return float(total[0]), float(total[1])
 
     def joint_sums(self, aggregate: str) -> torch.Tensor:
         """[K, 5] per-batch sums of the joint (a, b) features of one aggregate."""
@@ -170,10 +186,11 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
     shifts = [_finite_or_zero(exact[r.label][0]) for r in rows]
     blocks = _joint_blocks(pair, joint)
-    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks)
+    weighted = pair.weights != "none"
+    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks) + WEIGHT_FEATURES * weighted
     sizes = batch_sizes(draws, batches)
     streams = batch_streams(seed, pair.name + (f"/{stream}" if stream else ""), sizes, device)
-    run = pair.batch_sums(make_features(rows, shifts, blocks), tok_rows(rows), device)
+    run = pair.batch_sums(make_features(rows, shifts, blocks, weighted), tok_rows(rows), device)
     per_chunk = pair.batches_per_chunk(max(sizes), chunk)
     t0 = time.perf_counter()
     out = []
@@ -196,7 +213,8 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
         torch.cuda.synchronize(device)
     sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
     return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),
-                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
+                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size),
+                   weighted)
 
 
 def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,

@@ -57,22 +57,25 @@ def user_errors() -> Iterator[None]:
 
 def warn_rows(df, console: Console) -> None:
     from ..advice import warnings
+    from ..display import prose
     for line in warnings(df):
-        console.print(line, markup=False)
+        prose(console, line)
 
 
 def advise(advice) -> None:
     """The advice lines (kl_bench.advice): what to log, what to put in the loss. A sentence that holds
-    for several cases alike (the on-policy identities) is printed once, naming them."""
+    for several cases alike (the on-policy identities) is printed once, naming them. Wrapped at a
+    terminal's width, one line each to a file or a pipe (kl_bench.display.prose)."""
+    from ..display import prose
     out_console.print()
     general: dict[str, list[str]] = {}
     for a in advice:
         if a.general:
             general.setdefault(a.detail, []).append(a.case)
         else:
-            out_console.print(a.text, markup=False, soft_wrap=True)
+            prose(out_console, a.text)
     for detail, cases in general.items():
-        out_console.print(f"{', '.join(cases)}: {detail}", markup=False, soft_wrap=True)
+        prose(out_console, f"{', '.join(cases)}: {detail}")
 
 
 def advice_options(batch: int, tolerance: float) -> None:
