@@ -39,19 +39,22 @@ def show(console: Console, table, wide: bool = False, keys: int = 1, fold: bool 
         table.pad_edge = False
         table.show_edge = False
     width = console.width
-    parts = [table]
+    title, caption = table.title, table.caption
+    if not console.is_terminal:     # a pipe: title and caption whole, on lines of their own (rich wraps them)
+        table.title = table.caption = None
     if wide:                # rich never prints wider than the console: widen it for this table alone
         console.width = max(natural_width(console, table), width)
-    elif console.is_terminal and not fits(console, table) and not (fold and _folds(console, table)):
-        table.box, table.padding, table.show_edge = None, (0, 1), False     # without its box first
-        if not fits(console, table):
-            parts = stacked(console, table, keys)
+    parts = _fitted(console, table, keys, fold) if console.is_terminal and not wide else [table]
     try:
         with console.capture() as cap:
+            if title and not console.is_terminal:
+                console.print(title, soft_wrap=True)
             for i, part in enumerate(parts):
                 if i:
                     console.print()
                 console.print(part)
+            if caption and not console.is_terminal:
+                console.print(caption, soft_wrap=True)
     finally:
         console.width = width
     text = "".join(_TRAILING.sub(r"\1", line) + "\n" for line in cap.get().splitlines())
@@ -67,6 +70,14 @@ def fits(console: Console, table) -> bool:
 def natural_width(console: Console, table) -> int:
     """The columns a table takes when nothing constrains it (rich caps a measure at the console's width)."""
     return console.measure(table, options=console.options.update_width(100_000)).maximum
+
+
+def _fitted(console: Console, table: Table, keys: int, fold: bool) -> list[Table]:
+    """The table as it fits a terminal: whole, or folded (``fold``), or without its box, or stacked."""
+    if fits(console, table) or (fold and _folds(console, table)):
+        return [table]
+    table.box, table.padding, table.show_edge = None, (0, 1), False     # without its box first
+    return [table] if fits(console, table) else stacked(console, table, keys)
 
 
 def _folds(console: Console, table: Table) -> bool:
@@ -224,10 +235,6 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
             bias, std, z = pct(r["rel_bias"]) + mark, _std_cell(r, r["rel_std"]), _z_cell(r["z"], mark)
         t.add_row(row_label(r), target_cell(r), fmt(r["true_kl"], 4), mean, fmt(r["exact_mean"], 4), bias,
                   pct(r["exact_rel_bias"]), std, fmt(r["exact_rel_std"]), z, fmt(r["frac_negative"], 2))
-    captions = _caption_lines(rows)
-    if captions:
-        t.caption = "\n".join(captions)
-        t.caption_justify = "left"
     return t
 
 
@@ -272,24 +279,38 @@ def _compact_cells(r, zero: bool) -> list[str]:
     mark = dagger(r)
     short = SHORT_TARGET.get(r["target"], r["target"]) + target_cell(r)[len(r["target"]):]
     head, tail = [row_label(r), short], [n_cell(r)]
+    truth, diff, se, z, std = _against_truth(r)
+    # the exact bias: none against a Monte Carlo reference (logged data's exact mean is the log's, not q's)
+    exact = _rel_or_abs(math.nan if _has_reference(r) else _num(r["exact_mean"]) - truth, truth, zero)
+    neg = fmt(r["frac_negative"], 2)
+    if _has_reference(r) and diff == 0 and se == 0:          # the reference row itself
+        return head + ["reference", "", fmt(std / abs(truth)) if truth else fmt(std)] + tail + ["", neg]
+    if unknown_mean(r) or (math.isfinite(diff) and math.isnan(se)):
+        return head + ["unknown", exact, ""] + tail + ["", neg]
+    bias, std_cell = _bias_std_cells(truth, diff, se, std, zero)
+    return head + [bias + mark if bias else "", exact, std_cell + mark if std_cell else ""] \
+        + tail + [fmt(z, 2) + mark if math.isfinite(z) else "", neg]
+
+
+def _against_truth(r) -> tuple[float, float, float, float, float]:
+    """(truth, bias, its SE, z, std) of a row: against the exact truth, or against the Monte Carlo
+    reference where none exists (ref_diff ± ref_diff_se, z_ref; the std over the log where it is exact)."""
     if _has_reference(r):
         truth, diff, se, z = (_num(r.get(k, math.nan)) for k in ("ref_kl", "ref_diff", "ref_diff_se", "z_ref"))
         std = _num(r["exact_std"]) if math.isfinite(_num(r["exact_std"])) else _num(r["std"])
-    else:
-        truth, se, z, std = _num(r["true_kl"]), _num(r["se"]), _num(r["z"]), _num(r["std"])
-        diff = _num(r["mean"]) - truth
-    exact = _num(r["exact_mean"]) - truth
-    if unknown_mean(r) or (math.isfinite(diff) and math.isnan(se)):
-        return head + ["unknown", _rel_or_abs(exact, truth, zero), ""] + tail + ["", fmt(r["frac_negative"], 2)]
+        return truth, diff, se, z, std
+    truth = _num(r["true_kl"])
+    return truth, _num(r["mean"]) - truth, _num(r["se"]), _num(r["z"]), _num(r["std"])
+
+
+def _bias_std_cells(truth: float, diff: float, se: float, std: float, zero: bool) -> tuple[str, str]:
+    """"bias ± se" and std: relative (% and /true), or absolute where the KL is 0, or blank (no truth)."""
     if zero:
-        bias, std_cell = f"{fmt(diff)} ± {fmt(se, 2)}", fmt(std)
-    elif math.isfinite(truth) and truth != 0:
-        bias = f"{pct(diff / abs(truth))} ± {pct(se / abs(truth), sign=False)}" if math.isfinite(diff) else ""
-        std_cell = fmt(std / abs(truth))
-    else:
-        bias, std_cell = "", ""
-    return head + [bias + mark if bias else "", _rel_or_abs(exact, truth, zero), std_cell + mark if std_cell else ""] \
-        + tail + [fmt(z, 2) + mark if math.isfinite(z) else "", fmt(r["frac_negative"], 2)]
+        return f"{fmt(diff)} ± {fmt(se, 2)}", fmt(std)
+    if not (math.isfinite(truth) and truth != 0):
+        return "", ""
+    bias = f"{pct(diff / abs(truth))} ± {pct(se / abs(truth), sign=False)}" if math.isfinite(diff) else ""
+    return bias, fmt(std / abs(truth))
 
 
 def _rel_or_abs(exact_bias: float, truth: float, zero: bool) -> str:
@@ -382,7 +403,7 @@ def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
         t.add_row(row_label(r), target_cell(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4), bias,
                   fmt(r["exact_std"]) if zero else fmt(r["exact_rel_std"]))
     if zero:
-        t.caption, t.caption_justify = "KL = 0 (p = q where q samples): bias and std are absolute, not /true", "left"
+        t.caption, t.caption_justify = "KL = 0 (p = q): bias and std are absolute", "left"
     return t
 
 
@@ -564,12 +585,20 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
             else:
                 prose(console, escape(heading(df, case, descriptions[case])), markup=True)
                 show(console, compact_table(df, case))
-                for line in _caption_lines(rows):
-                    prose(console, "  " + line, indent="  ")
+            for line in _caption_lines(rows):
+                prose(console, "  " + line, indent="  ")
         console.print()
     if exact_only:
         return
-    extra = []          # (table, its key columns: what names a row when it is stacked)
+    for table, keys in side_tables(df, lengths):
+        show(console, table, wide, keys)
+        console.print()
+
+
+def side_tables(df: pd.DataFrame, lengths: dict[str, int] | None = None) -> list[tuple[Table, int]]:
+    """The tables across cases a run calls for, each with its key columns (what names a row when the
+    table is stacked): side by side, rollouts by length, sampling mismatch, control variates."""
+    extra = []
     if df["case"].nunique() > 1:
         extra.append((schulman_table(df[df["lambda"].isna()]), 1))
     if lengths:
@@ -578,9 +607,7 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
         extra.append((mismatch_table(df), 3))
     if "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
         extra.append((lambda_table(df), 1))
-    for table, keys in extra:
-        show(console, table, wide, keys)
-        console.print()
+    return extra
 
 
 def check_table(rep) -> Table:

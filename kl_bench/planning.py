@@ -27,15 +27,9 @@ def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob
     """Smallest n with P(|batch mean − true| ≤ rel·|true|) ≥ prob. inf when the bias alone exceeds
     the tolerance (no batch size helps), when std is infinite, or when true is infinite; where true is 0
     (p = q), 1 when every draw is exactly 0 (bias and std 0: any batch is exact), else inf."""
-    if true == 0 and bias == 0 and std == 0:
-        return 1.0
-    if not (math.isfinite(true) and true != 0 and math.isfinite(bias) and math.isfinite(std)):
-        return math.inf
-    tol = rel * abs(true)
-    if abs(bias) >= tol:
-        return math.inf
-    if std == 0:
-        return 1.0
+    settled = _settled(bias, std, true, rel)
+    if settled is not None:
+        return settled
     if prob_within(bias, std, true, 1, rel) >= prob:
         return 1.0
     lo, hi = 1.0, 2.0
@@ -49,6 +43,17 @@ def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob
             break
         lo, hi = (mid, hi) if prob_within(bias, std, true, mid, rel) < prob else (lo, mid)
     return float(hi)
+
+
+def _settled(bias: float, std: float, true: float, rel: float) -> float | None:
+    """The batch size where no search is needed: 1 (every draw exact: std 0 within the tolerance, or a
+    truth of 0 met exactly), inf (no batch helps); None otherwise."""
+    if true == 0 and bias == 0 and std == 0:
+        return 1.0
+    if not (math.isfinite(true) and true != 0 and math.isfinite(bias) and math.isfinite(std)) \
+            or abs(bias) >= rel * abs(true):
+        return math.inf
+    return 1.0 if std == 0 else None
 
 
 def rmse(bias: float, std: float, n: int) -> float:

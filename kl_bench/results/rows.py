@@ -29,6 +29,14 @@ def _ess(run: CaseRun, row) -> float:
     return kish_ess(*sums)
 
 
+def _heavy_tail(run: CaseRun, row, exact_var: float, n: float, s2, ess: float) -> str:
+    """The row's heavy_tail class (kl_bench.stats.classify_heavy_tail) from its pair and its batches' Σ(f − c)²."""
+    return classify_heavy_tail(
+        support_miss_weighted=run.pair.support_miss > 0 and run.pair.weights != "none",
+        exact_var=exact_var, fourth_finite=run.pair.fourth_moment_finite(row.est, row.aggregate),
+        kurtosis=run.pair.kurtosis_proxy(row.est, row.aggregate), draws=n, batch_sq=s2, ess=ess).value
+
+
 def summarize(run: CaseRun) -> list[dict[str, Any]]:
     """Rows of the summary table for one case (see :data:`SCHEMA`). A row whose importance weights are
     degenerate (effective sample size below the number of batches) keeps its measured mean and std, but
@@ -65,10 +73,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             # the scale of a variance computed from shifted sums: the squared mean and the variance
             z_var = z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var)
         ess = _ess(run, row)
-        heavy = classify_heavy_tail(
-            support_miss_weighted=run.pair.support_miss > 0 and run.pair.weights != "none",
-            exact_var=exact_var, fourth_finite=run.pair.fourth_moment_finite(est, row.aggregate),
-            kurtosis=run.pair.kurtosis_proxy(est, row.aggregate), draws=n, batch_sq=s2, ess=ess).value
+        heavy = _heavy_tail(run, row, exact_var, n, s2, ess)
         if heavy == HeavyTail.DEGENERATE:        # nothing is known of the mean: no SE, no z
             se = std_se = z = z_var = math.nan
         rows.append({
