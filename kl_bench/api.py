@@ -400,7 +400,8 @@ class CheckReport:
         if n == 0:
             return ("check: FAILED: nothing was compared (no row has an exact value or a baseline row to compare "
                     "with), so nothing was verified" + (f"; baseline {self.baseline}" if self.baseline else ""))
-        return (f"check: {n - bad} passed, {bad} failed ({n} comparisons against exact values"
+        from .formatting import plural
+        return (f"check: {n - bad:,} passed, {bad:,} failed ({plural(n, 'comparison')} against exact values"
                 + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
 
 

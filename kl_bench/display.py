@@ -104,6 +104,7 @@ def stacked(console: Console, table: Table, keys: int = 1) -> list[Table]:
         part = _part(table, key + group)
         title = table.title if isinstance(table.title, str) else ""
         part.title = f"{title} ({i + 1}/{len(groups)})" if i == 0 and title else f"({i + 1}/{len(groups)})"
+        part.title_justify = "left"
         part.caption = table.caption if i == len(groups) - 1 else None
         parts.append(part)
     return parts
@@ -155,6 +156,11 @@ def _with_exact(measured: str, exact: str) -> str:
     return f"{measured} ({exact})" if exact else measured
 
 
+def _exact_measured(exact: str, measured: str) -> str:
+    """"exact (measured)", with either one alone where the other is blank (no empty brackets)."""
+    return " ".join(x for x in (exact, f"({measured})" if measured else "") if x)
+
+
 def dagger(r) -> str:
     """"†" for a heavy-tailed row (its measured std, SE, CI and z are not valid), else "". Every column
     whose value leans on the measured SE carries it, not only the std."""
@@ -164,7 +170,12 @@ def dagger(r) -> str:
 
 def _std_cell(r, value: float) -> str:
     # A std measured on a heavy tail is not to be trusted: mark it instead of printing it plainly.
-    return fmt(value) + dagger(r)
+    return _ratio(value) + dagger(r) if _ratio(value) else ""
+
+
+def _ratio(x: float) -> str:
+    """A plain ratio (std/true): rounding below 1e-12 (the std of a constant row) prints as 0."""
+    return fmt(x, scale=1.0)
 
 
 def target_cell(r) -> str:
@@ -234,7 +245,7 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
             mean = f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}{mark}"
             bias, std, z = pct(r["rel_bias"]) + mark, _std_cell(r, r["rel_std"]), _z_cell(r["z"], mark)
         t.add_row(row_label(r), target_cell(r), fmt(r["true_kl"], 4), mean, fmt(r["exact_mean"], 4), bias,
-                  pct(r["exact_rel_bias"]), std, fmt(r["exact_rel_std"]), z, fmt(r["frac_negative"], 2))
+                  pct(r["exact_rel_bias"]), std, _ratio(r["exact_rel_std"]), z, fmt(r["frac_negative"], 2))
     return t
 
 
@@ -310,7 +321,7 @@ def _bias_std_cells(truth: float, diff: float, se: float, std: float, zero: bool
     if not (math.isfinite(truth) and truth != 0):
         return "", ""
     bias = f"{pct(diff / abs(truth))} ± {pct(se / abs(truth), sign=False)}" if math.isfinite(diff) else ""
-    return bias, fmt(std / abs(truth))
+    return bias, _ratio(std / abs(truth))
 
 
 def _rel_or_abs(exact_bias: float, truth: float, zero: bool) -> str:
@@ -325,8 +336,9 @@ def compact_table(df: pd.DataFrame, case: str) -> Table:
     `--wide` gives :func:`detail_table`."""
     frame = compact_frame(df, case)
     t = Table(show_edge=False, pad_edge=False, box=None, padding=(0, 1))
-    for col in frame.columns:
-        t.add_column(col, justify="left" if col in ("estimator", "target") else "right", no_wrap=True)
+    for col in frame.columns:        # a long row label folds onto a second line rather than split the table
+        t.add_column(col, justify="left" if col in ("estimator", "target") else "right", no_wrap=col != "estimator",
+                     overflow="fold")
     for cells in frame.itertuples(index=False):
         cells = [escape(c) for c in cells]
         z = cells[6].rstrip("†")               # † (heavy tail) after the number
@@ -371,14 +383,16 @@ def _lambda_cells(c: pd.DataFrame, case: str, agg: str) -> list[str]:
 
     def at(lam):
         hit = c[(c["estimator"] == "cv") & (c["lambda"] == lam)]
-        return "" if hit.empty else f"{fmt(hit.iloc[0]['exact_rel_std'])} ({_std_cell(hit.iloc[0], hit.iloc[0]['rel_std'])})"
+        return "" if hit.empty else _exact_measured(_ratio(hit.iloc[0]["exact_rel_std"]),
+                                                    _std_cell(hit.iloc[0], hit.iloc[0]["rel_std"]))
     star = r0["lambda_star"]
     # Exact std at λ*: from any cv row, std(λ)/(1 + excess_std(λ)).
     usable = c[c["exact_std"].map(math.isfinite) & c["excess_std"].map(math.isfinite)]
     best = usable.iloc[0]["exact_std"] / (1 + usable.iloc[0]["excess_std"]) / r0["true_kl"] if len(usable) else math.nan
     opt = c[c["estimator"] == "cv_opt"]
     opt_cell = "" if opt.empty else \
-        f"{fmt(opt.iloc[0]['exact_rel_std'])} ({_std_cell(opt.iloc[0], opt.iloc[0]['rel_std'])}) λ={opt.iloc[0]['lambda']:.3g}"
+        f"{_exact_measured(_ratio(opt.iloc[0]['exact_rel_std']), _std_cell(opt.iloc[0], opt.iloc[0]['rel_std']))} " \
+        f"λ={opt.iloc[0]['lambda']:.3g}".lstrip()
     k3 = c[(c["estimator"] == "cv") & (c["lambda"] == 1.0)]
     ratio = f"{k3.iloc[0]['excess_std'] + 1:.3g}×" if not k3.empty else ""
     heavy = c["heavy_tail"].fillna("").astype(str).str.len().gt(0).any()
@@ -387,7 +401,7 @@ def _lambda_cells(c: pd.DataFrame, case: str, agg: str) -> list[str]:
         if isinstance(mc, float) and math.isfinite(mc) else ""
     sampled = isinstance(r0.get("sampler", ""), str) and r0.get("sampler", "") != ""
     return [escape(f"{case} ({agg})" if agg else case), "n/a (sampler)" if sampled and not math.isfinite(star)
-            else fmt(star), measured, at(0.0), at(1.0), fmt(best), opt_cell, ratio]
+            else fmt(star), measured, at(0.0), at(1.0), _ratio(best), opt_cell, ratio]
 
 
 def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
@@ -463,7 +477,7 @@ def schulman_table(df: pd.DataFrame) -> Table:
             r = row.iloc[0]
             measured = "unknown" if unknown_mean(r) else pct(r["rel_bias"])
             cells.append(_with_exact(measured, pct(r["exact_rel_bias"])))
-            cells.append(_with_exact("" if unknown_mean(r) else _std_cell(r, r["rel_std"]), fmt(r["exact_rel_std"])))
+            cells.append(_with_exact("" if unknown_mean(r) else _std_cell(r, r["rel_std"]), _ratio(r["exact_rel_std"])))
         t.add_row(*cells)
     return t
 
@@ -584,7 +598,7 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
                 show(console, full, wide)
             else:
                 prose(console, escape(heading(df, case, descriptions[case])), markup=True)
-                show(console, compact_table(df, case))
+                show(console, compact_table(df, case), fold=True)
             for line in _caption_lines(rows):
                 prose(console, "  " + line, indent="  ")
         console.print()

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import SpecError
 from ..estimators import resolve_estimator
+from ..formatting import plural
 from ..registry import UnknownName
 from ..safe_io import parse_json, read_regular
 from ..storage import atomic_write_bytes, check_output_dir
@@ -331,7 +332,7 @@ def audit_folder(directory, *, on_step=None, tile: int = 4096, chunk: int = 256,
 
 
 def _pooled_line(source: str, p: dict) -> str:
-    return (f"pooled {source} over {p['steps']} steps: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
+    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
             f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
 
 

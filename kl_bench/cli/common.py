@@ -27,8 +27,9 @@ class Command(typer.core.TyperCommand):
         return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
 
 
-# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap.
-out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap (soft_wrap:
+# a sentence stays on one line whatever its length, for grep; tables keep their natural width up to 400).
+out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400, soft_wrap=not sys.stdout.isatty())
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, never wrapped
 
 interrupt_reported = [False]
@@ -129,7 +130,8 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
             raise fs_error(e, out, "cannot write the report") from None
     if not quiet:
         page = "report.html" if (out / "report.html").exists() else "report.md"
-        out_console.print(f"report → {out}/{page} ({len(list((out / 'figures').glob('*.png')))} figures)")
+        from ..formatting import plural
+        out_console.print(f"report → {out}/{page} ({plural(len(list((out / 'figures').glob('*.png'))), 'figure')})")
         if (out / "differences.csv").exists():
             for line in difference_lines(out / "differences.csv"):
                 out_console.print(line, markup=False)
