@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..formatting import fmt
 from ..results import frame_to_csv_bytes, read_frame
 from ..storage import write_locked
 from .run import TRAIN_SCHEMA
@@ -43,7 +44,8 @@ class TrainResult:
             kind = "exact" if (df["gradients"] == "exact").any() else "sampled"
             d = df[df["gradients"] == kind].sort_values("kl_opt", kind="stable")
             best = d.iloc[0]
-            others = ", ".join(f"{r.combination} {_fmt(r.kl_opt)} (+{_fmt(r.kl_opt - best.kl_opt)})"
+            # the distance over the best's: rounding (two combinations on one trajectory) prints as 0
+            others = ", ".join(f"{r.combination} {_fmt(r.kl_opt)} ({fmt(r.kl_opt - best.kl_opt, scale=best.kl_opt, sign=True)})"
                                for r in d.iloc[1:].itertuples())
             lines.append(f"{case}: closest to the optimum q* ∝ p·exp(reward/β) ({kind}): {best.combination}, "
                          f"KL(q‖q*) = {_fmt(best.kl_opt)}" + (f"; others: {others}" if others else ""))
