@@ -162,7 +162,8 @@ def _check_resume(resume: torch.Tensor, pair: Pair, rows: list[Row], exact: dict
     """Refuse checkpoint sums [k, width] that are not this spec's (other estimators) or are corrupted."""
     if resume.shape[1] != width:
         raise SpecError("checkpoint does not match this spec's estimators; delete it or run without --resume")
-    bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes)
+    bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes,
+                             weighted=pair.weights != "none")
     if bad:
         raise SpecError(f"checkpoint of case '{pair.name}' {bad} (corrupted?); delete it or run without --resume")
 
@@ -300,12 +301,18 @@ def _merge_ranks(acc: GradientAccumulator, parts: list[GradBatch], ranks: Ranks)
     return [b for p, _ in got for b in p]
 
 
-def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int]) -> str | None:
-    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J] (kl_bench.engine's layout: per
-    row the centred values, their squares and the count of negative values; per joint block a, b, a², b²,
-    ab), or None. ``finite``: per row, whether its exact mean is finite (only such a row's sums must be);
-    ``sizes``: the draws of each batch. A checkpoint is data on disk: anything impossible is refused."""
+def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int],
+                       weighted: bool = False) -> str | None:
+    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J (+ 2)] (kl_bench.engine's layout:
+    per row the centred values, their squares and the count of negative values; per joint block a, b, a²,
+    b², ab; with ``weighted``, ΣW and ΣW² last), or None. ``finite``: per row, whether its exact mean is
+    finite (only such a row's sums must be); ``sizes``: the draws of each batch. A checkpoint is data on
+    disk: anything impossible is refused."""
     k = sums.shape[0]
+    if weighted:
+        if bool((sums[:, -WEIGHT_FEATURES:] < 0).any()):
+            return "holds a negative sum of importance weights"
+        sums = sums[:, :-WEIGHT_FEATURES]
     if torch.isnan(sums).any():
         return "holds NaN sums"
     vals, squares, negs = sums[:, :rows], sums[:, rows:2 * rows], sums[:, 2 * rows:3 * rows]

@@ -113,7 +113,7 @@ def paper_table(df: pd.DataFrame):
                 continue
             r = hit.iloc[0]
             scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
-            cells.append([pm(r["rel_bias"], r["se"] / scale, dagger(r)), sig(r["exact_rel_bias"]),
+            cells.append([pm(r["rel_bias"], r["bias_se"] / scale, dagger(r)), sig(r["exact_rel_bias"]),
                           pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])])
         rows.append((lab, cells))
     return cases, rows

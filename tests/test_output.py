@@ -194,3 +194,22 @@ def test_the_summary_schema_is_self_consistent_after_the_new_columns():
         assert c in COLUMNS
     assert pd.Index(COLUMNS).is_unique
 
+
+
+def test_the_weight_sums_resume_byte_for_byte_and_a_corrupt_one_is_refused():
+    """ΣW and ΣW² ride at the end of every batch's sums: a run resumed from a checkpoint of a weighted case
+    gives the very sums of one uninterrupted run, and an impossible (negative) weight sum is refused."""
+    from kl_bench.api import prepare
+    from kl_bench.engine import run_case
+    from kl_bench.errors import SpecError
+    pair = prepare(spec_toml({"name": "w", "draws": 4_000, "seed": 0, "device": "cpu", "batches": 10,
+                              "estimators": ["k1", "k3"]}, [{**DEGENERATE, "length": 8}])).pairs[0]
+    cpu = torch.device("cpu")
+    args = dict(draws=4_000, seed=0, batches=10, chunk=1, device=cpu, joint=True)
+    whole = run_case(pair, ["k1", "k3"], **args)
+    assert torch.equal(run_case(pair, ["k1", "k3"], resume=whole.sums[:4], **args).sums, whole.sums)
+    assert whole.weight_sums() is not None and whole.sums.shape[1] == 3 * len(whole.rows) + 5 * 2 + 2
+    bad = whole.sums[:4].clone()
+    bad[0, -1] = -1.0
+    with pytest.raises(SpecError, match="negative sum of importance weights"):
+        run_case(pair, ["k1", "k3"], resume=bad, **args)

@@ -30,7 +30,8 @@ class Command(typer.core.TyperCommand):
 # A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap (soft_wrap:
 # a sentence stays on one line whatever its length, for grep; tables keep their natural width up to 400).
 out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400, soft_wrap=not sys.stdout.isatty())
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, never wrapped
+# A message to a log is one line, never wrapped; at a terminal a notice wraps at its width (errors stay one line).
+err_console = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 
 interrupt_reported = [False]
 DEFAULT_RUNS = Path("runs")        # where `kl-bench run` and `train` write without --out (git-ignored)
