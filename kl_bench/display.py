@@ -294,7 +294,7 @@ def _compact_cells(r, zero: bool) -> list[str]:
     # the exact bias: none against a Monte Carlo reference (logged data's exact mean is the log's, not q's)
     exact = _rel_or_abs(math.nan if _has_reference(r) else _num(r["exact_mean"]) - truth, truth, zero)
     neg = fmt(r["frac_negative"], 2)
-    if _has_reference(r) and diff == 0 and se == 0:          # the reference row itself
+    if _has_reference(r) and diff == 0 and se == 0 and not zero:      # the reference row itself
         return head + ["reference", "", fmt(std / abs(truth)) if truth else fmt(std)] + tail + ["", neg]
     if unknown_mean(r) or (math.isfinite(diff) and math.isnan(se)):
         return head + ["unknown", exact, ""] + tail + ["", neg]

@@ -163,6 +163,13 @@ def test_the_gate_neither_passes_nor_fails_degenerate_rows_in_silence(degenerate
     res.write(tmp_path / "r")                               # written, verified and read back: empty SEs allowed
     back = kl_bench.load_results(tmp_path / "r").summary
     assert back["se"].isna().sum() == res.summary["se"].isna().sum()
+    # a baseline stores them (an empty SE is no corruption here), and the baseline comparisons skip them too
+    import json
+
+    from kl_bench.results.baseline import baseline_bytes, make_baseline
+    base = json.loads(baseline_bytes(make_baseline(res.summary, res.spec)))
+    with_base = api.check(res, base)
+    assert {c.row for c in with_base.comparisons} == rows and any("not compared" in n for n in with_base.notes)
 
 
 # ----------------------------------------------------------------------------- words and numbers
