@@ -597,7 +597,7 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
             if full is not None and (wide or (console.is_terminal and fits(console, full))):
                 show(console, full, wide)
             else:
-                prose(console, escape(heading(df, case, descriptions[case])), markup=True)
+                prose(console, heading(df, case, descriptions[case]))
                 show(console, compact_table(df, case), fold=True)
             for line in _caption_lines(rows):
                 prose(console, "  " + line, indent="  ")

@@ -65,13 +65,17 @@ def inputs(tmp_path_factory):
                        'combinations = ["k1/reward", "k3/loss"]\n')
     steps = d / "steps"
     steps.mkdir()
-    _save_steps(steps)
-    return {"dir": d, "spec": spec, "grad": grad, "small": small, "train": train, "steps": steps}
+    saved = _save_steps(steps)
+    return {"dir": d, "spec": spec, "grad": grad, "small": small, "train": train, **({"steps": steps} if saved else {})}
 
 
-def _save_steps(folder: Path, b=3, t=5, v=97) -> None:
-    """Two saved training steps with both models' logits (docs/audit.md)."""
-    pytest.importorskip("safetensors")
+def _save_steps(folder: Path, b=3, t=5, v=97) -> bool:
+    """Two saved training steps with both models' logits (docs/audit.md); False without safetensors (the
+    hf extra), which `kl-bench audit` reads."""
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        return False
     from kl_bench.audit.offline import save_step
     g = torch.Generator().manual_seed(0)
     for i in range(2):
@@ -84,6 +88,7 @@ def _save_steps(folder: Path, b=3, t=5, v=97) -> None:
         save_step(folder / f"step-{i:04d}.safetensors", policy_logits=zp, reference_logits=zr, completion_ids=ids,
                   mask=torch.ones(b, t, dtype=torch.uint8), trainer_kl=kl, step=i, estimator="k3", source="loss",
                   generation={})
+    return True
 
 
 # ----------------------------------------------------------------------------- an 80-column terminal
@@ -148,8 +153,12 @@ def shown(inputs):
     (inputs["dir"] / "cmd").mkdir(exist_ok=True)
     with ThreadPoolExecutor(4) as pool:
         runs = {name: pool.submit(_in_terminal, [a.format(**fill) for a in args], inputs["dir"])
-                for name, (args, _) in COMMANDS.items()}
+                for name, (args, _) in COMMANDS.items() if all(k in fill for k in _fields(args))}
         return {name: run.result() for name, run in runs.items()}
+
+
+def _fields(args: list[str]) -> set[str]:
+    return {m for a in args for m in re.findall(r"\{(\w+)\}", a)}
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="pty")
@@ -157,6 +166,8 @@ def shown(inputs):
 def test_every_command_fits_an_80_column_terminal(shown, name):
     """Issue 31 item 3: in an 80-column terminal no line of any command is wider than 80 columns, no cell
     is cut (…), and what the command has to show is there (the gradient table, every comparison)."""
+    if name not in shown:
+        pytest.skip("kl-bench audit reads .safetensors steps: the hf extra is not installed")
     code, lines = shown[name]
     text = "\n".join(lines)
     assert code == 0, text
