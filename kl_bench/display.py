@@ -428,7 +428,7 @@ def with_reference(df: pd.DataFrame) -> pd.DataFrame:
     the bias shown: ``se`` where the truth is exact, ``ref_diff_se`` against a reference (logged data: the
     log's own SE, never the resampling one), so that bias ± bias_se and z agree."""
     df = df.copy()
-    df["bias_se"] = df["se"]
+    df["bias_se"] = df["se"] if "se" in df else math.nan      # an exact-only frame has no SE
     if "ref_kl" not in df:
         return df
     use = df["true_kl"].isna() & df["ref_kl"].notna()
