@@ -422,7 +422,8 @@ class CheckReport:
         if n == 0:
             return ("check: FAILED: nothing was compared (no row has an exact value or a baseline row to compare "
                     "with), so nothing was verified" + (f"; baseline {self.baseline}" if self.baseline else ""))
-        return (f"check: {n - bad} passed, {bad} failed ({n} comparisons against exact values"
+        from .formatting import plural
+        return (f"check: {n - bad:,} passed, {bad:,} failed ({plural(n, 'comparison')} against exact values"
                 + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
 
 
@@ -434,7 +435,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
     (a path, Spec or dict), a results folder must hold that experiment's cases."""
     import pandas as pd
 
-    from .gate import baseline_comparisons, exact_comparisons, holm
+    from .gate import baseline_comparisons, exact_comparisons, holm, skipped_notes
     from .results.baseline import load_baseline, normalize_baseline
     if not 0 < alpha < 1:
         raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
@@ -451,7 +452,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
             check_results_match_spec(loaded, load(spec))
         df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
     comparisons = exact_comparisons(df)
-    notes: list[str] = []
+    notes: list[str] = skipped_notes(df)        # rows neither passed nor failed: said, not silent
     where = None
     if baseline is not None:
         if isinstance(baseline, dict):
@@ -470,17 +471,17 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
 
 
 # ----------------------------------------------------------------------------- in a training loop
-def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None, estimator="k3", *,
-             policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
-             policy_logits: torch.Tensor | None = None, reference_logits: torch.Tensor | None = None,
-             ids: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-             aggregation: str | None = None) -> torch.Tensor:
+def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
+             estimator="k3", policy_logits: torch.Tensor | None = None,
+             reference_logits: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None, aggregation: str | None = None) -> torch.Tensor:
     """Per-token values (or their aggregate) of a registered estimator on a trainer's tensors.
 
-    Call it with keywords, in the trainers' order (policy first; TRL, verl and OpenRLHF all pass the
-    policy's log-probs first): ``estimate(policy=logprobs, reference=ref_logprobs, estimator="k3")``. The
-    positional form ``estimate(logp, logq, estimator)`` (reference first) still works; a swap would
-    silently negate log r, which is why the keywords are the documented way.
+    Keywords only: ``estimate(policy=logprobs, reference=ref_logprobs, estimator="k3")``. Which side is
+    which decides the sign of log r = log p − log q, and trainers disagree on the order of positional
+    arguments (TRL, verl and OpenRLHF pass the policy first; an older form of this function took the
+    reference first), so a positional call is refused (a TypeError saying so) rather than read in one
+    order or the other: a swap would silently flip the direction of the KL.
 
     ``policy``, ``reference``: log q(x) and log p(x) of the sampled tokens, any (equal) shape and dtype;
     the values are computed in that dtype, as a trainer would, and autograd flows through them.
@@ -502,9 +503,13 @@ def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None,
     ...                         aggregation="token-mean").item(), 4)
     0.0644
     """
+    if args:
+        raise TypeError(f"estimate() takes keyword arguments only, got {len(args)} positional: call "
+                        "estimate(policy=..., reference=..., estimator=...) (positional tensors could be read in "
+                        "either order, and a swap flips the direction of the KL silently)")
     from .estimators import resolve_estimator
     est = resolve_estimator(estimator)
-    logq, logp = _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_logits, ids, est)
+    logq, logp = _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est)
     if est.analytic:
         from .audit.exact import position_values
         v = logq.shape[-1]
@@ -525,17 +530,17 @@ def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None,
     return torch.where(mask.bool(), values, torch.zeros_like(values))
 
 
-def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_logits, ids, est):
+def _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est):
     """(log q, log p) for :func:`estimate`: sampled tokens' log-probs, or logits [..., V] for ``full``."""
-    forms = [(logq, logp), (policy, reference), (policy_logits, reference_logits)]
+    forms = [(policy, reference), (policy_logits, reference_logits)]
     given = [i for i, (a, b) in enumerate(forms) if a is not None or b is not None]
     if len(given) != 1 or any(x is None for x in forms[given[0]] if given):
         raise SpecError("give policy= and reference= (the sampled tokens' log-probs), or policy_logits= and "
-                        "reference_logits=, or (logp, logq) positionally: one pair, both sides")
+                        "reference_logits=: one pair, both sides")
     q, p = (torch.as_tensor(x) for x in forms[given[0]])  # host: the caller's tensors keep their device
     if q.shape != p.shape:
         raise ShapeError(f"policy and reference must have one shape, got {list(q.shape)} and {list(p.shape)}")
-    logits = given[0] == 2
+    logits = given[0] == 1
     if est.analytic:
         if not logits or ids is not None:
             raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "

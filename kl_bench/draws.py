@@ -158,6 +158,7 @@ class Aggregate:
     grouped: bool = False
     applies: Callable[[RowSource], bool] = lambda source: True
     enabled: Callable[[Any], bool] | None = None
+    weighted: Callable[[Any], bool] = lambda pair: False
 
 
 AGGREGATES: Registry[Aggregate] = Registry("aggregate")
@@ -204,15 +205,25 @@ def _plain(source: RowSource) -> bool:
     return source.lam is None
 
 
+def _always(pair) -> bool:
+    return True
+
+
+def _whole_weight(pair) -> bool:
+    # token sums under per-token weights carry each token's q/b, not the product W (``tok_weighted``)
+    return pair.weights != "token"
+
+
 for _agg in (
-    Aggregate("", "the estimator of the draw's log r", _weighted),
+    Aggregate("", "the estimator of the draw's log r", _weighted, weighted=_always),
     Aggregate("seq", "the estimator of the sequence log-ratio L, the sum of the tokens' log r", _weighted,
-              exact=lambda pair, est: pair.exact_seq(est), applies=lambda source: not source.token_only),
+              exact=lambda pair, est: pair.exact_seq(est), applies=lambda source: not source.token_only,
+              weighted=_always),
     Aggregate("tok", "the per-token estimator summed over the generated tokens", _token_weighted, token=True,
-              exact=lambda pair, est: pair.exact_tok(est)),
+              exact=lambda pair, est: pair.exact_tok(est), weighted=_whole_weight),
     Aggregate("tok_mean", "the token sum over the sequence's length |y|", _per_sequence_mean, token=True,
               exact=lambda pair, est: pair.exact_tok_mean(est), per_token=True, length=True, applies=_plain,
-              enabled=lambda pair: pair.per_sequence_mean),
+              enabled=lambda pair: pair.per_sequence_mean, weighted=_whole_weight),
     Aggregate("tok_batch", "token-mean over a trainer batch of B sequences: their token sums over their lengths",
               _token_mean_batch, token=True, exact=lambda pair, est: pair.exact_tok_batch(est), per_token=True,
               length=True, grouped=True, applies=_plain, enabled=lambda pair: pair.token_mean_batch is not None),

@@ -36,15 +36,20 @@ FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
 
 
 JOINT_FEATURES = 5  # a − ca, b − cb, (a − ca)², (b − cb)², (a − ca)(b − cb) for a = −log r, b = r − 1
+WEIGHT_FEATURES = 2  # W, W² of the draw's importance weight (a weighted sampler b ≠ q): its effective sample size
 
 
 def make_features(rows: list[Row], shifts: list[float],
-                  joint: list[tuple[str, float, float]] | None = None) -> Callable[[Draws], torch.Tensor]:
-    """Per-draw features: Draws [n] → [n, 3·rows (+ 5·joint blocks)] float64 (see module docstring).
+                  joint: list[tuple[str, float, float]] | None = None,
+                  weights: bool = False) -> Callable[[Draws], torch.Tensor]:
+    """Per-draw features: Draws [n] → [n, 3·rows (+ 5·joint blocks) (+ 2)] float64 (see module docstring).
 
     Each joint block (aggregate, ca, cb) appends the shifted moments of a = −log r and b = r − 1
     (b = Σ_t (r_t − 1) for the "tok" aggregate): every cv(λ) = a + λb has mean and variance linear
-    and quadratic in λ, so these five sums give the whole λ curve from one pass.
+    and quadratic in λ, so these five sums give the whole λ curve from one pass. ``weights`` appends W and
+    W² of the draw's importance weight (``Draws.weight``; 1 where None): Kish's effective sample size
+    (ΣW)²/ΣW² says whether the weighted rows' means mean anything (kl_bench.stats.kish_ess). Unshifted:
+    E_b[W] = 1, and a W that underflows to 0 is a draw that carries nothing, as the rows see it.
     """
     shift = torch.tensor(shifts, dtype=torch.float64)  # host: copied to each device once, below
     on_device: dict[torch.device, torch.Tensor] = {}
@@ -71,6 +76,9 @@ def make_features(rows: list[Row], shifts: list[float],
             a = -draws.logr - ca
             b = (draws.tok_b if aggregate == "tok" else torch.expm1(draws.logr)) - cb
             parts.append(torch.stack([a, b, a * a, b * b, a * b], dim=-1))
+        if weights:
+            w = draws.weight if draws.weight is not None else torch.ones_like(draws.logr)
+            parts.append(torch.stack([w, w * w], dim=-1))
         return torch.cat(parts, dim=-1)
     return features
 
@@ -89,10 +97,18 @@ class CaseRun:
     joint: list[tuple[str, float, float]] = field(default_factory=list)  # (aggregate, ca, cb) blocks
     drawn: list[list[list[int]]] = field(default_factory=list)  # per rank: [lo, hi) batch ranges it drew
     restored: int = 0            # draws of the batches restored from a checkpoint (not drawn by this process)
+    weighted: bool = False       # the sums end with the weight block (ΣW, ΣW² per batch)
 
     @property
     def draws(self) -> int:
         return int(self.sizes.sum())
+
+    def weight_sums(self) -> tuple[float, float] | None:
+        """(ΣW, ΣW²) over every draw of the importance weights (None: the sampler is not weighted)."""
+        if not self.weighted:
+            return None
+        total = self.sums[:, -WEIGHT_FEATURES:].sum(0)
+        return float(total[0]), float(total[1])
 
     def joint_sums(self, aggregate: str) -> torch.Tensor:
         """[K, 5] per-batch sums of the joint (a, b) features of one aggregate."""
@@ -121,7 +137,8 @@ def as_rows(items, pair: Pair) -> list[Row]:
 def row_counts(rows: list[Row], sizes: list[int], piece: int) -> torch.Tensor:
     """[K, Q] float64: how many values each row gets from each batch (the draws; whole groups within
     each piece for a group row, see kl_bench.draws)."""
-    return torch.tensor([[float(n if r.group == 1 else groups_in(n, r.group, piece)) for r in rows] for n in sizes],  # host: counts of the gathered sums
+    # host: counts of the gathered sums
+    return torch.tensor([[float(n if r.group == 1 else groups_in(n, r.group, piece)) for r in rows] for n in sizes],
                         dtype=torch.float64).reshape(len(sizes), len(rows))
 
 
@@ -155,7 +172,8 @@ def _check_resume(resume: torch.Tensor, pair: Pair, rows: list[Row], exact: dict
     """Refuse checkpoint sums [k, width] that are not this spec's (other estimators) or are corrupted."""
     if resume.shape[1] != width:
         raise SpecError("checkpoint does not match this spec's estimators; delete it or run without --resume")
-    bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes)
+    bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes,
+                             weighted=pair.weights != "none")
     if bad:
         raise SpecError(f"checkpoint of case '{pair.name}' {bad} (corrupted?); delete it or run without --resume")
 
@@ -179,10 +197,11 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
     shifts = [_finite_or_zero(exact[r.label][0]) for r in rows]
     blocks = _joint_blocks(pair, joint)
-    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks)
+    weighted = pair.weights != "none"
+    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks) + WEIGHT_FEATURES * weighted
     sizes = batch_sizes(draws, batches)
     streams = batch_streams(seed, pair.name + (f"/{stream}" if stream else ""), sizes, device)
-    run = pair.batch_sums(make_features(rows, shifts, blocks), tok_rows(rows), device)
+    run = pair.batch_sums(make_features(rows, shifts, blocks, weighted), tok_rows(rows), device)
     per_chunk = pair.batches_per_chunk(max(sizes), chunk)
     t0 = time.perf_counter()
     out = []
@@ -206,7 +225,7 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)  # host: the batches' sums, gathered
     return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),  # host: results
                    exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size),
-                   sum(sizes[:first]))
+                   restored=sum(sizes[:first]), weighted=weighted)
 
 
 def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,
@@ -292,12 +311,18 @@ def _merge_ranks(acc: GradientAccumulator, parts: list[GradBatch], ranks: Ranks)
     return [b for p, _ in got for b in p]
 
 
-def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int]) -> str | None:
-    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J] (kl_bench.engine's layout: per
-    row the centred values, their squares and the count of negative values; per joint block a, b, a², b²,
-    ab), or None. ``finite``: per row, whether its exact mean is finite (only such a row's sums must be);
-    ``sizes``: the draws of each batch. A checkpoint is data on disk: anything impossible is refused."""
+def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int],
+                       weighted: bool = False) -> str | None:
+    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J (+ 2)] (kl_bench.engine's layout:
+    per row the centred values, their squares and the count of negative values; per joint block a, b, a²,
+    b², ab; with ``weighted``, ΣW and ΣW² last), or None. ``finite``: per row, whether its exact mean is
+    finite (only such a row's sums must be); ``sizes``: the draws of each batch. A checkpoint is data on
+    disk: anything impossible is refused."""
     k = sums.shape[0]
+    if weighted:
+        if bool((sums[:, -WEIGHT_FEATURES:] < 0).any()):
+            return "holds a negative sum of importance weights"
+        sums = sums[:, :-WEIGHT_FEATURES]
     if torch.isnan(sums).any():
         return "holds NaN sums"
     vals, squares, negs = sums[:, :rows], sums[:, rows:2 * rows], sums[:, 2 * rows:3 * rows]

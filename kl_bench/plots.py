@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import textwrap
 
 import matplotlib
 import matplotlib.ticker

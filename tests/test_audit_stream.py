@@ -29,8 +29,7 @@ def _rounding_scale(zq, zp, name):
     """Σ_k |c_k| E_q[|u^i ψ^j|] for f = Σ c_k u^i ψ^j (E_q[f] from the moments) and the same for
     (f − E f)² (Var), in float64 from the exact logits: the sums of absolute terms that float32 tile sums
     round relative to."""
-    lq, lp = torch.log_softmax(zq, -1), torch.log_softmax(zp, -1)
-    q = lq.exp()
+    q = torch.softmax(zq, -1)
     d = zp - zq
     centre = (q * d).sum(-1, keepdim=True)
     u = d - centre

@@ -287,7 +287,8 @@ def test_saved_steps_audit_again_to_the_same_numbers_and_warnings(tiny_models, t
     cb = KLAudit(tr, every=1, out=out, save_steps=True, dtype=torch.float64, print_fn=lines.append)
     tr.add_callback(cb)
     tr.train()
-    assert {p.name for p in (out / "steps").iterdir()} == {"heads.safetensors", "step-000001-000.safetensors", "step-000002-000.safetensors"}
+    assert {p.name for p in (out / "steps").iterdir()} == {"heads.safetensors", "step-000001-000.safetensors",
+                                                           "step-000002-000.safetensors"}
     res = CliRunner().invoke(app, ["audit", str(out)])
     assert res.exit_code == 0, res.output
     again = [x for x in res.output.splitlines() if x.startswith("step ")]

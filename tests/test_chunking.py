@@ -14,7 +14,7 @@ from kl_bench.api import prepare
 from kl_bench.errors import SpecError
 from kl_bench.logits import zipf_logits
 from kl_bench import seeding
-from kl_bench.engine import run_case
+from kl_bench.engine import WEIGHT_FEATURES, run_case
 from kl_bench.pairs import CASE_KINDS, CategoricalPair
 from kl_bench.seeding import BatchStream, batch_generator, batch_streams, piece_sizes
 
@@ -75,7 +75,9 @@ def test_chunk_never_changes_the_sums(case, small_pieces):
             for chunk in (1, 777, 5_000, 1 << 22)]
     for other in runs[1:]:
         assert torch.equal(runs[0].sums, other.sums), case
-    assert runs[0].sums.shape == (4, 3 * len(runs[0].rows) + 5 * len(pair.aggregates))
+    # per row 3 sums, per aggregate the 5 joint ones, and ΣW, ΣW² where a sampler is weighted
+    assert runs[0].sums.shape == (4, 3 * len(runs[0].rows) + 5 * len(pair.aggregates)
+                                  + WEIGHT_FEATURES * (pair.weights != "none"))
 
 
 def test_summary_csv_is_byte_identical_for_any_chunk(small_pieces):

@@ -1,6 +1,6 @@
 """The device rule (docs/devices.md), checked without a GPU: every tensor factory in the package names the
 device its tensor belongs on (``device=``), or says on its line why the tensor is the host's
-(``# host: why``: a table parsed from a spec, a generator seeded on the CPU by design, a result already
+(``# host: why``, on the call or the line above it: a table parsed from a spec, a generator seeded on the CPU by design, a result already
 gathered to the host). A factory with neither is where a GPU run meets a CPU tensor; tests on
 ``device="meta"`` tensors (tests/test_audit_stream.py, the rollout kind's) catch the rest at run time."""
 import ast
@@ -26,7 +26,7 @@ def _unmarked(path: Path) -> list[str]:
             continue
         if any(k.arg in ("device", None) for k in node.keywords):     # device=..., or **kw that carries it
             continue
-        span = lines[node.lineno - 1:(node.end_lineno or node.lineno)]
+        span = lines[node.lineno - 2:(node.end_lineno or node.lineno)]      # the call and the line above it
         if not any("# host" in line for line in span):
             out.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: torch.{node.func.attr}(...) without device=")
     return out

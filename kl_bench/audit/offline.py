@@ -63,7 +63,8 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     if metrics is not None:          # several metrics of one batch: trainer_<source> tensors, one per metric
         meta["metrics"] = json.dumps([[m.source, m.estimator, m.aggregation] for m in metrics])
     data = {"completion_ids": completion_ids, "mask": mask, "trainer_kl": trainer_kl, **tensors}
-    data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}  # host: a file is written from host memory
+    # host: a file is written from host memory
+    data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}
     path = Path(path)
     atomic_write_bytes(path, save(data, metadata=meta))
     return path

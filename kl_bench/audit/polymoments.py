@@ -62,7 +62,8 @@ class Basis:
         pairs = [(a, b, self.index[(i1 + i2, j1 + j2)])
                  for a, (i1, j1) in enumerate(self.monomials) for b, (i2, j2) in enumerate(self.monomials)
                  if i1 + i2 + j1 + j2 <= degree]
-        self._pairs = torch.tensor(pairs, dtype=torch.long).T          # host: an index table, moved to each device once (_on); [3, P] on the CPU; moved on use
+        # host: an index table, moved to each device once (_on); [3, P] on the CPU; moved on use
+        self._pairs = torch.tensor(pairs, dtype=torch.long).T
 
     @property
     def size(self) -> int:

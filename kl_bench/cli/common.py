@@ -27,9 +27,11 @@ class Command(typer.core.TyperCommand):
         return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
 
 
-# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap.
-out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, never wrapped
+# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap (soft_wrap:
+# a sentence stays on one line whatever its length, for grep; tables keep their natural width up to 400).
+out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400, soft_wrap=not sys.stdout.isatty())
+# A message to a log is one line, never wrapped; at a terminal a notice wraps at its width (errors stay one line).
+err_console = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 
 interrupt_reported = [False]
 DEFAULT_RUNS = Path("runs")        # where `kl-bench run` and `train` write without --out (git-ignored)
@@ -57,22 +59,25 @@ def user_errors() -> Iterator[None]:
 
 def warn_rows(df, console: Console) -> None:
     from ..advice import warnings
+    from ..display import prose
     for line in warnings(df):
-        console.print(line, markup=False)
+        prose(console, line)
 
 
 def advise(advice) -> None:
     """The advice lines (kl_bench.advice): what to log, what to put in the loss. A sentence that holds
-    for several cases alike (the on-policy identities) is printed once, naming them."""
+    for several cases alike (the on-policy identities) is printed once, naming them. Wrapped at a
+    terminal's width, one line each to a file or a pipe (kl_bench.display.prose)."""
+    from ..display import prose
     out_console.print()
     general: dict[str, list[str]] = {}
     for a in advice:
         if a.general:
             general.setdefault(a.detail, []).append(a.case)
         else:
-            out_console.print(a.text, markup=False, soft_wrap=True)
+            prose(out_console, a.text)
     for detail, cases in general.items():
-        out_console.print(f"{', '.join(cases)}: {detail}", markup=False, soft_wrap=True)
+        prose(out_console, f"{', '.join(cases)}: {detail}")
 
 
 def advice_options(batch: int, tolerance: float) -> None:

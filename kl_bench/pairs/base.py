@@ -377,9 +377,10 @@ class Pair(ABC):
         ``z_ref`` against it, labelled as Monte Carlo, never exact. None: the exact values are the reference."""
         return None
 
-    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float] | None:
-        """(ref_kl, ref_se, z_ref) of a row where the reference's noise is not the run's (logged data: the
-        SE is that of the log's own sequences, not of resampling them); None: from the run's batch means."""
+    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float, float] | None:
+        """(ref_kl, ref_se, ref_diff, ref_diff_se) of a row where the reference's noise is not the run's
+        (logged data: the difference is the log's own, its SE that of the log's sequences, not of
+        resampling them; ref_diff NaN for rows of another target); None: from the run's batch means."""
         return None
 
     @abstractmethod

@@ -402,7 +402,8 @@ class _CategoricalGradients(GradientAccumulator):
         q = pair.log_q.exp()
         ctx, tok = pair._ids()
         self.c_tab = torch.stack([pair.coefficient_table(it) for it in items])          # [J, M]
-        su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]  # host: gradient tables on the host (issue 33: counts cross per batch)
+        # host: gradient tables on the host (issue 33: counts cross per batch)
+        su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]
                           - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]  # host: gradient tables on the host
                           for u in directions.values()])                                # [D, M]
         s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]

@@ -98,7 +98,8 @@ class GaussianPair(ScoreGradientOracle, Pair):
         # log r as a quadratic in the standard normal z (x = μq + σq z), per dimension:
         #   log r = c0 + c1 z + c2 z²,  c0 = ln(σq/σp) − d²/(2σp²),  c1 = −σq d/σp²,  c2 = ½(1 − σq²/σp²).
         # Writing it this way avoids subtracting two nearly equal squares when q ≈ p.
-        self._c = [torch.as_tensor(c, dtype=torch.float64) for c in exact.logr_quadratic(g, g.mq, g.sq**2)]  # host: moved to the draws' device in sample()
+        # host: moved to the draws' device in sample()
+        self._c = [torch.as_tensor(c, dtype=torch.float64) for c in exact.logr_quadratic(g, g.mq, g.sq**2)]
 
     # ---------------------------------------------------------------- spec
     @classmethod

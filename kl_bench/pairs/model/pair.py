@@ -131,7 +131,8 @@ class ModelPair(Pair):
             return {}
         ts = sorted({min(1 << k, self.length) for k in range(self.length.bit_length() + 1)})
         n = sum(m for m, _ in self.growth_batches.values())
-        sums = torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)  # host: growth sums are gathered on the host (small: [T, R, 2])
+        # host: growth sums are gathered on the host (small: [T, R, 2])
+        sums = torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
         for i in sorted(self.growth_batches):                # batch order: independent of chunking
             sums += self.growth_batches[i][1]
         mean = sums[:, :, 0] / n
@@ -190,7 +191,8 @@ class ModelPair(Pair):
         def run(batches) -> torch.Tensor:
             out = []
             for batch in batches:
-                grow = (torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)  # host: growth sums are gathered on the host (small: [T, R, 2])
+                # host: growth sums are gathered on the host (small: [T, R, 2])
+                grow = (torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
                         if batch.tag == self.name and not self.has_sampler else None)
                 total = None
                 for m, g in batch.pieces(piece):

@@ -25,7 +25,8 @@ def lexicon(generator: torch.Generator, extra: int = 600) -> list[str]:
     made = []
     for _ in range(extra):
         k = int(torch.randint(2, 4, (), generator=generator))  # host: tiny test models are built on the CPU
-        made.append("".join(SYLLABLES[int(i)] for i in torch.randint(len(SYLLABLES), (k,), generator=generator)))  # host: tiny test models are built on the CPU
+        # host: tiny test models are built on the CPU
+        made.append("".join(SYLLABLES[int(i)] for i in torch.randint(len(SYLLABLES), (k,), generator=generator)))
     return list(WORDS) + made
 
 
@@ -72,7 +73,8 @@ def build_tiny_models(out: str | Path, *, vocab: int = 1000, layers: int = 2, wi
             elif name.endswith(".bias"):
                 base = torch.zeros_like(w)
             else:
-                base = scale * torch.randn(w.shape, generator=g) / (1.0 if "wte" in name or "wpe" in name  # host: tiny test models are built on the CPU
+                # host: tiny test models are built on the CPU
+                base = scale * torch.randn(w.shape, generator=g) / (1.0 if "wte" in name or "wpe" in name
                                                                     else w.shape[0] ** 0.5 / 4)
             w.copy_(base)
             w_ref.copy_(base + perturb * torch.randn(w.shape, generator=g))  # host: tiny test models are built on the CPU
