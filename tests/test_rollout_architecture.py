@@ -106,3 +106,41 @@ def test_the_rollout_kind_dispatches_on_no_name():
 def test_the_name_check_can_fail():
     src = "if weights == 'token':\n    pass\nx = 1 if item.token in ('local', 'score') else 2\n"
     assert [s for _, s in _compared_strings(ast.parse(src))] == ["token", "local", "score"]
+
+
+# ----------------------------------------------------------------------------- Pair and the protocols
+def _protocol_members(*protocols) -> set[str]:
+    out = set()
+    for p in protocols:
+        out |= {name for klass in p.__mro__ if klass.__name__ not in ("Protocol", "Generic", "object")
+                for name in list(vars(klass)) + list(getattr(klass, "__annotations__", {})) if not name.startswith("_")}
+    return out
+
+
+def test_pair_holds_only_what_every_kind_must_have():
+    """Pair's public members are CasePair's (and the spec parser's); the optional members (gradients,
+    baselines) live with their protocols and their defaults, never in Pair."""
+    from kl_bench.pairs.base import CasePair, GradientDefaults, GradientOracle, Pair
+    pair = {name for name in vars(Pair) if not name.startswith("_")} | set(Pair.__annotations__)
+    assert pair <= _protocol_members(CasePair) | {"parse", "from_config"}, sorted(pair - _protocol_members(CasePair))
+    gradient_only = _protocol_members(GradientOracle)
+    assert not pair & gradient_only, sorted(pair & gradient_only)
+    defaults = {name for name in vars(GradientDefaults) if not name.startswith("_")}
+    assert defaults <= gradient_only, sorted(defaults - gradient_only)
+
+
+def test_the_engine_experiment_and_results_ask_a_pair_only_its_protocols():
+    """Every ``pair.X`` (or ``run.pair.X``) read in the engine, the experiment, the gradient and baseline rows
+    and the results is a member of a protocol of kl_bench.pairs.base (they are typed against them)."""
+    from kl_bench.pairs.base import BaselineOracle, CasePair, GradientOracle
+    allowed = _protocol_members(CasePair, GradientOracle, BaselineOracle)
+    mods = ["kl_bench.engine", "kl_bench.experiment", "kl_bench.gradients", "kl_bench.lambdas", "kl_bench.baselines",
+            "kl_bench.planning", "kl_bench.distributed"] + [m for m in _modules() if m.startswith("kl_bench.results")]
+    bad = []
+    for mod in mods:
+        for node in ast.walk(_tree(mod)):
+            if isinstance(node, ast.Attribute):
+                owner = ast.unparse(node.value)
+                if (owner == "pair" or owner.endswith(".pair")) and node.attr not in allowed:
+                    bad.append(f"{mod}:{node.lineno}: {owner}.{node.attr}")
+    assert not bad, "\n".join(bad)

@@ -23,11 +23,9 @@ from ...errors import SpecError
 from ...estimators import RowSource
 from ...logits import describe_sources
 from ...modes import MODES
-from ...precision import Precision, in_precision
-from ...rejection import Rejection
+from ...precision import in_precision
 from ...samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...targets import FORWARD, REVERSE
-from ...weights import WeightCorrection
 from ..base import (BaselineExact, BatchSums, ExactGrad, Features, GradientAccumulator, GradientDefaults, GradItem,
                     JointMoments, Pair, register_kind)
 from . import baselines, config, gradients, sampler
@@ -45,23 +43,14 @@ class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
     baseline_aggregates = ("seq", "tok")
 
-    def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
-                 length: int, eos: int | None, label: str = "", log_b: torch.Tensor | None = None,
-                 min_length: int = 0, weights: str = "none", weight_cap: float | None = None,
-                 sampler_label: str = "", precision: Precision | None = None, per_sequence_mean: bool = False,
-                 token_mean_batch: int | None = None, logits: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 correction: WeightCorrection | None = None, rejection: Rejection | None = None):
-        """The pair of the model :meth:`RolloutModel.build` makes of these tables and options: ``log_q``,
-        ``log_p`` normalised [C, V]; ``bucket`` int [V] in [0, C); a sampler drawing from ``log_b`` [C, V]
-        (b = q when None) with EOS suppressed for the first ``min_length`` tokens; ``weights`` "token",
-        "sequence" or "geometric" (kl_bench.pairs.rollout.model.WEIGHTINGS) capped per token at
-        ``weight_cap``, with the floor, mask and PPO clip of ``correction``; a sequence ``rejection`` mask;
-        ``per_sequence_mean`` and ``token_mean_batch`` rows; ``precision`` (with the sources' ``logits``)."""
-        model = RolloutModel.build(log_q, log_p, bucket, length, eos, log_b=log_b, min_length=min_length,
-                                   weights=weights, weight_cap=weight_cap, precision=precision,
-                                   per_sequence_mean=per_sequence_mean, token_mean_batch=token_mean_batch,
-                                   logits=logits, correction=correction, rejection=rejection)
-        self._compose(name, model.validate(), label, sampler_label)
+    def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor, length: int,
+                 eos: int | None, label: str = "", sampler_label: str = "", **options):
+        """The pair of ``RolloutModel.build(log_q, log_p, bucket, length, eos, **options)`` (kl_bench.pairs.rollout.
+        model: q and p normalised [C, V], ``bucket`` int [V] in [0, C), T and EOS; the sampler's options
+        ``log_b``, ``min_length``, ``weights``, ``weight_cap``, ``correction``, ``rejection``; the rows'
+        ``per_sequence_mean``, ``token_mean_batch``, ``precision`` with the sources' ``logits``)."""
+        self._compose(name, RolloutModel.build(log_q, log_p, bucket, length, eos, **options).validate(), label,
+                      sampler_label)
 
     @classmethod
     def of(cls, name: str, model: RolloutModel, label: str = "", sampler_label: str = "") -> "RolloutPair":
