@@ -40,7 +40,8 @@ import torch
 
 from ... import rollout_dp
 from ...aggregates import AGGREGATES
-from ...modes import GradItem
+from ...errors import SpecError
+from ...modes import MODES, GradItem
 from . import dp
 from .model import RolloutModel
 
@@ -48,6 +49,27 @@ from .model import RolloutModel
 def host_vector(t: torch.Tensor) -> np.ndarray:
     """A gradient [C, V] as the flattened float64 vector [C·V] the kind's gradient rows hold."""
     return t.detach().reshape(-1).cpu().numpy()
+
+
+def check(model: RolloutModel, case: str) -> None:
+    """Refuse (SpecError, one line) gradient rows the case's options do not define: geometric sequence
+    weights (W^{1/|y|} is not a product over the path) and rounded log-probs."""
+    if not model.weighting.gradients:
+        raise SpecError(f"gradient rows are not available with {model.weighting.name} sequence weights: set "
+                        "gradients = false", key="sampler.weights", case=case)
+    if model.precision is not None:
+        raise SpecError("gradient rows are not available with rounded log-probs on rollouts: set gradients = "
+                        "false or drop precision", key="precision", case=case)
+
+
+def excludes(model: RolloutModel, mode: str, aggregate: str) -> bool:
+    """Whether a (mode, aggregate) gets no gradient row: under the PPO clip, a token's branch depends on its
+    own ratio and cost only in the forms whose terms are each token's own (:attr:`TokenForm.clippable`); a
+    score-function row's cost is the whole sequence's (and a seq row has no per-token ratio): those rows are
+    left out rather than given a form no trainer computes (docs/weights.md)."""
+    clip = model.clip
+    return clip is not None and clip.clips(mode) and (
+        not AGGREGATES[aggregate].token or not TOKEN_FORMS[MODES[mode].token].clippable)
 
 
 # ----------------------------------------------------------------------------- references and targets

@@ -19,10 +19,8 @@ import torch
 from ...aggregates import AGGREGATES
 from ...config import Table
 from ...draws import Draws, Row
-from ...errors import SpecError
 from ...estimators import RowSource
 from ...logits import describe_sources
-from ...modes import MODES
 from ...precision import in_precision
 from ...samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...targets import FORWARD, REVERSE
@@ -151,12 +149,7 @@ class RolloutPair(GradientDefaults, Pair):
 
     # ---------------------------------------------------------------- gradients (θ = q's bucket logits)
     def require_gradients(self) -> None:
-        if not self.model.weighting.gradients:
-            raise SpecError(f"gradient rows are not available with {self.model.weighting.name} sequence weights: set "
-                            "gradients = false", key="sampler.weights", case=self.name)
-        if self.model.precision is not None:
-            raise SpecError("gradient rows are not available with rounded log-probs on rollouts: set gradients = "
-                            "false or drop precision", key="precision", case=self.name)
+        gradients.check(self.model, self.name)
         super().require_gradients()
 
     @property
@@ -173,12 +166,7 @@ class RolloutPair(GradientDefaults, Pair):
         return None if mean is None else ExactGrad(mean, math.nan, {})
 
     def gradient_excludes(self, mode: str, aggregate: str) -> bool:
-        # Under the PPO clip, a token's branch depends on its own ratio and cost only in the local forms;
-        # a score-function row's cost is the whole sequence's (and a seq row has no per-token ratio):
-        # those rows are left out rather than given a form no trainer computes (docs/weights.md).
-        clip = self.model.clip
-        return clip is not None and clip.clips(mode) and (
-            not AGGREGATES[aggregate].token or not gradients.TOKEN_FORMS[MODES[mode].token].clippable)
+        return gradients.excludes(self.model, mode, aggregate)
 
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         return gradients.self_gradient(self.model, item, ROLLOUT_AGGREGATES[item.aggregate].self_value)
