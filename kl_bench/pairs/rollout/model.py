@@ -113,9 +113,8 @@ class RolloutModel:
                    token_mean_batch, precision, rounded)
 
     def validate(self) -> "RolloutModel":
-        """Refuse (SpecError) a sampler that draws tokens q never does; the model itself."""
-        late = self.phases[-1].log_b if self.length > self.min_length else self.log_q
-        if bool(((late > -torch.inf) & (self.log_q == -torch.inf)).any()):
+        """Refuse (SpecError) a sampler that draws tokens q never does, in any phase; the model itself."""
+        if any(bool(((lb > -torch.inf) & (self.log_q == -torch.inf)).any()) for lb, _ in self.phases):
             raise SpecError("the sampler draws tokens that q gives probability 0", key="sampler")
         return self
 
