@@ -29,7 +29,7 @@ from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .errors import SpecError
 from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
-from .pairs.base import GradientAccumulator, Pair, gradient_oracle
+from .pairs.base import CasePair, GradientAccumulator, gradient_oracle, no_gradients
 from .seeding import BatchStream, batch_generator, batch_sizes, batch_streams
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
@@ -86,7 +86,7 @@ def make_features(rows: list[Row], shifts: list[float],
 @dataclass
 class CaseRun:
     """Everything sampled for one case: per-batch feature sums plus the exact reference."""
-    pair: Pair
+    pair: CasePair
     rows: list[Row]
     shifts: list[float]
     sizes: torch.Tensor          # [K] int64, draws per batch
@@ -121,9 +121,9 @@ class CaseRun:
         return ca, cb
 
 
-def as_rows(items, pair: Pair) -> list[Row]:
+def as_rows(items, pair: CasePair) -> list[Row]:
     """Rows from registry names, Estimators/PairRows or Rows; a source gets a row on every aggregate
-    the pair gives it (:meth:`Pair.aggregates_for`)."""
+    the pair gives it (:meth:`CasePair.aggregates_for`)."""
     out = []
     for it in items:
         if isinstance(it, Row):
@@ -156,7 +156,7 @@ def _report(progress: Callable[..., None] | None, draws: int, restored: bool = F
             progress(draws)
 
 
-def _joint_blocks(pair: Pair, joint: bool) -> list[tuple[str, float, float]]:
+def _joint_blocks(pair: CasePair, joint: bool) -> list[tuple[str, float, float]]:
     """(aggregate, ca, cb) per aggregate: the joint (−log r, r − 1) features shifted by their exact means."""
     if not joint:
         return []
@@ -167,7 +167,7 @@ def _joint_blocks(pair: Pair, joint: bool) -> list[tuple[str, float, float]]:
     return blocks
 
 
-def _check_resume(resume: torch.Tensor, pair: Pair, rows: list[Row], exact: dict[str, tuple[float, float]],
+def _check_resume(resume: torch.Tensor, pair: CasePair, rows: list[Row], exact: dict[str, tuple[float, float]],
                   width: int, sizes: list[int]) -> None:
     """Refuse checkpoint sums [k, width] that are not this spec's (other estimators) or are corrupted."""
     if resume.shape[1] != width:
@@ -178,7 +178,7 @@ def _check_resume(resume: torch.Tensor, pair: Pair, rows: list[Row], exact: dict
         raise SpecError(f"checkpoint of case '{pair.name}' {bad} (corrupted?); delete it or run without --resume")
 
 
-def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
+def run_case(pair: CasePair, rows, *, draws: int, seed: int, batches: int,
              chunk: int, device: torch.device, joint: bool = False, stream: str = "",
              progress: Callable[[int], None] | None = None, resume: torch.Tensor | None = None,
              on_sums: Callable[[torch.Tensor], None] | None = None, ranks: Ranks = SINGLE) -> CaseRun:
@@ -228,7 +228,7 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
                    restored=sum(sizes[:first]), weighted=weighted)
 
 
-def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,
+def small_batch_negative(pair: CasePair, rows: list[Row], *, batch: int, batches: int, seed: int,
                          device: torch.device) -> tuple[dict[str, float], torch.Tensor]:
     """P(mean of ``batch`` draws < 0) per row, simulated on ``batches`` batches of actual draws
     (an independent stream: seeded from (seed, case/small-batch)). Also returns the per-draw values
@@ -269,7 +269,7 @@ def add_batches(acc: GradientAccumulator, batches: list[BatchStream],
     return parts
 
 
-def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], *, draws: int, seed: int,
+def run_gradients(pair: CasePair, items: list[GradItem], directions: dict[str, np.ndarray], *, draws: int, seed: int,
                   batches: int, device: torch.device,
                   progress: Callable[[int], None] | None = None, ranks: Ranks = SINGLE) -> GradientRun | None:
     """Per-batch gradient sums of every item; batch i draws from the stream (seed, case/gradients, i).
@@ -280,7 +280,7 @@ def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.nd
     the other ranks."""
     oracle = gradient_oracle(pair)
     if oracle is None:
-        raise pair.no_gradients()
+        raise no_gradients(pair)
     sizes = batch_sizes(draws, batches)
     acc = oracle.gradient_accumulator(items, directions, device)
     split = ranks.world_size > 1 and acc.splittable

@@ -153,8 +153,8 @@ LAYERS = [
       "version", "figstyle", "pages"]),
     ("maths", "estimators, targets, clamps and presets, gradient modes, weight corrections, rejection masks, "
      "aggregates, exact oracles, statistics",
-     ["estimators", "targets", "presets", "modes", "weights", "rejection", "draws", "oracles", "rollout_dp", "topk",
-      "precision", "stats", "planning"]),
+     ["estimators", "targets", "presets", "modes", "weights", "rejection", "aggregates", "draws", "oracles", "rollout_dp",
+      "topk", "precision", "stats", "planning"]),
     ("sampling", "logits sources, samplers (the mismatch options), seeds, alias tables",
      ["logits", "samplers", "seeding", "alias"]),
     ("kinds", "one module or package per case kind and its protocols (kl_bench/pairs)", ["pairs"]),

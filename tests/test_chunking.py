@@ -16,6 +16,7 @@ from kl_bench.logits import zipf_logits
 from kl_bench import seeding
 from kl_bench.engine import WEIGHT_FEATURES, run_case
 from kl_bench.pairs import CASE_KINDS, CategoricalPair
+from kl_bench.pairs.rollout import sampler as rollout_sampler
 from kl_bench.seeding import BatchStream, batch_generator, batch_streams, piece_sizes
 
 from .conftest import CPU, mc_frame
@@ -92,7 +93,8 @@ def test_no_call_draws_more_than_one_piece(case, small_pieces, monkeypatch):
     prep = prepare(_spec(1 << 22, {case: CASES[case]}))
     pair = prep.pairs[0]
     seen: list[int] = []
-    cls = type(pair)
+    # The owner of each kind's drawing function: its pair class, or the rollout kind's sampler module.
+    cls = {"rollout": rollout_sampler}.get(pair.kind, type(pair))
     name = {"gaussian": "sample", "categorical": "sample_ids", "rollout": "simulate", "logprobs": "sample_draws"}[pair.kind]
     orig = getattr(cls, name)
 

@@ -24,7 +24,10 @@ def _div(a: float, b: float) -> float:
 def _ess(run: CaseRun, row) -> float:
     """Kish's effective sample size of the importance weights that multiply the row (NaN: none do)."""
     sums = run.weight_sums()
-    if sums is None or row.group > 1 or not AGGREGATES[row.aggregate].weighted(run.pair):
+    agg = AGGREGATES[row.aggregate]
+    # token sums of a case that weights each token carry the tokens' own q/b, not the product W
+    per_token = agg.weight == "draw unless token" and run.pair.weights == "token"
+    if sums is None or row.group > 1 or not agg.carries_draw_weight or per_token:
         return math.nan
     return kish_ess(*sums)
 

@@ -70,23 +70,25 @@ def _categorical(pair, cfg: TrainConfig, seed: int) -> CategoricalProblem:
 
 
 def _rollout(pair, cfg: TrainConfig, seed: int) -> RolloutProblem:
-    _finite(pair, pair.name)
-    shape = tuple(pair.log_q.shape)
+    model = pair.model              # the rollout kind's tables (kl_bench.pairs.rollout.RolloutModel)
+    _finite(model, pair.name)
+    shape = tuple(model.log_q.shape)
     if cfg.reward.kind == "sequence" and cfg.reward.applies_to(pair.name):
-        return _sequence_rollout(pair, cfg)
+        return _sequence_rollout(pair.name, model, cfg)
     r = reward_table(cfg.reward, shape, pair.name, seed)
-    return RolloutProblem(pair.name, pair.log_q.clone(), pair.log_p, r, cfg.beta, pair.bucket, pair.length, pair.eos)
+    return RolloutProblem(pair.name, model.log_q.clone(), model.log_p, r, cfg.beta, model.bucket, model.length,
+                          model.eos)
 
 
-def _sequence_rollout(pair, cfg: TrainConfig) -> SequenceRolloutProblem:
+def _sequence_rollout(name: str, model, cfg: TrainConfig) -> SequenceRolloutProblem:
     """Every sequence enumerated (or one line past the limit) and R evaluated on each, once."""
-    seqs = enumerate_checked(pair.bucket, pair.vocab, pair.length, pair.eos, pair.name)
+    seqs = enumerate_checked(model.bucket, model.vocab, model.length, model.eos, name)
     try:
         values = rewards_of(cfg.reward.function, seqs.tokens, seqs.mask)
     except SpecError as e:
-        raise e.located(case=pair.name, key=KEY) from None
-    return SequenceRolloutProblem(pair.name, pair.log_q.clone(), pair.log_p, torch.zeros_like(pair.log_q), cfg.beta,
-                                  pair.bucket, pair.length, pair.eos, cfg.reward.function, seqs, values)
+        raise e.located(case=name, key=KEY) from None
+    return SequenceRolloutProblem(name, model.log_q.clone(), model.log_p, torch.zeros_like(model.log_q), cfg.beta,
+                                  model.bucket, model.length, model.eos, cfg.reward.function, seqs, values)
 
 
 # Kind name → (builder, the aggregates a combination may name; the first is the default).

@@ -107,7 +107,7 @@ class Sequences:
 
 def enumerate_sequences(bucket: torch.Tensor, vocab: int, length: int, eos: int | None) -> Sequences:
     """Every sequence, shortest first, extending every live prefix by every token in turn (step 1 is drawn
-    in bucket 0, step t + 1 in the bucket of x_t, as :class:`~kl_bench.pairs.RolloutPair` draws)."""
+    in bucket 0, step t + 1 in the bucket of x_t, as the rollout kind's sampler draws them)."""
     x = torch.arange(vocab)
     tok, key = torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64)
     ctx = torch.zeros(1, dtype=torch.int64)
