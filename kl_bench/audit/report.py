@@ -21,9 +21,9 @@ from ..results import read_frame
 from ..safe_io import read_regular
 
 # The parts of logged − exact, each with its colour (the estimator's own part: the estimator's colour).
-PARTS = [("bias_estimator", "estimator"), ("bias_sampler", "sampler"), ("bias_precision", "precision"),
-         ("noise", "noise")]
-PART_COLOURS = {"sampler": "#7f7f7f", "precision": "#bcbd22", "noise": "#c7c7c7"}
+PARTS = [("bias_estimator", "estimator"), ("bias_sampler", "sampler"), ("bias_mismatch", "mismatch"),
+         ("bias_precision", "precision"), ("noise", "noise")]
+PART_COLOURS = {"sampler": "#7f7f7f", "mismatch": "#8c564b", "precision": "#bcbd22", "noise": "#c7c7c7"}
 EXACT_COLOUR = "black"
 
 
@@ -71,14 +71,15 @@ def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
 
 
 def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
-    """Per step, logged − exact split into its parts: estimator + sampler + precision + noise."""
+    """Per step, logged − exact split into its parts: estimator + sampler + mismatch + precision + noise
+    (audit.csv files from before the mismatch part have none: 0)."""
     fig, ax = _axes(ax)
     d = df[df["source"] == source].sort_values("step")
     width = 0.8 * (min(d["step"].diff().dropna().min(), 1e9) if len(d) > 1 else 1.0)
     pos = neg = pd.Series(0.0, index=d.index)
     colours = {**PART_COLOURS, "estimator": estimator_colour(_estimator(d))}
     for col, label in PARTS:
-        v = d[col].fillna(0.0)
+        v = d[col].fillna(0.0) if col in d else pd.Series(0.0, index=d.index)
         bottom = pos.where(v >= 0, neg)
         ax.bar(d["step"], v, width, bottom=bottom, label=label, color=colours[label])
         pos, neg = pos + v.clip(lower=0), neg + v.clip(upper=0)
