@@ -127,6 +127,17 @@ def at_most(bound: int, why: str) -> Callable[[Any], str | None]:
     return check
 
 
+# Seeds are 64-bit everywhere they are stored or handed on (checkpoints, numpy and torch generators).
+MAX_SEED = (1 << 64) - 1
+
+
+def check_seed(v: int) -> str | None:
+    """The check of every seed a spec or a flag holds: a whole number in [0, 2^64)."""
+    if v < 0:
+        return f"must be ≥ 0, got {fmt_count(v)}"
+    return f"must be < 2^64 (seeds are 64-bit), got {fmt_count(v)}" if v > MAX_SEED else None
+
+
 def positive(v: Any) -> str | None:
     vals = v if isinstance(v, tuple) else (v,)
     return None if all(x > 0 for x in vals) else f"must be > 0, got {v if not isinstance(v, tuple) or len(v) > 1 else v[0]}"
@@ -180,11 +191,7 @@ class Table:
         self.used.add(k)
         if k not in self.data:
             if default is MISSING:
-                # A misspelt key is the likelier story than a forgotten one: say so.
-                typo = [x for x in self.data if x not in self.used and did_you_mean(x, [k])]
-                if typo:
-                    raise self.error(f"unknown key (did you mean '{k}'?)", key=self.key(typo[0]))
-                raise self.error("missing required key", key=self.key(k))
+                raise self._missing(k)
             return default
         value = convert(self.data[k], kind, lambda m: self.error(m, key=self.key(k)))
         if check is not None:
@@ -192,6 +199,13 @@ class Table:
             if msg:
                 raise self.error(msg, key=self.key(k))
         return value
+
+    def _missing(self, k: str) -> SpecError:
+        """A required key that is absent: a misspelt key is the likelier story than a forgotten one."""
+        typo = [x for x in self.data if x not in self.used and did_you_mean(x, [k])]
+        if typo:
+            return self.error(f"unknown key (did you mean '{k}'?)", key=self.key(typo[0]))
+        return self.error("missing required key", key=self.key(k))
 
     def bool(self, k: str, default: bool) -> bool:
         self.used.add(k)
@@ -203,7 +217,7 @@ class Table:
     def sub(self, k: str) -> "Table":
         self.used.add(k)
         if k not in self.data:
-            raise self.error("missing required key", key=self.key(k))
+            raise self._missing(k)
         return Table(self.data[k], self.file, self.case, f"{self.key(k)}.")
 
     def finish(self, allowed: list[str] | None = None) -> None:

@@ -110,29 +110,59 @@ def check_output_dir(path: Path) -> Path:
 
 
 def _check_parent_writable(path: Path) -> None:
-    parent = path.parent
-    probe = parent
+    """The folder ``path`` would be made in can take a file with a byte in it: probed in its nearest
+    existing ancestor (nothing is created, so a command that fails leaves no folder behind), by writing
+    one byte, so that a disk with no room at all is refused before any work, not after it."""
+    probe = path.parent
     while not probe.exists():                 # the nearest existing ancestor must be a writable folder
         probe = probe.parent
     if not probe.is_dir():
         raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key="--out")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(tmp)
+        fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=probe)
+        try:
+            os.write(fd, b"\n")
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
     except OSError as e:
         raise fs_error(e, path, "cannot write there", key="--out") from None
 
 
+def make_parents(path: Path) -> list[Path]:
+    """Create the missing ancestors of ``path``; returns those created, outermost first (for
+    :func:`remove_made`: a command that fails leaves no folder behind)."""
+    missing = []
+    parent = Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders :func:`make_parents` created, innermost first, where they are still empty."""
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
-    write a temporary file in the same folder, fsync it, then rename it over the target."""
+    write a temporary file in the same folder, fsync it, then rename it over the target. On any failure
+    nothing is left: no temporary file, no folder made for it."""
     path = Path(path)
     check_write_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # mkstemp opens with O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name[:100]}.", dir=path.parent)
+    made = make_parents(path)
+    try:
+        # mkstemp opens with O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name[:100]}.", dir=path.parent)
+    except BaseException:
+        remove_made(made)
+        raise
     try:
         with os.fdopen(fd, "wb") as fh:
             _write_file(fh, data)
@@ -144,6 +174,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        remove_made(made)
         raise
 
 
@@ -220,13 +251,15 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
     check_dir_target(out_dir)
     stage = staging_dir(out_dir)
     shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    made = make_parents(stage)
     tops = {name.split("/")[0] for name in files}
     try:
+        stage.mkdir()
         for name, data in files.items():
             stage_file(stage / name, data)
         if out_dir.exists():
             _carry_over(out_dir, stage, tops)
+        signals.phase("staged")     # every file is on disk beside the folder, not yet swapped in
         key = str(out_dir.absolute())
         with signals.held():   # the line an interrupt prints must know whether the swap is done
             if not out_dir.exists():
@@ -245,6 +278,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
         shutil.rmtree(stage, ignore_errors=True)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        remove_made(made)
         raise
 
 
@@ -277,12 +311,20 @@ class FolderLock:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir.parent / f".{self.out_dir.name}.lock"
         self.fh = None
+        self.made: list[Path] = []
 
     def __enter__(self) -> "FolderLock":
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.made = make_parents(self.path)
         except OSError as e:
             raise fs_error(e, self.out_dir) from None
+        try:
+            return self._take()
+        except BaseException:
+            self._release(failed=True)
+            raise
+
+    def _take(self) -> "FolderLock":
         for _ in range(100):
             try:
                 self.fh = open_lock_file(self.path)      # never through a symlink, never a FIFO
@@ -310,18 +352,27 @@ class FolderLock:
             self.fh = None
         if self.fh is None:
             raise SpecError("cannot take the lock: its file keeps being replaced", file=str(self.out_dir))
-        self.fh.seek(0)
-        self.fh.truncate()
-        self.fh.write(str(os.getpid()).encode())
-        self.fh.flush()
+        try:        # the holder's pid, for the line another run prints (a disk with no room: one line)
+            self.fh.seek(0)
+            self.fh.truncate()
+            self.fh.write(str(os.getpid()).encode())
+            self.fh.flush()
+        except OSError as e:
+            raise fs_error(e, self.out_dir) from None
         return self
 
     def __exit__(self, *exc) -> None:
+        self._release(failed=exc[0] is not None)
+
+    def _release(self, failed: bool) -> None:
         if self.fh is not None:
             # Remove the lock file while still holding the lock, whatever the outcome: nothing is left
             # beside the results. A run that opened the old file meanwhile sees it unlinked and retries.
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             fcntl.flock(self.fh.fileno(), fcntl.LOCK_UN)
-            self.fh.close()
+            with contextlib.suppress(OSError):      # a pid that never reached the disk: nothing to flush
+                self.fh.close()
             self.fh = None
+        if failed:
+            remove_made(self.made)          # a failed command leaves no folder it made behind

@@ -101,8 +101,28 @@ def draws_flag(value: Optional[str]):
     return int(f) if math.isfinite(f) and f.is_integer() else value
 
 
+# Suffixes of the files a report holds: an --out ending in one names a file, and --out is a folder.
+_FILE_SUFFIXES = (".html", ".htm", ".md", ".pdf", ".png", ".svg", ".tex", ".csv", ".json", ".txt")
+
+
+def check_report_out(out: Path) -> None:
+    """``--out`` of a report names the folder that report.html, the figures and the tables go into: a
+    regular file there, or a new path that reads as a file name (report.html), is one line saying so."""
+    try:
+        is_file, exists = out.is_file(), out.exists()
+    except OSError:          # a name too long, a folder that may not be searched: check_output_dir says so
+        return
+    if is_file:
+        raise SpecError("is a file; --out names the report folder (report.html and figures/ go inside it)",
+                        file=str(out), key="--out")
+    if not exists and out.suffix.lower() in _FILE_SUFFIXES:
+        raise SpecError(f"looks like a file name; --out names the report folder (report.html and figures/ go "
+                        f"inside it): give e.g. --out {out.with_suffix('')}", file=str(out), key="--out")
+
+
 def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
-    """The report of results folders into ``out``: one line on success, one on any error or interrupt."""
+    """The report of results folders into ``out`` (a folder): one line on success, one on any error or
+    interrupt; a report that fails leaves nothing behind (no folder, no half-written files)."""
     from .. import signals
     from ..report import write_report as write
     from ..runner import interrupt_line
@@ -111,7 +131,9 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
     from ..storage import write_folder
     from ..training.report import is_training_folder, training_report_files
     with user_errors():
+        check_report_out(Path(out))
         out = check_output_dir(out)
+        earlier = "an earlier report in {out} is untouched" if out.exists() else "nothing was created"
         try:
             if len(dirs) == 1 and is_training_folder(dirs[0]):       # a `kl-bench train` folder
                 write_folder(out, training_report_files(dirs[0]))
@@ -121,7 +143,7 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
                 write(dirs, out)
             signals.phase("report-written")
         except KeyboardInterrupt:
-            interrupted(interrupt_line(out, "report files", "an earlier report in {out} is untouched"))
+            interrupted(interrupt_line(out, "report files", earlier))
         except OSError as e:
             raise fs_error(e, out, "cannot write the report") from None
     if not quiet:
