@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+from decimal import Decimal
 from typing import Any, Callable
 
 from .errors import SpecError
@@ -99,13 +100,14 @@ def physical_memory() -> int:
 def fmt_bytes(n: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            return f"{Decimal(n) / size:.3g} {unit}"
     return f"{int(n)} B"
 
 
 def fmt_count(n: int) -> str:
-    """An integer for a message: digits when short, else scientific (2^63 − 1 → 9.22e+18)."""
-    return f"{n:,}" if abs(n) < 10**15 else f"{float(n):.3g}"
+    """An integer for a message: digits when short, else scientific (2^63 − 1 → 9.22e+18; 10^400 too,
+    beyond float64's range)."""
+    return f"{n:,}" if abs(n) < 10**15 else f"{Decimal(n):.3g}"
 
 
 def check_memory(need: float, what: str) -> str | None:

@@ -23,6 +23,7 @@ import math
 import os
 import stat
 import tomllib
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -64,7 +65,7 @@ def cap_for(kind: str) -> int:
 def fmt_size(n: int) -> str:
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            return f"{Decimal(n) / size:.3g} {unit}"
     return f"{n} B"
 
 

@@ -50,26 +50,26 @@ def _os_errors_as_input_errors(check):
     """A path check that meets an OSError (a folder it may not search: EACCES on stat, ELOOP, ENAMETOOLONG)
     says so in one line naming the path, as every other refusal does."""
     @functools.wraps(check)
-    def wrapped(path: Path) -> Path:
+    def wrapped(path: Path, key: str = "--out") -> Path:
         try:
-            return check(path)
+            return check(path, key)
         except OSError as e:
-            raise fs_error(e, Path(path), "cannot be written", key="--out") from None
+            raise fs_error(e, Path(path), "cannot be written", key=key) from None
     return wrapped
 
 
 @_os_errors_as_input_errors
-def check_output_file(path: Path) -> Path:
+def check_output_file(path: Path, key: str = "--out") -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
-    folder that cannot be created or written."""
+    folder that cannot be created or written. ``key``: the option that names it."""
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
-        raise SpecError("must name a file", file=str(path), key="--out")
-    _check_name_length(path)
+        raise SpecError("must name a file", file=str(path), key=key)
+    _check_name_length(path, key)
     if path.is_dir():
-        raise SpecError("is a folder; give a file name", file=str(path), key="--out")
-    check_write_target(path, key="--out")       # a symlink or /dev/null is refused, never replaced
-    _check_parent_writable(path)
+        raise SpecError("is a folder; give a file name", file=str(path), key=key)
+    check_write_target(path, key=key)       # a symlink or /dev/null is refused, never replaced
+    _check_parent_writable(path, key)
     return path
 
 
@@ -78,38 +78,38 @@ _NAME_MAX = 255
 _TMP_EXTRA = 40
 
 
-def _check_name_length(path: Path) -> None:
+def _check_name_length(path: Path, key: str = "--out") -> None:
     """An output name too long for the file system once kl-bench's temporary prefix is added."""
     size = len(os.fsencode(path.name))
     if size + _TMP_EXTRA > _NAME_MAX:
         raise SpecError(f"the name is {size} bytes; at most {_NAME_MAX - _TMP_EXTRA} bytes are allowed "
-                        f"(file names are limited to {_NAME_MAX} bytes)", file=str(path)[:120] + "…", key="--out")
+                        f"(file names are limited to {_NAME_MAX} bytes)", file=str(path)[:120] + "…", key=key)
 
 
 @_os_errors_as_input_errors
-def output_dir(path: Path) -> Path:
+def output_dir(path: Path, key: str = "--out") -> Path:
     """The folder results go to: a symlink to a folder is followed (the link itself stays)."""
     path = Path(path)
-    _check_name_length(path)
+    _check_name_length(path, key)
     return path.resolve() if path.is_symlink() and path.resolve().is_dir() else path
 
 
 @_os_errors_as_input_errors
-def check_output_dir(path: Path) -> Path:
+def check_output_dir(path: Path, key: str = "--out") -> Path:
     """Refuse, before any sampling, a results folder that cannot be written: '', '.', '..', an existing
     file (or /dev/null), a path under a file, a location that cannot be created or written (/proc, a
     read-only mount). A symlink to a folder is followed: the results go where it points."""
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
-        raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key="--out")
-    _check_name_length(path)
-    path = output_dir(path)
-    check_dir_target(path, key="--out")
-    _check_parent_writable(path)
+        raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key=key)
+    _check_name_length(path, key)
+    path = output_dir(path, key)
+    check_dir_target(path, key=key)
+    _check_parent_writable(path, key)
     return path
 
 
-def _check_parent_writable(path: Path) -> None:
+def _check_parent_writable(path: Path, key: str = "--out") -> None:
     """The folder ``path`` would be made in can take a file with a byte in it: probed in its nearest
     existing ancestor (nothing is created, so a command that fails leaves no folder behind), by writing
     one byte, so that a disk with no room at all is refused before any work, not after it."""
@@ -117,7 +117,7 @@ def _check_parent_writable(path: Path) -> None:
     while not probe.exists():                 # the nearest existing ancestor must be a writable folder
         probe = probe.parent
     if not probe.is_dir():
-        raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key="--out")
+        raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key=key)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=probe)
         try:
@@ -126,7 +126,7 @@ def _check_parent_writable(path: Path) -> None:
             os.close(fd)
             os.unlink(tmp)
     except OSError as e:
-        raise fs_error(e, path, "cannot write there", key="--out") from None
+        raise fs_error(e, path, "cannot write there", key=key) from None
 
 
 def make_parents(path: Path) -> list[Path]:
@@ -209,11 +209,15 @@ def clean_stale(out_dir: Path) -> None:
 
 def write_locked(out_dir: Path, files: dict[str, bytes], envelope: dict[str, Any]) -> Path:
     """:func:`write_results` under the folder's lock, after cleaning a crashed writer's leftovers: what
-    every results folder (a run's, a training's, an audit's) is written with. Returns the folder."""
+    every results folder (a run's, a training's, an audit's) is written with. Returns the folder. A full
+    disk or a read-only mount is a one-line :class:`SpecError` (the old folder, if any, untouched)."""
     out_dir = Path(out_dir)
-    with FolderLock(out_dir):
-        clean_stale(out_dir)
-        write_results(out_dir, files, envelope)
+    try:
+        with FolderLock(out_dir):
+            clean_stale(out_dir)
+            write_results(out_dir, files, envelope)
+    except OSError as e:
+        raise fs_error(e, out_dir) from None
     return out_dir
 
 
@@ -233,8 +237,14 @@ _COMMITTED: set[str] = set()
 
 
 def written_folders() -> list[str]:
-    """Every folder this process has swapped new contents into (for the line an interrupt prints)."""
+    """Every folder this process has swapped new contents into, and every output file it has written
+    whole (:func:`mark_written`): what the line an interrupt prints names."""
     return sorted(_COMMITTED)
+
+
+def mark_written(path: Path) -> None:
+    """Record an output file written whole (atomically) for the line an interrupt prints."""
+    _COMMITTED.add(str(Path(path).absolute()))
 
 
 def committed(out_dir: Path) -> bool:

@@ -173,8 +173,11 @@ def difference_lines(path: Path, most: int = 8) -> list[str]:
 
 
 def write_outputs(targets: dict) -> None:
-    """Extra output files (path → a function making their bytes), written atomically; None paths skipped."""
-    from ..storage import atomic_write_bytes, fs_error
+    """Extra output files (path → a function making their bytes), written atomically; None paths skipped.
+    An interrupt's line names those already written (each is whole)."""
+    from .. import signals
+    from ..storage import atomic_write_bytes, fs_error, mark_written
+    signals.phase("write")
     for path, make in targets.items():
         if path is None:
             continue
@@ -183,3 +186,5 @@ def write_outputs(targets: dict) -> None:
                 atomic_write_bytes(path, make())
             except OSError as e:
                 raise fs_error(e, path) from None
+        mark_written(path)
+    signals.phase("written")

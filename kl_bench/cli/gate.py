@@ -53,9 +53,9 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     from .. import api
     from ..storage import check_output_file
     with user_errors():
-        for path in (json_out, junit):
+        for path, key in ((json_out, "--json"), (junit, "--junit")):
             if path is not None:
-                check_output_file(path)
+                check_output_file(path, key)
         if not 0 < alpha < 1:
             raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
         sp0 = api.load(spec)
