@@ -78,6 +78,17 @@ def _kind_of(mode: int) -> str:
     return "not a regular file"
 
 
+def describe(path: str | Path) -> str | None:
+    """What ``path`` is, in words ("a regular file", "a FIFO (named pipe)", "a dangling symbolic link"),
+    following links; None where nothing is there."""
+    try:
+        return _kind_of(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return "a dangling symbolic link" if os.path.islink(path) else None
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+
+
 def open_regular(path: str | Path, kind: str, what: str | None = None) -> BinaryIO:
     """Open ``path`` for reading if it is a regular file within the cap of ``kind`` (a key of
     :data:`CAPS`, or anything else for tensors); the caller closes the returned file object."""
@@ -86,7 +97,8 @@ def open_regular(path: str | Path, kind: str, what: str | None = None) -> Binary
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise SpecError(f"{what} file not found", file=str(path)) from None
+        raise SpecError(f"{what} file not found" + (" (a dangling symbolic link)" if os.path.islink(path) else ""),
+                        file=str(path)) from None
     except OSError as e:
         raise SpecError(f"cannot read the {what} file: {e.strerror or e}", file=str(path)) from None
     try:

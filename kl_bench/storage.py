@@ -18,6 +18,7 @@ import json
 import functools
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -197,14 +198,28 @@ def staging_dir(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.staging-{os.getpid()}"
 
 
+def remove(path: Path) -> None:
+    """Remove ``path`` whatever it is, never following a link and never opening a FIFO (shutil.rmtree opens
+    its argument before it checks it is a folder: on a FIFO planted at a staging path it waits forever)."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:          # absent, or a name that cannot even be looked at: nothing to remove
+        return
+    if is_dir:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def clean_stale(out_dir: Path) -> None:
     """Remove staging folders and temporary files left by killed runs (call under the lock)."""
     if out_dir.parent.exists():
         for p in out_dir.parent.glob(f".{out_dir.name}.staging-*"):
-            shutil.rmtree(p, ignore_errors=True)
+            remove(p)
     if out_dir.is_dir():
         for p in out_dir.glob(".tmp-*"):
-            p.unlink(missing_ok=True)
+            remove(p)
 
 
 def write_locked(out_dir: Path, files: dict[str, bytes], envelope: dict[str, Any]) -> Path:
@@ -260,7 +275,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
     out_dir = output_dir(Path(out_dir))
     check_dir_target(out_dir)
     stage = staging_dir(out_dir)
-    shutil.rmtree(stage, ignore_errors=True)
+    remove(stage)
     made = make_parents(stage)
     tops = {name.split("/")[0] for name in files}
     try:
@@ -278,16 +293,16 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
                 return
             if _exchange(stage, out_dir):
                 _COMMITTED.add(key)
-                shutil.rmtree(stage, ignore_errors=True)       # now holds the previous results
+                remove(stage)       # now holds the previous results
                 return
         names = list(files)
         last = [n for n in names if n == "run.json"]
         for name in [n for n in names if n != "run.json"] + last:     # fallback: file by file, run.json last
             atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
         _COMMITTED.add(key)
-        shutil.rmtree(stage, ignore_errors=True)
+        remove(stage)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        remove(stage)
         remove_made(made)
         raise
 

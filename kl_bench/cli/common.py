@@ -130,7 +130,10 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
     from ..audit.report import audit_report_files, is_audit_folder
     from ..storage import write_folder
     from ..training.report import is_training_folder, training_report_files
+    from ..results.verify import require_folder
     with user_errors():
+        for d in dirs:              # what was asked for is said first, before the (default) --out is judged
+            require_folder(d)
         check_report_out(Path(out))
         out = check_output_dir(out)
         earlier = "an earlier report in {out} is untouched" if out.exists() else "nothing was created"
