@@ -24,22 +24,28 @@ def typename(v: Any) -> str:
             list: "a list", dict: "a table"}.get(type(v), type(v).__name__)
 
 
+def shown(v: Any, most: int = 60) -> str:
+    """``repr(v)`` for a message, cut to ``most`` characters (a 10,000-item list stays one short line)."""
+    text = repr(v)
+    return text if len(text) <= most else text[:most - 1] + "…"
+
+
 def _to_int(v: Any, err: Callable[[str], SpecError]) -> int:
     # Integral floats are accepted so that `draws = 1e7` works.
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise err(f"must be an integer, got {typename(v)} {v!r}")
+        raise err(f"must be an integer, got {typename(v)} {shown(v)}")
     if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
-        raise err(f"must be an integer, got {v!r}")
+        raise err(f"must be an integer, got {shown(v)}")
     return int(v)
 
 
 def _to_float(v: Any, err: Callable[[str], SpecError]) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise err(f"must be a number, got {typename(v)} {v!r}")
+        raise err(f"must be a number, got {typename(v)} {shown(v)}")
     if isinstance(v, int) and abs(v) > 1e308:       # float(v) would raise OverflowError
         raise err("must be a finite number, got an integer beyond float64's range")
     if not math.isfinite(v):
-        raise err(f"must be finite, got {v!r}")
+        raise err(f"must be finite, got {shown(v)}")
     # Subnormal numbers (0 < |v| < 2.2e-308) have lost precision, and 1/v overflows float64: no
     # parameter means such a value (a temperature of 1e-320 would divide logits by zero).
     if v != 0 and abs(v) < sys.float_info.min:
@@ -49,7 +55,7 @@ def _to_float(v: Any, err: Callable[[str], SpecError]) -> float:
 
 def _to_str(v: Any, err: Callable[[str], SpecError]) -> str:
     if not isinstance(v, str):
-        raise err(f"must be a string, got {typename(v)} {v!r}")
+        raise err(f"must be a string, got {typename(v)} {shown(v)}")
     return v
 
 
@@ -156,7 +162,7 @@ def check_device(v: str) -> str | None:
 def check_case_name(v: str) -> str | None:
     # Names label rows and figure files: any printable text without slashes.
     if not v or not v.isprintable() or "/" in v or "\\" in v or v != v.strip():
-        return f"must be non-empty printable text without slashes or surrounding spaces, got {v!r}"
+        return f"must be non-empty printable text without slashes or surrounding spaces, got {shown(v)}"
     return None
 
 
@@ -213,7 +219,7 @@ class Table:
         self.used.add(k)
         v = self.data.get(k, default)
         if not isinstance(v, bool):
-            raise self.error(f"must be true or false, got {typename(v)} {v!r}", key=self.key(k))
+            raise self.error(f"must be true or false, got {typename(v)} {shown(v)}", key=self.key(k))
         return v
 
     def sub(self, k: str) -> "Table":

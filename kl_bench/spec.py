@@ -303,6 +303,8 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
         pts = [math.exp(math.log(a) + (math.log(b) - math.log(a)) * i / (num - 1)) for i in range(num)]
     else:
         pts = [a + (b - a) * i / (num - 1) for i in range(num)]
+    if not all(math.isfinite(x) for x in pts):       # [-1e308, 1e308]: b − a overflows
+        raise err("its values leave float64's range: give ends closer together")
     return [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
 
 
@@ -318,7 +320,7 @@ def _grid_spec(v: dict, err: Callable[[str], SpecError]) -> tuple[str, float, fl
     if not isinstance(ends, list) or len(ends) != 2 or not all(_is_number(x) for x in ends):
         raise err(f"{kinds[0]} must be [first, last] numbers")
     num = _grid_num(v.get("num"), err)
-    a, b = float(ends[0]), float(ends[1])
+    a, b = (convert(x, "float", lambda m: err(f"{kinds[0]}: {m}")) for x in ends)
     if kinds[0] == "geomspace" and not (a > 0 and b > 0):
         raise err("geomspace needs positive ends")
     return kinds[0], a, b, num
@@ -328,7 +330,7 @@ def _grid_num(num: Any, err: Callable[[str], SpecError]) -> int:
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise err(f"num must be an integer ≥ 1, got {num!r}")
     if num > MAX_SWEEP_CASES:        # refused before a single value is made: a grid this size is a typo
-        raise err(f"num = {num:,} makes more than {MAX_SWEEP_CASES:,} cases: sweep fewer values")
+        raise err(f"num = {fmt_count(num)} makes more than {MAX_SWEEP_CASES:,} cases: sweep fewer values")
     return num
 
 
