@@ -330,3 +330,14 @@ def test_integers_beyond_float64_are_one_line(tmp_path, key, line):
     path = tmp_path / "n.toml"
     path.write_text(f'spec_version = 1\n[experiment]\ndraws = {exp_draws}\ndevice = "cpu"\n' + case)
     _one_line_error(runner.invoke(app, ["exact", str(path)]), str(path), key)
+
+
+def test_gradients_of_a_rollout_with_p_equal_to_q_are_computed(tmp_path):
+    """p = q (noise = 0, KL = 0) with per-token rows: the references' scale was 0/0, a ZeroDivisionError."""
+    path = tmp_path / "r.toml"
+    path.write_text('spec_version = 1\n[experiment]\nname = "r"\ndraws = 2000\nbatches = 10\ndevice = "cpu"\n'
+                    'estimators = ["k1", "k3"]\ngradients = true\n[[case]]\nname = "T4"\nkind = "rollout"\nvocab = 8\n'
+                    'buckets = 2\nlength = 4\neos = 7\nper_sequence_mean = true\n'
+                    'q = { logits = "zipf", exponent = 1.0, seed = 1 }\np = { from = "q", noise = 0.0, seed = 2 }\n')
+    res = runner.invoke(app, ["run", str(path), "--out", str(tmp_path / "o"), "-q"])
+    assert res.exit_code == 0, res.output
