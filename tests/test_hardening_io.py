@@ -155,7 +155,8 @@ def address_space_limit():
     return [(resource.RLIMIT_AS, limit)]
 
 
-@pytest.mark.parametrize("command", ["check", "baseline", "resume", pytest.param("report", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("command", ["check", "resume", pytest.param("baseline", marks=pytest.mark.slow),
+                                     pytest.param("report", marks=pytest.mark.slow)])
 def test_every_read_of_a_results_folder_or_checkpoint_works_under_ulimit_v(made, tmp_path, address_space_limit,
                                                                            command):
     """Reading batches.csv (cap 2 GiB) or a checkpoint (cap 2 GiB) allocated the cap: MemoryError."""
@@ -174,8 +175,8 @@ def test_every_read_of_a_results_folder_or_checkpoint_works_under_ulimit_v(made,
 FSIZE = resource.RLIMIT_FSIZE       # `ulimit -f`: a write beyond it fails with EFBIG (Python ignores SIGXFSZ)
 
 
-@pytest.mark.parametrize("command", ["run", "report", "exact", "baseline", "check",
-                                     pytest.param("train", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("command", ["run", "report", *(pytest.param(c, marks=pytest.mark.slow)
+                                                        for c in ("exact", "baseline", "check", "train"))])
 def test_a_disk_with_no_room_is_one_line_before_any_work_and_creates_nothing(made, tmp_path, command):
     spec = tmp_path / "t.toml"
     spec.write_text(TRAIN)
@@ -307,8 +308,8 @@ def test_baseline_never_writes_into_the_tracked_tree_unless_asked(made, tmp_path
 
 # ----------------------------------------------------------------------------- signals at every phase
 def _leftovers(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob(".*")
-                  if ".staging-" in p.name or p.name.endswith(".lock") or p.name.startswith((".tmp-", ".kl-bench-probe")))
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob(".*") if ".staging-" in p.name
+                  or p.name.endswith(".lock") or p.name.startswith((".tmp-", ".kl-bench-probe")))
 
 
 # (command, phase): the phases each command passes (kl_bench.signals.phase); after "written" or
@@ -319,12 +320,12 @@ PHASES = [("run", "start"), ("run", "pairs"), ("run", "write"), ("run", "staged"
           ("baseline", "start"), ("baseline", "write"), ("baseline", "written"),
           ("exact", "start"), ("exact", "write"), ("exact", "written"),
           ("train", "start"), ("train", "staged")]
-FAST = {("run", "staged"), ("report", "staged"), ("baseline", "write")}
+FAST = {("run", "staged", "SIGTERM"), ("report", "staged", "SIGTERM"), ("baseline", "write", "SIGINT")}
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("command, phase", [p if p in FAST else pytest.param(*p, marks=pytest.mark.slow)
-                                            for p in PHASES])
+@pytest.mark.parametrize("command, phase, sig", [(*p, s) if (*p, s) in FAST else
+                                                 pytest.param(*p, s, marks=pytest.mark.slow)
+                                                 for p in PHASES for s in ("SIGINT", "SIGTERM")])
 def test_a_signal_at_every_phase_of_every_command_is_one_line(made, tmp_path, command, phase, sig):
     spec = tmp_path / "t.toml"
     spec.write_text(TRAIN)
