@@ -28,6 +28,7 @@ from kl_bench.targets import FORWARD, REVERSE
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
 from kl_bench.pairs.rollout import RolloutPair
+from kl_bench.pairs.rollout.sampler import paths
 from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V, C, T = 50257, 32, 16
@@ -81,14 +82,12 @@ def vmap_categorical(pair: CategoricalPair, n: int, device: torch.device, chunk:
 
 def vmap_rollout(pair: RolloutPair, n: int, device: torch.device, chunk: int = 16) -> np.ndarray:
     """Per-sequence gradients of the seq rows (c(L) · S) by vmap over recorded paths: [chunk, C·V]."""
-    theta0, lp = pair.log_q.reshape(-1).to(device), pair.log_p.reshape(-1).to(device)
+    theta0, lp = pair.model.log_q.reshape(-1).to(device), pair.model.log_p.reshape(-1).to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     acc = torch.zeros(len(ITEMS), 1 + C * V, dtype=torch.float64, device=device)
     for lo in range(0, n, chunk):
-        rec: list = []
-        pair.simulate([min(chunk, n - lo)], [gen], device, record=rec)
-        keys = torch.stack([r[0] for r in rec], 1)
-        alive = torch.stack([r[1] for r in rec], 1)
+        p = paths(pair.model, min(chunk, n - lo), gen, device)
+        keys, alive = p.keys, p.alive
         for j, (est, mode) in enumerate(ITEMS):
 
             def per_draw(theta, k, a):

@@ -22,6 +22,7 @@ from kl_bench.draws import Row
 from kl_bench.estimators import lookup
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
+from kl_bench.pairs.rollout.sampler import simulate
 
 V = 50257
 TOK = ["k1", "k2", "k3", "fwd_k3", "full"]
@@ -38,26 +39,27 @@ def engine(pair: RolloutPair, n: int, device: torch.device, batch: int):
     rows = [Row(lookup(e), "tok") for e in TOK]
     gens = [torch.Generator(device=device).manual_seed(i) for i in range(0, n, batch)]
     sizes = [min(batch, n - i) for i in range(0, n, batch)]
-    d = pair.simulate(sizes, gens, device, rows)
+    d = simulate(pair.model, sizes, gens, device, rows)
     return d.tok.sum(0), d.logr.sum()
 
 
 def baseline(pair: RolloutPair, n: int, device: torch.device, batch: int):
-    q = pair.log_q.exp().to(device)
-    g_tab, kl_ctx, bucket = pair.logr_table.to(device), pair.kl_ctx.to(device), pair.bucket.to(device)
+    model = pair.model
+    q = model.log_q.exp().to(device)
+    g_tab, kl_ctx, bucket = model.logr_table.to(device), model.kl_ctx.to(device), model.bucket.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     acc = torch.zeros(len(TOK), dtype=torch.float64, device=device)
     for start in range(0, n, batch):
         m = min(batch, n - start)
         c = torch.zeros(m, dtype=torch.int64, device=device)
         alive = torch.ones(m, dtype=torch.float64, device=device)
-        for _ in range(pair.length):
+        for _ in range(model.length):
             # replacement=True: one draw per row either way, and the inverse-CDF path is far faster
             x = torch.multinomial(q[c], 1, replacement=True, generator=gen).squeeze(1)
             g = g_tab[c, x]
             vals = torch.stack([kl_ctx[c] if e == "full" else lookup(e).fn(g) for e in TOK], -1)
             acc += (alive[:, None] * vals).sum(0)
-            alive = alive * (x != pair.eos)
+            alive = alive * (x != model.eos)
             c = bucket[x]
     return acc
 
@@ -65,21 +67,22 @@ def baseline(pair: RolloutPair, n: int, device: torch.device, batch: int):
 def inverse_cdf(pair: RolloutPair, n: int, device: torch.device):
     """A strong plain baseline: per-bucket CDFs flattened with offsets (row c lives in [c, c+1)), one
     searchsorted per token (O(log V)), vectorised over all rollouts like the engine."""
-    q = pair.log_q.exp()
-    flat = (q.cumsum(-1) + torch.arange(pair.buckets, dtype=torch.float64)[:, None]).reshape(-1).to(device)
-    g_flat, kl_ctx, bucket = pair.logr_table.reshape(-1).to(device), pair.kl_ctx.to(device), pair.bucket.to(device)
+    model = pair.model
+    q = model.log_q.exp()
+    flat = (q.cumsum(-1) + torch.arange(model.buckets, dtype=torch.float64)[:, None]).reshape(-1).to(device)
+    g_flat, kl_ctx, bucket = model.logr_table.reshape(-1).to(device), model.kl_ctx.to(device), model.bucket.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
-    v = pair.vocab
+    v = model.vocab
     c = torch.zeros(n, dtype=torch.int64, device=device)
     alive = torch.ones(n, dtype=torch.float64, device=device)
     acc = torch.zeros(len(TOK), dtype=torch.float64, device=device)
-    for _ in range(pair.length):
+    for _ in range(model.length):
         u = torch.rand(n, dtype=torch.float64, generator=gen, device=device) + c
         x = (torch.searchsorted(flat, u) - c * v).clamp_(0, v - 1)
         g = g_flat[c * v + x]
         vals = torch.stack([kl_ctx[c] if e == "full" else lookup(e).fn(g) for e in TOK], -1)
         acc += (alive[:, None] * vals).sum(0)
-        alive = alive * (x != pair.eos)
+        alive = alive * (x != model.eos)
         c = bucket[x]
     return acc
 
@@ -101,7 +104,7 @@ def main() -> None:
     dev = torch.device(args.device)
     pair = make_pair(args.buckets, args.length)
     t = time.perf_counter()
-    pair.alias_table()
+    pair.model.alias_tables
     setup = time.perf_counter() - t
     n, nb = args.rollouts, args.baseline_rollouts
 

@@ -28,8 +28,7 @@ import time
 import torch
 
 from kl_bench.logits import zipf_logits
-from kl_bench.pairs import RolloutPair
-from kl_bench.pairs.rollout import gradients as rg
+from kl_bench.pairs.rollout import RolloutModel, dp
 from kl_bench.training import (SEQUENCE_REWARDS, CategoricalProblem, Optimizer, RolloutProblem, SequenceRolloutProblem,
                                parse_combination, trajectory)
 from kl_bench.training.sequences import enumerate_sequences, rewards_of
@@ -87,8 +86,8 @@ def cat_objective(pb: CategoricalProblem, theta: torch.Tensor) -> torch.Tensor:
 
 def roll_objective(pb: RolloutProblem, theta: torch.Tensor) -> torch.Tensor:
     lq = torch.log_softmax(theta, -1)
-    pair = RolloutPair("bench", lq.detach(), pb.log_p, pb.bucket, pb.length, pb.eos)
-    return rg.path_moments(pair, theta, torch.ones_like(lq), pb.reward - pb.beta * (lq - pb.log_p))[1]
+    model = RolloutModel.build(lq.detach(), pb.log_p, pb.bucket, pb.length, pb.eos)
+    return dp.path_moments(model, theta, torch.ones_like(lq), pb.reward - pb.beta * (lq - pb.log_p))[1]
 
 
 def autograd_direction(objective):

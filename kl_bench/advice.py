@@ -22,10 +22,10 @@ import pandas as pd
 
 from .draws import PER_TOKEN, row_label
 from .estimators import CV, PAIR_ROWS
-from .formatting import fmt
+from .formatting import count, fmt, pct
 from .planning import n_for_rel_error, rmse
 from .rejection import WORDS as REJECTION_WORDS
-from .stats import HeavyTail
+from .stats import HeavyTail, unknown_reason
 from .targets import REVERSE
 
 DEFAULT_BATCH = 64
@@ -116,18 +116,20 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
                  tolerance: float = DEFAULT_TOLERANCE) -> Advice:
     """The estimator to log (or to put in the reward) for one case."""
     c = _value_candidates(df, case)
+    if _all_exactly_zero(c):
+        return Advice(case, "value", "", "to log: KL(q||p) = 0 here (p = q where q samples): every estimator is "
+                      "exactly 0 on every draw, so any of them is exact at any batch size")
     plans = {i: _plan(r, batch, tolerance) for i, r in c.iterrows()}
     plans = {i: p for i, p in plans.items() if _finite(p[0])}
     if not plans:
         return _reference_advice(df, case, batch) or _no_plan(c, case)
-    hint = _sampler_hint(df[df["case"] == case]) if _sampler(c) else ""
-    hint = f"; {hint}" if hint else ""
+    hint = _hint(df, case, c)
     reach = {i: p for i, p in plans.items() if _finite(p[1])}
     if not reach:      # never recommend what cannot reach the tolerance as if it could
         best = min(plans, key=lambda i: plans[i][0])
         return Advice(case, "value", "", f"to log: no estimator of KL(q||p) gets within {_pct(tolerance)} at "
                       f"any batch size (each one's bias alone is larger; the lowest RMSE at {batch:,} is "
-                      f"{row_label(c.loc[best])}'s, {plans[best][2]:+.1%} biased){hint}")
+                      f"{row_label(c.loc[best])}'s, {pct(plans[best][2])} biased){hint}")
     best = min(reach, key=lambda i: reach[i][0])
     r = c.loc[best]
     line = _best_line(r, reach[best], batch, tolerance) + _alternatives(c, plans, reach, best, batch, tolerance)
@@ -137,6 +139,18 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     if isinstance(heavy, str) and heavy:
         line += f"; warning: {heavy}"
     return Advice(case, "value", row_label(r), line)
+
+
+def _hint(df: pd.DataFrame, case: str, c: pd.DataFrame) -> str:
+    """"; why the sampler biases the estimates" for the value advice, or ""."""
+    hint = _sampler_hint(df[df["case"] == case]) if _sampler(c) else ""
+    return f"; {hint}" if hint else ""
+
+
+def _all_exactly_zero(c: pd.DataFrame) -> bool:
+    """KL(q||p) = 0 with every candidate's exact mean and std 0 (p = q: every trainer's step 0)."""
+    return bool(len(c)) and all(r["true_kl"] == 0 and r["exact_mean"] == 0 and r["exact_std"] == 0
+                                for _, r in c.iterrows())
 
 
 def _no_plan(c: pd.DataFrame, case: str) -> Advice:
@@ -152,7 +166,7 @@ def _best_line(r, plan: tuple[float, float, float], batch: int, tolerance: float
     true = float(r["true_kl"])
     scale = f", {err / true:.3g}× the KL" if _finite(true) and true > 0 else ""
     return (f"to log, {row_label(r)} (RMSE {fmt(err)} at a batch of {batch:,}{scale}); {_pct(tolerance)} with "
-            f"{PROB:.0%} probability needs a batch of {n:,.0f}")
+            f"{PROB:.0%} probability needs a batch of {count(n)}")
 
 
 def _alternatives(c: pd.DataFrame, plans: dict, reach: dict, best, batch: int, tolerance: float) -> str:
@@ -161,8 +175,8 @@ def _alternatives(c: pd.DataFrame, plans: dict, reach: dict, best, batch: int, t
     out = ""
     fewer = min(reach, key=lambda i: reach[i][1])
     if fewer != best and reach[fewer][1] < reach[best][1]:
-        bias = "unbiased" if abs(reach[fewer][2]) < 1e-9 else f"{reach[fewer][2]:+.1%} biased"
-        out += f"; {row_label(c.loc[fewer])} gets there with fewer draws ({reach[fewer][1]:,.0f}, {bias})"
+        bias = "unbiased" if abs(reach[fewer][2]) < 1e-9 else f"{pct(reach[fewer][2])} biased"
+        out += f"; {row_label(c.loc[fewer])} gets there with fewer draws ({count(reach[fewer][1])}, {bias})"
     lower = [i for i, p in plans.items() if i not in reach and p[0] < reach[best][0]]
     if lower:
         names = ", ".join(row_label(c.loc[i]) for i in lower)
@@ -177,7 +191,11 @@ def _reference_advice(df: pd.DataFrame, case: str, batch: int) -> Advice | None:
            & ~df["estimator"].isin(list(PAIR_ROWS))]
     if "ref_kl" not in c or c["ref_kl"].isna().all():
         return None
-    err = ((c["mean"] - c["ref_kl"]) ** 2 + c["std"] ** 2 / batch) ** 0.5
+    # the bias against the reference as the data say it (logged data: the log's own means, ref_diff) and
+    # the best-known std (exact over the log where it is, else measured)
+    diff = c["ref_diff"] if "ref_diff" in c else c["mean"] - c["ref_kl"]
+    std = c["exact_std"].where(c["exact_std"].map(_finite), c["std"])
+    err = (diff ** 2 + std ** 2 / batch) ** 0.5
     if not err.map(math.isfinite).any():
         return None
     best = c.loc[err.idxmin()]
@@ -276,8 +294,14 @@ def warnings(df: pd.DataFrame) -> list[str]:
             continue
         for kind, text in reasons.items():
             hit = c[(c["heavy_tail"] == kind) & (c["true_kl"] != math.inf)]
-            if not hit.empty:
-                names = ", ".join(row_label(r) for _, r in hit.iterrows())
+            if hit.empty:
+                continue
+            names = ", ".join(row_label(r) for _, r in hit.iterrows())
+            if kind == HeavyTail.DEGENERATE.value:          # the mean itself is unknown: say how few draws count
+                r = hit.iloc[0]
+                out.append(f"warning: case '{case}': {names}: "
+                           + unknown_reason(kind, r.get("ess", math.nan), r["draws"], r.get("batches", math.nan)))
+            else:
                 out.append(f"warning: case '{case}': {names}: {text}; measured std and se are not trustworthy")
     return out
 

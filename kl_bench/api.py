@@ -113,15 +113,17 @@ def execute(prep: Prepared, *, progress=None, resume: dict[str, torch.Tensor] | 
 
 
 def run(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None,
-        progress: bool = False) -> "Result":
+        progress: bool | None = None) -> "Result":
     """Run every case of ``spec`` (a path, a :class:`Spec`, or a dict with the TOML's structure in which
     a categorical or rollout side may be a tensor or ndarray of logits). ``draws``, ``seed`` and
     ``device`` override the spec exactly as the CLI's flags do. Nothing is written: see
-    :meth:`Result.write`."""
+    :meth:`Result.write`. ``progress``: a progress line once the run has lasted 2 s (on a terminal's
+    stderr, or in the cell of a notebook; never in a pipe or a file); None, the default: on in a Jupyter
+    notebook, off elsewhere."""
     from .experiment import total_draws
-    from .progress import LazyProgress
+    from .progress import LazyProgress, wanted
     prep = prepare(spec, draws=draws, seed=seed, device=device)
-    bar = LazyProgress(total_draws(prep.spec), enabled=progress)
+    bar = LazyProgress(total_draws(prep.spec), enabled=wanted(progress))
     try:
         return execute(prep, progress=bar)
     finally:
@@ -181,8 +183,10 @@ class Result:
             # Processes that drew the batches, and per case and pass the [lo, hi) batch ranges of each rank
             # (batches restored from a checkpoint are in no range).
             "world_size": outcome.world_size, "rank_batches": outcome.drawn,
+            # The rate of this process: draws restored from a checkpoint (--resume) took no sampling time.
             "sampling_seconds": round(sum(r.seconds for r in runs), 3),
-            "draws_per_second": round(sum(r.draws for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
+            "draws_per_second": round(sum(r.draws - r.restored for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
+            "restored_draws": sum(r.restored for r in runs),
             "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
         }
 
@@ -311,28 +315,46 @@ def load_results(folder: str | Path) -> Result:
 
 
 @single_threaded
-def exact(spec) -> "pd.DataFrame":
+def exact(spec, *, progress: bool | None = None, console=None) -> "pd.DataFrame":
     """The exact table of every case, no sampling: true value, exact mean and std of every row, and the
-    planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them."""
-    from .estimators import make_cv, resolve_estimator
+    planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them.
+    ``progress``: as :func:`run`'s (cases built, then cases computed), on ``console`` (default stderr)."""
     from .experiment import validate_oracles
-    from .planning import add_planning
+    from .progress import LazyProgress, wanted
     from .results import EXACT_COLUMNS, to_frame
-    from .results.rows import exact_rows
     sp = load(spec)
-    pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
-    validate_oracles(sp, pairs, str(sp.path))
+    bar = LazyProgress(2 * len(sp.cases), enabled=wanted(progress), console=console, unit="steps")
+    try:
+        pairs = []
+        for c in sp.cases:
+            bar.label(f"{c.name}: building")
+            pairs.append(build_pair(c, str(sp.path)))
+            bar.advance(1)
+        validate_oracles(sp, pairs, str(sp.path))
+        rows = _exact_rows(sp, pairs, bar)
+    finally:
+        bar.close()
+    df = to_frame(rows)[EXACT_COLUMNS]
+    df.attrs["descriptions"] = {p.name: p.describe() for p in pairs}     # case → one line on its q and p
+    return df
+
+
+def _exact_rows(sp: Spec, pairs: list[Pair], bar) -> list[dict]:
+    """:func:`exact`'s rows, case by case (``bar``: a LazyProgress, advanced once a case)."""
+    from .estimators import make_cv, resolve_estimator
+    from .planning import add_planning
+    from .results.rows import exact_rows
     sources = [resolve_estimator(n) for n in sp.experiment.estimators] + [make_cv(lam) for lam in sp.experiment.lambdas]
     rows = []
     for p in pairs:
+        bar.label(f"{p.name}: exact moments")
         for row in exact_rows(p, [p.adapt(s) for s in sources]):
             add_planning(row, p.row_group(row["aggregate"]))
             if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
                 row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star
             rows.append(row)
-    df = to_frame(rows)[EXACT_COLUMNS]
-    df.attrs["descriptions"] = {p.name: p.describe() for p in pairs}     # case → one line on its q and p
-    return df
+        bar.advance(1)
+    return rows
 
 
 # ----------------------------------------------------------------------------- check
@@ -400,7 +422,8 @@ class CheckReport:
         if n == 0:
             return ("check: FAILED: nothing was compared (no row has an exact value or a baseline row to compare "
                     "with), so nothing was verified" + (f"; baseline {self.baseline}" if self.baseline else ""))
-        return (f"check: {n - bad} passed, {bad} failed ({n} comparisons against exact values"
+        from .formatting import plural
+        return (f"check: {n - bad:,} passed, {bad:,} failed ({plural(n, 'comparison')} against exact values"
                 + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
 
 
@@ -412,7 +435,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
     (a path, Spec or dict), a results folder must hold that experiment's cases."""
     import pandas as pd
 
-    from .gate import baseline_comparisons, exact_comparisons, holm
+    from .gate import baseline_comparisons, exact_comparisons, holm, skipped_notes
     from .results.baseline import load_baseline, normalize_baseline
     if not 0 < alpha < 1:
         raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
@@ -429,7 +452,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
             check_results_match_spec(loaded, load(spec))
         df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
     comparisons = exact_comparisons(df)
-    notes: list[str] = []
+    notes: list[str] = skipped_notes(df)        # rows neither passed nor failed: said, not silent
     where = None
     if baseline is not None:
         if isinstance(baseline, dict):
@@ -448,17 +471,17 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
 
 
 # ----------------------------------------------------------------------------- in a training loop
-def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None, estimator="k3", *,
-             policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
-             policy_logits: torch.Tensor | None = None, reference_logits: torch.Tensor | None = None,
-             ids: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-             aggregation: str | None = None) -> torch.Tensor:
+def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
+             estimator="k3", policy_logits: torch.Tensor | None = None,
+             reference_logits: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None, aggregation: str | None = None) -> torch.Tensor:
     """Per-token values (or their aggregate) of a registered estimator on a trainer's tensors.
 
-    Call it with keywords, in the trainers' order (policy first; TRL, verl and OpenRLHF all pass the
-    policy's log-probs first): ``estimate(policy=logprobs, reference=ref_logprobs, estimator="k3")``. The
-    positional form ``estimate(logp, logq, estimator)`` (reference first) still works; a swap would
-    silently negate log r, which is why the keywords are the documented way.
+    Keywords only: ``estimate(policy=logprobs, reference=ref_logprobs, estimator="k3")``. Which side is
+    which decides the sign of log r = log p − log q, and trainers disagree on the order of positional
+    arguments (TRL, verl and OpenRLHF pass the policy first; an older form of this function took the
+    reference first), so a positional call is refused (a TypeError saying so) rather than read in one
+    order or the other: a swap would silently flip the direction of the KL.
 
     ``policy``, ``reference``: log q(x) and log p(x) of the sampled tokens, any (equal) shape and dtype;
     the values are computed in that dtype, as a trainer would, and autograd flows through them.
@@ -480,9 +503,13 @@ def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None,
     ...                         aggregation="token-mean").item(), 4)
     0.0644
     """
+    if args:
+        raise TypeError(f"estimate() takes keyword arguments only, got {len(args)} positional: call "
+                        "estimate(policy=..., reference=..., estimator=...) (positional tensors could be read in "
+                        "either order, and a swap flips the direction of the KL silently)")
     from .estimators import resolve_estimator
     est = resolve_estimator(estimator)
-    logq, logp = _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_logits, ids, est)
+    logq, logp = _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est)
     if est.analytic:
         from .audit.exact import position_values
         v = logq.shape[-1]
@@ -503,17 +530,17 @@ def estimate(logp: torch.Tensor | None = None, logq: torch.Tensor | None = None,
     return torch.where(mask.bool(), values, torch.zeros_like(values))
 
 
-def _estimate_inputs(logp, logq, policy, reference, policy_logits, reference_logits, ids, est):
+def _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est):
     """(log q, log p) for :func:`estimate`: sampled tokens' log-probs, or logits [..., V] for ``full``."""
-    forms = [(logq, logp), (policy, reference), (policy_logits, reference_logits)]
+    forms = [(policy, reference), (policy_logits, reference_logits)]
     given = [i for i, (a, b) in enumerate(forms) if a is not None or b is not None]
     if len(given) != 1 or any(x is None for x in forms[given[0]] if given):
         raise SpecError("give policy= and reference= (the sampled tokens' log-probs), or policy_logits= and "
-                        "reference_logits=, or (logp, logq) positionally: one pair, both sides")
-    q, p = (torch.as_tensor(x) for x in forms[given[0]])
+                        "reference_logits=: one pair, both sides")
+    q, p = (torch.as_tensor(x) for x in forms[given[0]])  # host: the caller's tensors keep their device
     if q.shape != p.shape:
         raise ShapeError(f"policy and reference must have one shape, got {list(q.shape)} and {list(p.shape)}")
-    logits = given[0] == 2
+    logits = given[0] == 1
     if est.analytic:
         if not logits or ids is not None:
             raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
@@ -541,19 +568,26 @@ __all__ = ["load", "prepare", "execute", "run", "Result", "exact", "check", "Che
 
 # ----------------------------------------------------------------------------- training trajectories (issue 22)
 @single_threaded
-def train(spec, *, seed: int | None = None, device: str | None = None, ranks=None) -> "TrainResult | None":
+def train(spec, *, seed: int | None = None, device: str | None = None, ranks=None, progress: bool | None = None,
+          console=None) -> "TrainResult | None":
     """Optimisation trajectories of a spec with a ``[train]`` table (kl_bench.training, docs/training.md):
     train.csv's rows and run.json's envelope, in memory; :meth:`TrainResult.write` writes the folder.
     ``ranks``: a torchrun job's :class:`kl_bench.distributed.Ranks` (``kl-bench train`` under torchrun passes
     it): the units are split across the processes and rank 0 gets the result (the others None). Without it,
-    a call under torchrun is refused in one line (each process would train everything)."""
-    from .distributed import one_process
+    a call under torchrun is refused in one line (each process would train everything). ``progress``: as
+    :func:`run`'s, in steps of this process's trajectories, on ``console`` (default stderr)."""
+    from .distributed import SINGLE, one_process
+    from .progress import LazyProgress, wanted
     from .training import TrainResult, train_rows
     if ranks is None:
         one_process("kl_bench.train", str(spec) if isinstance(spec, (str, Path)) else None)
     sp = load(spec, seed=seed, device=device)
     dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
-    rows, cfg, wall = train_rows(sp, dev) if ranks is None else train_rows(sp, dev, ranks)
+    bar = LazyProgress(0, enabled=wanted(progress), console=console, unit="steps")
+    try:
+        rows, cfg, wall = train_rows(sp, dev, ranks or SINGLE, bar)
+    finally:
+        bar.close()
     if rows is None:
         return None
     exp = sp.experiment

@@ -1,32 +1,19 @@
 """What one batch of draws hands to the estimators, and the rows that are estimated from it.
 
-A **row** is an estimator with an aggregation, one :class:`Aggregate` entry of :data:`AGGREGATES` each
-(its Monte Carlo value, its exact hook, its label, its target scaling):
-- ``""``: single draws (Gaussian, categorical): the estimator applied to log r.
-- ``"seq"``: rollouts: the estimator applied to the sequence log-ratio L = Σ_t log r_t (R = e^L).
-- ``"tok"``: rollouts: the per-token estimator summed over the generated tokens (what GRPO/PPO code does).
-- ``"tok_mean"``: rollouts: that sum divided by the sequence's length |y| (the per-sequence token mean
-  that "seq-mean-token-mean" aggregation averages).
-- ``"tok_batch"``: rollouts: "token-mean" aggregation over a trainer batch of B consecutive sequences,
-  Σ_i Σ_t f_{i,t} / Σ_i |y_i|. One value per group of B draws (``Row.group`` = B): the group's value
-  is repeated at each of its members, and the engine counts it once (kl_bench.engine.make_features).
-  Groups are formed within each piece of a batch (kl_bench.seeding): the last ``piece mod B`` draws of
-  a piece belong to no group (their value is NaN). B = 1 is ``tok_mean``.
-- ``"tok_gm"``: rollouts under a sampler with ``weights = "geometric"``: the token sum times TRL's
-  sequence-level weight exp((1/|y|) Σ_t log(q_t/b_t)), the geometric mean of the token ratios.
-A pair-supplied row (``full``: the analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok".
+A **row** is an estimator with an aggregation (kl_bench.aggregates: how a row turns the draws into
+values); :func:`row_values` computes every row's value for every draw. A pair-supplied row (``full``: the
+analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok". The aggregate table and the group
+helpers are re-exported here for existing importers (their home is kl_bench.aggregates).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import torch
 
+from .aggregates import (AGGREGATES, PER_TOKEN, Aggregate, Batch, group_index, groups_in, per_token_aggregates,
+                         register_aggregate)
 from .estimators import Estimator, RowSource
-from .presets import trl_sequence_weight
-from .registry import Registry
 from .targets import REVERSE
 
 # A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which the aggregates
@@ -92,143 +79,11 @@ class Draws:
     keep: torch.Tensor | None = None
 
 
-def groups_in(size: int, group: int, piece: int) -> int:
-    """Values a group row gets from a batch of ``size`` draws drawn in pieces of ``piece``: whole groups
-    of ``group`` draws within each piece."""
-    full, rest = divmod(size, piece)
-    return full * (piece // group) + rest // group
-
-
-def group_index(draws: Draws, group: int) -> torch.Tensor:
-    """[G·B] int64: the positions of the draws in whole groups of ``group`` = B consecutive draws within each
-    segment, group after group (no Python loop over segments: small batches make thousands of them)."""
-    device = draws.logr.device
-    m = torch.tensor(draws.segments or [draws.logr.shape[0]], dtype=torch.int64, device=device)
-    k = m // group * group                                  # draws of each segment in whole groups
-    starts, k_starts = torch.cumsum(m, 0) - m, torch.cumsum(k, 0) - k
-    total = int(k.sum())
-    return (torch.repeat_interleave(starts, k, output_size=total)
-            + torch.arange(total, device=device) - torch.repeat_interleave(k_starts, k, output_size=total))
-
-
 def group_starts(draws: Draws, group: int) -> torch.Tensor:
     """[n] bool: True at the first draw of every whole group of ``group`` draws within each segment."""
     out = torch.zeros(draws.logr.shape[0], dtype=torch.bool, device=draws.logr.device)
     out[group_index(draws, group)[::group]] = True
     return out
-
-
-# ----------------------------------------------------------------------------- aggregates
-@dataclass
-class Batch:
-    """What an aggregate's value sees of one batch: the draws, the lengths |y| [n] (when a row needs
-    them) and the cache of group rows, B → (group_index [G·B], Σ|y| per group [G])."""
-    draws: Draws
-    length: torch.Tensor | None
-    groups: dict[int, tuple[torch.Tensor, torch.Tensor]]
-
-    def group(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if b not in self.groups:
-            idx = group_index(self.draws, b)
-            self.groups[b] = idx, self.length[idx].view(-1, b).sum(1)
-        return self.groups[b]
-
-
-@dataclass(frozen=True)
-class Aggregate:
-    """How a row turns a draw into one value: one entry of :data:`AGGREGATES` per aggregate.
-
-    ``value(col, row, batch)``: the Monte Carlo value per draw [n], from ``col`` [n], the estimator on the
-    draw's log r (or the pair's field), or with ``token`` its per-token sum along the path (a column of
-    Draws.tok). ``exact(pair, est)``: (mean, variance) of a row, for kinds whose oracle dispatches on the
-    aggregate (rollouts: the dynamic program); None where each kind computes its own. ``per_token``: the
-    row is a rate per generated token, so its truth is the target / E_q|y| (its target scaling).
-    ``length``: the value needs |y| per draw. ``grouped``: one value per group of ``Row.group`` draws.
-    ``applies(source)``: whether an estimator gets a row on it; ``enabled(pair)``: for an optional
-    aggregate, whether the case switches it on (None: given wherever the kind lists it in
-    ``Pair.aggregates``). ``label``: what the aggregate is, in words (the report's caption; plain text
-    that LaTeX also takes)."""
-    name: str
-    label: str
-    value: Callable[[torch.Tensor, "Row", Batch], torch.Tensor]
-    token: bool = False
-    exact: Callable[[Any, RowSource], tuple[float, float]] | None = None
-    per_token: bool = False
-    length: bool = False
-    grouped: bool = False
-    applies: Callable[[RowSource], bool] = lambda source: True
-    enabled: Callable[[Any], bool] | None = None
-
-
-AGGREGATES: Registry[Aggregate] = Registry("aggregate")
-
-
-def register_aggregate(agg: Aggregate, *, replace: bool = False) -> Aggregate:
-    """Add an aggregate (the table's order is the order of a case's rows)."""
-    return AGGREGATES.add(agg.name, agg, replace=replace)
-
-
-def _weighted(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
-    """Every row is multiplied by the draw's importance weight q/b (when b ≠ q is weighted)."""
-    w = batch.draws.weight
-    return col if w is None else col * w
-
-
-def _token_weighted(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
-    """Token sums that carry per-token weights already are not weighted again."""
-    return col if batch.draws.tok_weighted else _weighted(col, row, batch)
-
-
-def _per_sequence_mean(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
-    return _token_weighted(col / batch.length, row, batch)
-
-
-def _token_mean_batch(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
-    # Σ tok / Σ |y| over each group, repeated at its members; NaN for draws in no whole group. Unweighted
-    # draws only (the rollout kind refuses weights). Reshape-and-sum (no scatter-add): the same bytes on
-    # every device and every run.
-    b = row.group
-    idx, den = batch.group(b)
-    value = col[idx].view(-1, b).sum(1) / den
-    out = torch.full_like(col, math.nan)
-    out[idx] = value.repeat_interleave(b)
-    return out
-
-
-def _geometric(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
-    # W^{1/|y|} = exp(mean_t log(q_t/b_t)), from the log-weight: W = Π_t q_t/b_t itself may overflow
-    return col * trl_sequence_weight(batch.draws.log_weight, batch.length)
-
-
-def _plain(source: RowSource) -> bool:
-    return source.lam is None
-
-
-for _agg in (
-    Aggregate("", "the estimator of the draw's log r", _weighted),
-    Aggregate("seq", "the estimator of the sequence log-ratio L, the sum of the tokens' log r", _weighted,
-              exact=lambda pair, est: pair.exact_seq(est), applies=lambda source: not source.token_only),
-    Aggregate("tok", "the per-token estimator summed over the generated tokens", _token_weighted, token=True,
-              exact=lambda pair, est: pair.exact_tok(est)),
-    Aggregate("tok_mean", "the token sum over the sequence's length |y|", _per_sequence_mean, token=True,
-              exact=lambda pair, est: pair.exact_tok_mean(est), per_token=True, length=True, applies=_plain,
-              enabled=lambda pair: pair.per_sequence_mean),
-    Aggregate("tok_batch", "token-mean over a trainer batch of B sequences: their token sums over their lengths",
-              _token_mean_batch, token=True, exact=lambda pair, est: pair.exact_tok_batch(est), per_token=True,
-              length=True, grouped=True, applies=_plain, enabled=lambda pair: pair.token_mean_batch is not None),
-    Aggregate("tok_gm", "the token sum times TRL's weight W^(1/|y|)", _geometric, token=True,
-              exact=lambda pair, est: pair.exact_tok_gm(est), length=True, applies=_plain,
-              enabled=lambda pair: pair.weights == "geometric"),
-):
-    register_aggregate(_agg)
-
-
-def per_token_aggregates() -> tuple[str, ...]:
-    """The aggregates whose rows are rates per generated token (truth: target / E_q|y|)."""
-    return tuple(name for name, a in AGGREGATES.items() if a.per_token)
-
-
-PER_TOKEN = per_token_aggregates()     # the built-ins' (readers that need plug-ins call the function)
 
 
 def _needs_length(rows: list[Row]) -> bool:
@@ -258,3 +113,7 @@ def tok_rows(rows: list[Row]) -> list[Row]:
     when a per-sequence mean or a geometric weight needs it)."""
     out = [r for r in rows if AGGREGATES[r.aggregate].token]
     return out + [Row(LENGTH, "tok")] if _needs_length(rows) else out
+
+
+__all__ = ["AGGREGATES", "PER_TOKEN", "Aggregate", "Batch", "Draws", "LENGTH", "Row", "group_index", "group_starts",
+           "groups_in", "per_token_aggregates", "register_aggregate", "row_key", "row_label", "row_values", "tok_rows"]

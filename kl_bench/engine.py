@@ -29,24 +29,30 @@ from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from .errors import SpecError
 from .estimators import resolve_estimator
 from .modes import GradBatch, GradItem
-from .pairs.base import GradientAccumulator, Pair, gradient_oracle
+from .pairs.base import CasePair, GradientAccumulator, gradient_oracle, no_gradients
 from .seeding import BatchStream, batch_generator, batch_sizes, batch_streams
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
 
 
 JOINT_FEATURES = 5  # a − ca, b − cb, (a − ca)², (b − cb)², (a − ca)(b − cb) for a = −log r, b = r − 1
+WEIGHT_FEATURES = 2  # W, W² of the draw's importance weight (a weighted sampler b ≠ q): its effective sample size
 
 
 def make_features(rows: list[Row], shifts: list[float],
-                  joint: list[tuple[str, float, float]] | None = None) -> Callable[[Draws], torch.Tensor]:
-    """Per-draw features: Draws [n] → [n, 3·rows (+ 5·joint blocks)] float64 (see module docstring).
+                  joint: list[tuple[str, float, float]] | None = None,
+                  weights: bool = False) -> Callable[[Draws], torch.Tensor]:
+    """Per-draw features: Draws [n] → [n, 3·rows (+ 5·joint blocks) (+ 2)] float64 (see module docstring).
 
     Each joint block (aggregate, ca, cb) appends the shifted moments of a = −log r and b = r − 1
     (b = Σ_t (r_t − 1) for the "tok" aggregate): every cv(λ) = a + λb has mean and variance linear
-    and quadratic in λ, so these five sums give the whole λ curve from one pass.
+    and quadratic in λ, so these five sums give the whole λ curve from one pass. ``weights`` appends W and
+    W² of the draw's importance weight (``Draws.weight``; 1 where None): Kish's effective sample size
+    (ΣW)²/ΣW² says whether the weighted rows' means mean anything (kl_bench.stats.kish_ess). Unshifted:
+    E_b[W] = 1, and a W that underflows to 0 is a draw that carries nothing, as the rows see it.
     """
-    shift = torch.tensor(shifts, dtype=torch.float64)
+    shift = torch.tensor(shifts, dtype=torch.float64)  # host: copied to each device once, below
+    on_device: dict[torch.device, torch.Tensor] = {}
     grouped = [(j, r.group) for j, r in enumerate(rows) if r.group > 1]
 
     def features(draws: Draws) -> torch.Tensor:
@@ -54,7 +60,9 @@ def make_features(rows: list[Row], shifts: list[float],
         if rows:
             groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             f = row_values(draws, rows, groups)                          # [n, Q]
-            centred = f - shift.to(f.device)
+            if f.device not in on_device:
+                on_device[f.device] = shift.to(f.device)
+            centred = f - on_device[f.device]
             parts = [centred, centred * centred, (f < 0).to(torch.float64)]
             if grouped:
                 # A group row's value is repeated at each member of its group: count it once, at the
@@ -68,6 +76,9 @@ def make_features(rows: list[Row], shifts: list[float],
             a = -draws.logr - ca
             b = (draws.tok_b if aggregate == "tok" else torch.expm1(draws.logr)) - cb
             parts.append(torch.stack([a, b, a * a, b * b, a * b], dim=-1))
+        if weights:
+            w = draws.weight if draws.weight is not None else torch.ones_like(draws.logr)
+            parts.append(torch.stack([w, w * w], dim=-1))
         return torch.cat(parts, dim=-1)
     return features
 
@@ -75,20 +86,29 @@ def make_features(rows: list[Row], shifts: list[float],
 @dataclass
 class CaseRun:
     """Everything sampled for one case: per-batch feature sums plus the exact reference."""
-    pair: Pair
+    pair: CasePair
     rows: list[Row]
     shifts: list[float]
     sizes: torch.Tensor          # [K] int64, draws per batch
     sums: torch.Tensor           # [K, 3Q + 5J] float64 per-batch feature sums (CPU)
     counts: torch.Tensor         # [K, Q] float64, values per batch of each row (draws; groups for group rows)
     exact: dict[str, tuple[float, float]] = field(default_factory=dict)  # row label → (mean, var)
-    seconds: float = 0.0
+    seconds: float = 0.0         # this process's sampling time (batches restored from a checkpoint took none)
     joint: list[tuple[str, float, float]] = field(default_factory=list)  # (aggregate, ca, cb) blocks
     drawn: list[list[list[int]]] = field(default_factory=list)  # per rank: [lo, hi) batch ranges it drew
+    restored: int = 0            # draws of the batches restored from a checkpoint (not drawn by this process)
+    weighted: bool = False       # the sums end with the weight block (ΣW, ΣW² per batch)
 
     @property
     def draws(self) -> int:
         return int(self.sizes.sum())
+
+    def weight_sums(self) -> tuple[float, float] | None:
+        """(ΣW, ΣW²) over every draw of the importance weights (None: the sampler is not weighted)."""
+        if not self.weighted:
+            return None
+        total = self.sums[:, -WEIGHT_FEATURES:].sum(0)
+        return float(total[0]), float(total[1])
 
     def joint_sums(self, aggregate: str) -> torch.Tensor:
         """[K, 5] per-batch sums of the joint (a, b) features of one aggregate."""
@@ -101,9 +121,9 @@ class CaseRun:
         return ca, cb
 
 
-def as_rows(items, pair: Pair) -> list[Row]:
+def as_rows(items, pair: CasePair) -> list[Row]:
     """Rows from registry names, Estimators/PairRows or Rows; a source gets a row on every aggregate
-    the pair gives it (:meth:`Pair.aggregates_for`)."""
+    the pair gives it (:meth:`CasePair.aggregates_for`)."""
     out = []
     for it in items:
         if isinstance(it, Row):
@@ -117,6 +137,7 @@ def as_rows(items, pair: Pair) -> list[Row]:
 def row_counts(rows: list[Row], sizes: list[int], piece: int) -> torch.Tensor:
     """[K, Q] float64: how many values each row gets from each batch (the draws; whole groups within
     each piece for a group row, see kl_bench.draws)."""
+    # host: counts of the gathered sums
     return torch.tensor([[float(n if r.group == 1 else groups_in(n, r.group, piece)) for r in rows] for n in sizes],
                         dtype=torch.float64).reshape(len(sizes), len(rows))
 
@@ -125,12 +146,17 @@ def _finite_or_zero(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-def _report(progress: Callable[[int], None] | None, draws: int) -> None:
+def _report(progress: Callable[..., None] | None, draws: int, restored: bool = False) -> None:
+    """Tell ``progress`` of ``draws`` done; draws restored from a checkpoint as ``restored=True``, so that
+    a rate counts only the draws of this process."""
     if progress is not None:
-        progress(draws)
+        if restored:
+            progress(draws, restored=True)
+        else:
+            progress(draws)
 
 
-def _joint_blocks(pair: Pair, joint: bool) -> list[tuple[str, float, float]]:
+def _joint_blocks(pair: CasePair, joint: bool) -> list[tuple[str, float, float]]:
     """(aggregate, ca, cb) per aggregate: the joint (−log r, r − 1) features shifted by their exact means."""
     if not joint:
         return []
@@ -141,17 +167,18 @@ def _joint_blocks(pair: Pair, joint: bool) -> list[tuple[str, float, float]]:
     return blocks
 
 
-def _check_resume(resume: torch.Tensor, pair: Pair, rows: list[Row], exact: dict[str, tuple[float, float]],
+def _check_resume(resume: torch.Tensor, pair: CasePair, rows: list[Row], exact: dict[str, tuple[float, float]],
                   width: int, sizes: list[int]) -> None:
     """Refuse checkpoint sums [k, width] that are not this spec's (other estimators) or are corrupted."""
     if resume.shape[1] != width:
         raise SpecError("checkpoint does not match this spec's estimators; delete it or run without --resume")
-    bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes)
+    bad = check_resumed_sums(resume, len(rows), [math.isfinite(exact[r.label][0]) for r in rows], sizes,
+                             weighted=pair.weights != "none")
     if bad:
         raise SpecError(f"checkpoint of case '{pair.name}' {bad} (corrupted?); delete it or run without --resume")
 
 
-def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
+def run_case(pair: CasePair, rows, *, draws: int, seed: int, batches: int,
              chunk: int, device: torch.device, joint: bool = False, stream: str = "",
              progress: Callable[[int], None] | None = None, resume: torch.Tensor | None = None,
              on_sums: Callable[[torch.Tensor], None] | None = None, ranks: Ranks = SINGLE) -> CaseRun:
@@ -170,10 +197,11 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
     exact = {r.label: pair.exact_moments(r.est, r.aggregate) for r in rows}
     shifts = [_finite_or_zero(exact[r.label][0]) for r in rows]
     blocks = _joint_blocks(pair, joint)
-    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks)
+    weighted = pair.weights != "none"
+    width = len(rows) * FEATURES_PER_ESTIMATOR + JOINT_FEATURES * len(blocks) + WEIGHT_FEATURES * weighted
     sizes = batch_sizes(draws, batches)
     streams = batch_streams(seed, pair.name + (f"/{stream}" if stream else ""), sizes, device)
-    run = pair.batch_sums(make_features(rows, shifts, blocks), tok_rows(rows), device)
+    run = pair.batch_sums(make_features(rows, shifts, blocks, weighted), tok_rows(rows), device)
     per_chunk = pair.batches_per_chunk(max(sizes), chunk)
     t0 = time.perf_counter()
     out = []
@@ -182,7 +210,7 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
         _check_resume(resume, pair, rows, exact, width, sizes)
         out.append(resume.to(torch.float64))
         first = resume.shape[0]
-        _report(progress, sum(sizes[:first]))
+        _report(progress, sum(sizes[:first]), restored=True)
     for start, stop, lo, hi in rounds(first, len(sizes), per_chunk, ranks):
         parts = ranks.gather(run(streams[lo:hi]).cpu() if hi > lo else None)
         if parts is None:           # not rank 0: rank 0 keeps the rows
@@ -194,12 +222,13 @@ def run_case(pair: Pair, rows, *, draws: int, seed: int, batches: int,
             on_sums(out[0])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)
-    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),
-                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size))
+    sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)  # host: the batches' sums, gathered
+    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),  # host: results
+                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size),
+                   restored=sum(sizes[:first]), weighted=weighted)
 
 
-def small_batch_negative(pair: Pair, rows: list[Row], *, batch: int, batches: int, seed: int,
+def small_batch_negative(pair: CasePair, rows: list[Row], *, batch: int, batches: int, seed: int,
                          device: torch.device) -> tuple[dict[str, float], torch.Tensor]:
     """P(mean of ``batch`` draws < 0) per row, simulated on ``batches`` batches of actual draws
     (an independent stream: seeded from (seed, case/small-batch)). Also returns the per-draw values
@@ -240,7 +269,7 @@ def add_batches(acc: GradientAccumulator, batches: list[BatchStream],
     return parts
 
 
-def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.ndarray], *, draws: int, seed: int,
+def run_gradients(pair: CasePair, items: list[GradItem], directions: dict[str, np.ndarray], *, draws: int, seed: int,
                   batches: int, device: torch.device,
                   progress: Callable[[int], None] | None = None, ranks: Ranks = SINGLE) -> GradientRun | None:
     """Per-batch gradient sums of every item; batch i draws from the stream (seed, case/gradients, i).
@@ -251,7 +280,7 @@ def run_gradients(pair: Pair, items: list[GradItem], directions: dict[str, np.nd
     the other ranks."""
     oracle = gradient_oracle(pair)
     if oracle is None:
-        raise pair.no_gradients()
+        raise no_gradients(pair)
     sizes = batch_sizes(draws, batches)
     acc = oracle.gradient_accumulator(items, directions, device)
     split = ranks.world_size > 1 and acc.splittable
@@ -282,21 +311,27 @@ def _merge_ranks(acc: GradientAccumulator, parts: list[GradBatch], ranks: Ranks)
     return [b for p, _ in got for b in p]
 
 
-def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int]) -> str | None:
-    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J] (kl_bench.engine's layout: per
-    row the centred values, their squares and the count of negative values; per joint block a, b, a², b²,
-    ab), or None. ``finite``: per row, whether its exact mean is finite (only such a row's sums must be);
-    ``sizes``: the draws of each batch. A checkpoint is data on disk: anything impossible is refused."""
+def check_resumed_sums(sums: torch.Tensor, rows: int, finite: list[bool], sizes: list[int],
+                       weighted: bool = False) -> str | None:
+    """What is wrong with a checkpoint's per-batch sums [k, 3·rows + 5·J (+ 2)] (kl_bench.engine's layout:
+    per row the centred values, their squares and the count of negative values; per joint block a, b, a²,
+    b², ab; with ``weighted``, ΣW and ΣW² last), or None. ``finite``: per row, whether its exact mean is
+    finite (only such a row's sums must be); ``sizes``: the draws of each batch. A checkpoint is data on
+    disk: anything impossible is refused."""
     k = sums.shape[0]
+    if weighted:
+        if bool((sums[:, -WEIGHT_FEATURES:] < 0).any()):
+            return "holds a negative sum of importance weights"
+        sums = sums[:, :-WEIGHT_FEATURES]
     if torch.isnan(sums).any():
         return "holds NaN sums"
     vals, squares, negs = sums[:, :rows], sums[:, rows:2 * rows], sums[:, 2 * rows:3 * rows]
-    keep = torch.tensor(finite, dtype=torch.bool)
+    keep = torch.tensor(finite, dtype=torch.bool)  # host: a checkpoint read from disk
     if not bool(torch.isfinite(torch.cat([vals[:, keep], squares[:, keep]], 1)).all()):
         return "holds infinite sums for an estimator whose exact mean is finite"
     if bool((squares < 0).any()):
         return "holds a negative sum of squares"
-    n = torch.tensor(sizes[:k], dtype=torch.float64)[:, None]
+    n = torch.tensor(sizes[:k], dtype=torch.float64)[:, None]  # host: a checkpoint read from disk
     if bool(((negs < 0) | (negs > n) | (negs != torch.round(negs))).any()):
         return "holds a count of negative estimates that is not a whole number in [0, the batch's draws]"
     joint = sums[:, 3 * rows:].reshape(k, -1, 5)

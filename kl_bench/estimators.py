@@ -198,7 +198,7 @@ def _checked(est: Estimator) -> Estimator:
         return out.to(logr.dtype)
     wrapped = Estimator(est.name, fn, est.target, est.unbiased, est.nonnegative, est.formula, est.poly,
                         est.abs_poly, est.straight_through, plugin=True)
-    wrapped.fn(torch.tensor(_PROBE, dtype=torch.float64))
+    wrapped.fn(torch.tensor(_PROBE, dtype=torch.float64))  # host: a plug-in's probe on fixed values
     return wrapped
 
 

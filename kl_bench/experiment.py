@@ -19,7 +19,7 @@ from .errors import SpecError
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
 from .estimators import FULL, make_cv, resolve_estimator
 from .lambdas import lambda_star_mc, sweep_frame
-from .pairs import Pair
+from .pairs.base import CasePair, require_gradients
 from .planning import add_planning
 from .results import BATCH_SCHEMA, SWEEP_PREFIX, frame_to_csv_bytes, to_frame
 from .results.schema import GROUP_BASELINE_SCHEMA
@@ -47,7 +47,7 @@ class CaseOutcome:
         return batch_means_frame(self.run, self.rows)
 
 
-def small_batches(draws: int, pair: Pair | None = None) -> int:
+def small_batches(draws: int, pair: CasePair | None = None) -> int:
     lo, hi = SMALL_BATCHES
     if pair is not None and pair.expensive_draws:
         # A model forward per token: the simulation takes at most a quarter of the main pass (≥ 2 batches).
@@ -55,7 +55,7 @@ def small_batches(draws: int, pair: Pair | None = None) -> int:
     return min(hi, max(lo, draws // 256))
 
 
-def pilot_draws(draws: int, pair: Pair | None = None) -> int:
+def pilot_draws(draws: int, pair: CasePair | None = None) -> int:
     """Draws of the independent pilot pass that picks cv_opt's λ: a tenth of the run, ≥ 10^4 (a tenth,
     ≥ 64, where a draw costs model forward passes)."""
     if pair is not None and pair.expensive_draws:
@@ -63,7 +63,7 @@ def pilot_draws(draws: int, pair: Pair | None = None) -> int:
     return min(draws, max(10_000, draws // 10))
 
 
-def with_reference_row(rows: list[Row], pair: Pair) -> list[Row]:
+def with_reference_row(rows: list[Row], pair: CasePair) -> list[Row]:
     """The rows, plus the pair's Monte Carlo reference row (e.g. ``tok:full``) where the case has no exact
     value and the spec's estimators leave it out: every row's ref_kl and z_ref need it."""
     ref = pair.reference_row()
@@ -72,7 +72,7 @@ def with_reference_row(rows: list[Row], pair: Pair) -> list[Row]:
     return rows + [r for r in as_rows([pair.adapt(FULL)], pair) if r.label == ref]
 
 
-def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
+def run_experiment_case(pair: CasePair, exp: Experiment, device: torch.device,
                         progress: Callable[[int], None] | None = None, draws: int | None = None,
                         resume: torch.Tensor | None = None,
                         on_sums: Callable[[torch.Tensor], None] | None = None,
@@ -107,7 +107,7 @@ def run_experiment_case(pair: Pair, exp: Experiment, device: torch.device,
                        values[:RESERVOIR], pilot_drawn)
 
 
-def _pilot_rows(pair: Pair, exp: Experiment, device: torch.device, ranks: Ranks) -> tuple[list[Row], list]:
+def _pilot_rows(pair: CasePair, exp: Experiment, device: torch.device, ranks: Ranks) -> tuple[list[Row], list]:
     """cv_opt's rows, one per aggregate, with λ fitted on an independent pilot stream, so that its scored
     variance is honest (a λ fitted on the very draws it is scored on would look better than it is)."""
     pilot = run_case(pair, [], draws=pilot_draws(exp.draws, pair), seed=exp.seed, batches=exp.batches,
@@ -119,7 +119,7 @@ def _pilot_rows(pair: Pair, exp: Experiment, device: torch.device, ranks: Ranks)
     return fitted, pilot.drawn
 
 
-def _lambda_sweep(pair: Pair, run: CaseRun, out: list[dict], agg: str) -> pd.DataFrame:
+def _lambda_sweep(pair: CasePair, run: CaseRun, out: list[dict], agg: str) -> pd.DataFrame:
     """λ*'s columns of the cv rows on one aggregate (exact, and measured with its SE), and the sweep's
     frame: the exact std and P(<0) of cv(λ) over a grid, with the measured values of the rows run."""
     exact_joint = pair.exact_joint(agg)
@@ -197,7 +197,7 @@ class SpecOutcome:
         return files
 
 
-def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> None:
+def validate_oracles(spec, pairs: list[CasePair], spec_file: str | None = None) -> None:
     """Every number needs an exact oracle: each pair refuses the estimators it has none for (and, with
     gradients, a kind without gradient oracles is refused), before any sampling."""
     sources = [resolve_estimator(n) for n in spec.experiment.estimators]
@@ -210,13 +210,13 @@ def validate_oracles(spec, pairs: list[Pair], spec_file: str | None = None) -> N
                     raise SpecError(f"estimator '{s.name}' estimates {s.target}, which a {pair.kind} case has no "
                                     f"exact value of (it has: {', '.join(truth)})", key="experiment.estimators")
             if spec.experiment.gradients:
-                pair.require_gradients()
+                require_gradients(pair)
             _check_baseline_groups(spec, case, pair)
         except SpecError as e:
             raise e.located(file=spec_file, case=case.name) from None
 
 
-def _check_baseline_groups(spec, case, pair: Pair) -> None:
+def _check_baseline_groups(spec, case, pair: CasePair) -> None:
     """Group-baseline rows: a kind with their oracle (categoricals, rollouts), whole groups in every batch."""
     groups = spec.experiment.baseline_groups
     if not groups:
@@ -228,7 +228,7 @@ def _check_baseline_groups(spec, case, pair: Pair) -> None:
                         f"give the case at least {max(groups) * batches:,} draws", key="draws")
 
 
-def check_group_draws(spec, pairs: list[Pair], spec_file: str | None = None) -> None:
+def check_group_draws(spec, pairs: list[CasePair], spec_file: str | None = None) -> None:
     """Rows with one value per group of B draws (token-mean) need a whole group in every batch, before
     any sampling: refuse a case whose smallest batch is smaller."""
     sources = [resolve_estimator(n) for n in spec.experiment.estimators]
@@ -247,7 +247,7 @@ def total_draws(spec) -> int:
     return sum(spec.case_draws()) * (2 if spec.experiment.gradients else 1)
 
 
-def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[int], None] | None = None,
+def run_spec(spec, pairs: list[CasePair], device: torch.device, progress: Callable[[int], None] | None = None,
              resume: dict[str, torch.Tensor] | None = None,
              on_sums: Callable[[str, torch.Tensor], None] | None = None,
              on_phase: Callable[[str], None] | None = None, ranks: Ranks = SINGLE) -> SpecOutcome | None:
@@ -283,10 +283,10 @@ def run_spec(spec, pairs: list[Pair], device: torch.device, progress: Callable[[
                        vectors, _baseline_pass(spec, pairs, device, on_phase))
 
 
-def _gradient_pass(spec, pairs: list[Pair], device: torch.device, progress, on_phase, ranks: Ranks,
+def _gradient_pass(spec, pairs: list[CasePair], device: torch.device, progress, on_phase, ranks: Ranks,
                    drawn: dict, vectors: dict) -> pd.DataFrame:
     """gradients.csv's rows: every estimator × mode of every case, on its own draws. ``vectors`` receives
-    gradients.npz's exact vectors of the kinds that export them (:attr:`Pair.exports_gradient_vectors`)."""
+    gradients.npz's exact vectors of the kinds that export them (:attr:`GradientOracle.exports_gradient_vectors`)."""
     exp = spec.experiment
     ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
     grad_rows = []
@@ -299,7 +299,7 @@ def _gradient_pass(spec, pairs: list[Pair], device: torch.device, progress, on_p
     return G.to_frame(grad_rows)
 
 
-def _baseline_pass(spec, pairs: list[Pair], device: torch.device, on_phase) -> pd.DataFrame | None:
+def _baseline_pass(spec, pairs: list[CasePair], device: torch.device, on_phase) -> pd.DataFrame | None:
     """group_baselines.csv's rows: every estimator (functions of log r) × {group_mean, leave_one_out} × G
     of every case, on their own streams (made on the root process alone: the same bytes for any number
     of processes)."""

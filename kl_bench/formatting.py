@@ -1,25 +1,54 @@
 """The one number formatter of the terminal, the advice and the report: significant digits, inf shown,
-missing values blank."""
+missing values blank, rounding noise shown as 0; and the one vocabulary of units and words every output
+uses (docs/results.md#units-and-words):
+
+- relative bias: ``bias/true`` in percent (:func:`pct`: +1.2%, −0.031%, +2860%);
+- spread: ``std/true``, a plain ratio (:func:`fmt`: 1.51, 38.4), never "stdev/true";
+- batch sizes (``n ±10%``): a whole number with thousands separators (:func:`count`: 872, 1,439,
+  2,100,000); ``never`` where the bias alone exceeds the tolerance; :data:`UNKNOWN` ("—") where no exact
+  bias is known;
+- counts of things: :func:`plural` ("1 figure", "2 figures", "1 step").
+"""
 from __future__ import annotations
 
 import math
 
+# Two different exact float64 sums (or a sum and a closed form) agree to ~1e-15 relative; differences
+# below this fraction of the compared quantity's scale are rounding, not statistics (kl_bench.stats uses
+# it as the z scores' floor; here a difference below it prints as 0, not as "+6.51e-17").
+ROUNDING = 1e-12
 
-def fmt(x: float, digits: int = 3) -> str:
-    """Significant-digit formatting that shows inf and leaves missing values blank."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
+UNKNOWN = "—"          # a number that no exact value supports (n ±10% without an exact bias)
+NEVER = "never"        # a batch size that does not exist (the bias alone exceeds the tolerance)
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def below_floor(x: float, scale: float | None) -> bool:
+    """Whether ``x`` is rounding at ``scale``: |x| ≤ ROUNDING·|scale| (a finite x and scale only)."""
+    return scale is not None and math.isfinite(x) and math.isfinite(scale) and abs(x) <= ROUNDING * abs(scale)
+
+
+def fmt(x: float, digits: int = 3, scale: float | None = None, sign: bool = False) -> str:
+    """Significant-digit formatting that shows inf and leaves missing values blank. ``scale``: the size
+    of the quantities ``x`` was computed from (a difference of two KLs: the KL); |x| at or below
+    ROUNDING·|scale| is float64 rounding and prints as 0. ``sign``: a leading + on positive values."""
+    if _missing(x):
         return ""
     if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0:
+        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    if x == 0 or below_floor(x, scale):
         return "0"
+    s = "+" if sign else ""
     if 1e-3 <= abs(x) < 1e5:
-        return f"{x:.{digits}g}" if abs(x) < 10 ** digits else f"{x:.0f}"
-    return f"{x:.{digits - 1}e}"
+        return f"{x:{s}.{digits}g}" if abs(x) < 10 ** digits else f"{x:{s}.0f}"
+    return f"{x:{s}.{digits - 1}e}"
 
 
 def fmt_rel(x: float) -> str:
-    """A relative bias; |x| < 1e-9 is float64 rounding of two exact sums, shown as 0."""
+    """A relative value (a ratio); |x| < 1e-9 is float64 rounding of two exact sums, shown as 0."""
     if isinstance(x, float) and math.isfinite(x) and abs(x) < 1e-9:
         return "0"
     return fmt(x)
@@ -28,7 +57,7 @@ def fmt_rel(x: float) -> str:
 def pct(x: float, sign: bool = True) -> str:
     """A ratio as a percentage with two significant digits (+1.2%, −0.031%, +2860%); |x| < 1e-9 is float64
     rounding of two exact sums, shown as 0; NaN blank."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
+    if _missing(x):
         return ""
     if math.isinf(x):
         return ("+" if sign else "") + "inf" if x > 0 else "-inf"
@@ -40,9 +69,15 @@ def pct(x: float, sign: bool = True) -> str:
 
 
 def count(n: float) -> str:
-    """A batch size or a number of draws: 872, 1,439, 2.1e+05 from a million on, 'never' for inf."""
-    if n is None or (isinstance(n, float) and math.isnan(n)):
+    """A batch size or a number of draws, whole, with thousands separators: 872, 1,439, 2,100,000;
+    :data:`NEVER` for inf (no batch size gets there); blank for NaN."""
+    if _missing(n):
         return ""
     if math.isinf(n):
-        return "never"
-    return f"{n:,.0f}" if n < 1e6 else f"{n:.1e}"
+        return NEVER
+    return f"{n:,.0f}"
+
+
+def plural(n: float, word: str, words: str | None = None) -> str:
+    """"1 figure", "2 figures", "1,000 steps": a count and its noun (``words``: an irregular plural)."""
+    return f"{count(n)} {word if n == 1 else (words or word + 's')}"

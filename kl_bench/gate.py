@@ -9,7 +9,9 @@ Each comparison is a z statistic with a two-sided p-value:
 Standard errors come from K batch means, so the statistic is Student-t with K − 1 degrees of freedom
 (Welch–Satterthwaite for two runs), not normal: with K = 12 a normal p-value would call |z| = 5.9 a
 one-in-10⁸ event when it is one in 10⁴. Rows whose measured spread cannot be trusted (heavy tails) skip
-the std comparisons, and rows with an infinite variance skip the mean's too: their SE means nothing.
+the std comparisons, and rows with an infinite variance or degenerate importance weights skip the mean's
+too: their SE means nothing. Such rows are neither passed nor failed in silence: :func:`skipped_notes`
+names them.
 """
 from __future__ import annotations
 
@@ -24,13 +26,15 @@ from scipy import special
 
 from .draws import row_label
 from .results.baseline import row_key
-from .stats import HeavyTail, z_score
+from .stats import HeavyTail, unknown_reason, z_score
 
 # Heavy-tail findings that come from the exact oracle (HeavyTail.exact): the measured spread (and its SE)
 # cannot be trusted, so std comparisons are skipped. "unstable batches" is only a heuristic on the draws:
 # with finite exact moments it is a symptom to test, not a reason to look away (a float32 accumulator
 # that rounds later batches to zero shows up exactly so).
 EXACT_HEAVY = {h.value for h in HeavyTail if h.exact}
+# Rows whose measured mean and SE say nothing (HeavyTail.unknown_mean): every comparison of theirs is skipped.
+UNKNOWN_MEAN = {h.value for h in HeavyTail if h.unknown_mean}
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Comparison:
     dof: float = math.inf     # degrees of freedom of the SE (batch means: K − 1); inf: normal
     threshold: float = math.nan   # |z| threshold at this comparison's Holm rank
     passed: bool = True
+    scale: float = math.nan       # the size of the compared quantities (z's rounding floor; printed 0 below it)
 
     def sentence(self) -> str:
         what = self.statistic.split()[0]
@@ -92,18 +97,22 @@ def exact_comparisons(df: pd.DataFrame) -> list[Comparison]:
     out = []
     for _, r in df.iterrows():
         heavy = r.get("heavy_tail", "") or ""
-        heavy = heavy if heavy in EXACT_HEAVY else ""
-        if heavy == HeavyTail.INFINITE_VARIANCE or math.isinf(r["true_kl"]):
+        if heavy in UNKNOWN_MEAN or math.isinf(r["true_kl"]):
             continue
+        heavy = heavy if heavy in EXACT_HEAVY else ""
         k = r.get("batches", math.nan)
         if math.isfinite(r["exact_mean"]):
             dof = _dof((r["se"], k))
-            z, p = _z(r["mean"], r["exact_mean"], r["se"], max(abs(r["mean"]), abs(r["exact_mean"])), dof)
-            out.append(Comparison(row_name(r), "mean vs exact", r["mean"], r["exact_mean"], r["se"], z, p, dof))
+            scale = max(abs(r["mean"]), abs(r["exact_mean"]))
+            z, p = _z(r["mean"], r["exact_mean"], r["se"], scale, dof)
+            out.append(Comparison(row_name(r), "mean vs exact", r["mean"], r["exact_mean"], r["se"], z, p, dof,
+                                  scale=scale))
         if not heavy and math.isfinite(r["exact_std"]) and math.isfinite(r.get("std_se", math.nan)):
             dof = _dof((r["std_se"], k))
-            z, p = _z(r["std"], r["exact_std"], r["std_se"], max(abs(r["exact_mean"]), r["exact_std"]), dof)
-            out.append(Comparison(row_name(r), "std vs exact", r["std"], r["exact_std"], r["std_se"], z, p, dof))
+            scale = max(abs(r["exact_mean"]), r["exact_std"])
+            z, p = _z(r["std"], r["exact_std"], r["std_se"], scale, dof)
+            out.append(Comparison(row_name(r), "std vs exact", r["std"], r["exact_std"], r["std_se"], z, p, dof,
+                                  scale=scale))
     return out
 
 
@@ -118,23 +127,44 @@ def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[li
             notes.append(f"{row_name(r)}: not in the baseline")
             continue
         seen.add(key)
-        heavy = {r.get("heavy_tail", "") or "", b.get("heavy_tail") or ""} & EXACT_HEAVY
-        if HeavyTail.INFINITE_VARIANCE.value in heavy:
+        heavy = {r.get("heavy_tail", "") or "", b.get("heavy_tail") or ""}
+        if heavy & UNKNOWN_MEAN:
             continue
+        heavy &= EXACT_HEAVY
         k, k_b = r.get("batches", math.nan), b.get("batches", math.nan)
         se = math.hypot(r["se"], b["se"])
         dof = _dof((r["se"], k), (b["se"], k_b))
-        z, p = _z(r["mean"], b["mean"], se, max(abs(r["mean"]), abs(b["mean"])), dof)
-        out.append(Comparison(row_name(r), "mean vs baseline", r["mean"], b["mean"], se, z, p, dof))
+        scale = max(abs(r["mean"]), abs(b["mean"]))
+        z, p = _z(r["mean"], b["mean"], se, scale, dof)
+        out.append(Comparison(row_name(r), "mean vs baseline", r["mean"], b["mean"], se, z, p, dof, scale=scale))
         if not heavy and math.isfinite(r.get("std_se", math.nan)) and math.isfinite(b.get("std_se", math.nan)):
             se = math.hypot(r["std_se"], b["std_se"])
             dof = _dof((r["std_se"], k), (b["std_se"], k_b))
-            z, p = _z(r["std"], b["std"], se, max(abs(r["mean"]), r["std"], b["std"]), dof)
-            out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p, dof))
+            scale = max(abs(r["mean"]), r["std"], b["std"])
+            z, p = _z(r["std"], b["std"], se, scale, dof)
+            out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p, dof, scale=scale))
     for key, b in base.items():
         if key not in seen:
             notes.append(f"{b['case']}: {b['estimator']}: in the baseline but not in this run")
     return out, notes
+
+
+def skipped_notes(df: pd.DataFrame) -> list[str]:
+    """One note per case and reason for the rows the gate skips because their mean is unknown (neither
+    passed nor failed): "case: seq k1, seq k3: not compared (degenerate importance weights: …)"."""
+    if "heavy_tail" not in df:
+        return []
+    out = []
+    for case in dict.fromkeys(df["case"]):
+        c = df[df["case"] == case]
+        for reason in (h for h in HeavyTail if h.unknown_mean):
+            hit = c[c["heavy_tail"] == reason.value]
+            if not hit.empty:
+                names = ", ".join(row_label(r) for _, r in hit.iterrows())
+                r = hit.iloc[0]
+                why = unknown_reason(reason.value, r.get("ess", math.nan), r["draws"], r.get("batches", math.nan))
+                out.append(f"{case}: {names}: not compared ({why})")
+    return out
 
 
 def holm(comparisons: list[Comparison], alpha: float) -> list[Comparison]:

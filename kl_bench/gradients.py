@@ -1,8 +1,8 @@
 """Gradients of KL estimators: what each estimator optimises in each place a trainer puts it.
 
 The rows only: modes and their coefficients are kl_bench.modes, each case kind supplies its reference
-gradients, exact expected gradients and per-draw gradient sums (the gradient interface of
-kl_bench.pairs.base.Pair), and the engine seeds and batches the draws (kl_bench.engine.run_gradients).
+gradients, exact expected gradients and per-draw gradient sums (the gradient protocol,
+kl_bench.pairs.base.GradientOracle), and the engine seeds and batches the draws (kl_bench.engine.run_gradients).
 Every mode's per-draw gradient is c(log r) · ∇θ log q(x) (docs/gradients.md); the exact expected gradient
 is compared with ∇KL(q‖p) and ∇KL(p‖q), and the ``equals`` column names the one it is.
 """
@@ -16,20 +16,20 @@ import pandas as pd
 from .draws import AGGREGATES, row_key
 from .engine import run_gradients
 from .modes import MODES, GradItem, modes_for
-from .pairs.base import Pair
+from .pairs.base import GradientCase, require_gradients
 from .stats import mean_and_se
 from .results.schema import GRAD_SCHEMA
 from .targets import FORWARD, REVERSE
 
 
 
-def gradient_items(pair: Pair, sources) -> list[GradItem]:
+def gradient_items(pair: GradientCase, sources) -> list[GradItem]:
     """Every (estimator, mode, aggregate) row of a case, on the aggregates the pair gives each estimator
     (rollouts: token-only estimators have no sequence rows); pair-supplied rows have no gradient."""
     ests = [pair.adapt(e) for e in sources if not e.analytic]
     # A mode defined on-policy only (NeMo-RL's clamp order: w = q/sg(q) has value 1; under a sampler the
     # clamp sees w·f with w = q/b, which a per-draw coefficient c(log r) cannot express): a row only where
-    # the pair applies the weight inside the clamp's test (categoricals: Pair.clamp_sees_weight).
+    # the pair applies the weight inside the clamp's test (categoricals: GradientOracle.clamp_sees_weight).
     # Token-only modes (reward+loss, reward_to_go, reward_partial) get rows on token aggregates only: on
     # one draw or a sequence log-ratio they equal loss_is or reward (kl_bench.modes). A group aggregate
     # (the token-mean over B sequences, a loss aggregation) gets the modes whose tokens each carry their
@@ -45,13 +45,13 @@ def unit(v: np.ndarray) -> np.ndarray:
     return v / n if n > 0 else v
 
 
-def gradient_rows(pair: Pair, estimators, *, draws: int, seed: int, batches: int, device,
+def gradient_rows(pair: GradientCase, estimators, *, draws: int, seed: int, batches: int, device,
                   progress=None, ranks=None, drawn: dict | None = None, vectors: dict | None = None) -> list[dict]:
     """gradients.csv rows for one case. ``ranks``: split the pass across processes (the rows are made on
     rank 0; the others get []). ``drawn``: a dict that receives the batches each rank drew, as "gradients".
     ``vectors``: a dict that receives the exact vectors [P] (:func:`vector_key`): every row's expected
     gradient, the references ∇KL(q‖p), ∇KL(p‖q) and ∇UKL(q_S‖p), and each row's ``self`` target."""
-    pair.require_gradients()
+    require_gradients(pair)
     refs = pair.gradient_references()
     rev, fwd, ukl = refs[REVERSE], refs[FORWARD], pair.gradient_ukl()
     dirs = {"reverse": unit(rev), "forward": unit(fwd)}
@@ -79,7 +79,7 @@ def vector_key(case: str, what: str, item: GradItem | None = None) -> str:
     return f"{case}|self|{row}" if what == "self" else f"{case}|{what}|{row}|{item.mode}"
 
 
-def exact_vectors(pair: Pair, items: list[GradItem], exacts: list, selves: list, rev: np.ndarray,
+def exact_vectors(pair: GradientCase, items: list[GradItem], exacts: list, selves: list, rev: np.ndarray,
                   fwd: np.ndarray, ukl: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """gradients.npz's arrays of one case (float64 [P], θ flattened as the kind documents it)."""
     out = {vector_key(pair.name, "reverse"): rev, vector_key(pair.name, "forward"): fwd}
@@ -93,7 +93,7 @@ def exact_vectors(pair: Pair, items: list[GradItem], exacts: list, selves: list,
     return out
 
 
-def self_references(pair: Pair, items: list[GradItem]) -> list[np.ndarray | None]:
+def self_references(pair: GradientCase, items: list[GradItem]) -> list[np.ndarray | None]:
     """∇θ E_q[v] of each row's value v (the ``self`` target), computed once per (estimator, aggregate);
     None where the kind has no exact value or it is not finite."""
     cache: dict = {}
@@ -107,7 +107,7 @@ def self_references(pair: Pair, items: list[GradItem]) -> list[np.ndarray | None
     return out
 
 
-def _scaled(pair: Pair, item: GradItem, rev: np.ndarray, fwd: np.ndarray,
+def _scaled(pair: GradientCase, item: GradItem, rev: np.ndarray, fwd: np.ndarray,
             ukl: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The references a row is compared with: a row divided by lengths (a rate per token) against the
     KL gradients over E_q|y|, the same scaling as its value's truth (kl_bench.pairs.rollout true_value)."""
@@ -124,7 +124,7 @@ EXACT_COLUMNS = ("exact_cos_reverse", "exact_cos_forward", "exact_relerr_reverse
                  "exact_trace_cov", "n_for_cos90", "exact_along_reverse", "exact_norm")
 
 
-def _row(pair: Pair, item: GradItem, ex, run, j: int, dirs: dict, refs: tuple,
+def _row(pair: GradientCase, item: GradItem, ex, run, j: int, dirs: dict, refs: tuple,
          draws: int, own: np.ndarray | None = None) -> dict:
     """One gradients.csv row: the Monte Carlo columns of item j, then the exact ones (empty without ``ex``).
     ``refs``: (∇KL(q‖p), ∇KL(p‖q), ∇UKL(q_S‖p) or None) as this row is compared with them; ``own``: the

@@ -66,7 +66,7 @@ class TensorLogits:
         msg = unsupported_array(value)
         if msg:
             raise SpecError(msg)
-        t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()
+        t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()  # host: a spec table, hashed from host bytes
         return cls(t, hashlib.sha256(t.numpy().tobytes()).hexdigest())
 
     def describe(self) -> str:
@@ -214,9 +214,9 @@ def zipf_logits(vocab: int, exponent: float, seed: int, contexts: int = 1) -> to
     Ranks are a seeded random permutation per context, so different contexts favour different
     tokens, as the next-token distributions of an LLM do.
     """
-    g = torch.Generator().manual_seed(seed)
-    base = -exponent * torch.log(torch.arange(1, vocab + 1, dtype=torch.float64))
-    perms = torch.stack([torch.randperm(vocab, generator=g) for _ in range(contexts)])
+    g = torch.Generator().manual_seed(seed)  # host: tables are built on the host from their seed, then moved
+    base = -exponent * torch.log(torch.arange(1, vocab + 1, dtype=torch.float64))  # host: a spec table
+    perms = torch.stack([torch.randperm(vocab, generator=g) for _ in range(contexts)])  # host: a spec table
     return base[perms]
 
 
@@ -470,8 +470,8 @@ def _perturbed(source: torch.Tensor, src: DerivedLogits) -> torch.Tensor:
     """source / temperature + noise·ε, ε ~ N(0, 1) from the source's own seed (before the offset)."""
     base = source / src.temperature
     if src.noise > 0:
-        g = torch.Generator().manual_seed(src.seed)
-        base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)
+        g = torch.Generator().manual_seed(src.seed)  # host: tables are built on the host from their seed, then moved
+        base = base + src.noise * torch.randn(base.shape, generator=g, dtype=torch.float64)  # host: a spec table
     return base
 
 

@@ -217,7 +217,7 @@ def gaussian_sampler_moments(g: GaussianPairParams, est: Estimator, b: tuple[np.
     def value(x: float) -> float:
         logq = -0.5 * ((x - mq) / sq) ** 2 - math.log(sq)
         logp = -0.5 * ((x - mp) / sp) ** 2 - math.log(sp)
-        v = float(est.fn(torch.tensor([logp - logq], dtype=torch.float64))[0])
+        v = float(est.fn(torch.tensor([logp - logq], dtype=torch.float64))[0])  # host: a scalar of quadrature
         if weighted:
             w = math.exp(logq + 0.5 * ((x - mb) / sb) ** 2 + math.log(sb))
             v *= min(w, cap) if cap is not None else w

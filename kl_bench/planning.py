@@ -25,14 +25,11 @@ def prob_within(bias: float, std: float, true: float, n: float, rel: float = 0.1
 
 def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob: float = 0.95) -> float:
     """Smallest n with P(|batch mean − true| ≤ rel·|true|) ≥ prob. inf when the bias alone exceeds
-    the tolerance (no batch size helps), when std is infinite, or when true is 0 or infinite."""
-    if not (math.isfinite(true) and true != 0 and math.isfinite(bias) and math.isfinite(std)):
-        return math.inf
-    tol = rel * abs(true)
-    if abs(bias) >= tol:
-        return math.inf
-    if std == 0:
-        return 1.0
+    the tolerance (no batch size helps), when std is infinite, or when true is infinite; where true is 0
+    (p = q), 1 when every draw is exactly 0 (bias and std 0: any batch is exact), else inf."""
+    settled = _settled(bias, std, true, rel)
+    if settled is not None:
+        return settled
     if prob_within(bias, std, true, 1, rel) >= prob:
         return 1.0
     lo, hi = 1.0, 2.0
@@ -46,6 +43,17 @@ def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob
             break
         lo, hi = (mid, hi) if prob_within(bias, std, true, mid, rel) < prob else (lo, mid)
     return float(hi)
+
+
+def _settled(bias: float, std: float, true: float, rel: float) -> float | None:
+    """The batch size where no search is needed: 1 (every draw exact: std 0 within the tolerance, or a
+    truth of 0 met exactly), inf (no batch helps); None otherwise."""
+    if true == 0 and bias == 0 and std == 0:
+        return 1.0
+    if not (math.isfinite(true) and true != 0 and math.isfinite(bias) and math.isfinite(std)) \
+            or abs(bias) >= rel * abs(true):
+        return math.inf
+    return 1.0 if std == 0 else None
 
 
 def rmse(bias: float, std: float, n: int) -> float:
@@ -63,6 +71,10 @@ def add_planning(row: dict, group: int = 1) -> None:
     mean = row["exact_mean"] if math.isfinite(row["exact_mean"]) else row.get("mean", math.nan)
     std = row["exact_std"] if not math.isnan(row["exact_std"]) else row.get("std", math.nan)
     bias = mean - true if math.isfinite(true) else math.nan
+    if math.isnan(true):            # no truth (model continuations, logged log-probs): nothing to plan for
+        row["n_for_10pct"] = math.nan
+        row.update({f"rmse_b{n}": math.nan for n in RMSE_SIZES})
+        return
     row["n_for_10pct"] = group * n_for_rel_error(bias, std, true)
     for n in RMSE_SIZES:
         row[f"rmse_b{n}"] = rmse(bias, std, n // group) if n >= group else math.nan

@@ -1,6 +1,9 @@
 """Plot functions: each takes a DataFrame (and an optional ``ax``) and returns the figure.
 
-Nothing here writes files; the CLI does. Colours come from seaborn's colorblind palette.
+Nothing here writes files; the CLI does. A colour is an estimator's, in every figure (kl_bench.figstyle: k1
+is the same blue whichever estimators a run has); an aggregate (seq, tok, ...) is a line style and a
+marker. Where lines can coincide (the ECDFs of k3 and fwd_k3 at small KL), earlier lines are drawn wider,
+so that every one stays visible.
 
 Importing this module changes no global state: no backend is selected and neither matplotlib's
 rcParams nor seaborn's theme are touched. Each plot function applies the report's look (seaborn's
@@ -14,7 +17,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import textwrap
 
 import matplotlib
 import matplotlib.ticker
@@ -23,7 +25,8 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from .draws import row_label
+from .draws import AGGREGATES, row_label
+from .figstyle import Style, estimator_colour, figure_styles, plain_log_labels, row_style
 from .modes import MODES
 
 PALETTE = sns.color_palette("colorblind")
@@ -91,28 +94,6 @@ def _percent(v: float) -> str:
     return ("−" if v < 0 else "") + text + "%"
 
 
-def _log_label(v: float) -> str:
-    """A log-axis tick: plain between 0.001 and 10⁴ (0.5, 2, 300), a power of ten outside (10⁶)."""
-    if v <= 0:
-        return ""
-    if 1e-3 <= v < 1e4:
-        return f"{v:g}"
-    k = math.log10(v)
-    return f"$10^{{{k:.0f}}}$" if abs(k - round(k)) < 1e-9 else ""
-
-
-def _plain_log_labels(axis) -> None:
-    """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹; the 2s and 5s between the
-    decades only while the axis spans under two decades (more would overlap), looked up at draw time."""
-    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _log_label(v)))
-
-    def minor(v, _):
-        lo, hi = sorted(axis.get_view_interval())
-        narrow = lo > 0 and hi / lo < 100
-        return _log_label(v) if narrow and f"{v:.1g}"[0] in "25" else ""
-    axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))
-
-
 def _axes(ax, ncols=1, width=6.4, height=4.0):
     """(figure, ax) from a given ax (or array of axes), or a new figure."""
     if ax is not None:
@@ -147,11 +128,21 @@ def _drawn(artist) -> bool:
     return True
 
 
+KEY = "legend-key"        # the gid of an artist drawn only for the legend (it stands for a kind of mark)
+
+
+def key_line(label: str, **style):
+    """A legend entry that says what a mark means (drawn nowhere, always in the legend)."""
+    from matplotlib.lines import Line2D
+    return Line2D([], [], label=label, gid=KEY, **style)
+
+
 def _legend(target, handles=None, labels=None, **kwargs):
     """ax.legend / fig.legend with only the entries whose artists draw something (none: no legend)."""
     if handles is None:
         handles, labels = target.get_legend_handles_labels()
-    keep = [(h, lab) for h, lab in zip(handles, labels) if _drawn(h)]
+    # a legend key (what a kind of mark means) is drawn nowhere and always kept
+    keep = [(h, lab) for h, lab in zip(handles, labels) if getattr(h, "get_gid", lambda: None)() == KEY or _drawn(h)]
     if not keep:
         return None
     return target.legend([h for h, _ in keep], [lab for _, lab in keep], **kwargs)
@@ -171,12 +162,29 @@ def _against(df: pd.DataFrame) -> str:
 
 
 HEAVY_NOTE = "hollow, †: heavy tail\n(CI not valid)"
+RUN_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def label_key(label: str) -> tuple[str, str]:
+    """(estimator, aggregate) of a row label as row_label writes it: 'tok k3' → ('k3', 'tok'),
+    'cv(0.5)' → ('cv(0.5)', ''), 'k3 logr±20' → ('k3 logr±20', '')."""
+    head, _, rest = str(label).partition(" ")
+    return (rest, head) if rest and head in AGGREGATES else (str(label), "")
+
+
+def row_keys(d: pd.DataFrame) -> list[tuple[str, str]]:
+    """(estimator, aggregate) of every row of a summary-like frame (λ rows by their family's colour)."""
+    aggs = d["aggregate"] if "aggregate" in d else pd.Series("", index=d.index)
+    return [(str(e), a if isinstance(a, str) else "") for e, a in zip(d["estimator"], aggs)]
+
+
 
 
 @_themed
 def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     """Bias/true (with 95% CI) and std/true (with 95% CI) per estimator of one case; exact values as ×.
-    Heavy-tailed rows are hollow and their labels end in †: their CIs are not valid.
+    Each point in its estimator's colour; several runs side by side, one marker each. Heavy-tailed rows are
+    hollow and their labels end in †: their CIs are not valid.
 
     ``df``: summary rows of one case (a ``run`` column, if present, separates results folders).
     """
@@ -186,35 +194,49 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     fig, axes = _axes(axes, 2, 11, 0.45 * df["label"].nunique() + 1.6)
     labels = list(dict.fromkeys(df["label"]))
     y = {lab: i for i, lab in enumerate(labels)}
+    styles = figure_styles(row_keys(df))
     offsets = np.linspace(-0.2, 0.2, len(runs)) if len(runs) > 1 else [0.0]
     for k, run in enumerate(runs):
         d = df if run is None else df[df["run"] == run]
         yy = np.array([y[lab] for lab in d["label"]]) + offsets[k]
-        true = d["true_kl"].to_numpy(dtype=float)
-        _bias_std_points(axes, d, yy, true, PALETTE[k % len(PALETTE)], run, first=k == 0)
-        if k == 0 and np.isfinite(d[["exact_rel_bias", "exact_rel_std"]].astype(float).to_numpy()).any():
-            axes[0].scatter(d["exact_rel_bias"], yy, marker="x", s=70, color="black", zorder=3, label="exact")
-            axes[1].scatter(d["exact_rel_std"].replace(np.inf, np.nan), yy, marker="x", s=70, color="black",
-                            zorder=3, label="exact")
+        colours = [styles[key].color for key in row_keys(d)]
+        _bias_std_points(axes, d, yy, colours, RUN_MARKERS[k % len(RUN_MARKERS)], run, first=k == 0)
+        if k == 0:
+            _bias_std_exact(axes, d, yy)
     for ax in axes:
         ax.set_yticks(range(len(labels)), labels)
         ax.invert_yaxis()
+        for tick, key in zip(ax.get_yticklabels(), dict.fromkeys(row_keys(df))):
+            tick.set_color(styles[key].color)      # the label in its estimator's colour, as its points
     _bias_std_scales(axes, df)
     _legend(axes[1], loc="best", fontsize="small")
     fig.suptitle(title)
     return fig
 
 
-def _bias_std_points(axes, d: pd.DataFrame, yy: np.ndarray, true: np.ndarray, color, run, first: bool) -> None:
-    """One run's measured bias/true and std/true with 95% CIs; heavy-tailed rows hollow (CIs not valid)."""
-    for heavy in (False, True):
-        h = _heavy(d) == heavy
-        style = {"mfc": "white", "ls": "none", "alpha": 0.8} if heavy else {}
-        label = (HEAVY_NOTE if first else None) if heavy else (run or "measured ± 95% CI")
-        axes[0].errorbar(d["rel_bias"][h], yy[h], xerr=1.96 * d["se"][h] / true[h], fmt="o", color=color,
-                         label=label, capsize=3, **style)
-        axes[1].errorbar(d["rel_std"][h], yy[h], xerr=1.96 * d["std_se"][h].fillna(0) / true[h], fmt="o",
-                         color=color, label=label, capsize=3, **style)
+def _bias_std_exact(axes, d: pd.DataFrame, yy: np.ndarray) -> None:
+    """The exact bias/true and std/true as black ×, where any exact value exists."""
+    if np.isfinite(d[["exact_rel_bias", "exact_rel_std"]].astype(float).to_numpy()).any():
+        axes[0].scatter(d["exact_rel_bias"], yy, marker="x", s=70, color="black", zorder=3, label="exact")
+        axes[1].scatter(d["exact_rel_std"].replace(np.inf, np.nan), yy, marker="x", s=70, color="black",
+                        zorder=3, label="exact")
+
+
+def _bias_std_points(axes, d: pd.DataFrame, yy: np.ndarray, colours: list, marker: str, run, first: bool) -> None:
+    """One run's measured bias/true and std/true with 95% CIs, each row in its estimator's colour (the
+    legend's entry in black: it stands for the run); heavy-tailed rows hollow (CIs not valid)."""
+    true = d["true_kl"].to_numpy(dtype=float)
+    heavy = _heavy(d)
+    for i in range(len(d)):
+        style = {"mfc": "white", "alpha": 0.8} if heavy[i] else {}
+        for ax, value, se in ((axes[0], d["rel_bias"], d["se"]), (axes[1], d["rel_std"], d["std_se"].fillna(0))):
+            ax.errorbar(value.iloc[i], yy[i], xerr=1.96 * se.iloc[i] / true[i], fmt=marker, color=colours[i],
+                        capsize=3, ls="none", **style)
+    label = run or "measured ± 95% CI"
+    for ax in axes:
+        ax.add_line(key_line(label, marker=marker, color="black", ls="none"))
+        if first and heavy.any():
+            ax.add_line(key_line(HEAVY_NOTE, marker="o", color="black", mfc="white", ls="none"))
 
 
 def _bias_std_scales(axes, df: pd.DataFrame) -> None:
@@ -234,7 +256,7 @@ def _bias_std_scales(axes, df: pd.DataFrame) -> None:
     stds = stds[stds > 0]
     if not stds.empty:
         axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
-    _plain_log_labels(axes[1].xaxis)
+    plain_log_labels(axes[1].xaxis)
     axes[1].set_xlabel(f"per-draw std / {_against(df)}  (log)")
 
 
@@ -246,19 +268,20 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
     """
     fig, ax = _axes(ax)
     s = sweep.sort_values("lambda")
-    ax.plot(s["lambda"], s["exact_rel_std"].replace(np.inf, np.nan), color=PALETTE[0], lw=2, label="exact")
-    ax.plot(s["lambda"], s["rel_std"], color=PALETTE[1], lw=1.5, ls="--", label="measured (one pass)")
+    cv = estimator_colour("cv")          # the curve is cv(λ)'s; its λ = 0 and 1 points are k1's and k3's
+    ax.plot(s["lambda"], s["exact_rel_std"].replace(np.inf, np.nan), color=cv, lw=2, label="exact")
+    ax.plot(s["lambda"], s["rel_std"], color="black", lw=1.5, ls="--", label="measured (one pass)")
     star = float(s["lambda_star"].iloc[0])
     if math.isfinite(star):
-        ax.axvline(star, color=PALETTE[2], lw=1.5, label=f"λ* = {star:.3g}")
-    for lam, name, color in ((0.0, "k1 (λ=0)", PALETTE[3]), (1.0, "k3 (λ=1)", PALETTE[4])):
+        ax.axvline(star, color=estimator_colour("cv_opt"), lw=1.5, label=f"λ* = {star:.3g}")
+    for lam, name, color in ((0.0, "k1 (λ=0)", estimator_colour("k1")), (1.0, "k3 (λ=1)", estimator_colour("k3"))):
         hit = s[s["lambda"] == lam]
         if not hit.empty:
             v = hit["exact_rel_std"].iloc[0]
             v = hit["rel_std"].iloc[0] if not np.isfinite(v) else v
             ax.scatter([lam], [v], s=90, color=color, zorder=4, label=name, edgecolor="black")
     ax.set_yscale("log")
-    _plain_log_labels(ax.yaxis)
+    plain_log_labels(ax.yaxis)
     ax.set_xlabel("λ")
     ax.set_ylabel("per-draw std / true KL  (log)")
     ax.set_title(title)
@@ -266,9 +289,67 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
     return fig
 
 
+LAYER_DASHES = ("-", (0, (5, 2)), (0, (1.5, 1.5)), (0, (7, 2, 1.5, 2)), (0, (3, 1)), (0, (1, 3)))
+
+
+def _symlog(x: np.ndarray, linthresh: float) -> np.ndarray:
+    """Where x falls on a symlog axis (linear within ±linthresh, logarithmic outside), up to a scale."""
+    return np.sign(x) * np.log10(1 + np.abs(x) / linthresh)
+
+
+def _layers(curves: list[np.ndarray], tol: float, wide: float = 6.0, thin: float = 1.8) -> list[tuple[float, object]]:
+    """(line width, dash) per line so that none hides another. ``curves``: each line's positions at the same
+    probability levels (display coordinates); lines closer than ``tol`` everywhere coincide to the eye. In a
+    group of coinciding lines the first drawn is widest and solid, later ones narrower and dashed, so that
+    each shows on top of the one before; a line that coincides with none is drawn plainly."""
+    n = len(curves)
+    group = list(range(n))
+    for i in range(n):
+        for j in range(i):
+            if np.nanmax(np.abs(curves[i] - curves[j]), initial=0.0) < tol:
+                group[i] = group[j]
+                break
+    out = []
+    for i in range(n):
+        members = [k for k in range(n) if group[k] == group[i]]
+        if len(members) == 1:
+            out.append((thin, "-"))
+            continue
+        rank = members.index(i)
+        width = thin + (wide - thin) * (len(members) - 1 - rank) / (len(members) - 1)
+        out.append((width, LAYER_DASHES[rank % len(LAYER_DASHES)]))
+    return out
+
+
+def _ecdf_lines(ax, values: dict[str, np.ndarray], linthresh: float) -> list:
+    """Draw every ECDF (layered where lines coincide on the symlog axis, :func:`_layers`), with markers at
+    staggered quantiles; the legend's keys, one per line."""
+    levels = np.linspace(0.01, 0.99, 99)
+    curves = [_symlog(np.quantile(v, levels), linthresh) if len(v) else np.full(len(levels), np.nan)
+              for v in values.values()]
+    span = np.nanmax([np.nanmax(np.abs(c)) for c in curves] + [1.0]) * 2
+    layers = _layers(curves, 0.012 * span)
+    styles = figure_styles([label_key(label) for label in values])
+    handles = []
+    for k, (label, v) in enumerate(values.items()):
+        x = np.sort(v)
+        y = np.arange(1, len(x) + 1) / max(len(x), 1)
+        st, (lw, dash) = styles[label_key(label)], layers[k]
+        ax.step(x, y, where="post", color=st.color, ls=dash, lw=lw, label=label, zorder=2 + k)
+        # markers at quantiles 0.1, 0.3, ..., shifted by each line's rank: two lines never share a marker
+        at = np.clip(((np.arange(0.1, 1.0, 0.2) + 0.04 * k) * len(x)).astype(int), 0, max(len(x) - 1, 0))
+        if len(x):
+            ax.plot(x[at], y[at], ls="none", marker=st.marker, color=st.color, mec="white", mew=0.6, ms=6, zorder=2 + k)
+        handles.append(key_line(label, color=st.color, ls=dash, lw=min(lw, 3.0), marker=st.marker, mec="white", ms=6))
+    return handles
+
+
 @_themed
 def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
-    """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded.
+    """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded. Each line
+    in its estimator's colour with its aggregate's markers (at staggered quantiles); lines that coincide to
+    the eye (k3 and fwd_k3 at small KL) are layered: the first drawn widest and solid, the next narrower and
+    dashed on top of it, so that every one stays visible.
 
     ``draws``: one row per draw, columns ``label`` (the row's label) and ``value`` (its per-draw value)."""
     values = {label: part["value"].to_numpy(dtype=float) for label, part in draws.groupby("label", sort=False)}
@@ -276,22 +357,20 @@ def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     fig, ax = _axes(ax, width=9, height=max(4.0, 0.24 * (len(values) + 2)))
     lo = min((float(np.min(v)) for v in values.values() if len(v)), default=-1.0)
     hi = max((float(np.max(v)) for v in values.values() if len(v)), default=1.0)
-    for k, (label, v) in enumerate(values.items()):
-        x = np.sort(v)
-        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=PALETTE[k % len(PALETTE)],
-                label=label, lw=1.6, ls="-" if k < len(PALETTE) else "--")
     finite = np.concatenate([np.abs(v[np.isfinite(v) & (v != 0)]) for v in values.values()] or [np.ones(1)])
     # The linear zone of the symlog axis: a decade boundary below most |values| (5th percentile).
     linthresh = 10.0 ** np.floor(np.log10(np.quantile(finite, 0.05))) if finite.size else 1e-3
+    handles = _ecdf_lines(ax, values, linthresh)
     if lo < 0:
-        ax.axvspan(min(lo, -linthresh) * 3, 0, color="red", alpha=0.08, label="negative estimates")
+        handles.append(ax.axvspan(min(lo, -linthresh) * 3, 0, color="red", alpha=0.08, label="negative estimates"))
     ax.set_xscale("symlog", linthresh=linthresh)
     _symlog_ticks(ax, min(lo, 0.0), hi, linthresh)
     ax.tick_params(axis="x", labelsize="small")
     ax.set_xlabel("per-draw estimate  (symlog)")
     ax.set_ylabel("fraction of draws ≤ x  (ECDF)")
     ax.set_title(title)
-    _legend(ax, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(ax, handles, [h.get_label() for h in handles], fontsize="small", loc="upper left",
+            bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
@@ -324,7 +403,7 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
         # Running batch-means SE: spread of the batch means so far around the running mean, / √(batches − 1).
         sq = np.cumsum(n * m * m) / cum_n - run_mean**2
         se = np.sqrt(np.maximum(sq, 0) / np.maximum(k_idx - 1, 1))
-        color = PALETTE[k % len(PALETTE)]
+        color = row_style(r["estimator"], r["aggregate"]).color
         ax.plot(cum_n, run_mean, color=color, lw=1.5)
         heavy = bool(_heavy(pd.DataFrame([r]))[0])
         ax.fill_between(cum_n[1:], (run_mean - 2 * se)[1:], (run_mean + 2 * se)[1:], color=color, alpha=0.2,
@@ -348,6 +427,30 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
     return fig
 
 
+def _growth_lines(ax, df: pd.DataFrame, styles: dict) -> bool:
+    """One line per row against T: exact with the row's line and marker and a × for the measured value, or
+    (no exact value: model continuations) the measured values with the row's hollow markers. Rows that
+    coincide (seq k1 and tok k1 are one value) are layered: the first wider, the next narrower on top.
+    Whether any row had an exact line."""
+    parts = [d.sort_values("T") for _, d in df.groupby("label", sort=False)]
+    exact = [bool(np.isfinite(d["exact_rel_std"].astype(float)).any()) for d in parts]
+    shown = [np.log10(np.maximum((d["exact_rel_std"] if e else d["rel_std"]).replace(np.inf, np.nan)
+                                 .to_numpy(dtype=float), 1e-300)) for d, e in zip(parts, exact)]
+    grid = sorted(set(df["T"]))
+    curves = [np.interp(grid, d["T"], y, left=np.nan, right=np.nan) if len(d) else np.full(len(grid), np.nan)
+              for d, y in zip(parts, shown)]
+    layers = _layers(curves, 0.02, wide=4.5, thin=1.6)
+    for d, e, (lw, dash) in zip(parts, exact, layers):
+        label, st = d["label"].iloc[0], styles[row_keys(d)[0]]
+        if e:
+            ax.plot(d["T"], d["exact_rel_std"].replace(np.inf, np.nan), lw=lw, label=label,
+                    **{**st.kwargs(), "ls": st.ls if dash == "-" else dash})
+            ax.scatter(d["T"], d["rel_std"], color=st.color, marker="x", s=50, zorder=3)
+        else:
+            ax.plot(d["T"], d["rel_std"], lw=min(lw, 0.8), ms=7, mfc="none", mew=1.6, label=label, **st.kwargs())
+    return any(exact)
+
+
 @_themed
 def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None, title: str = ""):
     """Rollouts: exact std/true (lines) and measured (markers) against T, log-log, per estimator and
@@ -357,57 +460,62 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
     df["label"] = [row_label(r) for _, r in df.iterrows()]
     # The legend sits beside the axes, one line per row: the figure grows with it.
     fig, ax = _axes(ax, width=9.5, height=max(4.0, 0.24 * (df["label"].nunique() + 2)))
-    any_exact = False
-    for k, (label, d) in enumerate(df.groupby("label", sort=False)):
-        d = d.sort_values("T")
-        color = PALETTE[k % len(PALETTE)]
-        ax.plot(d["T"], d["exact_rel_std"].replace(np.inf, np.nan), color=color, lw=1.8,
-                marker="o" if k < len(PALETTE) else "s", label=label)
-        # Without exact values (model continuations) only the measured markers exist: they carry the label.
-        exact_line = bool(np.isfinite(d["exact_rel_std"].astype(float)).any())
-        any_exact = any_exact or exact_line
-        ax.scatter(d["T"], d["rel_std"], color=color, marker="x", s=50, label=None if exact_line else label)
+    styles = figure_styles(row_keys(df))
+    any_exact = _growth_lines(ax, df, styles)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yscale("log")
+    plain_log_labels(ax.yaxis)
     ax.set_xlabel("sequence length T  (log)")
     if any_exact:
         ax.set_ylabel("per-rollout std / true KL  (log)")
         ax.set_title(title + "\n(lines: exact; ×: measured)")
     else:       # no exact value: measured against the Monte Carlo reference, no lines to announce
         ax.set_ylabel("per-rollout std / reference  (log)")
-        ax.set_title(title + "\n(×: measured; reference: the full mean, Monte Carlo)")
+        ax.set_title(title + "\n(measured; reference: the full mean, Monte Carlo)")
     _legend(ax, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
 @_themed
 def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
-    """Draws a batch needs for its mean to be within 10% of the true KL with 95% probability."""
-    df = summary[summary["lambda"].isna() & np.isfinite(summary["n_for_10pct"].astype(float))].copy()
+    """Draws a batch needs for its mean to be within 10% of the true KL with 95% probability: one group of
+    bars per case, one bar per row in its estimator's colour (hatched: a per-token aggregate). A row that
+    never gets there (its bias alone exceeds 10%, or its variance is infinite) keeps its place, marked
+    "never"; a row with no exact bias (a Monte Carlo reference) is left out: the measured bias cannot
+    decide it."""
+    df = summary[summary["lambda"].isna()].copy()
+    if "exact_rel_bias" in df:
+        df = df[np.isfinite(df["exact_rel_bias"].astype(float))]
     df["label"] = [row_label(r) for _, r in df.iterrows()]
-    fig, ax = _axes(ax, width=8, height=0.3 * len(df) + 1.5)
-    n_cases = df["case"].nunique()
-    # Beyond the colour-blind palette's 10 colours, evenly spaced hues: no two cases share a colour.
-    palette = PALETTE[:n_cases] if n_cases <= len(PALETTE) else sns.color_palette("husl", n_cases)
-    sns.barplot(df, y="label", x="n_for_10pct", hue="case", ax=ax, palette=palette, orient="h")
+    cases = list(dict.fromkeys(df["case"]))
+    fig, ax = _axes(ax, width=8, height=0.28 * (len(df) + len(cases)) + 1.5)
+    styles = figure_styles(row_keys(df))
+    n = df["n_for_10pct"].astype(float).to_numpy()
+    finite = n[np.isfinite(n) & (n > 0)]
+    never_at = float(finite.max()) * 1.5 if finite.size else 10.0
+    y, ticks, names = 0.0, [], []
+    for case in cases:
+        rows = df[df["case"] == case]
+        ticks.append(y + (len(rows) - 1) / 2)
+        names.append(str(case))
+        for (_, r), key in zip(rows.iterrows(), row_keys(rows)):
+            v = float(r["n_for_10pct"])
+            st = styles[key]
+            if math.isfinite(v) and v > 0:
+                ax.barh(y, v, height=0.8, color=st.color, hatch="///" if key[1] not in ("", "seq") else None,
+                        edgecolor="white", label=r["label"])
+                ax.text(v, y, f" {r['label']}", va="center", fontsize="x-small")
+            else:
+                ax.text(1.0, y, f" {r['label']}: never", va="center", fontsize="x-small", color=st.color)
+            y += 1
+        y += 1                      # a gap between cases
+    ax.set_yticks(ticks, names)
+    ax.set_ylim(y - 1, -1)            # every slot inside, bar or "never" (top to bottom)
     ax.set_xscale("log")
-    ax.set_xlabel("draws for ±10% error with 95% probability  (log)")
-    ax.set_ylabel("")
-    never = summary[summary["lambda"].isna() & ~np.isfinite(summary["n_for_10pct"].astype(float))]
-    note = ""
-    if not never.empty:
-        # Grouped by row and wrapped to the axes' width (shortened past a few lines), so nothing is clipped.
-        groups: dict[str, list[str]] = {}
-        for _, r in never.iterrows():
-            groups.setdefault(row_label(r), []).append(str(r["case"]))
-        text = ("no bar (bias alone > 10% or infinite variance): "
-                + "; ".join(f"{lab} @ {', '.join(dict.fromkeys(cs))}" for lab, cs in groups.items()))
-        # ~5.5 pt per character at the small title size, on the ~75% of the figure the axes span
-        width = max(40, int(fig.get_figwidth() * 72 * 0.75 / 5.5))
-        note = "\n" + "\n".join(textwrap.wrap(text, width, max_lines=6, placeholder=" …", break_on_hyphens=False))
-    ax.set_title(title + note, fontsize="small" if note else None)
-    _legend(ax, fontsize="x-small", title="case")
+    ax.set_xlim(0.8, max(never_at, 10.0) * 4)
+    ax.set_xlabel("draws for ±10% error with 95% probability  (log)\nnever: the bias alone is larger than 10%")
+    ax.set_title(title)
     return fig
 
 
@@ -473,8 +581,9 @@ def _cosine_lines(g: pd.DataFrame, panels: list, modes: list[str], faceted: bool
     stood in for a missing exact one). Faceted: a panel per mode, a colour (and style) per estimator;
     else one panel, coloured by estimator and styled by mode."""
     ests = list(dict.fromkeys(g["est_label"]))
-    colour = {e: PALETTE[k % len(PALETTE)] for k, e in enumerate(ests)}
-    est_style = {e: _STYLES[k // len(PALETTE) % len(_STYLES)] for k, e in enumerate(ests)}
+    looks = figure_styles([(e,) for e in ests], lambda e: row_style(label_key(e)[0]))
+    colour = {e: looks[(e,)].color for e in ests}
+    est_style = {e: looks[(e,)].ls for e in ests}
     n = np.logspace(0, 7, 200)
     measured = False
     handles: dict[str, object] = {}
@@ -500,8 +609,9 @@ def _cosine_labels(fig, used: list, handles: dict, title: str, faceted: bool, ow
         fig.supxlabel(xlabel)
         fig.supylabel(ylabel)
         fig.suptitle(title)
-        _legend(fig, list(handles.values()), list(handles), fontsize="small", loc="outside right upper",
-                title="estimator")
+        # under the panels: beside them a long title would run under the legend
+        _legend(fig, list(handles.values()), list(handles), fontsize="small", loc="outside lower center",
+                ncol=min(len(handles), 6))
         return
     for p in used:
         p.set_xlabel(xlabel, fontsize="small" if faceted else None)
@@ -534,20 +644,32 @@ def plot_sweep(summary: pd.DataFrame, key: str, axes=None, title: str = ""):
     # Text values sit at evenly spaced positions, in order of appearance.
     positions = None if numeric else {v: i for i, v in enumerate(dict.fromkeys(x_all))}
     labels = list(dict.fromkeys(df["label"]))
+    styles = figure_styles([label_key(label) for label in labels])
     for i, combo in enumerate(combos):
         part = df
         for k, v in zip(others, combo):
             part = part[part[k] == v]
-        for j, label in enumerate(labels):
+        for label in labels:
             d = part[part["label"] == label].sort_values(key)
             x = d[key].to_numpy(dtype=float) if numeric else d[key].map(positions).to_numpy(dtype=float)
-            _sweep_line(axes[i], x, d, label, j)
+            _sweep_line(axes[i], x, d, label, styles[label_key(label)])
         _sweep_axes(axes[i], key, _setting(others, combo), x_all, positions)
-    heavy = _heavy(df).any()
-    _legend(fig, *axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize="small",
-            title="— measured ± 95% CI\n-- exact" + ("\n" + HEAVY_NOTE if heavy else ""))
+    _sweep_legend(fig, labels, styles, _heavy(df).any())
     fig.suptitle(title + note)
     return fig
+
+
+def _sweep_legend(fig, labels: list[str], styles: dict, heavy: bool) -> None:
+    """One legend under the panels (beside them it would run under the title): the estimators, then what
+    a solid line with markers, a dashed line and a hollow marker mean."""
+    handles = [key_line(label, color=styles[label_key(label)].color, marker=styles[label_key(label)].marker, lw=1.2)
+               for label in labels]
+    handles += [key_line("measured ± 95% CI", color="black", marker="o", lw=1.2),
+                key_line("exact", color="black", lw=0.9, ls="--")]
+    if heavy:
+        handles.append(key_line(HEAVY_NOTE.replace("\n", " "), color="black", marker="o", mfc="white", ls="none"))
+    _legend(fig, handles, [h.get_label() for h in handles], loc="outside lower center", fontsize="small",
+            ncol=min(len(handles), 6))
 
 
 def _sweep_rows(df: pd.DataFrame, key: str) -> tuple[list[str], list[tuple], str]:
@@ -567,17 +689,17 @@ def _setting(keys: list[str], values: tuple) -> str:
                      f"{k.removeprefix('sweep.')} = {v}" for k, v in zip(keys, values))
 
 
-def _sweep_line(row_axes, x: np.ndarray, d: pd.DataFrame, label: str, j: int) -> None:
+def _sweep_line(row_axes, x: np.ndarray, d: pd.DataFrame, label: str, style: Style) -> None:
     """One estimator's std/true and bias/true: measured with markers and 95% CIs, exact thin and dashed;
     heavy-tailed points hollow (their CIs are not valid)."""
-    color, marker = PALETTE[j % len(PALETTE)], "o" if j < len(PALETTE) else "s"
+    color, marker = style.color, style.marker
     true = d["true_kl"].abs().to_numpy(dtype=float)
     heavy = _heavy(d)
     for ax, measured, se, exact in ((row_axes[0], d["rel_std"], d["std_se"], d["exact_rel_std"]),
                                     (row_axes[1], d["rel_bias"], d["se"], d["exact_rel_bias"])):
         y = measured.to_numpy(dtype=float)
         ci = 1.96 * se.fillna(0).to_numpy(dtype=float) / true
-        ax.plot(x, y, color=color, lw=1.2, label=label)
+        ax.plot(x, y, color=color, lw=1.2)
         ax.errorbar(x[~heavy], y[~heavy], yerr=ci[~heavy], fmt=marker, ms=4, color=color, capsize=2, lw=0.8)
         if heavy.any():
             ax.errorbar(x[heavy], y[heavy], yerr=ci[heavy], fmt=marker, ms=5, color=color, mfc="white", capsize=2,
@@ -589,7 +711,7 @@ def _sweep_axes(row_axes, key: str, row_title: str, x_all: pd.Series, positions:
     """Scales, labels and ticks of one row of a sweep figure (std: log; bias: symlog in percent)."""
     ax_std, ax_bias = row_axes
     ax_std.set_yscale("log")
-    _plain_log_labels(ax_std.yaxis)
+    plain_log_labels(ax_std.yaxis)
     ax_std.set_ylabel("per-draw std / true KL  (log)")
     # Bias on a linear axis with its CIs: a symlog axis spikes at 0 and makes noise read as structure.
     ax_bias.axhline(0, color="grey", lw=1)

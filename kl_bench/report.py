@@ -1,13 +1,14 @@
 """The report: figures, the paper-style table (LaTeX booktabs and Markdown) and a browsable report
-(Markdown and a self-contained HTML page), from one or more results folders.
+(Markdown and a self-contained HTML page), from one or more results folders; the advice (what to log,
+what to put in the loss) first, as ``kl-bench run`` prints it.
 
-:func:`build_report` returns {relative path: bytes}; the CLI writes them.
+:func:`build_report` returns {relative path: bytes}; :func:`report_files` picks the report of a run, a
+training or an audit folder; the CLI writes them. Every number follows the one vocabulary of
+docs/results.md ("Units and words"): bias/true in %, std/true a plain ratio, n ±10% an integer with
+thousands separators ("never": the bias alone exceeds ±10%; "—": no exact bias is known).
 """
 from __future__ import annotations
 
-import base64
-import html
-import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,10 @@ import numpy as np
 import pandas as pd
 
 from .draws import AGGREGATES, row_key, row_label
+from .formatting import pct, plural
+from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, html_inline, html_text, page, scroll, table_html,  # noqa: F401
+                    table_md as md_table_of, vector_links)
+from .pages import figure_bytes as _figure_bytes
 from .registry import Registry
 from .results import SWEEP_PREFIX
 from .storage import write_folder
@@ -51,7 +56,7 @@ def load_results(path: Path) -> Results:
 def sig(x: float, digits: int = 3) -> str:
     """Significant digits as the paper table shows them; 0 for float64 rounding of exact zeros."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
+        return "—"
     if math.isinf(x):
         return "∞" if x > 0 else "−∞"
     if abs(x) < 1e-9:
@@ -62,7 +67,7 @@ def sig(x: float, digits: int = 3) -> str:
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "$": r"\$", "{": r"\{",
         "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "²": r"\textsuperscript{2}",
         "σ": r"$\sigma$", "μ": r"$\mu$", "λ": r"$\lambda$", "‖": r"$\|$", "−": "-", "·": r"$\cdot$",
-        "∞": r"$\infty$", "–": "--", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$"}
+        "∞": r"$\infty$", "–": "--", "—": "---", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$"}
 
 
 def tex(text: str) -> str:
@@ -70,27 +75,63 @@ def tex(text: str) -> str:
 
 
 def tex_number(s: str) -> str:
-    if "e" in s and s not in ("–",):
+    """A number as the tables show it, in LaTeX: 1.2e-05 as 1.2×10⁻⁵, a percentage's % escaped."""
+    if s.endswith("%"):
+        return tex_number(s[:-1]) + r"\%"
+    if "e" in s and s not in ("—",):
         mant, exp = s.split("e")
         return f"${mant}\\times 10^{{{int(exp)}}}$"
     return tex(s)
 
 
-# ----------------------------------------------------------------------------- paper table
+# ----------------------------------------------------------------------------- the vocabulary (docs/results.md)
 def pm(value: float, se: float, mark: str = "") -> str:
     """"value ± se" (3 and 2 significant digits), with ``mark`` (†: the SE is not valid) after it."""
     text = sig(value)
-    if text == "–":
+    if text == "—":
         return text
     return (f"{text} ± {sig(se, 2)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
 
 
+def pct_pm(value: float, se: float, mark: str = "") -> str:
+    """A relative bias with its SE, both in %: "+0.28% ± 0.34%" (``mark``: † where the SE is not valid)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value)):
+        return "—" if value is None or value != value else pct(value)
+    text = pct(value)
+    return (f"{text} ± {pct(se, sign=False)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
+
+
+def exact_pct(value: float) -> str:
+    """An exact relative bias in % ("0" for an unbiased row, "—" where no exact value exists)."""
+    return pct(value) if isinstance(value, (int, float)) and value == value else "—"
+
+
+def batch_cell(n: float, exact_bias: float) -> str:
+    """n ±10%: the draws a mean needs to land within ±10% of the truth with 95% probability, an integer
+    with thousands separators; "never" where the bias alone is larger (or the variance infinite); "—"
+    where no exact bias is known (a logged or sampled reference: the measured bias cannot decide it)."""
+    if not (isinstance(exact_bias, (int, float)) and math.isfinite(exact_bias)):
+        return "—"
+    if n is None or n != n:
+        return ""
+    return "never" if math.isinf(n) else f"{n:,.0f}"
+
+
+def bias_se(r) -> float:
+    """The SE of a row's bias: its ``bias_se`` where the results carry one (the log's own SE for logged
+    log-probs), else the SE of its mean."""
+    value = r["bias_se"] if "bias_se" in r else math.nan
+    return float(value) if isinstance(value, (int, float)) and value == value else float(r["se"])
+
+
+# ----------------------------------------------------------------------------- paper table
 def paper_table(df: pd.DataFrame):
-    """Schulman's layout: rows are estimators; per case bias/true and stdev/true, measured ± SE and exact.
+    """Schulman's layout: rows are estimators; per case bias/true (in %) and std/true (a ratio), measured
+    ± SE and exact.
 
     A case without an exact value but with a Monte Carlo reference (model continuations, logged log-probs)
     shows its measured values against that reference (display.with_reference), its title marked ≈ and its
-    exact cells –.
+    exact cells —.
 
     Returns (cases [(key, title, true_kl, kind)], rows [(label, [cells per case: 4 strings])]): the
     measured cells are "value ± SE", with † where the row is heavy-tailed (its SE is not valid); the title
@@ -113,7 +154,7 @@ def paper_table(df: pd.DataFrame):
                 continue
             r = hit.iloc[0]
             scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
-            cells.append([pm(r["rel_bias"], r["se"] / scale, dagger(r)), sig(r["exact_rel_bias"]),
+            cells.append([pct_pm(r["rel_bias"], bias_se(r) / scale, dagger(r)), exact_pct(r["exact_rel_bias"]),
                           pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])])
         rows.append((lab, cells))
     return cases, rows
@@ -136,11 +177,11 @@ def _caption(results: list[Results]) -> tuple[str, str]:
     approx = any(meta.get("reference", "").startswith("full mean") for res in results
                  for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
-            "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are –. ") if approx else ""
+            "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are —. ") if approx else ""
     note += _aggregate_note(results)
-    return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL: measured "
-            "± SE, exact in the adjacent column; † marks a heavy-tailed row, whose measured std, SE and CI "
-            "are not valid. " + note).strip(), " ".join(bits)
+    return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL (bias/true in %, "
+            "std/true a ratio): measured ± SE, exact in the adjacent column; † marks a heavy-tailed row, whose "
+            "measured std, SE and CI are not valid. " + note).strip(), " ".join(bits)
 
 
 def _aggregate_note(results: list[Results]) -> str:
@@ -210,7 +251,7 @@ def tex_cell(cell: str) -> str:
 
 
 def table_md(cases, rows, caption: str) -> str:
-    head = "| estimator | " + " | ".join("{} ({}) bias/true ± SE | exact | stdev/true ± SE | exact".format(
+    head = "| estimator | " + " | ".join("{} ({}) bias/true ± SE | exact | std/true ± SE | exact".format(
         *kl_head(title, true)) for _, title, true, _ in cases) + " |"
     sep = "|---|" + "---:|" * (4 * len(cases))
     body = ["| " + label + " | " + " | ".join(c for cell in cells for c in cell) + " |" for label, cells in rows]
@@ -218,26 +259,13 @@ def table_md(cases, rows, caption: str) -> str:
 
 
 # ----------------------------------------------------------------------------- figures
-FIGURE_FORMATS = ("png", "pdf", "svg")     # PNG for the pages; PDF and SVG for a paper (vector)
-# No creation dates and a fixed SVG id salt: the same results give the same bytes.
-_METADATA = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None},
-             "svg": {"Date": None}}
+FIGURE_FORMATS = ("png",)     # the default of `kl-bench report --formats`: PNG, which the pages show
 
 
 def figure_bytes(fig, formats=None) -> dict[str, bytes]:
-    """{format: the figure saved in it} (PNG at 110 dpi; ``formats``: default FIGURE_FORMATS), then the
-    figure is closed."""
-    formats = formats or FIGURE_FORMATS
-    import matplotlib
-    import matplotlib.pyplot as plt
-    out = {}
-    with matplotlib.rc_context({"svg.hashsalt": "kl-bench", "pdf.compression": 6}):
-        for fmt in formats:
-            buf = io.BytesIO()
-            fig.savefig(buf, format=fmt, dpi=110, metadata=_METADATA.get(fmt))
-            out[fmt] = buf.getvalue()
-    plt.close(fig)
-    return out
+    """{format: the figure saved in it} (PNG at 110 dpi; ``formats``: default FIGURE_FORMATS; PDF and SVG
+    for a paper, with no dates, so the bytes repeat), then the figure is closed."""
+    return _figure_bytes(fig, formats or FIGURE_FORMATS)
 
 
 def png_bytes(fig) -> bytes:
@@ -429,11 +457,9 @@ def _planning_panels(ctx: FigureContext) -> Iterator[Panel]:
                     f"{ctx.res.name}: batch-size planning", s)
 
 
-def build_figures(results: list[Results], df: pd.DataFrame,
-                  formats=None) -> list[tuple[str, str, dict[str, bytes]]]:
-    """[(file name (.png), caption, {format: bytes})] for every figure of :data:`FIGURES` the results
-    support: the figures over all runs, then each run's."""
-    from . import plots
+def figure_panels(results: list[Results], df: pd.DataFrame) -> list[tuple[FigureKind, Panel]]:
+    """Every figure of :data:`FIGURES` the results support, not yet drawn: [(kind, panel)], the figures
+    over all runs, then each run's."""
     from .display import with_reference
     # Cases without an exact value (model continuations, logged log-probs) are plotted against their
     # Monte Carlo reference (ref_kl), as the tables show them.
@@ -445,23 +471,61 @@ def build_figures(results: list[Results], df: pd.DataFrame,
     top = FigureContext(results, df, swept)
     contexts = [top] + [FigureContext(results, df, swept, res, with_reference(res.summary),
                                       f"{_slug(res.name)}_" if len(results) > 1 else "") for res in results]
+    return [(kind, p) for ctx in contexts for kind in FIGURES.values() if kind.per_run == (ctx.res is not None)
+            for p in kind.panels(ctx)]
+
+
+def build_figures(results: list[Results], df: pd.DataFrame, formats=None,
+                  progress=None) -> list[tuple[str, str, dict[str, bytes]]]:
+    """[(file name (.png), caption, {format: bytes})] for every figure of :data:`FIGURES` the results
+    support: the figures over all runs, then each run's. ``progress``: told of each figure (a
+    :class:`kl_bench.progress.LazyProgress`: its total, the file being drawn, one step a figure)."""
+    from . import plots
+    panels = figure_panels(results, df)
+    if progress is not None:
+        progress.set_total(len(panels))
     figs = []
-    for ctx in contexts:
-        for kind in FIGURES.values():
-            if kind.per_run == (ctx.res is not None):
-                figs += [(p.file, p.caption, figure_bytes(getattr(plots, kind.plot)(p.data, title=p.title,
-                                                                                  **p.kwargs), formats))
-                         for p in kind.panels(ctx)]
+    for kind, p in panels:
+        if progress is not None:
+            progress.label(p.file)
+        figs.append((p.file, p.caption, figure_bytes(getattr(plots, kind.plot)(p.data, title=p.title, **p.kwargs),
+                                                      formats)))
+        if progress is not None:
+            progress.advance(1)
     return figs
 
 
 # ----------------------------------------------------------------------------- report
-def write_report(dirs: list[Path], out: Path) -> Path:
-    """Build the report of results folders ``dirs`` and write it as the folder ``out``, atomically (every
-    input is read and every figure drawn first; then the folder is swapped in whole, kl_bench.storage)."""
-    files = build_report(dirs)
+def write_report(dirs: list[Path], out: Path, **options) -> Path:
+    """Build the report of ``dirs`` (:func:`report_files`; ``options``: its keywords) and write it as the
+    folder ``out``, atomically (every input is read and every figure drawn first; then the folder is
+    swapped in whole, kl_bench.storage)."""
+    files = report_files(dirs, **options)
     write_folder(Path(out), files)
     return Path(out)
+
+
+def report_files(dirs: list[Path], *, formats=None, progress=None, batch: int = 64,
+                 tolerance: float = 0.1) -> dict[str, bytes]:
+    """{relative path: bytes} of the report of ``dirs``: a training folder's (train.csv), an audit
+    folder's (audit.csv) or results folders' (:func:`build_report`). ``formats``: the figure files
+    (default :data:`FIGURE_FORMATS`; PNG always, the pages show it); ``progress``: told of each figure;
+    ``batch``, ``tolerance``: the advice's (kl_bench.advice)."""
+    from .audit.report import audit_report_files, is_audit_folder
+    from .training.report import is_training_folder, training_report_files
+    formats = formats or FIGURE_FORMATS
+    if len(dirs) == 1 and is_training_folder(dirs[0]):          # a `kl-bench train` folder
+        return training_report_files(dirs[0], formats=formats, progress=progress)
+    if len(dirs) == 1 and is_audit_folder(dirs[0]):             # an audit (TRL callback, kl-bench audit)
+        return audit_report_files(dirs[0], formats=formats, progress=progress)
+    return build_report(dirs, formats=formats, progress=progress, batch=batch, tolerance=tolerance)
+
+
+def summary_line(out: Path) -> str:
+    """The line `kl-bench report` prints: the page to open and how many figures it shows."""
+    page_name = "report.html" if (out / "report.html").exists() else "report.md"
+    n = len(list((out / "figures").glob("*.png")))
+    return f"report → {out}/{page_name} ({plural(n, 'figure')})"
 
 
 def run_labels(results: list[Results]) -> list[str]:
@@ -484,6 +548,7 @@ DIFF_COLUMNS = {                      # differences.csv: one row per (run, case,
     "diff": "mean − mean_against",
     "rel_diff": "diff / |true KL| (or the reference where no exact value exists)",
     "se": "SE of diff: √(se² + se_against²), the runs being independent",
+    "rel_se": "se / |true KL|: the SE of rel_diff",
     "z": "diff / se: |z| > 5 says the runs measure different things (not valid where heavy_tail)",
     "heavy_tail": "† where either row is heavy-tailed (its SE, so z, is not valid)",
 }
@@ -505,10 +570,10 @@ def differences(df: pd.DataFrame) -> pd.DataFrame:
             diff = float(b["mean"]) - float(a["mean"])
             se = math.hypot(float(a["se"]), float(b["se"]))
             true = abs(float(a["true_kl"]))
+            scale = true if true and math.isfinite(true) else math.nan
             out.append({"run": b["run"], "against": a["run"], "case": case, "row": label, "mean": b["mean"],
-                        "mean_against": a["mean"], "diff": diff,
-                        "rel_diff": diff / true if true and math.isfinite(true) else math.nan, "se": se,
-                        "z": _z(diff, se), "heavy_tail": dagger(a) or dagger(b)})
+                        "mean_against": a["mean"], "diff": diff, "rel_diff": diff / scale, "se": se,
+                        "rel_se": se / scale, "z": _z(diff, se), "heavy_tail": dagger(a) or dagger(b)})
     return pd.DataFrame(out, columns=list(DIFF_COLUMNS))
 
 
@@ -519,18 +584,31 @@ def _z(diff: float, se: float) -> float:
     return 0.0 if diff == 0 else math.copysign(math.inf, diff)
 
 
+DIFF_HEADER = ["run", "against", "case", "row", "diff/true ± SE", "z"]
+
+
+def difference_cells(r) -> list[str]:
+    """One difference as the report and the terminal show it (:data:`DIFF_HEADER`): diff/true ± SE in %
+    (the vocabulary of bias/true), z with † where it is not valid."""
+    return [str(r["run"]), str(r["against"]), str(r["case"]), str(r["row"]),
+            pct_pm(float(r["rel_diff"]), float(r["rel_se"])), f"{sig(r['z'], 2)}{r['heavy_tail']}"]
+
+
 def differences_md(diffs: pd.DataFrame) -> str:
-    """The differences as a Markdown table (rel. difference, its SE, z)."""
-    lines = ["| run | against | case | row | diff/true | ± SE | z |", "|---|---|---|---|---:|---:|---:|"]
-    for _, r in diffs.iterrows():
-        true = abs(r["diff"] / r["rel_diff"]) if r["rel_diff"] and math.isfinite(r["rel_diff"]) else math.nan
-        se = r["se"] / true if math.isfinite(true) and true else math.nan
-        lines.append(f"| {r['run']} | {r['against']} | {r['case']} | {r['row']} | {sig(r['rel_diff'])} | "
-                     f"{sig(se, 2)} | {sig(r['z'], 2)}{r['heavy_tail']} |")
-    return "\n".join(lines)
+    """The differences as a Markdown table: the same columns, order and cells as the HTML's."""
+    return md_table_of(DIFF_HEADER, [difference_cells(r) for _, r in diffs.iterrows()],
+                       [False] * 4 + [True] * 2)
 
 
-def build_report(dirs: list[Path]) -> dict[str, bytes]:
+def differences_html(diffs: pd.DataFrame) -> str:
+    return table_html(DIFF_HEADER, [difference_cells(r) for _, r in diffs.iterrows()], classes="diffs")
+
+
+def build_report(dirs: list[Path], *, formats=None, progress=None, batch: int = 64,
+                 tolerance: float = 0.1) -> dict[str, bytes]:
+    """{relative path: bytes} of the report of results folders ``dirs`` (see :func:`report_files`)."""
+    if progress is not None:
+        progress.label("reading " + ", ".join(str(d) for d in dirs))
     results = [load_results(d) for d in dirs]
     if len(results) > 1:
         for r, label in zip(results, run_labels(results)):
@@ -547,31 +625,56 @@ def build_report(dirs: list[Path]) -> dict[str, bytes]:
     caption = f"{short} {provenance}"
     cases, rows = paper_table(df)
     tex_text, md_table = table_tex(cases, rows, short, provenance), table_md(cases, rows, caption)
-    figs = build_figures(results, df)
-    files = {f"figures/{name.removesuffix('.png')}.{fmt}": data for name, _, by_fmt in figs
-             for fmt, data in by_fmt.items()}
+    figs = build_figures(results, df, formats, progress)
+    files = {path: data for name, _, by_fmt in figs for path, data in figure_files(name.removesuffix(".png"),
+                                                                                    by_fmt).items()}
     files["table.tex"] = tex_text.encode()
     files["table.md"] = md_table.encode()
     diffs = differences(df) if len(results) > 1 else None
     if diffs is not None:
         from .results import frame_to_csv_bytes
         files["differences.csv"] = frame_to_csv_bytes(diffs)
-    files["report.md"] = _report_md(results, md_table, figs, diffs).encode()
-    files["report.html"] = _report_html(results, df, figs, caption, cases, rows, diffs).encode()
+    advice = advice_lines(results, batch, tolerance)
+    files["report.md"] = _report_md(results, md_table, figs, diffs, advice, batch, tolerance).encode()
+    files["report.html"] = _report_html(results, df, figs, caption, cases, rows, diffs, advice, batch,
+                                        tolerance).encode()
     return files
 
 
 def _run_lines(res: Results) -> list[str]:
     env = res.envelope
+    restored = env.get("restored_draws") or 0
+    kept = f" ({restored:,} draws restored from a checkpoint)" if restored else ""
     return [f"- results: `{res.path}`; spec `{env.get('spec_path')}` (sha256 {str(env.get('spec_sha256'))[:12]}…)",
             f"- seed {env.get('seed')}, device {env.get('device')} ({env.get('device_name', '')}), "
             f"git commit {str(env.get('git_commit') or 'unknown')[:10]}, {env.get('wall_seconds')} s, "
-            f"{env.get('draws_per_second', 0):,} draws/s"]
+            f"{env.get('draws_per_second', 0):,} draws/s{kept}"]
+
+
+def advice_lines(results: list[Results], batch: int = 64, tolerance: float = 0.1) -> dict[str, list[str]]:
+    """{run name: the advice lines `kl-bench run` prints for it} (kl_bench.advice: what to log, what to put
+    in the loss); a sentence that holds for several cases alike is given once, naming them."""
+    from .advice import recommendations
+    out = {}
+    for res in results:
+        lines, general = [], {}
+        for a in recommendations(res.summary, res.gradients, batch=batch, tolerance=tolerance):
+            if a.general:
+                general.setdefault(a.detail, []).append(a.case)
+            else:
+                lines.append(a.text)
+        out[res.name] = lines + [f"{', '.join(cases)}: {detail}" for detail, cases in general.items()]
+    return out
+
+
+def advice_note(batch: int, tolerance: float) -> str:
+    return (f"For a batch of {batch:,} draws and a tolerance of ±{pct(tolerance, sign=False)} (`kl-bench report "
+            "--batch B --tolerance T` for yours): what to log (or put in the reward), and what to put in the loss.")
 
 
 DIFF_NOTE = ("Each run's rows against the same rows of the first folder that has them: the difference of "
-             "the means relative to the true KL, its SE √(se² + se′²) and z = difference / SE (|z| > 5: the "
-             "runs disagree beyond their noise; † heavy-tailed, z not valid). All of them: differences.csv.")
+             "the means relative to the true KL (in %) ± its SE √(se² + se′²), and z = difference / SE (|z| > 5: "
+             "the runs disagree beyond their noise; † heavy-tailed, z not valid). All of them: differences.csv.")
 
 
 BASELINE_NOTE = ("GRPO's group mean and RLOO's leave-one-out in the reward, G draws per group "
@@ -610,10 +713,15 @@ def baselines_frame(results: list[Results]) -> pd.DataFrame | None:
     return out.drop(columns="run") if len(results) == 1 else out
 
 
-def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame | None = None) -> str:
+def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame | None = None,
+               advice: dict[str, list[str]] | None = None, batch: int = 64, tolerance: float = 0.1) -> str:
     out = ["# kl-bench report", ""]
     for res in results:
         out += [f"## {res.name}", *_run_lines(res), ""]
+    if advice:
+        out += ["## Advice", "", advice_note(batch, tolerance), ""]
+        for name, lines in advice.items():
+            out += ([f"### {name}", ""] if len(advice) > 1 else []) + [f"- {line}" for line in lines] + [""]
     out += ["## Paper table", "", md_table]
     if diffs is not None:
         out += ["## Differences between runs", "", DIFF_NOTE, "", differences_md(diffs), ""]
@@ -623,10 +731,9 @@ def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame 
                 frame_md(bl), ""]
     out += ["## Figures", ""]
     for name, caption, by_fmt in figs:
-        stem = name.removesuffix(".png")
         out += [f"### {caption}", "", f"![{caption}](figures/{name})", ""]
-        vectors = [f"[{fmt.upper()}](figures/{stem}.{fmt})" for fmt in by_fmt if fmt != "png"]
-        out += [f"Vector: {', '.join(vectors)}", ""] if vectors else []
+        links = vector_links(name.removesuffix(".png"), by_fmt)
+        out += [links, ""] if links else []
     for res in results:
         heavy = res.summary[res.summary["heavy_tail"] != ""]
         if not heavy.empty:
@@ -636,76 +743,60 @@ def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame 
     return "\n".join(out)
 
 
-CSS = ("body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.4}"
-       ".scroll{overflow-x:auto;max-width:100%;margin:1em 0}"
-       "table{border-collapse:collapse;font-size:0.85em}"
-       "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right;white-space:nowrap}"
-       "td:first-child,th:first-child{text-align:left}"
-       "table.rows td:nth-child(-n+3),table.rows th:nth-child(-n+3){text-align:left}"
-       "code{font-family:ui-monospace,monospace;font-size:0.9em;background:#f4f4f4;padding:0 3px;border-radius:3px}"
-       "img{max-width:100%;height:auto;border:1px solid #eee}figure{margin:1.5em 0}"
-       "figcaption{font-size:0.9em;color:#333}p.caption{font-style:italic;max-width:100%}")
+ROW_HEADER = ["case", "row", "target", "true KL", "mean ± SE", "exact mean", "bias/true", "exact", "std/true",
+              "exact", "n ±10%", "z", "P(<0)", "heavy tail"]
 
 
-def html_text(text) -> str:
-    """Text from the data (names, descriptions) for HTML: escaped, backticks as entities, so that none
-    is read as markup and the page's source holds no literal backtick."""
-    return html.escape(str(text)).replace("`", "&#96;")
+def row_cells(r) -> list[str]:
+    """One summary row for the HTML's table of every row (:data:`ROW_HEADER`), in the vocabulary of the
+    tables: bias/true in %, std/true a ratio, n ±10% an integer ("never", "—")."""
+    from .display import dagger
+    true = abs(float(r["true_kl"])) if r["true_kl"] == r["true_kl"] else math.nan
+    approx = "≈" if bool(r.get("approx", False)) else ""      # against the Monte Carlo reference
+    return [str(r["case"]), row_label(r), str(r["target"]), approx + sig(r["true_kl"], 4),
+            pm(r["mean"], r["se"], dagger(r)), sig(r["exact_mean"], 4),
+            pct_pm(r["rel_bias"], bias_se(r) / true if true else math.nan, dagger(r)), exact_pct(r["exact_rel_bias"]),
+            sig(r["rel_std"]), sig(r["exact_rel_std"]), batch_cell(r["n_for_10pct"], r["exact_rel_bias"]),
+            sig(r["z"], 2) + dagger(r), sig(r["frac_negative"], 2), str(r["heavy_tail"] or "")]
 
 
-def html_inline(text: str) -> str:
-    """Prose with Markdown-style `code` spans (as in report.md) as HTML: the spans become <code>."""
-    parts = str(text).split("`")
-    if len(parts) % 2 == 0:          # an unmatched backtick: no code spans, only text
-        return html_text(text)
-    return "".join(f"<code>{html_text(p)}</code>" if k % 2 else html_text(p) for k, p in enumerate(parts))
-
-
-def _scroll(table_html: str) -> str:
-    """A table in its own horizontally scrolling box: a wide table never widens the page."""
-    return f"<div class='scroll'>{table_html}</div>"
-
-
-def _report_html(results, df, figs, caption, cases, rows, diffs=None) -> str:
-    esc = html_text
-    parts = ["<!doctype html><html><head><meta charset='utf-8'>"
-             "<meta name='viewport' content='width=device-width, initial-scale=1'><title>kl-bench report</title>",
-             f"<style>{CSS}</style></head><body>", "<h1>kl-bench report</h1>"]
-    for res in results:
-        parts.append(f"<h2>{esc(res.name)}</h2><ul>" + "".join(
-            f"<li>{html_inline(line[2:])}</li>" for line in _run_lines(res)) + "</ul>")
+def _paper_table_html(cases, rows) -> str:
     table = ["<table class='paper'><tr><th></th>" + "".join(
-        "<th colspan='4'>{} ({})</th>".format(*map(esc, kl_head(title, true))) for _, title, true, _ in cases)
-        + "</tr>", "<tr><th>estimator</th>" + "<th>bias/true ± SE</th><th>exact</th><th>stdev/true ± SE</th><th>exact</th>"
+        "<th colspan='4'>{} ({})</th>".format(*map(html_text, kl_head(title, true))) for _, title, true, _ in cases)
+        + "</tr>", "<tr><th>estimator</th>" + "<th>bias/true ± SE</th><th>exact</th><th>std/true ± SE</th><th>exact</th>"
         * len(cases) + "</tr>"]
     for label, cells in rows:
-        table.append(f"<tr><td>{esc(label)}</td>" + "".join(f"<td>{esc(c)}</td>" for cell in cells for c in cell)
-                     + "</tr>")
+        table.append(f"<tr><td>{html_text(label)}</td>" + "".join(f"<td>{html_text(c)}</td>" for cell in cells
+                                                                   for c in cell) + "</tr>")
     table.append("</table>")
-    parts.append("<h2>Paper table</h2>" + _scroll("\n".join(table)))
+    return scroll("\n".join(table))
+
+
+def _report_html(results, df, figs, caption, cases, rows, diffs=None, advice=None, batch: int = 64,
+                 tolerance: float = 0.1) -> str:
+    parts = []
+    for res in results:
+        parts.append(f"<h2>{html_text(res.name)}</h2><ul>" + "".join(
+            f"<li>{html_inline(line[2:])}</li>" for line in _run_lines(res)) + "</ul>")
+    if advice:
+        parts.append(f"<h2>Advice</h2><p>{html_inline(advice_note(batch, tolerance))}</p>")
+        for name, lines in advice.items():
+            parts.append((f"<h3>{html_text(name)}</h3>" if len(advice) > 1 else "") + "<ul class='advice'>"
+                         + "".join(f"<li>{html_text(line)}</li>" for line in lines) + "</ul>")
+    parts.append("<h2>Paper table</h2>" + _paper_table_html(cases, rows))
     parts.append(f"<p class='caption'>{html_inline(caption)}</p>")
     if diffs is not None:
-        shown = diffs.assign(z=[f"{sig(z, 2)}{h}" for z, h in zip(diffs["z"], diffs["heavy_tail"])])
-        table_html = shown[["run", "against", "case", "row", "diff", "rel_diff", "se", "z"]].to_html(
-            index=False, float_format=lambda x: sig(x, 3), na_rep="", border=0, classes="rows")
-        parts.append(f"<h2>Differences between runs</h2><p>{html_text(DIFF_NOTE)}</p>"
-                     + _scroll(table_html.replace("`", "&#96;")))
+        parts.append(f"<h2>Differences between runs</h2><p>{html_text(DIFF_NOTE)}</p>" + differences_html(diffs))
     bl = baselines_frame(results)
     if bl is not None:
-        parts.append(f"<h2>Group baselines</h2><p>{html_text(BASELINE_NOTE)}</p>" + _scroll(bl.to_html(
+        parts.append(f"<h2>Group baselines</h2><p>{html_text(BASELINE_NOTE)}</p>" + scroll(bl.to_html(
             index=False, float_format=lambda x: sig(x, 3), na_rep="", border=0, classes="rows").replace("`", "&#96;")))
     parts.append("<h2>Figures</h2>")
-    for name, cap, by_fmt in figs:
-        b64 = base64.b64encode(by_fmt["png"]).decode()
-        parts.append(f"<figure id='{esc(name)}'><img src='data:image/png;base64,{b64}' alt='figures/{esc(name)}'>"
-                     f"<figcaption>{html_inline(cap)} (<code>figures/{esc(name)}</code>)</figcaption></figure>")
+    parts += [figure_html(name, cap, by_fmt["png"]) for name, cap, by_fmt in figs]
     parts.append("<h2>All rows</h2>")
-    show = ["run", "case", "label", "target", "true_kl", "mean", "se", "exact_mean", "rel_bias", "rel_std",
-            "exact_rel_std", "z", "frac_negative", "n_for_10pct", "heavy_tail"]
-    if len(results) == 1:
-        show.remove("run")           # one folder: the column would repeat its name on every row
-    rows_html = df[[c for c in show if c in df]].to_html(index=False, float_format=lambda x: sig(x, 4), na_rep="",
-                                                         border=0, classes="rows")
-    parts.append(_scroll(rows_html.replace("`", "&#96;")))
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    several = len(results) > 1          # one folder: a run column would repeat its name on every row
+    header = (["run"] if several else []) + ROW_HEADER
+    from .display import with_reference         # no exact value: against the reference, as the paper table
+    body = [([str(r["run"])] if several else []) + row_cells(r) for _, r in with_reference(df).iterrows()]
+    parts.append(table_html(header, body))
+    return page("kl-bench report", parts)

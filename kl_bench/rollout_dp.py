@@ -22,15 +22,16 @@ def moment_matrices(q: torch.Tensor, m: torch.Tensor, h: torch.Tensor, bucket: t
                     eos: int | None, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(A [kmax+1, C, C], E [kmax+1, C]) for q, m, h of shape [C, V] (float64) and bucket [V] (int64)."""
     c, v = q.shape
-    keep = torch.ones(v, dtype=torch.bool, device=q.device)
+    keep = torch.arange(v, device=q.device)        # the tokens that continue the sequence (all but EOS), in order
     if eos is not None:
-        keep[eos] = False
+        keep = torch.cat([keep[:eos], keep[eos + 1:]])
+    target = bucket[keep]
     a = torch.zeros(kmax + 1, c, buckets, dtype=torch.float64, device=q.device)
     e = torch.zeros(kmax + 1, c, dtype=torch.float64, device=q.device)
     w = q * m
     for j in range(kmax + 1):
         wj = w * h**j if j else w
-        a[j].index_add_(1, bucket[keep], wj[:, keep])
+        a[j].index_add_(1, target, wj[:, keep])
         if eos is not None:
             e[j] = wj[:, eos]
     return a, e
@@ -50,22 +51,11 @@ def propagate_phases(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start
 def propagate_tensor(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start: int = 0) -> torch.Tensor:
     """:func:`propagate_phases` as a tensor [K+1], differentiable with autograd through A and E (the
     rollout gradients differentiate it with respect to the sampling logits)."""
-    a0 = phases[0][0]
-    kmax, c = a0.shape[0] - 1, a0.shape[1]
-    state = torch.zeros(kmax + 1, c, dtype=torch.float64, device=a0.device)
-    state[0, start] = 1.0
-    ended = torch.zeros(kmax + 1, dtype=torch.float64, device=a0.device)
-    binom = [[math.comb(k, j) for j in range(k + 1)] for k in range(kmax + 1)]
+    state, ended = _start(phases, start), None
     for a, e, steps in phases:
         for _ in range(steps):
-            new = torch.zeros_like(state)
-            for k in range(kmax + 1):
-                for j in range(k + 1):
-                    new[k] += binom[k][j] * (state[k - j] @ a[j])
-                    ended[k] += binom[k][j] * (state[k - j] @ e[j])
-            state = new
-    return ended + state.sum(dim=1)
-
+            state, ended = _step(state, a, e, ended)
+    return state.sum(dim=1) if ended is None else ended + state.sum(dim=1)
 
 
 def propagate_by_length(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start: int = 0) -> torch.Tensor:
@@ -73,24 +63,35 @@ def propagate_by_length(phases: list[tuple[torch.Tensor, torch.Tensor, int]], st
     [ℓ − 1, k] = E[M · S^k ; |y| = ℓ] (EOS at step ℓ, or no EOS and ℓ = T). Summing over ℓ gives
     :func:`propagate_phases`. Per-sequence means (S/|y|) and length-dependent weights (W^{1/|y|}) are
     then exact sums over ℓ: docs/trainers.md."""
-    a0 = phases[0][0]
-    kmax, c = a0.shape[0] - 1, a0.shape[1]
-    state = torch.zeros(kmax + 1, c, dtype=torch.float64, device=a0.device)
-    state[0, start] = 1.0
-    binom = [[math.comb(k, j) for j in range(k + 1)] for k in range(kmax + 1)]
-    out = []
+    state, out = _start(phases, start), []
     for a, e, steps in phases:
         for _ in range(steps):
-            new = torch.zeros_like(state)
-            ended = torch.zeros(kmax + 1, dtype=torch.float64, device=a0.device)
-            for k in range(kmax + 1):
-                for j in range(k + 1):
-                    new[k] += binom[k][j] * (state[k - j] @ a[j])
-                    ended[k] += binom[k][j] * (state[k - j] @ e[j])
-            state = new
+            state, ended = _step(state, a, e, None)
             out.append(ended)
     out[-1] = out[-1] + state.sum(dim=1)        # still alive after T steps: length T
     return torch.stack(out)
+
+
+def _start(phases: list[tuple[torch.Tensor, torch.Tensor, int]], start: int) -> torch.Tensor:
+    """The state before the first step, V_k[c] = 1 for k = 0 and c = ``start``: [K+1, C] on A's device."""
+    a0 = phases[0][0]
+    state = torch.zeros(a0.shape[0], a0.shape[1], dtype=torch.float64, device=a0.device)
+    state[0, start] = 1.0
+    return state
+
+
+def _step(state: torch.Tensor, a: torch.Tensor, e: torch.Tensor,
+          ended: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the program: the new state V'_k = Σ_j C(k, j) V_{k−j} A_j [K+1, C], and ``ended`` [K+1]
+    (zeros when None) plus this step's EOS mass Σ_j C(k, j) V_{k−j} E_j, added term by term."""
+    kmax = state.shape[0] - 1
+    ended = torch.zeros(kmax + 1, dtype=torch.float64, device=state.device) if ended is None else ended
+    new = torch.zeros_like(state)
+    for k in range(kmax + 1):
+        for j in range(k + 1):
+            new[k] += math.comb(k, j) * (state[k - j] @ a[j])
+            ended[k] += math.comb(k, j) * (state[k - j] @ e[j])
+    return new, ended
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,9 @@ class LengthSpectra:
 def length_spectra(p_length: torch.Tensor, group: int) -> LengthSpectra:
     """``p_length`` [T]: P(|y| = ℓ) for ℓ = 1..T; ``group`` = B ≥ 1."""
     t, b = p_length.shape[0], int(group)
-    p = torch.cat([torch.zeros(1, dtype=torch.float64), p_length.to(torch.float64).cpu()])
+    # On the host: a [T] law in, two spectra out (the FFTs' bytes then do not depend on the device).
+    host = p_length.to(torch.float64).cpu()
+    p = torch.cat([torch.zeros(1, dtype=torch.float64, device=host.device), host])
     size = b * t + 1
     n = 1 << (size - 1).bit_length()
     f_p = torch.fft.rfft(p, n)
@@ -145,7 +148,8 @@ def token_mean_moments(by_length: torch.Tensor, group: int,
         return math.inf, math.inf
     t, b = by_length.shape[0], int(group)
     sp = spectra if spectra is not None else length_spectra(by_length[:, 0], b)
-    p, a1, a2 = (torch.cat([torch.zeros(1, dtype=torch.float64), by_length[:, k].to(torch.float64).cpu()])
+    host = by_length.to(torch.float64).cpu()                            # [T, 3]: a small result
+    p, a1, a2 = (torch.cat([torch.zeros(1, dtype=torch.float64, device=host.device), host[:, k]])
                  for k in range(3))                                     # coefficients of z^0..z^T
     fft = torch.fft.rfft
 
@@ -157,9 +161,9 @@ def token_mean_moments(by_length: torch.Tensor, group: int,
         c[:sp.lo] = 0.0
         c[sp.hi + 1:] = 0.0
         return c[1:]
-    x = torch.arange(1, sp.size, dtype=torch.float64)
+    x = torch.arange(1, sp.size, dtype=torch.float64, device=host.device)
     mean = b * float((coef(fft(a1, sp.n) * sp.power1) / x).sum())
-    ell = torch.arange(t + 1, dtype=torch.float64)
+    ell = torch.arange(t + 1, dtype=torch.float64, device=host.device)
     a1d = a1 - mean * ell * p
     a2d = a2 - 2 * mean * ell * a1 + mean * mean * ell * ell * p
     second = b * float((coef(fft(a2d, sp.n) * sp.power1) / x**2).sum())
@@ -178,8 +182,8 @@ def inverse_total_length(p_length: torch.Tensor, group: int) -> torch.Tensor:
     at once are one FFT correlation with 1/x, float64 (rounding ~1e-16 of the largest term)."""
     t, b = p_length.shape[0], int(group)
     if b == 1:
-        return 1.0 / torch.arange(1, t + 1, dtype=torch.float64)
-    sp = length_spectra(p_length, b)
+        return 1.0 / torch.arange(1, t + 1, dtype=torch.float64, device=p_length.device)
+    sp = length_spectra(p_length, b)            # on the host (its FFTs); the [T] result goes back
     size = (b - 1) * t + 1                                  # coefficients z^0..z^{(B−1)T} of P^{B−1}
     c = torch.fft.irfft(sp.power1, sp.n)[:size]
     support = (p_length > 0).nonzero()
@@ -187,10 +191,10 @@ def inverse_total_length(p_length: torch.Tensor, group: int) -> torch.Tensor:
     c[:lo] = 0.0
     c[hi + 1:] = 0.0
     # γ(ℓ)/B = Σ_k c_k / (ℓ + k): the correlation of c with h(x) = 1/x, x = 1..size + T.
-    h = 1.0 / torch.arange(1, size + t + 1, dtype=torch.float64)
+    h = 1.0 / torch.arange(1, size + t + 1, dtype=torch.float64, device=c.device)
     n = 1 << (size + h.shape[0]).bit_length()
     corr = torch.fft.irfft(torch.fft.rfft(h, n) * torch.conj(torch.fft.rfft(c, n)), n)
-    return b * corr[:t]
+    return (b * corr[:t]).to(p_length.device)
 
 
 # ----------------------------------------------------------------------------- per-step expectations
@@ -206,7 +210,14 @@ class StepTables:
     u: torch.Tensor
 
 
-SUMS = ("one", "all", "to_go")
+# F_t of :func:`step_expectations` by ``part``: the step's term from α_{t−1} (``a`` [C, 1]), β_{t−1} [C, 1],
+# the step's f [C, V] and the continuation values (zc, vc) [C, V] after its token.
+_TERMS = {
+    "one": lambda a, beta, f, zc, vc: a * zc,                           # F_t = 1
+    "all": lambda a, beta, f, zc, vc: beta * zc + a * (f * zc + vc),    # F_t = Σ_s f_s
+    "to_go": lambda a, beta, f, zc, vc: a * (f * zc + vc),              # F_t = Σ_{s≥t} f_s
+}
+SUMS = tuple(_TERMS)
 
 
 def step_expectations(steps: list[StepTables], bucket: torch.Tensor, eos: int | None, part: str,
@@ -227,19 +238,19 @@ def step_expectations(steps: list[StepTables], bucket: torch.Tensor, eos: int | 
         raise ValueError(f"part must be one of {SUMS}")
     length = len(steps)
     c, v = steps[0].b.shape
-    dt = torch.float64
-    gam = torch.ones(length, dtype=dt) if gamma is None else gamma.to(dt)
-    not_eos = torch.ones(v, dtype=dt)
+    dt, dev = torch.float64, steps[0].b.device
+    gam = torch.ones(length, dtype=dt, device=dev) if gamma is None else gamma.to(dev, dt)
+    not_eos = torch.ones(v, dtype=dt, device=dev)
     if eos is not None:
         not_eos[eos] = 0.0
     # Backward: the continuation values (zc, vc) [C, V] of drawing x from c at step t.
     cont: list[tuple[torch.Tensor, torch.Tensor]] = [None] * length      # type: ignore[list-item]
-    z_next = torch.full((c,), float(gam[length - 1]), dtype=dt)
-    v_next = torch.zeros(c, dtype=dt)
+    z_next = gam[length - 1].expand(c).clone()
+    v_next = torch.zeros(c, dtype=dt, device=dev)
     for t in range(length, 0, -1):
         st = steps[t - 1]
         if t == length:
-            zc, vc = torch.full((c, v), float(gam[t - 1]), dtype=dt), torch.zeros(c, v, dtype=dt)
+            zc, vc = gam[t - 1].expand(c, v).clone(), torch.zeros(c, v, dtype=dt, device=dev)
         else:
             zc = not_eos * z_next[bucket][None, :] + (1 - not_eos) * gam[t - 1]
             vc = not_eos * v_next[bucket][None, :]
@@ -247,25 +258,19 @@ def step_expectations(steps: list[StepTables], bucket: torch.Tensor, eos: int | 
         bm = st.b * st.m
         z_next, v_next = (bm * zc).sum(-1), (bm * (st.f * zc + vc)).sum(-1)
     # Forward: accumulate the contributions.
-    alpha = torch.zeros(c, dtype=dt)
+    alpha = torch.zeros(c, dtype=dt, device=dev)
     alpha[0] = 1.0
-    beta = torch.zeros(c, dtype=dt)
-    out = torch.zeros(c, v, dtype=dt)
+    beta = torch.zeros(c, dtype=dt, device=dev)
+    out = torch.zeros(c, v, dtype=dt, device=dev)
     for t in range(1, length + 1):
         st = steps[t - 1]
         zc, vc = cont[t - 1]
         bm = st.b * st.m
         a = alpha[:, None]
-        if part == "one":
-            term = a * zc
-        elif part == "to_go":
-            term = a * (st.f * zc + vc)
-        else:
-            term = beta[:, None] * zc + a * (st.f * zc + vc)
-        out += bm * st.u * term
+        out += bm * st.u * _TERMS[part](a, beta[:, None], st.f, zc, vc)
         # Move on (EOS draws leave the alive states).
         go = bm * not_eos
-        new_alpha = torch.zeros(c, dtype=dt).index_add_(0, bucket, (a * go).sum(0))
-        new_beta = torch.zeros(c, dtype=dt).index_add_(0, bucket, (go * (beta[:, None] + a * st.f)).sum(0))
+        new_alpha = torch.zeros(c, dtype=dt, device=dev).index_add_(0, bucket, (a * go).sum(0))
+        new_beta = torch.zeros(c, dtype=dt, device=dev).index_add_(0, bucket, (go * (beta[:, None] + a * st.f)).sum(0))
         alpha, beta = new_alpha, new_beta
     return out

@@ -449,7 +449,7 @@ def _canonical(value: Any) -> Any:
             return {"array": list(value.shape), "dtype": str(value.dtype), "unsupported": True}
         # The bytes TensorLogits hashes: float64 on the CPU (bf16 has no numpy dtype).
         import torch
-        t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()
+        t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()  # host: a spec table, hashed from host bytes
         return {"array": list(t.shape), "dtype": str(value.dtype),
                 "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()}
     if isinstance(value, Path):

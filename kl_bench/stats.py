@@ -8,9 +8,7 @@ from __future__ import annotations
 import math
 from enum import Enum
 
-# Two different exact float64 sums (or a sum and a closed form) agree to ~1e-15 relative; differences
-# below this fraction of the compared quantity's scale are rounding, not statistics.
-ROUNDING = 1e-12
+from .formatting import ROUNDING, count, fmt  # ROUNDING: one constant for the z scores' floor and printing
 
 
 def batch_means_se(deviations, weights):
@@ -56,9 +54,21 @@ def z_score(value: float, ref: float, se: float, scale: float) -> float:
     return (value - ref) / se_eff
 
 
+def kish_ess(sum_w: float, sum_w2: float) -> float:
+    """Kish's effective sample size (Σw)²/Σw² of draws with importance weights w, from Σw and Σw²: N for
+    equal weights, near 1 when one draw carries the whole sum. 0 when every weight is 0 in float64 (they
+    underflowed: no draw carries anything), 0 when Σw² overflowed; NaN for NaN sums."""
+    if math.isnan(sum_w) or math.isnan(sum_w2):
+        return math.nan
+    if sum_w2 == 0 or math.isinf(sum_w2):
+        return 0.0
+    return sum_w * sum_w / sum_w2
+
+
 class HeavyTail(str, Enum):
     """Why a row's measured spread cannot be trusted (summary.csv's ``heavy_tail``; empty: no reason)."""
     NONE = ""
+    DEGENERATE = "degenerate IS weights (ESS < batches)"
     SUPPORT_MISS = "infinite IS weight (b misses q's support)"
     INFINITE_VARIANCE = "infinite variance"
     INFINITE_FOURTH = "infinite 4th moment"
@@ -71,11 +81,20 @@ class HeavyTail(str, Enum):
     @property
     def exact(self) -> bool:
         """Found by the exact analysis (not a heuristic on the draws): the check gate skips std comparisons."""
-        return self not in (HeavyTail.NONE, HeavyTail.UNSTABLE)
+        return self not in (HeavyTail.NONE, HeavyTail.UNSTABLE, HeavyTail.DEGENERATE)
+
+    @property
+    def unknown_mean(self) -> bool:
+        """The measured mean and its SE say nothing (not only the spread): infinite variance, or importance
+        weights so degenerate that a handful of draws carry the whole sum. The gate skips such rows, saying so."""
+        return self in (HeavyTail.INFINITE_VARIANCE, HeavyTail.DEGENERATE)
 
     @property
     def explanation(self) -> str:
         return {
+            HeavyTail.DEGENERATE: "importance weights so uneven that fewer than one effective draw falls in each "
+                                  "batch (ESS: Kish's effective sample size of the weights): the measured mean "
+                                  "and its SE say nothing",
             HeavyTail.SUPPORT_MISS: "the importance weight q/b is infinite where the sampler never draws",
             HeavyTail.INFINITE_VARIANCE: "infinite variance (E_q[r²] = ∞)",
             HeavyTail.INFINITE_FOURTH: "an infinite 4th moment (the measured std converges slowly and is usually too low)",
@@ -86,9 +105,14 @@ class HeavyTail(str, Enum):
 
 
 def classify_heavy_tail(*, support_miss_weighted: bool, exact_var: float, fourth_finite: bool,
-                        kurtosis: float, draws: float, batch_sq) -> HeavyTail:
-    """The first reason that applies, in order of certainty: exact findings first, then the heuristic
-    "one batch carries more than max(20%, 5/K) of Σ(f − c)²" on the per-batch sums of squares [K]."""
+                        kurtosis: float, draws: float, batch_sq, ess: float = math.nan) -> HeavyTail:
+    """The first reason that applies: degenerate importance weights first (``ess``: the Kish effective
+    sample size of the weights that multiply the row, NaN where none do; below the number of batches K,
+    fewer than one effective draw falls in a batch, so neither the mean nor the batch-means SE means
+    anything), then in order of certainty the exact findings, then the heuristic "one batch carries more
+    than max(20%, 5/K) of Σ(f − c)²" on the per-batch sums of squares [K]."""
+    if ess < batch_sq.shape[0]:          # False for NaN: no weights
+        return HeavyTail.DEGENERATE
     if support_miss_weighted:
         return HeavyTail.SUPPORT_MISS
     if math.isinf(exact_var):
@@ -102,3 +126,12 @@ def classify_heavy_tail(*, support_miss_weighted: bool, exact_var: float, fourth
     if k > 1 and total > 0 and float(batch_sq.max()) / total > max(0.2, 5 / k):
         return HeavyTail.UNSTABLE
     return HeavyTail.NONE
+
+
+def unknown_reason(heavy: str, ess: float, draws: float, batches: float) -> str:
+    """Why a row's mean is unknown (:attr:`HeavyTail.unknown_mean`), in words with its numbers: the
+    gate's note and the tables' caption say the same."""
+    if heavy == HeavyTail.DEGENERATE.value:
+        return (f"degenerate importance weights: an effective sample size of {fmt(ess)} out of {count(draws)} "
+                f"draws, below the {count(batches)} batches, so the mean and its SE say nothing")
+    return f"{HeavyTail(heavy).explanation}: the SE estimates nothing"

@@ -113,6 +113,8 @@ def unrendered_figures(monkeypatch):
 # Test files of the optional extras (hf: your own models; trl: the trainer audit). They skip where the extra
 # is missing; .ci/run installs the extras and runs them with `-m 'slow or extras'`, where they must not skip.
 EXTRAS_FILES = {"test_model.py", "test_trainer_inputs.py", "test_audit_trl.py"}
+# Tests inside other files that need an extra (the tiny models: transformers): marked extras by name.
+EXTRAS_TESTS = {"test_a_tiny_model_generating_in_bf16_as_the_engine"}
 
 
 # The files that take the most worker time (measured on 2 cores: the slow set's torchrun, benchmark and
@@ -120,8 +122,8 @@ EXTRAS_FILES = {"test_model.py", "test_trainer_inputs.py", "test_audit_trl.py"}
 # files to the workers in collection order, so these go first and the light files fill the tail: a
 # file of 100 s started last would leave the other worker idle for most of it.
 HEAVY_FIRST = ("test_distributed.py", "test_benchmarks.py", "test_atomic.py", "test_probe.py", "test_audit_trl.py",
-               "test_report.py", "test_model.py", "test_hardening_io.py", "test_hardening.py", "test_plots.py",
-               "test_rollout_gradients.py", "test_api.py", "test_counts.py")
+               "test_terminal.py", "test_report.py", "test_model.py", "test_hardening_io.py", "test_hardening.py",
+               "test_plots.py", "test_rollout_gradients.py", "test_api.py", "test_counts.py")
 
 
 # Test files whose assertions are numerical (exact oracles, bit-for-bit trainer formulas, determinism,
@@ -132,7 +134,8 @@ NUMERICS_FILES = {"test_training.py", "test_training_sequences.py", "test_gradie
                   "test_presets.py", "test_rejection.py", "test_aggregations.py", "test_clipping.py", "test_exact.py",
                   "test_ukl.py", "test_baselines.py", "test_audit.py", "test_audit_api.py", "test_monte_carlo.py",
                   "test_rollout.py", "test_rollout_gradients.py", "test_topk.py", "test_precision.py",
-                  "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py"}
+                  "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py",
+                  "test_audit_stream.py", "test_audit_session.py", "test_audit_engine.py", "test_output.py"}
 
 
 def pytest_collection_modifyitems(items):
@@ -142,9 +145,20 @@ def pytest_collection_modifyitems(items):
         # front). Not in pyproject's filterwarnings: there it would also turn a third-party plugin's
         # warning at configuration into an INTERNALERROR (pyproject.toml).
         item.add_marker(pytest.mark.filterwarnings("error"), append=False)
-        if item.path.name in EXTRAS_FILES:
+        if item.path.name in EXTRAS_FILES or item.originalname in EXTRAS_TESTS:
             item.add_marker(pytest.mark.extras)
         if item.path.name in NUMERICS_FILES:
             item.add_marker(pytest.mark.numerics)
     # A stable sort: the order within a file, and of the other files, is unchanged.
     items.sort(key=lambda it: HEAVY_FIRST.index(it.path.name) if it.path.name in HEAVY_FIRST else len(HEAVY_FIRST))
+
+
+def logged_logprobs(n=512, t=16, v=20, seed=0):
+    """A trainer's log: per-token log-probs of sampled tokens under q and p, a mask, and kl_full."""
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.log_softmax(torch.randn(n, t, v, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(lq + 0.3 * torch.randn(n, t, v, generator=g, dtype=torch.float64), -1)
+    x = torch.multinomial(lq.exp().reshape(-1, v), 1, generator=g).reshape(n, t)
+    mask = (torch.arange(t)[None] < torch.randint(1, t + 1, (n,), generator=g)[:, None]).double()
+    return {"logp_policy": lq.gather(-1, x[..., None])[..., 0], "logp_ref": lp.gather(-1, x[..., None])[..., 0],
+            "mask": mask, "kl_full": (lq.exp() * (lq - lp)).sum(-1)}

@@ -157,12 +157,22 @@ def test_80_columns_compact_one_line_a_row_nothing_truncated(two_cases):
     assert len(k1) == 2 and all("±" in line for line in k1)   # one line per row, value ± se on it
 
 
-def test_a_side_table_too_wide_for_the_terminal_is_a_pointer_not_a_mangled_table(two_cases):
-    from kl_bench.display import schulman_table, show_or_point
+def test_a_side_table_too_wide_for_the_terminal_is_stacked_every_cell_kept(two_cases):
+    """Issue 31: a table wider than the terminal is printed in parts that each fit (the estimator column in
+    every part), never a pointer to --wide and never a cut cell."""
+    from kl_bench.display import natural_width, schulman_table, show
     buf = io.StringIO()
-    con = Console(file=buf, width=50, force_terminal=True, color_system=None)
-    show_or_point(con, schulman_table(two_cases), "side-by-side")
-    assert buf.getvalue().startswith("(side-by-side table: ") and "--wide" in buf.getvalue()
+    con = Console(file=buf, width=40, force_terminal=True, color_system=None)
+    table = schulman_table(two_cases)
+    assert natural_width(con, table) > 40
+    show(con, table)
+    lines = buf.getvalue().splitlines()
+    assert all(len(line) <= 40 for line in lines) and "…" not in buf.getvalue()
+    assert sum("(1/" in line or "(2/" in line for line in lines) >= 2                # in parts
+    plain = io.StringIO()
+    show(Console(file=plain, width=400, force_terminal=False), schulman_table(two_cases))
+    cells = {c for line in plain.getvalue().splitlines()[3:] for c in line.split()}
+    assert cells <= {c for line in lines for c in line.split()}                       # every cell, whole
 
 
 def test_200_columns_full_table_and_wide_flag(two_cases):
@@ -204,22 +214,3 @@ def test_the_cli_in_an_80_column_terminal(write_spec, tmp_path):
     table = [line for line in text.splitlines() if line.startswith(("k1 ", "k2 ", "k3 ", "abs "))]
     assert len(table) == 4 and all(len(line) <= 80 for line in table), text
     assert "…" not in "\n".join(table)
-
-
-def test_progress_in_a_log_is_one_plain_line_per_case_and_phase(monkeypatch):
-    """Issue 25 item 9: where stderr is not a terminal, no bar (nothing redraws it) but one line per case
-    or phase, with the draws done and the rate."""
-    from kl_bench import progress as P
-    monkeypatch.setattr(P, "PROGRESS_AFTER_S", -1.0)
-    buf = io.StringIO()
-    bar = P.LazyProgress(3_000_000, enabled=True, console=Console(file=buf, force_terminal=False, width=400))
-    bar.label("a")
-    bar.advance(1_000_000)
-    bar.advance(1_000_000)
-    bar.label("b (gradients)")
-    bar.advance(1_000_000)
-    bar.close()
-    lines = buf.getvalue().splitlines()
-    assert [line.split(":")[1].strip() for line in lines] == ["a", "b (gradients)"]
-    assert lines[1].startswith("progress: b (gradients): 2,000,000/3,000,000 draws done, ")
-    assert bar.bar is None

@@ -12,6 +12,7 @@ from kl_bench.engine import as_rows
 from kl_bench.estimators import lookup
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import RolloutPair
+from kl_bench.pairs.rollout import dp
 from kl_bench.pairs.rollout import brute_force_sequences
 
 from .conftest import CPU, mc_frame
@@ -28,7 +29,7 @@ def _tables(v=5, c=2, seed=1, noise=0.4):
 def test_length_split_program_sums_to_the_plain_one():
     lq, lp, _ = _tables(v=30, c=3)
     pair = RolloutPair("r", lq, lp, torch.arange(30) % 3, 7, 29)
-    a, e = rollout_dp.moment_matrices(lq.exp(), torch.ones_like(lq), lp - lq, pair.bucket, 3, 29, 2)
+    a, e = rollout_dp.moment_matrices(lq.exp(), torch.ones_like(lq), lp - lq, pair.model.bucket, 3, 29, 2)
     by_len = rollout_dp.propagate_by_length([(a, e, 7)])
     assert by_len.shape == (7, 3)
     assert torch.allclose(by_len.sum(0), torch.tensor(rollout_dp.propagate(a, e, 7), dtype=torch.float64), rtol=1e-12)
@@ -42,7 +43,7 @@ def test_per_sequence_mean_and_geometric_weight_against_enumeration(eos):
     est = lookup("k3")
     on_q = RolloutPair("q", lq, lp, bucket, 4, eos, per_sequence_mean=True)
     mean = var = 0.0
-    for prob, path in brute_force_sequences(on_q):
+    for prob, path in brute_force_sequences(on_q.model):
         v = sum(float(est.fn(lp[c, x] - lq[c, x])) for c, x in path) / len(path)
         mean, var = mean + prob * v, var + prob * v * v
     got = on_q.exact_moments(est, "tok_mean")
@@ -51,7 +52,7 @@ def test_per_sequence_mean_and_geometric_weight_against_enumeration(eos):
     geo = RolloutPair("g", lq, lp, bucket, 4, eos, log_b=lb, weights="geometric", per_sequence_mean=True)
     as_b = RolloutPair("b", lb, lp, bucket, 4, eos)             # enumerates sequences with b's probabilities
     gm = gm2 = tm = 0.0
-    for prob, path in brute_force_sequences(as_b):
+    for prob, path in brute_force_sequences(as_b.model):
         s = sum(float(est.fn(lp[c, x] - lq[c, x])) for c, x in path)
         log_w = sum(float(lq[c, x] - lb[c, x]) for c, x in path)
         gm += prob * s * math.exp(log_w / len(path))
@@ -71,7 +72,7 @@ def _pair(**kw):
 
 def test_aggregation_rows_monte_carlo_against_exact():
     pair, lb = _pair(per_sequence_mean=True)
-    geo = RolloutPair("g", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=lb, weights="geometric",
+    geo = RolloutPair("g", pair.model.log_q, pair.model.log_p, pair.model.bucket, 8, 399, log_b=lb, weights="geometric",
                       per_sequence_mean=True)
     for p, aggs in ((pair, {"seq", "tok", "tok_mean"}), (geo, {"seq", "tok", "tok_mean", "tok_gm"})):
         rows = as_rows([lookup(n) for n in ("k1", "k3", "full")], p)
@@ -94,7 +95,7 @@ def test_token_mean_limit_against_the_batch_ratio():
     ratio = float(s.sum() / n.sum())
     resid = s - ratio * n
     se = float(resid.std() / n.mean()) / math.sqrt(len(s))
-    exact = pair.token_mean_limit(est)
+    exact = pair.oracle.token_mean_limit(est)
     assert abs(ratio - exact) < 5 * se
     # token-mean and sequence-mean weight long sequences differently: different numbers here
     assert abs(pair.exact_moments(est, "tok_mean")[0] - exact) > 10 * se
@@ -103,11 +104,11 @@ def test_token_mean_limit_against_the_batch_ratio():
 def test_geometric_weights_refuse_gradients_and_token_weights_refuse_per_sequence_means():
     from kl_bench.errors import SpecError
     pair, lb = _pair()
-    geo = RolloutPair("g", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=lb, weights="geometric")
+    geo = RolloutPair("g", pair.model.log_q, pair.model.log_p, pair.model.bucket, 8, 399, log_b=lb, weights="geometric")
     with pytest.raises(SpecError, match="geometric"):
         geo.require_gradients()
     with pytest.raises(SpecError, match="per_sequence_mean"):
-        RolloutPair("t", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=lb, weights="token", per_sequence_mean=True)
+        RolloutPair("t", pair.model.log_q, pair.model.log_p, pair.model.bucket, 8, 399, log_b=lb, weights="token", per_sequence_mean=True)
 
 
 # ----------------------------------------------------------------------------- token-mean over B sequences
@@ -131,15 +132,15 @@ def test_token_mean_batch_against_enumeration_of_every_batch(eos, sampler):
             pair = RolloutPair("q", lq, lp, bucket, 3, eos, per_sequence_mean=True, token_mean_batch=b, log_b=log_b,
                                min_length=min_length)
             # sequences with their probability under b (EOS suppressed at the first step with min_length)
-            on_b = RolloutPair("b", pair.phases[-1][0], lp, bucket, 3, eos)
+            on_b = RolloutPair("b", pair.model.phases[-1][0], lp, bucket, 3, eos)
             seqs = []
-            for prob, path in brute_force_sequences(on_b):
+            for prob, path in brute_force_sequences(on_b.model):
                 if prob == 0 or (min_length and path[0][1] == eos):
                     continue
                 if min_length:       # the first token comes from the renormalised early phase instead
                     c0, x0 = path[0]
-                    prob = prob / float(on_b.log_q[c0, x0].exp()) * float(pair.phases[0][0][c0, x0].exp())
-                value = sum(float(pair.kl_ctx[c]) if est.analytic else float(est.fn(lp[c, x] - lq[c, x]))
+                    prob = prob / float(on_b.model.log_q[c0, x0].exp()) * float(pair.model.phases[0][0][c0, x0].exp())
+                value = sum(float(pair.model.kl_ctx[c]) if est.analytic else float(est.fn(lp[c, x] - lq[c, x]))
                             for c, x in path)
                 seqs.append((prob, value, len(path)))
             # every B-tuple at once: outer products/sums over B copies of the sequence list (125^3 at most)
@@ -175,16 +176,16 @@ def test_token_mean_batch_tends_to_its_limit_with_a_ratio_bias_of_order_one_over
     (all exact from the length-split program): the remainder after c/B shrinks like 1/B²."""
     pair, _ = _pair()
     est = lookup("k3")
-    by_len = pair._length_dp(lambda lb: torch.ones_like(lb), lambda lb: pair._tok_values(est), 2)
-    ell = torch.arange(1, pair.length + 1, dtype=torch.float64)
+    by_len = dp.by_length(pair.model, lambda lb: torch.ones_like(lb), lambda lb: pair.model.tok_values(est), 2)
+    ell = torch.arange(1, pair.model.length + 1, dtype=torch.float64)
     mu_l, e_l2 = float((by_len[:, 0] * ell).sum()), float((by_len[:, 0] * ell**2).sum())
     mu_s, e_sl = float(by_len[:, 1].sum()), float((by_len[:, 1] * ell).sum())
     c = (mu_s * (e_l2 - mu_l**2) / mu_l - (e_sl - mu_s * mu_l)) / mu_l**2
-    limit = pair.token_mean_limit(est)
+    limit = pair.oracle.token_mean_limit(est)
     assert limit == pytest.approx(mu_s / mu_l, rel=1e-12)
     rest = {}
     for b in (64, 128):
-        p = RolloutPair("r", pair.log_q, pair.log_p, pair.bucket, pair.length, pair.eos, token_mean_batch=b)
+        p = RolloutPair("r", pair.model.log_q, pair.model.log_p, pair.model.bucket, pair.model.length, pair.model.eos, token_mean_batch=b)
         rest[b] = p.exact_moments(est, "tok_batch")[0] - limit - c / b
         assert abs(rest[b]) < 0.1 * abs(c / b)
     assert 3 < rest[64] / rest[128] < 5          # O(1/B²): halving B quadruples it
@@ -209,11 +210,11 @@ def test_token_mean_batch_monte_carlo_under_a_sampler_with_groups_cut_by_batches
     """Draws from b (temperature 0.7, top-k 50, EOS suppressed for 2 steps), B = 7 in batches of 2,000
     draws: 285 groups each, 5 draws left out per batch; mean and variance against exact."""
     pair, _ = _pair()
-    top = torch.topk(pair.log_q / 0.7, 50, dim=-1).indices
-    log_b = torch.log_softmax(torch.full_like(pair.log_q, -torch.inf).scatter(-1, top, (pair.log_q / 0.7).gather(-1, top)), -1)
-    log_b[:, 399] = pair.log_q[:, 399]                      # keep EOS in b's support
+    top = torch.topk(pair.model.log_q / 0.7, 50, dim=-1).indices
+    log_b = torch.log_softmax(torch.full_like(pair.model.log_q, -torch.inf).scatter(-1, top, (pair.model.log_q / 0.7).gather(-1, top)), -1)
+    log_b[:, 399] = pair.model.log_q[:, 399]                      # keep EOS in b's support
     log_b = torch.log_softmax(log_b, -1)
-    sampled = RolloutPair("s", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=log_b, min_length=2,
+    sampled = RolloutPair("s", pair.model.log_q, pair.model.log_p, pair.model.bucket, 8, 399, log_b=log_b, min_length=2,
                           token_mean_batch=7)
     rows = [r for r in as_rows([lookup(n) for n in ("k1", "k3", "full")], sampled) if r.aggregate == "tok_batch"]
     df = mc_frame(sampled, rows, draws=60_000, seed=5, batches=30)
@@ -242,7 +243,7 @@ def test_token_mean_batch_refusals(tmp_path):
     from kl_bench.errors import SpecError
     pair, lb = _pair()
     with pytest.raises(SpecError, match="token_mean_batch needs unweighted draws"):
-        RolloutPair("t", pair.log_q, pair.log_p, pair.bucket, 8, 399, log_b=lb, weights="sequence", token_mean_batch=4)
+        RolloutPair("t", pair.model.log_q, pair.model.log_p, pair.model.bucket, 8, 399, log_b=lb, weights="sequence", token_mean_batch=4)
     from kl_bench.api import prepare
     base = {"kind": "rollout", "name": "r", "vocab": 50, "buckets": 2, "length": 8, "eos": 49,
             "q": {"logits": "zipf", "exponent": 1.1, "seed": 1}, "p": {"from": "q", "noise": 0.3, "seed": 2}}
@@ -263,13 +264,13 @@ def test_rows_divided_by_lengths_compare_with_the_kl_per_token():
     from kl_bench.targets import FORWARD, REVERSE
     lq, lp, _ = _tables()
     pair = RolloutPair("q", lq, lp, torch.arange(5) % 2, 4, 4, per_sequence_mean=True, token_mean_batch=3)
-    mean_length = sum(prob * len(path) for prob, path in brute_force_sequences(pair))
-    assert pair.mean_length() == pytest.approx(mean_length, rel=1e-12)
+    mean_length = sum(prob * len(path) for prob, path in brute_force_sequences(pair.model))
+    assert pair.oracle.mean_length() == pytest.approx(mean_length, rel=1e-12)
     for target in (REVERSE, FORWARD):
         for agg in ("tok_mean", "tok_batch"):
             assert pair.true_value(target, agg) == pytest.approx(pair.true_value(target) / mean_length, rel=1e-12)
         assert pair.true_value(target, "tok") == pair.true_value(target, "seq") == pair.true_value(target)
-    assert pair.token_mean_limit(lookup("full")) == pytest.approx(pair.true_value(REVERSE, "tok_batch"), rel=1e-12)
+    assert pair.oracle.token_mean_limit(lookup("full")) == pytest.approx(pair.true_value(REVERSE, "tok_batch"), rel=1e-12)
 
 
 def test_run_warns_when_token_mean_rows_leave_draws_out(tmp_path):

@@ -157,11 +157,11 @@ def test_estimate_on_trainer_tensors():
     want = {"k1": -logr, "k2": 0.5 * logr**2, "k3": torch.expm1(logr) - logr, "abs": logr.abs(),
             "fwd_k1": logr.exp() * logr, "fwd_k3": logr.exp() * logr - torch.expm1(logr)}
     for name, w in want.items():
-        got = kl_bench.estimate(logp.double(), logq.double(), name)
+        got = kl_bench.estimate(policy=logq.double(), reference=logp.double(), estimator=name)
         assert got.shape == logp.shape and torch.allclose(got, w, rtol=1e-12, atol=1e-15), name
     # computed in the input dtype, as a trainer would; gradients flow
     lq16 = logq.to(torch.bfloat16).requires_grad_(True)
-    v = kl_bench.estimate(logp.to(torch.bfloat16), lq16, "k3")
+    v = kl_bench.estimate(policy=lq16, reference=logp.to(torch.bfloat16), estimator="k3")
     assert v.dtype == torch.bfloat16
     v.sum().backward()
     assert lq16.grad is not None and lq16.grad.dtype == torch.bfloat16
@@ -170,14 +170,14 @@ def test_estimate_on_trainer_tensors():
     mask[:, 5:] = False
     lp = logp.clone()
     lp[:, 5:] = -math.inf
-    out = kl_bench.estimate(lp, logq, "k3", mask=mask)
+    out = kl_bench.estimate(policy=logq, reference=lp, estimator="k3", mask=mask)
     assert (out[:, 5:] == 0).all() and torch.isfinite(out).all()
     with pytest.raises(kl_bench.SpecError, match="full next-token distributions"):
-        kl_bench.estimate(logp, logq, "full")
+        kl_bench.estimate(policy=logq, reference=logp, estimator="full")
     with pytest.raises(kl_bench.SpecError, match="one shape"):
-        kl_bench.estimate(logp, logq[:, :3], "k3")
+        kl_bench.estimate(policy=logq[:, :3], reference=logp, estimator="k3")
     with pytest.raises(KeyError, match="did you mean"):
-        kl_bench.estimate(logp, logq, "k33")
+        kl_bench.estimate(policy=logq, reference=logp, estimator="k33")
 
 
 @pytest.mark.parametrize("module", ["kl_bench.api", "kl_bench.estimators"])

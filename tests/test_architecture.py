@@ -147,13 +147,14 @@ def test_import_is_side_effect_free():
 # elsewhere): a new module must be placed here, or this test fails. README's Architecture section
 # shows the same table.
 LAYERS = [
-    ("foundation", "errors, registries, typed TOML tables, safe file I/O, atomic storage, signals, formatting",
+    ("foundation", "errors, registries, typed TOML tables, safe file I/O, atomic storage, signals, formatting, "
+     "progress, figure styles and report pages",
      ["errors", "registry", "config", "safe_io", "storage", "signals", "progress", "threads", "formatting",
-      "version"]),
+      "version", "figstyle", "pages"]),
     ("maths", "estimators, targets, clamps and presets, gradient modes, weight corrections, rejection masks, "
      "aggregates, exact oracles, statistics",
-     ["estimators", "targets", "presets", "modes", "weights", "rejection", "draws", "oracles", "rollout_dp", "topk",
-      "precision", "stats", "planning"]),
+     ["estimators", "targets", "presets", "modes", "weights", "rejection", "aggregates", "draws", "oracles", "rollout_dp",
+      "topk", "precision", "stats", "planning"]),
     ("sampling", "logits sources, samplers (the mismatch options), seeds, alias tables",
      ["logits", "samplers", "seeding", "alias"]),
     ("kinds", "one module or package per case kind and its protocols (kl_bench/pairs)", ["pairs"]),

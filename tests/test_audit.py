@@ -163,7 +163,7 @@ def test_streaming_equals_dense(sp, candidates):
     zr = hr.double() @ wr.double().T
     dense = position_values(zp, zr, EST, sp, ids=ids, eos_banned=ban, context_ids=ctx)
     st = stream_values(hp, hr, Head(wp, bias), Head(wr), EST, sp, ids=ids, eos_banned=ban, context_ids=ctx,
-                       chunk=7, tile=128, candidates=candidates)
+                       chunk=7, tile=128, candidates=candidates, dtype=torch.float64)
     for name in ("kl", "mean_q", "var_q", "mean_b", "var_b", "neg_b", "miss", "logb_mean", "logb_var",
                  "tok_logq", "tok_logp", "tok_logb"):
         a, b = getattr(dense, name), getattr(st, name)
@@ -185,14 +185,14 @@ def test_soft_capped_heads_stream_equal_dense(sp):
     zr = cap * torch.tanh((hr.double() @ wr.double().T) / cap) * scale
     dense = position_values(zp, zr, EST, sp, ids=ids)
     heads = Head(wp, bias, scale, softcap=cap), Head(wr, None, scale, softcap=cap)
-    st = stream_values(hp, hr, *heads, EST, sp, ids=ids, chunk=4, tile=100)
-    kl = kl_bench.audit.stream_kl(hp, hr, *heads, chunk=4, tile=100)
+    st = stream_values(hp, hr, *heads, EST, sp, ids=ids, chunk=4, tile=100, dtype=torch.float64)
+    kl = kl_bench.audit.stream_kl(hp, hr, *heads, chunk=4, tile=100, dtype=torch.float64)
     for name in ("kl", "mean_q", "var_q", "mean_b", "var_b", "tok_logq", "tok_logp"):
         a, b = getattr(dense, name), getattr(st, name)
         fin = torch.isfinite(a)
         assert ((a[fin] - b[fin]).abs() / (1 + a[fin].abs())).max().item() < 1e-12, name
     assert ((kl - dense.kl).abs() / (1 + dense.kl.abs())).max().item() < 1e-12
-    uncapped = kl_bench.audit.stream_kl(hp, hr, Head(wp, bias, scale), Head(wr, None, scale))
+    uncapped = kl_bench.audit.stream_kl(hp, hr, Head(wp, bias, scale), Head(wr, None, scale), dtype=torch.float64)
     assert (uncapped - dense.kl).abs().max().item() > 0.01           # the cap matters at these logits
     with pytest.raises(SpecError, match="soft-cap must be a finite number > 0"):
         Head(wp, softcap=0.0)
@@ -220,13 +220,15 @@ def test_aggregations_are_the_trainers_formulas_bit_for_bit():
 
 
 # ----------------------------------------------------------------------------- step audit by Monte Carlo
-def _steps(g, sp: Sampler, steps: int, *, trainer="trl.grpo", draw_temperature=1.0, ref_noise=0.5, B=4, T=6, V=30):
-    """Synthetic steps: per-position logits, tokens drawn from b (of logits / draw_temperature), a trainer's
-    float32 per-token values. Every step's positions are audited in one call, then split per step."""
+def _steps(g, sp: Sampler, steps: int, *, trainer="trl.grpo", draw_temperature=1.0, ref_noise=0.5, B=4, T=6, V=30,
+           draw_noise=0.0, captured=False):
+    """Synthetic steps: per-position logits, tokens drawn from b (of logits / draw_temperature, moved by
+    ``draw_noise`` as a dropout mask would), a trainer's float32 per-token values. ``captured``: the
+    audit is given the drawing pass's logits. Every step's positions are audited in one call, then split."""
     n = steps * B * T
     zp = 1.5 * torch.randn(n, V, generator=g, dtype=torch.float64)
     zr = zp + ref_noise * torch.randn(n, V, generator=g, dtype=torch.float64)
-    draw = zp / draw_temperature
+    draw = zp / draw_temperature + draw_noise * torch.randn(n, V, generator=g, dtype=torch.float64)
     ids = torch.multinomial(torch.exp(sampler_logprobs(draw, sp)), 1, generator=g).squeeze(-1)
     lengths = torch.randint(1, T + 1, (steps, B), generator=g)
     mask = torch.arange(T) < lengths.unsqueeze(-1)                                  # [S, B, T]
@@ -234,7 +236,7 @@ def _steps(g, sp: Sampler, steps: int, *, trainer="trl.grpo", draw_temperature=1
     lr = torch.log_softmax(zr, -1).gather(-1, ids[:, None]).squeeze(-1).float()
     values = kl_bench.ESTIMATORS[trainer].fn(lr - lp).view(steps, B, T)
     flat = mask.flatten()
-    pv = position_values(zp[flat], zr[flat], (trainer,), sp, ids=ids[flat])
+    pv = position_values(zp[flat], zr[flat], (trainer,), sp, ids=ids[flat], sampling=draw[flat] if captured else None)
     ends = torch.cumsum(mask.flatten(1).sum(-1), 0).tolist()
     starts = [0] + ends[:-1]
     return [(pv.select(slice(a, b)), values[s], mask[s]) for s, (a, b) in enumerate(zip(starts, ends))]
@@ -282,6 +284,28 @@ def test_step_audit_finds_k2s_bias_and_a_draw_mismatch():
     assert abs(k2["z"]) > 5 and abs(k2["consistency_z"]) < 5
     assert abs(k2["mean_bias"] - sum(r.bias_estimator for r in log.rows if r.source == "k2") / 100) < 5 * k2["se"]
     assert mism["consistency_z"] < -5       # tokens drawn at another temperature than the one audited
+
+
+@pytest.mark.parametrize("sp", [Sampler(), Sampler(top_k=5)], ids=lambda s: s.describe())
+def test_a_sampling_pass_unlike_the_scored_one_is_its_own_bias_source(sp):
+    # Tokens drawn by a pass whose logits differ from the scored pass's (here a temperature of 2 in the
+    # drawing pass; dropout or position ids do the same): without that pass the audit books the gap as
+    # noise and the consistency check fails; with it, the gap is bias_mismatch (its exact value), the rest
+    # is noise within its SE, and the check passes.
+    S = 120
+    blind = _audit(AuditLog(), _steps(_gen(17), sp, S, draw_temperature=2.0), source="blind")
+    log = AuditLog()
+    seen = _audit(log, _steps(_gen(17), sp, S, draw_temperature=2.0, captured=True), source="seen")
+    assert blind["consistency_z"] < -5
+    assert abs(seen["consistency_z"]) < 5 and all(r.sampling_pass == r.tokens for r in log.rows)
+    mismatch = sum(r.bias_mismatch for r in log.rows) / S
+    assert abs(mismatch) > 2 * seen["se"]                          # a real source, above the noise
+    assert abs(seen["mean_bias"] - seen["mean_bias_sampler"] - mismatch) < 5 * seen["se"] + 1e-6
+    z = torch.tensor([r.noise / r.se for r in log.rows])           # what is left is noise: ≈ N(0, 1)
+    assert abs(z.mean().item()) * math.sqrt(S) < 5 and abs(z.square().mean().item() - 1) < 5 * math.sqrt(2 / S)
+    r = log.rows[0]
+    assert r.bias == pytest.approx(r.bias_estimator + r.bias_sampler + r.bias_mismatch + r.noise + r.bias_precision,
+                                   abs=1e-12)
 
 
 def test_impossible_token_fails_consistency():
@@ -334,8 +358,8 @@ def test_stream_kl_is_pass_one_of_stream_values():
     g = _gen(12)
     hp, hr = 0.4 * torch.randn(9, 6, generator=g), 0.4 * torch.randn(9, 6, generator=g)
     wp, wr = torch.randn(300, 6, generator=g), torch.randn(300, 6, generator=g)
-    full = stream_values(hp, hr, Head(wp), Head(wr), (), chunk=4, tile=64)
-    kl = kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), chunk=4, tile=64)
+    full = stream_values(hp, hr, Head(wp), Head(wr), (), chunk=4, tile=64, dtype=torch.float64)
+    kl = kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), chunk=4, tile=64, dtype=torch.float64)
     assert torch.allclose(kl, full.kl, rtol=1e-13, atol=1e-15)
     dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, ())
     assert torch.allclose(kl, dense.kl, rtol=1e-12, atol=1e-14)

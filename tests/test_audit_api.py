@@ -16,16 +16,26 @@ def _tensors(seed=0, B=3, T=5, V=17):
     return zq, zp, ids, mask
 
 
-def test_keywords_equal_the_positional_form_and_a_swap_flips_k1():
+def test_keywords_name_the_sides_and_a_swap_flips_k1():
     zq, zp, ids, mask = _tensors()
     logq = torch.log_softmax(zq, -1).gather(-1, ids[..., None]).squeeze(-1)
     logp = torch.log_softmax(zp, -1).gather(-1, ids[..., None]).squeeze(-1)
     kw = kl_bench.estimate(policy=logq, reference=logp, estimator="k1")
-    assert torch.equal(kw, kl_bench.estimate(logp, logq, "k1"))
     assert torch.equal(kw, logq - logp)                                   # k1 = −log r = log q − log p
     assert torch.equal(kl_bench.estimate(policy=logp, reference=logq, estimator="k1"), -kw)
     via_logits = kl_bench.estimate(policy_logits=zq, reference_logits=zp, ids=ids, estimator="k3")
     assert torch.equal(via_logits, kl_bench.estimate(policy=logq, reference=logp, estimator="k3"))
+
+
+@pytest.mark.parametrize("args", [(1,), (2, 3), (4, 5, "k1")])
+def test_a_positional_call_is_refused_never_read_in_one_order(args):
+    """Issue 31: estimate(policy_logprobs, reference_logprobs) used to mean (reference, policy) and flip the
+    KL silently; positional tensors are now refused, naming the keywords, whatever their number."""
+    zq, zp, ids, mask = _tensors()
+    tensors = {1: zq[..., 0], 2: zq[..., 0], 3: zp[..., 0], 4: zq[..., 0], 5: zp[..., 0]}
+    with pytest.raises(TypeError, match=r"keyword arguments only.*policy=\.\.\., reference=") as e:
+        kl_bench.estimate(*[tensors.get(a, a) for a in args])
+    assert "\n" not in str(e.value)
 
 
 def test_full_from_logits_is_the_exact_kl():
@@ -69,10 +79,18 @@ def test_aggregations_through_estimate(agg):
     assert got.item() == pytest.approx(want.item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("version", ["1.15.2", "2.0.0", "x"])
-def test_unsupported_trl_version_is_one_line(version):
+@pytest.mark.parametrize("version", ["1.13.2", "2.0.0"])
+def test_a_trl_outside_the_tested_range_is_one_warning_line(version):
     from kl_bench.integrations.trl import check_trl_version
-    with pytest.raises(kl_bench.SpecError, match=r"supported: trl >= 1.16, < 1.17") as e:
-        check_trl_version(version)
+    said = []
+    assert check_trl_version(version, warn=said.append) == version
+    assert len(said) == 1 and "outside the tested range (trl >= 1.14, < 1.17" in said[0] and "\n" not in said[0]
+    said.clear()
+    assert check_trl_version("1.15.2", warn=said.append) == "1.15.2" and not said
+
+
+def test_an_unreadable_trl_version_is_one_line():
+    from kl_bench.integrations.trl import check_trl_version
+    with pytest.raises(kl_bench.SpecError, match="cannot read the TRL version 'x'") as e:
+        check_trl_version("x")
     assert "\n" not in str(e.value)
-    assert check_trl_version("1.16.3") == "1.16.3"

@@ -76,7 +76,7 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
     env = json.loads((dirs["logits"] / "audit" / "run.json").read_text())
     assert env["pooled"]["loss"]["steps"] == 3
     # `kl-bench report` on the audit folder: the figures and the pooled line per source
-    rep = runner.invoke(app, ["report", str(dirs["logits"] / "audit")])
+    rep = runner.invoke(app, ["report", str(dirs["logits"] / "audit"), "--formats", "png,pdf"])
     assert rep.exit_code == 0, rep.output
     report = dirs["logits"] / "audit" / "report"
     import pandas as pd

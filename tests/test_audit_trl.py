@@ -13,12 +13,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
 trl = pytest.importorskip("trl")
 
 
-def _run(models, tmp_path, *, steps=3, max_rows=8, **kw):
+def _run(models, tmp_path, *, steps=3, max_rows=8, dtype=torch.float32, **kw):
     from kl_bench.integrations.demo import build_trainer
     from kl_bench.integrations.trl import KLAudit
     tr = build_trainer(models, tmp_path / "run", steps=steps, **kw)
     lines = []
-    cb = KLAudit(tr, every=1, max_rows=max_rows, print_fn=lines.append, out=tmp_path / "audit")
+    cb = KLAudit(tr, every=1, max_rows=max_rows, print_fn=lines.append, out=tmp_path / "audit", dtype=dtype)
     tr.add_callback(cb)
     tr.train()
     return tr, cb, lines
@@ -64,25 +64,38 @@ def test_grpo_top_k_warns_that_the_sampler_moves_the_mean(tiny_models, tmp_path)
     assert abs(cb.log.pooled()["loss"]["consistency_z"]) < 5      # the tokens do come from the audited b
 
 
-def test_left_padding_trips_the_consistency_check_and_position_ids_clear_it(tiny_models, tmp_path):
+def test_left_padding_is_measured_as_the_mismatch_and_position_ids_clear_it(tiny_models, tmp_path):
+    # Left-padded prompts: generate() derives position ids from the mask, TRL's loss pass does not, so the
+    # pass that drew the tokens is not the scored one. The captured generation makes the gap its own part of
+    # the split (bias_mismatch, warned), and the tokens do fit the distribution that drew them.
     kw = dict(equal_length=False, max_rows=16, per_device_train_batch_size=16)
     _, cb, _ = _run(tiny_models, tmp_path / "pad", **kw)
-    assert cb.log.pooled()["loss"]["consistency_z"] < -5
-    assert any("position ids" in w for w in cb.warnings)
+    rows = cb.log.rows
+    assert all(r.sampling_pass == r.tokens for r in rows) and abs(cb.log.pooled()["loss"]["consistency_z"]) < 5
+    assert any(abs(r.bias_mismatch) > 0.05 * abs(r.expected_q) for r in rows)
+    assert any("position ids" in w and "drew the tokens" in w for w in cb.warnings)
     _, cb, _ = _run(tiny_models, tmp_path / "pos", position_ids=True, **kw)
     assert abs(cb.log.pooled()["loss"]["consistency_z"]) < 5 and not any("position ids" in w for w in cb.warnings)
+    assert all(abs(r.bias_mismatch) < 1e-4 * abs(r.expected_q) for r in cb.log.rows)
 
 
-def test_rloo_k1_in_the_reward(tiny_models, tmp_path):
+def test_rloo_k1_as_logged_and_in_the_reward(tiny_models, tmp_path):
+    # RLOO logs `kl` as the token mean of k1 and puts the per-sequence sum in the reward: two metrics, each
+    # on its own scale (source "kl" is TRL's logged metric itself).
     tr, cb, _ = _run(tiny_models, tmp_path, trainer="rloo", learning_rate=0.0)
     rows = cb.log.rows
-    assert len(rows) == 3 and all(r.estimator == "k1" and r.source == "reward" for r in rows)
-    last = cb.last_inputs
+    assert [(r.source, r.aggregation) for r in rows[:2]] == [("kl", "token-mean"), ("reward", "seq-mean-token-sum")]
+    assert len(rows) == 6 and all(r.estimator == "k1" for r in rows)
     logged = [h["kl"] for h in tr.state.log_history if "kl" in h]
+    assert [r.logged for r in rows if r.source == "kl"] == pytest.approx(logged, rel=1e-6)
+    last = cb.last_inputs
     mine = kl_bench.estimate(policy=last["policy_logps"], reference=last["ref_logps"], estimator="k1",
                              mask=last["mask"], aggregation="token-mean")
     assert mine.item() == logged[-1]
+    kl_rows = [r for r in rows if r.source == "reward"]
+    assert all(r.logged > 3 * k.logged for r, k in zip(kl_rows, rows[0::2]))       # Σ over ~8 tokens, not a mean
     assert all(abs(r.z) < 5 and abs(r.bias_precision) < 1e-4 for r in rows)
+    assert any(k.startswith("kl_audit/kl/") for h in tr.state.log_history for k in h)
 
 
 def test_dropout_and_bf16_warn(tiny_models, tmp_path):
@@ -142,7 +155,7 @@ def _dense_kl(part, heads, scale):
 def test_grpo_gradient_accumulation_audits_every_micro_batch(tiny_models, tmp_path):
     # Two micro-batches of 8 rows a step; max_rows = 16 covers both. Learning rate 0, one step.
     tr, cb, _ = _run(tiny_models, tmp_path / "all", steps=1, max_rows=16, learning_rate=0.0,
-                     gradient_accumulation_steps=2)
+                     gradient_accumulation_steps=2, dtype=torch.float64)
     row, parts = cb.log.rows[-1], cb.step_inputs
     assert len(parts) == 2 and [p["input_ids"].shape[0] for p in parts] == [8, 8] and row.sequences == 16
     # Every row TRL generated for the step (the reference pass saw them all) is audited exactly once.
@@ -193,12 +206,21 @@ def test_peft_style_reference_and_beta_zero_each_warn_one_line(tiny_models, tmp_
 def test_the_head_reads_gemma_final_logit_softcapping():
     from types import SimpleNamespace
 
-    from kl_bench.integrations.trl import _head
+    from kl_bench.integrations.trl import head_of
     lm = torch.nn.Linear(4, 9, bias=False)
     model = SimpleNamespace(get_output_embeddings=lambda: lm, config=SimpleNamespace(final_logit_softcapping=30.0))
-    assert _head(model, 0.5).softcap == 30.0 and _head(model, 0.5).scale == 2.0
+    assert head_of(model, 0.5).softcap == 30.0 and head_of(model, 0.5).scale == 2.0
     model.config.final_logit_softcapping = None                        # Gemma configs may hold None: no cap
-    assert _head(model, 1.0).softcap is None
+    model.config.logit_scale = 0.25                                    # a model's own scale, applied before the cap
+    assert head_of(model, 1.0).softcap is None and head_of(model, 1.0).multiplier == 0.25
+    # a sharded or offloaded head: one line, the step not audited
+    model = SimpleNamespace(get_output_embeddings=lambda: torch.nn.Linear(4, 9, bias=False, device="meta"),
+                            config=SimpleNamespace())
+    assert "not materialised here" in head_of(model, 1.0)
+    zero3 = torch.nn.Linear(4, 9, bias=False)
+    zero3.weight = torch.nn.Parameter(torch.empty(0))                  # DeepSpeed ZeRO-3 outside a gather
+    model = SimpleNamespace(get_output_embeddings=lambda: zero3, config=SimpleNamespace())
+    assert "ZeRO-3" in head_of(model, 1.0)
 
 
 def _reduce_worker(rank: int, init: str, out: str) -> None:
@@ -224,3 +246,93 @@ def test_a_rank_without_rows_still_takes_part_in_the_reduction(tmp_path):
     for rank in (0, 1):
         got = torch.load(tmp_path / f"r.{rank}")
         assert torch.equal(got["both"], torch.arange(1.0, 5.0, dtype=torch.float64)) and got["none"] is None
+
+
+def _hook_counts(tr):
+    models = [tr.model, tr.ref_model, tr.model.base_model, tr.ref_model.base_model]
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in models]
+
+
+def test_the_adapter_replaces_no_trainer_method_and_removes_its_hooks(tiny_models, tmp_path):
+    from kl_bench.integrations.demo import build_trainer
+    from kl_bench.integrations.trl import KLAudit
+    tr = build_trainer(tiny_models, tmp_path / "run", steps=2, learning_rate=0.0)
+    before = _hook_counts(tr)
+    cb = KLAudit(tr, every=1, print_fn=lambda s: None)
+    tr.add_callback(cb)
+    tr.add_callback(cb)                       # attached twice: one set of hooks, one audit a step
+    tr.train()
+    assert not {"compute_loss", "_get_per_token_logps_and_entropies", "log"} & set(vars(tr))
+    assert _hook_counts(tr) == before
+    assert [r.step for r in cb.log.rows] == [1, 2]
+    assert sum("kl_audit/z" in h for h in tr.state.log_history) == 2
+    # a second, independent audit on the same trainer agrees with the first
+    tr = build_trainer(tiny_models, tmp_path / "run2", steps=1, learning_rate=0.0)
+    a, b = (KLAudit(tr, every=1, print_fn=lambda s: None, dtype=torch.float64) for _ in range(2))
+    tr.add_callback(a)
+    tr.add_callback(b)
+    tr.train()
+    assert a.log.rows[0].exact == pytest.approx(b.log.rows[0].exact, rel=1e-12) and _hook_counts(tr) == before
+
+
+def test_saved_steps_audit_again_to_the_same_numbers_and_warnings(tiny_models, tmp_path):
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    out = tmp_path / "audit"
+    from kl_bench.integrations.demo import build_trainer
+    from kl_bench.integrations.trl import KLAudit
+    tr = build_trainer(tiny_models, tmp_path / "run", steps=2, top_k=20, use_bias_correction_kl=False)
+    lines = []
+    cb = KLAudit(tr, every=1, out=out, save_steps=True, dtype=torch.float64, print_fn=lines.append)
+    tr.add_callback(cb)
+    tr.train()
+    assert {p.name for p in (out / "steps").iterdir()} == {"heads.safetensors", "step-000001-000.safetensors",
+                                                           "step-000002-000.safetensors"}
+    res = CliRunner().invoke(app, ["audit", str(out)])
+    assert res.exit_code == 0, res.output
+    again = [x for x in res.output.splitlines() if x.startswith("step ")]
+    assert again == [x.removeprefix("kl_audit: ") for x in lines if x.startswith("kl_audit: step")]
+    said = {x.removeprefix("kl_audit: warning: ") for x in lines if "warning" in x and "step " in x}
+    assert said and said <= {x.removeprefix("warning: ") for x in res.output.splitlines()}
+    # the callback's folder without its steps: read back, the same lines and warnings
+    import shutil
+    shutil.rmtree(out / "steps")
+    res = CliRunner().invoke(app, ["audit", str(out)])
+    assert res.exit_code == 0, res.output
+    assert [x for x in res.output.splitlines() if x.startswith("step ")] == again
+
+
+def test_a_trl_outside_the_tested_range_warns_once_and_runs(tiny_models, tmp_path, monkeypatch):
+    from kl_bench.integrations import trl as adapter
+    monkeypatch.setattr(adapter.metadata, "version", lambda name: "1.99.0")
+    _, cb, lines = _run(tiny_models, tmp_path, steps=1)
+    assert sum("outside the tested range" in x for x in lines) == 1 and len(cb.log.rows) == 1
+    with pytest.raises(kl_bench.errors.SpecError, match="cannot read the TRL version"):
+        adapter.check_trl_version("one.two")
+
+
+def test_the_names_the_adapter_relies_on_are_in_the_installed_trl():
+    """KLAudit.CONTRACT against the installed TRL: a release that renames one fails here."""
+    import inspect
+
+    import trl as installed
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    from kl_bench.integrations.trl import CONTRACT, FACTS
+    assert {c.split(".")[-1] for c in CONTRACT["trainer classes"]} == set(FACTS)
+    for cfg in (GRPOConfig, RLOOConfig):
+        fields = set(cfg.__dataclass_fields__)
+        assert set(CONTRACT["args"]) <= fields, set(CONTRACT["args"]) - fields
+    for cls in (GRPOTrainer, RLOOTrainer):
+        src = inspect.getsource(cls)
+        for attr in ("beta", "ref_model", "temperature", "num_iterations", "generation_kwargs", "top_k", "top_p",
+                     "min_p", "repetition_penalty"):
+            assert f"self.{attr}" in src, (cls.__name__, attr)
+        assert '_metrics[mode]["kl"]' in src, cls.__name__
+        version = tuple(int(x) for x in installed.__version__.split(".")[:2])
+        if version >= (1, 15):
+            assert "fused_lm_head=True" in src and "outputs.log_probs" in src, cls.__name__
+        else:
+            assert "logits_to_keep" in src
+            from trl.trainer.utils import selective_log_softmax  # noqa: F401

@@ -226,7 +226,7 @@ def _enumerate_rollout_groups(pair, zq, est, agg, baseline, g):
     fn = ESTIMATORS[est].fn
     vals = []
     for _, path, wts in seqs:
-        logr = torch.stack([pair.log_p[c, x] - pair.log_q[c, x] for c, x in path])
+        logr = torch.stack([pair.model.log_p[c, x] - pair.model.log_q[c, x] for c, x in path])
         vals.append(float(fn(logr.sum())) if agg == "seq" else float(fn(logr).sum()))
     mean = torch.zeros(zq.numel(), dtype=torch.float64)
     for group in itertools.product(range(len(seqs)), repeat=g):

@@ -14,8 +14,9 @@ from kl_bench.api import prepare
 from kl_bench.errors import SpecError
 from kl_bench.logits import zipf_logits
 from kl_bench import seeding
-from kl_bench.engine import run_case
+from kl_bench.engine import WEIGHT_FEATURES, run_case
 from kl_bench.pairs import CASE_KINDS, CategoricalPair
+from kl_bench.pairs.rollout import sampler as rollout_sampler
 from kl_bench.seeding import BatchStream, batch_generator, batch_streams, piece_sizes
 
 from .conftest import CPU, mc_frame
@@ -75,7 +76,9 @@ def test_chunk_never_changes_the_sums(case, small_pieces):
             for chunk in (1, 777, 5_000, 1 << 22)]
     for other in runs[1:]:
         assert torch.equal(runs[0].sums, other.sums), case
-    assert runs[0].sums.shape == (4, 3 * len(runs[0].rows) + 5 * len(pair.aggregates))
+    # per row 3 sums, per aggregate the 5 joint ones, and ΣW, ΣW² where a sampler is weighted
+    assert runs[0].sums.shape == (4, 3 * len(runs[0].rows) + 5 * len(pair.aggregates)
+                                  + WEIGHT_FEATURES * (pair.weights != "none"))
 
 
 def test_summary_csv_is_byte_identical_for_any_chunk(small_pieces):
@@ -90,7 +93,8 @@ def test_no_call_draws_more_than_one_piece(case, small_pieces, monkeypatch):
     prep = prepare(_spec(1 << 22, {case: CASES[case]}))
     pair = prep.pairs[0]
     seen: list[int] = []
-    cls = type(pair)
+    # The owner of each kind's drawing function: its pair class, or the rollout kind's sampler module.
+    cls = {"rollout": rollout_sampler}.get(pair.kind, type(pair))
     name = {"gaussian": "sample", "categorical": "sample_ids", "rollout": "simulate", "logprobs": "sample_draws"}[pair.kind]
     orig = getattr(cls, name)
 

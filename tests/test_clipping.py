@@ -150,7 +150,7 @@ def test_rollout_token_floor_and_mask_match_brute_force_over_every_sequence():
     seqs = _rollout_brute(pair, "token")
     ws = [w for _, path in seqs for _, _, w in path]
     assert min(ws) < 0.845 and max(ws) > 1.9 and any(0.845 <= w < 0.9 for w in ws)   # every branch is used
-    g = pair.logr_table.numpy()
+    g = pair.model.logr_table.numpy()
     prob = np.array([p for p, _ in seqs])
     for name in ("k1", "k3"):
         fn = lookup(name).fn
@@ -209,7 +209,7 @@ def test_rollout_ppo_clip_of_local_token_rows_against_autograd_over_every_sequen
     paths = []
 
     def rec(c, prob, path):
-        if len(path) == pair.length or (path and path[-1][1] == pair.eos):
+        if len(path) == pair.model.length or (path and path[-1][1] == pair.model.eos):
             paths.append((prob, path))
             return
         for x in range(5):
@@ -226,7 +226,7 @@ def test_rollout_ppo_clip_of_local_token_rows_against_autograd_over_every_sequen
                 loss = _surrogate(est, "loss_is", corr, lqt[cs, xs], lp[cs, xs], lb[cs, xs]).sum()
                 total = total + prob * loss
             (want,) = torch.autograd.grad(total, theta)
-            got = exact_mean(pair, GradItem.of(est, "loss_is", agg))
+            got = exact_mean(pair.model, GradItem.of(est, "loss_is", agg))
             assert np.allclose(got, want.reshape(-1).numpy(), rtol=0, atol=1e-13), (est_name, agg)
     items = G.gradient_items(pair, [ESTIMATORS["k1"]])
     modes = {(it.mode, it.aggregate) for it in items}

@@ -82,3 +82,44 @@ def test_the_readme_is_a_first_hour_document():
     for needed in ("## Install and run (one command)", "## Tests (one command)", "## Reading the output",
                    "## Python API", "## Where to go next"):
         assert needed in text
+
+
+def _reading_the_output() -> tuple[list[str], str]:
+    """The code blocks of the README's "Reading the output" section, and its prose outside them."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Reading the output"):text.index("## Tests (one command)")]
+    return re.findall(r"```\n(.*?)```", section, flags=re.S), re.sub(r"```.*?```", "", section, flags=re.S)
+
+
+def test_the_readmes_example_is_what_an_80_column_terminal_shows_of_the_committed_run():
+    """Issue 31: the README's table and advice blocks are kl-bench's own output for results/vocab50k in an
+    80-column terminal (tables and the advice's wrapping), and the prose under them quotes their numbers."""
+    import io
+
+    from rich.console import Console
+
+    import kl_bench
+    from kl_bench.display import print_tables, prose
+    table_block, advice_block = _reading_the_output()[0]
+    res = kl_bench.load_results(ROOT / "results" / "vocab50k")
+    first = res.summary["case"].iloc[0]
+    buf = io.StringIO()
+    con = Console(file=buf, width=80, force_terminal=True, color_system=None, highlight=False)
+    print_tables(con, res.summary[res.summary["case"] == first], res.descriptions())
+    assert buf.getvalue().strip() == table_block.strip()
+    buf = io.StringIO()
+    con = Console(file=buf, width=80, force_terminal=True, color_system=None, highlight=False)
+    advice = res.recommendations()
+    prose(con, advice[0].text)
+    general = [a for a in advice if a.general]
+    prose(con, f"{', '.join(a.case for a in general)}: {general[0].detail}")
+    assert buf.getvalue().strip() == advice_block.strip()
+
+
+def test_the_prose_under_the_readmes_example_quotes_its_numbers():
+    blocks, prose_text = _reading_the_output()
+    bullets = prose_text[prose_text.index("- **bias/true"):prose_text.index("Then the advice")]
+    numbers = set(re.findall(r"[+-]?\d[\d,]*(?:\.\d+)?%?", bullets)) - {"10%", "95%", "5", "0"}
+    assert len(numbers) >= 8                                        # the prose does quote the table
+    missing = [n for n in numbers if n.lstrip("+") not in blocks[0]]
+    assert not missing, f"README prose quotes numbers its block does not show: {missing}"

@@ -124,23 +124,23 @@ def _tiny_rollout(**kw):
 
 def _rollout_brute(pair, mode):
     """Every sequence under b's phases: probability, per-step (bucket, token, b-prob)."""
-    q = pair.log_q.exp().numpy()
-    phases = [lb.exp().numpy() for lb, steps in pair.phases for _ in range(steps)]
+    q = pair.model.log_q.exp().numpy()
+    phases = [lb.exp().numpy() for lb, steps in pair.model.phases for _ in range(steps)]
     out = []
 
     def rec(c, prob, path, t):
-        if t == pair.length:
+        if t == pair.model.length:
             out.append((prob, path))
             return
-        for x in range(pair.vocab):
+        for x in range(pair.model.vocab):
             bx = phases[t][c, x]
             if bx == 0:
                 continue
             step = path + [(c, x, q[c, x] / bx)]
-            if x == pair.eos:
+            if x == pair.model.eos:
                 out.append((prob * bx, step))
             else:
-                rec(int(pair.bucket[x]), prob * bx, step, t + 1)
+                rec(int(pair.model.bucket[x]), prob * bx, step, t + 1)
     rec(0, 1.0, [], 0)
     return out
 
@@ -149,7 +149,7 @@ def _rollout_brute(pair, mode):
 @pytest.mark.parametrize("min_length", [0, 2])
 def test_rollout_expectations_under_b_match_brute_force(mode, min_length):
     pair = _tiny_rollout(min_length=min_length, weights=mode)
-    g = pair.logr_table.numpy()
+    g = pair.model.logr_table.numpy()
     seqs = _rollout_brute(pair, mode)
     prob = np.array([p for p, _ in seqs])
     assert prob.sum() == pytest.approx(1.0, rel=1e-12)

@@ -237,8 +237,7 @@ def test_report_of_cases_without_an_exact_value(tiny_models, tmp_path):
 
 def test_tables_of_continuations_show_measured_values_against_the_reference(tiny_models):
     """No exact value: no empty brackets in the terminal tables; the paper table shows the measured values
-    against the Monte Carlo reference (KL ≈), its exact cells –; the description names the prompts once."""
-    import pandas as pd
+    against the Monte Carlo reference (KL ≈), its exact cells —; the description names the prompts once."""
     from rich.console import Console
 
     from kl_bench import display, report
@@ -257,9 +256,9 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     md = report.table_md(cases, rows, "caption")
     assert "T3 (KL ≈ " in md and "m (KL = " in md
     cells = dict(rows)["seq k1"][[c[0] for c in cases].index("T3")]
-    assert cells[0] != "–" and cells[1] == "–" and cells[2] != "–" and cells[3] == "–"
-    value, se = cells[0].rstrip("†").split(" ± ")         # measured ± SE (against the reference)
-    assert isinstance(pd.to_numeric(value), float) and float(se) > 0
+    assert cells[0] != "—" and cells[1] == "—" and cells[2] != "—" and cells[3] == "—"
+    value, se = cells[0].rstrip("†").split(" ± ")         # measured ± SE (against the reference), in %
+    assert value.endswith("%") and math.isfinite(float(value.rstrip("%"))) and float(se.rstrip("%")) > 0
     desc = res.envelope["cases"]["m"]["description"]
     assert desc.count("prompts") == 1, desc
 
@@ -273,13 +272,48 @@ def test_dump_logits_reports_progress_per_phase(tiny_models, tmp_path, monkeypat
 
     from rich.console import Console
     buf = io.StringIO()
-    bar = P.LazyProgress(0, enabled=True, console=Console(file=buf, force_terminal=False, width=400), unit="rows")
+    bar = P.LazyProgress(0, enabled=True, console=Console(file=buf, force_terminal=True, width=400), unit="rows")
+    labels = []
+    shown = bar.label
+    bar.label = lambda text: (labels.append(text), shown(text))[-1]
     dump_logits(tiny_models / "policy", tiny_models / "reference", tiny_models / "prompts.jsonl", tmp_path / "d",
                 length=3, samples=40, device="cpu", batch_size=16, progress=bar)
     n_prompts = len((tiny_models / "prompts.jsonl").read_text().splitlines())
+    bar.close()
     assert bar.total == n_prompts + 40 and bar.done == bar.total
-    lines = buf.getvalue().splitlines()
-    assert [line.split(":")[1].strip() for line in lines] == ["next-token log-probs", "continuations of 3 tokens"]
+    assert labels == ["next-token log-probs", "continuations of 3 tokens"]
+    assert f"{bar.total:,}/{bar.total:,} rows" in buf.getvalue()
+
+
+def test_a_monte_carlo_reference_prints_the_se_its_z_uses(tiny_models):
+    """Model continuations (no exact value; the reference is the `full` mean of the same paths): the bias
+    shown is mean − ref and its ± is the SE of that paired difference, recomputed here from batches.csv's
+    batch means (the formula of docs/statistics.md#batch-means), so that z = bias / SE as printed."""
+    from kl_bench.display import compact_frame
+    from kl_bench.formatting import fmt, pct
+    from kl_bench.stats import batch_means_se
+    spec = {"spec_version": 1, "experiment": {"name": "m", "draws": 1024, "seed": 3, "batches": 16, "device": "cpu",
+                                              "estimators": ["k1", "k2", "k3", "full"]},
+            "case": [model_case(tiny_models, length=6)]}
+    res = kl_bench.run(spec)
+    df = res.summary.set_index(["estimator", "aggregate"])
+    b = res.batches
+    full = b[(b["estimator"] == "full")]["batch_mean"].to_numpy()
+    sizes = b[(b["estimator"] == "full")]["draws"].to_numpy(dtype=float)
+    shown = compact_frame(res.summary, "m").set_index("estimator")
+    ref = df.loc[("full", "tok"), "ref_kl"]
+    for est, agg in [("k1", "seq"), ("k2", "seq"), ("k3", "tok")]:
+        r = df.loc[(est, agg)]
+        m = b[(b["estimator"] == est) & (b["aggregate"] == agg)]["batch_mean"].to_numpy() - full
+        w = sizes / sizes.sum()
+        se = batch_means_se(m - float((w * m).sum()), w)
+        assert r["ref_diff"] == pytest.approx(r["mean"] - ref, rel=1e-12, abs=1e-15)
+        assert r["ref_diff_se"] == pytest.approx(se, rel=1e-9)
+        assert r["z_ref"] == pytest.approx(r["ref_diff"] / r["ref_diff_se"], rel=1e-9)
+        cell = shown.loc[f"{agg} {est}"]
+        assert cell["bias/true ± se"] == f"{pct(r['ref_diff'] / ref)} ± {pct(se / ref, False)}"
+        assert cell["z"] == fmt(r["z_ref"], 2) and cell["n ±10%"] == "—"
+    assert len(full) == 16 and all(math.isfinite(x) for x in full)
 
 
 @pytest.mark.parametrize("name, content, needle", [("config.json", "{bad", "config.json is not valid JSON"),

@@ -80,12 +80,12 @@ def test_self_target_against_autograd_of_enumeration():
     pair = _roll(c=2, v=4, t=3, eos=3, seed=2, noise=0.7)
     for est in (K1, ESTIMATORS["k2"], K3):
         for agg in ("tok", "tok_mean", "seq"):
-            theta = pair.log_q.clone().requires_grad_(True)
+            theta = pair.model.log_q.clone().requires_grad_(True)
             lq = torch.log_softmax(theta, -1)
             total = 0
-            for _, path in brute_force_sequences(pair):
-                lr = [pair.log_p[c, x] - lq[c, x] for c, x in path]
-                q_y = torch.exp(-sum(lr) + sum(pair.log_p[c, x] for c, x in path))
+            for _, path in brute_force_sequences(pair.model):
+                lr = [pair.model.log_p[c, x] - lq[c, x] for c, x in path]
+                q_y = torch.exp(-sum(lr) + sum(pair.model.log_p[c, x] for c, x in path))
                 if agg == "seq":
                     v = est.fn(torch.stack([sum(lr)]))[0]
                 else:

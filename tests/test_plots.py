@@ -341,9 +341,11 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
     import matplotlib
     import seaborn as sns
     from matplotlib.colors import same_color, to_rgba
+    from kl_bench import figstyle
     assert plots.PALETTE == sns.color_palette("colorblind")
+    assert list(figstyle.COLORBLIND) == sns.color_palette("colorblind").as_hex()
     ax = _call(plots, "lambda_curve").axes[0]
-    assert same_color(ax.lines[0].get_color(), plots.PALETTE[0])           # the exact curve
+    assert same_color(ax.lines[0].get_color(), figstyle.estimator_colour("cv"))     # the exact curve: cv(λ)'s
     assert same_color(ax.get_facecolor(), "white")
     assert all(same_color(s.get_edgecolor(), to_rgba(".8")) for s in ax.spines.values())
     tick = ax.xaxis.get_major_ticks()[0]
@@ -440,12 +442,139 @@ def test_no_legend_entry_for_a_line_that_is_not_drawn(plots):
     assert "exact" in _legend_texts(fig)
 
 
-def test_planning_title_is_never_clipped(plots):
+def test_planning_keeps_every_row_in_place_and_marks_never_there(plots):
+    """A row whose bias alone exceeds 10% keeps its slot in its case's group, marked "never" in its
+    estimator's colour (it used to be a list in the title); nothing is drawn outside the figure."""
+    from matplotlib.colors import same_color
+    from kl_bench.figstyle import estimator_colour
     s = summary_frame()
     many = pd.concat([s.assign(case=s["case"] + f"-a-long-case-name-{k}", n_for_10pct=INF) for k in range(6)]
                      + [s])
     fig = plots.plot_planning(many, title="many cases")
     renderer = _render(fig)
-    box = fig.axes[0].title.get_window_extent(renderer)
-    assert box.x0 >= 0 and box.x1 <= fig.bbox.width + 0.5 and box.y1 <= fig.bbox.height + 0.5
-    assert "no bar" in fig.axes[0].get_title()
+    ax = fig.axes[0]
+    nevers = [t for t in ax.texts if t.get_text().endswith(": never")]
+    rows = many[many["lambda"].isna()]
+    assert len(nevers) == int((~np.isfinite(rows["n_for_10pct"].astype(float))).sum())
+    assert all(same_color(t.get_color(), estimator_colour(t.get_text().split()[-2].rstrip(":"))) for t in nevers)
+    bars = [p for p in ax.patches if p.get_width() > 0]
+    assert len(bars) == int(np.isfinite(rows["n_for_10pct"].astype(float)).sum())
+    assert [t.get_text() for t in ax.get_yticklabels()] == list(dict.fromkeys(rows["case"]))
+    inside = ax.get_window_extent(renderer)
+    for text in ax.texts:                        # every slot inside the axes, the first and last too
+        box = text.get_window_extent(renderer)
+        assert inside.y0 <= box.y0 and box.y1 <= inside.y1 and inside.x0 <= box.x0, text.get_text()
+    for artist in [ax.title, ax.xaxis.label, *ax.get_yticklabels()]:
+        box = artist.get_window_extent(renderer)
+        assert box.x0 >= -0.5 and box.y0 >= -0.5 and box.x1 <= fig.bbox.width + 0.5 and \
+            box.y1 <= fig.bbox.height + 0.5, artist.get_text()
+
+
+# ----------------------------------------------------------------------------- colours and visibility (issue 31 item 5)
+def _colours(fig) -> set[str]:
+    from matplotlib.colors import to_hex
+    out = set()
+    for ax in fig.axes:
+        out |= {to_hex(line.get_color()) for line in ax.get_lines()}
+        out |= {to_hex(c) for coll in ax.collections for c in np.atleast_2d(coll.get_facecolor()) if len(c)}
+        out |= {to_hex(c) for coll in ax.collections for c in np.atleast_2d(coll.get_edgecolor()) if len(c)}
+        out |= {to_hex(p.get_facecolor()) for p in ax.patches}
+    return out
+
+
+def test_a_colour_is_the_estimators_in_every_figure_whichever_estimators_a_run_has(plots):
+    """k1 is the same colour in every figure, first or last, alone or with others: colours follow the
+    estimator, not its position (they used to follow the position: fwd_k3 took abs's colour in a sweep)."""
+    from kl_bench.figstyle import estimator_colour
+    s = summary_frame()
+    gauss = s[s["case"] == "gauss"]
+    k1, k3 = estimator_colour("k1"), estimator_colour("k3")
+    assert len({estimator_colour(e) for e in ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full", "cv")}) == 8
+    assert estimator_colour("cv(0.5)") == estimator_colour("cv")
+    import kl_bench
+    own = [n for n in kl_bench.ESTIMATORS if not n.endswith("+")] + ["full", "cv", "cv_opt"]
+    assert len({estimator_colour(n) for n in own}) == len(own)          # every registered one its own colour
+    assert estimator_colour("verl.kl+") == estimator_colour("verl.kl")   # the same value: its base's colour
+    only_k3_then_k1 = gauss[gauss["estimator"].isin(["k3", "k1"])].iloc[::-1]
+    draws = distribution_values()
+    reversed_draws = draws[draws["label"].isin(["k3", "k1"])].iloc[::-1]
+    figures = {
+        "bias_std": [plots.plot_bias_std(gauss), plots.plot_bias_std(only_k3_then_k1)],
+        "distribution": [plots.plot_distribution(draws), plots.plot_distribution(reversed_draws)],
+        "convergence": [plots.plot_convergence(batches_frame(s), gauss),
+                        plots.plot_convergence(batches_frame(s), only_k3_then_k1)],
+        "planning": [plots.plot_planning(s), plots.plot_planning(only_k3_then_k1)],
+        "sweep": [plots.plot_sweep(sweep_summary(), "sweep.temperature"),
+                  plots.plot_sweep(sweep_summary()[lambda d: d["estimator"].isin(["k3", "k1"])].iloc[::-1],
+                                   "sweep.temperature")],
+        "gradient_cosine": [plots.plot_gradient_cosine(gradients_frame()),
+                            plots.plot_gradient_cosine(gradients_frame().iloc[::-1])],
+        "rollout_growth": [plots.plot_rollout_growth(s, {"roll-T4": 4, "roll-T8": 8})],
+    }
+    for name, figs in figures.items():
+        for fig in figs:
+            assert {k1, k3} <= _colours(fig), (name, _colours(fig))
+
+
+def test_lines_that_coincide_in_an_ecdf_all_stay_visible(plots):
+    """k2, k3 and fwd_k3 with the very same draws (as at small KL): each one's colour still covers pixels
+    of the curve (the legend taken away), because the first is drawn widest and the later ones narrower and
+    dashed on top; a line apart from the others is drawn plainly."""
+    from matplotlib.colors import to_rgb
+    from kl_bench.figstyle import estimator_colour
+    rng = np.random.default_rng(2)
+    v = rng.gamma(0.5, 0.01, 3000)
+    draws = pd.concat([pd.DataFrame({"label": k, "value": v}) for k in ("k2", "k3", "fwd_k3")]
+                      + [pd.DataFrame({"label": "k1", "value": rng.normal(0.0, 0.05, 3000)})], ignore_index=True)
+    fig = plots.plot_distribution(draws)
+    ax = fig.axes[0]
+    ax.get_legend().remove()
+    for line in [*ax.get_lines()]:
+        if line.get_linestyle() == "None":          # the quantile markers: the curves alone are the question
+            line.remove()
+    img = _pixels(fig)[..., :3]
+    for name in ("k2", "k3", "fwd_k3", "k1"):
+        target = np.array(to_rgb(estimator_colour(name)))
+        near = (np.abs(img - target).max(axis=-1) < 0.06).sum()
+        assert near > 30, (name, near)
+    widths = {line.get_label(): line.get_linewidth() for line in ax.get_lines()}
+    assert widths["k2"] > widths["k3"] > widths["fwd_k3"] and widths["k1"] < widths["k2"]
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_titles_never_run_under_a_legend(plots):
+    """The sweep figure's title and legend (and the training figure's) do not overlap: the legend sits
+    under the panels."""
+    from kl_bench import api
+    from kl_bench.training.plots import plot_training
+    from tests.test_training import _spec
+    long = sweep_summary().assign(case=lambda d: d["case"] + "-a-much-longer-case-name")
+    train = api.train(_spec({"gradients": ["exact"], "steps": 2})).frame
+    title = "estimators across the sweep of sampler.temperature"        # + " (at noise = 0.1)"
+    for fig in (plots.plot_sweep(long, "sweep.temperature", title=title),
+                plots.plot_sweep(long, "sweep.noise", title="estimators across the sweep of p.noise"),
+                plot_training(train)):
+        renderer = _render(fig)
+        title = fig._suptitle.get_window_extent(renderer)
+        for legend in fig.legends:
+            assert not _overlap(title, legend.get_window_extent(renderer))
+        assert title.x0 >= 0 and title.x1 <= fig.bbox.width
+
+
+def test_the_audit_step_axis_holds_whole_steps():
+    from tests.test_audit import _gen, _steps
+    from kl_bench.audit import AuditLog, Sampler, audit_step
+    from kl_bench.audit.report import plot_audit
+    for n, every in ((3, 1), (4, 10), (30, 1)):
+        log = AuditLog()
+        for s, (pv, values, mask) in enumerate(_steps(_gen(5), Sampler(top_k=5), n)):
+            log.add(audit_step(pv, values, mask, estimator="trl.grpo", step=every * s, source="loss"))
+        fig = plot_audit(pd.DataFrame([vars(a) for a in log.rows]), "loss")
+        _render(fig)
+        for ax in fig.axes:
+            lo, hi = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+            assert ticks and all(float(t).is_integer() and t >= 0 for t in ticks), (n, every, ticks)

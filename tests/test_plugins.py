@@ -174,7 +174,7 @@ def test_a_plugin_on_a_multivariate_gaussian_is_refused_before_sampling(plugin_d
 
 def test_estimate_accepts_plugins(plugin_dir):
     logr = torch.tensor([-0.5, 0.0, 0.7], dtype=torch.float64)
-    got = kl_bench.estimate(logr, torch.zeros(3, dtype=torch.float64), "kl_plug_test:half_k3")
+    got = kl_bench.estimate(policy=torch.zeros(3, dtype=torch.float64), reference=logr, estimator="kl_plug_test:half_k3")
     assert torch.allclose(got, 0.5 * (torch.expm1(logr) - logr))
 
 

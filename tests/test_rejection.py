@@ -114,27 +114,27 @@ def _pair(weights="token", criteria=("seq_max_k3",), min_length=0, eos=4, v=5, t
 
 def _enumerate(pair):
     """Every sequence b draws: (b-probability, [(bucket, token)], per-token q/b, kept by verl's mask)."""
-    step_lb = [lb for lb, steps in pair.phases for _ in range(steps)]
+    step_lb = [lb for lb, steps in pair.model.phases for _ in range(steps)]
     out = []
 
     def rec(c, prob, path, lrs):
         t = len(path)
-        if t == pair.length or (path and path[-1][1] == pair.eos):
+        if t == pair.model.length or (path and path[-1][1] == pair.model.eos):
             lr = torch.tensor([lrs], dtype=torch.float64)
-            keep = bool(_verl_keep(lr, torch.ones_like(lr), _options(pair.rejection))[0])
+            keep = bool(_verl_keep(lr, torch.ones_like(lr), _options(pair.model.rejection))[0])
             out.append((prob, path, [math.exp(x) for x in lrs], keep))
             return
-        for x in range(pair.vocab):
+        for x in range(pair.model.vocab):
             pb = float(step_lb[t][c, x].exp())
             if pb > 0:
-                rec(int(pair.bucket[x]), prob * pb, path + [(c, x)], lrs + [float(pair.log_q[c, x] - step_lb[t][c, x])])
+                rec(int(pair.model.bucket[x]), prob * pb, path + [(c, x)], lrs + [float(pair.model.log_q[c, x] - step_lb[t][c, x])])
     rec(0, 1.0, [], [])
     return out
 
 
 def _values(pair, seqs, est):
     """Per sequence the seq and tok row values (the mask times the weighted value), [n] each."""
-    g = pair.logr_table
+    g = pair.model.logr_table
     seq, tok = [], []
     for _, path, wts, keep in seqs:
         big_w = math.prod(wts) if pair.weights != "none" else 1.0
@@ -150,7 +150,7 @@ def _values(pair, seqs, est):
 def _grad(pair, seqs, est, mode, agg):
     """E_b[mask · per-draw gradient] by enumeration, with explicit score vectors."""
     c = M.coefficient(est, mode)
-    q, gt = pair.log_q.exp().numpy(), pair.logr_table
+    q, gt = pair.model.log_q.exp().numpy(), pair.model.logr_table
     f_tab, c_tab = est.fn(gt).numpy(), c(gt).numpy()
     mean = np.zeros(q.size)
     for prob, path, wts, keep in seqs:
@@ -229,14 +229,14 @@ def test_geometric_weights_and_the_ppo_clip_take_the_mask():
     seqs = _enumerate(pair)
     prob = np.array([p for p, *_ in seqs])
     est = lookup("k3")
-    vals = np.array([keep * math.prod(wts) ** (1 / len(path)) * sum(float(est.fn(pair.logr_table[c, x])) for c, x in path)
+    vals = np.array([keep * math.prod(wts) ** (1 / len(path)) * sum(float(est.fn(pair.model.logr_table[c, x])) for c, x in path)
                      for _, path, wts, keep in seqs])
     m = float((prob * vals).sum())
     em, ev = pair.exact_moments(est, "tok_gm")
     assert em == pytest.approx(m, rel=1e-10) and ev == pytest.approx(float((prob * (vals - m) ** 2).sum()), rel=1e-10)
     base = _pair(weights="token")
-    clipped = RolloutPair("r", base.log_q, base.log_p, base.bucket, 3, 4, log_b=base.phases[0][0], weights="token",
-                          correction=WeightCorrection(clip=(0.2, 0.2)), rejection=base.rejection)
+    clipped = RolloutPair("r", base.model.log_q, base.model.log_p, base.model.bucket, 3, 4, log_b=base.model.phases[0][0], weights="token",
+                          correction=WeightCorrection(clip=(0.2, 0.2)), rejection=base.model.rejection)
     rows = pd.DataFrame(G.gradient_rows(clipped, [lookup("k1"), lookup("k3")], draws=20_000, seed=4, batches=20,
                                         device=CPU))
     assert ("loss_is" in set(rows["mode"])) and rows["exact_norm"].notna().all()
@@ -254,7 +254,7 @@ def test_sum_and_mean_criteria_are_monte_carlo_only_and_agree_with_enumeration()
     exp = Experiment(name="m", draws=40_000, seed=3, batches=40, estimators=("k1", "k3"))
     df = pd.DataFrame(run_experiment_case(pair, exp, CPU).rows)
     assert df["exact_mean"].isna().all() and df["z"].isna().all()
-    assert "Monte Carlo only" in pair.rejection.words()
+    assert "Monte Carlo only" in pair.model.rejection.words()
     for r in df.itertuples():
         truth = float((prob * _values(pair, seqs, lookup(r.estimator))[r.aggregate]).sum())
         assert abs(r.mean - truth) < 5 * r.se, (r.estimator, r.aggregate, r.mean, truth, r.se)

@@ -118,15 +118,22 @@ def test_figures_are_also_written_as_deterministic_vectors(small_run):
 
 
 def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
+    """bias/true in % (the vocabulary of docs/results.md: "+0.28% ± 0.34%"), std/true a plain ratio."""
+    from kl_bench.formatting import pct
     text = (small_run / "report" / "table.tex").read_text()
     df = pd.read_csv(small_run / "summary.csv", keep_default_na=True)
     rows = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
     for _, r in rows.iterrows():
         true = abs(r["true_kl"])
-        for col, se in (("rel_bias", r["se"] / true), ("exact_rel_bias", None), ("rel_std", r["std_se"] / true),
-                        ("exact_rel_std", None)):
+        for col, se in (("rel_bias", r["se"] / true), ("exact_rel_bias", None)):
+            shown = tex_number(pct(r[col])) + ("" if se is None else rf" $\pm$ {tex_number(pct(se, sign=False))}")
+            assert shown in text and (pct(r[col]) == "0" or "%" in shown), (r["case"], r["estimator"], col, shown)
+        for col, se in (("rel_std", r["std_se"] / true), ("exact_rel_std", None)):
             shown = tex_number(sig(r[col])) + ("" if se is None else rf" $\pm$ {tex_number(sig(se, 2))}")
             assert shown in text, (r["case"], r["estimator"], col, shown)
+    assert "stdev" not in text and "std/true" in text
+    # a tiny relative bias in % (results/precision: +1.2e-05%) is a power of ten and an escaped %
+    assert tex_number("+1.2e-05%") == r"$+1.2\times 10^{-5}$\%" and tex_number("-0.025%") == r"-0.025\%"
     # A paper includes it as it is: booktabs, five columns, no \resizebox, every row 5 cells, a short caption.
     assert text.count("{") == text.count("}") and "resizebox" not in text
     for rule in (r"\toprule", r"\midrule", r"\bottomrule", r"\caption{", r"\begin{tabular}{lrrrr}"):
@@ -289,3 +296,100 @@ def test_no_growth_figure_for_one_length_and_token_mean_rows_are_drawn(tmp_path,
     assert "bias_std_r0.png" in figs and not any(f.startswith("rollout_growth") for f in figs), figs
     md = (tmp_path / "one" / "report" / "report.md").read_text()
     assert "tok_batch k3" in md and "tok_mean k3" in md
+
+
+# ----------------------------------------------------------------------------- reports that answer (issue 31 item 5)
+def test_the_advice_is_in_report_md_and_html(small_run):
+    """What `kl-bench run` prints as advice (to log, in the loss) opens both pages, every line of it."""
+    from kl_bench.report import advice_lines, html_text
+    md = (small_run / "report" / "report.md").read_text()
+    html = (small_run / "report" / "report.html").read_text()
+    lines = advice_lines([load_results(small_run)])["small"]
+    assert any(": to log, " in line for line in lines) and any("in the loss" in line for line in lines)
+    for line in lines:
+        assert f"- {line}" in md and html_text(line) in html, line
+    assert md.index("## Advice") < md.index("## Paper table") and html.index("<h2>Advice") < html.index("Paper table")
+
+
+def test_one_vocabulary_in_every_table_of_the_report(small_run):
+    """bias/true in %, std/true (never stdev/true) a ratio, n ±10% an integer with separators or "never",
+    never "inf" (docs/results.md, "Units and words")."""
+    from kl_bench.report import ROW_HEADER, batch_cell
+    rep = small_run / "report"
+    for name in ("report.md", "report.html", "table.md", "table.tex"):
+        text = (rep / name).read_text()
+        assert "stdev" not in text and "std/true" in text
+    # a tiny relative bias in % (results/precision: +1.2e-05%) is a power of ten and an escaped %
+    assert tex_number("+1.2e-05%") == r"$+1.2\times 10^{-5}$\%" and tex_number("-0.025%") == r"-0.025\%" and "bias/true" in text, name
+    html = (rep / "report.html").read_text()
+    rows = html.split("<h2>All rows</h2>")[1]
+    cells = [re.findall(r"<td>(.*?)</td>", tr) for tr in rows.split("<tr>")[2:]]
+    n_col, bias_col = ROW_HEADER.index("n ±10%"), ROW_HEADER.index("bias/true")
+    assert cells and all(re.fullmatch(r"\d{1,3}(,\d{3})*|never|—", c[n_col]) for c in cells), [c[n_col] for c in cells]
+    assert all(c[bias_col] in ("0", "0 ± 0") or "%" in c[bias_col] for c in cells)   # "0": an exact zero
+    assert ">inf<" not in html and "inf" not in (rep / "table.md").read_text()
+    assert batch_cell(math.inf, 0.3) == "never" and batch_cell(1_234_567.4, 0.0) == "1,234,567"
+    assert batch_cell(870.0, math.nan) == "—"          # no exact bias known: the measured one cannot decide
+
+
+def test_identical_runs_show_one_differences_table_everywhere(tmp_path, build_spec, write_spec, unrendered_figures):
+    """`report A B` on the same run twice: diff/true "0 ± x%" (was "0 ± ,"), and report.md, report.html
+    and the terminal show the same columns in the same order."""
+    gauss = {"name": "gauss", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.4, "std": 1.0}}
+    spec = write_spec(build_spec([gauss], name="same", draws=4000, batches=8))
+    assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "a"), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    assert "± ," not in res.output and re.search(r"diff/true 0 ± \d[\d.]*%, z 0\b", res.output), res.output
+    md = (tmp_path / "r" / "report.md").read_text().split("## Differences between runs")[1]
+    html = (tmp_path / "r" / "report.html").read_text().split("Differences between runs")[1]
+    md_rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| ")]
+    html_rows = [re.findall(r"<t[hd]>(.*?)</t[hd]>", tr) for tr in html.split("</table>")[0].split("<tr>")[1:]]
+    assert md_rows == html_rows and md_rows[0] == report.DIFF_HEADER and len(md_rows) == 3, (md_rows, html_rows)
+    assert all(row[4].startswith("0 ± ") and row[4].endswith("%") for row in md_rows[1:])
+
+
+def test_figure_formats_are_chosen_and_png_is_the_default(tmp_path, small_run, unrendered_figures):
+    res = runner.invoke(app, ["report", str(small_run), "--out", str(tmp_path / "svg"), "--formats", "svg", "-q"])
+    assert res.exit_code == 0, res.output
+    made = {p.suffix for p in (tmp_path / "svg" / "figures").iterdir()}
+    assert made == {".png", ".svg"}                     # PNG always: the pages show it
+    assert "(figures/bias_std_gauss.svg)" in (tmp_path / "svg" / "report.md").read_text()
+    assert {p.suffix for p in (small_run / "report" / "figures").iterdir()} == {".png"}
+    bad = runner.invoke(app, ["report", str(small_run), "--out", str(tmp_path / "bad"), "--formats", "png,jpg"])
+    assert bad.exit_code == 2 and "--formats" in bad.stderr and "jpg" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
+    help_text = " ".join(runner.invoke(app, ["report", "--help"]).output.split())
+    assert "--formats" in help_text and "default: png" in help_text, help_text
+
+
+def _page_is_self_contained(html: str, pngs: int) -> None:
+    assert html.startswith("<!doctype html>") and "<style>" in html and "`" not in html
+    assert html.count("data:image/png;base64,") == pngs
+    assert not re.search(r"(src|href)=['\"](?!data:)", html)          # nothing loaded from elsewhere
+
+
+def test_training_and_audit_reports_have_a_self_contained_html_page(tmp_path):
+    from tests.test_audit import _gen, _steps
+    from kl_bench import api
+    from kl_bench.audit import AuditLog, Sampler, audit_step
+    spec = tmp_path / "t.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "t"\ndraws = 10\ndevice = "cpu"\n[train]\n'
+                    'optimizer = "sgd"\nlr = 0.5\nsteps = 3\nbeta = 0.5\nreward = { random = 1.0 }\n'
+                    'combinations = ["k1/reward", "k3/loss"]\n[[case]]\nname = "cat"\nkind = "categorical"\n'
+                    'vocab = 12\nq = { logits = "zipf", exponent = 1.1, seed = 1 }\np = { from = "q", noise = 0.5, seed = 2 }\n')
+    api.train(spec).write(tmp_path / "train")
+    res = runner.invoke(app, ["report", str(tmp_path / "train")])
+    assert res.exit_code == 0 and "report.html (1 figure)" in res.stdout, res.output     # "1 figure", not "1 figures"
+    html = (tmp_path / "train" / "report" / "report.html").read_text()
+    _page_is_self_contained(html, 1)
+    assert "Closest to the optimum" in html and "KL(q‖q*)" in html and "cat: closest to the optimum" in html
+    log = AuditLog()
+    for s, (pv, values, mask) in enumerate(_steps(_gen(3), Sampler(top_k=5), 1)):
+        log.add(audit_step(pv, values, mask, estimator="trl.grpo", step=s, source="loss"))
+    log.write(tmp_path / "audit", trainer="test")
+    res = runner.invoke(app, ["report", str(tmp_path / "audit")])
+    assert res.exit_code == 0 and "report.html (1 figure)" in res.stdout, res.output
+    html = (tmp_path / "audit" / "report" / "report.html").read_text()
+    _page_is_self_contained(html, 1)
+    assert "1 step, mean logged" in html and "pooled z" in html              # "1 step", not "1 steps"

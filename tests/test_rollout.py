@@ -34,8 +34,8 @@ def _tiny(eos, seed=0, v=4, c=2, t=3, bucket=None):
 
 def _brute(pair):
     """Sequence probability, L, per-step log r and per-step context KL for every sequence."""
-    g, kl = pair.logr_table.numpy(), pair.kl_ctx.numpy()
-    seqs = brute_force_sequences(pair)
+    g, kl = pair.model.logr_table.numpy(), pair.model.kl_ctx.numpy()
+    seqs = brute_force_sequences(pair.model)
     prob = np.array([p for p, _ in seqs])
     steps = [[g[c, x] for c, x in path] for _, path in seqs]
     full = np.array([sum(kl[c] for c, _ in path) for _, path in seqs])
@@ -114,7 +114,7 @@ def test_eos_stops_contributions_and_length_matches_the_dp():
     from kl_bench.estimators import REVERSE, Estimator
     ones = Estimator("ones", torch.ones_like, REVERSE, False, True, "1", None)
     pair = _small(eos=499, t=64)
-    exact = pair.tok_moments(torch.ones_like(pair.logr_table))
+    exact = pair.oracle.tok_moments(torch.ones_like(pair.model.logr_table))
     assert exact[1] < 0.9 * 64          # EOS ends most sequences early (exactly 45.6 tokens on average)
     draws = pair.sample_draws(50_000, torch.Generator().manual_seed(0), CPU, [Row(ones, "tok")])
     steps = draws.tok[:, 0]

@@ -13,7 +13,8 @@ from kl_bench import gradients as G
 from kl_bench import modes as M
 from kl_bench.engine import run_gradients
 from kl_bench.modes import GradItem
-from kl_bench.pairs.rollout.gradients import SortedPaths
+from kl_bench.pairs.rollout.accumulator import SortedPaths
+from kl_bench.pairs.rollout.sampler import simulate
 from kl_bench.targets import FORWARD, REVERSE
 from kl_bench.estimators import make_cv, lookup
 from kl_bench.pairs import CategoricalPair
@@ -48,26 +49,26 @@ def _exact(pair, est, mode, agg=""):
 def _enumerate(pair: RolloutPair):
     """Every sequence the sampler can draw: (b-probability, [(bucket, token)], per-token capped q/b);
     b = q without a sampler, EOS suppressed in the first phase when min_length asks."""
-    step_lb = [lb.numpy() for lb, steps in pair.phases for _ in range(steps)]
-    lq = pair.log_q.numpy()
+    step_lb = [lb.numpy() for lb, steps in pair.model.phases for _ in range(steps)]
+    lq = pair.model.log_q.numpy()
     out = []
 
     def rec(c, prob, path, wts):
         t = len(path)
-        if t == pair.length:
+        if t == pair.model.length:
             out.append((prob, path, wts))
             return
-        for x in range(pair.vocab):
+        for x in range(pair.model.vocab):
             pb = math.exp(step_lb[t][c, x])
             if pb == 0:
                 continue
             w = math.exp(lq[c, x] - step_lb[t][c, x])
-            w = min(w, pair.weight_cap) if pair.weight_cap is not None else w
+            w = min(w, pair.model.weight_cap) if pair.model.weight_cap is not None else w
             step = (path + [(c, x)], wts + [w])
-            if pair.eos is not None and x == pair.eos:
+            if pair.model.eos is not None and x == pair.model.eos:
                 out.append((prob * pb, *step))
             else:
-                rec(int(pair.bucket[x]), prob * pb, *step)
+                rec(int(pair.model.bucket[x]), prob * pb, *step)
     rec(0, 1.0, [], [])
     return out
 
@@ -76,9 +77,9 @@ def _brute(pair: RolloutPair, est, mode: str, agg: str) -> tuple[np.ndarray, flo
     """(E[g], E|g|²) of one row by enumerating every sequence, with explicit per-step score vectors and
     the sampler's importance weights (per token or per sequence)."""
     c = M.coefficient(est, mode)
-    q, gt = pair.log_q.exp().numpy(), pair.logr_table.numpy()
+    q, gt = pair.model.log_q.exp().numpy(), pair.model.logr_table.numpy()
     # f and c of every (bucket, token), once: a path's tokens look them up
-    f_tab, c_tab = est.fn(pair.logr_table).numpy(), c(pair.logr_table).numpy()
+    f_tab, c_tab = est.fn(pair.model.logr_table).numpy(), c(pair.model.logr_table).numpy()
     mean, second = np.zeros(q.size), 0.0
     for prob, path, wts in _enumerate(pair):
         big_w = math.prod(wts) if pair.weights != "none" else 1.0
@@ -118,12 +119,12 @@ def _token_gradient(form: str, steps, tok_w) -> np.ndarray:
 
 
 def _reference_by_enumeration(pair: RolloutPair) -> tuple[np.ndarray, np.ndarray]:
-    theta = pair.log_q.clone().requires_grad_(True)
+    theta = pair.model.log_q.clone().requires_grad_(True)
     lq = torch.log_softmax(theta, -1)
     rev = fwd = 0
-    for _, path in brute_force_sequences(pair):
+    for _, path in brute_force_sequences(pair.model):
         lq_s = sum(lq[c, x] for c, x in path)
-        lp_s = sum(pair.log_p[c, x] for c, x in path)
+        lp_s = sum(pair.model.log_p[c, x] for c, x in path)
         rev = rev + lq_s.exp() * (lq_s - lp_s)
         fwd = fwd + lp_s.exp() * (lp_s - lq_s)
     g_rev = torch.autograd.grad(rev, theta, retain_graph=True)[0]
@@ -170,7 +171,7 @@ def test_what_each_mode_equals_on_a_multi_token_rollout():
 def test_one_token_rollout_is_the_categorical_benchmark():
     """T = 1: the rollout gradients are the categorical ones of bucket 0 (other buckets' rows are 0)."""
     pair = _roll(c=3, v=7, t=1, eos=None, seed=2)
-    cat = CategoricalPair("c", pair.log_q[:1], pair.log_p[:1])
+    cat = CategoricalPair("c", pair.model.log_q[:1], pair.model.log_p[:1])
     rev, fwd = _refs(pair)
     c_rev, c_fwd = _refs(cat)
     assert np.allclose(rev[:7], c_rev, atol=1e-14) and np.abs(rev[7:]).max() == 0
@@ -234,8 +235,8 @@ def test_rollout_gradients_are_deterministic():
 def _sampled(weights: str, cap=None, min_length=0, temperature=1.4):
     """A rollout drawn by a tempered q (EOS suppressed for ``min_length`` tokens)."""
     base = _roll(c=2, v=5, t=3, eos=4, seed=3)
-    lb = torch.log_softmax(base.log_q / temperature, -1)
-    return RolloutPair("rs", base.log_q, base.log_p, base.bucket, 3, 4, log_b=lb, min_length=min_length,
+    lb = torch.log_softmax(base.model.log_q / temperature, -1)
+    return RolloutPair("rs", base.model.log_q, base.model.log_p, base.model.bucket, 3, 4, log_b=lb, min_length=min_length,
                        weights=weights, weight_cap=cap, sampler_label="temperature")
 
 
@@ -275,15 +276,15 @@ def test_per_draw_weights_match_autograd_of_the_trainer_losses():
     Σ_t f_t; tok local: c(log r_t)) give the same gradient as autograd of the trainer's loss."""
     pair = _roll(c=2, v=5, t=4, eos=4, seed=6)
     rec: list = []
-    pair.simulate([6], [torch.Generator().manual_seed(0)], CPU, record=rec)
+    simulate(pair.model, [6], [torch.Generator().manual_seed(0)], CPU, record=rec)
     keys, alive = torch.stack([r[0] for r in rec], 1), torch.stack([r[1] for r in rec], 1)
-    q = pair.log_q.exp()
+    q = pair.model.log_q.exp()
     for est, mode, agg in _items([lookup(n) for n in ("k1", "k2", "k3")] + [make_cv(0.3)]):
         c = M.coefficient(est, mode)
         for i in range(keys.shape[0]):
-            theta = pair.log_q.clone().requires_grad_(True)
+            theta = pair.model.log_q.clone().requires_grad_(True)
             lq = torch.log_softmax(theta, -1).reshape(-1)
-            lp = pair.log_p.reshape(-1)
+            lp = pair.model.log_p.reshape(-1)
             lq_t, lp_t, a = lq[keys[i]], lp[keys[i]], alive[i]
             logr_t = (lp_t - lq_t) * a
             if agg == "seq":
@@ -295,14 +296,14 @@ def test_per_draw_weights_match_autograd_of_the_trainer_losses():
                 loss = (M.trainer_loss(est, mode, lq_t, lp_t) * a).sum()
             (g,) = torch.autograd.grad(loss, theta)
             # the same gradient from the per-step weights used by RolloutGradients.add
-            lr = (pair.logr_table.reshape(-1)[keys[i]] * a)
+            lr = (pair.model.logr_table.reshape(-1)[keys[i]] * a)
             if agg == "seq":
                 w = c(lr.sum().reshape(1)) * a
             elif mode == "reward":
                 w = (est.fn(lr) * a).sum() * a
             else:
-                w = c(pair.logr_table.reshape(-1)[keys[i]]) * a
-            want = torch.zeros(pair.buckets * pair.vocab, dtype=torch.float64).index_add_(0, keys[i], w)
+                w = c(pair.model.logr_table.reshape(-1)[keys[i]]) * a
+            want = torch.zeros(pair.model.buckets * pair.model.vocab, dtype=torch.float64).index_add_(0, keys[i], w)
             want = want.reshape(q.shape)
             want = want - want.sum(-1, keepdim=True) * q
             assert torch.allclose(g, want, rtol=1e-12, atol=1e-13), (est.name, mode, agg, i)
@@ -316,9 +317,9 @@ def test_token_mean_batch_gradients_against_enumeration_of_groups(b, shape):
     group; batches of 1,001 rollouts leave draws in no whole group) within 5 SE of it: its mean along
     both KL gradients and its per-group E|G|²."""
     base = _roll(noise=0.7, **shape)
-    pair = RolloutPair("r", base.log_q, base.log_p, base.bucket, base.length, base.eos, token_mean_batch=b)
-    q = pair.log_q.exp().numpy()
-    paths = brute_force_sequences(pair)
+    pair = RolloutPair("r", base.model.log_q, base.model.log_p, base.model.bucket, base.model.length, base.model.eos, token_mean_batch=b)
+    q = pair.model.log_q.exp().numpy()
+    paths = brute_force_sequences(pair.model)
     probs = np.array([p for p, _ in paths])
     lengths = np.array([len(path) for _, path in paths], dtype=float)
     items = [it for it in G.gradient_items(pair, ESTS[:3]) if it.aggregate == "tok_batch"]
@@ -331,7 +332,7 @@ def test_token_mean_batch_gradients_against_enumeration_of_groups(b, shape):
         vecs = np.zeros((len(paths), q.size))          # Σ_t c(log r_t) s_t of each sequence
         for i, (_, path) in enumerate(paths):
             for cb, x in path:
-                ct = float(c(pair.logr_table[cb, x].reshape(1))[0])
+                ct = float(c(pair.model.logr_table[cb, x].reshape(1))[0])
                 vecs[i, cb * q.shape[1]:(cb + 1) * q.shape[1]] -= ct * q[cb]
                 vecs[i, cb * q.shape[1] + x] += ct
         mean, second = np.zeros(q.size), 0.0

@@ -97,7 +97,7 @@ def _twice_tok(col, row, batch):
 
 
 def _twice_exact(pair, est):
-    mean, var = pair.exact_tok(est)
+    mean, var = pair.exact_moments(est, "tok")
     return 2 * mean, 4 * var
 
 
@@ -143,11 +143,11 @@ def test_optional_aggregates_follow_the_case_switches_in_table_order():
     pair = _rollout()
     assert pair.aggregates_for(ESTIMATORS["k3"]) == ("seq", "tok")
     assert pair.aggregates_for(ESTIMATORS["abs"]) == ("tok",)            # not a polynomial: token rows only
-    on = RolloutPair("r", pair.log_q, pair.log_p, pair.bucket, 6, 39, per_sequence_mean=True, token_mean_batch=4)
+    on = RolloutPair("r", pair.model.log_q, pair.model.log_p, pair.model.bucket, 6, 39, per_sequence_mean=True, token_mean_batch=4)
     assert on.aggregates_for(ESTIMATORS["k3"]) == ("seq", "tok", "tok_mean", "tok_batch")
     assert on.aggregates_for(make_cv(0.5)) == ("seq", "tok")
     assert [on.row_group(a) for a in on.aggregates_for(ESTIMATORS["k3"])] == [1, 1, 1, 4]
-    assert np.isclose(on.true_value(REVERSE, "tok_mean") * on.mean_length(), on.kl(), rtol=1e-12)
+    assert np.isclose(on.true_value(REVERSE, "tok_mean") * on.oracle.mean_length(), on.kl(), rtol=1e-12)
 
 
 # ----------------------------------------------------------------------------- sampler options
@@ -161,7 +161,7 @@ def test_every_declared_sampler_key_is_an_option_and_every_logit_option_reshapes
         assert set(kind.sampler_keys) <= fields, kind.name
     example = {"temperature": 0.7, "top_k": 3, "top_p": 0.5}
     assert set(example) == set(LOGIT_KEYS)
-    lq = _rollout().log_q
+    lq = _rollout().model.log_q
     assert not SamplerSpec().reshapes and torch.equal(SamplerSpec().reshape(lq), torch.log_softmax(lq, -1))
     for key, value in example.items():
         sp = SamplerSpec(**{key: value})

@@ -44,8 +44,8 @@ def test_rollout_topk_path_sum_against_enumeration():
     pair = RolloutPair("r", lq, lp, bucket, 3, 5)
     top = topk_forward_kl(lq, lp, 2, clamp_min=None)
     full = full_forward_kl(lq, lp)
-    want_top = sum(prob * sum(float(top[c]) for c, _ in path) for prob, path in brute_force_sequences(pair))
-    want_full = sum(prob * sum(float(full[c]) for c, _ in path) for prob, path in brute_force_sequences(pair))
+    want_top = sum(prob * sum(float(top[c]) for c, _ in path) for prob, path in brute_force_sequences(pair.model))
+    want_full = sum(prob * sum(float(full[c]) for c, _ in path) for prob, path in brute_force_sequences(pair.model))
     got = rollout_topk(lq, lp, bucket, 3, 5, 2, clamp_min=None)
     assert got["topk"] == pytest.approx(want_top, rel=1e-12) and got["full"] == pytest.approx(want_full, rel=1e-12)
 

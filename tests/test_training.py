@@ -315,7 +315,7 @@ def test_train_command_writes_csv_and_envelope(tmp_path):
     env = json.loads((tmp_path / "out" / "run.json").read_text())
     assert env["kl_bench_train"] == 1 and set(env["files"]) == {"train.csv"}
     # `kl-bench report` on a training folder: the figures and the final values of every combination
-    rep = CliRunner().invoke(app, ["report", str(tmp_path / "out")])
+    rep = CliRunner().invoke(app, ["report", str(tmp_path / "out"), "--formats", "png,pdf"])
     assert rep.exit_code == 0, rep.output
     md = (tmp_path / "out" / "report" / "report.md").read_text()
     last = df[df["step"] == df["step"].max()]
@@ -332,7 +332,8 @@ def test_figures_leave_global_state_alone_and_render_every_case(tmp_path):
     res = api.train(_spec({"gradients": ["exact", "sampled"], "seeds": 2, "steps": 4}))
     before = dict(matplotlib.rcParams)
     fig = plot_training(res.frame)
-    assert len(fig.axes) == 4 and fig.axes[0].get_ylabel() == "KL(q‖p)"
+    assert len(fig.axes) == 6 and fig.axes[0].get_ylabel() == "KL(q‖p)"
+    assert fig.axes[5].get_ylabel().startswith("KL(q‖q*)") and fig.axes[5].get_yscale() == "log"
     assert len(fig.axes[0].lines) == 4            # 2 combinations × (exact line + sampled mean)
     assert plot_metric(res.frame, "kl_opt").axes[0].get_ylabel().startswith("KL(q‖q*)")
     assert dict(matplotlib.rcParams) == before

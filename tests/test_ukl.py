@@ -95,11 +95,11 @@ def _rollout_ukl_by_enumeration(pair, zq, lb):
     theta = zq.clone().requires_grad_(True)
     lq = torch.log_softmax(theta, -1)
     total = 0
-    for _, path in brute_force_sequences(pair):
+    for _, path in brute_force_sequences(pair.model):
         if any(lb[c, x] == -torch.inf for c, x in path):
             continue
         lq_s = sum(lq[c, x] for c, x in path)
-        lp_s = sum(pair.log_p[c, x] for c, x in path)
+        lp_s = sum(pair.model.log_p[c, x] for c, x in path)
         total = total + lq_s.exp() * (lq_s - lp_s - 1) + lp_s.exp()
     (g,) = torch.autograd.grad(total, theta)
     return g.reshape(-1).numpy()

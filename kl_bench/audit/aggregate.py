@@ -30,7 +30,7 @@ def aggregation_units(mask: torch.Tensor, aggregation: str) -> tuple[torch.Tenso
     if mask.ndim != 2:
         raise ShapeError(f"an aggregation needs a [B, T] mask, got shape {list(mask.shape)}", key="mask")
     m = mask.to(torch.float64)
-    rows = torch.tensor(float(m.shape[0]), dtype=torch.float64)
+    rows = torch.tensor(float(m.shape[0]), dtype=torch.float64, device=m.device)
     if aggregation == "token-mean":
         return m, m.sum()
     if aggregation == "seq-mean-token-mean":

@@ -23,26 +23,64 @@ from .sampler import Sampler, sampler_logprobs
 
 
 @dataclass(frozen=True)
+class SamplerValues:
+    """Exact values under one sampling distribution at N positions: [N] tensors, [N, F] for the F
+    estimators. ``mean``/``var``/``neg``: E[f], Var[f], P(f < 0); ``miss``: the q-mass it never draws;
+    ``log_mean``/``log_var``: its E[log b], Var[log b] (the consistency check's statistic); ``tok_log``:
+    log b of the sampled token (NaN where no ids were given, −inf where b cannot draw it). Against the
+    policy q whose logits it was built from (the rollout engine's mismatch, if b is the engine's sampler):
+    ``kl_q`` = KL(b‖q) = E_b[log b − log q]; ``chi2`` = Σ_{b>0} q²/b − 1 = E_b[(q/b)²] − 1; ``gap_abs`` =
+    E_b|log b − log q| (NaN where one pass cannot give it: a full-support b ≠ q, or a row past the
+    candidates)."""
+    mean: torch.Tensor
+    var: torch.Tensor
+    neg: torch.Tensor
+    miss: torch.Tensor
+    log_mean: torch.Tensor
+    log_var: torch.Tensor
+    tok_log: torch.Tensor
+    kl_q: torch.Tensor
+    chi2: torch.Tensor
+    gap_abs: torch.Tensor
+
+    def select(self, rows: torch.Tensor) -> "SamplerValues":
+        return SamplerValues(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: Sequence["SamplerValues"]) -> "SamplerValues":
+        return SamplerValues(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(SamplerValues)))
+
+
+@dataclass(frozen=True)
 class PositionValues:
     """Exact values at N positions. [N] tensors, [N, F] for the F ``estimators`` (columns in that order).
 
-    ``kl``: KL(q‖p); ``mean_q``/``var_q``: E_q[f], Var_q[f]; ``mean_b``/``var_b``/``neg_b``: E_b[f],
-    Var_b[f], P_b(f < 0); ``miss``: q-mass outside b's support; ``logb_mean``/``logb_var``: E_b[log b],
-    Var_b[log b]; ``tok_logq``/``tok_logp``/``tok_logb``: log q, log p, log b of the sampled token
-    (NaN where no ids were given)."""
+    ``kl``: KL(q‖p); ``mean_q``/``var_q``: E_q[f], Var_q[f]; ``tok_logq``/``tok_logp``: log q, log p of the
+    sampled token (NaN where no ids were given); ``b``: values under the sampler b applied to the scored
+    policy's own logits (the settings' effect); ``g``: under the sampler applied to the logits of the pass
+    that drew the tokens, when those were given (None: the same pass, g = b). ``mean_b``, ``logb_mean``,
+    ... name the fields of ``b``."""
     estimators: tuple[str, ...]
     kl: torch.Tensor
     mean_q: torch.Tensor
     var_q: torch.Tensor
-    mean_b: torch.Tensor
-    var_b: torch.Tensor
-    neg_b: torch.Tensor
-    miss: torch.Tensor
-    logb_mean: torch.Tensor
-    logb_var: torch.Tensor
     tok_logq: torch.Tensor
     tok_logp: torch.Tensor
-    tok_logb: torch.Tensor
+    b: SamplerValues
+    g: SamplerValues | None = None
+
+    @property
+    def sampled(self) -> SamplerValues:
+        """The distribution the tokens were drawn from: ``g`` when known, else ``b``."""
+        return self.b if self.g is None else self.g
+
+    mean_b = property(lambda self: self.b.mean)
+    var_b = property(lambda self: self.b.var)
+    neg_b = property(lambda self: self.b.neg)
+    miss = property(lambda self: self.b.miss)
+    logb_mean = property(lambda self: self.b.log_mean)
+    logb_var = property(lambda self: self.b.log_var)
+    tok_logb = property(lambda self: self.b.tok_log)
 
     @property
     def n(self) -> int:
@@ -56,7 +94,9 @@ class PositionValues:
 
     def select(self, rows: torch.Tensor) -> "PositionValues":
         """The values at ``rows`` (an index or bool mask over the N positions)."""
-        return PositionValues(self.estimators, *(getattr(self, f.name)[rows] for f in fields(self)[1:]))
+        return PositionValues(self.estimators, self.kl[rows], self.mean_q[rows], self.var_q[rows],
+                              self.tok_logq[rows], self.tok_logp[rows], self.b.select(rows),
+                              None if self.g is None else self.g.select(rows))
 
     @staticmethod
     def cat(parts: Sequence["PositionValues"]) -> "PositionValues":
@@ -64,7 +104,11 @@ class PositionValues:
         est = parts[0].estimators
         if any(p.estimators != est for p in parts):
             raise SpecError("tables audit different estimators")
-        return PositionValues(est, *(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(PositionValues)[1:]))
+        if len({p.g is None for p in parts}) > 1:
+            raise SpecError("tables differ in whether the sampling pass was audited")
+        tensors = [torch.cat([getattr(p, name) for p in parts]) for name in ("kl", "mean_q", "var_q", "tok_logq", "tok_logp")]
+        g = None if parts[0].g is None else SamplerValues.cat([p.g for p in parts])
+        return PositionValues(est, *tensors, SamplerValues.cat([p.b for p in parts]), g)
 
 
 def estimator_functions(estimators: Sequence) -> tuple[tuple[str, ...], list]:
@@ -92,21 +136,38 @@ def _moments(logw: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _gather(logp: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     if ids is None:
-        return torch.full(logp.shape[:1], torch.nan, dtype=torch.float64)
+        return torch.full(logp.shape[:1], torch.nan, dtype=torch.float64, device=logp.device)
     return logp.gather(-1, ids.to(torch.long).view(-1, 1)).squeeze(-1)
+
+
+def _sampler_values(lq, lb, f, ids) -> SamplerValues:
+    """SamplerValues of log b [N, V] for values f [N, V, F], with log q [N, V] for the q-mass b misses."""
+    mean, var = _moments(lb, f)
+    neg = _moments(lb, (f < 0).to(torch.float64))[0]
+    miss = torch.where(torch.isneginf(lb), torch.exp(lq), torch.zeros_like(lq)).sum(dim=-1)
+    log_mean, log_var = (t.squeeze(-1) for t in _moments(lb, lb.unsqueeze(-1)))
+    gap = torch.where(torch.isneginf(lb), torch.zeros_like(lb), lb - lq)
+    kl_q, gap_abs = (t.squeeze(-1) for t in _moments(lb, torch.stack([gap, gap.abs()], -1))[0].split(1, -1))
+    chi2 = torch.where(torch.isneginf(lb), torch.zeros_like(lb), torch.exp(2 * lq - lb)).sum(-1) - 1.0
+    return SamplerValues(mean, var, neg, miss, log_mean, log_var, _gather(lb, ids), kl_q, chi2, gap_abs)
 
 
 def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: Sequence = ("k1", "k3"),
                     sampler: Sampler | None = None, *, ids: torch.Tensor | None = None,
-                    eos_banned: torch.Tensor | None = None, context_ids: torch.Tensor | None = None) -> PositionValues:
+                    eos_banned: torch.Tensor | None = None, context_ids: torch.Tensor | None = None,
+                    sampling: torch.Tensor | None = None) -> PositionValues:
     """Exact per-position values from logits ``policy`` [N, V] and ``reference`` [N, V] (any float dtype).
 
     ``ids`` [N]: the token sampled at each position (for the sampled-token columns); ``eos_banned`` [N]
-    and ``context_ids`` [N, L]: per-position inputs of the sampler (:func:`~.sampler.sampler_logprobs`).
+    and ``context_ids`` [N, L]: per-position inputs of the sampler (:func:`~.sampler.sampler_logprobs`);
+    ``sampling`` [N, V]: the policy's logits in the pass that drew the tokens, where it differs from the
+    scored pass (dropout, position ids, a cache, precision): its sampler values are ``g``.
     Memory: a few [N, V, F] float64 tensors; for large V use :func:`kl_bench.audit.stream.stream_values`."""
     if policy.shape != reference.shape or policy.ndim != 2:
         raise SpecError(f"policy and reference logits must be [N, V] of one shape, got {list(policy.shape)} "
                         f"and {list(reference.shape)}")
+    if sampling is not None and sampling.shape != policy.shape:
+        raise SpecError(f"the sampling pass's logits must be [N, V] = {list(policy.shape)}, got {list(sampling.shape)}")
     names, fns = estimator_functions(estimators)
     sampler = sampler or Sampler()
     lq = torch.log_softmax(policy.to(torch.float64), dim=-1)
@@ -115,10 +176,9 @@ def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: S
     f = torch.stack([fn(logr) for fn in fns], dim=-1) if fns else logr.new_zeros(logr.shape + (0,))
     mean_q, var_q = _moments(lq, f)
     kl = _moments(lq, (-logr).unsqueeze(-1))[0].squeeze(-1)
-    lb = lq if sampler.is_identity else sampler_logprobs(policy, sampler, eos_banned=eos_banned, context_ids=context_ids)
-    mean_b, var_b = _moments(lb, f)
-    neg_b = _moments(lb, (f < 0).to(torch.float64))[0]
-    miss = torch.where(torch.isneginf(lb), torch.exp(lq), torch.zeros_like(lq)).sum(dim=-1)
-    logb_mean, logb_var = (t.squeeze(-1) for t in _moments(lb, lb.unsqueeze(-1)))
-    return PositionValues(names, kl, mean_q, var_q, mean_b, var_b, neg_b, miss, logb_mean, logb_var,
-                          _gather(lq, ids), _gather(lp, ids), _gather(lb, ids))
+
+    def under(logits):
+        return sampler_logprobs(logits, sampler, eos_banned=eos_banned, context_ids=context_ids)
+    b = _sampler_values(lq, lq if sampler.is_identity else under(policy), f, ids)
+    g = None if sampling is None else _sampler_values(lq, under(sampling), f, ids)
+    return PositionValues(names, kl, mean_q, var_q, _gather(lq, ids), _gather(lp, ids), b, g)

@@ -1,9 +1,13 @@
-"""Offline audits: one training step saved as a .safetensors file, audited later, on any machine.
+"""Offline audits: training steps saved as .safetensors files, audited later, on any machine.
 
-A folder holds ``step-*.safetensors`` files (one step each; the format is documented in docs/audit.md
-"Saved steps") and optionally ``heads.safetensors`` with the output layers shared by every step.
-:func:`save_step` writes a step (atomically); :func:`audit_folder` audits every step into an
-:class:`~kl_bench.audit.step.AuditLog`; ``kl-bench audit DIR`` is :func:`audit_command`.
+A folder holds ``step-*.safetensors`` files (one scored batch each; several files of one step pool into
+one step audit, as micro-batches do; the format is documented in docs/audit.md "Saved steps") and
+optionally ``heads.safetensors`` with output layers shared by every step (a frozen reference's).
+:func:`save_step` writes a step from tensors, :func:`save_record` one audited batch of the TRL callback
+(``KLAudit(save_steps=True)``), both atomically; :func:`audit_folder` audits every step through the same
+core as the callback (kl_bench.audit.session), so ``kl-bench audit DIR`` (:func:`audit_command`) prints
+the same lines and warnings. DIR may also be the callback's results folder: its ``steps/`` are audited,
+or, without them, its audit.csv is read back and its verdicts printed.
 """
 from __future__ import annotations
 
@@ -16,25 +20,31 @@ import torch
 
 from ..errors import SpecError
 from ..estimators import resolve_estimator
+from ..formatting import plural
 from ..registry import UnknownName
+from ..safe_io import parse_json, read_regular
 from ..storage import atomic_write_bytes, check_output_dir
 from .aggregate import AGGREGATIONS
 from .exact import PositionValues, position_values
 from .sampler import Sampler
-from .step import AuditLog, StepAudit, step_line, step_sums
-from .stream import Head, stream_values
+from .session import AuditSession, Metric, Record
+from .step import AuditLog, StepAudit, read_audit_csv, step_line
+from .stream import Head
+from .engine import engine_line
+from .verdict import engine_warnings, step_warnings
 
-FORMAT = "kl_bench.audit.step/1"
+FORMAT = "kl_bench.audit.step/2"
+FORMATS = ("kl_bench.audit.step/1", FORMAT)      # /2 adds metrics, sampling_hidden and logit_multiplier
 HEADS_FILE = "heads.safetensors"
 HEAD_KEYS = ("policy_weight", "reference_weight", "policy_bias", "reference_bias")
-REQUIRED = ("completion_ids", "mask", "trainer_kl")
+REQUIRED = ("completion_ids", "mask")
 LOGITS = ("policy_logits", "reference_logits")
 HIDDEN = ("policy_hidden", "reference_hidden")
 
 
 def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: str, aggregation: str = "token-mean",
               source: str = "kl", generation: dict | None = None, logit_scale: float = 1.0,
-              logit_softcap: float | None = None, **tensors) -> Path:
+              logit_softcap: float | None = None, logit_multiplier: float = 1.0, metrics=None, **tensors) -> Path:
     """Write one step to ``path`` (.safetensors), atomically. ``tensors``: ``policy_logits`` and
     ``reference_logits`` [B, T, V]; or ``policy_hidden`` and ``reference_hidden`` [B, T, d] (the hidden
     state that predicts completion token t at index t, after the final norm) with the output layers here
@@ -46,28 +56,65 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     from safetensors.torch import save
 
     meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
-            "source": source, "generation": json.dumps(generation or {}), "logit_scale": repr(float(logit_scale))}
+            "source": source, "generation": json.dumps(generation or {}), "logit_scale": repr(float(logit_scale)),
+            "logit_multiplier": repr(float(logit_multiplier))}
     if logit_softcap is not None:
         meta["logit_softcap"] = repr(float(logit_softcap))
+    if metrics is not None:          # several metrics of one batch: trainer_<source> tensors, one per metric
+        meta["metrics"] = json.dumps([[m.source, m.estimator, m.aggregation] for m in metrics])
     data = {"completion_ids": completion_ids, "mask": mask, "trainer_kl": trainer_kl, **tensors}
+    # host: a file is written from host memory
     data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}
     path = Path(path)
     atomic_write_bytes(path, save(data, metadata=meta))
     return path
 
 
+def save_record(folder, record: Record, heads: tuple[Head, Head], *, step: int, index: int, metrics,
+                generation: Sampler) -> Path:
+    """One audited batch of the TRL callback (``KLAudit(save_steps=True)``) as a saved step: hidden states
+    (the drawing pass's too, when captured), ids, mask, the trainer's values per metric and the policy's
+    output layer as it was at that step; the reference's (frozen) once, in the folder's heads.safetensors."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / HEADS_FILE).exists():
+        ref = {"reference_weight": heads[1].weight, "reference_bias": heads[1].bias}
+        atomic_write_bytes(folder / HEADS_FILE, save({k: v.detach().cpu().contiguous() for k, v in ref.items()
+                                                      if v is not None}))
+    gen = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(generation).items()}
+    values = {f"trainer_{m.source}": record.values_for(m.source) for m in metrics}
+    first = values.pop(f"trainer_{metrics[0].source}")
+    return save_step(folder / f"step-{step:06d}-{index:03d}.safetensors", completion_ids=record.completion_ids,
+                     mask=record.mask.to(torch.uint8), trainer_kl=first, step=step, estimator=metrics[0].estimator,
+                     aggregation=metrics[0].aggregation, source=metrics[0].source, generation=gen,
+                     logit_scale=heads[0].scale, logit_softcap=heads[0].softcap, logit_multiplier=heads[0].multiplier,
+                     metrics=metrics if len(metrics) > 1 else None, policy_hidden=record.policy_hidden,
+                     reference_hidden=record.reference_hidden, sampling_hidden=record.sampling_hidden,
+                     prompt_ids=record.prompt_ids, policy_weight=heads[0].weight, policy_bias=heads[0].bias, **values)
+
+
 @dataclass(frozen=True)
 class SavedStep:
-    """One step read back and checked: the tensors and the settings it was saved with."""
+    """One saved batch read back and checked: the tensors and the settings it was saved with.
+    ``metrics``: the KL numbers it holds the trainer's values of (trainer_kl, or trainer_<source> each)."""
     path: Path
     step: int
-    estimator: str
-    aggregation: str
-    source: str
+    metrics: tuple[Metric, ...]
     sampler: Sampler
     logit_scale: float
     tensors: dict
     logit_softcap: float | None = None
+    logit_multiplier: float = 1.0
+
+    def trainer_values(self) -> dict[str, torch.Tensor]:
+        """The trainer's per-token values of each metric: ``trainer_kl`` holds the first metric's (the only
+        one in format /1), ``trainer_<source>`` the others'."""
+        t = self.tensors
+        return {m.source: t["trainer_kl"] if i == 0 and "trainer_kl" in t else t[f"trainer_{m.source}"]
+                for i, m in enumerate(self.metrics)}
 
 
 def _load(path: Path) -> tuple[dict, dict]:
@@ -92,11 +139,34 @@ def _meta(meta: dict, path: Path, key: str, default=None):
     return meta[key]
 
 
+def _metric(where: str, source, estimator, aggregation) -> Metric:
+    try:
+        if resolve_estimator(estimator).analytic:
+            raise SpecError("must be a function of log r (the trainer's per-token formula)", file=where, key="estimator")
+    except UnknownName as e:
+        raise SpecError(str(e).strip("'\""), file=where, key="estimator") from None
+    if aggregation not in AGGREGATIONS:
+        raise SpecError(f"must be one of {', '.join(AGGREGATIONS)}, got '{aggregation}'", file=where, key="aggregation")
+    return Metric(str(source), estimator, aggregation)
+
+
+def _metrics(meta: dict, path: Path) -> tuple[Metric, ...]:
+    where = str(path)
+    if "metrics" not in meta:
+        return (_metric(where, _meta(meta, path, "source", "kl"), _meta(meta, path, "estimator"),
+                        _meta(meta, path, "aggregation")),)
+    try:
+        rows = json.loads(meta["metrics"])
+        return tuple(_metric(where, *row) for row in rows) if rows else ()
+    except (ValueError, TypeError):
+        raise SpecError("must be a JSON list of [source, estimator, aggregation]", file=where, key="metrics") from None
+
+
 def read_step(path: Path, heads: dict | None = None) -> SavedStep:
     """A saved step, validated: one line naming the file and key for anything missing or inconsistent."""
     tensors, meta = _load(path)
     where = str(path)
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in FORMATS:
         raise SpecError(f"not a saved step (format '{meta.get('format')}', expected '{FORMAT}')", file=where,
                         key="format")
     for k in REQUIRED:
@@ -105,24 +175,19 @@ def read_step(path: Path, heads: dict | None = None) -> SavedStep:
     for k in HEAD_KEYS:
         if k not in tensors and heads and k in heads:
             tensors[k] = heads[k]
-    estimator = _meta(meta, path, "estimator")
-    try:
-        if resolve_estimator(estimator).analytic:
-            raise SpecError("must be a function of log r (the trainer's per-token formula)", file=where, key="estimator")
-    except UnknownName as e:
-        raise SpecError(str(e).strip("'\""), file=where, key="estimator") from None
-    aggregation = _meta(meta, path, "aggregation")
-    if aggregation not in AGGREGATIONS:
-        raise SpecError(f"must be one of {', '.join(AGGREGATIONS)}, got '{aggregation}'", file=where, key="aggregation")
+    metrics = _metrics(meta, path)
+    if not metrics:
+        raise SpecError("names no metric", file=where, key="metrics")
     try:
         generation = json.loads(_meta(meta, path, "generation", "{}"))
         step, scale = int(_meta(meta, path, "step")), float(_meta(meta, path, "logit_scale", "1.0"))
+        multiplier = float(_meta(meta, path, "logit_multiplier", "1.0"))
     except ValueError as e:
         raise SpecError(f"unreadable metadata: {e}", file=where) from None
     if not isinstance(generation, dict):
         raise SpecError("must be a JSON object", file=where, key="generation")
-    saved = SavedStep(path, step, estimator, aggregation, _meta(meta, path, "source", "kl"),
-                      Sampler.from_dict(generation, file=where), scale, tensors, _softcap(meta, where))
+    saved = SavedStep(path, step, metrics, Sampler.from_dict(generation, file=where), scale, tensors,
+                      _softcap(meta, where), multiplier)
     _check_shapes(saved)
     return saved
 
@@ -145,9 +210,7 @@ def _check_shapes(s: SavedStep) -> None:
     bt = tuple(t["completion_ids"].shape)
     if len(bt) != 2:
         raise SpecError(f"must be [B, T], got {list(bt)}", file=where, key="completion_ids")
-    for k in ("mask", "trainer_kl"):
-        if tuple(t[k].shape) != bt:
-            raise SpecError(f"must have completion_ids' shape {list(bt)}, got {list(t[k].shape)}", file=where, key=k)
+    _check_per_token(s, bt)
     form = LOGITS if all(k in t for k in LOGITS) else HIDDEN if all(k in t for k in HIDDEN) else None
     if form is None:
         raise SpecError("needs policy_logits and reference_logits, or policy_hidden and reference_hidden",
@@ -159,6 +222,21 @@ def _check_shapes(s: SavedStep) -> None:
     if s.sampler.repetition_penalty != 1.0 and "prompt_ids" not in t:
         raise SpecError("repetition_penalty needs prompt_ids (the ids before the completion)", file=where,
                         key="prompt_ids")
+
+
+def _check_per_token(s: SavedStep, bt: tuple) -> None:
+    """The [B, T] tensors (mask, the trainer's values per metric, the engine's log-probs) and the
+    sampling pass's hidden states [B, T, d], against completion_ids' [B, T]."""
+    t, where = s.tensors, str(s.path)
+    first = "trainer_kl" if "trainer_kl" in t else f"trainer_{s.metrics[0].source}"
+    names = ["mask", first] + [f"trainer_{m.source}" for m in s.metrics[1:]]
+    for k in names + (["engine_logprobs"] if "engine_logprobs" in t else []):
+        if k not in t:
+            raise SpecError("missing tensor", file=where, key=k)
+        if tuple(t[k].shape) != bt:
+            raise SpecError(f"must have completion_ids' shape {list(bt)}, got {list(t[k].shape)}", file=where, key=k)
+    if "sampling_hidden" in t and (t["sampling_hidden"].ndim != 3 or tuple(t["sampling_hidden"].shape[:2]) != bt):
+        raise SpecError(f"must be [B, T, d] with [B, T] = {list(bt)}", file=where, key="sampling_hidden")
 
 
 def _check_vocabulary(s: SavedStep, form: tuple[str, str]) -> None:
@@ -180,8 +258,21 @@ def _check_vocabulary(s: SavedStep, form: tuple[str, str]) -> None:
                         f"{t['policy_weight'].shape[0]}", file=where, key="reference_weight")
 
 
-def step_values(s: SavedStep, *, tile: int = 8192, chunk: int = 256) -> PositionValues:
-    """The exact per-position values at the step's masked positions."""
+def _record(s: SavedStep) -> Record:
+    t = s.tensors
+    return Record(t["policy_hidden"], t["reference_hidden"], t["completion_ids"].to(torch.long), t["mask"].bool(),
+                  s.trainer_values(), sampling_hidden=t.get("sampling_hidden"), prompt_ids=t.get("prompt_ids"),
+                  engine_logprobs=t.get("engine_logprobs"))
+
+
+def _heads(s: SavedStep) -> tuple[Head, Head]:
+    t = s.tensors
+    return tuple(Head(t[f"{side}_weight"], t.get(f"{side}_bias"), s.logit_scale, s.logit_softcap, s.logit_multiplier)
+                 for side in ("policy", "reference"))
+
+
+def _logit_values(s: SavedStep) -> PositionValues:
+    """Exact values from saved full logits (the dense path, float64)."""
     t = s.tensors
     mask = t["mask"].bool()
     ids = t["completion_ids"].to(torch.long)
@@ -189,23 +280,17 @@ def step_values(s: SavedStep, *, tile: int = 8192, chunk: int = 256) -> Position
     if s.sampler.repetition_penalty != 1.0:
         full = torch.cat([t["prompt_ids"].to(torch.long), ids], dim=1)
         prefix = t["prompt_ids"].shape[1]
-        pos = torch.arange(full.shape[1])
+        pos = torch.arange(full.shape[1], device=full.device)
         ctx = torch.stack([torch.where(pos < prefix + j, full[b], -1) for b, j in mask.nonzero().tolist()])
-    banned = (torch.arange(mask.shape[1]).expand_as(mask) < s.sampler.min_new_tokens)[mask]
-    common = dict(ids=ids[mask], eos_banned=banned, context_ids=ctx)
-    if "policy_logits" in t:
-        return position_values(t["policy_logits"][mask].double() * s.logit_scale,
-                               t["reference_logits"][mask].double() * s.logit_scale, (s.estimator,), s.sampler, **common)
-    heads = [Head(t[f"{side}_weight"], t.get(f"{side}_bias"), s.logit_scale, s.logit_softcap)
-             for side in ("policy", "reference")]
-    return stream_values(t["policy_hidden"][mask], t["reference_hidden"][mask], heads[0], heads[1], (s.estimator,),
-                         s.sampler, tile=tile, chunk=chunk, **common)
+    banned = (torch.arange(mask.shape[1], device=mask.device).expand_as(mask) < s.sampler.min_new_tokens)[mask]
+    names = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in s.metrics))
+    return position_values(t["policy_logits"][mask].double() * s.logit_scale,
+                           t["reference_logits"][mask].double() * s.logit_scale, names, s.sampler,
+                           ids=ids[mask], eos_banned=banned, context_ids=ctx)
 
 
-def audit_saved(s: SavedStep, **kw) -> StepAudit:
-    sums = step_sums(step_values(s, **kw), s.tensors["trainer_kl"], s.tensors["mask"], estimator=s.estimator,
-                     aggregation=s.aggregation)
-    return StepAudit.from_sums(sums, step=s.step, source=s.source, estimator=s.estimator, aggregation=s.aggregation)
+def _session(s: SavedStep, log: AuditLog, kw: dict) -> AuditSession:
+    return AuditSession((None, None), s.metrics, s.sampler, log=log, **kw)
 
 
 def step_files(directory: Path) -> list[Path]:
@@ -218,28 +303,95 @@ def step_files(directory: Path) -> list[Path]:
     return files
 
 
-def audit_folder(directory, *, on_step=None, tile: int = 8192, chunk: int = 256) -> AuditLog:
-    """Audit every saved step of ``directory``; every file is read and checked before any is audited."""
+def audit_folder(directory, *, on_step=None, tile: int = 4096, chunk: int = 256,
+                 dtype: torch.dtype = torch.float64) -> AuditLog:
+    """Audit every saved step of ``directory`` through the audit core, the files of one step pooled;
+    every file is read and checked before any is audited. ``on_step(audit, warnings)`` after each step
+    audit. Hidden states: tile matmuls in ``dtype`` (float64 by default: exact to rounding)."""
     directory = Path(directory)
     files = step_files(directory)
     heads = _load(directory / HEADS_FILE)[0] if (directory / HEADS_FILE).exists() else None
     steps = [read_step(f, heads) for f in files]
-    log = AuditLog()
+    log, sessions = AuditLog(), {}
+    kw = dict(dtype=dtype, chunk=chunk, tile=tile)
+    by_step: dict[int, list[SavedStep]] = {}
     for s in steps:
-        a = log.add(audit_saved(s, tile=tile, chunk=chunk))
-        if on_step is not None:
-            on_step(a)
+        by_step.setdefault(s.step, []).append(s)
+    for number, group in sorted(by_step.items()):
+        for s in group:
+            key = (s.metrics, s.sampler)
+            session = sessions.setdefault(key, _session(s, log, kw))
+            if "policy_logits" in s.tensors:
+                session.add_values(_logit_values(s), s.trainer_values(), s.tensors["mask"].bool())
+            else:
+                session.add(_record(s), heads=_heads(s))
+        for session in sessions.values():
+            for a in (session.finish(number) if session.pending else []):
+                if on_step is not None:
+                    on_step(a, session.warnings(a))
     return log
 
 
-def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, echo=print) -> Path:
-    """``kl-bench audit DIR``: audit every saved step, print a line each and the pooled verdict, write
-    ``--out`` (default DIR/audit) with audit.csv and run.json."""
-    out = check_output_dir(Path(out) if out is not None else Path(directory) / "audit")
+def _pooled_line(source: str, p: dict) -> str:
+    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
+            f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
+
+
+def _echo_step(echo):
+    def show(a, warnings):
+        echo(step_line(a))
+        for w in warnings:
+            echo(f"warning: {w.message}")
+    return show
+
+
+def steps_folder(directory: Path) -> Path | None:
+    """Where the saved steps of ``directory`` are: itself, or the ``steps/`` of a callback's results
+    folder; None when there are none."""
+    directory = Path(directory)
+    for d in (directory, directory / "steps"):
+        if d.is_dir() and any(d.glob("step-*.safetensors")):
+            return d
+    return None
+
+
+def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, echo=print) -> Path | None:
+    """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print a line each,
+    its warnings and the pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json.
+    A callback's results folder without saved steps is read back and its verdicts printed (nothing
+    written; returns None)."""
     if tile < 1 or chunk < 1:
         raise SpecError(f"must be ≥ 1, got {min(tile, chunk)}", key="--tile" if tile < 1 else "--chunk")
-    log = audit_folder(directory, on_step=lambda a: echo(step_line(a)), tile=tile, chunk=chunk)
+    directory = Path(directory)
+    found = steps_folder(directory)
+    if found is None and (directory / "audit.csv").is_file():
+        return replay_folder(directory, echo)
+    out = check_output_dir(Path(out) if out is not None else directory / "audit")
+    log = audit_folder(found or directory, on_step=_echo_step(echo), tile=tile, chunk=chunk)
+    for a in log.engine:                                  # saved steps with a rollout engine's log-probs
+        echo(engine_line(a))
+        for w in engine_warnings(a):
+            echo(f"warning: {w.message}")
     for source, p in log.pooled().items():
-        echo(f"pooled {source} over {p['steps']} steps: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
-             f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
+        echo(_pooled_line(source, p))
     return log.write(out, source_folder=str(directory))
+
+
+def replay_folder(directory: Path, echo=print) -> None:
+    """A results folder written by the callback (audit.csv, run.json) read back: each step's line and the
+    warnings the callback printed, from the stored rows."""
+    rows = read_audit_csv(directory / "audit.csv")
+    envelope = parse_json(read_regular(directory / "run.json", "run.json"), directory / "run.json", "run.json")
+    if not isinstance(envelope, dict):
+        raise SpecError("must be a JSON object", file=str(directory / "run.json"))
+    sampler = str(envelope.get("sampler", "b"))
+    history: dict[str, list[StepAudit]] = {}
+    for a in rows:
+        history.setdefault(a.source, []).append(a)
+        _echo_step(echo)(a, step_warnings(a, history[a.source], sampler))
+    log = AuditLog()
+    for a in rows:
+        log.add(a)
+    for source, p in log.pooled().items():
+        echo(_pooled_line(source, p))
+    return None

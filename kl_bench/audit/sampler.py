@@ -120,9 +120,11 @@ def penalize(logits: torch.Tensor, context_ids: torch.Tensor | None, penalty: fl
 
 def sampler_scores(logits: torch.Tensor, sampler: Sampler, *, lo: int = 0, eos_banned: torch.Tensor | None = None,
                    context_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The score s = (transformed z)/T of a vocabulary tile [n, t] (ids [lo, lo + t)), float64: repetition
-    penalty, EOS ban (rows where ``eos_banned`` [n] is true), temperature. b ∝ exp(s) where s ≥ τ."""
-    z = penalize(logits.to(torch.float64), context_ids, sampler.repetition_penalty, lo)
+    """The score s = (transformed z)/T of a vocabulary tile [n, t] (ids [lo, lo + t)), in the logits' dtype
+    (float32 or float64; 16-bit logits are up-cast to float32): repetition penalty, EOS ban (rows where
+    ``eos_banned`` [n] is true), temperature. b ∝ exp(s) where s ≥ τ."""
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    z = penalize(z, context_ids, sampler.repetition_penalty, lo)
     if eos_banned is not None and sampler.eos_token_id:
         t = z.shape[-1]
         for e in sampler.eos_token_id:
@@ -141,7 +143,7 @@ def sampler_logprobs(logits: torch.Tensor, sampler: Sampler | None = None, *, eo
     sampler = sampler or Sampler()
     # Temperature, top-k and top-p are kl_bench.samplers.SamplerSpec.reshape (the benchmark's own emulation);
     # the penalty and the EOS ban act on the raw logits before it, min-p on its output.
-    z = sampler_scores(logits, Sampler(repetition_penalty=sampler.repetition_penalty,
+    z = sampler_scores(logits.to(torch.float64), Sampler(repetition_penalty=sampler.repetition_penalty,
                                        min_new_tokens=sampler.min_new_tokens, eos_token_id=sampler.eos_token_id),
                        eos_banned=eos_banned, context_ids=context_ids)
     lb = SamplerSpec(temperature=sampler.temperature, top_k=sampler.k, top_p=sampler.p).reshape(z)

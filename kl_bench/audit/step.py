@@ -6,16 +6,21 @@ kl_bench.audit.aggregate). With KL_t, E_q[f]_t, E_b[f]_t, Var_b[f]_t the exact p
 
     logged − Σ w KL = Σ w (E_q f − KL)            estimator bias
                     + Σ w (E_b f − E_q f)          sampler bias (b ≠ q: temperature, top-k, top-p, ...)
-                    + Σ w (f(x) − E_b f)           noise: mean 0, SE² = Σ w² Var_b f
-                    + (logged − recomputed)        precision and mismatch (the trainer's log-probs
-                                                   against float64 ones from the audited logits).
+                    + Σ w (E_g f − E_b f)          mismatch: the pass that drew the tokens is not the
+                                                   scored one (dropout, position ids, a cache, precision)
+                    + Σ w (f(x) − E_g f)           noise: mean 0, SE² = Σ w² Var_g f
+                    + (logged − recomputed)        precision (the trainer's log-probs against float64
+                                                   ones from the audited logits).
 
-The noise terms d_t = w_t (f(x_t) − E_b[f | h_t]) form a martingale difference sequence along each
-sampled path (x_t ~ b(·|h_t) given the history), so Var(Σ d_t) = E Σ w_t² Var_b[f | h_t]: the SE from
+b is the sampler applied to the scored policy's logits, g the same sampler applied to the logits of the
+pass that drew the tokens (its hidden states, when the trainer's adapter captured them; otherwise g = b,
+the mismatch is not measured and lands in the noise, which the consistency check then flags).
+The noise terms d_t = w_t (f(x_t) − E_g[f | h_t]) form a martingale difference sequence along each
+sampled path (x_t ~ g(·|h_t) given the history), so Var(Σ d_t) = E Σ w_t² Var_g[f | h_t]: the SE from
 the exact conditional variances is a valid standard error, and z = bias / SE is ≈ N(0, 1) when the
 estimate is unbiased for the exact KL (docs/audit.md). The consistency check applies the same argument
-to g = log b: Σ (log b(x_t) − E_b[log b]) / √Σ Var_b[log b] is ≈ N(0, 1) when the tokens were drawn from
-the b computed from the audited logits, and a token b cannot draw (b(x) = 0) is a certain mismatch.
+to log g: Σ (log g(x_t) − E_g[log g]) / √Σ Var_g[log g] is ≈ N(0, 1) when the tokens were drawn from
+the g computed from the audited logits, and a token g cannot draw (g(x) = 0) is a certain mismatch.
 
 Steps and ranks combine through additive sums (:func:`step_sums`): summing the vectors of two ranks
 gives the sums of their union.
@@ -37,22 +42,19 @@ from .exact import PositionValues
 
 # The additive sums of one step (one float64 vector; ranks add theirs).
 SUMS = ("denominator", "logged", "recomputed", "exact", "expected_q", "expected_b", "noise_var", "tokens",
-        "sequences", "logged_negative", "p_negative", "miss", "consistency_sum", "consistency_var", "impossible")
-
-
-def _scatter(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(mask.shape, dtype=torch.float64)
-    out[mask] = x.to(torch.float64)
-    return out
+        "sequences", "logged_negative", "p_negative", "miss", "consistency_sum", "consistency_var", "impossible",
+        "expected_g", "sampling_pass")
 
 
 def step_sums(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor, *, estimator: str,
               aggregation: str) -> torch.Tensor:
-    """The additive sums [len(SUMS)] of one step on one rank.
+    """The additive sums [len(SUMS)] of one step on one rank, float64 on the values' device (the caller
+    moves this one small vector to the host; selecting the masked tokens is the step's one sync).
 
     ``values``: exact values at the masked positions of ``mask`` [B, T], in row-major order;
     ``trainer`` [B, T]: the trainer's per-token values of ``estimator`` (any dtype; padding ignored)."""
-    mask = mask.bool().cpu()
+    device = values.kl.device
+    mask = mask.to(device).bool()
     if trainer.shape != mask.shape:
         raise SpecError(f"the trainer's values have shape {list(trainer.shape)} but the mask {list(mask.shape)}")
     if values.n != int(mask.sum()):
@@ -62,17 +64,18 @@ def step_sums(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor,
     um = u[mask]
     fn = resolve_estimator(estimator).fn
     recomputed = fn(values.tok_logp - values.tok_logq)          # float64 log r of the sampled tokens
-    logged = trainer.detach().cpu().to(torch.float64)[mask]
-    logb = values.tok_logb
-    possible = torch.isfinite(logb)
-    cons = torch.where(possible, logb - values.logb_mean, torch.zeros_like(logb))
+    logged = trainer.detach().to(device=device, dtype=torch.float64)[mask]
+    drew = values.sampled                                       # the distribution the tokens came from
+    possible = torch.isfinite(drew.tok_log)
+    cons = torch.where(possible, drew.tok_log - drew.log_mean, torch.zeros_like(drew.tok_log))
     sums = [d, (um * logged).sum(), (um * recomputed).sum(), (um * values.kl).sum(),
             (um * values.mean_q[:, col]).sum(), (um * values.mean_b[:, col]).sum(),
-            (um.square() * values.var_b[:, col]).sum(), mask.sum(), mask.shape[0], (logged < 0).sum(),
-            values.neg_b[:, col].sum(), values.miss.sum(), cons.sum(),
-            torch.where(possible, values.logb_var, torch.zeros_like(logb)).sum(),
-            (~possible & ~torch.isnan(logb)).sum()]
-    return torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in sums])
+            (um.square() * drew.var[:, col]).sum(), mask.sum(), mask.shape[0], (logged < 0).sum(),
+            drew.neg[:, col].sum(), values.miss.sum(), cons.sum(),
+            torch.where(possible, drew.log_var, torch.zeros_like(drew.log_var)).sum(),
+            (~possible & ~torch.isnan(drew.tok_log)).sum(), (um * drew.mean[:, col]).sum(),
+            mask.sum() if values.g is not None else 0]
+    return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in sums])
 
 
 @dataclass(frozen=True)
@@ -103,27 +106,32 @@ class StepAudit:
     impossible: int
     consistency_sum: float
     consistency_var: float
+    expected_g: float
+    bias_mismatch: float
+    sampling_pass: int
 
     @classmethod
     def from_sums(cls, sums: torch.Tensor, *, step: int, source: str, estimator: str, aggregation: str) -> "StepAudit":
-        s = dict(zip(SUMS, sums.tolist()))
+        s = dict(zip(SUMS, sums.cpu().tolist()))
         d = max(s["denominator"], 1.0)
         logged, rec, exact = s["logged"] / d, s["recomputed"] / d, s["exact"] / d
-        e_pi, e_b, se = s["expected_q"] / d, s["expected_b"] / d, math.sqrt(s["noise_var"]) / d
+        e_pi, e_b, e_g, se = s["expected_q"] / d, s["expected_b"] / d, s["expected_g"] / d, math.sqrt(s["noise_var"]) / d
         tokens = max(s["tokens"], 1.0)
         return cls(step, source, estimator, aggregation, int(s["sequences"]), int(s["tokens"]), logged, rec, exact,
                    e_pi, e_b, se, logged - exact, z_score(logged, exact, se, abs(exact) + abs(logged)),
-                   e_pi - exact, e_b - e_pi, logged - rec, rec - e_b, s["logged_negative"] / tokens,
+                   e_pi - exact, e_b - e_pi, logged - rec, rec - e_g, s["logged_negative"] / tokens,
                    s["p_negative"] / tokens, s["miss"] / tokens, consistency_z(s["consistency_sum"], s["consistency_var"],
                                                                               s["impossible"]),
-                   int(s["impossible"]), s["consistency_sum"], s["consistency_var"])
+                   int(s["impossible"]), s["consistency_sum"], s["consistency_var"], e_g, e_g - e_b,
+                   int(s["sampling_pass"]))
 
 
 def step_line(a: "StepAudit") -> str:
     """One line per audited step (``kl-bench audit`` and the TRL callback print it)."""
+    mismatch = f"mismatch {a.bias_mismatch:+.3g}, " if a.sampling_pass else ""
     return (f"step {a.step} {a.source} ({a.estimator}, {a.aggregation}, {a.tokens} tokens): logged {a.logged:.5g}, "
             f"exact {a.exact:.5g}, bias {a.bias:+.3g} ± {a.se:.2g} (z = {a.z:+.2f}); sampler {a.bias_sampler:+.3g}, "
-            f"precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
+            f"{mismatch}precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
 
 
 def consistency_z(total: float, var: float, impossible: float) -> float:
@@ -157,15 +165,20 @@ AUDIT_COLUMNS: dict[str, str] = {
     "z": "bias / se",
     "bias_estimator": "expected_q − exact (the formula's own bias; 0 for k1, k3)",
     "bias_sampler": "expected_b − expected_q (temperature, top-k, top-p, min-p, ...)",
-    "bias_precision": "logged − recomputed (rounding of the trainer's log-probs; dropout; position mismatch)",
-    "noise": "recomputed − expected_b (sampling noise, mean 0, SD se)",
+    "bias_precision": "logged − recomputed (rounding of the trainer's log-probs)",
+    "noise": "recomputed − expected_g (sampling noise, mean 0, SD se)",
     "frac_negative": "fraction of the trainer's per-token values below 0",
     "p_negative": "exact token average of P_b(f < 0)",
     "miss": "token average of the q-mass b can never draw",
-    "consistency_z": "z of Σ(log b(x) − E_b log b): ≈ N(0,1) when tokens came from the audited b; −inf: b(x) = 0",
-    "impossible": "sampled tokens with b(x) = 0 under the audited logits",
-    "consistency_sum": "Σ (log b(x) − E_b log b) (pooled across steps)",
-    "consistency_var": "Σ Var_b[log b] (pooled across steps)",
+    "consistency_z": "z of Σ(log g(x) − E_g log g): ≈ N(0,1) when tokens came from the audited g; −inf: g(x) = 0",
+    "impossible": "sampled tokens with g(x) = 0 under the audited logits",
+    "consistency_sum": "Σ (log g(x) − E_g log g) (pooled across steps)",
+    "consistency_var": "Σ Var_g[log g] (pooled across steps)",
+    "expected_g": "Σ w E_g[f]: its expectation under the distribution that drew the tokens (the sampler on the "
+                  "sampling pass's logits; = expected_b when that pass was not captured)",
+    "bias_mismatch": "expected_g − expected_b (the sampling pass differs from the scored one: dropout, position ids, "
+                     "a cache, precision); 0 when not measured",
+    "sampling_pass": "tokens whose sampling pass was captured (0: bias_mismatch not measured, it is in the noise)",
 }
 
 
@@ -177,6 +190,7 @@ class AuditLog:
 
     def __init__(self):
         self.rows: list[StepAudit] = []
+        self.engine: list = []                              # EngineAudit rows (kl_bench.audit.engine), if any
 
     def add(self, audit: StepAudit) -> StepAudit:
         self.rows.append(audit)
@@ -184,7 +198,7 @@ class AuditLog:
 
     def pooled(self) -> dict[str, dict]:
         """source → steps, mean bias, its SE, pooled z, mean sampler bias, pooled consistency z, impossible."""
-        return {source: _pool([r for r in self.rows if r.source == source])
+        return {source: pooled_row([r for r in self.rows if r.source == source])
                 for source in dict.fromkeys(r.source for r in self.rows)}
 
     def csv_bytes(self) -> bytes:
@@ -205,10 +219,25 @@ class AuditLog:
         directory = check_output_dir(Path(directory))
         env = {"kl_bench_audit": 1, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "columns": AUDIT_COLUMNS, "pooled": self.pooled(), **envelope}
-        return write_locked(directory, {"audit.csv": self.csv_bytes()}, env)
+        files = {"audit.csv": self.csv_bytes()}
+        if self.engine:                                      # a rollout engine's mismatch, per step
+            from .engine import ENGINE_COLUMNS
+            files["engine.csv"] = _csv([list(ENGINE_COLUMNS)] + [list(r.row().values()) for r in self.engine])
+            env["engine_columns"] = ENGINE_COLUMNS
+        return write_locked(directory, files, env)
 
 
-def _pool(rows: list[StepAudit]) -> dict:
+def _csv(rows: list[list]) -> bytes:
+    import csv
+    import io
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    for row in rows:
+        w.writerow([repr(v) if isinstance(v, float) else v for v in row])
+    return buf.getvalue().encode()
+
+
+def pooled_row(rows: list[StepAudit]) -> dict:
     """The pooled row of one source's steps (see :meth:`AuditLog.pooled`)."""
     n = len(rows)
     bias = sum(r.bias for r in rows)
@@ -222,3 +251,39 @@ def _pool(rows: list[StepAudit]) -> dict:
         "consistency_z": consistency_z(sum(r.consistency_sum for r in rows),
                                        sum(r.consistency_var for r in rows), sum(r.impossible for r in rows)),
         "impossible": sum(r.impossible for r in rows)}
+
+
+# Columns of older audit.csv files than today's, with the value they stand for there.
+AUDIT_DEFAULTS = {"bias_mismatch": "0.0", "sampling_pass": "0"}
+
+
+def read_audit_csv(path) -> list[StepAudit]:
+    """audit.csv read back (bounded, one line naming the file and column for anything wrong); files
+    written before a column existed get its :data:`AUDIT_DEFAULTS` (expected_g: expected_b)."""
+    import csv
+    import io
+
+    from ..safe_io import decode_text, read_regular
+    text = decode_text(read_regular(path, "summary.csv", "audit.csv"), path, "audit.csv")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    out = []
+    for i, row in enumerate(rows, start=2):
+        row = {**AUDIT_DEFAULTS, "expected_g": row.get("expected_b", ""), **row}
+        try:
+            values = {f.name: f.type_cast(row[f.name]) for f in _FIELDS}
+        except KeyError as e:
+            raise SpecError("missing column", file=str(path), key=str(e).strip("'")) from None
+        except ValueError as e:
+            raise SpecError(f"line {i}: {e}", file=str(path)) from None
+        out.append(StepAudit(**values))
+    return out
+
+
+class _Field:
+    def __init__(self, name: str, kind: str):
+        self.name = name
+        self.type_cast = {"int": lambda x: int(float(x)), "float": float, "str": str}[kind]
+
+
+_FIELDS = [_Field(name, {"int": "int", "float": "float"}.get(str(t).split(".")[-1].strip("'>"), "str"))
+           for name, t in StepAudit.__annotations__.items()]

@@ -10,13 +10,20 @@ from .common import Command, app, out_console, user_errors
 
 
 @app.command("audit", cls=Command)
-def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step-*.safetensors files (docs/audit.md)",
+def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step-*.safetensors files, or a KLAudit results folder "
+                                             "(docs/audit.md)",
                                         show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", help="results folder (default: DIR/audit)"),
-          tile: int = typer.Option(8192, "--tile", help="vocabulary ids per tile (hidden-state steps)"),
+          tile: int = typer.Option(4096, "--tile", help="vocabulary ids per tile (hidden-state steps)"),
           chunk: int = typer.Option(256, "--chunk", help="positions per chunk (hidden-state steps)")) -> None:
-    """Audit saved training steps: the trainer's KL against the exact KL, bias by source, z, consistency."""
+    """Audit saved training steps: the trainer's KL against the exact KL, bias by source, z, consistency.
+
+    DIR: a folder of step-*.safetensors files, or the results folder KLAudit(out=DIR) writes (its steps/
+    with save_steps=True are audited again; without them, its audit.csv is read back and its verdicts
+    printed)."""
     from ..audit.offline import audit_command
+    from ..display import prose
     with user_errors():
-        written = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: out_console.print(s, markup=False))
-    out_console.print(f"→ {written}", markup=False)
+        written = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: prose(out_console, s))
+    if written is not None:
+        prose(out_console, f"→ {written}")

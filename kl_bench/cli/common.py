@@ -27,9 +27,11 @@ class Command(typer.core.TyperCommand):
         return [p.replace("{", "").replace("}", "") for p in super().collect_usage_pieces(ctx)]
 
 
-# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap.
-out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)   # a message is one line, never wrapped
+# A terminal gets tables fitted to its width; a file or pipe gets plain text lines that never wrap (soft_wrap:
+# a sentence stays on one line whatever its length, for grep; tables keep their natural width up to 400).
+out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 400, soft_wrap=not sys.stdout.isatty())
+# A message to a log is one line, never wrapped; at a terminal a notice wraps at its width (errors stay one line).
+err_console = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 
 interrupt_reported = [False]
 DEFAULT_RUNS = Path("runs")        # where `kl-bench run` and `train` write without --out (git-ignored)
@@ -57,22 +59,25 @@ def user_errors() -> Iterator[None]:
 
 def warn_rows(df, console: Console) -> None:
     from ..advice import warnings
+    from ..display import prose
     for line in warnings(df):
-        console.print(line, markup=False)
+        prose(console, line)
 
 
 def advise(advice) -> None:
     """The advice lines (kl_bench.advice): what to log, what to put in the loss. A sentence that holds
-    for several cases alike (the on-policy identities) is printed once, naming them."""
+    for several cases alike (the on-policy identities) is printed once, naming them. Wrapped at a
+    terminal's width, one line each to a file or a pipe (kl_bench.display.prose)."""
+    from ..display import prose
     out_console.print()
     general: dict[str, list[str]] = {}
     for a in advice:
         if a.general:
             general.setdefault(a.detail, []).append(a.case)
         else:
-            out_console.print(a.text, markup=False, soft_wrap=True)
+            prose(out_console, a.text)
     for detail, cases in general.items():
-        out_console.print(f"{', '.join(cases)}: {detail}", markup=False, soft_wrap=True)
+        prose(out_console, f"{', '.join(cases)}: {detail}")
 
 
 def advice_options(batch: int, tolerance: float) -> None:
@@ -120,16 +125,16 @@ def check_report_out(out: Path) -> None:
                         f"inside it): give e.g. --out {out.with_suffix('')}", file=str(out), key="--out")
 
 
-def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
+def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) -> None:
     """The report of results folders into ``out`` (a folder): one line on success, one on any error or
-    interrupt; a report that fails leaves nothing behind (no folder, no half-written files)."""
+    interrupt; a progress line meanwhile (not with ``quiet``, nor in a pipe); a report that fails leaves
+    nothing behind (no folder, no half-written files). ``options``: kl_bench.report.report_files's
+    (formats, batch, tolerance)."""
     from .. import signals
-    from ..report import write_report as write
+    from ..progress import LazyProgress
+    from ..report import summary_line, write_report as write
     from ..runner import interrupt_line
     from ..storage import check_output_dir, fs_error
-    from ..audit.report import audit_report_files, is_audit_folder
-    from ..storage import write_folder
-    from ..training.report import is_training_folder, training_report_files
     from ..results.verify import require_folder
     with user_errors():
         for d in dirs:              # what was asked for is said first, before the (default) --out is judged
@@ -137,21 +142,19 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
         check_report_out(Path(out))
         out = check_output_dir(out)
         earlier = "an earlier report in {out} is untouched" if out.exists() else "nothing was created"
+        bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="figures")
         try:
-            if len(dirs) == 1 and is_training_folder(dirs[0]):       # a `kl-bench train` folder
-                write_folder(out, training_report_files(dirs[0]))
-            elif len(dirs) == 1 and is_audit_folder(dirs[0]):        # an audit (TRL callback, kl-bench audit)
-                write_folder(out, audit_report_files(dirs[0]))
-            else:
-                write(dirs, out)
+            write(dirs, out, progress=bar, **options)
             signals.phase("report-written")
         except KeyboardInterrupt:
+            bar.close()
             interrupted(interrupt_line(out, "report files", earlier))
         except OSError as e:
             raise fs_error(e, out, "cannot write the report") from None
+        finally:
+            bar.close()
     if not quiet:
-        page = "report.html" if (out / "report.html").exists() else "report.md"
-        out_console.print(f"report → {out}/{page} ({len(list((out / 'figures').glob('*.png')))} figures)")
+        out_console.print(summary_line(out), markup=False)
         if (out / "differences.csv").exists():
             for line in difference_lines(out / "differences.csv"):
                 out_console.print(line, markup=False)
@@ -159,19 +162,19 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False) -> None:
 
 def difference_lines(path: Path, most: int = 8) -> list[str]:
     """The runs' differences for the terminal: how many rows were compared, then the largest |z| first
-    (at most ``most`` lines; all of them in differences.csv)."""
-    from ..display import fmt
+    (at most ``most`` lines; all of them in differences.csv), in the report's words (diff/true ± SE in %)."""
+    from ..formatting import plural
+    from ..report import difference_cells
     from ..results import read_frame
     d = read_frame(path)
     if d.empty:
         return ["differences: the runs share no (case, row) to compare"]
     d = d.assign(az=d["z"].abs()).sort_values("az", ascending=False, na_position="last")
-    lines = [f"differences: {len(d)} rows compared with the first run; |z| > 5 in {int((d['az'] > 5).sum())} "
+    lines = [f"differences: {plural(len(d), 'row')} compared with the first run; |z| > 5 in {int((d['az'] > 5).sum())} "
              f"(largest first; all in {path.name})"]
     for _, r in d.head(most).iterrows():
-        lines.append(f"  {r['run']} vs {r['against']}: {r['case']} {r['row']}: diff/true {fmt(r['rel_diff'])} "
-                     f"± {fmt(r['se'] / abs(r['diff'] / r['rel_diff']) if r['rel_diff'] else float('nan'), 2)}, "
-                     f"z {fmt(r['z'], 2)}{r['heavy_tail']}")
+        run, against, case, row, rel, z = difference_cells(r)
+        lines.append(f"  {run} vs {against}: {case} {row}: diff/true {rel}, z {z}")
     return lines
 
 

@@ -34,10 +34,11 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                            dtype=dtype, batch_size=batch_size, eos=eos, device=device, progress=bar)
     finally:
         bar.close()
+    from ..display import prose
     for what, path in written.items():
-        out_console.print(f"{what}: {path}", markup=False)
+        prose(out_console, f"{what}: {path}")
     nt = written["next_token"]
-    out_console.print(f'use: [[case]] kind = "categorical", q = {{file = "{nt}", key = "policy"}}, '
-                      f'p = {{file = "{nt}", key = "reference"}}', markup=False)
+    prose(out_console, f'use: [[case]] kind = "categorical", q = {{file = "{nt}", key = "policy"}}, '
+          f'p = {{file = "{nt}", key = "reference"}}')
     if "continuations" in written:
-        out_console.print(f'use: [[case]] kind = "logprobs", file = "{written["continuations"]}"', markup=False)
+        prose(out_console, f'use: [[case]] kind = "logprobs", file = "{written["continuations"]}"')

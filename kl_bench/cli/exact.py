@@ -14,7 +14,8 @@ def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
           out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file"),
           batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
           tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
-                                          help="the advice's relative tolerance (0.05: ±5%)")) -> None:
+                                          help="the advice's relative tolerance (0.05: ±5%)"),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line (there is none in a pipe)")) -> None:
     """Print the exact KL and estimator moments of every case, and the advice, without sampling."""
     from .. import api
     from ..advice import recommendations
@@ -25,7 +26,7 @@ def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     with user_errors():
         if out is not None:
             check_output_file(out)
-        df = api.exact(spec)
+        df = api.exact(spec, progress=not quiet, console=err_console)
     print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
     warn_rows(df, err_console)
     advise(recommendations(df, batch=batch, tolerance=tolerance))

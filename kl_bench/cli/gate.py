@@ -25,9 +25,9 @@ def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, q
             from ..results.verify import check_results_match_spec
             check_results_match_spec(res, sp)          # another experiment's folder: one line, exit 2
             if res.envelope.get("spec_sha256") != sp.sha256:
-                out_console.print(f"note: {results} was produced by a different version of {spec_path} "
-                                  f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)",
-                                  markup=False)
+                from ..display import prose
+                prose(out_console, f"note: {results} was produced by a different version of {spec_path} "
+                      f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)")
             return sp, res.summary
         result = run(sp, progress=not quiet)
     return sp, result.summary
@@ -67,14 +67,14 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
         rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
+    from ..display import check_table, prose, show
     if not quiet:
-        from ..display import check_table, show
-        show(out_console, check_table(rep))
+        show(out_console, check_table(rep), keys=2, fold=True)
     for note in rep.notes:
-        out_console.print(f"note: {note}", markup=False)
+        prose(out_console, f"note: {note}")
     for c in rep.failures:
-        out_console.print(f"FAIL {c.sentence()}", markup=False)
-    out_console.print(rep.verdict, markup=False)
+        prose(out_console, f"FAIL {c.sentence()}")
+    prose(out_console, rep.verdict)
     write_outputs({json_out: rep.to_json, junit: rep.to_junit})
     if not rep.passed:
         raise typer.Exit(1)

@@ -9,22 +9,33 @@ def list_() -> None:
     """List the registered estimators, pair-supplied rows, case kinds and per-sequence rewards, one line each."""
     from importlib.metadata import entry_points
 
+    from rich.markup import escape
+
+    from ..display import show
     from ..estimators import ESTIMATORS, PAIR_ROWS
     from ..pairs import CASE_KINDS
-    rows = [*ESTIMATORS.items(), *PAIR_ROWS.items()]
-    wn = max(len(name) for name, _ in rows)
-    wf = max(len(e.formula) for _, e in rows)
-    for name, e in rows:
-        what = "row      " if e.analytic else "estimator"
-        out_console.print(f"{what}  {name:<{wn}}  {e.formula:<{wf}}  target {e.target}"
-                          f"{'  unbiased' if e.unbiased else '  biased'}{'  ≥0' if e.nonnegative else ''}",
-                          markup=False)
+    from ..training.sequences import SEQUENCE_REWARDS
+    rows = []
+    for name, e in [*ESTIMATORS.items(), *PAIR_ROWS.items()]:
+        props = ("unbiased" if e.unbiased else "biased") + (", ≥0" if e.nonnegative else "")
+        rows.append(["row" if e.analytic else "estimator", name, f"{e.target}, {props}: {e.formula}"])
     for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:
-            out_console.print(f"plug-in    {ep.name:<{wn}}  {ep.value}  (entry point, loaded when used)", markup=False)
-    for name, k in CASE_KINDS.items():
-        out_console.print(f"kind       {name:<{wn}}  {k.description}", markup=False)
-    from ..training.sequences import SEQUENCE_REWARDS
+            rows.append(["plug-in", ep.name, f"{ep.value} (entry point, loaded when used)"])
+    rows += [["kind", name, k.description] for name, k in CASE_KINDS.items()]
     for name, r in SEQUENCE_REWARDS.items():
         doc = (r.fn.__doc__ or "").strip().splitlines()[0] if r.fn.__doc__ else ""
-        out_console.print(f"reward     {name:<{wn}}  {doc}  ([train] reward = {{ sequence = \"{name}\" }})", markup=False)
+        rows.append(["reward", name, f"{doc} ([train] reward = {{ sequence = \"{name}\" }})"])
+    show(out_console, _table([[escape(c) for c in row] for row in rows]), fold=True)
+
+
+def _table(rows: list[list[str]]):
+    """Three columns, the last one wrapped at a terminal's width (its lines under its own column)."""
+    from rich.table import Table
+    t = Table(box=None, show_header=False, show_edge=False, pad_edge=False, padding=(0, 2, 0, 0))
+    t.add_column("what", no_wrap=True)
+    t.add_column("name", no_wrap=True)
+    t.add_column("description", overflow="fold")
+    for row in rows:
+        t.add_row(*row)
+    return t

@@ -6,14 +6,27 @@ from typing import Optional
 
 import typer
 
-from .common import DEFAULT_RUNS, Command, app, write_report
+from .common import DEFAULT_RUNS, Command, advice_options, app, user_errors, write_report
 
 
 @app.command(cls=Command)
 def report(dirs: list[Path] = typer.Argument(..., metavar="DIR", show_default=False,
-                                             help="one or more results folders written by `kl-bench run`"),
+                                             help="one or more results folders written by `kl-bench run` (or one "
+                                             "folder of `kl-bench train` or of an audit)"),
            out: Optional[Path] = typer.Option(None, "--out", help="report folder [default: DIR/report, or "
-                                              "runs/report for several folders]")) -> None:
-    """Plots, the paper-style table (LaTeX and Markdown) and a browsable report from results folders."""
+                                              "runs/report for several folders]"),
+           formats: str = typer.Option("png", "--formats", metavar="LIST",
+                                       help="figure files to write, comma-separated from png, pdf, svg (PDF and SVG: "
+                                       "vectors for a paper; PNG is always written, the pages show it)"),
+           batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
+           tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
+                                           help="the advice's relative tolerance (0.05: ±5%)"),
+           quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line and no summary line")) -> None:
+    """Plots, the paper-style table (LaTeX and Markdown), the advice and a self-contained report.html from
+    results folders (a training or audit folder: its figures, report.md and report.html)."""
+    from ..pages import parse_formats
+    advice_options(batch, tolerance)
+    with user_errors():
+        chosen = parse_formats(formats)
     target = out or (dirs[0] / "report" if len(dirs) == 1 else DEFAULT_RUNS / "report")
-    write_report(dirs, target)
+    write_report(dirs, target, quiet, formats=chosen, batch=batch, tolerance=tolerance)

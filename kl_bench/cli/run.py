@@ -56,24 +56,30 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
     if not quiet:
         show_run(result, wide, batch, tolerance)
     if report_:
-        write_report([result.path], result.path / "report", quiet)
+        write_report([result.path], result.path / "report", quiet, batch=batch, tolerance=tolerance)
 
 
 def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
     """What a person reads after a run: the tables, the warnings, the advice, and the time it took."""
-    from ..display import baseline_table, gradient_table, print_tables, show_or_point
+    from ..display import BASELINE_KEYS, GRADIENT_KEYS, baseline_table, gradient_table, print_tables, prose, show
+    from ..formatting import plural
     df = result.summary
     lengths = {name: meta["length"] for name, meta in result.envelope["cases"].items() if meta.get("length")}
     print_tables(out_console, df, result.descriptions(), lengths=lengths, wide=wide)
     if result.gradients is not None:
-        show_or_point(out_console, gradient_table(result.gradients), "gradient", wide)
+        show(out_console, gradient_table(result.gradients), wide, keys=GRADIENT_KEYS)
+        out_console.print()
     if result.group_baselines is not None:
-        show_or_point(out_console, baseline_table(result.group_baselines), "group baseline", wide)
+        show(out_console, baseline_table(result.group_baselines), wide, keys=BASELINE_KEYS)
+        out_console.print()
     warn_rows(df, err_console)
     advise(result.recommendations(batch=batch, tolerance=tolerance))
     env = result.envelope
     total = (f", {result.outcome.wall:.1f} s in all" if result.outcome.wall > 1.2 * env["sampling_seconds"] + 0.5
              else "")
-    cases = f" over {len(result.pairs)} cases" if len(result.pairs) > 1 else ""
-    out_console.print(f"\n{result.draws:,} draws{cases} sampled in {env['sampling_seconds']:.1f} s "
-                      f"({env['draws_per_second']:,} draws/s on {result.device}){total} → {result.path}/summary.csv")
+    cases = f" over {plural(len(result.pairs), 'case')}" if len(result.pairs) > 1 else ""
+    restored = env.get("restored_draws", 0)       # --resume: restored draws took no time here
+    kept = f" ({restored:,} more restored from the checkpoint)" if restored else ""
+    out_console.print()
+    prose(out_console, f"{plural(result.draws - restored, 'draw')}{cases} sampled in {env['sampling_seconds']:.1f} s "
+          f"({env['draws_per_second']:,} draws/s on {result.device}){kept}{total} → {result.path}/summary.csv")

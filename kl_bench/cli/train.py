@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .common import DEFAULT_RUNS, Command, app, out_console, user_errors
+from .common import DEFAULT_RUNS, Command, app, err_console, out_console, user_errors
 
 
 @app.command(cls=Command)
@@ -15,7 +15,7 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
           out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: runs/<name>/]"),
           seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
           device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
-          quiet: bool = typer.Option(False, "--quiet", "-q", help="no summary lines")) -> None:
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line and no summary lines")) -> None:
     """Train the policy of every case with each [train] combination (exact and/or sampled updates) and write
     train.csv and run.json atomically (docs/training.md). Under torchrun the trajectories and sampled runs are
     split across the processes and rank 0 writes: the same bytes as one process."""
@@ -28,7 +28,9 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
     with _errors(quiet_rank):
         sp = load_spec(spec)
         out_dir = check_output_dir(output_dir(out if out is not None else DEFAULT_RUNS / sp.experiment.name))
-        result = api.train(sp, seed=seed, device=device) if world is None else _train_ranks(sp, seed, device)
+        progress = not (quiet or quiet_rank)          # a line on a terminal's stderr, none in a pipe
+        result = api.train(sp, seed=seed, device=device, progress=progress, console=err_console) if world is None \
+            else _train_ranks(sp, seed, device, progress)
         if result is None:                                   # another rank of the job: rank 0 writes
             return
         result.write(out_dir)
@@ -38,7 +40,7 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
         out_console.print(f"→ {out_dir}/train.csv", markup=False)
 
 
-def _train_ranks(sp, seed, device):
+def _train_ranks(sp, seed, device, progress: bool):
     """The job's share of this process (kl_bench.training.train_rows): rank 0 gets the result."""
     from .. import api
     from ..distributed import RankFailure, start, stop
@@ -47,7 +49,7 @@ def _train_ranks(sp, seed, device):
                              "--device" if device is not None else "experiment.device")
     try:
         ranks, dev = start(dev)
-        return api.train(sp, seed=seed, device=str(dev), ranks=ranks)
+        return api.train(sp, seed=seed, device=str(dev), ranks=ranks, progress=progress, console=err_console)
     except RankFailure as e:
         raise SpecError(str(e)) from None
     finally:

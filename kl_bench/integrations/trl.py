@@ -2,21 +2,32 @@
 
     trainer.add_callback(KLAudit(trainer, every=10, max_rows=8))
 
-Every ``every`` optimizer steps it takes, from TRL's own passes (no extra forward through a model body):
-the last hidden states of the policy and the reference (a forward hook on each model's body), the
-output layers, the sampled ids, the mask, TRL's per-token log-probs of both models (hence TRL's per-token
-KL) and the generation settings; it computes the exact per-position values streamed over vocabulary tiles
-(kl_bench.audit.stream) for up to ``max_rows`` rows a step, spread over the step's micro-batches (each
-gradient-accumulation pass is audited as it happens, before the optimizer step; their additive sums pool
-into one step audit), audits the step (kl_bench.audit.step), logs
-``kl_audit/*`` metrics through TRL's reporters, prints one line, and warns (one line each) about what it
-finds. Multi-process: each rank audits its own rows; the additive sums are all-reduced, rank 0 prints.
+A thin adapter over the trainer-agnostic core (kl_bench.audit.session): it captures, through forward
+hooks it removes at the end of training, what TRL's own passes compute (no extra forward through a model
+body, no trainer method replaced):
+- a forward pre-hook and hook on each model (policy and reference) see every call's keyword inputs and
+  outputs: TRL scores rows as ``model(input_ids=..., attention_mask=..., labels=..., fused_lm_head=True)``
+  and gets per-token ``log_probs`` back (TRL 1.15, 1.16); TRL 1.14 calls ``model(..., logits_to_keep=k + 1)``
+  and takes log-probs of the returned ``logits`` with ``selective_log_softmax``, which the adapter
+  applies to the same logits;
+- a forward hook on each model body (``model.base_model``) sees the last hidden states those calls
+  made: the exact input of the output layer;
+- during ``generate()`` the same hooks see each decoding step's hidden state: the distribution that drew
+  every token, whatever dropout, position ids or cache made it (the mismatch part of the bias split).
+Every ``every`` optimizer steps, up to ``max_rows`` rows a step (spread over its micro-batches) are
+audited as they are scored, before the optimizer step moves the output layer; each rank audits its own
+rows and the additive sums are all-reduced. Metrics ``kl_audit/*`` join the trainer's next log entry
+(``on_log``, the path TRL's reporters read); rank 0 prints one line per audited step and the warnings
+(kl_bench.audit.verdict), and writes ``out`` at the end of training (and, with ``save_steps``, every
+audited batch as a saved step that ``kl-bench audit`` re-audits).
 
-Supported: TRL 1.16 (GRPOTrainer, with and without ``use_bias_correction_kl``; RLOOTrainer). The facts it
-relies on (where the KL is formed, which pass scores it) are listed in docs/audit.md.
+Supported: TRL 1.14 to 1.16 (GRPOTrainer, with and without ``use_bias_correction_kl``; RLOOTrainer). The
+names it relies on are :data:`CONTRACT` (tests/test_audit_trl.py checks them against the installed TRL).
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -24,12 +35,28 @@ from pathlib import Path
 import torch
 
 from ..audit.sampler import Sampler
-from ..audit.step import AuditLog, StepAudit, step_line, step_sums
-from ..audit.stream import Head, stream_values
+from ..audit.session import AuditSession, Metric, Record
+from ..audit.step import step_line
+from ..audit.stream import Head
+from ..audit.verdict import Thresholds
 from ..errors import SpecError
 
-SUPPORTED = ((1, 16), (1, 17))        # [lo, hi) on (major, minor)
-SUPPORTED_TEXT = "trl >= 1.16, < 1.17 (tested: 1.16.0)"
+TESTED = ((1, 14), (1, 17))           # [lo, hi) on (major, minor)
+TESTED_TEXT = "trl >= 1.14, < 1.17 (tested: 1.14.0, 1.15.0, 1.16.0)"
+
+# What the adapter relies on in TRL (and transformers), by name: tests/test_audit_trl.py checks each
+# against the installed version, so that a TRL release that renames one fails a test, not a training run.
+CONTRACT = {
+    "trainer classes": ("trl.GRPOTrainer", "trl.RLOOTrainer"),
+    "trainer attributes": ("beta", "ref_model", "temperature", "num_iterations", "generation_kwargs", "top_k",
+                           "top_p", "min_p", "repetition_penalty", "accelerator", "args", "model"),
+    "args": ("use_vllm", "gradient_accumulation_steps", "bf16", "fp16"),
+    "model calls": ("fused_lm_head=True with labels, output .log_probs (1.15+)",
+                    "logits_to_keep, output .logits, trl.trainer.utils.selective_log_softmax (1.14)"),
+    "model structure": ("model.base_model (its output .last_hidden_state)", "model.get_output_embeddings()",
+                        "config final_logit_softcapping / logit_scale"),
+    "logged metric": ("'kl' in the logs of GRPOTrainer and RLOOTrainer",),
+}
 
 try:                                   # the callback base class, when TRL (transformers) is installed
     from transformers import TrainerCallback as _Base
@@ -37,36 +64,38 @@ except ImportError:                    # pragma: no cover - the trl extra instal
     _Base = object
 
 
-def check_trl_version(version: str | None = None) -> str:
-    """The installed TRL version, or a one-line SpecError naming the supported range."""
+def check_trl_version(version: str | None = None, warn=print) -> str:
+    """The installed TRL version: a one-line SpecError without TRL or with an unreadable version; outside
+    the tested range, one warning line (the contract decides at attach time whether it can run)."""
     try:
         version = version or metadata.version("trl")
     except metadata.PackageNotFoundError:
-        raise SpecError(f"KLAudit needs TRL: pip install 'kl-bench[trl]' ({SUPPORTED_TEXT})") from None
+        raise SpecError(f"KLAudit needs TRL: pip install 'kl-bench[trl]' ({TESTED_TEXT})") from None
     try:
         major, minor = (int(x) for x in version.split(".")[:2])
     except ValueError:
-        raise SpecError(f"cannot read the TRL version '{version}'; supported: {SUPPORTED_TEXT}") from None
-    if not SUPPORTED[0] <= (major, minor) < SUPPORTED[1]:
-        raise SpecError(f"TRL {version} is not supported by KLAudit; supported: {SUPPORTED_TEXT}")
+        raise SpecError(f"cannot read the TRL version '{version}'; tested: {TESTED_TEXT}") from None
+    if not TESTED[0] <= (major, minor) < TESTED[1]:
+        warn(f"kl_audit: warning: TRL {version} is outside the tested range ({TESTED_TEXT}); the audit runs if "
+             "every name it relies on is there (KLAudit.CONTRACT), and says so in one line if not")
     return version
 
 
 @dataclass(frozen=True)
 class TrainerFacts:
-    """Where a trainer forms its KL. ``estimator``: the kl_bench preset equal to its per-token formula;
-    ``phase``: the pass whose policy log-probs enter it ("loss": the loss pass; "generation": the pass
-    after sampling); ``aggregation``: how its per-token values are combined."""
-    estimator: str
-    source: str
-    aggregation: str
+    """Where a trainer forms its KL: the ``metrics`` it logs (source, estimator, aggregation) and the
+    ``phase`` of the policy pass whose log-probs enter them ("loss": the pass with gradients;
+    "generation": the scoring pass right after sampling)."""
+    metrics: tuple[Metric, ...]
     phase: str
 
 
-# GRPO: per_token_kl = exp(ref − logp) − (ref − logp) − 1 = k3 (log r = ref − logp) in the loss (× coef_1 = 1 on-policy), logged as its
-# masked token mean. RLOO: old − ref (k1) from the pass after generation, summed per sequence into the reward.
-FACTS = {"GRPOTrainer": TrainerFacts("trl.grpo", "loss", "token-mean", "loss"),
-         "RLOOTrainer": TrainerFacts("k1", "reward", "seq-mean-token-sum", "generation")}
+# GRPO: per_token_kl = exp(ref − logp) − (ref − logp) − 1 = k3 (log r = ref − logp) in the loss (× coef_1 = 1
+# on-policy), logged as `kl`: its masked token mean. RLOO: old − ref (k1) from the pass after generation,
+# logged as `kl`: its token mean (kl_stats[0] / kl_stats[1]), and summed per sequence into the reward.
+FACTS = {"GRPOTrainer": TrainerFacts((Metric("loss", "trl.grpo", "token-mean"),), "loss"),
+         "RLOOTrainer": TrainerFacts((Metric("kl", "k1", "token-mean"), Metric("reward", "k1", "seq-mean-token-sum")),
+                                     "generation")}
 
 MODELLED = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature", "top_p",
             "top_k", "min_p", "repetition_penalty", "cache_implementation", "min_new_tokens", "disable_compile"}
@@ -87,47 +116,130 @@ def _body(model):
     return body
 
 
-def _head(model, temperature: float) -> Head:
+def head_of(model, temperature: float) -> Head | str:
+    """The output layer as TRL applies it (logit scale, soft-cap, then 1/T), or a one-line reason it
+    cannot be read here (sharded or offloaded: a meta placeholder or an empty ZeRO-3 partition)."""
     out = model.get_output_embeddings()
-    bias = getattr(out, "bias", None)
-    # TRL divides the logits by the temperature before its log-softmax, in both models: so does the audit.
-    # Gemma-style models cap their logits inside forward (c·tanh(z/c), config.final_logit_softcapping),
-    # before TRL sees them: the head caps them too, before the 1/T scale.
-    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-    return Head(out.weight.detach(), None if bias is None else bias.detach(), scale=1.0 / temperature,
-                softcap=float(cap) if cap else None)
+    weight, bias = out.weight.detach(), None if getattr(out, "bias", None) is None else out.bias.detach()
+    if hasattr(weight, "full_tensor"):                  # FSDP2 DTensor: gather it, as TRL's own kernel does
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    if weight.device.type == "meta" or weight.numel() == 0 or weight.ndim != 2:
+        return (f"the output layer is not materialised here ({'meta' if weight.device.type == 'meta' else 'an empty'} "
+                "placeholder: offloaded or sharded, e.g. DeepSpeed ZeRO-3 outside a gather)")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    scale = getattr(cfg, "logit_scale", None)
+    return Head(weight, bias, scale=1.0 / temperature, softcap=float(cap) if cap else None,
+                multiplier=1.0 if scale is None else float(scale))
+
+
+class _Capture:
+    """What one model call made: its role, keyword inputs, body hidden states and output."""
+
+    def __init__(self, role: str, kwargs: dict):
+        self.role, self.kwargs, self.hidden = role, kwargs, None
+
+    @property
+    def scoring(self) -> bool:
+        """A scoring pass (TRL's log-probs), not a generate() step."""
+        kw = self.kwargs
+        return bool(kw.get("fused_lm_head")) or "labels" in kw or kw.get("use_cache") is False
+
+
+class _Generation:
+    """The decoding steps of generate() on the policy: each step's last hidden state, predicting the next
+    token, and the ids fed in (the prompt, then the tokens drawn). Rows are matched to scored rows by
+    their tokens."""
+
+    def __init__(self):
+        self.ids, self.mask, self.hidden = None, None, []
+
+    def step(self, kwargs: dict, hidden: torch.Tensor, limit: int) -> None:
+        ids = kwargs.get("input_ids")
+        if ids is None or hidden is None:
+            return
+        if ids.shape[1] > 1 or self.ids is None:                     # a prefill starts a new generation
+            self.ids, self.hidden = ids[:limit].detach(), []
+            mask = kwargs.get("attention_mask")
+            self.mask = torch.ones_like(self.ids) if mask is None else mask[:limit, -ids.shape[1]:].detach()
+        else:
+            self.ids = torch.cat([self.ids, ids[:limit].detach()], dim=1)
+            self.mask = torch.cat([self.mask, torch.ones_like(ids[:limit])], dim=1)
+        self.hidden.append(hidden[:limit, -1].detach())
+
+    def match(self, input_ids: torch.Tensor, attention: torch.Tensor, k: int) -> torch.Tensor | None:
+        """The drawing pass's hidden states [B, k, d] of scored rows (ids [B, L], last k completion), or
+        None when some row was not drawn in the captured generation."""
+        if self.ids is None or len(self.hidden) < k:
+            return None
+        hidden = torch.stack(self.hidden[:k], dim=1)                  # [G, k, d]
+        keys = {}
+        prompt = self.ids.shape[1] - (len(self.hidden) - 1)
+        for row in range(self.ids.shape[0]):
+            toks = self.ids[row, :prompt][self.mask[row, :prompt].bool()].tolist() + self.ids[row, prompt:prompt + k - 1].tolist()
+            keys.setdefault(tuple(toks), row)
+        rows = []
+        for b in range(input_ids.shape[0]):
+            p = input_ids[b, :-k][attention[b, :-k].bool()].tolist() + input_ids[b, -k:-1].tolist()
+            if tuple(p) not in keys:
+                return None
+            rows.append(keys[tuple(p)])
+        return hidden[torch.tensor(rows, device=hidden.device)]
 
 
 class KLAudit(_Base):
-    """A TRL ``TrainerCallback``; see the module docstring. ``threshold``: |z| that warns; ``out``: a
-    folder for audit.csv and run.json at the end of training; ``dtype``: the audit's logit matmul
-    (float64: exact to rounding)."""
+    """A TRL ``TrainerCallback``; see the module docstring. ``thresholds``: when to warn
+    (kl_bench.audit.verdict); ``out``: a folder for audit.csv and run.json at the end of training;
+    ``save_steps``: also write each audited batch to ``out/steps/`` (hidden states and output layers:
+    ``kl-bench audit out`` re-audits them); ``dtype``: the audit's tile matmuls (float32, TF32 off;
+    float64: exact to rounding); ``negative``: P(f < 0) of a sign-changing estimator under a sampler that
+    does not truncate (RLOO's k1 at top_k = 0) costs two more head forwards; False skips it."""
 
-    def __init__(self, trainer, every: int = 10, max_rows: int = 8, *, threshold: float = 5.0, out=None,
-                 tile: int = 8192, chunk: int = 256, dtype: torch.dtype = torch.float64, print_fn=print):
-        self.version = check_trl_version()
+    def __init__(self, trainer, every: int = 10, max_rows: int = 8, *, thresholds: Thresholds | None = None,
+                 threshold: float | None = None, out=None, save_steps: bool = False, tile: int = 4096,
+                 chunk: int = 256, dtype: torch.dtype = torch.float32, negative: bool = True, print_fn=print):
+        self.print = print_fn
+        self.version = check_trl_version(warn=self._say)
         if every < 1 or max_rows < 1:
             raise SpecError(f"every and max_rows must be ≥ 1, got {every} and {max_rows}")
+        if save_steps and out is None:
+            raise SpecError("save_steps needs out (the folder the steps go to)", key="save_steps")
         self.trainer, self.facts = trainer, trainer_facts(trainer)
-        self.every, self.max_rows, self.threshold = every, max_rows, threshold
-        self.out, self.tile, self.chunk, self.dtype, self.print = out, tile, chunk, dtype, print_fn
-        self.log = AuditLog()
+        self.every, self.max_rows, self.out, self.save_steps = every, max_rows, out, save_steps
+        t = thresholds or Thresholds()
+        self.thresholds = t if threshold is None else Thresholds(z=threshold, pooled=t.pooled, sampler=t.sampler)
         self.warnings: list[str] = []
         self._warned: set[str] = set()
-        self._active = self._in_loss = self._capturing = False
-        self._pending: torch.Tensor | None = None          # this step's additive sums, once audited
-        # The last audited step's inputs on this rank (for inspection and tests): TRL's per-token log-probs
-        # of both models, the mask and ids, the hidden states, and the exact values (PositionValues).
-        self.last_inputs: dict | None = None
-        self.step_inputs: list[dict] = []                   # every audited micro-batch of the last audited step
-        self._captured: list[torch.Tensor] = []
-        self._records: dict[str, list[dict]] = {"policy": [], "ref": []}
-        self._passes = self._rows_used = 0                  # policy passes and rows audited this step
         self.disabled = self._check_setup()
         self.sampler = self._sampler()
-        self._install()
+        self.temperature = float(getattr(trainer, "temperature", 1.0) or 1.0)
+        self.session = AuditSession((None, None), self.facts.metrics, self.sampler, dtype=dtype, chunk=chunk,
+                                    tile=tile, negative=negative, thresholds=self.thresholds)
+        self.log = self.session.log
+        self.last_inputs: dict | None = None                # the last audited batch (inspection, tests)
+        self.step_inputs: list[dict] = []                   # every audited batch of the last audited step
+        self._handles: list = []
+        self._active = self._active_step = False
+        self._step = 0
+        self._audited_steps: set[int] = set()
+        self._metrics: dict[str, float] = {}                # kl_audit/* waiting for the next log entry
+        self.seconds = 0.0                                  # wall time spent auditing (benchmarks/bench_audit.py)
+        self._reset()
 
     # ------------------------------------------------------------------ setup
+    def _say(self, line: str) -> None:
+        if getattr(getattr(getattr(self, "trainer", None), "accelerator", None), "is_main_process", True):
+            self.print(line)
+
+    def _warn(self, key: str, message: str, once: bool = True) -> None:
+        if once and key in self._warned:
+            return
+        self._warned.add(key)
+        line = f"kl_audit: warning: {message}"
+        self.warnings.append(line)
+        self._say(line)
+
     def _check_setup(self) -> bool:
         """One warning line for each setting the audit does not model; True when nothing can be audited."""
         tr = self.trainer
@@ -135,16 +247,15 @@ class KLAudit(_Base):
             self._warn("beta", "beta = 0: the trainer computes no KL, nothing to audit")
             return True
         if getattr(tr, "ref_model", None) is None:
-            # TRL 1.16 then scores the reference with the policy's own model under use_adapter(...): the
-            # base weights with the adapter disabled (or a "ref" adapter), a pass the hooks cannot tell apart.
+            # TRL then scores the reference with the policy's own model under use_adapter(...): the base
+            # weights with the adapter disabled (or a "ref" adapter), a pass the hooks cannot tell apart.
             self._warn("peft", "PEFT: the reference is the policy with its adapter disabled, which the audit does "
                                "not model; nothing will be audited (give the trainer a separate ref_model to audit)")
             return True
         mu = int(getattr(tr, "num_iterations", 1) or 1)
         if mu > 1:
-            # Iteration 1 scores the policy that sampled (no optimizer step since generation); iterations
-            # 2..μ reuse the batch with no reference pass, after the policy has moved: q ≠ the sampler, and
-            # the KL term is weighted by coef_1 ≠ 1 (use_bias_correction_kl). Not modelled, not audited.
+            # Iteration 1 scores the policy that sampled; iterations 2..μ reuse the batch after the policy
+            # has moved (and weight the KL by coef_1 ≠ 1): not modelled, not audited.
             self._warn("iterations", f"num_iterations = {mu}: only the first pass over each generation batch is "
                                      f"audited; passes 2 to {mu} score a policy that has moved since it sampled "
                                      "(not modelled) and are skipped")
@@ -157,7 +268,7 @@ class KLAudit(_Base):
         kw = dict(getattr(tr, "generation_kwargs", None) or {})
         other = sorted(k for k, v in kw.items() if k not in MODELLED and v is not None)
         if getattr(tr.args, "use_vllm", False):
-            other.append("use_vllm")
+            other.append("use_vllm (the engine's tokens: see the rollout-engine audit in docs/audit.md)")
         temperature = float(getattr(tr, "temperature", 1.0) or 1.0)
         if kw.get("temperature") is not None and float(kw["temperature"]) != temperature:
             other.append(f"temperature {kw['temperature']} in generation_kwargs but {temperature} in the loss")
@@ -173,117 +284,211 @@ class KLAudit(_Base):
                        min_new_tokens=int(kw.get("min_new_tokens") or 0),
                        eos_token_id=() if eos is None else tuple(eos if isinstance(eos, (list, tuple)) else [eos]))
 
-    def _install(self):
+    def _reset(self) -> None:
+        self._records: dict[str, list[dict]] = {"policy": [], "ref": []}
+        self._passes = self._rows_used = 0
+        self._generation = _Generation()
+        self._calls: dict[int, _Capture] = {}
+
+    # ------------------------------------------------------------------ hooks (installed at train begin)
+    def _install(self) -> None:
+        if self._handles or self.disabled:
+            return                                         # attached twice: one set of hooks
         tr = self.trainer
-        policy = tr.accelerator.unwrap_model(tr.model)
-        self._models = {"policy": policy, "ref": tr.ref_model}
+        self._models = {"policy": tr.accelerator.unwrap_model(tr.model), "ref": tr.ref_model}
         for role, model in self._models.items():
-            if model is not None:
-                _body(model).register_forward_hook(self._hook)
-        logps_fn = tr._get_per_token_logps_and_entropies
-        loss_fn = tr.compute_loss
+            self._handles += [model.register_forward_pre_hook(self._pre(role), with_kwargs=True),
+                              model.register_forward_hook(self._post(role), with_kwargs=True),
+                              _body(model).register_forward_hook(self._body_hook(role))]
+        callbacks = getattr(getattr(tr, "callback_handler", None), "callbacks", None)
+        if isinstance(callbacks, list) and self in callbacks:
+            # first in line, so that the reporters after it see the kl_audit/* it adds in on_log
+            callbacks.remove(self)
+            callbacks.insert(0, self)
 
-        def get_logps(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-            role = self._role(model)
-            if role is None:
-                return logps_fn(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-            self._captured, self._capturing = [], True
-            try:
-                out = logps_fn(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-            finally:
-                self._capturing = False
-            self._record(role, input_ids, attention_mask, logits_to_keep, out[0])
-            if role == "policy":
-                self._check_dropout()
-            # Audit now, before the optimizer step changes the output layer the hidden states went through.
-            self._audit_pending()
-            return out
+    def remove_hooks(self) -> None:
+        """Remove every hook this callback installed (done at the end of training)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
-        def compute_loss(model, inputs, *args, **kwargs):
-            self._in_loss = True
-            try:
-                return loss_fn(model, inputs, *args, **kwargs)
-            finally:
-                self._in_loss = False
-        tr._get_per_token_logps_and_entropies = get_logps
-        tr.compute_loss = compute_loss
+    def _pre(self, role: str):
+        def hook(module, args, kwargs):
+            if self._active:
+                self._calls[id(module)] = _Capture(role, kwargs)
+        return hook
 
-    def _role(self, model) -> str | None:
-        if not self._active:
+    def _body_hook(self, role: str):
+        def hook(module, args, output):
+            call = self._calls.get(id(self._models[role])) if self._active else None
+            if call is not None:
+                call.hidden = output[0] if isinstance(output, (tuple, list)) else output.last_hidden_state
+        return hook
+
+    def _post(self, role: str):
+        def hook(module, args, kwargs, output):
+            call = self._calls.pop(id(module), None)
+            if call is None:
+                return
+            if not call.scoring:
+                if role == "policy":
+                    self._generation.step(call.kwargs, call.hidden, limit=1 << 30)
+                return
+            self._scored(call, output)
+        return hook
+
+    # ------------------------------------------------------------------ what a scoring pass gives
+    def _trainer_logps(self, call: _Capture, output) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """TRL's per-token log-probs [B, k] of the completion, its mask [B, k] and k, from a scoring call."""
+        kw = call.kwargs
+        ids = kw.get("input_ids")
+        if ids is None:
             return None
-        unwrapped = self.trainer.accelerator.unwrap_model(model)
-        if unwrapped is self._models["ref"] or model is self._models["ref"]:
-            return "ref"
-        phase = "loss" if self._in_loss else "generation"
-        if unwrapped is self._models["policy"] and phase == self.facts.phase and self._rows_left() > 0:
-            return "policy"
+        if getattr(output, "log_probs", None) is not None and kw.get("labels") is not None:       # TRL 1.15+
+            scored = kw["labels"] != -100
+            first = scored.any(0).nonzero()
+            if first.numel() == 0:
+                return None
+            k = ids.shape[1] - int(first[0])
+            return output.log_probs[:, -k:].detach(), scored[:, -k:], k
+        if getattr(output, "logits", None) is not None and kw.get("logits_to_keep"):              # TRL 1.14
+            from trl.trainer.utils import selective_log_softmax
+            k = int(kw["logits_to_keep"]) - 1
+            mask = kw["attention_mask"][:, -k:]
+            logits = output.logits[:, :-1][:, -k:].detach()
+            return selective_log_softmax(logits, ids[:, -k:], temperature=self.temperature, row_mask=mask), mask.bool(), k
         return None
 
-    def _passes_per_step(self) -> int:
-        """The policy passes a step makes in the audited phase: one per micro-batch (gradient
-        accumulation) for the loss pass; one per generation for the pass after sampling."""
-        if self.facts.phase == "loss":
-            return max(int(getattr(self.trainer.args, "gradient_accumulation_steps", 1) or 1), 1)
-        return 1
+    def _scored(self, call: _Capture, output) -> None:
+        role = call.role
+        phase = "loss" if torch.is_grad_enabled() else "generation"
+        if role == "policy" and (phase != self.facts.phase or self._rows_left() <= 0 or not self._active_step):
+            return
+        got = self._trainer_logps(call, output)
+        if got is None or call.hidden is None:
+            self._warn("hook", "a scoring pass gave no log-probs or hidden states of the expected form (TRL changed "
+                               "its call convention?); not audited")
+            return
+        logps, mask, k = got
+        ids, length = call.kwargs["input_ids"], call.kwargs["input_ids"].shape[1]
+        rows = ids.shape[0] if role == "ref" else min(self._rows_left(), ids.shape[0])
+        if role == "policy":
+            self._passes, self._rows_used = self._passes + 1, self._rows_used + rows
+        attention = call.kwargs.get("attention_mask")
+        attention = torch.ones_like(ids) if attention is None else attention
+        # The hidden state at position t predicts token t + 1: completion tokens [L − k, L) come from [L − k − 1, L − 1).
+        record = {"input_ids": ids[:rows].detach(), "attention": attention[:rows].detach(), "mask": mask[:rows],
+                  "hidden": call.hidden[:rows, length - k - 1:length - 1].detach(), "logps": logps[:rows],
+                  "k": k, "audited": False}
+        if role == "policy":
+            record["sampling_hidden"] = self._generation.match(record["input_ids"], record["attention"], k)
+            self._check_dropout()
+        self._records[role].append(record)
+        self._audit_pending()
 
     def _rows_left(self) -> int:
         """This pass's share of the step's ``max_rows``: what is left spread evenly over the passes left
         (ceil), so that every micro-batch is audited and a small micro-batch leaves its share to later ones."""
         left = self.max_rows - self._rows_used
-        passes_left = max(self._passes_per_step() - self._passes, 1)
-        return -(-left // passes_left) if left > 0 else 0
+        passes = max(int(getattr(self.trainer.args, "gradient_accumulation_steps", 1) or 1), 1) \
+            if self.facts.phase == "loss" else 1
+        return -(-left // max(passes - self._passes, 1)) if left > 0 else 0
 
-    def _hook(self, module, args, output):
-        if self._capturing:
-            hidden = output[0] if isinstance(output, (tuple, list)) else output.last_hidden_state
-            self._captured.append(hidden.detach())
+    def _matched(self, pol):
+        """The reference rows (hidden states, log-probs) matching the policy record's rows, or None."""
+        refs = [r for r in self._records["ref"] if r["input_ids"].shape[1] == pol["input_ids"].shape[1]
+                and r["k"] == pol["k"]]
+        if not refs:
+            return None
+        pool = torch.cat([r["input_ids"] for r in refs])
+        same = (pol["input_ids"].unsqueeze(1) == pool.unsqueeze(0)).all(-1)       # [R, pool]
+        if not bool(same.any(-1).all()):
+            return None
+        idx = same.float().argmax(-1)
+        return {key: torch.cat([r[key] for r in refs])[idx] for key in ("hidden", "logps")}
 
-    def _record(self, role, input_ids, attention_mask, k, logps):
-        hidden = torch.cat(self._captured) if self._captured else None
-        if hidden is None or hidden.shape[:2] != input_ids.shape:
-            self._warn("hook", "the forward hook saw no hidden states of the expected shape; step not audited")
+    def _audit_pending(self) -> None:
+        """Audit each policy record not yet audited that the reference rows cover, now: before the
+        optimizer step changes the output layer its hidden states went through."""
+        for pol in self._records["policy"]:
+            if pol["audited"]:
+                continue
+            ref = self._matched(pol)
+            if ref is None:
+                continue
+            pol["audited"] = True
+            self._audit(pol, ref)
+
+    def _audit(self, pol: dict, ref: dict) -> None:
+        heads = [head_of(self._models[r], self.temperature) for r in ("policy", "ref")]
+        reason = next((h for h in heads if isinstance(h, str)), None)
+        if reason is not None:
+            self._warn("head", f"step not audited: {reason}", once=False)
             return
-        rows = input_ids.shape[0]
-        if role == "policy":
-            rows = min(self._rows_left(), rows)
-            self._passes, self._rows_used = self._passes + 1, self._rows_used + rows
-        length = input_ids.shape[1]
-        # The hidden state at position t predicts token t + 1: completion tokens [L − k, L) come from [L − k − 1, L − 1).
-        self._records[role].append({
-            "input_ids": input_ids[:rows].detach().cpu(), "mask": attention_mask[:rows, -k:].detach().cpu(),
-            "hidden": hidden[:rows, length - k - 1:length - 1].cpu(), "logps": logps[:rows].detach().cpu(),
-            "audited": False})
+        from ..estimators import ESTIMATORS
+        values = {m.source: ESTIMATORS[m.estimator].fn(ref["logps"] - pol["logps"]) for m in self.facts.metrics}
+        comp = pol["input_ids"][:, -pol["k"]:]
+        record = Record(pol["hidden"], ref["hidden"], comp, pol["mask"], values, sampling_hidden=pol["sampling_hidden"],
+                        prompt_ids=pol["input_ids"][:, :-pol["k"]].masked_fill(~pol["attention"][:, :-pol["k"]].bool(), -1))
+        device = pol["hidden"].device
+        start = time.perf_counter()
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            pv = self.session.add(record, heads=tuple(h for h in heads))
+        self.seconds += time.perf_counter() - start
+        self.last_inputs = {"policy_logps": pol["logps"], "ref_logps": ref["logps"], "mask": pol["mask"],
+                            "input_ids": pol["input_ids"], "completion_ids": comp, "policy_hidden": pol["hidden"],
+                            "ref_hidden": ref["hidden"], "sampling_hidden": pol["sampling_hidden"], "values": pv,
+                            "heads": heads, "record": record}
+        self.step_inputs.append(self.last_inputs)
+        if self.save_steps:
+            from ..audit.offline import save_record
+            # numbered as the step audit is: the global step once this optimizer step is done
+            save_record(Path(self.out) / "steps", record, heads, step=self._step + 1, index=len(self.step_inputs) - 1,
+                        metrics=self.facts.metrics, generation=self.sampler)
 
-    def _warn(self, key: str, message: str, once: bool = True) -> None:
-        if once and key in self._warned:
-            return
-        self._warned.add(key)
-        line = f"kl_audit: warning: {message}"
-        self.warnings.append(line)
-        if self._is_main():
-            self.print(line)
-
-    def _is_main(self) -> bool:
-        return bool(getattr(self.trainer.accelerator, "is_main_process", True))
+    def _check_dropout(self):
+        """Called at the audited policy pass, when the model's train/eval mode is that pass's."""
+        policy = self._models["policy"]
+        if policy.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.modules()):
+            self._warn("dropout", "dropout is active in the policy's passes: the loss scores a noisy policy (the audit's "
+                                  "exact KL is of that noisy policy; with generation captured, its gap to the pass "
+                                  "that sampled is bias_mismatch); set disable_dropout=True")
 
     # ------------------------------------------------------------------ callback events
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._install()
+
     def on_step_begin(self, args, state, control, **kwargs):
-        self._active = not self.disabled and state.global_step % self.every == 0
-        self._records, self._pending = {"policy": [], "ref": []}, None
+        self._step = state.global_step
+        self._active_step = not self.disabled and state.global_step % self.every == 0 \
+            and state.global_step not in self._audited_steps
+        spg = int(getattr(args, "steps_per_generation", 0) or 0)
+        # A generation batch can serve several optimizer steps: then its passes are captured at every step
+        # (the last batch kept), so that an audited step finds the reference rows and the drawing pass.
+        self._active = self._active_step or spg > int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        if self._active_step or not self._active:
+            self._reset()
         self._passes = self._rows_used = 0
-        if self._active:
+        if self._active_step:
             self.step_inputs = []
             self._check_run_settings()
 
+    def _check_run_settings(self):
+        args = self.trainer.args
+        if getattr(args, "bf16", False) or getattr(args, "fp16", False):
+            self._warn("precision", f"log-probs are computed under {'bf16' if args.bf16 else 'fp16'} autocast: "
+                                    "the logged KL carries their rounding (bias_precision); set bf16=False to remove it")
+
     def on_step_end(self, args, state, control, **kwargs):
-        if not self._active:
+        if not self._active_step:
             return
-        self._active = False
-        # Every rank takes part in the reduction, rows of its own or not (one that returned early would
-        # leave the others waiting in all_reduce).
-        sums = self._reduce(self._pending)
-        if sums is None:
-            if int(getattr(self.trainer, "num_iterations", 1) or 1) == 1:     # else: said once, at the start
+        self._active_step = False
+        self._audited_steps.add(self._step)
+        start = time.perf_counter()
+        audits = self.session.finish(state.global_step, reduce=self._reduce)        # the step's one host sync
+        self.seconds += time.perf_counter() - start
+        if not audits:
+            if int(getattr(self.trainer, "num_iterations", 1) or 1) == 1:
                 self._warn("match", f"step {state.global_step}: no policy rows matched with reference rows; not "
                                     "audited", once=False)
             return
@@ -292,95 +497,13 @@ class KLAudit(_Base):
             self._warn("partial", f"step {state.global_step}: {unmatched} of {len(self._records['policy'])} audited "
                                   "micro-batches had no matching reference rows; the step audit covers the others",
                        once=False)
-        self._report(self.log.add(StepAudit.from_sums(sums, step=state.global_step, source=self.facts.source,
-                                                      estimator=self.facts.estimator,
-                                                      aggregation=self.facts.aggregation)))
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.out is not None and self.log.rows and self._is_main():
-            self.log.write(Path(self.out), trainer=type(self.trainer).__name__, trl=self.version,
-                           sampler=self.sampler.describe(), every=self.every, max_rows=self.max_rows)
-
-    # ------------------------------------------------------------------ the audit
-    def _check_dropout(self):
-        """Called right after the audited policy pass, when the model's train/eval mode is that pass's."""
-        policy = self._models["policy"]
-        if policy.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.modules()):
-            self._warn("dropout", "dropout is active in the policy's passes: the loss scores a noisy policy, not "
-                                  "the one that sampled (the audit's exact KL is of that noisy policy); set "
-                                  "disable_dropout=True")
-
-    def _check_run_settings(self):
-        args = self.trainer.args
-        if getattr(args, "bf16", False) or getattr(args, "fp16", False):
-            self._warn("precision", f"log-probs are computed under {'bf16' if args.bf16 else 'fp16'} autocast: "
-                                    "the logged KL carries their rounding (bias_precision); set bf16=False to remove it")
-
-    def _audit_pending(self) -> None:
-        """Audit each policy record not yet audited that the step's reference rows cover, and add its
-        sums to the step's: the sums are additive over rows (kl_bench.audit.step), so the micro-batches
-        pool into one step audit exactly as if they were one batch."""
-        for pol in self._records["policy"]:
-            if pol["audited"] or not self._records["ref"]:
-                continue
-            sums = self._audit(pol)
-            if sums is None:
-                continue                                   # no matching reference rows (yet)
-            pol["audited"] = True
-            self._pending = sums if self._pending is None else self._pending + sums
-
-    def _matched(self, pol):
-        """The reference rows (hidden states, log-probs) matching the policy record's rows, or None."""
-        refs = self._records["ref"]
-        pool_ids = torch.cat([r["input_ids"] for r in refs if r["input_ids"].shape[1] == pol["input_ids"].shape[1]] or
-                             [pol["input_ids"][:0]])
-        if pool_ids.shape[0] == 0:
-            return None
-        same = (pol["input_ids"].unsqueeze(1) == pool_ids.unsqueeze(0)).all(-1)       # [R, pool]
-        if not bool(same.any(-1).all()):
-            return None
-        idx = same.float().argmax(-1)
-        cat = {key: torch.cat([r[key] for r in refs if r["input_ids"].shape[1] == pol["input_ids"].shape[1]])
-               for key in ("hidden", "logps")}
-        return {key: v[idx] for key, v in cat.items()}
-
-    @torch.no_grad()
-    def _audit(self, pol) -> torch.Tensor | None:
-        """This rank's additive sums for one policy record (kl_bench.audit.step.step_sums), or None
-        (its rows have no matching reference rows)."""
-        ref = self._matched(pol)
-        if ref is None:
-            return None
-        mask = pol["mask"].bool()
-        k = mask.shape[1]
-        comp_ids = pol["input_ids"][:, -k:]
-        temperature = float(getattr(self.trainer, "temperature", 1.0) or 1.0)
-        heads = [_head(self._models[r], temperature) for r in ("policy", "ref")]
-        ctx = None
-        if self.sampler.repetition_penalty != 1.0:     # every id before the position, prompt padding included
-            full = pol["input_ids"]
-            prefix = full.shape[1] - k
-            pos = torch.arange(full.shape[1])
-            ctx = torch.stack([torch.where(pos < prefix + j, full[b], -1) for b, j in mask.nonzero().tolist()])
-        banned = None
-        if self.sampler.min_new_tokens:
-            banned = (torch.arange(k).expand_as(mask) < self.sampler.min_new_tokens)[mask]
-        values = stream_values(pol["hidden"][mask], ref["hidden"][mask], heads[0], heads[1], (self.facts.estimator,),
-                               self.sampler, ids=comp_ids[mask], eos_banned=banned, context_ids=ctx,
-                               chunk=self.chunk, tile=self.tile, dtype=self.dtype)
-        self.last_inputs = {"policy_logps": pol["logps"], "ref_logps": ref["logps"], "mask": mask,
-                            "input_ids": pol["input_ids"], "completion_ids": comp_ids, "policy_hidden": pol["hidden"],
-                            "ref_hidden": ref["hidden"], "values": values}
-        self.step_inputs.append(self.last_inputs)
-        from ..estimators import ESTIMATORS
-        # TRL's per-token KL from its own log-probs, in its dtype (the preset is its formula, bit for bit).
-        trainer_values = ESTIMATORS[self.facts.estimator].fn(ref["logps"] - pol["logps"])
-        return step_sums(values, trainer_values, mask, estimator=self.facts.estimator, aggregation=self.facts.aggregation)
+        for a in audits:
+            self._report(a)
 
     def _reduce(self, sums: torch.Tensor | None) -> torch.Tensor | None:
         """Sum the ranks' additive sums (each rank audited its own rows; None: none on this rank). Every
-        rank calls it at every audited step: first the largest length (0 where no rank has rows: None for
-        all), then the sums, zeros standing in for a rank without rows (zero rows add nothing)."""
+        rank calls it for every metric at every audited step: first the largest length (0 where no rank
+        has rows: None for all), then the sums, zeros standing in for a rank without rows."""
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return sums
@@ -389,43 +512,33 @@ class KLAudit(_Base):
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         if int(n.item()) == 0:
             return None
-        t = (torch.zeros(int(n.item()), dtype=torch.float64) if sums is None else sums).to(device)
+        t = (torch.zeros(int(n.item()), dtype=torch.float64, device=device) if sums is None else sums.to(device))
         dist.all_reduce(t)
-        return t.cpu()
+        return t
 
-    def _report(self, a: StepAudit) -> None:
-        metrics = {"logged": a.logged, "exact": a.exact, "bias": a.bias, "se": a.se, "z": a.z,
-                   "bias_sampler": a.bias_sampler, "bias_precision": a.bias_precision,
-                   "consistency_z": a.consistency_z, "miss": a.miss, "p_negative": a.p_negative}
-        store = getattr(self.trainer, "_metrics", None)      # TRL averages these at its next logging step
-        if isinstance(store, dict) and "train" in store:
-            for key, v in metrics.items():
-                store["train"][f"kl_audit/{key}"].append(float(v))
-        if self._is_main():
-            self.print(f"kl_audit: {step_line(a)}")
-        self._warn_step(a)
+    def _report(self, a) -> None:
+        for key in ("logged", "exact", "bias", "se", "z", "bias_sampler", "bias_mismatch", "bias_precision",
+                    "consistency_z", "miss", "p_negative"):
+            v = float(getattr(a, key))
+            if math.isfinite(v):
+                self._metrics[f"kl_audit/{a.source}/{key}" if len(self.facts.metrics) > 1 else f"kl_audit/{key}"] = v
+        self._say(f"kl_audit: {step_line(a)}")
+        for w in self.session.warnings(a):
+            self._warn(w.key if w.once else f"{w.key}@{a.step}/{a.source}", w.message, once=True)
 
-    def _warn_step(self, a: StepAudit) -> None:
-        if abs(a.z) > self.threshold:
-            self._warn("z", f"step {a.step}: the logged KL {a.logged:.4g} is {a.bias:+.3g} from the exact {a.exact:.4g} "
-                            f"(z = {a.z:+.1f}); see the bias split in kl_audit/bias_sampler and bias_precision",
-                       once=False)
-        if abs(a.expected_b - a.expected_q) > 0.05 * abs(a.expected_q):
-            self._warn("sampler", f"step {a.step}: the sampler ({self.sampler.describe()}) moves the estimator's mean "
-                                  f"by {(a.expected_b - a.expected_q) / abs(a.expected_q):+.0%}: the logged KL is of "
-                                  "another distribution; sample with top_k=0, top_p=1, min_p=0 or weight by q/b",
-                       once=False)
-        if abs(a.consistency_z) > self.threshold:
-            self._warn("consistency", f"step {a.step}: the sampled tokens do not fit the distribution the loss scores "
-                                      f"(consistency z = {a.consistency_z:+.1f}, {a.impossible} impossible tokens); "
-                                      "likely causes: position ids (left padding without position_ids), dropout in the "
-                                      "loss pass, bf16/fp16 log-probs, an unmodelled generation option", once=False)
-        pooled = self.log.pooled()[a.source]
-        if pooled["steps"] > 1 and abs(pooled["consistency_z"]) > self.threshold:
-            self._warn("consistency_pooled", f"over {pooled['steps']} audited steps the sampled tokens do not fit the "
-                                             f"distribution the loss scores (pooled consistency z = "
-                                             f"{pooled['consistency_z']:+.1f}); likely causes: position ids (left "
-                                             "padding without position_ids), dropout, bf16/fp16 log-probs")
-        if pooled["steps"] > 1 and abs(pooled["z"]) > self.threshold:
-            self._warn("z_pooled", f"over {pooled['steps']} audited steps the logged KL is biased: mean bias "
-                                   f"{pooled['mean_bias']:+.3g} ± {pooled['se']:.2g} (pooled z = {pooled['z']:+.1f})")
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """The audited step's metrics join this log entry: reporters after this callback see them, and
+        the trainer's log history keeps them."""
+        if not self._metrics or logs is None:
+            return
+        logs.update(self._metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self._metrics)
+        self._metrics = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.remove_hooks()
+        if self.out is not None and self.log.rows and getattr(self.trainer.accelerator, "is_main_process", True):
+            self.log.write(Path(self.out), trainer=type(self.trainer).__name__, trl=self.version,
+                           sampler=self.sampler.describe(), every=self.every, max_rows=self.max_rows,
+                           steps_saved=bool(self.save_steps))

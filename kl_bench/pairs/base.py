@@ -6,13 +6,17 @@ class implements:
 - :class:`CaseParser` (required): its config dataclass from the case's TOML table, and the pair from it;
 - :class:`Oracle` (required): the exact value of each target, the exact moments of every row, a caption;
 - :class:`Sampler` (required): draws x ~ q (or b) and their per-batch feature sums;
-- :class:`GradientOracle` (optional): exact gradients and a per-draw gradient accumulator. A kind with a
-  few parameters implements :class:`ScoreSampler` and takes :class:`ScoreGradientOracle`'s accumulator.
+- :class:`GradientOracle` (optional): exact gradients and a per-draw gradient accumulator, with the defaults
+  of :class:`GradientDefaults`. A kind with a few parameters implements :class:`ScoreSampler` and takes
+  :class:`ScoreGradientOracle`'s accumulator;
+- :class:`BaselineOracle` (optional): group-baseline rows.
 
-:class:`Pair` is the base class with the shared defaults of the required three (row aggregates, run.json
-metadata, piece-by-piece batch sums). Nothing outside ``pairs/`` asks what type a pair is: it asks these
-protocols (:func:`gradient_oracle`), and a kind that does not implement an optional one is refused in one
-line where it would be needed.
+:class:`CasePair` is what the engine, the experiment and the results ask of every case: the required three
+and the rows a case has. :class:`Pair` is the base class with their shared defaults (row aggregates, run.json
+metadata, piece-by-piece batch sums), and nothing more: the gradient members live with the gradient oracle.
+Nothing outside ``pairs/`` asks what type a pair is: it asks these protocols (:func:`gradient_oracle`,
+:func:`require_gradients`), and a kind that does not implement an optional one is refused in one line where
+it would be needed.
 """
 from __future__ import annotations
 
@@ -164,7 +168,10 @@ class Sampler(Protocol):
 
 @runtime_checkable
 class GradientOracle(Protocol):
-    """Optional (docs/gradients.md): exact gradients ∇θ of q's parameters and their Monte Carlo estimate."""
+    """Optional (docs/gradients.md): exact gradients ∇θ of q's parameters and their Monte Carlo estimate
+    (:class:`GradientDefaults` holds the defaults of the members a kind need not write)."""
+    clamp_sees_weight: bool            # loss_is_nemo rows under a sampler: the pair applies w inside the clamp
+    exports_gradient_vectors: bool     # gradients.npz holds its exact gradient vectors
 
     @property
     def gradient_params(self) -> int:
@@ -192,6 +199,17 @@ class GradientOracle(Protocol):
         """∇θ UKL(q_S‖p) [P], the unnormalised KL Σ_{x∈S} q log(q/p) − q + p over S, what the sampler can
         draw (docs/gradients.md#targets-reverse-forward-self-ukl): the ``ukl`` target; None where the kind
         has none (it equals ∇KL(q‖p) wherever S holds all of q's mass)."""
+
+    @property
+    def gradient_aggregates(self) -> tuple[str, ...]:
+        """The aggregates that get gradient rows (each also in the estimator's ``aggregates_for``)."""
+
+    def gradient_excludes(self, mode: str, aggregate: str) -> bool:
+        """Whether a (mode, aggregate) gets no gradient row on this pair (e.g. a form the case's sampler
+        corrections do not define)."""
+
+    def require_gradients(self) -> None:
+        """Refuse (SpecError, one line) a gradient pass this case's options do not support."""
 
 
 @dataclass(frozen=True)
@@ -259,20 +277,75 @@ def gradient_oracle(pair: Any) -> GradientOracle | None:
     return pair if isinstance(pair, GradientOracle) else None
 
 
+@runtime_checkable
+class CasePair(Oracle, Sampler, Protocol):
+    """What the engine, the experiment and the results ask of a case's pair (:class:`Pair` holds the
+    defaults): its name and kind, the rows it has, its truth (:class:`Oracle` and the analyses' hooks), its
+    draws (:class:`Sampler`) and what its sampler is."""
+    name: str
+    kind: str
+    aggregates: tuple[str, ...]        # rollouts: ("seq", "tok"): the aggregates of the λ curve
+    has_sampler: bool                  # draws come from b ≠ q (see SamplerSpec)
+    sampler_label: str
+    support_miss: float                # mass of q (per context/step, worst case) that b never draws
+    weights: str                       # the sampler's importance weights ("none" without)
+    expensive_draws: bool              # a draw costs model forward passes: keep side simulations small
+
+    def metadata(self) -> dict[str, Any]:
+        """This case in run.json."""
+
+    def validate(self, sources: list[RowSource]) -> None:
+        """Refuse (SpecError) estimators this pair has no exact oracle for, before any sampling."""
+
+    def adapt(self, source: RowSource) -> RowSource:
+        """The estimator as this case evaluates it."""
+
+    def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
+        """The aggregates on which ``source`` gets a row."""
+
+    def row_group(self, aggregate: str) -> int:
+        """Draws per value of a row on ``aggregate``."""
+
+    def true_value(self, target: str, aggregate: str = "") -> float:
+        """The exact target of a row on ``aggregate``."""
+
+    def kl(self) -> float:
+        """Exact KL(q‖p)."""
+
+    def kl_forward(self) -> float:
+        """Exact KL(p‖q)."""
+
+    def fourth_moment_finite(self, est: RowSource, aggregate: str = "") -> bool:
+        """Whether E_q[f⁴] < ∞."""
+
+    def kurtosis_proxy(self, est: RowSource, aggregate: str = "") -> float:
+        """An exact scale for E[f⁴]/E[f²]², else NaN."""
+
+    def exact_prob_negative(self, fn: Callable[[torch.Tensor], torch.Tensor], aggregate: str = "") -> float:
+        """Exact P_q(f(log r) < 0), or NaN."""
+
+    def reference_row(self) -> str | None:
+        """The Monte Carlo reference row where no exact value exists; None otherwise."""
+
+    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float] | None:
+        """(ref_kl, ref_se, z_ref) where the reference's noise is not the run's; None otherwise."""
+
+
+@runtime_checkable
+class GradientCase(CasePair, GradientOracle, Protocol):
+    """A case whose kind has gradient oracles: what the gradient rows ask (kl_bench.gradients)."""
+
+
 class Pair(ABC):
-    """The base of a kind's pair class: the shared defaults of :class:`CaseParser`, :class:`Oracle` and
-    :class:`Sampler` (a kind adds :class:`GradientOracle` where it has one)."""
+    """The base of a kind's pair class: the defaults of :class:`CasePair` (a kind adds
+    :class:`GradientOracle` with :class:`GradientDefaults` where it has one)."""
     name: str
     kind: ClassVar[str] = ""
     aggregates: tuple[str, ...] = ("",)   # rollouts: ("seq", "tok")
     has_sampler: bool = False             # draws come from b ≠ q (see SamplerSpec)
-    exports_gradient_vectors: bool = False  # gradients.npz holds its exact gradient vectors (categoricals)
     sampler_label: str = ""
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"
-    # loss_is_nemo rows under a sampler: NeMo-RL's output clamp sees w·f, w = q/b (its
-    # use_on_policy_kl_approximation), so the pair must apply the weight inside the clamp's test
-    clamp_sees_weight: ClassVar[bool] = False
     expensive_draws: ClassVar[bool] = False  # a draw costs model forward passes: keep side simulations small
 
     # ---------------------------------------------------------------- spec → pair
@@ -321,26 +394,8 @@ class Pair(ABC):
         """Exact KL(p‖q); may be +inf."""
         return self.true_value(FORWARD)
 
-    def gradient_self(self, item: GradItem) -> np.ndarray | None:
-        """∇θ E_q[row value] (the ``self`` target, :class:`GradientOracle`); None: the kind has none."""
-        return None
-
-    def gradient_ukl(self) -> np.ndarray | None:
-        """∇θ UKL(q_S‖p) (the ``ukl`` target, :class:`GradientOracle`); None: the kind has none."""
-        return None
-
-    def gradient_excludes(self, mode: str, aggregate: str) -> bool:
-        """Whether a (mode, aggregate) gets no gradient row on this pair (e.g. a form the case's sampler
-        corrections do not define)."""
-        return False
-
     def aggregates_for(self, source: RowSource) -> tuple[str, ...]:
         """The aggregates on which ``source`` gets a row (rollouts: token-only sources are not on seq)."""
-        return self.aggregates
-
-    @property
-    def gradient_aggregates(self) -> tuple[str, ...]:
-        """The aggregates that get gradient rows (each also in :meth:`aggregates_for` of the estimator)."""
         return self.aggregates
 
     def row_group(self, aggregate: str) -> int:
@@ -377,9 +432,10 @@ class Pair(ABC):
         ``z_ref`` against it, labelled as Monte Carlo, never exact. None: the exact values are the reference."""
         return None
 
-    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float] | None:
-        """(ref_kl, ref_se, z_ref) of a row where the reference's noise is not the run's (logged data: the
-        SE is that of the log's own sequences, not of resampling them); None: from the run's batch means."""
+    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float, float] | None:
+        """(ref_kl, ref_se, ref_diff, ref_diff_se) of a row where the reference's noise is not the run's
+        (logged data: the difference is the log's own, its SE that of the log's sequences, not of
+        resampling them; ref_diff NaN for rows of another target); None: from the run's batch means."""
         return None
 
     @abstractmethod
@@ -422,28 +478,60 @@ class Pair(ABC):
                      tok_rows: list[Row] = ()) -> Draws:
         """See :meth:`Sampler.sample_draws`."""
 
-    def require_gradients(self) -> None:
-        """Refuse, in one line, a gradient pass on a pair without gradient oracles (or without the two
-        references every gradient row is compared with)."""
-        if gradient_oracle(self) is None:
-            raise self.no_gradients()
-        missing = [t for t in (REVERSE, FORWARD) if t not in self.true_values()]
-        if missing:
-            raise SpecError(f"gradient rows compare with ∇{' and ∇'.join(missing)}, which a {self.kind} case has "
-                            "no exact value of: set gradients = false or drop this case", case=self.name)
 
-    def no_gradients(self) -> SpecError:
-        """The one-line refusal of a gradient pass on a kind without :class:`GradientOracle`."""
-        return SpecError(f"case kind '{self.kind}' has no gradient oracles: set gradients = false or drop "
-                         "this case", case=self.name)
+
+def no_gradients(pair: Any) -> SpecError:
+    """The one-line refusal of a gradient pass on a kind without :class:`GradientOracle`."""
+    return SpecError(f"case kind '{pair.kind}' has no gradient oracles: set gradients = false or drop "
+                     "this case", case=pair.name)
+
+
+def require_gradients(pair: Any) -> GradientOracle:
+    """The pair as a gradient oracle, or a one-line refusal: a kind without gradient oracles, or a case whose
+    options the kind's gradients do not support (:meth:`GradientOracle.require_gradients`)."""
+    oracle = gradient_oracle(pair)
+    if oracle is None:
+        raise no_gradients(pair)
+    oracle.require_gradients()
+    return oracle
 
 
 class GradientDefaults:
     """Mixin for a :class:`GradientOracle`: the defaults a kind overrides where they do not hold."""
+    # loss_is_nemo rows under a sampler: NeMo-RL's output clamp sees w·f, w = q/b (its
+    # use_on_policy_kl_approximation), so the pair must apply the weight inside the clamp's test
+    clamp_sees_weight: ClassVar[bool] = False
+    exports_gradient_vectors: ClassVar[bool] = False  # gradients.npz holds its exact gradient vectors (categoricals)
 
     def gradient_fourth_moment_finite(self, item: GradItem) -> bool:
         """E|c s|⁴ < ∞ (else a measured gradient variance cannot be tested against its exact value)."""
         return True
+
+    @property
+    def gradient_aggregates(self) -> tuple[str, ...]:
+        """The aggregates that get gradient rows (each also in the estimator's ``aggregates_for``)."""
+        return self.aggregates
+
+    def gradient_excludes(self, mode: str, aggregate: str) -> bool:
+        """Whether a (mode, aggregate) gets no gradient row on this pair (e.g. a form the case's sampler
+        corrections do not define)."""
+        return False
+
+    def gradient_self(self, item: GradItem) -> np.ndarray | None:
+        """∇θ E_q[row value] (the ``self`` target); None: the kind has none."""
+        return None
+
+    def gradient_ukl(self) -> np.ndarray | None:
+        """∇θ UKL(q_S‖p) (the ``ukl`` target); None: the kind has none."""
+        return None
+
+    def require_gradients(self) -> None:
+        """Refuse, in one line, a case without the two references every gradient row is compared with (a kind
+        adds its own refusals and calls this)."""
+        missing = [t for t in (REVERSE, FORWARD) if t not in self.true_values()]
+        if missing:
+            raise SpecError(f"gradient rows compare with ∇{' and ∇'.join(missing)}, which a {self.kind} case has "
+                            "no exact value of: set gradients = false or drop this case", case=self.name)
 
 
 class ScoreGradientOracle(GradientDefaults):

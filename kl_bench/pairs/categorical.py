@@ -336,14 +336,14 @@ class CategoricalPair(GradientDefaults, Pair):
         q = self.log_q.exp()
         w = self._weights()
         ctx, tok = self._ids()
-        cw = torch.zeros(b, v, dtype=torch.float64)
+        cw = torch.zeros(b, v, dtype=torch.float64)  # host: the pair's exact tables live on the host
         cw[ctx, tok] = w * c_table                            # (1/B) b_b(x) c(x)
         mean = cw - q * cw.sum(-1, keepdim=True)              # row b: (1/B)(b⊙c − q Σ b c)
         s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]  # |e_x − q_b|²
         second = float((w * c_table**2 * s_norm2).sum())
         proj_var = {}
         for name, u in directions.items():
-            ut = torch.as_tensor(u, dtype=torch.float64).reshape(b, v)
+            ut = torch.as_tensor(u, dtype=torch.float64).reshape(b, v)  # host: the pair's exact tables live on the host
             su = ut[ctx, tok] - (q * ut).sum(-1)[ctx]        # s·u for each id
             m1 = float((w * c_table * su).sum())
             proj_var[name] = float((w * (c_table * su - m1) ** 2).sum())
@@ -381,7 +381,7 @@ class CategoricalPair(GradientDefaults, Pair):
 
     def baseline_draws(self, est, aggregate: str, u: np.ndarray, device: torch.device):
         rho, s2, ctx, tok, q = self._baseline_tables()
-        ut = torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)
+        ut = torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)  # host: the pair's exact tables live on the host
         tables = (est.fn(self._logr), rho, ut[ctx, tok] - (q * ut).sum(-1)[ctx], s2)     # F, ρ, s·u, |s|² per id
 
         def draw(n: int, gen: torch.Generator):
@@ -402,14 +402,15 @@ class _CategoricalGradients(GradientAccumulator):
         q = pair.log_q.exp()
         ctx, tok = pair._ids()
         self.c_tab = torch.stack([pair.coefficient_table(it) for it in items])          # [J, M]
+        # host: gradient tables on the host (issue 33: counts cross per batch)
         su = torch.stack([torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)[ctx, tok]
-                          - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]
+                          - (q * torch.as_tensor(u, dtype=torch.float64).reshape(q.shape)).sum(-1)[ctx]  # host: gradient tables on the host
                           for u in directions.values()])                                # [D, M]
         s_norm2 = 1 - 2 * q[ctx, tok] + (q * q).sum(-1)[ctx]
         self.nd = su.shape[0]
         self.table = torch.cat([(self.c_tab[:, None, :] * su[None]).reshape(-1, self.c_tab.shape[1]),
                                 self.c_tab**2 * s_norm2])
-        self.counts = torch.zeros(self.c_tab.shape[1], dtype=torch.float64)
+        self.counts = torch.zeros(self.c_tab.shape[1], dtype=torch.float64)  # host: total counts, gathered on the host
 
     def add(self, batch: BatchStream) -> GradBatch:
         ids, counts = self.pair.batch_counts(batch, self.device)
@@ -439,7 +440,7 @@ class _CategoricalGradients(GradientAccumulator):
         ctx, tok = p._ids()
         total = np.zeros((self.nj, p.contexts * p.vocab))
         for j in range(self.nj):
-            cw = torch.zeros(p.contexts, p.vocab, dtype=torch.float64)
+            cw = torch.zeros(p.contexts, p.vocab, dtype=torch.float64)  # host: the pair's exact tables live on the host
             cw[ctx, tok] = self.counts * self.c_tab[j]
             total[j] = (cw - q * cw.sum(-1, keepdim=True)).reshape(-1).numpy()
         return total

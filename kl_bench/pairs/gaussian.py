@@ -98,6 +98,7 @@ class GaussianPair(ScoreGradientOracle, Pair):
         # log r as a quadratic in the standard normal z (x = μq + σq z), per dimension:
         #   log r = c0 + c1 z + c2 z²,  c0 = ln(σq/σp) − d²/(2σp²),  c1 = −σq d/σp²,  c2 = ½(1 − σq²/σp²).
         # Writing it this way avoids subtracting two nearly equal squares when q ≈ p.
+        # host: moved to the draws' device in sample()
         self._c = [torch.as_tensor(c, dtype=torch.float64) for c in exact.logr_quadratic(g, g.mq, g.sq**2)]
 
     # ---------------------------------------------------------------- spec
@@ -303,5 +304,5 @@ class GaussianPair(ScoreGradientOracle, Pair):
     def sample_scores(self, n: int, generator: torch.Generator, device: torch.device):
         """(log r, weight, score): for θ = (μq, log σq), ∇θ log q(x) = (z/σq, z² − 1) per dimension."""
         logr, weight, z = self.sample(n, generator, device)                  # z: q's standard score
-        sq = torch.as_tensor(self.params.sq, dtype=torch.float64).to(device)
+        sq = torch.as_tensor(self.params.sq, dtype=torch.float64, device=device)
         return logr, weight, torch.cat([z / sq, z * z - 1], dim=-1)       # [n, 2D]

@@ -10,6 +10,8 @@ The truth is unknown here: a draw resamples one logged sequence uniformly (the e
 of the log), so ``exact_mean``/``exact_std`` are exact moments over the logged sequences (what the log
 itself says: mean, spread, negative fraction, sequence-level vs token-level aggregation), and the KL
 reference, only when ``kl_full`` is given, is the ``full`` row's mean ± SE (Σ_t kl_full), never exact.
+Each row's bias against it (``ref_diff``) is the log's own, with the log's SE (``ref_diff_se``, std over
+the B sequences / √B): the resampling SE of ``se`` only says how well the draws reproduce the log.
 """
 from __future__ import annotations
 
@@ -132,6 +134,7 @@ class LogprobsPair(Pair):
                 msg = unsupported_array(raw)
                 if msg:
                     raise t.error(msg, key=name)
+                # host: a spec table, hashed from host bytes
                 inputs[name] = TensorRef(tensor=torch.as_tensor(raw).detach().to("cpu", torch.float64))
             elif isinstance(raw, str):
                 if base is None:
@@ -183,19 +186,18 @@ class LogprobsPair(Pair):
     def reference_row(self) -> str | None:
         return "tok:full" if self.kl_full is not None else None
 
-    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float] | None:
-        """Against Σ_t kl_full over the log: the reference and the paired difference are means over the B
-        logged sequences, so their SEs are std/√B over those sequences (resampling the log adds nothing)."""
+    def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float, float] | None:
+        """Against Σ_t kl_full over the log: the reference, the row's mean and their difference are means over
+        the B logged sequences, exactly (no resampling noise), and their SEs are std/√B over those sequences:
+        resampling the log adds nothing about the policy, so its SE never stands in for the log's."""
         if self.kl_full is None:
             return None
         b = self.L.shape[0]
         ref, ref_se = float(self.full.mean()), float(self.full.std(correction=1)) / math.sqrt(b)
         if est.target != REVERSE:
-            return ref, ref_se, math.nan
+            return ref, ref_se, math.nan, math.nan
         d = self._per_sequence(est, aggregate) - self.full
-        se = float(d.std(correction=1)) / math.sqrt(b)
-        m = float(d.mean())
-        return ref, ref_se, (m / se if se > 0 else (0.0 if m == 0 else math.copysign(math.inf, m)))
+        return ref, ref_se, float(d.mean()), float(d.std(correction=1)) / math.sqrt(b)
 
     def _per_sequence(self, est: RowSource, aggregate: str) -> torch.Tensor:
         """The row's value on every logged sequence, [B]."""

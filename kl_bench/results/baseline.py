@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import SpecError
 from ..estimators import CV_OPT
 from ..safe_io import parse_json, read_regular
+from ..stats import HeavyTail
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -160,7 +161,8 @@ def _check_row_numbers(name: str, r: dict, where: str) -> None:
     if r["se"] < 0 or r["std"] < 0 or r["std_se"] < 0:        # NaN compares False: allowed
         raise SpecError(f"{name}: std, se and std_se must be ≥ 0, got std {r['std']:g}, se {r['se']:g}, "
                         f"std_se {r['std_se']:g}", file=where)
-    if math.isfinite(r["mean"]) and (math.isnan(r["se"]) or math.isnan(r["std"])):
+    unknown = r.get("heavy_tail") == HeavyTail.DEGENERATE.value        # its SE is unknown: empty by design
+    if math.isfinite(r["mean"]) and ((math.isnan(r["se"]) and not unknown) or math.isnan(r["std"])):
         raise SpecError(f"{name}: se and std must be numbers where the mean is finite (corrupted baseline?)",
                         file=where)
     if not (math.isnan(r["batches"]) or _whole(r["batches"])):

@@ -26,8 +26,29 @@ def _from_1(contents: Any) -> Any:
     return dataclasses.replace(contents, summary=summary[COLUMNS + [c for c in summary.columns if c not in COLUMNS]])
 
 
+def _from_2(contents: Any) -> Any:
+    """2 → 3: ess, ref_diff and ref_diff_se, which version 2 did not write; planning columns of rows whose
+    truth is unknown become empty (version 2 wrote inf, as if no batch size could ever do).
+
+    ref_diff is the row's best-known mean minus ref_kl: the exact one where it exists (logged log-probs: the
+    log's own mean, which version 2's z_ref already used), else the measured one; ref_diff_se follows from
+    version 2's z_ref = ref_diff / ref_diff_se where z_ref is finite and not 0 (empty elsewhere). ess stays
+    empty: version 2 did not keep the weights' sums."""
+    summary = _from_1(contents).summary.copy()
+    ref = summary["ref_kl"].astype(float)
+    best = summary["exact_mean"].where(np.isfinite(summary["exact_mean"].astype(float)), summary["mean"]).astype(float)
+    diff = (best - ref).where(summary["z_ref"].notna())
+    z = summary["z_ref"].astype(float)
+    summary["ref_diff"] = summary["ref_diff"].astype(float).fillna(diff)
+    summary["ref_diff_se"] = summary["ref_diff_se"].astype(float).fillna((diff / z).abs().where(np.isfinite(z) & (z != 0)))
+    unknown = summary["true_kl"].isna()
+    for c in ("n_for_10pct", "rmse_b64", "rmse_b1024", "rmse_b16384"):
+        summary.loc[unknown, c] = np.nan
+    return dataclasses.replace(contents, summary=summary)
+
+
 # MIGRATIONS[v] turns a folder of version v into one of version v + 1.
-MIGRATIONS: dict[int, Callable[[Any], Any]] = {1: _from_1}
+MIGRATIONS: dict[int, Callable[[Any], Any]] = {1: _from_1, 2: _from_2}
 
 
 def folder_version(envelope: dict, where: str) -> int:

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from ..draws import AGGREGATES
 from ..engine import CaseRun, as_rows
-from ..stats import batch_means_se, classify_heavy_tail, z_score
+from ..stats import HeavyTail, batch_means_se, classify_heavy_tail, kish_ess, z_score
 from ..targets import REVERSE
 
 
@@ -20,8 +21,30 @@ def _div(a: float, b: float) -> float:
     return a / b
 
 
+def _ess(run: CaseRun, row) -> float:
+    """Kish's effective sample size of the importance weights that multiply the row (NaN: none do)."""
+    sums = run.weight_sums()
+    agg = AGGREGATES[row.aggregate]
+    # token sums of a case that weights each token carry the tokens' own q/b, not the product W
+    per_token = agg.weight == "draw unless token" and run.pair.weights == "token"
+    if sums is None or row.group > 1 or not agg.carries_draw_weight or per_token:
+        return math.nan
+    return kish_ess(*sums)
+
+
+def _heavy_tail(run: CaseRun, row, exact_var: float, n: float, s2, ess: float) -> str:
+    """The row's heavy_tail class (kl_bench.stats.classify_heavy_tail) from its pair and its batches' Σ(f − c)²."""
+    return classify_heavy_tail(
+        support_miss_weighted=run.pair.support_miss > 0 and run.pair.weights != "none",
+        exact_var=exact_var, fourth_finite=run.pair.fourth_moment_finite(row.est, row.aggregate),
+        kurtosis=run.pair.kurtosis_proxy(row.est, row.aggregate), draws=n, batch_sq=s2, ess=ess).value
+
+
 def summarize(run: CaseRun) -> list[dict[str, Any]]:
-    """Rows of the summary table for one case (see :data:`SCHEMA`)."""
+    """Rows of the summary table for one case (see :data:`SCHEMA`). A row whose importance weights are
+    degenerate (effective sample size below the number of batches) keeps its measured mean and std, but
+    its SEs and z scores are unknown (NaN), never the zero or tiny SE that a few draws carrying the whole
+    sum leave in the batch means."""
     e_count = len(run.rows)
     k = run.sizes.shape[0]
     rows = []
@@ -52,10 +75,10 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             std_se = se_m2 / (2 * math.sqrt(m2)) if m2 > 0 else 0.0
             # the scale of a variance computed from shifted sums: the squared mean and the variance
             z_var = z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var)
-        heavy = classify_heavy_tail(
-            support_miss_weighted=run.pair.support_miss > 0 and run.pair.weights != "none",
-            exact_var=exact_var, fourth_finite=run.pair.fourth_moment_finite(est, row.aggregate),
-            kurtosis=run.pair.kurtosis_proxy(est, row.aggregate), draws=n, batch_sq=s2).value
+        ess = _ess(run, row)
+        heavy = _heavy_tail(run, row, exact_var, n, s2, ess)
+        if heavy == HeavyTail.DEGENERATE:        # nothing is known of the mean: no SE, no z
+            se = std_se = z = z_var = math.nan
         rows.append({
             "case": run.pair.name, "kind": run.pair.kind, "estimator": est.name,
             "lambda": math.nan if est.lam is None else est.lam, "aggregate": row.aggregate, "target": est.target,
@@ -69,6 +92,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             "frac_negative": float(neg.sum()) / n,
             **sampler_columns(run.pair),
             "heavy_tail": heavy,
+            "ess": ess,
         })
     ref = run.pair.reference_row()
     if ref is not None:
@@ -77,10 +101,12 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
 
 
 def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
-    """Fill ref_kl, ref_se and z_ref (see :data:`SCHEMA`) from the row labelled ``ref``: where no exact
-    value exists, the measured mean of an unbiased lower-variance estimator is the yardstick. z_ref uses
-    the batch means of the paired difference (every row sees the same paths), so the correlation
-    between a row and the reference is accounted for."""
+    """Fill ref_kl, ref_se, ref_diff, ref_diff_se and z_ref (see :data:`SCHEMA`) from the row labelled
+    ``ref``: where no exact value exists, the measured mean of an unbiased lower-variance estimator is the
+    yardstick. ref_diff_se comes from the batch means of the paired difference (every row sees the same
+    paths), so the correlation between a row and the reference is accounted for; a pair whose reference
+    is not the run's (logged data) gives its own (:meth:`Pair.reference_comparison`). z_ref is always
+    ref_diff / ref_diff_se (with the rounding floor): the SE printed beside a bias is the one its z uses."""
     labels = [r.label for r in run.rows]
     if ref not in labels:
         return
@@ -90,19 +116,27 @@ def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
     s_ref = run.sums[:, j_ref]
     ref_mean = run.shifts[j_ref] + float(s_ref.sum()) / n
     ref_se = batch_means_se(s_ref / n_k - float(s_ref.sum()) / n, n_k / n)
+    unknown = rows[j_ref]["heavy_tail"] == HeavyTail.DEGENERATE
     for j, (row, out) in enumerate(zip(run.rows, rows)):
         if row.group > 1:          # the paired differences below are per draw
             continue
         fixed = run.pair.reference_comparison(row.est, row.aggregate)
         if fixed is not None:
-            out["ref_kl"], out["ref_se"], out["z_ref"] = fixed
+            out["ref_kl"], out["ref_se"], diff, se = fixed
+        else:
+            out["ref_kl"], out["ref_se"] = ref_mean, (math.nan if unknown else ref_se)
+            if row.est.target != REVERSE:
+                continue
+            pair = (run.sums[:, j] - s_ref) / n_k                      # per batch: mean_j − mean_ref − shifts
+            diff = out["mean"] - ref_mean
+            se = batch_means_se(pair - float((run.sums[:, j] - s_ref).sum()) / n, n_k / n)
+            if unknown or out["heavy_tail"] == HeavyTail.DEGENERATE:
+                se = math.nan
+        if math.isnan(diff):
             continue
-        out["ref_kl"], out["ref_se"] = ref_mean, ref_se
-        if row.est.target != REVERSE:
-            continue
-        diff = (run.sums[:, j] - s_ref) / n_k                      # per batch: mean_j − mean_ref − shifts
-        se = batch_means_se(diff - float((run.sums[:, j] - s_ref).sum()) / n, n_k / n)
-        out["z_ref"] = z_score(out["mean"], ref_mean, se, max(abs(out["mean"]), abs(ref_mean)))
+        out["ref_diff"], out["ref_diff_se"] = diff, se
+        out["z_ref"] = z_score(diff, 0.0, se, max(abs(out["ref_kl"] + diff), abs(out["ref_kl"]))) \
+            if not math.isnan(se) else math.nan
 
 
 def sampler_columns(pair) -> dict[str, Any]:

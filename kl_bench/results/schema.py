@@ -10,7 +10,10 @@ from __future__ import annotations
 #   1: every folder written before the version meant anything: summary.csv may lack columns added since
 #      (they are filled in when read: empty text, NaN numbers).
 #   2: summary.csv holds every column of SCHEMA.
-FORMAT_VERSION = 2
+#   3: summary.csv adds ess (degenerate importance weights: their SE and z are empty, heavy_tail says so),
+#      ref_diff and ref_diff_se (the bias against a Monte Carlo reference and the SE that z_ref divides by);
+#      n_for_10pct and rmse_b* are empty, not inf, where the truth is unknown.
+FORMAT_VERSION = 3
 
 # Column → meaning. The order here is the column order of summary.csv.
 SCHEMA: dict[str, str] = {
@@ -46,11 +49,15 @@ SCHEMA: dict[str, str] = {
     "sampler": "how draws were made when not from q (temperature, top-k/p, EOS suppression, stale policy, "
                "IS weights); empty for x ~ q. exact_mean is then E_b of the estimator, bias against KL(q||p)",
     "support_miss": "mass of q (worst context or step) that the sampler never draws; > 0 biases every estimate",
-    "heavy_tail": "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
+    "heavy_tail": "'degenerate IS weights (ESS < batches)' (the importance weights' effective sample size, "
+                  "ess, is below the number of batches: the mean is unknown, se, std_se, z and z_var are empty), "
+                  "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
                   "usually too low), 'kurtosis > draws' (rollouts: exact E[R⁴ˢ]/E[R²ˢ]² exceeds the draws, so "
                   "the measured std is unreliable), 'infinite IS weight (b misses q's support)' (weighted rows of a "
                   "sampler that never draws some of q's mass), 'unstable batches' (one batch carries most of Σ(f − c)²), "
                   "or empty",
+    "ess": "rows multiplied by the draw's importance weight W (a sampler b ≠ q with weights): Kish's effective "
+           "sample size (ΣW)²/ΣW² of the draws' weights (0 when every weight underflows float64); empty elsewhere",
     "lambda_star": "cv rows: exact variance-optimal λ* = Cov(log r, r)/Var(r) (empty if unknown)",
     "lambda_star_mc": "cv rows: empirical λ* from this run's draws",
     "lambda_star_mc_se": "cv rows: standard error of lambda_star_mc (batch jackknife; unreliable when "
@@ -58,9 +65,10 @@ SCHEMA: dict[str, str] = {
     "excess_std": "cv rows: exact_std at this λ / exact_std at λ* − 1 (0 at the optimum)",
     "n_for_10pct": "draws a batch needs for its mean to be within 10% of true_kl with 95% probability "
                    "(normal approximation, exact bias and std where known; inf if the bias alone exceeds 10%; "
+                   "1 where true_kl = 0 and every draw is exactly 0; empty where true_kl is unknown; "
                    "tok_batch rows: B × the groups needed)",
     "rmse_b64": "root-mean-square error of a batch mean of 64 draws, bias included (tok_batch rows: of the "
-                "mean of 64/B batch values; empty when B > 64)",
+                "mean of 64/B batch values; empty when B > 64 or true_kl is unknown)",
     "rmse_b1024": "the same for 1024 draws",
     "rmse_b16384": "the same for 16384 draws",
     "p_neg_b64": "probability that a batch mean of 64 draws is negative, simulated on min(4096, max(256, "
@@ -68,9 +76,14 @@ SCHEMA: dict[str, str] = {
                  "consecutive batch values)",
     "ref_kl": "cases without an exact value (model continuations, logged log-probs): the reference for KL(q||p), "
               "the measured mean of the Rao–Blackwellised `full` row (Monte Carlo, NOT exact); empty elsewhere",
-    "ref_se": "standard error of ref_kl (batch means)",
-    "z_ref": "(mean − ref_kl) / SE of the difference (batch means of the paired difference, same paths): "
-             "|z_ref| < 5 is agreement with the reference; KL(q||p) rows only",
+    "ref_se": "standard error of ref_kl (batch means; logged log-probs: std over the logged sequences / √B)",
+    "ref_diff": "KL(q||p) rows of cases with ref_kl: the row's mean − ref_kl, its bias against the reference as the "
+                "data say it (logged log-probs: the log's own means, exact over the logged sequences, not the "
+                "resampled mean)",
+    "ref_diff_se": "standard error of ref_diff: batch means of the paired difference (same paths); logged log-probs: "
+                   "std of the per-sequence difference over the logged sequences / √B, never the resampling SE",
+    "z_ref": "ref_diff / ref_diff_se (with the rounding floor): |z_ref| < 5 is agreement with the reference; "
+             "KL(q||p) rows only",
 }
 COLUMNS = list(SCHEMA)
 # Cases made by [[sweep]] tables (kl_bench.spec.expand_sweeps) add one column per swept key after the
@@ -79,7 +92,7 @@ COLUMNS = list(SCHEMA)
 SWEEP_PREFIX = "sweep."
 # `kl-bench exact` / kl_bench.exact(): the columns that need no sampling (planning from exact moments).
 MEASURED = {"draws", "batches", "mean", "std", "se", "std_se", "bias", "rel_bias", "rel_std", "z", "z_var",
-             "frac_negative", "lambda_star_mc", "lambda_star_mc_se", "p_neg_b64", "heavy_tail", "excess_std"}
+             "frac_negative", "lambda_star_mc", "lambda_star_mc_se", "p_neg_b64", "heavy_tail", "excess_std", "ess"}
 EXACT_COLUMNS = [c for c in COLUMNS if c not in MEASURED]
 # Text columns of every results CSV: read as strings, empty cells as "" (not NaN).
 TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler", "mode", "equals", "baseline"]

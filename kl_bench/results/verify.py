@@ -40,6 +40,7 @@ from .frames import read_frame
 from .migrate import folder_version, migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
 from ..safe_io import cap_for, describe, load_npz, parse_json, read_regular
+from ..stats import HeavyTail
 
 # The columns every results folder has had; later columns are optional so that older results still load.
 SUMMARY_REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se",
@@ -244,6 +245,8 @@ def undefined_statistic(name: str, df) -> tuple[str, np.ndarray, str] | None:
     v = df[main].to_numpy(dtype=float)
     if (has & np.isnan(v)).any():
         return main, has & np.isnan(v), "must hold a number on every row with draws"
+    if "heavy_tail" in df.columns:       # degenerate importance weights: the SE is unknown, and empty
+        has = has & (df["heavy_tail"] != HeavyTail.DEGENERATE.value).to_numpy()
     for c in others:
         if c in df.columns and (bad := has & np.isfinite(v) & np.isnan(df[c].to_numpy(dtype=float))).any():
             return c, bad, f"must hold a number where {main} is finite"

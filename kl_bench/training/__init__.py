@@ -24,7 +24,8 @@ from .optim import Optimizer, adam, sgd
 from .result import TrainResult
 from .rollout import RolloutProblem
 from .sequences import SEQUENCE_REWARDS, SequenceReward, SequenceRolloutProblem
-from .run import TRAIN_SCHEMA, assemble, plan_case, run_trajectory, run_unit, train_combination, trajectory, units
+from .run import (TRAIN_SCHEMA, assemble, plan_case, run_trajectory, run_unit, train_combination, trajectory,
+                  unit_label, units)
 
 
 def _plans(spec, cfg: TrainConfig) -> list:
@@ -43,12 +44,15 @@ def _plans(spec, cfg: TrainConfig) -> list:
     return plans
 
 
-def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE) -> tuple[list[dict] | None, TrainConfig, float]:
+def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE,
+               progress=None) -> tuple[list[dict] | None, TrainConfig, float]:
     """Every row of train.csv for a validated spec with a [train] table: (rows, config, seconds).
     Everything is validated (cases built, combinations parsed) before the first step. ``ranks``: split the
     units (each exact trajectory, each sampled run: kl_bench.training.run.Unit) round-robin across torchrun's
     processes and gather their metrics on rank 0, which assembles the rows (the other ranks get None): the
-    same bytes for any number of processes, since no unit's numbers depend on where it runs."""
+    same bytes for any number of processes, since no unit's numbers depend on where it runs. ``progress``:
+    a :class:`kl_bench.progress.LazyProgress` (or anything with ``set_total``, ``label`` and ``advance``),
+    told of this process's units and steps."""
     cfg = parse_train(spec.train, str(spec.path), spec.path.parent)
     plans = _plans(spec, cfg)
     draws = cfg.draws or spec.experiment.draws
@@ -56,8 +60,14 @@ def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE) -> tuple[list[
     done: dict = {}
     failure = None
     try:        # a plug-in reward can still fail on a sampled path: one line naming the file
-        for u in units(plans, cfg)[ranks.rank::ranks.world_size]:
-            done[u] = run_unit(plans, u, cfg, seed=spec.experiment.seed, draws=draws, device=device)
+        mine = units(plans, cfg)[ranks.rank::ranks.world_size]
+        if progress is not None:
+            progress.set_total(len(mine) * (cfg.steps + 1))
+        for u in mine:
+            if progress is not None:
+                progress.label(unit_label(plans, u))
+            done[u] = run_unit(plans, u, cfg, seed=spec.experiment.seed, draws=draws, device=device,
+                               progress=None if progress is None else progress.advance)
     except SpecError as e:
         failure = e.located(file=str(spec.path))
         if ranks.world_size == 1:

@@ -22,7 +22,7 @@ def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int)
     """The reward [rows, V] (float64) of one case: rows = contexts (categorical) or buckets (rollout)."""
     rows, vocab = shape
     if not spec.applies_to(case):
-        return torch.zeros(shape, dtype=torch.float64)
+        return torch.zeros(shape, dtype=torch.float64)  # host: a reward table from the spec
     if spec.kind == "sequence":           # a categorical's sequence is one token: R([x]) is a table
         try:
             return categorical_table(spec.function, rows, vocab)
@@ -31,14 +31,14 @@ def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int)
     if spec.kind == "random":
         # Its own stream (seed, case/reward): the reward does not move when draws or steps change.
         g = batch_generator(seed + spec.seed, f"{case}/reward", 0, torch.device("cpu"))
-        r = spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)
+        r = spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)  # host: a reward table from the spec
         return -r.abs() if spec.penalty else r
     if spec.kind == "tokens":
         bad = [t for t in spec.tokens if t >= vocab]
         if bad:
             raise SpecError(f"token id {bad[0]} is outside the vocabulary (V = {vocab})", case=case,
                             key="train.reward.tokens")
-        out = torch.zeros(shape, dtype=torch.float64)
+        out = torch.zeros(shape, dtype=torch.float64)  # host: a reward table from the spec
         out[:, list(spec.tokens)] = spec.value
         return out
     try:
@@ -70,23 +70,25 @@ def _categorical(pair, cfg: TrainConfig, seed: int) -> CategoricalProblem:
 
 
 def _rollout(pair, cfg: TrainConfig, seed: int) -> RolloutProblem:
-    _finite(pair, pair.name)
-    shape = tuple(pair.log_q.shape)
+    model = pair.model              # the rollout kind's tables (kl_bench.pairs.rollout.RolloutModel)
+    _finite(model, pair.name)
+    shape = tuple(model.log_q.shape)
     if cfg.reward.kind == "sequence" and cfg.reward.applies_to(pair.name):
-        return _sequence_rollout(pair, cfg)
+        return _sequence_rollout(pair.name, model, cfg)
     r = reward_table(cfg.reward, shape, pair.name, seed)
-    return RolloutProblem(pair.name, pair.log_q.clone(), pair.log_p, r, cfg.beta, pair.bucket, pair.length, pair.eos)
+    return RolloutProblem(pair.name, model.log_q.clone(), model.log_p, r, cfg.beta, model.bucket, model.length,
+                          model.eos)
 
 
-def _sequence_rollout(pair, cfg: TrainConfig) -> SequenceRolloutProblem:
+def _sequence_rollout(name: str, model, cfg: TrainConfig) -> SequenceRolloutProblem:
     """Every sequence enumerated (or one line past the limit) and R evaluated on each, once."""
-    seqs = enumerate_checked(pair.bucket, pair.vocab, pair.length, pair.eos, pair.name)
+    seqs = enumerate_checked(model.bucket, model.vocab, model.length, model.eos, name)
     try:
         values = rewards_of(cfg.reward.function, seqs.tokens, seqs.mask)
     except SpecError as e:
-        raise e.located(case=pair.name, key=KEY) from None
-    return SequenceRolloutProblem(pair.name, pair.log_q.clone(), pair.log_p, torch.zeros_like(pair.log_q), cfg.beta,
-                                  pair.bucket, pair.length, pair.eos, cfg.reward.function, seqs, values)
+        raise e.located(case=name, key=KEY) from None
+    return SequenceRolloutProblem(name, model.log_q.clone(), model.log_p, torch.zeros_like(model.log_q), cfg.beta,
+                                  model.bucket, model.length, model.eos, cfg.reward.function, seqs, values)
 
 
 # Kind name → (builder, the aggregates a combination may name; the first is the default).

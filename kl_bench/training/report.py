@@ -1,18 +1,24 @@
-"""The report of a training folder (``kl-bench report DIR`` where DIR holds train.csv): one figure per case
-(PNG and PDF), and report.md with the final values of every combination and the distance to the optimum."""
+"""The report of a training folder (``kl-bench report DIR`` where DIR holds train.csv): one figure per case,
+report.md and a self-contained report.html (the figures embedded) with the combination that ends closest to
+the optimum q* of every case, the final values of every combination and the figures."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pandas as pd
 
+from ..formatting import plural
+from ..pages import DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, html_text, page, table_html, table_md
+from ..pages import vector_links
 from ..results import read_frame
 from ..safe_io import read_regular
 from .plots import plot_training
+from .result import final_rows, summary_lines
 
 FINAL = [("kl_rev", "KL(q‖p)"), ("kl_fwd", "KL(p‖q)"), ("entropy", "entropy"), ("reward", "E[reward]"),
          ("objective", "J"), ("kl_opt", "KL(q‖q*)")]
+INTRO = ("Exact values at every step (the policy is known); sampled rows are the mean ± sd over seeds. KL(q‖q*) "
+         "is the distance to the optimum q* ∝ p·exp(reward/β) (docs/training.md): the combinations are ranked by it.")
 
 
 def is_training_folder(folder: str | Path) -> bool:
@@ -21,37 +27,61 @@ def is_training_folder(folder: str | Path) -> bool:
     return (folder / "train.csv").is_file() and not (folder / "summary.csv").exists()
 
 
-def final_table(df: pd.DataFrame) -> str:
-    """Markdown: per case and combination, the last step's values (sampled: mean ± sd over seeds)."""
-    last = df[df["step"] == df.groupby(["case", "combination", "gradients"])["step"].transform("max")]
-    head = "| case | combination | gradients | step | " + " | ".join(label for _, label in FINAL) + " |"
-    lines = [head, "|" + "---|" * (4 + len(FINAL))]
-    for r in last.itertuples():
+def final_cells(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): per case and combination, the last step's values (sampled: mean ± sd over seeds)."""
+    header = ["case", "combination", "gradients", "step", *(label for _, label in FINAL)]
+    rows = []
+    for r in final_rows(df).itertuples():
         cells = []
         for col, _ in FINAL:
             v, sd = getattr(r, col), getattr(r, f"{col}_sd")
             cells.append(f"{v:.4g}" + (f" ± {sd:.2g}" if r.gradients == "sampled" and pd.notna(sd) else ""))
-        lines.append(f"| {r.case} | {r.combination} | {r.gradients} | {r.step} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append([str(r.case), str(r.combination), str(r.gradients), str(r.step), *cells])
+    return header, rows
 
 
-def training_report_files(folder: str | Path) -> dict[str, bytes]:
-    """{relative path: bytes} of the report: figures/training_<case>.png and .pdf, report.md."""
+def final_table(df: pd.DataFrame) -> str:
+    """Markdown: per case and combination, the last step's values (sampled: mean ± sd over seeds)."""
+    header, rows = final_cells(df)
+    return table_md(header, rows, [False] * 3 + [True] * (1 + len(FINAL))) + "\n"
+
+
+def _figures(df: pd.DataFrame, formats, progress) -> list[tuple[str, str, dict[str, bytes]]]:
+    """[(file name (.png), case, {format: bytes})], one figure per case."""
+    cases = list(df["case"].unique())
+    if progress is not None:
+        progress.set_total(len(cases))
+    out = []
+    for case in cases:
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in case)
+        if progress is not None:
+            progress.label(f"training_{safe}.png")
+        out.append((f"training_{safe}.png", case, figure_bytes(plot_training(df, case), formats)))
+        if progress is not None:
+            progress.advance(1)
+    return out
+
+
+def training_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=None) -> dict[str, bytes]:
+    """{relative path: bytes} of the report: figures/training_<case>.<format> (``formats``: PNG by default;
+    PDF, SVG), report.md and report.html. ``progress``: told of each figure."""
     folder = Path(folder)
     df = read_frame(read_regular(folder / "train.csv", "summary.csv"))
-    files: dict[str, bytes] = {}
-    figures = []
-    for case in df["case"].unique():
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in case)
-        fig = plot_training(df, case)
-        for ext in ("png", "pdf"):
-            buf = io.BytesIO()
-            fig.savefig(buf, format=ext, dpi=110, metadata={"CreationDate": None} if ext == "pdf" else None)
-            files[f"figures/training_{safe}.{ext}"] = buf.getvalue()
-        figures.append(f"![{case}](figures/training_{safe}.png)")
-    md = (f"# Training trajectories: {folder.name}\n\nExact values at every step (the policy is known); sampled "
-          "rows are the mean ± sd over seeds. KL(q‖q*) is the distance to the optimum q* ∝ p·exp(reward/β) "
-          "(docs/training.md).\n\n## Final values\n\n" + final_table(df) + "\n## Figures\n\n"
-          + "\n\n".join(figures) + "\n")
-    files["report.md"] = md.encode()
+    figs = _figures(df, formats, progress)
+    files = {path: data for name, _, by_fmt in figs for path, data in figure_files(name[:-4], by_fmt).items()}
+    title = f"Training trajectories: {folder.name}"
+    closest = summary_lines(df)
+    header, rows = final_cells(df)
+    md = [f"# {title}", "", INTRO, "", "## Closest to the optimum", "", *[f"- {line}" for line in closest], "",
+          "## Final values", "", final_table(df), f"## Figures ({plural(len(figs), 'case')})", ""]
+    for name, case, by_fmt in figs:
+        links = vector_links(name[:-4], by_fmt)
+        md += [f"![{case}](figures/{name})", ""] + ([links, ""] if links else [])
+    files["report.md"] = "\n".join(md).encode()
+    parts = [f"<p>{html_text(INTRO)}</p>", "<h2>Closest to the optimum</h2><ul>"
+             + "".join(f"<li>{html_text(line)}</li>" for line in closest) + "</ul>",
+             "<h2>Final values</h2>" + table_html(header, rows), "<h2>Figures</h2>"]
+    parts += [figure_html(name, f"{case}: every combination against the step", by_fmt["png"])
+              for name, case, by_fmt in figs]
+    files["report.html"] = page(title, parts).encode()
     return files

@@ -31,24 +31,40 @@ class TrainResult:
 
     def final(self) -> pd.DataFrame:
         """The last recorded step of every (case, combination, gradients)."""
-        df = self.frame
-        return df[df["step"] == df.groupby(["case", "combination", "gradients"])["step"].transform("max")]
+        return final_rows(self.frame)
 
     def summary_lines(self) -> list[str]:
         """Per case: which combination ends closest to q* and how far the others are (exact rows when the
         run has them, else the sampled means)."""
-        fin = self.final()
-        lines = []
-        for case, df in fin.groupby("case", sort=False):
-            kind = "exact" if (df["gradients"] == "exact").any() else "sampled"
-            d = df[df["gradients"] == kind].sort_values("kl_opt", kind="stable")
-            best = d.iloc[0]
-            others = ", ".join(f"{r.combination} {_fmt(r.kl_opt)} (+{_fmt(r.kl_opt - best.kl_opt)})"
-                               for r in d.iloc[1:].itertuples())
-            lines.append(f"{case}: closest to the optimum q* ∝ p·exp(reward/β) ({kind}): {best.combination}, "
-                         f"KL(q‖q*) = {_fmt(best.kl_opt)}" + (f"; others: {others}" if others else ""))
-        return lines
+        return summary_lines(self.frame)
+
+
+def final_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The last recorded step of every (case, combination, gradients) of train.csv's frame."""
+    return df[df["step"] == df.groupby(["case", "combination", "gradients"])["step"].transform("max")]
+
+
+def summary_lines(frame: pd.DataFrame) -> list[str]:
+    """Per case of train.csv's frame: which combination ends closest to q* (the smallest KL(q‖q*)) and how
+    far the others are (exact rows when the run has them, else the sampled means)."""
+    lines = []
+    for case, df in final_rows(frame).groupby("case", sort=False):
+        kind = "exact" if (df["gradients"] == "exact").any() else "sampled"
+        d = df[df["gradients"] == kind].sort_values("kl_opt", kind="stable")
+        best = d.iloc[0]
+        others = ", ".join(f"{r.combination} {_fmt(r.kl_opt)} ({_gap(r.kl_opt, best.kl_opt)})"
+                           for r in d.iloc[1:].itertuples())
+        lines.append(f"{case}: closest to the optimum q* ∝ p·exp(reward/β) ({kind}): {best.combination}, "
+                     f"KL(q‖q*) = {_fmt(best.kl_opt)}" + (f"; others: {others}" if others else ""))
+    return lines
 
 
 def _fmt(v: float) -> str:
     return "nan" if math.isnan(v) else f"{v:.3g}"
+
+
+def _gap(v: float, best: float) -> str:
+    """How much further from q* than the best: "+0.0518", or "the same" for a difference of float64
+    rounding (two trajectories that are one in exact arithmetic: ~1e-16, never a real gap)."""
+    gap = v - best
+    return "the same" if abs(gap) <= 1e-9 * abs(best) + 1e-12 else f"+{_fmt(gap)}"

@@ -2,24 +2,29 @@
 
 A path y = (x_1, …, x_|y|) earns Σ_t reward(c_{t−1}, x_t). The true objective is
 J(θ) = E_q[Σ_t reward] − β KL(q‖p) with KL(q‖p) = E_q[Σ_t log q − log p]; J and ∇J come from autograd of
-the dynamic program (:func:`kl_bench.pairs.rollout.gradients.path_moments`), with θ both in the sampling
-law and in the summand. The trainer's expected direction is ∇E_q[Σ_t reward] (the score function of the
+the dynamic program (:func:`kl_bench.pairs.rollout.dp.path_moments`), with θ both in the sampling law and in
+the summand. The trainer's expected direction is ∇E_q[Σ_t reward] (the score function of the
 sequence, exact) minus β times the combination's exact expected gradient
 (:func:`kl_bench.pairs.rollout.gradients.exact_mean`). The optimum of J over all sequence laws is
 q*(y) ∝ p(y) exp(Σ_t reward/β); KL(q‖q*) = log Z − J/β with Z = E_p[exp(Σ_t reward/β)]. A per-bucket
 policy reaches q* only where q* is itself per-bucket (T = 1, or no reward), so the final distance is how
 close each combination gets within the family.
+
+Of the rollout kind this module uses the model (:class:`kl_bench.pairs.rollout.RolloutModel`, the tables
+of the policy q_θ against p) and the functions that take one; never a pair.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import SpecError
-from ..pairs import RolloutPair
-from ..pairs.rollout import gradients as rg
+from ..pairs.rollout import dp, gradients, sampler
+from ..pairs.rollout.accumulator import RolloutGradients
+from ..pairs.rollout.model import RolloutModel
 from ..seeding import BatchStream
 from .combos import Combination
 
@@ -37,33 +42,33 @@ class RolloutProblem:
     length: int
     eos: int | None
 
-    def pair(self, lq: torch.Tensor) -> RolloutPair:
-        """The rollout pair of the policy log q [C, V] against p (nothing sampled: building it is O(C·V))."""
-        return RolloutPair(self.name, lq.detach(), self.log_p, self.bucket, self.length, self.eos)
+    def model(self, lq: torch.Tensor) -> RolloutModel:
+        """The rollout model of the policy log q [C, V] against p (nothing sampled: building it is O(C·V))."""
+        return RolloutModel.build(lq.detach(), self.log_p, self.bucket, self.length, self.eos)
 
-    def _log_z(self, pr: RolloutPair) -> float:
+    def _log_z(self, model: RolloutModel) -> float:
         """log E_p[exp(Σ_t reward/β)]: the normaliser of q*."""
         m = torch.exp(self.reward / self.beta)
-        z = float(rg.path_moments(pr, self.log_p, m, torch.zeros_like(m), 0)[0])
+        z = float(dp.path_moments(model, self.log_p, m, torch.zeros_like(m), 0)[0])
         return math.log(z) if 0 < z < math.inf else math.nan
 
     def evaluate(self, theta: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
         """Exact values at θ and ∇J [C, V] (autograd through the dynamic program)."""
         th = theta.detach().clone().requires_grad_(True)
         lq = torch.log_softmax(th, -1)
-        pr = self.pair(lq)
-        j = rg.path_moments(pr, th, torch.ones_like(lq), self.reward - self.beta * (lq - self.log_p))[1]
+        model = self.model(lq)
+        j = dp.path_moments(model, th, torch.ones_like(lq), self.reward - self.beta * (lq - self.log_p))[1]
         (grad_j,) = torch.autograd.grad(j, th)
         lq = lq.detach()
         ones = torch.ones_like(lq)
-        reward = float(rg.path_moments(pr, lq, ones, self.reward)[1])
-        # First moments only (the pair's kl() also computes higher ones for its estimator rows).
-        kl_rev = float(rg.path_moments(pr, lq, ones, lq - self.log_p)[1])
+        reward = float(dp.path_moments(model, lq, ones, self.reward)[1])
+        # First moments only (the kind's oracle also computes higher ones for its estimator rows).
+        kl_rev = float(dp.path_moments(model, lq, ones, lq - self.log_p)[1])
         objective = reward - self.beta * kl_rev
-        out = {"kl_rev": kl_rev, "kl_fwd": float(rg.path_moments(pr, self.log_p, ones, self.log_p - lq)[1]),
-               "entropy": float(rg.path_moments(pr, lq, ones, -lq)[1]), "reward": reward, "objective": objective,
+        out = {"kl_rev": kl_rev, "kl_fwd": float(dp.path_moments(model, self.log_p, ones, self.log_p - lq)[1]),
+               "entropy": float(dp.path_moments(model, lq, ones, -lq)[1]), "reward": reward, "objective": objective,
                # log Z − J/β: rounding of order 1e-16·|J|/β, far below the distances reported.
-               "kl_opt": self._log_z(pr) - objective / self.beta}
+               "kl_opt": self._log_z(model) - objective / self.beta}
         return out, grad_j
 
     @property
@@ -75,13 +80,13 @@ class RolloutProblem:
         if not self.has_reward:
             return torch.zeros_like(lq)
         th = lq.detach().clone().requires_grad_(True)
-        (g,) = torch.autograd.grad(rg.path_moments(self.pair(lq), th, torch.ones_like(lq), self.reward)[1], th)
+        (g,) = torch.autograd.grad(dp.path_moments(self.model(lq), th, torch.ones_like(lq), self.reward)[1], th)
         return g
 
     def expected_update(self, theta: torch.Tensor, combo: Combination) -> torch.Tensor:
         """The trainer's expected ascent direction at θ, exact, [C, V]."""
         lq = torch.log_softmax(theta, -1)
-        g = rg.exact_mean(self.pair(lq), combo.item)
+        g = gradients.exact_mean(self.model(lq), combo.item)
         if g is None:
             raise SpecError(f"'{combo.label}' has no exact expected gradient on this rollout (moments beyond "
                             "float64 or a non-polynomial sequence-level estimator)", case=self.name, key="train.combinations")
@@ -90,29 +95,29 @@ class RolloutProblem:
     def sampled_update(self, theta: torch.Tensor, combo: Combination, batch: BatchStream, piece: int,
                        chunk: int) -> torch.Tensor:
         """The trainer's ascent direction from ``batch.size`` rollouts of q_θ, [C, V]: the combination's
-        per-draw gradients (kl_bench.pairs.rollout.gradients.RolloutGradients) and the reward's score
+        per-draw gradients (kl_bench.pairs.rollout.accumulator.RolloutGradients) and the reward's score
         function Σ_t reward · S on the same paths (drawn again from the same piece generators)."""
         lq = torch.log_softmax(theta, -1)
-        pr = self.pair(lq)
-        acc = pr.gradient_accumulator([combo.item], {"reverse": torch.zeros(lq.numel()).numpy()}, batch.device)
+        model = self.model(lq)
+        acc = RolloutGradients(model, [combo.item], [np.zeros(lq.numel())], batch.device, case=self.name)
         acc.add(batch)
         g_kl = torch.from_numpy(acc.total()[0]).reshape(lq.shape)
-        g_r = self._sampled_reward_gradient(pr, lq, batch, acc.piece) if self.has_reward else torch.zeros_like(lq)
+        g_r = self._sampled_reward_gradient(model, lq, batch, acc.piece) if self.has_reward else torch.zeros_like(lq)
         return (g_r - self.beta * g_kl) / batch.size
 
     def path_rewards(self, keys: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
         """The reward of each sampled path: Σ_t reward(c_{t−1}, x_t) over its steps, [n] (keys, alive: [n, T])."""
         return (self.reward.reshape(-1)[keys] * alive).sum(1)
 
-    def _sampled_reward_gradient(self, pr: RolloutPair, lq: torch.Tensor, batch: BatchStream, piece: int) -> torch.Tensor:
+    def _sampled_reward_gradient(self, model: RolloutModel, lq: torch.Tensor, batch: BatchStream,
+                                 piece: int) -> torch.Tensor:
         """Σ_paths R(y) S(y), [C, V], S(y) = Σ_t e_{x_t} − q_{c_{t−1}}: the paths drawn again from the batch's
-        piece generators (the very paths the KL term's accumulator drew)."""
-        w = torch.zeros(lq.numel(), dtype=torch.float64)
+        piece generators (the very paths the KL term's accumulator drew). The reward and the sums live with
+        the policy's tables, on the host where the spec loads them (float sums in draw order)."""
+        w = torch.zeros(lq.numel(), dtype=torch.float64, device=lq.device)
         for m, g in batch.pieces(piece):
-            rec: list = []
-            pr.simulate([m], [g], batch.device, record=rec)
-            keys = torch.stack([x[0] for x in rec], 1).cpu()        # the reward and the sums live on the CPU
-            alive = torch.stack([x[1] for x in rec], 1).cpu()
+            p = sampler.paths(model, m, g, batch.device)
+            keys, alive = p.keys.to(lq.device), p.alive.to(lq.device)
             total = self.path_rewards(keys, alive)[:, None]
             w.index_add_(0, keys.reshape(-1), (total * alive).reshape(-1))
         wm = w.reshape(lq.shape)

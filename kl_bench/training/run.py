@@ -88,11 +88,15 @@ def recorded(steps: int, every: int) -> list[int]:
     return sorted(set(range(0, steps + 1, every)) | {steps})
 
 
-def run_trajectory(problem, opt: Optimizer, steps: int, every: int, direction) -> dict[str, np.ndarray]:
-    """Exact metrics, |g| and cos(g, ∇J) at every recorded step: {name: [K]}."""
+def run_trajectory(problem, opt: Optimizer, steps: int, every: int, direction,
+                   progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """Exact metrics, |g| and cos(g, ∇J) at every recorded step: {name: [K]}. ``progress(1)`` after
+    every step (steps + 1 calls: the last update is computed too)."""
     keep = set(recorded(steps, every))
     out: dict[str, list[float]] = {k: [] for k in (*METRICS, "grad_norm", "cos_true")}
     for t, theta, g in trajectory(problem.theta0, opt, steps, direction):
+        if progress is not None:
+            progress(1)
         if t in keep:
             values, grad_j = problem.evaluate(theta)
             for k in METRICS:
@@ -136,19 +140,27 @@ def units(plans: list[Plan], cfg: TrainConfig) -> list[Unit]:
     return out
 
 
+def unit_label(plans: list[Plan], unit: Unit) -> str:
+    """How progress names a unit: 'rollout: k3/loss (exact)', 'vocab: k1/reward (sampled run 2)'."""
+    plan = plans[unit.plan]
+    how = "exact" if unit.run is None else f"sampled run {unit.run + 1}"
+    return f"{plan.problem.name}: {plan.combos[unit.combo].label} ({how})"
+
+
 def run_unit(plans: list[Plan], unit: Unit, cfg: TrainConfig, *, seed: int, draws: int,
-             device: torch.device) -> dict[str, np.ndarray]:
-    """The recorded metrics of one unit ({name: [K]}, :func:`run_trajectory`)."""
+             device: torch.device, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """The recorded metrics of one unit ({name: [K]}, :func:`run_trajectory`; ``progress``: its)."""
     plan = plans[unit.plan]
     pb, combo, opt = plan.problem, plan.combos[unit.combo], cfg.optimizer
     if unit.run is None:
-        return run_trajectory(pb, opt, cfg.steps, cfg.record_every, lambda th, t: pb.expected_update(th, combo))
+        return run_trajectory(pb, opt, cfg.steps, cfg.record_every, lambda th, t: pb.expected_update(th, combo),
+                              progress)
     piece = piece_draws(device)
 
     def direction(th, t):
         batch = BatchStream(seed, f"{pb.name}/train/{unit.run}", t, draws, device)
         return pb.sampled_update(th, combo, batch, piece, cfg.chunk)
-    return run_trajectory(pb, opt, cfg.steps, cfg.record_every, direction)
+    return run_trajectory(pb, opt, cfg.steps, cfg.record_every, direction, progress)
 
 
 def assemble(plans: list[Plan], cfg: TrainConfig, results: dict[Unit, dict[str, np.ndarray]], draws: int) -> list[dict]:

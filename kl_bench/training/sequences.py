@@ -73,6 +73,7 @@ def rewards_of(reward: SequenceReward, tokens: torch.Tensor, mask: torch.Tensor)
         first = (str(e).strip().splitlines() or [""])[0]
         raise SpecError(f"sequence reward '{reward.name}' raised {type(e).__name__}: {first}") from None
     try:
+        # host: a user's reward values, checked on the host (then moved with the problem's tables)
         values = torch.as_tensor(out.detach() if isinstance(out, torch.Tensor) else out).to("cpu", torch.float64)
     except (TypeError, ValueError, RuntimeError):
         raise SpecError(f"sequence reward '{reward.name}' returned a {type(out).__name__}, not {n} numbers") from None
@@ -107,17 +108,18 @@ class Sequences:
 
 def enumerate_sequences(bucket: torch.Tensor, vocab: int, length: int, eos: int | None) -> Sequences:
     """Every sequence, shortest first, extending every live prefix by every token in turn (step 1 is drawn
-    in bucket 0, step t + 1 in the bucket of x_t, as :class:`~kl_bench.pairs.RolloutPair` draws)."""
-    x = torch.arange(vocab)
-    tok, key = torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64)
-    ctx = torch.zeros(1, dtype=torch.int64)
+    in bucket 0, step t + 1 in the bucket of x_t, as the rollout kind's sampler draws them)."""
+    dev = bucket.device
+    x = torch.arange(vocab, device=dev)
+    tok, key = torch.zeros(1, 0, dtype=torch.int64, device=dev), torch.zeros(1, 0, dtype=torch.int64, device=dev)
+    ctx = torch.zeros(1, dtype=torch.int64, device=dev)
     done_tok, done_key = [], []
     for t in range(length):
         a = tok.shape[0]
         nxt = x.repeat(a)
         tok = torch.cat([tok.repeat_interleave(vocab, 0), nxt[:, None]], 1)
         key = torch.cat([key.repeat_interleave(vocab, 0), (ctx.repeat_interleave(vocab) * vocab + nxt)[:, None]], 1)
-        end = torch.full((tok.shape[0],), t == length - 1) if eos is None or t == length - 1 else nxt == eos
+        end = torch.full((tok.shape[0],), t == length - 1, device=dev) if eos is None or t == length - 1 else nxt == eos
         pad = length - t - 1
         done_tok.append(torch.nn.functional.pad(tok[end], (0, pad), value=-1))
         done_key.append(torch.nn.functional.pad(key[end], (0, pad), value=0))
@@ -140,7 +142,7 @@ def enumerate_checked(bucket: torch.Tensor, vocab: int, length: int, eos: int | 
 
 def categorical_table(reward: SequenceReward, rows: int, vocab: int) -> torch.Tensor:
     """A categorical's "sequence" is one token: R([x]) in every context is a reward table [rows, V]."""
-    tokens = torch.arange(vocab)[:, None]
+    tokens = torch.arange(vocab)[:, None]  # host: a spec's reward table
     return rewards_of(reward, tokens, torch.ones_like(tokens, dtype=torch.bool)).expand(rows, vocab).clone()
 
 
@@ -167,7 +169,7 @@ class SequenceRolloutProblem(RolloutProblem):
         """Σ_y w(y) S(y), [C, V], with S(y) = ∇θ log q(y) = Σ_t e_{c_{t−1}, x_t} − q(·|c_{t−1}) in row c_{t−1}."""
         s = self.seqs
         # Past a sequence's end the key is 0 and the weight 0.0: adding it changes nothing.
-        acc = torch.zeros(lq.numel(), dtype=torch.float64).index_add_(
+        acc = torch.zeros(lq.numel(), dtype=torch.float64, device=lq.device).index_add_(
             0, s.keys.reshape(-1), (w[:, None] * s.mask).reshape(-1))
         acc = acc.reshape(lq.shape)
         return acc - acc.sum(-1, keepdim=True) * lq.exp()

@@ -72,7 +72,7 @@ def _continuations(pair: ModelPair, n: int, seed: int, dev: torch.device, progre
         for k, j in (("tokens", 0), ("logp_policy", 1), ("logp_ref", 2), ("kl_full", 3), ("mask", 4)):
             col = torch.stack([s[j] for s in steps], 1).cpu()
             if pad:
-                col = torch.cat([col, torch.zeros(m, pad, dtype=col.dtype)], 1)
+                col = torch.cat([col, torch.zeros(m, pad, dtype=col.dtype)], 1)  # host: dumped columns are host tensors
             cols[k].append(col)
         if progress is not None:
             progress.advance(m)

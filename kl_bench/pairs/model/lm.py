@@ -152,10 +152,10 @@ def _jsonl_ids(line: str, i: int, path: Path) -> list[int]:
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids [n, L] (pad id 0, masked) and the attention mask [n, L] (1 on real tokens)."""
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # host: tokenized prompts, moved with the batch
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # host: tokenized prompts, moved with the batch
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.tensor(p)  # host: tokenized prompts
         mask[i, width - len(p):] = 1
     return ids.to(device), mask.to(device)
 

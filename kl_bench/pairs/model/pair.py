@@ -131,6 +131,7 @@ class ModelPair(Pair):
             return {}
         ts = sorted({min(1 << k, self.length) for k in range(self.length.bit_length() + 1)})
         n = sum(m for m, _ in self.growth_batches.values())
+        # host: growth sums are gathered on the host (small: [T, R, 2])
         sums = torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
         for i in sorted(self.growth_batches):                # batch order: independent of chunking
             sums += self.growth_batches[i][1]
@@ -190,6 +191,7 @@ class ModelPair(Pair):
         def run(batches) -> torch.Tensor:
             out = []
             for batch in batches:
+                # host: growth sums are gathered on the host (small: [T, R, 2])
                 grow = (torch.zeros(self.length, len(GROWTH_ROWS), 2, dtype=torch.float64)
                         if batch.tag == self.name and not self.has_sampler else None)
                 total = None
@@ -242,7 +244,7 @@ class ModelPair(Pair):
         ids, mask = lm.left_pad([self.prompts[i] for i in idx], device)
         sq, sp = lm.Step(q_model, ids, mask), lm.Step(p_model, ids, mask)
         if record is not None:
-            record.append(torch.tensor(idx))
+            record.append(torch.tensor(idx))  # host: dump-logits writes host tensors
         f64 = dict(dtype=torch.float64, device=device)
         paths = _Paths.start(n, len(tok_rows), self.weights != "none", self.length if growth is not None else 0, f64)
         rows = torch.arange(n, device=device)

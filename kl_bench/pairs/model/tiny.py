@@ -24,7 +24,8 @@ def lexicon(generator: torch.Generator, extra: int = 600) -> list[str]:
     """:data:`WORDS` plus ``extra`` made-up words of 2–3 syllables (enough text for ≈ 1000 BPE merges)."""
     made = []
     for _ in range(extra):
-        k = int(torch.randint(2, 4, (), generator=generator))
+        k = int(torch.randint(2, 4, (), generator=generator))  # host: tiny test models are built on the CPU
+        # host: tiny test models are built on the CPU
         made.append("".join(SYLLABLES[int(i)] for i in torch.randint(len(SYLLABLES), (k,), generator=generator)))
     return list(WORDS) + made
 
@@ -33,8 +34,8 @@ def corpus(lines: int, generator: torch.Generator, words: int = 12, vocab: list[
     """``lines`` lines of random words from ``vocab`` (default :data:`WORDS`): the tokenizer's training
     text and the prompts."""
     vocab = list(WORDS) if vocab is None else vocab
-    ids = torch.randint(len(vocab), (lines, words), generator=generator)
-    lens = torch.randint(3, words + 1, (lines,), generator=generator)
+    ids = torch.randint(len(vocab), (lines, words), generator=generator)  # host: tiny test models are built on the CPU
+    lens = torch.randint(3, words + 1, (lines,), generator=generator)  # host: tiny test models are built on the CPU
     return [" ".join(vocab[i] for i in row[:n]) for row, n in zip(ids.tolist(), lens.tolist())]
 
 
@@ -51,7 +52,7 @@ def build_tiny_models(out: str | Path, *, vocab: int = 1000, layers: int = 2, wi
     transformers.utils.logging.disable_progress_bar()
 
     out = Path(out)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # host: tiny test models are built on the CPU
     text = corpus(3000, g, vocab=lexicon(g))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -72,10 +73,11 @@ def build_tiny_models(out: str | Path, *, vocab: int = 1000, layers: int = 2, wi
             elif name.endswith(".bias"):
                 base = torch.zeros_like(w)
             else:
+                # host: tiny test models are built on the CPU
                 base = scale * torch.randn(w.shape, generator=g) / (1.0 if "wte" in name or "wpe" in name
                                                                     else w.shape[0] ** 0.5 / 4)
             w.copy_(base)
-            w_ref.copy_(base + perturb * torch.randn(w.shape, generator=g))
+            w_ref.copy_(base + perturb * torch.randn(w.shape, generator=g))  # host: tiny test models are built on the CPU
     for folder, model in (("policy", policy), ("reference", reference)):
         model.save_pretrained(out / folder)
         fast.save_pretrained(out / folder)

@@ -1,0 +1,193 @@
+"""The trainer-agnostic audit core: records of a trainer's step in, step audits out (docs/audit.md).
+
+An adapter (kl_bench.integrations.trl for TRL, or your own loop) hands an :class:`AuditSession` one
+:class:`Record` per scored batch of rows, right after the trainer scored it (before an optimizer step
+moves the output layer), then calls :meth:`AuditSession.finish` once per optimizer step. Each record is
+audited at once (exact values streamed from its hidden states, kl_bench.audit.stream) and reduced to
+additive sums per :class:`Metric` (kl_bench.audit.step), so micro-batches, and ranks through the
+``reduce`` hook, pool into one step audit exactly as one batch of their rows would.
+
+Devices: a record's tensors stay where the trainer has them; the audit runs there, and only the sums
+(a vector of ~20 numbers per metric) cross to the host, once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import SpecError
+from ..estimators import resolve_estimator
+from .aggregate import AGGREGATIONS
+from .engine import ENGINE_SUMS, EngineAudit, engine_sums
+from .exact import PositionValues
+from .sampler import Sampler
+from .step import AuditLog, StepAudit, step_sums
+from .stream import Head, stream_values
+from .verdict import Thresholds, Warning, engine_warnings, step_warnings
+
+
+def _merge_engine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two batches' engine sums: added, but the maximum of logp_diff_max."""
+    out = a + b
+    i = ENGINE_SUMS.index("logp_diff_max")
+    out[i] = torch.maximum(a[i], b[i])
+    return out
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One KL number a trainer forms: ``source`` names it (audit.csv's column), ``estimator`` is its
+    per-token formula (a registry name or library preset), ``aggregation`` how its per-token values
+    are combined into the number (kl_bench.audit.aggregate)."""
+    source: str
+    estimator: str
+    aggregation: str
+
+    def __post_init__(self):
+        resolve_estimator(self.estimator)
+        if self.aggregation not in AGGREGATIONS:
+            raise SpecError(f"must be one of {', '.join(AGGREGATIONS)}, got '{self.aggregation}'", key="aggregation")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One batch of B rows as a trainer scored it (tensors on one device).
+
+    ``policy_hidden``/``reference_hidden`` [B, T, d]: each model's last hidden state (after the final norm)
+    at the positions that predict completion tokens 0..T−1; ``completion_ids`` [B, T]; ``mask`` [B, T]
+    (1: a token the trainer counts); ``trainer_values`` [B, T]: the trainer's own per-token KL values
+    (any dtype) of the metrics' estimator(s) — a dict source → [B, T] when metrics differ in formula;
+    ``sampling_hidden`` [B, T, d]: the policy's hidden states in the pass that drew the tokens, when the
+    adapter captured it (the mismatch part of the split); ``prompt_ids`` [B, P] (−1 or pads as the
+    trainer had them): what a repetition penalty sees; ``engine_logprobs`` [B, T]: a rollout engine's
+    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.engine)."""
+    policy_hidden: torch.Tensor
+    reference_hidden: torch.Tensor
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+    trainer_values: torch.Tensor | dict
+    sampling_hidden: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
+    engine_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self):
+        bt = tuple(self.completion_ids.shape)
+        if len(bt) != 2 or tuple(self.mask.shape) != bt:
+            raise SpecError(f"completion_ids and mask must be one [B, T] shape, got {list(bt)} and "
+                            f"{list(self.mask.shape)}", key="mask")
+        for name in ("policy_hidden", "reference_hidden", "sampling_hidden"):
+            h = getattr(self, name)
+            if h is not None and (h.ndim != 3 or tuple(h.shape[:2]) != bt):
+                raise SpecError(f"must be [B, T, d] with [B, T] = {list(bt)}, got {list(h.shape)}", key=name)
+        values = self.trainer_values.values() if isinstance(self.trainer_values, dict) else [self.trainer_values]
+        if any(tuple(v.shape) != bt for v in values):
+            raise SpecError(f"the trainer's per-token values must be [B, T] = {list(bt)}", key="trainer_values")
+
+    def values_for(self, source: str) -> torch.Tensor:
+        if isinstance(self.trainer_values, dict):
+            return self.trainer_values[source]
+        return self.trainer_values
+
+
+def _sampler_inputs(record: Record, sampler: Sampler, mask: torch.Tensor):
+    """Per masked position: the EOS ban (fewer than min_new_tokens completion tokens before it) and the
+    ids a repetition penalty sees (prompt and earlier completion tokens; −1 pads)."""
+    k = mask.shape[1]
+    banned = None
+    if sampler.min_new_tokens:
+        banned = (torch.arange(k, device=mask.device).expand_as(mask) < sampler.min_new_tokens)[mask]
+    ctx = None
+    if sampler.repetition_penalty != 1.0:
+        if record.prompt_ids is None:
+            raise SpecError("a repetition penalty needs the prompt ids", key="prompt_ids")
+        full = torch.cat([record.prompt_ids.to(record.completion_ids), record.completion_ids], dim=1)
+        prefix = record.prompt_ids.shape[1]
+        pos = torch.arange(full.shape[1], device=full.device)
+        rows, cols = mask.nonzero(as_tuple=True)
+        ctx = torch.where(pos < prefix + cols.unsqueeze(-1), full[rows], torch.full_like(full[rows], -1))
+    return banned, ctx
+
+
+@dataclass
+class AuditSession:
+    """Audits records into step audits. ``heads``: the policy's and the reference's output layers as the
+    trainer applies them (temperature, soft-cap, logit scale: :class:`~.stream.Head`); ``metrics``: the
+    KL numbers to audit; ``sampler``: the generation settings (b). ``dtype``, ``chunk``, ``tile``,
+    ``negative``: as :func:`~.stream.stream_values`."""
+    heads: tuple
+    metrics: Sequence[Metric]
+    sampler: Sampler = field(default_factory=Sampler)
+    dtype: torch.dtype = torch.float32
+    chunk: int = 256
+    tile: int = 4096
+    negative: bool = True
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    log: AuditLog = field(default_factory=AuditLog)
+
+    def __post_init__(self):
+        if not self.metrics:
+            raise SpecError("an audit needs at least one metric", key="metrics")
+        self._pending: dict[str, torch.Tensor] = {}
+        self._engine: torch.Tensor | None = None
+        self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))
+
+    def add(self, record: Record, heads: tuple[Head, Head] | None = None) -> PositionValues:
+        """Audit one scored batch now (``heads``: this batch's, when they changed since the session began)."""
+        mask = record.mask.bool()
+        heads = heads or self.heads
+        banned, ctx = _sampler_inputs(record, self.sampler, mask)
+        sampling = None if record.sampling_hidden is None else record.sampling_hidden[mask]
+        values = stream_values(record.policy_hidden[mask], record.reference_hidden[mask], heads[0], heads[1],
+                               self.estimators, self.sampler, ids=record.completion_ids[mask], eos_banned=banned,
+                               context_ids=ctx, sampling_hidden=sampling, chunk=self.chunk, tile=self.tile,
+                               dtype=self.dtype, negative=self.negative)
+        self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask)
+        if record.engine_logprobs is not None:
+            sums = engine_sums(values, record.engine_logprobs, mask)
+            self._engine = sums if self._engine is None else _merge_engine(self._engine, sums)
+        return values
+
+    def add_values(self, values: PositionValues, trainer_values: torch.Tensor | dict, mask: torch.Tensor) -> None:
+        """Add a batch whose exact values are already computed (e.g. from full logits by
+        :func:`~.exact.position_values`): ``trainer_values`` [B, T] (or source → [B, T]), ``mask`` [B, T]."""
+        for m in self.metrics:
+            v = trainer_values[m.source] if isinstance(trainer_values, dict) else trainer_values
+            sums = step_sums(values, v, mask, estimator=m.estimator, aggregation=m.aggregation)
+            self._pending[m.source] = sums if m.source not in self._pending else self._pending[m.source] + sums
+
+    @property
+    def pending(self) -> bool:
+        """Records have been added since the last :meth:`finish`."""
+        return bool(self._pending)
+
+    def finish(self, step: int, reduce: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None
+               ) -> list[StepAudit]:
+        """The step audits of the records added since the last call (one per metric), added to
+        :attr:`log`. ``reduce``: sums across processes (an all-reduce; every process must call it, with
+        None where it audited nothing); returns [] when no process audited anything."""
+        out = []
+        for m in self.metrics:
+            sums = self._pending.get(m.source)
+            if reduce is not None:
+                sums = reduce(sums)
+            if sums is None:
+                continue
+            out.append(self.log.add(StepAudit.from_sums(sums, step=step, source=m.source, estimator=m.estimator,
+                                                        aggregation=m.aggregation)))
+        if self._engine is not None:
+            sums = self._engine if reduce is None else reduce(self._engine)
+            if sums is not None:
+                self.log.engine.append(EngineAudit.from_sums(sums, step=step))
+        self._pending, self._engine = {}, None
+        return out
+
+    def engine_warnings(self, a: EngineAudit) -> list[Warning]:
+        """What a step's engine audit says (kl_bench.audit.verdict)."""
+        return engine_warnings(a, self.thresholds)
+
+    def warnings(self, audit: StepAudit) -> list[Warning]:
+        """The warnings of a step audit this session made, with its source's history."""
+        history = [r for r in self.log.rows if r.source == audit.source]
+        return step_warnings(audit, history, self.sampler.describe(), self.thresholds)

@@ -1,0 +1,128 @@
+"""What an audit says in words: the warnings of a step and of the steps so far, one line each, naming the
+part of the bias split that explains the gap (kl_bench.audit.step) and what to do about it.
+
+The same rules serve the TRL callback and ``kl-bench audit DIR``, so both say the same things.
+
+Thresholds. Under an unbiased estimate each step's z is ≈ N(0, 1), so |z| > 5 at one step is a
+1-in-1.7-million event; pooled over S steps the z is N(0, 1) again and a smaller threshold (4: 1 in
+16,000) keeps false alarms rare while catching a bias that no single step shows (a pooled −4.7 from
+top_k = 20 in a live run). A consistency failure that persists: |z| > 2 at each of the last 3 audited
+steps happens by chance with probability 0.0455³ ≈ 1e-4 (independent steps), while a real mismatch
+of 2–4 per step (left padding) shows up at every step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .engine import EngineAudit
+from .step import StepAudit, pooled_row
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """``z``: one step's |z|; ``pooled``: |z| pooled over steps (bias and consistency); ``sampler``: the
+    sampler's share of the estimator's mean; ``persistent``/``run``: a consistency |z| above it at each
+    of the last ``run`` audited steps."""
+    z: float = 5.0
+    pooled: float = 4.0
+    sampler: float = 0.05
+    persistent: float = 2.0
+    run: int = 3
+
+
+@dataclass(frozen=True)
+class Warning:
+    """One warning line. ``key``: its kind; ``once``: said once per run (settings), else every time."""
+    key: str
+    message: str
+    once: bool = False
+
+
+PARTS = (("bias_estimator", "the estimator's own bias (its formula is not unbiased for KL(q||p))"),
+         ("bias_sampler", "the sampler (top-k/top-p/min-p: tokens come from another distribution; sample with "
+                          "top_k=0, top_p=1, min_p=0 or weight by q/b)"),
+         ("bias_mismatch", "the pass that drew the tokens differs from the scored one (dropout in generation, "
+                           "position ids, the KV cache, precision: see consistency)"),
+         ("bias_precision", "the trainer's log-probs (bf16/fp16 autocast: compute them in float32)"))
+
+
+def largest_part(a: StepAudit) -> tuple[str, str]:
+    """The named part of the bias split with the largest magnitude, and what it means."""
+    return max(PARTS, key=lambda p: abs(getattr(a, p[0])))
+
+
+def step_warnings(a: StepAudit, history: list[StepAudit], sampler: str, t: Thresholds = Thresholds()) -> list[Warning]:
+    """Warnings about step ``a``; ``history``: this source's audited steps so far, ``a`` last."""
+    out = []
+    if abs(a.z) > t.z:
+        name, why = largest_part(a)
+        unmeasured = "" if a.sampling_pass else "; the sampling pass was not captured, so a mismatch shows as noise"
+        out.append(Warning("z", f"step {a.step} {a.source}: the logged KL {a.logged:.4g} is {a.bias:+.3g} from the "
+                                f"exact {a.exact:.4g} (z = {a.z:+.1f}); the largest part is {name} "
+                                f"({getattr(a, name):+.3g}): {why}{unmeasured}"))
+    if abs(a.expected_b - a.expected_q) > t.sampler * abs(a.expected_q):
+        out.append(Warning("sampler", f"step {a.step} {a.source}: the sampler ({sampler}) moves the estimator's mean by "
+                                      f"{(a.expected_b - a.expected_q) / abs(a.expected_q):+.0%}: the logged KL is of "
+                                      "another distribution; sample with top_k=0, top_p=1, min_p=0 or weight by q/b"))
+    if a.sampling_pass and abs(a.bias_mismatch) > t.sampler * abs(a.expected_q):
+        out.append(Warning("mismatch", f"step {a.step} {a.source}: the pass that drew the tokens differs from the "
+                                       f"scored one and moves the estimator's mean by "
+                                       f"{a.bias_mismatch / abs(a.expected_q):+.0%} (bias_mismatch "
+                                       f"{a.bias_mismatch:+.3g}); likely causes: position ids (left padding "
+                                       "without position_ids in the loss pass), dropout, the KV cache or precision "
+                                       "of generation"))
+    if abs(a.consistency_z) > t.z:
+        out.append(Warning("consistency", _consistency(f"step {a.step} {a.source}", a.consistency_z, a.impossible,
+                                                       a.sampling_pass > 0)))
+    return out + _pooled_warnings(history, t)
+
+
+def _consistency(where: str, z: float, impossible: int, captured: bool) -> str:
+    causes = ("the sampling pass was captured, so: a generation option the audit does not model, or another "
+              "engine drew the tokens (vLLM)" if captured else
+              "position ids (left padding without position_ids), dropout in the loss pass, bf16/fp16 log-probs, "
+              "an unmodelled generation option")
+    return (f"{where}: the sampled tokens do not fit the distribution that should have drawn them (consistency "
+            f"z = {z:+.1f}, {impossible} impossible tokens); likely causes: {causes}")
+
+
+def _pooled_warnings(history: list[StepAudit], t: Thresholds) -> list[Warning]:
+    out = []
+    if len(history) < 2:
+        return out
+    p = pooled_row(history)
+    if abs(p["z"]) > t.pooled:
+        out.append(Warning("z_pooled", f"over {p['steps']} audited steps the logged KL is biased: mean bias "
+                                       f"{p['mean_bias']:+.3g} ± {p['se']:.2g} (pooled z = {p['z']:+.1f}, threshold "
+                                       f"{t.pooled:g})", once=True))
+    if abs(p["consistency_z"]) > t.pooled:
+        out.append(Warning("consistency_pooled", _consistency(f"over {p['steps']} audited steps", p["consistency_z"],
+                                                              p["impossible"], history[-1].sampling_pass > 0) +
+                           " (pooled)", once=True))
+    last = history[-t.run:]
+    if len(last) == t.run and all(abs(r.consistency_z) > t.persistent for r in last):
+        out.append(Warning("consistency_persistent",
+                           f"the consistency check has failed at each of the last {t.run} audited steps (|z| > "
+                           f"{t.persistent:g}: {', '.join(f'{r.consistency_z:+.1f}' for r in last)}): a mismatch "
+                           "that persists, not chance", once=True))
+    return out
+
+
+def engine_warnings(a: EngineAudit, t: Thresholds = Thresholds()) -> list[Warning]:
+    """Warnings of a step's rollout-engine audit: a processed engine's sampler gap in the importance
+    ratio, and an engine that differs from the trainer beyond its sampler."""
+    out = []
+    if a.convention == "processed" and abs(a.sampler_gap) > 1e-3:
+        out.append(Warning("engine_processed", f"step {a.step}: the rollout engine returns processed log-probs "
+                                               f"(renormalised after truncation): old − sampling carries "
+                                               f"{-a.sampler_gap:+.3g} per token from the sampler alone (−log kept "
+                                               "mass; TRL issue #6789): an importance ratio built on them is biased",
+                           once=True))
+    z = a.z("kl")
+    if math.isfinite(z) and abs(z) > t.z:
+        out.append(Warning("engine", f"step {a.step}: the rollout engine's distribution differs from the trainer's "
+                                     f"beyond the sampler: rollout kl {a.kl:+.3g} ± {a.kl_se:.2g} against "
+                                     f"{a.kl_exact:.3g} exact from the sampler alone (z = {z:+.1f}); likely causes: "
+                                     "the engine's precision or kernels, or stale weights"))
+    return out

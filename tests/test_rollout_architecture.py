@@ -1,0 +1,146 @@
+"""The boundaries of the rollout kind (issue 34, item 1), checked statically: the kind is in parts that
+nothing outside reads; the aggregate registry (maths) names no kind; training uses the rollout model, never a
+pair; the kind dispatches on no aggregate's, token form's, weights option's or mode's name."""
+import ast
+from pathlib import Path
+
+from kl_bench.aggregates import AGGREGATES
+from kl_bench.modes import MODES
+from kl_bench.pairs.rollout.gradients import TOKEN_FORMS
+from kl_bench.pairs.rollout.model import WEIGHTINGS
+
+from .test_architecture import LAYERS, _imports, _modules
+
+PKG = Path(__file__).resolve().parents[1] / "kl_bench"
+ROLLOUT = "kl_bench.pairs.rollout"
+# What training may import of the kind: the model and the parts that take one (never the pair, the oracle
+# cache, the spec parser or the kind's tables of aggregates).
+TRAINING_MAY_USE = {f"{ROLLOUT}.{m}" for m in ("model", "dp", "gradients", "accumulator", "sampler")}
+
+
+def _tree(module: str) -> ast.AST:
+    return ast.parse(_modules()[module].read_text(encoding="utf-8"))
+
+
+def _outside(module: str) -> bool:
+    return module != ROLLOUT and not module.startswith(ROLLOUT + ".")
+
+
+def test_no_module_outside_the_rollout_package_reads_its_internals():
+    """Outside the package, only training imports its parts (and only those that take a model); nobody else
+    imports more than the package's own names. Nobody outside reads a rollout pair's oracle, and only the
+    training problems read its model."""
+    graph, bad = _imports(_modules()), []
+    for mod, targets in sorted(graph.items()):
+        if not _outside(mod):
+            continue
+        allowed = TRAINING_MAY_USE if mod.startswith("kl_bench.training") else set()
+        bad += [f"{mod} imports {t}" for t in sorted(targets) if t.startswith(ROLLOUT + ".") and t not in allowed]
+        for node in ast.walk(_tree(mod)):
+            if isinstance(node, ast.Attribute) and node.attr == "oracle":
+                bad.append(f"{mod}:{node.lineno}: reads {ast.unparse(node)}")
+            if (isinstance(node, ast.Attribute) and node.attr == "model" and isinstance(node.value, ast.Name)
+                    and node.value.id.endswith("pair") and mod != "kl_bench.training.problems"):
+                bad.append(f"{mod}:{node.lineno}: reads {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_aggregate_registry_names_no_kind():
+    """The built-in aggregates carry no kind's hooks, and no module of the maths layer reads a pair (the
+    rollout kind owns its aggregates' oracles: kl_bench.pairs.rollout.aggregates)."""
+    import kl_bench.aggregates as A
+    builtins = ("", "seq", "tok", "tok_mean", "tok_batch", "tok_gm")
+    assert all(AGGREGATES[a].exact is None and AGGREGATES[a].enabled is None for a in builtins)
+    maths = next(entries for name, _, entries in LAYERS if name == "maths")
+    assert "aggregates" in maths and "draws" in maths
+    bad = []
+    for entry in maths:
+        mod = f"kl_bench.{entry}"
+        for node in ast.walk(_tree(mod)):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "pair":
+                bad.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "pairs" in ast.unparse(node):
+                bad.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+    assert A.__name__ == "kl_bench.aggregates"
+
+
+def test_training_uses_the_rollout_model_only():
+    """training/rollout.py and training/sequences.py name no pair at all; no training module imports the
+    rollout pair (the kind's model and the functions that take one are its surface for training)."""
+    bad = []
+    for mod in ("kl_bench.training.rollout", "kl_bench.training.sequences"):
+        for node in ast.walk(_tree(mod)):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else \
+                node.arg if isinstance(node, ast.arg) else None
+            if name is not None and "pair" in name.lower():
+                bad.append(f"{mod}:{node.lineno}: {name}")
+    for mod, path in _modules().items():
+        if mod.startswith("kl_bench.training") and "RolloutPair" in path.read_text(encoding="utf-8"):
+            bad.append(f"{mod}: names RolloutPair")
+    assert not bad, "\n".join(bad)
+
+
+def _compared_strings(tree: ast.AST) -> list[tuple[int, str]]:
+    """String constants that a comparison (==, !=, in, not in) tests a value against."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            for side in [node.left, *node.comparators]:
+                for c in ast.walk(side):
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str):
+                        out.append((node.lineno, c.value))
+    return out
+
+
+def test_the_rollout_kind_dispatches_on_no_name():
+    """Aggregates, token forms, weights options and gradient modes are tables the kind looks up, never
+    string if-chains on their names (in the kind's package and in the dynamic program)."""
+    names = (set(AGGREGATES) - {""}) | set(TOKEN_FORMS) | set(WEIGHTINGS) | set(MODES)
+    bad = []
+    for mod in [m for m in _modules() if not _outside(m)] + ["kl_bench.rollout_dp"]:
+        bad += [f"{mod}:{line}: compares with '{s}'" for line, s in _compared_strings(_tree(mod)) if s in names]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_name_check_can_fail():
+    src = "if weights == 'token':\n    pass\nx = 1 if item.token in ('local', 'score') else 2\n"
+    assert [s for _, s in _compared_strings(ast.parse(src))] == ["token", "local", "score"]
+
+
+# ----------------------------------------------------------------------------- Pair and the protocols
+def _protocol_members(*protocols) -> set[str]:
+    out = set()
+    for p in protocols:
+        out |= {name for klass in p.__mro__ if klass.__name__ not in ("Protocol", "Generic", "object")
+                for name in list(vars(klass)) + list(getattr(klass, "__annotations__", {})) if not name.startswith("_")}
+    return out
+
+
+def test_pair_holds_only_what_every_kind_must_have():
+    """Pair's public members are CasePair's (and the spec parser's); the optional members (gradients,
+    baselines) live with their protocols and their defaults, never in Pair."""
+    from kl_bench.pairs.base import CasePair, GradientDefaults, GradientOracle, Pair
+    pair = {name for name in vars(Pair) if not name.startswith("_")} | set(Pair.__annotations__)
+    assert pair <= _protocol_members(CasePair) | {"parse", "from_config"}, sorted(pair - _protocol_members(CasePair))
+    gradient_only = _protocol_members(GradientOracle)
+    assert not pair & gradient_only, sorted(pair & gradient_only)
+    defaults = {name for name in vars(GradientDefaults) if not name.startswith("_")}
+    assert defaults <= gradient_only, sorted(defaults - gradient_only)
+
+
+def test_the_engine_experiment_and_results_ask_a_pair_only_its_protocols():
+    """Every ``pair.X`` (or ``run.pair.X``) read in the engine, the experiment, the gradient and baseline rows
+    and the results is a member of a protocol of kl_bench.pairs.base (they are typed against them)."""
+    from kl_bench.pairs.base import BaselineOracle, CasePair, GradientOracle
+    allowed = _protocol_members(CasePair, GradientOracle, BaselineOracle)
+    mods = ["kl_bench.engine", "kl_bench.experiment", "kl_bench.gradients", "kl_bench.lambdas", "kl_bench.baselines",
+            "kl_bench.planning", "kl_bench.distributed"] + [m for m in _modules() if m.startswith("kl_bench.results")]
+    bad = []
+    for mod in mods:
+        for node in ast.walk(_tree(mod)):
+            if isinstance(node, ast.Attribute):
+                owner = ast.unparse(node.value)
+                if (owner == "pair" or owner.endswith(".pair")) and node.attr not in allowed:
+                    bad.append(f"{mod}:{node.lineno}: {owner}.{node.attr}")
+    assert not bad, "\n".join(bad)
