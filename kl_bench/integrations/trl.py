@@ -22,7 +22,9 @@ rows and the additive sums are all-reduced. Metrics ``kl_audit/*`` join the trai
 audited batch as a saved step that ``kl-bench audit`` re-audits).
 
 Supported: TRL 1.14 to 1.16 (GRPOTrainer, with and without ``use_bias_correction_kl``; RLOOTrainer). The
-names it relies on are :data:`CONTRACT` (tests/test_audit_trl.py checks them against the installed TRL).
+live tests ran on 1.14.0 and 1.16.0 (CPU); 1.15's fused head needs Triton with a GPU driver, so on a CPU
+TRL 1.15 itself cannot train, and it shares 1.16's call convention (the contract's names). The names the
+adapter relies on are :data:`CONTRACT` (tests/test_audit_trl.py checks them against the installed TRL).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from ..audit.verdict import Thresholds
 from ..errors import SpecError
 
 TESTED = ((1, 14), (1, 17))           # [lo, hi) on (major, minor)
-TESTED_TEXT = "trl >= 1.14, < 1.17 (tested: 1.14.0, 1.15.0, 1.16.0)"
+TESTED_TEXT = "trl >= 1.14, < 1.17 (run live: 1.14.0, 1.16.0)"
 
 # What the adapter relies on in TRL (and transformers), by name: tests/test_audit_trl.py checks each
 # against the installed version, so that a TRL release that renames one fails a test, not a training run.
