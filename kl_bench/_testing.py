@@ -2,7 +2,7 @@
 script with the hooks that the environment asks for installed first.
 
 - ``KL_BENCH_SELF_SIGNAL=PHASE[:SIGTERM]``: the process signals itself (SIGINT by default) at that phase
-  boundary (:func:`kl_bench.signals.phase`: start, pairs, write, written, report-written), so that the
+  boundary (:func:`kl_bench.signals.phase`: start, pairs, write, staged, written, report-written), so that the
   signal tests need no sleeps.
 - ``KL_BENCH_RANK_FAIL=RANK:PHASE[:N]``: the process of that rank (torchrun's ``RANK``) dies by SIGKILL, as a
   crashed or OOM-killed process would, the Nth time (default the first) it reaches PHASE: ``start`` (it

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+from decimal import Decimal
 from typing import Any, Callable
 
 from .errors import SpecError
@@ -23,22 +24,28 @@ def typename(v: Any) -> str:
             list: "a list", dict: "a table"}.get(type(v), type(v).__name__)
 
 
+def shown(v: Any, most: int = 60) -> str:
+    """``repr(v)`` for a message, cut to ``most`` characters (a 10,000-item list stays one short line)."""
+    text = repr(v)
+    return text if len(text) <= most else text[:most - 1] + "…"
+
+
 def _to_int(v: Any, err: Callable[[str], SpecError]) -> int:
     # Integral floats are accepted so that `draws = 1e7` works.
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise err(f"must be an integer, got {typename(v)} {v!r}")
+        raise err(f"must be an integer, got {typename(v)} {shown(v)}")
     if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
-        raise err(f"must be an integer, got {v!r}")
+        raise err(f"must be an integer, got {shown(v)}")
     return int(v)
 
 
 def _to_float(v: Any, err: Callable[[str], SpecError]) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise err(f"must be a number, got {typename(v)} {v!r}")
+        raise err(f"must be a number, got {typename(v)} {shown(v)}")
     if isinstance(v, int) and abs(v) > 1e308:       # float(v) would raise OverflowError
         raise err("must be a finite number, got an integer beyond float64's range")
     if not math.isfinite(v):
-        raise err(f"must be finite, got {v!r}")
+        raise err(f"must be finite, got {shown(v)}")
     # Subnormal numbers (0 < |v| < 2.2e-308) have lost precision, and 1/v overflows float64: no
     # parameter means such a value (a temperature of 1e-320 would divide logits by zero).
     if v != 0 and abs(v) < sys.float_info.min:
@@ -48,7 +55,7 @@ def _to_float(v: Any, err: Callable[[str], SpecError]) -> float:
 
 def _to_str(v: Any, err: Callable[[str], SpecError]) -> str:
     if not isinstance(v, str):
-        raise err(f"must be a string, got {typename(v)} {v!r}")
+        raise err(f"must be a string, got {typename(v)} {shown(v)}")
     return v
 
 
@@ -99,13 +106,14 @@ def physical_memory() -> int:
 def fmt_bytes(n: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            return f"{Decimal(n) / size:.3g} {unit}"
     return f"{int(n)} B"
 
 
 def fmt_count(n: int) -> str:
-    """An integer for a message: digits when short, else scientific (2^63 − 1 → 9.22e+18)."""
-    return f"{n:,}" if abs(n) < 10**15 else f"{float(n):.3g}"
+    """An integer for a message: digits when short, else scientific (2^63 − 1 → 9.22e+18; 10^400 too,
+    beyond float64's range)."""
+    return f"{n:,}" if abs(n) < 10**15 else f"{Decimal(n):.3g}"
 
 
 def check_memory(need: float, what: str) -> str | None:
@@ -127,6 +135,17 @@ def at_most(bound: int, why: str) -> Callable[[Any], str | None]:
     return check
 
 
+# Seeds are 64-bit everywhere they are stored or handed on (checkpoints, numpy and torch generators).
+MAX_SEED = (1 << 64) - 1
+
+
+def check_seed(v: int) -> str | None:
+    """The check of every seed a spec or a flag holds: a whole number in [0, 2^64)."""
+    if v < 0:
+        return f"must be ≥ 0, got {fmt_count(v)}"
+    return f"must be < 2^64 (seeds are 64-bit), got {fmt_count(v)}" if v > MAX_SEED else None
+
+
 def positive(v: Any) -> str | None:
     vals = v if isinstance(v, tuple) else (v,)
     return None if all(x > 0 for x in vals) else f"must be > 0, got {v if not isinstance(v, tuple) or len(v) > 1 else v[0]}"
@@ -143,7 +162,7 @@ def check_device(v: str) -> str | None:
 def check_case_name(v: str) -> str | None:
     # Names label rows and figure files: any printable text without slashes.
     if not v or not v.isprintable() or "/" in v or "\\" in v or v != v.strip():
-        return f"must be non-empty printable text without slashes or surrounding spaces, got {v!r}"
+        return f"must be non-empty printable text without slashes or surrounding spaces, got {shown(v)}"
     return None
 
 
@@ -180,11 +199,7 @@ class Table:
         self.used.add(k)
         if k not in self.data:
             if default is MISSING:
-                # A misspelt key is the likelier story than a forgotten one: say so.
-                typo = [x for x in self.data if x not in self.used and did_you_mean(x, [k])]
-                if typo:
-                    raise self.error(f"unknown key (did you mean '{k}'?)", key=self.key(typo[0]))
-                raise self.error("missing required key", key=self.key(k))
+                raise self._missing(k)
             return default
         value = convert(self.data[k], kind, lambda m: self.error(m, key=self.key(k)))
         if check is not None:
@@ -193,17 +208,24 @@ class Table:
                 raise self.error(msg, key=self.key(k))
         return value
 
+    def _missing(self, k: str) -> SpecError:
+        """A required key that is absent: a misspelt key is the likelier story than a forgotten one."""
+        typo = [x for x in self.data if x not in self.used and did_you_mean(x, [k])]
+        if typo:
+            return self.error(f"unknown key (did you mean '{k}'?)", key=self.key(typo[0]))
+        return self.error("missing required key", key=self.key(k))
+
     def bool(self, k: str, default: bool) -> bool:
         self.used.add(k)
         v = self.data.get(k, default)
         if not isinstance(v, bool):
-            raise self.error(f"must be true or false, got {typename(v)} {v!r}", key=self.key(k))
+            raise self.error(f"must be true or false, got {typename(v)} {shown(v)}", key=self.key(k))
         return v
 
     def sub(self, k: str) -> "Table":
         self.used.add(k)
         if k not in self.data:
-            raise self.error("missing required key", key=self.key(k))
+            raise self._missing(k)
         return Table(self.data[k], self.file, self.case, f"{self.key(k)}.")
 
     def finish(self, allowed: list[str] | None = None) -> None:

@@ -113,7 +113,10 @@ def _scaled(pair: GradientCase, item: GradItem, rev: np.ndarray, fwd: np.ndarray
     KL gradients over E_q|y|, the same scaling as its value's truth (kl_bench.pairs.rollout true_value)."""
     if not AGGREGATES[item.aggregate].per_token:
         return rev, fwd, ukl
-    scale = pair.true_value(REVERSE, item.aggregate) / pair.true_value(REVERSE)
+    whole = pair.true_value(REVERSE)
+    if whole == 0:          # KL = 0 (p = q): the references are ∇KL = 0 at any scale, and 0/0 is no scale
+        return rev, fwd, ukl
+    scale = pair.true_value(REVERSE, item.aggregate) / whole
     return rev * scale, fwd * scale, None if ukl is None else ukl * scale
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import BYTES_PER_CELL, Table, check_memory, fmt_count, nonnegative, positive
+from .config import BYTES_PER_CELL, Table, check_memory, check_seed, fmt_count, nonnegative, positive
 from .errors import SpecError
 from .registry import did_you_mean
-from .safe_io import load_npy, open_regular
+from .safe_io import cap_for, load_npy, open_regular, read_capped
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> Logits
             raise t.error(f"unknown logits generator '{gen}'{did_you_mean(gen, ['zipf'])}; known: zipf",
                           key=t.key("logits"))
         src = ZipfLogits(exponent=t.get("exponent", "float", 1.1, positive),
-                         seed=t.get("seed", "int", 0, nonnegative),
+                         seed=t.get("seed", "int", 0, check_seed),
                          contexts=t.get("contexts", "int", None, positive),
                          offset=t.get("offset", "float", 0.0))
         t.finish()
@@ -163,7 +163,7 @@ def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> Logits
         src = DerivedLogits(source=source,
                             noise=t.get("noise", "float", 0.0, nonnegative),
                             temperature=t.get("temperature", "float", 1.0, positive),
-                            seed=t.get("seed", "int", 0, nonnegative),
+                            seed=t.get("seed", "int", 0, check_seed),
                             offset=t.get("offset", "float", 0.0))
         t.finish()
         return src
@@ -338,7 +338,7 @@ def _read_safetensors(fh, size: int, path: Path, key: str | None, what: str) -> 
         raise SpecError(f"{path}: reading .safetensors needs the safetensors package: "
                         "pip install 'kl-bench[hf]'") from None
     # The header states each tensor's byte range: safetensors checks them against the bytes given.
-    obj = pick_key(load_safetensors(fh.read()), key, path)
+    obj = pick_key(load_safetensors(read_capped(fh, cap_for("tensor"), path, what)), key, path)
     if what == "mask" and obj.dtype == torch.bool:
         obj = obj.to(torch.uint8)
     return _supported(obj, path).to(torch.float64)

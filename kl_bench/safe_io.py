@@ -4,7 +4,8 @@ symlink, a huge or hostile file) hangs a run, exhausts its memory, or makes it w
 Reading: :func:`open_regular` opens with ``O_NONBLOCK`` (so a FIFO never blocks the open) and then
 ``fstat``\\s the open descriptor: anything but a regular file is refused, and so is a file larger than the
 cap of its type (:data:`CAPS`, stated in the error), before a byte is read. :func:`read_regular` then
-reads at most cap + 1 bytes (files under /proc report size 0). Parsers of untrusted text
+reads at most cap + 1 bytes, never allocating more than the file holds plus a block (files under
+/proc report size 0; under ``ulimit -v`` a read of the whole cap at once would fail). Parsers of untrusted text
 (:func:`parse_json`, :func:`parse_toml`) turn deep nesting (RecursionError) and over-long numbers
 (ValueError: Python refuses int conversions beyond 4,300 digits) into one line. :func:`check_npy_header`
 compares what a ``.npy`` header claims (shape × itemsize) with the bytes the file holds, so that a 100-byte
@@ -22,6 +23,7 @@ import math
 import os
 import stat
 import tomllib
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -63,17 +65,28 @@ def cap_for(kind: str) -> int:
 def fmt_size(n: int) -> str:
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.3g} {unit}"
+            return f"{Decimal(n) / size:.3g} {unit}"
     return f"{n} B"
 
 
 def _kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
         if test(mode):
             return name
     return "not a regular file"
+
+
+def describe(path: str | Path) -> str | None:
+    """What ``path`` is, in words ("a regular file", "a FIFO (named pipe)", "a dangling symbolic link"),
+    following links; None where nothing is there."""
+    try:
+        return _kind_of(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return "a dangling symbolic link" if os.path.islink(path) else None
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
 
 
 def open_regular(path: str | Path, kind: str, what: str | None = None) -> BinaryIO:
@@ -84,7 +97,8 @@ def open_regular(path: str | Path, kind: str, what: str | None = None) -> Binary
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise SpecError(f"{what} file not found", file=str(path)) from None
+        raise SpecError(f"{what} file not found" + (" (a dangling symbolic link)" if os.path.islink(path) else ""),
+                        file=str(path)) from None
     except OSError as e:
         raise SpecError(f"cannot read the {what} file: {e.strerror or e}", file=str(path)) from None
     try:
@@ -105,15 +119,40 @@ def open_regular(path: str | Path, kind: str, what: str | None = None) -> Binary
 def read_regular(path: str | Path, kind: str, what: str | None = None) -> bytes:
     """The bytes of a regular file, at most the cap of ``kind`` (see :func:`open_regular`)."""
     what = what or kind
-    cap = cap_for(kind)
     with open_regular(path, kind, what) as fh:
-        try:
-            data = fh.read(cap + 1)          # bounded even where st_size lies (/proc reports 0)
-        except OSError as e:
-            raise SpecError(f"cannot read the {what} file: {e.strerror or e}", file=str(path)) from None
-    if len(data) > cap:
-        raise SpecError(f"{what} file is more than the {fmt_size(cap)} a {what} file may have", file=str(path))
-    return data
+        return read_capped(fh, cap_for(kind), path, what)
+
+
+# Bytes asked of read() at once beyond the size fstat reports: read(n) allocates n bytes before reading
+# (a 2 GiB cap read in one call needs 2 GiB of address space, a MemoryError under `ulimit -v`).
+_BLOCK = 1 << 20
+
+
+def read_capped(fh: BinaryIO, cap: int, path: str | Path, what: str) -> bytes:
+    """Everything left in ``fh``, refused once it exceeds ``cap`` bytes. Memory stays at the file's size
+    (plus a block): the first read asks for the size fstat reports (one allocation for an honest file),
+    later ones a block at a time, so a file whose st_size lies (/proc reports 0, a file still growing)
+    is bounded too."""
+    chunks, total = [], 0
+    try:
+        size = os.fstat(fh.fileno()).st_size - fh.tell()
+        want = min(max(size, 0) + 1, cap + 1)
+        while True:
+            data = fh.read(want)
+            if not data:
+                break
+            chunks.append(data)
+            total += len(data)
+            if total > cap:
+                raise SpecError(f"{what} file is more than the {fmt_size(cap)} a {what} file may have",
+                                file=str(path))
+            want = min(_BLOCK, cap + 1 - total)
+    except OSError as e:
+        raise SpecError(f"cannot read the {what} file: {e.strerror or e}", file=str(path)) from None
+    except MemoryError:
+        raise SpecError(f"not enough memory to read the {what} file ({fmt_size(total)} read so far)",
+                        file=str(path)) from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def decode_text(data: bytes, path: str | Path, what: str) -> str:

@@ -14,7 +14,8 @@ from typing import Callable
 
 seen = [0]                  # signals received so far
 
-# Called with the phase's name at every boundary (start, pairs, write, written, report-written). Empty in
+# Called with the phase's name at every boundary (start, pairs, write, staged: a folder's files are staged
+# beside it, not yet swapped in; written, report-written). Empty in
 # production; kl_bench._testing adds one that signals the process at a chosen phase (tests need no sleeps).
 listeners: list[Callable[[str], None]] = []
 

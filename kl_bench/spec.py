@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, convert,
+from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, check_seed, convert,
                      fmt_count, positive, typename)
 from .baselines import MAX_GROUP
 from .errors import SpecError
@@ -34,17 +34,14 @@ SPEC_VERSION = 1
 # leave float64's range for ordinary pairs, and the row is λ(r − 1) to every printed digit anyway.
 MAX_LAMBDA = 1e3
 _DRAWS_WHY = "2^53: draws are counted in float64"
-_check_draws = at_most(MAX_DRAWS, _DRAWS_WHY)
-# Seeds are 64-bit everywhere they are stored or handed on (checkpoints, numpy and torch generators).
-MAX_SEED = (1 << 64) - 1
+_at_most_draws = at_most(MAX_DRAWS, _DRAWS_WHY)
 
 
-def _check_seed(v: int) -> str | None:
-    if v < 0:
-        return f"must be ≥ 0, got {fmt_count(v)}"
-    return f"must be < 2^64 (seeds are 64-bit), got {fmt_count(v)}" if v > MAX_SEED else None
-
-
+def _check_draws(v: int) -> str | None:
+    """Draws of an experiment, a case or --draws: 2 ≤ draws ≤ 2^53 (a standard error needs two batches)."""
+    if v == 1:
+        return "must be ≥ 2 (a standard error needs at least two batches of draws), got 1"
+    return _at_most_draws(v)
 def _check_batches(v: int) -> str | None:
     return f"must be ≥ 2, got {fmt_count(v)}" if v < 2 else at_most(MAX_BATCHES, "2^20: batch means are kept in memory")(v)
 
@@ -99,7 +96,7 @@ def _parse_experiment(t: Table, stem: str) -> Experiment:
     exp = Experiment(
         name=t.get("name", "str", stem, _check_experiment_name),
         draws=t.get("draws", "int", check=_check_draws),
-        seed=t.get("seed", "int", 0, _check_seed),
+        seed=t.get("seed", "int", 0, check_seed),
         device=t.get("device", "str", "auto", check_device),
         estimators=names,
         batches=t.get("batches", "int", 200, _check_batches),
@@ -234,8 +231,22 @@ def _parse_case(raw: Any, i: int, file: str, spec_dir: Path, seen: list[CaseConf
     return dataclasses.replace(config, kind=kind.name)
 
 
+# The tables and keys a spec holds at its top level (a typo among them is refused before anything is read).
+TOP_KEYS = ["spec_version", "experiment", "case", "sweep", "train"]
+
+
+def _check_top_keys(top: Table) -> None:
+    """An unknown top-level key (``[experiments]``, ``[[cases]]``) is one line with "did you mean", before
+    the table it was meant to be is reported missing."""
+    for k in top.data:
+        if k not in TOP_KEYS:
+            raise top.error(f"unknown top-level key{did_you_mean(k, TOP_KEYS)}; allowed: {', '.join(TOP_KEYS)}",
+                            key=k)
+
+
 def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path: Path) -> Spec:
     top = Table(data, file, None, "")
+    _check_top_keys(top)
     version = top.get("spec_version", "int")
     if version != SPEC_VERSION:
         raise top.error(f"unsupported spec_version {version}; this kl-bench reads {SPEC_VERSION}",
@@ -246,7 +257,7 @@ def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path
         raise top.error("needs at least one [[case]] table", key="case")
     raw_sweeps = top.raw("sweep")
     raw_train = top.raw("train")
-    top.finish(["spec_version", "experiment", "case", "sweep", "train"])
+    top.finish(TOP_KEYS)
     expanded, swept = expand_sweeps(raw_cases, raw_sweeps, file)
     cases: list[CaseConfig] = []
     for i, (raw, origin) in enumerate(expanded):
@@ -292,6 +303,8 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
         pts = [math.exp(math.log(a) + (math.log(b) - math.log(a)) * i / (num - 1)) for i in range(num)]
     else:
         pts = [a + (b - a) * i / (num - 1) for i in range(num)]
+    if not all(math.isfinite(x) for x in pts):       # [-1e308, 1e308]: b − a overflows
+        raise err("its values leave float64's range: give ends closer together")
     return [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
 
 
@@ -307,7 +320,7 @@ def _grid_spec(v: dict, err: Callable[[str], SpecError]) -> tuple[str, float, fl
     if not isinstance(ends, list) or len(ends) != 2 or not all(_is_number(x) for x in ends):
         raise err(f"{kinds[0]} must be [first, last] numbers")
     num = _grid_num(v.get("num"), err)
-    a, b = float(ends[0]), float(ends[1])
+    a, b = (convert(x, "float", lambda m: err(f"{kinds[0]}: {m}")) for x in ends)
     if kinds[0] == "geomspace" and not (a > 0 and b > 0):
         raise err("geomspace needs positive ends")
     return kinds[0], a, b, num
@@ -317,7 +330,7 @@ def _grid_num(num: Any, err: Callable[[str], SpecError]) -> int:
     if isinstance(num, bool) or not isinstance(num, int) or num < 1:
         raise err(f"num must be an integer ≥ 1, got {num!r}")
     if num > MAX_SWEEP_CASES:        # refused before a single value is made: a grid this size is a typo
-        raise err(f"num = {num:,} makes more than {MAX_SWEEP_CASES:,} cases: sweep fewer values")
+        raise err(f"num = {fmt_count(num)} makes more than {MAX_SWEEP_CASES:,} cases: sweep fewer values")
     return num
 
 
@@ -479,7 +492,7 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
     if device is not None and not isinstance(device, str):
         raise SpecError(f"must be a string, got {device!r}", file=path, key="--device")
     changes = {}
-    for name, value, check in (("draws", draws, _check_draws), ("seed", seed, _check_seed),
+    for name, value, check in (("draws", draws, _check_draws), ("seed", seed, check_seed),
                                ("device", device, check_device)):
         msg = None if value is None else check(value)
         if msg:

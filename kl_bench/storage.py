@@ -18,6 +18,7 @@ import json
 import functools
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -50,26 +51,26 @@ def _os_errors_as_input_errors(check):
     """A path check that meets an OSError (a folder it may not search: EACCES on stat, ELOOP, ENAMETOOLONG)
     says so in one line naming the path, as every other refusal does."""
     @functools.wraps(check)
-    def wrapped(path: Path) -> Path:
+    def wrapped(path: Path, key: str = "--out") -> Path:
         try:
-            return check(path)
+            return check(path, key)
         except OSError as e:
-            raise fs_error(e, Path(path), "cannot be written", key="--out") from None
+            raise fs_error(e, Path(path), "cannot be written", key=key) from None
     return wrapped
 
 
 @_os_errors_as_input_errors
-def check_output_file(path: Path) -> Path:
+def check_output_file(path: Path, key: str = "--out") -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
-    folder that cannot be created or written."""
+    folder that cannot be created or written. ``key``: the option that names it."""
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
-        raise SpecError("must name a file", file=str(path), key="--out")
-    _check_name_length(path)
+        raise SpecError("must name a file", file=str(path), key=key)
+    _check_name_length(path, key)
     if path.is_dir():
-        raise SpecError("is a folder; give a file name", file=str(path), key="--out")
-    check_write_target(path, key="--out")       # a symlink or /dev/null is refused, never replaced
-    _check_parent_writable(path)
+        raise SpecError("is a folder; give a file name", file=str(path), key=key)
+    check_write_target(path, key=key)       # a symlink or /dev/null is refused, never replaced
+    _check_parent_writable(path, key)
     return path
 
 
@@ -78,61 +79,91 @@ _NAME_MAX = 255
 _TMP_EXTRA = 40
 
 
-def _check_name_length(path: Path) -> None:
+def _check_name_length(path: Path, key: str = "--out") -> None:
     """An output name too long for the file system once kl-bench's temporary prefix is added."""
     size = len(os.fsencode(path.name))
     if size + _TMP_EXTRA > _NAME_MAX:
         raise SpecError(f"the name is {size} bytes; at most {_NAME_MAX - _TMP_EXTRA} bytes are allowed "
-                        f"(file names are limited to {_NAME_MAX} bytes)", file=str(path)[:120] + "…", key="--out")
+                        f"(file names are limited to {_NAME_MAX} bytes)", file=str(path)[:120] + "…", key=key)
 
 
 @_os_errors_as_input_errors
-def output_dir(path: Path) -> Path:
+def output_dir(path: Path, key: str = "--out") -> Path:
     """The folder results go to: a symlink to a folder is followed (the link itself stays)."""
     path = Path(path)
-    _check_name_length(path)
+    _check_name_length(path, key)
     return path.resolve() if path.is_symlink() and path.resolve().is_dir() else path
 
 
 @_os_errors_as_input_errors
-def check_output_dir(path: Path) -> Path:
+def check_output_dir(path: Path, key: str = "--out") -> Path:
     """Refuse, before any sampling, a results folder that cannot be written: '', '.', '..', an existing
     file (or /dev/null), a path under a file, a location that cannot be created or written (/proc, a
     read-only mount). A symlink to a folder is followed: the results go where it points."""
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
-        raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key="--out")
-    _check_name_length(path)
-    path = output_dir(path)
-    check_dir_target(path, key="--out")
-    _check_parent_writable(path)
+        raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key=key)
+    _check_name_length(path, key)
+    path = output_dir(path, key)
+    check_dir_target(path, key=key)
+    _check_parent_writable(path, key)
     return path
 
 
-def _check_parent_writable(path: Path) -> None:
-    parent = path.parent
-    probe = parent
+def _check_parent_writable(path: Path, key: str = "--out") -> None:
+    """The folder ``path`` would be made in can take a file with a byte in it: probed in its nearest
+    existing ancestor (nothing is created, so a command that fails leaves no folder behind), by writing
+    one byte, so that a disk with no room at all is refused before any work, not after it."""
+    probe = path.parent
     while not probe.exists():                 # the nearest existing ancestor must be a writable folder
         probe = probe.parent
     if not probe.is_dir():
-        raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key="--out")
+        raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key=key)
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(tmp)
+        fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=probe)
+        try:
+            os.write(fd, b"\n")
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
     except OSError as e:
-        raise fs_error(e, path, "cannot write there", key="--out") from None
+        raise fs_error(e, path, "cannot write there", key=key) from None
+
+
+def make_parents(path: Path) -> list[Path]:
+    """Create the missing ancestors of ``path``; returns those created, outermost first (for
+    :func:`remove_made`: a command that fails leaves no folder behind)."""
+    missing = []
+    parent = Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders :func:`make_parents` created, innermost first, where they are still empty."""
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
-    write a temporary file in the same folder, fsync it, then rename it over the target."""
+    write a temporary file in the same folder, fsync it, then rename it over the target. On any failure
+    nothing is left: no temporary file, no folder made for it."""
     path = Path(path)
     check_write_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # mkstemp opens with O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name[:100]}.", dir=path.parent)
+    made = make_parents(path)
+    try:
+        # mkstemp opens with O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name[:100]}.", dir=path.parent)
+    except BaseException:
+        remove_made(made)
+        raise
     try:
         with os.fdopen(fd, "wb") as fh:
             _write_file(fh, data)
@@ -144,6 +175,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        remove_made(made)
         raise
 
 
@@ -166,23 +198,41 @@ def staging_dir(out_dir: Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.staging-{os.getpid()}"
 
 
+def remove(path: Path) -> None:
+    """Remove ``path`` whatever it is, never following a link and never opening a FIFO (shutil.rmtree opens
+    its argument before it checks it is a folder: on a FIFO planted at a staging path it waits forever)."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:          # absent, or a name that cannot even be looked at: nothing to remove
+        return
+    if is_dir:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def clean_stale(out_dir: Path) -> None:
     """Remove staging folders and temporary files left by killed runs (call under the lock)."""
     if out_dir.parent.exists():
         for p in out_dir.parent.glob(f".{out_dir.name}.staging-*"):
-            shutil.rmtree(p, ignore_errors=True)
+            remove(p)
     if out_dir.is_dir():
         for p in out_dir.glob(".tmp-*"):
-            p.unlink(missing_ok=True)
+            remove(p)
 
 
 def write_locked(out_dir: Path, files: dict[str, bytes], envelope: dict[str, Any]) -> Path:
     """:func:`write_results` under the folder's lock, after cleaning a crashed writer's leftovers: what
-    every results folder (a run's, a training's, an audit's) is written with. Returns the folder."""
+    every results folder (a run's, a training's, an audit's) is written with. Returns the folder. A full
+    disk or a read-only mount is a one-line :class:`SpecError` (the old folder, if any, untouched)."""
     out_dir = Path(out_dir)
-    with FolderLock(out_dir):
-        clean_stale(out_dir)
-        write_results(out_dir, files, envelope)
+    try:
+        with FolderLock(out_dir):
+            clean_stale(out_dir)
+            write_results(out_dir, files, envelope)
+    except OSError as e:
+        raise fs_error(e, out_dir) from None
     return out_dir
 
 
@@ -202,8 +252,14 @@ _COMMITTED: set[str] = set()
 
 
 def written_folders() -> list[str]:
-    """Every folder this process has swapped new contents into (for the line an interrupt prints)."""
+    """Every folder this process has swapped new contents into, and every output file it has written
+    whole (:func:`mark_written`): what the line an interrupt prints names."""
     return sorted(_COMMITTED)
+
+
+def mark_written(path: Path) -> None:
+    """Record an output file written whole (atomically) for the line an interrupt prints."""
+    _COMMITTED.add(str(Path(path).absolute()))
 
 
 def committed(out_dir: Path) -> bool:
@@ -219,14 +275,16 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
     out_dir = output_dir(Path(out_dir))
     check_dir_target(out_dir)
     stage = staging_dir(out_dir)
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    remove(stage)
+    made = make_parents(stage)
     tops = {name.split("/")[0] for name in files}
     try:
+        stage.mkdir()
         for name, data in files.items():
             stage_file(stage / name, data)
         if out_dir.exists():
             _carry_over(out_dir, stage, tops)
+        signals.phase("staged")     # every file is on disk beside the folder, not yet swapped in
         key = str(out_dir.absolute())
         with signals.held():   # the line an interrupt prints must know whether the swap is done
             if not out_dir.exists():
@@ -235,16 +293,17 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
                 return
             if _exchange(stage, out_dir):
                 _COMMITTED.add(key)
-                shutil.rmtree(stage, ignore_errors=True)       # now holds the previous results
+                remove(stage)       # now holds the previous results
                 return
         names = list(files)
         last = [n for n in names if n == "run.json"]
         for name in [n for n in names if n != "run.json"] + last:     # fallback: file by file, run.json last
             atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
         _COMMITTED.add(key)
-        shutil.rmtree(stage, ignore_errors=True)
+        remove(stage)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        remove(stage)
+        remove_made(made)
         raise
 
 
@@ -277,12 +336,20 @@ class FolderLock:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir.parent / f".{self.out_dir.name}.lock"
         self.fh = None
+        self.made: list[Path] = []
 
     def __enter__(self) -> "FolderLock":
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.made = make_parents(self.path)
         except OSError as e:
             raise fs_error(e, self.out_dir) from None
+        try:
+            return self._take()
+        except BaseException:
+            self._release(failed=True)
+            raise
+
+    def _take(self) -> "FolderLock":
         for _ in range(100):
             try:
                 self.fh = open_lock_file(self.path)      # never through a symlink, never a FIFO
@@ -310,18 +377,27 @@ class FolderLock:
             self.fh = None
         if self.fh is None:
             raise SpecError("cannot take the lock: its file keeps being replaced", file=str(self.out_dir))
-        self.fh.seek(0)
-        self.fh.truncate()
-        self.fh.write(str(os.getpid()).encode())
-        self.fh.flush()
+        try:        # the holder's pid, for the line another run prints (a disk with no room: one line)
+            self.fh.seek(0)
+            self.fh.truncate()
+            self.fh.write(str(os.getpid()).encode())
+            self.fh.flush()
+        except OSError as e:
+            raise fs_error(e, self.out_dir) from None
         return self
 
     def __exit__(self, *exc) -> None:
+        self._release(failed=exc[0] is not None)
+
+    def _release(self, failed: bool) -> None:
         if self.fh is not None:
             # Remove the lock file while still holding the lock, whatever the outcome: nothing is left
             # beside the results. A run that opened the old file meanwhile sees it unlinked and retries.
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             fcntl.flock(self.fh.fileno(), fcntl.LOCK_UN)
-            self.fh.close()
+            with contextlib.suppress(OSError):      # a pid that never reached the disk: nothing to flush
+                self.fh.close()
             self.fh = None
+        if failed:
+            remove_made(self.made)          # a failed command leaves no folder it made behind

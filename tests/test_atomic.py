@@ -24,6 +24,28 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv"]
 
 
+@pytest.mark.parametrize("planted", ["fifo", "link-to-folder", "link-to-file", "file", "folder"])
+def test_anything_planted_at_the_staging_path_is_removed_never_opened_or_followed(tmp_path, planted):
+    """shutil.rmtree opens its argument before it checks it is a folder: a FIFO named like a staging folder
+    (.NAME.staging-PID, left by anyone) made every later write wait forever."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("precious")
+    out = tmp_path / "out"
+    stage = storage.staging_dir(out)
+    {"fifo": lambda: os.mkfifo(stage), "link-to-folder": lambda: stage.symlink_to(victim),
+     "link-to-file": lambda: stage.symlink_to(victim / "keep"), "file": lambda: stage.write_text("x"),
+     "folder": lambda: (stage.mkdir(), (stage / "old").write_text("x"))}[planted]()
+    (tmp_path / f".out.staging-{os.getpid() + 1}").symlink_to(victim)     # a "dead run's" stage, cleaned
+    # In a child of this process's pid's stage name: a write that blocks fails the test instead of hanging it.
+    code = ("import os, sys; from pathlib import Path; from kl_bench import storage; "
+            f"storage.staging_dir = lambda out: Path({str(stage)!r}); "
+            f"storage.write_locked(Path({str(out)!r}), {{'a.csv': b'1\\n'}}, {{}})")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert (out / "a.csv").read_bytes() == b"1\n" and (victim / "keep").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "victim"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
 def test_signal_during_a_run_keeps_the_earlier_results(sig, code, tmp_path, write_spec):

@@ -341,3 +341,33 @@ def test_a_sound_baseline_still_normalises(made):
     data["rows"][0]["mean"] = 0.1          # a finite mean needs its se: a null one is a damaged baseline
     with pytest.raises(SpecError, match="se and std must be numbers"):
         normalize_baseline(data, "b")
+
+
+# ----------------------------------------------------------------------------- files that are not files
+@pytest.mark.parametrize("name", ["run.json", "summary.csv", "batches.csv", "reservoir.npz"])
+@pytest.mark.parametrize("thing, needle", [("fifo", "is a FIFO (named pipe), not a regular"),
+                                           ("device", "is a character device, not a regular"),
+                                           ("folder", "is a folder, not a regular"),
+                                           ("dangling", "(a dangling symbolic link)")])
+def test_a_results_file_that_is_not_a_file_is_said_as_such(made, folder, tmp_path, name, thing, needle):
+    """run.json or summary.csv as a FIFO, a device or a dangling link was "missing"; nothing is opened."""
+    import os
+    (folder / name).unlink()
+    {"fifo": lambda p: os.mkfifo(p), "device": lambda p: p.symlink_to("/dev/zero"), "folder": lambda p: p.mkdir(),
+     "dangling": lambda p: p.symlink_to(tmp_path / "nowhere")}[thing](folder / name)
+    for res in (_report(folder, tmp_path), _check(made, folder)):
+        _one_line_error(res, str(folder / name), needle)
+
+
+@pytest.mark.parametrize("thing, needle", [("fifo", "it is a FIFO (named pipe)"), ("file", "it is a regular file"),
+                                           ("dangling", "it is a dangling symbolic link"),
+                                           ("missing", "it does not exist")])
+def test_a_results_folder_that_is_not_a_folder_is_said_as_such(made, tmp_path, thing, needle):
+    import os
+    path = tmp_path / "r"
+    {"fifo": lambda: os.mkfifo(path), "file": lambda: path.write_text("x"),
+     "dangling": lambda: path.symlink_to(tmp_path / "nowhere"), "missing": lambda: None}[thing]()
+    before = sorted(os.listdir(tmp_path))
+    for res in (runner.invoke(app, ["report", str(path)]), _check(made, path)):
+        _one_line_error(res, str(path), f"not a results folder ({needle}")
+    assert sorted(os.listdir(tmp_path)) == before          # the default --out (r/report) was not made

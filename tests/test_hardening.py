@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -223,3 +224,120 @@ def test_draws_flag_reads_like_the_spec(tmp_path, draws, ok):
     else:
         assert res.exit_code == 2 and f"key '--draws': must be an integer, got '{draws}'" in res.output, res.output
         assert str(spec) in res.output and not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- every seed, every number
+CAT_CASE = ('[[case]]\nname = "c"\nkind = "categorical"\nvocab = 50\nq = {{ logits = "zipf", seed = {q} }}\n'
+            'p = {{ from = "q", noise = 0.3, seed = {p} }}\n{extra}')
+SAMPLER = 'sampler = {{ behavior = {{ from = "q", noise = 0.1, seed = {b} }}, weights = "token" }}\n'
+TRAIN_TABLE = ('[train]\noptimizer = "sgd"\nlr = 0.5\nsteps = 3\nbeta = 0.5\nreward = {{ random = 1.0, seed = {r} }}\n'
+               'combinations = ["k1/reward"]\n')
+
+
+def _seed_spec(tmp_path, where: str, value: str) -> Path:
+    seeds = {"experiment": "0", "q": "1", "p": "2", "behavior": "3", "reward": "4"}
+    seeds[where] = value
+    text = (f'spec_version = 1\n[experiment]\nname = "s"\ndraws = 2000\nbatches = 10\ndevice = "cpu"\n'
+            f'seed = {seeds["experiment"]}\nestimators = ["k1", "k3"]\n'
+            + TRAIN_TABLE.format(r=seeds["reward"])
+            + CAT_CASE.format(q=seeds["q"], p=seeds["p"], extra=SAMPLER.format(b=seeds["behavior"])))
+    path = tmp_path / "seeds.toml"
+    path.write_text(text)
+    return path
+
+
+SEED_KEYS = {"experiment": (None, "experiment.seed"), "q": ("c", "q.seed"), "p": ("c", "p.seed"),
+             "behavior": ("c", "sampler.behavior.seed"), "reward": (None, "train.reward.seed")}
+
+
+@pytest.mark.parametrize("value, needle", [("18446744073709551616", "must be < 2^64"), ("-1", "must be ≥ 0"),
+                                           ("1.5", "must be an integer"), ("true", "must be an integer"),
+                                           ('"7"', "must be an integer"), ("1" + "0" * 400, "must be < 2^64")])
+@pytest.mark.parametrize("where", list(SEED_KEYS))
+def test_every_seed_field_is_checked_and_named(tmp_path, where, value, needle):
+    """A seed of 2^64 in a case's q or p table was a 70-line traceback (torch's manual_seed overflowed)."""
+    path = _seed_spec(tmp_path, where, value)
+    res = runner.invoke(app, ["train" if where == "reward" else "exact", str(path), "--out", str(tmp_path / "o")])
+    case, key = SEED_KEYS[where]
+    _one_line_error(res, str(path), f"key '{key}'", needle, *([f"case '{case}'"] if case else []))
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_largest_seed_runs(tmp_path):
+    for where in ("experiment", "q", "p", "behavior"):
+        path = _seed_spec(tmp_path, where, str(2**64 - 1))
+        assert runner.invoke(app, ["run", str(path), "--out", str(tmp_path / where), "-q"]).exit_code == 0
+
+
+@pytest.mark.parametrize("command, value, needle", [("run", "18446744073709551616", "must be < 2^64"),
+                                                    ("run", "-1", "must be ≥ 0"),
+                                                    ("train", "18446744073709551616", "must be < 2^64")])
+def test_seed_flags_are_checked(tmp_path, command, value, needle):
+    path = _seed_spec(tmp_path, "experiment", "0")
+    res = runner.invoke(app, [command, str(path), "--seed", value, "--out", str(tmp_path / "o")])
+    _one_line_error(res, "key '--seed'", needle)
+
+
+@pytest.mark.parametrize("where, key", [("experiment", "experiment.draws"), ("case", "draws"), ("flag", "--draws")])
+def test_one_draw_is_refused_naming_draws(tmp_path, where, key):
+    """`draws = 1` ran one batch and then said its se was NaN 'overflowing float64', naming no key."""
+    exp_draws, case_draws = ("1", "") if where == "experiment" else ("2000", "draws = 1\n" if where == "case" else "")
+    path = tmp_path / "d.toml"
+    path.write_text(f'spec_version = 1\n[experiment]\ndraws = {exp_draws}\ndevice = "cpu"\n[[case]]\nname = "g"\n'
+                    f'kind = "gaussian"\n{case_draws}q = {{ mean = 0.0, std = 1.0 }}\np = {{ mean = 0.1, std = 1.0 }}\n')
+    flags = ["--draws", "1"] if where == "flag" else []
+    res = runner.invoke(app, ["run", str(path), "--out", str(tmp_path / "o"), "-q", *flags])
+    _one_line_error(res, f"key '{key}'", "must be ≥ 2")
+    assert not (tmp_path / "o").exists()
+    path.write_text(path.read_text().replace("draws = 1\n", "draws = 2\n"))       # two draws: two batches of one
+    flags = ["--draws", "2"] if where == "flag" else []
+    assert runner.invoke(app, ["run", str(path), "--out", str(tmp_path / "o"), "-q", *flags]).exit_code == 0
+
+
+@pytest.mark.parametrize("typo, meant", [("[experiments]", "experiment"), ("[[cases]]", "case"),
+                                         ("[[sweeps]]", "sweep"), ("[Train]", "train"), ("[experimnt]", "experiment")])
+def test_a_misspelt_top_level_table_gets_did_you_mean(tmp_path, typo, meant):
+    """`[experiments]` was "key 'experiment': missing required key", `[[cases]]` "needs at least one [[case]]"."""
+    text = SPEC.format(name="t")
+    if meant == "experiment":
+        text = text.replace("[experiment]", typo)
+    elif meant == "case":
+        text = text.replace("[[case]]", typo)
+    else:
+        text += f'{typo}\ncase = "g"\n'
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    _one_line_error(runner.invoke(app, ["exact", str(path)]), f"key '{typo.strip('[]')}'",
+                    f"unknown top-level key (did you mean '{meant}'?)")
+
+
+def test_a_misspelt_required_table_inside_a_case_gets_did_you_mean(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text(SPEC.format(name="t").replace("q = {", "qq = {"))
+    _one_line_error(runner.invoke(app, ["exact", str(path)]), "case 'g'", "key 'qq'", "did you mean 'q'")
+
+
+@pytest.mark.parametrize("key, line", [("draws", "draws = 1" + "0" * 400), ("vocab", "vocab = 1" + "0" * 400),
+                                       ("contexts", "contexts = 1" + "0" * 400)])
+def test_integers_beyond_float64_are_one_line(tmp_path, key, line):
+    """Messages formatted these with float(): OverflowError tracebacks."""
+    case = CAT_CASE.format(q="1", p="2", extra="")
+    if key == "vocab":
+        case = case.replace("vocab = 50", line)
+    elif key == "contexts":
+        case = case.replace('seed = 1 }', 'seed = 1, ' + line + ' }')
+    exp_draws = line.split(" = ")[1] if key == "draws" else "2000"
+    path = tmp_path / "n.toml"
+    path.write_text(f'spec_version = 1\n[experiment]\ndraws = {exp_draws}\ndevice = "cpu"\n' + case)
+    _one_line_error(runner.invoke(app, ["exact", str(path)]), str(path), key)
+
+
+def test_gradients_of_a_rollout_with_p_equal_to_q_are_computed(tmp_path):
+    """p = q (noise = 0, KL = 0) with per-token rows: the references' scale was 0/0, a ZeroDivisionError."""
+    path = tmp_path / "r.toml"
+    path.write_text('spec_version = 1\n[experiment]\nname = "r"\ndraws = 2000\nbatches = 10\ndevice = "cpu"\n'
+                    'estimators = ["k1", "k3"]\ngradients = true\n[[case]]\nname = "T4"\nkind = "rollout"\nvocab = 8\n'
+                    'buckets = 2\nlength = 4\neos = 7\nper_sequence_mean = true\n'
+                    'q = { logits = "zipf", exponent = 1.0, seed = 1 }\np = { from = "q", noise = 0.0, seed = 2 }\n')
+    res = runner.invoke(app, ["run", str(path), "--out", str(tmp_path / "o"), "-q"])
+    assert res.exit_code == 0, res.output

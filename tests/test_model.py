@@ -314,3 +314,72 @@ def test_a_monte_carlo_reference_prints_the_se_its_z_uses(tiny_models):
         assert cell["bias/true ± se"] == f"{pct(r['ref_diff'] / ref)} ± {pct(se / ref, False)}"
         assert cell["z"] == fmt(r["z_ref"], 2) and cell["n ±10%"] == "—"
     assert len(full) == 16 and all(math.isfinite(x) for x in full)
+
+
+@pytest.mark.parametrize("name, content, needle", [("config.json", "{bad", "config.json is not valid JSON"),
+                                                   ("tokenizer_config.json", "[", "is not valid JSON"),
+                                                   ("config.json", "fifo", "is a FIFO (named pipe)")])
+def test_a_bad_file_in_a_model_folder_names_the_spec_case_key_and_file(tiny_models, tmp_path, name, content, needle):
+    """A config.json that is not JSON named the model's file only, not the spec, the case or the key."""
+    import os
+    import shutil
+    model = tmp_path / "policy"
+    shutil.copytree(tiny_models / "policy", model)
+    (model / name).unlink()
+    if content == "fifo":
+        os.mkfifo(model / name)
+    else:
+        (model / name).write_text(content)
+    spec = tmp_path / "m.toml"
+    spec.write_text(f'spec_version = 1\n[experiment]\nname = "m"\ndraws = 64\n[[case]]\nname = "nt"\nkind = "model"\n'
+                    f'policy = "policy"\nreference = "{tiny_models / "reference"}"\nprompts = "{tiny_models / "prompts.txt"}"\n')
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    res = CliRunner().invoke(app, ["exact", str(spec)])
+    err = res.stderr.strip()
+    assert res.exit_code == 2 and len(err.splitlines()) == 1, res.output
+    assert f"{spec}: case 'nt': key 'policy': {model / name}: " in err and needle in err, err
+
+
+def test_dump_logits_writes_its_folder_whole_and_a_full_disk_leaves_nothing(tiny_models, tmp_path, monkeypatch):
+    """dump-logits wrote next_token.pt, then continuations.pt: a disk that filled between left one of them."""
+    from typer.testing import CliRunner
+
+    from kl_bench import storage
+    from kl_bench.cli import app
+    args = ["dump-logits", "--policy", str(tiny_models / "policy"), "--reference", str(tiny_models / "reference"),
+            "--prompts", str(tiny_models / "prompts.jsonl"), "--length", "2", "--device", "cpu", "-q"]
+    out = tmp_path / "a" / "dump"
+    write, calls = storage._write_file, []
+
+    def second_fails(fh, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write(fh, data)
+    monkeypatch.setattr(storage, "_write_file", second_fails)
+    res = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 2 and res.stderr.strip().count("\n") == 0, res.output
+    assert "No space left on device" in res.stderr and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(storage, "_write_file", write)
+    assert CliRunner().invoke(app, [*args, "--out", str(out)]).exit_code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["continuations.pt", "next_token.pt"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["dump"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["start", "pairs", "write", "staged", "written"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_at_every_phase_of_dump_logits_is_one_line(tiny_models, tmp_path, phase, sig):
+    import os
+    out = tmp_path / "dump"
+    proc = subprocess.run([sys.executable, "-m", "kl_bench._testing", "dump-logits", "--policy",
+                           str(tiny_models / "policy"), "--reference", str(tiny_models / "reference"), "--prompts",
+                           str(tiny_models / "prompts.jsonl"), "--out", str(out), "-q", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KL_BENCH_SELF_SIGNAL": f"{phase}:{sig}"})
+    err = proc.stderr.strip()
+    assert proc.returncode == 130 and len(err.splitlines()) == 1 and "Traceback" not in err, (proc.returncode, err)
+    assert out.exists() == (phase == "written") and sorted(os.listdir(tmp_path)) == (["dump"] if out.exists() else [])
+    assert ("complete" in err) == (phase == "written"), err

@@ -332,10 +332,16 @@ def test_atomic_writes_refuse_a_link_or_device_that_appears_at_the_target(tmp_pa
     link.symlink_to(victim)
     with pytest.raises(SpecError, match="symbolic link"):
         storage.atomic_write_bytes(link, b"x")
-    from kl_bench.pairs.model.dump import _save        # dump-logits' writer
-    with pytest.raises(SpecError, match="symbolic link"):
-        _save(link, {"policy": torch.zeros(2)})
+    from kl_bench.pairs.model.dump import _save        # dump-logits' writer: the folder swapped in whole
+    with pytest.raises(SpecError, match="not a folder"):
+        _save(link, {"next_token.pt": b"x"})
+    out = tmp_path / "dump"
+    out.mkdir()
+    (out / "next_token.pt").symlink_to(victim)
+    _save(out, {"next_token.pt": b"x"})                 # the link is replaced, never followed
+    assert (out / "next_token.pt").read_bytes() == b"x" and not (out / "next_token.pt").is_symlink()
     assert victim.read_text() == "precious" and not list(tmp_path.glob(".tmp-*"))
+    assert not list(tmp_path.glob(".*staging*")) and not list(tmp_path.glob(".*.lock"))
 
 
 def test_result_write_onto_a_file_or_device_is_the_packages_error(tmp_path):
@@ -505,7 +511,7 @@ def test_prompts_that_are_binary_or_a_fifo_are_one_line(tmp_path, no_hang):
 
 
 # ============================================================================ 4. one line, exit 2, everywhere
-@pytest.mark.parametrize("where, needle", [("file", "not a folder"), ("under-file", "is a file"),
+@pytest.mark.parametrize("where, needle", [("file", "is a file; --out names the report folder"), ("under-file", "is a file"),
                                            ("/dev/null", "not a folder"), ("/proc/kl-bench-x", "cannot"),
                                            ("long", "255 bytes")])
 def test_report_out_that_cannot_be_a_folder(made, tmp_path, where, needle):

@@ -15,4 +15,4 @@ for n in "${names[@]}"; do
   if [ "$running" -ge 2 ]; then wait -n; running=$((running - 1)); fi
 done
 wait
-kl-bench baseline experiments/ci.toml --quiet > /dev/null && echo "refreshed results/baselines/ci.json"
+kl-bench baseline experiments/ci.toml --out results/baselines/ci.json --quiet > /dev/null && echo "refreshed results/baselines/ci.json"

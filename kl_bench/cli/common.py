@@ -106,24 +106,49 @@ def draws_flag(value: Optional[str]):
     return int(f) if math.isfinite(f) and f.is_integer() else value
 
 
+# Suffixes of the files a report holds: an --out ending in one names a file, and --out is a folder.
+_FILE_SUFFIXES = (".html", ".htm", ".md", ".pdf", ".png", ".svg", ".tex", ".csv", ".json", ".txt")
+
+
+def check_report_out(out: Path) -> None:
+    """``--out`` of a report names the folder that report.html, the figures and the tables go into: a
+    regular file there, or a new path that reads as a file name (report.html), is one line saying so."""
+    try:
+        is_file, exists = out.is_file(), out.exists()
+    except OSError:          # a name too long, a folder that may not be searched: check_output_dir says so
+        return
+    if is_file:
+        raise SpecError("is a file; --out names the report folder (report.html and figures/ go inside it)",
+                        file=str(out), key="--out")
+    if not exists and out.suffix.lower() in _FILE_SUFFIXES:
+        raise SpecError(f"looks like a file name; --out names the report folder (report.html and figures/ go "
+                        f"inside it): give e.g. --out {out.with_suffix('')}", file=str(out), key="--out")
+
+
 def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) -> None:
-    """The report of results folders into ``out``: one line on success, one on any error or interrupt;
-    a progress line meanwhile (not with ``quiet``, nor in a pipe). ``options``: kl_bench.report.report_files's
+    """The report of results folders into ``out`` (a folder): one line on success, one on any error or
+    interrupt; a progress line meanwhile (not with ``quiet``, nor in a pipe); a report that fails leaves
+    nothing behind (no folder, no half-written files). ``options``: kl_bench.report.report_files's
     (formats, batch, tolerance)."""
     from .. import signals
     from ..progress import LazyProgress
     from ..report import summary_line, write_report as write
     from ..runner import interrupt_line
     from ..storage import check_output_dir, fs_error
+    from ..results.verify import require_folder
     with user_errors():
+        for d in dirs:              # what was asked for is said first, before the (default) --out is judged
+            require_folder(d)
+        check_report_out(Path(out))
         out = check_output_dir(out)
+        earlier = "an earlier report in {out} is untouched" if out.exists() else "nothing was created"
         bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="figures")
         try:
             write(dirs, out, progress=bar, **options)
             signals.phase("report-written")
         except KeyboardInterrupt:
             bar.close()
-            interrupted(interrupt_line(out, "report files", "an earlier report in {out} is untouched"))
+            interrupted(interrupt_line(out, "report files", earlier))
         except OSError as e:
             raise fs_error(e, out, "cannot write the report") from None
         finally:
@@ -154,8 +179,11 @@ def difference_lines(path: Path, most: int = 8) -> list[str]:
 
 
 def write_outputs(targets: dict) -> None:
-    """Extra output files (path → a function making their bytes), written atomically; None paths skipped."""
-    from ..storage import atomic_write_bytes, fs_error
+    """Extra output files (path → a function making their bytes), written atomically; None paths skipped.
+    An interrupt's line names those already written (each is whole)."""
+    from .. import signals
+    from ..storage import atomic_write_bytes, fs_error, mark_written
+    signals.phase("write")
     for path, make in targets.items():
         if path is None:
             continue
@@ -164,3 +192,5 @@ def write_outputs(targets: dict) -> None:
                 atomic_write_bytes(path, make())
             except OSError as e:
                 raise fs_error(e, path) from None
+        mark_written(path)
+    signals.phase("written")

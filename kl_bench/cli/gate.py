@@ -7,9 +7,12 @@ from typing import Optional
 import typer
 
 from ..errors import SpecError
-from .common import Command, app, draws_flag, out_console, user_errors, write_outputs
+from .common import DEFAULT_RUNS, Command, app, draws_flag, out_console, user_errors, write_outputs
 
 BASELINES = Path("results") / "baselines"        # committed: the gate's default reference
+# Where `kl-bench baseline` writes without --out: git-ignored, so that making a baseline never replaces the
+# committed reference unless asked (--out results/baselines/<name>.json).
+NEW_BASELINES = DEFAULT_RUNS / "baselines"
 
 
 def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, quiet: bool):
@@ -50,9 +53,9 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     from .. import api
     from ..storage import check_output_file
     with user_errors():
-        for path in (json_out, junit):
+        for path, key in ((json_out, "--json"), (junit, "--junit")):
             if path is not None:
-                check_output_file(path)
+                check_output_file(path, key)
         if not 0 < alpha < 1:
             raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
         sp0 = api.load(spec)
@@ -80,7 +83,8 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
 @app.command(cls=Command)
 def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
              out: Optional[Path] = typer.Option(None, "--out", metavar="FILE",
-                                                help="baseline JSON [default: results/baselines/<name>.json]"),
+                                                help="baseline JSON [default: runs/baselines/<name>.json; the "
+                                                "gate's reference is results/baselines/<name>.json]"),
              results: Optional[Path] = typer.Option(None, "--results", metavar="DIR",
                                                     help="take the numbers from this results folder"),
              draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
@@ -88,16 +92,21 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
              seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
              device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
              quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:
-    """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline."""
+    """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline (by default in
+    runs/baselines/, never over the committed reference the gate reads unless --out names it)."""
+    from .. import api
     from ..results.baseline import baseline_bytes, make_baseline
     from ..storage import check_output_file
-    if out is not None:
-        with user_errors():
-            check_output_file(out)
+    with user_errors():
+        target = out or NEW_BASELINES / f"{api.load(spec).experiment.name}.json"
+        check_output_file(target)
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
-    target = out or BASELINES / f"{sp.experiment.name}.json"
     with user_errors():
         data = baseline_bytes(make_baseline(df, sp))
     write_outputs({target: lambda: data})
     if not quiet:
         out_console.print(f"baseline of {len(df)} rows → {target}", markup=False)
+        reference = BASELINES / f"{sp.experiment.name}.json"
+        if out is None:
+            out_console.print(f"the gate reads {reference}: check against this one with --baseline {target}, "
+                              f"or make it the reference with --out {reference}", markup=False)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from ..errors import SpecError
 from .frames import read_frame
 from .migrate import folder_version, migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
-from ..safe_io import cap_for, load_npz, parse_json, read_regular
+from ..safe_io import cap_for, describe, load_npz, parse_json, read_regular
 from ..stats import HeavyTail
 
 # The columns every results folder has had; later columns are optional so that older results still load.
@@ -128,19 +129,28 @@ def _check_file_list(files: dict, where: str) -> None:
             raise SpecError(f"run.json: 'files' has no valid sha256 for {name} (got {digest!r})", file=where)
 
 
-def _check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
+def _check_recorded(folder: Path, env: dict, present: list[str]) -> None:
+    """Every data file that is there (whatever it is: a FIFO, a link) is recorded in run.json and every
+    recorded one is there, before any is read."""
     files = env.get("files")
     if files is None:            # written before run.json recorded hashes: nothing to compare with
         return
     _check_file_list(files, str(folder / "run.json"))
-    for name in DATA_FILES:
-        if (folder / name).exists() and name not in files:
+    for name in present:
+        if name not in files:
             raise SpecError(f"{name} is not recorded in run.json (left over from another run?)",
                             file=str(folder / name))
+    for name in files:
+        if not os.path.lexists(folder / name):
+            raise SpecError(f"{name} is missing but run.json records it (incomplete copy?)", file=str(folder))
+
+
+def _check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
+    files = env.get("files")
+    if files is None:            # written before run.json recorded hashes: nothing to compare with
+        return
     for name, digest in files.items():
         p = folder / name
-        if not p.exists():
-            raise SpecError(f"{name} is missing but run.json records it (incomplete copy?)", file=str(folder))
         data = blobs.get(name)
         if data is None:
             data = blobs[name] = _read_bytes(p, folder)
@@ -321,18 +331,27 @@ def _check_cases(folder: Path, env: dict, tables: dict) -> None:
                             file=str(folder / name))
 
 
-def read_results_folder(path: str | Path) -> FolderContents:
-    """Verify a results folder (see the module docstring) and return its parsed contents."""
+def require_folder(path: str | Path) -> Path:
+    """``path`` if it is a folder; else one line saying what it is (absent, a file, a FIFO, a dangling link)."""
     folder = Path(path)
     if not folder.is_dir():
-        raise SpecError("not a results folder (it does not exist)" if not folder.exists()
-                        else "not a results folder (it is a file)", file=str(folder))
-    for name in ("summary.csv", "run.json"):
-        if not (folder / name).is_file():
+        what = describe(folder)
+        raise SpecError("not a results folder (it does not exist)" if what is None
+                        else f"not a results folder (it is {what})", file=str(folder))
+    return folder
+
+
+def read_results_folder(path: str | Path) -> FolderContents:
+    """Verify a results folder (see the module docstring) and return its parsed contents."""
+    folder = require_folder(path)
+    for name in ("summary.csv", "run.json"):     # a FIFO or a dangling link there is said as such when read
+        if not os.path.lexists(folder / name):
             raise SpecError(f"incomplete results folder: {name} is missing (run `kl-bench run` first)",
                             file=str(folder))
     env = read_envelope(folder / "run.json")
-    blobs = {name: _read_bytes(folder / name, folder) for name in DATA_FILES if (folder / name).is_file()}
+    present = [name for name in DATA_FILES if os.path.lexists(folder / name)]
+    _check_recorded(folder, env, present)
+    blobs = {name: _read_bytes(folder / name, folder) for name in present}
     _check_hashes(folder, env, blobs)
     tables = {name: _parse_table(name, blobs[name], folder / name) if name in blobs else None
               for name in TABLES}

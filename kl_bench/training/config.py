@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import MAX_DRAWS, Table, at_most, positive, typename
+from ..config import MAX_DRAWS, Table, at_most, check_seed, positive, typename
 from ..errors import SpecError
 from ..registry import did_you_mean, plugin_path
 from .optim import OPTIMIZERS, Optimizer
@@ -105,8 +105,8 @@ def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
         hint = did_you_mean(unknown, list(REWARD_KINDS)) if unknown else ""
         raise r.error(f"needs exactly one of {', '.join(REWARD_KINDS)}{hint}", key=t.key("reward"))
     if kinds[0] == "random":
-        spec = RewardSpec("random", scale=r.get("random", "float", check=positive), seed=r.get("seed", "int", 0),
-                          penalty=r.bool("penalty", False))
+        spec = RewardSpec("random", scale=r.get("random", "float", check=positive),
+                          seed=r.get("seed", "int", 0, check_seed), penalty=r.bool("penalty", False))
     elif kinds[0] == "file":
         f = Path(r.get("file", "str"))
         spec = RewardSpec("file", file=f if f.is_absolute() else spec_dir / f, key=r.get("key", "str", None))

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ...config import MAX_DRAWS, check_device
+from ... import signals
+from ...config import MAX_DRAWS, check_device, check_seed
 from ...errors import SpecError
 from ...seeding import batch_generator
-from ...storage import atomic_write_bytes, check_output_dir, fs_error
+from ...storage import FolderLock, check_output_dir, clean_stale, fs_error, write_folder
 from . import lm
 from .pair import ModelPair
 
@@ -27,9 +28,10 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
     ``progress``: an object with ``label(text)`` and ``advance(n)`` (kl_bench.progress.LazyProgress),
     told of every batch of prompts and continuations."""
     dev = _check_options(out, length=length, samples=samples, dtype=dtype, batch_size=batch_size, eos=eos,
-                         device=device)
+                         device=device, seed=seed)
     q = lm.load_model(policy, dtype, "--policy")
     p = lm.load_model(reference, dtype, "--reference")
+    signals.phase("pairs")
     try:
         ids = lm.read_prompts(prompts, policy)
         lm.check_prompts(ids, prompts, [q, p], length if length > 1 else 0, eos, key="--prompts")
@@ -42,13 +44,14 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
     lp = lm.next_token_logprobs(p.to(dev), ids, batch_size, dev)
     if progress is not None:
         progress.advance(len(ids))
-    written = {"next_token": out / "next_token.pt"}
-    _save(written["next_token"], {"policy": lq.float(), "reference": lp.float()})
+    files = {"next_token.pt": _tensor_bytes({"policy": lq.float(), "reference": lp.float()})}
     if length > 1:
         pair = ModelPair("dump", q, p, ids, length, eos, batch_size)
-        written["continuations"] = out / "continuations.pt"
-        _save(written["continuations"], _continuations(pair, samples or len(ids), seed, dev, progress))
-    return written
+        files["continuations.pt"] = _tensor_bytes(_continuations(pair, samples or len(ids), seed, dev, progress))
+    signals.phase("write")
+    _save(out, files)
+    signals.phase("written")
+    return {name[:-3]: out / name for name in files}
 
 
 def _continuations(pair: ModelPair, n: int, seed: int, dev: torch.device, progress) -> dict[str, torch.Tensor]:
@@ -79,7 +82,7 @@ def _continuations(pair: ModelPair, n: int, seed: int, dev: torch.device, progre
 
 
 def _check_options(out: Path, *, length: int, samples: int, dtype: str, batch_size: int, eos: int | None,
-                   device: str) -> torch.device:
+                   device: str, seed: int) -> torch.device:
     """Every option of dump-logits checked before a model is loaded (one line naming the option); returns
     the device. The output folder must be a folder that can be written (not a file, /dev/null, /proc)."""
     checks = [("--dtype", dtype in lm.DTYPES, f"must be one of {', '.join(lm.DTYPES)}, got '{dtype}'"),
@@ -87,7 +90,8 @@ def _check_options(out: Path, *, length: int, samples: int, dtype: str, batch_si
               ("--samples", 0 <= samples <= MAX_DRAWS, f"must lie in [0, 2^53] (0: one per prompt), got {samples}"),
               ("--batch-size", 1 <= batch_size <= lm.MAX_BATCH_SIZE, f"must lie in [1, 2^20], got {batch_size}"),
               ("--eos", eos is None or eos >= 0, f"must be a token id ≥ 0, got {eos}"),
-              ("--device", check_device(device) is None, check_device(device) or "")]
+              ("--device", check_device(device) is None, check_device(device) or ""),
+              ("--seed", check_seed(seed) is None, check_seed(seed) or "")]
     for key, ok, msg in checks:
         if not ok:
             raise SpecError(msg, key=key)
@@ -97,11 +101,19 @@ def _check_options(out: Path, *, length: int, samples: int, dtype: str, batch_si
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
-def _save(path: Path, data: dict) -> None:
-    """torch.save into memory, then an atomic write that never follows a symlink or replaces a device."""
+def _tensor_bytes(data: dict) -> bytes:
     buf = io.BytesIO()
     torch.save(data, buf)
+    return buf.getvalue()
+
+
+def _save(out: Path, files: dict[str, bytes]) -> None:
+    """Every file at once, as a results folder is written (kl_bench.storage): under the folder's lock, staged
+    and swapped in, so that a full disk or a signal leaves the old folder (or none) and never half the files;
+    never through a symlink, never onto a device."""
     try:
-        atomic_write_bytes(path, buf.getvalue())
+        with FolderLock(out):
+            clean_stale(out)
+            write_folder(out, files)
     except OSError as e:
-        raise fs_error(e, path) from None
+        raise fs_error(e, out) from None

@@ -44,7 +44,10 @@ def check_model_dir(path: Path, key: str) -> None:
     if not path.exists():
         raise SpecError(f"model folder not found: {path} (a local folder saved with save_pretrained; "
                         "nothing is downloaded)", key=key)
-    if not (path / "config.json").is_file():
+    if not path.is_dir():
+        raise SpecError(f"{path} is not a folder (a model folder saved with save_pretrained)", key=key)
+    config = path / "config.json"
+    if not config.exists() and not config.is_symlink():
         raise SpecError(f"{path} is not a saved model folder (no config.json)", key=key)
     refuse_remote_code(path, key)
 
@@ -54,8 +57,11 @@ def refuse_remote_code(path: Path, key: str) -> None:
     kl-bench never runs code from a model folder (transformers' trust_remote_code stays False)."""
     for name in ("config.json", "tokenizer_config.json"):
         f = path / name
-        if f.exists():
-            data = parse_json(read_regular(f, "model config", name), f, name)
+        if f.exists() or f.is_symlink():
+            try:
+                data = parse_json(read_regular(f, "model config", name), f, name)
+            except SpecError as e:      # the spec is named by the caller, the model's file here
+                raise SpecError(f"{e.file}: {e.message}", key=key) from None
             if isinstance(data, dict) and (data.get("auto_map") or data.get("trust_remote_code")):
                 raise SpecError(f"{f} asks for code from the model folder (auto_map); kl-bench never runs such "
                                 "code: use a model that transformers supports natively", key=key)

@@ -1,0 +1,343 @@
+"""Hardening against what the machine does (issue 31, item 6): reads bounded without allocating their cap
+(tested under a real `ulimit -v`), a disk with no room or that fills mid-write (`ulimit -f`, and a real
+full tmpfs where a user namespace allows mounting one), signals at every phase of every command, and
+nothing created by a command that fails: one line, exit 2 (130 for a signal), nothing left behind."""
+import errno
+import io
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kl_bench import api, safe_io
+from kl_bench.cli import app
+from kl_bench.errors import SpecError
+from kl_bench.results import checkpoint
+
+runner = CliRunner()
+
+SPEC = """spec_version = 1
+[experiment]
+name = "{name}"
+draws = 20_000
+batches = 20
+device = "cpu"
+estimators = ["k1", "k3"]
+[[case]]
+name = "g"
+kind = "gaussian"
+q = {{ mean = 0.0, std = 1.0 }}
+p = {{ mean = 0.3, std = 1.1 }}
+"""
+
+TRAIN = """spec_version = 1
+[experiment]
+name = "t"
+draws = 10
+device = "cpu"
+[train]
+optimizer = "sgd"
+lr = 0.5
+steps = 3
+beta = 0.5
+reward = { random = 1.0 }
+combinations = ["k1/reward", "k3/loss"]
+[[case]]
+name = "cat"
+kind = "categorical"
+vocab = 12
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.5, seed = 2 }
+"""
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A spec, its results folder, a baseline and a checkpoint that --resume accepts; matplotlib's font
+    cache built (its first import writes it: under `ulimit -f` that would be a warning of its own)."""
+    subprocess.run([sys.executable, "-c", "import matplotlib.font_manager"], check=True, capture_output=True)
+    root = tmp_path_factory.mktemp("io")
+    spec = root / "io.toml"
+    spec.write_text(SPEC.format(name="io"))
+    assert runner.invoke(app, ["run", str(spec), "--out", str(root / "res"), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["baseline", str(spec), "--results", str(root / "res"), "--out",
+                               str(root / "b.json")]).exit_code == 0
+    sp = api.load(spec)
+    ident = checkpoint.checkpoint_identity(sp, torch.device("cpu"), sp.case_draws())
+    sums = torch.tensor([[0.5, -0.2, 900.0, 800.0, 300.0, 0.0]] * 3, dtype=torch.float64)
+    (root / "ck").mkdir()
+    checkpoint.save_checkpoint(root / "ck", ident, {"g": sums})
+    return {"root": root, "spec": spec, "res": root / "res", "base": root / "b.json", "ck": root / "ck"}
+
+
+def _cli(*args, env=None, limits=(), cwd=None):
+    """The console script in a child process (kl_bench._testing: with the hooks the environment asks for),
+    under resource limits [(RLIMIT_*, value)]."""
+    def limit():
+        for what, value in limits:
+            resource.setrlimit(what, (value, value))
+    return subprocess.run([sys.executable, "-m", "kl_bench._testing", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})}, preexec_fn=limit, cwd=cwd)
+
+
+def _one_line(proc, code, *needles) -> str:
+    err = proc.stderr.strip()
+    assert proc.returncode == code, (proc.returncode, proc.stdout[-2000:], err[-3000:])
+    assert len(err.splitlines()) == 1 and "Traceback" not in proc.stdout + err, err[-3000:]
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def _tree(folder: Path) -> dict:
+    """Every path under ``folder`` with its bytes (None for folders): what must not change."""
+    return {str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes())
+            for p in sorted(folder.rglob("*"))}
+
+
+# ----------------------------------------------------------------------------- memory limits
+class _File(io.BytesIO):
+    """A file whose fstat reports ``size`` (a /proc file reports 0), recording what read() is asked for."""
+
+    def __init__(self, data: bytes, size: int):
+        super().__init__(data)
+        self.size, self.asked = size, []
+
+    def fileno(self):
+        return -1
+
+    def read(self, n=-1):
+        self.asked.append(n)
+        return super().read(n)
+
+
+def test_reads_never_ask_for_more_than_the_file_holds_plus_a_block(monkeypatch):
+    """read(n) allocates n bytes first: the cap (2 GiB for batches.csv) must never be asked for at once."""
+    files = []
+    monkeypatch.setattr(safe_io.os, "fstat", lambda fd: os.stat_result((0o100644, 0, 0, 1, 0, 0, files[-1].size,
+                                                                        0, 0, 0)))
+    data = b"x" * 5000
+    files.append(_File(data, len(data)))
+    assert safe_io.read_capped(files[-1], 2 << 30, "f", "batches.csv") == data
+    assert files[-1].asked[0] == len(data) + 1 and max(files[-1].asked) <= 1 << 20, files[-1].asked
+    # a file whose size lies (/proc reports 0) is read a block at a time and refused beyond its cap
+    files.append(_File(b"y" * (3 << 20), 0))
+    with pytest.raises(SpecError, match="more than the 2 MiB"):
+        safe_io.read_capped(files[-1], 2 << 20, "f", "prompts")
+    assert max(files[-1].asked) <= 1 << 20, files[-1].asked
+
+
+# 3 GB of address space, as `ulimit -v 3000000` sets it (kB): common on shared clusters and in containers.
+ULIMIT_V_KB = 3_000_000
+_IMPORTS = "import torch, pandas, scipy.special, matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot"
+
+
+@pytest.fixture(scope="module")
+def address_space_limit():
+    """3 GB, or less: 1 GiB above what the imports of a command map (VmPeak), so that a read that allocates
+    its 2 GiB cap fails on every machine, as it did under 3 GB where more was mapped (more threads, CUDA).
+    Skips where the interpreter cannot even import torch under it."""
+    probe = subprocess.run([sys.executable, "-c", _IMPORTS + "; print(open('/proc/self/status').read()"
+                            ".split('VmPeak:')[1].split()[0])"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot measure the address space the imports take")
+    limit = min(ULIMIT_V_KB, int(probe.stdout.split()[-1]) + (1 << 20)) * 1024
+    check = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True,
+                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    if check.returncode != 0:
+        pytest.skip("torch does not import under the address-space limit on this machine")
+    return [(resource.RLIMIT_AS, limit)]
+
+
+@pytest.mark.parametrize("command", ["check", "resume", pytest.param("baseline", marks=pytest.mark.slow),
+                                     pytest.param("report", marks=pytest.mark.slow)])
+def test_every_read_of_a_results_folder_or_checkpoint_works_under_ulimit_v(made, tmp_path, address_space_limit,
+                                                                           command):
+    """Reading batches.csv (cap 2 GiB) or a checkpoint (cap 2 GiB) allocated the cap: MemoryError."""
+    ck = tmp_path / "ck"
+    shutil.copytree(made["ck"], ck)
+    args = {"check": ["check", made["spec"], "--results", made["res"], "--baseline", made["base"], "-q"],
+            "baseline": ["baseline", made["spec"], "--results", made["res"], "--out", tmp_path / "b.json", "-q"],
+            "resume": ["run", made["spec"], "--out", ck, "--resume", "-q"],
+            "report": ["report", made["res"], "--out", tmp_path / "rep"]}[command]
+    proc = _cli(*args, limits=address_space_limit)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "MemoryError" not in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- full disks
+FSIZE = resource.RLIMIT_FSIZE       # `ulimit -f`: a write beyond it fails with EFBIG (Python ignores SIGXFSZ)
+
+
+@pytest.mark.parametrize("command", ["run", "report", *(pytest.param(c, marks=pytest.mark.slow)
+                                                        for c in ("exact", "baseline", "check", "train"))])
+def test_a_disk_with_no_room_is_one_line_before_any_work_and_creates_nothing(made, tmp_path, command):
+    spec = tmp_path / "t.toml"
+    spec.write_text(TRAIN)
+    deep = tmp_path / "new" / "deeper"
+    args = {"run": ["run", made["spec"], "--out", deep / "r", "-q"],
+            "report": ["report", made["res"], "--out", deep / "rep"],
+            "exact": ["exact", made["spec"], "--out", deep / "e.csv"],
+            "baseline": ["baseline", made["spec"], "--out", deep / "b.json", "-q"],
+            "check": ["check", made["spec"], "--results", made["res"], "--json", deep / "c.json", "-q"],
+            "train": ["train", spec, "--out", deep / "t", "-q"]}[command]
+    before = _tree(tmp_path)
+    proc = _cli(*args, limits=[(FSIZE, 0)])
+    _one_line(proc, 2, os.strerror(errno.EFBIG), "key '--json'" if command == "check" else "key '--out'")
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("command", ["run", pytest.param("report", marks=pytest.mark.slow),
+                                     pytest.param("train", marks=pytest.mark.slow)])
+def test_a_disk_that_fills_mid_write_keeps_the_earlier_folder_and_leaves_nothing(made, tmp_path, command):
+    """Room for the probe and the lock, not for the results: the folder staged beside the old one fails."""
+    spec = tmp_path / "t.toml"
+    spec.write_text(TRAIN)
+    out = tmp_path / "out"
+    args = {"run": ["run", made["spec"], "--out", out, "-q", "--seed", "4"],
+            "report": ["report", made["res"], "--out", out],
+            "train": ["train", spec, "--out", out, "-q", "--seed", "4"]}[command]
+    first = {"run": ["run", made["spec"], "--out", out, "-q"], "report": ["report", made["res"], "--out", out],
+             "train": ["train", spec, "--out", out, "-q"]}[command]
+    assert runner.invoke(app, list(map(str, first))).exit_code == 0
+    before = _tree(tmp_path)
+    proc = _cli(*args, limits=[(FSIZE, 1024)])
+    _one_line(proc, 2, os.strerror(errno.EFBIG), str(out))
+    assert _tree(tmp_path) == before
+
+
+def _tmpfs_available() -> bool:
+    """Whether a user namespace may mount a tmpfs here (the mount lives and dies with the namespace)."""
+    if shutil.which("unshare") is None:
+        return False
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _tmpfs_available(), reason="needs a user namespace to mount a small tmpfs")
+@pytest.mark.parametrize("room", ["none", "some"])
+@pytest.mark.parametrize("command", ["run", "report", "baseline"])
+def test_a_real_full_disk_is_one_line_and_leaves_nothing(made, tmp_path, command, room):
+    """A 64 KiB tmpfs filled to the last block (or with 8 KiB left): ENOSPC, as on a real disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = {"run": f"run {made['spec']} --out {disk}/a/r -q", "report": f"report {made['res']} --out {disk}/rep",
+            "baseline": f"baseline {made['spec']} --results {made['res']} --out {disk}/b.json -q"}[command]
+    blocks = {"none": "", "some": "count=14"}[room]
+    script = (f"mount -t tmpfs -o size=64k tmpfs {disk} && dd if=/dev/zero of={disk}/fill bs=4k {blocks} "
+              f"2>/dev/null; {sys.executable} -m kl_bench._testing {args}; echo rc=$? >&2; ls -A {disk} >&2")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    if command == "baseline" and room == "some":           # a baseline this small fits in 8 KiB
+        assert lines == ["rc=0", "b.json", "fill"], proc.stderr
+        return
+    assert len(lines) == 3 and lines[1:] == ["rc=2", "fill"], proc.stderr
+    assert "No space left on device" in lines[0] and "Traceback" not in proc.stderr + proc.stdout
+
+
+# ----------------------------------------------------------------------------- nothing created by a failure
+@pytest.mark.parametrize("dirs", [["missing"], ["res", "missing"], ["empty"]])
+def test_a_report_that_fails_creates_no_folder(made, tmp_path, monkeypatch, dirs):
+    """`report missing` made missing/ (its default --out's parent), `report a missing` made runs/."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    paths = [made["res"] if d == "res" else tmp_path / d for d in dirs]
+    before = _tree(tmp_path)
+    for out in ([] if len(paths) > 1 else [None]) + [tmp_path / "a" / "b" / "rep"]:
+        res = runner.invoke(app, ["report", *map(str, paths), *(["--out", str(out)] if out else [])])
+        assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+        assert _tree(tmp_path) == before, res.output
+
+
+def test_a_run_that_fails_after_taking_the_lock_removes_the_folders_it_made(made, tmp_path, monkeypatch):
+    from kl_bench import storage
+
+    def fail(fh, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(storage, "_write_file", fail)
+    res = runner.invoke(app, ["run", str(made["spec"]), "--out", str(tmp_path / "a" / "b" / "r"), "-q"])
+    assert res.exit_code == 2 and "No space left on device" in res.output, res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- report --out, baseline's default
+@pytest.mark.parametrize("out, needle", [("new.html", "looks like a file name; --out names the report folder"),
+                                         ("notes.md", "give e.g. --out"),
+                                         ("file", "is a file; --out names the report folder")])
+def test_report_out_is_a_folder_and_a_file_name_says_so(made, tmp_path, out, needle):
+    (tmp_path / "file").write_text("keep")
+    before = _tree(tmp_path)
+    res = runner.invoke(app, ["report", str(made["res"]), "--out", str(tmp_path / out)])
+    assert res.exit_code == 2 and needle in res.output and "key '--out'" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1 and _tree(tmp_path) == before
+
+
+def test_a_report_folder_whose_name_has_a_suffix_is_still_a_folder(made, tmp_path):
+    (tmp_path / "r.html").mkdir()           # asked for: an existing folder is a folder whatever its name
+    assert runner.invoke(app, ["report", str(made["res"]), "--out", str(tmp_path / "r.html")]).exit_code == 0
+    assert (tmp_path / "r.html" / "report.html").is_file()
+
+
+def test_baseline_never_writes_into_the_tracked_tree_unless_asked(made, tmp_path, monkeypatch):
+    """`kl-bench baseline experiments/ci.toml` replaced the committed results/baselines/ci.json."""
+    monkeypatch.chdir(tmp_path)
+    committed = tmp_path / "results" / "baselines" / "io.json"
+    committed.parent.mkdir(parents=True)
+    committed.write_text("committed")
+    res = runner.invoke(app, ["baseline", str(made["spec"]), "--results", str(made["res"])])
+    assert res.exit_code == 0, res.output
+    assert committed.read_text() == "committed"
+    assert "→ runs/baselines/io.json" in res.output and "--out results/baselines/io.json" in res.output
+    made_now = tmp_path / "runs" / "baselines" / "io.json"
+    # the gate reads the committed one by default, the new one when asked
+    assert runner.invoke(app, ["check", str(made["spec"]), "--results", str(made["res"]), "--baseline",
+                               str(made_now), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["baseline", str(made["spec"]), "--results", str(made["res"]), "--out", str(committed)])
+    assert res.exit_code == 0 and '"kl_bench_baseline": 1' in committed.read_text(), res.output
+
+
+# ----------------------------------------------------------------------------- signals at every phase
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob(".*") if ".staging-" in p.name
+                  or p.name.endswith(".lock") or p.name.startswith((".tmp-", ".kl-bench-probe")))
+
+
+# (command, phase): the phases each command passes (kl_bench.signals.phase); after "written" or
+# "report-written" the new files are complete and the line says so.
+PHASES = [("run", "start"), ("run", "pairs"), ("run", "write"), ("run", "staged"), ("run", "written"),
+          ("report", "start"), ("report", "staged"), ("report", "report-written"),
+          ("check", "start"), ("check", "write"), ("check", "written"),
+          ("baseline", "start"), ("baseline", "write"), ("baseline", "written"),
+          ("exact", "start"), ("exact", "write"), ("exact", "written"),
+          ("train", "start"), ("train", "staged")]
+FAST = {("run", "staged", "SIGTERM"), ("report", "staged", "SIGTERM"), ("baseline", "write", "SIGINT")}
+
+
+@pytest.mark.parametrize("command, phase, sig", [(*p, s) if (*p, s) in FAST else
+                                                 pytest.param(*p, s, marks=pytest.mark.slow)
+                                                 for p in PHASES for s in ("SIGINT", "SIGTERM")])
+def test_a_signal_at_every_phase_of_every_command_is_one_line(made, tmp_path, command, phase, sig):
+    spec = tmp_path / "t.toml"
+    spec.write_text(TRAIN)
+    out = tmp_path / "out"
+    args = {"run": ["run", made["spec"], "--out", out, "-q"], "report": ["report", made["res"], "--out", out],
+            "check": ["check", made["spec"], "--results", made["res"], "--json", out, "-q"],
+            "baseline": ["baseline", made["spec"], "--results", made["res"], "--out", out, "-q"],
+            "exact": ["exact", made["spec"], "--out", out],
+            "train": ["train", spec, "--out", out, "-q"]}[command]
+    proc = _cli(*args, env={"KL_BENCH_SELF_SIGNAL": f"{phase}:{sig}"})
+    err = _one_line(proc, 130, "interrupted")
+    done = phase in ("written", "report-written")
+    assert out.exists() == done, (err, list(tmp_path.iterdir()))
+    assert (str(out) in err and "complete" in err) if done else ("nothing was" in err or "no " in err), err
+    assert _leftovers(tmp_path) == []
