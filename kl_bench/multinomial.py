@@ -192,13 +192,15 @@ def binomial_btrs(n: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
     left = torch.nonzero(~ok[:, 0]).squeeze(1)
     state, rows, first = state.keep(left), slots[left], 1
     while left.numel():
-        ok, k = state.attempt(rows[:, 2 * first::2], rows[:, 2 * first + 1::2])
-        hit = ok.any(1)
-        pick = torch.argmax(ok.to(torch.int8), 1, keepdim=True)        # the first accepted attempt
-        out[left] = torch.where(hit, k.gather(1, pick)[:, 0], out[left])
-        miss = torch.nonzero(~hit).squeeze(1)
-        left, state = left[miss], state.keep(miss)
-        rows, first = (more(left), 0) if left.numel() else (rows, 0)
+        if 2 * first < rows.shape[1]:
+            ok, k = state.attempt(rows[:, 2 * first::2], rows[:, 2 * first + 1::2])
+            hit = ok.any(1)
+            pick = torch.argmax(ok.to(torch.int8), 1, keepdim=True)        # the first accepted attempt
+            out[left] = torch.where(hit, k.gather(1, pick)[:, 0], out[left])
+            miss = torch.nonzero(~hit).squeeze(1)
+            left, state = left[miss], state.keep(miss)
+        if left.numel():
+            rows, first = more(left), 0
     return out
 
 
