@@ -218,6 +218,20 @@ def test_a_batch_draws_the_same_alone_or_with_others():
     assert not torch.equal(together[5], mn.draw_counts(tree, [10**6], streams(6, 5)[5:])[0])   # seeds matter
 
 
+@pytest.mark.parametrize("slots", [2, 4])
+def test_fresh_rows_come_from_the_batchs_own_generator(slots, monkeypatch):
+    """With rows of one or two attempts most BTRS nodes need fresh rows: a batch still draws the same alone or
+    with others (its fresh rows come from its own generator), and the law holds (the enumerated case)."""
+    monkeypatch.setattr(mn, "SLOTS", slots)
+    w = torch.softmax(zipf_logits(500, 1.1, 1, 9)[0], -1)
+    tree = mn.MultinomialTree.of(w)
+    sizes = [10**4, 10**6, 10**9, 1 << 62]
+    together = mn.draw_counts(tree, sizes, streams(4, 6))
+    alone = torch.cat([mn.draw_counts(tree, [s], [g]) for s, g in zip(sizes, streams(4, 6))])
+    assert torch.equal(together, alone) and together.sum(1).tolist() == sizes
+    test_small_multinomial_enumerated()
+
+
 def test_bad_input_is_refused():
     tree = mn.MultinomialTree.of(torch.tensor([0.5, 0.5], dtype=torch.float64))
     with pytest.raises(ValueError, match="2\\^62"):
