@@ -228,6 +228,7 @@ class MultinomialTree:
     has one child)."""
     levels: tuple[tuple[torch.Tensor, torch.Tensor, int], ...]
     size: int
+    device: torch.device
 
     @classmethod
     def of(cls, probs: torch.Tensor) -> "MultinomialTree":
@@ -247,11 +248,7 @@ class MultinomialTree:
                 [child, torch.zeros(1, dtype=child.dtype, device=child.device)])
             safe = torch.where(parent > 0, parent, torch.ones_like(parent))
             levels.append((c[0::2] / safe, c[1::2] / safe, child.shape[0]))
-        return cls(tuple(levels), w.shape[0])
-
-    @property
-    def device(self) -> torch.device:
-        return self.levels[0][0].device if self.levels else torch.device("cpu")
+        return cls(tuple(levels), w.shape[0], w.device)
 
 
 def _more(generators: list[torch.Generator], nodes: int, device: torch.device):

@@ -242,6 +242,7 @@ def test_bad_input_is_refused():
         with pytest.raises(ValueError, match="non-negative"):
             mn.MultinomialTree.of(torch.tensor(bad, dtype=torch.float64))
     one = mn.MultinomialTree.of(torch.tensor([2.0], dtype=torch.float64))
+    assert one.levels == () and one.device == CPU          # no levels: the device is the weights' own
     assert mn.draw_counts(one, [7, 0], streams(2)).tolist() == [[7], [0]]
     assert mn.batches_per_call(50257) >= 64 and mn.batches_per_call(10**9) == 1
 
@@ -300,6 +301,25 @@ def test_count_vectors_of_a_chunk_are_multinomial(tree_on_cpu):
     assert np.abs((counts.var(0, ddof=1) - var) / np.sqrt((mu4 - var**2) / k)).max() < Z
 
 
+def test_token_pieces_of_several_general_pieces(monkeypatch):
+    """A CUDA run draws token ids in pieces of 16 general pieces (seeding.TOKEN_PIECES): the same mechanism
+    on the CPU, with pieces of 1,000 and token pieces of 4,000, draws at most 4,000 ids a call and the same
+    bytes whatever the chunk; the CPU's own factor stays 1 (its bytes unchanged)."""
+    from kl_bench import seeding
+    assert seeding.TOKEN_PIECES["cpu"] == 1 and seeding.token_piece_draws(CPU) == seeding.piece_draws(CPU)
+    monkeypatch.setitem(seeding.PIECE_DRAWS, "cpu", 1000)
+    monkeypatch.setitem(seeding.TOKEN_PIECES, "cpu", 4)
+    pair = _pair()
+    pair.sampling = "tokens"
+    seen: list[int] = []
+    orig = CategoricalPair.sample_ids
+    monkeypatch.setattr(CategoricalPair, "sample_ids", lambda self, n, g, d: seen.append(n) or orig(self, n, g, d))
+    runs = [run_case(pair, ["k1", "k3"], draws=90_000, seed=3, batches=6, chunk=chunk, device=CPU, joint=True)
+            for chunk in (1, 20_000, 1 << 22)]
+    assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
+    assert max(seen) == 4000 and sum(seen) == 3 * 90_000 and pair.piece_draws(CPU) == 4000
+
+
 # ----------------------------------------------------------------------------- on a GPU
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -313,6 +333,8 @@ def test_gpu_count_vectors_moments_and_grouping():
     gens = [torch.Generator(device=dev).manual_seed(i) for i in range(k)]
     counts = mn.draw_counts(tree, [n] * k, gens)
     assert counts.device.type == "cuda" and bool((counts.sum(1) == n).all())
+    one = mn.MultinomialTree.of(torch.ones(1, dtype=torch.float64, device=dev))
+    assert mn.draw_counts(one, [5], gens[:1]).device.type == "cuda"
     alone = mn.draw_counts(tree, [n], [torch.Generator(device=dev).manual_seed(7)])
     assert torch.equal(alone[0], counts[7])
     wc = w.double().cpu().numpy()

@@ -100,7 +100,7 @@ class CategoricalPair(GradientDefaults, Pair):
         # The multinomial's probabilities, renormalised in float64 (numpy checks that they sum to 1).
         pw = w[self._support].numpy()
         self._pvals = pw / pw.sum()
-        self._tree: MultinomialTree | None = None           # the same probabilities as a tree, on a device
+        self._tree: tuple[torch.device, MultinomialTree] | None = None   # the same probabilities as a tree, on a device
         # Importance weights q/b of the drawn ids (a cap bounds the variance at the price of bias).
         self._is_weight = self._raw_weight = None
         self.correction = correction if correction is not None else WeightCorrection(cap=weight_cap)
@@ -237,9 +237,9 @@ class CategoricalPair(GradientDefaults, Pair):
         return token_piece_draws(device)
 
     def _tree_on(self, device: torch.device) -> MultinomialTree:
-        if self._tree is None or self._tree.device != device:
-            self._tree = MultinomialTree.of(torch.from_numpy(self._pvals).to(device))
-        return self._tree
+        if self._tree is None or self._tree[0] != device:
+            self._tree = device, MultinomialTree.of(torch.from_numpy(self._pvals).to(device))
+        return self._tree[1]
 
     def count_vectors(self, batches: list[BatchStream], device: torch.device) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
         """Each batch's draws as counts over the drawn ids: (None, counts [M]) dense, or (ids [m], counts [m])
