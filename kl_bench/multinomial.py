@@ -289,11 +289,16 @@ def draw_counts(tree: MultinomialTree, sizes: list[int], generators: list[torch.
     return counts
 
 
-CALL_BYTES = 1 << 30      # device memory one draw_counts call may use (a chunk's batches are split to fit)
+CALL_BYTES = 1 << 32      # memory one draw_counts call may use (a chunk's batches are split to fit)
+NODE_BYTES = 1536         # peak bytes per node of the widest level (measured ~1,400 on the CPU: the slots,
+                          # BTRS's constants and the log-ratio's temporaries on every node at once)
+
+
+CALL_BATCHES = 1024       # at most, whatever the memory (a chunk is also when progress and checkpoints happen)
 
 
 def batches_per_call(outcomes: int) -> int:
     """How many batches' count vectors over ``outcomes`` outcomes one :func:`draw_counts` call draws within
-    :data:`CALL_BYTES`: its widest level holds ⌈M/2⌉ nodes of SLOTS uniforms and ~40 more 8-byte
-    temporaries each."""
-    return max(1, CALL_BYTES // (8 * (SLOTS + 40) * ((outcomes + 1) // 2)))
+    :data:`CALL_BYTES` (the widest level has ⌈M/2⌉ nodes of :data:`NODE_BYTES`), at most
+    :data:`CALL_BATCHES`: 111 at M = 50,257."""
+    return max(1, min(CALL_BATCHES, CALL_BYTES // (NODE_BYTES * ((outcomes + 1) // 2))))

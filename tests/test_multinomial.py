@@ -244,7 +244,7 @@ def test_bad_input_is_refused():
     one = mn.MultinomialTree.of(torch.tensor([2.0], dtype=torch.float64))
     assert one.levels == () and one.device == CPU          # no levels: the device is the weights' own
     assert mn.draw_counts(one, [7, 0], streams(2)).tolist() == [[7], [0]]
-    assert mn.batches_per_call(50257) >= 64 and mn.batches_per_call(10**9) == 1
+    assert mn.batches_per_call(50257) == 111 and mn.batches_per_call(10**9) == 1 and mn.batches_per_call(2) == mn.CALL_BATCHES
 
 
 # ----------------------------------------------------------------------------- the categorical kind
