@@ -4,7 +4,8 @@ A count vector c ~ Multinomial(n, w) over M outcomes is drawn down a binary tree
 root holds n; a node holding N splits into Binomial(N, w_left / (w_left + w_right)) for its left child and
 the rest for its right one. Every count is an exact int64 and a node's children sum to it exactly, so the
 leaves sum to n; the law is Multinomial(n, w) exactly, as conditional binomials are (numpy's sequential
-multinomial is the same identity along a chain instead of a tree). The tree has ⌈log2 M⌉ levels; each
+multinomial is the same identity along a chain instead of a tree), with each split probability rounded
+to float64 (as any sampler's probabilities are). The tree has ⌈log2 M⌉ levels; each
 level is one vectorised binomial draw over all its nodes of all batches at once: O(M) work and O(log M)
 sequential steps per call, whatever n (n ≤ 2^62).
 
@@ -14,7 +15,8 @@ rounding of the acceptance tests (no approximating distribution):
 - N·p ≥ 10: BTRS (Hörmann 1993, "The generation of binomial random variates", transformed rejection with
   squeeze), two uniforms an attempt. Written here for int64 N up to 2^62: N·p is split exactly into an
   int64 part and a fraction (:func:`exact_product`), so that the proposal k = ⌊N·p + offset⌋ is an exact
-  integer (a float64 N·p has an ulp of 1,024 at 2^62), and the log-ratio log f(k)/f(m) of the
+  integer (a float64 N·p has an ulp of 512 near 2^61: numpy's own binomial returns multiples of 256 at
+  n = 2^62), and the log-ratio log f(k)/f(m) of the
   probability mass function at k and at the mode m is written in terms of k − m with log1p and
   (1 + x)·log1p(x) − x, so that no term of size N cancels (the textbook form loses N·2^-53 there).
 
@@ -42,6 +44,10 @@ TAIL_SERIES_FROM = 20     # Stirling tail from lgamma below (error ~1e-15), from
 SERIES_BELOW = 0.01       # (1 + x)·log1p(x) − x by its series for |x| below this (9 terms: error < 1e-17)
 SERIES_TERMS = 9
 CHECK_EVERY = 8           # inversion steps between host checks that some row is still searching
+CALL_BYTES = 1 << 32      # memory one draw_counts call may use (a chunk's batches are split to fit)
+NODE_BYTES = 1536         # peak bytes per node of the widest level (measured ~1,400 on the CPU: the slots,
+                          # BTRS's constants and the log-ratio's temporaries on every node at once)
+CALL_BATCHES = 1024       # at most, whatever the memory (a chunk is also when progress and checkpoints happen)
 
 
 # ----------------------------------------------------------------------------- float64 helpers
@@ -287,14 +293,6 @@ def draw_counts(tree: MultinomialTree, sizes: list[int], generators: list[torch.
         left = torch.where(small_left, x, n - x)
         counts = torch.stack([left, n - left], 1).reshape(g, 2 * s)[:, :next_size]
     return counts
-
-
-CALL_BYTES = 1 << 32      # memory one draw_counts call may use (a chunk's batches are split to fit)
-NODE_BYTES = 1536         # peak bytes per node of the widest level (measured ~1,400 on the CPU: the slots,
-                          # BTRS's constants and the log-ratio's temporaries on every node at once)
-
-
-CALL_BATCHES = 1024       # at most, whatever the memory (a chunk is also when progress and checkpoints happen)
 
 
 def batches_per_call(outcomes: int) -> int:
