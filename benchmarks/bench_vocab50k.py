@@ -1,7 +1,10 @@
 """Draws per second for a vocab-50257 categorical with every estimator, side by side in one process:
 
-  kl-bench counts        each batch's count vector ~ Multinomial(n, q) drawn directly (numpy, O(V) per
-                         batch whatever n) → one product with a per-token feature table: draw-equivalents
+  kl-bench counts        each batch's count vector ~ Multinomial(n, q) drawn directly (O(V) per batch
+                         whatever n) → one product with a per-token feature table: draw-equivalents.
+                         Timed both ways in the same run: numpy's sequential conditional binomials on the
+                         host, and kl_bench.multinomial's binary tree of binomials (torch) on the device;
+                         the row marked "(default)" is what kl-bench uses on this device type
   kl-bench tokens        every token drawn (alias table, pieces of 2^16) → bincount → the same product
   torch.multinomial      plain pipeline: multinomial ids → gather log p, log q → each estimator → float64 sums
   numpy Generator.choice plain pipeline with numpy's sampler
@@ -16,6 +19,7 @@ compared by rate. Peak memory is measured in fresh subprocesses (VmHWM).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import numpy as np
@@ -25,6 +29,7 @@ from kl_bench.engine import run_case
 from kl_bench.estimators import lookup
 from kl_bench.logits import zipf_logits
 from kl_bench.pairs import CategoricalPair
+from kl_bench.pairs import categorical
 from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V = 50257
@@ -84,6 +89,29 @@ def engine(pair: CategoricalPair, n: int, device: torch.device):
     return run_case(pair, NAMES, draws=n, seed=0, batches=200, chunk=CHUNK, device=device)
 
 
+@contextlib.contextmanager
+def counts_on(where: str, device: torch.device):
+    """Count vectors drawn by numpy on the host ("host") or by the torch tree on ``device`` ("device"),
+    whatever this device type's default (kl_bench.pairs.categorical.COUNTS_ON_HOST)."""
+    keep = categorical.COUNTS_ON_HOST
+    categorical.COUNTS_ON_HOST = keep | {device.type} if where == "host" else keep - {device.type}
+    try:
+        yield
+    finally:
+        categorical.COUNTS_ON_HOST = keep
+
+
+def counts_rows(pair: CategoricalPair, n: int, device: torch.device, repeats: int) -> list[tuple[str, int, float]]:
+    """The counts pipeline with numpy on the host and with the torch tree on the device, in this order."""
+    rows = []
+    for where, how in (("host", "numpy on the host"), ("device", "torch tree on the device")):
+        default = (where == "host") == (device.type in categorical.COUNTS_ON_HOST)
+        with counts_on(where, device):
+            rows.append((f"kl-bench counts, {how}{' (default)' if default else ''}", n,
+                         timed(lambda: engine(pair, n, device), device, repeats)))
+    return rows
+
+
 def timed(fn, device: torch.device, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
@@ -123,13 +151,11 @@ def main() -> None:
     counts, tokens = make_pair("counts"), make_pair("tokens")
     print(f"V = {V}, {len(NAMES)} estimators, 200 batches, device {dev}"
           f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else f', {args.threads} threads'}")
-    print(f"{'draws':>8} {'pipeline':<48} {'timed on':>9} {'seconds':>8} {'(draw-equivalents)/s':>21} "
+    print(f"{'draws':>8} {'pipeline':<54} {'timed on':>9} {'seconds':>8} {'(draw-equivalents)/s':>21} "
           f"{'vs tokens':>9} {'vs multinomial':>14}")
     for n in args.draws:
         nt, nb = min(n, args.token_draws), min(n, args.baseline_draws)
-        rows = [("kl-bench counts (multinomial count vectors)", n,
-                 timed(lambda: engine(counts, n, dev), dev, args.repeats)),
-                ("kl-bench tokens (alias + bincount)", nt,
+        rows = [("kl-bench tokens (alias + bincount)", nt,
                  timed(lambda: engine(tokens, nt, dev), dev, args.repeats if nt < 10**9 else 1)),
                 ("torch.multinomial + gather (baseline)", nb,
                  timed(lambda: torch_multinomial(tokens, nb, dev), dev, 1 if nb >= 10**8 else args.repeats)),
@@ -137,10 +163,11 @@ def main() -> None:
                  timed(lambda: raw_limit(tokens, nt, dev), dev, args.repeats if nt < 10**9 else 1))]
         if dev.type == "cpu":
             rows.append(("numpy Generator.choice + gather (baseline)", nb, timed(lambda: numpy_choice(tokens, nb), dev, 1)))
-        rate_tok, rate_mult = rows[1][1] / rows[1][2], rows[2][1] / rows[2][2]
+        rows = counts_rows(counts, n, dev, args.repeats) + rows
+        rate_tok, rate_mult = rows[2][1] / rows[2][2], rows[3][1] / rows[3][2]
         for name, m, t in rows:
             rate = m / t
-            print(f"{n:8.0e} {name:<48} {m:9.0e} {t:8.3f} {rate:21,.0f} {rate / rate_tok:8.1f}x {rate / rate_mult:13.1f}x")
+            print(f"{n:8.0e} {name:<54} {m:9.0e} {t:8.3f} {rate:21,.0f} {rate / rate_tok:8.1f}x {rate / rate_mult:13.1f}x")
     if not args.no_memory:
         for sampling, sizes in (("tokens", (10**7, 10**8)), ("counts", (10**8, 10**10))):
             for m in sizes:

@@ -10,6 +10,8 @@ script with the hooks that the environment asks for installed first.
   gather), ``gradients`` (it added a batch of a gradient pass).
 - ``KL_BENCH_WRITE_DELAY=SECONDS``: a pause after each file staged by :func:`kl_bench.storage.write_folder`,
   so that a test can kill the process while a results folder is half staged.
+- ``KL_BENCH_KILL_AFTER_CHECKPOINT=N``: the process dies by SIGKILL right after its Nth checkpoint is
+  written, mid-run whatever the machine's speed (the resume test's kill is an event, not a time).
 """
 from __future__ import annotations
 
@@ -19,12 +21,29 @@ import signal
 SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
 RANK_FAIL_ENV = "KL_BENCH_RANK_FAIL"
 WRITE_DELAY_ENV = "KL_BENCH_WRITE_DELAY"
+KILL_AFTER_CHECKPOINT_ENV = "KL_BENCH_KILL_AFTER_CHECKPOINT"
 
 
 def install_from_env() -> None:
     _install_self_signal()
     _install_rank_fail()
     _install_write_delay()
+    _install_kill_after_checkpoint()
+
+
+def _install_kill_after_checkpoint() -> None:
+    nth = int(os.environ.get(KILL_AFTER_CHECKPOINT_ENV, "0") or 0)
+    if not nth:
+        return
+    from . import runner
+    save, saved = runner.save_checkpoint, [0]
+
+    def save_then_die(*args, **kwargs) -> None:
+        save(*args, **kwargs)
+        saved[0] += 1
+        if saved[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+    runner.save_checkpoint = save_then_die
 
 
 def _install_write_delay() -> None:

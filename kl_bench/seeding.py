@@ -20,11 +20,21 @@ import torch
 # Draws per piece. CPU: 2^16 keeps a piece's per-draw features (≈ 3 float64 per estimator row) in a
 # few tens of MiB while per-call overhead stays negligible; CUDA: 2^20, enough to fill a GPU.
 PIECE_DRAWS = {"cpu": 1 << 16, "cuda": 1 << 20}
+# A categorical token piece holds token ids only while they are drawn and counted (≈ 50 bytes a draw, no
+# per-draw features), so on CUDA it is 16 general pieces (2^24 draws): 10^10 draws make ~600 pieces, each
+# with its generator and a dozen kernels, instead of ~10^4 (issue 33; not yet timed on a GPU:
+# benchmarks/bench_gpu.py times both sizes). The CPU keeps one piece, and with it its bytes.
+TOKEN_PIECES = {"cpu": 1, "cuda": 16}
 
 
 def piece_draws(device: torch.device) -> int:
     """The fixed piece size on ``device``'s type (draws)."""
     return PIECE_DRAWS.get(torch.device(device).type, PIECE_DRAWS["cpu"])
+
+
+def token_piece_draws(device: torch.device) -> int:
+    """The fixed piece size of categorical token ids on ``device``'s type (draws)."""
+    return piece_draws(device) * TOKEN_PIECES.get(torch.device(device).type, 1)
 
 
 def batch_seed(seed: int, case: str, batch: int, piece: int = 0) -> int:
@@ -58,8 +68,9 @@ class BatchStream:
     """The random stream of one batch: batch ``index`` of ``size`` draws of the stream ``tag``.
 
     A kind draws the batch piece by piece (:meth:`pieces`) or, where a batch statistic can be drawn
-    directly (a categorical's count vector), from :meth:`numpy_generator`. Either way what it draws
-    depends on (seed, tag, index) alone, never on which other batches share the call.
+    directly (a categorical's count vector), from :meth:`numpy_generator` (on the host) or
+    :meth:`counts_generator` (on the device). Either way what it draws depends on (seed, tag, index)
+    alone, never on which other batches share the call.
     """
     seed: int
     tag: str
@@ -75,6 +86,11 @@ class BatchStream:
     def numpy_generator(self) -> np.random.Generator:
         """A numpy generator for the whole batch (PCG64, seeded like piece 0 but a separate family)."""
         return np.random.Generator(np.random.PCG64(batch_seed(self.seed, self.tag + "#np", self.index)))
+
+    def counts_generator(self) -> torch.Generator:
+        """A torch generator on the batch's device for the whole batch's count vector (kl_bench.multinomial),
+        seeded like piece 0 but a separate family."""
+        return batch_generator(self.seed, self.tag + "#counts", self.index, self.device)
 
 
 def batch_streams(seed: int, tag: str, sizes: list[int], device: torch.device) -> list[BatchStream]:

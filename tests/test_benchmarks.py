@@ -23,3 +23,28 @@ def test_benchmark_smoke_runs(path):
                          text=True, timeout=600)
     assert res.returncode == 0, (res.stdout[-1500:], res.stderr[-1500:])
     assert res.stdout.strip(), "a benchmark prints its figures"
+
+
+@pytest.mark.slow
+def test_gpu_script_smoke_runs():
+    """benchmarks/gpu.sh --smoke: the GPU table's driver, on the CPU with tiny sizes (here two of its paths;
+    test_benchmark_smoke_runs runs bench_gpu.py --smoke whole)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    res = subprocess.run(["bash", "benchmarks/gpu.sh", "--smoke", "--paths", "tokens", "rollouts"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout[-1500:], res.stderr[-1500:])
+    assert "kl-bench GPU table: CPU" in res.stdout and "| tokens " in res.stdout and "| rollouts (C 4, T 8)" in res.stdout
+
+
+GPU_COLUMNS = ["path", "size", "unit", "kl-bench", "raw limit", "of limit", "baseline", "vs baseline", "peak GPU MiB", "s"]
+
+
+def test_the_gpu_table_in_the_readme_has_the_printed_columns():
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    section = readme.split("## GPU table", 1)[1]
+    assert "| " + " | ".join(GPU_COLUMNS) + " |" in section
+    source = (ROOT / "benchmarks" / "bench_gpu.py").read_text()
+    header = source.split("def show(", 1)[1].split("print(\"|\"", 1)[0]
+    positions = [header.index(f"'{c}'") for c in GPU_COLUMNS]
+    assert positions == sorted(positions)
+    assert "not measured" in section or "Device: NVIDIA" in section or "Device: AMD" in section

@@ -4,9 +4,12 @@ A draw picks a context uniformly, then a token x ~ q_b. Every per-draw statistic
 (context, token) id, so every per-batch sum is a linear function of the batch's count vector over the
 ids, and that vector is exactly Multinomial(n, w) (w: the sampling mixture). A batch therefore never
 materialises per-draw values. Its count vector comes one of two ways (``sampling``):
-- ``counts``: drawn directly with numpy's conditional-binomial multinomial, O(ids) per batch whatever n
-  (every sum is then a "draw-equivalent": identical in distribution to drawing each token);
-- ``tokens``: each token drawn with an alias table, piece by piece, and counted;
+- ``counts``: drawn directly as conditional binomials, O(ids) per batch whatever n (every sum is then a
+  "draw-equivalent": identical in distribution to drawing each token): on the CPU by numpy's sequential
+  multinomial on the host, on other devices by kl_bench.multinomial's binary tree on the device, a chunk's
+  batches in one call (:data:`COUNTS_ON_HOST`);
+- ``tokens``: each token drawn with an alias table, piece by piece (kl_bench.seeding.token_piece_draws),
+  and counted;
 - ``auto`` (default): counts for a batch with at least as many draws as ids, tokens below that.
 The sums are then one fixed-shape product of the count vector with a per-id feature table.
 Exact moments are float64 sums over the vocabulary (docs/exact.md); gradients take θ = q's logits
@@ -33,13 +36,19 @@ from ..modes import derivative
 from ..logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_source_logits)
 from ..samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
-from ..seeding import BatchStream, piece_draws
+from ..multinomial import MultinomialTree, batches_per_call, draw_counts
+from ..seeding import BatchStream, piece_draws, token_piece_draws
 from ..targets import FORWARD, REVERSE
 from ..weights import WeightCorrection
 from .base import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator,
                    GradientDefaults, GradItem, JointMoments, Pair, register_kind)
 
 SAMPLING = ("auto", "counts", "tokens")
+# Device types whose count vectors numpy draws on the host: the CPU, where its sequential conditional
+# binomials in C are ~10× faster than kl_bench.multinomial's torch tree (benchmarks/bench_vocab50k.py,
+# both in the same run). Elsewhere the tree draws them on the device: no host round trip, one call for
+# a chunk's batches.
+COUNTS_ON_HOST = {"cpu"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +100,7 @@ class CategoricalPair(GradientDefaults, Pair):
         # The multinomial's probabilities, renormalised in float64 (numpy checks that they sum to 1).
         pw = w[self._support].numpy()
         self._pvals = pw / pw.sum()
+        self._tree: tuple[torch.device, MultinomialTree] | None = None   # the same probabilities as a tree, on a device
         # Importance weights q/b of the drawn ids (a cap bounds the variance at the price of bias).
         self._is_weight = self._raw_weight = None
         self.correction = correction if correction is not None else WeightCorrection(cap=weight_cap)
@@ -217,22 +227,55 @@ class CategoricalPair(GradientDefaults, Pair):
         Depends on n alone, so the choice (and the bytes) never depend on how batches are grouped."""
         return self.sampling == "counts" or (self.sampling == "auto" and n >= self._logr.shape[0])
 
+    def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
+        """Batches handed over at once: by draws for token batches (Pair's rule), by memory for count vectors,
+        which cost O(ids) whatever their draws, so that a device draws many in one call."""
+        per = super().batches_per_chunk(batch_size, chunk_draws)
+        return max(per, batches_per_call(self._logr.shape[0])) if self.uses_counts(batch_size) else per
+
+    def piece_draws(self, device: torch.device) -> int:
+        return token_piece_draws(device)
+
+    def _tree_on(self, device: torch.device) -> MultinomialTree:
+        if self._tree is None or self._tree[0] != device:
+            self._tree = device, MultinomialTree.of(torch.from_numpy(self._pvals).to(device))
+        return self._tree[1]
+
+    def count_vectors(self, batches: list[BatchStream], device: torch.device) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Each batch's draws as counts over the drawn ids: (None, counts [M]) dense, or (ids [m], counts [m])
+        sparse (sorted ids with a nonzero count) when the batch is far smaller than the support. Counts are
+        float64 holding exact integers (n ≤ 2^53), on ``device``; each batch's depend on its stream alone."""
+        multi = [b for b in batches if self.uses_counts(b.size)]
+        drawn: dict[int, torch.Tensor] = {}
+        if multi and device.type not in COUNTS_ON_HOST:
+            # The tree on the device, up to batches_per_call batches per call, each from its own generator.
+            per = batches_per_call(self._logr.shape[0])
+            for i in range(0, len(multi), per):
+                group = multi[i:i + per]
+                counts = draw_counts(self._tree_on(device), [b.size for b in group],
+                                     [b.counts_generator() for b in group]).to(torch.float64)
+                drawn.update((b.index, c) for b, c in zip(group, counts))
+        else:
+            for b in multi:
+                # Conditional binomials in C: O(M) per batch, whatever n (a draw-equivalent of n tokens).
+                counts = torch.from_numpy(b.numpy_generator().multinomial(b.size, self._pvals))
+                drawn[b.index] = counts.to(device=device, dtype=torch.float64)
+        return [(None, drawn[b.index]) if b.index in drawn else self._token_counts(b, device) for b in batches]
+
     def batch_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The batch's draws as counts over the drawn ids: (None, counts [M]) dense, or (ids [m],
-        counts [m]) sparse (sorted ids with a nonzero count) when the batch is far smaller than the support.
-        Counts are float64 holding exact integers (n ≤ 2^53)."""
-        m = self._logr.shape[0]
-        if self.uses_counts(batch.size):
-            # Conditional binomials in C: O(M) per batch, whatever n (a draw-equivalent of n tokens).
-            counts = torch.from_numpy(batch.numpy_generator().multinomial(batch.size, self._pvals))
-            return None, counts.to(device=device, dtype=torch.float64)
+        """One batch's :meth:`count_vectors`."""
+        return self.count_vectors([batch], device)[0]
+
+    def _token_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The counts of a batch's tokens, drawn one by one (alias table), piece by piece."""
+        m, piece = self._logr.shape[0], self.piece_draws(device)
         if 8 * batch.size < m:
             # Far fewer draws than ids: sort the ids (O(n log n)) rather than count over all M ids.
-            ids = torch.cat([self.sample_ids(k, g, device) for k, g in batch.pieces()])
+            ids = torch.cat([self.sample_ids(k, g, device) for k, g in batch.pieces(piece)])
             uniq, cnt = torch.unique(ids, sorted=True, return_counts=True)
             return uniq, cnt.to(torch.float64)
         counts = torch.zeros(m, dtype=torch.int64, device=device)
-        for k, g in batch.pieces():                      # memory: one piece of token ids at a time
+        for k, g in batch.pieces(piece):                 # memory: one piece of token ids at a time
             counts += torch.bincount(self.sample_ids(k, g, device), minlength=m)
         return None, counts.to(torch.float64)
 
@@ -252,8 +295,7 @@ class CategoricalPair(GradientDefaults, Pair):
 
         def run(batches: list[BatchStream]) -> torch.Tensor:
             out = []
-            for batch in batches:
-                ids, counts = self.batch_counts(batch, device)
+            for ids, counts in self.count_vectors(batches, device):
                 s = dot(ids, counts, finite, finite_t)
                 if has_inf:
                     hit = counts @ (pos if ids is None else pos[ids]).double()    # draws on +inf entries

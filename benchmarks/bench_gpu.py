@@ -1,0 +1,271 @@
+"""One GPU table (issue 33): every sampling path of kl-bench against its raw limit and its plain baseline,
+timed in one run on one device, with the device's name, the peak GPU memory of each kl-bench pipeline and
+the time of the run. benchmarks/gpu.sh runs it on a CUDA machine; --smoke runs it on the CPU with tiny
+sizes (CI), so that it cannot rot.
+
+  path (default sizes)                kl-bench             raw limit (same shape)            plain baseline
+  tokens, V = 50,257, 10^8 and 10^10  alias + count        torch.rand + one gather a draw    torch.multinomial + gather
+  counts, V = 50,257, 10^10           multinomial tree     torch.binomial down the same      torch.multinomial + gather
+                                      (kl_bench.multinomial) tree, one ATen kernel a level
+  rollouts, 10^6 × T 256, V 50,257,   rollout sampler      one uniform + the gathers per     flattened inverse CDF +
+  C 256                                                    token-step                        searchsorted
+  rollout gradients, 10^6             gradient rows        the raw limit + one index_add_    the same pipeline on the
+  (C 32, T 16, V 50,257)                                   per token-step                    CPU, in the same run
+  audit, V = 151,936, d 896           stream_kl,           two tiled float32 forwards        dense float32
+                                      stream_values        (the floor of an exact KL)        (log_softmax of both)
+
+Baselines and limits that cost O(draws) run on fewer draws (--baseline-draws, --limit-draws) and are
+compared by rate. Each pipeline runs once after one untimed warm-up call at small size (CUDA context,
+kernels, tables); figures are single runs. Rates: draws (or draw-equivalents, token-steps, rollouts,
+positions) per second.
+
+    python benchmarks/bench_gpu.py --device cuda                  # the table (benchmarks/gpu.sh)
+    python benchmarks/bench_gpu.py --smoke                        # tiny sizes on the CPU (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import bench_audit as audit          # beside this script
+import bench_gradients as grads
+import bench_rollout as rollouts
+import bench_vocab50k as vocab
+from kl_bench import seeding
+
+V = 50257
+
+
+@dataclass
+class Line:
+    path: str
+    size: str
+    unit: str
+    ours: float             # rate of kl-bench's pipeline
+    limit: float            # rate of the raw limit of the same shape
+    baseline: float         # rate of the plain baseline
+    peak_mib: float         # peak GPU memory of kl-bench's pipeline (nan on the CPU)
+    seconds: float          # kl-bench's pipeline
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def rate(fn: Callable[[], object], units: float, dev: torch.device) -> tuple[float, float, float]:
+    """(units per second, seconds, peak GPU MiB) of one call of ``fn``."""
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    sync(dev)
+    t = time.perf_counter()
+    fn()
+    sync(dev)
+    s = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
+    return units / s, s, peak
+
+
+# ----------------------------------------------------------------------------- raw limits
+def counts_limit(q: torch.Tensor, sizes: list[int], dev: torch.device) -> Callable[[], torch.Tensor]:
+    """torch.binomial down the same binary tree, all batches at once, one generator: one ATen kernel a
+    level. Not kl-bench's sampler (float64 counts, exact below 2^53 only; CUDA's kernel draws float32
+    uniforms), but the fastest a tree of binomials goes on this device. Returns the timed call (the tree
+    is built outside it)."""
+    from kl_bench.multinomial import MultinomialTree
+    tree = MultinomialTree.of(q.to(dev))
+    g = torch.Generator(device=dev).manual_seed(0)
+    first = torch.tensor(sizes, dtype=torch.float64, device=dev)[:, None]
+
+    def run() -> torch.Tensor:
+        counts = first
+        for left, _, next_size in tree.levels:
+            x = torch.binomial(counts, left.expand_as(counts).contiguous(), generator=g)
+            counts = torch.stack([x, counts - x], -1).reshape(len(sizes), -1)[:, :next_size]
+        return counts
+    return run
+
+
+def rollout_limit(n: int, length: int, buckets: int, dev: torch.device, scatter: bool = False,
+                  vocab: int = V) -> Callable[[], torch.Tensor]:
+    """One uniform and the gathers per token-step, the floor of any rollout sampler of this shape: a token
+    x = ⌊u·V⌋, its log r from a [C·V] table, its next bucket from a [V] table, summed along the path (and,
+    with ``scatter``, one weight per token-step added into [C·V] totals: the floor of the gradient pass).
+    Returns the timed call (the tables are made outside it)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    table = torch.randn(buckets * vocab, dtype=torch.float64, generator=g, device=dev)
+    bucket = torch.randint(0, buckets, (vocab,), generator=g, device=dev)
+    totals = torch.zeros(buckets * vocab, dtype=torch.float64, device=dev)
+
+    def run() -> torch.Tensor:
+        c = torch.zeros(n, dtype=torch.int64, device=dev)
+        acc = torch.zeros(n, dtype=torch.float64, device=dev)
+        for _ in range(length):
+            u = torch.rand(n, dtype=torch.float64, generator=g, device=dev)
+            x = (u * vocab).long()
+            at = c * vocab + x
+            acc += table[at]
+            if scatter:
+                totals.index_add_(0, at, acc)
+            c = bucket[x]
+        return acc.sum() + totals.sum()
+    return run
+
+
+# ----------------------------------------------------------------------------- the paths
+@contextlib.contextmanager
+def token_pieces(factor: int | None, dev: torch.device):
+    """Token pieces of ``factor`` general pieces on this device type (None: kl-bench's own)."""
+    keep = dict(seeding.TOKEN_PIECES)
+    if factor is not None:
+        seeding.TOKEN_PIECES[dev.type] = factor
+    try:
+        yield
+    finally:
+        seeding.TOKEN_PIECES.clear()
+        seeding.TOKEN_PIECES.update(keep)
+
+
+def token_lines(a, dev: torch.device) -> list[Line]:
+    pair = vocab.make_pair("tokens")
+    vocab.engine(pair, 10_000, dev)                                          # warm-up
+    out = []
+    for n in a.token_draws:
+        nl, nb = min(n, a.limit_draws), min(n, a.baseline_draws)
+        limit = rate(lambda: vocab.raw_limit(pair, nl, dev), nl, dev)[0]
+        base = rate(lambda: vocab.torch_multinomial(pair, nb, dev), nb, dev)[0]
+        for label, factor in (("", None), (" (pieces of 2^20, before)", 1)):
+            if factor is not None and (dev.type != "cuda" or n < 10**10):
+                continue                                   # the piece size only differs on CUDA, at scale
+            with token_pieces(factor, dev):
+                r, s, peak = rate(lambda: vocab.engine(pair, n, dev), n, dev)
+            out.append(Line("tokens" + label, f"{n:.0e} draws", "draws/s", r, limit, base, peak, s))
+    return out
+
+
+def count_lines(a, dev: torch.device) -> list[Line]:
+    pair = vocab.make_pair("counts")
+    q = pair.log_q[0].exp()
+    n = a.count_draws
+    sizes = seeding.batch_sizes(n, 200)
+    nb = min(n, a.baseline_draws)
+    base = rate(lambda: vocab.torch_multinomial(pair, nb, dev), nb, dev)[0]
+    counts_limit(q, sizes[:2], dev)()                                        # warm-up
+    limit = rate(counts_limit(q, sizes, dev), n, dev)[0]
+    out = []
+    for where, label in (("device", "counts, torch tree on the device"), ("host", "counts, numpy on the host")):
+        with vocab.counts_on(where, dev):
+            vocab.engine(pair, 2 * V, dev)                                   # warm-up
+            r, s, peak = rate(lambda: vocab.engine(pair, n, dev), n, dev)
+        out.append(Line(label, f"{n:.0e} draws", "draw-eq/s", r, limit, base, peak, s))
+    return out
+
+
+def rollout_lines(a, dev: torch.device) -> list[Line]:
+    n, t, c = a.rollouts, a.length, a.buckets
+    pair = rollouts.make_pair(c, t)
+    rollouts.engine(pair, min(n, 1000), dev, 1000)                           # warm-up (alias tables too)
+    steps = n * t
+    limit = rate(rollout_limit(n, t, c, dev), steps, dev)[0]
+    base = rate(lambda: rollouts.inverse_cdf(pair, n, dev), steps, dev)[0]
+    r, s, peak = rate(lambda: rollouts.engine(pair, n, dev, a.rollout_batch), steps, dev)
+    return [Line(f"rollouts (C {c}, T {t})", f"{n:.0e} rollouts", "token-steps/s", r, limit, base, peak, s)]
+
+
+def gradient_lines(a, dev: torch.device) -> list[Line]:
+    n = a.gradient_rollouts
+    pair = grads.make_rollout()
+    grads.kl_bench_rollout(pair, 1000, dev)                                  # warm-up
+    limit = rate(rollout_limit(n, grads.T, grads.C, dev, scatter=True, vocab=grads.V), n, dev)[0]
+    cpu = torch.device("cpu")
+    base = rate(lambda: grads.kl_bench_rollout(pair, n, cpu), n, cpu)[0] if dev.type != "cpu" else float("nan")
+    r, s, peak = rate(lambda: grads.kl_bench_rollout(pair, n, dev), n, dev)
+    return [Line(f"rollout gradients (C {grads.C}, T {grads.T})", f"{n:.0e} rollouts", "rollouts/s", r, limit, base,
+                 peak, s)]
+
+
+def audit_lines(a, dev: torch.device) -> list[Line]:
+    n, v, d = a.positions, a.vocab, a.dim
+    layer = audit.make_layer(n, v, d, device=str(dev))
+    m = audit.methods(a.tile)
+    for name in ("two tiled float32 forwards (floor)", "dense float32", "stream_kl"):
+        m[name](*layer)                                                      # warm-up
+    limit = rate(lambda: m["two tiled float32 forwards (floor)"](*layer), n, dev)[0]
+    base = rate(lambda: m["dense float32"](*layer), n, dev)[0]
+    out = []
+    for name in ("stream_kl", "stream_values trl.grpo, b = q (callback)"):
+        r, s, peak = rate(lambda: m[name](*layer), n, dev)
+        out.append(Line(f"audit {name.split(' (')[0]}", f"{n} × {v:,}", "positions/s", r, limit, base, peak, s))
+    return out
+
+
+PATHS = {"tokens": token_lines, "counts": count_lines, "rollouts": rollout_lines, "gradients": gradient_lines,
+         "audit": audit_lines}
+
+
+def _g(x: float, spec: str) -> str:
+    return "–" if x != x else format(x, spec)
+
+
+def show(lines: list[Line]) -> None:
+    """The table, as Markdown (benchmarks/README.md's GPU table has these columns)."""
+    print(f"| {'path':<42} | {'size':<16} | {'unit':<13} | {'kl-bench':>9} | {'raw limit':>9} | {'of limit':>8} "
+          f"| {'baseline':>9} | {'vs baseline':>11} | {'peak GPU MiB':>12} | {'s':>7} |")
+    print("|" + "|".join("-" * w for w in (44, 18, 15, 11, 11, 10, 11, 13, 14, 9)) + "|")
+    for x in lines:
+        print(f"| {x.path:<42} | {x.size:<16} | {x.unit:<13} | {x.ours:9.3g} | {x.limit:9.3g} | {x.ours / x.limit:8.0%} "
+              f"| {_g(x.baseline, '9.3g'):>9} | {_g(x.ours / x.baseline, '10.2f') + '×':>11} "
+              f"| {_g(x.peak_mib, '12,.0f'):>12} | {x.seconds:7.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument("--token-draws", type=int, nargs="+", default=[10**8, 10**10])
+    ap.add_argument("--count-draws", type=int, default=10**10)
+    ap.add_argument("--limit-draws", type=int, default=10**10, help="most draws the raw limits run (compared by rate)")
+    ap.add_argument("--baseline-draws", type=int, default=10**9, help="most draws torch.multinomial runs")
+    ap.add_argument("--rollouts", type=int, default=10**6)
+    ap.add_argument("--rollout-batch", type=int, default=10**5, help="rollouts a batch (each its own generator)")
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--buckets", type=int, default=256)
+    ap.add_argument("--gradient-rollouts", type=int, default=10**6)
+    ap.add_argument("--positions", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--dim", type=int, default=896)
+    ap.add_argument("--tile", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: CI checks that the table runs")
+    a = ap.parse_args()
+    if a.smoke:
+        a.device, a.token_draws, a.count_draws, a.limit_draws, a.baseline_draws = "cpu", [20_000], 200_000, 20_000, 20_000
+        a.rollouts, a.rollout_batch, a.length, a.buckets, a.gradient_rollouts = 400, 200, 8, 4, 400
+        a.positions, a.vocab, a.dim, a.tile = 8, 1000, 16, 256
+        grads.V, grads.C, grads.T = 1000, 4, 8          # bench_gradients' rollout, shrunk
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu.py: no CUDA device (run --smoke, or --device cpu)")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    start = time.perf_counter()
+    print(f"kl-bench GPU table: {name}; torch {torch.__version__}; "
+          f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
+    lines: list[Line] = []
+    for path in a.paths:
+        lines += PATHS[path](a, dev)
+    show(lines)
+    total = time.perf_counter() - start
+    overall = f"; peak GPU memory of any pipeline {max(x.peak_mib for x in lines):,.0f} MiB" if dev.type == "cuda" else ""
+    print(f"run time {total:.1f} s (setup, warm-ups, limits and baselines included){overall}")
+
+
+if __name__ == "__main__":
+    main()
