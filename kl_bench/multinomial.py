@@ -150,7 +150,8 @@ class _Btrs:
         # r·(n − m + 1)/(m + 1) = 1 + δ/((1 − p)(m + 1)) with δ = (n + 2)p − m − 1, computed from the exact split
         delta = (whole - mode - 1).to(torch.float64) + frac + 2 * p
         log_slope = torch.log1p(delta / ((1 - p) * (mode + 1).to(torch.float64)))
-        return cls(n, p, whole, frac, mode, (-whole - 1).to(torch.float64), (n - whole + 1).to(torch.float64), -0.0873 + 0.0248 * b + 0.01 * p, b,
+        return cls(n, p, whole, frac, mode, (-whole - 1).to(torch.float64), (n - whole + 1).to(torch.float64),
+                   -0.0873 + 0.0248 * b + 0.01 * p, b,
                    (2.83 + 5.1 / b) * spq, 0.92 - 4.2 / b, log_slope, stirling_tail(mode) + stirling_tail(n - mode))
 
     def keep(self, index: torch.Tensor) -> "_Btrs":
