@@ -140,7 +140,7 @@ def token_lines(a, dev: torch.device) -> list[Line]:
         nl, nb = min(n, a.limit_draws), min(n, a.baseline_draws)
         limit = rate(lambda: vocab.raw_limit(pair, nl, dev), nl, dev)[0]
         base = rate(lambda: vocab.torch_multinomial(pair, nb, dev), nb, dev)[0]
-        for label, factor in (("", None), (" (pieces of 2^20, before)", 1)):
+        for label, factor in (("", None), (" (pieces of 2^20)", 1)):
             if factor is not None and (dev.type != "cuda" or n < 10**10):
                 continue                                   # the piece size only differs on CUDA, at scale
             with token_pieces(factor, dev):
@@ -194,8 +194,9 @@ def audit_lines(a, dev: torch.device) -> list[Line]:
     n, v, d = a.positions, a.vocab, a.dim
     layer = audit.make_layer(n, v, d, device=str(dev))
     m = audit.methods(a.tile)
-    for name in ("two tiled float32 forwards (floor)", "dense float32", "stream_kl"):
-        m[name](*layer)                                                      # warm-up
+    timed = ("two tiled float32 forwards (floor)", "dense float32", "stream_kl", "stream_values trl.grpo, b = q (callback)")
+    for name in timed:
+        m[name](*layer)       # warm-up (a first call also compiles CUDA's jiterator kernels: seconds)
     limit = rate(lambda: m["two tiled float32 forwards (floor)"](*layer), n, dev)[0]
     base = rate(lambda: m["dense float32"](*layer), n, dev)[0]
     out = []
@@ -203,6 +204,40 @@ def audit_lines(a, dev: torch.device) -> list[Line]:
         r, s, peak = rate(lambda: m[name](*layer), n, dev)
         out.append(Line(f"audit {name.split(' (')[0]}", f"{n} × {v:,}", "positions/s", r, limit, base, peak, s))
     return out
+
+
+def profile(a, dev: torch.device) -> None:
+    """Each selected path's kl-bench pipeline once more, at a tenth of its size or less, under torch's
+    profiler: the operators that take the device's (or, on the CPU, the host's) time, and the number of
+    kernel launches. Profile before tuning (issue 33)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = dev.type == "cuda"
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    runs = {
+        "tokens": lambda: vocab.engine(vocab.make_pair("tokens"), max(a.token_draws) // 10, dev),
+        "counts": lambda: vocab.engine(vocab.make_pair("counts"), a.count_draws // 10, dev),
+        "rollouts": lambda: rollouts.engine(rollouts.make_pair(a.buckets, a.length), a.rollouts // 10, dev,
+                                            a.rollout_batch // 10),
+        "gradients": lambda: grads.kl_bench_rollout(grads.make_rollout(), a.gradient_rollouts // 10, dev),
+        "audit": lambda: audit.methods(a.tile)["stream_values trl.grpo, b = q (callback)"](
+            *audit.make_layer(max(1, a.positions // 4), a.vocab, a.dim, device=str(dev))),
+    }
+    for path in a.profile or a.paths:
+        if path not in runs:
+            continue
+        runs[path]()                                                         # warm (tables, kernels)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        sync(dev)
+        t = time.perf_counter()
+        with torch_profile(activities=activities) as prof:
+            runs[path]()
+            sync(dev)
+        s = time.perf_counter() - t
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        print(f"\nprofile of {path} (a tenth of its size; {s:.2f} s under the profiler; {launches:,} kernel launches)")
+        print(events.table(sort_by=key, row_limit=14, max_name_column_width=60))
 
 
 PATHS = {"tokens": token_lines, "counts": count_lines, "rollouts": rollout_lines, "gradients": gradient_lines,
@@ -242,6 +277,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=896)
     ap.add_argument("--tile", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    ap.add_argument("--profile", nargs="*", choices=list(PATHS), default=None,
+                    help="then these paths' pipelines (none named: every path run) under torch's profiler")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: CI checks that the table runs")
     a = ap.parse_args()
     if a.smoke:
@@ -265,6 +302,8 @@ def main() -> None:
     total = time.perf_counter() - start
     overall = f"; peak GPU memory of any pipeline {max(x.peak_mib for x in lines):,.0f} MiB" if dev.type == "cuda" else ""
     print(f"run time {total:.1f} s (setup, warm-ups, limits and baselines included){overall}")
+    if a.profile is not None:
+        profile(a, dev)
 
 
 if __name__ == "__main__":

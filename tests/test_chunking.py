@@ -95,13 +95,17 @@ def test_no_call_draws_more_than_one_piece(case, small_pieces, monkeypatch):
     seen: list[int] = []
     # The owner of each kind's drawing function: its pair class, or the rollout kind's sampler module.
     cls = {"rollout": rollout_sampler}.get(pair.kind, type(pair))
-    name = {"gaussian": "sample", "categorical": "sample_ids", "rollout": "simulate", "logprobs": "sample_draws"}[pair.kind]
-    orig = getattr(cls, name)
+    # (The categorical kind draws token ids one by one, or alias slots of several pieces at once to count them.)
+    names = {"gaussian": ["sample"], "categorical": ["sample_ids", "sample_slots"], "rollout": ["simulate"],
+             "logprobs": ["sample_draws"]}[pair.kind]
 
-    def spy(self, n, *args, **kwargs):
-        seen.append(sum(n) if isinstance(n, list) else n)
-        return orig(self, n, *args, **kwargs)
-    monkeypatch.setattr(cls, name, spy)
+    def spy(orig):
+        def drawn(self, n, *args, **kwargs):
+            seen.append(sum(n) if isinstance(n, list) else n)
+            return orig(self, n, *args, **kwargs)
+        return drawn
+    for name in names:
+        monkeypatch.setattr(cls, name, spy(getattr(cls, name)))
     run_case(pair, ROWS, draws=40_000, seed=3, batches=2, chunk=1 << 22, device=CPU)
     piece = pair.piece_draws(CPU)
     if pair.kind == "categorical" and pair.uses_counts(20_000):

@@ -312,8 +312,8 @@ def test_token_pieces_of_several_general_pieces(monkeypatch):
     pair = _pair()
     pair.sampling = "tokens"
     seen: list[int] = []
-    orig = CategoricalPair.sample_ids
-    monkeypatch.setattr(CategoricalPair, "sample_ids", lambda self, n, g, d: seen.append(n) or orig(self, n, g, d))
+    orig = CategoricalPair.sample_slots
+    monkeypatch.setattr(CategoricalPair, "sample_slots", lambda self, n, g, d: seen.append(sum(n)) or orig(self, n, g, d))
     runs = [run_case(pair, ["k1", "k3"], draws=90_000, seed=3, batches=6, chunk=chunk, device=CPU, joint=True)
             for chunk in (1, 20_000, 1 << 22)]
     assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
@@ -353,3 +353,20 @@ def test_gpu_categorical_counts_ignore_the_chunk_and_match_exact():
     df = to_frame(summarize(run_case(pair, ["k1", "k2", "k3"], draws=400_000, seed=5, batches=200, chunk=1 << 22,
                                      device=dev)))
     assert (df["z"].abs() < Z).all(), df[["estimator", "z"]]
+
+
+def test_token_counts_by_alias_slot_equal_the_tokens_counted_one_by_one(monkeypatch):
+    """The token path counts alias slots of several batches' pieces at once (issue 33): each batch's counts
+    are the bincount of the very tokens sample_ids draws from its pieces' generators, integer for integer,
+    for batches that share a round, span rounds or fill one alone."""
+    from kl_bench import seeding
+    from kl_bench.seeding import batch_streams
+    monkeypatch.setitem(seeding.PIECE_DRAWS, "cpu", 1000)
+    pair = _pair()
+    m = pair.support_ids.shape[0]
+    for sizes in ([300, 450, 250, 999], [2500, 10, 1000, 1], [1000] * 3):
+        streams = batch_streams(5, "slots", sizes, CPU)
+        got = pair._token_counts(streams, CPU)
+        for b, counts in zip(streams, got):
+            ids = torch.cat([pair.sample_ids(k, g, CPU) for k, g in b.pieces(1000)])
+            assert torch.equal(counts, torch.bincount(ids, minlength=m).double()), (sizes, b.index)

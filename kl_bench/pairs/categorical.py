@@ -217,6 +217,21 @@ class CategoricalPair(GradientDefaults, Pair):
         """Indices into the support of q for ``n`` draws; int64 [n]."""
         return sample_alias(self._alias_on(device), n, generator)
 
+    def sample_slots(self, sizes: list[int], gens: list[torch.Generator], device: torch.device) -> torch.Tensor:
+        """The alias slots 2j + (1 if the coin sends column j to its alias) of sum(``sizes``) draws, piece i
+        drawn from ``gens[i]`` as :meth:`sample_ids` draws it (the same uniforms, so the same tokens), int64
+        [sum(sizes)] on ``device``: :meth:`_token_counts` counts them."""
+        table, m = self._alias_on(device), self._alias.size
+        u = torch.empty(sum(sizes), dtype=torch.float64, device=device)
+        at = 0
+        for k, g in zip(sizes, gens):
+            torch.rand(k, dtype=torch.float64, generator=g, device=device, out=u[at:at + k])
+            at += k
+        u.mul_(m)                                            # as sample_alias: u·M, column and coin in one
+        j = u.long().clamp_(max=m - 1)
+        tails = torch.ge(u.sub_(j), table.prob[j])           # kl_bench.alias.pick keeps j where coin < prob
+        return j.mul_(2).add_(tails)
+
     def _alias_on(self, device: torch.device):
         if self._alias.prob.device != device:
             self._alias = self._alias.to(device)
@@ -260,24 +275,62 @@ class CategoricalPair(GradientDefaults, Pair):
                 # Conditional binomials in C: O(M) per batch, whatever n (a draw-equivalent of n tokens).
                 counts = torch.from_numpy(b.numpy_generator().multinomial(b.size, self._pvals))
                 drawn[b.index] = counts.to(device=device, dtype=torch.float64)
-        return [(None, drawn[b.index]) if b.index in drawn else self._token_counts(b, device) for b in batches]
+        tokens = [b for b in batches if b.index not in drawn]
+        dense = [b for b in tokens if 8 * b.size >= self._logr.shape[0]]
+        drawn.update(zip((b.index for b in dense), self._token_counts(dense, device)))
+        return [(None, drawn[b.index]) if b.index in drawn else self._sparse_token_counts(b, device) for b in batches]
 
     def batch_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One batch's :meth:`count_vectors`."""
         return self.count_vectors([batch], device)[0]
 
-    def _token_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The counts of a batch's tokens, drawn one by one (alias table), piece by piece."""
-        m, piece = self._logr.shape[0], self.piece_draws(device)
-        if 8 * batch.size < m:
-            # Far fewer draws than ids: sort the ids (O(n log n)) rather than count over all M ids.
-            ids = torch.cat([self.sample_ids(k, g, device) for k, g in batch.pieces(piece)])
-            uniq, cnt = torch.unique(ids, sorted=True, return_counts=True)
-            return uniq, cnt.to(torch.float64)
-        counts = torch.zeros(m, dtype=torch.int64, device=device)
-        for k, g in batch.pieces(piece):                 # memory: one piece of token ids at a time
-            counts += torch.bincount(self.sample_ids(k, g, device), minlength=m)
-        return None, counts.to(torch.float64)
+    def _sparse_token_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Far fewer draws than ids: the batch's tokens sorted (O(n log n)) rather than counted over all M ids."""
+        ids = torch.cat([self.sample_ids(k, g, device) for k, g in batch.pieces(self.piece_draws(device))])
+        uniq, cnt = torch.unique(ids, sorted=True, return_counts=True)
+        return uniq, cnt.to(torch.float64)
+
+    def _token_counts(self, batches: list[BatchStream], device: torch.device) -> list[torch.Tensor]:
+        """Each batch's token counts [M] (float64 holding integers), its tokens drawn one by one from the alias
+        table, piece by piece, exactly as :meth:`sample_ids` draws them.
+
+        Two things make this fast on a GPU (issue 33) without changing a count:
+        - Counted by alias slot, not by token: a draw lands in column j = ⌊u·M⌋ (uniform) and keeps j
+          (heads) or takes alias[j] (tails); counting the 2M slots (j, heads/tails) and folding the tails
+          onto their aliases afterwards gives the same integers, but the histogram's bins are hit about
+          uniformly. Counting tokens sends a Zipf law's head token a large share of all the atomic adds,
+          and that contention was 60% of the device's time (benchmarks/README.md, GPU table).
+        - Pieces of several small batches are counted together, up to a piece's worth of draws a round
+          (one histogram over [batches in the round, 2M] bins), instead of a dozen kernels per batch.
+        Each piece keeps its own generator and size, so the counts, integers, depend on (seed, batch) alone.
+        """
+        if not batches:
+            return []
+        table, m, piece = self._alias_on(device), self._logr.shape[0], self.piece_draws(device)
+        slots: dict[int, torch.Tensor] = {}                           # batch → its slot counts [2M] so far
+        pending: list[tuple[int, int, torch.Generator]] = []      # (batch, draws, generator) of this round
+
+        def flush() -> None:
+            owners = list(dict.fromkeys(i for i, _, _ in pending))
+            slot = self.sample_slots([k for _, k, _ in pending], [g for _, _, g in pending], device)
+            if len(owners) > 1:                      # each batch its own 2M bins
+                slot.add_(torch.cat([torch.full((k,), owners.index(i) * 2 * m, dtype=torch.int64, device=device)
+                                     for i, k, _ in pending]))
+            hist = torch.bincount(slot, minlength=len(owners) * 2 * m).view(len(owners), 2 * m)
+            for row, i in enumerate(owners):
+                slots[i] = hist[row] if i not in slots else slots[i] + hist[row]
+            pending.clear()
+        for b in batches:
+            for k, g in b.pieces(piece):
+                if pending and sum(x for _, x, _ in pending) + k > piece:
+                    flush()
+                pending.append((b.index, k, g))
+        flush()
+        out = []
+        for b in batches:
+            heads, tails = slots.pop(b.index).view(m, 2).unbind(1)
+            out.append(heads.index_add(0, table.alias, tails).to(torch.float64))   # integers: any order, one sum
+        return out
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         table = features(Draws(self._logr.to(device), self._full.to(device),

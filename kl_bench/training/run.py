@@ -3,6 +3,7 @@ the rows of train.csv (exact values of the policy at every recorded step)."""
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -147,11 +148,19 @@ def unit_label(plans: list[Plan], unit: Unit) -> str:
     return f"{plan.problem.name}: {plan.combos[unit.combo].label} ({how})"
 
 
+def on_device(problem, device: torch.device):
+    """The problem with its tables on the run's device (docs/devices.md: a trajectory runs where its
+    policy lives; θ, the reference and the reward table are [B, V] or [C, V], copied once per unit)."""
+    moved = {f.name: getattr(problem, f.name).to(device) for f in dataclasses.fields(problem)
+             if isinstance(getattr(problem, f.name), torch.Tensor)}
+    return dataclasses.replace(problem, **moved)
+
+
 def run_unit(plans: list[Plan], unit: Unit, cfg: TrainConfig, *, seed: int, draws: int,
              device: torch.device, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
     """The recorded metrics of one unit ({name: [K]}, :func:`run_trajectory`; ``progress``: its)."""
     plan = plans[unit.plan]
-    pb, combo, opt = plan.problem, plan.combos[unit.combo], cfg.optimizer
+    pb, combo, opt = on_device(plan.problem, device), plan.combos[unit.combo], cfg.optimizer
     if unit.run is None:
         return run_trajectory(pb, opt, cfg.steps, cfg.record_every, lambda th, t: pb.expected_update(th, combo),
                               progress)
