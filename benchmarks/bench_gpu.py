@@ -134,7 +134,9 @@ def token_pieces(factor: int | None, dev: torch.device):
 
 def token_lines(a, dev: torch.device) -> list[Line]:
     pair = vocab.make_pair("tokens")
-    vocab.engine(pair, 10_000, dev)                                          # warm-up
+    # Warm-up on batches of V draws: the dense count path that the timed sizes take (batches far smaller
+    # than V take the sparse one; the GPU table of 2026-11-27 warmed only that one).
+    vocab.engine(pair, 200 * V, dev)
     out = []
     for n in a.token_draws:
         nl, nb = min(n, a.limit_draws), min(n, a.baseline_draws)

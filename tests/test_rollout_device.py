@@ -160,30 +160,3 @@ def test_the_lint_can_fail():
     src = "import torch\nx = torch.zeros(3, dtype=torch.float64)\ny = torch.ones_like(x)\nz = torch.arange(3, device=x.device)\n"
     assert factory_calls_without_device(src) == ["2: torch.zeros(3, dtype=torch.float64)"]
 
-
-@pytest.mark.parametrize("option", OPTIONS)
-def test_the_step_table_draws_the_same_bytes_as_the_functions(option, monkeypatch):
-    """A step gathers its values from the model's step table (issue 33) or, past the table's size cap,
-    evaluates the estimators itself: the same draws and sums to the last bit, every sampler option."""
-    from kl_bench.draws import Row
-    from kl_bench.pairs.rollout import model as model_module
-    from kl_bench.pairs.rollout.sampler import simulate
-    g = torch.Generator().manual_seed(4)
-    kw = dict(OPTIONS[option])
-    lq = torch.log_softmax(torch.randn(C, V, generator=g, dtype=torch.float64), -1)
-    lp = torch.log_softmax(lq + 0.5 * torch.randn(C, V, generator=g, dtype=torch.float64), -1)
-    lb = torch.log_softmax(lq + 0.3 * torch.randn(C, V, generator=g, dtype=torch.float64), -1) \
-        if kw.pop("behaviour", False) else None
-    bucket = torch.randint(C, (V,), generator=g)
-    rows = [Row(e, "tok") for e in ESTS]
-
-    def draws(entries: int):
-        monkeypatch.setitem(model_module.STEP_TABLE_ENTRIES, "cpu", entries)
-        model = RolloutModel.build(lq, lp, bucket, T, EOS, log_b=lb, **kw)
-        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-        return simulate(model, [300, 200], gens, torch.device("cpu"), rows), model
-    (a, ma), (b, mb) = draws(1 << 24), draws(0)
-    assert ma.step_table(torch.device("cpu"), rows) is not None and mb.step_table(torch.device("cpu"), rows) is None
-    for name in ("logr", "full", "tok", "tok_b", "weight", "log_weight", "keep"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert (x is None and y is None) or torch.equal(x, y), (option, name)

@@ -57,14 +57,6 @@ class Phase(NamedTuple):
     steps: int
 
 
-# The most entries of a rollout's step table ([C·V, 3 + R] float64, RolloutModel.step_table) per device type.
-# On a GPU, 1 GiB (C = 256, V = 50,257 and five token rows need 824 MiB): a step's kernels are launch-bound
-# there, and the table replaces dozens of them by one gather. On the host only a table that stays in cache,
-# 512 KiB: measured with one thread at C = 32, V = 50,257 (13M entries), gathering rows from the table ran
-# 10% slower than evaluating the estimators (1.0e7 against 1.1e7 token-steps/s).
-STEP_TABLE_ENTRIES = {"cpu": 1 << 16, "cuda": 1 << 27}
-
-
 @dataclass(frozen=True, eq=False)
 class SamplingTables:
     """What a step of the sampler reads, on one device (made there once per model and device: a rollout
@@ -187,30 +179,6 @@ class RolloutModel:
                                                          self.logr_table.reshape(-1).to(key), self.kl_ctx.to(key),
                                                          self.bucket.to(key), logw)
         return self._tables_by_device[key]
-
-    @cached_property
-    def _step_tables(self) -> dict:
-        return {}
-
-    def step_table(self, device: torch.device, tok_rows) -> torch.Tensor | None:
-        """What one step adds per path, tabulated per (bucket, token) on ``device``: [C·V, 3 + R] float64 with
-        columns log r, KL(q(·|c) ‖ p(·|c)) of the bucket, r − 1, and each of the R token rows' value
-        (``kl_bench.draws.Row``; an analytic row's is the bucket's KL). A step then gathers one row per path
-        instead of evaluating every estimator on its log r: the same elementwise functions of the same
-        float64 inputs, so the same values, in a few kernels instead of dozens (issue 33: on a GPU each
-        kernel launch costs about what a step's arithmetic does). None where the table would exceed
-        :data:`STEP_TABLE_ENTRIES` for the device's type (the step then evaluates the functions itself)."""
-        key = (torch.device(device), tuple(id(r.est) for r in tok_rows))
-        if key not in self._step_tables:
-            c, v = self.logr_table.shape
-            table = None
-            if c * v * (3 + len(tok_rows)) <= STEP_TABLE_ENTRIES.get(key[0].type, STEP_TABLE_ENTRIES["cpu"]):
-                g = self.logr_table.reshape(-1).to(key[0])
-                kl = self.kl_ctx.to(key[0]).repeat_interleave(v)
-                table = torch.stack([g, kl, torch.expm1(g)] + [kl if r.est.analytic else r.est.fn(g) for r in tok_rows],
-                                    dim=-1)
-            self._step_tables[key] = (table, [r.est for r in tok_rows])   # the rows kept: their ids stay theirs
-        return self._step_tables[key][0]
 
     # ---------------------------------------------------------------- importance weights (docs/weights.md)
     def capped(self, w: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ two gathers), accumulates the per-path sums (float64, in step order) and moves t
 bucket; a path that drew EOS stays alive = 0 (its later steps add nothing). Batch i's uniforms come from its
 own generator; every other operation runs on one long vector (per-op overhead dominates on short vectors),
 and every operation is per path, so a path's values do not depend on its neighbours. Tensors are made on
-the sampling ``device`` (the generators' device); the model's tables are copied there.
+the sampling ``device`` (the generators' device); the model's tables are made there once
+(RolloutModel.sampling_tables).
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ class _Walk:
     tok: torch.Tensor
     weight: torch.Tensor | None
     log_weight: torch.Tensor | None
-    sums: torch.Tensor          # [n, 3 + rows]: logr, full, tok_b, tok side by side (the step table's steps)
 
     @classmethod
     def start(cls, n: int, rows: int, weighted: bool, device: torch.device) -> "_Walk":
@@ -54,13 +54,7 @@ class _Walk:
                    *(torch.zeros(n, dtype=f64, device=device) for _ in range(3)),
                    torch.zeros(n, rows, dtype=f64, device=device),
                    torch.ones(n, dtype=f64, device=device) if weighted else None,
-                   torch.zeros(n, dtype=f64, device=device) if weighted else None,
-                   torch.zeros(n, 3 + rows, dtype=f64, device=device))
-
-    def unpack(self) -> None:
-        """The table steps' sums as the per-path sums (contiguous, as the function steps leave them)."""
-        self.logr, self.full, self.tok_b = (self.sums[:, i].contiguous() for i in range(3))
-        self.tok = self.sums[:, 3:].contiguous()
+                   torch.zeros(n, dtype=f64, device=device) if weighted else None)
 
 
 def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator], device: torch.device,
@@ -73,7 +67,6 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
     on = model.sampling_tables(device)
     tables, logw, g_flat, kl_ctx, bucket = on.alias, on.logw, on.logr, on.kl_ctx, on.bucket
     weighted = model.weighting.weighted
-    table = model.step_table(device, tok_rows)
     walk = _Walk.start(sum(sizes), len(tok_rows), weighted, device)
     # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.rejection).
     mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], sum(sizes), device)
@@ -88,45 +81,15 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
         base = walk.c * model.vocab
         x = pick(tables[phase], u, model.vocab, base)
         key = base + x
-        logw_t = None if logw is None else logw[phase][key]
-        if table is not None:
-            w_t = _table_step(model, walk, table[key], logw_t)
-        else:
-            w_t = _step(model, walk, g_flat[key], kl_ctx[walk.c], logw_t, tok_rows)
+        w_t = _step(model, walk, g_flat[key], kl_ctx[walk.c], None if logw is None else logw[phase][key], tok_rows)
         mask.add(phase, key, walk.alive)
         if record is not None:
             record.append((key, walk.alive, w_t))
         if model.eos is not None:
             walk.alive = walk.alive * (x != model.eos)
         walk.c = bucket[x]
-    if table is not None:
-        walk.unpack()
     return Draws(walk.logr, walk.full, walk.tok, walk.tok_b, weight=walk.weight, tok_weighted=model.weighting.per_token,
                  log_weight=walk.log_weight, keep=mask.keep())
-
-
-def _weights(model: RolloutModel, walk: _Walk, logw_t: torch.Tensor | None) -> torch.Tensor | None:
-    """Fold one step's token weights into the sequence weights; the tokens' corrected weights q/b [n]."""
-    alive = walk.alive
-    w_t = None if logw_t is None else model.capped(torch.exp(logw_t))
-    if w_t is not None:                     # q/b of this token, for sequences still alive
-        walk.weight = walk.weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
-        lw_t = model.capped_log(logw_t)
-        walk.log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
-    return w_t
-
-
-def _table_step(model: RolloutModel, walk: _Walk, vals: torch.Tensor, logw_t: torch.Tensor | None) -> torch.Tensor | None:
-    """:func:`_step` from the step table's rows ``vals`` [n, 3 + R] (RolloutModel.step_table): the same
-    products and sums, column by column, into one [n, 3 + R] accumulator."""
-    alive = walk.alive
-    w_t = _weights(model, walk, logw_t)
-    if model.weighting.per_token and w_t is not None:
-        walk.sums[:, :3] += alive[:, None] * vals[:, :3]
-        walk.sums[:, 3:] += (alive * w_t)[:, None] * vals[:, 3:]
-    else:
-        walk.sums += alive[:, None] * vals
-    return w_t
 
 
 def _step(model: RolloutModel, walk: _Walk, g: torch.Tensor, kl_c: torch.Tensor, logw_t: torch.Tensor | None,
@@ -137,7 +100,11 @@ def _step(model: RolloutModel, walk: _Walk, g: torch.Tensor, kl_c: torch.Tensor,
     walk.logr += alive * g
     walk.full += alive * kl_c
     walk.tok_b += alive * torch.expm1(g)
-    w_t = _weights(model, walk, logw_t)
+    w_t = None if logw_t is None else model.capped(torch.exp(logw_t))
+    if w_t is not None:                     # q/b of this token, for sequences still alive
+        walk.weight = walk.weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+        lw_t = model.capped_log(logw_t)
+        walk.log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
     if tok_rows:
         vals = torch.stack([kl_c if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
         walk.tok += (alive * w_t if model.weighting.per_token else alive)[:, None] * vals
