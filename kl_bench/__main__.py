@@ -1,14 +1,29 @@
 """`python -m kl_bench` and the `kl-bench` console script: signal handlers first, then the CLI, so that a
 Ctrl-C or SIGTERM at any moment of start-up is one line (exit 130), never a traceback."""
+import os
 import signal
 import sys
+import tempfile
 
 from . import signals
+
+
+def _temp_dir_without_probe() -> None:
+    """A disk with no room: Python's first ``tempfile.gettempdir()`` writes a probe file in each candidate
+    folder and, when every write fails, raises; some libraries call it at import (dill, which torch
+    imports when it is installed, as the trl extra does), so ``import torch`` died with a traceback before
+    kl-bench could say "no space left" in one line. Then the first candidate is taken unprobed: kl-bench's
+    own writes find the full disk and say so (kl_bench.storage)."""
+    try:
+        tempfile.gettempdir()
+    except OSError:
+        tempfile.tempdir = os.environ.get("TMPDIR") or "/tmp"
 
 
 def entry() -> None:
     # The first signal stops start-up; later ones (Ctrl-C pressed again) are ignored: one line, exit 130.
     signals.install()
+    _temp_dir_without_probe()
     # Held until the command's compiled extensions are imported (kl_bench.cli.main releases them): a
     # KeyboardInterrupt raised inside a pybind11 callback of an import aborts the process (−6) or kills
     # it by the signal instead of the one line and exit 130. A signal that came meanwhile is raised then.

@@ -260,7 +260,14 @@ class CategoricalPair(GradientDefaults, Pair):
         """Each batch's draws as counts over the drawn ids: (None, counts [M]) dense, or (ids [m], counts [m])
         sparse (sorted ids with a nonzero count) when the batch is far smaller than the support. Counts are
         float64 holding exact integers (n ≤ 2^53), on ``device``; each batch's depend on its stream alone."""
-        multi = [b for b in batches if self.uses_counts(b.size)]
+        drawn = self._multinomial_counts([b for b in batches if self.uses_counts(b.size)], device)
+        tokens = [b for b in batches if b.index not in drawn]
+        dense = [b for b in tokens if 8 * b.size >= self._logr.shape[0]]
+        drawn.update(zip((b.index for b in dense), self._token_counts(dense, device)))
+        return [(None, drawn[b.index]) if b.index in drawn else self._sparse_token_counts(b, device) for b in batches]
+
+    def _multinomial_counts(self, multi: list[BatchStream], device: torch.device) -> dict[int, torch.Tensor]:
+        """The count vectors [M] (float64) of the batches drawn as multinomials, by batch index."""
         drawn: dict[int, torch.Tensor] = {}
         if multi and device.type not in COUNTS_ON_HOST:
             # The tree on the device, up to batches_per_call batches per call, each from its own generator.
@@ -275,10 +282,7 @@ class CategoricalPair(GradientDefaults, Pair):
                 # Conditional binomials in C: O(M) per batch, whatever n (a draw-equivalent of n tokens).
                 counts = torch.from_numpy(b.numpy_generator().multinomial(b.size, self._pvals))
                 drawn[b.index] = counts.to(device=device, dtype=torch.float64)
-        tokens = [b for b in batches if b.index not in drawn]
-        dense = [b for b in tokens if 8 * b.size >= self._logr.shape[0]]
-        drawn.update(zip((b.index for b in dense), self._token_counts(dense, device)))
-        return [(None, drawn[b.index]) if b.index in drawn else self._sparse_token_counts(b, device) for b in batches]
+        return drawn
 
     def batch_counts(self, batch: BatchStream, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One batch's :meth:`count_vectors`."""
