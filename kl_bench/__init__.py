@@ -17,7 +17,7 @@ can install its signal handlers before torch loads.
 from .version import __version__  # noqa: F401  (in __all__)
 
 _EXPORTS = {
-    "CheckReport": "api", "Result": "api", "check": "api", "estimate": "api", "exact": "api", "load": "api",
+    "CheckReport": "api", "Result": "api", "check": "api", "estimate": "estimation", "exact": "api", "load": "api",
     "load_results": "api", "run": "api", "train": "api", "SpecError": "errors", "ShapeError": "errors", "ESTIMATORS": "estimators",
     "Estimator": "estimators",
     "register_estimator": "estimators", "CASE_KINDS": "pairs", "Pair": "pairs", "register_kind": "pairs",

@@ -180,7 +180,7 @@ def test_estimate_on_trainer_tensors():
         kl_bench.estimate(policy=logq, reference=logp, estimator="k33")
 
 
-@pytest.mark.parametrize("module", ["kl_bench.api", "kl_bench.estimators"])
+@pytest.mark.parametrize("module", ["kl_bench.api", "kl_bench.estimation", "kl_bench.estimators"])
 def test_docstring_examples_run(module):
     import importlib
     mod = importlib.import_module(module)
@@ -204,3 +204,18 @@ def test_overrides_are_type_checked(spec_path):
                     (dict(device=3), "--device")):
         with pytest.raises(kl_bench.SpecError, match=f"{spec_path}: key '{key}'"):
             kl_bench.run(spec_path, **kw)
+
+
+def test_estimate_loads_no_case_kind():
+    """kl_bench.estimate inside a training loop imports the estimators and torch, not the case kinds, the
+    engine or the results (issue 34 item 3): checked in a fresh process."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, kl_bench\n"
+            "v = kl_bench.estimate(policy=torch.zeros(3), reference=torch.full((3,), -0.5), estimator='k3')\n"
+            "assert abs(float(v[0]) - (2.718281828459045 ** -0.5 - 1 + 0.5)) < 1e-6, v\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('kl_bench'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "kl_bench.estimation" in out
+    assert not [m for m in out if m.startswith(("kl_bench.pairs", "kl_bench.engine", "kl_bench.results",
+                                                 "kl_bench.spec", "kl_bench.api"))], out

@@ -167,7 +167,7 @@ LAYERS = [
     ("analysis", "the regression gate and the advice (what to log, what to put in the loss)", ["gate", "advice"]),
     ("presentation", "terminal tables, figures, the report", ["display", "plots", "report"]),
     ("interfaces", "the Python API, runs written to folders, the CLI, the TRL callback",
-     ["kl_bench", "api", "runner", "cli", "__main__", "_testing", "integrations"]),
+     ["kl_bench", "api", "estimation", "runner", "cli", "__main__", "_testing", "integrations"]),
 ]
 
 
