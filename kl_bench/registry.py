@@ -87,6 +87,15 @@ class Registry(Mapping[str, T], Generic[T]):
         self.entry_points = entry_points
         self._adapt = adapt
         self._items: dict[str, T] = {}
+        self._lazy: dict[str, str] = {}       # name → the module that registers it when imported
+        self._order: dict[str, None] = {}     # every name, in the order it was first declared or added
+
+    def add_lazy(self, name: str, module: str) -> None:
+        """Know ``name`` now and import ``module`` (which registers it) on its first lookup: a built-in
+        item that costs nothing until a spec or a listing asks for it."""
+        if name not in self._items:
+            self._lazy[name] = module
+            self._order.setdefault(name)
 
     def add(self, name: str, item: T, *, replace: bool = False) -> T:
         """Register ``item`` as ``name``; a second registration of one name is an error unless
@@ -94,6 +103,8 @@ class Registry(Mapping[str, T], Generic[T]):
         if name in self._items and not replace:
             raise ValueError(f"duplicate {self.what} '{name}'")
         self._items[name] = item
+        self._lazy.pop(name, None)
+        self._order.setdefault(name)
         return item
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -103,18 +114,24 @@ class Registry(Mapping[str, T], Generic[T]):
     def remove(self, name: str) -> None:
         """Unregister ``name`` (tests register temporary items)."""
         self._items.pop(name, None)
+        self._lazy.pop(name, None)
+        self._order.pop(name, None)
 
     def __getitem__(self, name: str) -> T:
         if name in self._items:
             return self._items[name]
+        if isinstance(name, str) and name in self._lazy:
+            importlib.import_module(self._lazy.pop(name))
+            if name in self._items:
+                return self._items[name]
         if self._adapt is not None and isinstance(name, str):
             if ":" in name:
                 return self._adapt(name, import_object(name, self.what))
             found = self._from_entry_points(name)
             if found is not None:
                 return found
-        known = ", ".join(self._items)
-        raise UnknownName(f"unknown {self.what} '{name}'{did_you_mean(str(name), list(self._items))}; "
+        known = ", ".join(self.names())
+        raise UnknownName(f"unknown {self.what} '{name}'{did_you_mean(str(name), self.names())}; "
                           f"known: {known}")
 
     def _from_entry_points(self, name: str) -> T | None:
@@ -139,13 +156,14 @@ class Registry(Mapping[str, T], Generic[T]):
             return default
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return name in self._items or name in self._lazy
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._items))
+        return iter(self.names())
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.names())
 
     def names(self) -> list[str]:
-        return list(self._items)
+        """Every name, registered or declared lazily, in the order first declared (not import order)."""
+        return [n for n in self._order if n in self._items or n in self._lazy]

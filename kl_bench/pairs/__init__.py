@@ -13,15 +13,22 @@ import pkgutil
 from ..errors import SpecError
 from .base import CASE_KINDS, CaseConfig, CaseKind, Pair, register_kind
 
-# Every module or package in this folder is a kind that registers itself on import: adding a kind is
-# adding its module, nothing here.
+# Every module or package in this folder is a kind named after it, which registers itself when imported:
+# adding a kind is adding its module, nothing here. Each is imported when a spec (or a listing) first
+# names it, so `import kl_bench.pairs` costs the protocols only (kl_bench.estimate loads no kind).
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
-        importlib.import_module(f".{_module.name}", __name__)
+        CASE_KINDS.add_lazy(_module.name, f"{__name__}.{_module.name}")
 
-from .categorical import CategoricalCase, CategoricalPair  # noqa: E402  (re-exports of the built-in kinds)
-from .gaussian import GaussianCase, GaussianPair  # noqa: E402
-from .rollout import RolloutCase, RolloutPair  # noqa: E402
+# The built-in kinds' classes, imported on first use (PEP 562).
+_CLASSES = {"CategoricalCase": "categorical", "CategoricalPair": "categorical", "GaussianCase": "gaussian",
+            "GaussianPair": "gaussian", "RolloutCase": "rollout", "RolloutPair": "rollout"}
+
+
+def __getattr__(name: str):
+    if name in _CLASSES:
+        return getattr(importlib.import_module(f".{_CLASSES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_pair(case: CaseConfig, spec_file: str | None = None) -> Pair:
