@@ -13,6 +13,7 @@ from . import signals
 from .api import Result, execute, prepare
 from .distributed import SINGLE, RankFailure, Ranks
 from .errors import SpecError
+from .safe_io import check_write_target
 from .experiment import total_draws
 from .progress import LazyProgress
 from .results.checkpoint import CHECKPOINT, checkpoint_identity, load_checkpoint, remove_checkpoint, save_checkpoint
@@ -108,6 +109,10 @@ def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, 
     if resume and not (out_dir / CHECKPOINT).exists():      # before anything is created
         raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir), key="--resume")
     out_dir = check_output_dir(out_dir)
+    if resume or math.isfinite(every):
+        # A symlink, FIFO or folder at the checkpoint's path: refused now, not at the first checkpoint's
+        # write after minutes of sampling (and a resume never reads through a link).
+        check_write_target(out_dir / CHECKPOINT, key="--resume" if resume else "--checkpoint-every")
     case_draws = sp.case_draws()
     identity = checkpoint_identity(sp, prep.device, case_draws)
     with FolderLock(out_dir):
@@ -122,8 +127,9 @@ def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, 
         except KeyboardInterrupt:
             bar.close()
             why = " (a process of the torchrun job failed, or the job was stopped)" if hs.ranks.world_size > 1 else ""
-            raise RunInterrupted(f"interrupted{why}: no results were written; earlier results in {out_dir} are "
-                                 "untouched" + ("; continue with --resume" if saver.save_now() else "")) from None
+            earlier = f"; earlier results in {out_dir} are untouched" if (out_dir / "run.json").exists() else ""
+            raise RunInterrupted(f"interrupted{why}: no results were written{earlier}"
+                                 + ("; continue with --resume" if saver.save_now() else "")) from None
         finally:
             bar.close()
         _write(result, out_dir)
@@ -150,7 +156,8 @@ def _write(result: Result, out_dir: Path) -> None:
         signals.phase("written")
         remove_checkpoint(out_dir)
     except KeyboardInterrupt:
-        raise RunInterrupted(interrupt_line(out_dir, "results", "earlier results in {out} are untouched")) from None
+        raise RunInterrupted(interrupt_line(out_dir, "results", "earlier results in {out} are untouched"
+                                            if (out_dir / "run.json").exists() else "nothing was written")) from None
     except OSError as e:
         raise fs_error(e, out_dir) from None
 

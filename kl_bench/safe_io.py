@@ -282,21 +282,46 @@ def check_write_target(path: str | Path, key: str | None = None) -> None:
 
 
 def check_dir_target(path: str | Path, key: str | None = None) -> None:
-    """Refuse a results folder path that exists as anything but a folder (a file, a device, a link to
-    one); a symlink to a folder is allowed (the results go where it points)."""
+    """Refuse a results folder path that exists as anything but a folder: a file, a device, a FIFO, or a
+    symbolic link (to a folder too: kl-bench never writes through a link, whose target would be at
+    stake; give the folder itself)."""
     path = Path(path)
     try:
-        st = os.stat(path)
-    except NotADirectoryError:          # under a file: the parent's checks say so
-        return
-    except FileNotFoundError:
-        if os.path.islink(path):
-            raise SpecError("is a dangling symbolic link", file=str(path), key=key) from None
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):     # absent, or under a file: the parent's checks say so
         return
     except OSError as e:
         raise SpecError(f"cannot write there: {e.strerror or e}", file=str(path), key=key) from None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.path.realpath(path)
+        if not os.path.exists(target):
+            raise SpecError("is a dangling symbolic link", file=str(path), key=key)
+        raise SpecError(f"is a symbolic link (to {target}); kl-bench never writes through a link: give the folder "
+                        "itself", file=str(path), key=key)
     if not stat.S_ISDIR(st.st_mode):
         raise SpecError(f"exists and is not a folder ({_kind_of(st.st_mode)})", file=str(path), key=key)
+
+
+def check_folder_entries(folder: str | Path, names, key: str | None = None) -> None:
+    """Refuse to replace what stands at an output's name inside an existing results folder unless it is of
+    the output's kind: a regular file where a file is written, a folder (not a link to one) where a folder
+    of files is ("figures/a.png"). A folder, a FIFO, a device or a symlink where kl-bench writes a file
+    would otherwise be swapped out with the old folder, and what it held lost."""
+    wants_dir: dict[str, bool] = {}
+    for name in names:
+        top, sep, _ = str(name).partition("/")
+        wants_dir[top] = wants_dir.get(top, False) or bool(sep)
+    for top, is_dir in wants_dir.items():
+        path = Path(folder) / top
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as e:
+            raise SpecError(f"cannot write there: {e.strerror or e}", file=str(path), key=key) from None
+        if not (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)):
+            raise SpecError(f"is {_kind_of(st.st_mode)} where kl-bench writes {'a folder' if is_dir else 'a file'}; "
+                            "refusing to replace it (move it away, or choose another --out)", file=str(path), key=key)
 
 
 def create_exclusive(path: str | Path, mode: int = 0o600) -> int:

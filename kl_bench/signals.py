@@ -26,10 +26,24 @@ def on_signal(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
+def _unraisable(hook):
+    """``sys.unraisablehook`` that stays silent about the KeyboardInterrupt of our own signal: raised inside
+    a finaliser or a weakref callback (garbage collection during matplotlib's drawing, say), Python cannot
+    propagate it and prints an 'Exception ignored in' traceback. The signal is counted in ``seen``, and
+    :func:`phase` stops the command at its next boundary; anything else goes to the previous hook."""
+    def unraisable(info) -> None:
+        if not (isinstance(info.exc_value, KeyboardInterrupt) and seen[0]):
+            hook(info)
+    unraisable.kl_bench = True
+    return unraisable
+
+
 def install() -> None:
     """SIGTERM handled like SIGINT from the first moment: one line, never a traceback."""
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if not getattr(sys.unraisablehook, "kl_bench", False):
+        sys.unraisablehook = _unraisable(sys.unraisablehook)
 
 
 def ignore() -> None:

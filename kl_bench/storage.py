@@ -26,7 +26,7 @@ from typing import Any
 
 from . import signals
 from .errors import SpecError
-from .safe_io import check_dir_target, check_write_target, open_lock_file
+from .safe_io import check_dir_target, check_folder_entries, check_write_target, open_lock_file
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -89,17 +89,17 @@ def _check_name_length(path: Path, key: str = "--out") -> None:
 
 @_os_errors_as_input_errors
 def output_dir(path: Path, key: str = "--out") -> Path:
-    """The folder results go to: a symlink to a folder is followed (the link itself stays)."""
+    """The folder results go to (never through a symbolic link: :func:`check_output_dir` refuses one)."""
     path = Path(path)
     _check_name_length(path, key)
-    return path.resolve() if path.is_symlink() and path.resolve().is_dir() else path
+    return path
 
 
 @_os_errors_as_input_errors
 def check_output_dir(path: Path, key: str = "--out") -> Path:
     """Refuse, before any sampling, a results folder that cannot be written: '', '.', '..', an existing
     file (or /dev/null), a path under a file, a location that cannot be created or written (/proc, a
-    read-only mount). A symlink to a folder is followed: the results go where it points."""
+    read-only mount), a symbolic link (kl-bench never writes through one)."""
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
         raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key=key)
@@ -271,9 +271,11 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
     """Write ``files`` ({relative path: bytes}, "a/b.png" allowed) as the folder ``out_dir``, atomically:
     staged in a sibling folder, then exchanged with the old one in one call (or renamed into place).
     Entries of an old folder whose top-level name is not among ``files`` are carried over. A path that
-    exists as anything but a folder is refused (one line); a symlink to a folder is followed."""
+    exists as anything but a folder (a symlink included) is refused in one line, and so is an entry of the
+    old folder at an output's name that is not of the output's kind (safe_io.check_folder_entries)."""
     out_dir = output_dir(Path(out_dir))
-    check_dir_target(out_dir)
+    check_dir_target(out_dir, key="--out")
+    check_folder_entries(out_dir, files, key="--out")
     stage = staging_dir(out_dir)
     remove(stage)
     made = make_parents(stage)

@@ -341,3 +341,70 @@ def test_a_signal_at_every_phase_of_every_command_is_one_line(made, tmp_path, co
     assert out.exists() == done, (err, list(tmp_path.iterdir()))
     assert (str(out) in err and "complete" in err) if done else ("nothing was" in err or "no " in err), err
     assert _leftovers(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- what stands inside --out
+@pytest.mark.parametrize("plant", ["folder", "fifo", "symlink"])
+def test_an_entry_at_an_output_name_that_is_not_a_regular_file_is_refused_and_kept(made, tmp_path, plant):
+    """A folder, a FIFO or a symlink at summary.csv inside an existing results folder was swapped out with
+    the old folder (a user's folder at batches.csv, and what it held, deleted in silence). Now one line,
+    exit 2, and the folder as it was."""
+    out = tmp_path / "out"
+    shutil.copytree(made["res"], out)
+    (out / "summary.csv").unlink()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    {"folder": lambda p: (p.mkdir(), (p / "precious.txt").write_text("precious")),
+     "fifo": lambda p: os.mkfifo(p), "symlink": lambda p: p.symlink_to(victim)}[plant](out / "summary.csv")
+    before = _tree(out) if plant != "fifo" else None
+    proc = _cli("run", made["spec"], "--out", out, "-q")
+    _one_line(proc, 2, "summary.csv", "refusing to replace it", "key '--out'")
+    if before is not None:
+        assert _tree(out) == before
+    assert victim.read_text() == "precious" and not list(tmp_path.glob(".out.*"))
+
+
+def test_a_symlink_as_the_results_folder_is_refused(made, tmp_path):
+    """kl-bench never writes through a link: --out naming a symlink to a folder is one line, exit 2, and
+    the folder it points to is untouched."""
+    target = tmp_path / "target"
+    shutil.copytree(made["res"], target)
+    before = _tree(target)
+    (tmp_path / "link").symlink_to(target)
+    for command in (["run", made["spec"], "--out", tmp_path / "link", "-q"],
+                    ["report", made["res"], "--out", tmp_path / "link"]):
+        _one_line(_cli(*command), 2, "symbolic link", "key '--out'")
+    assert _tree(target) == before
+
+
+def test_a_symlink_at_the_checkpoint_is_refused_before_any_sampling(made, tmp_path):
+    """--resume (or checkpoints) with a symlink at .checkpoint.pt: refused at start, its target neither read
+    nor written (it was read through the link, and refused only at the first checkpoint's write)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(made["ck"], ck)
+    real = tmp_path / "elsewhere.pt"
+    (ck / ".checkpoint.pt").rename(real)
+    (ck / ".checkpoint.pt").symlink_to(real)
+    before = real.read_bytes()
+    _one_line(_cli("run", made["spec"], "--out", ck, "--resume", "-q"), 2, "symbolic link", "key '--resume'")
+    _one_line(_cli("run", made["spec"], "--out", ck, "-q", "--checkpoint-every", "1"), 2, "symbolic link",
+              "key '--checkpoint-every'")
+    assert real.read_bytes() == before and not (ck / "summary.csv").exists()
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "8000000000 bytes. Error code 12 (Cannot allocate memory)")])
+def test_running_out_of_memory_is_one_line(made, monkeypatch, capsys, error):
+    """An allocation that fails (a MemoryError, or torch's allocator on the host or a GPU) is one line, exit 2,
+    not a 75-line traceback."""
+    from kl_bench import cli, runner
+
+    def fail(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(runner, "run_to_folder", fail)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", str(made["spec"]), "--out", str(made["root"] / "never"), "-q"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: out of memory"), err
+    assert not (made["root"] / "never").exists()

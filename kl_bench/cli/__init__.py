@@ -75,13 +75,40 @@ def main(argv: list[str] | None = None) -> None:
         if e.exit_code == 130:
             signals.ignore()          # interrupted and said so: later signals add nothing
         sys.exit(e.exit_code)
-    except (KeyboardInterrupt, typer.Abort, RuntimeError) as e:
-        if not isinstance(e, KeyboardInterrupt) and not _is_abort(e):
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            if isinstance(e, RuntimeError) and _is_abort(e):
+                _interrupted()
             raise
-        signals.ignore()              # before the line: a signal now must not interrupt saying it
-        if not interrupt_reported[0]:
-            err_console.print(signals.interrupted_anywhere(), markup=False)
-        sys.exit(130)
+        signals.ignore()
+        err_console.print(f"error: out of memory ({_memory_words(e)}): give the run more memory, or fewer draws "
+                          "at once (a smaller [experiment] chunk, more batches)", markup=False, soft_wrap=True)
+        sys.exit(2)
+    except (KeyboardInterrupt, typer.Abort):
+        _interrupted()
     finally:
         signals.ignore()          # the outcome is said: a signal during shutdown must not add to it
+
+
+def _interrupted() -> None:
+    """An interrupt's one line (unless the command said it) and exit 130."""
+    signals.ignore()              # before the line: a signal now must not interrupt saying it
+    if not interrupt_reported[0]:
+        err_console.print(signals.interrupted_anywhere(), markup=False)
+    sys.exit(130)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """A failed allocation: Python's MemoryError, torch's on the host (DefaultCPUAllocator) or on a GPU."""
+    text = str(e)
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or \
+        "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def _memory_words(e: BaseException) -> str:
+    """The allocation's own words, on one line and short ('' for a bare MemoryError)."""
+    words = " ".join(str(e).split())
+    if "DefaultCPUAllocator" in words:
+        words = words[words.index("DefaultCPUAllocator"):]
+    return (words[:117] + "…" if len(words) > 120 else words) or "MemoryError"
 
