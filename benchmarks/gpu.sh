@@ -20,16 +20,23 @@ if [[ "${1:-}" == "--smoke" ]]; then
 fi
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu.sh: no CUDA device (gpu.sh --smoke runs the table on the CPU)')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-tests=0 trainer=0
-while [[ "${1:-}" == "--tests" || "${1:-}" == "--trainer" ]]; do
-    [[ "$1" == "--tests" ]] && tests=1 || trainer=1
-    shift
+tests=0 trainer=0 rest=()
+for arg in "$@"; do                         # --tests and --trainer anywhere; the rest goes to bench_gpu.py
+    case "$arg" in
+        --tests) tests=1 ;;
+        --trainer) trainer=1 ;;
+        *) rest+=("$arg") ;;
+    esac
 done
+set -- "${rest[@]+"${rest[@]}"}"
 failed=0
 if (( tests )); then
     # No '-p no:benchmark': the test configuration must stand the plugins a GPU machine has (issue 33).
     # A failing test is reported, and the table still runs (a lease of a GPU is short): gpu.sh then exits 1.
-    "$PY" -m pytest -q -n 4 tests/test_cuda.py tests/test_multinomial.py -rs --durations=8 || failed=1
+    workers=()
+    "$PY" -c "import xdist" 2>/dev/null && workers=(-n 4)
+    "$PY" -m pytest -q "${workers[@]+"${workers[@]}"}" tests/test_cuda.py tests/test_multinomial.py -rs --durations=8 \
+        || failed=1
 fi
 "$PY" benchmarks/bench_gpu.py --device cuda "$@"
 if (( trainer )); then

@@ -78,7 +78,8 @@ class Registry(Mapping[str, T], Generic[T]):
     ``adapt`` turns a plug-in object (imported from ``"module:object"`` or from the entry-point group
     ``entry_points``) into an item. Plug-ins are resolved on every lookup (Python caches the import) and
     never stored, so a reloaded module is seen and listings do not depend on what ran before; ``in``,
-    ``len`` and iteration see the registered items only, and ``get`` returns its default on any miss.
+    ``len`` and iteration see the registered items and those declared lazily (:meth:`add_lazy`: imported
+    on first lookup), not plug-ins; ``get`` returns its default on any miss.
     """
 
     def __init__(self, what: str, *, entry_points: str | None = None,
@@ -121,7 +122,12 @@ class Registry(Mapping[str, T], Generic[T]):
         if name in self._items:
             return self._items[name]
         if isinstance(name, str) and name in self._lazy:
-            importlib.import_module(self._lazy.pop(name))
+            module = self._lazy[name]
+            try:
+                importlib.import_module(module)     # the module registers the name (add drops it from _lazy)
+            except (Exception, SystemExit) as e:    # kept lazy: a later lookup tries again and says why again
+                raise SpecError(f"{self.what} '{name}' cannot be loaded (module {module}): "
+                                f"{e.__class__.__name__}: {e}") from None
             if name in self._items:
                 return self._items[name]
         if self._adapt is not None and isinstance(name, str):

@@ -13,7 +13,8 @@ from . import signals
 from .api import Result, execute, prepare
 from .distributed import SINGLE, RankFailure, Ranks
 from .errors import SpecError
-from .safe_io import check_write_target
+from .results.verify import DATA_FILES
+from .safe_io import check_folder_entries, check_write_target
 from .experiment import total_draws
 from .progress import LazyProgress
 from .results.checkpoint import CHECKPOINT, checkpoint_identity, load_checkpoint, remove_checkpoint, save_checkpoint
@@ -109,10 +110,13 @@ def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, 
     if resume and not (out_dir / CHECKPOINT).exists():      # before anything is created
         raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir), key="--resume")
     out_dir = check_output_dir(out_dir)
+    # Something that is not a regular file at a results file's name (a folder, a FIFO, a link): refused
+    # now rather than after the sampling (write_folder refuses it again at the write).
+    check_folder_entries(out_dir, (*DATA_FILES, "run.json"), key="--out")
     if resume or math.isfinite(every):
         # A symlink, FIFO or folder at the checkpoint's path: refused now, not at the first checkpoint's
         # write after minutes of sampling (and a resume never reads through a link).
-        check_write_target(out_dir / CHECKPOINT, key="--resume" if resume else "--checkpoint-every")
+        check_write_target(out_dir / CHECKPOINT, key="--resume" if resume else "--out")
     case_draws = sp.case_draws()
     identity = checkpoint_identity(sp, prep.device, case_draws)
     with FolderLock(out_dir):

@@ -154,12 +154,13 @@ TOKEN_CORRECTION_KEYS = CORRECTION_KEYS[:3]     # transforms of the detached wei
 
 
 def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: tuple[str, ...],
-                  others: dict[str, tuple[str, ...]], spec_dir: Path) -> SamplerSpec:
+                  others: Callable[[], dict[str, tuple[str, ...]]], spec_dir: Path) -> SamplerSpec:
     """A case's ``sampler`` table. ``allowed``: the keys this kind declares; ``weight_kinds``: the
-    ``weights`` values it supports; ``others``: every kind's keys (for the hint on a refused key)."""
+    ``weights`` values it supports; ``others()``: every kind's keys (for the hint on a refused key; called
+    only then, since it imports every kind)."""
     for k in t.data:
         if k not in allowed:
-            where = [name for name, keys in others.items() if k in keys]
+            where = [name for name, keys in others().items() if k in keys]
             hint = f" (only for {' and '.join(where)} cases)" if where else did_you_mean(k, list(allowed))
             raise t.error(f"unknown key for a {kind} sampler{hint}; allowed: {', '.join(allowed)}", key=t.key(k))
     weights = ("none",) + tuple(weight_kinds)

@@ -223,7 +223,8 @@ def _parse_case(raw: Any, i: int, file: str, spec_dir: Path, seen: list[CaseConf
         raise e.located(file=file, case=label, key="kind") from None
     common = {"name": name, "draws": t.get("draws", "int", None, _check_draws), "sampler": None}
     if t.has("sampler"):
-        others = {k.name: k.sampler_keys for k in CASE_KINDS.values()}
+        def others() -> dict[str, tuple[str, ...]]:
+            return {k.name: k.sampler_keys for k in CASE_KINDS.values()}
         common["sampler"] = parse_sampler(t.sub("sampler"), kind.name, kind.sampler_keys, kind.weight_kinds,
                                           others, spec_dir)
     config = kind.pair.parse(t, common, spec_dir)

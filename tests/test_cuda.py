@@ -178,3 +178,21 @@ def test_klaudit_on_a_live_trl_grpo_run_on_the_gpu(tiny_models, tmp_path):
     kl = (lps[0].exp() * (lps[0] - lps[1])).sum(-1)[last["mask"].to(CUDA)]
     assert cb.log.rows[-1].exact == pytest.approx(kl.mean().item(), rel=1e-5)
     assert all(abs(r.z) < 5 for r in cb.log.rows)
+
+
+def test_token_counts_by_slot_on_the_gpu_equal_the_tokens_counted_one_by_one(monkeypatch):
+    """The token path's slot counts on the GPU (several batches a round, rand into slices of one buffer):
+    each batch's counts are the bincount of the very tokens sample_ids draws from its generators."""
+    from kl_bench.logits import zipf_logits
+    from kl_bench.pairs import CategoricalPair
+    from kl_bench.seeding import batch_streams
+    monkeypatch.setitem(seeding.PIECE_DRAWS, "cuda", 1000)
+    lq = torch.log_softmax(zipf_logits(3000, 1.1, 1), -1)
+    pair = CategoricalPair("c", lq, lq.flip(-1), sampling="tokens")
+    for sizes in ([300, 450, 250, 999], [25_000, 10, 1000, 1], [16_000] * 3):
+        streams = batch_streams(5, "slots", sizes, CUDA)
+        got = pair._token_counts(streams, CUDA)
+        for b, counts in zip(streams, got):
+            ids = torch.cat([pair.sample_ids(k, g, CUDA) for k, g in b.pieces(pair.piece_draws(CUDA))])
+            assert counts.device.type == "cuda"
+            assert torch.equal(counts, torch.bincount(ids, minlength=3000).double()), (sizes, b.index)

@@ -220,3 +220,27 @@ def test_a_plugin_module_beside_the_spec_is_found_as_the_readme_shows(tmp_path, 
     res = CliRunner().invoke(app, ["exact", str(spec)])
     assert res.exit_code == 0, res.output
     assert f"{mod}:half_k3" in res.output and sys.path == before
+
+
+def test_a_lazy_item_whose_module_fails_is_one_error_and_stays_known(tmp_path, monkeypatch):
+    """Registry.add_lazy: the module is imported on the first lookup; if it fails, a SpecError naming the
+    item and the module, every time (the name stays listed, get() returns the default); once it imports
+    and registers, the item is there."""
+    import sys
+
+    from kl_bench.errors import SpecError
+    from kl_bench.registry import Registry
+    reg = Registry("thing")
+    (tmp_path / "lazy_thing_mod.py").write_text("raise ImportError('no such library')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg.add_lazy("thing", "lazy_thing_mod")
+    assert "thing" in reg and reg.names() == ["thing"] and len(reg) == 1
+    for _ in range(2):
+        with pytest.raises(SpecError, match="thing 'thing' cannot be loaded .*lazy_thing_mod.*no such library"):
+            reg["thing"]
+    assert reg.get("thing", 7) == 7 and "thing" in reg
+    sys.modules.pop("lazy_thing_mod", None)
+    (tmp_path / "lazy_thing_mod.py").write_text(
+        "import sys\nsys.modules['kl_bench_test_registry'].add('thing', 42)\n")
+    monkeypatch.setitem(sys.modules, "kl_bench_test_registry", reg)
+    assert reg["thing"] == 42 and reg.names() == ["thing"]

@@ -311,30 +311,41 @@ class CategoricalPair(GradientDefaults, Pair):
         if not batches:
             return []
         table, m, piece = self._alias_on(device), self._logr.shape[0], self.piece_draws(device)
-        slots: dict[int, torch.Tensor] = {}                           # batch → its slot counts [2M] so far
-        pending: list[tuple[int, int, torch.Generator]] = []      # (batch, draws, generator) of this round
+        pieces = {b.index: list(b.pieces(piece)) for b in batches}
+        left = {i: len(p) for i, p in pieces.items()}         # pieces of each batch not yet counted
+        slots: dict[int, torch.Tensor] = {}                      # batch → its slot counts [2M] so far
+        done: dict[int, torch.Tensor] = {}                       # batch → its token counts [M], float64
+        pending: list[tuple[int, int, torch.Generator]] = []     # (batch, draws, generator) of this round
+        held = 0                                                 # draws in ``pending``
 
         def flush() -> None:
-            owners = list(dict.fromkeys(i for i, _, _ in pending))
+            rows: dict[int, int] = {}                            # the round's batches, in order: their pieces
+            for i, _, _ in pending:
+                rows[i] = rows.get(i, 0) + 1
+            row = {i: r for r, i in enumerate(rows)}
             slot = self.sample_slots([k for _, k, _ in pending], [g for _, _, g in pending], device)
-            if len(owners) > 1:                      # each batch its own 2M bins
-                slot.add_(torch.cat([torch.full((k,), owners.index(i) * 2 * m, dtype=torch.int64, device=device)
-                                     for i, k, _ in pending]))
-            hist = torch.bincount(slot, minlength=len(owners) * 2 * m).view(len(owners), 2 * m)
-            for row, i in enumerate(owners):
-                slots[i] = hist[row] if i not in slots else slots[i] + hist[row]
+            if len(rows) > 1:                                    # each batch its own 2M bins
+                offset = torch.tensor([row[i] * 2 * m for i, _, _ in pending], dtype=torch.int64, device=device)
+                sizes = torch.tensor([k for _, k, _ in pending], dtype=torch.int64, device=device)
+                slot.add_(offset.repeat_interleave(sizes))
+            hist = torch.bincount(slot, minlength=len(rows) * 2 * m).view(len(rows), 2 * m)
+            for i in rows:
+                # A copy, not a view: a view would keep the round's whole [batches, 2M] histogram alive.
+                slots[i] = hist[row[i]].clone() if i not in slots else slots[i] + hist[row[i]]
+                left[i] -= rows[i]
+                if not left[i]:                                  # counted: folded to [M] now, its slots freed
+                    heads, tails = slots.pop(i).view(m, 2).unbind(1)
+                    done[i] = heads.index_add(0, table.alias, tails).to(torch.float64)  # integers: any order
             pending.clear()
         for b in batches:
-            for k, g in b.pieces(piece):
-                if pending and sum(x for _, x, _ in pending) + k > piece:
+            for k, g in pieces[b.index]:
+                if pending and held + k > piece:
                     flush()
+                    held = 0
                 pending.append((b.index, k, g))
+                held += k
         flush()
-        out = []
-        for b in batches:
-            heads, tails = slots.pop(b.index).view(m, 2).unbind(1)
-            out.append(heads.index_add(0, table.alias, tails).to(torch.float64))   # integers: any order, one sum
-        return out
+        return [done[b.index] for b in batches]
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         table = features(Draws(self._logr.to(device), self._full.to(device),

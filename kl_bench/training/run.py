@@ -151,8 +151,13 @@ def unit_label(plans: list[Plan], unit: Unit) -> str:
 def on_device(problem, device: torch.device):
     """The problem with its tables on the run's device (docs/devices.md: a trajectory runs where its
     policy lives; θ, the reference and the reward table are [B, V] or [C, V], copied once per unit)."""
-    moved = {f.name: getattr(problem, f.name).to(device) for f in dataclasses.fields(problem)
-             if isinstance(getattr(problem, f.name), torch.Tensor)}
+    moved = {}
+    for f in dataclasses.fields(problem):
+        value = getattr(problem, f.name)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(device)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            moved[f.name] = on_device(value, device)      # the sequences of a per-sequence reward, say
     return dataclasses.replace(problem, **moved)
 
 
