@@ -333,13 +333,14 @@ def test_atomic_writes_refuse_a_link_or_device_that_appears_at_the_target(tmp_pa
     with pytest.raises(SpecError, match="symbolic link"):
         storage.atomic_write_bytes(link, b"x")
     from kl_bench.pairs.model.dump import _save        # dump-logits' writer: the folder swapped in whole
-    with pytest.raises(SpecError, match="not a folder"):
+    with pytest.raises(SpecError, match="symbolic link"):
         _save(link, {"next_token.pt": b"x"})
     out = tmp_path / "dump"
     out.mkdir()
     (out / "next_token.pt").symlink_to(victim)
-    _save(out, {"next_token.pt": b"x"})                 # the link is replaced, never followed
-    assert (out / "next_token.pt").read_bytes() == b"x" and not (out / "next_token.pt").is_symlink()
+    with pytest.raises(SpecError, match="symbolic link where kl-bench writes a file; refusing to replace it"):
+        _save(out, {"next_token.pt": b"x"})             # a link inside the folder: neither followed nor replaced
+    assert (out / "next_token.pt").is_symlink()
     assert victim.read_text() == "precious" and not list(tmp_path.glob(".tmp-*"))
     assert not list(tmp_path.glob(".*staging*")) and not list(tmp_path.glob(".*.lock"))
 
