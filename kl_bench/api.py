@@ -342,10 +342,10 @@ def exact(spec, *, progress: bool | None = None, console=None) -> "pd.DataFrame"
 
 def _exact_rows(sp: Spec, pairs: list[Pair], bar) -> list[dict]:
     """:func:`exact`'s rows, case by case (``bar``: a LazyProgress, advanced once a case)."""
-    from .estimators import make_cv, resolve_estimator
+    from .estimators import make_cv
     from .planning import add_planning
     from .results.rows import exact_rows
-    sources = [resolve_estimator(n) for n in sp.experiment.estimators] + [make_cv(lam) for lam in sp.experiment.lambdas]
+    sources = [*sp.experiment.sources] + [make_cv(lam) for lam in sp.experiment.lambdas]
     rows = []
     for p in pairs:
         bar.label(f"{p.name}: exact moments")

@@ -17,7 +17,7 @@ from .distributed import SINGLE, Ranks
 from .draws import Row
 from .errors import SpecError
 from .engine import CaseRun, as_rows, run_case, small_batch_negative
-from .estimators import FULL, make_cv, resolve_estimator
+from .estimators import FULL, make_cv
 from .lambdas import lambda_star_mc, sweep_frame
 from .pairs.base import CasePair, require_gradients
 from .planning import add_planning
@@ -82,7 +82,7 @@ def run_experiment_case(pair: CasePair, exp: Experiment, device: torch.device,
     passes are split across processes; rank 0 does the rest and returns the outcome, the others None."""
     if draws is not None:
         exp = dataclasses.replace(exp, draws=draws)
-    rows = with_reference_row(as_rows([pair.adapt(resolve_estimator(n)) for n in exp.estimators], pair), pair)
+    rows = with_reference_row(as_rows([pair.adapt(e) for e in exp.sources], pair), pair)
     cvs = as_rows([make_cv(lam) for lam in exp.lambdas], pair)
     # The λ curve and λ* describe draws from q; under a sampler b ≠ q the cv rows are still measured
     # (against their exact E_b), but no sweep or cv_opt is made.
@@ -200,7 +200,7 @@ class SpecOutcome:
 def validate_oracles(spec, pairs: list[CasePair], spec_file: str | None = None) -> None:
     """Every number needs an exact oracle: each pair refuses the estimators it has none for (and, with
     gradients, a kind without gradient oracles is refused), before any sampling."""
-    sources = [resolve_estimator(n) for n in spec.experiment.estimators]
+    sources = list(spec.experiment.sources)
     for case, pair in zip(spec.cases, pairs):
         try:
             pair.validate(sources)
@@ -231,7 +231,7 @@ def _check_baseline_groups(spec, case, pair: CasePair) -> None:
 def check_group_draws(spec, pairs: list[CasePair], spec_file: str | None = None) -> None:
     """Rows with one value per group of B draws (token-mean) need a whole group in every batch, before
     any sampling: refuse a case whose smallest batch is smaller."""
-    sources = [resolve_estimator(n) for n in spec.experiment.estimators]
+    sources = list(spec.experiment.sources)
     for case, pair, draws in zip(spec.cases, pairs, spec.case_draws()):
         group = max((pair.row_group(a) for s in sources for a in pair.aggregates_for(pair.adapt(s))), default=1)
         sizes = batch_sizes(draws, spec.experiment.batches)
@@ -288,7 +288,7 @@ def _gradient_pass(spec, pairs: list[CasePair], device: torch.device, progress, 
     """gradients.csv's rows: every estimator × mode of every case, on its own draws. ``vectors`` receives
     gradients.npz's exact vectors of the kinds that export them (:attr:`GradientOracle.exports_gradient_vectors`)."""
     exp = spec.experiment
-    ests = [resolve_estimator(n) for n in exp.estimators] + [make_cv(lam) for lam in exp.lambdas]
+    ests = [*exp.sources] + [make_cv(lam) for lam in exp.lambdas]
     grad_rows = []
     for pair, n in zip(pairs, spec.case_draws()):
         if on_phase is not None:
@@ -306,7 +306,7 @@ def _baseline_pass(spec, pairs: list[CasePair], device: torch.device, on_phase) 
     exp = spec.experiment
     if not exp.baseline_groups:
         return None
-    ests = [e for e in (resolve_estimator(n) for n in exp.estimators) if not e.analytic]
+    ests = [e for e in exp.sources if not e.analytic]
     rows = []
     for pair, n in zip(pairs, spec.case_draws()):
         if on_phase is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -59,6 +60,18 @@ class Experiment:
     optimal: bool = False             # "optimal" in lambdas: add cv_opt with λ from a pilot pass
     gradients: bool = False           # also write gradients.csv (kl_bench.gradients)
     baseline_groups: tuple[int, ...] = ()   # G values: also write group_baselines.csv (kl_bench.baselines)
+
+    @functools.cached_property
+    def sources(self) -> tuple:
+        """The estimators as objects (:func:`kl_bench.estimators.resolve_estimator`: registered ones,
+        plug-ins, clamped variants), resolved once per spec: every pass of the run uses these objects."""
+        from .estimators import resolve_estimator
+        return tuple(resolve_estimator(n) for n in self.estimators)
+
+    def __getstate__(self) -> dict:
+        # A pickled spec (torchrun's handshake, a deep copy) leaves the resolved estimators behind: a plug-in
+        # or clamped variant may be a closure, and the receiver resolves its own.
+        return {k: v for k, v in self.__dict__.items() if k != "sources"}
 
 
 @dataclass(frozen=True)
