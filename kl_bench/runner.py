@@ -166,6 +166,34 @@ def _write(result: Result, out_dir: Path) -> None:
         raise fs_error(e, out_dir) from None
 
 
+def train_to_folder(spec, out: str | Path | None = None, *, seed: int | None = None, device: str | None = None,
+                    progress: bool = False, console=None):
+    """Train ``spec`` (a [train] table) and write its folder (default ``runs/<name>/``: train.csv and run.json,
+    swapped in whole), as ``kl-bench train`` does. Under torchrun every process calls it: the units are split
+    across the processes (one process group for the job), rank 0 writes and returns the
+    :class:`kl_bench.training.TrainResult`, the others None; a failed rank is one line on every rank."""
+    from .api import resolve_device, train
+    from .distributed import RankFailure, env_world, start, stop
+    from .spec import load_spec
+    sp = load_spec(spec)
+    out_dir = check_output_dir(output_dir(Path(out) if out is not None else DEFAULT_RUNS / sp.experiment.name))
+    if env_world() is None:
+        result = train(sp, seed=seed, device=device, progress=progress, console=console)
+    else:
+        dev = resolve_device(device or sp.experiment.device, str(sp.path),
+                             "--device" if device is not None else "experiment.device")
+        try:
+            ranks, dev = start(dev)
+            result = train(sp, seed=seed, device=str(dev), ranks=ranks, progress=progress, console=console)
+        except RankFailure as e:
+            raise SpecError(str(e)) from None
+        finally:
+            stop()
+    if result is not None:
+        result.write(out_dir)
+    return result
+
+
 class _Checkpoints:
     """The main passes' sums so far, saved at most every ``every`` seconds (and once more on an interrupt)."""
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .common import DEFAULT_RUNS, Command, app, err_console, out_console, user_errors
+from .common import Command, app, err_console, out_console, user_errors
 
 
 @app.command(cls=Command)
@@ -22,38 +22,16 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
     from ..distributed import env_world
     world = env_world()
     quiet_rank = world is not None and world[0] != 0        # only rank 0 speaks
-    from .. import api
-    from ..spec import load_spec
-    from ..storage import check_output_dir, output_dir
+    from ..runner import train_to_folder
     with _errors(quiet_rank):
-        sp = load_spec(spec)
-        out_dir = check_output_dir(output_dir(out if out is not None else DEFAULT_RUNS / sp.experiment.name))
-        progress = not (quiet or quiet_rank)          # a line on a terminal's stderr, none in a pipe
-        result = api.train(sp, seed=seed, device=device, progress=progress, console=err_console) if world is None \
-            else _train_ranks(sp, seed, device, progress)
+        result = train_to_folder(spec, out, seed=seed, device=device, progress=not (quiet or quiet_rank),
+                                 console=err_console)        # a progress line on a terminal's stderr only
         if result is None:                                   # another rank of the job: rank 0 writes
             return
-        result.write(out_dir)
     if not quiet:
         for line in result.summary_lines():
             out_console.print(line, markup=False)
-        out_console.print(f"→ {out_dir}/train.csv", markup=False)
-
-
-def _train_ranks(sp, seed, device, progress: bool):
-    """The job's share of this process (kl_bench.training.train_rows): rank 0 gets the result."""
-    from .. import api
-    from ..distributed import RankFailure, start, stop
-    from ..errors import SpecError
-    dev = api.resolve_device(device or sp.experiment.device, str(sp.path),
-                             "--device" if device is not None else "experiment.device")
-    try:
-        ranks, dev = start(dev)
-        return api.train(sp, seed=seed, device=str(dev), ranks=ranks, progress=progress, console=err_console)
-    except RankFailure as e:
-        raise SpecError(str(e)) from None
-    finally:
-        stop()
+        out_console.print(f"→ {result.path}/train.csv", markup=False)
 
 
 @contextlib.contextmanager
