@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .errors import ShapeError, SpecError
+from .estimators import resolve_estimator
 
 
 def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
@@ -44,7 +45,6 @@ def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor 
         raise TypeError(f"estimate() takes keyword arguments only, got {len(args)} positional: call "
                         "estimate(policy=..., reference=..., estimator=...) (positional tensors could be read in "
                         "either order, and a swap flips the direction of the KL silently)")
-    from .estimators import resolve_estimator
     est = resolve_estimator(estimator)
     logq, logp = _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est)
     if est.analytic:

@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from . import signals
-from .api import Result, execute, prepare
-from .distributed import SINGLE, RankFailure, Ranks
+from .api import Result, execute, prepare, resolve_device, train
+from .distributed import SINGLE, RankFailure, Ranks, env_world
 from .errors import SpecError
-from .results.verify import DATA_FILES
-from .safe_io import check_folder_entries, check_write_target
 from .experiment import total_draws
 from .progress import LazyProgress
 from .results.checkpoint import CHECKPOINT, checkpoint_identity, load_checkpoint, remove_checkpoint, save_checkpoint
+from .results.verify import DATA_FILES
+from .safe_io import check_folder_entries, check_write_target
+from .spec import load_spec
 from .storage import FolderLock, check_output_dir, clean_stale, committed, fs_error, output_dir
 
 DEFAULT_RUNS = Path("runs")        # where a run goes without an output folder (git-ignored)
@@ -172,9 +173,7 @@ def train_to_folder(spec, out: str | Path | None = None, *, seed: int | None = N
     swapped in whole), as ``kl-bench train`` does. Under torchrun every process calls it: the units are split
     across the processes (one process group for the job), rank 0 writes and returns the
     :class:`kl_bench.training.TrainResult`, the others None; a failed rank is one line on every rank."""
-    from .api import resolve_device, train
-    from .distributed import RankFailure, env_world, start, stop
-    from .spec import load_spec
+    from .distributed import start, stop      # looked up when called: kl_bench._testing wraps start
     sp = load_spec(spec)
     out_dir = check_output_dir(output_dir(Path(out) if out is not None else DEFAULT_RUNS / sp.experiment.name))
     if env_world() is None:

@@ -27,6 +27,13 @@ PIECE_DRAWS = {"cpu": 1 << 16, "cuda": 1 << 20}
 TOKEN_PIECES = {"cpu": 1, "cuda": 16}
 
 
+def device_key(device) -> torch.device:
+    """The device a tensor made on ``device`` lands on ("cuda" → "cuda:N", the current one): the key of a
+    per-device cache, so that "cuda" and "cuda:0" share one copy of a table."""
+    key = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if key.type == "cuda" and key.index is None else key
+
+
 def piece_draws(device: torch.device) -> int:
     """The fixed piece size on ``device``'s type (draws)."""
     return PIECE_DRAWS.get(torch.device(device).type, PIECE_DRAWS["cpu"])

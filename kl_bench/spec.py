@@ -23,7 +23,7 @@ from .config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, ch
                      fmt_count, positive, typename)
 from .baselines import MAX_GROUP
 from .errors import SpecError
-from .estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup
+from .estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup, resolve_estimator
 from .logits import is_array, unsupported_array
 from .pairs import CASE_KINDS, CaseConfig
 from .registry import did_you_mean, plugin_path
@@ -65,7 +65,6 @@ class Experiment:
     def sources(self) -> tuple:
         """The estimators as objects (:func:`kl_bench.estimators.resolve_estimator`: registered ones,
         plug-ins, clamped variants), resolved once per spec: every pass of the run uses these objects."""
-        from .estimators import resolve_estimator
         return tuple(resolve_estimator(n) for n in self.estimators)
 
     def __getstate__(self) -> dict:

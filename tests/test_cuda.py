@@ -36,6 +36,17 @@ def test_gpu_monte_carlo_matches_exact(case):
 AUDIT_SAMPLERS = ["b = q", "top_k", "top_p", "temperature"]
 
 
+def _layer():
+    """Hidden states [64, 32] of a policy and a reference, their heads [5003, 32] and sampled ids, on the
+    host (seeded): the audit tests move them to the GPU."""
+    g = torch.Generator().manual_seed(1)
+    n, vocab, d = 64, 5003, 32
+    hp, hr = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    wp = torch.randn(vocab, d, generator=g) / d ** 0.5 * 3
+    wr = wp + 0.1 * torch.randn(vocab, d, generator=g)
+    return hp, hr, wp, wr, torch.randint(vocab, (n,), generator=g)
+
+
 @pytest.mark.parametrize("which", AUDIT_SAMPLERS)
 def test_streamed_audit_on_the_gpu_equals_dense_float64(which):
     """stream_values with every input on the GPU: float64 tiles equal the dense float64 sums to 1e-12,
@@ -43,12 +54,7 @@ def test_streamed_audit_on_the_gpu_equals_dense_float64(which):
     from kl_bench.audit import Head, Sampler, position_values, stream_kl, stream_values
     sp = {"b = q": Sampler(), "top_k": Sampler(top_k=20), "top_p": Sampler(top_p=0.9),
           "temperature": Sampler(temperature=0.7)}[which]
-    g = torch.Generator().manual_seed(1)
-    n, vocab, d = 64, 5003, 32
-    hp, hr = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
-    wp = torch.randn(vocab, d, generator=g) / d ** 0.5 * 3
-    wr = wp + 0.1 * torch.randn(vocab, d, generator=g)
-    ids = torch.randint(vocab, (n,), generator=g)
+    hp, hr, wp, wr, ids = _layer()
     est = ("k1", "k3", "openrlhf.k3")
     dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, est, sp, ids=ids)
     args = [x.to(CUDA) for x in (hp, hr)] + [Head(wp.to(CUDA)), Head(wr.to(CUDA))]
@@ -80,12 +86,7 @@ def test_negative_mass_under_b_equals_q_on_the_gpu():
     tiles, against the dense float64 value: the sign of f at a token is decided by log r, which both
     compute to float64 rounding, so they agree to rounding unless a token's log r is within ~1e-15 of 0."""
     from kl_bench.audit import Head, Sampler, position_values, stream_values
-    g = torch.Generator().manual_seed(1)
-    n, vocab, d = 64, 5003, 32
-    hp, hr = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
-    wp = torch.randn(vocab, d, generator=g) / d ** 0.5 * 3
-    wr = wp + 0.1 * torch.randn(vocab, d, generator=g)
-    ids = torch.randint(vocab, (n,), generator=g)
+    hp, hr, wp, wr, ids = _layer()
     dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, ("k1",), Sampler(), ids=ids)
     args = [x.to(CUDA) for x in (hp, hr)] + [Head(wp.to(CUDA)), Head(wr.to(CUDA))]
     st = stream_values(*args, ("k1",), Sampler(), ids=ids.to(CUDA), tile=512, dtype=torch.float64)

@@ -37,7 +37,7 @@ from ..logits import (LogitsSource, check_table_size, describe_sources, has_voca
                       resolve_pair_source_logits)
 from ..samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ..multinomial import MultinomialTree, batches_per_call, draw_counts
-from ..seeding import BatchStream, piece_draws, token_piece_draws
+from ..seeding import BatchStream, device_key, piece_draws, token_piece_draws
 from ..targets import FORWARD, REVERSE
 from ..weights import WeightCorrection
 from .base import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator,
@@ -233,7 +233,7 @@ class CategoricalPair(GradientDefaults, Pair):
         return j.mul_(2).add_(tails)
 
     def _alias_on(self, device: torch.device):
-        if self._alias.prob.device != device:
+        if self._alias.prob.device != device_key(device):
             self._alias = self._alias.to(device)
         return self._alias
 
@@ -252,8 +252,8 @@ class CategoricalPair(GradientDefaults, Pair):
         return token_piece_draws(device)
 
     def _tree_on(self, device: torch.device) -> MultinomialTree:
-        if self._tree is None or self._tree[0] != device:
-            self._tree = device, MultinomialTree.of(torch.from_numpy(self._pvals).to(device))
+        if self._tree is None or self._tree[0] != device_key(device):
+            self._tree = device_key(device), MultinomialTree.of(torch.from_numpy(self._pvals).to(device))
         return self._tree[1]
 
     def count_vectors(self, batches: list[BatchStream], device: torch.device) -> list[tuple[torch.Tensor | None, torch.Tensor]]:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ...alias import AliasTable, build_alias_rows
+from ...seeding import device_key
 from ...errors import SpecError
 from ...precision import Precision, rounded_logr
 from ...rejection import Rejection
@@ -171,9 +172,7 @@ class RolloutModel:
 
     def sampling_tables(self, device: torch.device) -> SamplingTables:
         """The sampler's tables on ``device`` (:class:`SamplingTables`), made there on first use."""
-        key = torch.device(device)
-        if key.type == "cuda" and key.index is None:       # one copy for "cuda" and "cuda:N" alike
-            key = torch.device("cuda", torch.cuda.current_device())
+        key = device_key(device)                           # one copy for "cuda" and "cuda:N" alike
         if key not in self._tables_by_device:
             logw = tuple((self.log_q - lb).reshape(-1).to(key) for lb, _ in self.phases) \
                 if self.weighting.weighted else None
