@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from kl_bench.engine import run_case
-from kl_bench.estimators import lookup
-from kl_bench.pairs import GaussianPair
+from kl_bench.engine.monte_carlo import run_case
+from kl_bench.core.estimators import lookup
+from kl_bench.kinds import GaussianPair
 from bench_vocab50k import timed  # benchmarks/, beside this script: best-of-n timing with CUDA syncs
 
 NAMES = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3"]   # the core estimators (presets are variants of these)

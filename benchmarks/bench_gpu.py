@@ -6,7 +6,7 @@ sizes (CI), so that it cannot rot.
   path (default sizes)                kl-bench             raw limit (same shape)            plain baseline
   tokens, V = 50,257, 10^8 and 10^10  alias + count        torch.rand + one gather a draw    torch.multinomial + gather
   counts, V = 50,257, 10^10           multinomial tree     torch.binomial down the same      torch.multinomial + gather
-                                      (kl_bench.multinomial) tree, one ATen kernel a level
+                                      (kl_bench.sampling.multinomial) tree, one ATen kernel a level
   rollouts, 10^6 × T 256, V 50,257,   rollout sampler      one uniform + the gathers per     flattened inverse CDF +
   C 256                                                    token-step                        searchsorted
   rollout gradients, 10^6             gradient rows        the raw limit + one index_add_    the same pipeline on the
@@ -37,7 +37,7 @@ import bench_audit as audit          # beside this script
 import bench_gradients as grads
 import bench_rollout as rollouts
 import bench_vocab50k as vocab
-from kl_bench import seeding
+from kl_bench.sampling import seeding
 
 V = 50257
 
@@ -78,7 +78,7 @@ def counts_limit(q: torch.Tensor, sizes: list[int], dev: torch.device) -> Callab
     level. Not kl-bench's sampler (float64 counts, exact below 2^53 only; CUDA's kernel draws float32
     uniforms), but the fastest a tree of binomials goes on this device. Returns the timed call (the tree
     is built outside it)."""
-    from kl_bench.multinomial import MultinomialTree
+    from kl_bench.sampling.multinomial import MultinomialTree
     tree = MultinomialTree.of(q.to(dev))
     g = torch.Generator(device=dev).manual_seed(0)
     first = torch.tensor(sizes, dtype=torch.float64, device=dev)[:, None]

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 from torch.func import grad, vmap
 
-from kl_bench import gradients as G
-from kl_bench import modes as M
-from kl_bench.estimators import lookup
-from kl_bench.targets import FORWARD, REVERSE
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import CategoricalPair
-from kl_bench.pairs.rollout import RolloutPair
-from kl_bench.pairs.rollout.sampler import paths
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core import modes as M
+from kl_bench.core.estimators import lookup
+from kl_bench.core.targets import FORWARD, REVERSE
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import CategoricalPair
+from kl_bench.kinds.rollout import RolloutPair
+from kl_bench.kinds.rollout.sampler import paths
 from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V, C, T = 50257, 32, 16

@@ -39,8 +39,8 @@ ROWS = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full"]
 def setup(case: dict, device: str, whole: bool) -> str:
     spec = {"spec_version": 1, "experiment": {"name": "mem", "draws": 1000, "device": device, "estimators": ROWS},
             "case": [{"name": "c", **case}]}
-    raise_piece = "import kl_bench.seeding as s; s.PIECE_DRAWS.update(cpu=1 << 62, cuda=1 << 62); " if whole else ""
-    return (f"{raise_piece}from kl_bench.api import prepare; from kl_bench.engine import run_case; "
+    raise_piece = "import kl_bench.sampling.seeding as s; s.PIECE_DRAWS.update(cpu=1 << 62, cuda=1 << 62); " if whole else ""
+    return (f"{raise_piece}from kl_bench.api import prepare; from kl_bench.engine.monte_carlo import run_case; "
             f"prep = prepare({spec!r}); pair = prep.pairs[0]; dev = torch.device('{device}')")
 
 

@@ -9,7 +9,7 @@
                         trainer does to get log p of the sampled tokens), and nothing else
 
 Both run `batch_size` continuations per call. The models are the tiny random GPT-2s the test suite
-builds (kl_bench.pairs.model.tiny), or your own with --models DIR (policy/, reference/, prompts.txt).
+builds (kl_bench.kinds.model.tiny), or your own with --models DIR (policy/, reference/, prompts.txt).
 
     python benchmarks/bench_model.py [--continuations 512] [--length 32] [--batch-size 64] [--device cpu]
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from kl_bench.engine import run_case
-from kl_bench.pairs.model import ModelPair, lm
-from kl_bench.pairs.model.tiny import build_tiny_models
+from kl_bench.engine.monte_carlo import run_case
+from kl_bench.kinds.model import ModelPair, lm
+from kl_bench.kinds.model.tiny import build_tiny_models
 
 ROWS = ["k1", "k2", "k3", "full"]
 

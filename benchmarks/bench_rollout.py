@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from kl_bench.draws import Row
-from kl_bench.estimators import lookup
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import RolloutPair
-from kl_bench.pairs.rollout.sampler import simulate
+from kl_bench.core.draws import Row
+from kl_bench.core.estimators import lookup
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import RolloutPair
+from kl_bench.kinds.rollout.sampler import simulate
 
 V = 50257
 TOK = ["k1", "k2", "k3", "fwd_k3", "full"]

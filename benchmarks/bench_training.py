@@ -5,7 +5,7 @@ J(θ) = E_q[reward] − β KL(q‖p), from the same start:
 
   kl-bench   the trainer's expected update of a combination, in closed form (categorical: q ⊙ a − q(q·a)
              with a = reward − β c(log r)) or by the counting dynamic program (rollout:
-             kl_bench.pairs.rollout.gradients.exact_mean plus the reward's score function)
+             kl_bench.kinds.rollout.gradients.exact_mean plus the reward's score function)
   autograd   J(θ) written as a differentiable float64 expression (categorical: the vocabulary sums;
              rollout: the forward dynamic program) and torch.autograd.grad of it
 
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs.rollout import RolloutModel, dp
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds.rollout import RolloutModel, dp
 from kl_bench.training import (SEQUENCE_REWARDS, CategoricalProblem, Optimizer, RolloutProblem, SequenceRolloutProblem,
                                parse_combination, trajectory)
 from kl_bench.training.sequences import enumerate_sequences, rewards_of

@@ -3,7 +3,7 @@
   kl-bench counts        each batch's count vector ~ Multinomial(n, q) drawn directly (O(V) per batch
                          whatever n) → one product with a per-token feature table: draw-equivalents.
                          Timed both ways in the same run: numpy's sequential conditional binomials on the
-                         host, and kl_bench.multinomial's binary tree of binomials (torch) on the device;
+                         host, and kl_bench.sampling.multinomial's binary tree of binomials (torch) on the device;
                          the row marked "(default)" is what kl-bench uses on this device type
   kl-bench tokens        every token drawn (alias table, pieces of 2^16) → bincount → the same product
   torch.multinomial      plain pipeline: multinomial ids → gather log p, log q → each estimator → float64 sums
@@ -25,11 +25,11 @@ import time
 import numpy as np
 import torch
 
-from kl_bench.engine import run_case
-from kl_bench.estimators import lookup
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import CategoricalPair
-from kl_bench.pairs import categorical
+from kl_bench.engine.monte_carlo import run_case
+from kl_bench.core.estimators import lookup
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import CategoricalPair
+from kl_bench.kinds import categorical
 from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V = 50257
@@ -92,7 +92,7 @@ def engine(pair: CategoricalPair, n: int, device: torch.device):
 @contextlib.contextmanager
 def counts_on(where: str, device: torch.device):
     """Count vectors drawn by numpy on the host ("host") or by the torch tree on ``device`` ("device"),
-    whatever this device type's default (kl_bench.pairs.categorical.COUNTS_ON_HOST)."""
+    whatever this device type's default (kl_bench.kinds.categorical.COUNTS_ON_HOST)."""
     keep = categorical.COUNTS_ON_HOST
     categorical.COUNTS_ON_HOST = keep | {device.type} if where == "host" else keep - {device.type}
     try:

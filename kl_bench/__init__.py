@@ -1,6 +1,6 @@
 """kl-bench: Monte Carlo KL-estimator benchmarking against exact oracles.
 
-The Python API (see README "Python API" and :mod:`kl_bench.api`):
+The Python API (see README "Python API" and :mod:`kl_bench.api`, one module per job):
 
 - :func:`run` (a spec path, :class:`Spec` or dict → :class:`Result`), :meth:`Result.write`,
   :meth:`Result.report`
@@ -14,14 +14,19 @@ The Python API (see README "Python API" and :mod:`kl_bench.api`):
 Names are loaded on first use (PEP 562), so that importing the package is instant and the command line
 can install its signal handlers before torch loads.
 """
-from .version import __version__  # noqa: F401  (in __all__)
+from ._moved import install as _install_moved
+from .foundation.version import __version__  # noqa: F401  (in __all__)
+
+_install_moved()     # old import paths (kl_bench.estimators, ...) resolve for one release, with a warning
 
 _EXPORTS = {
-    "CheckReport": "api", "Result": "api", "check": "api", "estimate": "estimation", "exact": "api", "load": "api",
-    "load_results": "api", "run": "api", "train": "api", "SpecError": "errors", "ShapeError": "errors", "ESTIMATORS": "estimators",
-    "Estimator": "estimators",
-    "register_estimator": "estimators", "CASE_KINDS": "pairs", "Pair": "pairs", "register_kind": "pairs",
-    "Spec": "spec", "load_spec": "spec", "parse_spec": "spec", "TARGETS": "targets",
+    "CheckReport": "api.checking", "Result": "api.result", "check": "api.checking", "estimate": "api.estimation",
+    "exact": "api.exact_table", "load": "api.preparation", "load_results": "api.result", "run": "api.execution",
+    "train": "api.trajectories", "SpecError": "foundation.errors", "ShapeError": "foundation.errors",
+    "ESTIMATORS": "core.estimators", "Estimator": "core.estimators", "register_estimator": "core.estimators",
+    "CASE_KINDS": "kinds", "Pair": "kinds", "register_kind": "kinds",
+    "Spec": "experiment.spec", "load_spec": "experiment.spec", "parse_spec": "experiment.spec",
+    "TARGETS": "core.targets",
     # the trainer audit (docs/audit.md)
     "AuditLog": "audit", "Sampler": "audit", "sampler_logprobs": "audit", "position_values": "audit",
     "stream_values": "audit",

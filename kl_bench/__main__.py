@@ -5,7 +5,7 @@ import signal
 import sys
 import tempfile
 
-from . import signals
+from .foundation import signals
 
 
 def _temp_dir_without_probe() -> None:
@@ -13,7 +13,7 @@ def _temp_dir_without_probe() -> None:
     folder and, when every write fails, raises; some libraries call it at import (dill, which torch
     imports when it is installed, as the trl extra does), so ``import torch`` died with a traceback before
     kl-bench could say "no space left" in one line. Then the first candidate is taken unprobed: kl-bench's
-    own writes find the full disk and say so (kl_bench.storage)."""
+    own writes find the full disk and say so (kl_bench.foundation.storage)."""
     try:
         tempfile.gettempdir()
     except OSError:

@@ -2,13 +2,13 @@
 script with the hooks that the environment asks for installed first.
 
 - ``KL_BENCH_SELF_SIGNAL=PHASE[:SIGTERM]``: the process signals itself (SIGINT by default) at that phase
-  boundary (:func:`kl_bench.signals.phase`: start, pairs, write, staged, written, report-written), so that the
+  boundary (:func:`kl_bench.foundation.signals.phase`: start, pairs, write, staged, written, report-written), so that the
   signal tests need no sleeps.
 - ``KL_BENCH_RANK_FAIL=RANK:PHASE[:N]``: the process of that rank (torchrun's ``RANK``) dies by SIGKILL, as a
   crashed or OOM-killed process would, the Nth time (default the first) it reaches PHASE: ``start`` (it
   joined the process group), ``main`` (it drew its slice of a round of a main or pilot pass, before the
   gather), ``gradients`` (it added a batch of a gradient pass).
-- ``KL_BENCH_WRITE_DELAY=SECONDS``: a pause after each file staged by :func:`kl_bench.storage.write_folder`,
+- ``KL_BENCH_WRITE_DELAY=SECONDS``: a pause after each file staged by :func:`kl_bench.foundation.storage.write_folder`,
   so that a test can kill the process while a results folder is half staged.
 - ``KL_BENCH_KILL_AFTER_CHECKPOINT=N``: the process dies by SIGKILL right after its Nth checkpoint is
   written, mid-run whatever the machine's speed (the resume test's kill is an event, not a time).
@@ -35,7 +35,7 @@ def _install_kill_after_checkpoint() -> None:
     nth = int(os.environ.get(KILL_AFTER_CHECKPOINT_ENV, "0") or 0)
     if not nth:
         return
-    from . import runner
+    from .api import folders as runner
     save, saved = runner.save_checkpoint, [0]
 
     def save_then_die(*args, **kwargs) -> None:
@@ -52,7 +52,7 @@ def _install_write_delay() -> None:
         return
     import time
 
-    from . import storage
+    from .foundation import storage
     stage = storage.stage_file
 
     def slow(path, data) -> None:
@@ -65,7 +65,7 @@ def _install_self_signal() -> None:
     want = os.environ.get(SELF_SIGNAL_ENV, "")
     if not want:
         return
-    from . import signals
+    from .foundation import signals
     target, sig = want.split(":")[0], signal.SIGTERM if want.endswith(":SIGTERM") else signal.SIGINT
 
     def listener(name: str) -> None:
@@ -80,7 +80,7 @@ def _install_rank_fail() -> None:
         return
     phase, nth, reached = want[1], int(want[2]) if len(want) > 2 else 1, [0]
     # Imported only here: the plain test runs keep the console script's light start-up.
-    from . import distributed, engine
+    from .engine import distributed, monte_carlo as engine
 
     def point(name: str) -> None:
         if name == phase:

@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kl_bench.engine import run_case
+from kl_bench.engine.monte_carlo import run_case
 from kl_bench.results import to_frame
-from kl_bench.results.rows import summarize
+from kl_bench.experiment.rows import summarize
 
 CPU = torch.device("cpu")
 
@@ -70,7 +70,7 @@ def tiny_models(tmp_path_factory):
     once per session in a temporary folder (no download); skips without the hf extra."""
     pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
-    from kl_bench.pairs.model.tiny import build_tiny_models
+    from kl_bench.kinds.model.tiny import build_tiny_models
     return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))
 
 
@@ -93,7 +93,7 @@ def model_case(models, name: str = "m", **keys) -> dict:
 def png_figures_only(monkeypatch):
     """Reports in tests draw their figures as PNG only (PDF and SVG triple the drawing time);
     tests/test_report.py::test_figures_are_also_written_as_deterministic_vectors checks the vectors."""
-    from kl_bench import report
+    from kl_bench.present import report
     monkeypatch.setattr(report, "FIGURE_FORMATS", ("png",))
 
 
@@ -102,7 +102,7 @@ def unrendered_figures(monkeypatch):
     """Reports whose figures are built but saved as empty bytes: for tests of which figures a report has
     and where they go, not of how they look (tests/test_report.py renders every one and checks the PNGs)."""
     import matplotlib.pyplot as plt
-    from kl_bench import report
+    from kl_bench.present import report
 
     def unrendered(fig, formats=None):
         plt.close(fig)

@@ -1,6 +1,6 @@
 """Advice that fits how an estimator is used (issue 25, item 6) and tables that fit the terminal (item 5).
 
-The advice is checked against the exact planning quantities it is built from (kl_bench.planning), on
+The advice is checked against the exact planning quantities it is built from (kl_bench.core.planning), on
 exact tables of small cases, so every number in a sentence can be recomputed here."""
 import io
 import math
@@ -12,11 +12,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kl_bench import api
-from kl_bench.advice import AdviceOptionError, check_options, recommendations
+import kl_bench.api as api
+from kl_bench.analysis.advice import AdviceOptionError, check_options, recommendations
 from kl_bench.cli import app
-from kl_bench.display import print_tables
-from kl_bench.planning import n_for_rel_error
+from kl_bench.present.tables import print_tables
+from kl_bench.core.planning import n_for_rel_error
 
 runner = CliRunner()
 
@@ -160,7 +160,7 @@ def test_80_columns_compact_one_line_a_row_nothing_truncated(two_cases):
 def test_a_side_table_too_wide_for_the_terminal_is_stacked_every_cell_kept(two_cases):
     """Issue 31: a table wider than the terminal is printed in parts that each fit (the estimator column in
     every part), never a pointer to --wide and never a cut cell."""
-    from kl_bench.display import natural_width, schulman_table, show
+    from kl_bench.present.tables import natural_width, schulman_table, show
     buf = io.StringIO()
     con = Console(file=buf, width=40, force_terminal=True, color_system=None)
     table = schulman_table(two_cases)

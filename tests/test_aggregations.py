@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from kl_bench import rollout_dp
-from kl_bench.draws import LENGTH, Row
-from kl_bench.engine import as_rows
-from kl_bench.estimators import lookup
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import RolloutPair
-from kl_bench.pairs.rollout import dp
-from kl_bench.pairs.rollout import brute_force_sequences
+from kl_bench.core import rollout_dp
+from kl_bench.core.draws import LENGTH, Row
+from kl_bench.engine.monte_carlo import as_rows
+from kl_bench.core.estimators import lookup
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import RolloutPair
+from kl_bench.kinds.rollout import dp
+from kl_bench.kinds.rollout import brute_force_sequences
 
 from .conftest import CPU, mc_frame
 
@@ -102,7 +102,7 @@ def test_token_mean_limit_against_the_batch_ratio():
 
 
 def test_geometric_weights_refuse_gradients_and_token_weights_refuse_per_sequence_means():
-    from kl_bench.errors import SpecError
+    from kl_bench.foundation.errors import SpecError
     pair, lb = _pair()
     geo = RolloutPair("g", pair.model.log_q, pair.model.log_p, pair.model.bucket, 8, 399, log_b=lb, weights="geometric")
     with pytest.raises(SpecError, match="geometric"):
@@ -225,7 +225,7 @@ def test_token_mean_batch_monte_carlo_under_a_sampler_with_groups_cut_by_batches
 def test_token_mean_groups_stay_within_pieces_and_leave_the_rest_out():
     """A batch of 25 draws in pieces [10, 10, 5] with B = 4: groups [0:4], [4:8], [10:14], [14:18], [20:24];
     each value is Σ tok / Σ |y| over its group by hand; draws 8, 9, 18, 19 and 24 are in none."""
-    from kl_bench.draws import Draws, groups_in, row_values
+    from kl_bench.core.draws import Draws, groups_in, row_values
     g = torch.Generator().manual_seed(0)
     tok = torch.rand(25, generator=g, dtype=torch.float64)
     length = torch.randint(1, 9, (25,), generator=g).double()
@@ -240,7 +240,7 @@ def test_token_mean_groups_stay_within_pieces_and_leave_the_rest_out():
 
 def test_token_mean_batch_refusals(tmp_path):
     """Weighted draws, B out of range, B × T beyond the FFT, and batches smaller than B: one line each."""
-    from kl_bench.errors import SpecError
+    from kl_bench.foundation.errors import SpecError
     pair, lb = _pair()
     with pytest.raises(SpecError, match="token_mean_batch needs unweighted draws"):
         RolloutPair("t", pair.model.log_q, pair.model.log_p, pair.model.bucket, 8, 399, log_b=lb, weights="sequence", token_mean_batch=4)
@@ -261,7 +261,7 @@ def test_token_mean_batch_refusals(tmp_path):
 def test_rows_divided_by_lengths_compare_with_the_kl_per_token():
     """tok_mean and tok_batch rows estimate a rate per generated token: their true value is KL/E_q|y|
     (E_q|y| against enumeration), the limit of the token-mean of the analytic per-step KL."""
-    from kl_bench.targets import FORWARD, REVERSE
+    from kl_bench.core.targets import FORWARD, REVERSE
     lq, lp, _ = _tables()
     pair = RolloutPair("q", lq, lp, torch.arange(5) % 2, 4, 4, per_sequence_mean=True, token_mean_batch=3)
     mean_length = sum(prob * len(path) for prob, path in brute_force_sequences(pair.model))

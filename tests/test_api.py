@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import kl_bench
 from kl_bench.cli import app
-from kl_bench.registry import UnknownName
+from kl_bench.foundation.registry import UnknownName
 from kl_bench.results import frame_to_csv_bytes, read_frame
 
 runner = CliRunner()
@@ -109,7 +109,7 @@ def test_a_dict_spec_with_tensor_logits_equals_the_same_spec_with_files(tmp_path
 
 
 def _with_base(data, base):
-    from kl_bench.spec import spec_from_dict
+    from kl_bench.experiment.spec import spec_from_dict
     return spec_from_dict(data, base_dir=base)
 
 
@@ -180,7 +180,7 @@ def test_estimate_on_trainer_tensors():
         kl_bench.estimate(policy=logq, reference=logp, estimator="k33")
 
 
-@pytest.mark.parametrize("module", ["kl_bench.api", "kl_bench.estimation", "kl_bench.estimators"])
+@pytest.mark.parametrize("module", ["kl_bench.api.execution", "kl_bench.api.estimation", "kl_bench.core.estimators"])
 def test_docstring_examples_run(module):
     import importlib
     mod = importlib.import_module(module)
@@ -216,6 +216,7 @@ def test_estimate_loads_no_case_kind():
             "assert abs(float(v[0]) - (2.718281828459045 ** -0.5 - 1 + 0.5)) < 1e-6, v\n"
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('kl_bench'))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert "kl_bench.estimation" in out
-    assert not [m for m in out if m.startswith(("kl_bench.pairs", "kl_bench.engine", "kl_bench.results",
-                                                 "kl_bench.spec", "kl_bench.api"))], out
+    assert "kl_bench.api.estimation" in out
+    assert not [m for m in out if m.startswith(("kl_bench.kinds", "kl_bench.engine", "kl_bench.results",
+                                                 "kl_bench.experiment", "kl_bench.sampling"))], out
+    assert {m for m in out if m.startswith("kl_bench.api")} == {"kl_bench.api", "kl_bench.api.estimation"}, out

@@ -1,5 +1,5 @@
 """The shape of the code, checked statically: imports point one way (no cycles, function-local imports
-included), nothing outside kl_bench/pairs/ asks a pair its type, and no module reads another module's
+included), nothing outside kl_bench/kinds/ asks a pair its type, and no module reads another module's
 private names. Also: `import kl_bench` has no global side effects and stays fast."""
 import ast
 import subprocess
@@ -71,18 +71,10 @@ def test_no_import_cycles_including_function_local_imports():
     assert not cycles, "\n".join(" → ".join(c) for c in cycles)
 
 
-def test_pairs_import_nothing_above_them():
-    graph = _imports(_modules())
-    above = {"kl_bench.spec", "kl_bench.engine", "kl_bench.gradients", "kl_bench.experiment", "kl_bench.api",
-             "kl_bench.cli", "kl_bench.results", "kl_bench.report", "kl_bench.gate", "kl_bench"}
-    bad = {m: graph[m] & above for m in graph if m.startswith("kl_bench.pairs") and graph[m] & above}
-    assert not bad, bad
-
-
-def test_nothing_outside_pairs_asks_a_pair_its_type():
+def test_nothing_outside_kinds_asks_a_pair_its_type():
     bad = []
     for mod, path in _modules().items():
-        if mod.startswith("kl_bench.pairs"):
+        if mod.startswith("kl_bench.kinds"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
@@ -125,7 +117,7 @@ def test_no_module_reads_another_modules_private_names():
 
 def test_import_is_side_effect_free():
     code = ("import matplotlib, sys; before = dict(matplotlib.rcParams); backend = matplotlib.get_backend(); "
-            "import kl_bench, kl_bench.plots, kl_bench.report; "
+            "import kl_bench, kl_bench.present.plots, kl_bench.present.report; "
             "assert dict(matplotlib.rcParams) == before and matplotlib.get_backend() == backend; "
             "heavy = [m for m in ('pandas', 'scipy', 'seaborn', 'matplotlib.pyplot') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -141,76 +133,138 @@ def test_import_is_side_effect_free():
 
 
 # ----------------------------------------------------------------------------- layers
-# The layers, lowest first: (name, its one job, its modules and packages). A module may import its own
-# layer and the ones below, never one above (function-local imports included). Every module of kl_bench
-# belongs to exactly one layer (a package entry covers its submodules unless a submodule is listed
-# elsewhere): a new module must be placed here, or this test fails. README's Architecture section
-# shows the same table.
+# The package tree is the layer table: (package, its one job, the packages it may import directly). A module
+# may import its own package and the packages listed, never another (function-local imports included):
+# the allowed imports are a graph (results and the analysis do not depend on the engine, for example), and
+# that graph has no cycle. Every module of kl_bench belongs to exactly one entry (a top-level module is its
+# own entry): a new package must be placed here, or this test fails. README's Architecture section shows the
+# same table.
 LAYERS = [
-    ("foundation", "errors, registries, typed TOML tables, safe file I/O, atomic storage, signals, formatting, "
-     "progress, figure styles and report pages",
-     ["errors", "registry", "config", "safe_io", "storage", "signals", "progress", "threads", "formatting",
-      "version", "figstyle", "pages"]),
-    ("maths", "estimators, targets, clamps and presets, gradient modes, weight corrections, rejection masks, "
-     "aggregates, exact oracles, statistics",
-     ["estimators", "targets", "presets", "modes", "weights", "rejection", "aggregates", "draws", "oracles", "rollout_dp",
-      "topk", "precision", "stats", "planning"]),
-    ("sampling", "logits sources, samplers (the mismatch options), seeds, alias tables, multinomial count vectors",
-     ["logits", "samplers", "seeding", "alias", "multinomial"]),
-    ("kinds", "one module or package per case kind and its protocols (kl_bench/pairs)", ["pairs"]),
-    ("engine", "seeded batches, feature sums, the gradient pass, torchrun ranks", ["engine", "distributed"]),
-    ("results", "the stored tables: schemas, the CSV reader and writer, verification, summary rows",
-     ["results"]),
-    ("experiment", "a spec end to end: parsing, pilot, main pass, λ sweep, gradient and baseline rows",
-     ["spec", "experiment", "lambdas", "gradients", "baselines"]),
-    ("applications", "training trajectories and the trainer audit", ["training", "audit"]),
-    ("analysis", "the regression gate and the advice (what to log, what to put in the loss)", ["gate", "advice"]),
-    ("presentation", "terminal tables, figures, the report", ["display", "plots", "report"]),
-    ("interfaces", "the Python API, runs written to folders, the CLI, the TRL callback",
-     ["kl_bench", "api", "estimation", "runner", "cli", "__main__", "_testing", "integrations"]),
+    ("foundation", "errors, registries, typed TOML tables, safe file I/O, atomic storage, signals, the one "
+     "number formatter, progress", set()),
+    ("core", "estimators, targets, clamps and presets, gradient modes, weight corrections, rejection masks, "
+     "aggregates, exact oracles, statistics", {"foundation"}),
+    ("sampling", "logits sources, samplers (the mismatch options), seeds, alias tables, multinomial count "
+     "vectors", {"foundation", "core"}),
+    ("kinds", "one module or package per case kind, and the protocols every kind meets",
+     {"foundation", "core", "sampling"}),
+    ("engine", "seeded batches, feature sums, the gradient pass, torchrun ranks",
+     {"foundation", "core", "sampling", "kinds", "_moved"}),
+    ("results", "the stored tables: schemas, the CSV reader and writer, verification, migration, baselines, "
+     "checkpoints", {"foundation", "core"}),
+    ("experiment", "a spec end to end: parsing, pilot, main pass, summary rows, λ sweep, gradient and group "
+     "baseline rows", {"foundation", "core", "sampling", "kinds", "engine", "results", "_moved"}),
+    ("training", "optimisation trajectories", {"foundation", "core", "sampling", "kinds", "engine", "results"}),
+    ("audit", "the trainer audit: exact per-position values where the model is, step audits",
+     {"foundation", "core", "sampling", "results"}),
+    ("analysis", "the regression gate and the advice (what to log, what to put in the loss)",
+     {"foundation", "core", "results"}),
+    ("present", "terminal tables, figures, the run, training and audit reports",
+     {"foundation", "core", "results", "analysis", "training"}),
+    ("api", "the Python API, one module per job; runs and trainings written to folders",
+     {"foundation", "core", "sampling", "kinds", "engine", "results", "experiment", "training", "audit",
+      "analysis", "present"}),
+    ("cli", "the command line, a thin layer over the API",
+     {"foundation", "core", "kinds", "engine", "results", "training", "audit", "analysis", "present", "api"}),
+    ("integrations", "the TRL callback (a thin adapter over the audit)", {"foundation", "core", "kinds", "audit"}),
+    ("__main__", "the console entry point", {"foundation", "cli"}),
+    ("_testing", "test hooks of the command line", {"foundation", "engine", "api", "__main__"}),
+    ("_moved", "old import paths, for one release", set()),
+    ("kl_bench", "the package's lazy public names", {"foundation", "_moved"}),
 ]
+ALLOWED = {name: deps for name, _, deps in LAYERS}
 
 
-def _layer_of(module: str) -> int | None:
-    """The index in LAYERS of the longest entry that is ``module`` or a package holding it."""
-    best, index = -1, None
-    for i, (_, _, entries) in enumerate(LAYERS):
-        for entry in entries:
-            full = "kl_bench" if entry == "kl_bench" else f"kl_bench.{entry}"
-            inside = module.startswith(full + ".") and entry != "kl_bench"   # the top package: itself only
-            if (module == full or inside) and len(full) > best:
-                best, index = len(full), i
-    return index
+def _layer_of(module: str) -> str | None:
+    """The entry of LAYERS that holds ``module`` (its first name under kl_bench), or None."""
+    parts = module.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    return name if name in ALLOWED else None
 
 
-def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_layers():
+def test_every_module_has_a_layer_and_imports_only_what_its_layer_may():
     graph = _imports(_modules())
     unplaced = sorted(m for m in graph if _layer_of(m) is None)
-    assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
-    up = [f"{m} ({LAYERS[_layer_of(m)][0]}) imports {t} ({LAYERS[_layer_of(t)][0]})"
-          for m, targets in sorted(graph.items()) for t in sorted(targets) if _layer_of(t) > _layer_of(m)]
-    assert not up, "imports up the layers:\n" + "\n".join(up)
+    assert not unplaced, f"modules in no layer (add their package to LAYERS): {unplaced}"
+    bad = [f"{m} ({_layer_of(m)}) imports {t} ({_layer_of(t)})" for m, targets in sorted(graph.items())
+           for t in sorted(targets) if _layer_of(t) != _layer_of(m) and _layer_of(t) not in ALLOWED[_layer_of(m)]]
+    assert not bad, "imports the layer table does not allow:\n" + "\n".join(bad)
+
+
+def test_the_layer_graph_has_no_cycle_and_names_only_layers():
+    assert all(deps <= set(ALLOWED) for deps in ALLOWED.values())
+    done: set[str] = set()
+    while len(done) < len(ALLOWED):          # peel layers whose dependencies are all peeled: a cycle stops it
+        ready = {n for n, deps in ALLOWED.items() if n not in done and deps <= done}
+        assert ready, f"a cycle among {sorted(set(ALLOWED) - done)}"
+        done |= ready
+
+
+def test_the_package_tree_is_the_layer_table():
+    """Every package directory of kl_bench is a layer (or a case kind inside kinds/), and every layer that is
+    a package exists."""
+    dirs = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    modules = {p.stem for p in PKG.glob("*.py") if p.stem != "__init__"}
+    assert dirs | modules | {"kl_bench"} == set(ALLOWED), sorted((dirs | modules | {"kl_bench"}) ^ set(ALLOWED))
 
 
 def test_the_layer_table_can_fail():
-    assert _layer_of("kl_bench.pairs.rollout.pair") == 3 and _layer_of("kl_bench.results.verify") == 5
-    assert _layer_of("kl_bench.nowhere") is None and _layer_of("kl_bench") == len(LAYERS) - 1
+    assert _layer_of("kl_bench.kinds.rollout.pair") == "kinds" and _layer_of("kl_bench.results.verify") == "results"
+    assert _layer_of("kl_bench.nowhere") is None and _layer_of("kl_bench") == "kl_bench"
+    assert "engine" not in ALLOWED["results"] and "engine" not in ALLOWED["present"]
+
+
+def test_old_import_paths_work_with_a_deprecation_warning():
+    """Modules moved by the package tree (issue 34) keep their old paths for one release: the same module
+    object, and a DeprecationWarning naming the new path; old module-level names of what is now a package
+    (kl_bench.engine.CaseRun) too."""
+    code = ("import warnings, sys; warnings.simplefilter('error'); import kl_bench\n"
+            "import kl_bench.core.estimators as new, kl_bench.engine.monte_carlo as mc\n"
+            "for stmt in ('import kl_bench.estimators as old', 'from kl_bench.pairs.rollout import pair', "
+            "'from kl_bench.engine import CaseRun', 'import kl_bench.report'):\n"
+            "    try:\n        exec(stmt)\n    except DeprecationWarning as w:\n        print(w)\n"
+            "    else:\n        print('no warning:', stmt)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import kl_bench.estimators as old, kl_bench.pairs.rollout.pair as p, kl_bench.kinds.rollout.pair as q\n"
+            "from kl_bench.engine import CaseRun\n"
+            "print(old is new, p is q, CaseRun is mc.CaseRun, 'kl_bench.pairs.rollout.pair' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG.parent)
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0, out.stderr
+    assert lines[:4] == [
+        "kl_bench.estimators moved to kl_bench.core.estimators; the old path stops working in kl-bench 0.3",
+        "kl_bench.pairs moved to kl_bench.kinds; the old path stops working in kl-bench 0.3",
+        "kl_bench.engine.CaseRun moved to kl_bench.engine.monte_carlo.CaseRun; the old path stops working in "
+        "kl-bench 0.3",
+        "kl_bench.report moved to kl_bench.present.report; the old path stops working in kl-bench 0.3"], lines
+    assert lines[4] == "True True True True", lines
 
 
 def test_the_readme_shows_the_layer_table():
     readme = (PKG.parent / "README.md").read_text()
-    for name, job, _ in LAYERS:
-        assert f"| {name} | {job} |" in readme, name
+    for name, job, deps in LAYERS:
+        if not name.startswith("_") and name != "kl_bench":
+            shown = ", ".join(sorted(d for d in deps if not d.startswith("_"))) or "—"
+            assert f"| `{name}` | {job} | {shown} |" in readme, name
+
+
+def test_results_import_no_torch():
+    """Every stored folder is described, written and read in kl_bench/results/ (issue 34 item 2) without torch:
+    reading, verifying, migrating and gating results needs no tensor library."""
+    mods = sorted(m for m in _modules() if m.startswith("kl_bench.results"))
+    code = f"import sys, {', '.join(mods)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr)
 
 
 def test_reading_reporting_and_gating_results_load_no_engine_kind_or_sampler():
     """`kl-bench report` and `check --results` read folders: they must not load the machinery that wrote
     them (the engine, a case kind, a sampler, the spec parser, the summary-row builder)."""
-    code = ("import sys, kl_bench.report, kl_bench.gate, kl_bench.results.verify, kl_bench.advice; "
+    code = ("import sys, kl_bench.present.report, kl_bench.analysis.gate, kl_bench.results.verify, kl_bench.analysis.advice; "
             "print('\\n'.join(sorted(sys.modules)))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                 cwd=PKG.parent).stdout.split())
-    forbidden = ("kl_bench.engine", "kl_bench.pairs", "kl_bench.samplers", "kl_bench.spec", "kl_bench.experiment",
-                 "kl_bench.results.rows", "kl_bench.distributed", "kl_bench.logits")
-    assert "kl_bench.report" in loaded
+    forbidden = ("kl_bench.engine", "kl_bench.kinds", "kl_bench.sampling", "kl_bench.experiment", "kl_bench.training",
+                 "kl_bench.api")
+    assert "kl_bench.present.report" in loaded
     assert not [m for m in loaded if m.startswith(forbidden)], [m for m in loaded if m.startswith(forbidden)]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kl_bench import storage
+from kl_bench.foundation import storage
 
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -38,9 +38,9 @@ def test_anything_planted_at_the_staging_path_is_removed_never_opened_or_followe
      "folder": lambda: (stage.mkdir(), (stage / "old").write_text("x"))}[planted]()
     (tmp_path / f".out.staging-{os.getpid() + 1}").symlink_to(victim)     # a "dead run's" stage, cleaned
     # In a child of this process's pid's stage name: a write that blocks fails the test instead of hanging it.
-    code = ("import os, sys; from pathlib import Path; from kl_bench import storage; "
+    code = ("import os, sys; from pathlib import Path; from kl_bench.foundation import storage; "
             f"storage.staging_dir = lambda out: Path({str(stage)!r}); "
-            f"storage.write_locked(Path({str(out)!r}), {{'a.csv': b'1\\n'}}, {{}})")
+            f"storage.write_locked(Path({str(out)!r}), {{'a.csv': b'1\\n'}})")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert (out / "a.csv").read_bytes() == b"1\n" and (victim / "keep").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "victim"]
@@ -67,14 +67,14 @@ def test_signal_during_a_run_keeps_the_earlier_results(sig, code, tmp_path, writ
     proc = subprocess.Popen([sys.executable, "-m", "kl_bench", "run", str(spec), "--out", str(out), "--quiet",
                              "--checkpoint-every", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # An event, not a sleep: the first checkpoint means the sampling loop is running (≈ 1 minute of work).
-    _wait_for(lambda: (out / ".checkpoint.pt").exists() or proc.poll() is not None, timeout=240)
+    _wait_for(lambda: (out / ".checkpoint.npz").exists() or proc.poll() is not None, timeout=240)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
     assert "interrupted" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert (out / "summary.csv").read_text() == "earlier run\n"
     assert (out / "run.json").read_text() == "{}\n"
-    assert sorted(os.listdir(out)) == [".checkpoint.pt", "run.json", "summary.csv"]
+    assert sorted(os.listdir(out)) == [".checkpoint.npz", "run.json", "summary.csv"]
 
 
 # ----------------------------------------------------------------------------- SIGKILL, resume, locking
@@ -171,16 +171,16 @@ def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, t
     assert _finish(proc, 300)[0] == -signal.SIGKILL, "the run finished before its second checkpoint"
     assert not (tmp_path / "cut" / "summary.csv").exists()
     # A checkpoint from another seed is refused clearly, and the refusal leaves it as it was.
-    checkpoint = (tmp_path / "cut" / ".checkpoint.pt").read_bytes()
+    checkpoint = (tmp_path / "cut" / ".checkpoint.npz").read_bytes()
     rc, err = _finish(_cli("run", spec, "--out", tmp_path / "cut", "--quiet", "--resume", "--seed", "5"))
     assert rc == 2 and "different seed" in err and err.count("\n") == 1, err
-    assert (tmp_path / "cut" / ".checkpoint.pt").read_bytes() == checkpoint
+    assert (tmp_path / "cut" / ".checkpoint.npz").read_bytes() == checkpoint
     resumed = _cli("run", spec, "--out", tmp_path / "cut", "--quiet", "--resume")
     rc, err = _finish(resumed)
     assert rc == 0, err
     assert json.loads((tmp_path / "cut" / "run.json").read_text())["resumed"] is True
     assert (tmp_path / "cut" / "summary.csv").read_bytes() == (tmp_path / "whole" / "summary.csv").read_bytes()
-    assert not (tmp_path / "cut" / ".checkpoint.pt").exists()
+    assert not (tmp_path / "cut" / ".checkpoint.npz").exists()
 
 
 @pytest.mark.slow
@@ -192,7 +192,7 @@ def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
     first = _cli("run", spec, "--out", out, "--quiet", "--checkpoint-every", "0.2")
     try:
         # The first checkpoint proves the first run holds the lock and is sampling.
-        _wait_for(lambda: (out / ".checkpoint.pt").exists() or first.poll() is not None)
+        _wait_for(lambda: (out / ".checkpoint.npz").exists() or first.poll() is not None)
         rc, err = _finish(_cli("run", spec, "--out", out, "--quiet"), 120)
         assert first.poll() is None, "the first run ended too early for this test"
         assert rc == 2, err
@@ -201,7 +201,7 @@ def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
         first.send_signal(signal.SIGINT)
         rc, err = _finish(first)
         assert rc == 130 and "interrupted" in err and err.count("\n") == 1, err
-        assert sorted(os.listdir(out)) == [".checkpoint.pt"]
+        assert sorted(os.listdir(out)) == [".checkpoint.npz"]
         # ...and its lock is released with it: the next run takes the folder and lands whole.
         small = write_spec(LONG.format(draws=100_000), "small.toml")
         assert _finish(_cli("run", small, "--out", out, "--quiet"))[0] == 0

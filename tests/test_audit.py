@@ -10,7 +10,7 @@ import kl_bench
 from kl_bench.audit import (AUDIT_COLUMNS, AuditLog, Head, Sampler, StepAudit, aggregate, aggregation_weights,
                             audit_step, position_values, sampler_logprobs, stream_values)
 from kl_bench.audit.step import SUMS, step_sums
-from kl_bench.errors import SpecError
+from kl_bench.foundation.errors import SpecError
 
 EST = ("k1", "k2", "k3", "trl.grpo", "openrlhf.k3", "fwd_k3")
 

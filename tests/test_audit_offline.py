@@ -80,7 +80,7 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
     assert rep.exit_code == 0, rep.output
     report = dirs["logits"] / "audit" / "report"
     import pandas as pd
-    from kl_bench.audit.report import pooled_line
+    from kl_bench.present.audit_report import pooled_line
     df = pd.read_csv(dirs["logits"] / "audit" / "audit.csv")
     assert pooled_line(df[df["source"] == "loss"]) in (report / "report.md").read_text()
     z = df["bias"].sum() / (df["se"] ** 2).sum() ** 0.5

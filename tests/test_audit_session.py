@@ -11,7 +11,7 @@ from kl_bench.audit import Head, Sampler, audit_step, position_values, sampler_l
 from kl_bench.audit.session import AuditSession, Metric, Record
 from kl_bench.audit.step import StepAudit
 from kl_bench.audit.verdict import Thresholds, step_warnings
-from kl_bench.errors import SpecError
+from kl_bench.foundation.errors import SpecError
 
 
 def _batch(seed, sp=Sampler(), B=4, T=5, V=60, d=8, draw_shift=0.0, drop=False):

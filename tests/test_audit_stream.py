@@ -8,8 +8,8 @@ import torch
 
 from kl_bench.audit import Head, Sampler, position_values, stream_kl, stream_values
 from kl_bench.audit.polymoments import Basis, psi
-from kl_bench.errors import SpecError
-from kl_bench.estimators import resolve_estimator
+from kl_bench.foundation.errors import SpecError
+from kl_bench.core.estimators import resolve_estimator
 
 POLY = ("k1", "k2", "k3", "fwd_k1", "fwd_k3")
 

@@ -308,7 +308,7 @@ def test_a_trl_outside_the_tested_range_warns_once_and_runs(tiny_models, tmp_pat
     monkeypatch.setattr(adapter.metadata, "version", lambda name: "1.99.0")
     _, cb, lines = _run(tiny_models, tmp_path, steps=1)
     assert sum("outside the tested range" in x for x in lines) == 1 and len(cb.log.rows) == 1
-    with pytest.raises(kl_bench.errors.SpecError, match="cannot read the TRL version"):
+    with pytest.raises(kl_bench.foundation.errors.SpecError, match="cannot read the TRL version"):
         adapter.check_trl_version("one.two")
 
 

@@ -1,4 +1,4 @@
-"""Group baselines in reward mode (kl_bench.baselines): exact moments against enumeration of every group of
+"""Group baselines in reward mode (kl_bench.experiment.group_baselines): exact moments against enumeration of every group of
 G tokens with autograd, GRPO's 1 − 1/G shrink, Monte Carlo rows |z| < 5, bad options refused."""
 import itertools
 
@@ -7,15 +7,15 @@ import pandas as pd
 import pytest
 import torch
 
-from kl_bench import baselines as BL
-from kl_bench.errors import SpecError
-from kl_bench.estimators import ESTIMATORS
-from kl_bench.modes import GradItem
-from kl_bench.pairs import CategoricalPair
-from kl_bench.pairs.rollout import RolloutPair
-from kl_bench.samplers import SamplerSpec
-from kl_bench.targets import REVERSE
-from kl_bench.weights import WeightCorrection
+from kl_bench.experiment import group_baselines as BL
+from kl_bench.foundation.errors import SpecError
+from kl_bench.core.estimators import ESTIMATORS
+from kl_bench.core.modes import GradItem
+from kl_bench.kinds import CategoricalPair
+from kl_bench.kinds.rollout import RolloutPair
+from kl_bench.sampling.samplers import SamplerSpec
+from kl_bench.core.targets import REVERSE
+from kl_bench.core.weights import WeightCorrection
 
 
 def _pair(v=4, seed=0, b=1, scale=0.7):
@@ -290,7 +290,7 @@ p = { from = "q", noise = 0.5, seed = 2 }
     assert "group baselines" in res.output and "tok-k3" in res.output and "leave_one_out" in res.output
     from kl_bench.results.verify import verify_results_folder
     verify_results_folder(tmp_path / "o")             # one row per (case, estimator, aggregate, baseline, G)
-    from kl_bench import report
+    from kl_bench.present import report
     res = report.load_results(tmp_path / "o")
     md = report._report_md([res], "", [])
     assert "## Group baselines" in md and "| r | tok-k3 | leave_one_out | 4 |" in md

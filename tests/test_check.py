@@ -10,13 +10,13 @@ import torch
 from typer.testing import CliRunner
 
 from kl_bench import check, run
-from kl_bench import estimators as est_mod
-from kl_bench.gate import baseline_comparisons
+from kl_bench.core import estimators as est_mod
+from kl_bench.analysis.gate import baseline_comparisons
 from kl_bench.results.baseline import baseline_bytes, make_baseline, normalize_baseline
 from kl_bench.cli import app
-from kl_bench.estimators import ESTIMATORS
-from kl_bench.pairs import GaussianPair
-from kl_bench.spec import parse_spec
+from kl_bench.core.estimators import ESTIMATORS
+from kl_bench.kinds import GaussianPair
+from kl_bench.experiment.spec import parse_spec
 
 from .conftest import CATEGORICAL, CPU, GAUSS, spec_toml
 
@@ -77,7 +77,7 @@ def test_injected_bugs_fail_the_gate(bug, monkeypatch):
     if bug == "k3-without-minus-1":
         _patch_estimator(monkeypatch, "k3", lambda logr: torch.exp(logr) - logr)
     elif bug == "logr-sign-flip-gaussian":
-        from kl_bench.pairs import gaussian
+        from kl_bench.kinds import gaussian
         orig = gaussian.GaussianPair.sample          # the one place Gaussian draws are made
 
         def flipped(self, n, generator, device):
@@ -86,7 +86,7 @@ def test_injected_bugs_fail_the_gate(bug, monkeypatch):
         monkeypatch.setattr(gaussian.GaussianPair, "sample", flipped)
         touched = {"g"}
     elif bug == "logr-sign-flip-categorical":
-        from kl_bench.pairs import categorical
+        from kl_bench.kinds import categorical
         orig_c = categorical.CategoricalPair.batch_sums
 
         def flipped_c(self, features, tok_rows, device):
@@ -111,7 +111,7 @@ def test_injected_bugs_fail_the_gate(bug, monkeypatch):
 def test_float32_running_accumulator_fails_at_1e8_draws_but_not_at_1e6(monkeypatch):
     """A classic bug: one float32 running total across the whole run. Once the total of (f − c)² passes
     2^24 the additions of O(1) values round away, so the variance (and std) collapse at 10^8 draws."""
-    from kl_bench.pairs import gaussian
+    from kl_bench.kinds import gaussian
 
     def float32_batch_sums(self, features, tok_rows, device):
         state = {}
@@ -223,8 +223,8 @@ def test_few_batches_use_student_t_and_keep_the_false_alarm_rate():
     """z = mean/SE from K = 12 batch means is Student-t with 11 degrees of freedom: 4000 null runs at
     α = 0.01 reject about 1% (binomial SE 0.16%) with the t p-value; a normal p-value would reject
     P(|t₁₁| > 2.576) ≈ 2.6%."""
-    from kl_bench.gate import _dof, _tail
-    from kl_bench.stats import batch_means_se
+    from kl_bench.analysis.gate import _dof, _tail
+    from kl_bench.core.stats import batch_means_se
     g = np.random.default_rng(4)
     k, runs, alpha = 12, 4000, 0.01
     means = g.standard_normal((runs, k))                   # batch means of equal batches

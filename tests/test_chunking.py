@@ -11,13 +11,13 @@ import torch
 
 import kl_bench
 from kl_bench.api import prepare
-from kl_bench.errors import SpecError
-from kl_bench.logits import zipf_logits
-from kl_bench import seeding
-from kl_bench.engine import WEIGHT_FEATURES, run_case
-from kl_bench.pairs import CASE_KINDS, CategoricalPair
-from kl_bench.pairs.rollout import sampler as rollout_sampler
-from kl_bench.seeding import BatchStream, batch_generator, batch_streams, piece_sizes
+from kl_bench.foundation.errors import SpecError
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.sampling import seeding
+from kl_bench.engine.monte_carlo import WEIGHT_FEATURES, run_case
+from kl_bench.kinds import CASE_KINDS, CategoricalPair
+from kl_bench.kinds.rollout import sampler as rollout_sampler
+from kl_bench.sampling.seeding import BatchStream, batch_generator, batch_streams, piece_sizes
 
 from .conftest import CPU, mc_frame
 

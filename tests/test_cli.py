@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from kl_bench.cli import app
-from kl_bench.estimators import DEFAULT_ESTIMATORS, ESTIMATORS
+from kl_bench.core.estimators import DEFAULT_ESTIMATORS, ESTIMATORS
 from kl_bench.results import COLUMNS
 
 runner = CliRunner()

@@ -1,4 +1,4 @@
-"""Clipping, truncation and masking of the importance weight ρ = q/b (kl_bench.weights, docs/weights.md):
+"""Clipping, truncation and masking of the importance weight ρ = q/b (kl_bench.core.weights, docs/weights.md):
 exact expected gradients against autograd of the trainer's per-draw loss summed over every (context,
 token), Monte Carlo rows against them, bad options refused with one line."""
 import numpy as np
@@ -6,12 +6,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kl_bench import gradients as G
+from kl_bench.experiment import gradient_rows as G
 from kl_bench.cli import app
-from kl_bench.estimators import ESTIMATORS
-from kl_bench.modes import GradItem, trainer_loss
-from kl_bench.pairs import CategoricalPair
-from kl_bench.weights import WeightCorrection
+from kl_bench.core.estimators import ESTIMATORS
+from kl_bench.core.modes import GradItem, trainer_loss
+from kl_bench.kinds import CategoricalPair
+from kl_bench.core.weights import WeightCorrection
 
 from .conftest import CPU
 
@@ -144,7 +144,7 @@ ROLL_CORR = WeightCorrection(floor=0.9, mask=(0.845, 1.9))
 def test_rollout_token_floor_and_mask_match_brute_force_over_every_sequence():
     """weights = "token" with a floor and a mask: tok rows weight each token by its corrected q/b, seq
     rows by the product of them (a masked token drops its sequence), exactly as enumerated."""
-    from kl_bench.estimators import lookup
+    from kl_bench.core.estimators import lookup
     from .test_mismatch import _rollout_brute, _tiny_rollout
     pair = _tiny_rollout(weights="token", correction=ROLL_CORR)
     seqs = _rollout_brute(pair, "token")
@@ -196,8 +196,8 @@ def test_rollout_ppo_clip_of_local_token_rows_against_autograd_over_every_sequen
     (and the dual clip) with ρ_t = q_θ(x_t)/b(x_t), summed over the path with the path held fixed; its
     expected gradient under b, by autograd of every enumerated sequence, equals the exact tok row;
     score-function and sequence rows of the clipped modes are left out; Monte Carlo within 5 SE."""
-    from kl_bench.pairs.rollout import RolloutPair
-    from kl_bench.pairs.rollout.gradients import exact_mean
+    from kl_bench.kinds.rollout import RolloutPair
+    from kl_bench.kinds.rollout.gradients import exact_mean
     g = torch.Generator().manual_seed(3)
     lq = torch.log_softmax(torch.randn(2, 5, generator=g, dtype=torch.float64), -1)
     lp = torch.log_softmax(lq + 0.7 * torch.randn(2, 5, generator=g, dtype=torch.float64), -1)

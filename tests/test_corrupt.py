@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 import kl_bench
 from kl_bench.cli import app
-from kl_bench.errors import SpecError
+from kl_bench.foundation.errors import SpecError
 from kl_bench.results.baseline import load_baseline, normalize_baseline
-from kl_bench.report import load_results
+from kl_bench.present.report import load_results
 from kl_bench.results.verify import DATA_FILES, check_results_match_spec, verify_results_folder
 
 runner = CliRunner()
@@ -167,7 +167,7 @@ def test_an_edited_number_with_hashes_recorded_is_caught_before_the_gate(made, f
     _one_line_error(_check(made, folder), "sha256 mismatch", str(folder / "summary.csv"))
 
 
-@pytest.mark.parametrize("name", DATA_FILES[:3])
+@pytest.mark.parametrize("name", ["summary.csv", "batches.csv", "reservoir.npz"])
 def test_any_changed_byte_of_a_recorded_file_is_detected(made, folder, name):
     data = bytearray((folder / name).read_bytes())
     rng = np.random.default_rng(0)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kl_bench.api import build_pair
-from kl_bench.spec import load_spec
+from kl_bench.kinds import build_pair
+from kl_bench.experiment.spec import load_spec
 
 from .conftest import mc_frame
 

@@ -3,11 +3,11 @@ its standard errors of the exact values). Skipped cleanly where no CUDA device i
 import pytest
 import torch
 
-from kl_bench import seeding
+from kl_bench.sampling import seeding
 from kl_bench.api import prepare
-from kl_bench.engine import run_case
+from kl_bench.engine.monte_carlo import run_case
 from kl_bench.results import to_frame
-from kl_bench.results.rows import summarize
+from kl_bench.experiment.rows import summarize
 
 from .test_chunking import CASES, ROWS, _spec
 
@@ -51,12 +51,13 @@ def _layer():
 def test_streamed_audit_on_the_gpu_equals_dense_float64(which):
     """stream_values with every input on the GPU: float64 tiles equal the dense float64 sums to 1e-12,
     and every result stays on the GPU; float32 tiles (TF32 off) within the float32 logits' rounding."""
-    from kl_bench.audit import Head, Sampler, position_values, stream_kl, stream_values
+    from kl_bench.audit import Head, Sampler, position_values, sampler_logprobs, stream_kl, stream_values
     sp = {"b = q": Sampler(), "top_k": Sampler(top_k=20), "top_p": Sampler(top_p=0.9),
           "temperature": Sampler(temperature=0.7)}[which]
     hp, hr, wp, wr, ids = _layer()
     est = ("k1", "k3", "openrlhf.k3")
-    dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, est, sp, ids=ids)
+    zq, zp = hp.double() @ wp.double().T, hr.double() @ wr.double().T
+    dense = position_values(zq, zp, est, sp, ids=ids)
     args = [x.to(CUDA) for x in (hp, hr)] + [Head(wp.to(CUDA)), Head(wr.to(CUDA))]
     st = stream_values(*args, est, sp, ids=ids.to(CUDA), tile=512, dtype=torch.float64)
     assert st.kl.device.type == "cuda" and st.mean_b.device.type == "cuda"
@@ -65,22 +66,30 @@ def test_streamed_audit_on_the_gpu_equals_dense_float64(which):
     # sits at a float32 rounding boundary takes the next float32: each value moves by up to a float32 ulp
     # of itself and of log r times e^log r. Measured on an H100: 1.6e-9 relative, under 2^-20.
     tol = torch.tensor([1e-12, 1e-12, 2.0 ** -20], dtype=torch.float64)
+    # P_b(openrlhf.k3 < 0) more: its float32 (e^l − 1) − l is within an ulp of 1 of zero wherever |log r| is
+    # below ~5e-4, so its sign there is the float32 exp's last bit, and CUDA's expf may differ from the CPU's
+    # by up to 2 ulp (CUDA C Programming Guide, maths functions): each such token can move P_b(f < 0) by its
+    # whole b-mass. Bound: the b-mass of the tokens whose float32 value is within 4 ulp of 1 of zero. (This
+    # was the 7.2e-6 seen on an H100 under b = q, first read as k1's: two tokens of q-mass 7.3e-6 and 7.2e-6.)
+    l32 = (torch.log_softmax(zp, -1) - torch.log_softmax(zq, -1)).float()
+    shaky = ((torch.exp(l32) - 1) - l32).abs() <= 4 * 2.0 ** -24
+    neg_slack = (sampler_logprobs(zq, sp).exp() * shaky.double()).sum(-1)          # [N]
     names = ("kl", "mean_q", "var_q", "mean_b", "var_b", "neg_b", "miss", "logb_mean", "tok_logb")
-    if which == "b = q":
-        names = tuple(x for x in names if x != "neg_b")       # test_negative_mass_under_b_equals_q_on_the_gpu
     for name in names:
         a, b = getattr(dense, name), getattr(st, name).cpu()
         fin = torch.isfinite(a)
-        bound = (tol if a.dim() == 2 and a.shape[-1] == len(est) else tol[0]).expand_as(a)
+        bound = (tol if a.dim() == 2 and a.shape[-1] == len(est) else tol[0]).expand_as(a).clone()
+        if name == "neg_b":
+            bound[:, 2] += neg_slack
         err = (a - b).abs() / (1 + a.abs())
-        assert torch.equal(fin, torch.isfinite(b)) and bool((err[fin] < bound[fin]).all()), (name, err[fin].max())
+        worst = torch.where(fin, err - bound, torch.zeros_like(err)).argmax().item()
+        assert torch.equal(fin, torch.isfinite(b)) and bool((err[fin] < bound[fin]).all()), \
+            (name, "column", worst % a.shape[-1] if a.dim() == 2 else None, err[fin].max().item())
     kl32 = stream_kl(*args, tile=512)
     bound = 40 * 2.0 ** -24 * (2 + (hp.double() @ wp.double().T - hr.double() @ wr.double().T).abs().max().item())
     assert (kl32.cpu() - dense.kl).abs().max().item() < bound
 
 
-@pytest.mark.xfail(strict=True, reason="on an H100 P_b(k1 < 0) under b = q (the negative pass) differed from the "
-                   "dense float64 by up to 7.2e-6 (the CPU agrees to 1e-12); not yet explained (issue 32's note)")
 def test_negative_mass_under_b_equals_q_on_the_gpu():
     """P_q(f < 0) of a sign-changing estimator (k1) from the streamed negative pass on the GPU, float64
     tiles, against the dense float64 value: the sign of f at a token is decided by log r, which both
@@ -116,8 +125,8 @@ def test_gradient_rows_on_the_gpu_match_exact(case):
     expected gradient within five standard errors of it, in both directions."""
     import pandas as pd
 
-    from kl_bench import gradients as G
-    from kl_bench.estimators import lookup, make_cv
+    from kl_bench.experiment import gradient_rows as G
+    from kl_bench.core.estimators import lookup, make_cv
     spec = _spec(1 << 22, {case: CASES[case]})
     spec["experiment"]["estimators"] = ["k1", "k2", "k3"]
     pair = prepare(spec).pairs[0]
@@ -141,7 +150,7 @@ def _train_spec(draws: int, chunk: int) -> dict:
 def test_training_on_the_gpu_scatters_around_the_exact_trajectory_and_ignores_chunk():
     import math
 
-    from kl_bench import api
+    import kl_bench.api as api
     res = api.train(_train_spec(2000, 1 << 22))
     df = res.frame
     for combo, d in df.groupby("combination"):
@@ -184,9 +193,9 @@ def test_klaudit_on_a_live_trl_grpo_run_on_the_gpu(tiny_models, tmp_path):
 def test_token_counts_by_slot_on_the_gpu_equal_the_tokens_counted_one_by_one(monkeypatch):
     """The token path's slot counts on the GPU (several batches a round, rand into slices of one buffer):
     each batch's counts are the bincount of the very tokens sample_ids draws from its generators."""
-    from kl_bench.logits import zipf_logits
-    from kl_bench.pairs import CategoricalPair
-    from kl_bench.seeding import batch_streams
+    from kl_bench.sampling.logits import zipf_logits
+    from kl_bench.kinds import CategoricalPair
+    from kl_bench.sampling.seeding import batch_streams
     monkeypatch.setitem(seeding.PIECE_DRAWS, "cuda", 1000)
     lq = torch.log_softmax(zipf_logits(3000, 1.1, 1), -1)
     pair = CategoricalPair("c", lq, lq.flip(-1), sampling="tokens")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kl_bench.distributed import Ranks, block, drawn_by_rank, rounds
+from kl_bench.engine.distributed import Ranks, block, drawn_by_rank, rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -55,9 +55,9 @@ def test_blocks_are_contiguous_and_cover_every_batch():
 def test_gradient_totals_merged_from_blocks_are_the_one_process_bytes(case):
     """Each rank adds a block of batches; rank 0's merge gives the total of one process, bit for bit."""
     from kl_bench.api import prepare
-    from kl_bench.gradients import gradient_items, unit
-    from kl_bench.estimators import resolve_estimator
-    from kl_bench.seeding import batch_sizes, batch_streams
+    from kl_bench.experiment.gradient_rows import gradient_items, unit
+    from kl_bench.core.estimators import resolve_estimator
+    from kl_bench.sampling.seeding import batch_sizes, batch_streams
     prep = prepare({"spec_version": 1, "experiment": {"name": "m", "draws": 30_000, "device": "cpu"},
                                  "case": [case]})
     pair = prep.pairs[0]
@@ -203,13 +203,13 @@ def test_resume_under_torchrun_after_a_rank_died(one_process, tmp_path):
     assert len(lines) == 1 and ("no results were written" in lines[0] or "nothing was written" in lines[0]), \
         res.stderr
     assert "kl_bench" + os.sep not in res.stderr          # no traceback from our code (torchrun prints its own)
-    assert not (out / "summary.csv").exists() and (out / ".checkpoint.pt").exists()
+    assert not (out / "summary.csv").exists() and (out / ".checkpoint.npz").exists()
     res = _torchrun("run", spec, "--out", out, "--quiet", "--resume")
     assert res.returncode == 0, res.stderr
     _same_bytes(one, out)
     env = json.loads((out / "run.json").read_text())
     assert env["resumed"] is True and env["world_size"] == 2
-    assert not (out / ".checkpoint.pt").exists()
+    assert not (out / ".checkpoint.npz").exists()
 
 
 @pytest.mark.slow

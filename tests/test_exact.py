@@ -7,9 +7,9 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from kl_bench import oracles as exact
-from kl_bench.estimators import ESTIMATORS, lookup
-from kl_bench.pairs import CategoricalPair, GaussianPair
+from kl_bench.core import oracles as exact
+from kl_bench.core.estimators import ESTIMATORS, lookup
+from kl_bench.kinds import CategoricalPair, GaussianPair
 
 # (μq, σq, μp, σp): equal variances (Schulman), σp > σq, σp < σq, heavy (2σq² ≤ σp²).
 GAUSS_1D = [(0.0, 1.0, 0.1, 1.0), (0.0, 1.0, 1.0, 1.0), (0.3, 1.0, -0.2, 1.3), (0.5, 1.2, 0.0, 0.8),

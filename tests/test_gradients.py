@@ -8,13 +8,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kl_bench import gradients as G
-from kl_bench import modes as M
-from kl_bench.modes import GradItem
-from kl_bench.targets import FORWARD, REVERSE
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core import modes as M
+from kl_bench.core.modes import GradItem
+from kl_bench.core.targets import FORWARD, REVERSE
 from kl_bench.cli import app
-from kl_bench.estimators import ESTIMATORS, make_cv
-from kl_bench.pairs import CategoricalPair, GaussianPair
+from kl_bench.core.estimators import ESTIMATORS, make_cv
+from kl_bench.kinds import CategoricalPair, GaussianPair
 
 from .conftest import CPU
 
@@ -225,8 +225,8 @@ def test_coefficients_match_autograd_of_the_trainer_losses(mode):
     """c(log r)·(e_x − q) equals autograd of the loss as written in a trainer, for every token, also
     for a clamped k3 (the clamps are active on part of this vocabulary)."""
     pair = _cat(b=1, v=12, seed=7)
-    from kl_bench.estimators import resolve_estimator
-    from kl_bench.estimators import EstimatorOption
+    from kl_bench.core.estimators import resolve_estimator
+    from kl_bench.core.estimators import EstimatorOption
     clamped = resolve_estimator(EstimatorOption("k3", "k3 clamped", logr_clamp=0.5, clamp=0.3))
     for est in ESTS + [clamped]:
         if mode not in M.modes_for(est):
@@ -283,7 +283,7 @@ p = { from = "q", noise = 0.3, seed = 2 }
 """)
     from kl_bench import load_results
     from kl_bench.results.verify import verify_results_folder
-    from kl_bench.spec import load_spec
+    from kl_bench.experiment.spec import load_spec
     res = CliRunner().invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
     vec = np.load(tmp_path / "o" / "gradients.npz")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kl_bench import storage
+from kl_bench.foundation import storage
 from kl_bench.results import checkpoint
 from kl_bench.cli import app
 
@@ -155,7 +155,7 @@ def test_flag_errors_are_one_line(args, needle):
 def test_progress_names_the_phase_and_shows_the_rate(monkeypatch):
     from rich.console import Console
 
-    from kl_bench import progress as P
+    from kl_bench.foundation import progress as P
     monkeypatch.setattr(P, "PROGRESS_AFTER_S", -1.0)
     bar = P.LazyProgress(3_000_000, enabled=True, console=Console(file=io.StringIO(), force_terminal=True))
     bar.label("noise0.3 (gradients)")

@@ -15,9 +15,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kl_bench import api, safe_io
+import kl_bench.api as api
+from kl_bench.foundation import safe_io
 from kl_bench.cli import app
-from kl_bench.errors import SpecError
+from kl_bench.foundation.errors import SpecError
 from kl_bench.results import checkpoint
 
 runner = CliRunner()
@@ -260,7 +261,7 @@ def test_a_report_that_fails_creates_no_folder(made, tmp_path, monkeypatch, dirs
 
 
 def test_a_run_that_fails_after_taking_the_lock_removes_the_folders_it_made(made, tmp_path, monkeypatch):
-    from kl_bench import storage
+    from kl_bench.foundation import storage
 
     def fail(fh, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -312,7 +313,7 @@ def _leftovers(folder: Path) -> list[str]:
                   or p.name.endswith(".lock") or p.name.startswith((".tmp-", ".kl-bench-probe")))
 
 
-# (command, phase): the phases each command passes (kl_bench.signals.phase); after "written" or
+# (command, phase): the phases each command passes (kl_bench.foundation.signals.phase); after "written" or
 # "report-written" the new files are complete and the line says so.
 PHASES = [("run", "start"), ("run", "pairs"), ("run", "write"), ("run", "staged"), ("run", "written"),
           ("report", "start"), ("report", "staged"), ("report", "report-written"),
@@ -378,16 +379,16 @@ def test_a_symlink_as_the_results_folder_is_refused(made, tmp_path):
 
 
 def test_a_symlink_at_the_checkpoint_is_refused_before_any_sampling(made, tmp_path):
-    """--resume (or checkpoints) with a symlink at .checkpoint.pt: refused at start, its target neither read
+    """--resume (or checkpoints) with a symlink at .checkpoint.npz: refused at start, its target neither read
     nor written (it was read through the link, and refused only at the first checkpoint's write)."""
     ck = tmp_path / "ck"
     shutil.copytree(made["ck"], ck)
-    real = tmp_path / "elsewhere.pt"
-    (ck / ".checkpoint.pt").rename(real)
-    (ck / ".checkpoint.pt").symlink_to(real)
+    real = tmp_path / "elsewhere.npz"
+    (ck / ".checkpoint.npz").rename(real)
+    (ck / ".checkpoint.npz").symlink_to(real)
     before = real.read_bytes()
     _one_line(_cli("run", made["spec"], "--out", ck, "--resume", "-q"), 2, "symbolic link", "key '--resume'")
-    _one_line(_cli("run", made["spec"], "--out", ck, "-q"), 2, "symbolic link", ".checkpoint.pt", "key '--out'")
+    _one_line(_cli("run", made["spec"], "--out", ck, "-q"), 2, "symbolic link", ".checkpoint.npz", "key '--out'")
     assert real.read_bytes() == before and not (ck / "summary.csv").exists()
 
 
@@ -397,7 +398,8 @@ def test_a_symlink_at_the_checkpoint_is_refused_before_any_sampling(made, tmp_pa
 def test_running_out_of_memory_is_one_line(made, monkeypatch, capsys, error):
     """An allocation that fails (a MemoryError, or torch's allocator on the host or a GPU) is one line, exit 2,
     not a 75-line traceback."""
-    from kl_bench import cli, runner
+    from kl_bench import cli
+    from kl_bench.api import folders as runner
 
     def fail(*args, **kwargs):
         raise error

@@ -10,11 +10,11 @@ from scipy import integrate, stats
 from typer.testing import CliRunner
 
 from kl_bench.cli import app
-from kl_bench.estimators import make_cv
-from kl_bench.experiment import pilot_draws, run_experiment_case, small_batches
-from kl_bench.pairs import GaussianPair
-from kl_bench.planning import n_for_rel_error, prob_within
-from kl_bench.spec import Experiment
+from kl_bench.core.estimators import make_cv
+from kl_bench.experiment.case import pilot_draws, run_experiment_case, small_batches
+from kl_bench.kinds import GaussianPair
+from kl_bench.core.planning import n_for_rel_error, prob_within
+from kl_bench.experiment.spec import Experiment
 
 from .conftest import CPU
 from .test_monte_carlo import _categorical
@@ -193,6 +193,6 @@ def test_n_for_rel_error_terminates_past_float64_integers():
     """A relative std of 1e9 needs ~4e20 draws: beyond 2^53 the bisection midpoint stops moving."""
     import math as _m
 
-    from kl_bench.planning import n_for_rel_error
+    from kl_bench.core.planning import n_for_rel_error
     n = n_for_rel_error(0.0, 1e9, 1.0)
     assert _m.isfinite(n) and n == pytest.approx((1.959964 * 1e9 / 0.1) ** 2, rel=1e-3)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 import kl_bench
-from kl_bench.errors import SpecError
+from kl_bench.foundation.errors import SpecError
 from kl_bench.results import COLUMNS, read_frame
 from kl_bench.results.migrate import MIGRATIONS
 from kl_bench.results.schema import FORMAT_VERSION

@@ -10,10 +10,10 @@ import torch
 
 import kl_bench
 from kl_bench.api import prepare
-from kl_bench.engine import run_case
-from kl_bench.errors import SpecError
+from kl_bench.engine.monte_carlo import run_case
+from kl_bench.foundation.errors import SpecError
 from kl_bench.results import to_frame
-from kl_bench.results.rows import summarize
+from kl_bench.experiment.rows import summarize
 
 from .conftest import CPU, model_case
 
@@ -38,7 +38,7 @@ def _independent_logprobs(folder, prompts) -> torch.Tensor:
 
 def test_next_token_truth_is_an_exact_sum_over_the_vocabulary(tiny_models):
     pair = prepare(_spec([model_case(tiny_models)])).pairs[0]
-    from kl_bench.pairs.model import lm
+    from kl_bench.kinds.model import lm
     prompts = lm.read_prompts(tiny_models / "prompts.txt", tiny_models / "policy")
     lq = _independent_logprobs(tiny_models / "policy", prompts)
     lp = _independent_logprobs(tiny_models / "reference", prompts)
@@ -179,7 +179,7 @@ def test_cli_missing_model_is_exit_2(tiny_models, tmp_path):
 
 def test_no_generation_call_exceeds_batch_size(tiny_models, monkeypatch):
     """Memory is one generation batch (batch_size continuations), whatever the engine's batch."""
-    from kl_bench.pairs.model import ModelPair
+    from kl_bench.kinds.model import ModelPair
     pair = prepare(_spec([model_case(tiny_models, length=2, batch_size=16)])).pairs[0]
     seen, orig = [], ModelPair.generate
 
@@ -240,7 +240,7 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     against the Monte Carlo reference (KL ≈), its exact cells —; the description names the prompts once."""
     from rich.console import Console
 
-    from kl_bench import display, report
+    from kl_bench.present import tables as display, report
     spec = _spec([model_case(tiny_models), model_case(tiny_models, "T3", length=3)], draws=128, batches=4)
     res = kl_bench.run(spec)
     df = res.summary
@@ -251,7 +251,7 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     assert "()" not in text and "≈" in text and "Monte Carlo" in text
     t3 = df[(df["case"] == "T3") & (df["estimator"] == "k1") & (df["aggregate"] == "seq")].iloc[0]
     assert f"≈{display.fmt(t3['std'] / t3['ref_kl'])}" in text
-    d = df.assign(key=df["case"], label=[kl_bench.draws.row_label(r) for _, r in df.iterrows()])
+    d = df.assign(key=df["case"], label=[kl_bench.core.draws.row_label(r) for _, r in df.iterrows()])
     cases, rows = report.paper_table(d)
     md = report.table_md(cases, rows, "caption")
     assert "T3 (KL ≈ " in md and "m (KL = " in md
@@ -265,8 +265,8 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
 
 def test_dump_logits_reports_progress_per_phase(tiny_models, tmp_path, monkeypatch):
     """Issue 25 item 9: dump-logits tells its progress (prompts, then continuations) with the total known."""
-    from kl_bench import progress as P
-    from kl_bench.pairs.model.dump import dump_logits
+    from kl_bench.foundation import progress as P
+    from kl_bench.kinds.model.dump import dump_logits
     monkeypatch.setattr(P, "PROGRESS_AFTER_S", -1.0)
     import io
 
@@ -289,9 +289,9 @@ def test_a_monte_carlo_reference_prints_the_se_its_z_uses(tiny_models):
     """Model continuations (no exact value; the reference is the `full` mean of the same paths): the bias
     shown is mean − ref and its ± is the SE of that paired difference, recomputed here from batches.csv's
     batch means (the formula of docs/statistics.md#batch-means), so that z = bias / SE as printed."""
-    from kl_bench.display import compact_frame
-    from kl_bench.formatting import fmt, pct
-    from kl_bench.stats import batch_means_se
+    from kl_bench.present.tables import compact_frame
+    from kl_bench.foundation.formatting import fmt, pct
+    from kl_bench.core.stats import batch_means_se
     spec = {"spec_version": 1, "experiment": {"name": "m", "draws": 1024, "seed": 3, "batches": 16, "device": "cpu",
                                               "estimators": ["k1", "k2", "k3", "full"]},
             "case": [model_case(tiny_models, length=6)]}
@@ -346,7 +346,7 @@ def test_dump_logits_writes_its_folder_whole_and_a_full_disk_leaves_nothing(tiny
     """dump-logits wrote next_token.pt, then continuations.pt: a disk that filled between left one of them."""
     from typer.testing import CliRunner
 
-    from kl_bench import storage
+    from kl_bench.foundation import storage
     from kl_bench.cli import app
     args = ["dump-logits", "--policy", str(tiny_models / "policy"), "--reference", str(tiny_models / "reference"),
             "--prompts", str(tiny_models / "prompts.jsonl"), "--length", "2", "--device", "cpu", "-q"]

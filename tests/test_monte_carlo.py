@@ -4,11 +4,11 @@ import math
 import pytest
 import torch
 
-from kl_bench import oracles as exact
-from kl_bench.engine import run_case
-from kl_bench.estimators import ESTIMATORS, lookup
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import CategoricalPair, GaussianPair
+from kl_bench.core import oracles as exact
+from kl_bench.engine.monte_carlo import run_case
+from kl_bench.core.estimators import ESTIMATORS, lookup
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import CategoricalPair, GaussianPair
 
 from .conftest import CPU, mc_frame
 

@@ -1,4 +1,4 @@
-"""The device multinomial (kl_bench/multinomial.py), tested on the CPU: the float64 helpers against exact
+"""The device multinomial (kl_bench/sampling/multinomial.py), tested on the CPU: the float64 helpers against exact
 arithmetic, every binomial regime's law against the binomial mass function (chi-square on quantile bins,
 |z| < 5), the count vectors' law against the multinomial (every outcome of a small case enumerated; means
 and covariances at n = 10^12 and 2^62 against their standard errors), zero-probability outcomes never
@@ -14,14 +14,14 @@ import pytest
 import torch
 from scipy import stats
 
-from kl_bench import multinomial as mn
-from kl_bench.engine import run_case
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import CategoricalPair
-from kl_bench.pairs import categorical
+from kl_bench.sampling import multinomial as mn
+from kl_bench.engine.monte_carlo import run_case
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import CategoricalPair
+from kl_bench.kinds import categorical
 from kl_bench.results import to_frame
-from kl_bench.results.rows import summarize
-from kl_bench.seeding import BatchStream, batch_streams
+from kl_bench.experiment.rows import summarize
+from kl_bench.sampling.seeding import BatchStream, batch_streams
 
 from .conftest import mc_frame
 
@@ -305,7 +305,7 @@ def test_token_pieces_of_several_general_pieces(monkeypatch):
     """A CUDA run draws token ids in pieces of 16 general pieces (seeding.TOKEN_PIECES): the same mechanism
     on the CPU, with pieces of 1,000 and token pieces of 4,000, draws at most 4,000 ids a call and the same
     bytes whatever the chunk; the CPU's own factor stays 1 (its bytes unchanged)."""
-    from kl_bench import seeding
+    from kl_bench.sampling import seeding
     assert seeding.TOKEN_PIECES["cpu"] == 1 and seeding.token_piece_draws(CPU) == seeding.piece_draws(CPU)
     monkeypatch.setitem(seeding.PIECE_DRAWS, "cpu", 1000)
     monkeypatch.setitem(seeding.TOKEN_PIECES, "cpu", 4)
@@ -359,8 +359,8 @@ def test_token_counts_by_alias_slot_equal_the_tokens_counted_one_by_one(monkeypa
     """The token path counts alias slots of several batches' pieces at once (issue 33): each batch's counts
     are the bincount of the very tokens sample_ids draws from its pieces' generators, integer for integer,
     for batches that share a round, span rounds or fill one alone."""
-    from kl_bench import seeding
-    from kl_bench.seeding import batch_streams
+    from kl_bench.sampling import seeding
+    from kl_bench.sampling.seeding import batch_streams
     monkeypatch.setitem(seeding.PIECE_DRAWS, "cpu", 1000)
     pair = _pair()
     m = pair.support_ids.shape[0]

@@ -12,10 +12,10 @@ import torch
 from rich.console import Console
 
 import kl_bench
-from kl_bench import api
-from kl_bench.display import compact_frame, heading, print_tables
-from kl_bench.formatting import ROUNDING, count, fmt, plural
-from kl_bench.stats import HeavyTail, kish_ess
+import kl_bench.api as api
+from kl_bench.present.tables import compact_frame, heading, print_tables
+from kl_bench.foundation.formatting import ROUNDING, count, fmt, plural
+from kl_bench.core.stats import HeavyTail, kish_ess
 
 from .conftest import logged_logprobs
 from .conftest import spec_toml as _spec_text
@@ -65,7 +65,7 @@ def test_logged_data_bias_se_and_z_are_the_logs_own_and_agree(tmp_path):
 
 
 def _pct(x, sign=True):
-    from kl_bench.formatting import pct
+    from kl_bench.foundation.formatting import pct
     return pct(x, sign)
 
 
@@ -91,7 +91,7 @@ def test_kl_zero_is_a_case_exact_zeros_no_nan_no_never():
     value = [a for a in res.recommendations() if a.use == "value"][0]
     assert "KL(q||p) = 0" in value.text and "nan" not in value.text
     exact = api.exact(spec)
-    assert "nan" not in "".join(a.text for a in kl_bench.advice.recommendations(exact))
+    assert "nan" not in "".join(a.text for a in kl_bench.analysis.advice.recommendations(exact))
 
 
 # ----------------------------------------------------------------------------- degenerate weights
@@ -187,7 +187,7 @@ def test_one_vocabulary_for_counts():
 
 
 def test_n_for_10pct_is_marked_where_no_exact_bias_is_known():
-    from kl_bench.display import n_cell
+    from kl_bench.present.tables import n_cell
     base = {"true_kl": 0.1, "exact_mean": 0.1, "n_for_10pct": 1_234.0}
     assert n_cell(base) == "1,234"
     assert n_cell({**base, "n_for_10pct": math.inf}) == "never"
@@ -207,8 +207,8 @@ def test_the_weight_sums_resume_byte_for_byte_and_a_corrupt_one_is_refused():
     """ΣW and ΣW² ride at the end of every batch's sums: a run resumed from a checkpoint of a weighted case
     gives the very sums of one uninterrupted run, and an impossible (negative) weight sum is refused."""
     from kl_bench.api import prepare
-    from kl_bench.engine import run_case
-    from kl_bench.errors import SpecError
+    from kl_bench.engine.monte_carlo import run_case
+    from kl_bench.foundation.errors import SpecError
     pair = prepare(spec_toml({"name": "w", "draws": 4_000, "seed": 0, "device": "cpu", "batches": 10,
                               "estimators": ["k1", "k3"]}, [{**DEGENERATE, "length": 8}])).pairs[0]
     cpu = torch.device("cpu")

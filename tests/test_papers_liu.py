@@ -5,12 +5,12 @@ import math
 
 import numpy as np
 
-from kl_bench import gradients as G
-from kl_bench.estimators import ESTIMATORS
-from kl_bench.modes import GradItem
-from kl_bench.pairs import CategoricalPair
-from kl_bench.spec import load_spec
-from kl_bench.targets import FORWARD, REVERSE
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core.estimators import ESTIMATORS
+from kl_bench.core.modes import GradItem
+from kl_bench.kinds import CategoricalPair
+from kl_bench.experiment.spec import load_spec
+from kl_bench.core.targets import FORWARD, REVERSE
 
 from .conftest import CPU
 

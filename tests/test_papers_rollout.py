@@ -11,12 +11,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kl_bench import gradients as G
-from kl_bench.estimators import ESTIMATORS
-from kl_bench.modes import GradItem
-from kl_bench.pairs.rollout import RolloutPair, brute_force_sequences
-from kl_bench.spec import load_spec
-from kl_bench.targets import REVERSE
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core.estimators import ESTIMATORS
+from kl_bench.core.modes import GradItem
+from kl_bench.kinds.rollout import RolloutPair, brute_force_sequences
+from kl_bench.experiment.spec import load_spec
+from kl_bench.core.targets import REVERSE
 
 from .conftest import CPU
 from .test_rollout_gradients import _brute, _roll

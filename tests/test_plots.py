@@ -1,4 +1,4 @@
-"""kl_bench.plots: importing it and plotting leave matplotlib's global state (rcParams, seaborn's theme,
+"""kl_bench.present.plots: importing it and plotting leave matplotlib's global state (rcParams, seaborn's theme,
 the backend) as they were; every plot function draws a small frame of each results file's columns, on a
 new figure or on given axes, and returns the figure; the report's look survives rendering outside the
 plot function."""
@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from kl_bench.results import GRAD_SCHEMA
-from kl_bench.lambdas import SWEEP_SCHEMA
+from kl_bench.experiment.lambdas import SWEEP_SCHEMA
 from kl_bench.results import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def calls():
 # ----------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
 def plots():
-    from kl_bench import plots
+    from kl_bench.present import plots
     return plots
 
 
@@ -178,7 +178,7 @@ def _pixels(fig, **savefig) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- global state
-# Run in a fresh interpreter: nothing of kl_bench.plots (or seaborn) may be imported before the snapshot.
+# Run in a fresh interpreter: nothing of kl_bench.present.plots (or seaborn) may be imported before the snapshot.
 FRESH = """
 import io, sys
 import matplotlib
@@ -194,8 +194,8 @@ def check(when):
     assert {c: colors.to_rgba(c) for c in "bgrcmyk"} == codes, f"colour codes changed {when}"
 from tests import test_plots as t
 check("importing the tests' frames")
-from kl_bench import plots
-check("importing kl_bench.plots")
+from kl_bench.present import plots
+check("importing kl_bench.present.plots")
 calls = list(t.calls().items())
 for name, (fn, args, kwargs, _, _) in calls[:int(sys.argv[1])] if len(sys.argv) > 1 else calls:
     fig = getattr(plots, fn)(*args, **kwargs)
@@ -234,8 +234,8 @@ def test_rcparams_are_restored_when_a_plot_function_fails(plots):
 
 
 def _results():
-    """One run's results (kl_bench.report.Results) made of the small frames: every figure has panels."""
-    from kl_bench.report import Results
+    """One run's results (kl_bench.present.report.Results) made of the small frames: every figure has panels."""
+    from kl_bench.present.report import Results
     s = summary_frame()
     cases = {"gauss": {"length": None, "label": ""}, "roll-T4": {"length": 4, "label": "roll"},
              "roll-T8": {"length": 8, "label": "roll"},
@@ -247,7 +247,7 @@ def _results():
 
 
 def _figure_panels():
-    from kl_bench.report import FIGURES, FigureContext
+    from kl_bench.present.report import FIGURES, FigureContext
     res = _results()
     df = pd.concat([res.summary, sweep_summary()], ignore_index=True)
     top = FigureContext([res], df, set(sweep_summary()["case"]))
@@ -260,7 +260,7 @@ def test_every_registered_figure_takes_a_frame_and_axes_and_returns_its_figure(p
     axes, leaves rcParams and pyplot alone, and is exercised by the plot tests below."""
     from matplotlib.figure import Figure
     from matplotlib.pyplot import get_fignums
-    from kl_bench.report import FIGURES
+    from kl_bench.present.report import FIGURES
     assert {k.plot for k in FIGURES.values()} <= {fn for fn, *_ in calls().values()}
     for name, panels in _figure_panels().items():
         assert panels, f"figure {name}: no panel from results that hold every table"
@@ -279,7 +279,7 @@ def test_every_registered_figure_takes_a_frame_and_axes_and_returns_its_figure(p
 def test_a_figure_registered_from_a_test_is_in_the_report(plots, unrendered_figures):
     """A new figure is one decorated function: build_figures draws it with the others (built, not
     rendered: the names and their order are the question)."""
-    from kl_bench import report as R
+    from kl_bench.present import report as R
     res = _results()
 
     @R.figure("toy_std", "plot_planning", per_run=True)
@@ -341,7 +341,7 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
     import matplotlib
     import seaborn as sns
     from matplotlib.colors import same_color, to_rgba
-    from kl_bench import figstyle
+    from kl_bench.present import figstyle
     assert plots.PALETTE == sns.color_palette("colorblind")
     assert list(figstyle.COLORBLIND) == sns.color_palette("colorblind").as_hex()
     ax = _call(plots, "lambda_curve").axes[0]
@@ -360,9 +360,9 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
 
 
 def test_report_png_closes_a_figure_that_pyplot_does_not_manage(plots):
-    """kl_bench.report.png_bytes calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
+    """kl_bench.present.report.png_bytes calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
     from matplotlib.pyplot import get_fignums
-    from kl_bench.report import png_bytes
+    from kl_bench.present.report import png_bytes
     open_before = get_fignums()
     data = png_bytes(_call(plots, "gradient_cosine"))
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
@@ -408,7 +408,7 @@ def test_gradient_cosine_is_faceted_by_mode_with_one_legend(plots):
     panels = [ax for ax in fig.axes if ax.get_visible()]
     modes = list(dict.fromkeys(grads["mode"]))
     assert len(panels) == len(modes)
-    from kl_bench.modes import MODES
+    from kl_bench.core.modes import MODES
     assert [ax.get_title() for ax in panels] == [f"mode: {m}\n({MODES[m].label})" for m in modes]
     for ax, mode in zip(panels, modes):
         curves = [line for line in ax.get_lines() if len(line.get_xdata()) > 2]
@@ -446,7 +446,7 @@ def test_planning_keeps_every_row_in_place_and_marks_never_there(plots):
     """A row whose bias alone exceeds 10% keeps its slot in its case's group, marked "never" in its
     estimator's colour (it used to be a list in the title); nothing is drawn outside the figure."""
     from matplotlib.colors import same_color
-    from kl_bench.figstyle import estimator_colour
+    from kl_bench.present.figstyle import estimator_colour
     s = summary_frame()
     many = pd.concat([s.assign(case=s["case"] + f"-a-long-case-name-{k}", n_for_10pct=INF) for k in range(6)]
                      + [s])
@@ -485,7 +485,7 @@ def _colours(fig) -> set[str]:
 def test_a_colour_is_the_estimators_in_every_figure_whichever_estimators_a_run_has(plots):
     """k1 is the same colour in every figure, first or last, alone or with others: colours follow the
     estimator, not its position (they used to follow the position: fwd_k3 took abs's colour in a sweep)."""
-    from kl_bench.figstyle import estimator_colour
+    from kl_bench.present.figstyle import estimator_colour
     s = summary_frame()
     gauss = s[s["case"] == "gauss"]
     k1, k3 = estimator_colour("k1"), estimator_colour("k3")
@@ -521,7 +521,7 @@ def test_lines_that_coincide_in_an_ecdf_all_stay_visible(plots):
     of the curve (the legend taken away), because the first is drawn widest and the later ones narrower and
     dashed on top; a line apart from the others is drawn plainly."""
     from matplotlib.colors import to_rgb
-    from kl_bench.figstyle import estimator_colour
+    from kl_bench.present.figstyle import estimator_colour
     rng = np.random.default_rng(2)
     v = rng.gamma(0.5, 0.01, 3000)
     draws = pd.concat([pd.DataFrame({"label": k, "value": v}) for k in ("k2", "k3", "fwd_k3")]
@@ -548,8 +548,8 @@ def _overlap(a, b) -> bool:
 def test_titles_never_run_under_a_legend(plots):
     """The sweep figure's title and legend (and the training figure's) do not overlap: the legend sits
     under the panels."""
-    from kl_bench import api
-    from kl_bench.training.plots import plot_training
+    import kl_bench.api as api
+    from kl_bench.present.training_plots import plot_training
     from tests.test_training import _spec
     long = sweep_summary().assign(case=lambda d: d["case"] + "-a-much-longer-case-name")
     train = api.train(_spec({"gradients": ["exact"], "steps": 2})).frame
@@ -567,7 +567,7 @@ def test_titles_never_run_under_a_legend(plots):
 def test_the_audit_step_axis_holds_whole_steps():
     from tests.test_audit import _gen, _steps
     from kl_bench.audit import AuditLog, Sampler, audit_step
-    from kl_bench.audit.report import plot_audit
+    from kl_bench.present.audit_report import plot_audit
     for n, every in ((3, 1), (4, 10), (30, 1)):
         log = AuditLog()
         for s, (pv, values, mask) in enumerate(_steps(_gen(5), Sampler(top_k=5), n)):

@@ -1,4 +1,4 @@
-"""The precision of log-probs (kl_bench.precision): a figure computed by hand, exact rounded moments
+"""The precision of log-probs (kl_bench.core.precision): a figure computed by hand, exact rounded moments
 against Monte Carlo (categorical and rollout), the truth unchanged, and the spec's errors."""
 import math
 import subprocess
@@ -9,11 +9,11 @@ import torch
 from typer.testing import CliRunner
 
 from kl_bench.cli import app
-from kl_bench.estimators import lookup
-from kl_bench.engine import as_rows
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import CategoricalPair, RolloutPair
-from kl_bench.precision import Precision, rounded_logr
+from kl_bench.core.estimators import lookup
+from kl_bench.engine.monte_carlo import as_rows
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import CategoricalPair, RolloutPair
+from kl_bench.core.precision import Precision, rounded_logr
 
 from .conftest import CPU, mc_frame
 
@@ -54,8 +54,8 @@ def test_bf16_logits_as_given_by_hand_and_the_logprobs_choice():
     """of = "logits" rounds the source's raw logits (0.1 → 205/2048, …) before log-softmax; of = "logprobs"
     rounds the normalised log-probs. Both exact means follow their rounding, the truth is the float64 KL,
     and the two differ (log-softmax is invariant to a shift, rounding is not)."""
-    from kl_bench.logits import TensorLogits
-    from kl_bench.pairs.categorical import CategoricalCase
+    from kl_bench.sampling.logits import TensorLogits
+    from kl_bench.kinds.categorical import CategoricalCase
     lq, lp = _log_softmax(Q_LOGITS), _log_softmax(P_LOGITS)
     kl = sum(math.exp(a) * (a - b) for a, b in zip(lq, lp))
     want = {"logits": (Q_LOGITS, P_LOGITS), "logprobs": (lq, lp)}
@@ -79,8 +79,8 @@ def test_bf16_logits_as_given_by_hand_and_the_logprobs_choice():
 def test_zipf_offset_moves_only_the_rounding_of_the_logits_as_given(tmp_path):
     """A generator's offset is the top logit: float64 results do not depend on it, bf16 logits as given do
     (steps of 2^-3 near 20 against 2^-9 or finer below 1), normalised rounding (of = "logprobs") does not."""
-    from kl_bench.spec import load_spec
-    from kl_bench.pairs import build_pair
+    from kl_bench.experiment.spec import load_spec
+    from kl_bench.kinds import build_pair
 
     def mean_k1(offset, precision):
         case = (f'name = "c"\nkind = "categorical"\nvocab = 2000\n'
@@ -183,8 +183,8 @@ def test_categorical_gradients_use_the_rounded_log_ratio():
     rounding visibly moves the expected gradient of k3 in the loss."""
     import numpy as np
 
-    from kl_bench import gradients as G
-    from kl_bench.modes import GradItem
+    from kl_bench.experiment import gradient_rows as G
+    from kl_bench.core.modes import GradItem
     prec = Precision("bfloat16", "float32", "bfloat16")
     pair, ref = _zipf_pair(prec, vocab=500), _zipf_pair(None, vocab=500)
     rows = G.gradient_rows(pair, [lookup("k3")], draws=50_000, seed=1, batches=50, device=CPU)

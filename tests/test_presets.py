@@ -1,4 +1,4 @@
-"""Library presets (kl_bench.presets): value for value against each library's formula written out here,
+"""Library presets (kl_bench.core.presets): value for value against each library's formula written out here,
 in the library's dtype; exact moments against Monte Carlo; verl's straight-through gradients; NeMo-RL's
 importance-weighted clamp order (gradient mode loss_is_nemo) against brute-force autograd."""
 
@@ -9,15 +9,15 @@ import pandas as pd
 import pytest
 import torch
 
-from kl_bench import gradients as G
-from kl_bench import modes as M
-from kl_bench.errors import SpecError
-from kl_bench.estimators import ESTIMATORS, lookup
-from kl_bench.logits import zipf_logits
-from kl_bench.modes import GradItem
-from kl_bench.pairs import CategoricalPair
-from kl_bench.presets import PRESETS
-from kl_bench.targets import REVERSE
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core import modes as M
+from kl_bench.foundation.errors import SpecError
+from kl_bench.core.estimators import ESTIMATORS, lookup
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.core.modes import GradItem
+from kl_bench.kinds import CategoricalPair
+from kl_bench.core.presets import PRESETS
+from kl_bench.core.targets import REVERSE
 
 from .conftest import CPU, mc_frame
 
@@ -160,7 +160,7 @@ def test_preset_exact_moments_against_monte_carlo_where_clamps_fire():
 
 def _brute_force_expected_gradient(pair, est, mode):
     """Σ_x sg(q(x)) ∇θ loss_x(θ), θ = q's logits [V] (one context), by autograd of the trainer's own
-    expression (kl_bench.modes.trainer_loss): independent of the coefficient tables."""
+    expression (kl_bench.core.modes.trainer_loss): independent of the coefficient tables."""
     theta = pair.log_q[0].clone().requires_grad_(True)
     log_q = torch.log_softmax(theta, -1)
     loss = M.trainer_loss(est, mode, log_q, pair.log_p[0])
@@ -255,7 +255,7 @@ def test_nemo_under_a_sampler_monte_carlo_rows():
 
 
 def test_nemo_mode_is_refused_under_a_sampler_on_rollouts():
-    from kl_bench.pairs import RolloutPair
+    from kl_bench.kinds import RolloutPair
     lq = torch.log_softmax(zipf_logits(30, 1.1, 1, 2), -1)
     lp = torch.log_softmax(zipf_logits(30, 1.1, 1, 2) / 0.5, -1)
     pair = RolloutPair("r", lq, lp, torch.arange(30) % 2, 4, 29, log_b=torch.log_softmax(lq * 0.9, -1),
@@ -265,9 +265,9 @@ def test_nemo_mode_is_refused_under_a_sampler_on_rollouts():
 
 
 def test_presets_on_rollout_token_rows_match_the_dynamic_program():
-    from kl_bench.experiment import run_experiment_case
-    from kl_bench.pairs import RolloutPair
-    from kl_bench.spec import Experiment
+    from kl_bench.experiment.case import run_experiment_case
+    from kl_bench.kinds import RolloutPair
+    from kl_bench.experiment.spec import Experiment
     lq = torch.log_softmax(zipf_logits(300, 1.1, 1, 3), -1)
     lp = torch.log_softmax(zipf_logits(300, 1.1, 1, 3) / 0.5, -1)
     pair = RolloutPair("r", lq, lp, torch.arange(300) % 3, 6, 299)
@@ -280,7 +280,7 @@ def test_presets_on_rollout_token_rows_match_the_dynamic_program():
 
 
 def test_unknown_preset_in_a_spec_is_one_line(tmp_path):
-    from kl_bench.spec import load_spec
+    from kl_bench.experiment.spec import load_spec
     spec = tmp_path / "s.toml"
     spec.write_text('spec_version = 1\n[experiment]\ndraws = 1000\nestimators = ["nemo.k4"]\n'
                     '[[case]]\nname = "g"\nkind = "gaussian"\nq = {mean = 0.0, std = 1.0}\np = {mean = 0.1, std = 1.0}\n')
@@ -306,7 +306,7 @@ def _grad_points():
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_every_preset_gradient_in_its_library_mode_matches_the_library_expression(preset):
     """d/dlogprob of the library's own per-token expression (autograd, written out above) equals the
-    coefficient c(log r) of the preset's library mode (kl_bench.modes), token for token."""
+    coefficient c(log r) of the preset's library mode (kl_bench.core.modes), token for token."""
     logprob, ref = _grad_points()
     est = lookup(preset.name)
     assert est.library_mode == preset.mode and preset.mode in M.modes_for(est)
@@ -391,8 +391,8 @@ def test_straight_through_presets_gave_nan_in_the_library_order_and_are_defined_
 def test_trl_geometric_sequence_weight_is_formed_in_log_space():
     """A 4096-token sequence whose token log-ratios sum to 720: TRL's weight is exp(720/4096) = 1.192…,
     finite, where the product Π_t q_t/b_t = e^720 overflows float64 (and e^−720 underflows to 0)."""
-    from kl_bench.draws import Draws, Row, row_values
-    from kl_bench.presets import trl_sequence_weight
+    from kl_bench.core.draws import Draws, Row, row_values
+    from kl_bench.core.presets import trl_sequence_weight
     n_tok, total = 4096, 720.0
     log_ratio = torch.full((1, n_tok), total / n_tok, dtype=torch.float64)
     mask = torch.ones_like(log_ratio)
@@ -413,7 +413,7 @@ def test_trl_geometric_sequence_weight_is_formed_in_log_space():
 
 
 def test_rollout_sampler_log_weight_is_the_log_of_its_product_weight():
-    from kl_bench.pairs import RolloutPair
+    from kl_bench.kinds import RolloutPair
     lq = torch.log_softmax(zipf_logits(40, 1.1, 1, 2), -1)
     lp = torch.log_softmax(zipf_logits(40, 1.1, 1, 2) / 0.8, -1)
     lb = torch.log_softmax(lq * 0.7, -1)

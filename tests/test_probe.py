@@ -20,13 +20,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kl_bench import api, cli as cli_module, safe_io, signals, storage
+import kl_bench.api as api
+from kl_bench import cli as cli_module
+from kl_bench.foundation import safe_io, signals, storage
 from kl_bench.api import CheckReport
-from kl_bench.errors import SpecError
-from kl_bench.gate import exact_comparisons, holm
+from kl_bench.foundation.errors import SpecError
+from kl_bench.analysis.gate import exact_comparisons, holm
 from kl_bench.results import checkpoint
 from kl_bench.results.baseline import load_baseline
-from kl_bench.logits import read_tensor_file
+from kl_bench.sampling.logits import read_tensor_file
 
 runner = CliRunner()
 
@@ -189,7 +191,7 @@ def test_a_baseline_with_a_nan_mean_or_negative_spread_is_refused(made, tmp_path
 
 
 def test_a_nan_statistic_fails_the_gate(made):
-    from kl_bench.report import load_results
+    from kl_bench.present.report import load_results
     df = load_results(made["good"]).summary.copy()
     df.loc[df.index[0], "mean"] = float("nan")
     comps = holm(exact_comparisons(df), 0.001)
@@ -202,7 +204,7 @@ def test_a_nan_statistic_fails_the_gate(made):
 def test_a_gate_that_compared_nothing_fails(made):
     rep = CheckReport([], 0.001)
     assert not rep.passed and "nothing was compared" in rep.verdict
-    from kl_bench.report import load_results
+    from kl_bench.present.report import load_results
     df = load_results(made["good"]).summary.copy()
     df["exact_mean"] = float("nan")
     df["exact_std"] = float("nan")
@@ -214,7 +216,7 @@ def _checkpoint(spec_path: Path, out: Path, edit) -> None:
     """A checkpoint of 3 batches that the run would accept, then damaged by ``edit``."""
     sp = api.load(spec_path)
     ident = checkpoint.checkpoint_identity(sp, torch.device("cpu"), sp.case_draws())
-    # The layout of kl_bench.engine: per estimator (k1, k3) the centred sums, their squares, the counts
+    # The layout of kl_bench.engine.monte_carlo: per estimator (k1, k3) the centred sums, their squares, the counts
     # of negative values; 1000 draws per batch (20,000 in 20 batches).
     sums = torch.tensor([[0.5, -0.2, 900.0, 800.0, 300.0, 0.0]] * 3, dtype=torch.float64)
     edit(sums)
@@ -332,7 +334,7 @@ def test_atomic_writes_refuse_a_link_or_device_that_appears_at_the_target(tmp_pa
     link.symlink_to(victim)
     with pytest.raises(SpecError, match="symbolic link"):
         storage.atomic_write_bytes(link, b"x")
-    from kl_bench.pairs.model.dump import _save        # dump-logits' writer: the folder swapped in whole
+    from kl_bench.kinds.model.dump import _save        # dump-logits' writer: the folder swapped in whole
     with pytest.raises(SpecError, match="symbolic link"):
         _save(link, {"next_token.pt": b"x"})
     out = tmp_path / "dump"
@@ -499,7 +501,7 @@ def test_hostile_json_is_one_line(made, folder, tmp_path, text, needle):
 
 
 def test_prompts_that_are_binary_or_a_fifo_are_one_line(tmp_path, no_hang):
-    from kl_bench.pairs.model import lm
+    from kl_bench.kinds.model import lm
     (tmp_path / "p.jsonl").write_bytes(b"\x00\x01\xff\xfe")
     with pytest.raises(SpecError, match="not UTF-8 text"):
         lm.read_prompts(tmp_path / "p.jsonl", tmp_path)

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kl_bench import progress as P
+from kl_bench.foundation import progress as P
 from kl_bench.cli import app
 
 runner = CliRunner()
@@ -197,7 +197,8 @@ def test_resume_rate_counts_only_the_draws_made_in_this_process(folder, tmp_path
     its draws/s is the 1,000 draws it made over its own sampling time (it was 4,000 over that time)."""
     import torch
 
-    from kl_bench import api, runner as R
+    from kl_bench.api import folders as R
+    import kl_bench.api as api
     from kl_bench.results import checkpoint
     out = tmp_path / "cut"
     monkeypatch.setattr(R, "_write", lambda result, out_dir: None)     # as if killed before writing

@@ -1,4 +1,4 @@
-"""Sequence-level rejection masks on rollouts (kl_bench.rejection, docs/weights.md): the mask against verl's
+"""Sequence-level rejection masks on rollouts (kl_bench.core.rejection, docs/weights.md): the mask against verl's
 expression written out here, exact values and gradients of the factorising criteria (seq_max_k2/k3) against
 enumeration of every sequence, Monte Carlo rows against them (and against enumeration where no exact value
 is given: seq_sum, seq_mean), and bad input refused with one line, exit 2."""
@@ -10,15 +10,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kl_bench import gradients as G
-from kl_bench import modes as M
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core import modes as M
 from kl_bench.cli import app
-from kl_bench.estimators import lookup
-from kl_bench.experiment import run_experiment_case
-from kl_bench.modes import GradItem
-from kl_bench.pairs.rollout import RolloutPair
-from kl_bench.rejection import CRITERIA, Criterion, Rejection, RunningStats
-from kl_bench.spec import Experiment
+from kl_bench.core.estimators import lookup
+from kl_bench.experiment.case import run_experiment_case
+from kl_bench.core.modes import GradItem
+from kl_bench.kinds.rollout import RolloutPair
+from kl_bench.core.rejection import CRITERIA, Criterion, Rejection, RunningStats
+from kl_bench.experiment.spec import Experiment
 
 from .conftest import CPU
 from .test_rollout_gradients import _token_gradient
@@ -224,7 +224,7 @@ def test_monte_carlo_rows_agree_with_the_exact_values_and_gradients():
 def test_geometric_weights_and_the_ppo_clip_take_the_mask():
     """tok_gm rows (TRL's W^(1/|y|)) against enumeration; the PPO clip's local rows (loss_is) under the mask
     against Monte Carlo."""
-    from kl_bench.weights import WeightCorrection
+    from kl_bench.core.weights import WeightCorrection
     pair = _pair(weights="geometric")
     seqs = _enumerate(pair)
     prob = np.array([p for p, *_ in seqs])

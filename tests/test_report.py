@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 
 from pathlib import Path
 
-from kl_bench import plots, report
-from kl_bench.draws import row_label
+from kl_bench.present import plots, report
+from kl_bench.core.draws import row_label
 from kl_bench.cli import app
-from kl_bench.report import tex_number, load_results, sig
+from kl_bench.foundation.formatting import sig
+from kl_bench.present.report import tex_number, load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -119,7 +120,7 @@ def test_figures_are_also_written_as_deterministic_vectors(small_run):
 
 def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
     """bias/true in % (the vocabulary of docs/results.md: "+0.28% ± 0.34%"), std/true a plain ratio."""
-    from kl_bench.formatting import pct
+    from kl_bench.foundation.formatting import pct
     text = (small_run / "report" / "table.tex").read_text()
     df = pd.read_csv(small_run / "summary.csv", keep_default_na=True)
     rows = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
@@ -152,7 +153,7 @@ def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
 def test_heavy_tailed_rows_are_marked_in_every_measured_column():
     """A heavy-tailed row (results/rollout: moderate-T256's seq k3) carries † on its measured bias ± SE and
     std ± SE in the paper table and on its z in the terminal table: its SE is not valid."""
-    from kl_bench import display
+    from kl_bench.present import tables as display
     res = report.load_results(ROOT / "results" / "rollout")
     df = res.summary.assign(key=res.summary["case"], label=[row_label(r) for _, r in res.summary.iterrows()])
     heavy = df[df["heavy_tail"] != ""]
@@ -210,7 +211,7 @@ def test_several_folders_side_by_side(tmp_path, build_spec, write_spec):
 
 
 def test_runs_are_labelled_by_experiment_and_seed_and_differences_carry_z():
-    from kl_bench.report import Results, differences, run_labels
+    from kl_bench.present.report import Results, differences, run_labels
 
     def res(name, seed, folder):
         return Results(Path("/abs/path") / folder, name, pd.DataFrame(), {"seed": seed}, None, None, None)
@@ -273,7 +274,7 @@ def test_report_html_has_no_backticks_and_tables_scroll_in_their_own_box(small_r
 
 
 def test_html_text_helpers():
-    from kl_bench.report import html_inline, html_text
+    from kl_bench.present.report import html_inline, html_text
     assert html_inline("results: `a<b`; spec `x.toml`") == "results: <code>a&lt;b</code>; spec <code>x.toml</code>"
     assert html_inline("odd ` tick") == "odd &#96; tick"
     assert html_text("case `x`") == "case &#96;x&#96;"
@@ -301,7 +302,7 @@ def test_no_growth_figure_for_one_length_and_token_mean_rows_are_drawn(tmp_path,
 # ----------------------------------------------------------------------------- reports that answer (issue 31 item 5)
 def test_the_advice_is_in_report_md_and_html(small_run):
     """What `kl-bench run` prints as advice (to log, in the loss) opens both pages, every line of it."""
-    from kl_bench.report import advice_lines, html_text
+    from kl_bench.present.report import advice_lines, html_text
     md = (small_run / "report" / "report.md").read_text()
     html = (small_run / "report" / "report.html").read_text()
     lines = advice_lines([load_results(small_run)])["small"]
@@ -314,7 +315,7 @@ def test_the_advice_is_in_report_md_and_html(small_run):
 def test_one_vocabulary_in_every_table_of_the_report(small_run):
     """bias/true in %, std/true (never stdev/true) a ratio, n ±10% an integer with separators or "never",
     never "inf" (docs/results.md, "Units and words")."""
-    from kl_bench.report import ROW_HEADER, batch_cell
+    from kl_bench.present.report import ROW_HEADER, batch_cell
     rep = small_run / "report"
     for name in ("report.md", "report.html", "table.md", "table.tex"):
         text = (rep / name).read_text()
@@ -371,7 +372,7 @@ def _page_is_self_contained(html: str, pngs: int) -> None:
 
 def test_training_and_audit_reports_have_a_self_contained_html_page(tmp_path):
     from tests.test_audit import _gen, _steps
-    from kl_bench import api
+    import kl_bench.api as api
     from kl_bench.audit import AuditLog, Sampler, audit_step
     spec = tmp_path / "t.toml"
     spec.write_text('spec_version = 1\n[experiment]\nname = "t"\ndraws = 10\ndevice = "cpu"\n[train]\n'

@@ -9,15 +9,15 @@ import torch
 from typer.testing import CliRunner
 
 from kl_bench.cli import app
-from kl_bench.engine import run_case
-from kl_bench.estimators import ESTIMATORS, make_cv, lookup
-from kl_bench.experiment import run_experiment_case
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import RolloutPair
-from kl_bench.pairs.rollout import brute_force_sequences
+from kl_bench.engine.monte_carlo import run_case
+from kl_bench.core.estimators import ESTIMATORS, make_cv, lookup
+from kl_bench.experiment.case import run_experiment_case
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import RolloutPair
+from kl_bench.kinds.rollout import brute_force_sequences
 from kl_bench.results import to_frame
-from kl_bench.results.rows import summarize
-from kl_bench.spec import Experiment
+from kl_bench.experiment.rows import summarize
+from kl_bench.experiment.spec import Experiment
 
 from .conftest import CPU
 
@@ -110,8 +110,8 @@ def test_monte_carlo_matches_the_dynamic_program(eos):
 def test_eos_stops_contributions_and_length_matches_the_dp():
     """Count generated tokens with a token-level row whose per-step value is 1: its mean must be the
     exact expected length from the dynamic program (h = 1), which is < T when EOS is likely."""
-    from kl_bench.draws import Row
-    from kl_bench.estimators import REVERSE, Estimator
+    from kl_bench.core.draws import Row
+    from kl_bench.core.estimators import REVERSE, Estimator
     ones = Estimator("ones", torch.ones_like, REVERSE, False, True, "1", None)
     pair = _small(eos=499, t=64)
     exact = pair.oracle.tok_moments(torch.ones_like(pair.model.logr_table))

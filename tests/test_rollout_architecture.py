@@ -4,15 +4,15 @@ pair; the kind dispatches on no aggregate's, token form's, weights option's or m
 import ast
 from pathlib import Path
 
-from kl_bench.aggregates import AGGREGATES
-from kl_bench.modes import MODES
-from kl_bench.pairs.rollout.gradients import TOKEN_FORMS
-from kl_bench.pairs.rollout.model import WEIGHTINGS
+from kl_bench.core.aggregates import AGGREGATES
+from kl_bench.core.modes import MODES
+from kl_bench.kinds.rollout.gradients import TOKEN_FORMS
+from kl_bench.kinds.rollout.model import WEIGHTINGS
 
-from .test_architecture import LAYERS, _imports, _modules
+from .test_architecture import _imports, _modules
 
 PKG = Path(__file__).resolve().parents[1] / "kl_bench"
-ROLLOUT = "kl_bench.pairs.rollout"
+ROLLOUT = "kl_bench.kinds.rollout"
 # What training may import of the kind: the model and the parts that take one (never the pair, the oracle
 # cache, the spec parser or the kind's tables of aggregates).
 TRAINING_MAY_USE = {f"{ROLLOUT}.{m}" for m in ("model", "dp", "gradients", "accumulator", "sampler")}
@@ -47,22 +47,21 @@ def test_no_module_outside_the_rollout_package_reads_its_internals():
 
 def test_the_aggregate_registry_names_no_kind():
     """The built-in aggregates carry no kind's hooks, and no module of the maths layer reads a pair (the
-    rollout kind owns its aggregates' oracles: kl_bench.pairs.rollout.aggregates)."""
-    import kl_bench.aggregates as A
+    rollout kind owns its aggregates' oracles: kl_bench.kinds.rollout.aggregates)."""
+    import kl_bench.core.aggregates as A
     builtins = ("", "seq", "tok", "tok_mean", "tok_batch", "tok_gm")
     assert all(AGGREGATES[a].exact is None and AGGREGATES[a].enabled is None for a in builtins)
-    maths = next(entries for name, _, entries in LAYERS if name == "maths")
-    assert "aggregates" in maths and "draws" in maths
+    maths = sorted(m for m in _modules() if m.startswith("kl_bench.core."))
+    assert "kl_bench.core.aggregates" in maths and "kl_bench.core.draws" in maths
     bad = []
-    for entry in maths:
-        mod = f"kl_bench.{entry}"
+    for mod in maths:
         for node in ast.walk(_tree(mod)):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "pair":
                 bad.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and "pairs" in ast.unparse(node):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "kinds" in ast.unparse(node):
                 bad.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "\n".join(bad)
-    assert A.__name__ == "kl_bench.aggregates"
+    assert A.__name__ == "kl_bench.core.aggregates"
 
 
 def test_training_uses_the_rollout_model_only():
@@ -98,7 +97,7 @@ def test_the_rollout_kind_dispatches_on_no_name():
     string if-chains on their names (in the kind's package and in the dynamic program)."""
     names = (set(AGGREGATES) - {""}) | set(TOKEN_FORMS) | set(WEIGHTINGS) | set(MODES)
     bad = []
-    for mod in [m for m in _modules() if not _outside(m)] + ["kl_bench.rollout_dp"]:
+    for mod in [m for m in _modules() if not _outside(m)] + ["kl_bench.core.rollout_dp"]:
         bad += [f"{mod}:{line}: compares with '{s}'" for line, s in _compared_strings(_tree(mod)) if s in names]
     assert not bad, "\n".join(bad)
 
@@ -120,7 +119,7 @@ def _protocol_members(*protocols) -> set[str]:
 def test_pair_holds_only_what_every_kind_must_have():
     """Pair's public members are CasePair's (and the spec parser's); the optional members (gradients,
     baselines) live with their protocols and their defaults, never in Pair."""
-    from kl_bench.pairs.base import CasePair, GradientDefaults, GradientOracle, Pair
+    from kl_bench.kinds.base import CasePair, GradientDefaults, GradientOracle, Pair
     pair = {name for name in vars(Pair) if not name.startswith("_")} | set(Pair.__annotations__)
     assert pair <= _protocol_members(CasePair) | {"parse", "from_config"}, sorted(pair - _protocol_members(CasePair))
     gradient_only = _protocol_members(GradientOracle)
@@ -131,11 +130,12 @@ def test_pair_holds_only_what_every_kind_must_have():
 
 def test_the_engine_experiment_and_results_ask_a_pair_only_its_protocols():
     """Every ``pair.X`` (or ``run.pair.X``) read in the engine, the experiment, the gradient and baseline rows
-    and the results is a member of a protocol of kl_bench.pairs.base (they are typed against them)."""
-    from kl_bench.pairs.base import BaselineOracle, CasePair, GradientOracle
+    and the results is a member of a protocol of kl_bench.kinds.base (they are typed against them)."""
+    from kl_bench.kinds.base import BaselineOracle, CasePair, GradientOracle
     allowed = _protocol_members(CasePair, GradientOracle, BaselineOracle)
-    mods = ["kl_bench.engine", "kl_bench.experiment", "kl_bench.gradients", "kl_bench.lambdas", "kl_bench.baselines",
-            "kl_bench.planning", "kl_bench.distributed"] + [m for m in _modules() if m.startswith("kl_bench.results")]
+    mods = ["kl_bench.engine.monte_carlo", "kl_bench.experiment.case", "kl_bench.experiment.gradient_rows",
+            "kl_bench.experiment.lambdas", "kl_bench.experiment.group_baselines", "kl_bench.experiment.rows",
+            "kl_bench.core.planning", "kl_bench.engine.distributed"] + [m for m in _modules() if m.startswith("kl_bench.results")]
     bad = []
     for mod in mods:
         for node in ast.walk(_tree(mod)):

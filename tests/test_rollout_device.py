@@ -4,8 +4,8 @@ Two checks. (1) The model, the dynamic program, the exact oracles and the gradie
 tensors (shapes and dtypes, no values): a table made on the host would meet a meta tensor in some operation
 and raise. Meta has no generators, no .item() and no data-dependent shapes, so the sampler, Vose's alias
 construction, the token-mean FFTs (on the host by design) and the final host conversions are left out; the
-host conversions of the oracles go through one function (kl_bench.pairs.rollout.dp.to_host), replaced here.
-(2) A lint over the sources of the kind (and of kl_bench.rollout_dp and kl_bench.alias): every tensor
+host conversions of the oracles go through one function (kl_bench.kinds.rollout.dp.to_host), replaced here.
+(2) A lint over the sources of the kind (and of kl_bench.core.rollout_dp and kl_bench.sampling.alias): every tensor
 factory call names its device.
 """
 import ast
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kl_bench.estimators import ESTIMATORS, FULL, make_cv
-from kl_bench.modes import MODES, GradItem, modes_for
-from kl_bench.pairs.rollout import dp, gradients
-from kl_bench.pairs.rollout.accumulator import SortedPaths
-from kl_bench.pairs.rollout.aggregates import ROLLOUT_AGGREGATES
-from kl_bench.pairs.rollout.model import RolloutModel
-from kl_bench.pairs.rollout.oracle import RolloutOracle
-from kl_bench.rejection import CRITERIA, Criterion, Rejection
-from kl_bench.weights import WeightCorrection
+from kl_bench.core.estimators import ESTIMATORS, FULL, make_cv
+from kl_bench.core.modes import MODES, GradItem, modes_for
+from kl_bench.kinds.rollout import dp, gradients
+from kl_bench.kinds.rollout.accumulator import SortedPaths
+from kl_bench.kinds.rollout.aggregates import ROLLOUT_AGGREGATES
+from kl_bench.kinds.rollout.model import RolloutModel
+from kl_bench.kinds.rollout.oracle import RolloutOracle
+from kl_bench.core.rejection import CRITERIA, Criterion, Rejection
+from kl_bench.core.weights import WeightCorrection
 
 META = torch.device("meta")
 C, V, T, EOS = 3, 7, 5, 6
@@ -131,7 +131,7 @@ def test_sorted_paths_run_on_meta_tensors():
 
 # ----------------------------------------------------------------------------- the lint
 ROOT = Path(__file__).resolve().parents[1] / "kl_bench"
-SOURCES = sorted((ROOT / "pairs" / "rollout").glob("*.py")) + [ROOT / "rollout_dp.py", ROOT / "alias.py"]
+SOURCES = sorted((ROOT / "kinds" / "rollout").glob("*.py")) + [ROOT / "core" / "rollout_dp.py", ROOT / "sampling" / "alias.py"]
 # torch functions that make a tensor (or a generator) from nothing: each call must say where. The *_like
 # functions and Tensor.new_* methods take their input's device, and are fine.
 FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "as_tensor", "eye", "linspace", "logspace",

@@ -9,16 +9,16 @@ import pandas as pd
 import pytest
 import torch
 
-from kl_bench import gradients as G
-from kl_bench import modes as M
-from kl_bench.engine import run_gradients
-from kl_bench.modes import GradItem
-from kl_bench.pairs.rollout.accumulator import SortedPaths
-from kl_bench.pairs.rollout.sampler import simulate
-from kl_bench.targets import FORWARD, REVERSE
-from kl_bench.estimators import make_cv, lookup
-from kl_bench.pairs import CategoricalPair
-from kl_bench.pairs.rollout import RolloutPair, brute_force_sequences
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core import modes as M
+from kl_bench.engine.monte_carlo import run_gradients
+from kl_bench.core.modes import GradItem
+from kl_bench.kinds.rollout.accumulator import SortedPaths
+from kl_bench.kinds.rollout.sampler import simulate
+from kl_bench.core.targets import FORWARD, REVERSE
+from kl_bench.core.estimators import make_cv, lookup
+from kl_bench.kinds import CategoricalPair
+from kl_bench.kinds.rollout import RolloutPair, brute_force_sequences
 
 from .conftest import CPU
 
@@ -102,7 +102,7 @@ def _brute(pair: RolloutPair, est, mode: str, agg: str) -> tuple[np.ndarray, flo
 
 
 def _token_gradient(form: str, steps, tok_w) -> np.ndarray:
-    """One path's token-row gradient written out per form (kl_bench.modes.TOKEN_FORMS), from the steps'
+    """One path's token-row gradient written out per form (kl_bench.core.modes.TOKEN_FORMS), from the steps'
     (score vector, f, c) and token weights."""
     f = [ft for _, ft, _ in steps]
     cs = [ct for _, _, ct in steps]

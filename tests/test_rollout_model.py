@@ -1,11 +1,11 @@
-"""The rollout model (kl_bench.pairs.rollout.model): its phases, its table of weights options, its refusals."""
+"""The rollout model (kl_bench.kinds.rollout.model): its phases, its table of weights options, its refusals."""
 import pytest
 import torch
 
-from kl_bench.errors import SpecError
-from kl_bench.pairs import CASE_KINDS
-from kl_bench.pairs.rollout import RolloutModel, RolloutPair
-from kl_bench.pairs.rollout.model import WEIGHTINGS
+from kl_bench.foundation.errors import SpecError
+from kl_bench.kinds import CASE_KINDS
+from kl_bench.kinds.rollout import RolloutModel, RolloutPair
+from kl_bench.kinds.rollout.model import WEIGHTINGS
 
 
 def _tables(c=2, v=5, seed=0):

@@ -5,8 +5,8 @@ import math
 import pytest
 
 import kl_bench
-from kl_bench.errors import SpecError
-from kl_bench.spec import MAX_SWEEP_CASES, load_spec
+from kl_bench.foundation.errors import SpecError
+from kl_bench.experiment.spec import MAX_SWEEP_CASES, load_spec
 
 BASE = """
 spec_version = 1
@@ -113,7 +113,7 @@ def test_swept_values_are_summary_columns(write_spec):
 
 
 def test_the_report_plots_each_swept_key_instead_of_a_figure_set_per_case(write_spec, tmp_path):
-    from kl_bench.report import build_report
+    from kl_bench.present.report import build_report
     path = write_spec(BASE + """
         [[sweep]]
         case = "c"

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from kl_bench import modes as M
-from kl_bench.draws import AGGREGATES, Aggregate, register_aggregate
-from kl_bench.engine import as_rows
-from kl_bench.estimators import ESTIMATORS, make_cv
-from kl_bench.gradients import gradient_items, gradient_rows
-from kl_bench.pairs import CategoricalPair, RolloutPair
-from kl_bench.targets import REVERSE
+from kl_bench.core import modes as M
+from kl_bench.core.draws import AGGREGATES, Aggregate, register_aggregate
+from kl_bench.engine.monte_carlo import as_rows
+from kl_bench.core.estimators import ESTIMATORS, make_cv
+from kl_bench.experiment.gradient_rows import gradient_items, gradient_rows
+from kl_bench.kinds import CategoricalPair, RolloutPair
+from kl_bench.core.targets import REVERSE
 
 from .conftest import CPU, mc_frame
 
@@ -86,7 +86,7 @@ def test_a_mode_registered_from_a_test_gets_rows_with_exact_and_measured_gradien
 
 
 def test_an_unknown_mode_is_a_one_line_error_with_a_suggestion():
-    from kl_bench.errors import SpecError
+    from kl_bench.foundation.errors import SpecError
     with pytest.raises(SpecError, match="did you mean 'loss_is'"):
         M.GradItem.of(ESTIMATORS["k3"], "loss_iss")
 
@@ -133,7 +133,7 @@ def test_an_aggregate_registered_from_a_test_gets_rows_against_its_exact_values(
 
 
 def test_an_unknown_aggregate_is_refused():
-    from kl_bench.draws import Row, row_values, Draws
+    from kl_bench.core.draws import Row, row_values, Draws
     d = Draws(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
     with pytest.raises(KeyError, match="unknown aggregate 'tok_mena'.*did you mean 'tok_mean'"):
         row_values(d, [Row(ESTIMATORS["k3"], "tok_mena")])
@@ -154,8 +154,8 @@ def test_optional_aggregates_follow_the_case_switches_in_table_order():
 def test_every_declared_sampler_key_is_an_option_and_every_logit_option_reshapes_b():
     import dataclasses
 
-    from kl_bench.pairs import CASE_KINDS
-    from kl_bench.samplers import LOGIT_KEYS, SamplerSpec
+    from kl_bench.kinds import CASE_KINDS
+    from kl_bench.sampling.samplers import LOGIT_KEYS, SamplerSpec
     fields = {f.name for f in dataclasses.fields(SamplerSpec)}
     for kind in CASE_KINDS.values():
         assert set(kind.sampler_keys) <= fields, kind.name

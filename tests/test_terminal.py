@@ -20,8 +20,8 @@ from rich.cells import cell_len
 from rich.console import Console
 
 import kl_bench
-from kl_bench import api
-from kl_bench.display import prose
+import kl_bench.api as api
+from kl_bench.present.tables import prose
 
 from .conftest import logged_logprobs, spec_toml
 
@@ -214,7 +214,7 @@ def test_piped_output_is_never_wrapped_mid_sentence(inputs, tmp_path):
     for detail, cases in general.items():
         assert f"{', '.join(cases)}: {detail}" in out
     assert max(len(line) for line in out) > WIDTH             # not wrapped at the terminal's width either
-    from kl_bench.advice import warnings
+    from kl_bench.analysis.advice import warnings
     for w in warnings(res.summary):
         assert w in proc.stderr.splitlines(), w
 

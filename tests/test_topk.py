@@ -1,14 +1,14 @@
-"""Top-k forward KL (kl_bench.topk): per-context values written out by hand, the clamp at 0 firing,
+"""Top-k forward KL (kl_bench.core.topk): per-context values written out by hand, the clamp at 0 firing,
 and the rollout path sum against brute-force enumeration of every sequence."""
 import math
 
 import pytest
 import torch
 
-from kl_bench.logits import zipf_logits
-from kl_bench.pairs import RolloutPair
-from kl_bench.pairs.rollout import brute_force_sequences
-from kl_bench.topk import TRL_TAIL, VERL, categorical_topk, full_forward_kl, rollout_topk, topk_forward_kl
+from kl_bench.sampling.logits import zipf_logits
+from kl_bench.kinds import RolloutPair
+from kl_bench.kinds.rollout import brute_force_sequences
+from kl_bench.core.topk import TRL_TAIL, VERL, categorical_topk, full_forward_kl, rollout_topk, topk_forward_kl
 
 
 def _by_hand(lq, lp, k, by="p", renormalize=False):

@@ -1,6 +1,6 @@
 """A new case kind is one module: a toy two-point kind, registered from this file alone, runs end to end
 (summary, exact, check with a baseline, gradients) with nothing else in the package touched. It implements
-the protocols of kl_bench.pairs.base: CaseParser, Oracle and Sampler on Pair's defaults, and (the optional)
+the protocols of kl_bench.kinds.base: CaseParser, Oracle and Sampler on Pair's defaults, and (the optional)
 GradientOracle through ScoreSampler and ScoreGradientOracle's default accumulator.
 
 q = Bernoulli(q1), p = Bernoulli(p1) over x ∈ {0, 1}; θ = logit(q1), so ∇θ log q(x) = x − q1.
@@ -16,16 +16,16 @@ from typer.testing import CliRunner
 
 import kl_bench
 from kl_bench.cli import app
-from kl_bench.config import Table
-from kl_bench.draws import Draws
-from kl_bench.engine import run_gradients
-from kl_bench.errors import SpecError
-from kl_bench.modes import ExactGrad
-from kl_bench.pairs import CASE_KINDS, CaseConfig, Pair, register_kind
-from kl_bench.pairs.base import (CaseParser, GradientOracle, JointMoments, Oracle, Sampler, ScoreGradientOracle,
+from kl_bench.foundation.config import Table
+from kl_bench.core.draws import Draws
+from kl_bench.engine.monte_carlo import run_gradients
+from kl_bench.foundation.errors import SpecError
+from kl_bench.core.modes import ExactGrad
+from kl_bench.kinds import CASE_KINDS, CaseConfig, Pair, register_kind
+from kl_bench.kinds.base import (CaseParser, GradientOracle, JointMoments, Oracle, Sampler, ScoreGradientOracle,
                                   ScoreSampler, gradient_oracle)
 from kl_bench.results import read_frame
-from kl_bench.targets import FORWARD, REVERSE
+from kl_bench.core.targets import FORWARD, REVERSE
 
 runner = CliRunner()
 

@@ -7,8 +7,8 @@ import torch
 
 import kl_bench
 from kl_bench.api import prepare
-from kl_bench.errors import SpecError
-from kl_bench.oracles import categorical_kl
+from kl_bench.foundation.errors import SpecError
+from kl_bench.core.oracles import categorical_kl
 
 G = torch.Generator().manual_seed(0)
 B, T, V = 4, 5, 30

@@ -216,7 +216,7 @@ def _spec(train: dict, cases=None, draws=400) -> dict:
 def test_sampled_trajectories_scatter_around_the_exact_one():
     """The mean of 24 sampled trajectories at every step, within 5 standard errors (sd/√seeds) of the exact
     trajectory. (Curvature makes E[value(θ_t)] differ from value(E θ_t) by O(lr²·Var/n), far below the SE.)"""
-    from kl_bench import api
+    import kl_bench.api as api
     res = api.train(_spec({"gradients": ["exact", "sampled"], "seeds": 24, "record_every": 3}))
     df = res.frame
     for combo, d in df.groupby("combination"):
@@ -233,7 +233,7 @@ def test_sampled_trajectories_scatter_around_the_exact_one():
 
 def test_sampled_bytes_do_not_depend_on_chunk():
     """70,000 draws a step: two pieces (2^16 + rest); chunk only groups them for the search."""
-    from kl_bench import api
+    import kl_bench.api as api
     spec = dict(_spec({"gradients": ["sampled"], "seeds": 2, "steps": 2}, draws=70_000))
     a = api.train({**spec, "train": {**spec["train"], "chunk": 1000}}).files()
     b = api.train({**spec, "train": {**spec["train"], "chunk": 1 << 22}}).files()
@@ -242,7 +242,7 @@ def test_sampled_bytes_do_not_depend_on_chunk():
 
 def test_sampled_rollout_matches_the_exact_expectation_at_step_0():
     """One step's sampled update from (seed, case/train/run, 0): its mean over runs is the exact expected update."""
-    from kl_bench.seeding import BatchStream
+    from kl_bench.sampling.seeding import BatchStream
     pb = _rollout()
     combo = parse_combination("k3/loss/tok", ("tok", "seq"))
     exact = pb.expected_update(pb.theta0, combo)
@@ -327,8 +327,8 @@ def test_train_command_writes_csv_and_envelope(tmp_path):
 def test_figures_leave_global_state_alone_and_render_every_case(tmp_path):
     import matplotlib
 
-    from kl_bench import api
-    from kl_bench.training.plots import plot_metric, plot_training, render_training_figures
+    import kl_bench.api as api
+    from kl_bench.present.training_plots import plot_metric, plot_training, render_training_figures
     res = api.train(_spec({"gradients": ["exact", "sampled"], "seeds": 2, "steps": 4}))
     before = dict(matplotlib.rcParams)
     fig = plot_training(res.frame)

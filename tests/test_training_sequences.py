@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kl_bench.seeding import BatchStream
+from kl_bench.sampling.seeding import BatchStream
 from kl_bench.training import (SEQUENCE_REWARDS, Optimizer, RolloutProblem, SequenceRolloutProblem, parse_combination,
                                run_trajectory, trajectory)
 from kl_bench.training.sequences import count_sequences, enumerate_sequences, rewards_of
@@ -193,7 +193,7 @@ ROLLOUT = {"name": "roll", "kind": "rollout", "vocab": 4, "buckets": 2, "length"
 
 def test_sampled_trajectories_scatter_around_the_exact_one():
     """The mean of 16 sampled trajectories, within 5 standard errors (sd/√16) of the exact one at every step."""
-    from kl_bench import api
+    import kl_bench.api as api
     seeds = 16
     spec = {"spec_version": 1, "experiment": {"name": "t", "draws": 300, "seed": 5, "device": "cpu"},
             "train": {"optimizer": "sgd", "lr": 0.3, "steps": 6, "beta": 0.5, "reward": {"sequence": "distinct"},
@@ -323,9 +323,9 @@ def test_a_plug_in_beside_the_spec_trains_rollouts_and_categoricals(folder):
         assert res.exit_code == 0, res.output
         df = read_frame(out / "train.csv")
         assert set(df.gradients) == {"exact", "sampled"} and (df.reward != 0).all()
-    from kl_bench import api
+    import kl_bench.api as api
     from kl_bench.training import parse_train, plan_case
-    from kl_bench.pairs import build_pair
+    from kl_bench.kinds import build_pair
     sp = api.load(folder / "good-cat.toml")
     cfg = parse_train(sp.train, str(sp.path), sp.path.parent)
     plan = plan_case(sp.cases[0], build_pair(sp.cases[0], str(sp.path)), cfg, 0)
@@ -355,7 +355,7 @@ def test_the_python_api_under_torchrun_is_refused_in_one_line(folder, monkeypatc
     """kl_bench.train() without ranks under a torchrun environment: one line (each process would train
     everything); `kl-bench train` splits the work instead (below)."""
     import kl_bench
-    from kl_bench.errors import SpecError
+    from kl_bench.foundation.errors import SpecError
     _, path, _ = _cli(folder, "api", "length")
     _clean_env(monkeypatch, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29571")
     with pytest.raises(SpecError) as e:

@@ -10,12 +10,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kl_bench import gradients as G
-from kl_bench.estimators import lookup
-from kl_bench.pairs import CategoricalPair
-from kl_bench.pairs.rollout import RolloutPair, brute_force_sequences
-from kl_bench.samplers import SamplerSpec
-from kl_bench.targets import REVERSE
+from kl_bench.experiment import gradient_rows as G
+from kl_bench.core.estimators import lookup
+from kl_bench.kinds import CategoricalPair
+from kl_bench.kinds.rollout import RolloutPair, brute_force_sequences
+from kl_bench.sampling.samplers import SamplerSpec
+from kl_bench.core.targets import REVERSE
 
 from .conftest import CPU
 
@@ -130,8 +130,8 @@ def test_rpg_claim_on_the_papers_spec():
     """experiments/papers_rpg.toml: under top-k and top-p with token weights (categoricals) and top-k with
     sequence weights (a rollout), k1 in the reward and k3 in loss_is follow ∇UKL(q_S‖p), a different
     vector from ∇KL(q‖p) (the README's numbers)."""
-    from kl_bench.spec import load_spec
-    from kl_bench.modes import GradItem
+    from kl_bench.experiment.spec import load_spec
+    from kl_bench.core.modes import GradItem
     for case in load_spec("experiments/papers_rpg.toml").cases:
         kind = RolloutPair if case.kind == "rollout" else CategoricalPair
         pair = kind.from_config(case)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kl_bench.pairs.model.tiny import build_tiny_models
+from kl_bench.kinds.model.tiny import build_tiny_models
 
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "experiments" / "tiny-models"

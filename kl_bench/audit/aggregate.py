@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ShapeError, SpecError
-from ..registry import did_you_mean
+from ..foundation.errors import ShapeError, SpecError
+from ..foundation.registry import did_you_mean
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import SpecError
+from ..foundation.errors import SpecError
+from ..results.schema import ENGINE_COLUMNS  # noqa: F401  (engine.csv's columns, re-exported)
 from .exact import PositionValues
 
 # Per metric m: Σx, Σ_seq S², Σ_seq n·S (S: a sequence's Σx, n its tokens); and Σ_seq n², Σ n shared.
@@ -127,24 +128,6 @@ class EngineAudit:
 
     def row(self) -> dict:
         return asdict(self)
-
-
-ENGINE_COLUMNS = {
-    "step": "the trainer's global step", "tokens": "masked tokens with the engine's log-probs",
-    "outside": "sampled tokens the settings' sampler on the trainer's logits cannot draw (the engine's own truncation "
-               "kept them: its logits differ)",
-    "convention": "the engine's log-probs: raw (the full distribution), processed (after truncation), either",
-    "sampler_gap": "token mean of log b(x) − log q(x), exact: what a processed engine adds from the sampler alone",
-    "kl": "verl rollout_corr/kl: mean(e − log q) over the tokens", "kl_se": "its SE (clustered by sequence)",
-    "kl_exact": "token mean of KL(b‖q): its value were the engine the sampler on the trainer's logits",
-    "k3_kl": "verl rollout_corr/k3_kl: mean(ρ − 1 − log ρ), ρ = q/e", "k3_kl_se": "its SE",
-    "k3_kl_exact": "KL(b‖q) − the q-mass b never draws (E_b[ρ] = Σ_{b>0} q < 1 under truncation), token mean",
-    "chi2": "verl rollout_corr/chi2_token: mean(ρ²) − 1", "chi2_se": "its SE",
-    "chi2_exact": "token mean of χ²(q‖b) = Σ_{b>0} q²/b − 1",
-    "logp_diff": "TRL sampling/sampling_logp_difference/mean: mean |log q − e|", "logp_diff_se": "its SE",
-    "logp_diff_exact": "token mean of E_b|log b − log q| if processed, 0 if raw",
-    "logp_diff_max": "TRL sampling/sampling_logp_difference/max over this process's audited tokens",
-}
 
 
 def engine_line(a: EngineAudit) -> str:

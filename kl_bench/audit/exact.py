@@ -1,7 +1,7 @@
 """Exact per-position values from full next-token logits (the dense path).
 
 At each position i the policy q_i and the reference p_i are the softmax of their logits [N, V]. With
-log r = log p − log q (notation of kl_bench.estimators), for every estimator f (a function of log r):
+log r = log p − log q (notation of kl_bench.core.estimators), for every estimator f (a function of log r):
 
     KL_i = Σ_v q_i(v) log(q_i(v)/p_i(v)),  E_q[f] = Σ_v q_i(v) f(log r_i(v)),  Var_q[f] likewise,
 
@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from ..errors import SpecError
-from ..estimators import resolve_estimator
+from ..foundation.errors import SpecError
+from ..core.estimators import resolve_estimator
 from .sampler import Sampler, sampler_logprobs
 
 

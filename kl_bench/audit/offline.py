@@ -18,17 +18,16 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SpecError
-from ..estimators import resolve_estimator
-from ..formatting import plural
-from ..registry import UnknownName
-from ..safe_io import parse_json, read_regular
-from ..storage import atomic_write_bytes, check_output_dir
+from ..foundation.errors import SpecError
+from ..core.estimators import resolve_estimator
+from ..foundation.formatting import plural
+from ..foundation.registry import UnknownName
+from ..foundation.storage import atomic_write_bytes, check_output_dir
 from .aggregate import AGGREGATIONS
 from .exact import PositionValues, position_values
 from .sampler import Sampler
 from .session import AuditSession, Metric, Record
-from .step import AuditLog, StepAudit, read_audit_csv, step_line
+from .step import AuditLog, StepAudit, read_audit_folder, step_line
 from .stream import Head
 from .engine import engine_line
 from .verdict import engine_warnings, step_warnings
@@ -380,10 +379,7 @@ def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, e
 def replay_folder(directory: Path, echo=print) -> None:
     """A results folder written by the callback (audit.csv, run.json) read back: each step's line and the
     warnings the callback printed, from the stored rows."""
-    rows = read_audit_csv(directory / "audit.csv")
-    envelope = parse_json(read_regular(directory / "run.json", "run.json"), directory / "run.json", "run.json")
-    if not isinstance(envelope, dict):
-        raise SpecError("must be a JSON object", file=str(directory / "run.json"))
+    envelope, rows = read_audit_folder(directory)
     sampler = str(envelope.get("sampler", "b"))
     history: dict[str, list[StepAudit]] = {}
     for a in rows:

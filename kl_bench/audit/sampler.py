@@ -10,7 +10,7 @@ score s = (transformed z)/T is at least a per-row threshold τ, so that
 
     b(x) = exp(s(x)) · 1[s(x) ≥ τ] / Σ_y exp(s(y)) · 1[s(y) ≥ τ].
 
-The dense form below uses :meth:`kl_bench.samplers.SamplerSpec.reshape` (temperature, top-k, top-p) and adds
+The dense form below uses :meth:`kl_bench.sampling.samplers.SamplerSpec.reshape` (temperature, top-k, top-p) and adds
 what it lacks; the streamed form (kl_bench.audit.stream) finds the same τ tile by tile.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..errors import SpecError
-from ..samplers import SamplerSpec
+from ..foundation.errors import SpecError
+from ..sampling.samplers import SamplerSpec
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ def sampler_logprobs(logits: torch.Tensor, sampler: Sampler | None = None, *, eo
     ``eos_banned`` [N] bool: rows where fewer than ``min_new_tokens`` completion tokens precede the
     position; ``context_ids`` [N, L] (−1 padding): the ids the repetition penalty sees at each position."""
     sampler = sampler or Sampler()
-    # Temperature, top-k and top-p are kl_bench.samplers.SamplerSpec.reshape (the benchmark's own emulation);
+    # Temperature, top-k and top-p are kl_bench.sampling.samplers.SamplerSpec.reshape (the benchmark's own emulation);
     # the penalty and the EOS ban act on the raw logits before it, min-p on its output.
     z = sampler_scores(logits.to(torch.float64), Sampler(repetition_penalty=sampler.repetition_penalty,
                                        min_new_tokens=sampler.min_new_tokens, eos_token_id=sampler.eos_token_id),

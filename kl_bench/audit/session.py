@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import SpecError
-from ..estimators import resolve_estimator
+from ..foundation.errors import SpecError
+from ..core.estimators import resolve_estimator
 from .aggregate import AGGREGATIONS
 from .engine import ENGINE_SUMS, EngineAudit, engine_sums
 from .exact import PositionValues

@@ -33,10 +33,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SpecError
-from ..estimators import resolve_estimator
-from ..stats import z_score
-from ..storage import check_output_dir, write_locked
+from ..foundation.errors import SpecError
+from ..core.estimators import resolve_estimator
+from ..core.stats import z_score
+from ..foundation.storage import check_output_dir
+from ..results import folders
+from ..results.schema import AUDIT_COLUMNS, ENGINE_COLUMNS
 from .aggregate import aggregation_units
 from .exact import PositionValues
 
@@ -148,38 +150,7 @@ def audit_step(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor
     return StepAudit.from_sums(sums, step=step, source=source, estimator=estimator, aggregation=aggregation)
 
 
-AUDIT_COLUMNS: dict[str, str] = {
-    "step": "the trainer's global step",
-    "source": "which KL term: e.g. 'loss' (GRPO's KL in the loss), 'reward' (RLOO's KL in the reward)",
-    "estimator": "the registry name of the trainer's per-token formula (e.g. trl.grpo, k1)",
-    "aggregation": "token-mean, seq-mean-token-mean or seq-mean-token-sum",
-    "sequences": "sequences audited (all ranks)",
-    "tokens": "masked tokens audited (all ranks)",
-    "logged": "the trainer's estimate: its own per-token values under its aggregation",
-    "recomputed": "the same formula on float64 log-probs of the sampled tokens from the audited logits",
-    "exact": "Σ w KL(q‖p) over the positions: the value the estimate is for",
-    "expected_q": "Σ w E_q[f]: the estimate's expectation were tokens drawn from q",
-    "expected_b": "Σ w E_b[f]: its expectation under the sampler b that drew them",
-    "se": "standard error of the noise, √Σ w² Var_b[f] (exact conditional variances)",
-    "bias": "logged − exact",
-    "z": "bias / se",
-    "bias_estimator": "expected_q − exact (the formula's own bias; 0 for k1, k3)",
-    "bias_sampler": "expected_b − expected_q (temperature, top-k, top-p, min-p, ...)",
-    "bias_precision": "logged − recomputed (rounding of the trainer's log-probs)",
-    "noise": "recomputed − expected_g (sampling noise, mean 0, SD se)",
-    "frac_negative": "fraction of the trainer's per-token values below 0",
-    "p_negative": "exact token average of P_b(f < 0)",
-    "miss": "token average of the q-mass b can never draw",
-    "consistency_z": "z of Σ(log g(x) − E_g log g): ≈ N(0,1) when tokens came from the audited g; −inf: g(x) = 0",
-    "impossible": "sampled tokens with g(x) = 0 under the audited logits",
-    "consistency_sum": "Σ (log g(x) − E_g log g) (pooled across steps)",
-    "consistency_var": "Σ Var_g[log g] (pooled across steps)",
-    "expected_g": "Σ w E_g[f]: its expectation under the distribution that drew the tokens (the sampler on the "
-                  "sampling pass's logits; = expected_b when that pass was not captured)",
-    "bias_mismatch": "expected_g − expected_b (the sampling pass differs from the scored one: dropout, position ids, "
-                     "a cache, precision); 0 when not measured",
-    "sampling_pass": "tokens whose sampling pass was captured (0: bias_mismatch not measured, it is in the noise)",
-}
+
 
 
 class AuditLog:
@@ -213,18 +184,17 @@ class AuditLog:
 
     def write(self, directory, **envelope) -> Path:
         """Write ``audit.csv`` and ``run.json`` (``envelope`` merged in: settings, versions) atomically
-        (kl_bench.storage: staged folder swapped in whole, under the folder's lock)."""
+        (kl_bench.foundation.storage: staged folder swapped in whole, under the folder's lock)."""
         import datetime as dt
 
         directory = check_output_dir(Path(directory))
-        env = {"kl_bench_audit": 1, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        env = {"created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "columns": AUDIT_COLUMNS, "pooled": self.pooled(), **envelope}
         files = {"audit.csv": self.csv_bytes()}
         if self.engine:                                      # a rollout engine's mismatch, per step
-            from .engine import ENGINE_COLUMNS
             files["engine.csv"] = _csv([list(ENGINE_COLUMNS)] + [list(r.row().values()) for r in self.engine])
             env["engine_columns"] = ENGINE_COLUMNS
-        return write_locked(directory, files, env)
+        return folders.write("audit", directory, files, env)
 
 
 def _csv(rows: list[list]) -> bytes:
@@ -253,30 +223,20 @@ def pooled_row(rows: list[StepAudit]) -> dict:
         "impossible": sum(r.impossible for r in rows)}
 
 
-# Columns of older audit.csv files than today's, with the value they stand for there.
-AUDIT_DEFAULTS = {"bias_mismatch": "0.0", "sampling_pass": "0"}
-
-
-def read_audit_csv(path) -> list[StepAudit]:
-    """audit.csv read back (bounded, one line naming the file and column for anything wrong); files
-    written before a column existed get its :data:`AUDIT_DEFAULTS` (expected_g: expected_b)."""
-    import csv
-    import io
-
-    from ..safe_io import decode_text, read_regular
-    text = decode_text(read_regular(path, "summary.csv", "audit.csv"), path, "audit.csv")
-    rows = list(csv.DictReader(io.StringIO(text)))
+def read_audit_folder(directory) -> tuple[dict, list[StepAudit]]:
+    """An audit folder read back through kl_bench.results.folders (run.json and every file verified against
+    its sha256; one line naming the file for anything wrong): its envelope and audit.csv's steps. Files written
+    before a column existed get kl_bench.results.schema.AUDIT_DEFAULTS (expected_g: expected_b)."""
+    stored = folders.read(directory, "audit")
+    df = folders.read_table(stored, "audit.csv")
     out = []
-    for i, row in enumerate(rows, start=2):
-        row = {**AUDIT_DEFAULTS, "expected_g": row.get("expected_b", ""), **row}
+    for i, row in enumerate(df.to_dict("records"), start=2):
         try:
             values = {f.name: f.type_cast(row[f.name]) for f in _FIELDS}
-        except KeyError as e:
-            raise SpecError("missing column", file=str(path), key=str(e).strip("'")) from None
-        except ValueError as e:
-            raise SpecError(f"line {i}: {e}", file=str(path)) from None
+        except (ValueError, TypeError) as e:
+            raise SpecError(f"line {i}: {e}", file=str(stored.path / "audit.csv")) from None
         out.append(StepAudit(**values))
-    return out
+    return stored.envelope, out
 
 
 class _Field:

@@ -42,8 +42,8 @@ from typing import Sequence
 
 import torch
 
-from ..errors import SpecError
-from ..estimators import resolve_estimator
+from ..foundation.errors import SpecError
+from ..core.estimators import resolve_estimator
 from .exact import PositionValues, SamplerValues
 from .polymoments import Basis, degree, finish_family, scratch_needed, tile_sums
 from .sampler import Sampler, sampler_scores

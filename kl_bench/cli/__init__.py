@@ -1,6 +1,6 @@
 """Command-line interface: a thin layer over the Python API, one module per command (run, report,
 check and baseline, exact, train, list, dump-logits, audit). The work, including the run's lock, checkpoints
-and interrupts, is in the API (:func:`kl_bench.runner.run_to_folder`); here are flags, tables and lines.
+and interrupts, is in the API (:func:`kl_bench.api.folders.run_to_folder`); here are flags, tables and lines.
 
 Heavy modules (pandas, scipy, matplotlib) are imported inside the commands that need them, so that
 ``kl-bench --help`` and ``kl-bench list`` start quickly.
@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from .. import signals
+from ..foundation import signals
 from . import audit, dump, exact, gate, listing, report, run, train  # noqa: F401  (each registers its command)
 from .common import app, err_console, interrupt_reported
 
@@ -20,7 +20,7 @@ __all__ = ["app", "main"]
 
 def _version(value: bool) -> None:
     if value:
-        from ..version import __version__
+        from ..foundation.version import __version__
         print(f"kl-bench {__version__}")
         raise typer.Exit(0)
 

@@ -12,7 +12,7 @@ import typer
 import typer.core
 from rich.console import Console
 
-from ..errors import SpecError
+from ..foundation.errors import SpecError
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]},
@@ -58,17 +58,17 @@ def user_errors() -> Iterator[None]:
 
 
 def warn_rows(df, console: Console) -> None:
-    from ..advice import warnings
-    from ..display import prose
+    from ..analysis.advice import warnings
+    from ..present.tables import prose
     for line in warnings(df):
         prose(console, line)
 
 
 def advise(advice) -> None:
-    """The advice lines (kl_bench.advice): what to log, what to put in the loss. A sentence that holds
+    """The advice lines (kl_bench.analysis.advice): what to log, what to put in the loss. A sentence that holds
     for several cases alike (the on-policy identities) is printed once, naming them. Wrapped at a
-    terminal's width, one line each to a file or a pipe (kl_bench.display.prose)."""
-    from ..display import prose
+    terminal's width, one line each to a file or a pipe (kl_bench.present.tables.prose)."""
+    from ..present.tables import prose
     out_console.print()
     general: dict[str, list[str]] = {}
     for a in advice:
@@ -82,7 +82,7 @@ def advise(advice) -> None:
 
 def advice_options(batch: int, tolerance: float) -> None:
     """A bad --batch or --tolerance: one line, exit 2, before any sampling."""
-    from ..advice import AdviceOptionError, check_options
+    from ..analysis.advice import AdviceOptionError, check_options
     try:
         check_options(batch, tolerance)
     except AdviceOptionError as e:
@@ -128,14 +128,14 @@ def check_report_out(out: Path) -> None:
 def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) -> None:
     """The report of results folders into ``out`` (a folder): one line on success, one on any error or
     interrupt; a progress line meanwhile (not with ``quiet``, nor in a pipe); a report that fails leaves
-    nothing behind (no folder, no half-written files). ``options``: kl_bench.report.report_files's
+    nothing behind (no folder, no half-written files). ``options``: kl_bench.present.report.report_files's
     (formats, batch, tolerance)."""
-    from .. import signals
-    from ..progress import LazyProgress
-    from ..report import summary_line, write_report as write
-    from ..runner import interrupt_line
-    from ..storage import check_output_dir, fs_error
-    from ..results.verify import require_folder
+    from ..foundation import signals
+    from ..foundation.progress import LazyProgress
+    from ..present.report import summary_line, write_report as write
+    from ..api.folders import interrupt_line
+    from ..foundation.storage import check_output_dir, fs_error
+    from ..results.folders import require_folder
     with user_errors():
         for d in dirs:              # what was asked for is said first, before the (default) --out is judged
             require_folder(d)
@@ -163,8 +163,8 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
 def difference_lines(path: Path, most: int = 8) -> list[str]:
     """The runs' differences for the terminal: how many rows were compared, then the largest |z| first
     (at most ``most`` lines; all of them in differences.csv), in the report's words (diff/true ± SE in %)."""
-    from ..formatting import plural
-    from ..report import difference_cells
+    from ..foundation.formatting import plural
+    from ..present.report import difference_cells
     from ..results import read_frame
     d = read_frame(path)
     if d.empty:
@@ -181,8 +181,8 @@ def difference_lines(path: Path, most: int = 8) -> list[str]:
 def write_outputs(targets: dict) -> None:
     """Extra output files (path → a function making their bytes), written atomically; None paths skipped.
     An interrupt's line names those already written (each is whole)."""
-    from .. import signals
-    from ..storage import atomic_write_bytes, fs_error, mark_written
+    from ..foundation import signals
+    from ..foundation.storage import atomic_write_bytes, fs_error, mark_written
     signals.phase("write")
     for path, make in targets.items():
         if path is None:

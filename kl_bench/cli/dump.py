@@ -24,8 +24,8 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                 quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress")) -> None:
     """Write both models' next-token log-probs [B, V] (next_token.pt) and, with --length > 1, sampled
     continuations' per-token log-probs with a mask (continuations.pt), to benchmark on any machine."""
-    from ..pairs.model.dump import dump_logits as dump
-    from ..progress import LazyProgress
+    from ..kinds.model.dump import dump_logits as dump
+    from ..foundation.progress import LazyProgress
     # prompts (next token), then the continuations; the count of prompts is known once they are read
     bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="rows")
     try:
@@ -34,7 +34,7 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                            dtype=dtype, batch_size=batch_size, eos=eos, device=device, progress=bar)
     finally:
         bar.close()
-    from ..display import prose
+    from ..present.tables import prose
     for what, path in written.items():
         prose(out_console, f"{what}: {path}")
     nt = written["next_token"]

@@ -18,10 +18,10 @@ def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
           quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line (there is none in a pipe)")) -> None:
     """Print the exact KL and estimator moments of every case, and the advice, without sampling."""
     from .. import api
-    from ..advice import recommendations
-    from ..display import print_tables
+    from ..analysis.advice import recommendations
+    from ..present.tables import print_tables
     from ..results import frame_to_csv_bytes
-    from ..storage import check_output_file
+    from ..foundation.storage import check_output_file
     advice_options(batch, tolerance)
     with user_errors():
         if out is not None:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecError
+from ..foundation.errors import SpecError
 from .common import DEFAULT_RUNS, Command, app, draws_flag, out_console, user_errors, write_outputs
 
 BASELINES = Path("results") / "baselines"        # committed: the gate's default reference
@@ -25,7 +25,7 @@ def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, q
             from ..results.verify import check_results_match_spec
             check_results_match_spec(res, sp)          # another experiment's folder: one line, exit 2
             if res.envelope.get("spec_sha256") != sp.sha256:
-                from ..display import prose
+                from ..present.tables import prose
                 prose(out_console, f"note: {results} was produced by a different version of {spec_path} "
                       f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)")
             return sp, res.summary
@@ -51,7 +51,7 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     """Statistical regression gate: every statistic against its exact value and a stored baseline.
     Exit 0 when all pass, 1 when any fails, 2 for bad input."""
     from .. import api
-    from ..storage import check_output_file
+    from ..foundation.storage import check_output_file
     with user_errors():
         for path, key in ((json_out, "--json"), (junit, "--junit")):
             if path is not None:
@@ -67,7 +67,7 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
         rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
-    from ..display import check_table, prose, show
+    from ..present.tables import check_table, prose, show
     if not quiet:
         show(out_console, check_table(rep), keys=2, fold=True)
     for note in rep.notes:
@@ -96,7 +96,7 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
     runs/baselines/, never over the committed reference the gate reads unless --out names it)."""
     from .. import api
     from ..results.baseline import baseline_bytes, make_baseline
-    from ..storage import check_output_file
+    from ..foundation.storage import check_output_file
     with user_errors():
         target = out or NEW_BASELINES / f"{api.load(spec).experiment.name}.json"
         check_output_file(target)

@@ -24,7 +24,7 @@ def report(dirs: list[Path] = typer.Argument(..., metavar="DIR", show_default=Fa
            quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line and no summary line")) -> None:
     """Plots, the paper-style table (LaTeX and Markdown), the advice and a self-contained report.html from
     results folders (a training or audit folder: its figures, report.md and report.html)."""
-    from ..pages import parse_formats
+    from ..present.pages import parse_formats
     advice_options(batch, tolerance)
     with user_errors():
         chosen = parse_formats(formats)

@@ -1,4 +1,4 @@
-"""``kl-bench run``: :func:`kl_bench.runner.run_to_folder`, then the tables, warnings and advice."""
+"""``kl-bench run``: :func:`kl_bench.api.folders.run_to_folder`, then the tables, warnings and advice."""
 from __future__ import annotations
 
 import math
@@ -33,8 +33,8 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
     lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across
     the processes and rank 0 writes the very bytes one process would (README "Scaling out")."""
-    from ..errors import SpecError
-    from ..runner import RankFailed, RefusedByRankZero, RunInterrupted, run_to_folder
+    from ..foundation.errors import SpecError
+    from ..api.folders import RankFailed, RefusedByRankZero, RunInterrupted, run_to_folder
     advice_options(batch, tolerance)
     with user_errors():
         if not checkpoint_every > 0:          # also refuses NaN
@@ -61,8 +61,8 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
 
 def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
     """What a person reads after a run: the tables, the warnings, the advice, and the time it took."""
-    from ..display import BASELINE_KEYS, GRADIENT_KEYS, baseline_table, gradient_table, print_tables, prose, show
-    from ..formatting import plural
+    from ..present.tables import BASELINE_KEYS, GRADIENT_KEYS, baseline_table, gradient_table, print_tables, prose, show
+    from ..foundation.formatting import plural
     df = result.summary
     lengths = {name: meta["length"] for name, meta in result.envelope["cases"].items() if meta.get("length")}
     print_tables(out_console, df, result.descriptions(), lengths=lengths, wide=wide)

@@ -19,10 +19,10 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
     """Train the policy of every case with each [train] combination (exact and/or sampled updates) and write
     train.csv and run.json atomically (docs/training.md). Under torchrun the trajectories and sampled runs are
     split across the processes and rank 0 writes: the same bytes as one process."""
-    from ..distributed import env_world
+    from ..engine.distributed import env_world
     world = env_world()
     quiet_rank = world is not None and world[0] != 0        # only rank 0 speaks
-    from ..runner import train_to_folder
+    from ..api.folders import train_to_folder
     with _errors(quiet_rank):
         result = train_to_folder(spec, out, seed=seed, device=device, progress=not (quiet or quiet_rank),
                                  console=err_console)        # a progress line on a terminal's stderr only
@@ -42,7 +42,7 @@ def _errors(quiet_rank: bool):
         with user_errors():
             yield
         return
-    from ..errors import SpecError
+    from ..foundation.errors import SpecError
     try:
         yield
     except SpecError:

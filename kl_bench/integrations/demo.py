@@ -3,7 +3,7 @@
     python -m kl_bench.integrations.demo [--top-k 20] [--steps 3] [--out DIR]
     torchrun --nproc-per-node 2 -m kl_bench.integrations.demo --out DIR      # two CPU processes (gloo)
 
-Builds the tiny policy and reference (kl_bench.pairs.model.tiny), loads the reference's weights into the
+Builds the tiny policy and reference (kl_bench.kinds.model.tiny), loads the reference's weights into the
 trainer's reference model (TRL builds it from the policy's path), trains with a toy reward, and audits
 every step. Used by the README and by tests/test_audit_trl.py.
 """
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     from .trl import KLAudit
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        from ..pairs.model.tiny import build_tiny_models
+        from ..kinds.model.tiny import build_tiny_models
         models = build_tiny_models(Path(tmp) / "models")
         extra = {} if a.top_k is None else {"top_k": a.top_k}
         tr = build_trainer(models, Path(tmp) / "run", trainer=a.trainer, steps=a.steps,
@@ -122,7 +122,7 @@ def qwen2_models(folder: Path, *, layers: int = 2, hidden: int = 896, vocab: int
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ..pairs.model.tiny import build_tiny_models
+    from ..kinds.model.tiny import build_tiny_models
     tiny = build_tiny_models(folder / "tiny")
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=True,

@@ -41,7 +41,7 @@ from ..audit.session import AuditSession, Metric, Record
 from ..audit.step import step_line
 from ..audit.stream import Head
 from ..audit.verdict import Thresholds
-from ..errors import SpecError
+from ..foundation.errors import SpecError
 
 TESTED = ((1, 14), (1, 17))           # [lo, hi) on (major, minor)
 TESTED_TEXT = "trl >= 1.14, < 1.17 (run live: 1.14.0, 1.16.0)"
@@ -427,7 +427,7 @@ class KLAudit(_Base):
         if reason is not None:
             self._warn("head", f"step not audited: {reason}", once=False)
             return
-        from ..estimators import ESTIMATORS
+        from ..core.estimators import ESTIMATORS
         values = {m.source: ESTIMATORS[m.estimator].fn(ref["logps"] - pol["logps"]) for m in self.facts.metrics}
         comp = pol["input_ids"][:, -pol["k"]:]
         record = Record(pol["hidden"], ref["hidden"], comp, pol["mask"], values, sampling_hidden=pol["sampling_hidden"],

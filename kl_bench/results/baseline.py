@@ -1,6 +1,6 @@
 """Baselines (``kl-bench baseline``, ``check --baseline``): the stored file's format, its writer and its
 reader. A baseline holds, per row of a reference run, what the regression gate compares a new run with
-(:mod:`kl_bench.gate`); reading one validates every row, so that a damaged or hand-edited file is one line.
+(:mod:`kl_bench.analysis.gate`); reading one validates every row, so that a damaged or hand-edited file is one line.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import SpecError
-from ..estimators import CV_OPT
-from ..safe_io import parse_json, read_regular
-from ..stats import HeavyTail
+from ..foundation.errors import SpecError
+from ..foundation.formatting import CV_OPT
+from ..foundation.safe_io import parse_json, read_regular
+from ..core.stats import HeavyTail
 
 if TYPE_CHECKING:
     import pandas as pd

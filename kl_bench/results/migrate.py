@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import SpecError
+from .folders import FORMATS, version_of
 from .schema import COLUMNS, FORMAT_VERSION, TEXT_COLUMNS
 
-VERSION_KEY = "kl_bench_run"
+RUN = FORMATS["run"]          # a run's folder (kl_bench.results.folders); train and audit folders have one version
 
 
 def _from_1(contents: Any) -> Any:
@@ -51,23 +51,12 @@ def _from_2(contents: Any) -> Any:
 MIGRATIONS: dict[int, Callable[[Any], Any]] = {1: _from_1, 2: _from_2}
 
 
-def folder_version(envelope: dict, where: str) -> int:
-    """The format version run.json records (1 where it records none); one line if it is not one we read."""
-    version = envelope.get(VERSION_KEY, 1)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise SpecError(f"run.json: {VERSION_KEY} = {version!r} is not a results format version", file=where)
-    if version > FORMAT_VERSION:
-        raise SpecError(f"written by a newer kl-bench (results format {version}; this one reads up to "
-                        f"{FORMAT_VERSION}): upgrade kl-bench to read it", file=where)
-    return version
-
-
 def migrate(contents: Any, where: str) -> Any:
     """``contents`` (a FolderContents of any version we read) in today's format, its envelope saying so."""
-    version = folder_version(contents.envelope, where)
+    version = version_of(contents.envelope, RUN, where)
     for v in range(version, FORMAT_VERSION):
         contents = MIGRATIONS[v](contents)
     if version != FORMAT_VERSION:
-        contents = dataclasses.replace(contents, envelope={**contents.envelope, VERSION_KEY: FORMAT_VERSION,
+        contents = dataclasses.replace(contents, envelope={**contents.envelope, RUN.version_key: FORMAT_VERSION,
                                                            "migrated_from": version})
     return contents

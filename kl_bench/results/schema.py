@@ -86,7 +86,7 @@ SCHEMA: dict[str, str] = {
              "KL(q||p) rows only",
 }
 COLUMNS = list(SCHEMA)
-# Cases made by [[sweep]] tables (kl_bench.spec.expand_sweeps) add one column per swept key after the
+# Cases made by [[sweep]] tables (kl_bench.experiment.spec.expand_sweeps) add one column per swept key after the
 # columns above, named SWEEP_PREFIX + key (e.g. "sweep.p.noise", "sweep.sampler.temperature"): the key's
 # value in that case, empty for a case not swept over it. A spec without [[sweep]] has none.
 SWEEP_PREFIX = "sweep."
@@ -127,7 +127,7 @@ SWEEP_SCHEMA: dict[str, str] = {
 
 
 # group_baselines.csv: one row per (case, estimator, aggregate, baseline, group) with `[experiment] baseline_groups`
-# (kl_bench.baselines): the reward-mode gradient (f − b)·s with a group baseline b over G draws.
+# (kl_bench.experiment.group_baselines): the reward-mode gradient (f − b)·s with a group baseline b over G draws.
 GROUP_BASELINE_SCHEMA: dict[str, str] = {
     "case": "case name (a categorical or rollout case)",
     "sampler": "the case's sampler, empty when x ~ q: the groups are drawn from b, each draw's f − b multiplied "
@@ -163,11 +163,11 @@ GRAD_SCHEMA: dict[str, str] = {
     "case": "case name", "estimator": "estimator (or clamped variant label)",
     "aggregate": "rollouts: seq (estimator of the sequence log-ratio L), tok (per-token estimator summed over "
                  "tokens), tok_mean (that sum over |y|), tok_batch (token-mean over B sequences; one gradient "
-                 "per group); see kl_bench.pairs.rollout.gradients; empty for Gaussians and categoricals",
+                 "per group); see kl_bench.kinds.rollout.gradients; empty for Gaussians and categoricals",
     "lambda": "λ for cv rows",
     "sampler": "the case's sampler, empty when x ~ q: draws come from b, and with importance weights every "
                "per-draw gradient is multiplied by the detached q/b (rollouts: per token or per sequence)",
-    "mode": "the gradient mode: where the trainer puts the estimator (one entry of kl_bench.modes.MODES)",
+    "mode": "the gradient mode: where the trainer puts the estimator (one entry of kl_bench.core.modes.MODES)",
     "params": "number of parameters θ (categorical: B·V logits; Gaussian: 2 per dimension; rollout: C·V logits)",
     "draws": "Monte Carlo draws",
     "equals": "what the exact expected gradient equals: reverse (∇KL(q||p)), forward (∇KL(p||q)), zero, ukl "
@@ -193,3 +193,95 @@ GRAD_SCHEMA: dict[str, str] = {
     "exact_along_reverse": "exact E[gradient]·u, u the unit vector along ∇KL(q||p) (for the cosine-vs-batch plot)",
     "exact_norm": "|E[gradient]| (exact)",
 }
+
+
+# ----------------------------------------------------------------------------- a training folder (kl-bench train)
+# train.csv: column → meaning (docs/training.md).
+TRAIN_SCHEMA: dict[str, str] = {
+    "case": "case name",
+    "combination": "estimator/mode[/aggregate] as written in [train] combinations",
+    "estimator": "estimator (registry name, plug-in or library preset)",
+    "mode": "where the trainer puts it: one entry of kl_bench.core.modes.MODES (loss, reward, loss_is, straight_through, "
+            "loss_is_nemo, reward+loss, reward_to_go, reward_partial)",
+    "aggregate": "rollouts: tok (per-token estimator summed along the path) or seq (estimator of the sequence "
+                 "log-ratio); empty for categoricals",
+    "gradients": "exact (the expected update: a deterministic trajectory) or sampled (n draws a step; the values "
+                 "are means over the seeds)",
+    "draws": "draws per step (0 for exact trajectories)",
+    "seeds": "sampled trajectories averaged (1 for exact)",
+    "step": "optimiser steps taken before this row's state (0: the initial policy)",
+    "kl_rev": "KL(q||p) of the policy, exact (categorical: mean over contexts; rollout: over sequences)",
+    "kl_fwd": "KL(p||q), exact",
+    "entropy": "entropy of q in nats, exact (rollout: of the sequence)",
+    "reward": "E_q[reward], exact (rollout: of the summed reward)",
+    "objective": "J = E_q[reward] − β KL(q||p), exact",
+    "kl_opt": "KL(q||q*), q* ∝ p·exp(reward/β) the maximiser of J, exact: the distance to the true optimum",
+    "grad_norm": "|update direction| taken from this state (sampled: mean over seeds)",
+    "cos_true": "cosine of the update direction with ∇J (empty where ∇J = 0 or the update is 0; sampled: mean)",
+    "kl_rev_sd": "sampled: standard deviation of kl_rev across seeds (the band); empty for exact rows",
+    "kl_fwd_sd": "sampled: the same for kl_fwd",
+    "entropy_sd": "sampled: the same for entropy",
+    "reward_sd": "sampled: the same for reward",
+    "objective_sd": "sampled: the same for objective",
+    "kl_opt_sd": "sampled: the same for kl_opt",
+}
+
+
+# ----------------------------------------------------------------------------- an audit folder (KLAudit, kl-bench audit)
+# audit.csv: one row per audited step and KL term (docs/audit.md); the fields of kl_bench.audit.StepAudit.
+AUDIT_COLUMNS: dict[str, str] = {
+    "step": "the trainer's global step",
+    "source": "which KL term: e.g. 'loss' (GRPO's KL in the loss), 'reward' (RLOO's KL in the reward)",
+    "estimator": "the registry name of the trainer's per-token formula (e.g. trl.grpo, k1)",
+    "aggregation": "token-mean, seq-mean-token-mean or seq-mean-token-sum",
+    "sequences": "sequences audited (all ranks)",
+    "tokens": "masked tokens audited (all ranks)",
+    "logged": "the trainer's estimate: its own per-token values under its aggregation",
+    "recomputed": "the same formula on float64 log-probs of the sampled tokens from the audited logits",
+    "exact": "Σ w KL(q‖p) over the positions: the value the estimate is for",
+    "expected_q": "Σ w E_q[f]: the estimate's expectation were tokens drawn from q",
+    "expected_b": "Σ w E_b[f]: its expectation under the sampler b that drew them",
+    "se": "standard error of the noise, √Σ w² Var_b[f] (exact conditional variances)",
+    "bias": "logged − exact",
+    "z": "bias / se",
+    "bias_estimator": "expected_q − exact (the formula's own bias; 0 for k1, k3)",
+    "bias_sampler": "expected_b − expected_q (temperature, top-k, top-p, min-p, ...)",
+    "bias_precision": "logged − recomputed (rounding of the trainer's log-probs)",
+    "noise": "recomputed − expected_g (sampling noise, mean 0, SD se)",
+    "frac_negative": "fraction of the trainer's per-token values below 0",
+    "p_negative": "exact token average of P_b(f < 0)",
+    "miss": "token average of the q-mass b can never draw",
+    "consistency_z": "z of Σ(log g(x) − E_g log g): ≈ N(0,1) when tokens came from the audited g; −inf: g(x) = 0",
+    "impossible": "sampled tokens with g(x) = 0 under the audited logits",
+    "consistency_sum": "Σ (log g(x) − E_g log g) (pooled across steps)",
+    "consistency_var": "Σ Var_g[log g] (pooled across steps)",
+    "expected_g": "Σ w E_g[f]: its expectation under the distribution that drew the tokens (the sampler on the "
+                  "sampling pass's logits; = expected_b when that pass was not captured)",
+    "bias_mismatch": "expected_g − expected_b (the sampling pass differs from the scored one: dropout, position ids, "
+                     "a cache, precision); 0 when not measured",
+    "sampling_pass": "tokens whose sampling pass was captured (0: bias_mismatch not measured, it is in the noise)",
+}
+
+
+# engine.csv: the rollout engine's mismatch per step (kl_bench.audit.engine), when the trainer holds its log-probs.
+ENGINE_COLUMNS: dict[str, str] = {
+    "step": "the trainer's global step", "tokens": "masked tokens with the engine's log-probs",
+    "outside": "sampled tokens the settings' sampler on the trainer's logits cannot draw (the engine's own truncation "
+               "kept them: its logits differ)",
+    "convention": "the engine's log-probs: raw (the full distribution), processed (after truncation), either",
+    "sampler_gap": "token mean of log b(x) − log q(x), exact: what a processed engine adds from the sampler alone",
+    "kl": "verl rollout_corr/kl: mean(e − log q) over the tokens", "kl_se": "its SE (clustered by sequence)",
+    "kl_exact": "token mean of KL(b‖q): its value were the engine the sampler on the trainer's logits",
+    "k3_kl": "verl rollout_corr/k3_kl: mean(ρ − 1 − log ρ), ρ = q/e", "k3_kl_se": "its SE",
+    "k3_kl_exact": "KL(b‖q) − the q-mass b never draws (E_b[ρ] = Σ_{b>0} q < 1 under truncation), token mean",
+    "chi2": "verl rollout_corr/chi2_token: mean(ρ²) − 1", "chi2_se": "its SE",
+    "chi2_exact": "token mean of χ²(q‖b) = Σ_{b>0} q²/b − 1",
+    "logp_diff": "TRL sampling/sampling_logp_difference/mean: mean |log q − e|", "logp_diff_se": "its SE",
+    "logp_diff_exact": "token mean of E_b|log b − log q| if processed, 0 if raw",
+    "logp_diff_max": "TRL sampling/sampling_logp_difference/max over this process's audited tokens",
+}
+
+
+# Columns of older audit.csv files than today's, with what they stand for there: a number, or another column's
+# values (expected_g: the sampler's expectation expected_b, where the sampling pass was not captured).
+AUDIT_DEFAULTS: dict[str, str] = {"bias_mismatch": "0.0", "sampling_pass": "0", "expected_g": "expected_b"}

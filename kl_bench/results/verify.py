@@ -1,7 +1,7 @@
 """Verification of a results folder before anything reads its numbers.
 
 A results folder (``kl-bench run``) is checked as a whole, and every problem is one
-:class:`~kl_bench.errors.SpecError` naming the folder or the file and saying what is wrong:
+:class:`~kl_bench.foundation.errors.SpecError` naming the folder or the file and saying what is wrong:
 
 - ``run.json`` is a UTF-8 JSON object; its ``files`` dict (name → sha256, written by every run since
   the hashes were introduced) matches every data file byte for byte, names no missing file, and every
@@ -16,7 +16,7 @@ A results folder (``kl-bench run``) is checked as a whole, and every problem is 
 - ``reservoir.npz`` is a readable archive of numeric arrays (no pickles), each array's header checked
   against its size before it is allocated.
 - Every file is opened as a regular file only (never a FIFO or a device) and read up to a size cap
-  (kl_bench.safe_io).
+  (kl_bench.foundation.safe_io).
 - The cases agree: summary.csv's cases are exactly run.json's ``cases`` (when recorded), and
   batches.csv holds only those cases.
 
@@ -24,33 +24,27 @@ A results folder (``kl-bench run``) is checked as a whole, and every problem is 
 """
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import SpecError
+from ..foundation.errors import SpecError
 from .frames import read_frame
-from .migrate import folder_version, migrate
+from .folders import FORMATS, check_csv_structure, check_hashes, check_recorded, read_bytes, read_envelope, require_folder, version_of
+from .migrate import migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
-from ..safe_io import cap_for, describe, load_npz, parse_json, read_regular
-from ..stats import HeavyTail
+from ..foundation.safe_io import cap_for, load_npz
+from ..core.stats import HeavyTail
 
 # The columns every results folder has had; later columns are optional so that older results still load.
 SUMMARY_REQUIRED = ["case", "estimator", "lambda", "aggregate", "target", "true_kl", "draws", "mean", "std", "se",
                     "bias", "rel_bias", "rel_std", "exact_mean", "exact_std", "z", "frac_negative"]
-# Data files a run writes (run.json records their sha256).
-DATA_FILES = ("summary.csv", "batches.csv", "reservoir.npz", "lambda_sweep.csv", "gradients.csv", "gradients.npz",
-              "group_baselines.csv")
-# The tables among them (CSV files with a schema).
-TABLES = ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv")
-_SHA = re.compile(r"^[0-9a-f]{64}$")
+# Data files a run writes (run.json records their sha256), and the tables among them (CSV files with a schema).
+DATA_FILES = FORMATS["run"].data_files
+TABLES = FORMATS["run"].tables
 
 
 @dataclass
@@ -97,100 +91,10 @@ _DEFINED = {"summary.csv": ("mean", ("std", "se")), "lambda_sweep.csv": ("mean",
             "batches.csv": ("batch_mean", ())}
 
 
-def _read_bytes(path: Path, folder: Path) -> bytes:
-    return read_regular(path, path.name if path.name in ("run.json", *DATA_FILES) else "run.json", path.name)
-
-
-def read_envelope(path: Path) -> dict:
-    """run.json of a results folder as a dict; anything else (not UTF-8, not JSON, not an object) is an error."""
-    path = Path(path)
-    env = parse_json(_read_bytes(path, path.parent), path, "run.json")
-    if not isinstance(env, dict):
-        raise SpecError(f"run.json must hold a JSON object, not {_json_type(env)} (corrupted?)", file=str(path))
-    for key, typ, what in (("files", dict, "an object"), ("cases", dict, "an object"),
-                           ("experiment", str, "a string"), ("draws_per_case", (dict, int), "an object")):
-        if key in env and env[key] is not None and not isinstance(env[key], typ):
-            raise SpecError(f"run.json: '{key}' must be {what}, not {_json_type(env[key])} (corrupted?)",
-                            file=str(path))
-    return env
-
-
-def _json_type(v: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def _check_file_list(files: dict, where: str) -> None:
-    """run.json's ``files``: plain file names, each with a sha256."""
-    for name, digest in files.items():
-        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
-            raise SpecError(f"run.json: 'files' names an invalid file {name!r} (corrupted?)", file=where)
-        if not isinstance(digest, str) or not _SHA.match(digest):
-            raise SpecError(f"run.json: 'files' has no valid sha256 for {name} (got {digest!r})", file=where)
-
-
-def _check_recorded(folder: Path, env: dict, present: list[str]) -> None:
-    """Every data file that is there (whatever it is: a FIFO, a link) is recorded in run.json and every
-    recorded one is there, before any is read."""
-    files = env.get("files")
-    if files is None:            # written before run.json recorded hashes: nothing to compare with
-        return
-    _check_file_list(files, str(folder / "run.json"))
-    for name in present:
-        if name not in files:
-            raise SpecError(f"{name} is not recorded in run.json (left over from another run?)",
-                            file=str(folder / name))
-    for name in files:
-        if not os.path.lexists(folder / name):
-            raise SpecError(f"{name} is missing but run.json records it (incomplete copy?)", file=str(folder))
-
-
-def _check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
-    files = env.get("files")
-    if files is None:            # written before run.json recorded hashes: nothing to compare with
-        return
-    for name, digest in files.items():
-        p = folder / name
-        data = blobs.get(name)
-        if data is None:
-            data = blobs[name] = _read_bytes(p, folder)
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != digest:
-            raise SpecError(f"sha256 mismatch: the file changed after the run wrote it (corrupted, truncated or "
-                            f"edited; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
-
-
-def _check_csv_structure(data: bytes, p: Path) -> list[str]:
-    """The header; every row has as many fields as it, and the file ends with a newline."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"not UTF-8 text at byte {e.start} (corrupted?)", file=str(p)) from None
-    if "\x00" in text:
-        raise SpecError("contains NUL bytes (corrupted?)", file=str(p))
-    if not text.strip():
-        raise SpecError("is empty (truncated?)", file=str(p))
-    if not text.endswith("\n"):
-        raise SpecError("does not end with a newline (truncated?)", file=str(p))
-    rows = csv.reader(io.StringIO(text))
-    try:
-        header = next(rows)
-        for i, row in enumerate(rows, start=2):
-            if len(row) != len(header):
-                raise SpecError(f"line {i} has {len(row)} fields, the header {len(header)} (truncated or corrupted?)",
-                                file=str(p))
-    except csv.Error as e:
-        raise SpecError(f"malformed CSV: {e}", file=str(p)) from None
-    dupes = sorted({c for c in header if header.count(c) > 1})
-    if dupes:
-        raise SpecError(f"duplicate columns {', '.join(dupes)}", file=str(p))
-    return header
-
-
 def _parse_table(name: str, data: bytes, p: Path):
     """A results CSV checked against its schema and parsed as :func:`kl_bench.results.read_frame` does."""
     columns, required = _schemas()[name]
-    header = _check_csv_structure(data, p)
+    header = check_csv_structure(data, p)
     missing = [c for c in required if c not in header]
     if missing:
         raise SpecError(f"missing columns {', '.join(missing)} (not a kl-bench {name}?)", file=str(p))
@@ -331,16 +235,6 @@ def _check_cases(folder: Path, env: dict, tables: dict) -> None:
                             file=str(folder / name))
 
 
-def require_folder(path: str | Path) -> Path:
-    """``path`` if it is a folder; else one line saying what it is (absent, a file, a FIFO, a dangling link)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        what = describe(folder)
-        raise SpecError("not a results folder (it does not exist)" if what is None
-                        else f"not a results folder (it is {what})", file=str(folder))
-    return folder
-
-
 def read_results_folder(path: str | Path) -> FolderContents:
     """Verify a results folder (see the module docstring) and return its parsed contents."""
     folder = require_folder(path)
@@ -350,15 +244,15 @@ def read_results_folder(path: str | Path) -> FolderContents:
                             file=str(folder))
     env = read_envelope(folder / "run.json")
     present = [name for name in DATA_FILES if os.path.lexists(folder / name)]
-    _check_recorded(folder, env, present)
-    blobs = {name: _read_bytes(folder / name, folder) for name in present}
-    _check_hashes(folder, env, blobs)
+    check_recorded(folder, env, present)
+    blobs = {name: read_bytes(folder / name) for name in present}
+    check_hashes(folder, env, blobs)
     tables = {name: _parse_table(name, blobs[name], folder / name) if name in blobs else None
               for name in TABLES}
     reservoir = _load_reservoir(blobs["reservoir.npz"], folder / "reservoir.npz") if "reservoir.npz" in blobs else None
     if "gradients.npz" in blobs:                  # readable and numeric (the Python API loads it on demand)
         _load_reservoir(blobs["gradients.npz"], folder / "gradients.npz")
-    folder_version(env, str(folder / "run.json"))        # a newer format: one line, before any table is read
+    version_of(env, FORMATS["run"], str(folder / "run.json"))   # a newer format: one line, before any table is read
     summary = tables["summary.csv"]
     _check_cases(folder, env, tables)
     return migrate(FolderContents(folder, env, summary, tables["batches.csv"], tables["lambda_sweep.csv"],
@@ -373,9 +267,9 @@ def verify_results_folder(path: str | Path) -> None:
 
 def check_results_match_spec(results, spec) -> None:
     """Raise :class:`SpecError` unless the results folder ``results`` (a path, or a
-    :class:`kl_bench.report.Results`) was produced by an experiment of ``spec``'s name with exactly the
+    :class:`kl_bench.present.report.Results`) was produced by an experiment of ``spec``'s name with exactly the
     spec's cases (run.json's ``cases`` and summary.csv's case column). ``spec``: a loaded
-    :class:`kl_bench.spec.Spec` (anything with ``experiment.name``, ``cases`` and ``path``: reading
+    :class:`kl_bench.experiment.spec.Spec` (anything with ``experiment.name``, ``cases`` and ``path``: reading
     results never parses a spec here)."""
     if isinstance(results, (str, Path)):
         contents = read_results_folder(results)

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from ..distributed import SINGLE, Ranks
-from ..errors import SpecError
-from ..pairs import build_pair
-from ..registry import did_you_mean
+from ..engine.distributed import SINGLE, Ranks
+from ..foundation.errors import SpecError
+from ..kinds import build_pair
+from ..foundation.registry import did_you_mean
 from .categorical import CategoricalProblem, count_gradient, expected_score_gradient
 from .combos import Combination, parse_combination
 from .config import TrainConfig, parse_train
@@ -24,7 +24,8 @@ from .optim import Optimizer, adam, sgd
 from .result import TrainResult
 from .rollout import RolloutProblem
 from .sequences import SEQUENCE_REWARDS, SequenceReward, SequenceRolloutProblem
-from .run import (TRAIN_SCHEMA, assemble, plan_case, run_trajectory, run_unit, train_combination, trajectory,
+from ..results.schema import TRAIN_SCHEMA
+from .run import (assemble, plan_case, run_trajectory, run_unit, train_combination, trajectory,
                   unit_label, units)
 
 
@@ -51,7 +52,7 @@ def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE,
     units (each exact trajectory, each sampled run: kl_bench.training.run.Unit) round-robin across torchrun's
     processes and gather their metrics on rank 0, which assembles the rows (the other ranks get None): the
     same bytes for any number of processes, since no unit's numbers depend on where it runs. ``progress``:
-    a :class:`kl_bench.progress.LazyProgress` (or anything with ``set_total``, ``label`` and ``advance``),
+    a :class:`kl_bench.foundation.progress.LazyProgress` (or anything with ``set_total``, ``label`` and ``advance``),
     told of this process's units and steps."""
     cfg = parse_train(spec.train, str(spec.path), spec.path.parent)
     plans = _plans(spec, cfg)

@@ -3,7 +3,7 @@
 Every trainer's per-draw gradient is a(x)·∇θ log q(x) with ∇θ log q(x) = e_x − q_b in row b, so its
 expectation is, per context, (1/B)(q ⊙ a − q·(q·a)) (:func:`expected_score_gradient`). The trainer's
 ascent direction takes a = reward − β·c(log r), c the estimator × mode coefficient
-(:func:`kl_bench.modes.coefficient`): the reward by the score function, the KL term as the combination
+(:func:`kl_bench.core.modes.coefficient`): the reward by the score function, the KL term as the combination
 puts it. The true objective J(θ) = (1/B) Σ_b E_{q_b}[reward] − β KL(q_b‖p_b) has ∇J of the same form
 with a = reward − β(log q − log p) (k1 in the reward is exact), and its optimum is
 q* ∝ p·exp(reward/β) in every context (docs/training.md).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..seeding import BatchStream
+from ..sampling.seeding import BatchStream
 from .combos import Combination
 
 
@@ -39,7 +39,7 @@ def count_gradient(q: torch.Tensor, counts: torch.Tensor, a: torch.Tensor) -> to
 def draw_counts(q: torch.Tensor, batch: BatchStream, piece: int, chunk: int) -> torch.Tensor:
     """Counts [B, V] (float64 holding integers) of ``batch.size`` draws from the mixture (1/B) q_b.
 
-    Piece j of the batch has its own generator (kl_bench.seeding), one uniform per draw, mapped to an id
+    Piece j of the batch has its own generator (kl_bench.sampling.seeding), one uniform per draw, mapped to an id
     by inverse CDF over the flattened mixture: ids of zero mass are never hit (an empty CDF interval).
     ``chunk`` pieces' worth of draws are searched at once (memory); the counts are integers, so they do
     not depend on ``chunk``."""

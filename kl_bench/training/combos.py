@@ -1,5 +1,5 @@
 """What a trainer puts in its loss: an estimator (registry name, plug-in or library preset) × a gradient
-mode (kl_bench.modes) × an aggregate (rollouts: ``tok``, the per-token estimator summed along the
+mode (kl_bench.core.modes) × an aggregate (rollouts: ``tok``, the per-token estimator summed along the
 sequence as trainers write it, or ``seq``, the estimator of the sequence log-ratio; categoricals: none).
 
 Written ``"estimator/mode"`` or ``"estimator/mode/aggregate"`` in a spec (``"k3/loss"``,
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import SpecError
-from ..estimators import lookup
-from ..modes import MODES, GradItem, modes_for
-from ..registry import did_you_mean
+from ..foundation.errors import SpecError
+from ..core.estimators import lookup
+from ..core.modes import MODES, GradItem, modes_for
+from ..foundation.registry import did_you_mean
 
 
 @dataclass(frozen=True)

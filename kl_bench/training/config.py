@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import MAX_DRAWS, Table, at_most, check_seed, positive, typename
-from ..errors import SpecError
-from ..registry import did_you_mean, plugin_path
+from ..foundation.config import MAX_DRAWS, Table, at_most, check_seed, positive, typename
+from ..foundation.errors import SpecError
+from ..foundation.registry import did_you_mean, plugin_path
 from .optim import OPTIMIZERS, Optimizer
 from .sequences import SEQUENCE_REWARDS, SequenceReward
 

@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import SpecError
-from ..logits import read_logits_file
-from ..seeding import batch_generator
+from ..foundation.errors import SpecError
+from ..sampling.logits import read_logits_file
+from ..sampling.seeding import batch_generator
 from .categorical import CategoricalProblem
 from .config import RewardSpec, TrainConfig
 from .rollout import RolloutProblem
@@ -70,7 +70,7 @@ def _categorical(pair, cfg: TrainConfig, seed: int) -> CategoricalProblem:
 
 
 def _rollout(pair, cfg: TrainConfig, seed: int) -> RolloutProblem:
-    model = pair.model              # the rollout kind's tables (kl_bench.pairs.rollout.RolloutModel)
+    model = pair.model              # the rollout kind's tables (kl_bench.kinds.rollout.RolloutModel)
     _finite(model, pair.name)
     shape = tuple(model.log_q.shape)
     if cfg.reward.kind == "sequence" and cfg.reward.applies_to(pair.name):

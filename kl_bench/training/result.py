@@ -1,15 +1,15 @@
 """A training run in memory (train.csv's frame, run.json's envelope), its atomic write, and its summary."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from ..foundation.formatting import sig
 from ..results import frame_to_csv_bytes, read_frame
-from ..storage import write_locked
-from .run import TRAIN_SCHEMA
+from ..results import folders
+from ..results.schema import TRAIN_SCHEMA
 
 
 class TrainResult:
@@ -26,8 +26,8 @@ class TrainResult:
 
     def write(self, directory: str | Path) -> Path:
         """train.csv and run.json (with its sha256), swapped in whole; a concurrent run is refused."""
-        self.path = write_locked(Path(directory), self.files(), self.envelope)
-        return directory
+        self.path = folders.write("train", directory, self.files(), self.envelope)
+        return self.path
 
     def final(self) -> pd.DataFrame:
         """The last recorded step of every (case, combination, gradients)."""
@@ -52,19 +52,15 @@ def summary_lines(frame: pd.DataFrame) -> list[str]:
         kind = "exact" if (df["gradients"] == "exact").any() else "sampled"
         d = df[df["gradients"] == kind].sort_values("kl_opt", kind="stable")
         best = d.iloc[0]
-        others = ", ".join(f"{r.combination} {_fmt(r.kl_opt)} ({_gap(r.kl_opt, best.kl_opt)})"
+        others = ", ".join(f"{r.combination} {sig(r.kl_opt)} ({_gap(r.kl_opt, best.kl_opt)})"
                            for r in d.iloc[1:].itertuples())
         lines.append(f"{case}: closest to the optimum q* ∝ p·exp(reward/β) ({kind}): {best.combination}, "
-                     f"KL(q‖q*) = {_fmt(best.kl_opt)}" + (f"; others: {others}" if others else ""))
+                     f"KL(q‖q*) = {sig(best.kl_opt)}" + (f"; others: {others}" if others else ""))
     return lines
-
-
-def _fmt(v: float) -> str:
-    return "nan" if math.isnan(v) else f"{v:.3g}"
 
 
 def _gap(v: float, best: float) -> str:
     """How much further from q* than the best: "+0.0518", or "the same" for a difference of float64
     rounding (two trajectories that are one in exact arithmetic: ~1e-16, never a real gap)."""
     gap = v - best
-    return "the same" if abs(gap) <= 1e-9 * abs(best) + 1e-12 else f"+{_fmt(gap)}"
+    return "the same" if abs(gap) <= 1e-9 * abs(best) + 1e-12 else f"+{sig(gap)}"

@@ -2,15 +2,15 @@
 
 A path y = (x_1, …, x_|y|) earns Σ_t reward(c_{t−1}, x_t). The true objective is
 J(θ) = E_q[Σ_t reward] − β KL(q‖p) with KL(q‖p) = E_q[Σ_t log q − log p]; J and ∇J come from autograd of
-the dynamic program (:func:`kl_bench.pairs.rollout.dp.path_moments`), with θ both in the sampling law and in
+the dynamic program (:func:`kl_bench.kinds.rollout.dp.path_moments`), with θ both in the sampling law and in
 the summand. The trainer's expected direction is ∇E_q[Σ_t reward] (the score function of the
 sequence, exact) minus β times the combination's exact expected gradient
-(:func:`kl_bench.pairs.rollout.gradients.exact_mean`). The optimum of J over all sequence laws is
+(:func:`kl_bench.kinds.rollout.gradients.exact_mean`). The optimum of J over all sequence laws is
 q*(y) ∝ p(y) exp(Σ_t reward/β); KL(q‖q*) = log Z − J/β with Z = E_p[exp(Σ_t reward/β)]. A per-bucket
 policy reaches q* only where q* is itself per-bucket (T = 1, or no reward), so the final distance is how
 close each combination gets within the family.
 
-Of the rollout kind this module uses the model (:class:`kl_bench.pairs.rollout.RolloutModel`, the tables
+Of the rollout kind this module uses the model (:class:`kl_bench.kinds.rollout.RolloutModel`, the tables
 of the policy q_θ against p) and the functions that take one; never a pair.
 """
 from __future__ import annotations
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import SpecError
-from ..pairs.rollout import dp, gradients, sampler
-from ..pairs.rollout.accumulator import RolloutGradients
-from ..pairs.rollout.model import RolloutModel
-from ..seeding import BatchStream
+from ..foundation.errors import SpecError
+from ..kinds.rollout import dp, gradients, sampler
+from ..kinds.rollout.accumulator import RolloutGradients
+from ..kinds.rollout.model import RolloutModel
+from ..sampling.seeding import BatchStream
 from .combos import Combination
 
 
@@ -95,7 +95,7 @@ class RolloutProblem:
     def sampled_update(self, theta: torch.Tensor, combo: Combination, batch: BatchStream, piece: int,
                        chunk: int) -> torch.Tensor:
         """The trainer's ascent direction from ``batch.size`` rollouts of q_θ, [C, V]: the combination's
-        per-draw gradients (kl_bench.pairs.rollout.accumulator.RolloutGradients) and the reward's score
+        per-draw gradients (kl_bench.kinds.rollout.accumulator.RolloutGradients) and the reward's score
         function Σ_t reward · S on the same paths (drawn again from the same piece generators)."""
         lq = torch.log_softmax(theta, -1)
         model = self.model(lq)

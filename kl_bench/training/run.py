@@ -10,41 +10,14 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..errors import SpecError
-from ..seeding import BatchStream, piece_draws
+from ..foundation.errors import SpecError
+from ..sampling.seeding import BatchStream, piece_draws
 from .combos import Combination, parse_combination
 from .config import TrainConfig
 from .optim import Optimizer
 from .problems import training_kind
 
-TRAIN_SCHEMA: dict[str, str] = {
-    "case": "case name",
-    "combination": "estimator/mode[/aggregate] as written in [train] combinations",
-    "estimator": "estimator (registry name, plug-in or library preset)",
-    "mode": "where the trainer puts it: one entry of kl_bench.modes.MODES (loss, reward, loss_is, straight_through, "
-            "loss_is_nemo, reward+loss, reward_to_go, reward_partial)",
-    "aggregate": "rollouts: tok (per-token estimator summed along the path) or seq (estimator of the sequence "
-                 "log-ratio); empty for categoricals",
-    "gradients": "exact (the expected update: a deterministic trajectory) or sampled (n draws a step; the values "
-                 "are means over the seeds)",
-    "draws": "draws per step (0 for exact trajectories)",
-    "seeds": "sampled trajectories averaged (1 for exact)",
-    "step": "optimiser steps taken before this row's state (0: the initial policy)",
-    "kl_rev": "KL(q||p) of the policy, exact (categorical: mean over contexts; rollout: over sequences)",
-    "kl_fwd": "KL(p||q), exact",
-    "entropy": "entropy of q in nats, exact (rollout: of the sequence)",
-    "reward": "E_q[reward], exact (rollout: of the summed reward)",
-    "objective": "J = E_q[reward] − β KL(q||p), exact",
-    "kl_opt": "KL(q||q*), q* ∝ p·exp(reward/β) the maximiser of J, exact: the distance to the true optimum",
-    "grad_norm": "|update direction| taken from this state (sampled: mean over seeds)",
-    "cos_true": "cosine of the update direction with ∇J (empty where ∇J = 0 or the update is 0; sampled: mean)",
-    "kl_rev_sd": "sampled: standard deviation of kl_rev across seeds (the band); empty for exact rows",
-    "kl_fwd_sd": "sampled: the same for kl_fwd",
-    "entropy_sd": "sampled: the same for entropy",
-    "reward_sd": "sampled: the same for reward",
-    "objective_sd": "sampled: the same for objective",
-    "kl_opt_sd": "sampled: the same for kl_opt",
-}
+
 METRICS = ("kl_rev", "kl_fwd", "entropy", "reward", "objective", "kl_opt")
 
 

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import SpecError
-from ..registry import Registry
+from ..foundation.errors import SpecError
+from ..foundation.registry import Registry
 from .rollout import RolloutProblem
 
 MAX_SLOTS = 1 << 22            # sequences × T enumerated (int64 tokens and keys: 64 MiB)

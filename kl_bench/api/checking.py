@@ -1,0 +1,129 @@
+"""The regression gate from a script (:func:`check` → :class:`CheckReport`): exact values and a stored
+baseline, Holm's step-down."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..foundation.errors import SpecError
+from .preparation import load
+from .result import Result
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ..analysis.gate import Comparison
+
+
+@dataclass
+class CheckReport:
+    """The regression gate's verdict: ``passed``, the ``failures`` (each with ``.sentence()``), every
+    comparison as a ``table``, and notes (rows on one side only, a spec changed since the baseline)."""
+    comparisons: list["Comparison"]
+    alpha: float
+    notes: list[str] = field(default_factory=list)
+    baseline: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        """All comparisons passed, and there was at least one: a gate that compared nothing fails."""
+        return bool(self.comparisons) and all(c.passed for c in self.comparisons)
+
+    @property
+    def failures(self) -> list["Comparison"]:
+        return [c for c in self.comparisons if not c.passed]
+
+    @property
+    def table(self) -> "pd.DataFrame":
+        import pandas as pd
+        return pd.DataFrame([{"row": c.row, "statistic": c.statistic, "value": c.value, "reference": c.reference,
+                              "se": c.se, "z": c.z, "p": c.p, "z_limit": c.threshold, "passed": c.passed}
+                             for c in self.comparisons])
+
+    def to_json(self) -> bytes:
+        """The verdict and every comparison, for CI (``kl-bench check --json FILE``). Non-finite numbers
+        are written as null (JSON has no NaN or inf)."""
+        import json
+
+        def num(x):
+            return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+        doc = {"kl_bench_check": 1, "passed": self.passed, "verdict": self.verdict, "alpha": self.alpha,
+               "baseline": self.baseline, "notes": list(self.notes),
+               "comparisons": [{"row": c.row, "statistic": c.statistic, "value": num(c.value),
+                                "reference": num(c.reference), "se": num(c.se), "z": num(c.z), "p": num(c.p),
+                                "z_limit": num(c.threshold), "passed": bool(c.passed),
+                                **({} if c.passed else {"failure": c.sentence()})} for c in self.comparisons]}
+        return (json.dumps(doc, indent=1, ensure_ascii=False, allow_nan=False) + "\n").encode()
+
+    def to_junit(self) -> bytes:
+        """JUnit XML (one testcase per comparison, a failure element with its sentence), the format CI
+        systems display (``kl-bench check --junit FILE``)."""
+        from xml.etree import ElementTree as ET
+        suite = ET.Element("testsuite", name="kl-bench check", tests=str(len(self.comparisons)),
+                           failures=str(len(self.failures)), errors="0", skipped="0")
+        props = ET.SubElement(suite, "properties")
+        ET.SubElement(props, "property", name="alpha", value=f"{self.alpha:g}")
+        ET.SubElement(props, "property", name="baseline", value=self.baseline or "")
+        for c in self.comparisons:
+            case = ET.SubElement(suite, "testcase", classname=c.row, name=c.statistic)
+            if not c.passed:
+                ET.SubElement(case, "failure", message=c.sentence(), type="StatisticalRegression")
+        if self.notes:
+            ET.SubElement(suite, "system-out").text = "\n".join(self.notes)
+        ET.indent(suite)
+        return ET.tostring(suite, encoding="utf-8", xml_declaration=True) + b"\n"
+
+    @property
+    def verdict(self) -> str:
+        n, bad = len(self.comparisons), len(self.failures)
+        if n == 0:
+            return ("check: FAILED: nothing was compared (no row has an exact value or a baseline row to compare "
+                    "with), so nothing was verified" + (f"; baseline {self.baseline}" if self.baseline else ""))
+        from ..foundation.formatting import plural
+        return (f"check: {n - bad:,} passed, {bad:,} failed ({plural(n, 'comparison')} against exact values"
+                + (f" and baseline {self.baseline}" if self.baseline else "") + f"; family-wise α = {self.alpha:g}, Holm)")
+
+
+def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha256: str | None = None) -> CheckReport:
+    """Compare every statistic with its exact value and, given a ``baseline`` (a path to a baseline
+    JSON, or its decoded dict), with the stored run; Holm's step-down at family-wise ``alpha``.
+    ``results``: a :class:`Result`, a results folder, or a summary DataFrame (then ``spec_sha256``, if
+    given, says which spec made it, for the note when the spec changed since the baseline). With ``spec``
+    (a path, Spec or dict), a results folder must hold that experiment's cases."""
+    import pandas as pd
+
+    from ..analysis.gate import baseline_comparisons, exact_comparisons, holm, skipped_notes
+    from ..results.baseline import load_baseline, normalize_baseline
+    if not 0 < alpha < 1:
+        raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
+    sha = spec_sha256
+    if isinstance(results, Result):
+        df, sha = results.summary, results.spec.sha256
+    elif isinstance(results, pd.DataFrame):
+        df = results
+    else:
+        from ..present.report import load_results
+        loaded = load_results(Path(results))
+        if spec is not None:
+            from ..results.verify import check_results_match_spec
+            check_results_match_spec(loaded, load(spec))
+        df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
+    comparisons = exact_comparisons(df)
+    notes: list[str] = skipped_notes(df)        # rows neither passed nor failed: said, not silent
+    where = None
+    if baseline is not None:
+        if isinstance(baseline, dict):
+            base, where = normalize_baseline(baseline), "(given)"
+        else:
+            base, where = load_baseline(Path(baseline)), str(baseline)
+        if sha is not None and base.get("spec_sha256") != sha:
+            notes.insert(0, f"the spec changed since the baseline {where} was made (sha256 "
+                         f"{str(base.get('spec_sha256'))[:12]}… then, {sha[:12]}… now); rows are matched by case, "
+                         "estimator, aggregate and λ")
+        more, row_notes = baseline_comparisons(df, base)
+        comparisons += more
+        notes += row_notes
+    holm(comparisons, alpha)
+    return CheckReport(comparisons, alpha, notes, where)

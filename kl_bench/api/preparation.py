@@ -1,0 +1,63 @@
+"""A spec made ready to sample: loaded with the command line's overrides, its device resolved, its pairs
+built and its exact oracles validated, before any draw (:func:`prepare`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..experiment.spec import Spec, load_spec, spec_from_dict, with_overrides
+from ..foundation.errors import SpecError
+from ..foundation.threads import single_threaded
+from ..kinds import Pair, build_pair
+
+
+def load(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Spec:
+    """A :class:`Spec` from a path, a Spec, or a dict with the TOML's structure (tensors allowed as
+    logits), with overrides applied exactly as the command line's flags."""
+    if isinstance(spec, Spec):
+        sp = spec
+    elif isinstance(spec, (str, Path)):
+        sp = load_spec(spec)
+    else:
+        sp = spec_from_dict(spec)
+    return with_overrides(sp, draws=draws, seed=seed, device=device)
+
+
+def resolve_device(name: str, where: str | None = None, key: str = "experiment.device") -> torch.device:
+    """'auto' → CUDA when available, else CPU. Asking for CUDA without one is an input error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecError(f"device '{name}' requested but CUDA is not available here", file=where, key=key)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SpecError(f"device '{name}' requested but only {torch.cuda.device_count()} GPU(s) exist",
+                            file=where, key=key)
+    return dev
+
+
+@dataclass
+class Prepared:
+    """A validated spec with its pairs built (files read) and its device resolved: ready to sample."""
+    spec: Spec
+    pairs: list[Pair]
+    device: torch.device
+
+    @property
+    def file(self) -> str:
+        return str(self.spec.path)
+
+
+@single_threaded
+def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Prepared:
+    """Load and validate everything before any sampling: spec, flags, device, pairs, exact oracles."""
+    from ..experiment.case import check_group_draws, validate_oracles
+    sp = load(spec, draws=draws, seed=seed, device=device)
+    dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
+    pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
+    validate_oracles(sp, pairs, str(sp.path))
+    check_group_draws(sp, pairs, str(sp.path))
+    return Prepared(sp, pairs, dev)

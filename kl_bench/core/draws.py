@@ -1,0 +1,119 @@
+"""What one batch of draws hands to the estimators, and the rows that are estimated from it.
+
+A **row** is an estimator with an aggregation (kl_bench.core.aggregates: how a row turns the draws into
+values); :func:`row_values` computes every row's value for every draw. A pair-supplied row (``full``: the
+analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok". The aggregate table and the group
+helpers are re-exported here for existing importers (their home is kl_bench.core.aggregates).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .aggregates import (AGGREGATES, PER_TOKEN, Aggregate, Batch, group_index, groups_in, per_token_aggregates,
+                         register_aggregate)
+from .estimators import Estimator, RowSource
+from .targets import REVERSE
+
+# A hidden token row whose per-step value is 1: its sum is the sequence length |y|, which the aggregates
+# with ``length`` need per draw. It is the last column of Draws.tok whenever such a row is present.
+LENGTH = Estimator("length", lambda logr: torch.ones_like(logr), REVERSE, False, True, "1 per token")
+
+
+def row_key(name: str, lam: float | None, aggregate: str) -> str:
+    """The unique key of a row within a case ('k3', 'cv@0.5', 'tok:k3'); reservoir.npz uses it too."""
+    base = name if lam is None else f"{name}@{lam!r}"
+    return f"{aggregate}:{base}" if aggregate else base
+
+
+def row_label(r, aggregate: bool = True) -> str:
+    """How a row (a summary or gradients row, anything with ``estimator``, ``lambda`` and ``aggregate``)
+    is shown: 'k3', 'cv(0.5)', 'cv_opt(0.583)', 'seq k3', 'tok cv(1)'; without the aggregate when
+    ``aggregate`` is False (a figure of one aggregate's rows)."""
+    lam = r.get("lambda", float("nan"))
+    name = r["estimator"]
+    if isinstance(lam, float) and lam == lam:
+        name = f"{name}({lam:.3g})"
+    agg = r.get("aggregate", "") if aggregate else ""
+    return f"{agg} {name}" if isinstance(agg, str) and agg else name
+
+
+@dataclass(frozen=True)
+class Row:
+    est: RowSource
+    aggregate: str = ""
+    group: int = 1          # draws per value: B for "tok_batch" (one value per trainer batch), else 1
+
+    @property
+    def label(self) -> str:
+        """Unique key within a run: cv variants differ by λ, rollout rows by aggregate."""
+        return row_key(self.est.name, self.est.lam, self.aggregate)
+
+
+@dataclass
+class Draws:
+    """Per-draw quantities, all float64 with leading shape [n] (for categoricals: [M] table entries).
+
+    logr:  log r of the draw; for rollouts the sequence log-ratio L.
+    full:  Σ over the draw's contexts (steps) of the analytic KL(q(·|c) ‖ p(·|c)).
+    tok:   rollouts: [n, len(tok_rows)] per-token sums Σ_t f(log r_t), one column per tok row.
+    tok_b: rollouts: Σ_t (r_t − 1), the control variate's per-token term.
+    weight: importance weight q/b of the draw (sequence: Π_t q/b) when a sampler b ≠ q is weighted;
+        None means 1. Every row is multiplied by it, except token rows when ``tok_weighted``.
+    log_weight: rollouts: Σ_t log(q_t/b_t) of the draw (log of ``weight``, never overflowing), for tok_gm.
+    tok_weighted: the token sums already carry per-token weights.
+    segments: sizes of the consecutive pieces the draws come from (None: one piece); group rows form
+        their groups within each piece, so that a batch's groups never depend on how pieces are joined.
+    keep: rollouts under a rejection mask (kl_bench.core.rejection): 1.0 for a kept sequence, 0.0 for a rejected
+        one, whose every row's value is 0 (None: every draw kept).
+    """
+    logr: torch.Tensor
+    full: torch.Tensor
+    tok: torch.Tensor | None = None
+    tok_b: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    tok_weighted: bool = False
+    segments: list[int] | None = None
+    log_weight: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+
+def group_starts(draws: Draws, group: int) -> torch.Tensor:
+    """[n] bool: True at the first draw of every whole group of ``group`` draws within each segment."""
+    out = torch.zeros(draws.logr.shape[0], dtype=torch.bool, device=draws.logr.device)
+    out[group_index(draws, group)[::group]] = True
+    return out
+
+
+def _needs_length(rows: list[Row]) -> bool:
+    return any(AGGREGATES[r.aggregate].length for r in rows)
+
+
+def row_values(draws: Draws, rows: list[Row],
+               groups: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """[n, len(rows)] values of every row for every draw. ``groups``: filled with B → (group_index, Σ|y|
+    per group) for the group rows, so that a caller needing the groups too does not build them again."""
+    batch = Batch(draws, draws.tok[:, -1] if _needs_length(rows) else None, {} if groups is None else groups)
+    cols, t = [], 0
+    for row in rows:
+        agg = AGGREGATES[row.aggregate]
+        if agg.token:
+            col, t = draws.tok[:, t], t + 1
+        else:
+            col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
+        value = agg.value(col, row, batch)
+        # A rejected sequence's tokens are all masked: 0, never 0·inf (its weight may overflow).
+        cols.append(value if draws.keep is None else torch.where(draws.keep > 0, value, torch.zeros_like(value)))
+    return torch.stack(cols, dim=-1)
+
+
+def tok_rows(rows: list[Row]) -> list[Row]:
+    """The rows whose per-token sums a rollout accumulates along the path (plus the length row last,
+    when a per-sequence mean or a geometric weight needs it)."""
+    out = [r for r in rows if AGGREGATES[r.aggregate].token]
+    return out + [Row(LENGTH, "tok")] if _needs_length(rows) else out
+
+
+__all__ = ["AGGREGATES", "PER_TOKEN", "Aggregate", "Batch", "Draws", "LENGTH", "Row", "group_index", "group_starts",
+           "groups_in", "per_token_aggregates", "register_aggregate", "row_key", "row_label", "row_values", "tok_rows"]

@@ -1,0 +1,135 @@
+"""The one number formatter of the terminal, the advice and the report: significant digits, inf shown,
+missing values blank, rounding noise shown as 0; and the one vocabulary of units and words every output
+uses (docs/results.md#units-and-words):
+
+- relative bias: ``bias/true`` in percent (:func:`pct`: +1.2%, −0.031%, +2860%);
+- spread: ``std/true``, a plain ratio (:func:`fmt`: 1.51, 38.4), never "stdev/true";
+- batch sizes (``n ±10%``): a whole number with thousands separators (:func:`count`: 872, 1,439,
+  2,100,000); ``never`` where the bias alone exceeds the tolerance; :data:`UNKNOWN` ("—") where no exact
+  bias is known;
+- counts of things: :func:`plural` ("1 figure", "2 figures", "1 step");
+- the paper table's numbers: :func:`sig` (3 significant digits, "—" where missing), :func:`pm` and
+  :func:`pct_pm` ("value ± se");
+- sizes and big integers in messages: :func:`fmt_bytes` (1.5 GiB), :func:`fmt_count` (digits, or
+  9.22e+18 beyond 10^15).
+"""
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+# Two different exact float64 sums (or a sum and a closed form) agree to ~1e-15 relative; differences
+# below this fraction of the compared quantity's scale are rounding, not statistics (kl_bench.core.stats uses
+# it as the z scores' floor; here a difference below it prints as 0, not as "+6.51e-17").
+ROUNDING = 1e-12
+
+CV, CV_OPT = "cv", "cv_opt"    # names of the control-variate rows (kl_bench.core.estimators.make_cv makes them)
+UNKNOWN = "—"          # a number that no exact value supports (n ±10% without an exact bias)
+NEVER = "never"        # a batch size that does not exist (the bias alone exceeds the tolerance)
+
+
+def _missing(x) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
+def below_floor(x: float, scale: float | None) -> bool:
+    """Whether ``x`` is rounding at ``scale``: |x| ≤ ROUNDING·|scale| (a finite x and scale only)."""
+    return scale is not None and math.isfinite(x) and math.isfinite(scale) and abs(x) <= ROUNDING * abs(scale)
+
+
+def fmt(x: float, digits: int = 3, scale: float | None = None, sign: bool = False) -> str:
+    """Significant-digit formatting that shows inf and leaves missing values blank. ``scale``: the size
+    of the quantities ``x`` was computed from (a difference of two KLs: the KL); |x| at or below
+    ROUNDING·|scale| is float64 rounding and prints as 0. ``sign``: a leading + on positive values."""
+    if _missing(x):
+        return ""
+    if math.isinf(x):
+        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    if x == 0 or below_floor(x, scale):
+        return "0"
+    s = "+" if sign else ""
+    if 1e-3 <= abs(x) < 1e5:
+        return f"{x:{s}.{digits}g}" if abs(x) < 10 ** digits else f"{x:{s}.0f}"
+    return f"{x:{s}.{digits - 1}e}"
+
+
+def fmt_rel(x: float) -> str:
+    """A relative value (a ratio); |x| < 1e-9 is float64 rounding of two exact sums, shown as 0."""
+    if isinstance(x, float) and math.isfinite(x) and abs(x) < 1e-9:
+        return "0"
+    return fmt(x)
+
+
+def pct(x: float, sign: bool = True) -> str:
+    """A ratio as a percentage with two significant digits (+1.2%, −0.031%, +2860%); |x| < 1e-9 is float64
+    rounding of two exact sums, shown as 0; NaN blank."""
+    if _missing(x):
+        return ""
+    if math.isinf(x):
+        return ("+" if sign else "") + "inf" if x > 0 else "-inf"
+    if abs(x) < 1e-9:
+        return "0"
+    v = 100 * x
+    s = "+" if sign else ""
+    return f"{v:{s}.0f}%" if abs(v) >= 100 else f"{v:{s}.2g}%"
+
+
+def count(n: float) -> str:
+    """A batch size or a number of draws, whole, with thousands separators: 872, 1,439, 2,100,000;
+    :data:`NEVER` for inf (no batch size gets there); blank for NaN."""
+    if _missing(n):
+        return ""
+    if math.isinf(n):
+        return NEVER
+    return f"{n:,.0f}"
+
+
+def plural(n: float, word: str, words: str | None = None) -> str:
+    """"1 figure", "2 figures", "1,000 steps": a count and its noun (``words``: an irregular plural)."""
+    return f"{count(n)} {word if n == 1 else (words or word + 's')}"
+
+
+def sig(x: float, digits: int = 3) -> str:
+    """Significant digits as the paper table shows them; 0 for float64 rounding of exact zeros."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if math.isinf(x):
+        return "∞" if x > 0 else "−∞"
+    if abs(x) < 1e-9:
+        return "0"
+    return f"{x:.{digits}g}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def pm(value: float, se: float, mark: str = "") -> str:
+    """"value ± se" (3 and 2 significant digits), with ``mark`` (†: the SE is not valid) after it."""
+    text = sig(value)
+    if text == "—":
+        return text
+    return (f"{text} ± {sig(se, 2)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
+
+
+def pct_pm(value: float, se: float, mark: str = "") -> str:
+    """A relative bias with its SE, both in %: "+0.28% ± 0.34%" (``mark``: † where the SE is not valid)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value)):
+        return "—" if value is None or value != value else pct(value)
+    text = pct(value)
+    return (f"{text} ± {pct(se, sign=False)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
+
+
+def exact_pct(value: float) -> str:
+    """An exact relative bias in % ("0" for an unbiased row, "—" where no exact value exists)."""
+    return pct(value) if isinstance(value, (int, float)) and value == value else "—"
+
+
+def fmt_bytes(n: float) -> str:
+    """A size for a message: 3 significant digits in the largest binary unit it reaches (exact: Decimal)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{Decimal(n) / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: int) -> str:
+    """An integer for a message: digits when short, else scientific (2^63 − 1 → 9.22e+18; 10^400 too,
+    beyond float64's range)."""
+    return f"{n:,}" if abs(n) < 10**15 else f"{Decimal(n):.3g}"

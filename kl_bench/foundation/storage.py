@@ -1,0 +1,393 @@
+"""Results that are never lost: atomic files, an atomic swap of the whole results folder, a lock
+against two runs writing one folder (checkpoints for --resume: kl_bench.results.checkpoint).
+
+A run stages every file in a sibling folder ``.NAME.staging-PID`` and then exchanges it with ``NAME``
+in one ``renameat2(RENAME_EXCHANGE)`` call (Linux ≥ 3.15): readers see the old folder or the new one,
+never a mix, whatever signal arrives (SIGKILL included). Where the exchange is unavailable, files are
+replaced one by one (each atomically), ``run.json`` last.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import functools
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+
+
+from . import signals
+from .errors import SpecError
+from .safe_io import check_dir_target, check_folder_entries, check_write_target, open_lock_file
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _write_file(fh, data: bytes) -> None:
+    """The one place result bytes reach the disk (tests inject ENOSPC and EROFS here)."""
+    fh.write(data)
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def fs_error(err: OSError, target: Path, what: str = "cannot write results", key: str | None = None) -> SpecError:
+    """An OSError while writing results as a one-line input error naming the path."""
+    reason = err.strerror or err.__class__.__name__
+    return SpecError(f"{what}: {reason}", file=str(target), key=key)
+
+
+def _os_errors_as_input_errors(check):
+    """A path check that meets an OSError (a folder it may not search: EACCES on stat, ELOOP, ENAMETOOLONG)
+    says so in one line naming the path, as every other refusal does."""
+    @functools.wraps(check)
+    def wrapped(path: Path, key: str = "--out") -> Path:
+        try:
+            return check(path, key)
+        except OSError as e:
+            raise fs_error(e, Path(path), "cannot be written", key=key) from None
+    return wrapped
+
+
+@_os_errors_as_input_errors
+def check_output_file(path: Path, key: str = "--out") -> Path:
+    """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
+    folder that cannot be created or written. ``key``: the option that names it."""
+    path = Path(path)
+    if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
+        raise SpecError("must name a file", file=str(path), key=key)
+    _check_name_length(path, key)
+    if path.is_dir():
+        raise SpecError("is a folder; give a file name", file=str(path), key=key)
+    check_write_target(path, key=key)       # a symlink or /dev/null is refused, never replaced
+    _check_parent_writable(path, key)
+    return path
+
+
+# Linux's limit on one path component (NAME_MAX); the temporary names beside a target add a prefix.
+_NAME_MAX = 255
+_TMP_EXTRA = 40
+
+
+def _check_name_length(path: Path, key: str = "--out") -> None:
+    """An output name too long for the file system once kl-bench's temporary prefix is added."""
+    size = len(os.fsencode(path.name))
+    if size + _TMP_EXTRA > _NAME_MAX:
+        raise SpecError(f"the name is {size} bytes; at most {_NAME_MAX - _TMP_EXTRA} bytes are allowed "
+                        f"(file names are limited to {_NAME_MAX} bytes)", file=str(path)[:120] + "…", key=key)
+
+
+@_os_errors_as_input_errors
+def output_dir(path: Path, key: str = "--out") -> Path:
+    """The folder results go to (never through a symbolic link: :func:`check_output_dir` refuses one)."""
+    path = Path(path)
+    _check_name_length(path, key)
+    return path
+
+
+@_os_errors_as_input_errors
+def check_output_dir(path: Path, key: str = "--out") -> Path:
+    """Refuse, before any sampling, a results folder that cannot be written: '', '.', '..', an existing
+    file (or /dev/null), a path under a file, a location that cannot be created or written (/proc, a
+    read-only mount), a symbolic link (kl-bench never writes through one)."""
+    path = Path(path)
+    if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
+        raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key=key)
+    _check_name_length(path, key)
+    path = output_dir(path, key)
+    check_dir_target(path, key=key)
+    _check_parent_writable(path, key)
+    return path
+
+
+def _check_parent_writable(path: Path, key: str = "--out") -> None:
+    """The folder ``path`` would be made in can take a file with a byte in it: probed in its nearest
+    existing ancestor (nothing is created, so a command that fails leaves no folder behind), by writing
+    one byte, so that a disk with no room at all is refused before any work, not after it."""
+    probe = path.parent
+    while not probe.exists():                 # the nearest existing ancestor must be a writable folder
+        probe = probe.parent
+    if not probe.is_dir():
+        raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key=key)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=probe)
+        try:
+            os.write(fd, b"\n")
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+    except OSError as e:
+        raise fs_error(e, path, "cannot write there", key=key) from None
+
+
+def make_parents(path: Path) -> list[Path]:
+    """Create the missing ancestors of ``path``; returns those created, outermost first (for
+    :func:`remove_made`: a command that fails leaves no folder behind)."""
+    missing = []
+    parent = Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders :func:`make_parents` created, innermost first, where they are still empty."""
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
+    write a temporary file in the same folder, fsync it, then rename it over the target. On any failure
+    nothing is left: no temporary file, no folder made for it."""
+    path = Path(path)
+    check_write_target(path)
+    made = make_parents(path)
+    try:
+        # mkstemp opens with O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name[:100]}.", dir=path.parent)
+    except BaseException:
+        remove_made(made)
+        raise
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            _write_file(fh, data)
+        os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp makes 0600 files; results are for sharing
+        check_write_target(path)            # again: a link or device may have appeared meanwhile
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        remove_made(made)
+        raise
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (renameat2 RENAME_EXCHANGE); False where unsupported."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def staging_dir(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.staging-{os.getpid()}"
+
+
+def remove(path: Path) -> None:
+    """Remove ``path`` whatever it is, never following a link and never opening a FIFO (shutil.rmtree opens
+    its argument before it checks it is a folder: on a FIFO planted at a staging path it waits forever)."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:          # absent, or a name that cannot even be looked at: nothing to remove
+        return
+    if is_dir:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def clean_stale(out_dir: Path) -> None:
+    """Remove staging folders and temporary files left by killed runs (call under the lock)."""
+    if out_dir.parent.exists():
+        for p in out_dir.parent.glob(f".{out_dir.name}.staging-*"):
+            remove(p)
+    if out_dir.is_dir():
+        for p in out_dir.glob(".tmp-*"):
+            remove(p)
+
+
+def write_locked(out_dir: Path, files: dict[str, bytes]) -> Path:
+    """:func:`write_folder` under the folder's lock, after cleaning a crashed writer's leftovers: what
+    every results folder (a run's, a training's, an audit's: ``files`` from
+    kl_bench.results.folders.stored_files) is written with. Returns the folder. A full disk or a read-only
+    mount is a one-line :class:`SpecError` (the old folder, if any, untouched)."""
+    out_dir = Path(out_dir)
+    try:
+        with FolderLock(out_dir):
+            clean_stale(out_dir)
+            write_folder(out_dir, files)
+    except OSError as e:
+        raise fs_error(e, out_dir) from None
+    return out_dir
+
+
+# Folders this process has swapped in (resolved paths): what an interrupt's line may say was written.
+_COMMITTED: set[str] = set()
+
+
+def written_folders() -> list[str]:
+    """Every folder this process has swapped new contents into, and every output file it has written
+    whole (:func:`mark_written`): what the line an interrupt prints names."""
+    return sorted(_COMMITTED)
+
+
+def mark_written(path: Path) -> None:
+    """Record an output file written whole (atomically) for the line an interrupt prints."""
+    _COMMITTED.add(str(Path(path).absolute()))
+
+
+def committed(out_dir: Path) -> bool:
+    """Whether this process has swapped new contents into ``out_dir`` (see :func:`write_folder`)."""
+    return str(Path(output_dir(Path(out_dir))).absolute()) in _COMMITTED
+
+
+def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` ({relative path: bytes}, "a/b.png" allowed) as the folder ``out_dir``, atomically:
+    staged in a sibling folder, then exchanged with the old one in one call (or renamed into place).
+    Entries of an old folder whose top-level name is not among ``files`` are carried over. A path that
+    exists as anything but a folder (a symlink included) is refused in one line, and so is an entry of the
+    old folder at an output's name that is not of the output's kind (safe_io.check_folder_entries)."""
+    out_dir = output_dir(Path(out_dir))
+    check_dir_target(out_dir, key="--out")
+    check_folder_entries(out_dir, files, key="--out")
+    stage = staging_dir(out_dir)
+    remove(stage)
+    made = make_parents(stage)
+    tops = {name.split("/")[0] for name in files}
+    try:
+        stage.mkdir()
+        for name, data in files.items():
+            stage_file(stage / name, data)
+        if out_dir.exists():
+            _carry_over(out_dir, stage, tops)
+        signals.phase("staged")     # every file is on disk beside the folder, not yet swapped in
+        key = str(out_dir.absolute())
+        with signals.held():   # the line an interrupt prints must know whether the swap is done
+            if not out_dir.exists():
+                os.rename(stage, out_dir)
+                _COMMITTED.add(key)
+                return
+            if _exchange(stage, out_dir):
+                _COMMITTED.add(key)
+                remove(stage)       # now holds the previous results
+                return
+        names = list(files)
+        last = [n for n in names if n == "run.json"]
+        for name in [n for n in names if n != "run.json"] + last:     # fallback: file by file, run.json last
+            atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
+        _COMMITTED.add(key)
+        remove(stage)
+    except BaseException:
+        remove(stage)
+        remove_made(made)
+        raise
+
+
+def stage_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "xb") as fh:        # O_CREAT | O_EXCL: a new file, never one a symlink points to
+        _write_file(fh, data)
+
+
+def _carry_over(out_dir: Path, stage: Path, tops: set[str]) -> None:
+    """Hard-link the old folder's other entries into the staging folder (a report, notes)."""
+    for entry in out_dir.iterdir():
+        if entry.name not in tops and not entry.name.startswith((".tmp-", ".checkpoint")):
+            dest = stage / entry.name
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry), dest)
+            elif entry.is_dir():
+                shutil.copytree(entry, dest, copy_function=os.link, symlinks=True)
+            else:
+                os.link(entry, dest)
+
+
+class FolderLock:
+    """An exclusive, non-blocking lock on a results folder (a lock file beside it, held with flock).
+
+    The kernel releases it when the process dies, however it dies, so a killed run never leaves a
+    stale lock behind."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir.parent / f".{self.out_dir.name}.lock"
+        self.fh = None
+        self.made: list[Path] = []
+
+    def __enter__(self) -> "FolderLock":
+        try:
+            self.made = make_parents(self.path)
+        except OSError as e:
+            raise fs_error(e, self.out_dir) from None
+        try:
+            return self._take()
+        except BaseException:
+            self._release(failed=True)
+            raise
+
+    def _take(self) -> "FolderLock":
+        for _ in range(100):
+            try:
+                self.fh = open_lock_file(self.path)      # never through a symlink, never a FIFO
+            except SpecError as e:
+                raise SpecError(f"{e.message} ({e.file})", file=str(self.out_dir)) from None
+            except OSError as e:
+                raise fs_error(e, self.out_dir) from None
+            try:
+                fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.fh.seek(0)
+                holder = self.fh.read(64).decode("ascii", "replace").strip() or "?"
+                self.fh.close()
+                self.fh = None
+                raise SpecError(f"results folder is being written by another kl-bench run (pid {holder}); "
+                                f"wait for it to finish or choose another --out", file=str(self.out_dir)) from None
+            # The holder before us may have unlinked the file we opened: lock the file at the path.
+            try:
+                same = os.fstat(self.fh.fileno()).st_ino == os.lstat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            self.fh.close()
+            self.fh = None
+        if self.fh is None:
+            raise SpecError("cannot take the lock: its file keeps being replaced", file=str(self.out_dir))
+        try:        # the holder's pid, for the line another run prints (a disk with no room: one line)
+            self.fh.seek(0)
+            self.fh.truncate()
+            self.fh.write(str(os.getpid()).encode())
+            self.fh.flush()
+        except OSError as e:
+            raise fs_error(e, self.out_dir) from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._release(failed=exc[0] is not None)
+
+    def _release(self, failed: bool) -> None:
+        if self.fh is not None:
+            # Remove the lock file while still holding the lock, whatever the outcome: nothing is left
+            # beside the results. A run that opened the old file meanwhile sees it unlinked and retries.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):      # a pid that never reached the disk: nothing to flush
+                self.fh.close()
+            self.fh = None
+        if failed:
+            remove_made(self.made)          # a failed command leaves no folder it made behind

@@ -1,0 +1,241 @@
+"""The rollout kind's exact values, by aggregate (docs/rollouts.md#what-the-program-computes): every one a
+moment E[M S^k] of the phased dynamic program (kl_bench.kinds.rollout.dp), combined on the host.
+
+- truth: KL(q‖p) = −E_q[L], KL(p‖q) = E_q[RL] (the float64 tables even where the rows see rounded log r),
+  E_q|y| for the rows that are rates per token;
+- ``seq``: a polynomial f = Σ c R^s L^k has E f = Σ c E[R^s L^k] and E f² from the squared polynomial
+  (under a sampler: E_b[W^j R^s L^k]); other functions of L have no exact value here (NaN);
+- ``tok``: Σ_t f(log r_t) is additive along the path (h = f, or h = w·f with token weights; W
+  multiplicative with sequence weights);
+- ``tok_mean``, ``tok_gm``, ``tok_batch``: the program split by the final length |y|, then exact sums over
+  ℓ (and, for the token-mean of B sequences, the FFT convolutions of kl_bench.core.rollout_dp).
+
+A :class:`RolloutOracle` holds its model and the values computed once per case (the moments E_q[R^s L^k]
+by s, E_q|y|, the length spectra and factors of the token-mean rows).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...core import rollout_dp
+from ...core.estimators import RowSource, poly_square
+from ...core.targets import FORWARD, REVERSE
+from ..base import JointMoments
+from . import dp
+from .model import RolloutModel
+
+
+def mean_var(mean: float, second: float) -> tuple[float, float]:
+    """(mean, variance) from the first two moments; an infinite second moment is an infinite variance."""
+    if not math.isfinite(second):
+        return mean, math.inf
+    return mean, max(second - mean * mean, 0.0)
+
+
+class RolloutOracle:
+    """Exact values of one rollout model (module docstring); caches what several rows share."""
+
+    def __init__(self, model: RolloutModel):
+        self.model = model
+        self._seq: dict[int, list[float]] = {}
+        self._mean_length: float | None = None
+        self._spectra: rollout_dp.LengthSpectra | None = None
+        self._batch_factor: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- truth
+    def true_values(self) -> dict[str, float]:
+        return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
+
+    def kl(self) -> float:
+        m = self.model
+        if m.precision is not None:     # the truth is the float64 KL, not the rounded table's
+            g = m.log_p - m.log_q
+            return -dp.to_host(dp.under_q(m, torch.ones_like(g), g, 1))[1]
+        return -self.seq_moments(0)[1]
+
+    def kl_forward(self) -> float:
+        m = self.model
+        if m.precision is not None:
+            g = m.log_p - m.log_q
+            return dp.to_host(dp.under_q(m, torch.exp(g), g, 1))[1]
+        return self.seq_moments(1)[1]      # E_p[L] = E_q[R L]: q > 0 everywhere
+
+    def mean_length(self) -> float:
+        """E_q|y|, exact (computed once: every per-token row's truth divides by it)."""
+        if self._mean_length is None:
+            ones = torch.ones_like(self.model.logr_table)
+            self._mean_length = dp.to_host(dp.under_q(self.model, ones, ones, 1))[1]
+        return self._mean_length
+
+    def seq_moments(self, s: int) -> list[float]:
+        """E_q[R^s L^k] for k = 0..4 (R = e^L, L the sequence log-ratio); computed once per s."""
+        if s not in self._seq:
+            g = self.model.logr_table
+            m = torch.exp(s * g) if s else torch.ones_like(g)
+            self._seq[s] = dp.to_host(dp.under_q(self.model, m, g, 4))
+        return self._seq[s]
+
+    def tok_moments(self, h: torch.Tensor) -> list[float]:
+        """E_q[S^k], k = 0..2, for the token sum S = Σ_t h(c_{t−1}, x_t), h [C, V]."""
+        return dp.to_host(dp.under_q(self.model, torch.ones_like(h), h, 2))
+
+    # ---------------------------------------------------------------- rows, by aggregate
+    def seq(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of f(L), L the sequence log-ratio: polynomial moments E[R^s L^k] by the program."""
+        if est.analytic:
+            return self.tok(est)
+        if self.model.has_sampler:
+            return self._sampler_seq(est)
+        if est.poly is None:
+            return math.nan, math.nan          # |L|: no exact rollout oracle
+        mean, second = self._poly_mean(est.poly), self._poly_mean(poly_square(est.poly))
+        return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
+
+    def tok(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of the token sum Σ_t f(log r_t): additive along the path."""
+        if self.model.has_sampler:
+            return self._sampler_tok(est)
+        m = self.tok_moments(self.model.tok_values(est))
+        return m[1], max(m[2] - m[1] ** 2, 0.0)
+
+    def tok_mean(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of Σ_t f / |y| (times W with sequence weights), exact by splitting the program on
+        the final length |y|."""
+        model = self.model
+        f = model.tok_values(est)
+        ones = torch.ones_like(f)
+        lengths = torch.arange(1, model.length + 1, dtype=torch.float64, device=f.device)
+        on_sums, wt = model.weighting.on_sums, model.token_weight
+        m1 = dp.by_length(model, lambda lb: wt(lb) if on_sums else ones, lambda lb: f, 1)[:, 1]
+        m2 = dp.by_length(model, lambda lb: wt(lb) ** 2 if on_sums else ones, lambda lb: f, 2)[:, 2]
+        return mean_var(dp.to_host((m1 / lengths).sum()), dp.to_host((m2 / lengths**2).sum()))
+
+    def tok_gm(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of Σ_t f · W^{1/|y|}: W^{1/ℓ} = Π_t w_t^{1/ℓ} is multiplicative once ℓ is fixed,
+        so one program per final length."""
+        model = self.model
+        f, lw = model.tok_values(est), model.token_log_weight
+        mean = second = 0.0
+        for ell in range(1, model.length + 1):
+            # w^{1/ℓ} as exp(log w / ℓ): finite whenever the geometric mean is
+            mean += dp.to_host(dp.by_length(model, lambda lb: torch.exp(lw(lb) / ell), lambda lb: f, 1)[ell - 1, 1])
+            second += dp.to_host(dp.by_length(model, lambda lb: torch.exp(2 * lw(lb) / ell), lambda lb: f, 2)[ell - 1, 2])
+        return mean_var(mean, second)
+
+    def tok_batch(self, est: RowSource) -> tuple[float, float]:
+        """(mean, variance) of one token-mean value Σ_i Σ_t f / Σ_i |y_i| over B sequences. Draws are
+        unweighted (refused otherwise): b's length split."""
+        f = self.model.tok_values(est)
+        ones = torch.ones_like(f)
+        lengths = dp.by_length(self.model, lambda lb: ones, lambda lb: f, 2)
+        if self._spectra is None:      # the lengths' part: the same for every row of the case
+            self._spectra = rollout_dp.length_spectra(lengths[:, 0], self.model.token_mean_batch)
+        return rollout_dp.token_mean_moments(lengths, self.model.token_mean_batch, self._spectra)
+
+    def token_mean_limit(self, est: RowSource) -> float:
+        """E[Σ_t f] / E[|y|]: what "token-mean" aggregation (Σ over a batch's tokens / their number)
+        converges to as the batch grows (its finite-batch ratio bias is O(1/n)); draws from q or an
+        unweighted sampler."""
+        if self.model.weighting.weighted:
+            return math.nan
+        f = self.model.tok_values(est)
+        ones = torch.ones_like(f)
+        num = dp.b_moments(self.model, lambda lb: ones, lambda lb: f, 1)[1]
+        den = dp.b_moments(self.model, lambda lb: ones, lambda lb: ones, 1)[1]
+        return num / den
+
+    def batch_length_factor(self) -> torch.Tensor:
+        """γ_B(ℓ) = B·E[1/(ℓ + L′)] [T] of the tok_batch rows (L′ the other B − 1 lengths of a group,
+        :func:`kl_bench.core.rollout_dp.inverse_total_length`): one FFT correlation, computed once per case."""
+        if self._batch_factor is None:
+            self._batch_factor = rollout_dp.inverse_total_length(dp.length_law(self.model), self.model.token_mean_batch)
+        return self._batch_factor
+
+    def inverse_length(self) -> torch.Tensor:
+        """1/ℓ for ℓ = 1..T, [T]: the factor of the per-sequence token mean."""
+        return 1.0 / torch.arange(1, self.model.length + 1, dtype=torch.float64, device=self.model.device)
+
+    # ---------------------------------------------------------------- the λ curve and the tails
+    def joint_seq(self) -> JointMoments:
+        """Moments of (−L, R − 1) under q."""
+        m0, m1 = self.seq_moments(0), self.seq_moments(1)
+        er2 = self.seq_moments(2)[0]
+        var_b = math.inf if not math.isfinite(er2) else er2 - 1.0
+        # Cov(−L, R − 1) = −E[R L] + E[L]·E[R], with E[R] = 1.
+        return JointMoments(-m0[1], 0.0, m0[2] - m0[1] ** 2, var_b, -m1[1] + m0[1])
+
+    def joint_tok(self) -> JointMoments:
+        """Moments of (−L, Σ_t (r_t − 1)) under q."""
+        m0, g = self.seq_moments(0), self.model.logr_table
+        mean_a, var_a = -m0[1], m0[2] - m0[1] ** 2
+        b = torch.expm1(g)
+        mb = self.tok_moments(b)
+        mab = self.tok_moments(b - g)       # a + b = Σ_t k3(r_t): Cov by polarisation
+        var_b = mb[2] - mb[1] ** 2
+        var_ab = mab[2] - mab[1] ** 2
+        return JointMoments(mean_a, mb[1], var_a, var_b, 0.5 * (var_ab - var_a - var_b))
+
+    def kurtosis_proxy(self, est: RowSource) -> float:
+        """E[R^{4s}] / E[R^{2s}]² for a seq row whose polynomial holds R^s (it dominates the tail), both exact
+        by the program (inf beyond float64); NaN without such a term or under a sampler."""
+        if est.poly is None or self.model.has_sampler:
+            return math.nan
+        s_max = max((s for (s, _), c in est.poly.items() if c != 0), default=0)
+        if s_max == 0:
+            return math.nan
+        num, den = self.seq_moments(4 * s_max)[0], self.seq_moments(2 * s_max)[0]
+        return num / den**2 if math.isfinite(num) and math.isfinite(den) and den > 0 else math.inf
+
+    # ---------------------------------------------------------------- helpers
+    def _poly_mean(self, poly) -> float:
+        total = 0.0
+        for (s, k), c in poly.items():
+            if c == 0:
+                continue
+            if k > 4:
+                return math.nan
+            v = self.seq_moments(s)[k]
+            if math.isinf(v) or math.isnan(v):
+                return math.inf       # E[R^s ...] beyond float64 range: practically infinite
+            total += c * v
+        return total
+
+    def _sampler_tok(self, est: RowSource) -> tuple[float, float]:
+        """(E_b[v], Var_b[v]) of a tok row under the sampler, by the phased program."""
+        model = self.model
+        ones, wt, f = torch.ones_like(model.logr_table), model.token_weight, model.tok_values(est)
+        if model.weighting.per_token:             # Σ_t w_t f_t: additive
+            mom = dp.b_moments(model, lambda lb: ones, lambda lb: wt(lb) * f, 2)
+            return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+        if model.weighting.on_sums:               # W · Σ_t f_t: weight multiplicative, sum additive
+            m1 = dp.b_moments(model, lambda lb: wt(lb), lambda lb: f, 1)[1]
+            m2 = dp.b_moments(model, lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
+            return mean_var(m1, m2)
+        mom = dp.b_moments(model, lambda lb: ones, lambda lb: f, 2)
+        return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+
+    def _sampler_seq(self, est: RowSource) -> tuple[float, float]:
+        """(E_b[v], Var_b[v]) of a seq row (a polynomial in R and L) under the sampler."""
+        if est.poly is None:
+            return math.nan, math.nan
+        mean = self._sampler_poly(est.poly, 1)
+        second = self._sampler_poly(poly_square(est.poly), 2)
+        return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
+
+    def _sampler_poly(self, poly, power: int) -> float:
+        """E_b[W^power Σ c R^s L^k] (W = 1 without weights)."""
+        model = self.model
+        g, ones, weighted, wt = model.logr_table, torch.ones_like(model.logr_table), model.weighting.weighted, \
+            model.token_weight
+        total = 0.0
+        for (s_, k), c in poly.items():
+            if c == 0:
+                continue
+            v = dp.b_moments(model, lambda lb, s_=s_: (wt(lb) ** power if weighted else ones) * torch.exp(s_ * g),
+                             lambda lb: g, k)[k]
+            if not math.isfinite(v):
+                return math.inf
+            total += c * v
+        return total

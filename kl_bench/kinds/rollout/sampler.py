@@ -1,0 +1,154 @@
+"""The rollout kind's sampler: paths of a :class:`~kl_bench.kinds.rollout.model.RolloutModel` drawn step by
+step, and what the estimators see of them (kl_bench.core.draws.Draws): L = Σ_t log r_t, the analytic Σ_t KL(c_t),
+Σ_t (r_t − 1), the token rows' sums, the importance weights and the rejection mask's verdict.
+
+Each step draws every path's token from b's alias table of its bucket (kl_bench.sampling.alias.pick: one uniform,
+two gathers), accumulates the per-path sums (float64, in step order) and moves the path to its token's
+bucket; a path that drew EOS stays alive = 0 (its later steps add nothing). Batch i's uniforms come from its
+own generator; every other operation runs on one long vector (per-op overhead dominates on short vectors),
+and every operation is per path, so a path's values do not depend on its neighbours. Tensors are made on
+the sampling ``device`` (the generators' device); the model's tables are made there once
+(RolloutModel.sampling_tables).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...sampling.alias import pick
+from ...core.draws import Draws, Row
+from ...core.rejection import SequenceMask
+from ...sampling.seeding import BatchStream, piece_draws
+from ..base import BatchSums, Features
+from .model import RolloutModel
+
+
+@dataclass
+class Paths:
+    """Recorded paths [n, T]: ``keys`` c·V + x (the bucket a step's token was drawn from, and the token;
+    int64), ``alive`` 1.0 where the step belongs to the sequence, ``weights`` each step's corrected q/b
+    (None without weights), ``keep`` the rejection mask's 0/1 per path [n] (None without a mask)."""
+    keys: torch.Tensor
+    alive: torch.Tensor
+    weights: torch.Tensor | None
+    keep: torch.Tensor | None
+
+
+@dataclass
+class _Walk:
+    """The per-path state and sums of a batch of paths along the steps, all [n] (tok: [n, rows])."""
+    c: torch.Tensor
+    alive: torch.Tensor
+    logr: torch.Tensor
+    full: torch.Tensor
+    tok_b: torch.Tensor
+    tok: torch.Tensor
+    weight: torch.Tensor | None
+    log_weight: torch.Tensor | None
+
+    @classmethod
+    def start(cls, n: int, rows: int, weighted: bool, device: torch.device) -> "_Walk":
+        f64 = torch.float64
+        return cls(torch.zeros(n, dtype=torch.int64, device=device), torch.ones(n, dtype=f64, device=device),
+                   *(torch.zeros(n, dtype=f64, device=device) for _ in range(3)),
+                   torch.zeros(n, rows, dtype=f64, device=device),
+                   torch.ones(n, dtype=f64, device=device) if weighted else None,
+                   torch.zeros(n, dtype=f64, device=device) if weighted else None)
+
+
+def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator], device: torch.device,
+             tok_rows: list[Row] = (), record: list | None = None) -> Draws:
+    """Rollouts for several batches at once (``sizes[i]`` paths from ``gens[i]``), never materialising [n, V].
+
+    ``record``: when a list, each step appends (key, alive, w) of shape [n]: key = c·V + x (the bucket the
+    token was drawn from and the token), alive = 1.0 where the step belongs to the sequence, w the token's
+    (corrected) weight q/b (None without weights)."""
+    on = model.sampling_tables(device)
+    tables, logw, g_flat, kl_ctx, bucket = on.alias, on.logw, on.logr, on.kl_ctx, on.bucket
+    weighted = model.weighting.weighted
+    walk = _Walk.start(sum(sizes), len(tok_rows), weighted, device)
+    # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.core.rejection).
+    mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], sum(sizes), device)
+    for t in range(model.length):
+        phase = model.phase_of[t]
+        u = torch.empty(walk.c.shape[0], dtype=torch.float64, device=device)
+        at = 0
+        for k, g in zip(sizes, gens):           # each batch's uniforms from its generator, in place
+            torch.rand(k, dtype=torch.float64, generator=g, device=device, out=u[at:at + k])
+            at += k
+        u.mul_(model.vocab)
+        base = walk.c * model.vocab
+        x = pick(tables[phase], u, model.vocab, base)
+        key = base + x
+        w_t = _step(model, walk, g_flat[key], kl_ctx[walk.c], None if logw is None else logw[phase][key], tok_rows)
+        mask.add(phase, key, walk.alive)
+        if record is not None:
+            record.append((key, walk.alive, w_t))
+        if model.eos is not None:
+            walk.alive = walk.alive * (x != model.eos)
+        walk.c = bucket[x]
+    return Draws(walk.logr, walk.full, walk.tok, walk.tok_b, weight=walk.weight, tok_weighted=model.weighting.per_token,
+                 log_weight=walk.log_weight, keep=mask.keep())
+
+
+def _step(model: RolloutModel, walk: _Walk, g: torch.Tensor, kl_c: torch.Tensor, logw_t: torch.Tensor | None,
+          tok_rows: list[Row]) -> torch.Tensor | None:
+    """Add one step's terms to the walk's sums: ``g`` = log r of the drawn tokens [n], ``kl_c`` the KL of
+    their buckets [n], ``logw_t`` their log q/b [n] (None without weights); the tokens' corrected weights."""
+    alive = walk.alive
+    walk.logr += alive * g
+    walk.full += alive * kl_c
+    walk.tok_b += alive * torch.expm1(g)
+    w_t = None if logw_t is None else model.capped(torch.exp(logw_t))
+    if w_t is not None:                     # q/b of this token, for sequences still alive
+        walk.weight = walk.weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+        lw_t = model.capped_log(logw_t)
+        walk.log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
+    if tok_rows:
+        vals = torch.stack([kl_c if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
+        walk.tok += (alive * w_t if model.weighting.per_token else alive)[:, None] * vals
+    return w_t
+
+
+def paths(model: RolloutModel, n: int, generator: torch.Generator, device: torch.device) -> Paths:
+    """``n`` recorded paths from one generator (the draws of :func:`simulate` with the same generator)."""
+    rec: list = []
+    keep = simulate(model, [n], [generator], device, record=rec).keep
+    weights = torch.stack([r[2] for r in rec], 1) if model.weighting.weighted else None
+    return Paths(torch.stack([r[0] for r in rec], 1), torch.stack([r[1] for r in rec], 1), weights, keep)
+
+
+def batch_sums(model: RolloutModel, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
+    """Per-batch sums of the per-draw features (kl_bench.kinds.base.Sampler.batch_sums), each batch drawn
+    piece by piece from its own stream."""
+    piece = piece_draws(device)
+
+    def run(batches: list[BatchStream]) -> torch.Tensor:
+        totals: list[torch.Tensor | None] = [None] * len(batches)
+        group: list[tuple[int, int, torch.Generator]] = []      # (batch position, draws, generator)
+
+        def flush():
+            # Pieces of several small batches share one simulation (per-op overhead dominates on short
+            # vectors); every operation is per path, so a piece's sum does not depend on its neighbours.
+            # Contiguous per-piece reductions (no scatter-add): deterministic on CUDA.
+            sizes = [m for _, m, _ in group]
+            draws = simulate(model, sizes, [g for _, _, g in group], device, tok_rows)
+            draws.segments = sizes        # token-mean groups stay within a piece
+            f = features(draws)
+            for (k, _, _), part in zip(group, torch.split(f, sizes)):
+                s = part.sum(0)
+                totals[k] = s if totals[k] is None else totals[k] + s
+            group.clear()
+
+        for k, batch in enumerate(batches):
+            for m, g in batch.pieces(piece):
+                if group and sum(x for _, x, _ in group) + m > piece:
+                    flush()
+                group.append((k, m, g))
+        flush()
+        return torch.stack(totals)
+    return run
+
+
+__all__ = ["Paths", "batch_sums", "paths", "simulate"]

@@ -1,0 +1,313 @@
+"""Every folder kl-bench stores, described once and written and read through here: a run's
+(``kl-bench run``), a training's (``kl-bench train``) and an audit's (the TRL callback, ``kl-bench audit``).
+
+Each kind is a :class:`FolderFormat`: its data files (CSV tables with their schema in
+:mod:`kl_bench.results.schema`, numeric ``.npz`` arrays), the ones every folder of the kind has, and the
+key of run.json that records its format version. run.json (the envelope) is the same for all: the fields
+its writer gives, the version, and ``files``: the sha256 of every data file. Writing (:func:`write`)
+serialises the envelope strictly (a value JSON cannot hold is an error naming its key, never a string made
+of it) and swaps the folder in whole (kl_bench.foundation.storage). Reading (:func:`read`) checks, before any
+number is parsed, that run.json is an object of a kind and a version this kl-bench reads, that every data
+file present is recorded and every recorded one present, and that each has the recorded sha256: a folder
+changed after it was written is one line naming the file. :func:`kind_of` tells a folder's kind from its
+envelope (what ``kl-bench report`` dispatches on). No torch, no engine.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..foundation.errors import SpecError
+from ..foundation.safe_io import describe, parse_json, read_regular
+from .frames import read_frame
+from .schema import AUDIT_COLUMNS, AUDIT_DEFAULTS, ENGINE_COLUMNS, FORMAT_VERSION, TRAIN_SCHEMA
+
+ENVELOPE = "run.json"
+_SHA = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class FolderFormat:
+    """One kind of stored folder."""
+    kind: str                       # "run", "train", "audit"
+    version_key: str                # run.json's key holding the format version (its presence names the kind)
+    version: int                    # the version this kl-bench writes (and the newest it reads)
+    tables: tuple[str, ...]         # CSV data files (schemas: kl_bench.results.schema)
+    arrays: tuple[str, ...]         # numeric .npz data files
+    required: tuple[str, ...]       # data files every folder of the kind has
+    writer: str                     # what writes it, for messages
+
+    @property
+    def data_files(self) -> tuple[str, ...]:
+        return self.tables + self.arrays
+
+
+FORMATS: dict[str, FolderFormat] = {f.kind: f for f in (
+    FolderFormat("run", "kl_bench_run", FORMAT_VERSION,
+                 ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv"),
+                 ("reservoir.npz", "gradients.npz"), ("summary.csv",), "kl-bench run"),
+    # train: version 1 is the only one so far (train.csv: kl_bench.results.schema.TRAIN_SCHEMA)
+    FolderFormat("train", "kl_bench_train", 1, ("train.csv",), (), ("train.csv",), "kl-bench train"),
+    # audit: version 1 (audit.csv written before a column existed reads it as kl_bench.audit.step.AUDIT_DEFAULTS)
+    FolderFormat("audit", "kl_bench_audit", 1, ("audit.csv", "engine.csv"), (), ("audit.csv",),
+                 "the trainer audit (KLAudit, kl-bench audit)"),
+)}
+# The columns a train or audit table must have, and the values of columns an older file lacks (kl_bench.results.
+# verify checks a run's tables, column by column).
+TABLE_COLUMNS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "train.csv": (list(TRAIN_SCHEMA), {}),
+    "audit.csv": (list(AUDIT_COLUMNS), AUDIT_DEFAULTS),
+    "engine.csv": (list(ENGINE_COLUMNS), {}),
+}
+# Every data file name any kind stores (a name's size cap in kl_bench.foundation.safe_io is by its name).
+DATA_FILES = tuple(dict.fromkeys(n for f in FORMATS.values() for n in f.data_files))
+
+
+# ----------------------------------------------------------------------------- writing
+def _json_value(v: Any, key: str) -> Any:
+    """``v`` as JSON holds it, or a TypeError naming ``key``: dicts with string keys, lists, strings, numbers
+    (NaN and inf as Python's json writes them), booleans and null; numpy scalars are their Python value;
+    anything else (a Path, a tensor, an object) is the writer's bug, not something to stringify."""
+    if v is None or isinstance(v, (bool, str, int)):
+        return v
+    if isinstance(v, float):
+        return v
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{ENVELOPE}: key {key}.{k!r} is not a string")
+            out[k] = _json_value(x, f"{key}.{k}" if key else k)
+        return out
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x, f"{key}[{i}]") for i, x in enumerate(v)]
+    item = getattr(v, "item", None)                      # numpy scalars (np.float64 is a float already)
+    if callable(item) and getattr(v, "shape", None) == () and type(v).__module__ == "numpy":
+        return _json_value(item(), key)
+    raise TypeError(f"{ENVELOPE}: {key} holds a {type(v).__module__}.{type(v).__qualname__}, which JSON cannot "
+                    "hold: convert it where the envelope is built")
+
+
+def envelope_bytes(envelope: dict[str, Any]) -> bytes:
+    """run.json's bytes: the envelope as strict JSON (see :func:`_json_value`), indented, one final newline."""
+    return (json.dumps(_json_value(envelope, ""), indent=2) + "\n").encode()
+
+
+def stored_files(kind: str, files: dict[str, bytes], envelope: dict[str, Any]) -> dict[str, bytes]:
+    """The files of a folder of ``kind``: ``files`` (its data files, each one the kind stores, the required
+    ones present) and run.json (``envelope`` with the kind's version and every file's sha256)."""
+    fmt = FORMATS[kind]
+    unknown = sorted(set(files) - set(fmt.data_files))
+    missing = sorted(set(fmt.required) - set(files))
+    if unknown or missing:                               # a writer's bug: the format is the contract
+        raise ValueError(f"a {kind} folder stores {', '.join(fmt.data_files)}; got {sorted(files)}")
+    env = {fmt.version_key: fmt.version, **envelope}      # the version first; a writer's own value kept
+    env["files"] = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    return {**files, ENVELOPE: envelope_bytes(env)}
+
+
+def write(kind: str, directory: str | Path, files: dict[str, bytes], envelope: dict[str, Any]) -> Path:
+    """Write a folder of ``kind`` atomically under its lock (a crashed writer's leftovers cleaned first;
+    entries this write does not produce, such as a report, carried over); a full disk or a read-only mount is
+    one line, the old folder untouched. Returns the folder."""
+    from ..foundation.storage import write_locked
+    return write_locked(Path(directory), stored_files(kind, files, envelope))
+
+
+# ----------------------------------------------------------------------------- reading
+def json_type(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def read_bytes(path: Path) -> bytes:
+    """A stored file's bytes (regular files only, capped by its name's kind)."""
+    return read_regular(path, path.name if path.name in (ENVELOPE, *DATA_FILES) else ENVELOPE, path.name)
+
+
+def read_envelope(path: Path) -> dict:
+    """run.json as a dict; anything else (not UTF-8, not JSON, not an object) is an error."""
+    path = Path(path)
+    env = parse_json(read_bytes(path), path, ENVELOPE)
+    if not isinstance(env, dict):
+        raise SpecError(f"run.json must hold a JSON object, not {json_type(env)} (corrupted?)", file=str(path))
+    for key, typ, what in (("files", dict, "an object"), ("cases", dict, "an object"),
+                           ("experiment", str, "a string"), ("draws_per_case", (dict, int), "an object")):
+        if key in env and env[key] is not None and not isinstance(env[key], typ):
+            raise SpecError(f"run.json: '{key}' must be {what}, not {json_type(env[key])} (corrupted?)",
+                            file=str(path))
+    return env
+
+
+def format_of(envelope: dict, where: str) -> FolderFormat:
+    """The kind an envelope records (by its version key); a run's when it records none (folders written before
+    run.json had a version)."""
+    kinds = [f for f in FORMATS.values() if f.version_key in envelope]
+    if len(kinds) > 1:
+        raise SpecError(f"run.json records more than one kind of folder ({', '.join(f.kind for f in kinds)}; "
+                        "corrupted?)", file=where)
+    return kinds[0] if kinds else FORMATS["run"]
+
+
+def version_of(envelope: dict, fmt: FolderFormat, where: str) -> int:
+    """The format version run.json records (1 where it records none); one line if it is not one we read."""
+    version = envelope.get(fmt.version_key, 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise SpecError(f"run.json: {fmt.version_key} = {version!r} is not a results format version", file=where)
+    if version > fmt.version:
+        raise SpecError(f"written by a newer kl-bench ({fmt.kind} folder format {version}; this one reads up to "
+                        f"{fmt.version}): upgrade kl-bench to read it", file=where)
+    return version
+
+
+def require_folder(path: str | Path) -> Path:
+    """``path`` if it is a folder; else one line saying what it is (absent, a file, a FIFO, a dangling link)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        what = describe(folder)
+        raise SpecError("not a results folder (it does not exist)" if what is None
+                        else f"not a results folder (it is {what})", file=str(folder))
+    return folder
+
+
+def kind_of(path: str | Path) -> str:
+    """A stored folder's kind ("run", "train", "audit"), from its run.json (read, not trusted further)."""
+    folder = require_folder(path)
+    if not os.path.lexists(folder / ENVELOPE):
+        raise SpecError("not a kl-bench folder: run.json is missing (written by `kl-bench run`, `kl-bench "
+                        "train` or the trainer audit)", file=str(folder))
+    return format_of(read_envelope(folder / ENVELOPE), str(folder / ENVELOPE)).kind
+
+
+def check_file_list(files: dict, where: str) -> None:
+    """run.json's ``files``: plain file names, each with a sha256."""
+    for name, digest in files.items():
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise SpecError(f"run.json: 'files' names an invalid file {name!r} (corrupted?)", file=where)
+        if not isinstance(digest, str) or not _SHA.match(digest):
+            raise SpecError(f"run.json: 'files' has no valid sha256 for {name} (got {digest!r})", file=where)
+
+
+def check_recorded(folder: Path, env: dict, present: list[str]) -> None:
+    """Every data file that is there (whatever it is: a FIFO, a link) is recorded in run.json and every
+    recorded one is there, before any is read."""
+    files = env.get("files")
+    if files is None:            # written before run.json recorded hashes: nothing to compare with
+        return
+    check_file_list(files, str(folder / ENVELOPE))
+    for name in present:
+        if name not in files:
+            raise SpecError(f"{name} is not recorded in run.json (left over from another run?)",
+                            file=str(folder / name))
+    for name in files:
+        if not os.path.lexists(folder / name):
+            raise SpecError(f"{name} is missing but run.json records it (incomplete copy?)", file=str(folder))
+
+
+def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
+    """Every recorded file has the sha256 run.json records (``blobs``: bytes already read, filled in)."""
+    files = env.get("files")
+    if files is None:            # written before run.json recorded hashes: nothing to compare with
+        return
+    for name, digest in files.items():
+        p = folder / name
+        data = blobs.get(name)
+        if data is None:
+            data = blobs[name] = read_bytes(p)
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != digest:
+            raise SpecError(f"sha256 mismatch: the file changed after the run wrote it (corrupted, truncated or "
+                            f"edited; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A verified folder: its kind, run.json decoded, the bytes of every data file present."""
+    kind: str
+    path: Path
+    envelope: dict
+    files: dict[str, bytes]
+    version: int
+
+
+def read(path: str | Path, kind: str | None = None) -> Stored:
+    """A stored folder verified (see the module docstring): of ``kind`` if given (another kind is one line
+    saying what the folder is), its required files present, every file against its recorded sha256."""
+    folder = require_folder(path)
+    fmt = FORMATS[kind] if kind else None
+    for name in (ENVELOPE, *(fmt.required if fmt else ())):
+        if not os.path.lexists(folder / name):
+            what = f"written by {fmt.writer}" if fmt else "not a kl-bench folder"
+            raise SpecError(f"incomplete {fmt.kind if fmt else 'results'} folder: {name} is missing ({what})",
+                            file=str(folder))
+    env = read_envelope(folder / ENVELOPE)
+    where = str(folder / ENVELOPE)
+    found = format_of(env, where)
+    if fmt is not None and found.kind != fmt.kind:
+        raise SpecError(f"a {found.kind} folder (written by {found.writer}), not a {fmt.kind} folder", file=str(folder))
+    fmt = found
+    for name in fmt.required:
+        if not os.path.lexists(folder / name):
+            raise SpecError(f"incomplete {fmt.kind} folder: {name} is missing", file=str(folder))
+    present = [n for n in fmt.data_files if os.path.lexists(folder / n)]
+    check_recorded(folder, env, present)
+    blobs = {n: read_bytes(folder / n) for n in present}
+    check_hashes(folder, env, blobs)
+    return Stored(fmt.kind, folder, env, blobs, version_of(env, fmt, where))
+
+
+def check_csv_structure(data: bytes, p: Path) -> list[str]:
+    """The header; every row has as many fields as it, and the file ends with a newline."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"not UTF-8 text at byte {e.start} (corrupted?)", file=str(p)) from None
+    if "\x00" in text:
+        raise SpecError("contains NUL bytes (corrupted?)", file=str(p))
+    if not text.strip():
+        raise SpecError("is empty (truncated?)", file=str(p))
+    if not text.endswith("\n"):
+        raise SpecError("does not end with a newline (truncated?)", file=str(p))
+    rows = csv.reader(io.StringIO(text))
+    try:
+        header = next(rows)
+        for i, row in enumerate(rows, start=2):
+            if len(row) != len(header):
+                raise SpecError(f"line {i} has {len(row)} fields, the header {len(header)} (truncated or corrupted?)",
+                                file=str(p))
+    except csv.Error as e:
+        raise SpecError(f"malformed CSV: {e}", file=str(p)) from None
+    dupes = sorted({c for c in header if header.count(c) > 1})
+    if dupes:
+        raise SpecError(f"duplicate columns {', '.join(dupes)}", file=str(p))
+    return header
+
+
+def read_table(stored: Stored, name: str):
+    """Table ``name`` of a verified train or audit folder as a DataFrame (the one CSV reader), or None where
+    the folder has none: its CSV structure checked, its columns present (an older file's missing columns
+    filled with :data:`TABLE_COLUMNS`' defaults, text "expected_b" meaning: that column's values)."""
+    if name not in stored.files:
+        return None
+    p = stored.path / name
+    header = check_csv_structure(stored.files[name], p)
+    columns, defaults = TABLE_COLUMNS[name]
+    missing = [c for c in columns if c not in header and c not in defaults]
+    if missing:
+        raise SpecError(f"missing columns {', '.join(missing)} (not a kl-bench {name}?)", file=str(p))
+    try:
+        df = read_frame(stored.files[name])
+    except Exception as e:      # noqa: BLE001 - pandas raises many kinds; all mean "cannot parse"
+        raise SpecError(f"cannot parse: {e.__class__.__name__}: {(str(e).splitlines() or [''])[0]}",
+                        file=str(p)) from None
+    for c, value in defaults.items():
+        if c not in df.columns:
+            df[c] = df[value] if value in df.columns else float(value)
+    return df[columns + [c for c in df.columns if c not in columns]]
