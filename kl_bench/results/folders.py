@@ -27,7 +27,8 @@ from typing import Any
 from ..foundation.errors import SpecError
 from ..foundation.safe_io import describe, parse_json, read_regular
 from .frames import read_frame
-from .schema import AUDIT_COLUMNS, AUDIT_DEFAULTS, ENGINE_COLUMNS, FORMAT_VERSION, TRAIN_SCHEMA
+from .schema import (AUDIT_COLUMNS, AUDIT_DEFAULTS, AUDIT_ENVELOPE, ENGINE_COLUMNS, FORMAT_VERSION, RUN_ENVELOPE,
+                     TRAIN_ENVELOPE, TRAIN_SCHEMA)
 
 ENVELOPE = "run.json"
 _SHA = re.compile(r"^[0-9a-f]{64}$")
@@ -43,6 +44,7 @@ class FolderFormat:
     arrays: tuple[str, ...]         # numeric .npz data files
     required: tuple[str, ...]       # data files every folder of the kind has
     writer: str                     # what writes it, for messages
+    envelope: dict[str, str]        # run.json's fields → meaning (kl_bench.results.schema)
 
     @property
     def data_files(self) -> tuple[str, ...]:
@@ -52,12 +54,12 @@ class FolderFormat:
 FORMATS: dict[str, FolderFormat] = {f.kind: f for f in (
     FolderFormat("run", "kl_bench_run", FORMAT_VERSION,
                  ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv"),
-                 ("reservoir.npz", "gradients.npz"), ("summary.csv",), "kl-bench run"),
+                 ("reservoir.npz", "gradients.npz"), ("summary.csv",), "kl-bench run", RUN_ENVELOPE),
     # train: version 1 is the only one so far (train.csv: kl_bench.results.schema.TRAIN_SCHEMA)
-    FolderFormat("train", "kl_bench_train", 1, ("train.csv",), (), ("train.csv",), "kl-bench train"),
+    FolderFormat("train", "kl_bench_train", 1, ("train.csv",), (), ("train.csv",), "kl-bench train", TRAIN_ENVELOPE),
     # audit: version 1 (audit.csv written before a column existed reads it as kl_bench.audit.step.AUDIT_DEFAULTS)
     FolderFormat("audit", "kl_bench_audit", 1, ("audit.csv", "engine.csv"), (), ("audit.csv",),
-                 "the trainer audit (KLAudit, kl-bench audit)"),
+                 "the trainer audit (KLAudit, kl-bench audit)", AUDIT_ENVELOPE),
 )}
 # The columns a train or audit table must have, and the values of columns an older file lacks (kl_bench.results.
 # verify checks a run's tables, column by column).
@@ -227,6 +229,10 @@ def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
                             f"edited; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
 
 
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
 @dataclass(frozen=True)
 class Stored:
     """A verified folder: its kind, run.json decoded, the bytes of every data file present."""
@@ -241,18 +247,14 @@ def read(path: str | Path, kind: str | None = None) -> Stored:
     """A stored folder verified (see the module docstring): of ``kind`` if given (another kind is one line
     saying what the folder is), its required files present, every file against its recorded sha256."""
     folder = require_folder(path)
-    fmt = FORMATS[kind] if kind else None
-    for name in (ENVELOPE, *(fmt.required if fmt else ())):
-        if not os.path.lexists(folder / name):
-            what = f"written by {fmt.writer}" if fmt else "not a kl-bench folder"
-            raise SpecError(f"incomplete {fmt.kind if fmt else 'results'} folder: {name} is missing ({what})",
-                            file=str(folder))
+    if not os.path.lexists(folder / ENVELOPE):
+        want = f"{_a(kind)} folder, written by {FORMATS[kind].writer}" if kind else "a kl-bench folder"
+        raise SpecError(f"not {want}: run.json is missing", file=str(folder))
     env = read_envelope(folder / ENVELOPE)
     where = str(folder / ENVELOPE)
-    found = format_of(env, where)
-    if fmt is not None and found.kind != fmt.kind:
-        raise SpecError(f"a {found.kind} folder (written by {found.writer}), not a {fmt.kind} folder", file=str(folder))
-    fmt = found
+    fmt = format_of(env, where)
+    if kind is not None and fmt.kind != kind:
+        raise SpecError(f"{_a(fmt.kind)} folder (written by {fmt.writer}), not {_a(kind)} folder", file=str(folder))
     for name in fmt.required:
         if not os.path.lexists(folder / name):
             raise SpecError(f"incomplete {fmt.kind} folder: {name} is missing", file=str(folder))

@@ -285,3 +285,48 @@ ENGINE_COLUMNS: dict[str, str] = {
 # Columns of older audit.csv files than today's, with what they stand for there: a number, or another column's
 # values (expected_g: the sampler's expectation expected_b, where the sampling pass was not captured).
 AUDIT_DEFAULTS: dict[str, str] = {"bias_mismatch": "0.0", "sampling_pass": "0", "expected_g": "expected_b"}
+
+
+# ----------------------------------------------------------------------------- run.json (every kind)
+# The envelope's fields: key → meaning. kl_bench.results.folders writes "files" and the kind's version key;
+# the writers give the rest (tests/test_folders.py checks that each writes only fields described here).
+COMMON_ENVELOPE: dict[str, str] = {
+    "created": "when the folder was written: UTC, ISO 8601, to the second",
+    "files": "data file name → its sha256 (hex): every data file, checked on every read",
+}
+SPEC_ENVELOPE: dict[str, str] = {
+    "spec_path": "the spec file as given (or '<dict>' for a spec given as a dict)",
+    "spec_sha256": "sha256 of the spec's canonical form: what a baseline and a checkpoint are matched by",
+    "spec_text": "the spec's text, verbatim",
+    "experiment": "[experiment] name", "seed": "the run's seed (after --seed)",
+    "device": "the device the draws were made on (cpu, cuda, cuda:N)", "device_name": "that device's name",
+    "versions": "python, kl-bench, torch, numpy, scipy, pandas versions",
+    "git_commit": "kl-bench's git commit when run from a checkout, else null",
+    "wall_seconds": "wall time of the whole run, s", "world_size": "processes that drew the draws (torchrun)",
+}
+RUN_ENVELOPE: dict[str, str] = {
+    "kl_bench_run": "the results format version (FORMAT_VERSION)", **COMMON_ENVELOPE, **SPEC_ENVELOPE,
+    "draws_per_case": "case → draws (after --draws)", "batches": "batches per case (batch means behind each SE)",
+    "resumed": "whether the run continued from a checkpoint (--resume)",
+    "rank_batches": "per case and pass, the [lo, hi) batch ranges each rank drew",
+    "sampling_seconds": "this process's sampling time, s (restored draws took none)",
+    "draws_per_second": "this process's draws / sampling_seconds", "restored_draws": "draws restored from a checkpoint",
+    "cases": "case → its kind's metadata (description, sizes, sampler) and its sampling seconds",
+}
+TRAIN_ENVELOPE: dict[str, str] = {
+    "kl_bench_train": "the training folder's format version", **COMMON_ENVELOPE, **SPEC_ENVELOPE,
+    "train": "[train]: optimizer, lr, steps, beta, gradients, draws per step, seeds, reward (kind, function), "
+             "combinations",
+}
+AUDIT_ENVELOPE: dict[str, str] = {
+    "kl_bench_audit": "the audit folder's format version", **COMMON_ENVELOPE,
+    "columns": "audit.csv's columns with their meanings (AUDIT_COLUMNS)",
+    "engine_columns": "engine.csv's columns with their meanings, when the folder has one (ENGINE_COLUMNS)",
+    "pooled": "per source (KL term): steps, mean bias, its SE, pooled z, consistency z, impossible tokens",
+    # the TRL callback's settings (kl_bench.integrations.trl.KLAudit)
+    "trainer": "the trainer's class name", "trl": "TRL's version", "sampler": "the generation sampler audited",
+    "every": "audited every N optimizer steps", "max_rows": "sequences audited per step and process",
+    "steps_saved": "whether steps were saved for `kl-bench audit` (save_steps)",
+    # kl-bench audit DIR
+    "source_folder": "the folder of saved steps that was audited",
+}
