@@ -66,8 +66,8 @@ def test_every_envelope_field_is_described_in_the_schema(made, kind):
     env = json.loads((made / kind / "run.json").read_text())
     described = folders.FORMATS[kind].envelope
     assert set(env) <= set(described), sorted(set(env) - set(described))
-    if kind != "audit":
-        assert set(env) == set(described), sorted(set(described) - set(env))
+    if kind != "audit":                   # all but "dropped", which only a slimmed copy has (folders.drop)
+        assert set(described) - set(env) == {"dropped"}, sorted(set(described) - set(env))
 
 
 def test_the_trl_callbacks_settings_are_described():
@@ -168,3 +168,28 @@ def test_an_older_audit_csv_reads_with_its_defaults(made, tmp_path):
     (folder / "run.json").write_text(json.dumps(env))
     _, steps = read_audit_folder(folder)
     assert [s.sampling_pass for s in steps] == [0, 0, 0] and all(s.expected_g == s.expected_b for s in steps)
+
+
+def test_a_copy_may_leave_out_the_reservoir_and_says_so(made, tmp_path):
+    """folders.drop: the committed results/ keep no per-draw reservoir. The folder still verifies and reports
+    (without the ECDF figures); run.json keeps the dropped file's sha256, so a file put back is checked."""
+    import kl_bench
+    folder = _copy(made, "run", tmp_path)
+    reservoir = (folder / "reservoir.npz").read_bytes()
+    folders.drop(folder, ["reservoir.npz"])
+    env = json.loads((folder / "run.json").read_text())
+    assert "reservoir.npz" not in env["files"] and env["dropped"]["reservoir.npz"] and not (folder / "reservoir.npz").exists()
+    res = kl_bench.load_results(folder)
+    assert len(res.summary) == 2
+    figures = {p.name for p in (res.report(tmp_path / "rep") / "figures").glob("*.png")}
+    assert figures and not [f for f in figures if f.startswith("distribution")]
+    (folder / "reservoir.npz").write_bytes(reservoir)                  # put back: verified, read
+    assert kl_bench.load_results(folder).summary.equals(res.summary)
+    (folder / "reservoir.npz").write_bytes(reservoir[:-1] + bytes([reservoir[-1] ^ 1]))
+    with pytest.raises(SpecError, match="sha256 mismatch"):
+        kl_bench.load_results(folder)
+    (folder / "reservoir.npz").write_bytes(reservoir)
+    with pytest.raises(SpecError, match="summary.csv: a run folder may leave out only reservoir.npz"):
+        folders.drop(folder, ["summary.csv"])
+    with pytest.raises(SpecError, match="a train folder may leave out no file"):
+        folders.drop(_copy(made, "train", tmp_path), ["train.csv"])

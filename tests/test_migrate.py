@@ -75,3 +75,20 @@ def test_a_newer_or_unknown_format_is_one_line(tmp_path, version, needle):
     with pytest.raises(SpecError, match=needle) as e:
         read_results_folder(folder)
     assert "\n" not in str(e.value)
+
+
+def test_a_new_summary_column_is_one_schema_entry(tmp_path):
+    """Adding a summary column is one entry in kl_bench.results.schema.SCHEMA (its value computed in
+    kl_bench.experiment.rows): a folder of today's version written before the column existed reads with it
+    empty, in the schema's order, and reports (a fresh process, the schema extended before anything reads it)."""
+    import subprocess
+    import sys
+    code = ("import kl_bench.results.schema as s\n"
+            "s.SCHEMA['abs_z'] = '|z|'; s.COLUMNS.append('abs_z')\n"
+            "import kl_bench\n"
+            f"r = kl_bench.load_results({str(ROOT / 'results' / 'schulman')!r})\n"
+            "print(list(r.summary.columns)[-1], bool(r.summary['abs_z'].isna().all()))\n"
+            f"print(r.report({str(tmp_path / 'rep')!r}).name)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["abs_z", "True", "rep"]

@@ -1,6 +1,6 @@
 """A new case kind is one module: a toy two-point kind, registered from this file alone, runs end to end
 (summary, exact, check with a baseline, gradients) with nothing else in the package touched. It implements
-the protocols of kl_bench.kinds.base: CaseParser, Oracle and Sampler on Pair's defaults, and (the optional)
+the protocols of kl_bench.kinds.base: CaseParser, Oracle and DrawSampler on Pair's defaults, and (the optional)
 GradientOracle through ScoreSampler and ScoreGradientOracle's default accumulator.
 
 q = Bernoulli(q1), p = Bernoulli(p1) over x ∈ {0, 1}; θ = logit(q1), so ∇θ log q(x) = x − q1.
@@ -22,7 +22,7 @@ from kl_bench.engine.monte_carlo import run_gradients
 from kl_bench.foundation.errors import SpecError
 from kl_bench.core.modes import ExactGrad
 from kl_bench.kinds import CASE_KINDS, CaseConfig, Pair, register_kind
-from kl_bench.kinds.base import (CaseParser, GradientOracle, JointMoments, Oracle, Sampler, ScoreGradientOracle,
+from kl_bench.kinds.base import (CaseParser, GradientOracle, JointMoments, Oracle, DrawSampler, ScoreGradientOracle,
                                   ScoreSampler, gradient_oracle)
 from kl_bench.results import read_frame
 from kl_bench.core.targets import FORWARD, REVERSE
@@ -112,7 +112,7 @@ class TwoPointGradientPair(ScoreGradientOracle, TwoPointPair):
 def test_the_toy_kinds_implement_the_protocols_they_claim():
     plain, grad = TwoPointPair("a", 0.3, 0.45), TwoPointGradientPair("b", 0.3, 0.45)
     for cls in (TwoPointPair, TwoPointGradientPair):
-        assert isinstance(cls, CaseParser) and issubclass(cls, Oracle) and issubclass(cls, Sampler)
+        assert isinstance(cls, CaseParser) and issubclass(cls, Oracle) and issubclass(cls, DrawSampler)
     assert gradient_oracle(plain) is None and not isinstance(plain, (GradientOracle, ScoreSampler))
     assert gradient_oracle(grad) is grad and isinstance(grad, ScoreSampler)
     # the engine asks the protocol: a kind without it is refused in one line, not an AttributeError

@@ -25,7 +25,7 @@ import pandas as pd
 from scipy import special
 
 from ..core.draws import row_label
-from ..results.baseline import row_key
+from ..results.baseline import baseline_key
 from ..core.stats import HeavyTail, unknown_reason, z_score
 
 # Heavy-tail findings that come from the exact oracle (HeavyTail.exact): the measured spread (and its SE)
@@ -118,10 +118,10 @@ def exact_comparisons(df: pd.DataFrame) -> list[Comparison]:
 
 def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[list[Comparison], list[str]]:
     """Two-sample comparisons with a baseline; also returns notes on rows found on one side only."""
-    base = {row_key(r): r for r in baseline["rows"]}
+    base = {baseline_key(r): r for r in baseline["rows"]}
     out, seen, notes = [], set(), []
     for _, r in df.iterrows():
-        key = row_key(r)
+        key = baseline_key(r)
         b = base.get(key)
         if b is None:
             notes.append(f"{row_name(r)}: not in the baseline")

@@ -5,7 +5,7 @@ class implements:
 
 - :class:`CaseParser` (required): its config dataclass from the case's TOML table, and the pair from it;
 - :class:`Oracle` (required): the exact value of each target, the exact moments of every row, a caption;
-- :class:`Sampler` (required): draws x ~ q (or b) and their per-batch feature sums;
+- :class:`DrawSampler` (required): draws x ~ q (or b) and their per-batch feature sums;
 - :class:`GradientOracle` (optional): exact gradients and a per-draw gradient accumulator, with the defaults
   of :class:`GradientDefaults`. A kind with a few parameters implements :class:`ScoreSampler` and takes
   :class:`ScoreGradientOracle`'s accumulator;
@@ -149,7 +149,7 @@ class Oracle(Protocol):
 
 
 @runtime_checkable
-class Sampler(Protocol):
+class DrawSampler(Protocol):
     """Draws x ~ q (or a behaviour b ≠ q), seeded by the engine's streams."""
 
     def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
@@ -278,10 +278,10 @@ def gradient_oracle(pair: Any) -> GradientOracle | None:
 
 
 @runtime_checkable
-class CasePair(Oracle, Sampler, Protocol):
+class CasePair(Oracle, DrawSampler, Protocol):
     """What the engine, the experiment and the results ask of a case's pair (:class:`Pair` holds the
     defaults): its name and kind, the rows it has, its truth (:class:`Oracle` and the analyses' hooks), its
-    draws (:class:`Sampler`) and what its sampler is."""
+    draws (:class:`DrawSampler`) and what its sampler is."""
     name: str
     kind: str
     aggregates: tuple[str, ...]        # rollouts: ("seq", "tok"): the aggregates of the λ curve
@@ -476,7 +476,7 @@ class Pair(ABC):
     @abstractmethod
     def sample_draws(self, n: int, generator: torch.Generator, device: torch.device,
                      tok_rows: list[Row] = ()) -> Draws:
-        """See :meth:`Sampler.sample_draws`."""
+        """See :meth:`DrawSampler.sample_draws`."""
 
 
 
@@ -603,9 +603,20 @@ def register_kind(name: str, *, description: str, sampler_keys: tuple[str, ...] 
     """Class decorator: register a :class:`Pair` subclass as case kind ``name``.
 
     The class implements :class:`CaseParser` (its config dataclass subclasses :class:`CaseConfig`),
-    :class:`Oracle` and :class:`Sampler`, and :class:`GradientOracle` where it has gradients."""
+    :class:`Oracle` and :class:`DrawSampler`, and :class:`GradientOracle` where it has gradients."""
     def deco(cls: type[Pair]) -> type[Pair]:
         cls.kind = name
         CASE_KINDS.add(name, CaseKind(name, cls, description, tuple(sampler_keys), tuple(weight_kinds)))
         return cls
     return deco
+
+
+def __getattr__(name: str):
+    """``Sampler``, the protocol's name before the package tree (issue 34: three "Sampler"s meant three
+    things), for one release, with a DeprecationWarning."""
+    if name == "Sampler":
+        import warnings
+        warnings.warn("kl_bench.kinds.base.Sampler is now DrawSampler; the old name stops working in kl-bench 0.3",
+                      DeprecationWarning, stacklevel=2)
+        return DrawSampler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

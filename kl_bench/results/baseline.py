@@ -27,7 +27,7 @@ _LATER_FIELDS = ("batches",)
 
 
 
-def row_key(r) -> tuple:
+def baseline_key(r) -> tuple:
     """Rows match across runs by case, estimator, aggregate and λ; cv_opt's λ is fitted, so not by λ."""
     lam = r["lambda"]
     if r["estimator"] == CV_OPT or lam is None or (isinstance(lam, float) and math.isnan(lam)):
@@ -110,7 +110,7 @@ def normalize_baseline(data: Any, where: str = "baseline") -> dict[str, Any]:
         _check_row_numbers(name, r, where)
         r["aggregate"] = r["aggregate"] or ""
         r["heavy_tail"] = r["heavy_tail"] or ""
-        key = row_key(r)
+        key = baseline_key(r)
         if key in seen:
             raise SpecError(f"{name} repeats row {seen[key]} (same case, estimator, aggregate and λ)", file=where)
         seen[key] = i + 1

@@ -45,6 +45,7 @@ class FolderFormat:
     required: tuple[str, ...]       # data files every folder of the kind has
     writer: str                     # what writes it, for messages
     envelope: dict[str, str]        # run.json's fields → meaning (kl_bench.results.schema)
+    droppable: tuple[str, ...] = ()  # data files a copy may leave out (:func:`drop`): nothing else reads them
 
     @property
     def data_files(self) -> tuple[str, ...]:
@@ -54,7 +55,9 @@ class FolderFormat:
 FORMATS: dict[str, FolderFormat] = {f.kind: f for f in (
     FolderFormat("run", "kl_bench_run", FORMAT_VERSION,
                  ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv"),
-                 ("reservoir.npz", "gradients.npz"), ("summary.csv",), "kl-bench run", RUN_ENVELOPE),
+                 ("reservoir.npz", "gradients.npz"), ("summary.csv",), "kl-bench run", RUN_ENVELOPE,
+                 # the per-draw reservoir: only the report's ECDF figures read it (they are skipped without it)
+                 droppable=("reservoir.npz",)),
     # train: version 1 is the only one so far (train.csv: kl_bench.results.schema.TRAIN_SCHEMA)
     FolderFormat("train", "kl_bench_train", 1, ("train.csv",), (), ("train.csv",), "kl-bench train", TRAIN_ENVELOPE),
     # audit: version 1 (audit.csv written before a column existed reads it as kl_bench.audit.step.AUDIT_DEFAULTS)
@@ -199,13 +202,18 @@ def check_file_list(files: dict, where: str) -> None:
 
 def check_recorded(folder: Path, env: dict, present: list[str]) -> None:
     """Every data file that is there (whatever it is: a FIFO, a link) is recorded in run.json and every
-    recorded one is there, before any is read."""
+    recorded one is there, before any is read; a file recorded as dropped (:func:`drop`) may be absent."""
     files = env.get("files")
     if files is None:            # written before run.json recorded hashes: nothing to compare with
         return
     check_file_list(files, str(folder / ENVELOPE))
+    dropped = env.get("dropped") or {}
+    if not isinstance(dropped, dict):
+        raise SpecError(f"run.json: 'dropped' must be an object, not {json_type(dropped)} (corrupted?)",
+                        file=str(folder / ENVELOPE))
+    check_file_list(dropped, str(folder / ENVELOPE))
     for name in present:
-        if name not in files:
+        if name not in files and name not in dropped:
             raise SpecError(f"{name} is not recorded in run.json (left over from another run?)",
                             file=str(folder / name))
     for name in files:
@@ -214,11 +222,13 @@ def check_recorded(folder: Path, env: dict, present: list[str]) -> None:
 
 
 def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
-    """Every recorded file has the sha256 run.json records (``blobs``: bytes already read, filled in)."""
+    """Every recorded file has the sha256 run.json records (``blobs``: bytes already read, filled in); a dropped
+    file that was put back too."""
     files = env.get("files")
     if files is None:            # written before run.json recorded hashes: nothing to compare with
         return
-    for name, digest in files.items():
+    back = {n: d for n, d in (env.get("dropped") or {}).items() if n in blobs}
+    for name, digest in {**back, **files}.items():
         p = folder / name
         data = blobs.get(name)
         if data is None:
@@ -227,6 +237,31 @@ def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
         if actual != digest:
             raise SpecError(f"sha256 mismatch: the file changed after the run wrote it (corrupted, truncated or "
                             f"edited; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
+
+
+def drop(path: str | Path, names: list[str]) -> Path:
+    """Leave data files out of a stored folder (the committed results/ keep summaries, figures and the tables a
+    report reads, not per-draw reservoirs): the folder is verified first, each file's entry moves from run.json's
+    ``files`` to ``dropped`` (name → sha256: a file put back is verified again), run.json is rewritten
+    atomically, then the files are removed. Only a kind's :attr:`FolderFormat.droppable` files."""
+    from ..foundation.storage import atomic_write_bytes
+    stored = read(path)
+    fmt = FORMATS[stored.kind]
+    bad = [n for n in names if n not in fmt.droppable]
+    if bad:
+        raise SpecError(f"{', '.join(bad)}: a {fmt.kind} folder may leave out "
+                        + (f"only {', '.join(fmt.droppable)}" if fmt.droppable else "no file"),
+                        file=str(stored.path))
+    env = dict(stored.envelope)
+    files, dropped = dict(env["files"]), dict(env.get("dropped") or {})
+    for n in names:
+        if n in files:
+            dropped[n] = files.pop(n)
+    env["files"], env["dropped"] = files, dropped
+    atomic_write_bytes(stored.path / ENVELOPE, envelope_bytes(env))
+    for n in names:
+        (stored.path / n).unlink(missing_ok=True)
+    return stored.path
 
 
 def _a(kind: str) -> str:

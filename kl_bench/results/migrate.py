@@ -17,8 +17,10 @@ from .schema import COLUMNS, FORMAT_VERSION, TEXT_COLUMNS
 RUN = FORMATS["run"]          # a run's folder (kl_bench.results.folders); train and audit folders have one version
 
 
-def _from_1(contents: Any) -> Any:
-    """1 → 2: summary columns added by later versions, empty in older results (text "" and numbers NaN)."""
+def with_every_column(contents: Any) -> Any:
+    """Every summary column of SCHEMA, in its order: those a folder lacks (added since it was written) empty
+    (text "" and numbers NaN). Applied to every folder read, whatever its version, so that a new column is one
+    entry in SCHEMA (and its value in kl_bench.experiment.rows): no version step, no migration to write."""
     summary = contents.summary.copy()
     for c in COLUMNS:
         if c not in summary.columns:
@@ -34,7 +36,7 @@ def _from_2(contents: Any) -> Any:
     log's own mean, which version 2's z_ref already used), else the measured one; ref_diff_se follows from
     version 2's z_ref = ref_diff / ref_diff_se where z_ref is finite and not 0 (empty elsewhere). ess stays
     empty: version 2 did not keep the weights' sums."""
-    summary = _from_1(contents).summary.copy()
+    summary = with_every_column(contents).summary.copy()
     ref = summary["ref_kl"].astype(float)
     best = summary["exact_mean"].where(np.isfinite(summary["exact_mean"].astype(float)), summary["mean"]).astype(float)
     diff = (best - ref).where(summary["z_ref"].notna())
@@ -48,7 +50,7 @@ def _from_2(contents: Any) -> Any:
 
 
 # MIGRATIONS[v] turns a folder of version v into one of version v + 1.
-MIGRATIONS: dict[int, Callable[[Any], Any]] = {1: _from_1, 2: _from_2}
+MIGRATIONS: dict[int, Callable[[Any], Any]] = {1: with_every_column, 2: _from_2}
 
 
 def migrate(contents: Any, where: str) -> Any:
@@ -59,4 +61,4 @@ def migrate(contents: Any, where: str) -> Any:
     if version != FORMAT_VERSION:
         contents = dataclasses.replace(contents, envelope={**contents.envelope, RUN.version_key: FORMAT_VERSION,
                                                            "migrated_from": version})
-    return contents
+    return with_every_column(contents)

@@ -293,6 +293,8 @@ AUDIT_DEFAULTS: dict[str, str] = {"bias_mismatch": "0.0", "sampling_pass": "0", 
 COMMON_ENVELOPE: dict[str, str] = {
     "created": "when the folder was written: UTC, ISO 8601, to the second",
     "files": "data file name → its sha256 (hex): every data file, checked on every read",
+    "dropped": "data files left out of this copy (name → sha256, checked if one is put back): the committed "
+               "results/ keep no per-draw reservoir (reservoir.npz); a report of the folder skips its ECDF figures",
 }
 SPEC_ENVELOPE: dict[str, str] = {
     "spec_path": "the spec file as given (or '<dict>' for a spec given as a dict)",

@@ -120,7 +120,7 @@ def paths(model: RolloutModel, n: int, generator: torch.Generator, device: torch
 
 
 def batch_sums(model: RolloutModel, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
-    """Per-batch sums of the per-draw features (kl_bench.kinds.base.Sampler.batch_sums), each batch drawn
+    """Per-batch sums of the per-draw features (kl_bench.kinds.base.DrawSampler.batch_sums), each batch drawn
     piece by piece from its own stream."""
     piece = piece_draws(device)
 
