@@ -29,7 +29,8 @@ def test_benchmark_smoke_runs(path):
 def test_gpu_script_smoke_runs():
     """benchmarks/gpu.sh --smoke: the GPU table's driver, on the CPU with tiny sizes (here two of its paths;
     test_benchmark_smoke_runs runs bench_gpu.py --smoke whole)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "PYTHON": sys.executable}          # this interpreter (a plain `python3` on PATH may lack torch)
     res = subprocess.run(["bash", "benchmarks/gpu.sh", "--smoke", "--paths", "tokens", "rollouts"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout[-1500:], res.stderr[-1500:])

@@ -481,6 +481,10 @@ def report_files(dirs: list[Path], *, formats=None, progress=None, batch: int = 
     folder's (audit.csv) or results folders' (:func:`build_report`). ``formats``: the figure files
     (default :data:`FIGURE_FORMATS`; PNG always, the pages show it); ``progress``: told of each figure;
     ``batch``, ``tolerance``: the advice's (kl_bench.analysis.advice)."""
+    # Every report draws figures: matplotlib's shared objects are mapped before the first table is read,
+    # whose CSV reader reserves ~1 GB of address space (pandas with pyarrow) that a `ulimit -v` then lacks
+    # for them (tests/test_hardening_io.py: reports under a 3 GB address space).
+    from . import plots  # noqa: F401
     formats = formats or FIGURE_FORMATS
     kinds = [folders.kind_of(d) for d in dirs]          # what run.json says each folder is
     if kinds == ["run"] * len(dirs):
