@@ -205,6 +205,15 @@ def audit_lines(a, dev: torch.device) -> list[Line]:
     for name in ("stream_kl", "stream_values trl.grpo, b = q (callback)"):
         r, s, peak = rate(lambda: m[name](*layer), n, dev)
         out.append(Line(f"audit {name.split(' (')[0]}", f"{n} × {v:,}", "positions/s", r, limit, base, peak, s))
+    # Issue 32: on an H100 the defaults (chunk 256, tile 4,096: the CPU's) left stream_values dispatch-bound
+    # (32 forwards, 8,827 launches per 1,024 positions). Larger pieces mean fewer launches and more memory
+    # (chunk × tile elements a buffer): each setting of --audit-pieces measured here, beside the default.
+    for chunk, tile in a.audit_pieces:
+        values = audit._values(("trl.grpo",), audit.Sampler(), tile, chunk=chunk)
+        values(*layer)                                      # warm-up
+        r, s, peak = rate(lambda: values(*layer), n, dev)
+        out.append(Line(f"audit stream_values chunk {chunk} tile {tile}", f"{n} × {v:,}", "positions/s", r, limit,
+                        base, peak, s))
     return out
 
 
@@ -278,6 +287,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--dim", type=int, default=896)
     ap.add_argument("--tile", type=int, default=4096)
+    ap.add_argument("--audit-pieces", type=lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",")],
+                    default=[(1024, 8192), (4096, 16384), (4096, 32768)],
+                    help="stream_values' chunk x tile settings timed beside the default (e.g. 1024x8192,4096x16384)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--profile", nargs="*", choices=list(PATHS), default=None,
                     help="then these paths' pipelines (none named: every path run) under torch's profiler")
@@ -286,7 +298,7 @@ def main() -> None:
     if a.smoke:
         a.device, a.token_draws, a.count_draws, a.limit_draws, a.baseline_draws = "cpu", [20_000], 200_000, 20_000, 20_000
         a.rollouts, a.rollout_batch, a.length, a.buckets, a.gradient_rollouts = 400, 200, 8, 4, 400
-        a.positions, a.vocab, a.dim, a.tile = 8, 1000, 16, 256
+        a.positions, a.vocab, a.dim, a.tile, a.audit_pieces = 8, 1000, 16, 256, [(4, 512)]
         grads.V, grads.C, grads.T = 1000, 4, 8          # bench_gradients' rollout, shrunk
     if a.threads:
         torch.set_num_threads(a.threads)

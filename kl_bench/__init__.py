@@ -15,6 +15,7 @@ Names are loaded on first use (PEP 562), so that importing the package is instan
 can install its signal handlers before torch loads.
 """
 from ._moved import install as _install_moved
+from .foundation.lazy import lazy_names
 from .foundation.version import __version__  # noqa: F401  (in __all__)
 
 _install_moved()     # old import paths (kl_bench.estimators, ...) resolve for one release, with a warning
@@ -35,14 +36,4 @@ _EXPORTS = {
 __all__ = sorted(["__version__", *_EXPORTS])
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kl_bench' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

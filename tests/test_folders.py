@@ -189,7 +189,7 @@ def test_a_copy_may_leave_out_the_reservoir_and_says_so(made, tmp_path):
     with pytest.raises(SpecError, match="sha256 mismatch"):
         kl_bench.load_results(folder)
     (folder / "reservoir.npz").write_bytes(reservoir)
-    with pytest.raises(SpecError, match="summary.csv: a run folder may leave out only reservoir.npz"):
+    with pytest.raises(SpecError, match="summary.csv: a run folder may leave out only reservoir.npz, gradients.npz"):
         folders.drop(folder, ["summary.csv"])
     with pytest.raises(SpecError, match="a train folder may leave out no file"):
         folders.drop(_copy(made, "train", tmp_path), ["train.csv"])

@@ -32,9 +32,10 @@ def test_every_version_has_its_migration():
 
 
 def test_a_folder_written_before_the_format_was_versioned_loads_with_the_same_numbers(tmp_path):
-    """results/schulman was written by the code before this format (kl_bench_run = 1)."""
+    """tests/data/schulman-v1: results/schulman as the code before this format wrote it (kl_bench_run = 1;
+    its reservoir left out of this copy, run.json recording it under "dropped")."""
     folder = tmp_path / "old"
-    shutil.copytree(ROOT / "results" / "schulman", folder)
+    shutil.copytree(ROOT / "tests" / "data" / "schulman-v1", folder)
     assert json.loads((folder / "run.json").read_text())["kl_bench_run"] == 1
     got = read_results_folder(folder)
     assert got.envelope["kl_bench_run"] == FORMAT_VERSION and got.envelope["migrated_from"] == 1

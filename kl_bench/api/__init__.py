@@ -13,7 +13,7 @@ case kind and the command line starts before torch):
 """
 from __future__ import annotations
 
-import importlib
+from ..foundation.lazy import lazy_names
 
 _EXPORTS = {
     "load": "preparation", "prepare": "preparation", "resolve_device": "preparation", "Prepared": "preparation",
@@ -24,13 +24,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kl_bench.api' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS)

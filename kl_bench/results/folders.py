@@ -56,8 +56,9 @@ FORMATS: dict[str, FolderFormat] = {f.kind: f for f in (
     FolderFormat("run", "kl_bench_run", FORMAT_VERSION,
                  ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv"),
                  ("reservoir.npz", "gradients.npz"), ("summary.csv",), "kl-bench run", RUN_ENVELOPE,
-                 # the per-draw reservoir: only the report's ECDF figures read it (they are skipped without it)
-                 droppable=("reservoir.npz",)),
+                 # the per-draw reservoir (only the report's ECDF figures read it: skipped without it) and the
+                 # exact gradient vectors (the report does not read them; the Python API, when they are there)
+                 droppable=("reservoir.npz", "gradients.npz")),
     # train: version 1 is the only one so far (train.csv: kl_bench.results.schema.TRAIN_SCHEMA)
     FolderFormat("train", "kl_bench_train", 1, ("train.csv",), (), ("train.csv",), "kl-bench train", TRAIN_ENVELOPE),
     # audit: version 1 (audit.csv written before a column existed reads it as kl_bench.audit.step.AUDIT_DEFAULTS)
