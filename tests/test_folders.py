@@ -193,3 +193,10 @@ def test_a_copy_may_leave_out_the_reservoir_and_says_so(made, tmp_path):
         folders.drop(folder, ["summary.csv"])
     with pytest.raises(SpecError, match="a train folder may leave out no file"):
         folders.drop(_copy(made, "train", tmp_path), ["train.csv"])
+
+
+def test_every_stored_file_has_a_size_cap():
+    """Each data file of each kind is read up to a cap of its own (kl_bench.foundation.safe_io.CAPS), not the
+    half of memory an unnamed file gets."""
+    from kl_bench.foundation.safe_io import CAPS
+    assert not [n for n in (*folders.DATA_FILES, folders.ENVELOPE) if n not in CAPS]

@@ -48,6 +48,9 @@ CAPS: dict[str, int] = {
     "lambda_sweep.csv": 256 * MiB,
     "gradients.csv": 256 * MiB,
     "group_baselines.csv": 256 * MiB,
+    "train.csv": 256 * MiB,      # one row per recorded step, combination and case
+    "audit.csv": 256 * MiB,      # one row per audited step and KL term
+    "engine.csv": 256 * MiB,
     "batches.csv": 2 * GiB,      # one row per batch (≤ 2^20) and case
     "reservoir.npz": 2 * GiB,
     "gradients.npz": 2 * GiB,    # float64 vectors of B·V parameters per gradient row

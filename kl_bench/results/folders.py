@@ -61,7 +61,7 @@ FORMATS: dict[str, FolderFormat] = {f.kind: f for f in (
                  droppable=("reservoir.npz", "gradients.npz")),
     # train: version 1 is the only one so far (train.csv: kl_bench.results.schema.TRAIN_SCHEMA)
     FolderFormat("train", "kl_bench_train", 1, ("train.csv",), (), ("train.csv",), "kl-bench train", TRAIN_ENVELOPE),
-    # audit: version 1 (audit.csv written before a column existed reads it as kl_bench.audit.step.AUDIT_DEFAULTS)
+    # audit: version 1 (audit.csv written before a column existed reads it with schema.AUDIT_DEFAULTS)
     FolderFormat("audit", "kl_bench_audit", 1, ("audit.csv", "engine.csv"), (), ("audit.csv",),
                  "the trainer audit (KLAudit, kl-bench audit)", AUDIT_ENVELOPE),
 )}
