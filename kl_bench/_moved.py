@@ -12,6 +12,7 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+from typing import Any, Callable
 
 REMOVED_IN = "0.3"
 MOVED = {        # old module (or package prefix) → where it lives now
@@ -66,10 +67,14 @@ class _Alias(importlib.abc.Loader):
         self.new = new
 
     def create_module(self, spec):
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
 
-    def exec_module(self, module) -> None:     # the new module is already executed
-        pass
+    def exec_module(self, module) -> None:
+        # Executed already; the import system has just set its __spec__ to the old name's: put its own back
+        # (importlib.reload and importlib.resources read it).
+        module.__spec__ = self.spec
 
 
 class MovedFinder(importlib.abc.MetaPathFinder):
@@ -102,4 +107,17 @@ def forward(package: str, module: str):
         _warn(f"{package}.{name}", f"{module}.{name}")
         setattr(sys.modules[package], name, value)                # warned once
         return value
+    return __getattr__
+
+
+def renamed(module: str, names: dict[str, tuple[str, Callable[[], Any]]]):
+    """A module ``__getattr__`` for ``module``'s names that were renamed or moved by the package tree: old name →
+    (the new one, in words; a function giving its value). Each resolves, with a DeprecationWarning, for one
+    release."""
+    def __getattr__(name: str):
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        new, value = names[name]
+        _warn(f"{module}.{name}", new)
+        return value()
     return __getattr__

@@ -173,7 +173,7 @@ def test_resume_after_sigkill_is_identical_to_an_uninterrupted_run(write_spec, t
     # A checkpoint from another seed is refused clearly, and the refusal leaves it as it was.
     checkpoint = (tmp_path / "cut" / ".checkpoint.npz").read_bytes()
     rc, err = _finish(_cli("run", spec, "--out", tmp_path / "cut", "--quiet", "--resume", "--seed", "5"))
-    assert rc == 2 and "different seed" in err and err.count("\n") == 1, err
+    assert rc == 2 and "(seed differs)" in err and err.count("\n") == 1, err
     assert (tmp_path / "cut" / ".checkpoint.npz").read_bytes() == checkpoint
     resumed = _cli("run", spec, "--out", tmp_path / "cut", "--quiet", "--resume")
     rc, err = _finish(resumed)

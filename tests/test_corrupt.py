@@ -73,9 +73,10 @@ def _rehash(folder: Path) -> None:
 
 
 def _unhash(folder: Path) -> None:
-    """As an older kl-bench wrote it: no 'files' in run.json."""
+    """As the oldest kl-bench wrote it: no 'files' in run.json, and no format version (every writer that records
+    a version records the hashes too: a versioned run.json without them is refused, tests/test_folders.py)."""
     env = json.loads((folder / "run.json").read_text())
-    del env["files"]
+    del env["files"], env["kl_bench_run"]
     (folder / "run.json").write_text(json.dumps(env))
 
 

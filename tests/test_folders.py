@@ -137,9 +137,9 @@ def test_a_folder_of_the_wrong_kind_is_named_as_what_it_is(made):
 
 def test_run_json_is_strict_json():
     """No default=str: a value JSON cannot hold is the writer's bug, named by its key, not a string made of
-    it; numpy scalars are their Python values; NaN is written as Python's json writes it (as before)."""
-    out = json.loads(folders.envelope_bytes({"a": {"b": [1, np.float64(0.5), np.int64(3), math.nan]}}))
-    assert out["a"]["b"][:3] == [1, 0.5, 3] and math.isnan(out["a"]["b"][3])
+    it; numpy scalars are their Python values; NaN and inf, which JSON has not, are null."""
+    data = folders.envelope_bytes({"a": {"b": [1, np.float64(0.5), np.int64(3), math.nan, -math.inf]}})
+    assert json.loads(data, parse_constant=lambda c: pytest.fail(f"{c} in run.json"))["a"]["b"] == [1, 0.5, 3, None, None]
     with pytest.raises(TypeError, match=r"run.json: a.path holds a pathlib.*PosixPath"):
         folders.envelope_bytes({"a": {"path": Path("/x")}})
     with pytest.raises(TypeError, match="not a string"):
@@ -200,3 +200,84 @@ def test_every_stored_file_has_a_size_cap():
     half of memory an unnamed file gets."""
     from kl_bench.foundation.safe_io import CAPS
     assert not [n for n in (*folders.DATA_FILES, folders.ENVELOPE) if n not in CAPS]
+
+
+def test_a_write_leaves_no_data_file_of_an_earlier_one(made, tmp_path):
+    """A run without λ written where a run with λ was (or a training where a run was): the earlier data
+    files are not carried over (they would be unrecorded, and the folder unreadable); a report stays."""
+    import shutil
+
+    import kl_bench.api as api
+    folder = _copy(made, "run", tmp_path)
+    (folder / "lambda_sweep.csv").write_text("case\nx\n")        # as an earlier run with lambdas left it
+    (folder / "notes.txt").write_text("mine")
+    api.run({**RUN, "experiment": {**RUN["experiment"], "draws": 1000}}).write(folder)
+    assert not (folder / "lambda_sweep.csv").exists() and (folder / "notes.txt").read_text() == "mine"
+    assert folders.read(folder, "run").files
+    shutil.rmtree(folder / "report", ignore_errors=True)
+    api.train(TRAIN).write(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "run.json", "train.csv"]
+    assert folders.kind_of(folder) == "train"
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("cases", None, "'cases' must be an object of objects, not null"),
+    ("cases", {"g": "x"}, "'cases' must be an object of objects, not an object holding a string"),
+    ("draws_per_case", {"g": "x"}, "'draws_per_case' must be an object of whole numbers"),
+    ("restored_draws", "x", "'restored_draws' must be a whole number, not a string"),
+    ("draws_per_second", [1], "'draws_per_second' must be a number, not a list"),
+    ("files", None, "'files' must be an object, not null")])
+def test_a_field_of_the_wrong_type_is_one_line(made, tmp_path, key, value, words):
+    folder = _copy(made, "run", tmp_path)
+    env = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({**env, key: value}))
+    res = runner.invoke(app, ["report", str(folder), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("kind", ["run", "train"])
+def test_removing_the_hashes_does_not_switch_their_check_off(made, tmp_path, kind):
+    """Every versioned writer records 'files'; only a folder from before versions (no version key) may lack it."""
+    folder = _copy(made, kind, tmp_path)
+    env = json.loads((folder / "run.json").read_text())
+    del env["files"]
+    (folder / "run.json").write_text(json.dumps(env))
+    with pytest.raises(SpecError, match="records no 'files'"):
+        folders.read(folder, kind)
+
+
+@pytest.mark.parametrize("kind, table, column, value, words", [
+    ("train", "train.csv", "step", "abc", "column 'step' holds 'abc', not a number, in row 2"),
+    ("audit", "audit.csv", "logged", "abc", "column 'logged' holds 'abc', not a number, in row 2"),
+    ("train", "train.csv", None, None, "has a header but no rows"),
+    ("audit", "audit.csv", None, None, "has a header but no rows")])
+def test_train_and_audit_tables_are_checked_cell_by_cell(made, tmp_path, kind, table, column, value, words):
+    import csv
+    import hashlib
+    import io
+    folder = _copy(made, kind, tmp_path)
+    rows = list(csv.reader(io.StringIO((folder / table).read_text())))
+    if column is None:
+        rows = rows[:1]
+    else:
+        rows[2][rows[0].index(column)] = value
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    (folder / table).write_text(buf.getvalue())
+    env = json.loads((folder / "run.json").read_text())
+    env["files"][table] = hashlib.sha256((folder / table).read_bytes()).hexdigest()     # not damage: rewritten
+    (folder / "run.json").write_text(json.dumps(env))
+    res = runner.invoke(app, ["report", str(folder), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 2 and words in res.output and str(folder / table) in res.output, res.output
+
+
+@pytest.mark.parametrize("command", ["check", "audit"])
+def test_a_folder_of_another_kind_is_named_by_every_command(made, tmp_path, command):
+    spec = tmp_path / "s.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "r"\ndraws = 1000\n[[case]]\nname = "g"\nkind = "gaussian"\n'
+                    'q = { mean = 0.0, std = 1.0 }\np = { mean = 0.3, std = 1.0 }\n')
+    args = {"check": ["check", str(spec), "--results", str(made / "train")], "audit": ["audit", str(made / "train")]}
+    res = runner.invoke(app, args[command])
+    want = "not a run folder" if command == "check" else "not an audit folder"
+    assert res.exit_code == 2 and "a train folder (written by kl-bench train)" in res.output and want in res.output, \
+        res.output

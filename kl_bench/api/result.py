@@ -132,12 +132,11 @@ class Result:
 
     def write_files(self, directory: str | Path) -> Path:
         """:meth:`write` for a caller that already holds the folder's lock (the CLI, which checkpoints)."""
-        from ..foundation.storage import write_folder
-        from ..results.folders import stored_files
+        from ..results import folders
         from ..results.verify import refuse_undefined_statistics
         directory = Path(directory)
         refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
-        write_folder(directory, stored_files("run", self._files, self.envelope))
+        folders.write("run", directory, self._files, self.envelope, locked=True)
         self.path = directory
         return directory
 
@@ -154,9 +153,8 @@ class Result:
         refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / self.spec.experiment.name
-            from ..foundation.storage import write_folder
-            from ..results.folders import stored_files
-            write_folder(folder, stored_files("run", self._files, self.envelope))
+            from ..results import folders
+            folders.write("run", folder, self._files, self.envelope, locked=True)     # a fresh temporary folder
             return write_report([folder], Path(directory))
 
     def recommendations(self, *, batch: int = 64, tolerance: float = 0.1) -> list["Advice"]:

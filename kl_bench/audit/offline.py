@@ -363,8 +363,8 @@ def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, e
         raise SpecError(f"must be ≥ 1, got {min(tile, chunk)}", key="--tile" if tile < 1 else "--chunk")
     directory = Path(directory)
     found = steps_folder(directory)
-    if found is None and (directory / "audit.csv").is_file():
-        return replay_folder(directory, echo)
+    if found is None and any((directory / n).is_file() for n in ("audit.csv", "run.json")):
+        return replay_folder(directory, echo)       # a folder the callback wrote (another kind: said so)
     out = check_output_dir(Path(out) if out is not None else directory / "audit")
     log = audit_folder(found or directory, on_step=_echo_step(echo), tile=tile, chunk=chunk)
     for a in log.engine:                                  # saved steps with a rollout engine's log-probs

@@ -26,6 +26,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .._moved import renamed
 from .errors import SpecError
 from .formatting import fmt_bytes
 
@@ -343,3 +344,7 @@ def open_lock_file(path: str | Path) -> BinaryIO:
         raise SpecError(f"the lock file is {_kind_of(st.st_mode)}, not a regular file (remove it)", file=str(path))
     os.set_blocking(fd, True)
     return os.fdopen(fd, "r+b")
+
+
+# Names before the package tree (issue 34), for one release.
+__getattr__ = renamed(__name__, {"fmt_size": ("kl_bench.foundation.formatting.fmt_bytes", lambda: fmt_bytes)})

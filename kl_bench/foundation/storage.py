@@ -220,7 +220,7 @@ def clean_stale(out_dir: Path) -> None:
             remove(p)
 
 
-def write_locked(out_dir: Path, files: dict[str, bytes]) -> Path:
+def write_locked(out_dir: Path, files: dict[str, bytes], replaces: tuple[str, ...] = ()) -> Path:
     """:func:`write_folder` under the folder's lock, after cleaning a crashed writer's leftovers: what
     every results folder (a run's, a training's, an audit's: ``files`` from
     kl_bench.results.folders.stored_files) is written with. Returns the folder. A full disk or a read-only
@@ -229,7 +229,7 @@ def write_locked(out_dir: Path, files: dict[str, bytes]) -> Path:
     try:
         with FolderLock(out_dir):
             clean_stale(out_dir)
-            write_folder(out_dir, files)
+            write_folder(out_dir, files, replaces)
     except OSError as e:
         raise fs_error(e, out_dir) from None
     return out_dir
@@ -255,10 +255,12 @@ def committed(out_dir: Path) -> bool:
     return str(Path(output_dir(Path(out_dir))).absolute()) in _COMMITTED
 
 
-def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
+def write_folder(out_dir: Path, files: dict[str, bytes], replaces: tuple[str, ...] = ()) -> None:
     """Write ``files`` ({relative path: bytes}, "a/b.png" allowed) as the folder ``out_dir``, atomically:
     staged in a sibling folder, then exchanged with the old one in one call (or renamed into place).
-    Entries of an old folder whose top-level name is not among ``files`` are carried over. A path that
+    Entries of an old folder whose top-level name is not among ``files`` are carried over (a report, notes),
+    except those named in ``replaces``: the data files of an earlier write that this one does not make (a run
+    without λ leaves no lambda_sweep.csv of an earlier run beside its run.json, unrecorded). A path that
     exists as anything but a folder (a symlink included) is refused in one line, and so is an entry of the
     old folder at an output's name that is not of the output's kind (safe_io.check_folder_entries)."""
     out_dir = output_dir(Path(out_dir))
@@ -267,7 +269,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
     stage = staging_dir(out_dir)
     remove(stage)
     made = make_parents(stage)
-    tops = {name.split("/")[0] for name in files}
+    tops = {name.split("/")[0] for name in files} | set(replaces)
     try:
         stage.mkdir()
         for name, data in files.items():
@@ -285,10 +287,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes]) -> None:
                 _COMMITTED.add(key)
                 remove(stage)       # now holds the previous results
                 return
-        names = list(files)
-        last = [n for n in names if n == "run.json"]
-        for name in [n for n in names if n != "run.json"] + last:     # fallback: file by file, run.json last
-            atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
+        _write_in_place(out_dir, stage, list(files), replaces)
         _COMMITTED.add(key)
         remove(stage)
     except BaseException:
@@ -301,6 +300,18 @@ def stage_file(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "xb") as fh:        # O_CREAT | O_EXCL: a new file, never one a symlink points to
         _write_file(fh, data)
+
+
+def _write_in_place(out_dir: Path, stage: Path, names: list[str], replaces: tuple[str, ...]) -> None:
+    """The fallback where folders cannot be exchanged in one call: file by file, each atomically, an earlier
+    write's data files removed, run.json last (until it is written, the old run.json's hashes refuse the mix)."""
+    for name in [n for n in names if n != "run.json"]:
+        atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
+    for name in set(replaces) - set(names):
+        if (out_dir / name).is_file() and not (out_dir / name).is_symlink():
+            (out_dir / name).unlink()
+    for name in [n for n in names if n == "run.json"]:
+        atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
 
 
 def _carry_over(out_dir: Path, stage: Path, tops: set[str]) -> None:

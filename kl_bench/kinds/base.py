@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .._moved import renamed
 from ..foundation.config import Table
 from ..core.draws import Draws, Row
 from ..foundation.errors import SpecError
@@ -611,12 +612,5 @@ def register_kind(name: str, *, description: str, sampler_keys: tuple[str, ...] 
     return deco
 
 
-def __getattr__(name: str):
-    """``Sampler``, the protocol's name before the package tree (issue 34: three "Sampler"s meant three
-    things), for one release, with a DeprecationWarning."""
-    if name == "Sampler":
-        import warnings
-        warnings.warn("kl_bench.kinds.base.Sampler is now DrawSampler; the old name stops working in kl-bench 0.3",
-                      DeprecationWarning, stacklevel=2)
-        return DrawSampler
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``Sampler``, the protocol's name before the package tree (three "Sampler"s meant three things), for one release.
+__getattr__ = renamed(__name__, {"Sampler": ("kl_bench.kinds.base.DrawSampler", lambda: DrawSampler)})

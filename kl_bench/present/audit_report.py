@@ -17,6 +17,7 @@ from .figstyle import estimator_colour
 from ..foundation.formatting import plural
 from .pages import (DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, html_text, page, table_html, table_md,
                      vector_links)
+from .._moved import renamed
 from ..results import folders
 
 # The parts of logged − exact, each with its colour (the estimator's own part: the estimator's colour).
@@ -157,3 +158,8 @@ def audit_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=Non
     files["report.md"] = "\n".join(md).encode()
     files["report.html"] = page(title, parts).encode()
     return files
+
+
+# Names before the package tree (issue 34), for one release.
+__getattr__ = renamed(__name__, {"is_audit_folder": ("kl_bench.results.folders.kind_of(folder) == 'audit'",
+                                                     lambda: lambda folder: folders.kind_of(folder) == "audit")})

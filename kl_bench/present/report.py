@@ -491,7 +491,7 @@ def report_files(dirs: list[Path], *, formats=None, progress=None, batch: int = 
         return build_report(dirs, formats=formats, progress=progress, batch=batch, tolerance=tolerance)
     if len(dirs) > 1:
         odd, kind = next((d, k) for d, k in zip(dirs, kinds) if k != "run")
-        raise SpecError(f"a {kind} folder has a report of its own: give it alone, not with "
+        raise SpecError(f"{folders.with_article(kind)} folder has a report of its own: give it alone, not with "
                         "other folders", file=str(odd))
     return REPORTS[kinds[0]]()(dirs[0], formats=formats, progress=progress)
 

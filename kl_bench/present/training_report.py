@@ -10,6 +10,7 @@ import pandas as pd
 from ..foundation.formatting import plural
 from .pages import DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, html_text, page, table_html, table_md
 from .pages import vector_links
+from .._moved import renamed
 from ..results import folders
 from .training_plots import plot_training
 from ..training.result import final_rows, summary_lines
@@ -78,3 +79,8 @@ def training_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=
               for name, case, by_fmt in figs]
     files["report.html"] = page(title, parts).encode()
     return files
+
+
+# Names before the package tree (issue 34), for one release.
+__getattr__ = renamed(__name__, {"is_training_folder": ("kl_bench.results.folders.kind_of(folder) == 'train'",
+                                                        lambda: lambda folder: folders.kind_of(folder) == "train")})

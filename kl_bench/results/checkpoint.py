@@ -51,11 +51,10 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any],
     try:
         data = load_npz(raw, str(path), cap_for("checkpoint"))
     except SpecError as e:
-        raise SpecError(f"checkpoint is unreadable ({e.message}); delete {path}", file=str(out_dir)) from None
-    try:
-        stored = json.loads(bytes(data.pop("identity")).decode()) if "identity" in data else None
-    except (ValueError, TypeError):
-        stored = None
+        detail = e.message.removeprefix("unreadable (truncated or corrupted?): ")
+        raise SpecError(f"checkpoint is unreadable (truncated or corrupted? {detail}); delete {path}",
+                        file=str(out_dir)) from None
+    stored = _identity(data)
     if not isinstance(stored, dict) or any(not k.startswith("sums/") for k in data):
         raise SpecError(f"checkpoint is not a kl-bench checkpoint; delete {path}", file=str(out_dir))
     sums = {k[len("sums/"):]: v for k, v in data.items()}
@@ -65,9 +64,18 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any],
             raise SpecError(f"checkpoint {problem}; delete {path}", file=str(out_dir))
     if stored != json.loads(json.dumps(identity)):
         diff = [k for k in identity if stored.get(k) != json.loads(json.dumps(identity[k]))]
-        raise SpecError(f"checkpoint was made with a different {', '.join(diff)}; rerun without --resume",
+        raise SpecError(f"checkpoint was made with other settings ({', '.join(diff)} "
+                        f"{'differs' if len(diff) == 1 else 'differ'}); rerun without --resume",
                         file=str(out_dir))
     return sums
+
+
+def _identity(data: dict) -> Any:
+    """The checkpoint's identity (taken out of ``data``): JSON in a uint8 array; None if it is not that."""
+    try:
+        return json.loads(bytes(data.pop("identity")).decode()) if "identity" in data else None
+    except (ValueError, TypeError):
+        return None
 
 
 def _checkpoint_sums_problem(case: str, sums: Any, batches: dict[str, int] | None) -> str | None:

@@ -18,6 +18,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -72,19 +73,23 @@ TABLE_COLUMNS: dict[str, tuple[list[str], dict[str, str]]] = {
     "audit.csv": (list(AUDIT_COLUMNS), AUDIT_DEFAULTS),
     "engine.csv": (list(ENGINE_COLUMNS), {}),
 }
+# Their text columns (every other column holds numbers: empty cells are NaN, "inf" is infinity).
+TEXT: dict[str, set[str]] = {"train.csv": {"case", "combination", "estimator", "mode", "aggregate", "gradients"},
+                             "audit.csv": {"source", "estimator", "aggregation"}, "engine.csv": {"convention"}}
 # Every data file name any kind stores (a name's size cap in kl_bench.foundation.safe_io is by its name).
 DATA_FILES = tuple(dict.fromkeys(n for f in FORMATS.values() for n in f.data_files))
 
 
 # ----------------------------------------------------------------------------- writing
 def _json_value(v: Any, key: str) -> Any:
-    """``v`` as JSON holds it, or a TypeError naming ``key``: dicts with string keys, lists, strings, numbers
-    (NaN and inf as Python's json writes them), booleans and null; numpy scalars are their Python value;
-    anything else (a Path, a tensor, an object) is the writer's bug, not something to stringify."""
+    """``v`` as JSON holds it, or a TypeError naming ``key``: dicts with string keys, lists, strings, numbers,
+    booleans and null; NaN and ±inf (which JSON has not: an audit's pooled z of no steps) are null; numpy
+    scalars are their Python value; anything else (a Path, a tensor, an object) is the writer's bug, not
+    something to stringify."""
     if v is None or isinstance(v, (bool, str, int)):
         return v
     if isinstance(v, float):
-        return v
+        return v if math.isfinite(v) else None
     if isinstance(v, dict):
         out = {}
         for k, x in v.items():
@@ -103,7 +108,7 @@ def _json_value(v: Any, key: str) -> Any:
 
 def envelope_bytes(envelope: dict[str, Any]) -> bytes:
     """run.json's bytes: the envelope as strict JSON (see :func:`_json_value`), indented, one final newline."""
-    return (json.dumps(_json_value(envelope, ""), indent=2) + "\n").encode()
+    return (json.dumps(_json_value(envelope, ""), indent=2, allow_nan=False) + "\n").encode()
 
 
 def stored_files(kind: str, files: dict[str, bytes], envelope: dict[str, Any]) -> dict[str, bytes]:
@@ -119,12 +124,18 @@ def stored_files(kind: str, files: dict[str, bytes], envelope: dict[str, Any]) -
     return {**files, ENVELOPE: envelope_bytes(env)}
 
 
-def write(kind: str, directory: str | Path, files: dict[str, bytes], envelope: dict[str, Any]) -> Path:
+def write(kind: str, directory: str | Path, files: dict[str, bytes], envelope: dict[str, Any], *,
+          locked: bool = False) -> Path:
     """Write a folder of ``kind`` atomically under its lock (a crashed writer's leftovers cleaned first;
-    entries this write does not produce, such as a report, carried over); a full disk or a read-only mount is
-    one line, the old folder untouched. Returns the folder."""
-    from ..foundation.storage import write_locked
-    return write_locked(Path(directory), stored_files(kind, files, envelope))
+    ``locked``: the caller holds the lock already). Entries this write does not produce are carried over (a
+    report, notes), but no data file of any kind: one an earlier write left would be unrecorded in the new
+    run.json. A full disk or a read-only mount is one line, the old folder untouched. Returns the folder."""
+    from ..foundation.storage import write_folder, write_locked
+    stored = stored_files(kind, files, envelope)
+    if locked:
+        write_folder(Path(directory), stored, DATA_FILES)
+        return Path(directory)
+    return write_locked(Path(directory), stored, DATA_FILES)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -144,22 +155,57 @@ def read_envelope(path: Path) -> dict:
     env = parse_json(read_bytes(path), path, ENVELOPE)
     if not isinstance(env, dict):
         raise SpecError(f"run.json must hold a JSON object, not {json_type(env)} (corrupted?)", file=str(path))
-    for key, typ, what in (("files", dict, "an object"), ("cases", dict, "an object"),
-                           ("experiment", str, "a string"), ("draws_per_case", (dict, int), "an object")):
-        if key in env and env[key] is not None and not isinstance(env[key], typ):
-            raise SpecError(f"run.json: '{key}' must be {what}, not {json_type(env[key])} (corrupted?)",
-                            file=str(path))
+    for key, (typ, what, nullable, inner) in ENVELOPE_TYPES.items():
+        got = _wrong_type(env[key], typ, nullable, inner) if key in env else None
+        if got:
+            raise SpecError(f"run.json: '{key}' must be {what}, not {got} (corrupted?)", file=str(path))
     return env
 
 
+def _is(v: Any, types: tuple) -> bool:
+    return isinstance(v, types) and (bool in types or not isinstance(v, bool))     # True is an int to Python
+
+
+def _wrong_type(v: Any, types: tuple, nullable: bool, inner: tuple | None) -> str | None:
+    """What ``v`` is, in words, if it is not of ``types`` (or an object whose values are not of ``inner``)."""
+    if v is None and nullable:
+        return None
+    if not _is(v, types):
+        return json_type(v)
+    odd = next((x for x in v.values() if not _is(x, inner)), None) if inner and isinstance(v, dict) else None
+    return None if odd is None else f"an object holding {json_type(odd)}"
+
+
+_NUMBER = (int, float)
+# The type of each envelope field a reader uses: key → (types, words, may be null, type of an object's values).
+ENVELOPE_TYPES: dict[str, tuple[tuple, str, bool, tuple | None]] = {
+    "files": ((dict,), "an object", False, (str,)), "dropped": ((dict,), "an object", False, (str,)),
+    "cases": ((dict,), "an object of objects", False, (dict,)), "experiment": ((str,), "a string", False, None),
+    "draws_per_case": ((dict, int), "an object of whole numbers", False, (int,)),
+    "seed": ((int,), "a whole number", True, None), "batches": ((int,), "a whole number", True, None),
+    "restored_draws": ((int,), "a whole number", True, None), "world_size": ((int,), "a whole number", True, None),
+    "wall_seconds": (_NUMBER, "a number", True, None), "sampling_seconds": (_NUMBER, "a number", True, None),
+    "draws_per_second": (_NUMBER, "a number", True, None), "resumed": ((bool,), "true or false", True, None),
+    "spec_path": ((str,), "a string", True, None), "spec_sha256": ((str,), "a string", True, None),
+    "device": ((str,), "a string", True, None), "device_name": ((str,), "a string", True, None),
+    "created": ((str,), "a string", True, None), "git_commit": ((str,), "a string", True, None),
+    "versions": ((dict,), "an object", True, None), "train": ((dict,), "an object", True, None),
+    "pooled": ((dict,), "an object", True, (dict,)), "sampler": ((str,), "a string", True, None),
+}
+
+
 def format_of(envelope: dict, where: str) -> FolderFormat:
-    """The kind an envelope records (by its version key); a run's when it records none (folders written before
-    run.json had a version)."""
+    """The kind an envelope records (by its version key). A folder written before run.json had a version
+    (a run's) records none: then the kind whose required table is there, a run's by default."""
     kinds = [f for f in FORMATS.values() if f.version_key in envelope]
     if len(kinds) > 1:
         raise SpecError(f"run.json records more than one kind of folder ({', '.join(f.kind for f in kinds)}; "
                         "corrupted?)", file=where)
-    return kinds[0] if kinds else FORMATS["run"]
+    if kinds:
+        return kinds[0]
+    folder = Path(where).parent
+    return next((f for f in FORMATS.values() if f.kind != "run" and all((folder / n).is_file() for n in f.required)),
+                FORMATS["run"])
 
 
 def version_of(envelope: dict, fmt: FolderFormat, where: str) -> int:
@@ -205,8 +251,11 @@ def check_recorded(folder: Path, env: dict, present: list[str]) -> None:
     """Every data file that is there (whatever it is: a FIFO, a link) is recorded in run.json and every
     recorded one is there, before any is read; a file recorded as dropped (:func:`drop`) may be absent."""
     files = env.get("files")
-    if files is None:            # written before run.json recorded hashes: nothing to compare with
-        return
+    if files is None:
+        if any(f.version_key in env for f in FORMATS.values()):   # every versioned writer records them
+            raise SpecError("run.json records no 'files' (the sha256 of each data file), which kl-bench always "
+                            "writes (edited?)", file=str(folder / ENVELOPE))
+        return                   # written before run.json recorded hashes: nothing to compare with
     check_file_list(files, str(folder / ENVELOPE))
     dropped = env.get("dropped") or {}
     if not isinstance(dropped, dict):
@@ -236,7 +285,7 @@ def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
             data = blobs[name] = read_bytes(p)
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
-            raise SpecError(f"sha256 mismatch: the file changed after the run wrote it (corrupted, truncated or "
+            raise SpecError(f"sha256 mismatch: the file changed after it was written (corrupted, truncated or "
                             f"edited; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
 
 
@@ -265,7 +314,15 @@ def drop(path: str | Path, names: list[str]) -> Path:
     return stored.path
 
 
-def _a(kind: str) -> str:
+def require_kind(folder: Path, fmt: FolderFormat, kind: str) -> None:
+    """One line if the folder is not of ``kind``, saying what it is."""
+    if fmt.kind != kind:
+        raise SpecError(f"{with_article(fmt.kind)} folder (written by {fmt.writer}), not {with_article(kind)} folder (written by "
+                        f"{FORMATS[kind].writer})", file=str(folder))
+
+
+def with_article(kind: str) -> str:
+    """'a run', 'a train', 'an audit'."""
     return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
 
 
@@ -284,13 +341,13 @@ def read(path: str | Path, kind: str | None = None) -> Stored:
     saying what the folder is), its required files present, every file against its recorded sha256."""
     folder = require_folder(path)
     if not os.path.lexists(folder / ENVELOPE):
-        want = f"{_a(kind)} folder, written by {FORMATS[kind].writer}" if kind else "a kl-bench folder"
+        want = f"{with_article(kind)} folder, written by {FORMATS[kind].writer}" if kind else "a kl-bench folder"
         raise SpecError(f"not {want}: run.json is missing", file=str(folder))
     env = read_envelope(folder / ENVELOPE)
     where = str(folder / ENVELOPE)
     fmt = format_of(env, where)
-    if kind is not None and fmt.kind != kind:
-        raise SpecError(f"{_a(fmt.kind)} folder (written by {fmt.writer}), not {_a(kind)} folder", file=str(folder))
+    if kind is not None:
+        require_kind(folder, fmt, kind)
     for name in fmt.required:
         if not os.path.lexists(folder / name):
             raise SpecError(f"incomplete {fmt.kind} folder: {name} is missing", file=str(folder))
@@ -331,21 +388,54 @@ def check_csv_structure(data: bytes, p: Path) -> list[str]:
 def read_table(stored: Stored, name: str):
     """Table ``name`` of a verified train or audit folder as a DataFrame (the one CSV reader), or None where
     the folder has none: its CSV structure checked, its columns present (an older file's missing columns
-    filled with :data:`TABLE_COLUMNS`' defaults, text "expected_b" meaning: that column's values)."""
+    filled with :data:`TABLE_COLUMNS`' defaults, text "expected_b" meaning: that column's values), rows there
+    and every number a number."""
     if name not in stored.files:
         return None
     p = stored.path / name
-    header = check_csv_structure(stored.files[name], p)
     columns, defaults = TABLE_COLUMNS[name]
-    missing = [c for c in columns if c not in header and c not in defaults]
-    if missing:
-        raise SpecError(f"missing columns {', '.join(missing)} (not a kl-bench {name}?)", file=str(p))
-    try:
-        df = read_frame(stored.files[name])
-    except Exception as e:      # noqa: BLE001 - pandas raises many kinds; all mean "cannot parse"
-        raise SpecError(f"cannot parse: {e.__class__.__name__}: {(str(e).splitlines() or [''])[0]}",
-                        file=str(p)) from None
+    df = _parse(stored.files[name], p, [c for c in columns if c not in defaults])
+    _check_numbers(df, [c for c in columns if c in df.columns and c not in TEXT[name]], p)
     for c, value in defaults.items():
         if c not in df.columns:
             df[c] = df[value] if value in df.columns else float(value)
     return df[columns + [c for c in df.columns if c not in columns]]
+
+
+def _parse(data: bytes, p: Path, required: list[str]):
+    """A CSV table's DataFrame: its structure, its ``required`` columns and at least one row checked."""
+    header = check_csv_structure(data, p)
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise SpecError(f"missing columns {', '.join(missing)} (not a kl-bench {p.name}?)", file=str(p))
+    try:
+        df = read_frame(data)
+    except Exception as e:      # noqa: BLE001 - pandas raises many kinds; all mean "cannot parse"
+        raise SpecError(f"cannot parse: {e.__class__.__name__}: {(str(e).splitlines() or [''])[0]}",
+                        file=str(p)) from None
+    if df.empty:
+        raise SpecError("has a header but no rows (truncated?)", file=str(p))
+    return df
+
+
+def _check_numbers(df, columns: list[str], p: Path) -> None:
+    """Every cell of ``columns`` is a number (or empty): the first that is not, in one line."""
+    for c in columns:
+        if not _numeric(df[c]):
+            row = next(i for i, x in enumerate(df[c]) if not _is_number(x))
+            raise SpecError(f"column '{c}' holds {str(df[c].iloc[row])[:20]!r}, not a number, in row {row + 1} "
+                            f"(line {row + 2})", file=str(p))
+
+
+def _numeric(column) -> bool:
+    """Whether pandas read ``column`` as numbers (int, float or bool)."""
+    import pandas as pd
+    return pd.api.types.is_numeric_dtype(column)
+
+
+def _is_number(x) -> bool:
+    try:
+        float(x)
+        return True
+    except (TypeError, ValueError):
+        return False

@@ -33,7 +33,8 @@ import numpy as np
 
 from ..foundation.errors import SpecError
 from .frames import read_frame
-from .folders import FORMATS, check_csv_structure, check_hashes, check_recorded, read_bytes, read_envelope, require_folder, version_of
+from .folders import (FORMATS, check_csv_structure, check_hashes, check_recorded, format_of, read_bytes, read_envelope,
+                      require_folder, require_kind, version_of)
 from .migrate import migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
 from ..foundation.safe_io import cap_for, load_npz
@@ -238,6 +239,8 @@ def _check_cases(folder: Path, env: dict, tables: dict) -> None:
 def read_results_folder(path: str | Path) -> FolderContents:
     """Verify a results folder (see the module docstring) and return its parsed contents."""
     folder = require_folder(path)
+    if os.path.lexists(folder / "run.json"):      # a training's or an audit's folder: said as such, first
+        require_kind(folder, format_of(read_envelope(folder / "run.json"), str(folder / "run.json")), "run")
     for name in ("summary.csv", "run.json"):     # a FIFO or a dangling link there is said as such when read
         if not os.path.lexists(folder / name):
             raise SpecError(f"incomplete results folder: {name} is missing (run `kl-bench run` first)",
