@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from ..experiment.spec import Spec
 from ..foundation.threads import single_threaded
-from ..kinds import Pair, build_pair
-from .preparation import load
+from ..kinds import Pair
+from .preparation import build_pairs, load
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -18,18 +18,12 @@ def exact(spec, *, progress: bool | None = None, console=None) -> "pd.DataFrame"
     """The exact table of every case, no sampling: true value, exact mean and std of every row, and the
     planning columns (n_for_10pct, rmse_b*) from the exact moments, as :func:`run` fills them.
     ``progress``: as :func:`run`'s (cases built, then cases computed), on ``console`` (default stderr)."""
-    from ..experiment.case import validate_oracles
     from ..foundation.progress import LazyProgress, wanted
     from ..results import EXACT_COLUMNS, to_frame
     sp = load(spec)
     bar = LazyProgress(2 * len(sp.cases), enabled=wanted(progress), console=console, unit="steps")
     try:
-        pairs = []
-        for c in sp.cases:
-            bar.label(f"{c.name}: building")
-            pairs.append(build_pair(c, str(sp.path)))
-            bar.advance(1)
-        validate_oracles(sp, pairs, str(sp.path))
+        pairs = build_pairs(sp, bar)
         rows = _exact_rows(sp, pairs, bar)
     finally:
         bar.close()

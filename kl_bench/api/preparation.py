@@ -54,10 +54,24 @@ class Prepared:
 @single_threaded
 def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: str | None = None) -> Prepared:
     """Load and validate everything before any sampling: spec, flags, device, pairs, exact oracles."""
-    from ..experiment.case import check_group_draws, validate_oracles
+    from ..experiment.case import check_group_draws
     sp = load(spec, draws=draws, seed=seed, device=device)
     dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
-    pairs = [build_pair(c, str(sp.path)) for c in sp.cases]
-    validate_oracles(sp, pairs, str(sp.path))
+    pairs = build_pairs(sp)
     check_group_draws(sp, pairs, str(sp.path))
     return Prepared(sp, pairs, dev)
+
+
+def build_pairs(sp: Spec, bar=None) -> list[Pair]:
+    """Every case's pair (its files read), then their exact oracles validated: what a run and the exact table
+    both need before any number. ``bar``: a LazyProgress, labelled and advanced once a case."""
+    from ..experiment.case import validate_oracles
+    pairs = []
+    for c in sp.cases:
+        if bar is not None:
+            bar.label(f"{c.name}: building")
+        pairs.append(build_pair(c, str(sp.path)))
+        if bar is not None:
+            bar.advance(1)
+    validate_oracles(sp, pairs, str(sp.path))
+    return pairs
