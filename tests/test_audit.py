@@ -383,3 +383,14 @@ def test_stream_kl_float32_error_is_within_its_rounding_bound():
     assert err > 0                     # float32 tile work did run (the float64 path is exact to ~1e-15)
     with pytest.raises(SpecError, match="float32 or float64, not torch.bfloat16"):
         kl_bench.audit.stream_kl(hp, hr, Head(wp), Head(wr), dtype=torch.bfloat16)
+
+
+def test_the_audit_sampler_is_the_engines_model_where_they_overlap():
+    """Temperature, top-k and top-p of generation's b are the engine's SamplerSpec (one model, issue 34): the
+    audit's dense log b equals SamplerSpec.reshape wherever the penalty, the EOS ban and min-p are off."""
+    from kl_bench.sampling.samplers import SamplerSpec
+    z = torch.randn(6, 40, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+    for s in (Sampler(), Sampler(temperature=0.7), Sampler(top_k=5), Sampler(top_p=0.8, temperature=1.3),
+              Sampler(top_k=0, top_p=1.0)):
+        assert s.spec == SamplerSpec(temperature=s.temperature, top_k=s.k, top_p=s.p)
+        assert torch.equal(sampler_logprobs(z, s), s.spec.reshape(z))

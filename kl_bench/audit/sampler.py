@@ -73,6 +73,13 @@ class Sampler:
         except TypeError as e:
             raise SpecError(str(e), file=file, key="generation") from None
 
+    @property
+    def spec(self) -> SamplerSpec:
+        """What this shares with the engine's sampler model (temperature, top-k, top-p) as that model: the one
+        definition of how they reshape b (kl_bench.sampling.samplers.SamplerSpec); the rest (the repetition
+        penalty, the EOS ban, min-p) is generation's own and applied around it."""
+        return SamplerSpec(temperature=self.temperature, top_k=self.k, top_p=self.p)
+
     # Normalised views: 0/None/1.0 → off.
     @property
     def k(self) -> int | None:
@@ -146,7 +153,7 @@ def sampler_logprobs(logits: torch.Tensor, sampler: Sampler | None = None, *, eo
     z = sampler_scores(logits.to(torch.float64), Sampler(repetition_penalty=sampler.repetition_penalty,
                                        min_new_tokens=sampler.min_new_tokens, eos_token_id=sampler.eos_token_id),
                        eos_banned=eos_banned, context_ids=context_ids)
-    lb = SamplerSpec(temperature=sampler.temperature, top_k=sampler.k, top_p=sampler.p).reshape(z)
+    lb = sampler.spec.reshape(z)
     if sampler.mp is not None:
         # min-p compares probabilities with min_p × the largest one: in log space, a fixed offset from the max.
         keep = lb >= lb.max(dim=-1, keepdim=True).values + math.log(sampler.mp)
