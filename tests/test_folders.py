@@ -247,8 +247,8 @@ def test_removing_the_hashes_does_not_switch_their_check_off(made, tmp_path, kin
 
 
 @pytest.mark.parametrize("kind, table, column, value, words", [
-    ("train", "train.csv", "step", "abc", "column 'step' holds 'abc', not a number, in row 2"),
-    ("audit", "audit.csv", "logged", "abc", "column 'logged' holds 'abc', not a number, in row 2"),
+    ("train", "train.csv", "step", "abc", "column 'step' must hold numbers, but row 2 (line 3) has 'abc'"),
+    ("audit", "audit.csv", "logged", "abc", "column 'logged' must hold numbers, but row 2 (line 3) has 'abc'"),
     ("train", "train.csv", None, None, "has a header but no rows"),
     ("audit", "audit.csv", None, None, "has a header but no rows")])
 def test_train_and_audit_tables_are_checked_cell_by_cell(made, tmp_path, kind, table, column, value, words):

@@ -394,15 +394,15 @@ def read_table(stored: Stored, name: str):
         return None
     p = stored.path / name
     columns, defaults = TABLE_COLUMNS[name]
-    df = _parse(stored.files[name], p, [c for c in columns if c not in defaults])
-    _check_numbers(df, [c for c in columns if c in df.columns and c not in TEXT[name]], p)
+    df = parse_csv(stored.files[name], p, [c for c in columns if c not in defaults])
+    check_numeric_columns(df, [c for c in columns if c in df.columns and c not in TEXT[name]], p)
     for c, value in defaults.items():
         if c not in df.columns:
             df[c] = df[value] if value in df.columns else float(value)
     return df[columns + [c for c in df.columns if c not in columns]]
 
 
-def _parse(data: bytes, p: Path, required: list[str]):
+def parse_csv(data: bytes, p: Path, required: list[str]):
     """A CSV table's DataFrame: its structure, its ``required`` columns and at least one row checked."""
     header = check_csv_structure(data, p)
     missing = [c for c in required if c not in header]
@@ -418,24 +418,15 @@ def _parse(data: bytes, p: Path, required: list[str]):
     return df
 
 
-def _check_numbers(df, columns: list[str], p: Path) -> None:
-    """Every cell of ``columns`` is a number (or empty): the first that is not, in one line."""
-    for c in columns:
-        if not _numeric(df[c]):
-            row = next(i for i, x in enumerate(df[c]) if not _is_number(x))
-            raise SpecError(f"column '{c}' holds {str(df[c].iloc[row])[:20]!r}, not a number, in row {row + 1} "
-                            f"(line {row + 2})", file=str(p))
-
-
-def _numeric(column) -> bool:
-    """Whether pandas read ``column`` as numbers (int, float or bool)."""
+def check_numeric_columns(df, numeric: list[str], p: Path) -> None:
+    """Each of ``numeric`` parsed as numbers (not booleans, not text); one line naming the first bad cell."""
     import pandas as pd
-    return pd.api.types.is_numeric_dtype(column)
-
-
-def _is_number(x) -> bool:
-    try:
-        float(x)
-        return True
-    except (TypeError, ValueError):
-        return False
+    for c in numeric:
+        col = df[c]
+        if pd.api.types.is_bool_dtype(col) or not pd.api.types.is_numeric_dtype(col):
+            values = pd.to_numeric(col.astype("string"), errors="coerce")
+            bad = col[values.isna() & col.notna()]
+            i = int(bad.index[0]) if len(bad) else 0
+            shown = bad.iloc[0] if len(bad) else col.iloc[0]
+            raise SpecError(f"column '{c}' must hold numbers, but row {i + 1} (line {i + 2}) has {str(shown)[:40]!r}",
+                            file=str(p))

@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..foundation.errors import SpecError
-from .frames import read_frame
-from .folders import (FORMATS, check_csv_structure, check_hashes, check_recorded, format_of, read_bytes, read_envelope,
-                      require_folder, require_kind, version_of)
+from .folders import (FORMATS, check_hashes, check_numeric_columns, check_recorded, format_of, parse_csv, read_bytes,
+                      read_envelope, require_folder, require_kind, version_of)
 from .migrate import migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
 from ..foundation.safe_io import cap_for, load_npz
@@ -95,18 +94,8 @@ _DEFINED = {"summary.csv": ("mean", ("std", "se")), "lambda_sweep.csv": ("mean",
 def _parse_table(name: str, data: bytes, p: Path):
     """A results CSV checked against its schema and parsed as :func:`kl_bench.results.read_frame` does."""
     columns, required = _schemas()[name]
-    header = check_csv_structure(data, p)
-    missing = [c for c in required if c not in header]
-    if missing:
-        raise SpecError(f"missing columns {', '.join(missing)} (not a kl-bench {name}?)", file=str(p))
-    try:
-        df = read_frame(data)
-    except Exception as e:      # noqa: BLE001 - pandas raises many kinds; all mean "cannot parse"
-        first = (str(e).splitlines() or [""])[0]
-        raise SpecError(f"cannot parse: {e.__class__.__name__}: {first}", file=str(p)) from None
-    if df.empty:
-        raise SpecError("has a header but no rows (truncated?)", file=str(p))
-    _check_numeric_columns(df, [c for c in columns if c in df.columns and c not in TEXT_COLUMNS], p)
+    df = parse_csv(data, p, required)
+    check_numeric_columns(df, [c for c in columns if c in df.columns and c not in TEXT_COLUMNS], p)
     for c in _KEY_TEXT:
         if c in df.columns:
             empty = df.index[df[c].astype(str).str.strip() == ""]
@@ -115,20 +104,6 @@ def _parse_table(name: str, data: bytes, p: Path):
                                 file=str(p))
     _check_values(name, df, p)
     return df
-
-
-def _check_numeric_columns(df, numeric: list[str], p: Path) -> None:
-    """Each of ``numeric`` parsed as numbers (not booleans, not text); one line naming the first bad cell."""
-    import pandas as pd
-    for c in numeric:
-        col = df[c]
-        if pd.api.types.is_bool_dtype(col) or not pd.api.types.is_numeric_dtype(col):
-            values = pd.to_numeric(col.astype("string"), errors="coerce")
-            bad = col[values.isna() & col.notna()]
-            i = int(bad.index[0]) if len(bad) else 0
-            shown = bad.iloc[0] if len(bad) else col.iloc[0]
-            raise SpecError(f"column '{c}' must hold numbers, but row {i + 1} (line {i + 2}) has {str(shown)[:40]!r}",
-                            file=str(p))
 
 
 def _first_bad(df, c: str, bad: np.ndarray, what: str, p: Path) -> None:
