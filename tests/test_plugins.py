@@ -1,5 +1,5 @@
 """Estimator plug-ins: a function of log r named in a spec ('package.module:function'), registered with
-@kl_bench.register_estimator, or found through the `kl_bench.core.estimators` entry-point group. A plug-in
+@kl_bench.register_estimator, or found through the `kl_bench.estimators` entry-point group. A plug-in
 gets the same engine, exact moments where they are computable for any function (categorical sums,
 the rollout dynamic program for token rows, 1-D quadrature for Gaussians), report and gate; a broken
 one is one line naming it, exit 2."""
@@ -124,11 +124,11 @@ def test_register_estimator_decorator_and_entry_points(plugin_dir, monkeypatch):
         assert runner.invoke(app, ["list"]).output.count("twice_k1_test") == 1
     finally:
         kl_bench.ESTIMATORS.remove("twice_k1_test")
-    # an installed package can expose estimators through the `kl_bench.core.estimators` entry-point group
+    # an installed package can expose estimators through the `kl_bench.estimators` entry-point group
     dist = plugin_dir / "kl_plug_test-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kl-plug-test\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[kl_bench.core.estimators]\nhalf_k3_ep = kl_plug_test:half_k3\n")
+    (dist / "entry_points.txt").write_text("[kl_bench.estimators]\nhalf_k3_ep = kl_plug_test:half_k3\n")
     try:
         r = kl_bench.run(_spec(plugin_dir, "half_k3_ep"), draws=20_000).summary
         assert (r.loc[r["estimator"] == "half_k3_ep", "z"].abs() < 5).all()

@@ -19,7 +19,7 @@ def list_() -> None:
     for name, e in [*ESTIMATORS.items(), *PAIR_ROWS.items()]:
         props = ("unbiased" if e.unbiased else "biased") + (", ≥0" if e.nonnegative else "")
         rows.append(["row" if e.analytic else "estimator", name, f"{e.target}, {props}: {e.formula}"])
-    for ep in entry_points(group="kl_bench.core.estimators"):
+    for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:
             rows.append(["plug-in", ep.name, f"{ep.value} (entry point, loaded when used)"])
     rows += [["kind", name, k.description] for name, k in CASE_KINDS.items()]

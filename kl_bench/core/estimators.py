@@ -20,7 +20,8 @@ What the rest of the code asks an estimator (never its name):
 analytic KL of each draw's context(s).
 
 Plug-ins: ``"package.module:function"`` in a spec's ``estimators`` (a function of log r, elementwise),
-:func:`register_estimator`, or the ``kl_bench.core.estimators`` entry-point group.
+:func:`register_estimator`, or the ``kl_bench.estimators`` entry-point group (its name is a contract with
+installed plug-ins: it stayed when this module moved to ``kl_bench.core``).
 """
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def _adapt_plugin(ref: str, obj: Any) -> Estimator:
     return _checked(Estimator(ref, obj, REVERSE, False, False, f"plug-in {ref}", plugin=True))
 
 
-ESTIMATORS: Registry[Estimator] = Registry("estimator", entry_points="kl_bench.core.estimators", adapt=_adapt_plugin)
+ESTIMATORS: Registry[Estimator] = Registry("estimator", entry_points="kl_bench.estimators", adapt=_adapt_plugin)
 
 ESTIMATORS.add("k1", Estimator("k1", k1, REVERSE, True, False, "−log r", {(0, 1): -1.0}))
 ESTIMATORS.add("k2", Estimator("k2", k2, REVERSE, False, True, "½(log r)²", {(0, 2): 0.5}))
