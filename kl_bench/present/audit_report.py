@@ -160,6 +160,10 @@ def audit_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=Non
     return files
 
 
+def _is_audit_folder(folder) -> bool:
+    return (Path(folder) / "run.json").is_file() and folders.kind_of(folder) == "audit"
+
+
 # Names before the package tree (issue 34), for one release.
 __getattr__ = renamed(__name__, {"is_audit_folder": ("kl_bench.results.folders.kind_of(folder) == 'audit'",
-                                                     lambda: lambda folder: folders.kind_of(folder) == "audit")})
+                                          lambda: _is_audit_folder)})

@@ -81,6 +81,10 @@ def training_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=
     return files
 
 
+def _is_train_folder(folder) -> bool:
+    return (Path(folder) / "run.json").is_file() and folders.kind_of(folder) == "train"
+
+
 # Names before the package tree (issue 34), for one release.
 __getattr__ = renamed(__name__, {"is_training_folder": ("kl_bench.results.folders.kind_of(folder) == 'train'",
-                                                        lambda: lambda folder: folders.kind_of(folder) == "train")})
+                                          lambda: _is_train_folder)})

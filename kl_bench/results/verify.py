@@ -214,13 +214,13 @@ def _check_cases(folder: Path, env: dict, tables: dict) -> None:
 def read_results_folder(path: str | Path) -> FolderContents:
     """Verify a results folder (see the module docstring) and return its parsed contents."""
     folder = require_folder(path)
-    if os.path.lexists(folder / "run.json"):      # a training's or an audit's folder: said as such, first
-        require_kind(folder, format_of(read_envelope(folder / "run.json"), str(folder / "run.json")), "run")
+    env = read_envelope(folder / "run.json") if os.path.lexists(folder / "run.json") else None
+    if env is not None:                           # a training's or an audit's folder: said as such, first
+        require_kind(folder, format_of(env, str(folder / "run.json")), "run")
     for name in ("summary.csv", "run.json"):     # a FIFO or a dangling link there is said as such when read
         if not os.path.lexists(folder / name):
             raise SpecError(f"incomplete results folder: {name} is missing (run `kl-bench run` first)",
                             file=str(folder))
-    env = read_envelope(folder / "run.json")
     present = [name for name in DATA_FILES if os.path.lexists(folder / name)]
     check_recorded(folder, env, present)
     blobs = {name: read_bytes(folder / name) for name in present}
