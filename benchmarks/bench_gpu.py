@@ -37,6 +37,7 @@ import bench_audit as audit          # beside this script
 import bench_gradients as grads
 import bench_rollout as rollouts
 import bench_vocab50k as vocab
+from kl_bench.foundation.launches import count_ops
 from kl_bench.sampling import seeding
 
 V = 50257
@@ -225,15 +226,7 @@ def profile(a, dev: torch.device) -> None:
     from torch.profiler import profile as torch_profile
     cuda = dev.type == "cuda"
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    runs = {
-        "tokens": lambda: vocab.engine(vocab.make_pair("tokens"), max(a.token_draws) // 10, dev),
-        "counts": lambda: vocab.engine(vocab.make_pair("counts"), a.count_draws // 10, dev),
-        "rollouts": lambda: rollouts.engine(rollouts.make_pair(a.buckets, a.length), a.rollouts // 10, dev,
-                                            a.rollout_batch // 10),
-        "gradients": lambda: grads.kl_bench_rollout(grads.make_rollout(), a.gradient_rollouts // 10, dev),
-        "audit": lambda: audit.methods(a.tile)["stream_values trl.grpo, b = q (callback)"](
-            *audit.make_layer(max(1, a.positions // 4), a.vocab, a.dim, device=str(dev))),
-    }
+    runs = _tenths(a, dev)
     for path in a.profile or a.paths:
         if path not in runs:
             continue
@@ -249,6 +242,38 @@ def profile(a, dev: torch.device) -> None:
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
         print(f"\nprofile of {path} (a tenth of its size; {s:.2f} s under the profiler; {launches:,} kernel launches)")
         print(events.table(sort_by=key, row_limit=14, max_name_column_width=60))
+
+
+def operations(a, dev: torch.device) -> None:
+    """Each selected path's kl-bench pipeline once more, at a tenth of its size, with the ATen operations it
+    dispatches counted (kl_bench.foundation.launches): on a GPU each is a kernel launch, so this is the
+    launch count of a launch-bound path, and it is measured on any device (the CPU in CI)."""
+    print(f"\nATen operations per pipeline call ({dev}; on a GPU each is at least one kernel launch)")
+    for path, run in _tenths(a, dev).items():
+        if path in (a.ops or a.paths):
+            run()                                                            # warm (tables)
+            _, ops = count_ops(run)
+            print(f"  {path:<10} {sum(ops.values()):>9,}   most: "
+                  + ", ".join(f"{k} {v:,}" for k, v in ops.most_common(4)))
+
+
+def _on_device_tree(run: Callable[[], object], dev: torch.device) -> object:
+    """``run()`` with count vectors drawn by the tree on ``dev`` (a CPU draws numpy's by default)."""
+    with vocab.counts_on("device", dev):
+        return run()
+
+
+def _tenths(a, dev: torch.device) -> dict[str, Callable[[], object]]:
+    """Each path's kl-bench pipeline at a tenth of its size (profiles and operation counts)."""
+    return {
+        "tokens": lambda: vocab.engine(vocab.make_pair("tokens"), max(a.token_draws) // 10, dev),
+        "counts": lambda: _on_device_tree(lambda: vocab.engine(vocab.make_pair("counts"), a.count_draws // 10, dev), dev),
+        "rollouts": lambda: rollouts.engine(rollouts.make_pair(a.buckets, a.length), a.rollouts // 10, dev,
+                                            a.rollout_batch // 10),
+        "gradients": lambda: grads.kl_bench_rollout(grads.make_rollout(), a.gradient_rollouts // 10, dev),
+        "audit": lambda: audit.methods(a.tile)["stream_values trl.grpo, b = q (callback)"](
+            *audit.make_layer(max(1, a.positions // 4), a.vocab, a.dim, device=str(dev))),
+    }
 
 
 PATHS = {"tokens": token_lines, "counts": count_lines, "rollouts": rollout_lines, "gradients": gradient_lines,
@@ -293,9 +318,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--profile", nargs="*", choices=list(PATHS), default=None,
                     help="then these paths' pipelines (none named: every path run) under torch's profiler")
+    ap.add_argument("--ops", nargs="*", choices=list(PATHS), default=None,
+                    help="then these paths' ATen operations per call, counted at a tenth of their size (none named: "
+                         "every path run; any device)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: CI checks that the table runs")
     a = ap.parse_args()
     if a.smoke:
+        a.ops = [] if a.ops is None else a.ops
         a.device, a.token_draws, a.count_draws, a.limit_draws, a.baseline_draws = "cpu", [20_000], 200_000, 20_000, 20_000
         a.rollouts, a.rollout_batch, a.length, a.buckets, a.gradient_rollouts = 400, 200, 8, 4, 400
         a.positions, a.vocab, a.dim, a.tile, a.audit_pieces = 8, 1000, 16, 256, [(4, 512)]
@@ -316,6 +345,8 @@ def main() -> None:
     total = time.perf_counter() - start
     overall = f"; peak GPU memory of any pipeline {max(x.peak_mib for x in lines):,.0f} MiB" if dev.type == "cuda" else ""
     print(f"run time {total:.1f} s (setup, warm-ups, limits and baselines included){overall}")
+    if a.ops is not None:
+        operations(a, dev)
     if a.profile is not None:
         profile(a, dev)
 

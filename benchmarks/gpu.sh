@@ -10,6 +10,7 @@
 #   benchmarks/gpu.sh --tests         # first the CUDA tests (tests/test_cuda.py, tests/test_multinomial.py),
 #                                     # with whatever pytest plugins the machine has (pytest-benchmark too)
 #   benchmarks/gpu.sh --profile [PATH ...]   # after the table, these paths (default all) under torch's profiler
+#   benchmarks/gpu.sh --ops [PATH ...]       # and each path's ATen operations per call (its kernel launches)
 #   benchmarks/gpu.sh --smoke         # tiny sizes on the CPU: what CI runs, so that the table cannot rot
 set -euo pipefail
 PY=${PYTHON:-python3}          # the interpreter that holds torch (a GPU image may have no plain `python`)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from scipy import stats
 
+from kl_bench.foundation.launches import count_ops
 from kl_bench.sampling import multinomial as mn
 from kl_bench.engine.monte_carlo import run_case
 from kl_bench.sampling.logits import zipf_logits
@@ -136,6 +137,24 @@ def test_rejected_nodes_draw_fresh_rows_and_keep_the_law():
     assert quantile_bins_z(x, law.cdf, edges) < Z
 
 
+@pytest.mark.parametrize("block", [1, 3])
+@pytest.mark.parametrize("n,p", [(5, 0.3), (100, 0.0999), (1 << 62, 2e-18)])
+def test_inversion_blocks_keep_the_law(block, n, p, monkeypatch):
+    """The inversion tries INVERSION_BLOCK values of k at a time and carries the rows still searching into
+    the next block: with blocks of 1 and 3 values most rows cross several blocks (a mean near 10 crosses
+    4 blocks of 3), and the law is the binomial's (chi-square on quantile bins, mean |z| < 5); n = 5 stops
+    at k = n inside a block."""
+    monkeypatch.setattr(mn, "INVERSION_BLOCK", block)
+    g = torch.Generator().manual_seed(block)
+    u = torch.rand(60_000, generator=g, dtype=torch.float64)
+    x = mn.binomial_inversion(torch.full((60_000,), n), torch.full((60_000,), p, dtype=torch.float64), u).numpy()
+    law = stats.binom(n, p)
+    edges = np.unique(law.ppf(np.linspace(0, 1, 31)[1:-1]))
+    assert quantile_bins_z(x, law.cdf, edges) < Z
+    assert abs((x.mean() - n * p) / math.sqrt(n * p * (1 - p) / len(x))) < Z
+    assert x.min() >= 0 and x.max() <= n
+
+
 @pytest.mark.parametrize("n", [1 << 62, (1 << 62) - 1, (1 << 53) + 1])
 def test_binomial_at_huge_n_is_exact_integers(n):
     """A float64 n·p has an ulp of 512 near 2^61: a sampler that rounds there returns multiples of it. The
@@ -216,6 +235,29 @@ def test_a_batch_draws_the_same_alone_or_with_others():
     assert torch.equal(together, alone) and torch.equal(together, pairs)
     assert together.sum(1).tolist() == sizes
     assert not torch.equal(together[5], mn.draw_counts(tree, [10**6], streams(6, 5)[5:])[0])   # seeds matter
+
+
+def test_launches_per_call_do_not_grow_with_the_batches(monkeypatch):
+    """On a GPU each operation is a kernel launch, and the tree was launch-bound on an H100 (issue 33: one
+    uniform call per batch and level, ~10 operations per inversion step). A call's operations (counted at
+    the dispatcher, kl_bench.foundation.launches) grow by the batches' own uniform calls only, and a
+    level costs a bounded number of them whatever n: measured here, the same on any device. (Rows of 20
+    attempts, so that no node of these sizes needs the rare fresh rows, whose rounds cost a level's
+    attempt again: about one node in 10^6 with the default 12.)"""
+    monkeypatch.setattr(mn, "ATTEMPTS", 20)
+    monkeypatch.setattr(mn, "SLOTS", 40)
+    w = torch.softmax(zipf_logits(3000, 1.1, 1, 7)[0], -1)
+    tree = mn.MultinomialTree.of(w)
+    levels = len(tree.levels)
+
+    def ops(batches: int, n: int) -> int:
+        return sum(count_ops(lambda: mn.draw_counts(tree, [n] * batches, streams(batches, 2)))[1].values())
+    few, many = ops(40, 10**7), ops(80, 10**7)   # both with rejected BTRS nodes at every level
+    # 2 operations per batch and group of levels (a view and its uniform call; 3 groups of at most the
+    # widest level's 1,500 nodes: levels of 1 … 512 nodes, 1,024, 1,500), not per batch and level
+    assert many - few <= 2 * 3 * 40, (few, many)
+    assert few <= 450 * levels, few            # the BTRS regime at every level: ~420 operations a level
+    assert ops(40, 10**3) <= 450 * levels      # the inversion regime too: a few blocks a level, not a step each
 
 
 @pytest.mark.parametrize("slots", [2, 4])

@@ -21,8 +21,8 @@ rounding of the acceptance tests (no approximating distribution):
   (1 + x)·log1p(x) − x, so that no term of size N cancels (the textbook form loses N·2^-53 there).
 
 Random numbers: node j of a level takes a row of :data:`SLOTS` uniforms (slot 0 for inversion, slots
-2t and 2t + 1 for BTRS attempt t). Each batch draws its rows from its own generator, one call per level
-(and one more, rare, for the batch's nodes that used all :data:`ATTEMPTS` attempts), so a batch's counts
+2t and 2t + 1 for BTRS attempt t). Each batch draws the rows of all its levels from its own generator in
+one call (and one more, rare, for the batch's nodes that used all :data:`ATTEMPTS` attempts), so a batch's counts
 depend on its generator alone: the same whether it is drawn alone or with other batches, hence whatever the
 chunk size or the number of processes. The generator lives on the device; only the batch sizes are
 host numbers.
@@ -43,7 +43,7 @@ HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 TAIL_SERIES_FROM = 20     # Stirling tail from lgamma below (error ~1e-15), from its series (< 2e-17) above
 SERIES_BELOW = 0.01       # (1 + x)·log1p(x) − x by its series for |x| below this (9 terms: error < 1e-17)
 SERIES_TERMS = 9
-CHECK_EVERY = 8           # inversion steps between host checks that some row is still searching
+INVERSION_BLOCK = 16      # values of k the inversion tries at once per row still searching (P(X ≥ 16) < 0.03 at n·p < 10)
 CALL_BYTES = 1 << 32      # memory one draw_counts call may use (a chunk's batches are split to fit)
 NODE_BYTES = 1536         # peak bytes per node of the widest level (measured ~1,400 on the CPU: the slots,
                           # BTRS's constants and the log-ratio's temporaries on every node at once)
@@ -86,13 +86,12 @@ def exact_product(n: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch
     p2 = torch.floor(p * 2.0**21) * 2.0**-21
     r = p - p2
     p1 = torch.floor(r * 2.0**42) * 2.0**-42
-    p0 = r - p1
-    whole = torch.zeros_like(n)
-    frac = torch.zeros_like(p)
-    for part in (hi * p2 * 2.0**31, hi * p1 * 2.0**31, hi * p0 * 2.0**31, lo * p2, lo * p1, lo * p0):
-        fl = torch.floor(part)
-        whole = whole + fl.to(torch.int64)
-        frac = frac + (part - fl)
+    # The six products at once, [6, ...] (each exact as above but hi·p0·2^31 and lo·p0): a few operations
+    # whatever their number (on a GPU each is a kernel launch).
+    parts = (torch.stack([hi * 2.0**31, lo])[:, None] * torch.stack([p2, p1, r - p1])[None]).flatten(0, 1)
+    fl = torch.floor(parts)
+    whole = fl.to(torch.int64).sum(0)
+    frac = (parts - fl).sum(0)
     carry = torch.floor(frac)
     return whole + carry.to(torch.int64), frac - carry
 
@@ -101,23 +100,43 @@ def exact_product(n: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch
 def binomial_inversion(n: torch.Tensor, p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Binomial(n, p) [R] int64 from one uniform u [R] each, by inversion: the number of k < n whose CDF
     F(k) = Σ_{j≤k} f(j) is below u, with f(k + 1) = f(k)·(n − k)/(k + 1)·p/(1 − p) from f(0) = (1 − p)^n.
-    For n·p < 10, p ≤ ½ (n·p + 1 steps on average). Every row takes every step, without compaction (a
-    finished row adds 0): one host check every :data:`CHECK_EVERY` steps. A row stops counting where f
-    underflows (a tail below 1e-300 that float64 rounding of F could otherwise leave above u)."""
+    For n·p < 10, p ≤ ½ (n·p + 1 steps on average).
+
+    The search runs :data:`INVERSION_BLOCK` values of k at a time on every row still searching ([R, K]: the
+    mass function by a running product, the CDF by a running sum), so that a level of the tree costs a
+    few dozen operations and one host check per block rather than ~10 operations and a check every few
+    steps (on a GPU each operation is a kernel launch: issue 33). A row stops counting where f underflows
+    (a tail below 1e-300 that float64 rounding of F could otherwise leave above u)."""
     nd = n.to(torch.float64)
     ratio = p / (1 - p)
-    f = torch.exp(nd * torch.log1p(-p))
-    cdf = f.clone()
+    f = torch.exp(nd * torch.log1p(-p))                    # f(k0) of each row still searching
+    below_k0 = torch.zeros_like(nd)                        # F(k0 − 1)
     x = torch.zeros_like(n)
-    k = 0
+    rows = None                                            # the rows still searching (None: all)
+    k0 = 0
     while True:
-        below = (u > cdf) & (n > k) & (f > 0)              # F(k) < u: X > k
-        x += below.to(torch.int64)
-        if k % CHECK_EVERY == CHECK_EVERY - 1 and not bool(below.any()):
+        k = torch.arange(k0, k0 + INVERSION_BLOCK, dtype=torch.float64, device=nd.device)
+        # f(k0 + j) = f(k0)·Π_{i<j} (n − k0 − i)/(k0 + i + 1)·p/(1 − p): a running product along the block
+        # (in place where it can: the block's [R, K] matrices are a level's largest tensors)
+        step = (nd[:, None] - k[:-1]).div_(k[:-1] + 1).mul_(ratio[:, None])
+        mass = torch.cat([f[:, None], step], 1).cumprod_(1)
+        del step
+        cdf = mass.cumsum(1).add_(below_k0[:, None])
+        below = (u[:, None] > cdf).logical_and_(nd[:, None] > k).logical_and_(mass > 0)   # F(k) < u: X > k
+        found = below.sum(1)
+        if rows is None:
+            x += found
+        else:
+            x.index_add_(0, rows, found)
+        more = torch.nonzero(below[:, -1]).squeeze(1)
+        if not more.numel():
             return x
-        f = f * (nd - k) / (k + 1) * ratio
-        cdf = cdf + f
-        k += 1
+        last = k0 + INVERSION_BLOCK - 1                  # f(last + 1) from f(last)
+        nd, ratio, u = nd[more], ratio[more], u[more]
+        f = mass[more, -1] * ((nd - last) / (last + 1) * ratio)
+        below_k0 = cdf[more, -1]
+        rows = more if rows is None else rows[more]
+        k0 += INVERSION_BLOCK
 
 
 @dataclass
@@ -152,7 +171,7 @@ class _Btrs:
         log_slope = torch.log1p(delta / ((1 - p) * (mode + 1).to(torch.float64)))
         return cls(n, p, whole, frac, mode, (-whole - 1).to(torch.float64), (n - whole + 1).to(torch.float64),
                    -0.0873 + 0.0248 * b + 0.01 * p, b,
-                   (2.83 + 5.1 / b) * spq, 0.92 - 4.2 / b, log_slope, stirling_tail(mode) + stirling_tail(n - mode))
+                   (2.83 + 5.1 / b) * spq, 0.92 - 4.2 / b, log_slope, stirling_tail(torch.stack([mode, n - mode])).sum(0))
 
     def keep(self, index: torch.Tensor) -> "_Btrs":
         return _Btrs(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
@@ -164,10 +183,12 @@ class _Btrs:
         d = (k - self.mode).to(torch.float64)
         big_a = (self.mode + 1).to(torch.float64)
         big_b = (self.n - self.mode + 1).to(torch.float64)
-        x, y = d / big_a, -d / big_b
-        return (d * self.log_slope - big_a * log1p_excess(x) - big_b * log1p_excess(y)
-                + 0.5 * (torch.log1p(x) + torch.log1p(y))
-                + self.tails_m - stirling_tail(k) - stirling_tail(self.n - k))
+        # x = d/A and y = −d/B stacked, and the tails of k and n − k: each helper runs once on both halves
+        # (the same values as two calls, in half the operations: on a GPU each one is a kernel launch).
+        xy = torch.stack([d / big_a, -d / big_b])
+        h, tails = log1p_excess(xy), stirling_tail(torch.stack([k, self.n - k]))
+        return (d * self.log_slope - big_a * h[0] - big_b * h[1] + 0.5 * torch.log1p(xy).sum(0)
+                + self.tails_m - tails.sum(0))
 
     def attempt(self, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """BTRS attempts from uniforms u, v [R, A] (A attempts per node): (accepted [R, A] bool, k [R, A])."""
@@ -273,6 +294,19 @@ def _more(generators: list[torch.Generator], nodes: int, device: torch.device):
     return more
 
 
+def _slot_groups(widths: list[int]) -> list[int | None]:
+    """For each level (node counts ``widths``, root first): the node count of the group of levels whose
+    uniform rows are drawn at that level (None: drawn with an earlier level's group). Groups are runs of
+    consecutive levels of at most max(widths) nodes (three groups at M = 50,257)."""
+    groups: list[list[int]] = []
+    for s in widths:
+        if groups and sum(groups[-1]) + s <= max(widths):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return [x for group in groups for x in [sum(group)] + [None] * (len(group) - 1)]
+
+
 def draw_counts(tree: MultinomialTree, sizes: list[int], generators: list[torch.Generator]) -> torch.Tensor:
     """Count vectors [G, M] int64 on the tree's device, row g ~ Multinomial(sizes[g], w) drawn from
     ``generators[g]`` alone (module docstring): one call for all G batches."""
@@ -282,15 +316,25 @@ def draw_counts(tree: MultinomialTree, sizes: list[int], generators: list[torch.
         raise ValueError(f"multinomial sizes must be in [0, 2^62], got {sizes}")
     device, g = tree.device, len(sizes)
     counts = torch.tensor(sizes, dtype=torch.int64, device=device).reshape(g, 1)
-    for left_p, right_p, next_size in tree.levels:
-        s = left_p.shape[0]
-        slots = torch.empty(g, s, SLOTS, dtype=torch.float64, device=device)
-        for i, gen in enumerate(generators):
-            slots[i].uniform_(generator=gen)
+    # The levels' rows of uniforms, one call per batch for a group of levels (rather than per batch and
+    # level: on a GPU each call is a kernel launch, and the tree has ⌈log2 M⌉ levels). A group holds at
+    # most as many nodes as the widest level, so the rows alive never exceed twice that level's: every
+    # level above the last in one group, the last in another.
+    widths = [left_p.shape[0] for left_p, _, _ in tree.levels]
+    every = slots = start = None
+    for (left_p, right_p, next_size), s, group in zip(tree.levels, widths, _slot_groups(widths)):
+        if group is not None:
+            every = slots = None                                              # the last group's rows freed
+            start = 0
+            every = torch.empty(g, group, SLOTS, dtype=torch.float64, device=device)
+            for i, gen in enumerate(generators):
+                every[i].uniform_(generator=gen)
+        slots = every[:, start:start + s].reshape(g * s, SLOTS)
+        start += s
         n = counts.reshape(-1)
         pl, pr = left_p.repeat(g), right_p.repeat(g)
         small_left = pl <= pr
-        x = binomial(n, torch.where(small_left, pl, pr), slots.reshape(g * s, SLOTS), _more(generators, s, device))
+        x = binomial(n, torch.where(small_left, pl, pr), slots, _more(generators, s, device))
         left = torch.where(small_left, x, n - x)
         counts = torch.stack([left, n - left], 1).reshape(g, 2 * s)[:, :next_size]
     return counts
