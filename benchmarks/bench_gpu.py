@@ -20,7 +20,11 @@ kernels, tables); figures are single runs. Rates: draws (or draw-equivalents, to
 positions) per second.
 
     python benchmarks/bench_gpu.py --device cuda                  # the table (benchmarks/gpu.sh)
-    python benchmarks/bench_gpu.py --smoke                        # tiny sizes on the CPU (CI)
+    python benchmarks/bench_gpu.py --smoke                        # tiny sizes on the CPU (CI), --ops included
+    python benchmarks/bench_gpu.py --device cpu --paths counts --ops   # ATen operations per call, any device
+
+--profile and --ops run the counts path with the tree on the device, also on a CPU (where kl-bench
+otherwise draws count vectors with numpy on the host).
 """
 from __future__ import annotations
 
@@ -248,7 +252,7 @@ def operations(a, dev: torch.device) -> None:
     """Each selected path's kl-bench pipeline once more, at a tenth of its size, with the ATen operations it
     dispatches counted (kl_bench.foundation.launches): on a GPU each is a kernel launch, so this is the
     launch count of a launch-bound path, and it is measured on any device (the CPU in CI)."""
-    print(f"\nATen operations per pipeline call ({dev}; on a GPU each is at least one kernel launch)")
+    print(f"\nATen operations per pipeline call ({dev}; on a GPU each is about one kernel launch, views none)")
     for path, run in _tenths(a, dev).items():
         if path in (a.ops or a.paths):
             run()                                                            # warm (tables)

@@ -238,7 +238,7 @@ def test_a_batch_draws_the_same_alone_or_with_others():
 
 
 def test_launches_per_call_do_not_grow_with_the_batches(monkeypatch):
-    """On a GPU each operation is a kernel launch, and the tree was launch-bound on an H100 (issue 33: one
+    """On a GPU each operation is about one kernel launch, and the tree was launch-bound on an H100 (issue 33: one
     uniform call per batch and level, ~10 operations per inversion step). A call's operations (counted at
     the dispatcher, kl_bench.foundation.launches) grow by the batches' own uniform calls only, and a
     level costs a bounded number of them whatever n: measured here, the same on any device. (Rows of 20
@@ -254,10 +254,11 @@ def test_launches_per_call_do_not_grow_with_the_batches(monkeypatch):
         return sum(count_ops(lambda: mn.draw_counts(tree, [n] * batches, streams(batches, 2)))[1].values())
     few, many = ops(40, 10**7), ops(80, 10**7)   # both with rejected BTRS nodes at every level
     # 2 operations per batch and group of levels (a view and its uniform call; 3 groups of at most the
-    # widest level's 1,500 nodes: levels of 1 … 512 nodes, 1,024, 1,500), not per batch and level
-    assert many - few <= 2 * 3 * 40, (few, many)
-    assert few <= 450 * levels, few            # the BTRS regime at every level: ~420 operations a level
-    assert ops(40, 10**3) <= 450 * levels      # the inversion regime too: a few blocks a level, not a step each
+    # widest level's 1,500 nodes: 752, 750 and 1,500), not per batch and level (the code before: 960 here);
+    # 150 of slack for a data-dependent pass (a level where only the larger call has a rejected node)
+    assert many - few <= 2 * 3 * 40 + 150, (few, many)
+    assert few <= 500 * levels, few            # the BTRS regime at every level: ~430 operations a level
+    assert ops(40, 10**3) <= 500 * levels      # the inversion regime too: a few blocks a level, not a step each
 
 
 @pytest.mark.parametrize("slots", [2, 4])

@@ -1,9 +1,7 @@
-"""How many ATen operations a call dispatches: on a GPU each is (at least) one kernel launch, so this count
-is a launch count that can be measured and tested on a CPU-only machine (issue 33: the paths that were
-launch-bound on an H100 are kept in check by it in CI, and benchmarks/bench_gpu.py prints it).
-
-Only operators that reach the dispatcher are counted (views and metadata calls included, as they cost host
-time too); a kernel that one operator launches several times on a GPU counts once.
+"""How many ATen operations a call dispatches: a proxy for the kernel launches it makes on a GPU (views and
+``empty`` launch none, a few operators such as ``nonzero`` or ``cumsum`` launch several; every one costs host
+time), measured on any device, so that the paths that were launch-bound on an H100 (issue 33) are kept in
+check on a CPU-only machine in CI. benchmarks/bench_gpu.py --ops prints it.
 """
 from __future__ import annotations
 

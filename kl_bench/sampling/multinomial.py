@@ -21,8 +21,9 @@ rounding of the acceptance tests (no approximating distribution):
   (1 + x)·log1p(x) − x, so that no term of size N cancels (the textbook form loses N·2^-53 there).
 
 Random numbers: node j of a level takes a row of :data:`SLOTS` uniforms (slot 0 for inversion, slots
-2t and 2t + 1 for BTRS attempt t). Each batch draws the rows of all its levels from its own generator in
-one call (and one more, rare, for the batch's nodes that used all :data:`ATTEMPTS` attempts), so a batch's counts
+2t and 2t + 1 for BTRS attempt t). Each batch draws its rows from its own generator, one call per group
+of levels (three at M = 50,257; and one more, rare, for the batch's nodes that used all :data:`ATTEMPTS`
+attempts), so a batch's counts
 depend on its generator alone: the same whether it is drawn alone or with other batches, hence whatever the
 chunk size or the number of processes. The generator lives on the device; only the batch sizes are
 host numbers.
@@ -43,10 +44,11 @@ HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 TAIL_SERIES_FROM = 20     # Stirling tail from lgamma below (error ~1e-15), from its series (< 2e-17) above
 SERIES_BELOW = 0.01       # (1 + x)·log1p(x) − x by its series for |x| below this (9 terms: error < 1e-17)
 SERIES_TERMS = 9
-INVERSION_BLOCK = 16      # values of k the inversion tries at once per row still searching (P(X ≥ 16) < 0.03 at n·p < 10)
+INVERSION_BLOCK = 16      # values of k the inversion tries at once per row still searching (P(X ≥ 16) < 0.05 at n·p < 10)
 CALL_BYTES = 1 << 32      # memory one draw_counts call may use (a chunk's batches are split to fit)
-NODE_BYTES = 1536         # peak bytes per node of the widest level (measured ~1,400 on the CPU: the slots,
-                          # BTRS's constants and the log-ratio's temporaries on every node at once)
+NODE_BYTES = 1536         # peak bytes per node of the widest level (measured ≤ 1,490 on the CPU, n from 10^4 to
+                          # 4·10^18 a batch: the rows of uniforms, BTRS's constants and the log-ratio's
+                          # temporaries on every node at once)
 CALL_BATCHES = 1024       # at most, whatever the memory (a chunk is also when progress and checkpoints happen)
 
 
@@ -318,8 +320,8 @@ def draw_counts(tree: MultinomialTree, sizes: list[int], generators: list[torch.
     counts = torch.tensor(sizes, dtype=torch.int64, device=device).reshape(g, 1)
     # The levels' rows of uniforms, one call per batch for a group of levels (rather than per batch and
     # level: on a GPU each call is a kernel launch, and the tree has ⌈log2 M⌉ levels). A group holds at
-    # most as many nodes as the widest level, so the rows alive never exceed twice that level's: every
-    # level above the last in one group, the last in another.
+    # most as many nodes as the widest level, so the rows alive never exceed twice that level's (at
+    # M = 50,257: groups of 12,573, 12,565 and 25,129 nodes).
     widths = [left_p.shape[0] for left_p, _, _ in tree.levels]
     every = slots = start = None
     for (left_p, right_p, next_size), s, group in zip(tree.levels, widths, _slot_groups(widths)):
