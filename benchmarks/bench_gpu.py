@@ -137,6 +137,19 @@ def token_pieces(factor: int | None, dev: torch.device):
         seeding.TOKEN_PIECES.update(keep)
 
 
+@contextlib.contextmanager
+def step_blocks(block: int | None, dev: torch.device):
+    """Rollout sums added once per ``block`` steps on this device type (None: kl-bench's own)."""
+    keep = dict(seeding.STEP_BLOCKS)
+    if block is not None:
+        seeding.STEP_BLOCKS[dev.type] = block
+    try:
+        yield
+    finally:
+        seeding.STEP_BLOCKS.clear()
+        seeding.STEP_BLOCKS.update(keep)
+
+
 def token_lines(a, dev: torch.device) -> list[Line]:
     pair = vocab.make_pair("tokens")
     # Warm-up on batches of V draws: the dense count path that the timed sizes take (batches far smaller
@@ -181,8 +194,16 @@ def rollout_lines(a, dev: torch.device) -> list[Line]:
     steps = n * t
     limit = rate(rollout_limit(n, t, c, dev), steps, dev)[0]
     base = rate(lambda: rollouts.inverse_cdf(pair, n, dev), steps, dev)[0]
-    r, s, peak = rate(lambda: rollouts.engine(pair, n, dev, a.rollout_batch), steps, dev)
-    return [Line(f"rollouts (C {c}, T {t})", f"{n:.0e} rollouts", "token-steps/s", r, limit, base, peak, s)]
+    out = []
+    # Blocks of steps (seeding.STEP_BLOCKS: 8 on CUDA, chosen by operation count) against step by step
+    # (the CPU's 1): the GPU decides (issue 33).
+    for label, block in (("", None), (", step by step", 1)):
+        if block is not None and seeding.step_block(dev) == 1:
+            continue
+        with step_blocks(block, dev):
+            r, s, peak = rate(lambda: rollouts.engine(pair, n, dev, a.rollout_batch), steps, dev)
+        out.append(Line(f"rollouts (C {c}, T {t}){label}", f"{n:.0e} rollouts", "token-steps/s", r, limit, base, peak, s))
+    return out
 
 
 def gradient_lines(a, dev: torch.device) -> list[Line]:

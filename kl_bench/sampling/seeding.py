@@ -25,6 +25,13 @@ PIECE_DRAWS = {"cpu": 1 << 16, "cuda": 1 << 20}
 # with its generator and a dozen kernels, instead of ~10^4 (issue 33; not yet timed on a GPU:
 # benchmarks/bench_gpu.py times both sizes). The CPU keeps one piece, and with it its bytes.
 TOKEN_PIECES = {"cpu": 1, "cuda": 16}
+# A rollout's per-step sums (L, the analytic KL, the token rows) are added once per block of this many steps
+# (kl_bench.kinds.rollout.sampler): each estimator then runs once a block rather than once a step, fewer
+# operations (on a GPU, kernel launches: issue 33) for the same elementwise work. Within a block the steps
+# are added in a fixed order (a pairwise tree that depends on the block's length alone), so a path's sums
+# do not depend on its neighbours or the chunk. The CPU adds every step on its own, and keeps its bytes.
+# CUDA: 8 steps, chosen by operation count (benchmarks/README.md), not yet timed on a GPU.
+STEP_BLOCKS = {"cpu": 1, "cuda": 8}
 
 
 def device_key(device) -> torch.device:
@@ -37,6 +44,11 @@ def device_key(device) -> torch.device:
 def piece_draws(device: torch.device) -> int:
     """The fixed piece size on ``device``'s type (draws)."""
     return PIECE_DRAWS.get(torch.device(device).type, PIECE_DRAWS["cpu"])
+
+
+def step_block(device: torch.device) -> int:
+    """The rollout sampler's steps per block of sums on ``device``'s type (:data:`STEP_BLOCKS`)."""
+    return STEP_BLOCKS.get(torch.device(device).type, STEP_BLOCKS["cpu"])
 
 
 def token_piece_draws(device: torch.device) -> int:

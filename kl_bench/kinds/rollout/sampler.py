@@ -19,7 +19,7 @@ import torch
 from ...sampling.alias import pick
 from ...core.draws import Draws, Row
 from ...core.rejection import SequenceMask
-from ...sampling.seeding import BatchStream, piece_draws
+from ...sampling.seeding import BatchStream, piece_draws, step_block
 from ..base import BatchSums, Features
 from .model import RolloutModel
 
@@ -57,6 +57,51 @@ class _Walk:
                    torch.zeros(n, dtype=f64, device=device) if weighted else None)
 
 
+@dataclass
+class _Block:
+    """Up to B steps' per-path values, [B, n] each, added to the walk's sums once a block
+    (kl_bench.sampling.seeding.STEP_BLOCKS): ``g`` log r of the drawn tokens, ``kl`` the analytic KL of
+    their contexts, ``alive`` 1.0 where the step belongs to the sequence, ``factor`` a token row's weight
+    (alive·w_t under token weights, else ``alive`` itself); ``used`` rows filled."""
+    g: torch.Tensor
+    kl: torch.Tensor
+    alive: torch.Tensor
+    factor: torch.Tensor
+    used: int = 0
+
+    @classmethod
+    def of(cls, steps: int, n: int, per_token: bool, device: torch.device) -> "_Block":
+        g, kl, alive = (torch.empty(steps, n, dtype=torch.float64, device=device) for _ in range(3))
+        return cls(g, kl, alive, torch.empty_like(alive) if per_token else alive)
+
+    def add_to(self, walk: _Walk, tok_rows: list[Row]) -> None:
+        """Add the filled rows' terms to ``walk``'s sums, and empty the block."""
+        m = self.used
+        g, kl, alive, factor = (x if m == x.shape[0] else x[:m] for x in (self.g, self.kl, self.alive, self.factor))
+        # Every sum's terms side by side [m, n, 3 + rows], so that one pairwise sum over the steps serves all
+        cols = [alive * g, alive * kl, alive * torch.expm1(g)]
+        cols += [factor * (kl if r.est.analytic else r.est.fn(g)) for r in tok_rows]
+        s = _steps_sum(torch.stack(cols, dim=-1))
+        walk.logr += s[:, 0]
+        walk.full += s[:, 1]
+        walk.tok_b += s[:, 2]
+        if tok_rows:
+            walk.tok += s[:, 3:]
+        self.used = 0
+
+
+def _steps_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ over the leading (step) dimension of ``x`` [m, ...] (contiguous) in a fixed pairwise order that
+    depends on m alone: rows i and i + m/2 added, and again (a sum of two terms is the same in any order,
+    so no reduction kernel's choice of order, which may follow the tensor's width, reaches the bytes);
+    m = 1 is x[0] itself, the per-step sums' own bytes."""
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        top = x[:2 * half].view(2, half, *x.shape[1:]).sum(0)
+        x = torch.cat([top, x[2 * half:]]) if x.shape[0] % 2 else top
+    return x[0]
+
+
 def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator], device: torch.device,
              tok_rows: list[Row] = (), record: list | None = None) -> Draws:
     """Rollouts for several batches at once (``sizes[i]`` paths from ``gens[i]``), never materialising [n, V].
@@ -67,12 +112,14 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
     on = model.sampling_tables(device)
     tables, logw, g_flat, kl_ctx, bucket = on.alias, on.logw, on.logr, on.kl_ctx, on.bucket
     weighted = model.weighting.weighted
-    walk = _Walk.start(sum(sizes), len(tok_rows), weighted, device)
+    n = sum(sizes)
+    walk = _Walk.start(n, len(tok_rows), weighted, device)
+    block = _Block.of(min(step_block(device), model.length), n, weighted and model.weighting.per_token, device)
     # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.core.rejection).
-    mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], sum(sizes), device)
+    mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], n, device)
     for t in range(model.length):
         phase = model.phase_of[t]
-        u = torch.empty(walk.c.shape[0], dtype=torch.float64, device=device)
+        u = torch.empty(n, dtype=torch.float64, device=device)
         at = 0
         for k, g in zip(sizes, gens):           # each batch's uniforms from its generator, in place
             torch.rand(k, dtype=torch.float64, generator=g, device=device, out=u[at:at + k])
@@ -81,7 +128,16 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
         base = walk.c * model.vocab
         x = pick(tables[phase], u, model.vocab, base)
         key = base + x
-        w_t = _step(model, walk, g_flat[key], kl_ctx[walk.c], None if logw is None else logw[phase][key], tok_rows)
+        j = block.used
+        torch.index_select(g_flat, 0, key, out=block.g[j])
+        torch.index_select(kl_ctx, 0, walk.c, out=block.kl[j])
+        block.alive[j].copy_(walk.alive)
+        w_t = _weigh(model, walk, None if logw is None else logw[phase][key])
+        if block.factor is not block.alive:
+            torch.mul(walk.alive, w_t, out=block.factor[j])
+        block.used += 1
+        if block.used == block.g.shape[0] or t == model.length - 1:
+            block.add_to(walk, tok_rows)
         mask.add(phase, key, walk.alive)
         if record is not None:
             record.append((key, walk.alive, w_t))
@@ -92,22 +148,16 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
                  log_weight=walk.log_weight, keep=mask.keep())
 
 
-def _step(model: RolloutModel, walk: _Walk, g: torch.Tensor, kl_c: torch.Tensor, logw_t: torch.Tensor | None,
-          tok_rows: list[Row]) -> torch.Tensor | None:
-    """Add one step's terms to the walk's sums: ``g`` = log r of the drawn tokens [n], ``kl_c`` the KL of
-    their buckets [n], ``logw_t`` their log q/b [n] (None without weights); the tokens' corrected weights."""
+def _weigh(model: RolloutModel, walk: _Walk, logw_t: torch.Tensor | None) -> torch.Tensor | None:
+    """Multiply the walk's sequence weights by the drawn tokens' (``logw_t`` = their log q/b [n]; None
+    without weights, which is returned) for sequences still alive; the tokens' corrected weights."""
+    if logw_t is None:
+        return None
+    w_t = model.capped(torch.exp(logw_t))
     alive = walk.alive
-    walk.logr += alive * g
-    walk.full += alive * kl_c
-    walk.tok_b += alive * torch.expm1(g)
-    w_t = None if logw_t is None else model.capped(torch.exp(logw_t))
-    if w_t is not None:                     # q/b of this token, for sequences still alive
-        walk.weight = walk.weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
-        lw_t = model.capped_log(logw_t)
-        walk.log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
-    if tok_rows:
-        vals = torch.stack([kl_c if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
-        walk.tok += (alive * w_t if model.weighting.per_token else alive)[:, None] * vals
+    walk.weight = walk.weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
+    lw_t = model.capped_log(logw_t)
+    walk.log_weight += torch.where(alive > 0, lw_t, torch.zeros_like(lw_t))   # Σ log w: no overflow
     return w_t
 
 
