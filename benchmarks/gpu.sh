@@ -7,7 +7,7 @@
 #
 #   benchmarks/gpu.sh                 # the table on cuda (extra arguments go to bench_gpu.py)
 #   benchmarks/gpu.sh --trainer       # then the audit's share of a GRPO step at Qwen2-0.5B's shape (needs trl)
-#   benchmarks/gpu.sh --tests         # first the CUDA tests (tests/test_cuda.py, tests/test_multinomial.py),
+#   benchmarks/gpu.sh --tests         # first the CUDA tests (test_cuda.py, test_multinomial.py, test_rollout_blocks.py),
 #                                     # with whatever pytest plugins the machine has (pytest-benchmark too)
 #   benchmarks/gpu.sh --profile [PATH ...]   # after the table, these paths (default all) under torch's profiler
 #   benchmarks/gpu.sh --ops [PATH ...]       # and each path's ATen operations per call (its kernel launches)
@@ -36,7 +36,7 @@ if (( tests )); then
     # A failing test is reported, and the table still runs (a lease of a GPU is short): gpu.sh then exits 1.
     workers=()
     "$PY" -c "import xdist" 2>/dev/null && workers=(-n 4)
-    "$PY" -m pytest -q "${workers[@]+"${workers[@]}"}" tests/test_cuda.py tests/test_multinomial.py -rs --durations=8 \
+    "$PY" -m pytest -q "${workers[@]+"${workers[@]}"}" tests/test_cuda.py tests/test_multinomial.py tests/test_rollout_blocks.py -rs --durations=8 \
         || failed=1
 fi
 "$PY" benchmarks/bench_gpu.py --device cuda "$@"

@@ -43,21 +43,26 @@ def _model(options: dict) -> RolloutModel:
     return RolloutModel.build(lq, lp, torch.arange(V) % C, T, EOS, log_b=log_b, **kw)
 
 
-def _draws(model: RolloutModel, block: int, monkeypatch):
-    monkeypatch.setitem(seeding.STEP_BLOCKS, "cpu", block)
-    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-    return simulate(model, [700, 300], gens, CPU, ROWS)
+def _draws(model: RolloutModel, block: int, monkeypatch, device: torch.device = CPU):
+    monkeypatch.setitem(seeding.STEP_BLOCKS, device.type, block)
+    gens = [torch.Generator(device=device).manual_seed(s) for s in (1, 2)]
+    return simulate(model, [700, 300], gens, device, ROWS)
 
 
+DEVICES = [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=["cpu", "cuda"])
 @pytest.mark.parametrize("block", [3, 8, 16])
 @pytest.mark.parametrize("options", list(OPTIONS), ids=list(OPTIONS))
-def test_blocks_of_steps_give_the_per_step_sums(block, options, monkeypatch):
+def test_blocks_of_steps_give_the_per_step_sums(block, options, device, monkeypatch):
     """The same paths (the uniforms do not depend on the block), the same sums up to the order of T = 11
     float64 additions: each within (T − 1)·2^-52·Σ_t |term_t| ≤ T²·2^-52·(the largest term), bounded here by
     the largest sum's magnitude times T (terms of one sign dominate); the weights and the rejection mask,
     multiplied or decided step by step in both, are identical."""
     model = _model(OPTIONS[options])
-    one, blocked = _draws(model, 1, monkeypatch), _draws(model, block, monkeypatch)
+    one, blocked = _draws(model, 1, monkeypatch, device), _draws(model, block, monkeypatch, device)
     for field in ("logr", "full", "tok", "tok_b"):
         a, b = getattr(one, field), getattr(blocked, field)
         scale = T * max(1.0, float(a.abs().max()))
