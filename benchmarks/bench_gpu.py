@@ -41,6 +41,7 @@ import bench_audit as audit          # beside this script
 import bench_gradients as grads
 import bench_rollout as rollouts
 import bench_vocab50k as vocab
+from kl_bench.audit.stream import pieces
 from kl_bench.foundation.launches import count_ops
 from kl_bench.sampling import seeding
 
@@ -221,7 +222,7 @@ def gradient_lines(a, dev: torch.device) -> list[Line]:
 def audit_lines(a, dev: torch.device) -> list[Line]:
     n, v, d = a.positions, a.vocab, a.dim
     layer = audit.make_layer(n, v, d, device=str(dev))
-    m = audit.methods(a.tile)
+    m = audit.methods(a.tile or pieces(dev)[1])          # the device's own chunk and tile (stream.PIECES)
     timed = ("two tiled float32 forwards (floor)", "dense float32", "stream_kl", "stream_values trl.grpo, b = q (callback)")
     for name in timed:
         m[name](*layer)       # warm-up (a first call also compiles CUDA's jiterator kernels: seconds)
@@ -231,9 +232,10 @@ def audit_lines(a, dev: torch.device) -> list[Line]:
     for name in ("stream_kl", "stream_values trl.grpo, b = q (callback)"):
         r, s, peak = rate(lambda: m[name](*layer), n, dev)
         out.append(Line(f"audit {name.split(' (')[0]}", f"{n} × {v:,}", "positions/s", r, limit, base, peak, s))
-    # Issue 32: on an H100 the defaults (chunk 256, tile 4,096: the CPU's) left stream_values dispatch-bound
-    # (32 forwards, 8,827 launches per 1,024 positions). Larger pieces mean fewer launches and more memory
-    # (chunk × tile elements a buffer): each setting of --audit-pieces measured here, beside the default.
+    # Issue 32: on an H100 the CPU's pieces (chunk 256, tile 4,096) left stream_values dispatch-bound
+    # (32 forwards, 8,827 launches per 1,024 positions); a GPU's default is now 1,024 × 8,192, chosen by
+    # operation count. Larger pieces mean fewer launches and more memory (chunk × tile elements a buffer):
+    # each setting of --audit-pieces (the CPU's among them) measured here, beside the default.
     for chunk, tile in a.audit_pieces:
         values = audit._values(("trl.grpo",), audit.Sampler(), tile, chunk=chunk)
         values(*layer)                                      # warm-up
@@ -296,7 +298,7 @@ def _tenths(a, dev: torch.device) -> dict[str, Callable[[], object]]:
         "rollouts": lambda: rollouts.engine(rollouts.make_pair(a.buckets, a.length), a.rollouts // 10, dev,
                                             a.rollout_batch // 10),
         "gradients": lambda: grads.kl_bench_rollout(grads.make_rollout(), a.gradient_rollouts // 10, dev),
-        "audit": lambda: audit.methods(a.tile)["stream_values trl.grpo, b = q (callback)"](
+        "audit": lambda: audit.methods(a.tile or pieces(dev)[1])["stream_values trl.grpo, b = q (callback)"](
             *audit.make_layer(max(1, a.positions // 4), a.vocab, a.dim, device=str(dev))),
     }
 
@@ -336,9 +338,9 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--dim", type=int, default=896)
-    ap.add_argument("--tile", type=int, default=4096)
+    ap.add_argument("--tile", type=int, default=None, help="the audit's tile (default: the device's, stream.PIECES)")
     ap.add_argument("--audit-pieces", type=lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",")],
-                    default=[(1024, 8192), (4096, 16384), (4096, 32768)],
+                    default=[(256, 4096), (4096, 16384), (4096, 32768)],
                     help="stream_values' chunk x tile settings timed beside the default (e.g. 1024x8192,4096x16384)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--profile", nargs="*", choices=list(PATHS), default=None,

@@ -302,7 +302,7 @@ def step_files(directory: Path) -> list[Path]:
     return files
 
 
-def audit_folder(directory, *, on_step=None, tile: int = 4096, chunk: int = 256,
+def audit_folder(directory, *, on_step=None, tile: int | None = None, chunk: int | None = None,
                  dtype: torch.dtype = torch.float64) -> AuditLog:
     """Audit every saved step of ``directory`` through the audit core, the files of one step pooled;
     every file is read and checked before any is audited. ``on_step(audit, warnings)`` after each step
@@ -354,13 +354,15 @@ def steps_folder(directory: Path) -> Path | None:
     return None
 
 
-def audit_command(directory: Path, out: Path | None, *, tile: int, chunk: int, echo=print) -> Path | None:
+def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk: int | None,
+                  echo=print) -> Path | None:
     """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print a line each,
     its warnings and the pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json.
     A callback's results folder without saved steps is read back and its verdicts printed (nothing
     written; returns None)."""
-    if tile < 1 or chunk < 1:
-        raise SpecError(f"must be ≥ 1, got {min(tile, chunk)}", key="--tile" if tile < 1 else "--chunk")
+    for key, value in (("--tile", tile), ("--chunk", chunk)):
+        if value is not None and value < 1:
+            raise SpecError(f"must be ≥ 1, got {value}", key=key)
     directory = Path(directory)
     found = steps_folder(directory)
     if found is None and any((directory / n).is_file() for n in ("audit.csv", "run.json")):

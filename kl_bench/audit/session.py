@@ -120,8 +120,8 @@ class AuditSession:
     metrics: Sequence[Metric]
     sampler: Sampler = field(default_factory=Sampler)
     dtype: torch.dtype = torch.float32
-    chunk: int = 256
-    tile: int = 4096
+    chunk: int | None = None          # None: stream.PIECES of the hidden states' device
+    tile: int | None = None
     negative: bool = True
     thresholds: Thresholds = field(default_factory=Thresholds)
     log: AuditLog = field(default_factory=AuditLog)

@@ -49,6 +49,21 @@ from .polymoments import Basis, degree, finish_family, scratch_needed, tile_sums
 from .sampler import Sampler, sampler_scores
 
 COMPUTE_DTYPES = (torch.float32, torch.float64)
+# Positions per chunk and vocabulary ids per tile, by the hidden states' device type, when the caller names
+# none. The work is the same whatever the pieces (chunk × tile elements a buffer, ~12 buffers); the number
+# of operations is not: each tile costs ~60 of them, and on a GPU each is about one kernel launch. The
+# CPU's 256 × 4,096 keep the buffers in cache (4 MiB each; ~100 MiB in all at V = 151,936). On an H100 they
+# left stream_values launch-bound (8,827 launches per 1,024 positions, issue 32); 1,024 × 8,192 make 1,252
+# operations there instead of 8,760 (counted on the CPU, kl_bench.foundation.launches) for ~380 MiB of
+# buffers, chosen by that count and that memory inside a trainer's process: not yet timed on a GPU
+# (benchmarks/bench_gpu.py --audit-pieces times both).
+PIECES = {"cpu": (256, 4096), "cuda": (1024, 8192)}
+
+
+def pieces(device: torch.device, chunk: int | None = None, tile: int | None = None) -> tuple[int, int]:
+    """(chunk, tile): the caller's where given, else :data:`PIECES` of ``device``'s type."""
+    c, t = PIECES.get(torch.device(device).type, PIECES["cpu"])
+    return chunk or c, tile or t
 
 
 @dataclass(frozen=True)
@@ -770,11 +785,12 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
                   estimators: Sequence = ("k1", "k3"), sampler: Sampler | None = None, *,
                   ids: torch.Tensor | None = None, eos_banned: torch.Tensor | None = None,
                   context_ids: torch.Tensor | None = None, sampling_hidden: torch.Tensor | None = None,
-                  chunk: int = 256, tile: int = 4096, candidates: int = 1024, dtype: torch.dtype = torch.float32,
-                  tf32: bool = False, negative: bool = True) -> PositionValues:
+                  chunk: int | None = None, tile: int | None = None, candidates: int = 1024,
+                  dtype: torch.dtype = torch.float32, tf32: bool = False, negative: bool = True) -> PositionValues:
     """:func:`kl_bench.audit.exact.position_values` from hidden states [N, d] (each model's own, any float
     dtype, on the heads' device) and output layers, streamed: the same values, in O(N + chunk × tile)
-    memory, as [N] / [N, F] float64 tensors on that device.
+    memory, as [N] / [N, F] float64 tensors on that device. ``chunk``, ``tile``: positions per chunk and ids
+    per tile (None: :data:`PIECES` of the device).
 
     ``sampling_hidden`` [N, d]: the policy's hidden states in the pass that drew the tokens, when it
     differs from the scored one (its values are ``g``; one more matmul per tile). ``dtype``: the tile
@@ -788,6 +804,7 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
         raise SpecError(f"the sampling pass's hidden states must be {list(policy_hidden.shape)}, got "
                         f"{list(sampling_hidden.shape)}", key="sampling_hidden")
     sampler = sampler or Sampler()
+    chunk, tile = pieces(policy_hidden.device, chunk, tile)
     plan = _Plan.of(estimators, sampler, policy_head.vocab, candidates, negative, sampling_hidden is not None)
     n_all, parts = policy_hidden.shape[0], []
     bufs = _Buffers(scratch_needed(plan.basis), min(chunk, n_all), min(tile, plan.vocab),
@@ -816,7 +833,7 @@ def _kl_tile(zq: torch.Tensor, zp: torch.Tensor, diff: torch.Tensor) -> tuple[to
 
 @torch.no_grad()
 def stream_kl(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, policy_head: Head, reference_head: Head,
-              *, chunk: int = 256, tile: int = 4096, dtype: torch.dtype = torch.float32,
+              *, chunk: int | None = None, tile: int | None = None, dtype: torch.dtype = torch.float32,
               tf32: bool = False) -> torch.Tensor:
     """KL(q‖p) [N] only (float64, on the hidden states' device), in one pass: E_q[z_q − z_p] − lse_q + lse_p.
 
@@ -827,6 +844,7 @@ def stream_kl(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, polic
     _check_inputs(policy_hidden, reference_hidden, policy_head, reference_head, dtype)
     n_all, vocab = policy_hidden.shape[0], policy_head.vocab
     device = policy_hidden.device
+    chunk, tile = pieces(device, chunk, tile)
     size = min(chunk, n_all) * min(tile, vocab)
     flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(3)]
     out = []

@@ -14,8 +14,10 @@ def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step
                                              "(docs/audit.md)",
                                         show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", help="results folder (default: DIR/audit)"),
-          tile: int = typer.Option(4096, "--tile", help="vocabulary ids per tile (hidden-state steps)"),
-          chunk: int = typer.Option(256, "--chunk", help="positions per chunk (hidden-state steps)")) -> None:
+          tile: Optional[int] = typer.Option(None, "--tile", help="vocabulary ids per tile (hidden-state steps, "
+                                             "read on the CPU: default 4096)", show_default=False),
+          chunk: Optional[int] = typer.Option(None, "--chunk", help="positions per chunk (hidden-state steps, "
+                                              "read on the CPU: default 256)", show_default=False)) -> None:
     """Audit saved training steps: the trainer's KL against the exact KL, bias by source, z, consistency.
 
     DIR: a folder of step-*.safetensors files, or the results folder KLAudit(out=DIR) writes (its steps/

@@ -199,8 +199,8 @@ class KLAudit(_Base):
     does not truncate (RLOO's k1 at top_k = 0) costs two more head forwards; False skips it."""
 
     def __init__(self, trainer, every: int = 10, max_rows: int = 8, *, thresholds: Thresholds | None = None,
-                 threshold: float | None = None, out=None, save_steps: bool = False, tile: int = 4096,
-                 chunk: int = 256, dtype: torch.dtype = torch.float32, negative: bool = True, print_fn=print):
+                 threshold: float | None = None, out=None, save_steps: bool = False, tile: int | None = None,
+                 chunk: int | None = None, dtype: torch.dtype = torch.float32, negative: bool = True, print_fn=print):
         self.print = print_fn
         self.version = check_trl_version(warn=self._say)
         if every < 1 or max_rows < 1:
