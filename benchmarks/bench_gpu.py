@@ -126,29 +126,17 @@ def rollout_limit(n: int, length: int, buckets: int, dev: torch.device, scatter:
 
 # ----------------------------------------------------------------------------- the paths
 @contextlib.contextmanager
-def token_pieces(factor: int | None, dev: torch.device):
-    """Token pieces of ``factor`` general pieces on this device type (None: kl-bench's own)."""
-    keep = dict(seeding.TOKEN_PIECES)
-    if factor is not None:
-        seeding.TOKEN_PIECES[dev.type] = factor
+def device_setting(table: dict, value: int | None, dev: torch.device):
+    """``table[dev.type]`` (a per-device-type setting of kl_bench.sampling.seeding) set to ``value`` for the
+    block (None: kl-bench's own), and restored after."""
+    keep = dict(table)
+    if value is not None:
+        table[dev.type] = value
     try:
         yield
     finally:
-        seeding.TOKEN_PIECES.clear()
-        seeding.TOKEN_PIECES.update(keep)
-
-
-@contextlib.contextmanager
-def step_blocks(block: int | None, dev: torch.device):
-    """Rollout sums added once per ``block`` steps on this device type (None: kl-bench's own)."""
-    keep = dict(seeding.STEP_BLOCKS)
-    if block is not None:
-        seeding.STEP_BLOCKS[dev.type] = block
-    try:
-        yield
-    finally:
-        seeding.STEP_BLOCKS.clear()
-        seeding.STEP_BLOCKS.update(keep)
+        table.clear()
+        table.update(keep)
 
 
 def token_lines(a, dev: torch.device) -> list[Line]:
@@ -164,7 +152,7 @@ def token_lines(a, dev: torch.device) -> list[Line]:
         for label, factor in (("", None), (" (pieces of 2^20)", 1)):
             if factor is not None and (dev.type != "cuda" or n < 10**10):
                 continue                                   # the piece size only differs on CUDA, at scale
-            with token_pieces(factor, dev):
+            with device_setting(seeding.TOKEN_PIECES, factor, dev):
                 r, s, peak = rate(lambda: vocab.engine(pair, n, dev), n, dev)
             out.append(Line("tokens" + label, f"{n:.0e} draws", "draws/s", r, limit, base, peak, s))
     return out
@@ -201,7 +189,7 @@ def rollout_lines(a, dev: torch.device) -> list[Line]:
     for label, block in (("", None), (", step by step", 1)):
         if block is not None and seeding.step_block(dev) == 1:
             continue
-        with step_blocks(block, dev):
+        with device_setting(seeding.STEP_BLOCKS, block, dev):
             r, s, peak = rate(lambda: rollouts.engine(pair, n, dev, a.rollout_batch), steps, dev)
         out.append(Line(f"rollouts (C {c}, T {t}){label}", f"{n:.0e} rollouts", "token-steps/s", r, limit, base, peak, s))
     return out
