@@ -131,6 +131,14 @@ def test_bad_saved_steps_are_one_line_errors_and_nothing_is_written(folders, edi
     assert not (dirs["logits"] / "audit").exists()
 
 
+@pytest.mark.parametrize("args,key", [(["--tile", "0"], "--tile"), (["--chunk", "-3"], "--chunk"),
+                                      (["--tile", "0", "--chunk", "0"], "--tile")])
+def test_pieces_below_one_are_one_line(tmp_path, args, key):
+    res = runner.invoke(app, ["audit", str(tmp_path), *args])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and key in lines[0] and "≥ 1" in lines[0], res.output
+
+
 def test_an_empty_folder_is_one_line(tmp_path):
     res = runner.invoke(app, ["audit", str(tmp_path)])
     assert res.exit_code == 2 and "no step-*.safetensors files" in res.output

@@ -51,8 +51,7 @@ def test_float32_tile_work_is_within_its_rounding_bound(sp, tile):
     # Each tile sum is Σ w u^i ψ^j over t ids: w = e^{z − m} (≤ 2 ulp), ψ from expm1 (≤ 2 ulp), up to D = 4
     # products (1 ulp each), and a pairwise row sum (≤ log2 t + 1 ulp): relative ≤ (log2 t + 9)·2⁻²⁴ of the
     # sum of absolute terms; the tile centres and normalisers add ≤ (log2 t + 4)·2⁻²⁴·max|d| to log r.
-    hp, hr, wp, wr = _dyadic_layer(3)
-    tile = min(tile, wp.shape[0])               # 8,192 (a GPU's default tile): the whole vocabulary in one
+    hp, hr, wp, wr = _dyadic_layer(3, vocab=10_000)     # a GPU's default tile (8,192) and a last short one
     zq, zp = hp.double() @ wp.double().T, hr.double() @ wr.double().T
     dense = position_values(zq, zp, POLY, sp)
     st = stream_values(hp, hr, Head(wp), Head(wr), POLY, sp, tile=tile, dtype=torch.float32)
@@ -211,6 +210,15 @@ def test_pieces_follow_the_device_unless_named():
     assert stream.pieces(torch.device("cuda")) == stream.PIECES["cuda"] == (1024, 8192)
     assert stream.pieces(torch.device("cuda:1"), chunk=64) == (64, 8192)
     assert stream.pieces(torch.device("meta"), tile=100) == (256, 100)      # other devices: the CPU's
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(SpecError, match="≥ 1"):
+            stream.pieces(torch.device("cpu"), chunk=bad)
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(4, 8, generator=g), torch.randn(50, 8, generator=g)
+    with pytest.raises(SpecError, match="tile"):
+        stream_values(h, h, Head(w), Head(w), ("k3",), tile=0)               # 0 is refused, not the default
+    with pytest.raises(SpecError, match="chunk"):
+        stream_kl(h, h, Head(w), Head(w), chunk=0)
 
 
 def test_a_gpus_pieces_make_a_fraction_of_the_operations(monkeypatch):

@@ -75,14 +75,17 @@ def test_blocks_of_steps_give_the_per_step_sums(block, options, device, monkeypa
 
 def test_blocks_of_steps_keep_the_bytes_whatever_the_chunk(monkeypatch):
     """With the CUDA setting (blocks of 8) on the CPU, the run's per-batch sums are byte-identical for any
-    chunk: a block's steps are added in an order that depends on the step count alone."""
+    chunk (1, 3 and all 30 uneven batches a call): a block's steps are added in an order that depends on the
+    step count alone. (A plain reduction would pass here too: the CPU's sums over a dimension of 8 do not
+    follow the tensor's width; CUDA's may, and tests/test_cuda.py runs the rollout case's chunks there.)"""
     monkeypatch.setitem(seeding.STEP_BLOCKS, "cpu", seeding.STEP_BLOCKS["cuda"])
     lq = torch.log_softmax(zipf_logits(200, 1.1, 1, 4), -1)
     g = torch.Generator().manual_seed(2)
     lp = torch.log_softmax(lq + 0.4 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
     pair = RolloutPair("r", lq, lp, torch.arange(200) % 4, 13, 199)
-    runs = [run_case(pair, ["k1", "k3", "full"], draws=6000, seed=1, batches=30, chunk=chunk, device=CPU, joint=True)
-            for chunk in (1, 700, 1 << 22)]
+    runs = [run_case(pair, ["k1", "k3", "full"], draws=6007, seed=1, batches=30, chunk=chunk, device=CPU, joint=True)
+            for chunk in (1, 2500, 1 << 22)]
+    assert pair.batches_per_chunk(201, 2500) == 3
     assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
 
 

@@ -61,9 +61,12 @@ PIECES = {"cpu": (256, 4096), "cuda": (1024, 8192)}
 
 
 def pieces(device: torch.device, chunk: int | None = None, tile: int | None = None) -> tuple[int, int]:
-    """(chunk, tile): the caller's where given, else :data:`PIECES` of ``device``'s type."""
+    """(chunk, tile): the caller's where given (each ≥ 1), else :data:`PIECES` of ``device``'s type."""
     c, t = PIECES.get(torch.device(device).type, PIECES["cpu"])
-    return chunk or c, tile or t
+    for key, value in (("chunk", chunk), ("tile", tile)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SpecError(f"must be an integer ≥ 1, got {value!r}", key=key)
+    return c if chunk is None else chunk, t if tile is None else tile
 
 
 @dataclass(frozen=True)

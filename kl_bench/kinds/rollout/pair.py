@@ -144,7 +144,8 @@ class RolloutPair(GradientDefaults, Pair):
         return sampler.batch_sums(self.model, features, tok_rows, device)
 
     def batches_per_chunk(self, batch_size: int, chunk_draws: int) -> int:
-        # ~ (10 + tok rows) float64 values per rollout stay alive across the T steps.
+        # ~ (10 + tok rows) float64 values per rollout stay alive across the T steps (and B·(7 + tok rows) for
+        # a block of B steps: kl_bench.sampling.seeding.STEP_BLOCKS, 1 on the CPU).
         return max(1, chunk_draws // max(1, batch_size * 4))
 
     # ---------------------------------------------------------------- gradients (θ = q's bucket logits)
