@@ -287,7 +287,9 @@ def test_bad_input_is_refused():
     one = mn.MultinomialTree.of(torch.tensor([2.0], dtype=torch.float64))
     assert one.levels == () and one.device == CPU          # no levels: the device is the weights' own
     assert mn.draw_counts(one, [7, 0], streams(2)).tolist() == [[7], [0]]
-    assert mn.batches_per_call(50257) == 111 and mn.batches_per_call(10**9) == 1 and mn.batches_per_call(2) == mn.CALL_BATCHES
+    assert mn.batches_per_call(50257) == 222 and mn.batches_per_call(10**9) == 1 and mn.batches_per_call(2) == mn.CALL_BATCHES
+    assert mn.batches_per_call(50257, 1 << 32) == 111                     # a smaller budget: fewer batches a call
+    assert mn.call_bytes(CPU) == mn.CALL_BYTES
 
 
 # ----------------------------------------------------------------------------- the categorical kind
@@ -327,6 +329,20 @@ def test_categorical_counts_through_the_tree_ignore_the_chunk(tree_on_cpu):
     assert pair.batches_per_chunk(10_000, 1) == mn.batches_per_call(pair.support_ids.shape[0])   # count vectors: by memory
     pair.sampling = "tokens"
     assert pair.batches_per_chunk(100, 1000) == 10                              # tokens: by draws
+
+
+def test_a_smaller_devices_budget_splits_calls_not_counts(tree_on_cpu, monkeypatch):
+    """A GPU with little memory draws a chunk's count vectors in more, smaller calls (multinomial.call_bytes):
+    the same bytes."""
+    pair = _pair()
+    whole = run_case(pair, ["k1", "k3"], draws=200_000, seed=3, batches=20, chunk=1 << 22, device=CPU, joint=True)
+    calls: list[int] = []
+    orig = categorical.draw_counts
+    monkeypatch.setattr(categorical, "draw_counts", lambda t, sizes, g: calls.append(len(sizes)) or orig(t, sizes, g))
+    widest = (pair.support_ids.shape[0] + 1) // 2                                   # nodes of the widest level
+    monkeypatch.setattr(categorical, "call_bytes", lambda device: 3 * mn.NODE_BYTES * widest)   # 3 batches a call
+    split = run_case(pair, ["k1", "k3"], draws=200_000, seed=3, batches=20, chunk=1 << 22, device=CPU, joint=True)
+    assert max(calls) == 3 and sum(calls) == 20 and torch.equal(whole.sums, split.sums)
 
 
 def test_count_vectors_of_a_chunk_are_multinomial(tree_on_cpu):

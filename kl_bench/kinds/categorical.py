@@ -36,7 +36,7 @@ from ..core.modes import derivative
 from ..sampling.logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_source_logits)
 from ..sampling.samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
-from ..sampling.multinomial import MultinomialTree, batches_per_call, draw_counts
+from ..sampling.multinomial import MultinomialTree, batches_per_call, call_bytes, draw_counts
 from ..sampling.seeding import BatchStream, device_key, piece_draws, token_piece_draws
 from ..core.targets import FORWARD, REVERSE
 from ..core.weights import WeightCorrection
@@ -270,8 +270,9 @@ class CategoricalPair(GradientDefaults, Pair):
         """The count vectors [M] (float64) of the batches drawn as multinomials, by batch index."""
         drawn: dict[int, torch.Tensor] = {}
         if multi and device.type not in COUNTS_ON_HOST:
-            # The tree on the device, up to batches_per_call batches per call, each from its own generator.
-            per = batches_per_call(self._logr.shape[0])
+            # The tree on the device, up to batches_per_call batches per call (within the device's budget),
+            # each from its own generator.
+            per = batches_per_call(self._logr.shape[0], call_bytes(device))
             for i in range(0, len(multi), per):
                 group = multi[i:i + per]
                 counts = draw_counts(self._tree_on(device), [b.size for b in group],

@@ -45,7 +45,10 @@ TAIL_SERIES_FROM = 20     # Stirling tail from lgamma below (error ~1e-15), from
 SERIES_BELOW = 0.01       # (1 + x)·log1p(x) − x by its series for |x| below this (9 terms: error < 1e-17)
 SERIES_TERMS = 9
 INVERSION_BLOCK = 16      # values of k the inversion tries at once per row still searching (P(X ≥ 16) < 0.05 at n·p < 10)
-CALL_BYTES = 1 << 32      # memory one draw_counts call may use (a chunk's batches are split to fit)
+CALL_BYTES = 1 << 33      # memory one draw_counts call may use (a chunk's batches are split to fit); a GPU's
+                          # call also stays within a quarter of the device's memory (call_bytes). Each call
+                          # costs ~440 operations a level whatever its batches (issue 33: launches on a GPU),
+                          # so fewer, larger calls: 8 GiB holds 222 batches at M = 50,257 (4 GiB held 111)
 NODE_BYTES = 1536         # peak bytes per node of the widest level (measured ≤ 1,490 on the CPU, n from 10^4 to
                           # 4·10^18 a batch: the rows of uniforms, BTRS's constants and the log-ratio's
                           # temporaries on every node at once)
@@ -342,8 +345,17 @@ def draw_counts(tree: MultinomialTree, sizes: list[int], generators: list[torch.
     return counts
 
 
-def batches_per_call(outcomes: int) -> int:
+def call_bytes(device: torch.device) -> int:
+    """The memory one :func:`draw_counts` call may use on ``device``: :data:`CALL_BYTES`, and on a GPU at most a
+    quarter of its memory (a smaller card splits a chunk into more calls; the counts do not change)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return min(CALL_BYTES, torch.cuda.get_device_properties(device).total_memory // 4)
+    return CALL_BYTES
+
+
+def batches_per_call(outcomes: int, budget: int = CALL_BYTES) -> int:
     """How many batches' count vectors over ``outcomes`` outcomes one :func:`draw_counts` call draws within
-    :data:`CALL_BYTES` (the widest level has ⌈M/2⌉ nodes of :data:`NODE_BYTES`), at most
-    :data:`CALL_BATCHES`: 111 at M = 50,257."""
-    return max(1, min(CALL_BATCHES, CALL_BYTES // (NODE_BYTES * ((outcomes + 1) // 2))))
+    ``budget`` bytes (the widest level has ⌈M/2⌉ nodes of :data:`NODE_BYTES`), at most :data:`CALL_BATCHES`:
+    222 at M = 50,257 with :data:`CALL_BYTES`."""
+    return max(1, min(CALL_BATCHES, budget // (NODE_BYTES * ((outcomes + 1) // 2))))
