@@ -164,13 +164,16 @@ def decode_text(data: bytes, path: str | Path, what: str) -> str:
     return text
 
 
-def _parse_limits(e: BaseException) -> str | None:
-    """What a parser hit: nesting too deep for the interpreter, or a number with too many digits."""
+def _unreadable(what: str, e: BaseException, path: str | Path) -> SpecError:
+    """The one-line error of a parser that hit a limit: nesting too deep for the interpreter, or a number
+    with too many digits (else the exception's name)."""
     if isinstance(e, RecursionError):
-        return "nested too deeply"
-    if isinstance(e, (ValueError, OverflowError)) and "digits" in str(e):
-        return "holds a number with more than 4,300 digits"
-    return None
+        why = "nested too deeply"
+    elif isinstance(e, (ValueError, OverflowError)) and "digits" in str(e):
+        why = "holds a number with more than 4,300 digits"
+    else:
+        why = e.__class__.__name__
+    return SpecError(f"{what} cannot be read: it {why}", file=str(path))
 
 
 def parse_json(data: bytes | str, path: str | Path, what: str) -> Any:
@@ -185,8 +188,7 @@ def parse_json(data: bytes | str, path: str | Path, what: str) -> Any:
     except json.JSONDecodeError as e:
         raise SpecError(f"{what} is not valid JSON (truncated or corrupted?): {e}", file=str(path)) from None
     except (RecursionError, ValueError, OverflowError) as e:
-        raise SpecError(f"{what} cannot be read: it {_parse_limits(e) or e.__class__.__name__}",
-                        file=str(path)) from None
+        raise _unreadable(what, e, path) from None
 
 
 def parse_toml(text: str, path: str | Path) -> dict:
@@ -196,8 +198,7 @@ def parse_toml(text: str, path: str | Path) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"TOML syntax error: {e}", file=str(path)) from None
     except (RecursionError, ValueError, OverflowError) as e:
-        raise SpecError(f"the spec cannot be read: it {_parse_limits(e) or e.__class__.__name__}",
-                        file=str(path)) from None
+        raise _unreadable("the spec", e, path) from None
 
 
 def check_npy_header(fh: BinaryIO, size: int, where: str) -> tuple[tuple[int, ...], Any]:

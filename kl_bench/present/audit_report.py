@@ -34,6 +34,15 @@ def _axes(ax):
     return ax.figure, ax
 
 
+def _finish(fig: Figure, ax, steps, ylabel: str, title: str) -> Figure:
+    """A per-step figure's step axis, y label, title and legend."""
+    _steps_axis(ax, steps)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return fig
+
+
 def _steps_axis(ax, steps) -> None:
     """The step axis: the audited steps themselves as ticks (up to 12 of them), else whole numbers."""
     ax.set_xlabel("step")
@@ -58,11 +67,7 @@ def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
     est = _estimator(d)
     ax.plot(d["step"], d["logged"], "o--", ms=4, color=estimator_colour(est),
             label=f"logged by the trainer ({est})" if est else "logged by the trainer")
-    _steps_axis(ax, d["step"])
-    ax.set_ylabel("KL per the trainer's aggregation")
-    ax.set_title(f"{source}: logged against exact")
-    ax.legend(fontsize="small")
-    return fig
+    return _finish(fig, ax, d["step"], "KL per the trainer's aggregation", f"{source}: logged against exact")
 
 
 def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
@@ -80,11 +85,7 @@ def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
         pos, neg = pos + v.clip(lower=0), neg + v.clip(upper=0)
     ax.plot(d["step"], d["bias"], "k.", label="logged − exact")
     ax.axhline(0, color="0.5", lw=0.8)
-    _steps_axis(ax, d["step"])
-    ax.set_ylabel("bias")
-    ax.set_title(f"{source}: bias by source")
-    ax.legend(fontsize="small")
-    return fig
+    return _finish(fig, ax, d["step"], "bias", f"{source}: bias by source")
 
 
 def plot_negative(df: pd.DataFrame, source: str, ax=None) -> Figure:
@@ -94,11 +95,7 @@ def plot_negative(df: pd.DataFrame, source: str, ax=None) -> Figure:
     ax.plot(d["step"], d["p_negative"], lw=2, color=EXACT_COLOUR, label="exact P(f < 0)")
     ax.plot(d["step"], d["frac_negative"], "o--", ms=4, color=estimator_colour(_estimator(d)),
             label="logged fraction < 0")
-    _steps_axis(ax, d["step"])
-    ax.set_ylabel("per-token probability")
-    ax.set_title(f"{source}: negative values")
-    ax.legend(fontsize="small")
-    return fig
+    return _finish(fig, ax, d["step"], "per-token probability", f"{source}: negative values")
 
 
 def plot_audit(df: pd.DataFrame, source: str) -> Figure:
@@ -161,7 +158,7 @@ def audit_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=Non
 
 
 def _is_audit_folder(folder) -> bool:
-    return (Path(folder) / "run.json").is_file() and folders.kind_of(folder) == "audit"
+    return folders.is_kind(folder, "audit")
 
 
 # Names before the package tree (issue 34), for one release.

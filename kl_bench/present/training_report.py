@@ -82,7 +82,7 @@ def training_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=
 
 
 def _is_train_folder(folder) -> bool:
-    return (Path(folder) / "run.json").is_file() and folders.kind_of(folder) == "train"
+    return folders.is_kind(folder, "train")
 
 
 # Names before the package tree (issue 34), for one release.

@@ -238,6 +238,11 @@ def kind_of(path: str | Path) -> str:
     return format_of(read_envelope(folder / ENVELOPE), str(folder / ENVELOPE)).kind
 
 
+def is_kind(path: str | Path, kind: str) -> bool:
+    """Whether ``path`` holds a run.json saying it is a ``kind`` folder (False without one)."""
+    return (Path(path) / "run.json").is_file() and kind_of(path) == kind
+
+
 def check_file_list(files: dict, where: str) -> None:
     """run.json's ``files``: plain file names, each with a sha256."""
     for name, digest in files.items():

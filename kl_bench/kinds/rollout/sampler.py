@@ -115,19 +115,21 @@ def _steps_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator], device: torch.device,
-             tok_rows: list[Row] = (), record: list | None = None) -> Draws:
+             tok_rows: list[Row] = (), record: list | None = None, sums: bool = True) -> Draws:
     """Rollouts for several batches at once (``sizes[i]`` paths from ``gens[i]``), never materialising [n, V].
 
     ``record``: when a list, each step appends (key, alive, w) of shape [n]: key = c·V + x (the bucket the
     token was drawn from and the token), alive = 1.0 where the step belongs to the sequence, w the token's
-    (corrected) weight q/b (None without weights)."""
+    (corrected) weight q/b (None without weights). ``sums`` False: the per-path sums are not formed (the
+    Draws' L, KL and token sums stay 0; its weights and mask are made), for a caller that wants the
+    recorded paths only (:func:`paths`)."""
     on = model.sampling_tables(device)
     tables, logw, g_flat, kl_ctx, bucket = on.alias, on.logw, on.logr, on.kl_ctx, on.bucket
     weighted = model.weighting.weighted
     n = sum(sizes)
     walk = _Walk.start(n, len(tok_rows), weighted, device)
     block = _Block.of(min(step_block(device), model.length), n, len(tok_rows), weighted and model.weighting.per_token,
-                      device)
+                      device) if sums else None
     # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.core.rejection).
     mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], n, device)
     for t in range(model.length):
@@ -141,16 +143,17 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
         base = walk.c * model.vocab
         x = pick(tables[phase], u, model.vocab, base)
         key = base + x
-        j = block.used
-        torch.index_select(g_flat, 0, key, out=block.g[j])
-        torch.index_select(kl_ctx, 0, walk.c, out=block.kl[j])
-        block.alive[j].copy_(walk.alive)
         w_t = _weigh(model, walk, None if logw is None else logw[phase][key])
-        if block.factor is not block.alive:
-            torch.mul(walk.alive, w_t, out=block.factor[j])
-        block.used += 1
-        if block.used == block.g.shape[0] or t == model.length - 1:
-            block.add_to(walk, tok_rows)
+        if sums:
+            j = block.used
+            torch.index_select(g_flat, 0, key, out=block.g[j])
+            torch.index_select(kl_ctx, 0, walk.c, out=block.kl[j])
+            block.alive[j].copy_(walk.alive)
+            if block.factor is not block.alive:
+                torch.mul(walk.alive, w_t, out=block.factor[j])
+            block.used += 1
+            if block.used == block.g.shape[0] or t == model.length - 1:
+                block.add_to(walk, tok_rows)
         mask.add(phase, key, walk.alive)
         if record is not None:
             record.append((key, walk.alive, w_t))
@@ -177,7 +180,7 @@ def _weigh(model: RolloutModel, walk: _Walk, logw_t: torch.Tensor | None) -> tor
 def paths(model: RolloutModel, n: int, generator: torch.Generator, device: torch.device) -> Paths:
     """``n`` recorded paths from one generator (the draws of :func:`simulate` with the same generator)."""
     rec: list = []
-    keep = simulate(model, [n], [generator], device, record=rec).keep
+    keep = simulate(model, [n], [generator], device, record=rec, sums=False).keep
     weights = torch.stack([r[2] for r in rec], 1) if model.weighting.weighted else None
     return Paths(torch.stack([r[0] for r in rec], 1), torch.stack([r[1] for r in rec], 1), weights, keep)
 
