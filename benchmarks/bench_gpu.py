@@ -263,13 +263,15 @@ def operations(a, dev: torch.device) -> None:
     """Each selected path's kl-bench pipeline once more, at a tenth of its size, with the ATen operations it
     dispatches counted (kl_bench.foundation.launches): on a GPU each is a kernel launch, so this is the
     launch count of a launch-bound path, and it is measured on any device (the CPU in CI)."""
-    print(f"\nATen operations per pipeline call ({dev}; on a GPU each is about one kernel launch, views none)")
+    print(f"\nATen operations per pipeline call ({dev}): all of them, and those that make a kernel on a GPU (about "
+          "one launch each; views, empty and wrapped scalars make none)")
     for path, run in _tenths(a, dev).items():
         if path in (a.ops or a.paths):
             run()                                                            # warm (tables)
             _, ops = count_ops(run)
-            print(f"  {path:<10} {sum(ops.values()):>9,}   most: "
-                  + ", ".join(f"{k} {v:,}" for k, v in ops.most_common(4)))
+            kernels = [(k, v) for k, v in ops.most_common() if k not in ops.free][:4]
+            print(f"  {path:<10} {sum(ops.values()):>9,} operations, {ops.launching:>9,} kernels   most: "
+                  + ", ".join(f"{k} {v:,}" for k, v in kernels))
 
 
 def _on_device_tree(run: Callable[[], object], dev: torch.device) -> object:

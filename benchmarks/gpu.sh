@@ -15,6 +15,9 @@
 set -euo pipefail
 PY=${PYTHON:-python3}          # the interpreter that holds torch (a GPU image may have no plain `python`)
 cd "$(dirname "$0")/.."
+# The checkout's own kl_bench, also where it is not installed (a GPU image's interpreter): a script sees only
+# its own folder (benchmarks/) on its path.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "${1:-}" == "--smoke" ]]; then
     shift
     exec "$PY" benchmarks/bench_gpu.py --smoke "$@"
@@ -34,14 +37,15 @@ failed=0
 if (( tests )); then
     # No '-p no:benchmark': the test configuration must stand the plugins a GPU machine has (issue 33).
     # A failing test is reported, and the table still runs (a lease of a GPU is short): gpu.sh then exits 1.
-    workers=()
+    # pyproject's addopts name xdist's --dist: without xdist they are replaced by the rest of them.
+    workers=(-o "addopts=--strict-markers -ra -m 'not slow'")
     "$PY" -c "import xdist" 2>/dev/null && workers=(-n 4)
     "$PY" -m pytest -q "${workers[@]+"${workers[@]}"}" tests/test_cuda.py tests/test_multinomial.py tests/test_rollout_blocks.py -rs --durations=8 \
         || failed=1
 fi
-"$PY" benchmarks/bench_gpu.py --device cuda "$@"
+"$PY" benchmarks/bench_gpu.py --device cuda "$@" || failed=1
 if (( trainer )); then
     # The audit's share of a TRL GRPO step at Qwen2-0.5B's shape on this GPU (needs trl; issue 32).
-    (cd benchmarks && "$PY" bench_audit.py --no-layer --device cuda --layers 24 --steps 3 --repeat 2) || failed=1
+    "$PY" benchmarks/bench_audit.py --no-layer --device cuda --layers 24 --steps 3 --repeat 2 || failed=1
 fi
 exit "$failed"

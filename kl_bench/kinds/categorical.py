@@ -217,10 +217,15 @@ class CategoricalPair(GradientDefaults, Pair):
         """Indices into the support of q for ``n`` draws; int64 [n]."""
         return sample_alias(self._alias_on(device), n, generator)
 
-    def sample_slots(self, sizes: list[int], gens: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    def sample_slots(self, sizes: list[int], gens: list[torch.Generator], device: torch.device,
+                     dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """The alias slots 2j + (1 if the coin sends column j to its alias) of sum(``sizes``) draws, piece i
-        drawn from ``gens[i]`` as :meth:`sample_ids` draws it (the same uniforms, so the same tokens), int64
-        [sum(sizes)] on ``device``: :meth:`_token_counts` counts them."""
+        drawn from ``gens[i]`` as :meth:`sample_ids` draws it (the same uniforms, so the same tokens), ``dtype``
+        (int64, or int32 where 2M < 2^31) [sum(sizes)] on ``device``: :meth:`_token_counts` counts them.
+
+        Memory traffic is what this costs on a GPU (one pass of each operation over the draws): int32 column
+        indices move half the bytes of int64 through the clamp, the gather, the coin's subtraction and the
+        histogram, and 2j + tails is one kernel (torch.add with alpha = 2, written over j)."""
         table, m = self._alias_on(device), self._alias.size
         u = torch.empty(sum(sizes), dtype=torch.float64, device=device)
         at = 0
@@ -228,9 +233,9 @@ class CategoricalPair(GradientDefaults, Pair):
             torch.rand(k, dtype=torch.float64, generator=g, device=device, out=u[at:at + k])
             at += k
         u.mul_(m)                                            # as sample_alias: u·M, column and coin in one
-        j = u.long().clamp_(max=m - 1)
+        j = u.to(dtype).clamp_(max=m - 1)                    # truncation toward 0, as .long(): u ≥ 0
         tails = torch.ge(u.sub_(j), table.prob[j])           # kl_bench.sampling.alias.pick keeps j where coin < prob
-        return j.mul_(2).add_(tails)
+        return torch.add(tails, j, alpha=2, out=j)
 
     def _alias_on(self, device: torch.device):
         if self._alias.prob.device != device_key(device):
@@ -324,12 +329,14 @@ class CategoricalPair(GradientDefaults, Pair):
             for i, _, _ in pending:
                 rows[i] = rows.get(i, 0) + 1
             row = {i: r for r, i in enumerate(rows)}
-            slot = self.sample_slots([k for _, k, _ in pending], [g for _, _, g in pending], device)
+            bins = len(rows) * 2 * m
+            kind = torch.int32 if bins < 2 ** 31 else torch.int64   # int32 wherever the bins fit (sample_slots)
+            slot = self.sample_slots([k for _, k, _ in pending], [g for _, _, g in pending], device, kind)
             if len(rows) > 1:                                    # each batch its own 2M bins
-                offset = torch.tensor([row[i] * 2 * m for i, _, _ in pending], dtype=torch.int64, device=device)
+                offset = torch.tensor([row[i] * 2 * m for i, _, _ in pending], dtype=kind, device=device)
                 sizes = torch.tensor([k for _, k, _ in pending], dtype=torch.int64, device=device)
-                slot.add_(offset.repeat_interleave(sizes))
-            hist = torch.bincount(slot, minlength=len(rows) * 2 * m).view(len(rows), 2 * m)
+                slot.add_(offset.repeat_interleave(sizes, output_size=slot.numel()))  # output_size: no host sync
+            hist = torch.bincount(slot, minlength=bins).view(len(rows), 2 * m)
             for i in rows:
                 # A copy, not a view: a view would keep the round's whole [batches, 2M] histogram alive.
                 slots[i] = hist[row[i]].clone() if i not in slots else slots[i] + hist[row[i]]

@@ -144,23 +144,35 @@ def binomial_inversion(n: torch.Tensor, p: torch.Tensor, u: torch.Tensor) -> tor
         k0 += INVERSION_BLOCK
 
 
+def _column(matrix: str, i: int) -> property:
+    return property(lambda self: getattr(self, matrix)[:, i:i + 1], doc=f"column {i} of {matrix}: [R, 1]")
+
+
 @dataclass
 class _Btrs:
-    """The constants of BTRS (Hörmann 1993, algorithm BTRS) of the nodes still drawing, each [R, 1] so that
-    they broadcast over a node's attempts [R, A]."""
-    n: torch.Tensor         # int64 trials
-    p: torch.Tensor         # float64 success probability ≤ ½
-    whole: torch.Tensor     # ⌊n·p⌋ (int64) ...
-    frac: torch.Tensor      # ... and the rest, so that n·p + ½ = whole + frac + ½ exactly
-    mode: torch.Tensor      # m = ⌊(n + 1)·p⌋ (int64)
-    low: torch.Tensor       # −⌊n·p⌋ − 1 and n − ⌊n·p⌋ + 1 (float64): bounds of the proposal's offset
-    high: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    alpha: torch.Tensor
-    v_r: torch.Tensor
-    log_slope: torch.Tensor  # log[r·(n − m + 1)/(m + 1)], r = p/(1 − p)
-    tails_m: torch.Tensor    # stirling_tail(m) + stirling_tail(n − m)
+    """The constants of BTRS (Hörmann 1993, algorithm BTRS) of the nodes still drawing, in two matrices (the
+    int64 ones [R, 3], the float64 ones [R, 10]) so that keeping the nodes still drawing is two gathers, not
+    thirteen (on a GPU each is a kernel launch). Each constant reads as a column view [R, 1] that broadcasts
+    over a node's attempts [R, A]:
+    n (trials), whole = ⌊n·p⌋ and frac = n·p − whole (so that n·p + ½ = whole + frac + ½ exactly),
+    mode m = ⌊(n + 1)·p⌋; p (≤ ½), low = −⌊n·p⌋ − 1 and high = n − ⌊n·p⌋ + 1 (bounds of the proposal's offset),
+    Hörmann's a, b, α, v_r, log_slope = log[r·(n − m + 1)/(m + 1)] (r = p/(1 − p)),
+    tails_m = stirling_tail(m) + stirling_tail(n − m), and for :meth:`log_ratio` A = m + 1, B = n − m + 1,
+    1/A and −1/B (float64)."""
+    ints: torch.Tensor      # int64 [R, 3]
+    floats: torch.Tensor    # float64 [R, 14]
+    n, whole, mode = (_column("ints", i) for i in range(3))
+    p, frac, low, high, a, b, alpha, v_r, log_slope, tails_m = (_column("floats", i) for i in range(10))
+
+    @property
+    def ab(self) -> torch.Tensor:
+        """A and B as [2, R, 1] (a view), to broadcast over the stacked halves of :meth:`log_ratio`."""
+        return self.floats[:, 10:12].T[:, :, None]
+
+    @property
+    def inv_ab(self) -> torch.Tensor:
+        """1/A and −1/B as [2, R, 1] (a view)."""
+        return self.floats[:, 12:14].T[:, :, None]
 
     @classmethod
     def of(cls, n: torch.Tensor, p: torch.Tensor) -> "_Btrs":
@@ -174,36 +186,37 @@ class _Btrs:
         # r·(n − m + 1)/(m + 1) = 1 + δ/((1 − p)(m + 1)) with δ = (n + 2)p − m − 1, computed from the exact split
         delta = (whole - mode - 1).to(torch.float64) + frac + 2 * p
         log_slope = torch.log1p(delta / ((1 - p) * (mode + 1).to(torch.float64)))
-        return cls(n, p, whole, frac, mode, (-whole - 1).to(torch.float64), (n - whole + 1).to(torch.float64),
-                   -0.0873 + 0.0248 * b + 0.01 * p, b,
-                   (2.83 + 5.1 / b) * spq, 0.92 - 4.2 / b, log_slope, stirling_tail(torch.stack([mode, n - mode])).sum(0))
+        ab = torch.cat([mode + 1, n - mode + 1], 1).to(torch.float64)     # A, B: exact below 2^53
+        floats = (p, frac, (-whole - 1).to(torch.float64), (n - whole + 1).to(torch.float64),
+                  -0.0873 + 0.0248 * b + 0.01 * p, b, (2.83 + 5.1 / b) * spq, 0.92 - 4.2 / b, log_slope,
+                  stirling_tail(torch.stack([mode, n - mode])).sum(0), ab, ab.reciprocal() * ab.new_tensor([1, -1]))
+        return cls(torch.cat([n, whole, mode], 1), torch.cat(floats, 1))
 
     def keep(self, index: torch.Tensor) -> "_Btrs":
-        return _Btrs(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+        return _Btrs(self.ints[index], self.floats[index])
 
     def log_ratio(self, k: torch.Tensor) -> torch.Tensor:
         """log f(k)/f(m) of the binomial mass function, float64, for 0 ≤ k ≤ n: with d = k − m, A = m + 1,
         B = n − m + 1 it is d·log(r·B/A) − A·h(d/A) − B·h(−d/B) + ½[log1p(d/A) + log1p(−d/B)] + the
         Stirling tails, h(x) = (1 + x)·log1p(x) − x: every term is O(d²/N) or smaller, none cancels."""
         d = (k - self.mode).to(torch.float64)
-        big_a = (self.mode + 1).to(torch.float64)
-        big_b = (self.n - self.mode + 1).to(torch.float64)
-        # x = d/A and y = −d/B stacked, and the tails of k and n − k: each helper runs once on both halves
-        # (the same values as two calls, in half the operations: on a GPU each one is a kernel launch).
-        xy = torch.stack([d / big_a, -d / big_b])
+        # x = d/A and y = −d/B stacked [2, R, A] (d times 1/A and −1/B, made once per level: within an ulp of
+        # the quotients), and the tails of k and n − k: each helper runs once on both halves (the same values
+        # as two calls, in half the operations: on a GPU each one is a kernel launch).
+        xy = d * self.inv_ab
         h, tails = log1p_excess(xy), stirling_tail(torch.stack([k, self.n - k]))
-        return (d * self.log_slope - big_a * h[0] - big_b * h[1] + 0.5 * torch.log1p(xy).sum(0)
+        return (d * self.log_slope - (self.ab * h - 0.5 * torch.log1p(xy)).sum(0)
                 + self.tails_m - tails.sum(0))
 
     def attempt(self, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """BTRS attempts from uniforms u, v [R, A] (A attempts per node): (accepted [R, A] bool, k [R, A])."""
         us0 = u - 0.5
         us = 0.5 - us0.abs()
-        safe_us = torch.where(us > 0, us, torch.ones_like(us))
+        safe_us = torch.where(us > 0, us, 1.0)
         # k = ⌊n·p + ½ + (2a/us + b)·U⌋ = whole + ⌊frac + ½ + (2a/us + b)·U⌋: the float part stays small
         off = (2 * self.a / safe_us + self.b) * us0 + self.frac + 0.5
         inside = (us > 0) & (off >= self.low) & (off <= self.high)
-        k = self.whole + torch.floor(torch.where(inside, off, torch.zeros_like(off))).to(torch.int64)
+        k = self.whole + torch.floor(torch.where(inside, off, 0.0)).to(torch.int64)
         inside &= (k >= 0) & (k <= self.n)
         squeeze = inside & (us >= 0.07) & (v <= self.v_r)
         # Outside the squeeze: accept iff log(v·α/(a/us² + b)) ≤ log f(k)/f(m) (Hörmann's test, in logs)
@@ -221,7 +234,7 @@ def binomial_btrs(n: torch.Tensor, p: torch.Tensor, slots: torch.Tensor,
     a fresh row from ``more(positions)`` ([len(positions), SLOTS], positions sorted) and starts again."""
     state = _Btrs.of(n, p)
     ok, k = state.attempt(slots[:, 0:1], slots[:, 1:2])
-    out = torch.where(ok[:, 0], k[:, 0], torch.zeros_like(n))
+    out = torch.where(ok[:, 0], k[:, 0], 0)
     left = torch.nonzero(~ok[:, 0]).squeeze(1)
     state, rows, first = state.keep(left), slots[left], 1
     while left.numel():
