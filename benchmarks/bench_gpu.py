@@ -185,12 +185,17 @@ def rollout_lines(a, dev: torch.device) -> list[Line]:
     base = rate(lambda: rollouts.inverse_cdf(pair, n, dev), steps, dev)[0]
     out = []
     # Blocks of steps (seeding.STEP_BLOCKS: 8 on CUDA, chosen by operation count) against step by step
-    # (the CPU's 1): the GPU decides (issue 33).
-    for label, block in (("", None), (", step by step", 1)):
-        if block is not None and seeding.step_block(dev) == 1:
+    # (the CPU's 1): the GPU decides (issue 33). Then a run's batches (200: 5,000 rollouts each at 10^6),
+    # whose uniforms come a block of steps a call (seeding.UNIFORM_STEPS) or one call a step.
+    small = max(1, n // 200)
+    for label, block, batch, uniforms in (("", None, a.rollout_batch, None),
+                                          (", step by step", 1, a.rollout_batch, None),
+                                          (f", batches of {small:,}", None, small, None),
+                                          (f", batches of {small:,}, uniforms a step", None, small, 1)):
+        if (block == 1 and seeding.step_block(dev) == 1) or (uniforms == 1 and seeding.uniform_steps(dev) == 1):
             continue
-        with device_setting(seeding.STEP_BLOCKS, block, dev):
-            r, s, peak = rate(lambda: rollouts.engine(pair, n, dev, a.rollout_batch), steps, dev)
+        with device_setting(seeding.STEP_BLOCKS, block, dev), device_setting(seeding.UNIFORM_STEPS, uniforms, dev):
+            r, s, peak = rate(lambda: rollouts.engine(pair, n, dev, batch), steps, dev)
         out.append(Line(f"rollouts (C {c}, T {t}){label}", f"{n:.0e} rollouts", "token-steps/s", r, limit, base, peak, s))
     return out
 

@@ -11,10 +11,12 @@ from kl_bench.core.draws import Row
 from kl_bench.core.estimators import ESTIMATORS, FULL, make_cv
 from kl_bench.core.rejection import CRITERIA, Criterion, Rejection
 from kl_bench.engine.monte_carlo import run_case
+from kl_bench.results import to_frame
+from kl_bench.experiment.rows import summarize
 from kl_bench.foundation.launches import count_ops
 from kl_bench.kinds import RolloutPair
 from kl_bench.kinds.rollout.model import RolloutModel
-from kl_bench.kinds.rollout.sampler import simulate
+from kl_bench.kinds.rollout.sampler import _uniforms, simulate
 from kl_bench.sampling import seeding
 from kl_bench.sampling.logits import zipf_logits
 
@@ -87,6 +89,53 @@ def test_blocks_of_steps_keep_the_bytes_whatever_the_chunk(monkeypatch):
             for chunk in (1, 2500, 1 << 22)]
     assert pair.batches_per_chunk(201, 2500) == 3
     assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
+
+
+@pytest.mark.parametrize("uniforms", [4, 64])
+def test_uniform_blocks_keep_the_bytes_whatever_the_chunk_and_are_the_law(uniforms, monkeypatch):
+    """With a block of uniforms per batch (seeding.UNIFORM_STEPS: CUDA's 64, and 4, where T = 13 ends on a
+    partial block) and CUDA's blocks of sums, forced on the CPU: the per-batch sums are byte-identical for
+    chunks of 1, 3 and all 30 uneven batches a call (a batch's uniforms come from its generator in one call
+    a block, whatever its neighbours), and the estimates agree with the exact values (|z| < 5)."""
+    monkeypatch.setitem(seeding.STEP_BLOCKS, "cpu", seeding.STEP_BLOCKS["cuda"])
+    monkeypatch.setitem(seeding.UNIFORM_STEPS, "cpu", uniforms)
+    lq = torch.log_softmax(zipf_logits(200, 1.1, 1, 4), -1)
+    g = torch.Generator().manual_seed(2)
+    lp = torch.log_softmax(lq + 0.4 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
+    pair = RolloutPair("r", lq, lp, torch.arange(200) % 4, 13, 199)
+    runs = [run_case(pair, ["k1", "k3", "full"], draws=6007, seed=1, batches=30, chunk=chunk, device=CPU, joint=True)
+            for chunk in (1, 2500, 1 << 22)]
+    assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
+    df = to_frame(summarize(run_case(pair, ["k1", "k2", "k3"], draws=40_000, seed=5, batches=40, chunk=1 << 22,
+                                     device=CPU)))
+    assert (df["z"].abs() < 5).all(), df[["estimator", "z"]]
+
+
+def test_uniform_blocks_make_one_call_a_batch_and_block(monkeypatch):
+    """The batches' generators are called once per block of steps (⌈T/U⌉ calls each), not once a step: a
+    chunk of many small batches (200 of 5,000 paths in one GPU piece) made two operations per batch at
+    every step, 17× the rest of a step's. A batch's block is its generator's next k·U numbers, path-major,
+    whatever its neighbours; one row a call (the CPU) is the stream one call a step drew before blocks."""
+    model = _model(OPTIONS["on-policy"])
+    sizes = [20] * 50
+
+    def gens(n: int = len(sizes)):
+        return [torch.Generator().manual_seed(s) for s in range(n)]
+
+    def calls(steps: int) -> int:
+        monkeypatch.setitem(seeding.UNIFORM_STEPS, "cpu", steps)
+        return count_ops(lambda: simulate(model, sizes, gens(), CPU, ROWS))[1]["uniform_"]
+    for steps in (1, 4, 64):
+        assert calls(steps) == len(sizes) * -(-T // steps)
+    sizes = [7, 20, 3]
+    for steps in (1, 4):
+        together = _uniforms(sizes, gens(3), steps, CPU)
+        alone = [torch.rand(k, steps, dtype=torch.float64, generator=g) for k, g in zip(sizes, gens(3))]
+        assert torch.equal(together, torch.cat(alone))
+    one_a_step = [torch.cat([torch.rand(k, dtype=torch.float64, generator=g)[:, None] for _ in range(3)], 1)
+                  for k, g in zip(sizes, gens(3))]
+    rows = gens(3)
+    assert torch.equal(torch.cat(one_a_step), torch.cat([_uniforms(sizes, rows, 1, CPU) for _ in range(3)], 1))
 
 
 def test_blocks_of_steps_halve_the_operations(monkeypatch):

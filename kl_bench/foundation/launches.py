@@ -13,9 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 T = TypeVar("T")
 
 
-# Operators that make no kernel on a GPU besides the views: allocation without a fill, and the 0-dim
-# host tensors that wrap a Python scalar (torch.where(c, x, 0.0)), which a kernel takes as an argument.
-NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "scalar_tensor", "lift_fresh"})
+# Operators that make no kernel on a GPU besides the views: allocation without a fill (resize_ too: the
+# out= of torch.rand(..., out=x) dispatches one), and the 0-dim host tensors that wrap a Python scalar
+# (torch.where(c, x, 0.0)), which a kernel takes as an argument.
+NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "resize_", "scalar_tensor",
+                       "lift_fresh"})
 
 
 def launches_nothing(func) -> bool:

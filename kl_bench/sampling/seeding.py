@@ -32,6 +32,13 @@ TOKEN_PIECES = {"cpu": 1, "cuda": 16}
 # do not depend on its neighbours or the chunk. The CPU adds every step on its own, and keeps its bytes.
 # CUDA: 8 steps, chosen by operation count (benchmarks/README.md), not yet timed on a GPU.
 STEP_BLOCKS = {"cpu": 1, "cuda": 8}
+# A rollout batch draws its paths' uniforms for this many steps in one call ([paths, steps], path-major),
+# instead of one call a step: a chunk of many small batches (200 batches of 5,000 paths share one piece
+# of 2^20 on a GPU) otherwise makes two operations per batch at every step, 17× the rest of a step's
+# (issue 33). Memory: 8 bytes a path and step of the block (512 MiB at 2^20 paths on CUDA). A batch's
+# numbers come from its own generator in one call, so they do not depend on the chunk; on CUDA they differ
+# from one call a step (Philox's offsets), on the CPU one row a call is the same stream as before.
+UNIFORM_STEPS = {"cpu": 1, "cuda": 64}
 
 
 def device_key(device) -> torch.device:
@@ -49,6 +56,11 @@ def piece_draws(device: torch.device) -> int:
 def step_block(device: torch.device) -> int:
     """The rollout sampler's steps per block of sums on ``device``'s type (:data:`STEP_BLOCKS`)."""
     return STEP_BLOCKS.get(torch.device(device).type, STEP_BLOCKS["cpu"])
+
+
+def uniform_steps(device: torch.device) -> int:
+    """The rollout sampler's steps of uniforms a batch draws at once on ``device``'s type (:data:`UNIFORM_STEPS`)."""
+    return UNIFORM_STEPS.get(torch.device(device).type, UNIFORM_STEPS["cpu"])
 
 
 def token_piece_draws(device: torch.device) -> int:

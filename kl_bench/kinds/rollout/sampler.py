@@ -6,7 +6,8 @@ Each step draws every path's token from b's alias table of its bucket (kl_bench.
 two gathers), accumulates the per-path sums (float64: in step order on the CPU, once per block of steps in
 a fixed order on a GPU, kl_bench.sampling.seeding.STEP_BLOCKS) and moves the path to its token's bucket;
 a path that drew EOS stays alive = 0 (its later steps add nothing). Batch i's uniforms come from its own
-generator; every other operation runs on one long vector (per-op overhead dominates on short vectors),
+generator, for a block of steps at once on a GPU (seeding.UNIFORM_STEPS); every other operation runs on
+one long vector (per-op overhead dominates on short vectors),
 and every operation is per path, so a path's values do not depend on its neighbours. Tensors are made on
 the sampling ``device`` (the generators' device); the model's tables are made there once
 (RolloutModel.sampling_tables).
@@ -20,7 +21,7 @@ import torch
 from ...sampling.alias import pick
 from ...core.draws import Draws, Row
 from ...core.rejection import SequenceMask
-from ...sampling.seeding import BatchStream, piece_draws, step_block
+from ...sampling.seeding import BatchStream, piece_draws, step_block, uniform_steps
 from ..base import BatchSums, Features
 from .model import RolloutModel
 
@@ -132,14 +133,12 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
                       device) if sums else None
     # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.core.rejection).
     mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], n, device)
+    steps = uniform_steps(device)
     for t in range(model.length):
         phase = model.phase_of[t]
-        u = torch.empty(n, dtype=torch.float64, device=device)
-        at = 0
-        for k, g in zip(sizes, gens):           # each batch's uniforms from its generator, in place
-            torch.rand(k, dtype=torch.float64, generator=g, device=device, out=u[at:at + k])
-            at += k
-        u.mul_(model.vocab)
+        if t % steps == 0:
+            uniforms = _uniforms(sizes, gens, min(steps, model.length - t), device)
+        u = torch.mul(uniforms[:, t % steps], model.vocab)
         base = walk.c * model.vocab
         x = pick(tables[phase], u, model.vocab, base)
         key = base + x
@@ -162,6 +161,19 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
         walk.c = bucket[x]
     return Draws(walk.logr, walk.full, walk.tok, walk.tok_b, weight=walk.weight, tok_weighted=model.weighting.per_token,
                  log_weight=walk.log_weight, keep=mask.keep())
+
+
+def _uniforms(sizes: list[int], gens: list[torch.Generator], steps: int, device: torch.device) -> torch.Tensor:
+    """Uniforms [n, ``steps``] float64 for the next ``steps`` steps of every path: batch i's rows (its
+    ``sizes[i]`` paths, contiguous) in one call of its generator ``gens[i]``, path-major, so that they depend
+    on the batch alone. One step at a time (steps = 1, the CPU) they are the generator's stream in order, as
+    one call a step drew them."""
+    u = torch.empty(sum(sizes), steps, dtype=torch.float64, device=device)
+    at = 0
+    for k, g in zip(sizes, gens):
+        torch.rand(k, steps, dtype=torch.float64, generator=g, device=device, out=u[at:at + k])
+        at += k
+    return u
 
 
 def _weigh(model: RolloutModel, walk: _Walk, logw_t: torch.Tensor | None) -> torch.Tensor | None:
