@@ -214,3 +214,18 @@ def test_the_cli_in_an_80_column_terminal(write_spec, tmp_path):
     table = [line for line in text.splitlines() if line.startswith(("k1 ", "k2 ", "k3 ", "abs "))]
     assert len(table) == 4 and all(len(line) <= 80 for line in table), text
     assert "…" not in "\n".join(table)
+
+
+def test_exact_names_a_sampler_missing_mass_without_a_summary(tmp_path, build_spec):
+    """`kl-bench exact` on a case whose sampler truncates (top_p) crashed in the warning about the missed
+    mass (it read the summary's heavy_tail column, which an exact table has none of): exit 0, and the
+    warning says what is known without draws."""
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    case = {"name": "top-p", "kind": "categorical", "vocab": 300, "q": {"logits": "zipf", "exponent": 1.1, "seed": 1},
+            "p": {"from": "q", "noise": 0.3, "seed": 2}, "sampler": {"top_p": 0.9}}
+    (tmp_path / "s.toml").write_text(build_spec(cases=[case]))
+    res = CliRunner().invoke(app, ["exact", str(tmp_path / "s.toml"), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "warning: case 'top-p': the sampler never draws" in res.output and "Traceback" not in res.output

@@ -1,6 +1,7 @@
 """`kl-bench audit DIR` on saved steps (safetensors): logits and hidden-state forms agree, the results folder
 is written, and bad input is one line naming file and key with exit code 2."""
 import json
+import os
 
 import pytest
 import torch
@@ -120,6 +121,13 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
                          logit_softcap=-1.0, policy_logits=torch.zeros(2, 3, 5), reference_logits=torch.zeros(2, 3, 5)),
      "key 'logit_softcap': must be a finite number > 0, got '-1.0'"),
     (lambda d: (d / "step-0009.safetensors").write_bytes(b"not a safetensors file"), "step-0009.safetensors: cannot read"),
+    # What an accident or an attacker can put at a step's path: one line, never a blocked open (a FIFO
+    # held `kl-bench audit` in open() until SIGKILL) nor an endless read.
+    (lambda d: os.mkfifo(d / "step-0009.safetensors"), "step-0009.safetensors: is a FIFO (named pipe), not a regular"),
+    (lambda d: (d / "step-0009.safetensors").symlink_to("/dev/zero"), "is a character device, not a regular"),
+    (lambda d: (d / "step-0009.safetensors").mkdir(), "step-0009.safetensors: is a folder, not a regular"),
+    (lambda d: os.mkfifo(d / "heads.safetensors"), "heads.safetensors: is a FIFO (named pipe), not a regular"),
+    (lambda d: (d / "heads.safetensors").symlink_to(d / "nowhere"), "heads.safetensors: heads file not found (a dangling symbolic link)"),
 ])
 def test_bad_saved_steps_are_one_line_errors_and_nothing_is_written(folders, edit, match):
     dirs, _ = folders

@@ -250,3 +250,41 @@ def test_baselines_without_batches_still_load_and_compare_with_a_normal_tail():
     with_k = normalize_baseline({"kl_bench_baseline": 1, "rows": [{**row, "batches": 12}]})
     (mean_cmp, *_), _ = baseline_comparisons(run, with_k)
     assert mean_cmp.dof == pytest.approx(22.0)
+
+
+def test_results_of_another_version_of_the_spec_are_refused_but_run_settings_may_differ(tmp_path, build_spec):
+    """`check SPEC --results DIR` gates DIR's numbers: a folder made from another version of the spec (a
+    case's distribution or the estimators changed since) held the old numbers and passed; it is one line,
+    exit 2, naming what changed. Comments and run settings (draws, seed, batches, device) may differ: the
+    numbers are still this spec's (a note says the text differs)."""
+    runner = CliRunner()
+    spec = tmp_path / "s.toml"
+    spec.write_text(build_spec(cases=[GAUSS], estimators=["k1", "k2", "k3"]))
+    assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "r"), "-q"]).exit_code == 0
+    changed = {"mean": build_spec(cases=[{**GAUSS, "p": {"mean": 0.5, "std": 2.0}}], estimators=["k1", "k2", "k3"]),
+               "estimators": build_spec(cases=[GAUSS], estimators=["k1", "k3"]),
+               "case": build_spec(cases=[GAUSS, {**GAUSS, "name": "g2"}], estimators=["k1", "k2", "k3"])}
+    needles = {"mean": "case 'g'.p.mean, case 'g'.p.std changed since", "estimators": "experiment.estimators",
+               "case": "lacks the spec's case 'g2'"}
+    for what, text in changed.items():
+        spec.write_text(text)
+        res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
+        lines = [x for x in res.output.splitlines() if x.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and needles[what] in lines[0], (what, res.output)
+    spec.write_text("# edited\n" + build_spec(cases=[GAUSS], estimators=["k1", "k2", "k3"], draws=40_000, seed=3))
+    res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
+    assert res.exit_code == 0 and "was produced by a different version" in res.output, res.output
+
+
+def test_a_baseline_of_another_experiment_is_refused(tmp_path, build_spec):
+    """Another experiment's baseline made every row read as moved (exit 1, ten FAIL lines): one line, exit 2."""
+    runner = CliRunner()
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.toml").write_text(build_spec(cases=[GAUSS], name=name))
+    assert runner.invoke(app, ["run", str(tmp_path / "b.toml"), "--out", str(tmp_path / "rb"), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["baseline", str(tmp_path / "b.toml"), "--results", str(tmp_path / "rb"), "--out",
+                               str(tmp_path / "b.json")]).exit_code == 0
+    res = runner.invoke(app, ["check", str(tmp_path / "a.toml"), "--baseline", str(tmp_path / "b.json"), "-q"])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert "is the baseline of experiment 'b', not of 'a'" in lines[0] and "key '--baseline'" in lines[0]

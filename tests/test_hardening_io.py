@@ -7,6 +7,7 @@ import io
 import os
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -409,3 +410,82 @@ def test_running_out_of_memory_is_one_line(made, monkeypatch, capsys, error):
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: out of memory"), err
     assert not (made["root"] / "never").exists()
+
+
+@pytest.mark.parametrize("args, key, needle", [
+    (["exact", "{spec}", "--out", "{spec}", "-q"], "--out", "is the spec this command reads"),
+    (["exact", "{spec}", "--out", "-", "-q"], "--out", "'-' is not read as stdout"),
+    (["check", "{spec}", "--results", "{res}", "--json", "{spec}"], "--json", "is the spec this command reads"),
+    (["check", "{link}", "--results", "{res}", "--junit", "{spec}"], "--junit", "is the spec this command reads"),
+    (["check", "{spec}", "--results", "{res}", "--json", "{res}/summary.csv"], "--json", "the --results folder"),
+    (["check", "{spec}", "--results", "{res}", "--baseline", "{base}", "--json", "{base}"], "--json",
+     "the --baseline file"),
+    (["check", "{spec}", "--results", "{res}", "--json", "{out}/v.out", "--junit", "{out}/./v.out"], "--junit",
+     "names the --json file too"),
+    (["baseline", "{spec}", "--results", "{res}", "--out", "{spec}"], "--out", "is the spec this command reads"),
+    (["baseline", "{spec}", "--results", "{res}", "--out", "{res}/run.json"], "--out", "the --results folder"),
+    (["report", "{res}", "--out", "{res}/", "-q"], "--out", "is a results folder this report reads"),
+])
+def test_an_output_over_the_commands_own_input_is_refused(made, tmp_path, args, key, needle):
+    """An output path naming one of the command's inputs (the spec, through a link too; the --results folder
+    or a file in it; the --baseline; the other report of the same command) is one line, exit 2, and every
+    input keeps its bytes: `exact --out SPEC` had replaced the spec with a CSV, `check --json
+    DIR/summary.csv` a results file (whose recorded sha256 then failed every later read)."""
+    (tmp_path / "link.toml").symlink_to(made["spec"])
+    fill = dict(spec=made["spec"], res=made["res"], base=made["base"], link=tmp_path / "link.toml", out=tmp_path)
+    before = (made["spec"].read_bytes(), _tree(made["res"]), made["base"].read_bytes())
+    proc = _cli(*[a.format(**fill) for a in args], cwd=tmp_path)
+    _one_line(proc, 2, f"key '{key}'", needle)
+    assert (made["spec"].read_bytes(), _tree(made["res"]), made["base"].read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.toml"]
+
+
+def test_a_read_only_results_folder_is_not_replaced(made, tmp_path):
+    """A folder made read-only (chmod a-w) to keep it: a run into it is one line, exit 2, and the folder keeps
+    its bytes and its mode (exchanging folders needs only the parent writable: it had been replaced, 755)."""
+    out = tmp_path / "kept"
+    shutil.copytree(made["res"], out)
+    out.chmod(0o555)
+    try:
+        before = _tree(out)
+        proc = _cli("run", made["spec"], "--out", out, "-q", "--seed", "9")
+        _one_line(proc, 2, "read-only folder", "key '--out'")
+        assert _tree(out) == before and stat.S_IMODE(out.stat().st_mode) == 0o555
+    finally:
+        out.chmod(0o755)
+
+
+def test_a_rerun_says_the_report_it_kept_is_stale(made, tmp_path):
+    """A rerun keeps the files it did not write (a report among them): one line on stderr, even with -q,
+    says the report describes the replaced results; `--report` remakes it and says nothing."""
+    out = tmp_path / "r"
+    shutil.copytree(made["res"], out)
+    (out / "report").mkdir()
+    (out / "report" / "report.md").write_text("seed 0")
+    proc = _cli("run", made["spec"], "--out", out, "-q", "--seed", "5")
+    assert proc.returncode == 0 and "describes the results this run replaced" in proc.stderr, proc.stderr
+    assert (out / "report" / "report.md").read_text() == "seed 0"          # kept, not deleted
+    proc = _cli("run", made["spec"], "--out", out, "-q", "--seed", "6", "--report")
+    assert proc.returncode == 0 and "describes" not in proc.stderr, proc.stderr
+
+
+def test_small_input_slips_are_plain_one_liners(made, tmp_path):
+    """A spec saved with a byte-order mark is read (it was a TOML syntax error at line 1, column 1); --draws in
+    another script's digits is refused as a spec's would be; a .npy path holding something else says so
+    without quoting the file's first bytes (a link to /etc/passwd had shown its first bytes). (A bad results
+    cell is quoted as the number it is, not as numpy's repr: tests/test_probe.py.)"""
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf" + made["spec"].read_bytes())
+    assert runner.invoke(app, ["exact", str(bom), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["run", str(made["spec"]), "--draws", "\u0663", "--out", str(tmp_path / "o"), "-q"])
+    assert res.exit_code == 2 and "key '--draws'" in res.output and not (tmp_path / "o").exists(), res.output
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cr3t:x:0:0")
+    (tmp_path / "q.npy").symlink_to(secret)
+    (tmp_path / "npy.toml").write_text(
+        'spec_version = 1\n[experiment]\nname = "n"\ndraws = 1000\n[[case]]\nname = "c"\nkind = "categorical"\n'
+        'q = { file = "q.npy" }\np = { from = "q", noise = 0.1, seed = 1 }\n')
+    res = runner.invoke(app, ["exact", str(tmp_path / "npy.toml"), "-q"])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "not a .npy file" in lines[0] and "s3cr3t" not in lines[0], res.output
+

@@ -147,7 +147,7 @@ def no_hang():
     (_set_cell("mean", "nan"), "'mean' must hold a number"),
     (_set_cell("se", "-0.01"), "'se' must be ≥ 0"),
     (_set_cell("std", "-1"), "'std' must be ≥ 0"),
-    (_set_cell("draws", "-5"), "'draws' must be a whole number ≥ 0"),
+    (_set_cell("draws", "-5"), "'draws' must be a whole number ≥ 0, but row 1 (line 2) (case 'g') has -5"),
     (lambda header, lines: lines + [lines[1]], "repeats an earlier row's key"),
 ])
 def test_check_and_baseline_refuse_a_summary_with_a_bad_number(made, folder, tmp_path, damage, needle):

@@ -340,3 +340,32 @@ def test_figures_leave_global_state_alone_and_render_every_case(tmp_path):
     res.write(tmp_path / "run")
     paths = render_training_figures(tmp_path / "run", tmp_path / "fig")
     assert [p.name for p in paths] == ["training_cat.png"] and paths[0].stat().st_size > 10_000
+
+
+def test_a_diverged_trajectory_is_named_not_ranked(tmp_path):
+    """An lr that overflows θ (k3 in the loss at lr = 1e308) made empty train.csv cells, numpy's overflow
+    warnings on stderr and a summary that still named a winner: the run writes its rows as before (NaN is
+    what the trajectory is), names every diverged trajectory in one warning line each with its first
+    non-finite step, leaves it out of the ranking, and leaks no numpy warning."""
+    import subprocess
+    import sys
+
+    from kl_bench.results import read_frame
+    from kl_bench.training.result import diverged, summary_lines
+    text = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = 16\nseed = 0\ndevice = "cpu"\n[train]\n'
+            'optimizer = "sgd"\nlr = 1e308\nsteps = 10\nbeta = 0.5\nreward = { random = 1.0 }\n'
+            'gradients = ["exact", "sampled"]\nseeds = 2\nrecord_every = 5\n'
+            'combinations = ["k2/loss", "k3/loss"]\nsampled_combinations = ["k3/loss"]\n') + CASE_TOML
+    (tmp_path / "s.toml").write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "kl_bench._testing", "train", str(tmp_path / "s.toml"), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    df = read_frame(tmp_path / "out" / "train.csv")
+    gone = diverged(df)
+    assert [(k, g) for _, k, g, _ in gone] == [("k3/loss", "exact"), ("k3/loss", "sampled")], gone
+    warnings = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert warnings == [f"warning: case '{c}': {k} ({g}) diverged: non-finite values from step {s} on (a smaller "
+                        "[train] lr?)" for c, k, g, s in gone], proc.stderr
+    (line,) = summary_lines(df)
+    assert "closest to the optimum" in line and ": k2/loss," in line and "diverged: k3/loss (from step" in line
+    assert line in proc.stdout

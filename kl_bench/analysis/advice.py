@@ -310,10 +310,14 @@ def _support_warnings(case: str, c: pd.DataFrame) -> list[str]:
     miss = c["support_miss"].max() if "support_miss" in c else 0.0
     if not miss > 0:
         return []
-    weighted = (c["heavy_tail"] == HeavyTail.SUPPORT_MISS.value).any()
+    # A summary's heavy_tail says whether the rows are weighted; an exact table (kl-bench exact) has none.
+    weighted = (c["heavy_tail"] == HeavyTail.SUPPORT_MISS.value).any() if "heavy_tail" in c else None
     return [f"warning: case '{case}': the sampler never draws {miss:.3g} of q's mass (worst context or step): "
-            + ("the importance weight q/b is infinite there, so the weighted estimates miss that mass (flagged "
-               "heavy_tail)" if weighted else "every estimate is biased; the exact bias is shown")]
+            + {True: "the importance weight q/b is infinite there, so the weighted estimates miss that mass "
+                     "(flagged heavy_tail)",
+               False: "every estimate is biased; the exact bias is shown",
+               None: "the estimates miss that mass (biased; the exact bias is shown), or, weighted by q/b, "
+                     "their weight is infinite there"}[weighted]]
 
 
 def _group_warnings(case: str, c: pd.DataFrame) -> list[str]:

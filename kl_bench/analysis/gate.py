@@ -145,7 +145,7 @@ def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[li
             out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p, dof, scale=scale))
     for key, b in base.items():
         if key not in seen:
-            notes.append(f"{b['case']}: {b['estimator']}: in the baseline but not in this run")
+            notes.append(f"{row_name(b)}: in the baseline but not in this run")   # its aggregate and λ too
     return out, notes
 
 

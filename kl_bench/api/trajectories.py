@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..foundation.threads import single_threaded
 from .preparation import load, resolve_device
 from .provenance import device_name, git_commit, now, versions
@@ -31,7 +33,10 @@ def train(spec, *, seed: int | None = None, device: str | None = None, ranks=Non
     dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
     bar = LazyProgress(0, enabled=wanted(progress), console=console, unit="steps")
     try:
-        rows, cfg, wall = train_rows(sp, dev, ranks or SINGLE, bar)
+        # A diverged trajectory's non-finite values are named per trajectory (TrainResult.warnings), not
+        # as numpy's overflow warnings from deep inside the means and spreads over seeds.
+        with np.errstate(all="ignore"):
+            rows, cfg, wall = train_rows(sp, dev, ranks or SINGLE, bar)
     finally:
         bar.close()
     if rows is None:

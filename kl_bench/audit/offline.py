@@ -22,6 +22,7 @@ from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from ..foundation.formatting import plural
 from ..foundation.registry import UnknownName
+from ..foundation.safe_io import read_regular
 from ..foundation.storage import atomic_write_bytes, check_output_dir
 from .aggregate import AGGREGATIONS
 from .exact import PositionValues, position_values
@@ -116,15 +117,25 @@ class SavedStep:
                 for i, m in enumerate(self.metrics)}
 
 
-def _load(path: Path) -> tuple[dict, dict]:
+def _load(path: Path, what: str = "saved step") -> tuple[dict, dict]:
+    """The tensors and the metadata of a saved step (or of heads.safetensors). Only a regular file is read
+    (kl_bench.foundation.safe_io: a FIFO, a device or a folder at the path is one line, never a blocked
+    open), within half of this machine's memory, and parsed from its bytes."""
     try:
-        from safetensors import safe_open
+        from safetensors.torch import load
     except ImportError:
         raise SpecError("reading saved steps needs the safetensors package: pip install 'kl-bench[hf]'",
                         file=str(path)) from None
+    data = read_regular(path, "tensor", what)
     try:
-        with safe_open(str(path), framework="pt") as fh:
-            return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
+        tensors = load(data)        # checks the header's byte ranges against the bytes
+        # The header, already checked by load: 8 bytes of its length (little-endian), then JSON whose
+        # "__metadata__" holds the settings the step was saved with.
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+        meta = header.get("__metadata__") or {}
+        if not isinstance(meta, dict):
+            raise ValueError("__metadata__ is not a table")
+        return tensors, dict(meta)
     except Exception as e:          # truncated or foreign files: safetensors raises several types
         raise SpecError(f"cannot read: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                         file=str(path)) from None
@@ -309,7 +320,8 @@ def audit_folder(directory, *, on_step=None, tile: int | None = None, chunk: int
     audit. Hidden states: tile matmuls in ``dtype`` (float64 by default: exact to rounding)."""
     directory = Path(directory)
     files = step_files(directory)
-    heads = _load(directory / HEADS_FILE)[0] if (directory / HEADS_FILE).exists() else None
+    heads_file = directory / HEADS_FILE           # a dangling link there is an error, not "no heads"
+    heads = _load(heads_file, "heads")[0] if heads_file.exists() or heads_file.is_symlink() else None
     steps = [read_step(f, heads) for f in files]
     log, sessions = AuditLog(), {}
     kw = dict(dtype=dtype, chunk=chunk, tile=tile)

@@ -95,6 +95,8 @@ def draws_flag(value: Optional[str]):
     if value is None:
         return None
     text = value.strip().replace("_", "")
+    if not text.isascii():          # int() reads other scripts' digits ("٣"): a spec's TOML does not
+        return value
     try:
         return int(text)
     except ValueError:
@@ -134,12 +136,16 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
     from ..foundation.progress import LazyProgress
     from ..present.report import summary_line, write_report as write
     from ..api.folders import interrupt_line
-    from ..foundation.storage import check_output_dir, fs_error
+    from ..foundation.storage import check_output_dir, fs_error, same_path
     from ..results.folders import require_folder
     with user_errors():
         for d in dirs:              # what was asked for is said first, before the (default) --out is judged
             require_folder(d)
         check_report_out(Path(out))
+        for d in dirs:              # a report goes beside or inside a results folder (DIR/report), never over it
+            if same_path(out, d):
+                raise SpecError("is a results folder this report reads: give another folder (default: "
+                                f"{Path(d) / 'report'})", file=str(out), key="--out")
         out = check_output_dir(out)
         earlier = "an earlier report in {out} is untouched" if out.exists() else "nothing was created"
         bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="figures")
@@ -158,6 +164,15 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
         if (out / "differences.csv").exists():
             for line in difference_lines(out / "differences.csv"):
                 out_console.print(line, markup=False)
+
+
+def stale_report_note(folder: Path) -> None:
+    """A run that replaced a folder's results keeps the files it did not write (a user's notes, a report);
+    a report there now describes the results it replaced: one line on stderr says so (whatever --quiet)."""
+    report = Path(folder) / "report"
+    if report.is_dir() and not report.is_symlink():
+        err_console.print(f"note: {report}/ describes the results this run replaced: `kl-bench report {folder}` "
+                          "remakes it", markup=False)
 
 
 def difference_lines(path: Path, most: int = 8) -> list[str]:

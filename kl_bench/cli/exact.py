@@ -25,7 +25,7 @@ def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     advice_options(batch, tolerance)
     with user_errors():
         if out is not None:
-            check_output_file(out)
+            check_output_file(out, inputs=((spec, "the spec"),))
         df = api.exact(spec, progress=not quiet, console=err_console)
     print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
     warn_rows(df, err_console)

@@ -51,19 +51,24 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     """Statistical regression gate: every statistic against its exact value and a stored baseline.
     Exit 0 when all pass, 1 when any fails, 2 for bad input."""
     from .. import api
-    from ..foundation.storage import check_output_file
+    from ..foundation.storage import check_output_file, same_path
     with user_errors():
+        reads = ((spec, "the spec"), (results, "the --results folder"), (baseline, "the --baseline file"))
         for path, key in ((json_out, "--json"), (junit, "--junit")):
             if path is not None:
-                check_output_file(path, key)
+                check_output_file(path, key, reads)
+        if json_out is not None and junit is not None and same_path(json_out, junit):
+            raise SpecError("names the --json file too: the two reports need two files", file=str(junit),
+                            key="--junit")
         if not 0 < alpha < 1:
             raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
         sp0 = api.load(spec)
         base_path = baseline or BASELINES / f"{sp0.experiment.name}.json"
         use_base = baseline is not None or base_path.exists()
         if use_base:
-            from ..results.baseline import load_baseline
-            load_baseline(base_path)          # a broken baseline fails before any sampling
+            from ..results.baseline import check_baseline_matches, load_baseline
+            # A broken baseline, or another experiment's, fails before any sampling.
+            check_baseline_matches(load_baseline(base_path), sp0.experiment.name, base_path)
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
         rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
@@ -99,7 +104,7 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
     from ..foundation.storage import check_output_file
     with user_errors():
         target = out or NEW_BASELINES / f"{api.load(spec).experiment.name}.json"
-        check_output_file(target)
+        check_output_file(target, inputs=((spec, "the spec"), (results, "the --results folder")))
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
         data = baseline_bytes(make_baseline(df, sp))

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .common import (Command, advice_options, advise, app, draws_flag, err_console, interrupted, out_console,
-                     user_errors, warn_rows, write_report)
+                     stale_report_note, user_errors, warn_rows, write_report)
 
 
 @app.command(cls=Command)
@@ -57,6 +57,8 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         show_run(result, wide, batch, tolerance)
     if report_:
         write_report([result.path], result.path / "report", quiet, batch=batch, tolerance=tolerance)
+    else:
+        stale_report_note(result.path)
 
 
 def show_run(result, wide: bool, batch: int, tolerance: float) -> None:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .common import Command, app, err_console, out_console, user_errors
+from .common import Command, app, err_console, out_console, stale_report_note, user_errors
 
 
 @app.command(cls=Command)
@@ -32,6 +32,9 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
         for line in result.summary_lines():
             out_console.print(line, markup=False)
         out_console.print(f"→ {result.path}/train.csv", markup=False)
+    for line in result.warnings():
+        err_console.print(line, markup=False)
+    stale_report_note(result.path)
 
 
 @contextlib.contextmanager

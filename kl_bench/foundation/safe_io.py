@@ -161,6 +161,8 @@ def decode_text(data: bytes, path: str | Path, what: str) -> str:
                         file=str(path)) from None
     if "\x00" in text:
         raise SpecError(f"the {what} file holds NUL bytes (binary or corrupted?)", file=str(path))
+    if text.startswith("\ufeff"):   # a byte-order mark (some Windows editors write one): not TOML's, not text
+        text = text[1:]
     return text
 
 
@@ -207,6 +209,10 @@ def check_npy_header(fh: BinaryIO, size: int, where: str) -> tuple[tuple[int, ..
     (shape, dtype); the file position is left after the header."""
     import numpy as np
     from numpy.lib import format as npf
+    # Checked here, not by numpy, whose error quotes the file's first bytes (a link to /etc/passwd: "got b'root:x'").
+    if fh.read(len(npf.MAGIC_PREFIX)) != npf.MAGIC_PREFIX:
+        raise SpecError("not a .npy file: it does not start with numpy's magic bytes", file=where)
+    fh.seek(0)
     try:
         version = npf.read_magic(fh)
         reader = {(1, 0): npf.read_array_header_1_0, (2, 0): npf.read_array_header_2_0}.get(version)

@@ -49,27 +49,56 @@ def _os_errors_as_input_errors(check):
     """A path check that meets an OSError (a folder it may not search: EACCES on stat, ELOOP, ENAMETOOLONG)
     says so in one line naming the path, as every other refusal does."""
     @functools.wraps(check)
-    def wrapped(path: Path, key: str = "--out") -> Path:
+    def wrapped(path: Path, key: str = "--out", *args, **kwargs) -> Path:
         try:
-            return check(path, key)
+            return check(path, key, *args, **kwargs)
         except OSError as e:
             raise fs_error(e, Path(path), "cannot be written", key=key) from None
     return wrapped
 
 
 @_os_errors_as_input_errors
-def check_output_file(path: Path, key: str = "--out") -> Path:
+def check_output_file(path: Path, key: str = "--out", inputs=()) -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
-    folder that cannot be created or written. ``key``: the option that names it."""
+    folder that cannot be created or written, "-" (no option writes to stdout), or one of the command's own
+    inputs. ``key``: the option that names it; ``inputs``: (path, what) of each file or folder the command
+    reads (None skipped), which the output may neither be nor lie inside (a spec replaced by a CSV, a results
+    folder whose recorded hashes a --json file inside it breaks)."""
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
         raise SpecError("must name a file", file=str(path), key=key)
+    if str(path) == "-":
+        raise SpecError("'-' is not read as stdout here: give a file name", file=str(path), key=key)
     _check_name_length(path, key)
     if path.is_dir():
         raise SpecError("is a folder; give a file name", file=str(path), key=key)
+    for source, what in inputs:
+        if source is not None and _same_or_inside(path, Path(source)):
+            raise SpecError(f"is {what} this command reads, or lies inside it: give another file name",
+                            file=str(path), key=key)
     check_write_target(path, key=key)       # a symlink or /dev/null is refused, never replaced
     _check_parent_writable(path, key)
     return path
+
+
+def same_path(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same inode (through any link or spelling), or, where
+    either does not exist yet, the same resolved path."""
+    with contextlib.suppress(OSError, RuntimeError):
+        if Path(a).exists() and Path(b).exists():
+            return os.path.samefile(a, b)
+        return Path(a).resolve() == Path(b).resolve()
+    return False
+
+
+def _same_or_inside(path: Path, source: Path) -> bool:
+    """Whether ``path`` is the file ``source`` or lies inside the folder ``source``."""
+    if same_path(path, source):
+        return True
+    with contextlib.suppress(OSError, RuntimeError):
+        if source.is_dir():
+            return path.resolve().is_relative_to(source.resolve())
+    return False
 
 
 # Linux's limit on one path component (NAME_MAX); the temporary names beside a target add a prefix.
@@ -105,7 +134,19 @@ def check_output_dir(path: Path, key: str = "--out") -> Path:
     path = output_dir(path, key)
     check_dir_target(path, key=key)
     _check_parent_writable(path, key)
+    _check_not_read_only(path, key)
     return path
+
+
+def _check_not_read_only(path: Path, key: str) -> None:
+    """An existing folder whose mode has no write bit (chmod a-w: made read-only to keep it) is refused,
+    not replaced: exchanging folders needs only its parent to be writable, and would drop the mode with the
+    contents. Judged by the mode, not by access(): root may write anywhere, and still should not here."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode) and not st.st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+            raise SpecError("is a read-only folder (no write permission): kl-bench does not replace it; make it "
+                            "writable (chmod u+w) to replace it, or choose another folder", file=str(path), key=key)
 
 
 def _check_parent_writable(path: Path, key: str = "--out") -> None:

@@ -73,6 +73,15 @@ def load_baseline(path: Path) -> dict[str, Any]:
     return normalize_baseline(data, str(path))
 
 
+def check_baseline_matches(baseline: dict[str, Any], spec_name: str, path: Path) -> None:
+    """Refuse a baseline made from another experiment (its ``spec_name``): its rows would all read as moved
+    or missing, a verdict about the wrong file."""
+    made = baseline.get("spec_name")
+    if isinstance(made, str) and made != spec_name:
+        raise SpecError(f"is the baseline of experiment '{made}', not of '{spec_name}': give the baseline of this "
+                        f"experiment (make it with `kl-bench baseline`)", file=str(path), key="--baseline")
+
+
 # Baseline fields by type: numbers that every row must have, numbers that may be null (NaN: make_baseline
 # writes NaN as null, e.g. the se of a row whose estimates are infinite), text.
 _REQUIRED_NUMBERS = ("draws", "mean")

@@ -111,8 +111,9 @@ def _first_bad(df, c: str, bad: np.ndarray, what: str, p: Path) -> None:
     if len(rows):
         i = int(rows[0])
         case = f" (case {df['case'].iloc[i]!r})" if "case" in df.columns else ""
-        raise SpecError(f"column '{c}' {what}, but row {i + 1} (line {i + 2}){case} has {df[c].iloc[i]!r}",
-                        file=str(p))
+        value = df[c].iloc[i]
+        value = value.item() if isinstance(value, np.generic) else value     # nan, -1: not np.float64(nan)
+        raise SpecError(f"column '{c}' {what}, but row {i + 1} (line {i + 2}){case} has {value!r}", file=str(p))
 
 
 def undefined_statistic(name: str, df) -> tuple[str, np.ndarray, str] | None:
@@ -268,6 +269,70 @@ def check_results_match_spec(results, spec) -> None:
         bits = _case_differences(wanted, have)
         if bits:
             raise SpecError(f"not the results of {spec.path}: {source} " + " and ".join(bits), file=where)
+    _check_same_settings(env.get("spec_text"), spec, where)
+
+
+def _check_same_settings(recorded, spec, where: str) -> None:
+    """Refuse results made from another version of ``spec`` (run.json's ``spec_text`` against the spec's
+    text), unless only comments or :data:`RUN_SETTINGS` differ."""
+    text = getattr(spec, "text", None)
+    if not isinstance(recorded, str) or not isinstance(text, str) or recorded == text:
+        return
+    changed = [k for k in spec_differences(recorded, text) or () if k not in RUN_SETTINGS]
+    if changed:
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise SpecError(f"was made from another version of {spec.path} ({shown} changed since): its numbers "
+                        f"are not this spec's; run it again, or give the spec it was made from (run.json's "
+                        f"spec_text)", file=where)
+
+
+# Spec keys that change how a run is made, not what it measures: results made with other values are still
+# this spec's (the gate's exact values and its standard errors hold for any of them).
+RUN_SETTINGS = frozenset({"experiment.draws", "experiment.seed", "experiment.batches", "experiment.device",
+                          "experiment.chunk"})
+
+
+def spec_differences(recorded: str, current: str) -> list[str] | None:
+    """The keys whose values differ between two spec texts, in the spec's words: "experiment.estimators",
+    "case 'gauss'.p.mean", "case 'new'" (a case on one side only). Comments, spacing and order are no
+    difference. A text is TOML (a spec file) or JSON (a dict spec, as kl_bench.experiment.spec records it);
+    None where either is neither (nothing to compare: the caller's sha256 note stands)."""
+    a, b = _spec_table(recorded), _spec_table(current)
+    if a is None or b is None:
+        return None
+    a, b = _flat(a), _flat(b)
+    missing = object()
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, missing) != b.get(k, missing))
+
+
+def _spec_table(text: str) -> dict | None:
+    import json
+    import tomllib
+    for parse in (tomllib.loads, json.loads):
+        try:
+            table = parse(text)
+        except (ValueError, RecursionError):     # TOMLDecodeError and JSONDecodeError are ValueErrors
+            continue
+        if isinstance(table, dict):
+            return table
+    return None
+
+
+def _flat(table: dict, prefix: str = "") -> dict[str, Any]:
+    """A parsed spec as {dotted key: value}; the [[case]] tables keyed by their names."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        elif key == "case" and not prefix and isinstance(value, list) and all(isinstance(c, dict) for c in value):
+            for i, case in enumerate(value):
+                label = f"case '{case.get('name', i)}'"
+                out[label] = True                                  # present: a case on one side only differs
+                out.update(_flat({k: v for k, v in case.items() if k != "name"}, label + "."))
+        else:
+            out[name] = value
+    return out
 
 
 def _case_differences(wanted: list[str], have: list[str]) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from ..foundation.formatting import sig
@@ -38,24 +39,50 @@ class TrainResult:
         run has them, else the sampled means)."""
         return summary_lines(self.frame)
 
+    def warnings(self) -> list[str]:
+        """One line per trajectory that diverged (:func:`diverged`)."""
+        return [f"warning: case '{case}': {combination} ({gradients}) diverged: non-finite values from step {step} "
+                f"on (a smaller [train] lr?)" for case, combination, gradients, step in diverged(self.frame)]
+
 
 def final_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The last recorded step of every (case, combination, gradients) of train.csv's frame."""
     return df[df["step"] == df.groupby(["case", "combination", "gradients"])["step"].transform("max")]
 
 
+# The trajectory columns a diverged update makes non-finite (θ overflows: NaN or ±inf probabilities).
+METRICS = ("kl_rev", "kl_fwd", "entropy", "reward", "objective", "kl_opt")
+
+
+def diverged(frame: pd.DataFrame) -> list[tuple[str, str, str, int]]:
+    """(case, combination, gradients, first step) of every trajectory of train.csv's frame with a
+    non-finite value (NaN or ±inf) in a metric column at some recorded step."""
+    bad = ~np.isfinite(frame[list(METRICS)].to_numpy(dtype=float)).all(axis=1)
+    first = frame[bad].groupby(["case", "combination", "gradients"], sort=False)["step"].min()
+    return [(c, k, g, int(s)) for (c, k, g), s in first.items()]
+
+
 def summary_lines(frame: pd.DataFrame) -> list[str]:
     """Per case of train.csv's frame: which combination ends closest to q* (the smallest KL(q‖q*)) and how
-    far the others are (exact rows when the run has them, else the sampled means)."""
+    far the others are (exact rows when the run has them, else the sampled means); a diverged trajectory
+    (:func:`diverged`) is named as such, never ranked, and a case where all did names no winner."""
     lines = []
+    gone = {(c, k, g): s for c, k, g, s in diverged(frame)}
     for case, df in final_rows(frame).groupby("case", sort=False):
         kind = "exact" if (df["gradients"] == "exact").any() else "sampled"
-        d = df[df["gradients"] == kind].sort_values("kl_opt", kind="stable")
+        d = df[df["gradients"] == kind]
+        lost = [r for r in d.itertuples() if (case, r.combination, kind) in gone]
+        tail = "; diverged: " + ", ".join(f"{r.combination} (from step {gone[case, r.combination, kind]})"
+                                          for r in lost) if lost else ""
+        d = d[[(case, k, kind) not in gone for k in d["combination"]]].sort_values("kl_opt", kind="stable")
+        if d.empty:
+            lines.append(f"{case}: every combination diverged ({kind}){tail[len('; diverged'):]}")
+            continue
         best = d.iloc[0]
         others = ", ".join(f"{r.combination} {sig(r.kl_opt)} ({_gap(r.kl_opt, best.kl_opt)})"
                            for r in d.iloc[1:].itertuples())
         lines.append(f"{case}: closest to the optimum q* ∝ p·exp(reward/β) ({kind}): {best.combination}, "
-                     f"KL(q‖q*) = {sig(best.kl_opt)}" + (f"; others: {others}" if others else ""))
+                     f"KL(q‖q*) = {sig(best.kl_opt)}" + (f"; others: {others}" if others else "") + tail)
     return lines
 
 
