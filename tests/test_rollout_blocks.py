@@ -81,13 +81,23 @@ def test_blocks_of_steps_keep_the_bytes_whatever_the_chunk(monkeypatch):
     step count alone. (A plain reduction would pass here too: the CPU's sums over a dimension of 8 do not
     follow the tensor's width; CUDA's may, and tests/test_cuda.py runs the rollout case's chunks there.)"""
     monkeypatch.setitem(seeding.STEP_BLOCKS, "cpu", seeding.STEP_BLOCKS["cuda"])
+    pair = _chunked_pair()
+    assert pair.batches_per_chunk(201, 2500) == 3
+    _same_bytes_whatever_the_chunk(pair)
+
+
+def _chunked_pair() -> RolloutPair:
+    """A rollout pair (V = 200, C = 4, T = 13) whose 6,007 draws in 30 uneven batches take 1, 3 or 30 batches
+    a call with chunks of 1, 2,500 and 2^22 draws."""
     lq = torch.log_softmax(zipf_logits(200, 1.1, 1, 4), -1)
     g = torch.Generator().manual_seed(2)
     lp = torch.log_softmax(lq + 0.4 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
-    pair = RolloutPair("r", lq, lp, torch.arange(200) % 4, 13, 199)
+    return RolloutPair("r", lq, lp, torch.arange(200) % 4, 13, 199)
+
+
+def _same_bytes_whatever_the_chunk(pair: RolloutPair) -> None:
     runs = [run_case(pair, ["k1", "k3", "full"], draws=6007, seed=1, batches=30, chunk=chunk, device=CPU, joint=True)
             for chunk in (1, 2500, 1 << 22)]
-    assert pair.batches_per_chunk(201, 2500) == 3
     assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
 
 
@@ -99,13 +109,8 @@ def test_uniform_blocks_keep_the_bytes_whatever_the_chunk_and_are_the_law(unifor
     a block, whatever its neighbours), and the estimates agree with the exact values (|z| < 5)."""
     monkeypatch.setitem(seeding.STEP_BLOCKS, "cpu", seeding.STEP_BLOCKS["cuda"])
     monkeypatch.setitem(seeding.UNIFORM_STEPS, "cpu", uniforms)
-    lq = torch.log_softmax(zipf_logits(200, 1.1, 1, 4), -1)
-    g = torch.Generator().manual_seed(2)
-    lp = torch.log_softmax(lq + 0.4 * torch.randn(lq.shape, generator=g, dtype=torch.float64), -1)
-    pair = RolloutPair("r", lq, lp, torch.arange(200) % 4, 13, 199)
-    runs = [run_case(pair, ["k1", "k3", "full"], draws=6007, seed=1, batches=30, chunk=chunk, device=CPU, joint=True)
-            for chunk in (1, 2500, 1 << 22)]
-    assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
+    pair = _chunked_pair()
+    _same_bytes_whatever_the_chunk(pair)
     df = to_frame(summarize(run_case(pair, ["k1", "k2", "k3"], draws=40_000, seed=5, batches=40, chunk=1 << 22,
                                      device=CPU)))
     assert (df["z"].abs() < 5).all(), df[["estimator", "z"]]
