@@ -167,3 +167,24 @@ def test_soft_capped_hidden_states_audit_as_their_capped_logits(tmp_path):
     a, b = (audit_folder(tmp_path / f).rows[0] for f in ("l", "h"))
     for name in ("exact", "expected_q", "expected_b", "se", "recomputed"):
         assert abs(getattr(a, name) - getattr(b, name)) <= 1e-12 * (1 + abs(getattr(a, name))), name
+
+
+def test_saved_steps_read_the_same_with_or_without_proc(folders, monkeypatch):
+    """A step file is mapped through /proc/self/fd (the regular file opened is the one read); where /proc is
+    missing its bytes are read and parsed: the same tensors and metadata either way, and a bad file is the
+    same one line."""
+    from kl_bench.audit import offline
+    dirs, _ = folders
+    files = sorted(dirs["hidden"].glob("*.safetensors"))
+    mapped = [offline._load(f) for f in files]
+
+    class NoProc(type(dirs["hidden"])):
+        def exists(self, *a, **k):
+            return not str(self).startswith("/proc/") and super().exists(*a, **k)
+    monkeypatch.setattr(offline, "Path", NoProc)
+    for f, (tensors, meta) in zip(files, mapped):
+        t2, m2 = offline._load(f)
+        assert meta == m2 and tensors.keys() == t2.keys() and all(torch.equal(tensors[k], t2[k]) for k in tensors)
+    (dirs["hidden"] / "step-0009.safetensors").write_bytes(b"\x08" + bytes(7) + b"not json")
+    with pytest.raises(kl_bench.SpecError, match="step-0009.safetensors.*cannot read"):
+        offline._load(dirs["hidden"] / "step-0009.safetensors")

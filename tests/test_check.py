@@ -255,8 +255,9 @@ def test_baselines_without_batches_still_load_and_compare_with_a_normal_tail():
 def test_results_of_another_version_of_the_spec_are_refused_but_run_settings_may_differ(tmp_path, build_spec):
     """`check SPEC --results DIR` gates DIR's numbers: a folder made from another version of the spec (a
     case's distribution or the estimators changed since) held the old numbers and passed; it is one line,
-    exit 2, naming what changed. Comments and run settings (draws, seed, batches, device) may differ: the
-    numbers are still this spec's (a note says the text differs)."""
+    exit 2, naming what changed. Comments, run settings (draws, a case's draws, seed, batches, device,
+    gradients), the estimators' order and a [train] table may differ: the numbers are still this spec's (a
+    note says the text differs)."""
     runner = CliRunner()
     spec = tmp_path / "s.toml"
     spec.write_text(build_spec(cases=[GAUSS], estimators=["k1", "k2", "k3"]))
@@ -271,7 +272,9 @@ def test_results_of_another_version_of_the_spec_are_refused_but_run_settings_may
         res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
         lines = [x for x in res.output.splitlines() if x.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and needles[what] in lines[0], (what, res.output)
-    spec.write_text("# edited\n" + build_spec(cases=[GAUSS], estimators=["k1", "k2", "k3"], draws=40_000, seed=3))
+    spec.write_text("# edited\n" + build_spec(cases=[{**GAUSS, "draws": 30_000}], estimators=["k3", "k2", "k1"],
+                                              draws=40_000, seed=3, gradients=False)
+                    + "[train]\nlr = 0.1\nsteps = 3\nbeta = 0.5\ncombinations = [\"k1/reward\"]\n")
     res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
     assert res.exit_code == 0 and "was produced by a different version" in res.output, res.output
 

@@ -417,13 +417,15 @@ def test_running_out_of_memory_is_one_line(made, monkeypatch, capsys, error):
     (["exact", "{spec}", "--out", "-", "-q"], "--out", "'-' is not read as stdout"),
     (["check", "{spec}", "--results", "{res}", "--json", "{spec}"], "--json", "is the spec this command reads"),
     (["check", "{link}", "--results", "{res}", "--junit", "{spec}"], "--junit", "is the spec this command reads"),
-    (["check", "{spec}", "--results", "{res}", "--json", "{res}/summary.csv"], "--json", "the --results folder"),
-    (["check", "{spec}", "--results", "{res}", "--baseline", "{base}", "--json", "{base}"], "--json",
-     "the --baseline file"),
+    (["check", "{spec}", "--results", "{res}", "--json", "{res}/summary.csv"], "--json",
+     "is a file of the --results folder"),
+    (["check", "{spec}", "--results", "{res}", "--junit", "{res}/run.json"], "--junit",
+     "is a file of the --results folder"),
+    (["check", "{spec}", "--results", "{res}", "--baseline", "{base}", "--json", "{base}"], "--json", "the baseline"),
     (["check", "{spec}", "--results", "{res}", "--json", "{out}/v.out", "--junit", "{out}/./v.out"], "--junit",
      "names the --json file too"),
     (["baseline", "{spec}", "--results", "{res}", "--out", "{spec}"], "--out", "is the spec this command reads"),
-    (["baseline", "{spec}", "--results", "{res}", "--out", "{res}/run.json"], "--out", "the --results folder"),
+    (["baseline", "{spec}", "--results", "{res}", "--out", "{res}/run.json"], "--out", "a file of the --results folder"),
     (["report", "{res}", "--out", "{res}/", "-q"], "--out", "is a results folder this report reads"),
 ])
 def test_an_output_over_the_commands_own_input_is_refused(made, tmp_path, args, key, needle):
@@ -489,3 +491,19 @@ def test_small_input_slips_are_plain_one_liners(made, tmp_path):
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and "not a .npy file" in lines[0] and "s3cr3t" not in lines[0], res.output
 
+
+
+def test_the_default_baseline_is_an_input_too_and_a_report_beside_the_results_is_fine(made, tmp_path):
+    """`check --json results/baselines/<name>.json` (the baseline the gate reads when --baseline is not given)
+    had replaced it with the check's JSON; a report written into the results folder under a name of its
+    own (DIR/check.json, a CI's habit) is allowed: the folder still reads."""
+    (tmp_path / "results" / "baselines").mkdir(parents=True)
+    default = tmp_path / "results" / "baselines" / "io.json"
+    shutil.copy(made["base"], default)
+    proc = _cli("check", made["spec"], "--results", made["res"], "--json", default, cwd=tmp_path)
+    _one_line(proc, 2, "key '--json'", "is the baseline this command reads")
+    assert default.read_bytes() == made["base"].read_bytes()
+    res = tmp_path / "res"
+    shutil.copytree(made["res"], res)
+    assert _cli("check", made["spec"], "--results", res, "--json", res / "check.json", cwd=tmp_path).returncode == 0
+    assert (res / "check.json").exists() and _cli("check", made["spec"], "--results", res, cwd=tmp_path).returncode == 0

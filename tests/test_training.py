@@ -369,3 +369,44 @@ def test_a_diverged_trajectory_is_named_not_ranked(tmp_path):
     (line,) = summary_lines(df)
     assert "closest to the optimum" in line and ": k2/loss," in line and "diverged: k3/loss (from step" in line
     assert line in proc.stdout
+
+
+@pytest.mark.parametrize("beta", [0.8, 0.002])
+def test_rollout_kl_to_the_optimum_matches_brute_force_also_where_exp_overflows(beta):
+    """KL(q‖q*) = log Z − J/β with Z = E_p[exp(Σ_t reward/β)], against every sequence enumerated (log Z by a
+    float64 logsumexp over them). At β = 0.002 a path's Σ reward/β passes 709: Z itself overflows float64
+    (kl_opt was NaN from step 0 whatever the lr, and every trajectory then read as diverged); log Z does not."""
+    pb = _rollout(beta=beta)
+    terms = []
+
+    def rec(c, logp, rew, depth):
+        for x in range(pb.log_p.shape[1]):
+            b, r = logp + float(pb.log_p[c, x]), rew + float(pb.reward[c, x])
+            if depth + 1 == pb.length or x == pb.eos:
+                terms.append(b + r / beta)
+            else:
+                rec(int(pb.bucket[x]), b, r, depth + 1)
+    rec(0, 0.0, 0.0, 0)
+    log_z = float(torch.logsumexp(torch.tensor(terms, dtype=torch.float64), 0))
+    assert beta > 0.1 or max(terms) > 709                      # the overflow regime is reached
+    values, _ = pb.evaluate(pb.theta0)
+    exact = log_z - values["objective"] / beta
+    # float64 rounding of terms of size |log Z| and |J|/β: a few ulps of the larger
+    assert math.isfinite(values["kl_opt"]) and abs(values["kl_opt"] - exact) <= 1e-12 * max(1.0, abs(log_z)), \
+        (values["kl_opt"], exact)
+
+
+def test_a_non_finite_normaliser_is_not_a_divergence():
+    """kl_opt holds log Z, a property of the problem: where it is not finite but the policy's values are,
+    no trajectory diverged, and the summary says KL(q‖q*) cannot be computed instead of ranking by NaN."""
+    import pandas as pd
+
+    from kl_bench.training.result import diverged, summary_lines
+    rows = [dict(case="c", combination=k, gradients="exact", step=s, kl_rev=0.1 * s, kl_fwd=0.2, entropy=1.0,
+                 reward=0.5, objective=0.4, kl_opt=math.nan) for k in ("k1/reward", "k3/loss") for s in (0, 5)]
+    df = pd.DataFrame(rows)
+    assert diverged(df) == []
+    (line,) = summary_lines(df)
+    assert "not computable" in line and "closest" not in line
+    df.loc[(df.combination == "k3/loss") & (df.step == 5), "entropy"] = math.inf
+    assert diverged(df) == [("c", "k3/loss", "exact", 5)]

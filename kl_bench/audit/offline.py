@@ -22,7 +22,7 @@ from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from ..foundation.formatting import plural
 from ..foundation.registry import UnknownName
-from ..foundation.safe_io import read_regular
+from ..foundation.safe_io import cap_for, open_regular, read_capped
 from ..foundation.storage import atomic_write_bytes, check_output_dir
 from .aggregate import AGGREGATIONS
 from .exact import PositionValues, position_values
@@ -118,27 +118,34 @@ class SavedStep:
 
 
 def _load(path: Path, what: str = "saved step") -> tuple[dict, dict]:
-    """The tensors and the metadata of a saved step (or of heads.safetensors). Only a regular file is read
+    """The tensors and the metadata of a saved step (or of heads.safetensors). Only a regular file is opened
     (kl_bench.foundation.safe_io: a FIFO, a device or a folder at the path is one line, never a blocked
-    open), within half of this machine's memory, and parsed from its bytes."""
+    open). safetensors then maps that very file through /proc/self/fd (the file checked is the file read,
+    and memory holds each tensor once); without /proc, its bytes are read (within half of this machine's
+    memory) and parsed."""
     try:
+        from safetensors import safe_open
         from safetensors.torch import load
     except ImportError:
         raise SpecError("reading saved steps needs the safetensors package: pip install 'kl-bench[hf]'",
                         file=str(path)) from None
-    data = read_regular(path, "tensor", what)
-    try:
-        tensors = load(data)        # checks the header's byte ranges against the bytes
-        # The header, already checked by load: 8 bytes of its length (little-endian), then JSON whose
-        # "__metadata__" holds the settings the step was saved with.
-        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
-        meta = header.get("__metadata__") or {}
-        if not isinstance(meta, dict):
-            raise ValueError("__metadata__ is not a table")
-        return tensors, dict(meta)
-    except Exception as e:          # truncated or foreign files: safetensors raises several types
-        raise SpecError(f"cannot read: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                        file=str(path)) from None
+    with open_regular(path, "tensor", what) as fh:
+        opened = Path(f"/proc/self/fd/{fh.fileno()}")
+        data = None if opened.exists() else read_capped(fh, cap_for("tensor"), path, what)
+        try:
+            if data is None:
+                with safe_open(str(opened), framework="pt") as st:
+                    return {k: st.get_tensor(k) for k in st.keys()}, dict(st.metadata() or {})
+            tensors = load(data)        # checks the header's byte ranges against the bytes
+            # The header: 8 bytes of its length (little-endian), then JSON whose "__metadata__" holds the
+            # settings the step was saved with.
+            meta = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__") or {}
+            if not isinstance(meta, dict):
+                raise ValueError("__metadata__ is not a table")
+            return tensors, dict(meta)
+        except Exception as e:          # truncated or foreign files: safetensors raises several types
+            raise SpecError(f"cannot read: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                            file=str(path)) from None
 
 
 def _meta(meta: dict, path: Path, key: str, default=None):

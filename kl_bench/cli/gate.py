@@ -15,6 +15,16 @@ BASELINES = Path("results") / "baselines"        # committed: the gate's default
 NEW_BASELINES = DEFAULT_RUNS / "baselines"
 
 
+def results_files(results: Optional[Path]) -> list[tuple[Path, str]]:
+    """The files of a --results folder that an output may not replace (its data files and run.json, whose
+    recorded sha256 an overwrite breaks), as check_output_file's ``inputs``; a report of the check beside
+    them (DIR/check.json) is fine."""
+    if results is None:
+        return []
+    from ..results.folders import DATA_FILES
+    return [(Path(results) / name, "a file of the --results folder") for name in (*DATA_FILES, "run.json")]
+
+
 def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, quiet: bool):
     """(spec, summary DataFrame): from --results DIR (verified against the spec), or by running the spec."""
     from ..api import load, load_results, run
@@ -51,24 +61,10 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     """Statistical regression gate: every statistic against its exact value and a stored baseline.
     Exit 0 when all pass, 1 when any fails, 2 for bad input."""
     from .. import api
-    from ..foundation.storage import check_output_file, same_path
     with user_errors():
-        reads = ((spec, "the spec"), (results, "the --results folder"), (baseline, "the --baseline file"))
-        for path, key in ((json_out, "--json"), (junit, "--junit")):
-            if path is not None:
-                check_output_file(path, key, reads)
-        if json_out is not None and junit is not None and same_path(json_out, junit):
-            raise SpecError("names the --json file too: the two reports need two files", file=str(junit),
-                            key="--junit")
         if not 0 < alpha < 1:
             raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
-        sp0 = api.load(spec)
-        base_path = baseline or BASELINES / f"{sp0.experiment.name}.json"
-        use_base = baseline is not None or base_path.exists()
-        if use_base:
-            from ..results.baseline import check_baseline_matches, load_baseline
-            # A broken baseline, or another experiment's, fails before any sampling.
-            check_baseline_matches(load_baseline(base_path), sp0.experiment.name, base_path)
+        base_path, use_base = _gate_inputs(spec, baseline, results, json_out, junit)
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
         rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
@@ -83,6 +79,28 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     write_outputs({json_out: rep.to_json, junit: rep.to_junit})
     if not rep.passed:
         raise typer.Exit(1)
+
+
+def _gate_inputs(spec: Path, baseline: Optional[Path], results: Optional[Path], json_out: Optional[Path],
+                 junit: Optional[Path]) -> tuple[Path, bool]:
+    """The check's baseline (given, or the committed one when it exists) and whether there is one, after
+    refusing, before any sampling: reports that would replace a file the check reads (the default baseline
+    included) or each other, and a broken baseline or another experiment's."""
+    from .. import api
+    from ..foundation.storage import check_output_file, same_path
+    sp0 = api.load(spec)
+    base_path = baseline or BASELINES / f"{sp0.experiment.name}.json"
+    use_base = baseline is not None or base_path.exists()
+    reads = ((spec, "the spec"), (base_path if use_base else None, "the baseline"), *results_files(results))
+    for path, key in ((json_out, "--json"), (junit, "--junit")):
+        if path is not None:
+            check_output_file(path, key, reads)
+    if json_out is not None and junit is not None and same_path(json_out, junit):
+        raise SpecError("names the --json file too: the two reports need two files", file=str(junit), key="--junit")
+    if use_base:
+        from ..results.baseline import check_baseline_matches, load_baseline
+        check_baseline_matches(load_baseline(base_path), sp0.experiment.name, base_path)
+    return base_path, use_base
 
 
 @app.command(cls=Command)
@@ -104,7 +122,7 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
     from ..foundation.storage import check_output_file
     with user_errors():
         target = out or NEW_BASELINES / f"{api.load(spec).experiment.name}.json"
-        check_output_file(target, inputs=((spec, "the spec"), (results, "the --results folder")))
+        check_output_file(target, inputs=((spec, "the spec"), *results_files(results)))
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
         data = baseline_bytes(make_baseline(df, sp))

@@ -61,9 +61,9 @@ def _os_errors_as_input_errors(check):
 def check_output_file(path: Path, key: str = "--out", inputs=()) -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
     folder that cannot be created or written, "-" (no option writes to stdout), or one of the command's own
-    inputs. ``key``: the option that names it; ``inputs``: (path, what) of each file or folder the command
-    reads (None skipped), which the output may neither be nor lie inside (a spec replaced by a CSV, a results
-    folder whose recorded hashes a --json file inside it breaks)."""
+    inputs. ``key``: the option that names it; ``inputs``: (path, what) of each file the command reads
+    (None skipped), which the output may not be, through any link or spelling (a spec replaced by a CSV; a
+    results file whose recorded sha256 then fails every later read)."""
     path = Path(path)
     if str(path) in ("", ".", "..") or path.name in ("", ".", ".."):
         raise SpecError("must name a file", file=str(path), key=key)
@@ -73,9 +73,8 @@ def check_output_file(path: Path, key: str = "--out", inputs=()) -> Path:
     if path.is_dir():
         raise SpecError("is a folder; give a file name", file=str(path), key=key)
     for source, what in inputs:
-        if source is not None and _same_or_inside(path, Path(source)):
-            raise SpecError(f"is {what} this command reads, or lies inside it: give another file name",
-                            file=str(path), key=key)
+        if source is not None and same_path(path, Path(source)):
+            raise SpecError(f"is {what} this command reads: give another file name", file=str(path), key=key)
     check_write_target(path, key=key)       # a symlink or /dev/null is refused, never replaced
     _check_parent_writable(path, key)
     return path
@@ -88,16 +87,6 @@ def same_path(a: Path, b: Path) -> bool:
         if Path(a).exists() and Path(b).exists():
             return os.path.samefile(a, b)
         return Path(a).resolve() == Path(b).resolve()
-    return False
-
-
-def _same_or_inside(path: Path, source: Path) -> bool:
-    """Whether ``path`` is the file ``source`` or lies inside the folder ``source``."""
-    if same_path(path, source):
-        return True
-    with contextlib.suppress(OSError, RuntimeError):
-        if source.is_dir():
-            return path.resolve().is_relative_to(source.resolve())
     return False
 
 

@@ -234,7 +234,9 @@ class CategoricalPair(GradientDefaults, Pair):
             at += k
         u.mul_(m)                                            # as sample_alias: u·M, column and coin in one
         j = u.to(dtype).clamp_(max=m - 1)                    # truncation toward 0, as .long(): u ≥ 0
-        tails = torch.ge(u.sub_(j), table.prob[j])           # kl_bench.sampling.alias.pick keeps j where coin < prob
+        # index_select takes int32 indices as they are (prob[j] would convert them to int64 first: a hidden
+        # kernel and 12 more bytes a draw). kl_bench.sampling.alias.pick keeps j where coin < prob.
+        tails = torch.ge(u.sub_(j), table.prob.index_select(0, j))
         return torch.add(tails, j, alpha=2, out=j)
 
     def _alias_on(self, device: torch.device):

@@ -278,7 +278,7 @@ def _check_same_settings(recorded, spec, where: str) -> None:
     text = getattr(spec, "text", None)
     if not isinstance(recorded, str) or not isinstance(text, str) or recorded == text:
         return
-    changed = [k for k in spec_differences(recorded, text) or () if k not in RUN_SETTINGS]
+    changed = [k for k in spec_differences(recorded, text) or () if not _run_setting(k)]
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise SpecError(f"was made from another version of {spec.path} ({shown} changed since): its numbers "
@@ -286,10 +286,18 @@ def _check_same_settings(recorded, spec, where: str) -> None:
                         f"spec_text)", file=where)
 
 
-# Spec keys that change how a run is made, not what it measures: results made with other values are still
-# this spec's (the gate's exact values and its standard errors hold for any of them).
+# Spec keys that change how a run is made, or what else it writes, not what its summary measures: results
+# made with other values are still this spec's (the gate's exact values and standard errors hold for any of
+# them). Also every [train] key (kl-bench train's, not a run's) and a case's own draws.
 RUN_SETTINGS = frozenset({"experiment.draws", "experiment.seed", "experiment.batches", "experiment.device",
-                          "experiment.chunk"})
+                          "experiment.chunk", "experiment.gradients", "experiment.baseline_groups"})
+# Lists whose order does not change a summary's rows.
+ORDERLESS = frozenset({"experiment.estimators", "experiment.lambdas"})
+
+
+def _run_setting(key: str) -> bool:
+    return key in RUN_SETTINGS or key == "train" or key.startswith("train.") or (
+        key.startswith("case '") and key.endswith("'.draws"))
 
 
 def spec_differences(recorded: str, current: str) -> list[str] | None:
@@ -330,6 +338,8 @@ def _flat(table: dict, prefix: str = "") -> dict[str, Any]:
                 label = f"case '{case.get('name', i)}'"
                 out[label] = True                                  # present: a case on one side only differs
                 out.update(_flat({k: v for k, v in case.items() if k != "name"}, label + "."))
+        elif name in ORDERLESS and isinstance(value, list):
+            out[name] = sorted(map(repr, value))
         else:
             out[name] = value
     return out

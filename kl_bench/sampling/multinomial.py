@@ -151,7 +151,7 @@ def _column(matrix: str, i: int) -> property:
 @dataclass
 class _Btrs:
     """The constants of BTRS (Hörmann 1993, algorithm BTRS) of the nodes still drawing, in two matrices (the
-    int64 ones [R, 3], the float64 ones [R, 10]) so that keeping the nodes still drawing is two gathers, not
+    int64 ones [R, 3], the float64 ones [R, 14]) so that keeping the nodes still drawing is two gathers, not
     thirteen (on a GPU each is a kernel launch). Each constant reads as a column view [R, 1] that broadcasts
     over a node's attempts [R, A]:
     n (trials), whole = ⌊n·p⌋ and frac = n·p − whole (so that n·p + ½ = whole + frac + ½ exactly),
@@ -200,7 +200,7 @@ class _Btrs:
         B = n − m + 1 it is d·log(r·B/A) − A·h(d/A) − B·h(−d/B) + ½[log1p(d/A) + log1p(−d/B)] + the
         Stirling tails, h(x) = (1 + x)·log1p(x) − x: every term is O(d²/N) or smaller, none cancels."""
         d = (k - self.mode).to(torch.float64)
-        # x = d/A and y = −d/B stacked [2, R, A] (d times 1/A and −1/B, made once per level: within an ulp of
+        # x = d/A and y = −d/B stacked [2, R, A] (d times 1/A and −1/B, made once per level: within 2 ulps of
         # the quotients), and the tails of k and n − k: each helper runs once on both halves (the same values
         # as two calls, in half the operations: on a GPU each one is a kernel launch).
         xy = d * self.inv_ab

@@ -50,14 +50,16 @@ def final_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["step"] == df.groupby(["case", "combination", "gradients"])["step"].transform("max")]
 
 
-# The trajectory columns a diverged update makes non-finite (θ overflows: NaN or ±inf probabilities).
-METRICS = ("kl_rev", "kl_fwd", "entropy", "reward", "objective", "kl_opt")
+# The values of the policy alone, which a diverged update makes non-finite (θ overflows: NaN or ±inf
+# probabilities); not kl_opt, which also holds log Z, a property of the problem (finite p: kl_rev and
+# kl_fwd are finite for any finite θ).
+POLICY_VALUES = ("kl_rev", "kl_fwd", "entropy", "reward", "objective")
 
 
 def diverged(frame: pd.DataFrame) -> list[tuple[str, str, str, int]]:
     """(case, combination, gradients, first step) of every trajectory of train.csv's frame with a
-    non-finite value (NaN or ±inf) in a metric column at some recorded step."""
-    bad = ~np.isfinite(frame[list(METRICS)].to_numpy(dtype=float)).all(axis=1)
+    non-finite value (NaN or ±inf) in a policy value (:data:`POLICY_VALUES`) at some recorded step."""
+    bad = ~np.isfinite(frame[list(POLICY_VALUES)].to_numpy(dtype=float)).all(axis=1)
     first = frame[bad].groupby(["case", "combination", "gradients"], sort=False)["step"].min()
     return [(c, k, g, int(s)) for (c, k, g), s in first.items()]
 
@@ -77,6 +79,10 @@ def summary_lines(frame: pd.DataFrame) -> list[str]:
         d = d[[(case, k, kind) not in gone for k in d["combination"]]].sort_values("kl_opt", kind="stable")
         if d.empty:
             lines.append(f"{case}: every combination diverged ({kind}){tail[len('; diverged'):]}")
+            continue
+        if not np.isfinite(d["kl_opt"].to_numpy(dtype=float)).any():
+            lines.append(f"{case}: KL(q‖q*) is not computable here (the normaliser of q* is not finite in "
+                         f"float64); compare the combinations by their objective in train.csv{tail}")
             continue
         best = d.iloc[0]
         others = ", ".join(f"{r.combination} {sig(r.kl_opt)} ({_gap(r.kl_opt, best.kl_opt)})"
