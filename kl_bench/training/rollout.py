@@ -47,11 +47,15 @@ class RolloutProblem:
         return RolloutModel.build(lq.detach(), self.log_p, self.bucket, self.length, self.eos)
 
     def _log_z(self, model: RolloutModel) -> float:
-        """log E_p[exp(Σ_t reward/β)]: the normaliser of q*, in log space. exp(Σ_t reward/β) overflows float64
-        once a path's Σ reward/β passes ~709 (β = 0.05 at 64 steps of reward 0.6), so the dynamic program runs
-        on m' = exp(reward/β − c) ≤ 1 with c = max reward/β, split by length ℓ (a path of length ℓ has ℓ
-        factors): log Z = logsumexp_ℓ [c·ℓ + log E_p[Π m' ; |y| = ℓ]]."""
+        """log E_p[exp(Σ_t reward/β)]: the normaliser of q*. Directly where Z is a positive float64 (the values
+        every committed result holds); else in log space: exp(Σ_t reward/β) overflows once a path's Σ
+        reward/β passes ~709 (β = 0.05 at 64 steps of reward 0.6) and underflows below −745, so the dynamic
+        program runs on m' = exp(reward/β − c) ≤ 1 with c = max reward/β, split by length ℓ (a path of
+        length ℓ has ℓ factors): log Z = logsumexp_ℓ [c·ℓ + log E_p[Π m' ; |y| = ℓ]]."""
         s = self.reward / self.beta
+        z = float(dp.path_moments(model, self.log_p, torch.exp(s), torch.zeros_like(s), 0)[0])
+        if 0 < z < math.inf:
+            return math.log(z)
         c = float(s.max())
         by_length = dp.path_by_length(model, self.log_p, torch.exp(s - c), torch.zeros_like(s), 0)[:, 0]   # [T]
         lengths = torch.arange(1, by_length.shape[0] + 1, dtype=torch.float64, device=by_length.device)
