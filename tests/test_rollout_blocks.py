@@ -118,8 +118,8 @@ def test_uniform_blocks_keep_the_bytes_whatever_the_chunk_and_are_the_law(unifor
 
 def test_uniform_blocks_make_one_call_a_batch_and_block(monkeypatch):
     """The batches' generators are called once per block of steps (⌈T/U⌉ calls each), not once a step: a
-    chunk of many small batches (200 of 5,000 paths in one GPU piece) made two operations per batch at
-    every step, 17× the rest of a step's. A batch's block is its generator's next k·U numbers, path-major,
+    chunk of many small batches (200 of 5,000 paths in one GPU piece) made a kernel per batch at every
+    step, ~9× the rest of a step's kernels. A batch's block is its generator's next k·U numbers, path-major,
     whatever its neighbours; one row a call (the CPU) is the stream one call a step drew before blocks."""
     model = _model(OPTIONS["on-policy"])
     sizes = [20] * 50

@@ -34,7 +34,7 @@ TOKEN_PIECES = {"cpu": 1, "cuda": 16}
 STEP_BLOCKS = {"cpu": 1, "cuda": 8}
 # A rollout batch draws its paths' uniforms for this many steps in one call ([paths, steps], path-major),
 # instead of one call a step: a chunk of many small batches (200 batches of 5,000 paths share one piece
-# of 2^20 on a GPU) otherwise makes two operations per batch at every step, 17× the rest of a step's
+# of 2^20 on a GPU) otherwise makes a kernel per batch at every step, ~9× the rest of a step's kernels
 # (issue 33). Memory: 8 bytes a path and step of the block (512 MiB at 2^20 paths on CUDA). A batch's
 # numbers come from its own generator in one call, so they do not depend on the chunk; on CUDA they differ
 # from one call a step (Philox's offsets), on the CPU one row a call is the same stream as before.
