@@ -1,6 +1,7 @@
 """`kl-bench audit DIR` on saved steps (safetensors): logits and hidden-state forms agree, the results folder
 is written, and bad input is one line naming file and key with exit code 2."""
 import json
+import math
 import os
 
 import pytest
@@ -99,6 +100,13 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
             assert getattr(y, f) == pytest.approx(getattr(direct, f), rel=1e-10, abs=1e-12), f
 
 
+def _bad_step(d, **change):
+    """A small valid step at step-0009 with ``change`` applied to its tensors or settings."""
+    kw = dict(completion_ids=torch.zeros(2, 3, dtype=torch.long), mask=torch.ones(2, 3), trainer_kl=torch.zeros(2, 3),
+              step=9, estimator="k3", policy_logits=torch.zeros(2, 3, 5), reference_logits=torch.zeros(2, 3, 5))
+    save_step(d / "step-0009.safetensors", **{**kw, **change})
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda d: save_step(d / "step-0009.safetensors", completion_ids=torch.zeros(2, 3, dtype=torch.long),
                          mask=torch.ones(2, 3), trainer_kl=torch.zeros(2, 3), step=9, estimator="trl.grpo"),
@@ -121,6 +129,13 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
                          logit_softcap=-1.0, policy_logits=torch.zeros(2, 3, 5), reference_logits=torch.zeros(2, 3, 5)),
      "key 'logit_softcap': must be a finite number > 0, got '-1.0'"),
     (lambda d: (d / "step-0009.safetensors").write_bytes(b"not a safetensors file"), "step-0009.safetensors: cannot read"),
+    # Values the audit cannot compute from: an id outside the vocabulary at a masked-in position (a
+    # traceback from the gather), float ids, a mask of 2, NaN logits, a scale that is not a number.
+    (lambda d: _bad_step(d, completion_ids=torch.full((2, 3), 5)), "key 'completion_ids': holds ids outside the vocabulary [0, 5)"),
+    (lambda d: _bad_step(d, completion_ids=torch.full((2, 3), 1.0)), "key 'completion_ids': must hold integer token ids"),
+    (lambda d: _bad_step(d, mask=torch.full((2, 3), 2.0)), "key 'mask': must hold 0 or 1"),
+    (lambda d: _bad_step(d, policy_logits=torch.full((2, 3, 5), math.nan)), "key 'policy_logits': holds NaN or infinite"),
+    (lambda d: _bad_step(d, logit_scale=math.nan), "key 'logit_scale': must be a finite number > 0"),
     # What an accident or an attacker can put at a step's path: one line, never a blocked open (a FIFO
     # held `kl-bench audit` in open() until SIGKILL) nor an endless read.
     (lambda d: os.mkfifo(d / "step-0009.safetensors"), "step-0009.safetensors: is a FIFO (named pipe), not a regular"),

@@ -277,6 +277,12 @@ def test_results_of_another_version_of_the_spec_are_refused_but_run_settings_may
                     + "[train]\nlr = 0.1\nsteps = 3\nbeta = 0.5\ncombinations = [\"k1/reward\"]\n")
     res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
     assert res.exit_code == 0 and "was produced by a different version" in res.output, res.output
+    # A run.json without its spec text (edited, or cut short) cannot show that the change is harmless.
+    env = json.loads((tmp_path / "r" / "run.json").read_text())
+    del env["spec_text"]
+    (tmp_path / "r" / "run.json").write_text(json.dumps(env))
+    res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
+    assert res.exit_code == 2 and "holds no spec text to compare" in res.output, res.output
 
 
 def test_a_baseline_of_another_experiment_is_refused(tmp_path, build_spec):

@@ -418,14 +418,17 @@ def test_running_out_of_memory_is_one_line(made, monkeypatch, capsys, error):
     (["check", "{spec}", "--results", "{res}", "--json", "{spec}"], "--json", "is the spec this command reads"),
     (["check", "{link}", "--results", "{res}", "--junit", "{spec}"], "--junit", "is the spec this command reads"),
     (["check", "{spec}", "--results", "{res}", "--json", "{res}/summary.csv"], "--json",
-     "is a file of the --results folder"),
+     "is a file of the results folder"),
     (["check", "{spec}", "--results", "{res}", "--junit", "{res}/run.json"], "--junit",
-     "is a file of the --results folder"),
-    (["check", "{spec}", "--results", "{res}", "--baseline", "{base}", "--json", "{base}"], "--json", "the baseline"),
+     "is a file of the results folder"),
+    (["check", "{spec}", "--results", "{res}", "--baseline", "{base}", "--json", "{base}"], "--json",
+     "is a kl-bench baseline"),
+    (["exact", "{spec}", "--out", "{base}", "-q"], "--out", "is a kl-bench baseline"),
+    (["exact", "{spec}", "--out", "{res}/batches.csv", "-q"], "--out", "is a file of the results folder"),
     (["check", "{spec}", "--results", "{res}", "--json", "{out}/v.out", "--junit", "{out}/./v.out"], "--junit",
      "names the --json file too"),
     (["baseline", "{spec}", "--results", "{res}", "--out", "{spec}"], "--out", "is the spec this command reads"),
-    (["baseline", "{spec}", "--results", "{res}", "--out", "{res}/run.json"], "--out", "a file of the --results folder"),
+    (["baseline", "{spec}", "--results", "{res}", "--out", "{res}/run.json"], "--out", "is a file of the results folder"),
     (["report", "{res}", "--out", "{res}/", "-q"], "--out", "is a results folder this report reads"),
 ])
 def test_an_output_over_the_commands_own_input_is_refused(made, tmp_path, args, key, needle):
@@ -501,9 +504,28 @@ def test_the_default_baseline_is_an_input_too_and_a_report_beside_the_results_is
     default = tmp_path / "results" / "baselines" / "io.json"
     shutil.copy(made["base"], default)
     proc = _cli("check", made["spec"], "--results", made["res"], "--json", default, cwd=tmp_path)
-    _one_line(proc, 2, "key '--json'", "is the baseline this command reads")
+    _one_line(proc, 2, "key '--json'", "is a kl-bench baseline")
     assert default.read_bytes() == made["base"].read_bytes()
     res = tmp_path / "res"
     shutil.copytree(made["res"], res)
     assert _cli("check", made["spec"], "--results", res, "--json", res / "check.json", cwd=tmp_path).returncode == 0
     assert (res / "check.json").exists() and _cli("check", made["spec"], "--results", res, cwd=tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize("args, key", [(["exact", "{spec}", "--out", "{data}", "-q"], "--out"),
+                                       (["check", "{spec}", "--json", "{data}", "-q"], "--json"),
+                                       (["check", "{spec}", "--junit", "./{data_name}", "-q"], "--junit"),
+                                       (["baseline", "{spec}", "--out", "{data}", "-q"], "--out")])
+def test_an_output_over_a_file_the_spec_reads_is_refused(tmp_path, args, key):
+    """A spec's own data (logits in q.npy) is an input too: `exact --out q.npy` and `check --json q.npy` had
+    replaced it with a CSV or JSON, and the spec then failed to load. Refused before any sampling."""
+    import numpy as np
+    data = tmp_path / "q.npy"
+    np.save(data, np.linspace(-1.0, 1.0, 50))
+    spec = tmp_path / "s.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "s"\ndraws = 1000\ndevice = "cpu"\n[[case]]\n'
+                    'name = "c"\nkind = "categorical"\nq = { file = "q.npy" }\np = { from = "q", noise = 0.2, seed = 1 }\n')
+    before = data.read_bytes()
+    proc = _cli(*[a.format(spec=spec, data=data, data_name=data.name) for a in args], cwd=tmp_path)
+    _one_line(proc, 2, f"key '{key}'", "is a file the spec reads")
+    assert data.read_bytes() == before

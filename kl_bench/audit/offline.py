@@ -236,6 +236,7 @@ def _check_shapes(s: SavedStep) -> None:
         if tuple(t[k].shape[:2]) != bt or t[k].ndim != 3:
             raise SpecError(f"must be [B, T, ·] with [B, T] = {list(bt)}, got {list(t[k].shape)}", file=where, key=k)
     _check_vocabulary(s, form)
+    _check_values(s, form)
     if s.sampler.repetition_penalty != 1.0 and "prompt_ids" not in t:
         raise SpecError("repetition_penalty needs prompt_ids (the ids before the completion)", file=where,
                         key="prompt_ids")
@@ -273,6 +274,29 @@ def _check_vocabulary(s: SavedStep, form: tuple[str, str]) -> None:
     if t["policy_weight"].shape[0] != t["reference_weight"].shape[0]:
         raise SpecError(f"vocabulary {t['reference_weight'].shape[0]} differs from the policy's "
                         f"{t['policy_weight'].shape[0]}", file=where, key="reference_weight")
+
+
+def _check_values(s: SavedStep, form: tuple[str, str]) -> None:
+    """What the audit computes from, checked: the ids at the masked-in positions are token ids of the
+    vocabulary (an id ≥ V had stopped the audit with a traceback), integers (not floats cast), the mask 0/1,
+    and the logits or hidden states and output layers finite (NaN in, 'exact nan' out, in silence)."""
+    t, where = s.tensors, str(s.path)
+    vocab = t["policy_logits"].shape[-1] if form == LOGITS else t["policy_weight"].shape[0]
+    ids, mask = t["completion_ids"], t["mask"]
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise SpecError(f"must hold integer token ids, got {ids.dtype}", file=where, key="completion_ids")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise SpecError("must hold 0 or 1 (which positions are the completion's tokens)", file=where, key="mask")
+    used = ids[mask.bool()]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= vocab):
+        raise SpecError(f"holds ids outside the vocabulary [0, {vocab}) at masked-in positions "
+                        f"(min {int(used.min())}, max {int(used.max())})", file=where, key="completion_ids")
+    for k in form + (("policy_weight", "reference_weight") if form == HIDDEN else ()):
+        if not bool(torch.isfinite(t[k]).all()):
+            raise SpecError("holds NaN or infinite values", file=where, key=k)
+    for name, value in (("logit_scale", s.logit_scale), ("logit_multiplier", s.logit_multiplier)):
+        if not (math.isfinite(value) and value > 0):
+            raise SpecError(f"must be a finite number > 0, got {value}", file=where, key=name)
 
 
 def _record(s: SavedStep) -> Record:

@@ -166,6 +166,39 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
                 out_console.print(line, markup=False)
 
 
+def check_output(path: Path, key: str, spec=None, inputs=(), baseline_ok: bool = False) -> None:
+    """Refuse, before any work, an output file (kl_bench.foundation.storage.check_output_file) that would
+    replace what a command reads or what kl-bench keeps: the spec ``spec`` (a loaded Spec) and every file its
+    text names, ``inputs`` ((path, what) pairs), a file of any results folder (its data files and run.json:
+    their recorded sha256 would then fail every read), and a kl-bench baseline (unless ``baseline_ok``:
+    `kl-bench baseline`)."""
+    from ..foundation.storage import check_output_file
+    from ..results.folders import DATA_FILES
+    path = Path(path)
+    reads = list(inputs)
+    if spec is not None:
+        reads += [(spec.path, "the spec"), *((f, "a file the spec reads") for f in spec.referenced_files())]
+    if path.name in (*DATA_FILES, "run.json") and (path.parent / "run.json").is_file():
+        raise SpecError(f"is a file of the results folder {path.parent}: give another file name", file=str(path),
+                        key=key)
+    if not baseline_ok and _is_baseline(path):
+        raise SpecError("is a kl-bench baseline (a gate's reference; `kl-bench baseline --out` replaces one): give "
+                        "another file name", file=str(path), key=key)
+    check_output_file(path, key, reads)
+
+
+def _is_baseline(path: Path) -> bool:
+    """Whether ``path`` is a regular file that starts as a kl-bench baseline does."""
+    import os
+    import stat
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode):
+            with open(path, "rb") as fh:
+                return b'"kl_bench_baseline"' in fh.read(256)
+    return False
+
+
 def stale_report_note(folder: Path) -> None:
     """A run that replaced a folder's results keeps the files it did not write (a user's notes, a report);
     a report there now describes the results it replaced: one line on stderr says so (whatever --quiet)."""

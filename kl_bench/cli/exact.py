@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from .common import Command, advice_options, advise, app, err_console, out_console, user_errors, warn_rows, write_outputs
+from .common import (Command, advice_options, advise, app, check_output, err_console, out_console, user_errors,
+                     warn_rows, write_outputs)
 
 
 @app.command(cls=Command)
@@ -21,11 +22,10 @@ def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     from ..analysis.advice import recommendations
     from ..present.tables import print_tables
     from ..results import frame_to_csv_bytes
-    from ..foundation.storage import check_output_file
     advice_options(batch, tolerance)
     with user_errors():
         if out is not None:
-            check_output_file(out, inputs=((spec, "the spec"),))
+            check_output(out, "--out", api.load(spec))
         df = api.exact(spec, progress=not quiet, console=err_console)
     print_tables(out_console, df, df.attrs["descriptions"], exact_only=True)
     warn_rows(df, err_console)

@@ -7,22 +7,12 @@ from typing import Optional
 import typer
 
 from ..foundation.errors import SpecError
-from .common import DEFAULT_RUNS, Command, app, draws_flag, out_console, user_errors, write_outputs
+from .common import DEFAULT_RUNS, Command, app, check_output, draws_flag, out_console, user_errors, write_outputs
 
 BASELINES = Path("results") / "baselines"        # committed: the gate's default reference
 # Where `kl-bench baseline` writes without --out: git-ignored, so that making a baseline never replaces the
 # committed reference unless asked (--out results/baselines/<name>.json).
 NEW_BASELINES = DEFAULT_RUNS / "baselines"
-
-
-def results_files(results: Optional[Path]) -> list[tuple[Path, str]]:
-    """The files of a --results folder that an output may not replace (its data files and run.json, whose
-    recorded sha256 an overwrite breaks), as check_output_file's ``inputs``; a report of the check beside
-    them (DIR/check.json) is fine."""
-    if results is None:
-        return []
-    from ..results.folders import DATA_FILES
-    return [(Path(results) / name, "a file of the --results folder") for name in (*DATA_FILES, "run.json")]
 
 
 def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, quiet: bool):
@@ -87,14 +77,13 @@ def _gate_inputs(spec: Path, baseline: Optional[Path], results: Optional[Path], 
     refusing, before any sampling: reports that would replace a file the check reads (the default baseline
     included) or each other, and a broken baseline or another experiment's."""
     from .. import api
-    from ..foundation.storage import check_output_file, same_path
+    from ..foundation.storage import same_path
     sp0 = api.load(spec)
     base_path = baseline or BASELINES / f"{sp0.experiment.name}.json"
     use_base = baseline is not None or base_path.exists()
-    reads = ((spec, "the spec"), (base_path if use_base else None, "the baseline"), *results_files(results))
     for path, key in ((json_out, "--json"), (junit, "--junit")):
         if path is not None:
-            check_output_file(path, key, reads)
+            check_output(path, key, sp0, [(base_path if use_base else None, "the baseline")])
     if json_out is not None and junit is not None and same_path(json_out, junit):
         raise SpecError("names the --json file too: the two reports need two files", file=str(junit), key="--junit")
     if use_base:
@@ -119,10 +108,10 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
     runs/baselines/, never over the committed reference the gate reads unless --out names it)."""
     from .. import api
     from ..results.baseline import baseline_bytes, make_baseline
-    from ..foundation.storage import check_output_file
     with user_errors():
-        target = out or NEW_BASELINES / f"{api.load(spec).experiment.name}.json"
-        check_output_file(target, inputs=((spec, "the spec"), *results_files(results)))
+        sp0 = api.load(spec)
+        target = out or NEW_BASELINES / f"{sp0.experiment.name}.json"
+        check_output(target, "--out", sp0, baseline_ok=True)
     sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
         data = baseline_bytes(make_baseline(df, sp))

@@ -7,6 +7,7 @@ and the key. Unknown keys are rejected with a "did you mean" suggestion. See REA
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -93,6 +94,30 @@ class Spec:
     def case_draws(self) -> list[int]:
         """Draws of each case: its own ``draws``, else the experiment's."""
         return [c.draws or self.experiment.draws for c in self.cases]
+
+    def referenced_files(self) -> list[Path]:
+        """The existing regular files the spec's text names (logits, masks, tables: any string value that is
+        a path from the spec's folder), which a command's outputs must not replace."""
+        try:
+            table = json.loads(self.text) if self.path == Path("<dict>") else parse_toml(self.text, self.path)
+        except (SpecError, ValueError):
+            return []
+        base = Path.cwd() if self.path == Path("<dict>") else self.path.parent
+        found: list[Path] = []
+
+        def walk(v: Any) -> None:
+            if isinstance(v, dict):
+                for x in v.values():
+                    walk(x)
+            elif isinstance(v, list):
+                for x in v:
+                    walk(x)
+            elif isinstance(v, str) and 0 < len(v) < 4096 and "\x00" not in v:
+                with contextlib.suppress(OSError, ValueError):
+                    if (base / v).is_file():
+                        found.append(base / v)
+        walk(table)
+        return found
 
 
 # ----------------------------------------------------------------------------- [experiment]

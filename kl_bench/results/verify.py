@@ -24,6 +24,7 @@ A results folder (``kl-bench run``) is checked as a whole, and every problem is 
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,16 +270,24 @@ def check_results_match_spec(results, spec) -> None:
         bits = _case_differences(wanted, have)
         if bits:
             raise SpecError(f"not the results of {spec.path}: {source} " + " and ".join(bits), file=where)
-    _check_same_settings(env.get("spec_text"), spec, where)
+    _check_same_settings(env, spec, where)
 
 
-def _check_same_settings(recorded, spec, where: str) -> None:
+def _check_same_settings(env: dict, spec, where: str) -> None:
     """Refuse results made from another version of ``spec`` (run.json's ``spec_text`` against the spec's
-    text), unless only comments or :data:`RUN_SETTINGS` differ."""
-    text = getattr(spec, "text", None)
-    if not isinstance(recorded, str) or not isinstance(text, str) or recorded == text:
+    text), unless only comments or :data:`RUN_SETTINGS` differ; and, where the spec's sha256 differs from
+    the recorded one, a run.json whose spec text is missing or unreadable (nothing shows the change is
+    harmless)."""
+    recorded, text = env.get("spec_text"), getattr(spec, "text", None)
+    if not isinstance(text, str) or recorded == text:
         return
-    changed = [k for k in spec_differences(recorded, text) or () if not _run_setting(k)]
+    diffs = spec_differences(recorded, text) if isinstance(recorded, str) else None
+    if diffs is None:
+        if env.get("spec_sha256") not in (None, getattr(spec, "sha256", None)):
+            raise SpecError(f"was made from another version of {spec.path} (spec sha256 differs) and its run.json "
+                            "holds no spec text to compare: run it again", file=where)
+        return
+    changed = [k for k in diffs if not _run_setting(k)]
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise SpecError(f"was made from another version of {spec.path} ({shown} changed since): its numbers "
@@ -339,10 +348,21 @@ def _flat(table: dict, prefix: str = "") -> dict[str, Any]:
                 out[label] = True                                  # present: a case on one side only differs
                 out.update(_flat({k: v for k, v in case.items() if k != "name"}, label + "."))
         elif name in ORDERLESS and isinstance(value, list):
-            out[name] = sorted(map(repr, value))
+            out[name] = sorted(json.dumps(_number(v), sort_keys=True) for v in value)
         else:
-            out[name] = value
+            out[name] = _number(value)
     return out
+
+
+def _number(value: Any) -> Any:
+    """``value`` with every int as a float (1 and 1.0 are one λ, one clamp), through lists and tables."""
+    if isinstance(value, bool) or not isinstance(value, (int, list, dict)):
+        return value
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, list):
+        return [_number(v) for v in value]
+    return {k: _number(v) for k, v in value.items()}
 
 
 def _case_differences(wanted: list[str], have: list[str]) -> list[str]:

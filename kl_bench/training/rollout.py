@@ -97,6 +97,11 @@ class RolloutProblem:
         """The trainer's expected ascent direction at θ, exact, [C, V]."""
         lq = torch.log_softmax(theta, -1)
         g = gradients.exact_mean(self.model(lq), combo.item)
+        if g is None and not torch.equal(theta, self.theta0):
+            # The policy has gone where the moments leave float64 (or θ is no longer finite): the trajectory
+            # has diverged, and says so (NaN from here on: kl_bench.training.result.diverged), while the
+            # other trajectories are written. At θ0 it is the spec's combination that cannot be computed.
+            return torch.full_like(lq, math.nan)
         if g is None:
             raise SpecError(f"'{combo.label}' has no exact expected gradient on this rollout (moments beyond "
                             "float64 or a non-polynomial sequence-level estimator)", case=self.name, key="train.combinations")
