@@ -203,3 +203,17 @@ def test_saved_steps_read_the_same_with_or_without_proc(folders, monkeypatch):
     (dirs["hidden"] / "step-0009.safetensors").write_bytes(b"\x08" + bytes(7) + b"not json")
     with pytest.raises(kl_bench.SpecError, match="step-0009.safetensors.*cannot read"):
         offline._load(dirs["hidden"] / "step-0009.safetensors")
+
+
+def test_the_audit_does_not_replace_another_kinds_folder(folders, tmp_path):
+    """`kl-bench audit DIR --out RUN` over a run's results folder had deleted its summary.csv: one line, exit 2."""
+    dirs, _ = folders
+    spec = tmp_path / "g.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "g"\ndraws = 2000\nbatches = 10\ndevice = "cpu"\n'
+                    '[[case]]\nname = "g"\nkind = "gaussian"\nq = { mean = 0.0, std = 1.0 }\np = { mean = 0.2, std = 1.0 }\n')
+    assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "run"), "-q"]).exit_code == 0
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    res = runner.invoke(app, ["audit", str(dirs["logits"]), "--out", str(tmp_path / "run")])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "holds kl-bench run results" in lines[0], res.output
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before

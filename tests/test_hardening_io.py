@@ -529,3 +529,26 @@ def test_an_output_over_a_file_the_spec_reads_is_refused(tmp_path, args, key):
     proc = _cli(*[a.format(spec=spec, data=data, data_name=data.name) for a in args], cwd=tmp_path)
     _one_line(proc, 2, f"key '{key}'", "is a file the spec reads")
     assert data.read_bytes() == before
+
+
+def test_a_folder_of_another_kind_is_not_replaced_and_a_report_is_judged_before_sampling(made, tmp_path):
+    """`train --out` or `audit --out` over a run's results folder had replaced it (its summary.csv gone, in
+    silence): one line, exit 2, the folder unchanged; a run's own folder is still replaced by a run. And
+    `run --report` into a folder whose report/ is read-only is refused before any sampling, not after."""
+    res = tmp_path / "res"
+    shutil.copytree(made["res"], res)
+    before = _tree(res)
+    train = tmp_path / "t.toml"
+    train.write_text(TRAIN)
+    proc = _cli("train", train, "--out", res, "-q")
+    _one_line(proc, 2, "holds kl-bench run results", "key '--out'")
+    assert _tree(res) == before
+    (res / "report").mkdir()
+    (res / "report").chmod(0o555)
+    try:
+        proc = _cli("run", made["spec"], "--out", res, "-q", "--report")
+        _one_line(proc, 2, "read-only folder", "key '--report'")
+        assert _tree(res) == {**before, "report": None}
+    finally:
+        (res / "report").chmod(0o755)
+    assert _cli("run", made["spec"], "--out", res, "-q", "--seed", "4").returncode == 0

@@ -21,6 +21,7 @@ from ..foundation.errors import SpecError
 from ..experiment.case import total_draws
 from ..foundation.progress import LazyProgress
 from ..results.checkpoint import CHECKPOINT, OLD_CHECKPOINT, checkpoint_identity, load_checkpoint, remove_checkpoint, save_checkpoint
+from ..results.folders import check_replaceable
 from ..results.verify import DATA_FILES
 from ..foundation.safe_io import check_folder_entries, check_write_target
 from ..experiment.spec import load_spec
@@ -116,6 +117,7 @@ def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, 
     if resume:
         _require_checkpoint(out_dir)                        # before anything is created
     out_dir = check_output_dir(out_dir)
+    check_replaceable(out_dir, "run")
     # Something that is not a regular file at a results file's name (a folder, a FIFO, a link): refused
     # now rather than after the sampling (write_folder refuses it again at the write).
     check_folder_entries(out_dir, (*DATA_FILES, "run.json"), key="--out")
@@ -194,6 +196,7 @@ def train_to_folder(spec, out: str | Path | None = None, *, seed: int | None = N
     from ..engine.distributed import start, stop      # looked up when called: kl_bench._testing wraps start
     sp = load_spec(spec)
     out_dir = check_output_dir(output_dir(Path(out) if out is not None else DEFAULT_RUNS / sp.experiment.name))
+    check_replaceable(out_dir, "train")
     if env_world() is None:
         result = train(sp, seed=seed, device=device, progress=progress, console=console)
     else:

@@ -24,6 +24,7 @@ from ..foundation.formatting import plural
 from ..foundation.registry import UnknownName
 from ..foundation.safe_io import cap_for, open_regular, read_capped
 from ..foundation.storage import atomic_write_bytes, check_output_dir
+from ..results.folders import check_replaceable
 from .aggregate import AGGREGATIONS
 from .exact import PositionValues, position_values
 from .sampler import Sampler
@@ -411,6 +412,7 @@ def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk:
     if found is None and any((directory / n).is_file() for n in ("audit.csv", "run.json")):
         return replay_folder(directory, echo)       # a folder the callback wrote (another kind: said so)
     out = check_output_dir(Path(out) if out is not None else directory / "audit")
+    check_replaceable(out, "audit")
     log = audit_folder(found or directory, on_step=_echo_step(echo), tile=tile, chunk=chunk)
     for a in log.engine:                                  # saved steps with a rollout engine's log-probs
         echo(engine_line(a))

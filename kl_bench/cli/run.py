@@ -40,6 +40,9 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         if not checkpoint_every > 0:          # also refuses NaN
             raise SpecError(f"must be > 0 (inf, or --no-checkpoint: never), got {checkpoint_every}",
                             key="--checkpoint-every")
+        if report_ and out is not None:       # a report folder that cannot be written: said before sampling
+            from ..foundation.storage import check_output_dir
+            check_output_dir(Path(out) / "report", key="--report")
         try:
             result = run_to_folder(spec, out, draws=draws, seed=seed, device=device, resume=resume,
                                    checkpoint_every=math.inf if no_checkpoint else checkpoint_every,

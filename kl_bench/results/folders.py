@@ -243,6 +243,22 @@ def is_kind(path: str | Path, kind: str) -> bool:
     return (Path(path) / "run.json").is_file() and kind_of(path) == kind
 
 
+def check_replaceable(folder: str | Path, kind: str, key: str = "--out") -> None:
+    """Refuse, before any work, to replace a folder of another kind's results (`kl-bench audit --out` over a
+    run's folder had deleted its summary.csv and batches.csv in silence): a folder of the same kind is
+    replaced, as always; one whose run.json cannot be read is not judged here."""
+    folder = Path(folder)
+    if not (folder / ENVELOPE).is_file():
+        return
+    try:
+        held = kind_of(folder)
+    except SpecError:
+        return
+    if held != kind:
+        raise SpecError(f"holds kl-bench {held} results (its run.json): only a {kind} folder is replaced here; "
+                        "choose another folder, or remove this one first", file=str(folder), key=key)
+
+
 def check_file_list(files: dict, where: str) -> None:
     """run.json's ``files``: plain file names, each with a sha256."""
     for name, digest in files.items():
