@@ -199,6 +199,19 @@ def test_bf16_logits_and_numpy_scalars_in_a_dict_spec():
     assert df["true_kl"].iloc[0] > 0          # the bf16-rounded logits differ from the fp16 ones
 
 
+def test_a_dict_spec_takes_tuples_and_paths(tmp_path):
+    """Python's spellings of TOML data in a dict spec: a tuple of estimators and a Path to a logits file
+    were refused ("must be a list", "must be a string"); they read as the list and the string, and the run
+    equals the one spelled as TOML data."""
+    np.save(tmp_path / "q.npy", np.linspace(-1.0, 1.0, 40))
+    case = {"name": "c", "kind": "categorical", "q": {"file": tmp_path / "q.npy"}, "p": {"from": "q", "noise": 0.2, "seed": 1}}
+    spec = {"spec_version": 1, "experiment": {"name": "t", "draws": 2000, "batches": 10, "device": "cpu",
+                                              "estimators": ("k1", "k3")}, "case": [case]}
+    plain = {**spec, "experiment": {**spec["experiment"], "estimators": ["k1", "k3"]},
+             "case": [{**case, "q": {"file": str(tmp_path / "q.npy")}}]}
+    assert kl_bench.run(spec).summary.equals(kl_bench.run(plain).summary)
+
+
 def test_overrides_are_type_checked(spec_path):
     for kw, key in ((dict(draws=1.5), "--draws"), (dict(draws="10"), "--draws"), (dict(seed=True), "--seed"),
                     (dict(device=3), "--device")):

@@ -509,8 +509,18 @@ def spec_from_dict(data: dict[str, Any], base_dir: str | Path | None = None, nam
         text = json.dumps(_canonical(data), ensure_ascii=False, sort_keys=True)
     except (TypeError, ValueError) as e:
         raise SpecError(f"the spec holds a value that is neither TOML data nor an array: {e}", file="<dict>") from None
-    return _parse_data(data, "<dict>", Path(base_dir) if base_dir is not None else Path.cwd(), name, text,
+    return _parse_data(_plain(data), "<dict>", Path(base_dir) if base_dir is not None else Path.cwd(), name, text,
                        Path("<dict>"))
+
+
+def _plain(value: Any) -> Any:
+    """A dict spec with Python's spellings of TOML data as TOML's: tuples as lists, paths as strings (what
+    _canonical already records them as); arrays and everything else as they are."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
 
 
 def load_spec(path: str | Path) -> Spec:
