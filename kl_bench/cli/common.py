@@ -188,24 +188,25 @@ def check_output(path: Path, key: str, spec=None, inputs=(), baseline_ok: bool =
 
 
 def _is_baseline(path: Path) -> bool:
-    """Whether ``path`` is a regular file that starts as a kl-bench baseline does."""
-    import os
-    import stat
-    with contextlib.suppress(OSError):
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode):
-            with open(path, "rb") as fh:
-                return b'"kl_bench_baseline"' in fh.read(256)
+    """Whether ``path`` is a regular file that starts as a kl-bench baseline does (opened as every read is,
+    kl_bench.foundation.safe_io: never a blocked open; anything else, or nothing there, is no baseline)."""
+    from ..foundation.safe_io import open_regular
+    if Path(path).is_symlink():          # check_output_file refuses a link: it is judged there
+        return False
+    with contextlib.suppress(OSError, SpecError):
+        with open_regular(path, "baseline") as fh:
+            return b'"kl_bench_baseline"' in fh.read(256)
     return False
 
 
 def stale_report_note(folder: Path) -> None:
     """A run that replaced a folder's results keeps the files it did not write (a user's notes, a report);
     a report there now describes the results it replaced: one line on stderr says so (whatever --quiet)."""
+    from ..present.tables import prose
     report = Path(folder) / "report"
     if report.is_dir() and not report.is_symlink():
-        err_console.print(f"note: {report}/ describes the results this run replaced: `kl-bench report {folder}` "
-                          "remakes it", markup=False)
+        prose(err_console, f"note: {report}/ describes the results this run replaced: `kl-bench report {folder}` "
+                           "remakes it")
 
 
 def difference_lines(path: Path, most: int = 8) -> list[str]:

@@ -28,12 +28,13 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
                                  console=err_console)        # a progress line on a terminal's stderr only
         if result is None:                                   # another rank of the job: rank 0 writes
             return
+    from ..present.tables import prose
     if not quiet:
         for line in result.summary_lines():
-            out_console.print(line, markup=False)
+            prose(out_console, line)
         out_console.print(f"→ {result.path}/train.csv", markup=False)
     for line in result.warnings():
-        err_console.print(line, markup=False)
+        prose(err_console, line)
     stale_report_note(result.path)
 
 
