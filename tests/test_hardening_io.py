@@ -422,7 +422,7 @@ def test_running_out_of_memory_is_one_line(made, monkeypatch, capsys, error):
     (["check", "{spec}", "--results", "{res}", "--junit", "{res}/run.json"], "--junit",
      "is a file of the results folder"),
     (["check", "{spec}", "--results", "{res}", "--baseline", "{base}", "--json", "{base}"], "--json",
-     "is a kl-bench baseline"),
+     "is the baseline this command reads"),
     (["exact", "{spec}", "--out", "{base}", "-q"], "--out", "is a kl-bench baseline"),
     (["exact", "{spec}", "--out", "{res}/batches.csv", "-q"], "--out", "is a file of the results folder"),
     (["check", "{spec}", "--results", "{res}", "--json", "{out}/v.out", "--junit", "{out}/./v.out"], "--junit",
@@ -504,7 +504,7 @@ def test_the_default_baseline_is_an_input_too_and_a_report_beside_the_results_is
     default = tmp_path / "results" / "baselines" / "io.json"
     shutil.copy(made["base"], default)
     proc = _cli("check", made["spec"], "--results", made["res"], "--json", default, cwd=tmp_path)
-    _one_line(proc, 2, "key '--json'", "is a kl-bench baseline")
+    _one_line(proc, 2, "key '--json'", "is the baseline this command reads")
     assert default.read_bytes() == made["base"].read_bytes()
     res = tmp_path / "res"
     shutil.copytree(made["res"], res)

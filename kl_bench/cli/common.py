@@ -175,24 +175,25 @@ def check_output(path: Path, key: str, spec=None, inputs=(), baseline_ok: bool =
     from ..foundation.storage import check_output_file
     from ..results.folders import DATA_FILES
     path = Path(path)
+    in_results = False
     reads = list(inputs)
     if spec is not None:
         reads += [(spec.path, "the spec"), *((f, "a file the spec reads") for f in spec.referenced_files())]
-    if path.name in (*DATA_FILES, "run.json") and (path.parent / "run.json").is_file():
+    check_output_file(path, key, reads)       # first: a path that cannot be looked at is said there, in one line
+    with contextlib.suppress(OSError):
+        in_results = path.name in (*DATA_FILES, "run.json") and (path.parent / "run.json").is_file()
+    if in_results:
         raise SpecError(f"is a file of the results folder {path.parent}: give another file name", file=str(path),
                         key=key)
     if not baseline_ok and _is_baseline(path):
         raise SpecError("is a kl-bench baseline (a gate's reference; `kl-bench baseline --out` replaces one): give "
                         "another file name", file=str(path), key=key)
-    check_output_file(path, key, reads)
 
 
 def _is_baseline(path: Path) -> bool:
     """Whether ``path`` is a regular file that starts as a kl-bench baseline does (opened as every read is,
     kl_bench.foundation.safe_io: never a blocked open; anything else, or nothing there, is no baseline)."""
     from ..foundation.safe_io import open_regular
-    if Path(path).is_symlink():          # check_output_file refuses a link: it is judged there
-        return False
     with contextlib.suppress(OSError, SpecError):
         with open_regular(path, "baseline") as fh:
             return b'"kl_bench_baseline"' in fh.read(256)
