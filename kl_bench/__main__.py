@@ -21,15 +21,17 @@ def _temp_dir_without_probe() -> None:
 
 
 def entry() -> None:
-    # The first signal stops start-up; later ones (Ctrl-C pressed again) are ignored: one line, exit 130.
-    signals.install()
-    _temp_dir_without_probe()
-    # Held until the command's compiled extensions are imported (kl_bench.cli.main releases them): a
-    # KeyboardInterrupt raised inside a pybind11 callback of an import aborts the process (−6) or kills
-    # it by the signal instead of the one line and exit 130. A signal that came meanwhile is raised then.
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
+        # Held until the command's compiled extensions are imported (kl_bench.cli.main releases them): a
+        # KeyboardInterrupt raised inside a pybind11 callback of an import aborts the process (−6) or kills
+        # it by the signal instead of the one line and exit 130. A signal that came meanwhile is raised
+        # then. Held before the handlers go in, and all of it inside the try: a signal between installing
+        # the handlers and holding them had raised out of entry() as a traceback and a death by SIGINT.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        # The first signal stops start-up; later ones (Ctrl-C pressed again) are ignored: one line, exit 130.
+        signals.install()
+        _temp_dir_without_probe()
         from .cli import main
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -670,6 +670,36 @@ def _catches_sigint(pid: int) -> bool:
     return False
 
 
+# A signal at each step of the console script's start-up, sent by the process to itself (no sleeps): right after
+# the handlers go in, and while the temp folder is probed. The second had raised out of entry() (a traceback and a
+# death by SIGINT, -2) when the handlers went in before the signals were held.
+_AT_START = """
+import os, signal, sys
+import kl_bench.__main__ as m
+from kl_bench.foundation import signals
+where = sys.argv.pop(1)
+def kill(f):
+    def wrapped(*a):
+        out = f(*a)
+        os.kill(os.getpid(), signal.SIGINT)
+        return out
+    return wrapped
+if where == "install":
+    signals.install = kill(signals.install)
+else:
+    m._temp_dir_without_probe = kill(m._temp_dir_without_probe)
+sys.argv[0] = "kl-bench"
+m.entry()
+"""
+
+
+@pytest.mark.parametrize("where", ["install", "temp"])
+def test_a_signal_during_the_console_scripts_start_up_is_one_line_and_130(where):
+    p = subprocess.run([sys.executable, "-c", _AT_START, where, "list"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert len(p.stderr.strip().splitlines()) == 1 and "interrupted" in p.stderr and "Traceback" not in p.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.3, 1.5, 3.0])
 def test_three_sigints_20_to_50_ms_apart_exit_130_with_one_line(made, tmp_path, delay):
