@@ -285,6 +285,60 @@ def test_results_of_another_version_of_the_spec_are_refused_but_run_settings_may
     assert res.exit_code == 2 and "holds no spec text to compare" in res.output, res.output
 
 
+_SAME_SPEC = """
+spec_version = 1
+[experiment]
+name = "same"
+draws = 20000
+device = "cpu"
+batches = 20
+estimators = {est}
+
+[[case]]
+name = "file"
+kind = "categorical"
+q = {{ file = "{path}" }}
+p = {{ file = "p.npy" }}{sampling}
+
+[[case]]
+name = "z"
+kind = "categorical"
+vocab = 50
+q = {{ logits = "zipf", exponent = 1.1, seed = 1 }}
+p = {{ from = "q", noise = 0.3, seed = 2 }}
+
+[[sweep]]
+case = "z"
+p.noise = {noise}
+"""
+
+
+def test_the_same_spec_in_other_words_passes_and_a_real_change_in_them_is_refused(tmp_path):
+    """Equivalent spellings were refused as another version of the spec (the text comparison): "./q.npy" for
+    "q.npy", a default written out (sampling = "auto", the default estimators), a sweep's values in another
+    order. The parsed specs decide; a change among the same respellings is still one line, exit 2."""
+    from kl_bench.core.estimators import DEFAULT_ESTIMATORS
+    runner = CliRunner()
+    g = np.random.default_rng(0)
+    for name in ("q", "p", "q2"):
+        np.save(tmp_path / f"{name}.npy", g.standard_normal(40))
+    spec = tmp_path / "s.toml"
+    fill = {"est": json.dumps(list(DEFAULT_ESTIMATORS)), "path": "q.npy", "sampling": "", "noise": "[0.1, 0.3]"}
+    spec.write_text(_SAME_SPEC.format(**fill))
+    assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "r"), "-q"]).exit_code == 0
+    same = {"path": "./q.npy", "sampling": '\nsampling = "auto"', "noise": "[0.3, 0.1]"}
+    spec.write_text(_SAME_SPEC.format(**{**fill, **same}).replace("estimators = ", "# defaults\n# estimators = "))
+    res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
+    assert res.exit_code == 0 and "was produced by a different version" in res.output, res.output
+    changes = {"path": "q2.npy", "sampling": '\nsampling = "tokens"', "noise": "[0.3, 0.2]"}
+    needles = {"path": "case 'file'.q.file", "sampling": "case 'file'.sampling", "noise": "lacks the spec's case 'z[p.noise=0.2]'"}
+    for key, value in changes.items():
+        spec.write_text(_SAME_SPEC.format(**{**fill, **same, key: value}))
+        res = runner.invoke(app, ["check", str(spec), "--results", str(tmp_path / "r"), "-q"])
+        lines = [x for x in res.output.splitlines() if x.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and needles[key] in lines[0], (key, res.output)
+
+
 def test_a_baseline_of_another_experiment_is_refused(tmp_path, build_spec):
     """Another experiment's baseline made every row read as moved (exit 1, ten FAIL lines): one line, exit 2."""
     runner = CliRunner()

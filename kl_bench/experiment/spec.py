@@ -120,6 +120,56 @@ class Spec:
         return found
 
 
+    def measured_differences(self, recorded: str) -> list[str] | None:
+        """What differs in what a run measures between the spec whose text ``recorded`` is (run.json's
+        spec_text) and this one, both parsed with this spec's path (relative files from its folder): the
+        [experiment] keys that are not run settings (kl_bench.results.verify.RUN_SETTINGS; estimators and
+        λ as sets), a case on one side only, and a case's parsed fields other than ``draws``, by case name.
+        Equivalent spellings are no difference (``./q.npy`` and ``q.npy``, a default written out, a sweep's
+        values in another order). None where ``recorded`` is not a spec that parses here (a dict spec's
+        JSON records its arrays by hash only; a file it names is gone): nothing is shown to be the same."""
+        if self.path == Path("<dict>"):
+            return None
+        try:
+            old = parse_spec(recorded, self.path)
+        except (SpecError, OSError, ValueError, RecursionError):
+            return None
+        return _experiment_differences(old.experiment, self.experiment) + _case_differences(old, self)
+
+
+def _experiment_differences(a: Experiment, b: Experiment) -> list[str]:
+    from ..results.verify import ORDERLESS, RUN_SETTINGS
+    out = []
+    for f in dataclasses.fields(Experiment):
+        key, x, y = f"experiment.{f.name}", getattr(a, f.name), getattr(b, f.name)
+        if key not in RUN_SETTINGS and ((set(x) != set(y)) if key in ORDERLESS else not _same(x, y)):
+            out.append(key)
+    return out
+
+
+def _case_differences(old: Spec, new: Spec) -> list[str]:
+    before, now = {c.name: c for c in old.cases}, {c.name: c for c in new.cases}
+    out = []
+    for name in sorted(before.keys() | now.keys()):
+        if name not in before or name not in now:
+            out.append(f"case '{name}'")
+            continue
+        a, b = before[name], now[name]
+        out += [f"case '{name}'.{f.name}" for f in dataclasses.fields(b) if f.name != "draws"
+                and (type(a) is not type(b) or not _same(getattr(a, f.name), getattr(b, f.name)))]
+        if not _same(old.sweep_values.get(name), new.sweep_values.get(name)):
+            out.append(f"case '{name}'.sweep")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as parsed values; a value that holds tensors (no plain ``==``) is never shown to be the same."""
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
 # ----------------------------------------------------------------------------- [experiment]
 def _check_experiment_name(v: str) -> str | None:
     # The name is the default results folder: a plain file name.
