@@ -22,6 +22,30 @@ def _temp_dir_without_probe() -> None:
 
 def entry() -> None:
     try:
+        _entry()
+    finally:
+        _forget_caught_interrupts()
+
+
+def _forget_caught_interrupts() -> None:
+    """Exit with the code the command chose, even if a KeyboardInterrupt (our signal) was once raised inside
+    code run from a string (a dataclass's generated methods, a namedtuple's: exec and eval, say during an
+    import the command made) and then caught and said in one line: CPython remembers that as "unhandled"
+    (run_eval_code_obj) and, under ``python -m``, ends the process by SIGINT after the exit code was
+    decided (exit −2, not 130). Running a string clears that memory; signals are ignored first (the
+    outcome is said), so nothing can interrupt it."""
+    for _ in range(3):
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            break
+        except KeyboardInterrupt:        # a signal that had just come, run by signal.signal: ignored too
+            continue
+    exec("pass", {})                     # noqa: S102  (clears CPython's unhandled-KeyboardInterrupt flag)
+
+
+def _entry() -> None:
+    try:
         # Held until the command's compiled extensions are imported (kl_bench.cli.main releases them): a
         # KeyboardInterrupt raised inside a pybind11 callback of an import aborts the process (−6) or kills
         # it by the signal instead of the one line and exit 130. A signal that came meanwhile is raised

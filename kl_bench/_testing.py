@@ -8,8 +8,9 @@ script with the hooks that the environment asks for installed first.
   crashed or OOM-killed process would, the Nth time (default the first) it reaches PHASE: ``start`` (it
   joined the process group), ``main`` (it drew its slice of a round of a main or pilot pass, before the
   gather), ``gradients`` (it added a batch of a gradient pass).
-- ``KL_BENCH_WRITE_DELAY=SECONDS``: a pause after each file staged by :func:`kl_bench.foundation.storage.write_folder`,
-  so that a test can kill the process while a results folder is half staged.
+- ``KL_BENCH_KILL_AFTER_STAGED=N``: the process dies by SIGKILL right after the Nth file it stages in a results
+  folder's staging folder (:func:`kl_bench.foundation.storage.write_folder`): a folder half staged, the swap
+  not done, whatever the machine's speed (a sleep had stood in for that event).
 - ``KL_BENCH_KILL_AFTER_CHECKPOINT=N``: the process dies by SIGKILL right after its Nth checkpoint is
   written, mid-run whatever the machine's speed (the resume test's kill is an event, not a time).
 """
@@ -20,14 +21,14 @@ import signal
 
 SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
 RANK_FAIL_ENV = "KL_BENCH_RANK_FAIL"
-WRITE_DELAY_ENV = "KL_BENCH_WRITE_DELAY"
+KILL_AFTER_STAGED_ENV = "KL_BENCH_KILL_AFTER_STAGED"
 KILL_AFTER_CHECKPOINT_ENV = "KL_BENCH_KILL_AFTER_CHECKPOINT"
 
 
 def install_from_env() -> None:
     _install_self_signal()
     _install_rank_fail()
-    _install_write_delay()
+    _install_kill_after_staged()
     _install_kill_after_checkpoint()
 
 
@@ -46,19 +47,19 @@ def _install_kill_after_checkpoint() -> None:
     runner.save_checkpoint = save_then_die
 
 
-def _install_write_delay() -> None:
-    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
-    if not delay:
+def _install_kill_after_staged() -> None:
+    nth = int(os.environ.get(KILL_AFTER_STAGED_ENV, "0") or 0)
+    if not nth:
         return
-    import time
-
     from .foundation import storage
-    stage = storage.stage_file
+    stage, staged = storage.stage_file, [0]
 
-    def slow(path, data) -> None:
+    def stage_then_die(path, data) -> None:
         stage(path, data)
-        time.sleep(delay)          # the test waits for the staging folder, then kills mid-write
-    storage.stage_file = slow
+        staged[0] += 1
+        if staged[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+    storage.stage_file = stage_then_die
 
 
 def _install_self_signal() -> None:

@@ -173,7 +173,10 @@ def test_run_prints_a_recommendation_and_a_rate_that_matches_its_time(spec, tmp_
     assert "g: to log, k3 (RMSE" in res.output and "±10% with 95% probability needs a batch of" in res.output
     env = json.loads((tmp_path / "o" / "run.json").read_text())
     # the rate is draws over the sampling time that is stated (run.json rounds the time to 1 ms)
-    assert abs(env["draws_per_second"] * env["sampling_seconds"] - 20_000) <= env["draws_per_second"] * 0.0005 + 1
+    # sampling_seconds is rounded to the millisecond (off by ≤ 0.0005 s, times the rate) and draws_per_second
+    # to an integer (off by ≤ ½, times the seconds): a slow or descheduled run makes the second term count
+    assert abs(env["draws_per_second"] * env["sampling_seconds"] - 20_000) <= \
+        env["draws_per_second"] * 0.0005 + 0.5 * env["sampling_seconds"] + 1
     assert f"draws sampled in {env['sampling_seconds']:.1f} s" in res.output
 
 

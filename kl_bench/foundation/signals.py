@@ -80,6 +80,16 @@ def import_heavy() -> None:
         import torch  # noqa: F401
 
 
+def import_plotting() -> None:
+    """matplotlib (with pyplot) and seaborn imported with the signals held (see :func:`held`), for the
+    commands that draw: matplotlib.ft2font's C++ start-up calls back into Python, and a KeyboardInterrupt
+    raised there became "ImportError: initialization failed" with a traceback, or an abort (exit 134)."""
+    with held():
+        import matplotlib  # noqa: F401
+        import matplotlib.pyplot  # noqa: F401
+        import seaborn  # noqa: F401
+
+
 def release() -> None:
     """Deliver the signals the console script held during start-up (kl_bench.__main__), if any."""
     with contextlib.suppress(AttributeError, ValueError, OSError):

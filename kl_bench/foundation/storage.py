@@ -17,7 +17,6 @@ import functools
 import os
 import shutil
 import stat
-import tempfile
 from pathlib import Path
 
 
@@ -147,15 +146,36 @@ def _check_parent_writable(path: Path, key: str = "--out") -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise SpecError(f"cannot be created: {probe} is a file", file=str(path), key=key)
+    tmp = temp_name(probe, ".kl-bench-probe-")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".kl-bench-probe-", dir=probe)
+        fd = os.open(tmp, NEW_FILE, 0o600)
         try:
             os.write(fd, b"\n")
         finally:
             os.close(fd)
-            os.unlink(tmp)
     except OSError as e:
         raise fs_error(e, path, "cannot write there", key=key) from None
+    finally:
+        unlink_temp(tmp)
+
+
+# A new file that is ours: made here (O_EXCL), never through a link (O_NOFOLLOW), closed on exec.
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def temp_name(folder: Path, prefix: str) -> Path:
+    """A fresh name for a temporary file in ``folder`` (48 random bits), chosen before the file is made: a
+    signal at any moment leaves a name the caller knows and can remove (tempfile.mkstemp binds its name
+    only after it has made the file, so a Ctrl-C in between left a stray temporary file)."""
+    return folder / f"{prefix}{os.urandom(6).hex()}"
+
+
+def unlink_temp(tmp: Path) -> None:
+    """Remove the temporary file ``tmp`` if it is there: after a failure anywhere from its open on (a signal
+    may come between the open that made it and the next line). A file of that name that the open refused
+    (O_EXCL) would be someone else's, but the name's 48 random bits make that a 2^-48 chance."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        os.unlink(tmp)
 
 
 def make_parents(path: Path) -> list[Path]:
@@ -186,23 +206,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     check_write_target(path)
     made = make_parents(path)
+    # The name is bound before the file exists (temp_name), inside the try: a signal at any moment leaves
+    # nothing behind. O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
+    tmp = temp_name(path.parent, f".tmp-{path.name[:100]}.")
     try:
-        # mkstemp opens with O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
-        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name[:100]}.", dir=path.parent)
-    except BaseException:
-        remove_made(made)
-        raise
-    try:
+        fd = os.open(tmp, NEW_FILE, 0o600)
         with os.fdopen(fd, "wb") as fh:
             _write_file(fh, data)
-        os.chmod(tmp, 0o666 & ~_UMASK)      # mkstemp makes 0600 files; results are for sharing
+        os.chmod(tmp, 0o666 & ~_UMASK)      # made 0600; results are for sharing
         check_write_target(path)            # again: a link or device may have appeared meanwhile
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        unlink_temp(tmp)
         remove_made(made)
         raise
 
