@@ -552,3 +552,24 @@ def test_a_folder_of_another_kind_is_not_replaced_and_a_report_is_judged_before_
     finally:
         (res / "report").chmod(0o755)
     assert _cli("run", made["spec"], "--out", res, "-q", "--seed", "4").returncode == 0
+
+
+@pytest.mark.parametrize("command", ["run", "train", "report"])
+@pytest.mark.parametrize("where", ["here", "above"])
+def test_the_current_folder_or_one_holding_it_is_refused_as_out(tmp_path, monkeypatch, command, where):
+    """`--out "$PWD"` swapped the folder the shell stood in for a new one: the shell was left in a deleted
+    folder (its next kl-bench died loading torch's libraries). Refused like '.', before any work, for every
+    command that writes a folder; the folder and what is in it stay as they were."""
+    here = tmp_path / "w"
+    here.mkdir()
+    (here / "s.toml").write_text(TRAIN if command == "train" else SPEC.format(name="s"))
+    if command == "report":
+        assert runner.invoke(app, ["run", str(here / "s.toml"), "--out", str(here / "r"), "-q"]).exit_code == 0
+    before = os.stat(here).st_ino, sorted(os.listdir(here))
+    monkeypatch.chdir(here)
+    out = here if where == "here" else tmp_path
+    args = {"run": ["run", "s.toml", "-q"], "train": ["train", "s.toml"], "report": ["report", "r", "-q"]}[command]
+    res = runner.invoke(app, [*args, "--out", str(out)])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "is the current folder, or holds it" in lines[0], res.output
+    assert (os.stat(here).st_ino, sorted(os.listdir(here))) == before

@@ -433,3 +433,33 @@ def test_a_rollout_trajectory_that_leaves_float64_is_named_and_the_run_written(t
     assert [(k, g) for _, k, g, _ in diverged(df)] == [("k3/loss", "exact")]
     assert "warning: case 'rollout': k3/loss (exact) diverged" in res.output
     assert df[df.combination == "k1/reward"]["kl_rev"].notna().all()
+
+
+_TRAIN = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = {draws}\nseed = 0\ndevice = "cpu"\n[train]\n'
+          'optimizer = "{opt}"\nlr = 0.05\nsteps = 2\nbeta = 0.5\nreward = {{ random = 1.0 }}\n'
+          'gradients = ["exact", "sampled"]\nseeds = 1\n{more}'
+          'combinations = {combos}\nsampled_combinations = ["k1/reward"]\n')
+
+
+@pytest.mark.parametrize("edit, needle", [
+    # an unknown estimator or mode is named under train.combinations (it had been blamed on
+    # sampled_combinations, whose 'k1/reward' was "unknown" against the misspelt list, the suggestion reversed)
+    ({"combos": '["k9/reward"]'}, "key 'train.combinations': unknown estimator 'k9' (did you mean 'k3'?)"),
+    ({"combos": '["k1/rewrd"]'}, "key 'train.combinations': 'k1/rewrd': unknown mode 'rewrd' (did you mean 'reward'?)"),
+    # 1e15 draws a sampled step ended in an out-of-memory line naming no key, after 10 s
+    ({"draws": "1e15"}, "key 'experiment.draws': gives each sampled step of the [train] table 1,000,000,000,000,000"),
+    ({"more": "draws = 1e15\n"}, "key 'train.draws': must be ≤ 1,099,511,627,776"),
+    # Adam's constants with sgd were ignored in silence
+    ({"opt": "sgd", "more": "betas = [0.9, 0.99]\n"}, "key 'train.betas': is one of Adam's constants"),
+    ({"opt": "sgd", "more": "eps = 1e-6\n"}, "key 'train.eps': is one of Adam's constants"),
+])
+def test_train_table_mistakes_are_one_line_naming_their_key(tmp_path, edit, needle):
+    from typer.testing import CliRunner
+
+    from kl_bench.cli import app
+    fill = {"draws": "16", "opt": "adam", "more": "", "combos": '["k1/reward", "k3/loss"]', **edit}
+    (tmp_path / "s.toml").write_text(_TRAIN.format(**fill) + CASE_TOML)
+    res = CliRunner().invoke(app, ["train", str(tmp_path / "s.toml"), "--out", str(tmp_path / "out")])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
+    assert not (tmp_path / "out").exists()

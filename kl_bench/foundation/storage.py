@@ -120,10 +120,24 @@ def check_output_dir(path: Path, key: str = "--out") -> Path:
         raise SpecError("must name a results folder (not '', '.' or '..')", file=str(path), key=key)
     _check_name_length(path, key)
     path = output_dir(path, key)
+    _check_not_around_cwd(path, key)
     check_dir_target(path, key=key)
     _check_parent_writable(path, key)
     _check_not_read_only(path, key)
     return path
+
+
+def _check_not_around_cwd(path: Path, key: str) -> None:
+    """The current folder, or a folder that holds it, is refused as '.' is: a results folder is replaced by
+    swapping in a new one, and a shell standing in the old one is left in a deleted folder (`--out "$PWD"`:
+    its next command failed to load torch's libraries)."""
+    with contextlib.suppress(OSError):
+        here = Path.cwd().resolve()
+        there = path.resolve()
+        if there == here or there in here.parents:
+            raise SpecError("is the current folder, or holds it: a results folder is replaced whole, which would "
+                            "leave this shell in a deleted folder; give a subfolder (default: runs/<name>)",
+                            file=str(path), key=key)
 
 
 def _check_not_read_only(path: Path, key: str) -> None:

@@ -243,11 +243,17 @@ def is_kind(path: str | Path, kind: str) -> bool:
     return (Path(path) / "run.json").is_file() and kind_of(path) == kind
 
 
-def check_replaceable(folder: str | Path, kind: str, key: str = "--out") -> None:
+def check_replaceable(folder: str | Path, kind: str, key: str = "--out", spec=None) -> None:
     """Refuse, before any work, to replace a folder of another kind's results (`kl-bench audit --out` over a
     run's folder had deleted its summary.csv and batches.csv in silence): a folder of the same kind is
-    replaced, as always; one whose run.json cannot be read is not judged here."""
+    replaced, as always; one whose run.json cannot be read is not judged here. Also refused: a folder whose
+    writing would replace what the command reads, ``spec`` (a loaded spec: its file and the files its text
+    names) at a name the folder writes (a spec saved as DIR/run.json, run with --out DIR, had been replaced
+    by the results)."""
     folder = Path(folder)
+    if spec is not None:
+        _check_reads_kept(folder, [(Path(spec.path), "the spec"),
+                                   *((f, "a file the spec reads") for f in spec.referenced_files())], key)
     if not (folder / ENVELOPE).is_file():
         return
     try:
@@ -257,6 +263,18 @@ def check_replaceable(folder: str | Path, kind: str, key: str = "--out") -> None
     if held != kind:
         raise SpecError(f"holds kl-bench {held} results (its run.json): only a {kind} folder is replaced here; "
                         "choose another folder, or remove this one first", file=str(folder), key=key)
+
+
+def _check_reads_kept(folder: Path, reads: list[tuple[Path, str]], key: str) -> None:
+    """Refuse a read (path, what) that the folder's writing replaces: one of its results files, run.json or
+    the checkpoint (the files a folder of any kind writes; everything else in it is kept)."""
+    from ..foundation.storage import same_path
+    from .checkpoint import CHECKPOINT
+    writes = (ENVELOPE, *DATA_FILES, CHECKPOINT)
+    for path, what in reads:
+        if path.name in writes and same_path(path.parent, folder):
+            raise SpecError(f"would replace {what} ({path}): writing the results there replaces its {path.name}; "
+                            "move the file, or choose another folder", file=str(folder), key=key)
 
 
 def check_file_list(files: dict, where: str) -> None:

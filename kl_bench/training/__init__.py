@@ -19,7 +19,7 @@ from ..kinds import build_pair
 from ..foundation.registry import did_you_mean
 from .categorical import CategoricalProblem, count_gradient, expected_score_gradient
 from .combos import Combination, parse_combination
-from .config import TrainConfig, parse_train
+from .config import TrainConfig, check_step_draws, parse_train
 from .optim import Optimizer, adam, sgd
 from .result import TrainResult
 from .rollout import RolloutProblem
@@ -55,8 +55,8 @@ def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE,
     a :class:`kl_bench.foundation.progress.LazyProgress` (or anything with ``set_total``, ``label`` and ``advance``),
     told of this process's units and steps."""
     cfg = parse_train(spec.train, str(spec.path), spec.path.parent)
+    draws = check_step_draws(cfg, spec.experiment.draws, str(spec.path))
     plans = _plans(spec, cfg)
-    draws = cfg.draws or spec.experiment.draws
     start = time.perf_counter()
     done: dict = {}
     failure = None

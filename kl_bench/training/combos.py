@@ -34,9 +34,10 @@ class Combination:
         return self.item.aggregate
 
 
-def parse_combination(text: str, aggregates: tuple[str, ...]) -> Combination:
-    """``text`` = "estimator/mode[/aggregate]"; ``aggregates``: those the case kind has ((): none, ("tok",
-    "seq"): rollouts, default the first). A SpecError (one line) for anything else."""
+def check_combination(text: str):
+    """The part of a combination's check that needs no case kind (its form, estimator and mode): the
+    estimator. A SpecError (one line) otherwise; run on the [train] table as it is read, so that a
+    misspelt estimator is named there, not as an unknown value of a list checked against it."""
     parts = text.split("/")
     if len(parts) not in (2, 3) or not all(parts):
         raise SpecError(f"'{text}' must be \"estimator/mode\" or \"estimator/mode/aggregate\"")
@@ -48,6 +49,15 @@ def parse_combination(text: str, aggregates: tuple[str, ...]) -> Combination:
         raise SpecError(f"'{text}': unknown mode '{mode}'{did_you_mean(mode, list(MODES))}; known: {', '.join(MODES)}")
     if mode not in modes_for(est, token=True):     # token-only modes: on a categorical, loss_is or reward
         raise SpecError(f"'{text}': estimator '{name}' has no {mode} mode (it has {', '.join(modes_for(est, token=True))})")
+    return est
+
+
+def parse_combination(text: str, aggregates: tuple[str, ...]) -> Combination:
+    """``text`` = "estimator/mode[/aggregate]"; ``aggregates``: those the case kind has ((): none, ("tok",
+    "seq"): rollouts, default the first). A SpecError (one line) for anything else."""
+    est = check_combination(text)
+    parts = text.split("/")
+    name, mode = parts[0], parts[1]
     aggregate = parts[2] if len(parts) == 3 else (aggregates[0] if aggregates else "")
     if aggregate not in (aggregates or ("",)):
         allowed = ", ".join(aggregates) if aggregates else "none (a categorical has no aggregates)"

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..foundation.config import MAX_DRAWS, Table, at_most, check_seed, positive, typename
+from ..foundation.config import Table, at_most, check_seed, positive, typename
 from ..foundation.errors import SpecError
 from ..foundation.registry import did_you_mean, plugin_path
+from .combos import check_combination
 from .optim import OPTIMIZERS, Optimizer
 from .sequences import SEQUENCE_REWARDS, SequenceReward
 
@@ -124,11 +125,31 @@ def _parse_optimizer(t: Table) -> Optimizer:
     if name not in OPTIMIZERS:
         raise t.error(f"unknown optimizer '{name}'{did_you_mean(name, list(OPTIMIZERS))}; known: {', '.join(OPTIMIZERS)}",
                       key=t.key("optimizer"))
+    for k in ("betas", "eps"):        # Adam's constants: given with sgd they would be ignored in silence
+        if name != "adam" and t.has(k):
+            raise t.error(f"is one of Adam's constants: optimizer '{name}' has none; remove it", key=t.key(k))
     betas = t.get("betas", "float_or_list", (0.9, 0.999))
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise t.error(f"must be two numbers in [0, 1), got {list(betas)}", key=t.key("betas"))
     return Optimizer(name, t.get("lr", "float", check=positive), (betas[0], betas[1]),
                      t.get("eps", "float", 1e-8, positive))
+
+
+# Draws of one sampled step (train.draws, else [experiment] draws): drawn token by token, in pieces, at about
+# 5·10^7 a second on one CPU core: 2^40 is hours a step, and beyond it the pieces' own bookkeeping no longer
+# fits in memory (1e15 had ended in an out-of-memory line naming no key).
+MAX_STEP_DRAWS = 1 << 40
+STEP_DRAWS_WHY = "2^40 draws a sampled step: each is drawn as a token (hours a step at that size)"
+
+
+def check_step_draws(cfg: TrainConfig, experiment_draws: int, file: str) -> int:
+    """The draws of one sampled step: ``train.draws``, else [experiment] draws, which a spec for runs may set
+    far larger (refused here, naming that key, when the [train] table asks for sampled gradients)."""
+    draws = cfg.draws or experiment_draws
+    if "sampled" in cfg.gradients and draws > MAX_STEP_DRAWS:
+        raise SpecError(f"gives each sampled step of the [train] table {draws:,} draws: at most {MAX_STEP_DRAWS:,} "
+                        f"({STEP_DRAWS_WHY}); set train.draws", file=file, key="experiment.draws")
+    return draws
 
 
 def parse_train(raw: Any, file: str, spec_dir: Path) -> TrainConfig:
@@ -145,12 +166,17 @@ def parse_train(raw: Any, file: str, spec_dir: Path) -> TrainConfig:
         combinations=_str_list(t, "combinations", None, ()),
         reward=_parse_reward(t, spec_dir),
         gradients=_str_list(t, "gradients", GRADIENTS, ("exact",)),
-        draws=t.get("draws", "int", None, at_most(MAX_DRAWS, "2^53: draws are counted in float64")),
+        draws=t.get("draws", "int", None, at_most(MAX_STEP_DRAWS, STEP_DRAWS_WHY)),
         seeds=t.get("seeds", "int", 8, at_most(1 << 16, "2^16: one trajectory per seed")),
         chunk=t.get("chunk", "int", 1 << 20, positive),
         record_every=t.get("record_every", "int", 1, positive),
         cases=_str_list(t, "cases", None, ()),
     )
+    for text in cfg.combinations:      # the estimator and mode now (a case's aggregates when it is built)
+        try:
+            check_combination(text)
+        except SpecError as e:
+            raise e.located(file=file, key="train.combinations") from None
     if t.has("sampled_combinations"):
         sub = _str_list(t, "sampled_combinations", cfg.combinations, ())
         cfg = dataclasses.replace(cfg, sampled_combinations=sub)
