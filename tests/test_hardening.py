@@ -96,6 +96,18 @@ def test_experiment_names_that_are_not_plain_file_names_are_refused(tmp_path):
         _one_line_error(runner.invoke(app, ["run", str(path), "-q"]), "experiment.name", "plain file name")
 
 
+def test_a_case_name_in_decomposed_unicode_is_refused_naming_the_composed_spelling(tmp_path):
+    """'café' composed (NFC) and 'cafe' + a combining accent (NFD) were two cases that printed identically in
+    every table: one spelling per name, the composed one (the Python API's dict specs are checked alike)."""
+    import kl_bench
+    from kl_bench.foundation.errors import SpecError
+    case = {"name": "cafe\u0301", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.3, "std": 1.0}}
+    spec = {"spec_version": 1, "experiment": {"name": "n", "draws": 1000, "device": "cpu"}, "case": [case]}
+    with pytest.raises(SpecError, match=r"composed form \(NFC\), got 'cafe\\u0301': write 'caf\\xe9'"):
+        kl_bench.load(spec)
+    kl_bench.load({**spec, "case": [{**case, "name": "caf\u00e9"}]})      # the composed spelling is fine
+
+
 @pytest.mark.parametrize("value", ["nan", "0", "-1"])
 def test_checkpoint_every_must_be_positive(spec, tmp_path, value):
     res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o"), "--checkpoint-every", value])

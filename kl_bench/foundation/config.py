@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+import unicodedata
 from typing import Any, Callable
 
 from .errors import SpecError
@@ -150,6 +151,11 @@ def check_case_name(v: str) -> str | None:
     # Names label rows and figure files: any printable text without slashes.
     if not v or not v.isprintable() or "/" in v or "\\" in v or v != v.strip():
         return f"must be non-empty printable text without slashes or surrounding spaces, got {shown(v)}"
+    # Unicode's composed form only: 'café' with a combining accent (NFD) printed exactly like the composed one
+    # in every table, so two cases could not be told apart; one spelling per name that looks the same.
+    if unicodedata.normalize("NFC", v) != v:
+        return (f"must be written in Unicode's composed form (NFC), got {ascii(v)}: write "
+                f"{ascii(unicodedata.normalize('NFC', v))}")
     return None
 
 
