@@ -108,6 +108,22 @@ def test_help_works():
         assert res.exit_code == 0 and "Usage" in res.output
 
 
+def test_every_option_of_every_command_is_described():
+    """dump-logits' --seed, --dtype, --batch-size and --device had no help text (the dtypes were only named by
+    the error for a bad one): every option and argument of every command has some, read from click's own
+    command objects; --dtype names every dtype the models can be loaded in."""
+    import typer
+
+    from kl_bench.cli import app
+    from kl_bench.kinds.model.lm import DTYPES
+    group = typer.main.get_command(app)
+    bare = [f"{name} {p.opts[0]}" for name, cmd in group.commands.items() for p in cmd.params
+            if not getattr(p, "hidden", False) and not (getattr(p, "help", None) or "").strip()]
+    assert bare == [], bare
+    dtype = next(p for p in group.commands["dump-logits"].params if p.name == "dtype")
+    assert all(d in dtype.help for d in DTYPES), dtype.help
+
+
 # ----------------------------------------------------------------------------- logits files
 def _file_spec(name: str, vocab_line: str = "") -> str:
     return f"""

@@ -16,11 +16,12 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                 out: Path = typer.Option(..., "--out", help="output folder"),
                 length: int = typer.Option(1, "--length", help="T > 1: also sample continuations of T tokens"),
                 samples: int = typer.Option(0, "--samples", help="continuations to sample; 0: one per prompt", show_default=False),
-                seed: int = typer.Option(0, "--seed"),
+                seed: int = typer.Option(0, "--seed", help="seed of the sampled continuations"),
                 eos: Optional[int] = typer.Option(None, "--eos", help="a continuation ends at this token id"),
-                dtype: str = typer.Option("float32", "--dtype"),
-                batch_size: int = typer.Option(64, "--batch-size"),
-                device: str = typer.Option("auto", "--device"),
+                dtype: str = typer.Option("float32", "--dtype", help="dtype the models are loaded and run in: "
+                                          "float32, float64, bfloat16 or float16"),
+                batch_size: int = typer.Option(64, "--batch-size", help="prompts or continuations per forward pass"),
+                device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto|cpu|cuda|cuda:N"),
                 quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress")) -> None:
     """Write both models' next-token log-probs [B, V] (next_token.pt) and, with --length > 1, sampled
     continuations' per-token log-probs with a mask (continuations.pt), to benchmark on any machine."""
