@@ -381,6 +381,9 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
             raise err("must list at least one value")
         if any(isinstance(x, (dict, list)) for x in v):
             raise err("must list plain values (numbers, strings, booleans)")
+        twice = next((x for i, x in enumerate(v) if _fmt_value(x) in map(_fmt_value, v[:i])), None)
+        if twice is not None:
+            raise err(f"lists the value {_fmt_value(twice)} twice")
         return list(v)
     if not isinstance(v, dict):
         raise err(f"must be a list of values, or {{ geomspace = [a, b], num = n }} / {{ linspace = [a, b], num = n }}; "
@@ -394,7 +397,11 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
         pts = [a + (b - a) * i / (num - 1) for i in range(num)]
     if not all(math.isfinite(x) for x in pts):       # [-1e308, 1e308]: b − a overflows
         raise err("its values leave float64's range: give ends closer together")
-    return [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
+    out = [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
+    if len(set(out)) < len(out):            # [1, 1.0001] in 5 steps: all 1 once rounded (names say the value)
+        raise err(f"its {num} values are not all different once rounded to {_GRID_DIGITS} significant digits "
+                  f"({', '.join(dict.fromkeys(map(_fmt_value, out)))}): give ends further apart, or fewer values")
+    return out
 
 
 def _grid_spec(v: dict, err: Callable[[str], SpecError]) -> tuple[str, float, float, int]:
