@@ -372,3 +372,61 @@ def test_a_results_folder_that_is_not_a_folder_is_said_as_such(made, tmp_path, t
     for res in (runner.invoke(app, ["report", str(path)]), _check(made, path)):
         _one_line_error(res, str(path), f"not a results folder ({needle}")
     assert sorted(os.listdir(tmp_path)) == before          # the default --out (r/report) was not made
+
+
+# ----------------------------------------------------------------------------- numbers out of their range
+def _set_cells(p: Path, column: str, value: str, rows=(1,)) -> None:
+    lines = p.read_text().splitlines(keepends=True)
+    header = lines[0].rstrip("\n").split(",")
+    for i in rows:
+        cells = lines[i].rstrip("\n").split(",")
+        cells[header.index(column)] = value
+        lines[i] = ",".join(cells) + "\n"
+    p.write_text("".join(lines))
+
+
+@pytest.mark.parametrize("column, value", [("true_kl", "-1"), ("true_kl", "-inf"), ("frac_negative", "1.5"),
+                                           ("exact_std", "-0.5"), ("n_for_10pct", "-3")])
+def test_a_number_out_of_its_range_is_one_line_exit_2(made, folder, tmp_path, column, value):
+    """A KL below 0 (the report drew an error bar of negative length from it), a fraction above 1, a
+    negative exact std or batch size, with run.json's hashes agreeing: one line naming the file, the
+    column and the row, from the report and from the gate."""
+    _set_cells(folder / "summary.csv", column, value, rows=(2,))
+    _rehash(folder)
+    for res in (_report(folder, tmp_path), _check(made, folder)):
+        _one_line_error(res, str(folder / "summary.csv"), f"'{column}'", "row 2")
+
+
+def test_a_kl_of_zero_or_within_rounding_of_it_is_accepted(made, folder, tmp_path):
+    """true_kl = 0 on a case's rows (p = q) is a KL, and so is float64's rounding just below 0: the report
+    shows that case's values absolute (tests/test_report.py) rather than divide by 0."""
+    rows = [i for i, line in enumerate((folder / "summary.csv").read_text().splitlines()) if line.startswith("g,")]
+    _set_cells(folder / "summary.csv", "true_kl", "0.0", rows=rows)
+    _set_cells(folder / "summary.csv", "true_kl", "-1e-17", rows=rows[:1])
+    _rehash(folder)
+    res = _report(folder, tmp_path)
+    assert res.exit_code == 0 and res.stderr == "", res.output
+
+
+def _audit_folder(root: Path) -> Path:
+    from tests.test_audit import _gen, _steps
+    from kl_bench.audit import AuditLog, Sampler, audit_step
+    log = AuditLog()
+    for s, (pv, values, mask) in enumerate(_steps(_gen(3), Sampler(top_k=5), 2)):
+        log.add(audit_step(pv, values, mask, estimator="trl.grpo", step=s, source="loss"))
+    log.write(root / "audit", trainer="test")
+    return root / "audit"
+
+
+@pytest.mark.parametrize("value", ["", "nan", "inf", "1.5", "-1"])
+def test_an_audit_step_that_is_not_a_whole_number_is_one_line_exit_2(tmp_path, value):
+    """audit.csv's step on the report's axis: a blank, NaN, infinite, fractional or negative step (hashes
+    agreeing) is one line naming the file, the column and the line, never int(nan)'s traceback."""
+    folder = _audit_folder(tmp_path)
+    _set_cells(folder / "audit.csv", "step", value)
+    _rehash(folder)
+    res = runner.invoke(app, ["report", str(folder), "--out", str(tmp_path / "rep")])
+    _one_line_error(res, str(folder / "audit.csv"), "'step'", "line 2")
+    assert not (tmp_path / "rep").exists()
+    # `kl-bench audit DIR` reads the folder back (its verdicts): the same line, the column named
+    _one_line_error(runner.invoke(app, ["audit", str(folder)]), str(folder / "audit.csv"), "'step'", "line 2")

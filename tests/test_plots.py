@@ -578,3 +578,42 @@ def test_the_audit_step_axis_holds_whole_steps():
             lo, hi = ax.get_xlim()
             ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
             assert ticks and all(float(t).is_integer() and t >= 0 for t in ticks), (n, every, ticks)
+
+
+# ----------------------------------------------------------------------------- nothing above 0 on a log axis
+def _save(fig) -> bytes:
+    from kl_bench.present.pages import figure_bytes
+    return figure_bytes(fig)["png"]
+
+
+def test_a_log_axis_with_no_value_above_zero_is_linear_and_says_so(plots):
+    """Every per-draw std 0 (a Rao–Blackwellised row alone: each draw is the exact KL) leaves the std panel
+    with nothing a log axis can show: matplotlib warns (an error here, conftest) or refuses; it is drawn
+    linear, its label saying why. A true KL of 0 on a case's rows draws no infinite CI."""
+    g = summary_frame().query("case == 'gauss' and `lambda` != `lambda`").copy()
+    g[["std", "std_se", "rel_std", "exact_std", "exact_rel_std"]] = 0.0
+    fig = plots.plot_bias_std(g, title="all std 0")
+    assert fig.axes[1].get_xscale() == "linear" and "no value > 0" in fig.axes[1].get_xlabel()
+    assert len(_save(fig)) > 1000
+    zero = summary_frame().query("case == 'gauss' and `lambda` != `lambda`").assign(true_kl=0.0)
+    assert len(_save(plots.plot_bias_std(zero, title="KL 0"))) > 1000
+    fig = plots.plot_bias_std(summary_frame().query("case == 'gauss'"), title="usual")
+    assert fig.axes[1].get_xscale() == "log" and fig.axes[1].get_xlabel().endswith("(log)")
+    flat = sweep_frame().assign(rel_std=0.0, exact_rel_std=0.0)
+    fig = plots.plot_lambda_curve(flat, title="flat")
+    assert fig.axes[0].get_yscale() == "linear" and len(_save(fig)) > 1000
+
+
+def test_a_training_case_at_the_optimum_has_a_linear_kl_opt_panel():
+    """KL(q‖q*) = 0 at every step (vocab = 1: q is q*), with sampled rows and their bands: a log axis
+    would raise 'Data cannot be log-scaled'; the panel is linear and says the values are 0."""
+    from kl_bench.present.training_plots import PANELS, plot_training
+    steps = range(4)
+    rows = [dict(case="one", combination=c, estimator=c.split("/")[0], mode=c.split("/")[1], aggregate="",
+                 gradients=g, draws=0 if g == "exact" else 8, seeds=1 if g == "exact" else 2, step=s,
+                 **{m: 0.0 for m in PANELS}, **{f"{m}_sd": (NAN if g == "exact" else 0.0) for m in PANELS})
+            for c in ("k1/reward", "k3/loss") for g in ("exact", "sampled") for s in steps]
+    fig = plot_training(pd.DataFrame(rows))
+    kl_opt = fig.axes[PANELS.index("kl_opt")]
+    assert kl_opt.get_yscale() == "linear" and "0 at every step" in kl_opt.get_title()
+    assert len(_save(fig)) > 1000

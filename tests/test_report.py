@@ -394,3 +394,148 @@ def test_training_and_audit_reports_have_a_self_contained_html_page(tmp_path):
     html = (tmp_path / "audit" / "report" / "report.html").read_text()
     _page_is_self_contained(html, 1)
     assert "1 step, mean logged" in html and "pooled z" in html              # "1 step", not "1 steps"
+
+
+# ----------------------------------------------------------------------------- edge cases of a new user's specs
+ZERO_SPEC = """
+spec_version = 1
+[experiment]
+name = "same"
+draws = 4000
+device = "cpu"
+batches = 20
+estimators = ["k1", "k3"]
+
+[[case]]
+name = "g0"
+kind = "gaussian"
+q = {mean = 0.0, std = 1.0}
+p = {mean = 0.0, std = 1.0}
+
+[[case]]
+name = "c0"
+kind = "categorical"
+vocab = 50
+q = {logits = "zipf", exponent = 1.1, seed = 1}
+p = {from = "q", noise = 0.0}
+
+[[case]]
+name = "g"
+kind = "gaussian"
+q = {mean = 0.0, std = 1.0}
+p = {mean = 0.3, std = 1.0}
+"""
+
+
+def _md_cells(line: str) -> list[str]:
+    """The cells of a Markdown table row, split where GitHub splits them: at every | without a backslash."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def test_a_case_with_kl_zero_is_reported_in_absolute_values(tmp_path, unrendered_figures):
+    """p = q (a Gaussian with q = p, a categorical with noise 0): the report, like `kl-bench run`, shows the
+    bias ± SE and the std ± SE absolute (no relative value exists) and says so in the case's heading."""
+    spec = tmp_path / "same.toml"
+    spec.write_text(ZERO_SPEC)
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "same"), "--quiet", "--report"])
+    assert res.exit_code == 0, res.output
+    lines = (tmp_path / "same" / "report" / "table.md").read_text().splitlines()
+    head = _md_cells(lines[0])
+    summary = load_results(tmp_path / "same").summary.set_index(["case", "estimator"])
+    for k, case in enumerate(["g0", "c0", "g"]):
+        zero = case != "g"
+        assert head[1 + 4 * k].startswith(f"{case} (KL = 0 (p = q): bias and std absolute") == zero, head
+        assert head[1 + 4 * k].endswith("bias ± SE" if zero else "bias/true ± SE") and \
+            head[3 + 4 * k] == ("std ± SE" if zero else "std/true ± SE"), head
+        for line in lines[2:4]:
+            cells = _md_cells(line)
+            r = summary.loc[(case, cells[0])]
+            bias, std = cells[1 + 4 * k], cells[3 + 4 * k]
+            if zero:      # the numbers of summary.csv as they are: absolute
+                assert bias == report.pm(float(r["bias"]), float(r["se"])), (case, cells)
+                assert std == report.pm(float(r["std"]), float(r["std_se"])), (case, cells)
+            else:
+                assert bias.endswith("%") and "%" in bias.split(" ± ")[0], (case, cells)
+    tex = (tmp_path / "same" / "report" / "table.tex").read_text()
+    assert r"\emph{g0} (KL = 0 (p = q): bias and std absolute, not /true)" in tex
+    html = (tmp_path / "same" / "report" / "report.html").read_text()
+    assert "<th>bias ± SE</th>" in html and "<th>bias/true ± SE</th>" in html
+
+
+def test_a_training_folder_at_the_optimum_everywhere_is_reported(tmp_path):
+    """vocab = 1: KL(q‖q*) is 0 at every step of every combination, exact and sampled. Its panel cannot be
+    a log axis (nothing above 0): it is drawn on a linear one that says so, and the report is one line."""
+    import kl_bench.api as api
+    spec = tmp_path / "v1.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "v1"\ndraws = 8\ndevice = "cpu"\n[train]\n'
+                    'optimizer = "adam"\nlr = 0.05\nsteps = 4\nbeta = 0.5\ngradients = ["exact", "sampled"]\nseeds = 2\n'
+                    'combinations = ["k1/reward", "k3/loss"]\n[[case]]\nname = "one"\nkind = "categorical"\n'
+                    'vocab = 1\nq = { logits = "zipf", exponent = 1.1, seed = 1 }\np = { from = "q", noise = 1.0, seed = 2 }\n')
+    api.train(spec).write(tmp_path / "train")
+    assert (pd.read_csv(tmp_path / "train" / "train.csv")["kl_opt"] == 0).all()
+    res = runner.invoke(app, ["report", str(tmp_path / "train")])
+    assert res.exit_code == 0, res.output
+    assert res.stderr == "" and len(res.stdout.splitlines()) == 1, res.output
+    png = (tmp_path / "train" / "report" / "figures" / "training_one.png").read_bytes()
+    assert _png_size(png)[0] > 1000
+
+
+NAMES = ["a|b", "a,b", "a-b", "κλ", "日本語", "x" * 90 + "1", "x" * 90 + "2", "Noise", "noise", "emoji 🙂", "tick`s",
+         "y" * 300]
+
+
+def _names_run(tmp_path) -> Path:
+    cases = "".join(f'[[case]]\nname = "{n}"\nkind = "gaussian"\nq = {{mean = 0.0, std = 1.0}}\n'
+                    f'p = {{mean = {0.1 + 0.05 * i:.2f}, std = 1.0}}\n' for i, n in enumerate(NAMES))
+    spec = tmp_path / "names.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "names"\ndraws = 2000\ndevice = "cpu"\nbatches = 20\n'
+                    'estimators = ["k1", "k3"]\n' + cases)
+    res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "names"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    return tmp_path / "names"
+
+
+def test_every_case_has_its_own_figure_files_and_markdown_tables_keep_their_columns(tmp_path, unrendered_figures):
+    """Names that make the same slug (a|b, a,b, a-b; 日本語 and κλ; two long names alike in their first 90
+    characters; Noise and noise on a case-insensitive file system) each get their own figure file, the
+    same from run to run, and report.md shows each case's own figure; a | in a name is escaped in every
+    Markdown table, so that every row has the header's number of cells."""
+    folder = _names_run(tmp_path)
+    out = [report.build_report([folder]) for _ in range(2)]
+    assert out[0].keys() == out[1].keys()                        # deterministic
+    figures = [f for f in out[0] if f.startswith("figures/")]
+    assert len({f.lower() for f in figures}) == len(figures)
+    md = out[0]["report.md"].decode()
+    for kind in ("bias_std", "distribution", "convergence"):
+        files = re.findall(rf"\]\(figures/({kind}_[^)]*)\)", md)
+        assert len(set(files)) == len(NAMES), files
+    for name in NAMES:       # the figure under a case's heading is the one drawn for it
+        caption = f"{report.md_text(name)}: bias and std per estimator"
+        block = md.split(f"### {caption}", 1)[1].split("###", 1)[0]
+        file = re.search(r"\(figures/(bias_std_[^)]*)\)", block).group(1)
+        assert sum(f"(figures/{file})" in b for b in md.split("### ")) == 1, (name, file)
+    for table in (out[0]["table.md"].decode(), md.split("## Paper table", 1)[1].split("## Figures", 1)[0]):
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({len(_md_cells(line)) for line in rows}) == 1, rows[:2]
+        assert len(_md_cells(rows[0])) == 1 + 4 * len(NAMES)
+        assert "a\\|b" in rows[0] and "tick\\`s" in rows[0]
+
+
+def test_figures_of_unusual_names_print_no_warnings(tmp_path):
+    """Glyphs DejaVu Sans lacks (日本語, an emoji) and a 300-character name: the report draws every figure
+    without a warning (every warning in a test is an error, conftest) and prints its one line; a long name
+    is cut with an ellipsis in the figures, so that the planning figure's labels fit."""
+    folder = _names_run(tmp_path)
+    res = runner.invoke(app, ["report", str(folder)])
+    assert res.exit_code == 0, res.output
+    assert res.stderr == "" and len(res.stdout.splitlines()) == 1, res.output
+    fig = plots.plot_planning(load_results(folder).summary, title="t")
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels[NAMES.index("y" * 300)].endswith("…") and max(map(len, labels)) <= 60, labels
+    from kl_bench.present.pages import quiet_drawing
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    with quiet_drawing():        # the missing glyphs, as figure_bytes draws them
+        FigureCanvasAgg(fig).draw()           # lays it out as savefig does
+        width = fig.get_window_extent().width
+        boxes = [t.get_window_extent() for t in fig.axes[0].get_yticklabels()]
+    assert all(b.x0 >= 0 and b.x1 <= width for b in boxes), boxes

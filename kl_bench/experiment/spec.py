@@ -377,14 +377,7 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
     def err(msg: str) -> SpecError:
         return SpecError(msg, file=file, key=where)
     if isinstance(v, list):
-        if not v:
-            raise err("must list at least one value")
-        if any(isinstance(x, (dict, list)) for x in v):
-            raise err("must list plain values (numbers, strings, booleans)")
-        twice = next((x for i, x in enumerate(v) if _fmt_value(x) in map(_fmt_value, v[:i])), None)
-        if twice is not None:
-            raise err(f"lists the value {_fmt_value(twice)} twice")
-        return list(v)
+        return _listed_values(v, err)
     if not isinstance(v, dict):
         raise err(f"must be a list of values, or {{ geomspace = [a, b], num = n }} / {{ linspace = [a, b], num = n }}; "
                   f"got {typename(v)}")
@@ -402,6 +395,18 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
         raise err(f"its {num} values are not all different once rounded to {_GRID_DIGITS} significant digits "
                   f"({', '.join(dict.fromkeys(map(_fmt_value, out)))}): give ends further apart, or fewer values")
     return out
+
+
+def _listed_values(v: list, err: Callable[[str], SpecError]) -> list[Any]:
+    """A sweep's list of values, checked: plain values, none twice (as the case names write them)."""
+    if not v:
+        raise err("must list at least one value")
+    if any(isinstance(x, (dict, list)) for x in v):
+        raise err("must list plain values (numbers, strings, booleans)")
+    twice = next((x for i, x in enumerate(v) if _fmt_value(x) in map(_fmt_value, v[:i])), None)
+    if twice is not None:
+        raise err(f"lists the value {_fmt_value(twice)} twice")
+    return list(v)
 
 
 def _grid_spec(v: dict, err: Callable[[str], SpecError]) -> tuple[str, float, float, int]:

@@ -13,12 +13,13 @@ import matplotlib.ticker
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .figstyle import estimator_colour
+from .figstyle import estimator_colour, short_label
 from ..foundation.formatting import plural
-from .pages import (DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, html_text, page, table_html, table_md,
-                     vector_links)
+from .pages import (DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, file_stems, html_text, md_text, page,
+                    table_html, table_md, vector_links)
 from .._moved import renamed
 from ..results import folders
+from ..results.verify import check_whole_columns
 
 # The parts of logged − exact, each with its colour (the estimator's own part: the estimator's colour).
 PARTS = [("bias_estimator", "estimator"), ("bias_sampler", "sampler"), ("bias_mismatch", "mismatch"),
@@ -67,7 +68,7 @@ def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
     est = _estimator(d)
     ax.plot(d["step"], d["logged"], "o--", ms=4, color=estimator_colour(est),
             label=f"logged by the trainer ({est})" if est else "logged by the trainer")
-    return _finish(fig, ax, d["step"], "KL per the trainer's aggregation", f"{source}: logged against exact")
+    return _finish(fig, ax, d["step"], "KL per the trainer's aggregation", f"{short_label(source)}: logged against exact")
 
 
 def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
@@ -85,7 +86,7 @@ def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
         pos, neg = pos + v.clip(lower=0), neg + v.clip(upper=0)
     ax.plot(d["step"], d["bias"], "k.", label="logged − exact")
     ax.axhline(0, color="0.5", lw=0.8)
-    return _finish(fig, ax, d["step"], "bias", f"{source}: bias by source")
+    return _finish(fig, ax, d["step"], "bias", f"{short_label(source)}: bias by source")
 
 
 def plot_negative(df: pd.DataFrame, source: str, ax=None) -> Figure:
@@ -95,7 +96,7 @@ def plot_negative(df: pd.DataFrame, source: str, ax=None) -> Figure:
     ax.plot(d["step"], d["p_negative"], lw=2, color=EXACT_COLOUR, label="exact P(f < 0)")
     ax.plot(d["step"], d["frac_negative"], "o--", ms=4, color=estimator_colour(_estimator(d)),
             label="logged fraction < 0")
-    return _finish(fig, ax, d["step"], "per-token probability", f"{source}: negative values")
+    return _finish(fig, ax, d["step"], "per-token probability", f"{short_label(source)}: negative values")
 
 
 def plot_audit(df: pd.DataFrame, source: str) -> Figure:
@@ -131,21 +132,23 @@ def audit_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=Non
     report.md and report.html. ``progress``: told of each figure."""
     stored = folders.read(folder, "audit")            # verified: run.json, every file against its sha256
     folder, df = stored.path, folders.read_table(stored, "audit.csv")
+    check_whole_columns("audit.csv", df, folder / "audit.csv")      # the step axis needs whole steps
     sources = list(df["source"].unique())
     if progress is not None:
         progress.set_total(len(sources))
     files: dict[str, bytes] = {}
     title = f"Trainer audit: {folder.name}"
-    md, parts = [f"# {title}\n", INTRO + "\n"], [f"<p>{html_text(INTRO)}</p>"]
+    md, parts = [f"# {md_text(title)}\n", INTRO + "\n"], [f"<p>{html_text(INTRO)}</p>"]
+    stems = file_stems(sources)         # one file per source, whatever its name (pages.file_stems)
     for source in sources:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(source))
+        safe = stems[str(source)]
         if progress is not None:
             progress.label(f"audit_{safe}.png")
         d = df[df["source"] == source]
         by_fmt = figure_bytes(plot_audit(df, source), formats)
         files.update(figure_files(f"audit_{safe}", by_fmt))
         links = vector_links(f"audit_{safe}", by_fmt)
-        md += [f"## {source}\n", pooled_line(d) + "\n", f"![{source}](figures/audit_{safe}.png)\n",
+        md += [f"## {md_text(source)}\n", pooled_line(d) + "\n", f"![{md_text(source)}](figures/audit_{safe}.png)\n",
                *([links + "\n"] if links else []), table_md(STEP_HEADER, step_cells(d), [True] * len(STEP_HEADER)) + "\n"]
         parts += [f"<h2>{html_text(source)}</h2><p>{html_text(pooled_line(d))}</p>",
                   figure_html(f"audit_{safe}.png", f"{source}: logged against exact, the bias by part, negative values",

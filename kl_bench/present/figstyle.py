@@ -125,3 +125,14 @@ def plain_log_labels(axis) -> None:
         narrow = lo > 0 and hi / lo < 100
         return _log_label(v) if narrow and f"{v:.0e}"[0] in "25" else ""      # the first digit, 0.5 too
     axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))
+
+
+LABEL_CHARS = 60       # longer text from the data (a case name) is cut in figures: the page names it in full
+
+
+def short_label(text, limit: int = LABEL_CHARS) -> str:
+    """``text`` as a figure shows it: at most ``limit`` characters, a long one cut with an ellipsis, so that
+    a 300-character case name leaves room for the panels (matplotlib's layout gives up, or the tick labels
+    are cut off at the figure's edge, otherwise)."""
+    text = " ".join(str(text).splitlines())
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"

@@ -7,8 +7,13 @@ Foundation layer: matplotlib is imported only inside :func:`figure_bytes`."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
 import html
 import io
+import warnings
+from collections import Counter
+from typing import Iterable, Iterator
 
 from ..foundation.errors import SpecError
 
@@ -35,13 +40,77 @@ def figure_bytes(fig, formats=DEFAULT_FORMATS) -> dict[str, bytes]:
     import matplotlib
     import matplotlib.pyplot as plt
     out = {}
-    with matplotlib.rc_context({"svg.hashsalt": "kl-bench", "pdf.compression": 6}):
+    with matplotlib.rc_context({"svg.hashsalt": "kl-bench", "pdf.compression": 6}), quiet_drawing():
         for fmt in formats:
             buf = io.BytesIO()
             fig.savefig(buf, format=fmt, dpi=110, metadata=_METADATA.get(fmt))
             out[fmt] = buf.getvalue()
     plt.close(fig)
     return out
+
+
+# What matplotlib warns of while it lays out and renders a figure whose text comes from the data: a glyph
+# the font lacks (a case named 日本語 or with an emoji: drawn as a box, one warning per glyph and format) and
+# a constrained layout it cannot fit (a very long label). The figure is still written and the page names
+# the case in full; two dozen warnings on stderr would bury the report's one line.
+_DRAWING_WARNINGS = (r"Glyph \d+ .*missing from", r"[Cc]onstrained_?layout not applied", r"[Tt]ight_?layout not applied",
+                     r"Matplotlib currently does not support .* natively")
+
+
+@contextlib.contextmanager
+def quiet_drawing() -> Iterator[None]:
+    """A context in which matplotlib's warnings about text from the data (_DRAWING_WARNINGS) are not shown;
+    every other warning still is."""
+    with warnings.catch_warnings():
+        for message in _DRAWING_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
+
+
+# ----------------------------------------------------------------------------- file names
+STEM_CHARS = 60           # a name's slug is cut here: with a prefix and a hash, a file name stays far below 255 bytes
+
+
+def _slug(text: str) -> str:
+    keep = "".join(ch if (ch.isascii() and ch.isalnum()) or ch in "-_." else "-" for ch in str(text))
+    return "-".join(filter(None, keep.split("-")))[:STEM_CHARS].strip(".") or "case"
+
+
+def name_hash(text: str) -> str:
+    """8 hex digits of the sha256 of ``text`` (UTF-8): the same in every run, process and platform."""
+    return hashlib.sha256(str(text).encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+def file_stems(names: Iterable[str]) -> dict[str, str]:
+    """{name: its file-name stem}: the name itself where it is a safe file name (ASCII letters, digits,
+    - _ .; at most STEM_CHARS) that no other name's stem equals ignoring case; else its slug, a dash and
+    a hash of the exact name. So ``a|b``, ``a,b`` and ``a-b`` get three files, as do 日本語 and κλ, two long
+    names that share their first characters, and Noise and noise (one file on a case-insensitive file
+    system, as macOS and Windows have by default). The same names give the same stems."""
+    names = [str(n) for n in dict.fromkeys(names)]
+    slugs = {n: _slug(n) for n in names}
+    count = Counter(s.lower() for s in slugs.values())
+    return {n: s if s == n and count[s.lower()] == 1 else f"{s}-{name_hash(n)}" for n, s in slugs.items()}
+
+
+def unique_files(files: list[str], keys: list[str]) -> list[str]:
+    """``files`` (names ending in .png) with every name that is shared ignoring case made unique by a hash of
+    its ``key`` (what the figure shows, e.g. its caption): file names composed of several parts (a run's
+    prefix, a case, an aggregate) can meet even where each part is unique."""
+    count = Counter(f.lower() for f in files)
+    return [f if count[f.lower()] == 1 else f"{f.removesuffix('.png')}-{name_hash(k)}.png" for f, k in zip(files, keys)]
+
+
+# ----------------------------------------------------------------------------- Markdown
+_MD_SPECIAL = "\\`|[]"
+
+
+def md_text(text) -> str:
+    """Text from the data (a case name, a row label) for Markdown: a backslash before each character that
+    would end a table cell (|), open a code span or a link (` [ ]: an image's alt text ends at ]) or escape (\\), so
+    that the name is shown as it is and a table keeps its columns; a line break (none in names) as a space."""
+    text = " ".join(str(text).splitlines())
+    return "".join("\\" + ch if ch in _MD_SPECIAL else ch for ch in text)
 
 
 def figure_files(stem: str, by_format: dict[str, bytes]) -> dict[str, bytes]:
@@ -98,8 +167,9 @@ def table_html(header: list[str], rows: list[list[str]], classes: str = "rows") 
 def table_md(header: list[str], rows: list[list[str]], numeric: list[bool] | None = None) -> str:
     """The same table in Markdown (``numeric``: columns aligned right)."""
     numeric = numeric or [False] * len(header)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
-    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    lines = ["| " + " | ".join(map(md_text, header)) + " |",
+             "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(map(md_text, row)) + " |" for row in rows]
     return "\n".join(lines)
 
 

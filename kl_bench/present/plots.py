@@ -26,7 +26,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from ..core.draws import AGGREGATES, row_label
-from .figstyle import Style, estimator_colour, figure_styles, plain_log_labels, row_style
+from .figstyle import Style, estimator_colour, figure_styles, plain_log_labels, row_style, short_label
 from ..core.modes import MODES
 
 PALETTE = sns.color_palette("colorblind")
@@ -83,6 +83,31 @@ def _symlog_ticks(ax, lo: float, hi: float, linthresh: float, max_ticks: int = 7
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: formatter(v)))
     # room for the outermost points, and for the outermost ticks, so that each end of the axis is labelled
     ax.set_xlim(min(lo * 2, -linthresh, ticks[0] * 1.2), max(hi * 2, linthresh, ticks[-1] * 1.2))
+
+
+def _positive_data(ax, axis: str) -> bool:
+    """Whether anything drawn on ``ax`` (lines, error-bar markers, scatter points) has a finite value > 0 on
+    ``axis`` ('x' or 'y')."""
+    k = 0 if axis == "x" else 1
+
+    def data(transform) -> bool:      # in data coordinates on this axis: not an axvline's 0 to 1 of the axes
+        return transform.contains_branch_seperately(ax.transData)[k]
+    arrays = [line.get_xydata() for line in ax.get_lines() if data(line.get_transform())]
+    arrays += [c.get_offsets() for c in ax.collections if data(c.get_offset_transform())]
+    arrays = [np.ma.filled(np.ma.asarray(a, dtype=float), np.nan) for a in arrays]
+    return any(a.ndim == 2 and a.shape[0] and bool((np.isfinite(a[:, k]) & (a[:, k] > 0)).any()) for a in arrays)
+
+
+def _log_axis(ax, axis: str, label: str) -> bool:
+    """``axis`` of ``ax`` on a log scale with plain labels and ``label`` + "  (log)", where something drawn
+    has a value > 0 there; else linear, its label saying so: with nothing above 0 (every std 0, as a
+    Rao–Blackwellised row alone has; a KL of 0) matplotlib warns or refuses to draw a log axis."""
+    log = _positive_data(ax, axis)
+    if log:
+        getattr(ax, f"set_{axis}scale")("log")
+        plain_log_labels(getattr(ax, f"{axis}axis"))
+    getattr(ax, f"set_{axis}label")(f"{label}  (log)" if log else f"{label}  (no value > 0: linear)")
+    return log
 
 
 def _percent(v: float) -> str:
@@ -225,12 +250,14 @@ def _bias_std_exact(axes, d: pd.DataFrame, yy: np.ndarray) -> None:
 def _bias_std_points(axes, d: pd.DataFrame, yy: np.ndarray, colours: list, marker: str, run, first: bool) -> None:
     """One run's measured bias/true and std/true with 95% CIs, each row in its estimator's colour (the
     legend's entry in black: it stands for the run); heavy-tailed rows hollow (CIs not valid)."""
-    true = d["true_kl"].to_numpy(dtype=float)
+    true = np.abs(d["true_kl"].to_numpy(dtype=float))
+    # No CI where no scale exists (a true KL of 0: relative values do not exist), rather than an infinite bar.
+    scale = np.where(np.isfinite(true) & (true > 0), true, np.nan)
     heavy = _heavy(d)
     for i in range(len(d)):
         style = {"mfc": "white", "alpha": 0.8} if heavy[i] else {}
         for ax, value, se in ((axes[0], d["rel_bias"], d["se"]), (axes[1], d["rel_std"], d["std_se"].fillna(0))):
-            ax.errorbar(value.iloc[i], yy[i], xerr=1.96 * se.iloc[i] / true[i], fmt=marker, color=colours[i],
+            ax.errorbar(value.iloc[i], yy[i], xerr=1.96 * se.iloc[i] / scale[i], fmt=marker, color=colours[i],
                         capsize=3, ls="none", **style)
     label = run or "measured ± 95% CI"
     for ax in axes:
@@ -251,13 +278,10 @@ def _bias_std_scales(axes, df: pd.DataFrame) -> None:
         _symlog_ticks(axes[0], float(bias.min()), float(bias.max()), lt, max_ticks=5, formatter=_percent)
     axes[0].tick_params(axis="x", labelsize="small")
     axes[0].set_xlabel(f"bias / {_against(df)}  (symlog; 0 = unbiased)")
-    axes[1].set_xscale("log")
     stds = pd.concat([df["rel_std"], df["exact_rel_std"]]).replace([np.inf, -np.inf], np.nan).dropna()
     stds = stds[stds > 0]
-    if not stds.empty:
+    if _log_axis(axes[1], "x", f"per-draw std / {_against(df)}") and not stds.empty:
         axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
-    plain_log_labels(axes[1].xaxis)
-    axes[1].set_xlabel(f"per-draw std / {_against(df)}  (log)")
 
 
 @_themed
@@ -280,10 +304,8 @@ def plot_lambda_curve(sweep: pd.DataFrame, ax=None, title: str = ""):
             v = hit["exact_rel_std"].iloc[0]
             v = hit["rel_std"].iloc[0] if not np.isfinite(v) else v
             ax.scatter([lam], [v], s=90, color=color, zorder=4, label=name, edgecolor="black")
-    ax.set_yscale("log")
-    plain_log_labels(ax.yaxis)
+    _log_axis(ax, "y", "per-draw std / true KL")
     ax.set_xlabel("λ")
-    ax.set_ylabel("per-draw std / true KL  (log)")
     ax.set_title(title)
     _legend(ax, fontsize="small")
     return fig
@@ -464,14 +486,12 @@ def plot_rollout_growth(summary: pd.DataFrame, lengths: dict[str, int], ax=None,
     any_exact = _growth_lines(ax, df, styles)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_yscale("log")
-    plain_log_labels(ax.yaxis)
     ax.set_xlabel("sequence length T  (log)")
     if any_exact:
-        ax.set_ylabel("per-rollout std / true KL  (log)")
+        _log_axis(ax, "y", "per-rollout std / true KL")
         ax.set_title(title + "\n(lines: exact; ×: measured)")
     else:       # no exact value: measured against the Monte Carlo reference, no lines to announce
-        ax.set_ylabel("per-rollout std / reference  (log)")
+        _log_axis(ax, "y", "per-rollout std / reference")
         ax.set_title(title + "\n(measured; reference: the full mean, Monte Carlo)")
     _legend(ax, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
@@ -498,7 +518,7 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     for case in cases:
         rows = df[df["case"] == case]
         ticks.append(y + (len(rows) - 1) / 2)
-        names.append(str(case))
+        names.append(short_label(case, 32))        # a long name would squeeze the bars off the figure
         for (_, r), key in zip(rows.iterrows(), row_keys(rows)):
             v = float(r["n_for_10pct"])
             st = styles[key]
@@ -694,6 +714,7 @@ def _sweep_line(row_axes, x: np.ndarray, d: pd.DataFrame, label: str, style: Sty
     heavy-tailed points hollow (their CIs are not valid)."""
     color, marker = style.color, style.marker
     true = d["true_kl"].abs().to_numpy(dtype=float)
+    true = np.where(np.isfinite(true) & (true > 0), true, np.nan)     # no CI where no scale exists (KL = 0)
     heavy = _heavy(d)
     for ax, measured, se, exact in ((row_axes[0], d["rel_std"], d["std_se"], d["exact_rel_std"]),
                                     (row_axes[1], d["rel_bias"], d["se"], d["exact_rel_bias"])):
@@ -710,9 +731,7 @@ def _sweep_line(row_axes, x: np.ndarray, d: pd.DataFrame, label: str, style: Sty
 def _sweep_axes(row_axes, key: str, row_title: str, x_all: pd.Series, positions: dict | None) -> None:
     """Scales, labels and ticks of one row of a sweep figure (std: log; bias: symlog in percent)."""
     ax_std, ax_bias = row_axes
-    ax_std.set_yscale("log")
-    plain_log_labels(ax_std.yaxis)
-    ax_std.set_ylabel("per-draw std / true KL  (log)")
+    _log_axis(ax_std, "y", "per-draw std / true KL")
     # Bias on a linear axis with its CIs: a symlog axis spikes at 0 and makes noise read as structure.
     ax_bias.axhline(0, color="grey", lw=1)
     ax_bias.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _percent(v)))

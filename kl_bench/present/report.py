@@ -10,7 +10,7 @@ thousands separators ("never": the bias alone exceeds ±10%; "—": no exact bia
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -19,8 +19,9 @@ import pandas as pd
 
 from ..core.draws import AGGREGATES, row_key, row_label
 from ..foundation.formatting import exact_pct, pct, pct_pm, plural, pm, sig
-from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, html_inline, html_text, page, scroll, table_html,  # noqa: F401
-                    table_md as md_table_of, vector_links)
+from .figstyle import short_label
+from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, file_stems, html_inline, html_text, md_text, page,  # noqa: F401
+                    scroll, table_html, table_md as md_table_of, unique_files, vector_links)
 from .pages import figure_bytes as _figure_bytes
 from ..foundation.errors import SpecError
 from ..foundation.registry import Registry
@@ -106,7 +107,7 @@ def paper_table(df: pd.DataFrame):
     Returns (cases [(key, title, true_kl, kind)], rows [(label, [cells per case: 4 strings])]): the
     measured cells are "value ± SE", with † where the row is heavy-tailed (its SE is not valid); the title
     of a case against a reference ends in " ≈" (see kl_head)."""
-    from .tables import dagger, with_reference
+    from .tables import with_reference
     df = with_reference(df[df["lambda"].isna() | (df["estimator"] == "cv_opt")])
     cases = []
     for key in dict.fromkeys(df["key"]):
@@ -122,12 +123,23 @@ def paper_table(df: pd.DataFrame):
             if hit.empty:
                 cells.append(["", "", "", ""])
                 continue
-            r = hit.iloc[0]
-            scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
-            cells.append([pct_pm(r["rel_bias"], bias_se(r) / scale, dagger(r)), exact_pct(r["exact_rel_bias"]),
-                          pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])])
+            cells.append(paper_cells(hit.iloc[0]))
         rows.append((lab, cells))
     return cases, rows
+
+
+def paper_cells(r) -> list[str]:
+    """A row's four cells of the paper table: bias/true ± SE (%), exact, std/true ± SE, exact; where the KL
+    is 0 (p = q: every trainer's step 0) no relative value exists, so bias ± SE, its exact value, std ± SE
+    and the exact std are absolute, as `kl-bench run` shows them (the case's heading says so, kl_head)."""
+    from .tables import dagger
+    scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
+    if scale == 0:
+        exact_bias = float(r["exact_mean"]) - float(r["true_kl"])
+        return [pm(float(r["bias"]), bias_se(r), dagger(r)), sig(exact_bias),
+                pm(float(r["std"]), float(r["std_se"]), dagger(r)), sig(float(r["exact_std"]))]
+    return [pct_pm(r["rel_bias"], bias_se(r) / scale, dagger(r)), exact_pct(r["exact_rel_bias"]),
+            pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])]
 
 
 def _caption(results: list[Results]) -> tuple[str, str]:
@@ -148,10 +160,18 @@ def _caption(results: list[Results]) -> tuple[str, str]:
                  for meta in res.envelope.get("cases", {}).values() if isinstance(meta.get("reference"), str))
     note = ("A case marked ≈ has no exact value: its values are measured against the reference, the "
             "Rao–Blackwellised full mean (Monte Carlo), and its exact columns are —. ") if approx else ""
+    if any(_zero_cases(res.summary) for res in results):
+        note += "A case with KL = 0 (p = q) shows its bias and std absolute, not /true: no relative value exists. "
     note += _aggregate_note(results)
     return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL (bias/true in %, "
             "std/true a ratio): measured ± SE, exact in the adjacent column; † marks a heavy-tailed row, whose "
             "measured std, SE and CI are not valid. " + note).strip(), " ".join(bits)
+
+
+def _zero_cases(summary: pd.DataFrame) -> list[str]:
+    """The cases whose every row's true value is 0 (p = q)."""
+    true = summary["true_kl"].astype(float)
+    return [c for c, t in true.groupby(summary["case"], sort=False) if bool((t == 0).all())]
 
 
 def _aggregate_note(results: list[Results]) -> str:
@@ -166,11 +186,22 @@ def _aggregate_note(results: list[Results]) -> str:
     return note
 
 
+ZERO_HEAD = "KL = 0 (p = q): bias and std absolute, not /true"
+
+
 def kl_head(title: str, true: float) -> tuple[str, str]:
-    """(case title, "KL = x" or "KL ≈ x" for a case measured against its Monte Carlo reference)."""
+    """(case title, "KL = x" or "KL ≈ x" for a case measured against its Monte Carlo reference; at KL = 0,
+    that its bias and std are absolute: no relative value exists)."""
     if title.endswith(" ≈"):
         return title[:-2], f"KL ≈ {sig(true)}"
-    return title, f"KL = {sig(true)}"
+    return title, ZERO_HEAD if true == 0 else f"KL = {sig(true)}"
+
+
+def column_heads(true: float) -> list[str]:
+    """The four column heads of a case in the paper table: relative, or absolute where the KL is 0."""
+    if true == 0:
+        return ["bias ± SE", "exact", "std ± SE", "exact"]
+    return ["bias/true ± SE", "exact", "std/true ± SE", "exact"]
 
 
 TEX_ROWS_PER_TABLE = 40        # body rows of one table float: one page of an article at \small
@@ -205,8 +236,9 @@ def table_tex(cases, rows, caption: str, provenance: str = "") -> str:
                   r"estimator & bias/true $\pm$ SE & exact & std/true $\pm$ SE & exact \\"]
         for (key, title, true, _), body in group:
             rel = r"$\approx$" if title.endswith(" ≈") else "$=$"
+            head = tex(kl_head(title, true)[1]) if true == 0 else f"KL {rel} {tex_number(sig(true))}"
             lines += [r"\midrule", rf"\multicolumn{{5}}{{l}}{{\emph{{{tex(kl_head(title, true)[0])}}} "
-                      rf"(KL {rel} {tex_number(sig(true))})}} \\"]
+                      rf"({head})}} \\"]
             lines += [tex(label) + " & " + " & ".join(tex_cell(c) for c in cells) + r" \\" for label, cells in body]
         lines += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{tex(caption)}{part}}}",
                   rf"\label{{tab:kl-bench-{g + 1}}}", r"\end{table}", ""]
@@ -221,11 +253,14 @@ def tex_cell(cell: str) -> str:
 
 
 def table_md(cases, rows, caption: str) -> str:
-    head = "| estimator | " + " | ".join("{} ({}) bias/true ± SE | exact | std/true ± SE | exact".format(
-        *kl_head(title, true)) for _, title, true, _ in cases) + " |"
+    """The paper table in Markdown; names from the data escaped (pages.md_text: a | in a case name would
+    split its cell)."""
+    head = "| estimator | " + " | ".join("{} ({}) {} | {} | {} | {}".format(
+        *map(md_text, kl_head(title, true)), *column_heads(true)) for _, title, true, _ in cases) + " |"
     sep = "|---|" + "---:|" * (4 * len(cases))
-    body = ["| " + label + " | " + " | ".join(c for cell in cells for c in cell) + " |" for label, cells in rows]
-    return "\n".join([head, sep, *body, "", f"*{caption}*", ""])
+    body = ["| " + md_text(label) + " | " + " | ".join(md_text(c) for cell in cells for c in cell) + " |"
+            for label, cells in rows]
+    return "\n".join([head, sep, *body, "", f"*{md_text(caption)}*", ""])
 
 
 # ----------------------------------------------------------------------------- figures
@@ -240,11 +275,6 @@ def figure_bytes(fig, formats=None) -> dict[str, bytes]:
 
 def png_bytes(fig) -> bytes:
     return figure_bytes(fig, ("png",))["png"]
-
-
-def _slug(text: str) -> str:
-    keep = "".join(ch if (ch.isascii() and ch.isalnum()) or ch in "-_." else "-" for ch in text)
-    return "-".join(filter(None, keep.split("-")))[:80] or "case"
 
 
 def growth_frame(case: str, growth: dict) -> tuple[pd.DataFrame, dict[str, int]]:
@@ -274,6 +304,11 @@ class FigureContext:
     res: Results | None = None
     s: pd.DataFrame | None = None
     prefix: str = ""
+    stems: dict[str, str] = field(default_factory=dict)
+
+    def stem(self, name: str) -> str:
+        """A case's (or a swept key's) part of a file name: unique among the report's names (pages.file_stems)."""
+        return self.stems.get(name) or file_stems([name])[name]
 
 
 @dataclass(frozen=True)
@@ -316,7 +351,7 @@ def _finite(rows: pd.DataFrame, cols=("rel_std", "exact_rel_std")) -> bool:
 def _sweep_panels(ctx: FigureContext) -> Iterator[Panel]:
     for key in [c for c in ctx.df.columns if c.startswith(SWEEP_PREFIX)]:
         name = key.removeprefix(SWEEP_PREFIX)
-        yield Panel(f"sweep_{_slug(name)}.png", f"std/true and bias/true against {name}, one line per estimator "
+        yield Panel(f"sweep_{ctx.stem(name)}.png", f"std/true and bias/true against {name}, one line per estimator "
                     "(lines with markers: measured; dashed: exact)", f"estimators across the sweep of {name}",
                     ctx.df[ctx.df[key].notna()], {"key": key})
 
@@ -330,8 +365,8 @@ def _bias_std_panels(ctx: FigureContext) -> Iterator[Panel]:
         ref = "approx" in rows and bool(rows["approx"].any())
         what = "the full-mean reference (Monte Carlo, no exact value)" if ref else "the true KL"
         marks = "95% CI; no exact values, so no ×" if ref else "95% CI; × exact"
-        yield Panel(f"bias_std_{_slug(case)}.png", f"{case}: bias and std per estimator relative to {what} ({marks})",
-                    f"{case}: bias and noise relative to {what}", rows)
+        yield Panel(f"bias_std_{ctx.stem(case)}.png", f"{case}: bias and std per estimator relative to {what} ({marks})",
+                    f"{short_label(case)}: bias and noise relative to {what}", rows)
 
 
 @figure("lambda", "plot_lambda_curve", per_run=True)
@@ -341,8 +376,10 @@ def _lambda_panels(ctx: FigureContext) -> Iterator[Panel]:
     for (case, agg), sw in ctx.res.sweep.groupby(["case", "aggregate"], sort=False):
         name = f"{case} ({agg})" if agg else case
         if _finite(sw):             # else no true value to scale by (model continuations): the table has λ*
-            yield Panel(f"{ctx.prefix}lambda_{_slug(name)}.png", f"{name}: std/true of cv(λ) against λ",
-                        f"{name}: control variate −log r + λ(r−1)", sw)
+            # the aggregate as the file names have always had it (lambda_roll-T4-seq.png)
+            yield Panel(f"{ctx.prefix}lambda_{ctx.stem(case)}{f'-{agg}' if agg else ''}.png",
+                        f"{name}: std/true of cv(λ) against λ",
+                        f"{short_label(case)}{f' ({agg})' if agg else ''}: control variate −log r + λ(r−1)", sw)
 
 
 def _unswept(ctx: FigureContext) -> list[str]:
@@ -362,9 +399,9 @@ def _distribution_panels(ctx: FigureContext) -> Iterator[Panel]:
                 v = ctx.res.reservoir[key]
                 parts.append(pd.DataFrame({"label": row_label(r), "value": v[~np.isnan(v)]}))
         if parts:
-            yield Panel(f"{ctx.prefix}distribution_{_slug(case)}.png",
+            yield Panel(f"{ctx.prefix}distribution_{ctx.stem(case)}.png",
                         f"{case}: per-draw distribution of each estimator (ECDF)",
-                        f"{case}: per-draw estimates (negative region shaded)", pd.concat(parts, ignore_index=True))
+                        f"{short_label(case)}: per-draw estimates (negative region shaded)", pd.concat(parts, ignore_index=True))
 
 
 @figure("convergence", "plot_convergence", per_run=True)
@@ -372,8 +409,8 @@ def _convergence_panels(ctx: FigureContext) -> Iterator[Panel]:
     if ctx.res.batches is None:
         return
     for case in _unswept(ctx):
-        yield Panel(f"{ctx.prefix}convergence_{_slug(case)}.png", f"{case}: running estimate against draws",
-                    f"{case}: convergence (±2 SE)", ctx.res.batches[ctx.res.batches["case"] == case],
+        yield Panel(f"{ctx.prefix}convergence_{ctx.stem(case)}.png", f"{case}: running estimate against draws",
+                    f"{short_label(case)}: convergence (±2 SE)", ctx.res.batches[ctx.res.batches["case"] == case],
                     {"summary": ctx.s[ctx.s["case"] == case]})
 
 
@@ -382,10 +419,10 @@ def _model_growth_panels(ctx: FigureContext) -> Iterator[Panel]:
     for name, meta in ctx.res.envelope.get("cases", {}).items():
         if meta.get("growth"):
             frame, lengths = growth_frame(name, meta["growth"])
-            yield Panel(f"{ctx.prefix}growth_{_slug(name)}.png",
+            yield Panel(f"{ctx.prefix}growth_{ctx.stem(name)}.png",
                         f"{name}: std/reference (the full mean, Monte Carlo) against T, from the prefixes of the "
                         "same paths as the summary (the main pass)",
-                        f"{name}: prefixes of the main pass's {meta['growth'].get('paths', '?')} paths", frame,
+                        f"{short_label(name)}: prefixes of the main pass's {meta['growth'].get('paths', '?')} paths", frame,
                         {"lengths": lengths})
 
 
@@ -402,7 +439,8 @@ def _rollout_growth_panels(ctx: FigureContext) -> Iterator[Panel]:
             ref = "approx" in s and bool(s.loc[s["case"].isin(members), "approx"].any())
             what = "std/reference against T (reference: the full mean, Monte Carlo; ×: measured, no exact lines)" \
                 if ref else "std/true against T (lines: exact; ×: measured)"
-            yield Panel(f"{ctx.prefix}rollout_growth_{k}.png", f"rollouts ({label}): {what}", f"rollouts: {label}", s,
+            yield Panel(f"{ctx.prefix}rollout_growth_{k}.png", f"rollouts ({label}): {what}",
+                        f"rollouts: {short_label(label)}", s,
                         {"lengths": members})
 
 
@@ -414,9 +452,9 @@ def _gradient_panels(ctx: FigureContext) -> Iterator[Panel]:
     aggs = grads["aggregate"].astype("string").fillna("") if "aggregate" in grads else pd.Series("", index=grads.index)
     for (case, agg), part in grads.groupby([grads["case"], aggs], sort=False):
         tag, words = (f"_{agg}", f" ({agg} rows)") if agg else ("", "")
-        yield Panel(f"{ctx.prefix}gradient_cosine_{_slug(case)}{tag}.png",
+        yield Panel(f"{ctx.prefix}gradient_cosine_{ctx.stem(case)}{tag}.png",
                     f"{case}{words}: cosine to ∇KL(q‖p) against batch size, per estimator × mode",
-                    f"{case}{words}: what a batch gradient points at", part)
+                    f"{short_label(case)}{words}: what a batch gradient points at", part)
 
 
 @figure("planning", "plot_planning", per_run=True)
@@ -424,7 +462,7 @@ def _planning_panels(ctx: FigureContext) -> Iterator[Panel]:
     s = ctx.s[~ctx.s["case"].isin(ctx.swept)]       # one bar group per case: too many for a sweep's grid
     if "n_for_10pct" in s and np.isfinite(s["n_for_10pct"].astype(float)).any():
         yield Panel(f"{ctx.prefix}planning.png", "draws for ±10% error with 95% probability",
-                    f"{ctx.res.name}: batch-size planning", s)
+                    f"{short_label(ctx.res.name)}: batch-size planning", s)
 
 
 def figure_panels(results: list[Results], df: pd.DataFrame) -> list[tuple[FigureKind, Panel]]:
@@ -438,11 +476,22 @@ def figure_panels(results: list[Results], df: pd.DataFrame) -> list[tuple[Figure
     # (a 12 × 3 grid would otherwise make a hundred figures).
     swept_keys = [c for c in df.columns if c.startswith(SWEEP_PREFIX)]
     swept = set(df.loc[df[swept_keys].notna().any(axis=1), "case"]) if swept_keys else set()
-    top = FigureContext(results, df, swept)
+    top = FigureContext(results, df, swept, stems=_stems(results, df, swept_keys))
+    runs = file_stems(res.name for res in results)          # a run's figures are prefixed with its name
     contexts = [top] + [FigureContext(results, df, swept, res, with_reference(res.summary),
-                                      f"{_slug(res.name)}_" if len(results) > 1 else "") for res in results]
-    return [(kind, p) for ctx in contexts for kind in FIGURES.values() if kind.per_run == (ctx.res is not None)
-            for p in kind.panels(ctx)]
+                                      f"{runs[res.name]}_" if len(results) > 1 else "", top.stems) for res in results]
+    panels = [(kind, p) for ctx in contexts for kind in FIGURES.values() if kind.per_run == (ctx.res is not None)
+              for p in kind.panels(ctx)]
+    # A file name made of parts (a run, a case, an aggregate) can still meet another: one file per figure.
+    files = unique_files([p.file for _, p in panels], [p.caption for _, p in panels])
+    return [(kind, replace(p, file=f)) for (kind, p), f in zip(panels, files)]
+
+
+def _stems(results: list[Results], df: pd.DataFrame, swept_keys: list[str]) -> dict[str, str]:
+    """One file-name stem per name over every case of the report and every swept key: two names that would
+    share a file (a|b and a-b; Noise and noise) get a hash each (pages.file_stems)."""
+    names = [*df["case"], *(c for res in results for c in res.envelope.get("cases", {}))]
+    return file_stems(names + [k.removeprefix(SWEEP_PREFIX) for k in swept_keys])
 
 
 def build_figures(results: list[Results], df: pd.DataFrame, formats=None,
@@ -675,9 +724,9 @@ BASELINE_NOTE = ("GRPO's group mean and RLOO's leave-one-out in the reward, G dr
 def frame_md(df: pd.DataFrame) -> str:
     """A small DataFrame as a Markdown table: text left, numbers right, 3 significant digits."""
     num = [pd.api.types.is_numeric_dtype(df[c]) for c in df.columns]
-    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "|".join("---:" if n else "---" for n in num) + "|"]
+    lines = ["| " + " | ".join(map(md_text, df.columns)) + " |", "|" + "|".join("---:" if n else "---" for n in num) + "|"]
     for row in df.itertuples(index=False):
-        lines.append("| " + " | ".join(sig(float(v)) if n and not isinstance(v, (int, np.integer)) else str(v)
+        lines.append("| " + " | ".join(sig(float(v)) if n and not isinstance(v, (int, np.integer)) else md_text(v)
                                          for v, n in zip(row, num)) + " |")
     return "\n".join(lines)
 
@@ -706,11 +755,11 @@ def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame 
                advice: dict[str, list[str]] | None = None, batch: int = 64, tolerance: float = 0.1) -> str:
     out = ["# kl-bench report", ""]
     for res in results:
-        out += [f"## {res.name}", *_run_lines(res), ""]
+        out += [f"## {md_text(res.name)}", *_run_lines(res), ""]
     if advice:
         out += ["## Advice", "", advice_note(batch, tolerance), ""]
         for name, lines in advice.items():
-            out += ([f"### {name}", ""] if len(advice) > 1 else []) + [f"- {line}" for line in lines] + [""]
+            out += ([f"### {md_text(name)}", ""] if len(advice) > 1 else []) + [f"- {line}" for line in lines] + [""]
     out += ["## Paper table", "", md_table]
     if diffs is not None:
         out += ["## Differences between runs", "", DIFF_NOTE, "", differences_md(diffs), ""]
@@ -720,14 +769,14 @@ def _report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame 
                 frame_md(bl), ""]
     out += ["## Figures", ""]
     for name, caption, by_fmt in figs:
-        out += [f"### {caption}", "", f"![{caption}](figures/{name})", ""]
+        out += [f"### {md_text(caption)}", "", f"![{md_text(caption)}](figures/{name})", ""]
         links = vector_links(name.removesuffix(".png"), by_fmt)
         out += [links, ""] if links else []
     for res in results:
         heavy = res.summary[res.summary["heavy_tail"] != ""]
         if not heavy.empty:
-            out += [f"## Heavy tails ({res.name})", ""]
-            out += [f"- {r['case']}: {row_label(r)}: {r['heavy_tail']}" for _, r in heavy.iterrows()]
+            out += [f"## Heavy tails ({md_text(res.name)})", ""]
+            out += [f"- {md_text(r['case'])}: {md_text(row_label(r))}: {r['heavy_tail']}" for _, r in heavy.iterrows()]
             out.append("")
     return "\n".join(out)
 
@@ -752,8 +801,8 @@ def row_cells(r) -> list[str]:
 def _paper_table_html(cases, rows) -> str:
     table = ["<table class='paper'><tr><th></th>" + "".join(
         "<th colspan='4'>{} ({})</th>".format(*map(html_text, kl_head(title, true))) for _, title, true, _ in cases)
-        + "</tr>", "<tr><th>estimator</th>" + "<th>bias/true ± SE</th><th>exact</th><th>std/true ± SE</th><th>exact</th>"
-        * len(cases) + "</tr>"]
+        + "</tr>", "<tr><th>estimator</th>" + "".join(f"<th>{html_text(h)}</th>" for _, _, true, _ in cases
+                                                       for h in column_heads(true)) + "</tr>"]
     for label, cells in rows:
         table.append(f"<tr><td>{html_text(label)}</td>" + "".join(f"<td>{html_text(c)}</td>" for cell in cells
                                                                    for c in cell) + "</tr>")

@@ -22,7 +22,8 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from .figstyle import mode_style, plain_log_labels
+from .figstyle import mode_style, plain_log_labels, short_label
+from .pages import file_stems, quiet_drawing
 from ..results import read_frame
 
 _STYLE = {**sns.axes_style("whitegrid")}
@@ -56,12 +57,13 @@ def plot_metric(df: pd.DataFrame, metric: str = "kl_rev", ax=None, case: str | N
         case = case if case is not None else df["case"].iloc[0]
         d = df[df["case"] == case]
         drawn: list[tuple[str, np.ndarray]] = []
+        log = _loggable(d[metric], metric)
         n_steps = max(1, d["step"].nunique())
         for k, (combo, g) in enumerate(d.groupby("combination", sort=False)):
             style = _combo_style(g, k, n_steps)
             ex, sa = g[g["gradients"] == "exact"], g[g["gradients"] == "sampled"]
             if len(ex):
-                y = _shown(ex[metric], metric)
+                y = _shown(ex[metric], metric, log)
                 same = next((c for c, prev in drawn if prev.shape == y.shape and np.allclose(y, prev, rtol=1e-9, atol=1e-12,
                                                                                            equal_nan=True)), None)
                 ax.plot(ex["step"], y, lw=2.5 if same else 2, ls=":" if same else "-",
@@ -69,31 +71,43 @@ def plot_metric(df: pd.DataFrame, metric: str = "kl_rev", ax=None, case: str | N
                 drawn.append((combo, y))
             if len(sa):
                 n = int(sa["draws"].iloc[0])
-                ax.plot(sa["step"], _shown(sa[metric], metric), lw=1.2, ls="--",
+                ax.plot(sa["step"], _shown(sa[metric], metric, log), lw=1.2, ls="--",
                         label=f"{combo}, {n} draws/step" if len(ex) == 0 else None, **style)
                 sd = sa[f"{metric}_sd"].fillna(0)
-                ax.fill_between(sa["step"], _shown(sa[metric] - sd, metric), _shown(sa[metric] + sd, metric),
+                ax.fill_between(sa["step"], _shown(sa[metric] - sd, metric, log), _shown(sa[metric] + sd, metric, log),
                                 color=style["color"], alpha=0.2, lw=0)
-        _axis(ax, metric)
+        _axis(ax, metric, log)
         if legend:
             ax.legend(handles=legend_handles(ax), fontsize="small")
         return ax.figure
 
 
-def _shown(values: pd.Series, metric: str) -> np.ndarray:
+def _shown(values: pd.Series, metric: str, log: bool = True) -> np.ndarray:
     """The values as drawn: on a log axis, values ≤ 0 (an exact optimum: 0 up to rounding) are not drawn."""
     y = values.to_numpy(dtype=float)
-    return np.where(y > 0, y, np.nan) if metric in LOG_METRICS else y
+    return np.where(y > 0, y, np.nan) if metric in LOG_METRICS and log else y
 
 
-def _axis(ax, metric: str) -> None:
-    """Labels and scales: whole steps on the step axis; KL(q‖q*) on a log axis."""
+def _loggable(values: pd.Series, metric: str) -> bool:
+    """Whether ``metric`` goes on a log axis: it is one of LOG_METRICS and some value is > 0 (a case whose
+    every combination sits at the optimum, KL(q‖q*) = 0 at every step, e.g. vocab = 1, has nothing a log
+    axis can show: matplotlib refuses to draw it)."""
+    v = values.to_numpy(dtype=float)
+    return metric in LOG_METRICS and bool((np.isfinite(v) & (v > 0)).any())
+
+
+def _axis(ax, metric: str, log: bool) -> None:
+    """Labels and scales: whole steps on the step axis; KL(q‖q*) on a log axis where it has a value > 0,
+    else on a linear one that says why."""
     ax.set_xlabel("step")
-    ax.set_ylabel(LABELS.get(metric, metric))
+    ax.set_ylabel(LABELS.get(metric, metric) if log or metric not in LOG_METRICS
+                  else LABELS.get(metric, metric).replace(" (log)", ""))
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    if metric in LOG_METRICS:
+    if log:
         ax.set_yscale("log")
         plain_log_labels(ax.yaxis)
+    elif metric in LOG_METRICS:
+        ax.set_title("0 at every step (up to rounding): the optimum; linear axis", fontsize="small")
 
 
 def legend_handles(ax) -> list:
@@ -122,7 +136,7 @@ def plot_training(df: pd.DataFrame, case: str | None = None, axes=None):
             fig.legend(handles=handles, loc="outside lower center", fontsize="small", ncol=min(4, len(handles)))
         else:
             axes[0].legend(handles=handles, fontsize="small")
-        fig.suptitle(f"{case}: each combination's trajectory (colour: estimator; marker: mode, hollow per token)")
+        fig.suptitle(f"{short_label(case)}: each combination's trajectory (colour: estimator; marker: mode, hollow per token)")
     return fig
 
 
@@ -132,8 +146,10 @@ def render_training_figures(folder: str | Path, out_dir: str | Path) -> list[Pat
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
+    stems = file_stems(df["case"].unique())        # one file per case, whatever its name (pages.file_stems)
     for case in df["case"].unique():
-        path = out_dir / f"training_{''.join(c if c.isalnum() or c in '-_.' else '_' for c in case)}.png"
-        plot_training(df, case).savefig(path, dpi=110)
+        path = out_dir / f"training_{stems[str(case)]}.png"
+        with quiet_drawing():             # glyphs the font lacks: the file still names the case (pages)
+            plot_training(df, case).savefig(path, dpi=110)
         paths.append(path)
     return paths

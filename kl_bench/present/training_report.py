@@ -9,9 +9,10 @@ import pandas as pd
 
 from ..foundation.formatting import plural
 from .pages import DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, html_text, page, table_html, table_md
-from .pages import vector_links
+from .pages import file_stems, md_text, vector_links
 from .._moved import renamed
 from ..results import folders
+from ..results.verify import check_whole_columns
 from .training_plots import plot_training
 from ..training.result import final_rows, summary_lines
 
@@ -46,8 +47,9 @@ def _figures(df: pd.DataFrame, formats, progress) -> list[tuple[str, str, dict[s
     if progress is not None:
         progress.set_total(len(cases))
     out = []
+    stems = file_stems(cases)           # one file per case, whatever its name (pages.file_stems)
     for case in cases:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in case)
+        safe = stems[str(case)]
         if progress is not None:
             progress.label(f"training_{safe}.png")
         out.append((f"training_{safe}.png", case, figure_bytes(plot_training(df, case), formats)))
@@ -61,16 +63,17 @@ def training_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=
     PDF, SVG), report.md and report.html. ``progress``: told of each figure."""
     stored = folders.read(folder, "train")            # verified: run.json, every file against its sha256
     folder, df = stored.path, folders.read_table(stored, "train.csv")
+    check_whole_columns("train.csv", df, folder / "train.csv")      # steps on the x axis, draws in the legend
     figs = _figures(df, formats, progress)
     files = {path: data for name, _, by_fmt in figs for path, data in figure_files(name[:-4], by_fmt).items()}
     title = f"Training trajectories: {folder.name}"
     closest = summary_lines(df)
     header, rows = final_cells(df)
-    md = [f"# {title}", "", INTRO, "", "## Closest to the optimum", "", *[f"- {line}" for line in closest], "",
+    md = [f"# {md_text(title)}", "", INTRO, "", "## Closest to the optimum", "", *[f"- {md_text(line)}" for line in closest], "",
           "## Final values", "", final_table(df), f"## Figures ({plural(len(figs), 'case')})", ""]
     for name, case, by_fmt in figs:
         links = vector_links(name[:-4], by_fmt)
-        md += [f"![{case}](figures/{name})", ""] + ([links, ""] if links else [])
+        md += [f"![{md_text(case)}](figures/{name})", ""] + ([links, ""] if links else [])
     files["report.md"] = "\n".join(md).encode()
     parts = [f"<p>{html_text(INTRO)}</p>", "<h2>Closest to the optimum</h2><ul>"
              + "".join(f"<li>{html_text(line)}</li>" for line in closest) + "</ul>",

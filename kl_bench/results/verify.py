@@ -11,7 +11,8 @@ A results folder (``kl-bench run``) is checked as a whole, and every problem is 
   their schema's columns, every row has as many fields as the header (a truncated file does not), the
   file ends with a newline, numeric columns parse as numbers, and the key text columns are not empty.
 - Every number is plausible: counts are whole numbers ≥ 0, standard deviations and errors are ≥ 0 (or
-  empty), a statistic of a row that has draws is never NaN (an empty cell) where its mean is finite, and
+  empty), a KL (true_kl) is ≥ 0 or empty, fractions lie in [0, 1], a statistic of a row that has draws is
+  never NaN (an empty cell) where its mean is finite, and
   each table holds one row per key (case, estimator, aggregate, λ; batches.csv: and batch).
 - ``reservoir.npz`` is a readable archive of numeric arrays (no pickles), each array's header checked
   against its size before it is allocated.
@@ -86,6 +87,19 @@ _KEYS = {"summary.csv": ("case", "estimator", "aggregate", "lambda"),
          "group_baselines.csv": ("case", "estimator", "aggregate", "baseline", "group")}
 # Spreads: ≥ 0 (an empty cell is allowed: e.g. no std_se where the 4th moment is infinite).
 _SPREADS = {"summary.csv": ("std", "se", "std_se", "ref_se"), "lambda_sweep.csv": ("std", "se")}
+# Bounded columns: column → (lowest, highest, what it is), an empty cell allowed (no exact value). A KL is ≥ 0
+# (+inf where the supports differ); ROUNDING below 0 is float64's error on an exact 0 (p = q up to a few
+# ulps). An exact std, a batch size and an RMSE are ≥ 0; a fraction or a probability lies in [0, 1].
+ROUNDING = 1e-9
+_KL = (-ROUNDING, np.inf, "a KL: ≥ 0, or empty where no exact value exists")
+_FRACTION = (-ROUNDING, 1 + ROUNDING, "a fraction: between 0 and 1, or empty")
+_BOUNDED = {"summary.csv": {"true_kl": _KL, "exact_std": (0.0, np.inf, "a spread: ≥ 0, or empty"),
+                            "n_for_10pct": (0.0, np.inf, "a batch size: ≥ 0, or empty"),
+                            **{c: (0.0, np.inf, "an RMSE: ≥ 0, or empty") for c in ("rmse_b64", "rmse_b1024", "rmse_b16384")},
+                            "ess": (0.0, np.inf, "a sample size: ≥ 0, or empty"),
+                            "frac_negative": _FRACTION, "p_neg_b64": _FRACTION},
+            "lambda_sweep.csv": {"true_kl": _KL, "exact_std": (0.0, np.inf, "a spread: ≥ 0, or empty"),
+                                 "frac_negative": _FRACTION, "p_negative_exact": _FRACTION}}
 # Statistics that every row with draws has (a NaN there is a writer's bug or an overflow, never a result),
 # and those it has wherever that first one is finite.
 _DEFINED = {"summary.csv": ("mean", ("std", "se")), "lambda_sweep.csv": ("mean", ("std", "se")),
@@ -160,6 +174,9 @@ def _check_values(name: str, df, p: Path) -> None:
     for c in _SPREADS.get(name, ()):
         if c in df.columns:
             _first_bad(df, c, col(c) < 0, "must be ≥ 0 (a spread)", p)
+    for c, (lo, hi, what) in _BOUNDED.get(name, {}).items():
+        if c in df.columns:       # NaN compares False: an empty cell passes
+            _first_bad(df, c, (col(c) < lo) | (col(c) > hi), f"must be {what}", p)
     hit = undefined_statistic(name, df)
     if hit is not None:
         c, bad, what = hit
@@ -177,6 +194,20 @@ def _check_values(name: str, df, p: Path) -> None:
                               if str(v := df[c].iloc[i]) not in ("", "nan"))
             raise SpecError(f"row {i + 1} (line {i + 2}) repeats an earlier row's key ({shown}): one row per "
                             f"{', '.join(key)}", file=str(p))
+
+
+# The whole-number columns of a train or an audit folder's tables (kl_bench.results.folders.read_table parses
+# them as numbers only): a blank, NaN or inf step read back would fail far from the file, in a figure's axis.
+WHOLE_COLUMNS = {"train.csv": ("step", "draws", "seeds"), "audit.csv": ("step",), "engine.csv": ("step",)}
+
+
+def check_whole_columns(name: str, df, p: Path) -> None:
+    """The :data:`WHOLE_COLUMNS` of table ``name`` (a DataFrame read by folders.read_table) hold a whole
+    number ≥ 0 on every row; else one line naming the file, the column and the row (and its line)."""
+    for c in WHOLE_COLUMNS.get(name, ()):
+        if c in df.columns:
+            v = df[c].to_numpy(dtype=float)
+            _first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
 
 
 def _load_reservoir(data: bytes, p: Path) -> dict[str, np.ndarray]:
