@@ -82,15 +82,16 @@ def name_hash(text: str) -> str:
 
 
 def file_stems(names: Iterable[str]) -> dict[str, str]:
-    """{name: its file-name stem}: the name itself where it is a safe file name (ASCII letters, digits,
-    - _ .; at most STEM_CHARS) that no other name's stem equals ignoring case; else its slug, a dash and
-    a hash of the exact name. So ``a|b``, ``a,b`` and ``a-b`` get three files, as do 日本語 and κλ, two long
-    names that share their first characters, and Noise and noise (one file on a case-insensitive file
-    system, as macOS and Windows have by default). The same names give the same stems."""
+    """{name: its file-name stem}: its slug (ASCII letters, digits, - _ .; at most STEM_CHARS: the name itself
+    where it is one) where no other name's slug equals it ignoring case; else the slug, a dash and a hash of
+    the exact name. So ``a|b``, ``a,b`` and ``a-b`` get three files, as do 日本語 and κλ, two long names
+    that share their first characters, and Noise and noise (one file on a case-insensitive file system, as
+    macOS and Windows have by default); a name whose slug meets no other keeps a short, readable stem (a
+    progress line shows it). The same names give the same stems."""
     names = [str(n) for n in dict.fromkeys(names)]
     slugs = {n: _slug(n) for n in names}
     count = Counter(s.lower() for s in slugs.values())
-    return {n: s if s == n and count[s.lower()] == 1 else f"{s}-{name_hash(n)}" for n, s in slugs.items()}
+    return {n: s if count[s.lower()] == 1 else f"{s}-{name_hash(n)}" for n, s in slugs.items()}
 
 
 def unique_files(files: list[str], keys: list[str]) -> list[str]:
