@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..foundation.errors import SpecError
+from .inputs import number_argument, path_argument
 from .preparation import load
 from .result import Result
 
@@ -96,8 +96,11 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
 
     from ..analysis.gate import baseline_comparisons, exact_comparisons, holm, skipped_notes
     from ..results.baseline import load_baseline, normalize_baseline
-    if not 0 < alpha < 1:
+    if not 0 < number_argument(alpha, "alpha") < 1:
         raise SpecError(f"must lie in (0, 1), got {alpha}", key="alpha")
+    if spec_sha256 is not None and not isinstance(spec_sha256, str):
+        raise SpecError(f"must be a string (a spec's sha256) or None, got {type(spec_sha256).__name__}",
+                        key="spec_sha256")
     sha = spec_sha256
     if isinstance(results, Result):
         df, sha = results.summary, results.spec.sha256
@@ -105,7 +108,8 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
         df = results
     else:
         from ..present.report import load_results
-        loaded = load_results(Path(results))
+        loaded = load_results(path_argument(results, "results", "a Result, a summary DataFrame or a results "
+                                                            "folder's path"))
         if spec is not None:
             from ..results.verify import check_results_match_spec
             check_results_match_spec(loaded, load(spec))
@@ -117,7 +121,8 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
         if isinstance(baseline, dict):
             base, where = normalize_baseline(baseline), "(given)"
         else:
-            base, where = load_baseline(Path(baseline)), str(baseline)
+            base, where = load_baseline(path_argument(baseline, "baseline", "a baseline JSON's path or its "
+                                                      "decoded dict")), str(baseline)
         if sha is not None and base.get("spec_sha256") != sha:
             notes.insert(0, f"the spec changed since the baseline {where} was made (sha256 "
                          f"{str(base.get('spec_sha256'))[:12]}… then, {sha[:12]}… now); rows are matched by case, "

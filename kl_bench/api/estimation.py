@@ -31,6 +31,12 @@ def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor 
     kl_bench.audit.aggregate) returns one 0-d tensor. ``estimator``: a registry name, a plug-in
     reference, or an Estimator.
 
+    Refused with a :class:`SpecError` naming the argument (a :class:`ShapeError` for shapes): logits with
+    NaN, +inf or a row all −inf (as a spec's logits are), a vocabulary V of 0, ``ids`` that are not
+    integers or lie outside [0, V), ``ids`` with log-probs instead of logits, a meta tensor where values
+    are read. NaN or ±inf log-probs (``policy``, ``reference``) are the caller's: a padded position may
+    hold them, and ``mask`` zeroes it.
+
     >>> import torch, kl_bench
     >>> logq = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]], dtype=torch.float64))
     >>> logp = torch.log(torch.tensor([[0.25, 0.25], [0.5, 1.0]], dtype=torch.float64))
@@ -46,6 +52,9 @@ def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor 
                         "estimate(policy=..., reference=..., estimator=...) (positional tensors could be read in "
                         "either order, and a swap flips the direction of the KL silently)")
     est = resolve_estimator(estimator)
+    if aggregation is not None and not isinstance(aggregation, str):
+        raise SpecError(f"must be the name of an aggregation (e.g. 'token-mean') or None, got "
+                        f"{type(aggregation).__name__}", key="aggregation")
     logq, logp = _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est)
     if est.analytic:
         from ..audit.exact import position_values
@@ -53,11 +62,16 @@ def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor 
         values = position_values(logq.detach().reshape(-1, v), logp.detach().reshape(-1, v), ()).kl.view(logq.shape[:-1])
     else:
         values = est.fn(logp - logq)
+    return _masked(values, mask, aggregation)
+
+
+def _masked(values: torch.Tensor, mask, aggregation: str | None) -> torch.Tensor:
+    """:func:`estimate`'s values with ``mask`` applied (padding zeroed), or their ``aggregation``."""
     if mask is None:
         if aggregation is not None:
             raise SpecError("an aggregation needs the mask", key="mask")
         return values
-    mask = torch.as_tensor(mask, device=values.device)
+    mask = _tensor(mask, "mask", logical=True).to(values.device)
     if mask.shape != values.shape:
         raise ShapeError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
     if aggregation is not None:
@@ -69,31 +83,101 @@ def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor 
 
 def _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est):
     """(log q, log p) for :func:`estimate`: sampled tokens' log-probs, or logits [..., V] for ``full``."""
+    q, p, names = _given_pair(policy, reference, policy_logits, reference_logits)
+    if names[0] == "policy":
+        if ids is not None:       # silently unused, it would hide that these are not the logits it goes with
+            raise SpecError("ids= goes with policy_logits= and reference_logits=; policy= and reference= are "
+                            "the sampled tokens' log-probs already", key="ids")
+        if est.analytic:
+            raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
+                            "reference_logits= [..., V], no ids")
+        return q, p
+    q, p = (_checked_logits(x, key) for x, key in zip((q, p), names))
+    if est.analytic:
+        if ids is not None:
+            raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
+                            "reference_logits= [..., V], no ids")
+        return q, p
+    return _sampled_logprobs(q, p, ids)
+
+
+def _given_pair(policy, reference, policy_logits, reference_logits) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The one pair given (log-probs or logits) as tensors of one shape, with its arguments' names."""
     forms = [(policy, reference), (policy_logits, reference_logits)]
     given = [i for i, (a, b) in enumerate(forms) if a is not None or b is not None]
     if len(given) != 1 or any(x is None for x in forms[given[0]] if given):
         raise SpecError("give policy= and reference= (the sampled tokens' log-probs), or policy_logits= and "
                         "reference_logits=: one pair, both sides")
-    q, p = (torch.as_tensor(x) for x in forms[given[0]])  # host: the caller's tensors keep their device
+    names = ("policy_logits", "reference_logits") if given[0] == 1 else ("policy", "reference")
+    q, p = (_tensor(x, key) for x, key in zip(forms[given[0]], names))  # host: the caller's tensors keep their device
     if q.shape != p.shape:
-        raise ShapeError(f"policy and reference must have one shape, got {list(q.shape)} and {list(p.shape)}")
-    logits = given[0] == 1
-    if est.analytic:
-        if not logits or ids is not None:
-            raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
-                            "reference_logits= [..., V], no ids")
-        return q, p
-    return _sampled_logprobs(q, p, ids) if logits else (q, p)
+        raise ShapeError(f"{names[0]} and {names[1]} must have one shape, got {list(q.shape)} and {list(p.shape)}")
+    return q, p, names
+
+
+def _tensor(value, key: str, logical: bool = False) -> torch.Tensor:
+    """``value`` (a tensor, an ndarray, nested lists of numbers) as a tensor; anything else (a string, a
+    dict) is one SpecError naming ``key``, not torch's "new(): invalid data type". Bool only if
+    ``logical`` (a mask): True as a log-prob is a mistake."""
+    try:
+        t = torch.as_tensor(value)      # host: a tensor keeps its device; an ndarray or a list is the caller's host data
+    except (TypeError, ValueError, RuntimeError):
+        raise SpecError(f"must be a tensor (or an ndarray, or nested lists of numbers), got {type(value).__name__}",
+                        key=key) from None
+    if t.is_complex() or (t.dtype == torch.bool and not logical):
+        raise SpecError(f"must hold real numbers, got dtype {t.dtype}", key=key)
+    return t
+
+
+def _no_data(t: torch.Tensor, key: str) -> None:
+    """A meta tensor has a shape and no values: a check of its values (NaN, a token id's range) cannot run."""
+    if t.device.type == "meta":
+        raise SpecError("a tensor on the 'meta' device has a shape but no data", key=key)
+
+
+def _checked_logits(t: torch.Tensor, key: str) -> torch.Tensor:
+    """Logits [..., V] with V ≥ 1 whose every row is a distribution. Refused, as everywhere in kl-bench
+    (a spec's logits, kl_bench.sampling.logits.check_logits): NaN, +inf, a row all −inf (no token has
+    probability > 0); each would come out of the softmax as a NaN value, silently. Integer logits are read
+    as float64 (the softmax needs a float)."""
+    _no_data(t, key)
+    if t.ndim == 0 or t.shape[-1] == 0:
+        raise ShapeError(f"{key} must be [..., V] with a vocabulary V ≥ 1, got {list(t.shape)}")
+    if not t.is_floating_point():
+        t = t.to(torch.float64)
+    for bad, what in ((torch.isnan(t), "NaN"), (torch.isposinf(t), "+inf")):
+        if bool(bad.any()):
+            raise SpecError(f"logits contain {what} (at index {_first(bad)})", key=key)
+    dead = torch.isneginf(t).all(dim=-1)
+    if bool(dead.any()):
+        raise SpecError(f"a row of logits is all −inf, no token has probability > 0 (at index {_first(dead)})",
+                        key=key)
+    return t
+
+
+def _first(flags: torch.Tensor) -> list[int]:
+    """The index of the first True of ``flags``, as a list (for a message)."""
+    return [int(i) for i in torch.nonzero(flags)[0]]
 
 
 def _sampled_logprobs(q: torch.Tensor, p: torch.Tensor, ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [..., V] of both sides → the log-probs [...] of the sampled tokens ``ids`` [...]."""
     if ids is None:
         raise SpecError("logits need ids= (the sampled tokens) for a per-token estimator")
-    ids = torch.as_tensor(ids, device=q.device).to(torch.long)
+    ids = _tensor(ids, "ids")
+    _no_data(ids, "ids")
     if ids.shape != q.shape[:-1]:
         raise ShapeError(f"ids must have the logits' shape without the vocabulary {list(q.shape[:-1])}, "
                         f"got {list(ids.shape)}")
+    # Float ids were truncated (2.7 → token 2) before: a token id is a whole number, so the dtype says so.
+    if ids.is_floating_point():
+        raise SpecError(f"must hold integer token ids, got dtype {ids.dtype}", key="ids")
+    ids = ids.to(q.device, torch.long)
+    v = q.shape[-1]
+    out = (ids < 0) | (ids >= v)
+    if bool(out.any()):     # gather's own error names neither ids nor V; a negative id is no token either
+        raise SpecError(f"token ids must lie in [0, V) = [0, {v}) (V: the logits' last dimension), got "
+                        f"{int(ids[out][0])} at index {_first(out)}", key="ids")
     q = torch.log_softmax(q, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     p = torch.log_softmax(p, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return q, p

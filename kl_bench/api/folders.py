@@ -13,6 +13,7 @@ import torch
 
 from ..foundation import signals
 from .execution import execute
+from .inputs import number_argument, path_argument
 from .preparation import prepare, resolve_device
 from .result import Result
 from .trajectories import train
@@ -87,7 +88,7 @@ def run_to_folder(spec, out: str | Path | None = None, *, draws: int | None = No
     Under torchrun every process calls it; rank 0 writes and returns the :class:`Result`, the others
     return None. Raises :class:`SpecError` for bad input, :class:`RunInterrupted` (with its one line) on
     SIGINT/SIGTERM, :class:`RankFailed` when another process of the job failed."""
-    if not checkpoint_every > 0:          # also refuses NaN
+    if not number_argument(checkpoint_every, "--checkpoint-every") > 0:          # also refuses NaN
         raise SpecError(f"must be > 0 (inf: never), got {checkpoint_every}", key="--checkpoint-every")
     hs = Handshake()
     try:
@@ -113,11 +114,11 @@ def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, 
         return _follow(prep, hs.ranks)
     signals.phase("pairs")
     sp = prep.spec
-    out_dir = output_dir(Path(out) if out is not None else DEFAULT_RUNS / sp.experiment.name)
+    out_dir = output_dir(path_argument(out, "--out") if out is not None else DEFAULT_RUNS / sp.experiment.name)
     if resume:
         _require_checkpoint(out_dir)                        # before anything is created
     out_dir = check_output_dir(out_dir)
-    check_replaceable(out_dir, "run")
+    check_replaceable(out_dir, "run", spec=sp)       # nor a folder whose writing replaces the spec (DIR/run.json)
     # Something that is not a regular file at a results file's name (a folder, a FIFO, a link): refused
     # now rather than after the sampling (write_folder refuses it again at the write).
     check_folder_entries(out_dir, (*DATA_FILES, "run.json"), key="--out")
@@ -195,8 +196,9 @@ def train_to_folder(spec, out: str | Path | None = None, *, seed: int | None = N
     :class:`kl_bench.training.TrainResult`, the others None; a failed rank is one line on every rank."""
     from ..engine.distributed import start, stop      # looked up when called: kl_bench._testing wraps start
     sp = load_spec(spec)
-    out_dir = check_output_dir(output_dir(Path(out) if out is not None else DEFAULT_RUNS / sp.experiment.name))
-    check_replaceable(out_dir, "train")
+    out_dir = check_output_dir(output_dir(path_argument(out, "--out") if out is not None
+                                          else DEFAULT_RUNS / sp.experiment.name))
+    check_replaceable(out_dir, "train", spec=sp)
     if env_world() is None:
         result = train(sp, seed=seed, device=device, progress=progress, console=console)
     else:

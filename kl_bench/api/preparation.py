@@ -2,8 +2,8 @@
 built and its exact oracles validated, before any draw (:func:`prepare`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -18,7 +18,7 @@ def load(spec, *, draws: int | None = None, seed: int | None = None, device: str
     logits), with overrides applied exactly as the command line's flags."""
     if isinstance(spec, Spec):
         sp = spec
-    elif isinstance(spec, (str, Path)):
+    elif isinstance(spec, (str, os.PathLike)) and not isinstance(os.fspath(spec), bytes):
         sp = load_spec(spec)
     else:
         sp = spec_from_dict(spec)

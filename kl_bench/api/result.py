@@ -12,6 +12,7 @@ from ..experiment.spec import Spec
 from ..foundation.errors import SpecError
 from ..kinds import Pair
 from ..results.schema import FORMAT_VERSION
+from .inputs import path_argument, results_folder
 from .provenance import device_name, git_commit, now, versions
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class Result:
         """A results folder read back (verified: kl_bench.results.verify) as a Result: its tables, run.json, the
         advice and the report. What only a live run has (``spec``, ``pairs``, ``outcome``) is None."""
         from ..present.report import load_results as read
-        got = read(Path(folder))
+        got = read(path_argument(folder, "folder"))
         self = cls.__new__(cls)
         self.spec = self.outcome = self.device = None
         self.pairs = []
@@ -122,9 +123,13 @@ class Result:
     def write(self, directory: str | Path) -> Path:
         """Write the results folder ``kl-bench run`` writes (summary.csv, batches.csv, reservoir.npz,
         lambda_sweep.csv and gradients.csv when present, run.json with their sha256), atomically: the
-        folder is swapped in whole, and a concurrent run on the same folder is refused."""
+        folder is swapped in whole, and a concurrent run on the same folder is refused. ``directory`` is
+        refused as ``kl-bench run --out`` refuses it: '', '.' or '..' (the folder swapped would be the working
+        folder or its parent), a file, a link, another kind's results folder."""
         from ..foundation.storage import FolderLock, clean_stale
-        directory = Path(directory)
+        from ..results.folders import check_replaceable
+        directory = results_folder(directory, "directory")
+        check_replaceable(directory, "run", key="directory")
         with FolderLock(directory):
             clean_stale(directory)
             self.write_files(directory)
@@ -134,7 +139,7 @@ class Result:
         """:meth:`write` for a caller that already holds the folder's lock (the CLI, which checkpoints)."""
         from ..results import folders
         from ..results.verify import refuse_undefined_statistics
-        directory = Path(directory)
+        directory = path_argument(directory, "directory")
         refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         folders.write("run", directory, self._files, self.envelope, locked=True)
         self.path = directory
@@ -143,27 +148,36 @@ class Result:
     def report(self, directory: str | Path | None = None) -> Path:
         """Write the report (figures, table.tex/md, report.md, report.html) into ``directory`` (default:
         ``<results folder>/report`` once written). Unwritten results are written to a temporary folder
-        first, named after the experiment."""
+        first, named after the experiment. ``directory`` is refused as ``kl-bench report --out`` refuses it
+        ('', '.', '..', a file, a link), and so is the results folder itself (its report goes inside it)."""
         from ..present.report import write_report
-        if self.path is not None:
-            return write_report([self.path], Path(directory) if directory else self.path / "report")
-        if directory is None:
+        if directory is None and self.path is None:
             raise SpecError("give report() a folder, or write() the results first")
+        out = results_folder(directory if directory is not None else self.path / "report", "directory")
+        if self.path is not None:
+            from ..foundation.storage import same_path
+            if same_path(out, self.path):        # swapped in whole, the report would replace the results
+                raise SpecError(f"is the results folder: give another folder (default: {self.path / 'report'})",
+                                file=str(out), key="directory")
+            return write_report([self.path], out)
         from ..results.verify import refuse_undefined_statistics
         refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) / self.spec.experiment.name
             from ..results import folders
             folders.write("run", folder, self._files, self.envelope, locked=True)     # a fresh temporary folder
-            return write_report([folder], Path(directory))
+            return write_report([folder], out)
 
     def recommendations(self, *, batch: int = 64, tolerance: float = 0.1) -> list["Advice"]:
         """Per case, what to log (the estimator of KL(q||p) with the lowest RMSE at ``batch`` among those
         that can get within ±``tolerance``) and what to put in the loss (from the gradient rows when the
         spec computed them, else the on-policy identities): :mod:`kl_bench.analysis.advice`. ``str()`` of each is
         the line ``kl-bench run`` prints."""
-        from ..analysis.advice import recommendations
-        return recommendations(self.summary, self.gradients, batch=batch, tolerance=tolerance)
+        from ..analysis.advice import AdviceOptionError, recommendations
+        try:
+            return recommendations(self.summary, self.gradients, batch=batch, tolerance=tolerance)
+        except AdviceOptionError as e:     # a ValueError there (the CLI maps it too): a bad argument here is a SpecError
+            raise SpecError(str(e), key=e.key) from None
 
     def warnings(self) -> list[str]:
         """The warning lines ``kl-bench run`` prints (infinite targets, heavy tails, support misses)."""

@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from ..foundation.errors import SpecError
+from ..foundation.errors import ShapeError, SpecError
+from ..sampling.logits import check_logits
 from ..core.estimators import resolve_estimator
 from .sampler import Sampler, sampler_logprobs
 
@@ -115,6 +116,8 @@ def estimator_functions(estimators: Sequence) -> tuple[tuple[str, ...], list]:
     """Registry names (or Estimator objects) → (names, functions of log r). ``full`` is refused: it is
     the KL itself, always reported."""
     names, fns = [], []
+    if isinstance(estimators, str):      # "k1" is one estimator, not the estimators "k" and "1"
+        estimators = (estimators,)
     for item in estimators:
         est = resolve_estimator(item)
         if est.analytic:
@@ -152,6 +155,18 @@ def _sampler_values(lq, lb, f, ids) -> SamplerValues:
     return SamplerValues(mean, var, neg, miss, log_mean, log_var, _gather(lb, ids), kl_q, chi2, gap_abs)
 
 
+def _logits(value, key: str) -> torch.Tensor:
+    """``value`` (a tensor, an ndarray, nested lists) as a real tensor on its own device; else one SpecError
+    naming ``key`` (an ndarray had been "'numpy.ndarray' object has no attribute 'to'")."""
+    try:
+        t = torch.as_tensor(value)      # host: a tensor keeps its device; an ndarray or a list is the caller's host data
+    except (TypeError, ValueError, RuntimeError):
+        raise SpecError(f"must be a tensor of logits, got {type(value).__name__}", key=key) from None
+    if t.is_complex() or t.dtype == torch.bool:
+        raise SpecError(f"must hold real logits, got dtype {t.dtype}", key=key)
+    return t
+
+
 def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: Sequence = ("k1", "k3"),
                     sampler: Sampler | None = None, *, ids: torch.Tensor | None = None,
                     eos_banned: torch.Tensor | None = None, context_ids: torch.Tensor | None = None,
@@ -163,9 +178,16 @@ def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: S
     ``sampling`` [N, V]: the policy's logits in the pass that drew the tokens, where it differs from the
     scored pass (dropout, position ids, a cache, precision): its sampler values are ``g``.
     Memory: a few [N, V, F] float64 tensors; for large V use :func:`kl_bench.audit.stream.stream_values`."""
+    policy, reference = _logits(policy, "policy"), _logits(reference, "reference")
+    sampling = None if sampling is None else _logits(sampling, "sampling")
     if policy.shape != reference.shape or policy.ndim != 2:
         raise SpecError(f"policy and reference logits must be [N, V] of one shape, got {list(policy.shape)} "
                         f"and {list(reference.shape)}")
+    if policy.shape[-1] == 0:
+        raise ShapeError("policy and reference logits need a vocabulary: V must be ≥ 1, got [N, 0]")
+    for t, what in ((policy, "policy"), (reference, "reference"), (sampling, "sampling")):
+        if t is not None and t.device.type != "meta":    # meta tensors (the device-rule tests) hold no values
+            check_logits(t, what)        # NaN or +inf: every value would be NaN; −inf marks a zero probability
     if sampling is not None and sampling.shape != policy.shape:
         raise SpecError(f"the sampling pass's logits must be [N, V] = {list(policy.shape)}, got {list(sampling.shape)}")
     names, fns = estimator_functions(estimators)

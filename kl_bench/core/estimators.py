@@ -292,6 +292,13 @@ def resolve_estimator(item) -> RowSource:
         return item
     if isinstance(item, str):
         return lookup(item)
+    if not isinstance(item, EstimatorOption):
+        # Anything else (an int, None, a bare function) has no name to look up: said here, not as an
+        # AttributeError on ``.name`` below. A bare function is not guessed at: registering it says its target.
+        raise SpecError(f"must be an estimator's name (e.g. 'k3'), a plug-in reference ('package.module:function') "
+                        f"or an Estimator, got {type(item).__name__}" + (
+                            " (register a function with kl_bench.register_estimator, then give its name)"
+                            if callable(item) else ""), key="estimator")
     base = lookup(item.name)
     if base.analytic:
         raise SpecError(f"'{base.name}' does not depend on log r: clamps do not apply")

@@ -539,12 +539,21 @@ def parse_spec(text: str, path: Path) -> Spec:
     return _parse_data(data, str(path), path.parent, path.stem, text, path)
 
 
-def _canonical(value: Any) -> Any:
-    """A dict spec as JSON-able data: tensors and arrays by shape, dtype and sha256 of their bytes."""
+def _canonical(value: Any, where: str = "") -> Any:
+    """A dict spec as JSON-able data: tensors and arrays by shape, dtype and sha256 of their bytes.
+    ``where``: the key path of ``value`` (``case[0].q``), for the one error found here: a key that is not
+    a string, which TOML cannot spell and the parser's key matching cannot read."""
     if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in value.items()}
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                at = f"in '{where}'" if where else "at the top level"
+                raise SpecError(f"a spec's keys must be strings, as in TOML: got {k!r} ({type(k).__name__}) {at}",
+                                file="<dict>", key=f"{where}.{k!r}" if where else repr(k))
+            out[k] = _canonical(v, f"{where}.{k}" if where else k)
+        return out
     if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
+        return [_canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if is_array(value):
         if unsupported_array(value):      # sparse or complex: refused by the case's parser, with its key
             return {"array": list(value.shape), "dtype": str(value.dtype), "unsupported": True}

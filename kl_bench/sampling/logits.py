@@ -107,6 +107,8 @@ def unsupported_array(value) -> str | None:
     """Why a tensor or ndarray cannot be logits (sparse, complex, not real numbers), or None.
     Casting would silently drop the imaginary part or densify a sparse layout."""
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":     # a shape without values: nothing to copy, hash or sample
+            return "logits must hold values: a tensor on the 'meta' device has a shape but no data"
         if value.layout != torch.strided:
             return f"logits must be a dense tensor, got a sparse one ({value.layout}); use .to_dense()"
         if value.is_complex():
@@ -368,11 +370,10 @@ def pick_key(obj, key: str | None, path: Path):
 
 
 def _tensor_logits(t: torch.Tensor) -> torch.Tensor:
-    if t.ndim == 1:
-        t = t.unsqueeze(0)
-    if t.ndim != 2 or 0 in t.shape:
-        raise SpecError(f"logits must have shape [V] or [B, V], got {list(t.shape)}")
-    return t
+    # The shape as given is the one named: an empty [0] tensor is not reported as the [1, 0] it becomes.
+    if t.ndim not in (1, 2) or 0 in t.shape:
+        raise SpecError(f"logits must have shape [V] or [B, V] with V ≥ 1 (and B ≥ 1), got {list(t.shape)}")
+    return t.unsqueeze(0) if t.ndim == 1 else t
 
 
 def check_logits(logits: torch.Tensor, what: str) -> None:
