@@ -7,6 +7,7 @@ import torch
 
 from ..foundation.errors import ShapeError, SpecError
 from ..core.estimators import resolve_estimator
+from ..core.logits import as_real_tensor, check_logits, first_index
 
 
 def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
@@ -71,7 +72,7 @@ def _masked(values: torch.Tensor, mask, aggregation: str | None) -> torch.Tensor
         if aggregation is not None:
             raise SpecError("an aggregation needs the mask", key="mask")
         return values
-    mask = _tensor(mask, "mask", logical=True).to(values.device)
+    mask = as_real_tensor(mask, "mask", logical=True).to(values.device)
     if mask.shape != values.shape:
         raise ShapeError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
     if aggregation is not None:
@@ -109,24 +110,10 @@ def _given_pair(policy, reference, policy_logits, reference_logits) -> tuple[tor
         raise SpecError("give policy= and reference= (the sampled tokens' log-probs), or policy_logits= and "
                         "reference_logits=: one pair, both sides")
     names = ("policy_logits", "reference_logits") if given[0] == 1 else ("policy", "reference")
-    q, p = (_tensor(x, key) for x, key in zip(forms[given[0]], names))  # host: the caller's tensors keep their device
+    q, p = (as_real_tensor(x, key) for x, key in zip(forms[given[0]], names))  # host: the caller's tensors keep their device
     if q.shape != p.shape:
         raise ShapeError(f"{names[0]} and {names[1]} must have one shape, got {list(q.shape)} and {list(p.shape)}")
     return q, p, names
-
-
-def _tensor(value, key: str, logical: bool = False) -> torch.Tensor:
-    """``value`` (a tensor, an ndarray, nested lists of numbers) as a tensor; anything else (a string, a
-    dict) is one SpecError naming ``key``, not torch's "new(): invalid data type". Bool only if
-    ``logical`` (a mask): True as a log-prob is a mistake."""
-    try:
-        t = torch.as_tensor(value)      # host: a tensor keeps its device; an ndarray or a list is the caller's host data
-    except (TypeError, ValueError, RuntimeError):
-        raise SpecError(f"must be a tensor (or an ndarray, or nested lists of numbers), got {type(value).__name__}",
-                        key=key) from None
-    if t.is_complex() or (t.dtype == torch.bool and not logical):
-        raise SpecError(f"must hold real numbers, got dtype {t.dtype}", key=key)
-    return t
 
 
 def _no_data(t: torch.Tensor, key: str) -> None:
@@ -136,35 +123,23 @@ def _no_data(t: torch.Tensor, key: str) -> None:
 
 
 def _checked_logits(t: torch.Tensor, key: str) -> torch.Tensor:
-    """Logits [..., V] with V ≥ 1 whose every row is a distribution. Refused, as everywhere in kl-bench
-    (a spec's logits, kl_bench.sampling.logits.check_logits): NaN, +inf, a row all −inf (no token has
-    probability > 0); each would come out of the softmax as a NaN value, silently. Integer logits are read
-    as float64 (the softmax needs a float)."""
+    """Logits [..., V] with V ≥ 1 whose every row is a distribution, refused as a spec's are
+    (kl_bench.sampling.logits.check_logits: NaN, +inf, a row all −inf). Integer logits are read as float64
+    (the softmax needs a float)."""
     _no_data(t, key)
     if t.ndim == 0 or t.shape[-1] == 0:
         raise ShapeError(f"{key} must be [..., V] with a vocabulary V ≥ 1, got {list(t.shape)}")
     if not t.is_floating_point():
         t = t.to(torch.float64)
-    for bad, what in ((torch.isnan(t), "NaN"), (torch.isposinf(t), "+inf")):
-        if bool(bad.any()):
-            raise SpecError(f"logits contain {what} (at index {_first(bad)})", key=key)
-    dead = torch.isneginf(t).all(dim=-1)
-    if bool(dead.any()):
-        raise SpecError(f"a row of logits is all −inf, no token has probability > 0 (at index {_first(dead)})",
-                        key=key)
+    check_logits(t, key=key)
     return t
-
-
-def _first(flags: torch.Tensor) -> list[int]:
-    """The index of the first True of ``flags``, as a list (for a message)."""
-    return [int(i) for i in torch.nonzero(flags)[0]]
 
 
 def _sampled_logprobs(q: torch.Tensor, p: torch.Tensor, ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [..., V] of both sides → the log-probs [...] of the sampled tokens ``ids`` [...]."""
     if ids is None:
         raise SpecError("logits need ids= (the sampled tokens) for a per-token estimator")
-    ids = _tensor(ids, "ids")
+    ids = as_real_tensor(ids, "ids")
     _no_data(ids, "ids")
     if ids.shape != q.shape[:-1]:
         raise ShapeError(f"ids must have the logits' shape without the vocabulary {list(q.shape[:-1])}, "
@@ -177,7 +152,7 @@ def _sampled_logprobs(q: torch.Tensor, p: torch.Tensor, ids) -> tuple[torch.Tens
     out = (ids < 0) | (ids >= v)
     if bool(out.any()):     # gather's own error names neither ids nor V; a negative id is no token either
         raise SpecError(f"token ids must lie in [0, V) = [0, {v}) (V: the logits' last dimension), got "
-                        f"{int(ids[out][0])} at index {_first(out)}", key="ids")
+                        f"{int(ids[out][0])} at index {first_index(out)}", key="ids")
     q = torch.log_softmax(q, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     p = torch.log_softmax(p, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     return q, p

@@ -155,11 +155,7 @@ class Result:
             raise SpecError("give report() a folder, or write() the results first")
         out = results_folder(directory if directory is not None else self.path / "report", "directory")
         if self.path is not None:
-            from ..foundation.storage import same_path
-            if same_path(out, self.path):        # swapped in whole, the report would replace the results
-                raise SpecError(f"is the results folder: give another folder (default: {self.path / 'report'})",
-                                file=str(out), key="directory")
-            return write_report([self.path], out)
+            return write_report([self.path], out, key="directory")    # refuses the results folder itself
         from ..results.verify import refuse_undefined_statistics
         refuse_undefined_statistics(self.summary, str(self.spec.path) if self.spec is not None else str(self.path))
         with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from ..foundation.errors import ShapeError, SpecError
-from ..sampling.logits import check_logits
+from ..core.logits import as_real_tensor, check_logits
 from ..core.estimators import resolve_estimator
 from .sampler import Sampler, sampler_logprobs
 
@@ -155,18 +155,6 @@ def _sampler_values(lq, lb, f, ids) -> SamplerValues:
     return SamplerValues(mean, var, neg, miss, log_mean, log_var, _gather(lb, ids), kl_q, chi2, gap_abs)
 
 
-def _logits(value, key: str) -> torch.Tensor:
-    """``value`` (a tensor, an ndarray, nested lists) as a real tensor on its own device; else one SpecError
-    naming ``key`` (an ndarray had been "'numpy.ndarray' object has no attribute 'to'")."""
-    try:
-        t = torch.as_tensor(value)      # host: a tensor keeps its device; an ndarray or a list is the caller's host data
-    except (TypeError, ValueError, RuntimeError):
-        raise SpecError(f"must be a tensor of logits, got {type(value).__name__}", key=key) from None
-    if t.is_complex() or t.dtype == torch.bool:
-        raise SpecError(f"must hold real logits, got dtype {t.dtype}", key=key)
-    return t
-
-
 def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: Sequence = ("k1", "k3"),
                     sampler: Sampler | None = None, *, ids: torch.Tensor | None = None,
                     eos_banned: torch.Tensor | None = None, context_ids: torch.Tensor | None = None,
@@ -178,8 +166,9 @@ def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: S
     ``sampling`` [N, V]: the policy's logits in the pass that drew the tokens, where it differs from the
     scored pass (dropout, position ids, a cache, precision): its sampler values are ``g``.
     Memory: a few [N, V, F] float64 tensors; for large V use :func:`kl_bench.audit.stream.stream_values`."""
-    policy, reference = _logits(policy, "policy"), _logits(reference, "reference")
-    sampling = None if sampling is None else _logits(sampling, "sampling")
+    # Arrays and lists taken as tensors (an ndarray had been "'numpy.ndarray' object has no attribute 'to'")
+    policy, reference = as_real_tensor(policy, "policy"), as_real_tensor(reference, "reference")
+    sampling = None if sampling is None else as_real_tensor(sampling, "sampling")
     if policy.shape != reference.shape or policy.ndim != 2:
         raise SpecError(f"policy and reference logits must be [N, V] of one shape, got {list(policy.shape)} "
                         f"and {list(reference.shape)}")
@@ -187,7 +176,7 @@ def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: S
         raise ShapeError("policy and reference logits need a vocabulary: V must be ≥ 1, got [N, 0]")
     for t, what in ((policy, "policy"), (reference, "reference"), (sampling, "sampling")):
         if t is not None and t.device.type != "meta":    # meta tensors (the device-rule tests) hold no values
-            check_logits(t, what)        # NaN or +inf: every value would be NaN; −inf marks a zero probability
+            check_logits(t, key=what)    # NaN or +inf: every value would be NaN; −inf marks a zero probability
     if sampling is not None and sampling.shape != policy.shape:
         raise SpecError(f"the sampling pass's logits must be [N, V] = {list(policy.shape)}, got {list(sampling.shape)}")
     names, fns = estimator_functions(estimators)

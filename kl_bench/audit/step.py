@@ -40,7 +40,6 @@ from ..foundation.storage import check_output_dir
 from ..results import folders
 from ..results import schema as _schema
 from ..results.schema import AUDIT_COLUMNS, ENGINE_COLUMNS
-from ..results.verify import check_whole_columns
 from .._moved import renamed
 from .aggregate import aggregation_units
 from .exact import PositionValues
@@ -232,7 +231,6 @@ def read_audit_folder(directory) -> tuple[dict, list[StepAudit]]:
     before a column existed get kl_bench.results.schema.AUDIT_DEFAULTS (expected_g: expected_b)."""
     stored = folders.read(directory, "audit")
     df = folders.read_table(stored, "audit.csv")
-    check_whole_columns("audit.csv", df, stored.path / "audit.csv")    # a blank or NaN step: named, one line
     out = []
     for i, row in enumerate(df.to_dict("records"), start=2):
         try:

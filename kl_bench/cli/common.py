@@ -137,16 +137,12 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
     signals.import_plotting()       # a Ctrl-C inside matplotlib's compiled start-up: one line, not an abort
     from ..present.report import summary_line, write_report as write
     from ..api.folders import interrupt_line
-    from ..foundation.storage import check_output_dir, fs_error, same_path
+    from ..foundation.storage import check_output_dir, fs_error
     from ..results.folders import require_folder
     with user_errors():
         for d in dirs:              # what was asked for is said first, before the (default) --out is judged
             require_folder(d)
         check_report_out(Path(out))
-        for d in dirs:              # a report goes beside or inside a results folder (DIR/report), never over it
-            if same_path(out, d):
-                raise SpecError("is a results folder this report reads: give another folder (default: "
-                                f"{Path(d) / 'report'})", file=str(out), key="--out")
         out = check_output_dir(out)
         earlier = "an earlier report in {out} is untouched" if out.exists() else "nothing was created"
         bar = LazyProgress(0, enabled=not quiet, console=err_console, unit="figures")
@@ -174,7 +170,7 @@ def check_output(path: Path, key: str, spec=None, inputs=(), baseline_ok: bool =
     their recorded sha256 would then fail every read), and a kl-bench baseline (unless ``baseline_ok``:
     `kl-bench baseline`)."""
     from ..foundation.storage import check_output_file
-    from ..results.folders import DATA_FILES
+    from ..results.folders import FOLDER_FILES
     path = Path(path)
     in_results = False
     reads = list(inputs)
@@ -182,7 +178,7 @@ def check_output(path: Path, key: str, spec=None, inputs=(), baseline_ok: bool =
         reads += [(spec.path, "the spec"), *((f, "a file the spec reads") for f in spec.referenced_files())]
     check_output_file(path, key, reads)       # first: a path that cannot be looked at is said there, in one line
     with contextlib.suppress(OSError):
-        in_results = path.name in (*DATA_FILES, "run.json") and (path.parent / "run.json").is_file()
+        in_results = path.name in FOLDER_FILES and (path.parent / "run.json").is_file()
     if in_results:
         raise SpecError(f"is a file of the results folder {path.parent}: give another file name", file=str(path),
                         key=key)

@@ -31,6 +31,7 @@ from ..kinds import CASE_KINDS, CaseConfig
 from ..foundation.registry import did_you_mean, plugin_path
 from ..foundation.safe_io import decode_text, parse_toml, read_regular
 from ..sampling.samplers import parse_sampler
+from ..results.verify import ORDERLESS, RUN_SETTINGS
 
 SPEC_VERSION = 1
 # |λ| of cv(λ) = −log r + λ(r − 1): beyond it λ²·Var(r) and the squared per-draw values of the λ curve
@@ -138,7 +139,6 @@ class Spec:
 
 
 def _experiment_differences(a: Experiment, b: Experiment) -> list[str]:
-    from ..results.verify import ORDERLESS, RUN_SETTINGS
     out = []
     for f in dataclasses.fields(Experiment):
         key, x, y = f"experiment.{f.name}", getattr(a, f.name), getattr(b, f.name)

@@ -26,7 +26,7 @@ from .pages import figure_bytes as _figure_bytes
 from ..foundation.errors import SpecError
 from ..foundation.registry import Registry
 from ..results import SWEEP_PREFIX
-from ..foundation.storage import write_folder
+from ..foundation.storage import same_path, write_folder
 from ..results import folders
 from ..results.verify import read_results_folder
 
@@ -515,10 +515,16 @@ def build_figures(results: list[Results], df: pd.DataFrame, formats=None,
 
 
 # ----------------------------------------------------------------------------- report
-def write_report(dirs: list[Path], out: Path, **options) -> Path:
+def write_report(dirs: list[Path], out: Path, key: str = "--out", **options) -> Path:
     """Build the report of ``dirs`` (:func:`report_files`; ``options``: its keywords) and write it as the
     folder ``out``, atomically (every input is read and every figure drawn first; then the folder is
-    swapped in whole, kl_bench.foundation.storage)."""
+    swapped in whole, kl_bench.foundation.storage). A folder it reads is refused as ``out`` (the error names
+    the argument ``key``): swapped in whole, the report would replace the results (it goes beside or inside
+    them: DIR/report)."""
+    for d in dirs:
+        if same_path(out, d):
+            raise SpecError("is a results folder this report reads: give another folder (default: "
+                            f"{Path(d) / 'report'})", file=str(out), key=key)
     files = report_files(dirs, **options)
     write_folder(Path(out), files)
     return Path(out)

@@ -12,7 +12,6 @@ from .pages import DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, htm
 from .pages import file_stems, md_text, vector_links
 from .._moved import renamed
 from ..results import folders
-from ..results.verify import check_whole_columns
 from .training_plots import plot_training
 from ..training.result import final_rows, summary_lines
 
@@ -63,7 +62,6 @@ def training_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=
     PDF, SVG), report.md and report.html. ``progress``: told of each figure."""
     stored = folders.read(folder, "train")            # verified: run.json, every file against its sha256
     folder, df = stored.path, folders.read_table(stored, "train.csv")
-    check_whole_columns("train.csv", df, folder / "train.csv")      # steps on the x axis, draws in the legend
     figs = _figures(df, formats, progress)
     files = {path: data for name, _, by_fmt in figs for path, data in figure_files(name[:-4], by_fmt).items()}
     title = f"Training trajectories: {folder.name}"

@@ -25,8 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..foundation.errors import SpecError
 from ..foundation.safe_io import describe, parse_json, read_regular
+from ..foundation.storage import same_path
+from .checkpoint import CHECKPOINT
 from .frames import read_frame
 from .schema import (AUDIT_COLUMNS, AUDIT_DEFAULTS, AUDIT_ENVELOPE, ENGINE_COLUMNS, FORMAT_VERSION, RUN_ENVELOPE,
                      TRAIN_ENVELOPE, TRAIN_SCHEMA)
@@ -78,6 +82,8 @@ TEXT: dict[str, set[str]] = {"train.csv": {"case", "combination", "estimator", "
                              "audit.csv": {"source", "estimator", "aggregation"}, "engine.csv": {"convention"}}
 # Every data file name any kind stores (a name's size cap in kl_bench.foundation.safe_io is by its name).
 DATA_FILES = tuple(dict.fromkeys(n for f in FORMATS.values() for n in f.data_files))
+# Every file a results folder of any kind writes under its own name (the checkpoint, written during a run, aside).
+FOLDER_FILES = (*DATA_FILES, ENVELOPE)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -146,7 +152,7 @@ def json_type(v: Any) -> str:
 
 def read_bytes(path: Path) -> bytes:
     """A stored file's bytes (regular files only, capped by its name's kind)."""
-    return read_regular(path, path.name if path.name in (ENVELOPE, *DATA_FILES) else ENVELOPE, path.name)
+    return read_regular(path, path.name if path.name in FOLDER_FILES else ENVELOPE, path.name)
 
 
 def read_envelope(path: Path) -> dict:
@@ -268,9 +274,7 @@ def check_replaceable(folder: str | Path, kind: str, key: str = "--out", spec=No
 def _check_reads_kept(folder: Path, reads: list[tuple[Path, str]], key: str) -> None:
     """Refuse a read (path, what) that the folder's writing replaces: one of its results files, run.json or
     the checkpoint (the files a folder of any kind writes; everything else in it is kept)."""
-    from ..foundation.storage import same_path
-    from .checkpoint import CHECKPOINT
-    writes = (ENVELOPE, *DATA_FILES, CHECKPOINT)
+    writes = (*FOLDER_FILES, CHECKPOINT)
     for path, what in reads:
         if path.name in writes and same_path(path.parent, folder):
             raise SpecError(f"would replace {what} ({path}): writing the results there replaces its {path.name}; "
@@ -435,10 +439,37 @@ def read_table(stored: Stored, name: str):
     columns, defaults = TABLE_COLUMNS[name]
     df = parse_csv(stored.files[name], p, [c for c in columns if c not in defaults])
     check_numeric_columns(df, [c for c in columns if c in df.columns and c not in TEXT[name]], p)
+    check_whole_columns(name, df, p)
     for c, value in defaults.items():
         if c not in df.columns:
             df[c] = df[value] if value in df.columns else float(value)
     return df[columns + [c for c in df.columns if c not in columns]]
+
+
+def first_bad(df, c: str, bad, what: str, p: Path) -> None:
+    """One line for the first row where ``bad`` (a bool array over ``df``'s rows) holds: the file, the column,
+    the row and its line, its case where the table has one, and the value as read."""
+    rows = np.flatnonzero(bad)
+    if len(rows):
+        i = int(rows[0])
+        case = f" (case {df['case'].iloc[i]!r})" if "case" in df.columns else ""
+        value = df[c].iloc[i]
+        value = value.item() if isinstance(value, np.generic) else value     # nan, -1: not np.float64(nan)
+        raise SpecError(f"column '{c}' {what}, but row {i + 1} (line {i + 2}){case} has {value!r}", file=str(p))
+
+
+# The whole-number columns of a train or an audit folder's tables (parsed as numbers only): a blank, NaN or inf
+# step read back would fail far from the file, in a figure's axis or int(nan).
+WHOLE_COLUMNS = {"train.csv": ("step", "draws", "seeds"), "audit.csv": ("step",), "engine.csv": ("step",)}
+
+
+def check_whole_columns(name: str, df, p: Path) -> None:
+    """The :data:`WHOLE_COLUMNS` of table ``name`` hold a whole number ≥ 0 on every row; else one line naming
+    the file, the column and the row (and its line)."""
+    for c in WHOLE_COLUMNS.get(name, ()):
+        if c in df.columns:
+            v = df[c].to_numpy(dtype=float)
+            first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
 
 
 def parse_csv(data: bytes, p: Path, required: list[str]):

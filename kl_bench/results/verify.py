@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..foundation.errors import SpecError
-from .folders import (FORMATS, check_hashes, check_numeric_columns, check_recorded, format_of, parse_csv, read_bytes,
+from .folders import (FORMATS, check_hashes, check_numeric_columns, check_recorded, first_bad, format_of, parse_csv, read_bytes,
                       read_envelope, require_folder, require_kind, version_of)
 from .migrate import migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
@@ -121,16 +121,6 @@ def _parse_table(name: str, data: bytes, p: Path):
     return df
 
 
-def _first_bad(df, c: str, bad: np.ndarray, what: str, p: Path) -> None:
-    rows = np.flatnonzero(bad)
-    if len(rows):
-        i = int(rows[0])
-        case = f" (case {df['case'].iloc[i]!r})" if "case" in df.columns else ""
-        value = df[c].iloc[i]
-        value = value.item() if isinstance(value, np.generic) else value     # nan, -1: not np.float64(nan)
-        raise SpecError(f"column '{c}' {what}, but row {i + 1} (line {i + 2}){case} has {value!r}", file=str(p))
-
-
 def undefined_statistic(name: str, df) -> tuple[str, np.ndarray, str] | None:
     """The first column of table ``name`` holding NaN where a number is due (see _DEFINED): (column,
     mask of the bad rows, what it must hold), or None."""
@@ -170,17 +160,17 @@ def _check_values(name: str, df, p: Path) -> None:
     for c in _COUNTS.get(name, ()):
         if c in df.columns:
             v = col(c)
-            _first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
+            first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
     for c in _SPREADS.get(name, ()):
         if c in df.columns:
-            _first_bad(df, c, col(c) < 0, "must be ≥ 0 (a spread)", p)
+            first_bad(df, c, col(c) < 0, "must be ≥ 0 (a spread)", p)
     for c, (lo, hi, what) in _BOUNDED.get(name, {}).items():
         if c in df.columns:       # NaN compares False: an empty cell passes
-            _first_bad(df, c, (col(c) < lo) | (col(c) > hi), f"must be {what}", p)
+            first_bad(df, c, (col(c) < lo) | (col(c) > hi), f"must be {what}", p)
     hit = undefined_statistic(name, df)
     if hit is not None:
         c, bad, what = hit
-        _first_bad(df, c, bad, what, p)
+        first_bad(df, c, bad, what, p)
     key = [c for c in _KEYS.get(name, ()) if c in df.columns]
     if key:
         frame = df[key].copy()
@@ -194,20 +184,6 @@ def _check_values(name: str, df, p: Path) -> None:
                               if str(v := df[c].iloc[i]) not in ("", "nan"))
             raise SpecError(f"row {i + 1} (line {i + 2}) repeats an earlier row's key ({shown}): one row per "
                             f"{', '.join(key)}", file=str(p))
-
-
-# The whole-number columns of a train or an audit folder's tables (kl_bench.results.folders.read_table parses
-# them as numbers only): a blank, NaN or inf step read back would fail far from the file, in a figure's axis.
-WHOLE_COLUMNS = {"train.csv": ("step", "draws", "seeds"), "audit.csv": ("step",), "engine.csv": ("step",)}
-
-
-def check_whole_columns(name: str, df, p: Path) -> None:
-    """The :data:`WHOLE_COLUMNS` of table ``name`` (a DataFrame read by folders.read_table) hold a whole
-    number ≥ 0 on every row; else one line naming the file, the column and the row (and its line)."""
-    for c in WHOLE_COLUMNS.get(name, ()):
-        if c in df.columns:
-            v = df[c].to_numpy(dtype=float)
-            _first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
 
 
 def _load_reservoir(data: bytes, p: Path) -> dict[str, np.ndarray]:

@@ -22,6 +22,7 @@ from ..foundation.formatting import fmt_count
 from ..foundation.errors import SpecError
 from ..foundation.registry import did_you_mean
 from ..foundation.safe_io import cap_for, load_npy, open_regular, read_capped
+from ..core.logits import check_logits
 
 
 @dataclass(frozen=True)
@@ -374,16 +375,6 @@ def _tensor_logits(t: torch.Tensor) -> torch.Tensor:
     if t.ndim not in (1, 2) or 0 in t.shape:
         raise SpecError(f"logits must have shape [V] or [B, V] with V ≥ 1 (and B ≥ 1), got {list(t.shape)}")
     return t.unsqueeze(0) if t.ndim == 1 else t
-
-
-def check_logits(logits: torch.Tensor, what: str) -> None:
-    """Reject NaN, +inf, and rows that put no mass anywhere (−inf marks a zero probability)."""
-    if torch.isnan(logits).any():
-        raise SpecError(f"{what}: logits contain NaN")
-    if torch.isposinf(logits).any():
-        raise SpecError(f"{what}: logits contain +inf")
-    if torch.isneginf(logits).all(dim=-1).any():
-        raise SpecError(f"{what}: a row of logits is all −inf (no token has probability > 0)")
 
 
 # The standard errors of a variance use 4th powers of per-draw values: |log r| beyond (float64 max)^{1/4}
