@@ -197,6 +197,13 @@ def rollout_lines(a, dev: torch.device) -> list[Line]:
         with device_setting(seeding.STEP_BLOCKS, block, dev), device_setting(seeding.UNIFORM_STEPS, uniforms, dev):
             r, s, peak = rate(lambda: rollouts.engine(pair, n, dev, batch), steps, dev)
         out.append(Line(f"rollouts (C {c}, T {t}){label}", f"{n:.0e} rollouts", "token-steps/s", r, limit, base, peak, s))
+    # The benchmark's lean prototype (bench_rollout.lean: the same draws, sums by embedding_bag over a step
+    # table): a third of the engine's bytes a token-step by the proxy (benchmarks/README.md); does the GPU's
+    # rate follow?
+    rollouts.lean(pair, min(n, 1000), dev, 1000)                             # warm-up (its step table too)
+    r, s, peak = rate(lambda: rollouts.lean(pair, n, dev, a.rollout_batch), steps, dev)
+    out.append(Line(f"rollouts (C {c}, T {t}), lean prototype", f"{n:.0e} rollouts", "token-steps/s", r, limit, base,
+                    peak, s))
     return out
 
 
@@ -246,7 +253,7 @@ def profile(a, dev: torch.device) -> None:
     from torch.profiler import profile as torch_profile
     cuda = dev.type == "cuda"
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    runs = _tenths(a, dev)
+    runs = {path: calls[0][1] for path, (_, _, calls) in _tenths(a, dev).items()}      # kl-bench's pipelines
     for path in a.profile or a.paths:
         if path not in runs:
             continue
@@ -267,16 +274,27 @@ def profile(a, dev: torch.device) -> None:
 def operations(a, dev: torch.device) -> None:
     """Each selected path's kl-bench pipeline once more, at a tenth of its size, with the ATen operations it
     dispatches counted (kl_bench.foundation.launches): on a GPU each is a kernel launch, so this is the
-    launch count of a launch-bound path, and it is measured on any device (the CPU in CI)."""
+    launch count of a launch-bound path, and it is measured on any device (the CPU in CI). Then the same
+    calls' memory traffic by the proxy of kl_bench.foundation.launches (bytes streamed and random 32-byte
+    reads), per unit of the path's rate: what bounds a path whose vectors are long."""
     print(f"\nATen operations per pipeline call ({dev}): all of them, and those that make a kernel on a GPU (about "
           "one launch each; views, empty and wrapped scalars make none)")
-    for path, run in _tenths(a, dev).items():
-        if path in (a.ops or a.paths):
+    traffic = []
+    for path, (units, unit, runs) in _tenths(a, dev).items():
+        if path not in (a.ops or a.paths):
+            continue
+        for label, run in runs:
             run()                                                            # warm (tables)
             _, ops = count_ops(run)
             kernels = [(k, v) for k, v in ops.most_common() if k not in ops.free][:4]
-            print(f"  {path:<10} {sum(ops.values()):>9,} operations, {ops.launching:>9,} kernels   most: "
+            print(f"  {label:<10} {sum(ops.values()):>9,} operations, {ops.launching:>9,} kernels   most: "
                   + ", ".join(f"{k} {v:,}" for k, v in kernels))
+            traffic.append((label, unit, sum(ops.streamed.values()) / units, sum(ops.sectors.values()) / units,
+                            ops.traffic / units))
+    print("\nMemory traffic per unit (a proxy from shapes, kl_bench.foundation.launches: operands and results "
+          "once each, a random read a 32-byte sector)")
+    for label, unit, streamed, sectors, total in traffic:
+        print(f"  {label:<10} {streamed:9,.1f} B streamed, {sectors:6.2f} random reads, {total:9,.1f} B a {unit}")
 
 
 def _on_device_tree(run: Callable[[], object], dev: torch.device) -> object:
@@ -285,16 +303,29 @@ def _on_device_tree(run: Callable[[], object], dev: torch.device) -> object:
         return run()
 
 
-def _tenths(a, dev: torch.device) -> dict[str, Callable[[], object]]:
-    """Each path's kl-bench pipeline at a tenth of its size (profiles and operation counts)."""
+def _tenths(a, dev: torch.device) -> dict[str, tuple[float, str, list[tuple[str, Callable[[], object]]]]]:
+    """Each path's pipelines at a tenth of its size (profiles, operation counts and traffic): per path its
+    units (draws, token-steps, ...), the unit's name and the (label, call) pairs: kl-bench's pipeline and,
+    for the rollouts, the raw limit, the baseline and the lean prototype beside it. A pair is made once and
+    shared by the calls, as the timed table shares it (the calls' tables are cached per pair)."""
+    n, t = max(1, a.rollouts // 10), a.length
+    pair = rollouts.make_pair(a.buckets, t)
+    steps = n * t
     return {
-        "tokens": lambda: vocab.engine(vocab.make_pair("tokens"), max(a.token_draws) // 10, dev),
-        "counts": lambda: _on_device_tree(lambda: vocab.engine(vocab.make_pair("counts"), a.count_draws // 10, dev), dev),
-        "rollouts": lambda: rollouts.engine(rollouts.make_pair(a.buckets, a.length), a.rollouts // 10, dev,
-                                            a.rollout_batch // 10),
-        "gradients": lambda: grads.kl_bench_rollout(grads.make_rollout(), a.gradient_rollouts // 10, dev),
-        "audit": lambda: audit.methods(a.tile or pieces(dev)[1])["stream_values trl.grpo, b = q (callback)"](
-            *audit.make_layer(max(1, a.positions // 4), a.vocab, a.dim, device=str(dev))),
+        "tokens": (max(a.token_draws) // 10, "draw", [("tokens", lambda: vocab.engine(
+            vocab.make_pair("tokens"), max(a.token_draws) // 10, dev))]),
+        "counts": (a.count_draws // 10, "draw", [("counts", lambda: _on_device_tree(lambda: vocab.engine(
+            vocab.make_pair("counts"), a.count_draws // 10, dev), dev))]),
+        "rollouts": (steps, "token-step", [
+            ("rollouts", lambda: rollouts.engine(pair, n, dev, max(1, a.rollout_batch // 10))),
+            ("  lean", lambda: rollouts.lean(pair, n, dev, max(1, a.rollout_batch // 10))),
+            ("  icdf", lambda: rollouts.inverse_cdf(pair, n, dev)),
+            ("  limit", rollout_limit(n, t, a.buckets, dev))]),
+        "gradients": (a.gradient_rollouts // 10, "rollout", [("gradients", lambda: grads.kl_bench_rollout(
+            grads.make_rollout(), a.gradient_rollouts // 10, dev))]),
+        "audit": (max(1, a.positions // 4), "position", [("audit", lambda: audit.methods(
+            a.tile or pieces(dev)[1])["stream_values trl.grpo, b = q (callback)"](
+            *audit.make_layer(max(1, a.positions // 4), a.vocab, a.dim, device=str(dev))))]),
     }
 
 

@@ -23,6 +23,8 @@ from kl_bench.core.estimators import lookup
 from kl_bench.sampling.logits import zipf_logits
 from kl_bench.kinds import RolloutPair
 from kl_bench.kinds.rollout.sampler import simulate
+from kl_bench.sampling import seeding
+from kl_bench.sampling.alias import pick
 
 V = 50257
 TOK = ["k1", "k2", "k3", "fwd_k3", "full"]
@@ -41,6 +43,65 @@ def engine(pair: RolloutPair, n: int, device: torch.device, batch: int):
     sizes = [min(batch, n - i) for i in range(0, n, batch)]
     d = simulate(pair.model, sizes, gens, device, rows)
     return d.tok.sum(0), d.logr.sum()
+
+
+# The lean prototype's step tables, per (model, device): built once, outside the timed call, as the
+# sampler's own tables are (RolloutModel.sampling_tables).
+_STEP_TABLES: dict = {}
+
+
+def step_table(pair: RolloutPair, device: torch.device) -> torch.Tensor:
+    """[C·V + 1, 3 + rows] float64 on ``device``: per (bucket, token) what a step adds to a path's sums (log r,
+    the bucket's analytic KL, r − 1, then each of TOK's values), and a last row of zeros that a finished path
+    adds (C = 256, V = 50,257: 824 MiB)."""
+    key = (id(pair.model), torch.device(device))
+    if key not in _STEP_TABLES:
+        model = pair.model
+        on = model.sampling_tables(device)
+        g, kl = on.logr, on.kl_ctx.repeat_interleave(model.vocab)
+        cols = [g, kl, torch.expm1(g)] + [kl if lookup(e).analytic else lookup(e).fn(g) for e in TOK]
+        table = torch.stack(cols, -1)
+        _STEP_TABLES[key] = torch.cat([table, torch.zeros(1, table.shape[1], dtype=table.dtype, device=device)])
+    return _STEP_TABLES[key]
+
+
+def lean(pair: RolloutPair, n: int, device: torch.device, batch: int, block: int = 8):
+    """A prototype, in this benchmark only (issue 33): :func:`engine`'s draws (the same uniforms, so the same
+    paths) with the per-path sums formed by the fewest bytes eager PyTorch allows. A step records each path's
+    key c·V + x (a finished path's: the step table's zero row) into a [n, ``block``] block, and every
+    ``block`` steps one ``embedding_bag`` gathers the keys' rows of :func:`step_table` and sums them per path
+    (in step order, float64): no per-step estimator kernels and no [n]-long float64 temporaries. It covers
+    this benchmark's model only (one phase, on-policy, EOS, no rejection mask), and it answers whether the
+    sampler's bytes a token-step (benchmarks/README.md) or its gathers bound the GPU's rate. Returns what
+    :func:`engine` returns (the same sums up to the order of float64 additions)."""
+    model = pair.model
+    on = model.sampling_tables(device)
+    assert len(on.alias) == 1, "the prototype covers one phase"
+    table, bucket, v = on.alias[0], on.bucket, model.vocab
+    steps = step_table(pair, device)
+    finished = torch.tensor(steps.shape[0] - 1, device=device)      # the zero row's key
+    starts = range(0, n, batch)
+    gens = [torch.Generator(device=device).manual_seed(i) for i in starts]
+    sizes = [min(batch, n - i) for i in starts]
+    per_call = seeding.uniform_steps(device)
+    sums = torch.zeros(n, steps.shape[1], dtype=torch.float64, device=device)
+    keys = torch.empty(n, block, dtype=torch.int64, device=device)
+    c = torch.zeros(n, dtype=torch.int64, device=device)
+    alive = torch.ones(n, dtype=torch.bool, device=device)
+    for t in range(model.length):
+        if t % per_call == 0:                        # each batch's uniforms from its generator, as the engine's
+            k = min(per_call, model.length - t)
+            u = torch.cat([torch.rand(m, k, dtype=torch.float64, generator=g, device=device)
+                           for m, g in zip(sizes, gens)])
+        base = c * v
+        x = pick(table, u[:, t % per_call] * v, v, base)
+        torch.where(alive, base + x, finished, out=keys[:, t % block])
+        alive &= x != model.eos
+        c = bucket[x]
+        if t % block == block - 1 or t == model.length - 1:
+            sums += torch.nn.functional.embedding_bag(keys[:, :t % block + 1], steps, mode="sum")
+    # Contiguous, as the engine's sums are: the totals then come from the same reduction over the same layout.
+    return sums[:, 3:].contiguous().sum(0), sums[:, 0].contiguous().sum()
 
 
 def baseline(pair: RolloutPair, n: int, device: torch.device, batch: int):

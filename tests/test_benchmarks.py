@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
@@ -49,3 +50,32 @@ def test_the_gpu_table_in_the_readme_has_the_printed_columns():
     positions = [header.index(f"'{c}'") for c in GPU_COLUMNS]
     assert positions == sorted(positions)
     assert "not measured" in section or "Device: NVIDIA" in section or "Device: AMD" in section
+
+
+def test_the_lean_rollout_prototype_sums_the_engines_draws(monkeypatch):
+    """bench_rollout.lean (the GPU table's prototype: the engine's draws, sums by embedding_bag over a step
+    table) returns the engine's sums: bit for bit with blocks of one step (both add the same float64 values
+    in step order), and with blocks of 5 steps and 7 steps of uniforms a call (CUDA's kind of settings,
+    forced on the CPU) within the bound of reordered float64 additions, 2·T·2⁻⁵³ per unit of Σ|terms|."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_rollout as br
+    from kl_bench.sampling import seeding
+
+    from kl_bench.kinds import RolloutPair
+    bench = br.make_pair(4, 16).model
+    # EOS the likeliest token (q ≈ 0.1 in every bucket; the benchmark's V − 1 is so unlikely that no path
+    # would end).
+    eos = int(bench.log_q.exp().sum(0).argmax())
+    pair = RolloutPair("eos", bench.log_q, bench.log_p, bench.bucket, 16, eos)
+    cpu = torch.device("cpu")
+    ours = br.engine(pair, 600, cpu, 250)
+    lean = br.lean(pair, 600, cpu, 250, block=1)
+    assert torch.equal(ours[0], lean[0]) and torch.equal(ours[1], lean[1])
+    monkeypatch.setitem(seeding.UNIFORM_STEPS, "cpu", 7)
+    ours = br.engine(pair, 600, cpu, 250)
+    lean = br.lean(pair, 600, cpu, 250, block=5)
+    # Σ|terms| ≤ paths · T · the step table's largest entry per column.
+    bound = 2 * 16 * 2.0 ** -53 * 600 * 16 * br.step_table(pair, cpu).abs().amax(0)
+    assert ((ours[0] - lean[0]).abs() <= bound[3:]).all(), (ours[0] - lean[0], bound[3:])
+    assert (ours[1] - lean[1]).abs() <= bound[0]
+    assert not torch.equal(br.engine(pair, 600, cpu, 250)[1], br.engine(pair, 601, cpu, 250)[1])  # not a constant
