@@ -87,21 +87,30 @@ def _bytes(t: torch.Tensor) -> int:
     return (SECTOR if apart else t.element_size()) * math.prod(n for n, _ in sizes)
 
 
+def _operands(args: tuple, kwargs: dict, out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors an operator read (``out=`` left out) and those it returned."""
+    ins = [t for t in tree_flatten((args, {k: v for k, v in kwargs.items() if k != "out"}))[0]
+           if isinstance(t, torch.Tensor)]
+    return ins, [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+def _gathered(name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[int, int]:
+    """A gather's traffic: its index operands and result streamed, a sector per index for the table (an
+    embedding_bag row per index, whose result is summed over a bag; else the result's share of an index)."""
+    table, rest = ins[0], ins[1:]
+    reads = max((t.numel() for t in rest if not t.is_floating_point()), default=0)
+    each = table.element_size() * math.prod(table.shape[1:]) if name.startswith("_embedding_bag") else \
+        _bytes(outs[0]) // max(reads, 1)
+    return sum(map(_bytes, rest)) + _bytes(outs[0]), reads * -(-max(each, 1) // SECTOR)
+
+
 def _traffic(name: str, args: tuple, kwargs: dict, out) -> tuple[int, int]:
     """(bytes streamed, random sector reads) of one kernel-making operator ``name`` called on ``args``/``kwargs``
     that returned ``out``: operands and results once each (an in-place operand read and written), a gathered
     table at its gathered rows, a scattered one at its written rows."""
-    ins = [t for t in tree_flatten((args, {k: v for k, v in kwargs.items() if k != "out"}))[0]
-           if isinstance(t, torch.Tensor)]
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    if name in GATHERS and ins:
-        table, rest = ins[0], ins[1:]
-        reads = max((t.numel() for t in rest if not t.is_floating_point()), default=0)
-        # A read moves what one index names: a table row for embedding_bag (whose result is summed over a
-        # bag), else the result's share.
-        each = table.element_size() * math.prod(table.shape[1:]) if name.startswith("_embedding_bag") else \
-            _bytes(outs[0]) // max(reads, 1)
-        return sum(map(_bytes, rest)) + _bytes(outs[0]), reads * -(-max(each, 1) // SECTOR)
+    ins, outs = _operands(args, kwargs, out)
+    if name in GATHERS and ins and outs:
+        return _gathered(name, ins, outs)
     if name == "searchsorted" and len(ins) > 1:
         # A binary search over the sorted operand: a random read per level below the top 20 (their 2^20
         # sectors, 32 MiB, taken as cached).
@@ -109,8 +118,7 @@ def _traffic(name: str, args: tuple, kwargs: dict, out) -> tuple[int, int]:
         return sum(map(_bytes, ins[1:])) + sum(map(_bytes, outs)), ins[1].numel() * levels
     if name in SCATTERS and len(ins) > 1:
         rest = ins[1:]
-        written = max(t.numel() for t in rest) * ins[0].element_size()
-        return sum(map(_bytes, rest)) + written, 0
+        return sum(map(_bytes, rest)) + max(t.numel() for t in rest) * ins[0].element_size(), 0
     return sum(map(_bytes, ins)) + sum(map(_bytes, outs)), 0
 
 
