@@ -2,6 +2,7 @@
 the nominal level, and rejects broken baselines clearly."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -19,6 +20,8 @@ from kl_bench.kinds import GaussianPair
 from kl_bench.experiment.spec import parse_spec
 
 from .conftest import CATEGORICAL, CPU, GAUSS, spec_toml
+
+ROOT = Path(__file__).resolve().parents[1]
 
 runner = CliRunner()
 
@@ -351,3 +354,69 @@ def test_a_baseline_of_another_experiment_is_refused(tmp_path, build_spec):
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1, res.output
     assert "is the baseline of experiment 'b', not of 'a'" in lines[0] and "key '--baseline'" in lines[0]
+
+
+def test_the_exact_kurtosis_of_a_gaussian_row_flags_a_clamp_whose_tail_the_draws_never_reach():
+    """GaussianPair.kurtosis_proxy = E_b[f⁴]/E_b[f²]²: the closed form (a polynomial estimator) equals 1-D
+    quadrature of the same function (an Estimator without its polynomial); k3 with log r clamped at ±20,
+    N(0, 1) against N(0, 1.2²) drawn from N(0, 1.5²) (results/mismatch), puts E_b[f²] in draws of
+    probability ~1e-14: its kurtosis is far beyond 10^7 draws, so the row is 'kurtosis > draws' (it was
+    'unstable batches', whose std the gate then compared: 100 standard errors), while k1 and unclamped-free
+    rows keep theirs."""
+    from kl_bench.core.estimators import EstimatorOption, resolve_estimator
+    from kl_bench.core.stats import HeavyTail
+    pair = GaussianPair("g", [0.0], [1.0], [0.3], [1.1])
+    k2 = ESTIMATORS["k2"]
+    poly = pair.kurtosis_proxy(k2)
+    bare = est_mod.Estimator("k2 bare", k2.fn, k2.target, False, True, "½(log r)²")       # no polynomial
+    quad = pair.kurtosis_proxy(bare)
+    assert math.isfinite(poly) and poly > 1 and abs(quad - poly) <= 1e-6 * poly, (poly, quad)
+    assert math.isnan(pair.kurtosis_proxy(est_mod.lookup("full")))
+    wide = GaussianPair("m", [0.0], [1.0], [0.0], [1.2], std_scale=1.5)
+    clamped = resolve_estimator(EstimatorOption("k3", "k3 logr±20", logr_clamp=20.0))
+    kurt = wide.kurtosis_proxy(clamped)
+    assert kurt > 1e7, kurt
+    assert wide.kurtosis_proxy(ESTIMATORS["k1"]) < 100
+    df = pd.read_csv(ROOT / "results" / "mismatch" / "summary.csv", keep_default_na=False)
+    row = df[(df["case"] == "gauss-std1.5") & (df["estimator"] == "k3 logr±20")].iloc[0]
+    assert row["heavy_tail"] == HeavyTail.KURTOSIS.value
+
+
+def _heavy_row(mean: float, std: float, exact_std: float, heavy: str) -> dict:
+    """A summary row of 10^6 draws in 200 batches whose exact mean is 10."""
+    se = std / 1000.0
+    return {"case": "c", "estimator": "k3", "lambda": float("nan"), "aggregate": "seq", "target": "KL(q||p)",
+            "true_kl": 10.0, "draws": 10**6, "batches": 200, "mean": mean, "std": std, "se": se,
+            "std_se": se * 10, "exact_mean": 10.0, "exact_std": exact_std, "heavy_tail": heavy}
+
+
+def test_a_heavy_tailed_mean_is_compared_at_the_exact_spread():
+    """A row the exact analysis flags (kurtosis > draws: its measured std, and the batch-means SE made of it,
+    usually far too low) is compared with its SE scaled to the exact std (se · exact_std / std), and its
+    std not at all, with a note; the same numbers without the flag fail; a flagged row whose measured std
+    is the exact one is still caught 10 SEs off."""
+    from kl_bench.analysis.gate import exact_comparisons, holm, skipped_notes
+    shortfall = pd.DataFrame([_heavy_row(5.0, 1000.0, 2.0e6, "kurtosis > draws")])   # 5 SEs low, measured
+    comps = holm(exact_comparisons(shortfall), 0.001)
+    assert [c.statistic for c in comps] == ["mean vs exact"] and comps[0].passed
+    assert comps[0].se == pytest.approx(2.0e6 / 1000.0)
+    assert skipped_notes(shortfall) == ["c: seq k3: std not compared; mean's SE taken at the exact std "
+                                        "(kurtosis > draws)"]
+    unflagged = pd.DataFrame([_heavy_row(5.0, 1000.0, 2.0e6, "")])
+    assert not all(c.passed for c in holm(exact_comparisons(unflagged), 0.001))
+    honest = pd.DataFrame([_heavy_row(10.0 - 10 * 2.0, 2000.0, 2000.0, "kurtosis > draws")])   # 10 SEs low
+    comps = holm(exact_comparisons(honest), 0.001)
+    assert [c.statistic for c in comps] == ["mean vs exact"] and not comps[0].passed
+
+
+def test_the_committed_results_pass_their_own_gate():
+    """Every committed results folder with a spec passes `kl-bench check` against exact values (the gate
+    had failed results/mismatch on a clamp's unreachable tail, and results/rollout on a sequence fwd_k3
+    whose exact std is 1,800× the measured one)."""
+    from kl_bench.present.report import load_results
+    for folder in sorted((ROOT / "results").iterdir()):
+        spec = ROOT / "experiments" / f"{folder.name}.toml"
+        if not (folder / "summary.csv").exists() or not spec.exists():
+            continue
+        rep = check(load_results(folder).summary)
+        assert rep.passed, (folder.name, [c.sentence() for c in rep.failures])

@@ -201,6 +201,13 @@ class GaussianPair(ScoreGradientOracle, Pair):
     def fourth_moment_finite(self, est: RowSource, aggregate: str = "") -> bool:
         return self._fourth_finite(est.poly)
 
+    def kurtosis_proxy(self, est: RowSource, aggregate: str = "") -> float:
+        """E_b[v⁴]/E_b[v²]² of the row's value v (exact: closed form or 1-D quadrature); NaN for the analytic
+        row (a constant, or the constant times w) and where no oracle applies."""
+        if est.analytic:
+            return math.nan
+        return exact.gaussian_fourth_ratio(self.params, est, self.sampler_params, self.weighted, self.weight_cap)
+
     def describe(self) -> str:
         g = self.params
 
