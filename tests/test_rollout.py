@@ -209,3 +209,21 @@ def test_exact_kurtosis_flags_seq_rows_whose_measured_std_cannot_be_trusted():
                                      chunk=1 << 22, device=CPU)))
     flags = dict(zip(df["aggregate"] + " " + df["estimator"], df["heavy_tail"]))
     assert flags["seq k3"] == "kurtosis > draws" and flags["tok k3"] == "" and flags["seq k1"] == ""
+
+
+def test_a_constant_rows_exact_std_is_zero_not_the_cancellations_rounding():
+    """On a one-step rollout the token row of the analytic KL is one constant, KL(q(·|c₀) ‖ p(·|c₀)): its
+    exact variance E[X²] − E[X]² cancels to a few ulps of E[X²] (it was 6.5e-19: an exact std of 8.1e-10 that
+    the gate compared with the measured 0 at z = −20,365), and is now 0; a spread above that floor is kept
+    (k3's, and a variance of 10 ulps of E[X²])."""
+    from kl_bench.kinds.rollout.oracle import CANCELLATION_ULPS, mean_var
+    pair = _tiny(None, seed=8, v=20, c=4, t=1)       # seed 8: the cancellation leaves +8.3e-17
+    full, k3 = lookup("full"), ESTIMATORS["k3"]
+    mean, var = pair.oracle.tok(full)
+    assert var == 0.0 and mean > 0
+    assert pair.oracle.tok(k3)[1] > 0
+    second = 0.04 ** 2
+    assert mean_var(0.04, second)[1] == 0.0
+    above = second * (1 + 2 * CANCELLATION_ULPS * 2.0**-52)
+    assert mean_var(0.04, above)[1] == above - second > 0
+    assert mean_var(0.04, math.inf) == (0.04, math.inf)

@@ -27,11 +27,21 @@ from . import dp
 from .model import RolloutModel
 
 
+# Variances here are E[X²] − E[X]², each side a float64 sum of the program's terms: a difference within a
+# few ulps of E[X²] is rounding, not spread (a row that is one constant, such as the analytic KL of a
+# one-step rollout's first bucket, came out with a std of 8e-10 = √(ulps of E[X²]) where its measured std
+# is exactly 0, and the gate failed it). Such a variance is 0: the true one is below what the formula
+# resolves. Eight ulps: both moments rounded, and the square.
+CANCELLATION_ULPS = 8.0
+
+
 def mean_var(mean: float, second: float) -> tuple[float, float]:
-    """(mean, variance) from the first two moments; an infinite second moment is an infinite variance."""
+    """(mean, variance) from the first two moments; an infinite second moment is an infinite variance, and one
+    within :data:`CANCELLATION_ULPS` of E[X²] (cancellation) is 0."""
     if not math.isfinite(second):
         return mean, math.inf
-    return mean, max(second - mean * mean, 0.0)
+    var = second - mean * mean
+    return mean, (var if var > CANCELLATION_ULPS * 2.0**-52 * abs(second) else 0.0)
 
 
 class RolloutOracle:
@@ -90,15 +100,14 @@ class RolloutOracle:
             return self._sampler_seq(est)
         if est.poly is None:
             return math.nan, math.nan          # |L|: no exact rollout oracle
-        mean, second = self._poly_mean(est.poly), self._poly_mean(poly_square(est.poly))
-        return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
+        return mean_var(self._poly_mean(est.poly), self._poly_mean(poly_square(est.poly)))
 
     def tok(self, est: RowSource) -> tuple[float, float]:
         """(mean, variance) of the token sum Σ_t f(log r_t): additive along the path."""
         if self.model.has_sampler:
             return self._sampler_tok(est)
         m = self.tok_moments(self.model.tok_values(est))
-        return m[1], max(m[2] - m[1] ** 2, 0.0)
+        return mean_var(m[1], m[2])
 
     def tok_mean(self, est: RowSource) -> tuple[float, float]:
         """(mean, variance) of Σ_t f / |y| (times W with sequence weights), exact by splitting the program on
@@ -208,21 +217,19 @@ class RolloutOracle:
         ones, wt, f = torch.ones_like(model.logr_table), model.token_weight, model.tok_values(est)
         if model.weighting.per_token:             # Σ_t w_t f_t: additive
             mom = dp.b_moments(model, lambda lb: ones, lambda lb: wt(lb) * f, 2)
-            return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+            return mean_var(mom[1], mom[2])
         if model.weighting.on_sums:               # W · Σ_t f_t: weight multiplicative, sum additive
             m1 = dp.b_moments(model, lambda lb: wt(lb), lambda lb: f, 1)[1]
             m2 = dp.b_moments(model, lambda lb: wt(lb) ** 2, lambda lb: f, 2)[2]
             return mean_var(m1, m2)
         mom = dp.b_moments(model, lambda lb: ones, lambda lb: f, 2)
-        return mom[1], max(mom[2] - mom[1] ** 2, 0.0)
+        return mean_var(mom[1], mom[2])
 
     def _sampler_seq(self, est: RowSource) -> tuple[float, float]:
         """(E_b[v], Var_b[v]) of a seq row (a polynomial in R and L) under the sampler."""
         if est.poly is None:
             return math.nan, math.nan
-        mean = self._sampler_poly(est.poly, 1)
-        second = self._sampler_poly(poly_square(est.poly), 2)
-        return mean, (math.inf if math.isinf(second) else max(second - mean * mean, 0.0))
+        return mean_var(self._sampler_poly(est.poly, 1), self._sampler_poly(poly_square(est.poly), 2))
 
     def _sampler_poly(self, poly, power: int) -> float:
         """E_b[W^power Σ c R^s L^k] (W = 1 without weights)."""
