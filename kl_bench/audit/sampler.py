@@ -16,6 +16,7 @@ what it lacks; the streamed form (kl_bench.audit.stream) finds the same τ tile 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 import torch
@@ -37,6 +38,8 @@ class Sampler:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
+        _check_types(self)
+
         def bad(key, msg):
             raise SpecError(msg, key=f"sampler.{key}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -51,12 +54,13 @@ class Sampler:
             bad("min_new_tokens", f"must be ≥ 0, got {self.min_new_tokens}")
         if self.min_new_tokens and not self.eos_token_id:
             bad("min_new_tokens", "needs eos_token_id")
-        if not self.repetition_penalty > 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
 
     @classmethod
     def from_dict(cls, d: dict, file: str | None = None) -> "Sampler":
-        """From a dict (a saved step's ``generation`` settings); an unknown key is an error naming it."""
+        """From a dict (a saved step's ``generation`` settings); an unknown key, or a value of the wrong type
+        or range, is an error naming it (key ``generation.<name>``)."""
         known = {f.name for f in fields(cls)}
         for k in d:
             if k not in known:
@@ -65,13 +69,13 @@ class Sampler:
         d = dict(d)
         if "eos_token_id" in d:
             e = d["eos_token_id"]
-            d["eos_token_id"] = () if e is None else tuple(int(x) for x in (e if isinstance(e, (list, tuple)) else [e]))
+            d["eos_token_id"] = () if e is None else tuple(e) if isinstance(e, (list, tuple)) else (e,)
         try:
             return cls(**d)
         except SpecError as e:
-            raise e.located(file=file) from None
-        except TypeError as e:
-            raise SpecError(str(e), file=file, key="generation") from None
+            key = e.key or ""
+            raise SpecError(e.message, file=e.file or file,
+                            key="generation." + key.removeprefix("sampler.") if key else "generation") from None
 
     @property
     def spec(self) -> SamplerSpec:
@@ -110,6 +114,36 @@ class Sampler:
         if self.min_new_tokens:
             bits.append(f"min_new_tokens={self.min_new_tokens}")
         return "b = q" if self.is_identity else "b: " + ", ".join(bits)
+
+
+# What each setting must hold: (integer only, None allowed). Booleans are neither numbers nor integers here
+# (JSON's true would otherwise pass as 1).
+_TYPES = {"temperature": (False, False), "top_k": (True, True), "top_p": (False, True), "min_p": (False, True),
+          "min_new_tokens": (True, False), "repetition_penalty": (False, False)}
+
+
+def _is_number(x, integer: bool) -> bool:
+    kind = numbers.Integral if integer else numbers.Real
+    return isinstance(x, kind) and not isinstance(x, bool)
+
+
+def _check_types(s: Sampler) -> None:
+    """Each setting's type, before its range is compared (a list or a string had raised TypeError from the
+    comparison, top_k = true or 1.5 a TypeError from torch.topk deep in the audit)."""
+    for name, (integer, optional) in _TYPES.items():
+        value = getattr(s, name)
+        if value is None and optional:
+            continue
+        if not _is_number(value, integer):
+            what = "an integer" if integer else "a number"
+            raise SpecError(f"must be {what}{' or null' if optional else ''}, got {type(value).__name__} {value!r}"[:200],
+                            key=f"sampler.{name}")
+    if not isinstance(s.eos_token_id, tuple) or not all(_is_number(e, True) for e in s.eos_token_id):
+        shown = list(s.eos_token_id) if isinstance(s.eos_token_id, tuple) else s.eos_token_id
+        raise SpecError(f"must be an integer token id or a list of them, got {shown!r}"[:200],
+                        key="sampler.eos_token_id")
+    if any(e < 0 for e in s.eos_token_id):
+        raise SpecError(f"must hold token ids ≥ 0, got {list(s.eos_token_id)}"[:200], key="sampler.eos_token_id")
 
 
 def penalize(logits: torch.Tensor, context_ids: torch.Tensor | None, penalty: float, lo: int = 0) -> torch.Tensor:

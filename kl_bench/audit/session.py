@@ -129,6 +129,10 @@ class AuditSession:
     def __post_init__(self):
         if not self.metrics:
             raise SpecError("an audit needs at least one metric", key="metrics")
+        sources = [m.source for m in self.metrics]
+        twice = next((x for i, x in enumerate(sources) if x in sources[:i]), None)
+        if twice is not None:        # one row per source and step: its sums had taken every token twice
+            raise SpecError(f"source '{twice}' listed twice (each source is one number of the step)", key="metrics")
         self._pending: dict[str, torch.Tensor] = {}
         self._engine: torch.Tensor | None = None
         self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))
