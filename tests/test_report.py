@@ -5,6 +5,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 
 import matplotlib
 import pandas as pd
@@ -539,3 +540,28 @@ def test_figures_of_unusual_names_print_no_warnings(tmp_path):
         width = fig.get_window_extent().width
         boxes = [t.get_window_extent() for t in fig.axes[0].get_yticklabels()]
     assert all(b.x0 >= 0 and b.x1 <= width for b in boxes), boxes
+
+
+def test_a_case_with_an_infinite_kl_is_reported(tmp_path):
+    """p = 0 at a token q draws: KL(q‖p) = ∞, and every draw of that token has an infinite k1 and k3. The
+    report is written (it crashed in the distribution figure's ticks, OverflowError), with no numpy warning
+    on stderr, and the figure says how many draws are off its axis."""
+    import numpy as np
+    g = np.random.default_rng(0)
+    q = g.standard_normal(50)
+    p = q + 0.3 * g.standard_normal(50)
+    p[3] = -np.inf
+    np.save(tmp_path / "q.npy", q)
+    np.save(tmp_path / "p.npy", p)
+    spec = tmp_path / "inf.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "inf"\ndraws = 10000\nseed = 0\ndevice = "cpu"\n'
+                    'estimators = ["k1", "k3"]\n[[case]]\nname = "c"\nkind = "categorical"\n'
+                    'q = { file = "q.npy" }\np = { file = "p.npy" }\n')
+    out = tmp_path / "r"
+    res = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "kl_bench", "run", str(spec), "--out",
+                          str(out), "--report", "-q"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr and "Warning" not in res.stderr, res.stderr[-2000:]
+    assert math.isinf(pd.read_csv(out / "summary.csv")["mean"][0])
+    assert (out / "report" / "report.html").exists() and (out / "report" / "figures" / "distribution_c.png").exists()
+    fig = plots.plot_distribution(pd.DataFrame({"label": ["k1"] * 4, "value": [0.1, -0.2, np.inf, 0.3]}))
+    assert "1 infinite or NaN draws off the axis" in fig.axes[0].get_xlabel()

@@ -343,11 +343,21 @@ def _layers(curves: list[np.ndarray], tol: float, wide: float = 6.0, thin: float
     return out
 
 
+def _quantiles(v: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """``v``'s quantiles at ``levels``, interpolated where every value is finite; with infinite or NaN draws,
+    the draws themselves (no interpolation between ±inf) and NaN where a quantile is not finite (it is off
+    the axis)."""
+    if np.isfinite(v).all():
+        return np.quantile(v, levels)
+    q = np.quantile(v, levels, method="inverted_cdf")
+    return np.where(np.isfinite(q), q, np.nan)
+
+
 def _ecdf_lines(ax, values: dict[str, np.ndarray], linthresh: float) -> list:
     """Draw every ECDF (layered where lines coincide on the symlog axis, :func:`_layers`), with markers at
     staggered quantiles; the legend's keys, one per line."""
     levels = np.linspace(0.01, 0.99, 99)
-    curves = [_symlog(np.quantile(v, levels), linthresh) if len(v) else np.full(len(levels), np.nan)
+    curves = [_symlog(_quantiles(v, levels), linthresh) if len(v) else np.full(len(levels), np.nan)
               for v in values.values()]
     span = np.nanmax([np.nanmax(np.abs(c)) for c in curves] + [1.0]) * 2
     layers = _layers(curves, 0.012 * span)
@@ -377,9 +387,12 @@ def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     values = {label: part["value"].to_numpy(dtype=float) for label, part in draws.groupby("label", sort=False)}
     # The legend sits beside the axes, one line per estimator: the figure grows with it (or it squeezes the axes).
     fig, ax = _axes(ax, width=9, height=max(4.0, 0.24 * (len(values) + 2)))
-    lo = min((float(np.min(v)) for v in values.values() if len(v)), default=-1.0)
-    hi = max((float(np.max(v)) for v in values.values() if len(v)), default=1.0)
-    finite = np.concatenate([np.abs(v[np.isfinite(v) & (v != 0)]) for v in values.values()] or [np.ones(1)])
+    # Limits from the finite values: a draw with log r = ±inf (p = 0 where q > 0) has an infinite estimate,
+    # which the ECDF reaches at ±inf (off the axis): said in a note under the axes.
+    shown = {label: v[np.isfinite(v)] for label, v in values.items()}
+    lo = min((float(np.min(v)) for v in shown.values() if len(v)), default=-1.0)
+    hi = max((float(np.max(v)) for v in shown.values() if len(v)), default=1.0)
+    finite = np.concatenate([np.abs(v[v != 0]) for v in shown.values()] or [np.ones(1)])
     # The linear zone of the symlog axis: a decade boundary below most |values| (5th percentile).
     linthresh = 10.0 ** np.floor(np.log10(np.quantile(finite, 0.05))) if finite.size else 1e-3
     handles = _ecdf_lines(ax, values, linthresh)
@@ -388,7 +401,8 @@ def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     ax.set_xscale("symlog", linthresh=linthresh)
     _symlog_ticks(ax, min(lo, 0.0), hi, linthresh)
     ax.tick_params(axis="x", labelsize="small")
-    ax.set_xlabel("per-draw estimate  (symlog)")
+    off = sum(int(np.sum(~np.isfinite(v))) for v in values.values())
+    ax.set_xlabel("per-draw estimate  (symlog)" + (f"; {off:,} infinite or NaN draws off the axis" if off else ""))
     ax.set_ylabel("fraction of draws ≤ x  (ECDF)")
     ax.set_title(title)
     _legend(ax, handles, [h.get_label() for h in handles], fontsize="small", loc="upper left",
@@ -423,7 +437,8 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
         run_mean = np.cumsum(n * m) / cum_n
         k_idx = np.arange(1, len(m) + 1)
         # Running batch-means SE: spread of the batch means so far around the running mean, / √(batches − 1).
-        sq = np.cumsum(n * m * m) / cum_n - run_mean**2
+        with np.errstate(invalid="ignore"):                   # inf − inf where a batch mean is infinite: NaN
+            sq = np.cumsum(n * m * m) / cum_n - run_mean**2
         se = np.sqrt(np.maximum(sq, 0) / np.maximum(k_idx - 1, 1))
         color = row_style(r["estimator"], r["aggregate"]).color
         ax.plot(cum_n, run_mean, color=color, lw=1.5)
