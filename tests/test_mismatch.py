@@ -294,7 +294,19 @@ def test_bad_estimator_options(write_spec, tmp_path):
     for est, needle in (('[{name = "k3"}]', "needs logr_clamp or clamp"),
                         ('[{name = "k9", clamp = 1.0}]', "unknown estimator 'k9'"),
                         ('[{name = "k3", clamp = -1.0}]', "> 0"),
-                        ('["k3", {name = "k3", clamp = 1.0, label = "k3"}]', "twice"),
+                        ('[{name = "k3", clamp = 1.0, label = "a"}, {name = "k3", clamp = 2.0, label = "a"}]',
+                         "lists 'a' twice"),
+                        # a label that is another row's name: a registered estimator's, the λ rows' (their rows
+                        # had collided in summary.csv, the cv table read the wrong one, and `baseline` refused
+                        # the folder), or no name at all (the folder could not be read back)
+                        ('["k3", {name = "k3", clamp = 1.0, label = "k3"}]', "'k3' is the name of an estimator"),
+                        ('[{name = "k3", clamp = 1.0, label = "k1"}]', "'k1' is the name of an estimator"),
+                        ('[{name = "k3", clamp = 1.0, label = "cv_opt"}]', "the name of the λ rows"),
+                        ('[{name = "k3", clamp = 1.0, label = "cv(0.5)"}]', "the name of the λ rows"),
+                        ('[{name = "k3", clamp = 1.0, label = ""}]', "must be non-empty printable text"),
+                        ('[{name = "k3", clamp = 1.0, label = "  "}]', "must be non-empty printable text"),
+                        ('[{name = "k3", clamp = 1.0, label = "a\\tb"}]', "must be non-empty printable text"),
+                        ('[{name = "k3", clamp = 1.0, label = "cafe\\u0301"}]', "composed form (NFC)"),
                         ('[{name = "full", clamp = 1.0}]', "clamps do not apply")):
         text = base.replace('device = "cpu"', f'device = "cpu"\nestimators = {est}')
         res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o")])

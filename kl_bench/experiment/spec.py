@@ -16,16 +16,17 @@ import itertools
 import json
 import math
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..foundation.config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, check_seed,
-                                  convert, positive, typename)
+                                  convert, positive, shown, typename)
 from ..foundation.formatting import fmt_count
 from .group_baselines import MAX_GROUP
 from ..foundation.errors import SpecError
-from ..core.estimators import DEFAULT_ESTIMATORS, EstimatorOption, lookup, resolve_estimator
+from ..core.estimators import DEFAULT_ESTIMATORS, ESTIMATORS, PAIR_ROWS, EstimatorOption, lookup, resolve_estimator
 from ..sampling.logits import is_array, unsupported_array
 from ..kinds import CASE_KINDS, CaseConfig
 from ..foundation.registry import did_you_mean, plugin_path
@@ -267,7 +268,32 @@ def _estimator_option(sub: Table, where: str) -> tuple[str, EstimatorOption]:
     if label is None:
         label = name + (f"|logr|≤{opt.logr_clamp:g}" if opt.logr_clamp else "") + \
             (f"|est|≤{opt.clamp:g}" if opt.clamp else "")
+    else:
+        _check_label(sub, label, where)
     return name, dataclasses.replace(opt, label=label)
+
+
+# Row names a label may not take: the λ rows' (cv(λ) and the pilot-fitted cv_opt, written "cv"/"cv_opt" in
+# summary.csv's estimator column and "cv(0.5)"/"cv_opt(0.58)" in tables), and every registered estimator's
+# and pair row's (a clamped k3 reported as "k1" would read as k1 itself, and meet its row if k1 is listed).
+_LAMBDA_ROWS = ("cv", "cv_opt")
+
+
+def _check_label(sub: Table, label: str, where: str) -> None:
+    """Refuse a clamped variant's ``label`` that cannot name its row: empty, blank, unprintable, surrounded by
+    spaces, not NFC (as a case name), or one of the names above (a row that a reader would take for another)."""
+    if not label or not label.isprintable() or label != label.strip():
+        raise sub.error(f"must be non-empty printable text without surrounding spaces, got {shown(label)}",
+                        key=f"{where}.label")
+    if unicodedata.normalize("NFC", label) != label:
+        raise sub.error(f"must be written in Unicode's composed form (NFC), got {ascii(label)}: write "
+                        f"{ascii(unicodedata.normalize('NFC', label))}", key=f"{where}.label")
+    head = label.split("(", 1)[0]
+    if head in _LAMBDA_ROWS:
+        raise sub.error(f"'{label}' is the name of the λ rows (cv(λ), cv_opt): choose another label", key=f"{where}.label")
+    if label in ESTIMATORS.names() or label in PAIR_ROWS:
+        raise sub.error(f"'{label}' is the name of an estimator: a clamped variant needs a label of its own",
+                        key=f"{where}.label")
 
 
 def _parse_lambdas(t: Table) -> tuple[tuple[float, ...], bool]:
