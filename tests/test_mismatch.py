@@ -355,3 +355,23 @@ def test_gaussian_full_row_with_capped_weights_is_exact():
     df = mc_frame(pair, ["full"], draws=400_000, seed=3, batches=100)
     r = df.iloc[0]
     assert abs(r["z"]) < 5 and abs(r["z_var"]) < 5, r[["mean", "exact_mean", "z", "std", "exact_std", "z_var"]]
+
+
+@pytest.mark.parametrize("kind, extra", [("categorical", 'vocab = 100'),
+                                         ("rollout", 'vocab = 60\nbuckets = 3\nlength = 3\neos = 59')])
+def test_a_temperature_near_zero_misses_the_support_it_underflows(write_spec, tmp_path, kind, extra):
+    """Under T = 0.001 every token but a context's argmax has log b below −745: b's probability is 0 in
+    float64, the sampler never draws it, and an IS-weighted row misses its q-mass exactly as under
+    top_k = 1 (it had reported support_miss = 0 and no heavy-tail flag beside a +101% bias)."""
+    def miss(sampler: str) -> pd.DataFrame:
+        text = (f'spec_version = 1\n[experiment]\ndraws = 2000\nseed = 0\ndevice = "cpu"\nestimators = ["k1"]\n'
+                f'[[case]]\nname = "x"\nkind = "{kind}"\n{extra}\nq = {{ logits = "zipf", exponent = 1.1, seed = 1 }}\n'
+                f'p = {{ from = "q", noise = 0.3, seed = 2 }}\nsampler = {{ {sampler}, weights = "token" }}\n')
+        out = tmp_path / sampler.split()[0]
+        res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(out), "--quiet"])
+        assert res.exit_code == 0, res.output
+        return pd.read_csv(out / "summary.csv", keep_default_na=False)
+    cold, top1 = miss("temperature = 0.001"), miss("top_k = 1")
+    assert cold["support_miss"][0] > 0.3
+    assert cold["support_miss"][0] == pytest.approx(top1["support_miss"][0], rel=1e-12)
+    assert set(cold["heavy_tail"]) == {"infinite IS weight (b misses q's support)"}

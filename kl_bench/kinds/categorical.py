@@ -107,9 +107,11 @@ class CategoricalPair(GradientDefaults, Pair):
         if self.log_b is not None and weights == "token":
             self._raw_weight = torch.exp((self.log_q - self.log_b).reshape(-1)[self._support])
             self._is_weight = self.correction.detached(self._raw_weight)
-        # Mass of q that b never draws: an unweighted estimate is biased, a weighted one misses it.
+        # Mass of q that b never draws: an unweighted estimate is biased, a weighted one misses it. "Never" as
+        # the sampler draws: where b's probability is 0 in float64 (log b = −inf, or below −745 as a
+        # temperature near 0 makes it: such a token is left out of the draws' support above).
         self.support_miss = 0.0 if self.log_b is None else float(
-            (self.log_q.exp() * (self.log_b == -torch.inf)).sum(-1).mean())
+            (self.log_q.exp() * (self.log_b.exp() == 0)).sum(-1).mean())
         # The `full` estimator: each (context, token) entry carries its context's analytic KL.
         kl_ctx = torch.where(self.log_q.exp() > 0, self.log_q.exp() * (self.log_q - self.log_p),
                              torch.zeros_like(self.log_q)).sum(-1)

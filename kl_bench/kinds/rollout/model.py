@@ -146,9 +146,10 @@ class RolloutModel:
     @cached_property
     def support_miss(self) -> float:
         """The largest per-step, per-bucket mass of q that b never draws (EOS suppression counts): a bias
-        source of every weighted row."""
+        source of every weighted row. "Never" as the alias tables draw: b's probability 0 in float64 (log b =
+        −inf, or below −745 under a temperature near 0)."""
         q = self.log_q.exp()
-        return max(float((q * (lb == -torch.inf)).sum(-1).max()) for lb, _ in self.phases)
+        return max(float((q * (lb.exp() == 0)).sum(-1).max()) for lb, _ in self.phases)
 
     @property
     def exact_under_rejection(self) -> bool:
