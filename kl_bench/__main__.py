@@ -1,5 +1,5 @@
 """`python -m kl_bench` and the `kl-bench` console script: signal handlers first, then the CLI, so that a
-Ctrl-C or SIGTERM at any moment of start-up is one line (exit 130), never a traceback."""
+Ctrl-C, SIGTERM or SIGHUP at any moment of start-up is one line (exit 130), never a traceback."""
 import os
 import signal
 import sys
@@ -36,8 +36,7 @@ def _forget_caught_interrupts() -> None:
     outcome is said), so nothing can interrupt it."""
     for _ in range(3):
         try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signals.ignore()
             break
         except KeyboardInterrupt:        # a signal that had just come, run by signal.signal: ignored too
             continue
@@ -52,14 +51,13 @@ def _entry() -> None:
         # then. Held before the handlers go in, and all of it inside the try: a signal between installing
         # the handlers and holding them had raised out of entry() as a traceback and a death by SIGINT.
         if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(signals.STOPPING))
         # The first signal stops start-up; later ones (Ctrl-C pressed again) are ignored: one line, exit 130.
         signals.install()
         _temp_dir_without_probe()
         from .cli import main
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signals.ignore()
         sys.stderr.write("interrupted: nothing was written\n")
         sys.exit(130)
     try:
@@ -67,8 +65,7 @@ def _entry() -> None:
     except KeyboardInterrupt:
         # A KeyboardInterrupt that escaped main (a later signal that found Python's own handler) must not
         # end the process by SIGINT (Python re-raises an uncaught one as the signal): the line is said.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signals.ignore()
         sys.exit(130)
 
 

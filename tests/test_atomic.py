@@ -240,3 +240,48 @@ def test_two_runs_on_one_folder_do_not_collide(write_spec, tmp_path):
         if first.poll() is None:          # a failed assertion: no process or pipe left behind
             first.kill()
             first.communicate()
+
+
+# The console script, hung up on (SIGHUP: an SSH session or terminal that closes) right after its second
+# checkpoint: an event, not a time. With "nohup", SIGHUP is ignored before kl-bench starts, as nohup leaves it.
+_HANG_UP_AFTER_CHECKPOINT = """
+import os, signal, sys
+if sys.argv.pop(1) == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+from kl_bench.api import folders as runner
+save, saved = runner.save_checkpoint, [0]
+def save_then_hang_up(*args, **kwargs):
+    save(*args, **kwargs)
+    saved[0] += 1
+    if saved[0] == 2:
+        os.kill(os.getpid(), signal.SIGHUP)
+runner.save_checkpoint = save_then_hang_up
+sys.argv[0] = "kl-bench"
+import kl_bench.__main__ as m
+m.entry()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parent", ["default", "nohup"])
+def test_a_hang_up_mid_run_is_an_interrupt_unless_the_parent_ignores_it(write_spec, tmp_path, parent):
+    """SIGHUP had killed a run by the signal (exit 129, no line) and left its lock file (.out.lock) beside the
+    folder. Now it is SIGTERM's twin: one 'interrupted' line, exit 130, the checkpoint kept for --resume, the
+    lock removed, the earlier results untouched. Under nohup it stays ignored and the run finishes."""
+    spec = write_spec(LONG.format(draws=2_000_000))
+    out = tmp_path / "out"
+    first = _cli("run", write_spec(LONG.format(draws=100_000), "small.toml"), "--out", out, "--quiet")
+    assert _finish(first)[0] == 0
+    before = _consistent(out)
+    proc = subprocess.Popen([sys.executable, "-c", _HANG_UP_AFTER_CHECKPOINT, parent, "run", str(spec), "--out",
+                             str(out), "--quiet", "--checkpoint-every", "1e-9"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    rc, err = _finish(proc)
+    assert not (tmp_path / ".out.lock").exists() and not list(tmp_path.glob(".out.staging-*"))
+    if parent == "nohup":
+        assert rc == 0 and err == "", err
+        assert _consistent(out) != before and not (out / ".checkpoint.npz").exists()
+        return
+    assert rc == 130, (rc, err)
+    assert "interrupted" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert (out / ".checkpoint.npz").exists() and _consistent(out) == before

@@ -3,7 +3,9 @@
 full tmpfs where a user namespace allows mounting one), signals at every phase of every command, and
 nothing created by a command that fails: one line, exit 2 (130 for a signal), nothing left behind."""
 import errno
+import hashlib
 import io
+import json
 import os
 import resource
 import shutil
@@ -494,6 +496,24 @@ def test_small_input_slips_are_plain_one_liners(made, tmp_path):
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and "not a .npy file" in lines[0] and "s3cr3t" not in lines[0], res.output
 
+
+
+def test_a_summary_saved_with_a_byte_order_mark_says_so_or_is_read_once_rehashed(made, tmp_path):
+    """A spreadsheet saving "CSV UTF-8" puts a byte-order mark before the header; kl-bench writes none. The
+    recorded sha256 refuses the file, and the line now names the mark; a folder whose run.json was updated to
+    the new hash (as the probe did) reads, the mark read past as pandas does (it had been "missing columns
+    case (not a kl-bench summary.csv?)")."""
+    res = tmp_path / "res"
+    shutil.copytree(made["res"], res)
+    data = b"\xef\xbb\xbf" + (res / "summary.csv").read_bytes()
+    (res / "summary.csv").write_bytes(data)
+    with pytest.raises(SpecError, match="sha256 mismatch.*starts with a byte-order mark"):
+        api.load_results(res)
+    env = json.loads((res / "run.json").read_text())
+    env["files"]["summary.csv"] = hashlib.sha256(data).hexdigest()
+    (res / "run.json").write_text(json.dumps(env, indent=2) + "\n")
+    got = api.load_results(res).summary
+    assert list(got.columns) == list(api.load_results(made["res"]).summary.columns) and "case" in got.columns
 
 
 def test_the_default_baseline_is_an_input_too_and_a_report_beside_the_results_is_fine(made, tmp_path):

@@ -626,7 +626,7 @@ def test_errors_about_a_files_content_name_the_file(tmp_path):
 @pytest.fixture
 def handlers():
     """cli.main installs signal handlers: restore pytest's afterwards."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     yield
     for s, h in saved.items():
         signal.signal(s, h)
@@ -673,16 +673,17 @@ def _catches_sigint(pid: int) -> bool:
 
 # A signal at each step of the console script's start-up, sent by the process to itself (no sleeps): right after
 # the handlers go in, and while the temp folder is probed. The second had raised out of entry() (a traceback and a
-# death by SIGINT, -2) when the handlers went in before the signals were held.
+# death by SIGINT, -2) when the handlers went in before the signals were held. SIGHUP (an SSH session that
+# closes) had been neither held nor handled: a death by the signal (-1), no line, a lock file left by a run.
 _AT_START = """
 import os, signal, sys
 import kl_bench.__main__ as m
 from kl_bench.foundation import signals
-where = sys.argv.pop(1)
+where, sig = sys.argv.pop(1), getattr(signal, sys.argv.pop(1))
 def kill(f):
     def wrapped(*a):
         out = f(*a)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), sig)
         return out
     return wrapped
 if where == "install":
@@ -752,9 +753,11 @@ def test_a_signal_inside_matplotlibs_compiled_start_up_is_one_line_and_130(made,
     assert len(p.stderr.strip().splitlines()) == 1 and "interrupted" in p.stderr and not (tmp_path / "rep").exists()
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("where", ["install", "temp"])
-def test_a_signal_during_the_console_scripts_start_up_is_one_line_and_130(where):
-    p = subprocess.run([sys.executable, "-c", _AT_START, where, "list"], capture_output=True, text=True, timeout=300)
+def test_a_signal_during_the_console_scripts_start_up_is_one_line_and_130(where, sig):
+    p = subprocess.run([sys.executable, "-c", _AT_START, where, sig, "list"], capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 130, (p.returncode, p.stderr)
     assert len(p.stderr.strip().splitlines()) == 1 and "interrupted" in p.stderr and "Traceback" not in p.stderr
 

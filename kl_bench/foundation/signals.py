@@ -1,4 +1,5 @@
-"""Signals as one line: the first SIGINT or SIGTERM stops the command (a KeyboardInterrupt); later ones
+"""Signals as one line: the first SIGINT, SIGTERM or SIGHUP (an SSH session or terminal that closes) stops the
+command (a KeyboardInterrupt), exit code 130 whichever it was; later ones
 (Ctrl-C pressed three times, torchrun's SIGTERM during the shutdown that the first began) are counted
 and ignored, so the exit is the first's one line and code 130, never a second traceback or a death by
 signal. :func:`phase` marks the boundaries where a signal that some library swallowed (a
@@ -13,6 +14,12 @@ import sys
 from typing import Callable
 
 seen = [0]                  # signals received so far
+
+# The signals that stop a command with one line: Ctrl-C, kill's default, and the hang-up an SSH session or a
+# terminal sends when it closes. SIGHUP is left ignored where the process started with it ignored (nohup, a
+# parent that ignores it): judged once, when this module is first imported (at the console script's start).
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_HUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 # Called with the phase's name at every boundary (start, pairs, write, staged: a folder's files are staged
 # beside it, not yet swapped in; written, report-written). Empty in
@@ -39,26 +46,28 @@ def _unraisable(hook):
 
 
 def install() -> None:
-    """SIGTERM handled like SIGINT from the first moment: one line, never a traceback."""
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    """SIGTERM and SIGHUP handled like SIGINT from the first moment: one line, never a traceback. A signal that
+    the process inherited as ignored (SIGHUP under nohup) stays ignored."""
+    for sig in STOPPING:
+        if not (sig == signal.SIGHUP and _HUP_IGNORED):
+            signal.signal(sig, on_signal)
     if not getattr(sys.unraisablehook, "kl_bench", False):
         sys.unraisablehook = _unraisable(sys.unraisablehook)
 
 
 def ignore() -> None:
     """The job is ending and what went wrong has been (or is being) said: later signals add nothing."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOPPING:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
 def held():
-    """SIGINT and SIGTERM held (delivered when the block ends). Around imports of compiled extensions: a
+    """SIGINT, SIGTERM and SIGHUP held (delivered when the block ends). Around imports of compiled extensions: a
     KeyboardInterrupt raised inside a pybind11 callback during ``import torch`` aborts the process
     (std::terminate, exit −6) or kills it by the signal, instead of the one line and exit 130."""
     try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOPPING))
     except (AttributeError, ValueError, OSError):        # not POSIX, or not the main thread
         old = None
     try:
@@ -93,7 +102,7 @@ def import_plotting() -> None:
 def release() -> None:
     """Deliver the signals the console script held during start-up (kl_bench.__main__), if any."""
     with contextlib.suppress(AttributeError, ValueError, OSError):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOPPING))
 
 
 def phase(name: str) -> None:

@@ -220,6 +220,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     check_write_target(path)
     made = make_parents(path)
+    replaced = _stat_of(path, stat.S_ISREG)
     # The name is bound before the file exists (temp_name), inside the try: a signal at any moment leaves
     # nothing behind. O_EXCL | O_NOFOLLOW: the temporary file is new and ours.
     tmp = temp_name(path.parent, f".tmp-{path.name[:100]}.")
@@ -227,13 +228,50 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         fd = os.open(tmp, NEW_FILE, 0o600)
         with os.fdopen(fd, "wb") as fh:
             _write_file(fh, data)
-        os.chmod(tmp, 0o666 & ~_UMASK)      # made 0600; results are for sharing
+        if replaced is not None:            # the file it replaces keeps the permissions its owner gave it
+            keep_attributes(replaced, tmp, _FILE_BITS)
+        else:
+            os.chmod(tmp, 0o666 & ~_UMASK)  # made 0600; results are for sharing
         check_write_target(path)            # again: a link or device may have appeared meanwhile
         os.replace(tmp, path)
     except BaseException:
         unlink_temp(tmp)
         remove_made(made)
         raise
+
+
+# The mode bits a replacement takes from what it replaces: a file its permissions (never set-id bits: the
+# contents are new), a folder all of them (setgid keeps a shared folder's group on new files, sticky).
+_FILE_BITS = 0o777
+_FOLDER_BITS = 0o7777
+
+
+def _stat_of(path: Path, kind) -> os.stat_result | None:
+    """``path``'s lstat where it is of ``kind`` (stat.S_ISREG, stat.S_ISDIR); None otherwise or if absent."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st if kind(st.st_mode) else None
+
+
+def keep_attributes(old: os.stat_result, path: Path, bits: int) -> None:
+    """Give ``path`` (a file or folder this process has just made, never a link) the group and the mode bits
+    (``bits`` of them) of what it replaces, ``old``: a folder made private (chmod 700), shared with a group
+    (chmod 2770) or a file made private keeps that. The group goes first (a change of group clears set-id
+    bits); see :func:`_keep_group` where it cannot be set."""
+    _keep_group(old, path)
+    os.chmod(path, stat.S_IMODE(old.st_mode) & bits)
+
+
+def _keep_group(old: os.stat_result, path: Path) -> None:
+    """``path`` takes ``old``'s group where the process may set it (it owns ``path``, so it may when it is a
+    member of that group, or is root); where it may not, ``path`` keeps the group it was made with, and the
+    write goes on silently (the results matter more than the group; the kernel then drops a setgid bit
+    that the process could not have set either)."""
+    if os.stat(path).st_gid != old.st_gid:
+        with contextlib.suppress(OSError):      # EPERM: not a member of that group; EINVAL: an unmapped id
+            os.chown(path, -1, old.st_gid)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -317,24 +355,28 @@ def committed(out_dir: Path) -> bool:
 def write_folder(out_dir: Path, files: dict[str, bytes], replaces: tuple[str, ...] = ()) -> None:
     """Write ``files`` ({relative path: bytes}, "a/b.png" allowed) as the folder ``out_dir``, atomically:
     staged in a sibling folder, then exchanged with the old one in one call (or renamed into place).
-    Entries of an old folder whose top-level name is not among ``files`` are carried over (a report, notes),
-    except those named in ``replaces``: the data files of an earlier write that this one does not make (a run
-    without λ leaves no lambda_sweep.csv of an earlier run beside its run.json, unrecorded). A path that
-    exists as anything but a folder (a symlink included) is refused in one line, and so is an entry of the
-    old folder at an output's name that is not of the output's kind (safe_io.check_folder_entries)."""
+    Entries of an old folder that this write does not make are carried over (a report, notes; and in a
+    subfolder it writes, such as a report's figures/, the files it does not write), except those named in
+    ``replaces``: the data files of an earlier write that this one does not make (a run without λ leaves no
+    lambda_sweep.csv of an earlier run beside its run.json, unrecorded). The new folder, each subfolder it
+    writes and each file it replaces keep the old one's mode and group (:func:`keep_attributes`). A path
+    that exists as anything but a folder (a symlink included) is refused in one line, and so is an entry
+    of the old folder at an output's name, at any depth, that is not of the output's kind
+    (safe_io.check_folder_entries)."""
     out_dir = output_dir(Path(out_dir))
     check_dir_target(out_dir, key="--out")
-    check_folder_entries(out_dir, files, key="--out")
+    _check_entries(out_dir, list(files))
     stage = staging_dir(out_dir)
     remove(stage)
     made = make_parents(stage)
-    tops = {name.split("/")[0] for name in files} | set(replaces)
+    old = _stat_of(out_dir, stat.S_ISDIR)
     try:
-        stage.mkdir()
+        _make_stage(stage, old)
         for name, data in files.items():
             stage_file(stage / name, data)
-        if out_dir.exists():
-            _carry_over(out_dir, stage, tops)
+        if old is not None:
+            _carry_over(out_dir, stage, set(files), set(replaces))
+            _keep_old_attributes(out_dir, stage, list(files), old)
         signals.phase("staged")     # every file is on disk beside the folder, not yet swapped in
         key = str(out_dir.absolute())
         with signals.held():   # the line an interrupt prints must know whether the swap is done
@@ -355,6 +397,46 @@ def write_folder(out_dir: Path, files: dict[str, bytes], replaces: tuple[str, ..
         raise
 
 
+def _check_entries(folder: Path, names: list[str]) -> None:
+    """safe_io.check_folder_entries at every depth: in a subfolder that the write makes files in (a report's
+    figures/), an entry at an output's name that is not a regular file (a folder, a link) is refused too,
+    as at the top (it would otherwise be left behind with the old folder)."""
+    check_folder_entries(folder, names, key="--out")
+    below: dict[str, list[str]] = {}
+    for name in names:
+        top, sep, rest = name.partition("/")
+        if sep:
+            below.setdefault(top, []).append(rest)
+    for top, rest in below.items():
+        _check_entries(folder / top, rest)
+
+
+def _make_stage(stage: Path, old: os.stat_result | None) -> None:
+    """The staging folder: as any new folder where there is no old one; else private (0700) while it is
+    filled, with the old folder's group and its setgid bit (files staged in it then get that group, as they
+    would in the old folder). Its full mode comes last (:func:`_keep_old_attributes`)."""
+    if old is None:
+        stage.mkdir()
+        return
+    stage.mkdir(mode=0o700)
+    _keep_group(old, stage)
+    os.chmod(stage, 0o700 | (old.st_mode & stat.S_ISGID))
+
+
+def _keep_old_attributes(out_dir: Path, stage: Path, names: list[str], old: os.stat_result) -> None:
+    """Each file this write replaces takes the old file's permission bits and group, each subfolder it
+    writes in the old subfolder's mode and group, deepest first, and the staging folder the old folder's:
+    what the user set (a private folder, a shared one, a results file made private) survives a rewrite."""
+    folders = sorted({"/".join(n.split("/")[:i]) for n in names for i in range(1, n.count("/") + 1)},
+                     key=lambda f: -f.count("/"))
+    for rel, kind, bits in [*((n, stat.S_ISREG, _FILE_BITS) for n in names),
+                            *((f, stat.S_ISDIR, _FOLDER_BITS) for f in folders)]:
+        was = _stat_of(out_dir / rel, kind)
+        if was is not None:
+            keep_attributes(was, stage / rel, bits)
+    keep_attributes(old, stage, _FOLDER_BITS)
+
+
 def stage_file(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "xb") as fh:        # O_CREAT | O_EXCL: a new file, never one a symlink points to
@@ -373,17 +455,23 @@ def _write_in_place(out_dir: Path, stage: Path, names: list[str], replaces: tupl
         atomic_write_bytes(out_dir / name, (stage / name).read_bytes())
 
 
-def _carry_over(out_dir: Path, stage: Path, tops: set[str]) -> None:
-    """Hard-link the old folder's other entries into the staging folder (a report, notes)."""
-    for entry in out_dir.iterdir():
-        if entry.name not in tops and not entry.name.startswith((".tmp-", ".checkpoint")):
-            dest = stage / entry.name
-            if entry.is_symlink():
-                os.symlink(os.readlink(entry), dest)
-            elif entry.is_dir():
-                shutil.copytree(entry, dest, copy_function=os.link, symlinks=True)
-            else:
-                os.link(entry, dest)
+def _carry_over(old: Path, stage: Path, written: set[str], replaces: set[str], prefix: str = "") -> None:
+    """Hard-link the old folder's entries that this write does not make into the staging folder (a report,
+    notes): in a subfolder it writes files in (a report's figures/), its other entries, at any depth (a
+    figure of the user's own). Not kl-bench's temporary files, nor a run's checkpoint (the run is done)."""
+    for entry in old.iterdir():
+        rel = prefix + entry.name
+        if rel in written or rel in replaces or entry.name.startswith(".tmp-") or \
+                (not prefix and entry.name.startswith(".checkpoint")):
+            continue
+        if any(name.startswith(rel + "/") for name in written):     # a real folder (_check_entries)
+            _carry_over(entry, stage / entry.name, written, replaces, rel + "/")
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry), stage / entry.name)
+        elif entry.is_dir():
+            shutil.copytree(entry, stage / entry.name, copy_function=os.link, symlinks=True)
+        else:
+            os.link(entry, stage / entry.name)
 
 
 class FolderLock:

@@ -14,6 +14,7 @@ envelope (what ``kl-bench report`` dispatches on). No torch, no engine.
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
@@ -314,6 +315,9 @@ def check_recorded(folder: Path, env: dict, present: list[str]) -> None:
             raise SpecError(f"{name} is missing but run.json records it (incomplete copy?)", file=str(folder))
 
 
+_BOM = codecs.BOM_UTF8    # what a spreadsheet puts before the header of a CSV it saves as UTF-8
+
+
 def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
     """Every recorded file has the sha256 run.json records (``blobs``: bytes already read, filled in); a dropped
     file that was put back too."""
@@ -328,8 +332,9 @@ def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
             data = blobs[name] = read_bytes(p)
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
+            bom = "; it starts with a byte-order mark, as a spreadsheet saves one" if data.startswith(_BOM) else ""
             raise SpecError(f"sha256 mismatch: the file changed after it was written (corrupted, truncated or "
-                            f"edited; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
+                            f"edited{bom}; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
 
 
 def drop(path: str | Path, names: list[str]) -> Path:
@@ -402,11 +407,15 @@ def read(path: str | Path, kind: str | None = None) -> Stored:
 
 
 def check_csv_structure(data: bytes, p: Path) -> list[str]:
-    """The header; every row has as many fields as it, and the file ends with a newline."""
+    """The header; every row has as many fields as it, and the file ends with a newline. A UTF-8 byte-order
+    mark before the header (a spreadsheet's "CSV UTF-8") is read past, as the table's reader (pandas) does:
+    kl-bench writes none, so such a file has been saved by another program, and its recorded sha256 refuses
+    it first (:func:`check_hashes` says so) unless run.json's was updated to match."""
+    skip = len(_BOM) if data.startswith(_BOM) else 0
     try:
-        text = data.decode("utf-8")
+        text = data[skip:].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError(f"not UTF-8 text at byte {e.start} (corrupted?)", file=str(p)) from None
+        raise SpecError(f"not UTF-8 text at byte {e.start + skip} (corrupted?)", file=str(p)) from None
     if "\x00" in text:
         raise SpecError("contains NUL bytes (corrupted?)", file=str(p))
     if not text.strip():
