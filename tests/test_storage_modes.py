@@ -154,3 +154,32 @@ def test_a_report_and_a_run_into_existing_folders_keep_modes_and_the_users_figur
     assert res.exit_code == 0, res.output
     assert (rep / "figures" / "mine.png").read_text() == "keep" and (rep / "notes.txt").read_text() == "keep"
     assert (rep / "report.md").exists() and _mode(rep) == 0o2750
+
+
+def test_a_carried_file_the_kernel_will_not_link_is_copied(old, monkeypatch):
+    """Carrying the user's files over hard-links them; where the kernel refuses (another user's file in a
+    shared group folder under fs.protected_hardlinks: EPERM) they are copied, contents and mode, and the
+    write goes through (it had failed with 'Operation not permitted'). Other link errors still fail it."""
+    import errno
+    real = os.link
+    refused: list[str] = []
+
+    def link(src, dst, *a, **k):
+        if Path(src).name in ("notes.txt", "mine.png"):
+            refused.append(Path(src).name)
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real(src, dst, *a, **k)
+    (old / "figures" / "mine.png").write_text("mine")
+    (old / "notes.txt").chmod(0o640)
+    monkeypatch.setattr(os, "link", link)
+    storage.write_locked(old, FILES)
+    assert sorted(refused) == ["mine.png", "notes.txt"]
+    assert (old / "notes.txt").read_text() == "mine" and (old / "figures" / "mine.png").read_text() == "mine"
+    assert _mode(old / "notes.txt") == 0o640 and (old / "summary.csv").read_bytes() == FILES["summary.csv"]
+
+    def broken(src, dst, *a, **k):
+        raise OSError(errno.EIO, "I/O error")
+    monkeypatch.setattr(os, "link", broken)
+    with pytest.raises(SpecError, match="I/O error"):               # one line, the old folder untouched
+        storage.write_locked(old, FILES)
+    assert (old / "notes.txt").read_text() == "mine"

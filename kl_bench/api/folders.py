@@ -32,7 +32,7 @@ DEFAULT_RUNS = Path("runs")        # where a run goes without an output folder (
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT or SIGTERM; ``message`` says in one line what was (not) written."""
+    """A run stopped by SIGINT, SIGTERM or SIGHUP; ``message`` says in one line what was (not) written."""
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -87,7 +87,7 @@ def run_to_folder(spec, out: str | Path | None = None, *, draws: int | None = No
 
     Under torchrun every process calls it; rank 0 writes and returns the :class:`Result`, the others
     return None. Raises :class:`SpecError` for bad input, :class:`RunInterrupted` (with its one line) on
-    SIGINT/SIGTERM, :class:`RankFailed` when another process of the job failed."""
+    SIGINT/SIGTERM/SIGHUP, :class:`RankFailed` when another process of the job failed."""
     if not number_argument(checkpoint_every, "--checkpoint-every") > 0:          # also refuses NaN
         raise SpecError(f"must be > 0 (inf: never), got {checkpoint_every}", key="--checkpoint-every")
     hs = Handshake()

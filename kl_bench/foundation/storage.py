@@ -469,9 +469,21 @@ def _carry_over(old: Path, stage: Path, written: set[str], replaces: set[str], p
         elif entry.is_symlink():
             os.symlink(os.readlink(entry), stage / entry.name)
         elif entry.is_dir():
-            shutil.copytree(entry, stage / entry.name, copy_function=os.link, symlinks=True)
+            shutil.copytree(entry, stage / entry.name, copy_function=link_or_copy, symlinks=True)
         else:
-            os.link(entry, stage / entry.name)
+            link_or_copy(entry, stage / entry.name)
+
+
+def link_or_copy(src, dst) -> None:
+    """Hard-link ``src`` at ``dst`` (no bytes copied), or copy it (contents, mode and times) where the kernel
+    refuses the link: another user's file under fs.protected_hardlinks (EPERM) in a shared group folder, a
+    file system without hard links, or a file at its link limit."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EACCES, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 class FolderLock:
