@@ -565,3 +565,24 @@ def test_a_case_with_an_infinite_kl_is_reported(tmp_path):
     assert (out / "report" / "report.html").exists() and (out / "report" / "figures" / "distribution_c.png").exists()
     fig = plots.plot_distribution(pd.DataFrame({"label": ["k1"] * 4, "value": [0.1, -0.2, np.inf, 0.3]}))
     assert "1 infinite or NaN draws off the axis" in fig.axes[0].get_xlabel()
+
+
+def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tmp_path, build_spec, write_spec):
+    """`report --out R` over an earlier report of other cases: the figures the earlier report.md showed and
+    this report does not draw are gone with it (they would sit beside the new report, named like its own),
+    a file of the user's in R/figures/ stays, and the new report's figures are all there."""
+    gauss = {"kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.2, "std": 1.0}}
+    both = write_spec(build_spec([{"name": "one", **gauss}, {"name": "two", **gauss}], draws=4000, batches=8), "a.toml")
+    one = write_spec(build_spec([{"name": "one", **gauss}], draws=4000, batches=8), "b.toml")
+    for spec, out in ((both, "A"), (one, "B")):
+        assert runner.invoke(app, ["run", str(spec), "-q", "--out", str(tmp_path / out)]).exit_code == 0
+    rep = tmp_path / "R"
+    assert runner.invoke(app, ["report", str(tmp_path / "A"), "-q", "--out", str(rep)]).exit_code == 0
+    before = {p.name for p in (rep / "figures").iterdir()}
+    assert any("two" in n for n in before)
+    (rep / "figures" / "mine.png").write_bytes(b"mine")
+    assert runner.invoke(app, ["report", str(tmp_path / "B"), "-q", "--out", str(rep)]).exit_code == 0
+    after = {p.name for p in (rep / "figures").iterdir()}
+    shown = set(re.findall(r"\]\(figures/([^)]+)\)", (rep / "report.md").read_text()))
+    assert after == shown | {"mine.png"}, (after, shown)
+    assert not any("two" in n for n in after) and (rep / "figures" / "mine.png").read_bytes() == b"mine"

@@ -10,6 +10,7 @@ thousands separators ("never": the bias alone exceeds ±10%; "—": no exact bia
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,6 +27,7 @@ from .pages import figure_bytes as _figure_bytes
 from ..foundation.errors import SpecError
 from ..foundation.registry import Registry
 from ..results import SWEEP_PREFIX
+from ..foundation.safe_io import read_regular
 from ..foundation.storage import same_path, write_folder
 from ..results import folders
 from ..results.verify import read_results_folder
@@ -526,8 +528,26 @@ def write_report(dirs: list[Path], out: Path, key: str = "--out", **options) -> 
             raise SpecError("is a results folder this report reads: give another folder (default: "
                             f"{Path(d) / 'report'})", file=str(out), key=key)
     files = report_files(dirs, **options)
-    write_folder(Path(out), files)
+    write_folder(Path(out), files, replaces=previous_figures(Path(out), files))
     return Path(out)
+
+
+def previous_figures(out: Path, files: dict[str, bytes]) -> tuple[str, ...]:
+    """The figure files of an earlier report in ``out`` (those its report.md shows, in any of the formats
+    beside them) that this report does not write: removed with the swap, while the user's own files in
+    figures/ are carried over (kl_bench.foundation.storage.write_folder). None where ``out`` holds no
+    report.md that kl-bench could have written (a folder, a link, a file too large to be one)."""
+    try:
+        text = read_regular(Path(out) / "report.md", "run.json", "report.md").decode("utf-8", "replace")
+    except (SpecError, OSError):
+        return ()
+    stems = {Path(name).stem for name in re.findall(r"\]\(figures/([^)/\s]+)\)", text)}
+    folder = Path(out) / "figures"
+    if not stems or folder.is_symlink() or not folder.is_dir():
+        return ()
+    old = (f"figures/{e.name}" for e in folder.iterdir()
+           if Path(e.name).stem in stems and e.is_file() and not e.is_symlink())
+    return tuple(sorted(name for name in old if name not in files))
 
 
 def report_files(dirs: list[Path], *, formats=None, progress=None, batch: int = 64,
