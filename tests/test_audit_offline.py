@@ -162,6 +162,23 @@ def test_pieces_below_one_are_one_line(tmp_path, args, key):
     assert res.exit_code == 2 and len(lines) == 1 and key in lines[0] and "≥ 1" in lines[0], res.output
 
 
+@pytest.mark.parametrize("args", [["--tile", "16"], ["--chunk", "1e3"], ["--out", "elsewhere"]])
+def test_options_a_folder_without_steps_would_ignore_are_refused(folders, tmp_path, args):
+    """A results folder without saved steps is read back (its audit.csv's verdicts; nothing audited or
+    written): --tile, --chunk and --out were accepted and ignored. One line naming the option, exit 2."""
+    dirs, _ = folders
+    assert runner.invoke(app, ["audit", str(dirs["logits"])]).exit_code == 0
+    folder = dirs["logits"] / "audit"
+    assert runner.invoke(app, ["audit", str(folder)]).exit_code == 0          # read back
+    if args[0] == "--out":
+        args = ["--out", str(tmp_path / args[1])]
+    res = runner.invoke(app, ["audit", str(folder), *args])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1, res.output
+    assert f"key '{args[0]}': has no effect here" in lines[0] and "holds no saved steps" in lines[0], lines[0]
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_an_empty_folder_is_one_line(tmp_path):
     res = runner.invoke(app, ["audit", str(tmp_path)])
     assert res.exit_code == 2 and "no step-*.safetensors files" in res.output

@@ -356,6 +356,30 @@ def test_a_baseline_of_another_experiment_is_refused(tmp_path, build_spec):
     assert "is the baseline of experiment 'b', not of 'a'" in lines[0] and "key '--baseline'" in lines[0]
 
 
+@pytest.mark.parametrize("command", ["check", "baseline"])
+def test_run_options_with_results_are_refused_and_the_baseline_records_the_runs_seed(tmp_path, build_spec, command):
+    """--seed, --draws and --device with --results changed nothing (the numbers are read), and `baseline`
+    recorded the flag's seed, not the one the results were drawn with: one line naming them, exit 2, nothing
+    written. A baseline of a results folder records that run's seed (run.json), not the spec's."""
+    spec = tmp_path / "s.toml"
+    spec.write_text(build_spec(cases=[GAUSS], name="s", seed=0))
+    assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "r"), "--seed", "7", "-q"]).exit_code == 0
+    out = ["--out", str(tmp_path / "b.json")] if command == "baseline" else []
+    for flags, said in ((["--seed", "9"], "--seed has"), (["--draws", "1e3"], "--draws has"),
+                        (["--device", "cuda"], "--device has"),
+                        (["--draws", "5", "--seed", "4", "--device", "cpu"], "--draws, --seed and --device have")):
+        res = runner.invoke(app, [command, str(spec), "--results", str(tmp_path / "r"), *out, *flags, "-q"])
+        lines = [x for x in res.output.splitlines() if x.strip()]
+        assert res.exit_code == 2 and len(lines) == 1, (flags, res.output)
+        assert f"{said} no effect with --results" in lines[0], lines[0]
+        assert not (tmp_path / "b.json").exists()
+    if command == "baseline":
+        assert runner.invoke(app, ["baseline", str(spec), "--results", str(tmp_path / "r"), *out, "-q"]).exit_code == 0
+        base = json.loads((tmp_path / "b.json").read_text())
+        run_json = json.loads((tmp_path / "r" / "run.json").read_text())
+        assert base["seed"] == 7 and base["spec_sha256"] == run_json["spec_sha256"]
+
+
 def test_the_exact_kurtosis_of_a_gaussian_row_flags_a_clamp_whose_tail_the_draws_never_reach():
     """GaussianPair.kurtosis_proxy = E_b[f⁴]/E_b[f²]²: the closed form (a polynomial estimator) equals 1-D
     quadrature of the same function (an Estimator without its polynomial); k3 with log r clamped at ±20,

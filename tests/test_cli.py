@@ -268,3 +268,49 @@ def test_per_case_draws_and_the_flag_that_overrides_them(write_spec, tmp_path):
     res = invoke("run", write_spec(GOOD.replace('name = "c"\nkind = "categorical"',
                                                 'name = "c"\nkind = "categorical"\ndraws = 0')), "--quiet")
     assert res.exit_code == 2 and "case 'c'" in res.stderr and "draws" in res.stderr
+
+
+# Every integer option of every command, with the arguments that reach its parsing.
+_INT_OPTIONS = [("run", "--seed"), ("run", "--batch"), ("exact", "--batch"), ("check", "--seed"),
+                ("baseline", "--seed"), ("train", "--seed"), ("report", "--batch"), ("audit", "--tile"),
+                ("audit", "--chunk"), ("dump-logits", "--length"), ("dump-logits", "--samples"),
+                ("dump-logits", "--seed"), ("dump-logits", "--eos"), ("dump-logits", "--batch-size")]
+_FLOAT_OPTIONS = [("run", "--tolerance"), ("run", "--checkpoint-every"), ("exact", "--tolerance"),
+                  ("report", "--tolerance"), ("check", "--alpha")]
+
+
+def _usage_line(capsys, *args) -> tuple[int, str]:
+    from kl_bench import cli
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([str(a) for a in args])
+    return exit_.value.code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("command, option", _INT_OPTIONS + _FLOAT_OPTIONS)
+def test_a_bad_number_option_is_one_line_naming_the_option_and_the_value(write_spec, capsys, command, option):
+    """`--batch 1.5e0` said "Input should be a valid integer, unable to parse string as an integer": neither
+    the option's value nor what a whole number may look like. Every integer and number option of every
+    command: one line naming the option and echoing the value, exit 2."""
+    spec = write_spec(GOOD)
+    value = "1.5e0" if (command, option) in _INT_OPTIONS else "1.2.3"
+    head = {"dump-logits": ["dump-logits", "--policy", "p", "--reference", "r", "--prompts", "x", "--out", "o"],
+            "report": ["report", spec.parent], "audit": ["audit", spec.parent]}.get(command, [command, spec])
+    code, err = _usage_line(capsys, *head, option, value)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"'{option}'" in err and f"'{value}'" in err, err
+
+
+def test_integer_options_take_what_draws_takes(write_spec, tmp_path, capsys):
+    """--draws took 1e3 and 1_000 (as a spec writes draws) but --batch and --seed refused them; exact
+    integers only (1.5e0 is refused, above), read exactly (no float rounding)."""
+    from kl_bench.cli.common import int_flag
+    spec = write_spec(GOOD)
+    assert invoke("exact", spec, "--batch", "1e3", "-q").exit_code == 0
+    assert invoke("run", spec, "--seed", "2e0", "--batch", "1_000", "--draws", "2e4", "--out", tmp_path / "o",
+                  "-q").exit_code == 0
+    assert json.loads((tmp_path / "o" / "run.json").read_text())["seed"] == 2
+    assert int_flag("12345678901234567891") == 12345678901234567891
+    assert int_flag("1.2345678901234567891e19") == 12345678901234567891
+    for bad in ("nan", "inf", "1e99999999", "٣", "", "0x10"):
+        with pytest.raises(Exception, match="must be a whole number"):
+            int_flag(bad)

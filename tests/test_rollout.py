@@ -169,11 +169,17 @@ def test_rollout_through_the_cli(write_spec, tmp_path):
     ("eos = 49", 'eos = 49\nbucket_of = {file = "short.npy"}', ["bucket_of.file", "shape [50]"]),
     ("eos = 49", 'eos = 49\nbucket_of = {file = "range.npy"}', ["bucket_of.file", "[0, 4)"]),
     ("eos = 49", 'eos = 49\nbucket_of = "div"', ["bucket_of", "mod"]),
+    # a bucket map is no logits file ("logits file not found: nope.npy" had said so)
+    ("eos = 49", 'eos = 49\nbucket_of = {file = "nope.npy"}', ["bucket_of.file", "bucket map file not found"]),
+    ("eos = 49", 'eos = 49\nbucket_of = {file = "text.npy"}', ["bucket_of.file", "bucket map must be numeric"]),
+    ("eos = 49", 'eos = 49\nbucket_of = {file = "pickle.pt"}', ["bucket_of.file", "cannot read bucket map file"]),
 ])
 def test_rollout_bad_input(old, new, needles, write_spec, tmp_path):
     np.save(tmp_path / "wrong.npy", np.zeros((3, 50)))
     np.save(tmp_path / "short.npy", np.zeros(49, dtype=np.int64))
     np.save(tmp_path / "range.npy", np.arange(50) % 5)
+    np.save(tmp_path / "text.npy", np.array(["a"] * 50))
+    (tmp_path / "pickle.pt").write_bytes(b"not a tensor file")
     assert old in GOOD
     res = CliRunner().invoke(app, ["run", str(write_spec(GOOD.replace(old, new))), "--out", str(tmp_path / "o")])
     assert res.exit_code == 2, res.output

@@ -275,6 +275,7 @@ BAD = [
     ({"reward": "{ randm = 1.0 }"}, "train.reward", "did you mean 'random'"),
     ({"reward": "{ tokens = [99] }"}, "train.reward.tokens", "outside the vocabulary"),
     ({"beta": "0.0"}, "train.beta", "must be > 0"),
+    ({"reward": '{ file = "nope.npy" }'}, "train.reward.file", "reward table file not found"),   # not "logits"
 ]
 
 
@@ -463,3 +464,67 @@ def test_train_table_mistakes_are_one_line_naming_their_key(tmp_path, edit, need
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and needle in lines[0], res.output
     assert not (tmp_path / "out").exists()
+
+
+def _train_csv(tmp_path, **train):
+    """train.csv of TRAIN_TOML's case with ``train``'s keys replaced (sampled runs of 4 seeds), via the API."""
+    import kl_bench
+    settings = {**TRAIN_TOML, "gradients": '["exact", "sampled"]', "seeds": "4", **train}
+    text = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = 64\ndevice = "cpu"\n[train]\n'
+            + "".join(f"{k} = {v}\n" for k, v in settings.items()) + CASE_TOML)
+    (tmp_path / "s.toml").write_text(text)
+    return kl_bench.train(tmp_path / "s.toml").frame
+
+
+@pytest.mark.parametrize("optimizer", ['"sgd"', '"adam"'])
+def test_the_spread_of_values_near_float64s_limit_is_finite(tmp_path, optimizer):
+    """[train] beta = 1e-300: KL(q‖q*) is about 1e300, and its sd over seeds was inf (np.std squares the
+    deviations: 1e600). Every mean and sd is finite where every value is."""
+    df = _train_csv(tmp_path, beta="1e-300", optimizer=optimizer, steps="2")
+    sampled = df[df["gradients"] == "sampled"]
+    assert (sampled["kl_opt"].abs() > 1e299).all()
+    values = sampled[[c for c in df.columns if c.endswith("_sd") or c in ("kl_opt", "grad_norm")]].to_numpy(float)
+    assert math.isfinite(values.sum()), sampled.to_string()
+    assert (sampled.loc[sampled["step"] > 0, "kl_opt_sd"] > 0).all()
+
+
+def test_huge_gradients_move_the_policy_and_their_norms_are_finite(tmp_path):
+    """[train] beta = 1e200: gradients of about 1e199, whose squares overflow float64. Adam's second moment
+    was inf (every step 0: the policy never moved), |g| was inf and cos(g, ∇J) NaN. Adam keeps its second
+    moment in units of a power of two: the policy moves as with a moderate beta, by Adam's scale invariance."""
+    big = _train_csv(tmp_path, beta="1e200", optimizer='"adam"', lr="0.05", steps="3", reward='"none"')
+    small = _train_csv(tmp_path, beta="1.0", optimizer='"adam"', lr="0.05", steps="3", reward='"none"')
+    exact_big, exact_small = (d[d["gradients"] == "exact"].reset_index(drop=True) for d in (big, small))
+    assert exact_big["kl_rev"].iloc[-1] < exact_big["kl_rev"].iloc[0]
+    assert exact_big["kl_rev"].to_numpy() == pytest.approx(exact_small["kl_rev"].to_numpy(), rel=1e-6)
+    # Adam's eps (1e-8 next to √v) moves the small-β run by ~1e-7, not the 1e200 one
+    assert (exact_big["grad_norm"] / exact_small["grad_norm"]).to_numpy() == pytest.approx(1e200, rel=1e-5)
+    assert big["cos_true"].notna().all()
+    assert exact_big["cos_true"].to_numpy() == pytest.approx(exact_small["cos_true"].to_numpy(), rel=1e-6)
+
+
+def test_spread_helpers_are_the_plain_computation_where_nothing_overflows():
+    """core.stats.mean_sd and vector_norm: bit for bit np.mean, np.std and Tensor.norm on ordinary values (the
+    committed train.csv files do not move), exact scaling by powers of two beyond 2^±500."""
+    import numpy as np
+
+    from kl_bench.core.stats import mean_sd, vector_norm
+    from kl_bench.training.optim import AdamState, adam
+    g = np.random.default_rng(0)
+    x = g.standard_normal((4, 7)) * 10.0 ** g.integers(-5, 5, 7)
+    m, s = mean_sd(x)
+    assert np.array_equal(m, np.mean(x, 0)) and np.array_equal(s, np.std(x, 0, ddof=1))
+    m, s = mean_sd(x * 2.0 ** 1000)
+    assert np.isfinite(s).all() and np.allclose(s / 2.0 ** 1000, np.std(x, 0, ddof=1), rtol=1e-14, atol=0)
+    m, s = mean_sd(x * 2.0 ** -1060)           # subnormal: squares underflow to 0 without the scaling
+    assert (s > 0).all()
+    t = torch.from_numpy(x.ravel())
+    assert vector_norm(t) == float(t.norm()) and vector_norm(t * 2.0 ** 900) == pytest.approx(float(t.norm()) * 2.0 ** 900)
+    theta, grad = torch.zeros(5, dtype=torch.float64), torch.from_numpy(x[0, :5])
+    zero = AdamState(torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64), 0)
+    plain, state = adam(theta, grad, zero, 0.1, (0.9, 0.999), 0.0)
+    huge, state_big = adam(theta, grad * 2.0 ** 1000, zero, 0.1, (0.9, 0.999), 0.0)
+    assert state.scale == 0 and state_big.scale > 0 and torch.equal(plain, huge)
+    again, _ = adam(huge, grad * 2.0 ** 1000, state_big, 0.1, (0.9, 0.999), 0.0)
+    twice, _ = adam(plain, grad, state, 0.1, (0.9, 0.999), 0.0)
+    assert torch.allclose(again, twice, rtol=1e-14, atol=0)

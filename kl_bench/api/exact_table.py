@@ -37,14 +37,18 @@ def _exact_rows(sp: Spec, pairs: list[Pair], bar) -> list[dict]:
     from ..core.estimators import make_cv
     from ..core.planning import add_planning
     from ..experiment.rows import exact_rows
+    from ..foundation.config import out_of_memory_said
     sources = [*sp.experiment.sources] + [make_cv(lam) for lam in sp.experiment.lambdas]
     rows = []
     for p in pairs:
         bar.label(f"{p.name}: exact moments")
-        for row in exact_rows(p, [p.adapt(s) for s in sources]):
-            add_planning(row, p.row_group(row["aggregate"]))
-            if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
-                row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star
-            rows.append(row)
+        # the description's head: the kind and its size ("categorical V=50257", "rollout V=64, C=4, T=8")
+        with out_of_memory_said(f"computing the exact moments ({p.describe().split(': ')[0]})", "a smaller case",
+                                file=str(sp.path), case=p.name):
+            for row in exact_rows(p, [p.adapt(s) for s in sources]):
+                add_planning(row, p.row_group(row["aggregate"]))
+                if not math.isnan(row["lambda"]) and not p.has_sampler:    # cv rows: the exact λ*, as run gives it
+                    row["lambda_star"] = p.exact_joint(row["aggregate"]).lambda_star
+                rows.append(row)
         bar.advance(1)
     return rows

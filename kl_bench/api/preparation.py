@@ -66,12 +66,28 @@ def build_pairs(sp: Spec, bar=None) -> list[Pair]:
     """Every case's pair (its files read), then their exact oracles validated: what a run and the exact table
     both need before any number. ``bar``: a LazyProgress, labelled and advanced once a case."""
     from ..experiment.case import validate_oracles
+    from ..foundation.config import out_of_memory_said
     pairs = []
     for c in sp.cases:
         if bar is not None:
             bar.label(f"{c.name}: building")
-        pairs.append(build_pair(c, str(sp.path)))
+        with out_of_memory_said(f"building the case ({case_size(c)})", "a smaller case", file=str(sp.path),
+                                case=c.name):
+            pairs.append(build_pair(c, str(sp.path)))
         if bar is not None:
             bar.advance(1)
     validate_oracles(sp, pairs, str(sp.path))
     return pairs
+
+
+# A case's size, in the keys a spec gives it (those a kind has: vocab, buckets, length, contexts).
+_SIZE_KEYS = ("vocab", "buckets", "length", "contexts")
+
+
+def case_size(case) -> str:
+    """A case's kind and size, for a message: "categorical, vocab 20,000,000" (vocab from a file: the kind
+    alone)."""
+    from ..foundation.formatting import fmt_count
+    sizes = [f"{k} {fmt_count(v)}" for k in _SIZE_KEYS
+             if isinstance(v := getattr(case, k, None), int) and not isinstance(v, bool)]
+    return ", ".join([case.kind or "case", *sizes])

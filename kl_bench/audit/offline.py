@@ -125,8 +125,8 @@ def _load(path: Path, what: str = "saved step") -> tuple[dict, dict]:
     """The tensors and the metadata of a saved step (or of heads.safetensors). Only a regular file is opened
     (kl_bench.foundation.safe_io: a FIFO, a device or a folder at the path is one line, never a blocked
     open). safetensors then maps that very file through /proc/self/fd (the file checked is the file read,
-    and memory holds each tensor once); without /proc, its bytes are read (within half of this machine's
-    memory) and parsed."""
+    and memory holds each tensor once); without /proc, its bytes are read (within half of the memory this
+    process may take) and parsed."""
     try:
         from safetensors import safe_open
         from safetensors.torch import load
@@ -562,6 +562,10 @@ def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk:
     directory = Path(directory)
     found = steps_folder(directory)
     if found is None and any((directory / n).is_file() for n in ("audit.csv", "run.json")):
+        for key, value in (("--out", out), ("--tile", tile), ("--chunk", chunk)):
+            if value is not None:          # nothing is audited or written: the option would be ignored
+                raise SpecError(f"has no effect here: {directory} holds no saved steps, only the verdicts its "
+                                f"audit.csv records (read back, nothing written): drop {key}", key=key)
         return replay_folder(directory, echo)       # a folder the callback wrote (another kind: said so)
     out = check_output_dir(Path(out) if out is not None else directory / "audit")
     check_replaceable(out, "audit")

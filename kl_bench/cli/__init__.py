@@ -12,6 +12,7 @@ import sys
 import typer
 
 from ..foundation import signals
+from ..foundation.errors import is_out_of_memory, memory_words
 from . import audit, dump, exact, gate, listing, report, run, train  # noqa: F401  (each registers its command)
 from .common import app, err_console, interrupt_reported
 
@@ -76,13 +77,14 @@ def main(argv: list[str] | None = None) -> None:
             signals.ignore()          # interrupted and said so: later signals add nothing
         sys.exit(e.exit_code)
     except (MemoryError, RuntimeError) as e:
-        if not _out_of_memory(e):
+        if not is_out_of_memory(e):
             if isinstance(e, RuntimeError) and _is_abort(e):
                 _interrupted()
             raise
         signals.ignore()
-        err_console.print(f"error: out of memory ({_memory_words(e)}): give the run more memory, or fewer draws "
-                          "at once (a smaller [experiment] chunk, more batches)", markup=False, soft_wrap=True)
+        e.__traceback__ = None          # let the failed allocation's tables go before saying it
+        err_console.print(f"error: {_out_of_memory_line(e, sys.argv[1:] if argv is None else argv)}", markup=False,
+                          soft_wrap=True)
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
         _interrupted()
@@ -98,17 +100,23 @@ def _interrupted() -> None:
     sys.exit(130)
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    """A failed allocation: Python's MemoryError, torch's on the host (DefaultCPUAllocator) or on a GPU."""
-    text = str(e)
-    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or \
-        "can't allocate memory" in text or "out of memory" in text.lower()
+# What to make smaller when a command runs out of memory where no case was being built, computed or sampled
+# (those say so themselves: kl_bench.foundation.config.out_of_memory_said), by command.
+_SMALLER = {
+    "run": "fewer draws at once (a smaller [experiment] chunk, more batches)",
+    "check": "fewer draws at once (a smaller [experiment] chunk, more batches)",
+    "baseline": "fewer draws at once (a smaller [experiment] chunk, more batches)",
+    "exact": "smaller cases (vocab, contexts, length)",
+    "train": "smaller cases (vocab, contexts, length), or fewer seeds",
+    "report": "fewer results folders at once",
+    "audit": "a smaller --tile or --chunk",
+    "dump-logits": "a smaller --batch-size",
+}
 
 
-def _memory_words(e: BaseException) -> str:
-    """The allocation's own words, on one line and short ('' for a bare MemoryError)."""
-    words = " ".join(str(e).split())
-    if "DefaultCPUAllocator" in words:
-        words = words[words.index("DefaultCPUAllocator"):]
-    return (words[:117] + "…" if len(words) > 120 else words) or "MemoryError"
-
+def _out_of_memory_line(e: BaseException, args: list[str]) -> str:
+    """The one line of a failed allocation that no command located: the command, its words, what to change."""
+    from ..foundation.config import memory_advice
+    name = next((a for a in args if not a.startswith("-")), None)
+    doing = f" in `kl-bench {name}`" if name in _SMALLER else ""
+    return f"out of memory{doing} ({memory_words(e)}): {memory_advice(_SMALLER.get(name, 'smaller inputs'))}"

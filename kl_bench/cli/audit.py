@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .common import Command, app, out_console, user_errors
+from .common import Command, app, int_flag, out_console, user_errors
 
 
 @app.command("audit", cls=Command)
@@ -14,9 +14,9 @@ def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step
                                              "(docs/audit.md)",
                                         show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", help="results folder (default: DIR/audit)"),
-          tile: Optional[int] = typer.Option(None, "--tile", help="vocabulary ids per tile (hidden-state steps, "
+          tile: Optional[int] = typer.Option(None, "--tile", parser=int_flag, help="vocabulary ids per tile (hidden-state steps, "
                                              "read on the CPU: default 4096)", show_default=False),
-          chunk: Optional[int] = typer.Option(None, "--chunk", help="positions per chunk (hidden-state steps, "
+          chunk: Optional[int] = typer.Option(None, "--chunk", parser=int_flag, help="positions per chunk (hidden-state steps, "
                                               "read on the CPU: default 256)", show_default=False)) -> None:
     """Audit saved training steps: the trainer's KL against the exact KL, bias by source, z, consistency.
 

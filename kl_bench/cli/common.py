@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import math
+import decimal
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -89,23 +89,57 @@ def advice_options(batch: int, tolerance: float) -> None:
         fail(SpecError(str(e), key=f"--{e.key}"))
 
 
-def draws_flag(value: Optional[str]):
-    """``--draws`` as a spec writes draws: 10000000, 10_000_000 or 1e7. Anything else is passed on as
-    text, for the spec's own check to refuse in one line naming the file and ``--draws``."""
-    if value is None:
-        return None
+def whole_number(value: str) -> int | None:
+    """``value`` as a spec writes a whole number: 10000000, 10_000_000 or 1e7 (exactly an integer: not 1.5e0,
+    nan or inf); None for anything else. Read as a decimal (no float rounding: 12345678901234567891 stays
+    itself), ASCII only (int() reads other scripts' digits, "٣": a spec's TOML does not)."""
     text = value.strip().replace("_", "")
-    if not text.isascii():          # int() reads other scripts' digits ("٣"): a spec's TOML does not
-        return value
+    if not text.isascii() or not text:
+        return None
     try:
         return int(text)
     except ValueError:
         pass
     try:
-        f = float(text)
-    except ValueError:
+        d = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        return None
+    # a finite integer of at most 4,000 digits (int() of 1e999999999 would build a billion digits)
+    if not d.is_finite() or d != d.to_integral_value() or d.adjusted() > 4000:
+        return None
+    return int(d)
+
+
+def draws_flag(value: Optional[str]):
+    """``--draws`` as a spec writes draws: 10000000, 10_000_000 or 1e7. Anything else is passed on as
+    text, for the spec's own check to refuse in one line naming the file and ``--draws``."""
+    if value is None:
+        return None
+    n = whole_number(value)
+    return value if n is None else n
+
+
+def int_flag(value):
+    """An integer option (--seed, --batch, --tile, ...) read as ``--draws`` is: 42, 1_000 or 1e3; anything
+    else is a usage error naming the option and echoing the value (exit 2)."""
+    if value is None or isinstance(value, int):       # the default
         return value
-    return int(f) if math.isfinite(f) and f.is_integer() else value
+    n = whole_number(str(value))
+    if n is None:
+        raise typer.BadParameter(f"must be a whole number (as 1000, 1_000 or 1e3), got {str(value)!r}")
+    return n
+
+
+def float_flag(value):
+    """A number option (--tolerance, --alpha, ...): anything float() reads; else a usage error naming the
+    option and echoing the value (exit 2). Whether it is in range is the command's check."""
+    if value is None or isinstance(value, float):
+        return value
+    text = str(value).strip()
+    if text.isascii():                # float() reads other scripts' digits too
+        with contextlib.suppress(ValueError):
+            return float(text)
+    raise typer.BadParameter(f"must be a number, got {str(value)!r}")
 
 
 # Suffixes of the files a report holds: an --out ending in one names a file, and --out is a folder.

@@ -6,15 +6,15 @@ from typing import Optional
 
 import typer
 
-from .common import (Command, advice_options, advise, app, check_output, err_console, out_console, user_errors,
-                     warn_rows, write_outputs)
+from .common import (Command, advice_options, advise, app, check_output, err_console, float_flag, int_flag, out_console,
+                     user_errors, warn_rows, write_outputs)
 
 
 @app.command(cls=Command)
 def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file"),
-          batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
-          tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
+          batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
+          tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
                                           help="the advice's relative tolerance (0.05: ±5%)"),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line (there is none in a pipe)")) -> None:
     """Print the exact KL and estimator moments of every case, and the advice, without sampling."""

@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 
 from ..foundation.errors import SpecError
-from .common import DEFAULT_RUNS, Command, app, check_output, draws_flag, out_console, user_errors, write_outputs
+from .common import (DEFAULT_RUNS, Command, app, check_output, draws_flag, float_flag, int_flag, out_console,
+                     user_errors, write_outputs)
 
 BASELINES = Path("results") / "baselines"        # committed: the gate's default reference
 # Where `kl-bench baseline` writes without --out: git-ignored, so that making a baseline never replaces the
@@ -15,10 +16,24 @@ BASELINES = Path("results") / "baselines"        # committed: the gate's default
 NEW_BASELINES = DEFAULT_RUNS / "baselines"
 
 
+def refuse_run_options(results: Optional[Path], **given) -> None:
+    """With --results the numbers are read, not drawn: a run's option (--draws, --seed, --device) given too
+    would change nothing, and the baseline would record what it did not do. One line, exit 2, before any work."""
+    names = [f"--{name}" for name, value in given.items() if value is not None]
+    if results is None or not names:
+        return
+    said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    raise SpecError(f"{said} {'has' if len(names) == 1 else 'have'} no effect with --results (the numbers are read "
+                    f"from {results}, as its run drew them): drop {'it' if len(names) == 1 else 'them'}, or run the "
+                    "spec without --results")
+
+
 def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, quiet: bool):
-    """(spec, summary DataFrame): from --results DIR (verified against the spec), or by running the spec."""
+    """(spec, summary DataFrame, run): from --results DIR (verified against the spec; ``run``: its run.json,
+    whose seed and spec sha256 are those of the numbers), or by running the spec (``run``: None)."""
     from ..api import load, load_results, run
     with user_errors():
+        refuse_run_options(results, draws=draws, seed=seed, device=device)
         sp = load(spec_path, draws=draws, seed=seed, device=device)
         if results is not None:
             res = load_results(results)
@@ -28,9 +43,9 @@ def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, q
                 from ..present.tables import prose
                 prose(out_console, f"note: {results} was produced by a different version of {spec_path} "
                       f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)")
-            return sp, res.summary
+            return sp, res.summary, res.envelope
         result = run(sp, progress=not quiet)
-    return sp, result.summary
+    return sp, result.summary, None
 
 
 @app.command(cls=Command)
@@ -38,8 +53,8 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
           baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline JSON [default: "
                                                   "results/baselines/<name>.json when it exists]"),
           results: Optional[Path] = typer.Option(None, "--results", help="check this results folder instead of running"),
-          alpha: float = typer.Option(0.001, "--alpha", help="family-wise error rate (Holm)"),
-          seed: Optional[int] = typer.Option(None, "--seed", help="override [experiment] seed"),
+          alpha: float = typer.Option(0.001, "--alpha", parser=float_flag, help="family-wise error rate (Holm)"),
+          seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, help="override [experiment] seed"),
           draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
                                               help="override [experiment] draws"),
           device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device"),
@@ -54,10 +69,12 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     with user_errors():
         if not 0 < alpha < 1:
             raise SpecError(f"must lie in (0, 1), got {alpha}", key="--alpha")
+        refuse_run_options(results, draws=draws, seed=seed, device=device)
         base_path, use_base = _gate_inputs(spec, baseline, results, json_out, junit)
-    sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
+    sp, df, run = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
-        rep = api.check(df, base_path if use_base else None, alpha, spec_sha256=sp.sha256)
+        rep = api.check(df, base_path if use_base else None, alpha,
+                        spec_sha256=sp.sha256 if run is None else run.get("spec_sha256"))
     from ..present.tables import check_table, prose, show
     if not quiet:
         show(out_console, check_table(rep), keys=2, fold=True)
@@ -101,7 +118,7 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
                                                     help="take the numbers from this results folder"),
              draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
                                                  help="override the draws of every case"),
-             seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
+             seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, metavar="S", help="override [experiment] seed"),
              device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
              quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:
     """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline (by default in
@@ -109,12 +126,13 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
     from .. import api
     from ..results.baseline import baseline_bytes, make_baseline
     with user_errors():
+        refuse_run_options(results, draws=draws, seed=seed, device=device)
         sp0 = api.load(spec)
         target = out or NEW_BASELINES / f"{sp0.experiment.name}.json"
         check_output(target, "--out", sp0, baseline_ok=True)
-    sp, df = summary_for(spec, results, draws, seed, device, quiet=quiet)
+    sp, df, run = summary_for(spec, results, draws, seed, device, quiet=quiet)
     with user_errors():
-        data = baseline_bytes(make_baseline(df, sp))
+        data = baseline_bytes(make_baseline(df, sp, run=run))
     write_outputs({target: lambda: data})
     if not quiet:
         out_console.print(f"baseline of {len(df)} rows → {target}", markup=False)

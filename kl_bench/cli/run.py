@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .common import (Command, advice_options, advise, app, draws_flag, err_console, interrupted, out_console,
-                     stale_report_note, user_errors, warn_rows, write_report)
+from .common import (Command, advice_options, advise, app, draws_flag, err_console, float_flag, int_flag, interrupted,
+                     out_console, stale_report_note, user_errors, warn_rows, write_report)
 
 
 @app.command(cls=Command)
@@ -17,18 +17,18 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
                                             help="draws for every case (1e7 and 10_000_000 work, as in a spec): "
                                             "replaces [experiment] draws and each case's own draws"),
-        seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
+        seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, metavar="S", help="override [experiment] seed"),
         device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE",
                                              help="override [experiment] device: auto|cpu|cuda|cuda:N"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables"),
         report_: bool = typer.Option(False, "--report", help="then write the report into DIR/report/"),
         resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its checkpoint"),
-        checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", metavar="SECONDS",
+        checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", parser=float_flag, metavar="SECONDS",
                                                help="write a checkpoint at most this often (> 0; inf: never)"),
         no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint"),
         wide: bool = typer.Option(False, "--wide", help="the full per-case tables (every column), whatever the width"),
-        batch: int = typer.Option(64, "--batch", metavar="B", help="the advice's batch size (draws per mean)"),
-        tolerance: float = typer.Option(0.1, "--tolerance", metavar="T",
+        batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
+        tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
                                         help="the advice's relative tolerance (0.05: ±5%)")) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
     lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across

@@ -7,13 +7,13 @@ from typing import Optional
 
 import typer
 
-from .common import Command, app, err_console, out_console, stale_report_note, user_errors
+from .common import Command, app, err_console, int_flag, out_console, stale_report_note, user_errors
 
 
 @app.command(cls=Command)
 def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [train] table (TOML)", show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: runs/<name>/]"),
-          seed: Optional[int] = typer.Option(None, "--seed", metavar="S", help="override [experiment] seed"),
+          seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, metavar="S", help="override [experiment] seed"),
           device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line and no summary lines")) -> None:
     """Train the policy of every case with each [train] combination (exact and/or sampled updates) and write

@@ -11,6 +11,47 @@ from enum import Enum
 from ..foundation.formatting import ROUNDING, count, fmt  # ROUNDING: one constant for the z scores' floor and printing
 
 
+# |x| within 2^±SAFE_EXPONENT: x² (and a sum of many) is a normal float64, neither overflow nor underflow.
+SAFE_EXPONENT = 500
+
+
+def rescale_exponent(magnitude: float) -> int:
+    """k such that values of this largest |x| divided by 2^k square without overflow or underflow: 0 (no
+    scaling: the plain computation, bit for bit) within 2^±:data:`SAFE_EXPONENT`, and for 0, inf and NaN."""
+    if not math.isfinite(magnitude) or magnitude == 0:
+        return 0
+    k = math.frexp(magnitude)[1]
+    return k if abs(k) > SAFE_EXPONENT else 0
+
+
+def times_two_to(x, k: int):
+    """x · 2^k, exactly (a power of two), for floats, arrays and tensors alike: in two factors, since 2^k
+    alone is out of float64's range past k = ±1023 while the product need not be."""
+    if k == 0:
+        return x
+    half = k // 2
+    return x * 2.0 ** half * 2.0 ** (k - half)
+
+
+def mean_sd(values, ddof: int = 1):
+    """(mean, standard deviation) over axis 0 of ``values`` ([n, K]) without overflow in the squares (nor in
+    the sum): each column is divided by a power of two first where its largest |x| is beyond 2^±500
+    (:func:`rescale_exponent`), which is exact; elsewhere the plain np.mean and np.std, bit for bit."""
+    import numpy as np
+    x = np.asarray(values, dtype=np.float64)
+    big = np.max(np.abs(x), axis=0) if x.shape[0] else np.zeros(x.shape[1:])
+    k = np.vectorize(rescale_exponent, otypes=[np.int64])(big)
+    scaled = np.ldexp(x, -k)
+    return np.ldexp(np.mean(scaled, 0), k), np.ldexp(np.std(scaled, 0, ddof=ddof), k)
+
+
+def vector_norm(v) -> float:
+    """‖v‖₂ of a tensor without overflow or underflow in the squares (scaled by a power of two where its
+    largest |x| is beyond 2^±500; elsewhere the plain norm, bit for bit)."""
+    k = rescale_exponent(float(v.abs().max())) if v.numel() else 0
+    return float(v.norm()) if k == 0 else times_two_to(float(times_two_to(v, -k).norm()), k)
+
+
 def batch_means_se(deviations, weights):
     """Standard error of an overall mean from its batch means (docs/statistics.md#batch-means).
 

@@ -15,7 +15,9 @@ from . import gradient_rows as G
 from .group_baselines import BASELINES, baseline_rows, check_pair as check_baselined_pair
 from ..engine.distributed import SINGLE, Ranks
 from ..core.draws import Row
+from ..foundation.config import out_of_memory_said
 from ..foundation.errors import SpecError
+from ..foundation.formatting import fmt_count
 from ..engine.monte_carlo import CaseRun, as_rows, run_case, small_batch_negative
 from ..core.estimators import FULL, make_cv
 from .lambdas import lambda_star_mc, sweep_frame
@@ -264,13 +266,16 @@ def run_spec(spec, pairs: list[CasePair], device: torch.device, progress: Callab
     for pair, n in zip(pairs, case_draws):
         if on_phase is not None:
             on_phase(pair.name)
-        try:
-            outcomes.append(run_experiment_case(
-                pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
-                on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums)),
-                ranks=ranks))
-        except SpecError as e:              # e.g. a plug-in that returns NaN on some draws: name where
-            raise e.located(file=str(spec.path), case=pair.name) from None
+        with out_of_memory_said(f"sampling the case ({fmt_count(n)} draws, {fmt_count(min(n, exp.chunk))} at once)",
+                                "a smaller case, or fewer draws at once (a smaller [experiment] chunk, more batches)",
+                                file=str(spec.path), case=pair.name):
+            try:
+                outcomes.append(run_experiment_case(
+                    pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
+                    on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums)),
+                    ranks=ranks))
+            except SpecError as e:              # e.g. a plug-in that returns NaN on some draws: name where
+                raise e.located(file=str(spec.path), case=pair.name) from None
     rows = [row for o in outcomes if o is not None for row in o.rows]
     drawn = {o.run.pair.name: {**({"pilot": o.pilot_drawn} if o.pilot_drawn else {}), "main": o.run.drawn}
              for o in outcomes if o is not None}

@@ -5,14 +5,15 @@ Spec parsing (kl_bench.experiment.spec) and every case kind's parser (kl_bench.k
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import sys
 import unicodedata
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from .errors import SpecError
+from .errors import OutOfMemory, SpecError, is_out_of_memory, memory_words
 from .formatting import fmt_bytes, fmt_count
 from .registry import did_you_mean
 
@@ -97,19 +98,96 @@ BYTES_PER_CELL = 256
 
 
 def physical_memory() -> int:
-    """Bytes of physical memory of this machine (the ceiling every in-memory table must fit under)."""
+    """Bytes of physical memory of this machine."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):      # not POSIX: assume a generous 1 TiB
         return 1 << 40
 
 
-def check_memory(need: float, what: str) -> str | None:
-    """An error message when ``need`` bytes exceed this machine's physical memory, else None."""
+# The process limits an allocation meets before physical memory: (resource name, field of
+# /proc/self/statm that counts what it limits, the ulimit flag that sets it). RLIMIT_AS counts every
+# mapping (torch's libraries too), RLIMIT_DATA the private writable ones (since Linux 4.7).
+_PROCESS_LIMITS = (("RLIMIT_AS", 0, "-v"), ("RLIMIT_DATA", 5, "-d"))
+
+
+def _process_limit() -> tuple[int, int, str] | None:
+    """(bytes left, the limit, its ulimit flag) of the tightest address-space limit of this process, or None
+    where none is set (or none can be read). Left: the limit less what the process maps now."""
+    try:
+        import resource
+    except ImportError:            # not POSIX: no such limits
+        return None
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            used = [int(x) * os.sysconf("SC_PAGE_SIZE") for x in fh.read().split()]
+    except (OSError, ValueError, AttributeError):      # no /proc: the whole limit is taken as left
+        used = []
+    best = None
+    for name, field, flag in _PROCESS_LIMITS:
+        try:
+            soft = resource.getrlimit(getattr(resource, name))[0]
+        except (AttributeError, ValueError, OSError):
+            continue
+        if soft == resource.RLIM_INFINITY or soft < 0:
+            continue
+        left = max(0, soft - (used[field] if field < len(used) else 0))
+        if best is None or left < best[0]:
+            best = (left, soft, flag)
+    return best
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes, words): the memory this process may still take, the ceiling every in-memory table must fit
+    under: physical memory ("this machine's 16 GiB"), or less where a process limit (``ulimit -v``,
+    resource.RLIMIT_AS; ``ulimit -d``) leaves less ("the 2.1 GiB left under this process's limit (ulimit -v
+    2.9 GiB)")."""
     have = physical_memory()
+    limit = _process_limit()
+    if limit is not None and limit[0] < have:
+        left, soft, flag = limit
+        return left, f"the {fmt_bytes(left)} left under this process's limit (ulimit {flag} {fmt_bytes(soft)})"
+    return have, f"this machine's {fmt_bytes(have)}"
+
+
+def check_memory(need: float, what: str) -> str | None:
+    """An error message when ``need`` bytes exceed the memory this process may take (:func:`memory_limit`),
+    else None."""
+    have, words = memory_limit()
     if need > have:
-        return f"{what} would need about {fmt_bytes(need)} of memory, more than this machine's {fmt_bytes(have)}"
+        return f"{what} would need about {fmt_bytes(need)} of memory, more than {words}"
     return None
+
+
+def memory_advice(smaller: str) -> str:
+    """What to change after a failed allocation: more memory (saying how much this process may have: this
+    machine's, or its ``ulimit``), or ``smaller`` ("a smaller case", "fewer draws at once ...")."""
+    have, limit = physical_memory(), _process_limit()
+    if limit is not None and limit[1] < have:
+        where = f"ulimit {limit[2]} allows {fmt_bytes(limit[1])}"
+    else:
+        where = f"this machine has {fmt_bytes(have)}"
+    return f"give kl-bench more memory ({where}), or {smaller}"
+
+
+@contextlib.contextmanager
+def out_of_memory_said(doing: str, smaller: str, *, file: str | None = None,
+                       case: str | None = None) -> Iterator[None]:
+    """Within, a failed allocation (kl_bench.foundation.errors.is_out_of_memory) becomes an
+    :class:`~kl_bench.foundation.errors.OutOfMemory`: "FILE: case 'C': out of memory DOING (its words): give
+    kl-bench more memory (...), or SMALLER". The failed allocation's frames are let go first (its traceback
+    would hold the tables it was building)."""
+    try:
+        yield
+    except OutOfMemory:
+        raise
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        e.__traceback__ = None
+        words = memory_words(e)
+        raise OutOfMemory(f"out of memory {doing} ({words}): {memory_advice(smaller)}", file=file,
+                          case=case) from None
 
 
 def at_most(bound: int, why: str) -> Callable[[Any], str | None]:

@@ -5,6 +5,8 @@ Every bad input (spec file, case, key, CLI flag) raises :class:`SpecError`. The 
 """
 from __future__ import annotations
 
+import re
+
 
 class SpecError(Exception):
     """A bad spec or bad input, located as precisely as possible.
@@ -41,3 +43,31 @@ class SpecError(Exception):
 class ShapeError(SpecError, ValueError):
     """Tensors of the wrong shape handed to the Python API (e.g. :func:`kl_bench.estimate`): a
     ``ValueError`` as numerical code expects, and a :class:`SpecError` (one line) for the CLI."""
+
+
+class OutOfMemory(SpecError, MemoryError):
+    """An allocation that failed, said as input errors are (one line naming the file and case, what was being
+    done and what to change: exit 2), and a :class:`MemoryError` for code that catches those
+    (kl_bench.foundation.config.out_of_memory_said raises it)."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A failed allocation: Python's MemoryError, torch's on the host (DefaultCPUAllocator) or on a GPU."""
+    text = str(e)
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or \
+        "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def memory_words(e: BaseException) -> str:
+    """The failed allocation in a few words: "could not allocate 1.1 GiB" (on the GPU: "CUDA could not
+    allocate 2.00 GiB") where the message says how much, else its own words on one line, short
+    ("MemoryError" for a bare one)."""
+    words = " ".join(str(e).split())
+    asked = re.search(r"tried to allocate (\d+ bytes|[\d.]+ ?[KMGTP]i?B)", words, re.IGNORECASE)
+    if asked:
+        size = asked.group(1)
+        if size.endswith("bytes"):
+            from .formatting import fmt_bytes
+            size = fmt_bytes(int(size.split()[0]))
+        return f"{'CUDA ' if 'CUDA' in words else ''}could not allocate {size}"
+    return (words[:117] + "…" if len(words) > 120 else words) or type(e).__name__

@@ -35,9 +35,10 @@ GiB = 1 << 30
 
 
 def _memory_cap() -> int:
-    """Half of physical memory: a file read whole (and converted to float64) must fit beside the run."""
-    from .config import physical_memory
-    return physical_memory() // 2
+    """Half of the memory this process may take (physical memory, or less under ``ulimit -v``): a file read
+    whole (and converted to float64) must fit beside the run."""
+    from .config import memory_limit
+    return memory_limit()[0] // 2
 
 
 # Size caps per kind of file: far above anything kl-bench writes, far below what would exhaust memory.
@@ -62,7 +63,7 @@ CAPS: dict[str, int] = {
 
 
 def cap_for(kind: str) -> int:
-    """The size cap of a kind of file (:data:`CAPS`; tensors: half of physical memory)."""
+    """The size cap of a kind of file (:data:`CAPS`; tensors: half of the memory this process may take)."""
     return CAPS.get(kind) or _memory_cap()
 
 

@@ -9,7 +9,7 @@ import datetime as _dt
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .._moved import renamed
 from ..foundation.errors import SpecError
@@ -38,7 +38,13 @@ def baseline_key(r) -> tuple:
     return (r["case"], r["estimator"], r["aggregate"] or "", lam)
 
 
-def make_baseline(df: pd.DataFrame, spec) -> dict[str, Any]:
+def make_baseline(df: pd.DataFrame, spec, *, run: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The baseline of the summary ``df`` of ``spec``'s experiment. ``run``: the run.json (envelope) of the
+    results folder ``df`` was read from; the baseline then records that run's seed and spec sha256 (the
+    numbers were drawn by it, whatever the spec says now), else ``spec``'s (``df`` is a run of ``spec``)."""
+    seed, sha = spec.experiment.seed, spec.sha256
+    if run is not None:
+        seed, sha = run.get("seed", seed), run.get("spec_sha256", sha)
     rows = []
     for _, r in df.iterrows():
         row = {}
@@ -49,8 +55,7 @@ def make_baseline(df: pd.DataFrame, spec) -> dict[str, Any]:
             row[k] = v.item() if hasattr(v, "item") else v
         rows.append(row)
     out = {"kl_bench_baseline": BASELINE_VERSION, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(
-           timespec="seconds"), "spec_name": spec.experiment.name, "spec_sha256": spec.sha256,
-           "seed": spec.experiment.seed, "rows": rows}
+           timespec="seconds"), "spec_name": spec.experiment.name, "spec_sha256": sha, "seed": seed, "rows": rows}
     # What load_baseline would refuse is never stored (a NaN mean, a negative se, a repeated row).
     normalize_baseline(copy.deepcopy(out), f"the baseline of {spec.path}")
     return out

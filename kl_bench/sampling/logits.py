@@ -225,16 +225,16 @@ def zipf_logits(vocab: int, exponent: float, seed: int, contexts: int = 1) -> to
 
 
 def read_logits_file(path: Path, key: str | None = None, mask: Path | None = None,
-                     mask_key: str | None = None) -> torch.Tensor:
+                     mask_key: str | None = None, what: str = "logits") -> torch.Tensor:
     """Load unnormalised logits of shape [V], [B, V] or [B, T, V] as float64 [N, V].
 
     [B, T, V] (a trainer's logits over sequences): every position whose ``mask`` entry is nonzero is a
     context (N = the mask's count); without a mask every position is. [B, V] may take a [B] mask.
     Formats: .npy, .pt (a tensor of any float dtype, bf16 dumps included, or a dict: ``key`` names the
     tensor, optional when the dict holds one; loaded with ``weights_only=True``, so no pickled code runs)
-    and .safetensors (``key`` as for a dict).
+    and .safetensors (``key`` as for a dict). ``what``: what the file holds, for messages ("bucket map").
     """
-    t = read_tensor_file(path, key)
+    t = read_tensor_file(path, key, what=what)
     if t.ndim == 3 and 0 not in t.shape:
         return _masked_positions(t, mask, mask_key)
     if mask is not None:
@@ -249,7 +249,7 @@ def read_logits_file(path: Path, key: str | None = None, mask: Path | None = Non
     if t.ndim == 1:
         t = t.unsqueeze(0)
     if t.ndim != 2 or t.shape[1] == 0 or t.shape[0] == 0:
-        raise SpecError(f"{path}: logits must have shape [V], [B, V] or [B, T, V], got {list(t.shape)}")
+        raise SpecError(f"{path}: {what} must have shape [V], [B, V] or [B, T, V], got {list(t.shape)}")
     return t
 
 
@@ -292,7 +292,7 @@ def _read_tensor(fh, path: Path, suffix: str, key: str | None, what: str) -> tor
     except SpecError as e:
         raise SpecError(f"{e.file}: {e.message}" if e.file else e.message) from None
     except Exception as e:  # corrupt or truncated files: numpy/torch raise many types
-        raise SpecError(f"cannot read logits file {path}: {e.__class__.__name__}: "
+        raise SpecError(f"cannot read {what} file {path}: {e.__class__.__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'unreadable'}") from None
 
 
@@ -308,7 +308,7 @@ def _read_npy(fh, size: int, path: Path, what: str) -> torch.Tensor:
     if what == "mask" and arr.dtype == np.bool_:
         arr = arr.astype(np.uint8)
     if not np.issubdtype(arr.dtype, np.number):
-        raise SpecError(f"{path}: logits must be numeric, got dtype {arr.dtype}")
+        raise SpecError(f"{path}: {what} must be numeric, got dtype {arr.dtype}")
     return torch.from_numpy(np.asarray(_supported(arr, path), dtype=np.float64))
 
 
@@ -323,7 +323,7 @@ def _read_pt(fh, size: int, path: Path, key: str | None, what: str) -> torch.Ten
             first = str(e).splitlines()[0] if str(e) else "unreadable"
             if "weights only load failed" in first.lower() or e.__class__.__name__ == "UnpicklingError":
                 first = "it holds pickled objects other than tensors (loaded with weights_only=True)"
-            raise SpecError(f"cannot read logits file {path}: not a plain tensor file: "
+            raise SpecError(f"cannot read {what} file {path}: not a plain tensor file: "
                             f"{e.__class__.__name__}: {first}") from None
     obj = pick_key(obj, key, path)
     if what == "mask" and isinstance(obj, torch.Tensor) and obj.dtype == torch.bool:

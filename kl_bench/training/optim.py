@@ -9,15 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.stats import rescale_exponent, times_two_to
+
 OPTIMIZERS = ("sgd", "adam")
 
 
 @dataclass(frozen=True)
 class AdamState:
-    """First and second moment estimates (shape of θ) and the number of steps taken."""
+    """First and second moment estimates (shape of θ) and the number of steps taken. ``v`` is stored divided
+    by 4^``scale``: gradients beyond 2^500 (a β of 1e200) square past float64 (an infinite v stopped the
+    policy); 0 until one comes, so that every ordinary trajectory is the textbook one, bit for bit."""
     m: torch.Tensor
     v: torch.Tensor
     t: int
+    scale: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,11 @@ def adam(theta: torch.Tensor, g: torch.Tensor, state: AdamState, lr: float, beta
     b1, b2 = betas
     t = state.t + 1
     m = b1 * state.m + (1 - b1) * g
-    v = b2 * state.v + (1 - b2) * g * g
+    # v in units of 4^k (AdamState): k grows when a gradient's square would overflow, never shrinks
+    k = max(state.scale, rescale_exponent(float(g.abs().max())) if g.numel() else 0)
+    v_before = times_two_to(times_two_to(state.v, state.scale - k), state.scale - k)
+    g_scaled = times_two_to(g, -k)
+    v = b2 * v_before + (1 - b2) * g_scaled * g_scaled
     m_hat = m / (1 - b1**t)
     v_hat = v / (1 - b2**t)
-    return theta + lr * m_hat / (v_hat.sqrt() + eps), AdamState(m, v, t)
+    return theta + lr * m_hat / (times_two_to(v_hat.sqrt(), k) + eps), AdamState(m, v, t, k)

@@ -42,7 +42,7 @@ def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int)
         out[:, list(spec.tokens)] = spec.value
         return out
     try:
-        t = read_logits_file(spec.file, spec.key)
+        t = read_logits_file(spec.file, spec.key, what="reward table")
     except SpecError as e:
         raise e.located(case=case, key="train.reward.file") from None
     if tuple(t.shape) != (rows, vocab) and not (t.shape[0] == 1 and t.shape[1] == vocab):

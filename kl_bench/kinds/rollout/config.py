@@ -41,7 +41,7 @@ class RolloutCase(CaseConfig):
 
 def read_bucket_map(path, vocab: int, buckets: int) -> torch.Tensor:
     """An int array [V] with values in [0, C) from .npy or .pt."""
-    t = read_logits_file(path)          # same loader: checks existence, format and readability
+    t = read_logits_file(path, what="bucket map")    # same loader: checks existence, format and readability
     if t.shape[0] != 1 or t.shape[1] != vocab:
         raise SpecError(f"{path}: bucket map must have shape [{vocab}], got {list(t.shape[1:]) if t.shape[0] == 1 else list(t.shape)}")
     t = t[0]
