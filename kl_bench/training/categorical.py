@@ -18,21 +18,44 @@ from ..sampling.seeding import BatchStream
 from .combos import Combination
 
 
-def expected_score_gradient(q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """E_x[a(x)(e_x − q_b)] averaged over the B contexts: (1/B)(q ⊙ a − q·(q·a)). q, a: [B, V] → [B, V]."""
+def expected_score_gradient(q: torch.Tensor, a: torch.Tensor, qa: torch.Tensor | None = None) -> torch.Tensor:
+    """E_x[a(x)(e_x − q_b)] averaged over the B contexts: (1/B)(q ⊙ a − q·(q·a)). q, a: [B, V] → [B, V].
+    ``qa``: q ⊙ a computed exactly where q ⊙ a is not finite in float64 (see :func:`q_times_coefficient`),
+    None where it is."""
     # The score has zero mean (Σ_x q(x)(e_x − q) = 0), so shifting a by a constant per context changes
     # nothing in exact arithmetic. Shifting by a's first entry makes a constant a (k1 in the loss) give an
     # exact zero by construction: a − a₀ is 0.0 in every entry, whatever the CPU's vector width or
     # summation order (⟨q, a⟩/Σq cancelled only up to the last bit, and Adam turns 1e-17 into a step).
-    a = a - a[..., :1]
-    qa = q * a
-    return (qa - q * (qa.sum(-1, keepdim=True) / q.sum(-1, keepdim=True))) / q.shape[0]
+    shift = a[..., :1]
+    if qa is not None:
+        # a is infinite where q underflowed (r = p/q beyond float64): shift by a's entry at q's largest
+        # token (finite) where the first entry is not, and take q ⊙ (a − shift) from the exact product.
+        shift = torch.where(torch.isfinite(shift), shift, a.gather(-1, q.argmax(-1, keepdim=True)))
+    d = q * (a - shift)
+    if qa is not None:
+        d = torch.where(torch.isfinite(d), d, qa - q * shift)
+    return (d - q * (d.sum(-1, keepdim=True) / q.sum(-1, keepdim=True))) / q.shape[0]
+
+
+def q_times_coefficient(lq: torch.Tensor, log_r: torch.Tensor, poly) -> torch.Tensor:
+    """q ⊙ c(log r) for a coefficient that is a polynomial Σ c_sk r^s (log r)^k (``poly``: {(s, k): c_sk}),
+    as Σ c_sk exp(log q + s·log r)(log r)^k: finite where q ⊙ c is, though r = p/q overflows float64 once
+    log q < log p − 709 (q·r = p: k3 in the loss pulls such a token back with weight p, where q ⊙ (r − 1)
+    formed directly is 0·inf = NaN). lq, log_r: [B, V] → [B, V]."""
+    out = torch.zeros_like(lq)
+    for (s, k), c in poly.items():
+        if c != 0:
+            out = out + c * torch.exp(lq + s * log_r) * (log_r ** k if k else 1.0)
+    return out
 
 
 def count_gradient(q: torch.Tensor, counts: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """The mean per-draw gradient of n draws from their counts N [B, V] (n = ΣN):
     (1/n) Σ_b (N_b ⊙ a_b − q_b (N_b·a_b)) in row b. q, counts, a: [B, V] → [B, V]."""
     na = counts * a
+    if not bool(torch.isfinite(na).all()):
+        # A token never drawn adds nothing, even where its a is infinite (r = p/q beyond float64): 0, not 0·inf.
+        na = torch.where(counts > 0, na, torch.zeros_like(na))
     return (na - q * na.sum(-1, keepdim=True)) / counts.sum()
 
 
@@ -99,7 +122,11 @@ class CategoricalProblem:
     def expected_update(self, theta: torch.Tensor, combo: Combination) -> torch.Tensor:
         """The trainer's expected ascent direction at θ, exact, [B, V]."""
         lq = torch.log_softmax(theta, -1)
-        return expected_score_gradient(lq.exp(), self._table(lq, combo))
+        q, a = lq.exp(), self._table(lq, combo)
+        qa = None
+        if combo.item.cpoly is not None and not bool(torch.isfinite(q * a).all()):
+            qa = q * self.reward - self.beta * q_times_coefficient(lq, self.log_p - lq, combo.item.cpoly)
+        return expected_score_gradient(q, a, qa)
 
     def sampled_update(self, theta: torch.Tensor, combo: Combination, batch: BatchStream, piece: int,
                        chunk: int) -> torch.Tensor:
