@@ -363,7 +363,9 @@ def test_a_diverged_trajectory_is_named_not_ranked(tmp_path):
     assert proc.returncode == 0, proc.stderr
     df = read_frame(tmp_path / "out" / "train.csv")
     gone = diverged(df)
-    assert [(k, g) for _, k, g, _ in gone] == [("k3/loss", "exact"), ("k3/loss", "sampled")], gone
+    # θ overflows on the exact trajectory; the sampled one's update stays finite since undrawn tokens no longer
+    # make 0·inf (test_k3_in_the_loss_stays_finite_where_r_overflows), so only what is non-finite is named.
+    assert [(k, g) for _, k, g, _ in gone] == [("k3/loss", "exact")], gone
     warnings = [x for x in proc.stderr.splitlines() if x.strip()]
     assert warnings == [f"warning: case '{c}': {k} ({g}) diverged: non-finite values from step {s} on (a smaller "
                         "[train] lr?)" for c, k, g, s in gone], proc.stderr
