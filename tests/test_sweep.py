@@ -87,7 +87,7 @@ def test_several_sweeps_of_one_case_add_their_cases_and_linspace_works(write_spe
     ('case = "c"\n"p.noise" = [0.1, 0.1]', "key 'sweep[1].p.noise': lists the value 0.1 twice"),
     # values that one rounding makes equal were "the case made twice (two sweeps over the same values?)"
     ('case = "c"\n"p.noise" = { linspace = [1, 1.0001], num = 5 }',
-     "key 'sweep[1].p.noise': its 5 values are not all different once rounded to 4 significant digits (1)"),
+     "key 'sweep[1].p.noise': its 5 values are not all different once the inner ones are rounded to 4 significant digits (1, 1.0001)"),
     ('case = "c"\n"p.noise" = [0.1]\n[[sweep]]\ncase = "c"\n"p.noise" = [0.1]', "makes the case 'c[p.noise=0.1]' twice"),
     (f'case = "c"\n"p.noise" = {{ geomspace = [0.01, 3], num = {MAX_SWEEP_CASES + 1} }}', "more than 1,024"),
     # refused before any value is made (a grid of 10^12 values would fill the memory first)

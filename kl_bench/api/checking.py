@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from ..foundation.errors import SpecError
@@ -89,11 +90,17 @@ class CheckReport:
 def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha256: str | None = None) -> CheckReport:
     """Compare every statistic with its exact value and, given a ``baseline`` (a path to a baseline
     JSON, or its decoded dict), with the stored run; Holm's step-down at family-wise ``alpha``.
-    ``results``: a :class:`Result`, a results folder, or a summary DataFrame (then ``spec_sha256``, if
-    given, says which spec made it, for the note when the spec changed since the baseline). With ``spec``
-    (a path, Spec or dict), a results folder must hold that experiment's cases."""
-    import pandas as pd
 
+    ``results``: a :class:`Result` (of a live run, or read back by :func:`load_results`), a results folder's
+    path, or a summary DataFrame. The spec's sha256 for the note when the spec changed since the baseline
+    is the one the results record (run.json's ``spec_sha256``, a Result's ``envelope``); ``spec_sha256``
+    is used where there is no such record (a DataFrame).
+
+    ``spec`` (a path, Spec or dict): the results must be that experiment's, with exactly its cases and a
+    spec that differs at most in run settings (kl_bench.results.verify.check_results_match_spec), checked
+    alike for a Result and a folder. A summary DataFrame holds no record of the experiment or the spec that
+    made it, so ``spec`` with a DataFrame is refused in one line (pass the Result or its folder instead)
+    rather than passed without a check."""
     from ..analysis.gate import baseline_comparisons, exact_comparisons, holm, skipped_notes
     from ..results.baseline import load_baseline, normalize_baseline
     if not 0 < number_argument(alpha, "alpha") < 1:
@@ -101,19 +108,7 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
     if spec_sha256 is not None and not isinstance(spec_sha256, str):
         raise SpecError(f"must be a string (a spec's sha256) or None, got {type(spec_sha256).__name__}",
                         key="spec_sha256")
-    sha = spec_sha256
-    if isinstance(results, Result):
-        df, sha = results.summary, results.spec.sha256
-    elif isinstance(results, pd.DataFrame):
-        df = results
-    else:
-        from ..present.report import load_results
-        loaded = load_results(path_argument(results, "results", "a Result, a summary DataFrame or a results "
-                                                            "folder's path"))
-        if spec is not None:
-            from ..results.verify import check_results_match_spec
-            check_results_match_spec(loaded, load(spec))
-        df, sha = loaded.summary, loaded.envelope.get("spec_sha256")
+    df, sha = _checked_summary(results, spec, spec_sha256)
     comparisons = exact_comparisons(df)
     notes: list[str] = skipped_notes(df)        # rows neither passed nor failed: said, not silent
     where = None
@@ -132,3 +127,28 @@ def check(results, baseline=None, alpha: float = 0.001, *, spec=None, spec_sha25
         notes += row_notes
     holm(comparisons, alpha)
     return CheckReport(comparisons, alpha, notes, where)
+
+
+def _checked_summary(results, spec, spec_sha256: str | None) -> tuple["pd.DataFrame", str | None]:
+    """:func:`check`'s (summary, spec sha256) of ``results`` (a Result, a folder's path or a DataFrame),
+    after checking the results against ``spec`` where they record what made them (a Result and a folder
+    alike); ``spec`` with a DataFrame is refused (:func:`check`'s docstring)."""
+    import pandas as pd
+    if isinstance(results, pd.DataFrame):
+        if spec is not None:
+            raise SpecError("a summary DataFrame holds no record of the experiment or spec that made it, so it "
+                            "cannot be checked against spec=: pass its Result or results folder, or leave spec= "
+                            "out", key="spec")
+        return results, spec_sha256
+    if isinstance(results, Result):
+        where = results.path if results.path is not None else "the Result (not written)"
+        held = SimpleNamespace(path=where, envelope=results.envelope, summary=results.summary)
+    else:
+        from ..present.report import load_results
+        held = load_results(path_argument(results, "results", "a Result, a summary DataFrame or a results "
+                                                          "folder's path"))
+    if spec is not None:
+        from ..results.verify import check_results_match_spec
+        check_results_match_spec(held, load(spec))
+    recorded = held.envelope.get("spec_sha256")
+    return held.summary, recorded if isinstance(recorded, str) else spec_sha256

@@ -7,7 +7,7 @@ import torch
 
 from ..foundation.errors import ShapeError, SpecError
 from ..core.estimators import resolve_estimator
-from ..core.logits import as_real_tensor, check_logits, first_index
+from ..core.logits import as_mask, as_real_tensor, check_logits, first_index
 
 
 def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,
@@ -34,8 +34,9 @@ def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor 
 
     Refused with a :class:`SpecError` naming the argument (a :class:`ShapeError` for shapes): logits with
     NaN, +inf or a row all −inf (as a spec's logits are), a vocabulary V of 0, ``ids`` that are not
-    integers or lie outside [0, V), ``ids`` with log-probs instead of logits, a meta tensor where values
-    are read. NaN or ±inf log-probs (``policy``, ``reference``) are the caller's: a padded position may
+    integers or lie outside [0, V), ``ids`` with log-probs instead of logits, a ``mask`` that is neither
+    bool nor all 0 and 1 (−1, 0.5, NaN: the per-token values would read it as bool, an aggregation as a
+    weight), a meta tensor where values are read. NaN or ±inf log-probs (``policy``, ``reference``) are the caller's: a padded position may
     hold them, and ``mask`` zeroes it.
 
     >>> import torch, kl_bench
@@ -72,7 +73,7 @@ def _masked(values: torch.Tensor, mask, aggregation: str | None) -> torch.Tensor
         if aggregation is not None:
             raise SpecError("an aggregation needs the mask", key="mask")
         return values
-    mask = as_real_tensor(mask, "mask", logical=True).to(values.device)
+    mask = as_mask(mask, "mask").to(values.device)
     if mask.shape != values.shape:
         raise ShapeError(f"mask must have the log-probs' shape {list(values.shape)}, got {list(mask.shape)}")
     if aggregation is not None:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..foundation.errors import SpecError
 from ..foundation.threads import single_threaded
 from .preparation import load, resolve_device
 from .provenance import device_name, git_commit, now, versions
@@ -23,10 +24,15 @@ def train(spec, *, seed: int | None = None, device: str | None = None, ranks=Non
     ``ranks``: a torchrun job's :class:`kl_bench.engine.distributed.Ranks` (``kl-bench train`` under torchrun passes
     it): the units are split across the processes and rank 0 gets the result (the others None). Without it,
     a call under torchrun is refused in one line (each process would train everything). ``progress``: as
-    :func:`run`'s, in steps of this process's trajectories, on ``console`` (default stderr)."""
+    :func:`run`'s, in steps of this process's trajectories, on ``console`` (default stderr).
+
+    Arguments of the wrong type (``ranks`` that is not a Ranks, ``progress`` that is not True, False or
+    None, ``console`` that is not a rich Console; ``seed`` and ``device`` as the command line's flags) are
+    one :class:`SpecError` naming the argument, before anything is read or started."""
     from ..engine.distributed import SINGLE, one_process
     from ..foundation.progress import LazyProgress, wanted
     from ..training import TrainResult, train_rows
+    _check_arguments(ranks, progress, console)
     if ranks is None:
         one_process("kl_bench.train", str(spec) if isinstance(spec, (str, Path)) else None)
     sp = load(spec, seed=seed, device=device)
@@ -56,3 +62,21 @@ def train(spec, *, seed: int | None = None, device: str | None = None, ranks=Non
     if cfg.reward.function is not None:           # a per-sequence reward: its registry name or plug-in reference
         envelope["train"]["reward_function"] = cfg.reward.function.name
     return TrainResult(rows, envelope)
+
+
+def _check_arguments(ranks, progress, console) -> None:
+    """:func:`train`'s ``ranks``, ``progress`` and ``console``, each of its type or one SpecError naming it
+    (``ranks=(0, 2)`` had been an AttributeError from deep inside the training loop)."""
+    from ..engine.distributed import Ranks
+    if ranks is not None and not isinstance(ranks, Ranks):
+        raise SpecError(f"must be a kl_bench.engine.distributed.Ranks (this process's place in a torchrun job, "
+                        f"from kl_bench.engine.distributed.start) or None, got {type(ranks).__name__} {ranks!r}",
+                        key="ranks")
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise SpecError(f"must be True, False or None (None: on in a notebook), got {type(progress).__name__} "
+                        f"{progress!r}", key="progress")
+    if console is not None:
+        from rich.console import Console
+        if not isinstance(console, Console):
+            raise SpecError(f"must be a rich.console.Console or None (None: stderr), got {type(console).__name__}",
+                            key="console")

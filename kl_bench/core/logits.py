@@ -40,3 +40,20 @@ def as_real_tensor(value, key: str, logical: bool = False) -> torch.Tensor:
     if t.is_complex() or (t.dtype == torch.bool and not logical):
         raise SpecError(f"must hold real numbers, got dtype {t.dtype}", key=key)
     return t
+
+
+def as_mask(value, key: str = "mask") -> torch.Tensor:
+    """``value`` as a mask tensor (:func:`as_real_tensor`): bool, or numbers that are all 0 or 1. Anything
+    else (−1, 0.5, 2, NaN) is one SpecError naming ``key`` with the first bad value and its index: such a
+    mask was read as bool by the per-token values (every nonzero counts) but as a weight by an aggregation
+    (Σ v·m / Σ m), so the two disagreed silently."""
+    t = as_real_tensor(value, key, logical=True)
+    if t.dtype == torch.bool:
+        return t
+    if t.device.type == "meta":
+        raise SpecError("a tensor on the 'meta' device has a shape but no data", key=key)
+    bad = (t != 0) & (t != 1)               # NaN differs from both
+    if bool(bad.any()):
+        raise SpecError(f"must be bool or hold only 0 and 1 (1: a position that counts, 0: padding), got "
+                        f"{t[bad][0].item():g} at index {first_index(bad)}", key=key)
+    return t

@@ -395,8 +395,8 @@ def _parse_data(data: Any, file: str, spec_dir: Path, stem: str, text: str, path
 # The base case is replaced by one case per combination of values (the cartesian product of the table's
 # keys), named "<base>[key=value,...]"; several sweeps of one base add their cases together.
 MAX_SWEEP_CASES = 1024      # cases a spec's sweeps may make: a grid beyond it is almost surely a typo
-_GRID_DIGITS = 4            # geomspace/linspace values are rounded to this many significant digits,
-                            # so case names stay short and every value is written exactly
+_GRID_DIGITS = 4            # geomspace/linspace inner values are rounded to this many significant digits,
+                            # so case names stay short and every value is written exactly (the ends: as written)
 
 
 def _grid_values(v: Any, where: str, file: str) -> list[Any]:
@@ -407,20 +407,32 @@ def _grid_values(v: Any, where: str, file: str) -> list[Any]:
     if not isinstance(v, dict):
         raise err(f"must be a list of values, or {{ geomspace = [a, b], num = n }} / {{ linspace = [a, b], num = n }}; "
                   f"got {typename(v)}")
-    grid, a, b, num = _grid_spec(v, err)
-    if num == 1:
-        pts = [a]
-    elif grid == "geomspace":
-        pts = [math.exp(math.log(a) + (math.log(b) - math.log(a)) * i / (num - 1)) for i in range(num)]
-    else:
-        pts = [a + (b - a) * i / (num - 1) for i in range(num)]
-    if not all(math.isfinite(x) for x in pts):       # [-1e308, 1e308]: b − a overflows
-        raise err("its values leave float64's range: give ends closer together")
-    out = [float(f"{x:.{_GRID_DIGITS}g}") for x in pts]
+    out = _grid_points(*_grid_spec(v, err))        # finite: finite ends (convert), inner values within them
     if len(set(out)) < len(out):            # [1, 1.0001] in 5 steps: all 1 once rounded (names say the value)
-        raise err(f"its {num} values are not all different once rounded to {_GRID_DIGITS} significant digits "
-                  f"({', '.join(dict.fromkeys(map(_fmt_value, out)))}): give ends further apart, or fewer values")
+        raise err(f"its {len(out)} values are not all different once the inner ones are rounded to {_GRID_DIGITS} "
+                  f"significant digits ({', '.join(dict.fromkeys(map(_fmt_value, out)))}): give ends further apart, "
+                  "or fewer values")
     return out
+
+
+def _grid_points(grid: str, a: float, b: float, num: int) -> list[float]:
+    """``num`` values from ``a`` to ``b``, evenly spaced (linspace) or in ratio (geomspace). The ends are
+    ``a`` and ``b`` exactly as written (``a + (b − a)`` had made [1.1, 1e-20]'s last value 0.0); the inner
+    values are a + (b − a)·i/(num − 1) (of the logs for geomspace; (1 − i/(num − 1))·a + b·i/(num − 1) where
+    b − a overflows, as for [−1e308, 1e308]), rounded to :data:`_GRID_DIGITS` significant digits and kept
+    within [a, b]."""
+    if num == 1:
+        return [a]
+    lo, hi = min(a, b), max(a, b)
+    steps = range(1, num - 1)
+    if grid == "geomspace":
+        la, lb = math.log(a), math.log(b)
+        inner = [math.exp(la + (lb - la) * i / (num - 1)) for i in steps]
+    elif math.isfinite(b - a):
+        inner = [a + (b - a) * i / (num - 1) for i in steps]
+    else:
+        inner = [(1 - i / (num - 1)) * a + b * i / (num - 1) for i in steps]
+    return [a, *(min(max(float(f"{x:.{_GRID_DIGITS}g}"), lo), hi) for x in inner), b]
 
 
 def _listed_values(v: list, err: Callable[[str], SpecError]) -> list[Any]:

@@ -561,6 +561,7 @@ def report_files(dirs: list[Path], *, formats=None, progress=None, batch: int = 
     # for them (tests/test_hardening_io.py: reports under a 3 GB address space).
     from . import plots  # noqa: F401
     formats = formats or FIGURE_FORMATS
+    refuse_repeated(dirs)
     kinds = [folders.kind_of(d) for d in dirs]          # what run.json says each folder is
     if kinds == ["run"] * len(dirs):
         return build_report(dirs, formats=formats, progress=progress, batch=batch, tolerance=tolerance)
@@ -569,6 +570,18 @@ def report_files(dirs: list[Path], *, formats=None, progress=None, batch: int = 
         raise SpecError(f"{folders.with_article(kind)} folder has a report of its own: give it alone, not with "
                         "other folders", file=str(odd))
     return REPORTS[kinds[0]]()(dirs[0], formats=formats, progress=progress)
+
+
+def refuse_repeated(dirs: list[Path]) -> None:
+    """One line naming a folder given twice (the same spelling, another one such as ./D, or a link to it):
+    a report compares its folders as independent runs, and a run beside itself agrees exactly (diff 0,
+    z 0), which says nothing."""
+    for i, d in enumerate(dirs):
+        twin = next((e for e in dirs[:i] if same_path(d, e)), None)
+        if twin is not None:
+            said = "is given twice" if str(twin) == str(d) else f"is {twin} again (one folder by two names)"
+            raise SpecError(f"{said}: a report compares different runs, and a run beside itself would agree "
+                            "exactly; give each folder once", file=str(d))
 
 
 def _training_report():

@@ -15,7 +15,7 @@ from ...foundation.errors import SpecError
 from ...sampling.seeding import batch_generator
 from ...foundation.storage import FolderLock, check_output_dir, clean_stale, fs_error, write_folder
 from . import lm
-from .pair import ModelPair
+from .pair import ModelPair, check_vocabularies
 
 
 def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, length: int = 1, samples: int = 0,
@@ -31,6 +31,7 @@ def dump_logits(policy: Path, reference: Path, prompts: Path, out: Path, *, leng
                          device=device, seed=seed)
     q = lm.load_model(policy, dtype, "--policy")
     p = lm.load_model(reference, dtype, "--reference")
+    check_vocabularies(q, p, key="--reference")
     signals.phase("pairs")
     try:
         ids = lm.read_prompts(prompts, policy)

@@ -47,6 +47,16 @@ class ModelCase(CaseConfig):
     batch_size: int = 64         # prompts per forward pass, continuations generated together
 
 
+def check_vocabularies(policy, reference, key: str = "reference") -> int:
+    """The vocabulary both models share; a reference whose output layer has another size is refused in one
+    line naming ``key`` (the spec's ``reference``, dump-logits' ``--reference``): its log-probs [B, V'] could
+    not be compared with the policy's token for token."""
+    v, w = lm.vocab_size(policy), lm.vocab_size(reference)
+    if w != v:
+        raise SpecError(f"the reference has vocabulary {w} but the policy has {v}", key=key)
+    return v
+
+
 def _device_for_forward() -> torch.device:
     """Next-token log-probs are computed once, at build time: on the GPU when there is one."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,10 +114,7 @@ class ModelPair(Pair):
     def from_config(cls, case: ModelCase) -> Pair:
         policy = lm.load_model(case.policy, case.dtype, "policy")
         reference = lm.load_model(case.reference, case.dtype, "reference")
-        v = lm.vocab_size(policy)
-        if lm.vocab_size(reference) != v:
-            raise SpecError(f"the reference has vocabulary {lm.vocab_size(reference)} but the policy has {v}",
-                            key="reference")
+        check_vocabularies(policy, reference)
         prompts = lm.read_prompts(case.prompts, case.policy)
         lm.check_prompts(prompts, case.prompts, [policy, reference], case.length, case.eos)
         label = f"policy {case.policy.name}, reference {case.reference.name}, {len(prompts)} prompts"
