@@ -617,3 +617,18 @@ def test_a_training_case_at_the_optimum_has_a_linear_kl_opt_panel():
     kl_opt = fig.axes[PANELS.index("kl_opt")]
     assert kl_opt.get_yscale() == "linear" and "0 at every step" in kl_opt.get_title()
     assert len(_save(fig)) > 1000
+
+
+def test_a_rounding_level_std_does_not_set_the_std_axis():
+    """A constant row's exact std at float64 rounding (3.3e-16 of the true KL: the analytic KL of one context
+    summed over the vocabulary) is a std of 0: not plotted, and the std axis spans the other rows (it had run
+    from 1e-16, every other row squeezed into its last decade)."""
+    import pandas as pd
+    from kl_bench.present import plots
+    rows = [{"case": "c", "estimator": e, "lambda": float("nan"), "aggregate": "", "true_kl": 0.1, "mean": 0.1,
+             "se": 0.001, "std": s, "std_se": 0.01, "rel_bias": 0.0, "rel_std": s / 0.1, "exact_rel_bias": 0.0,
+             "exact_rel_std": x, "heavy_tail": ""}
+            for e, s, x in (("k1", 0.5, 5.0), ("k3", 0.2, 2.0), ("full", 0.0, 3.3e-16))]
+    fig = plots.plot_bias_std(pd.DataFrame(rows))
+    lo, hi = fig.axes[1].get_xlim()
+    assert lo > 0.1 and hi < 20, (lo, hi)

@@ -335,12 +335,14 @@ def test_one_vocabulary_in_every_table_of_the_report(small_run):
 
 
 def test_identical_runs_show_one_differences_table_everywhere(tmp_path, build_spec, write_spec, unrendered_figures):
-    """`report A B` on the same run twice: diff/true "0 ± x%" (was "0 ± ,"), and report.md, report.html
-    and the terminal show the same columns in the same order."""
+    """`report A B` on two identical runs (one spec and seed, two folders; one folder given twice is refused):
+    diff/true "0 ± x%" (was "0 ± ,"), and report.md, report.html and the terminal show the same columns in
+    the same order."""
     gauss = {"name": "gauss", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.4, "std": 1.0}}
     spec = write_spec(build_spec([gauss], name="same", draws=4000, batches=8))
-    assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "a"), "-q"]).exit_code == 0
-    res = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "a"), "--out", str(tmp_path / "r")])
+    for out in ("a", "b"):
+        assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / out), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "r")])
     assert res.exit_code == 0, res.output
     assert "± ," not in res.output and re.search(r"diff/true 0 ± \d[\d.]*%, z 0\b", res.output), res.output
     md = (tmp_path / "r" / "report.md").read_text().split("## Differences between runs")[1]

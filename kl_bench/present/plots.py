@@ -26,6 +26,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from ..core.draws import AGGREGATES, row_label
+from ..foundation.formatting import ROUNDING
 from .figstyle import Style, estimator_colour, figure_styles, plain_log_labels, row_style, short_label
 from ..core.modes import MODES
 
@@ -243,8 +244,11 @@ def _bias_std_exact(axes, d: pd.DataFrame, yy: np.ndarray) -> None:
     """The exact bias/true and std/true as black ×, where any exact value exists."""
     if np.isfinite(d[["exact_rel_bias", "exact_rel_std"]].astype(float).to_numpy()).any():
         axes[0].scatter(d["exact_rel_bias"], yy, marker="x", s=70, color="black", zorder=3, label="exact")
-        axes[1].scatter(d["exact_rel_std"].replace(np.inf, np.nan), yy, marker="x", s=70, color="black",
-                        zorder=3, label="exact")
+        # A std at the float64 rounding of its mean (a constant row: the analytic KL of one context, summed
+        # over the vocabulary to 3e-16 of itself) is a std of 0: off the log axis, as an exact 0 is, rather
+        # than a point at 1e-16 that squeezes every other row into the axis' last decade.
+        std = d["exact_rel_std"].astype(float).replace(np.inf, np.nan)
+        axes[1].scatter(std.where(std > ROUNDING), yy, marker="x", s=70, color="black", zorder=3, label="exact")
 
 
 def _bias_std_points(axes, d: pd.DataFrame, yy: np.ndarray, colours: list, marker: str, run, first: bool) -> None:
@@ -278,8 +282,8 @@ def _bias_std_scales(axes, df: pd.DataFrame) -> None:
         _symlog_ticks(axes[0], float(bias.min()), float(bias.max()), lt, max_ticks=5, formatter=_percent)
     axes[0].tick_params(axis="x", labelsize="small")
     axes[0].set_xlabel(f"bias / {_against(df)}  (symlog; 0 = unbiased)")
-    stds = pd.concat([df["rel_std"], df["exact_rel_std"]]).replace([np.inf, -np.inf], np.nan).dropna()
-    stds = stds[stds > 0]
+    stds = pd.concat([df["rel_std"], df["exact_rel_std"]]).astype(float).replace([np.inf, -np.inf], np.nan).dropna()
+    stds = stds[stds > ROUNDING]                    # as the exact points: a rounding-level std is a 0
     if _log_axis(axes[1], "x", f"per-draw std / {_against(df)}") and not stds.empty:
         axes[1].set_xlim(stds.min() / 2, stds.max() * 2)
 
