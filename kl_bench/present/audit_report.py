@@ -123,7 +123,8 @@ def step_cells(d: pd.DataFrame) -> list[list[str]]:
 
 
 INTRO = ("The trainer's logged KL against the exact KL of the positions it audited; the bias split into the "
-         "estimator's, the sampler's, precision and noise (docs/audit.md).")
+         "estimator's, the sampler's, the mismatch between the pass that drew the tokens and the loss pass, "
+         "precision and noise (docs/audit.md).")
 
 
 def audit_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=None) -> dict[str, bytes]:
