@@ -331,3 +331,123 @@ def test_a_partial_or_inconsistent_torchrun_environment_is_one_line(env, words, 
     assert res.exit_code == 2, res.output
     assert words in res.output and len(res.output.strip().splitlines()) == 1, res.output
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- who speaks under torchrun
+TINY = ('spec_version = 1\n[experiment]\nname = "tiny"\ndraws = 4000\nbatches = 4\ndevice = "cpu"\n[[case]]\n'
+        'name = "g"\nkind = "gaussian"\nq = { mean = 0.0, std = 1.0 }\np = { mean = 0.3, std = 1.1 }\n')
+# A rank of a two-process job as torchrun describes it (nobody listens on the port: nothing here may join).
+RANK_ENV = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599", "KL_BENCH_DIST_TIMEOUT": "20"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A spec and its results folder, written in this process (one process, no torchrun)."""
+    from kl_bench.api import run_to_folder
+    tmp = tmp_path_factory.mktemp("tiny")
+    spec = tmp / "tiny.toml"
+    spec.write_text(TINY)
+    run_to_folder(spec, tmp / "res")
+    return spec, tmp / "res"
+
+
+@pytest.fixture
+def as_rank(monkeypatch):
+    """This process as rank r of a two-process torchrun job; cli.main's signal handlers restored after."""
+    import signal
+    from kl_bench.foundation import signals
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def set_rank(r: int) -> None:
+        for k, v in {**RANK_ENV, "RANK": str(r), "LOCAL_RANK": str(r)}.items():
+            monkeypatch.setenv(k, v)
+    yield set_rank
+    for s, h in saved.items():
+        signal.signal(s, h)
+    signals.seen[0] = 0
+
+
+def _bad_inputs(tmp: Path, spec: Path) -> list[list[str]]:
+    out = ["--out", str(tmp / "out")]
+    bad = [["run", str(spec), "--draws", "0", *out], ["run", str(tmp / "missing.toml"), *out],
+           ["run", str(spec), "--bogus"], ["run", str(spec), "--seed", "1.5", *out], ["train", str(tmp / "missing.toml")],
+           ["train", str(spec), "--bogus"]]
+    if not torch.cuda.is_available():
+        bad.append(["run", str(spec), "--device", "cuda:0", *out])
+    return bad
+
+
+def test_bad_input_is_said_by_rank_0_alone_and_every_rank_exits_2(tiny, tmp_path, as_rank, capsys):
+    """Every rank reads the same arguments, spec and files, so every rank finds the same error: rank 0 says
+    it in one line, the other ranks say nothing (`run` had printed each line once per rank), and every rank
+    exits 2."""
+    from kl_bench import cli
+    spec, _ = tiny
+    for args in _bad_inputs(tmp_path, spec):
+        for rank in (1, 0):
+            as_rank(rank)
+            with pytest.raises(SystemExit) as e:
+                cli.main(args)
+            out, err = capsys.readouterr()
+            assert e.value.code == 2, (rank, args, err)
+            lines = err.strip().splitlines()
+            assert (lines == [] if rank else len(lines) == 1 and lines[0].startswith("error: ")), (rank, args, err)
+            assert out == "", (rank, args, out)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_followers_own_failure_after_joining_is_said_with_its_rank(as_rank, capsys, monkeypatch):
+    """What a rank other than 0 finds in its own share of the work (a failed allocation on its device) is
+    not rank 0's to say: that rank says it, naming itself."""
+    from kl_bench.cli.common import say_error
+    from kl_bench.engine import distributed
+    as_rank(1)
+    say_error("before joining")
+    monkeypatch.setattr(distributed, "joined", lambda: True)
+    say_error("case 'g': out of memory sampling the case")
+    assert capsys.readouterr().err.splitlines() == ["error: rank 1: case 'g': out of memory sampling the case"]
+
+
+def _rank_one_alone(tmp: Path, spec: Path, res: Path) -> list[list[str]]:
+    """Commands that do not split their work, and help: what rank 1 of a job is asked, with arguments good
+    enough that one process would read, print or write something."""
+    return [["report", str(res)], ["report", str(res), "--out", str(tmp / "rep")], ["exact", str(spec)],
+            ["exact", str(spec), "--out", str(tmp / "exact.csv")], ["check", str(spec), "--results", str(res)],
+            ["baseline", str(spec), "--results", str(res), "--out", str(tmp / "b.json")], ["list"],
+            ["audit", str(res)], ["dump-logits", "--policy", "p", "--reference", "r", "--prompts", "x", "--out",
+                                  str(tmp / "d")],
+            ["report", str(tmp / "missing")], ["--help"], ["run", "--help"], ["train", "-h"], ["--version"], [],
+            ["no-such-command"]]
+
+
+def test_commands_that_do_not_split_their_work_run_on_rank_0_alone(tiny, tmp_path):
+    """`report`, `exact`, `check`, ... under torchrun: rank 0 runs them; every other rank exits 0 at once,
+    reading, writing and printing nothing (each rank had made and swapped the same report folder, and
+    printed its line)."""
+    spec, res = tiny
+    before = sorted(p.relative_to(res) for p in res.rglob("*"))
+    env = _env(**RANK_ENV, RANK="1", LOCAL_RANK="1")
+    for args in _rank_one_alone(tmp_path, spec, res):
+        got = _kl_bench(*args, env=env)
+        assert (got.returncode, got.stdout, got.stderr) == (0, "", ""), (args, got.stdout, got.stderr)
+    assert list(tmp_path.iterdir()) == [] and sorted(p.relative_to(res) for p in res.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_under_torchrun_bad_input_is_one_line(tiny, tmp_path):
+    spec, _ = tiny
+    for args in (["--draws", "0", "--out", tmp_path / "out"], ["--bogus"]):
+        res = _torchrun("run", spec, *args)
+        assert res.returncode != 0
+        assert len(_ours(res.stderr)) == 1, res.stderr         # torchrun adds its own report of the exits
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_report_is_written_once_by_rank_0(tiny, tmp_path):
+    spec, res = tiny
+    got = _torchrun("report", res, "--out", tmp_path / "rep")
+    assert got.returncode == 0, got.stderr
+    lines = [line for line in got.stdout.splitlines() if line.startswith("report")]
+    assert len(lines) == 1 and str(tmp_path / "rep") in lines[0], got.stdout
+    assert (tmp_path / "rep" / "report.html").is_file()

@@ -14,7 +14,7 @@ import typer
 from ..foundation import signals
 from ..foundation.errors import is_out_of_memory, memory_words
 from . import audit, dump, exact, gate, listing, report, run, train  # noqa: F401  (each registers its command)
-from .common import app, err_console, interrupt_reported
+from .common import app, err_console, interrupt_reported, say_error
 
 __all__ = ["app", "main"]
 
@@ -37,10 +37,28 @@ def _is_abort(e: BaseException) -> bool:
     return type(e).__name__ == "Abort"
 
 
+# The commands that split their work across torchrun's processes (docs/devices.md): every rank runs them. The
+# others (report, check, baseline, exact, audit, dump-logits, list, and help) run on rank 0 alone.
+DISTRIBUTED = frozenset({"run", "train"})
+_HELP = {"-h", "--help", "--version", "--install-completion", "--show-completion"}
+
+
+def _left_to_rank_zero(args: list[str]) -> bool:
+    """Whether this process is a rank other than 0 of a torchrun job and the arguments ask for something rank 0
+    does alone (a command that does not split its work, help, the version): then it exits 0 at once, reading
+    and writing nothing (two processes had made and swapped the same report folder at once, each printing its
+    line). The job ends when rank 0 does (torchrun waits for every process) with rank 0's outcome."""
+    from ..engine.distributed import follower
+    if follower() is None:
+        return False
+    name = next((a for a in args if not a.startswith("-")), None)
+    return name not in DISTRIBUTED or bool(_HELP & set(args))
+
+
 def _runs_a_command(args: list[str]) -> bool:
     """Whether the arguments run a command (help, the version, completion and a command name that does not
     exist need no torch: the usage error comes at once)."""
-    if not args or {"-h", "--help", "--version", "--install-completion", "--show-completion"} & set(args):
+    if not args or _HELP & set(args):
         return False
     name = next((a for a in args if not a.startswith("-")), None)
     return name is None or name in typer.main.get_command(app).commands
@@ -60,9 +78,12 @@ def main(argv: list[str] | None = None) -> None:
     """The console script: every usage error is one line (exit 2), every interrupt one line (exit 130)."""
     signals.install()
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
+    args = sys.argv[1:] if argv is None else argv
     try:
         signals.phase("start")
-        if _runs_a_command(sys.argv[1:] if argv is None else argv):
+        if _left_to_rank_zero(args):
+            sys.exit(0)
+        if _runs_a_command(args):
             signals.import_heavy()          # every command needs torch: imported where a signal is safe
         signals.release()                   # a signal held since start-up is raised here, as one line
         sys.exit(_exit_code(app(args=argv, standalone_mode=False, prog_name="kl-bench")))
@@ -70,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         print(e.ctx.get_help() if e.ctx is not None else str(e))
         sys.exit(0)
     except ClickException as e:
-        err_console.print(f"error: {' '.join(e.format_message().split())}", markup=False, soft_wrap=True)
+        say_error(' '.join(e.format_message().split()))       # under torchrun: rank 0's line alone
         sys.exit(e.exit_code)
     except typer.Exit as e:
         if e.exit_code == 130:
@@ -83,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         signals.ignore()
         e.__traceback__ = None          # let the failed allocation's tables go before saying it
-        err_console.print(f"error: {_out_of_memory_line(e, sys.argv[1:] if argv is None else argv)}", markup=False,
-                          soft_wrap=True)
+        say_error(_out_of_memory_line(e, args))
         sys.exit(2)
     except (KeyboardInterrupt, typer.Abort):
         _interrupted()

@@ -44,8 +44,23 @@ def interrupted(message: str) -> None:
     raise typer.Exit(130)
 
 
+def say_error(text: str) -> None:
+    """An error's one line on stderr ("error: TEXT"). Under torchrun a rank other than 0 (a follower,
+    kl_bench.engine.distributed.follower) says nothing of an error found before it joined the job: every rank
+    reads the same arguments, spec and files, so rank 0 finds the same error and says it once. What a
+    follower finds after joining is its own (its share of the batches): said, as "rank N: TEXT"."""
+    from ..engine.distributed import follower, joined
+    rank = follower()
+    if rank is not None:
+        if not joined():
+            return
+        text = f"rank {rank}: {text}"
+    err_console.print(f"error: {text}", markup=False, soft_wrap=True)
+
+
 def fail(err: SpecError) -> None:
-    err_console.print(f"error: {err}", markup=False, soft_wrap=True)
+    """Bad input: one line (:func:`say_error`: once under torchrun, by rank 0) and exit 2 on every rank."""
+    say_error(str(err))
     raise typer.Exit(2)
 
 

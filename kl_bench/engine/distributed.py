@@ -4,7 +4,9 @@ Batch i of a case draws from generators seeded by (seed, case, i) alone (kl_benc
 float64 sums do not depend on which process drew it. So each process (rank) draws a share of the batches,
 rank 0 gathers the per-batch rows and puts them back in batch order, and everything computed from them
 (summary.csv, batches.csv, lambda_sweep.csv, checkpoints) is byte-identical to a one-process run. Only
-rank 0 reads checkpoints, writes files or prints; the other ranks print nothing but errors.
+rank 0 reads checkpoints, writes files or prints; the other ranks ("followers", :func:`follower`) say
+nothing of bad input (every rank reads the same arguments and files: rank 0 says it once), only what
+went wrong in their own share of the work, after they joined the job (:func:`joined`).
 
 The main pass goes in rounds: in each round every rank draws one contiguous slice of the next
 ``world_size × c`` batches and rank 0 gathers them, so after every round rank 0 holds a prefix of the
@@ -162,6 +164,26 @@ def env_world() -> tuple[int, int, int] | None:
     return rank, world, local
 
 
+def follower() -> int | None:
+    """This process's rank when it is a rank other than 0 of a torchrun job of several processes, else None:
+    no torchrun, rank 0, or an environment :func:`env_world` refuses (then every process says why). Rank 0
+    speaks and writes for the job; a follower of a command that does not split its work exits at once."""
+    try:
+        env = env_world()
+    except SpecError:
+        return None
+    return env[0] if env is not None and env[0] != 0 else None
+
+
+_joined = [False]       # set by start(): this process has been part of a torchrun job's process group
+
+
+def joined() -> bool:
+    """Whether this process joined a torchrun job's process group (:func:`start`), even if it has left it
+    since: an error it finds from then on is its own share of the work's, not the input every rank reads."""
+    return _joined[0]
+
+
 def one_process(command: str, file: str | None = None) -> None:
     """Refuse, in one line, to run ``command`` under torchrun with more than one process: a command that does
     not split its work across ranks would have every rank do all of it. Nothing heavy is imported first."""
@@ -192,6 +214,7 @@ def start(device) -> tuple[Ranks, Any]:
             dist.init_process_group(backend, timeout=timeout)
         except Exception as e:      # noqa: BLE001
             raise RankFailure(f"cannot join the torchrun job ({backend}): {_first_line(e)}") from None
+    _joined[0] = True
     return Ranks(dist.get_rank(), dist.get_world_size()), device
 
 
