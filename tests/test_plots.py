@@ -632,3 +632,24 @@ def test_a_rounding_level_std_does_not_set_the_std_axis():
     fig = plots.plot_bias_std(pd.DataFrame(rows))
     lo, hi = fig.axes[1].get_xlim()
     assert lo > 0.1 and hi < 20, (lo, hi)
+
+
+@pytest.mark.parametrize("lo, hi", [(2.1, 2.9), (3.1, 4.9), (0.31, 0.49), (120.0, 180.0), (0.5, 40.0), (1e-3, 1e3)])
+def test_every_log_axis_has_at_least_two_labels(lo, hi):
+    """plain_log_labels: a log axis that spans less than the gap between its 1s, 2s and 5s (a sweep's std
+    panel from 3.1 to 4.9 had no label, one from 2.1 to 2.9 only '2') gets evenly spaced plain ticks; wider
+    axes keep the decades (and their 2s and 5s under two decades)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from kl_bench.present.figstyle import plain_log_labels
+    fig = Figure()
+    ax = fig.subplots()
+    ax.plot([0, 1], [lo, hi])
+    ax.set_yscale("log")
+    plain_log_labels(ax.yaxis)
+    ax.set_ylim(lo, hi)
+    FigureCanvasAgg(fig).draw()
+    shown = [(t.get_loc(), t.label1.get_text()) for t in ax.yaxis.get_major_ticks() + ax.yaxis.get_minor_ticks()
+             if t.label1.get_text() and lo <= t.get_loc() <= hi]
+    assert len(shown) >= 2, shown
+    assert all(float(text) == pytest.approx(loc) for loc, text in shown if not text.startswith("$")), shown

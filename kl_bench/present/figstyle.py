@@ -114,15 +114,43 @@ def _log_label(v: float) -> str:
     return f"$10^{{{k:.0f}}}$" if abs(k - round(k)) < 1e-9 else ""
 
 
+def log_labels_in(lo: float, hi: float) -> int:
+    """How many labelled ticks a log axis over [lo, hi] gets from :func:`plain_log_labels`' decades and, while
+    it spans under two decades, its 2s and 5s."""
+    if not (0 < lo <= hi and math.isfinite(hi)):
+        return 0
+    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    marks = [m * 10.0**k for k in range(first, last + 1) for m in ((1, 2, 5) if hi / lo < 100 else (1,))]
+    return sum(lo <= v <= hi for v in marks)
+
+
 def plain_log_labels(axis) -> None:
     """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹; the 2s and 5s between the
-    decades only while the axis spans under two decades (more would overlap), looked up at draw time."""
+    decades only while the axis spans under two decades (more would overlap), looked up at draw time. An
+    axis so narrow that fewer than two of those fall on it (2.1 to 2.9: none but a 2 outside it) gets evenly
+    spaced plain ticks instead (it had one label, or none)."""
     import matplotlib.ticker
+
+    class Ticks(matplotlib.ticker.Locator):
+        def __init__(self) -> None:
+            self.log = matplotlib.ticker.LogLocator(base=10)
+            self.even = matplotlib.ticker.MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10])
+
+        def __call__(self):
+            return self.tick_values(*axis.get_view_interval())
+
+        def tick_values(self, vmin, vmax):
+            lo, hi = sorted((vmin, vmax))
+            if log_labels_in(lo, hi) >= 2:
+                return self.log.tick_values(lo, hi)
+            return [t for t in self.even.tick_values(lo, hi) if t > 0]
+
+    axis.set_major_locator(Ticks())
     axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: _log_label(v)))
 
     def minor(v, _):
         lo, hi = sorted(axis.get_view_interval())
-        narrow = lo > 0 and hi / lo < 100
+        narrow = lo > 0 and hi / lo < 100 and log_labels_in(lo, hi) >= 2
         return _log_label(v) if narrow and f"{v:.0e}"[0] in "25" else ""      # the first digit, 0.5 too
     axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))
 
