@@ -165,3 +165,33 @@ def test_memory_words():
                                        "of 79.19 GiB of which 3.12 GiB is free.")
     assert memory_words(cuda) == "CUDA could not allocate 20.00 GiB"
     assert len(memory_words(MemoryError("x " * 200))) <= 120
+
+
+def test_a_containers_memory_limit_is_the_ceiling(tmp_path, monkeypatch):
+    """cgroup_memory reads a container's limit (cgroup v2 memory.max of the process's group or the root,
+    v1 memory.limit_in_bytes; "max" and v1's 2^63 − page are no limit), and memory_limit takes it where it is
+    below physical memory, saying so ("this container's 2 GiB"): a container of 2 GiB on a 64 GiB host had
+    been told it could hold 64."""
+    from kl_bench.foundation import config
+    proc, root = tmp_path / "cgroup", tmp_path / "fs"
+    (root / "kubepods" / "x").mkdir(parents=True)
+    proc.write_text("0::/kubepods/x\n")
+    (root / "kubepods" / "x" / "memory.max").write_text("2147483648\n")
+    assert config.cgroup_memory(str(proc), str(root)) == 2 << 30
+    (root / "kubepods" / "x" / "memory.max").write_text("max\n")
+    assert config.cgroup_memory(str(proc), str(root)) is None
+    (root / "memory.max").write_text("3221225472\n")                  # the root's (a container's own view)
+    assert config.cgroup_memory(str(proc), str(root)) == 3 << 30
+    proc.write_text("12:cpu,cpuacct:/docker/a\n5:memory:/docker/a\n")
+    (root / "memory" / "docker" / "a").mkdir(parents=True)
+    (root / "memory" / "docker" / "a" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert config.cgroup_memory(str(proc), str(root)) is None
+    (root / "memory" / "docker" / "a" / "memory.limit_in_bytes").write_text("1073741824\n")
+    assert config.cgroup_memory(str(proc), str(root)) == 1 << 30
+    assert config.cgroup_memory(str(tmp_path / "absent"), str(root)) is None
+    monkeypatch.setattr(config, "cgroup_memory", lambda: 2 << 30)
+    monkeypatch.setattr(config, "_process_limit", lambda: None)
+    assert config.memory_limit() == (2 << 30, "this container's 2 GiB (cgroup memory limit)")
+    assert "this container allows 2 GiB" in config.memory_advice("fewer draws")
+    message = config.check_memory(3 << 30, "a table")
+    assert message is not None and "this container's 2 GiB" in message

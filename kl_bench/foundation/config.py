@@ -105,6 +105,47 @@ def physical_memory() -> int:
         return 1 << 40
 
 
+def cgroup_memory(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of memory this process's control group may use (a container's limit: cgroup v2 memory.max, v1
+    memory.limit_in_bytes), its own group's or the root's, whichever is set and smaller; None where no limit
+    is set or none can be read (no /proc, not Linux)."""
+    try:
+        with open(proc, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    files = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":                          # cgroup v2
+            files += [os.path.join(root, parts[2].lstrip("/"), "memory.max"), os.path.join(root, "memory.max")]
+        elif "memory" in parts[1].split(","):                           # cgroup v1
+            base = os.path.join(root, "memory")
+            files += [os.path.join(base, parts[2].lstrip("/"), "memory.limit_in_bytes"),
+                      os.path.join(base, "memory.limit_in_bytes")]
+    limits = []
+    for f in files:
+        try:
+            with open(f, encoding="ascii", errors="replace") as fh:
+                text = fh.read(64).strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:                     # "max", or v1's 2^63 − page: none
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes, words) of the memory this machine gives the process: physical memory, or a container's limit
+    (:func:`cgroup_memory`) where that is smaller."""
+    have, group = physical_memory(), cgroup_memory()
+    if group is not None and group < have:
+        return group, f"this container's {fmt_bytes(group)} (cgroup memory limit)"
+    return have, f"this machine's {fmt_bytes(have)}"
+
+
 # The process limits an allocation meets before physical memory: (resource name, field of
 # /proc/self/statm that counts what it limits, the ulimit flag that sets it). RLIMIT_AS counts every
 # mapping (torch's libraries too), RLIMIT_DATA the private writable ones (since Linux 4.7).
@@ -139,15 +180,15 @@ def _process_limit() -> tuple[int, int, str] | None:
 
 def memory_limit() -> tuple[int, str]:
     """(bytes, words): the memory this process may still take, the ceiling every in-memory table must fit
-    under: physical memory ("this machine's 16 GiB"), or less where a process limit (``ulimit -v``,
+    under: physical memory ("this machine's 16 GiB") or a container's limit, or less where a process limit (``ulimit -v``,
     resource.RLIMIT_AS; ``ulimit -d``) leaves less ("the 2.1 GiB left under this process's limit (ulimit -v
     2.9 GiB)")."""
-    have = physical_memory()
+    have, words = machine_memory()
     limit = _process_limit()
     if limit is not None and limit[0] < have:
         left, soft, flag = limit
         return left, f"the {fmt_bytes(left)} left under this process's limit (ulimit {flag} {fmt_bytes(soft)})"
-    return have, f"this machine's {fmt_bytes(have)}"
+    return have, words
 
 
 def check_memory(need: float, what: str) -> str | None:
@@ -162,11 +203,12 @@ def check_memory(need: float, what: str) -> str | None:
 def memory_advice(smaller: str) -> str:
     """What to change after a failed allocation: more memory (saying how much this process may have: this
     machine's, or its ``ulimit``), or ``smaller`` ("a smaller case", "fewer draws at once ...")."""
-    have, limit = physical_memory(), _process_limit()
+    (have, words), limit = machine_memory(), _process_limit()
     if limit is not None and limit[1] < have:
         where = f"ulimit {limit[2]} allows {fmt_bytes(limit[1])}"
     else:
-        where = f"this machine has {fmt_bytes(have)}"
+        where = words.replace("this machine's", "this machine has", 1).replace("this container's",
+                                                                             "this container allows", 1)
     return f"give kl-bench more memory ({where}), or {smaller}"
 
 
