@@ -235,3 +235,16 @@ def test_a_spec_at_a_name_its_results_folder_writes_is_not_replaced(tmp_path, co
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and f"would replace the spec ({folder / name})" in lines[0], res.output
     assert (folder / name).read_text() == text and sorted(os.listdir(folder)) == [name]
+
+
+@pytest.mark.parametrize("bad", ["yes", 0.5, 1, [True]])
+def test_progress_is_a_switch_in_run_and_train(bad, tmp_path):
+    """run and train take progress = True, False or None; anything else is one SpecError naming it, before
+    any work (run had taken "yes" and 0.5 as true)."""
+    spec = {"spec_version": 1, "experiment": {"name": "p", "draws": 2000, "seed": 0, "device": "cpu"},
+            "case": [{"name": "g", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.1, "std": 1.0}}]}
+    for call in (lambda: kl_bench.run(spec, progress=bad), lambda: kl_bench.train(spec, progress=bad)):
+        with pytest.raises(kl_bench.SpecError, match="must be True, False or None") as e:
+            call()
+        assert e.value.key == "progress"
+    assert kl_bench.run(spec, progress=False).summary is not None

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from ..foundation.threads import single_threaded
+from .inputs import progress_argument
 from .preparation import Prepared, prepare
 from .result import Result
 
@@ -56,6 +57,7 @@ def run(spec, *, draws: int | None = None, seed: int | None = None, device: str 
     notebook, off elsewhere."""
     from ..experiment.case import total_draws
     from ..foundation.progress import LazyProgress, wanted
+    progress_argument(progress)
     prep = prepare(spec, draws=draws, seed=seed, device=device)
     bar = LazyProgress(total_draws(prep.spec), enabled=wanted(progress))
     try:

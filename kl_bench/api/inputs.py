@@ -42,3 +42,14 @@ def number_argument(value, key: str, *, integer: bool = False) -> float | int:
     if isinstance(value, float) and math.isnan(value):
         raise SpecError("must be a number, got NaN", key=key)
     return value
+
+
+def progress_argument(value, key: str = "progress") -> bool | None:
+    """A ``progress`` switch: True, False or None (None: on in a notebook), else one SpecError naming it
+    (``progress="yes"`` had been taken as true, ``progress=0.5`` too)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_":                              # numpy's bool
+        return bool(value)
+    raise SpecError(f"must be True, False or None (None: on in a notebook), got {type(value).__name__} {value!r}",
+                    key=key)

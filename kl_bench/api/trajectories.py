@@ -9,6 +9,7 @@ import numpy as np
 
 from ..foundation.errors import SpecError
 from ..foundation.threads import single_threaded
+from .inputs import progress_argument
 from .preparation import load, resolve_device
 from .provenance import device_name, git_commit, now, versions
 
@@ -72,9 +73,7 @@ def _check_arguments(ranks, progress, console) -> None:
         raise SpecError(f"must be a kl_bench.engine.distributed.Ranks (this process's place in a torchrun job, "
                         f"from kl_bench.engine.distributed.start) or None, got {type(ranks).__name__} {ranks!r}",
                         key="ranks")
-    if progress is not None and not isinstance(progress, (bool, np.bool_)):
-        raise SpecError(f"must be True, False or None (None: on in a notebook), got {type(progress).__name__} "
-                        f"{progress!r}", key="progress")
+    progress_argument(progress)
     if console is not None:
         from rich.console import Console
         if not isinstance(console, Console):
