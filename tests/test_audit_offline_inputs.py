@@ -147,6 +147,10 @@ def test_a_deeply_nested_header_is_one_line_with_or_without_proc(tmp_path, monke
     ('{"top_p": 1.5}', "generation.top_p", "must lie in (0, 1]"),
     # logits / temperature past float64's range: the audit's numbers had been NaN, exit 0
     ('{"temperature": 1e-320}', "generation.temperature", "pass float64's range"),
+    # integers past float64 (JSON holds any): OverflowError tracebacks from the range checks
+    ('{"temperature": 1' + "0" * 400 + '}', "generation.temperature", "below 2^63"),
+    ('{"repetition_penalty": 1' + "0" * 400 + '}', "generation.repetition_penalty", "below 2^63"),
+    ('{"eos_token_id": [1' + "0" * 30 + ']}', "generation.eos_token_id", "below 2^63"),
 ])
 def test_generation_settings_name_the_field(tmp_path, generation, key, says):
     _save(tmp_path, meta={"generation": generation})

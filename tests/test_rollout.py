@@ -233,3 +233,12 @@ def test_a_constant_rows_exact_std_is_zero_not_the_cancellations_rounding():
     above = second * (1 + 2 * CANCELLATION_ULPS * 2.0**-52)
     assert mean_var(0.04, above)[1] == above - second > 0
     assert mean_var(0.04, math.inf) == (0.04, math.inf)
+
+
+def test_an_unknown_moment_gives_an_unknown_variance():
+    """mean_var keeps NaN as NaN: a NaN mean had given a variance of 0 (the gate then compared the std with
+    0), a NaN second moment an infinite variance (the gate then skipped the row's mean)."""
+    from kl_bench.kinds.rollout.oracle import mean_var
+    for mean, second in ((math.nan, 1.0), (1.0, math.nan), (math.nan, math.nan)):
+        assert math.isnan(mean_var(mean, second)[1])
+    assert mean_var(1.0, math.inf) == (1.0, math.inf)

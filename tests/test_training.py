@@ -583,3 +583,25 @@ def test_a_finite_training_run_is_not_called_diverged(tmp_path):
     assert res.exit_code == 0 and "diverged" not in res.output, res.output
     df = pd.read_csv(tmp_path / "o" / "train.csv")
     assert len(df) and df[["kl_rev", "kl_fwd", "kl_opt", "objective", "grad_norm"]].notna().all().all()
+
+
+def test_one_seed_has_no_spread_and_no_warning(tmp_path):
+    """seeds = 1: the sampled rows' sds are NaN (one trajectory has no spread), and numpy's 'degrees of
+    freedom <= 0' warning does not reach stderr (core.stats.mean_sd with n ≤ ddof)."""
+    import subprocess
+    import sys
+    import warnings
+
+    import numpy as np
+    from kl_bench.core.stats import mean_sd
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m, sd = mean_sd([[1.0, 2.0]], ddof=1)
+    assert m.tolist() == [1.0, 2.0] and np.isnan(sd).all()
+    spec = tmp_path / "s.toml"
+    spec.write_text('spec_version = 1\n[experiment]\nname = "t"\ndraws = 64\nseed = 0\ndevice = "cpu"\n[train]\n'
+                    'optimizer = "sgd"\nlr = 1\nsteps = 10\nbeta = 0.5\ngradients = ["exact", "sampled"]\nseeds = 1\n'
+                    'record_every = 5\ncombinations = ["k1/reward"]\n' + CASE_TOML)
+    res = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "kl_bench", "train", str(spec), "--out",
+                          str(tmp_path / "o"), "-q"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stderr == "", res.stderr

@@ -138,12 +138,22 @@ def _check_types(s: Sampler) -> None:
             what = "an integer" if integer else "a number"
             raise SpecError(f"must be {what}{' or null' if optional else ''}, got {type(value).__name__} {value!r}"[:200],
                             key=f"sampler.{name}")
+        _check_size(value, name)
     if not isinstance(s.eos_token_id, tuple) or not all(_is_number(e, True) for e in s.eos_token_id):
         shown = list(s.eos_token_id) if isinstance(s.eos_token_id, tuple) else s.eos_token_id
         raise SpecError(f"must be an integer token id or a list of them, got {shown!r}"[:200],
                         key="sampler.eos_token_id")
+    for e in s.eos_token_id:
+        _check_size(e, "eos_token_id")
     if any(e < 0 for e in s.eos_token_id):
         raise SpecError(f"must hold token ids ≥ 0, got {list(s.eos_token_id)}"[:200], key="sampler.eos_token_id")
+
+
+def _check_size(value, name: str) -> None:
+    """An integer setting within 2^63 (JSON holds any: a 400-digit temperature in a step's metadata made
+    float() raise OverflowError in the range checks, a traceback)."""
+    if isinstance(value, int) and abs(value) >= 2**63:
+        raise SpecError(f"must be below 2^63 in size, got a {len(str(abs(value)))}-digit integer", key=f"sampler.{name}")
 
 
 def penalize(logits: torch.Tensor, context_ids: torch.Tensor | None, penalty: float, lo: int = 0) -> torch.Tensor:

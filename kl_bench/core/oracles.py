@@ -232,7 +232,9 @@ def gaussian_fourth_ratio(g: GaussianPairParams, est: Estimator, b: tuple[np.nda
         return math.nan
     if not second > 0 or math.isinf(second):
         return math.nan
-    return fourth / (second * second)
+    # Divided twice, not by second²: E[v²] beyond 1e154 squares to inf (and E[v⁴] has then overflowed to inf
+    # too: inf/inf was NaN, a row with a kurtosis far beyond any draws left unflagged).
+    return fourth / second / second
 
 
 def _quadrature_raw_moments(g: GaussianPairParams, est: Estimator, b: tuple[np.ndarray, np.ndarray], weighted: bool,

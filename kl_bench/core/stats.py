@@ -36,12 +36,15 @@ def times_two_to(x, k: int):
 def mean_sd(values, ddof: int = 1):
     """(mean, standard deviation) over axis 0 of ``values`` ([n, K]) without overflow in the squares (nor in
     the sum): each column is divided by a power of two first where its largest |x| is beyond 2^±500
-    (:func:`rescale_exponent`), which is exact; elsewhere the plain np.mean and np.std, bit for bit."""
+    (:func:`rescale_exponent`), which is exact; elsewhere the plain np.mean and np.std, bit for bit. With
+    n ≤ ``ddof`` rows the standard deviation is NaN (no spread to measure), without numpy's warning."""
     import numpy as np
     x = np.asarray(values, dtype=np.float64)
     big = np.max(np.abs(x), axis=0) if x.shape[0] else np.zeros(x.shape[1:])
     k = np.vectorize(rescale_exponent, otypes=[np.int64])(big)
     scaled = np.ldexp(x, -k)
+    if x.shape[0] <= ddof:
+        return np.ldexp(np.mean(scaled, 0), k), np.full(x.shape[1:], np.nan)
     return np.ldexp(np.mean(scaled, 0), k), np.ldexp(np.std(scaled, 0, ddof=ddof), k)
 
 

@@ -353,6 +353,9 @@ def _quantiles(v: np.ndarray, levels: np.ndarray) -> np.ndarray:
     the axis)."""
     if np.isfinite(v).all():
         return np.quantile(v, levels)
+    v = v[~np.isnan(v)]                     # NaN has no place in an order (one made every quantile NaN)
+    if not len(v):
+        return np.full(len(levels), np.nan)
     q = np.quantile(v, levels, method="inverted_cdf")
     return np.where(np.isfinite(q), q, np.nan)
 

@@ -38,6 +38,8 @@ CANCELLATION_ULPS = 8.0
 def mean_var(mean: float, second: float) -> tuple[float, float]:
     """(mean, variance) from the first two moments; an infinite second moment is an infinite variance, and one
     within :data:`CANCELLATION_ULPS` of E[X²] (cancellation) is 0."""
+    if math.isnan(mean) or math.isnan(second):
+        return mean, math.nan             # unknown, as before: not a variance of 0, nor an infinite one
     if not math.isfinite(second):
         return mean, math.inf
     var = second - mean * mean
