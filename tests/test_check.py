@@ -434,6 +434,11 @@ def test_a_heavy_tailed_mean_is_compared_at_the_exact_spread():
     honest = pd.DataFrame([_heavy_row(10.0 - 10 * 2.0, 2000.0, 2000.0, "kurtosis > draws")])   # 10 SEs low
     comps = holm(exact_comparisons(honest), 0.001)
     assert [c.statistic for c in comps] == ["mean vs exact"] and not comps[0].passed
+    # every draw alike (a cold sampler's argmax each time): std and SE 0, widened to exact_std/√draws
+    alike = pd.DataFrame([_heavy_row(5.0, 0.0, 2.0e6, "kurtosis > draws")])
+    comps = holm(exact_comparisons(alike), 0.001)
+    assert comps[0].se == pytest.approx(2.0e6 / 1000.0) and comps[0].passed
+    assert "every draw alike: its SE was 0" in skipped_notes(alike)[0]
 
 
 def test_the_committed_results_pass_their_own_gate():

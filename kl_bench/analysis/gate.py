@@ -61,8 +61,13 @@ class Comparison:
         ref = self.statistic.split()[-1]
         rel = (self.value - self.reference) / abs(self.reference) if self.reference else math.inf
         return (f"{self.row}: the {what} moved from {self.reference:.6g} ({ref}) to {self.value:.6g} "
-                f"({rel:+.3g} relative, {abs(self.value - self.reference) / self.se if self.se else math.inf:.1f} "
+                f"({rel:+.3g} relative, {_count(abs(self.value - self.reference) / self.se if self.se else math.inf)} "
                 f"standard errors; |z| must stay below {self.threshold:.2f})")
+
+
+def _count(x: float) -> str:
+    """A number of standard errors: 4.7, 120.5, 7.7e+16 (not 76718784758387552.0)."""
+    return f"{x:.1f}" if x < 1e6 else f"{x:.2g}"
 
 
 def row_name(r) -> str:
@@ -94,8 +99,9 @@ def _tail(z: float, dof: float) -> float:
 
 
 def _spread_shortfall(std, exact_std) -> float:
-    """How many times the exact std exceeds the measured one (≥ 1; 1 where either is unknown or 0): the factor
-    that brings a batch-means SE made of a too-low spread up to the exact spread."""
+    """How many times the exact std exceeds the measured one (≥ 1; 1 where either is unknown, or the measured
+    one 0: see :func:`_at_exact_spread`): the factor that brings a batch-means SE made of a too-low spread up to
+    the exact spread."""
     try:
         std, exact_std = float(std), float(exact_std)
     except (TypeError, ValueError):
@@ -103,6 +109,25 @@ def _spread_shortfall(std, exact_std) -> float:
     if not (math.isfinite(exact_std) and std > 0):
         return 1.0
     return max(1.0, exact_std / std)
+
+
+def _at_exact_spread(se, std, exact_std, draws) -> float:
+    """A flagged row's SE at the exact spread: ``se`` scaled by :func:`_spread_shortfall`, or, where every
+    draw gave one value (a measured std of 0: a cold sampler's argmax every time), exact_std/√draws."""
+    try:
+        measured, exact, n = float(std), float(exact_std), float(draws)
+    except (TypeError, ValueError):
+        return se
+    if measured == 0 and math.isfinite(exact) and exact > 0 and n > 0:
+        return max(se, exact / math.sqrt(n))
+    return se * _spread_shortfall(std, exact_std)
+
+
+def _widening(r) -> float:
+    """How many times :func:`_at_exact_spread` widens row ``r``'s SE (inf from an SE of 0)."""
+    se = float(r["se"])
+    new = _at_exact_spread(se, r["std"], r["exact_std"], r["draws"])
+    return new / se if se > 0 else (math.inf if new > 0 else 1.0)
 
 
 def _z(value: float, ref: float, se: float, scale: float, dof: float = math.inf) -> tuple[float, float]:
@@ -119,7 +144,7 @@ def exact_comparisons(df: pd.DataFrame) -> list[Comparison]:
         heavy = heavy if heavy in EXACT_HEAVY else ""
         k = r.get("batches", math.nan)
         if math.isfinite(r["exact_mean"]):
-            se = r["se"] * (_spread_shortfall(r["std"], r["exact_std"]) if heavy else 1.0)
+            se = _at_exact_spread(r["se"], r["std"], r["exact_std"], r["draws"]) if heavy else r["se"]
             dof = _dof((se, k))
             scale = max(abs(r["mean"]), abs(r["exact_mean"]))
             z, p = _z(r["mean"], r["exact_mean"], se, scale, dof)
@@ -151,8 +176,8 @@ def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[li
         heavy &= EXACT_HEAVY
         k, k_b = r.get("batches", math.nan), b.get("batches", math.nan)
         # Each side's SE at the exact spread where the exact analysis finds the measured one too low.
-        se_r = r["se"] * (_spread_shortfall(r["std"], r["exact_std"]) if heavy else 1.0)
-        se_b = b["se"] * (_spread_shortfall(b.get("std"), r["exact_std"]) if heavy else 1.0)
+        se_r = _at_exact_spread(r["se"], r["std"], r["exact_std"], r["draws"]) if heavy else r["se"]
+        se_b = _at_exact_spread(b["se"], b.get("std"), r["exact_std"], b.get("draws")) if heavy else b["se"]
         se = math.hypot(se_r, se_b)
         dof = _dof((se_r, k), (se_b, k_b))
         scale = max(abs(r["mean"]), abs(b["mean"]))
@@ -190,8 +215,9 @@ def skipped_notes(df: pd.DataFrame) -> list[str]:
                 why = unknown_reason(reason.value, r.get("ess", math.nan), r["draws"], r.get("batches", math.nan))
                 out.append(f"{case}: {names}: not compared ({why})")
             else:
-                factor = max(_spread_shortfall(x["std"], x["exact_std"]) for _, x in hit.iterrows())
-                widened = f"; mean's SE taken at the exact std (up to ×{factor:.2g})" if factor > 1 else ""
+                factor = max(_widening(x) for _, x in hit.iterrows())
+                widened = "" if factor <= 1 else "; mean's SE taken at the exact std (" + (
+                    f"up to ×{factor:.2g})" if math.isfinite(factor) else "every draw alike: its SE was 0)")
                 out.append(f"{case}: {names}: std not compared{widened} ({reason.value})")
     return out
 

@@ -185,6 +185,19 @@ class CategoricalPair(GradientDefaults, Pair):
     def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
         return exact.weighted_moments(self._weights(), self._values(est))
 
+    def kurtosis_proxy(self, est: RowSource, aggregate: str = "") -> float:
+        """E_b[v⁴]/E_b[v²]² of the row's value v, exactly (sums over the drawn ids, scaled by the largest |v|
+        so that neither sum overflows): beyond the draws, the draws have not met the few tokens that make
+        E[v²] (IS weights q/b of 1e50 where a cold sampler leaves b tiny but not 0), and the measured std
+        is far too low. NaN for a row of zeros."""
+        v, w = self._values(est).abs(), self._weights()
+        top = float(v.max()) if v.numel() else 0.0
+        if not (top > 0 and math.isfinite(top)):
+            return math.nan
+        x = v / top
+        second = float((w * x * x).sum())
+        return float((w * x**4).sum()) / second / second if second > 0 else math.inf
+
     def _weights(self) -> torch.Tensor:
         """The sampling distribution (b, or q) over the drawn (context, token) ids, [M]."""
         sample = self.log_q if self.log_b is None else self.log_b
