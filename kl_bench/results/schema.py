@@ -52,8 +52,8 @@ SCHEMA: dict[str, str] = {
     "heavy_tail": "'degenerate IS weights (ESS < batches)' (the importance weights' effective sample size, "
                   "ess, is below the number of batches: the mean is unknown, se, std_se, z and z_var are empty), "
                   "'infinite variance' or 'infinite 4th moment' (exact: the measured std is unreliable, "
-                  "usually too low), 'kurtosis > draws' (rollouts: exact E[R⁴ˢ]/E[R²ˢ]² exceeds the draws, so "
-                  "the measured std is unreliable), 'infinite IS weight (b misses q's support)' (weighted rows of a "
+                  "usually too low), 'kurtosis > draws' (the exact E[v⁴]/E[v²]² of the row's value exceeds the "
+                  "draws, so the measured std is unreliable), 'infinite IS weight (b misses q's support)' (weighted rows of a "
                   "sampler that never draws some of q's mass), 'unstable batches' (one batch carries most of Σ(f − c)²), "
                   "or empty",
     "ess": "rows multiplied by the draw's importance weight W (a sampler b ≠ q with weights): Kish's effective "
