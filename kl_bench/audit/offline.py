@@ -28,7 +28,7 @@ from ..results.folders import check_replaceable
 from .aggregate import AGGREGATIONS
 from .exact import PositionValues, position_values
 from .sampler import Sampler
-from .session import AuditSession, Metric, Record
+from .session import AuditSession, Metric, Record, check_distinct_sources
 from .step import AuditLog, StepAudit, read_audit_folder, step_line
 from .stream import Head
 from .engine import engine_line
@@ -201,12 +201,7 @@ def _metrics(meta: dict, path: Path) -> tuple[Metric, ...]:
     if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 3 for r in rows):
         raise SpecError("must be a JSON list of [source, estimator, aggregation]", file=where, key="metrics")
     metrics = tuple(_metric(where, *row) for row in rows)
-    seen: set[str] = set()
-    for m in metrics:
-        if m.source in seen:
-            raise SpecError(f"source '{m.source}' listed twice (each source is one number of the step)", file=where,
-                            key="metrics")
-        seen.add(m.source)
+    check_distinct_sources(metrics, file=where)
     return metrics
 
 

@@ -51,6 +51,16 @@ class Metric:
             raise SpecError(f"must be one of {', '.join(AGGREGATIONS)}, got '{self.aggregation}'", key="aggregation")
 
 
+def check_distinct_sources(metrics, file: str | None = None) -> None:
+    """Refuse a source listed twice in ``metrics`` (one SpecError, key ``metrics``): a step has one number per
+    source, and one row per source and step (its sums had taken every token twice)."""
+    sources = [m.source for m in metrics]
+    twice = next((x for i, x in enumerate(sources) if x in sources[:i]), None)
+    if twice is not None:
+        raise SpecError(f"source '{twice}' listed twice (each source is one number of the step)", file=file,
+                        key="metrics")
+
+
 @dataclass(frozen=True)
 class Record:
     """One batch of B rows as a trainer scored it (tensors on one device).
@@ -129,10 +139,7 @@ class AuditSession:
     def __post_init__(self):
         if not self.metrics:
             raise SpecError("an audit needs at least one metric", key="metrics")
-        sources = [m.source for m in self.metrics]
-        twice = next((x for i, x in enumerate(sources) if x in sources[:i]), None)
-        if twice is not None:        # one row per source and step: its sums had taken every token twice
-            raise SpecError(f"source '{twice}' listed twice (each source is one number of the step)", key="metrics")
+        check_distinct_sources(self.metrics)
         self._pending: dict[str, torch.Tensor] = {}
         self._engine: torch.Tensor | None = None
         self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))

@@ -43,6 +43,11 @@ DISTRIBUTED = frozenset({"run", "train"})
 _HELP = {"-h", "--help", "--version", "--install-completion", "--show-completion"}
 
 
+def _command_name(args: list[str]) -> str | None:
+    """The command the arguments name: the first one that is not an option (None: none)."""
+    return next((a for a in args if not a.startswith("-")), None)
+
+
 def _left_to_rank_zero(args: list[str]) -> bool:
     """Whether this process is a rank other than 0 of a torchrun job and the arguments ask for something rank 0
     does alone (a command that does not split its work, help, the version): then it exits 0 at once, reading
@@ -51,7 +56,7 @@ def _left_to_rank_zero(args: list[str]) -> bool:
     from ..engine.distributed import follower
     if follower() is None:
         return False
-    name = next((a for a in args if not a.startswith("-")), None)
+    name = _command_name(args)
     return name not in DISTRIBUTED or bool(_HELP & set(args))
 
 
@@ -60,7 +65,7 @@ def _runs_a_command(args: list[str]) -> bool:
     exist need no torch: the usage error comes at once)."""
     if not args or _HELP & set(args):
         return False
-    name = next((a for a in args if not a.startswith("-")), None)
+    name = _command_name(args)
     return name is None or name in typer.main.get_command(app).commands
 
 
@@ -137,6 +142,6 @@ _SMALLER = {
 def _out_of_memory_line(e: BaseException, args: list[str]) -> str:
     """The one line of a failed allocation that no command located: the command, its words, what to change."""
     from ..foundation.config import memory_advice
-    name = next((a for a in args if not a.startswith("-")), None)
+    name = _command_name(args)
     doing = f" in `kl-bench {name}`" if name in _SMALLER else ""
     return f"out of memory{doing} ({memory_words(e)}): {memory_advice(_SMALLER.get(name, 'smaller inputs'))}"
