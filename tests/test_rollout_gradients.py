@@ -350,3 +350,30 @@ def test_token_mean_batch_gradients_against_enumeration_of_groups(b, shape):
             m = stat.sum() / n_k.sum()
             se = math.sqrt(float(((stat / n_k - m) ** 2).sum()) / (len(n_k) - 1) / len(n_k))
             assert abs(m - want) / se < 5, (it.est.name, it.mode, m, want, se)
+
+
+def test_k3_in_the_loss_on_tokens_stays_finite_where_r_overflows():
+    """The local token row of k3 in the loss is Σ_t (1 − r_t) s_t with E[N(c, x)]·(1 − r): where log q(x|c)
+    falls 709 below log p, r = inf and E[N] ≈ 0, a NaN that made a rollout training trajectory 'diverge' at
+    lr = 300. On-policy E[N(c, x)] = visits(c)·q(x|c) (checked on an ordinary model), so the row takes
+    visits(c)·(q − p) there: finite, and equal to that closed form."""
+    from kl_bench.core.modes import GradItem
+    from kl_bench.kinds.rollout import gradients as rg
+    item = GradItem.of(lookup("k3"), "loss", "tok")
+    g = torch.Generator().manual_seed(3)
+    lq = torch.log_softmax(torch.randn(3, 8, generator=g, dtype=torch.float64), -1)
+    lp = torch.log_softmax(torch.randn(3, 8, generator=g, dtype=torch.float64), -1)
+    ordinary = RolloutPair("r", lq, lp, torch.arange(8) % 3, 4, 7).model
+    counts = rg.count_moment(ordinary, ordinary.sequence_weight, rg._ones, [1.0])
+    assert torch.allclose(counts, counts.sum(-1, keepdim=True) * lq.exp(), rtol=1e-12, atol=0)
+    cold = lq.clone()
+    cold[0, 2] = cold[1, 5] = -800.0                       # q ≈ 0 (e^-800 underflows): r = p/q = inf
+    cold = torch.log_softmax(cold, -1)
+    model = RolloutPair("r", cold, lp, torch.arange(8) % 3, 4, 7).model
+    got = rg._local_counts(model, item)
+    assert torch.isfinite(got).all()
+    visits = rg.count_moment(model, model.sequence_weight, rg._ones, [1.0]).sum(-1, keepdim=True)
+    closed = visits * (cold.exp() - lp.exp())
+    for c, x in ((0, 2), (1, 5)):
+        assert got[c, x] == pytest.approx(float(closed[c, x]), rel=1e-12) and got[c, x] < 0
+    assert rg.exact_mean(model, item) is not None and np.isfinite(rg.exact_mean(model, item)).all()

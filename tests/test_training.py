@@ -416,9 +416,10 @@ def test_a_non_finite_normaliser_is_not_a_divergence():
 
 
 def test_a_rollout_trajectory_that_leaves_float64_is_named_and_the_run_written(tmp_path):
-    """k3 in the loss at lr = 100 (Adam) takes the rollout policy where the gradient's moments leave float64:
-    the run stopped with a spec error mid-way (exit 2, nothing written); that trajectory now reads as
-    diverged from that step, and every other one is written."""
+    """k3 of the sequence in the loss at lr = 100 (Adam) takes the rollout policy where the gradient's moments
+    E[R^s ...] leave float64: the run stopped with a spec error mid-way (exit 2, nothing written); that
+    trajectory now reads as diverged from that step, and every other one is written. (The token row, k3/loss
+    on tok, stays finite there: test_k3_in_the_loss_on_tokens_stays_finite_where_r_overflows.)"""
     from typer.testing import CliRunner
 
     from kl_bench.cli import app
@@ -426,15 +427,15 @@ def test_a_rollout_trajectory_that_leaves_float64_is_named_and_the_run_written(t
     from kl_bench.training.result import diverged
     text = ('spec_version = 1\n[experiment]\nname = "t"\ndraws = 16\nseed = 0\ndevice = "cpu"\n[train]\n'
             'optimizer = "adam"\nlr = 100\nsteps = 20\nbeta = 0.5\nreward = { random = 1.0, penalty = true, seed = 7 }\n'
-            'record_every = 5\ncombinations = ["k1/reward", "k3/loss"]\n[[case]]\nname = "rollout"\nkind = "rollout"\n'
+            'record_every = 5\ncombinations = ["k1/reward", "k3/loss/seq"]\n[[case]]\nname = "rollout"\nkind = "rollout"\n'
             'vocab = 64\nbuckets = 4\nlength = 8\neos = 0\nq = { logits = "zipf", exponent = 1.0, seed = 3 }\n'
             'p = { from = "q", noise = 1.0, seed = 4 }\n')
     (tmp_path / "s.toml").write_text(text)
     res = CliRunner().invoke(app, ["train", str(tmp_path / "s.toml"), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     df = read_frame(tmp_path / "out" / "train.csv")
-    assert [(k, g) for _, k, g, _ in diverged(df)] == [("k3/loss", "exact")]
-    assert "warning: case 'rollout': k3/loss (exact) diverged" in res.output
+    assert [(k, g) for _, k, g, _ in diverged(df)] == [("k3/loss/seq", "exact")]
+    assert "warning: case 'rollout': k3/loss/seq (exact) diverged" in res.output
     assert df[df.combination == "k1/reward"]["kl_rev"].notna().all()
 
 

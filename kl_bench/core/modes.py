@@ -208,6 +208,18 @@ def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
     return MODES[mode].poly(est)
 
 
+def q_times_coefficient(lq: torch.Tensor, log_r: torch.Tensor, poly: Poly) -> torch.Tensor:
+    """q ⊙ c(log r) for a coefficient that is a polynomial Σ c_sk r^s (log r)^k (``poly``: {(s, k): c_sk}),
+    as Σ c_sk exp(log q + s·log r)(log r)^k: finite where q ⊙ c is, though r = p/q overflows float64 once
+    log q < log p − 709 (q·r = p: k3 in the loss pulls such a token back with weight p, where q ⊙ (r − 1)
+    formed directly is 0·inf = NaN). lq, log_r: [B, V] → [B, V]."""
+    out = torch.zeros_like(lq)
+    for (s, k), c in poly.items():
+        if c != 0:
+            out = out + c * torch.exp(lq + s * log_r) * (log_r ** k if k else 1.0)
+    return out
+
+
 def modes_for(est: Estimator, token: bool = False) -> list[str]:
     """The modes an estimator gets (straight_through and loss_is_nemo only where the estimator declares
     them); ``token``: on a token aggregate (else the token-only modes are left out)."""

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.modes import q_times_coefficient
 from ..sampling.seeding import BatchStream
 from .combos import Combination
 
 
 def expected_score_gradient(q: torch.Tensor, a: torch.Tensor, qa: torch.Tensor | None = None) -> torch.Tensor:
     """E_x[a(x)(e_x − q_b)] averaged over the B contexts: (1/B)(q ⊙ a − q·(q·a)). q, a: [B, V] → [B, V].
-    ``qa``: q ⊙ a computed exactly where q ⊙ a is not finite in float64 (see :func:`q_times_coefficient`),
-    None where it is."""
+    ``qa``: q ⊙ a computed exactly where q ⊙ a is not finite in float64
+    (:func:`kl_bench.core.modes.q_times_coefficient`), None where it is."""
     # The score has zero mean (Σ_x q(x)(e_x − q) = 0), so shifting a by a constant per context changes
     # nothing in exact arithmetic. Shifting by a's first entry makes a constant a (k1 in the loss) give an
     # exact zero by construction: a − a₀ is 0.0 in every entry, whatever the CPU's vector width or
@@ -35,18 +36,6 @@ def expected_score_gradient(q: torch.Tensor, a: torch.Tensor, qa: torch.Tensor |
     if qa is not None:
         d = torch.where(torch.isfinite(d), d, qa - q * shift)
     return (d - q * (d.sum(-1, keepdim=True) / q.sum(-1, keepdim=True))) / q.shape[0]
-
-
-def q_times_coefficient(lq: torch.Tensor, log_r: torch.Tensor, poly) -> torch.Tensor:
-    """q ⊙ c(log r) for a coefficient that is a polynomial Σ c_sk r^s (log r)^k (``poly``: {(s, k): c_sk}),
-    as Σ c_sk exp(log q + s·log r)(log r)^k: finite where q ⊙ c is, though r = p/q overflows float64 once
-    log q < log p − 709 (q·r = p: k3 in the loss pulls such a token back with weight p, where q ⊙ (r − 1)
-    formed directly is 0·inf = NaN). lq, log_r: [B, V] → [B, V]."""
-    out = torch.zeros_like(lq)
-    for (s, k), c in poly.items():
-        if c != 0:
-            out = out + c * torch.exp(lq + s * log_r) * (log_r ** k if k else 1.0)
-    return out
 
 
 def count_gradient(q: torch.Tensor, counts: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
