@@ -101,6 +101,7 @@ def test_deeply_nested_metadata_is_one_line(tmp_path, key):
     ("metrics", "{not json", "not valid JSON"),
     ("generation", "[1]", "must be a JSON object"),
     ("step", "9" * 5000, "key 'step': must be an integer"),
+    ("step", "٣", "key 'step': must be an integer"),              # int() reads Arabic-Indic digits as 3
     ("logit_scale", "x", "key 'logit_scale': must be a number"),
 ])
 def test_bad_metadata_values_name_their_key(tmp_path, key, value, says):

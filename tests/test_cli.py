@@ -311,6 +311,6 @@ def test_integer_options_take_what_draws_takes(write_spec, tmp_path, capsys):
     assert json.loads((tmp_path / "o" / "run.json").read_text())["seed"] == 2
     assert int_flag("12345678901234567891") == 12345678901234567891
     assert int_flag("1.2345678901234567891e19") == 12345678901234567891
-    for bad in ("nan", "inf", "1e99999999", "٣", "", "0x10"):
+    for bad in ("nan", "inf", "1e99999999", "٣", "", "0x10", "_1000", "1__000", "1000_"):   # TOML's underscores only
         with pytest.raises(Exception, match="must be a whole number"):
             int_flag(bad)

@@ -208,6 +208,8 @@ def _metrics(meta: dict, path: Path) -> tuple[Metric, ...]:
 def _number(meta: dict, path: Path, key: str, kind, default: str | None = None):
     value = _meta(meta, path, key, default)
     try:
+        if not value.isascii():           # int() and float() read other scripts' digits ("٣" is 3)
+            raise ValueError(value)
         return kind(value)
     except ValueError:
         what = "an integer" if kind is int else "a number"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import decimal
+import re
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -108,7 +109,11 @@ def whole_number(value: str) -> int | None:
     """``value`` as a spec writes a whole number: 10000000, 10_000_000 or 1e7 (exactly an integer: not 1.5e0,
     nan or inf); None for anything else. Read as a decimal (no float rounding: 12345678901234567891 stays
     itself), ASCII only (int() reads other scripts' digits, "٣": a spec's TOML does not)."""
-    text = value.strip().replace("_", "")
+    raw = value.strip()
+    # Underscores only between digits, as TOML allows them (10_000; not _1000, 1__000 or 1000_)
+    if "_" in raw and not re.fullmatch(r"[+-]?\d+(_\d+)*([eE][+-]?\d+)?", raw):
+        return None
+    text = raw.replace("_", "")
     if not text.isascii() or not text:
         return None
     try:
