@@ -208,6 +208,12 @@ def coefficient_poly(est: Estimator, mode: str) -> Poly | None:
     return MODES[mode].poly(est)
 
 
+def has_nonfinite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds an inf or NaN (one host sync); False on the meta device, which holds no values (the
+    device-rule tests run the algebra there)."""
+    return t.device.type != "meta" and not bool(torch.isfinite(t).all())
+
+
 def q_times_coefficient(lq: torch.Tensor, log_r: torch.Tensor, poly: Poly) -> torch.Tensor:
     """q ⊙ c(log r) for a coefficient that is a polynomial Σ c_sk r^s (log r)^k (``poly``: {(s, k): c_sk}),
     as Σ c_sk exp(log q + s·log r)(log r)^k: finite where q ⊙ c is, though r = p/q overflows float64 once

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.modes import q_times_coefficient
+from ..core.modes import has_nonfinite, q_times_coefficient
 from ..sampling.seeding import BatchStream
 from .combos import Combination
 
@@ -42,7 +42,7 @@ def count_gradient(q: torch.Tensor, counts: torch.Tensor, a: torch.Tensor) -> to
     """The mean per-draw gradient of n draws from their counts N [B, V] (n = ΣN):
     (1/n) Σ_b (N_b ⊙ a_b − q_b (N_b·a_b)) in row b. q, counts, a: [B, V] → [B, V]."""
     na = counts * a
-    if not bool(torch.isfinite(na).all()):
+    if has_nonfinite(na):
         # A token never drawn adds nothing, even where its a is infinite (r = p/q beyond float64): 0, not 0·inf.
         na = torch.where(counts > 0, na, torch.zeros_like(na))
     return (na - q * na.sum(-1, keepdim=True)) / counts.sum()
@@ -113,7 +113,7 @@ class CategoricalProblem:
         lq = torch.log_softmax(theta, -1)
         q, a = lq.exp(), self._table(lq, combo)
         qa = None
-        if combo.item.cpoly is not None and not bool(torch.isfinite(q * a).all()):
+        if combo.item.cpoly is not None and has_nonfinite(q * a):
             qa = q * self.reward - self.beta * q_times_coefficient(lq, self.log_p - lq, combo.item.cpoly)
         return expected_score_gradient(q, a, qa)
 

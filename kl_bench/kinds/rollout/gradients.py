@@ -41,7 +41,7 @@ import torch
 from ...core import rollout_dp
 from ...core.aggregates import AGGREGATES
 from ...foundation.errors import SpecError
-from ...core.modes import MODES, GradItem, q_times_coefficient
+from ...core.modes import MODES, GradItem, has_nonfinite, q_times_coefficient
 from . import dp
 from .model import RolloutModel
 
@@ -249,7 +249,7 @@ def _local_counts(model: RolloutModel, item: GradItem) -> torch.Tensor:
         return sum(count_moment(model, _ones, _ones, [1.0], phase=i) * t for i, t in enumerate(tables))
     counts = count_moment(model, model.sequence_weight, _ones, [1.0])
     out = counts * tables[0]
-    if not model.has_sampler and item.cpoly is not None and not bool(torch.isfinite(out).all()):
+    if not model.has_sampler and item.cpoly is not None and has_nonfinite(out):
         # c(log r) is inf where log q falls 709 below log p (r beyond float64) and E[N] there is ~0: 0·inf.
         # On-policy E[N(c, x)] = E[visits to c]·q(x|c), so E[N]·c = visits(c)·(q ⊙ c), the latter from c's
         # polynomial in log space (k3 in the loss: q − p, bounded; a trajectory had been called diverged).
