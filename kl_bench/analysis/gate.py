@@ -13,9 +13,9 @@ the std comparisons, and rows with an infinite variance or degenerate importance
 too: their SE means nothing. Where the exact analysis finds the measured spread untrustworthy (a kurtosis
 beyond the draws, an infinite 4th moment, a sampler missing q's support) and the exact std is finite and
 above the measured one, the mean is compared with its SE scaled up to the exact spread (se · exact_std /
-std; the note says by how much, as such a row's mean can then hardly fail): the batch-means SE is made of the same too-low spread, and a
-mean 4.7 "standard errors" from the truth of a sequence-level fwd_k3 whose exact std is 1,800× the measured
-one is the expected shortfall of a heavy tail, not a regression. Such rows are neither passed nor failed in
+std; the note says by how much, as such a row's mean can then hardly fail): the batch-means SE is made of
+the same too-low spread, and a mean 4.7 "standard errors" from the truth of a sequence-level fwd_k3 whose
+exact std is 1,800× the measured one is the expected shortfall of a heavy tail, not a regression. Such rows are neither passed nor failed in
 silence: :func:`skipped_notes` names them.
 """
 from __future__ import annotations

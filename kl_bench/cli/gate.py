@@ -32,8 +32,7 @@ def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, q
     """(spec, summary DataFrame, run): from --results DIR (verified against the spec; ``run``: its run.json,
     whose seed and spec sha256 are those of the numbers), or by running the spec (``run``: None)."""
     from ..api import load, load_results, run
-    with user_errors():
-        refuse_run_options(results, draws=draws, seed=seed, device=device)
+    with user_errors():                 # run options with --results: refused by the callers, before any work
         sp = load(spec_path, draws=draws, seed=seed, device=device)
         if results is not None:
             res = load_results(results)

@@ -48,12 +48,19 @@ def mean_sd(values, ddof: int = 1):
     return np.ldexp(np.mean(scaled, 0), k), np.ldexp(np.std(scaled, 0, ddof=ddof), k)
 
 
-def vector_norm(v) -> float:
-    """‖v‖₂ of a tensor without overflow or underflow in the squares (scaled by a power of two where its
-    largest |x| is beyond 2^±500; elsewhere the plain norm, bit for bit). The sum of squares stays within
-    float64 for up to 2^24 entries of 2^500 each (a policy's [B, V] of up to 16M logits)."""
+def scaled(v):
+    """(v · 2^−k, k) for a tensor: k from its largest |x| (:func:`rescale_exponent`; 0, and v itself, within
+    2^±500), so that the scaled entries square, multiply and sum without overflow or underflow."""
     k = rescale_exponent(float(v.abs().max())) if v.numel() else 0
-    return float(v.norm()) if k == 0 else times_two_to(float(times_two_to(v, -k).norm()), k)
+    return times_two_to(v, -k), k
+
+
+def vector_norm(v) -> float:
+    """‖v‖₂ of a tensor without overflow or underflow in the squares (:func:`scaled`; elsewhere the plain
+    norm, bit for bit). The sum of squares stays within float64 for up to 2^24 entries of 2^500 each (a
+    policy's [B, V] of up to 16M logits)."""
+    x, k = scaled(v)
+    return times_two_to(float(x.norm()), k)
 
 
 def batch_means_se(deviations, weights):

@@ -138,12 +138,12 @@ def cgroup_memory(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup")
 
 
 def machine_memory() -> tuple[int, str]:
-    """(bytes, words) of the memory this machine gives the process: physical memory, or a container's limit
-    (:func:`cgroup_memory`) where that is smaller."""
+    """(bytes, whose) of the memory this machine gives the process: physical memory ("machine"), or a
+    container's limit (:func:`cgroup_memory`, "container") where that is smaller."""
     have, group = physical_memory(), cgroup_memory()
     if group is not None and group < have:
-        return group, f"this container's {fmt_bytes(group)} (cgroup memory limit)"
-    return have, f"this machine's {fmt_bytes(have)}"
+        return group, "container"
+    return have, "machine"
 
 
 # The process limits an allocation meets before physical memory: (resource name, field of
@@ -180,15 +180,15 @@ def _process_limit() -> tuple[int, int, str] | None:
 
 def memory_limit() -> tuple[int, str]:
     """(bytes, words): the memory this process may still take, the ceiling every in-memory table must fit
-    under: physical memory ("this machine's 16 GiB") or a container's limit, or less where a process limit (``ulimit -v``,
-    resource.RLIMIT_AS; ``ulimit -d``) leaves less ("the 2.1 GiB left under this process's limit (ulimit -v
-    2.9 GiB)")."""
-    have, words = machine_memory()
+    under: physical memory ("this machine's 16 GiB") or a container's limit ("this container's 2 GiB
+    (cgroup memory limit)"), or less where a process limit (``ulimit -v``, resource.RLIMIT_AS; ``ulimit -d``)
+    leaves less ("the 2.1 GiB left under this process's limit (ulimit -v 2.9 GiB)")."""
+    have, whose = machine_memory()
     limit = _process_limit()
     if limit is not None and limit[0] < have:
         left, soft, flag = limit
         return left, f"the {fmt_bytes(left)} left under this process's limit (ulimit {flag} {fmt_bytes(soft)})"
-    return have, words
+    return have, f"this {whose}'s {fmt_bytes(have)}" + (" (cgroup memory limit)" if whose == "container" else "")
 
 
 def check_memory(need: float, what: str) -> str | None:
@@ -203,12 +203,11 @@ def check_memory(need: float, what: str) -> str | None:
 def memory_advice(smaller: str) -> str:
     """What to change after a failed allocation: more memory (saying how much this process may have: this
     machine's, or its ``ulimit``), or ``smaller`` ("a smaller case", "fewer draws at once ...")."""
-    (have, words), limit = machine_memory(), _process_limit()
+    (have, whose), limit = machine_memory(), _process_limit()
     if limit is not None and limit[1] < have:
         where = f"ulimit {limit[2]} allows {fmt_bytes(limit[1])}"
     else:
-        where = words.replace("this machine's", "this machine has", 1).replace("this container's",
-                                                                             "this container allows", 1)
+        where = f"this {whose} {'has' if whose == 'machine' else 'allows'} {fmt_bytes(have)}"
     return f"give kl-bench more memory ({where}), or {smaller}"
 
 

@@ -35,8 +35,8 @@ GiB = 1 << 30
 
 
 def _memory_cap() -> int:
-    """Half of the memory this process may take (physical memory, or less under ``ulimit -v``): a file read
-    whole (and converted to float64) must fit beside the run."""
+    """Half of the memory this process may take (physical memory, a container's limit, or less under
+    ``ulimit -v``): a file read whole (and converted to float64) must fit beside the run."""
     from .config import memory_limit
     return memory_limit()[0] // 2
 

@@ -113,7 +113,7 @@ class CategoricalProblem:
         lq = torch.log_softmax(theta, -1)
         q, a = lq.exp(), self._table(lq, combo)
         qa = None
-        if combo.item.cpoly is not None and has_nonfinite(q * a):
+        if combo.item.cpoly is not None and has_nonfinite(a):       # q ≤ 1 finite: q ⊙ a is finite where a is
             qa = q * self.reward - self.beta * q_times_coefficient(lq, self.log_p - lq, combo.item.cpoly)
         return expected_score_gradient(q, a, qa)
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .._moved import renamed
-from ..core.stats import mean_sd, rescale_exponent, times_two_to, vector_norm
+from ..core.stats import mean_sd, scaled, vector_norm
 from ..foundation.errors import SpecError
 from ..sampling.seeding import BatchStream, piece_draws
 from .combos import Combination, parse_combination
@@ -57,7 +57,7 @@ def trajectory(theta0: torch.Tensor, opt: Optimizer, steps: int,
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     """cos(a, b), each scaled by a power of two first where its entries are beyond 2^±500 (their squares and
     products would overflow or underflow: ‖g‖ of 1e200 was inf and the cosine NaN)."""
-    a, b = (times_two_to(x, -rescale_exponent(float(x.abs().max())) if x.numel() else 0) for x in (a, b))
+    (a, _), (b, _) = scaled(a), scaled(b)          # a cosine is scale-free: the factors 2^k drop out
     na, nb = float(a.norm()), float(b.norm())
     return float((a * b).sum()) / (na * nb) if na > 0 and nb > 0 else math.nan
 
@@ -175,10 +175,10 @@ def _combination_rows(case: str, combo: Combination, steps: list[int], draws: in
     rows = _rows(case, combo, "exact", 0, 1, steps, exact[0], None) if exact else []
     if runs:
         # Without overflow (kl_opt of 1e300 at β = 1e-300 had an sd of inf): core.stats.mean_sd. ddof = 1: the
-        # spread of one sampled trajectory; the mean's standard error is sd/√seeds.
+        # spread of one sampled trajectory (NaN for one seed); the mean's standard error is sd/√seeds.
         spread = {k: mean_sd([x[k] for x in runs], ddof=1) for k in runs[0]}
         mean = {k: m for k, (m, _) in spread.items()}
-        sd = {k: spread[k][1] if len(runs) > 1 else np.full(len(steps), math.nan) for k in METRICS}
+        sd = {k: spread[k][1] for k in METRICS}
         rows += _rows(case, combo, "sampled", draws, len(runs), steps, mean, sd)
     return rows
 
