@@ -42,7 +42,7 @@ import bench_gradients as grads
 import bench_rollout as rollouts
 import bench_vocab50k as vocab
 from kl_bench.audit.stream import pieces
-from kl_bench.foundation.launches import count_ops
+from launches import count_ops  # benchmarks/launches.py (this folder is on sys.path)
 from kl_bench.sampling import seeding
 
 V = 50257
@@ -273,9 +273,9 @@ def profile(a, dev: torch.device) -> None:
 
 def operations(a, dev: torch.device) -> None:
     """Each selected path's kl-bench pipeline once more, at a tenth of its size, with the ATen operations it
-    dispatches counted (kl_bench.foundation.launches): on a GPU each is a kernel launch, so this is the
+    dispatches counted (benchmarks/launches.py): on a GPU each is a kernel launch, so this is the
     launch count of a launch-bound path, and it is measured on any device (the CPU in CI). Then the same
-    calls' memory traffic by the proxy of kl_bench.foundation.launches (bytes streamed and random 32-byte
+    calls' memory traffic by the proxy of benchmarks/launches.py (bytes streamed and random 32-byte
     reads), per unit of the path's rate: what bounds a path whose vectors are long."""
     print(f"\nATen operations per pipeline call ({dev}): all of them, and those that make a kernel on a GPU (about "
           "one launch each; views, empty and wrapped scalars make none)")
@@ -291,7 +291,7 @@ def operations(a, dev: torch.device) -> None:
                   + ", ".join(f"{k} {v:,}" for k, v in kernels))
             traffic.append((label, unit, sum(ops.streamed.values()) / units, sum(ops.sectors.values()) / units,
                             ops.traffic / units))
-    print("\nMemory traffic per unit (a proxy from shapes, kl_bench.foundation.launches: operands and results "
+    print("\nMemory traffic per unit (a proxy from shapes, benchmarks/launches.py: operands and results "
           "once each, a random read a 32-byte sector)")
     for label, unit, streamed, sectors, total in traffic:
         print(f"  {label:<10} {streamed:9,.1f} B streamed, {sectors:6.2f} random reads, {total:9,.1f} B a {unit}")

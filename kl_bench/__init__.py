@@ -14,11 +14,8 @@ The Python API (see README "Python API" and :mod:`kl_bench.api`, one module per 
 Names are loaded on first use (PEP 562), so that importing the package is instant and the command line
 can install its signal handlers before torch loads.
 """
-from ._moved import install as _install_moved
 from .foundation.lazy import lazy_names
 from .foundation.version import __version__  # noqa: F401  (in __all__)
-
-_install_moved()     # old import paths (kl_bench.estimators, ...) resolve for one release, with a warning
 
 _EXPORTS = {
     "CheckReport": "api.checking", "Result": "api.result", "check": "api.checking", "estimate": "api.estimation",

@@ -225,7 +225,8 @@ def test_token_mean_batch_monte_carlo_under_a_sampler_with_groups_cut_by_batches
 def test_token_mean_groups_stay_within_pieces_and_leave_the_rest_out():
     """A batch of 25 draws in pieces [10, 10, 5] with B = 4: groups [0:4], [4:8], [10:14], [14:18], [20:24];
     each value is Σ tok / Σ |y| over its group by hand; draws 8, 9, 18, 19 and 24 are in none."""
-    from kl_bench.core.draws import Draws, groups_in, row_values
+    from kl_bench.core.draws import Draws
+    from kl_bench.core.aggregates import groups_in, row_values
     g = torch.Generator().manual_seed(0)
     tok = torch.rand(25, generator=g, dtype=torch.float64)
     length = torch.randint(1, 9, (25,), generator=g).double()

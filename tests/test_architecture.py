@@ -28,14 +28,15 @@ def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Intra-package imports of every module, wherever they are written (TYPE_CHECKING blocks excluded)."""
+def _imports(mods: dict[str, Path], type_checking: bool = False) -> dict[str, set[str]]:
+    """Intra-package imports of every module, wherever they are written (TYPE_CHECKING blocks excluded unless
+    ``type_checking``)."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         tree = ast.parse(path.read_text())
         skip = set()
         for node in ast.walk(tree):       # `if TYPE_CHECKING:` imports never run
-            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            if not type_checking and isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
                 skip |= {id(n) for n in ast.walk(node)}
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -50,9 +51,9 @@ def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
     return graph
 
 
-def test_no_import_cycles_including_function_local_imports():
+def test_no_import_cycles_including_function_local_and_type_only_imports():
     mods = _modules()
-    graph = _imports(mods)
+    graph = _imports(mods, type_checking=True)     # a type-only import in a circle is a circle all the same
     # A package's __init__ re-exports its submodules (an edge down); a submodule importing its parent
     # package is the cycle to avoid. Report every cycle found.
     cycles, state = [], {}
@@ -168,9 +169,8 @@ LAYERS = [
      {"foundation", "core", "kinds", "engine", "results", "training", "audit", "analysis", "present", "api"}),
     ("integrations", "the TRL callback (a thin adapter over the audit)", {"foundation", "core", "kinds", "audit"}),
     ("__main__", "the console entry point", {"foundation", "cli"}),
-    ("_testing", "test hooks of the command line", {"foundation", "engine", "api", "__main__"}),
-    ("_moved", "old import paths, for one release", set()),
-    ("kl_bench", "the package's lazy public names", {"foundation", "_moved"}),
+    ("_test_hooks", "test hooks of the command line", {"foundation", "engine", "api", "__main__"}),
+    ("kl_bench", "the package's lazy public names", {"foundation"}),
 ]
 ALLOWED = {name: deps for name, _, deps in LAYERS}
 
@@ -186,10 +186,8 @@ def test_every_module_has_a_layer_and_imports_only_what_its_layer_may():
     graph = _imports(_modules())
     unplaced = sorted(m for m in graph if _layer_of(m) is None)
     assert not unplaced, f"modules in no layer (add their package to LAYERS): {unplaced}"
-    # _moved (old names, for one release) imports nothing of kl_bench: any layer may forward its old names
     bad = [f"{m} ({_layer_of(m)}) imports {t} ({_layer_of(t)})" for m, targets in sorted(graph.items())
-           for t in sorted(targets) if _layer_of(t) not in (_layer_of(m), "_moved")
-           and _layer_of(t) not in ALLOWED[_layer_of(m)]]
+           for t in sorted(targets) if _layer_of(t) != _layer_of(m) and _layer_of(t) not in ALLOWED[_layer_of(m)]]
     assert not bad, "imports the layer table does not allow:\n" + "\n".join(bad)
 
 
@@ -216,34 +214,19 @@ def test_the_layer_table_can_fail():
     assert "engine" not in ALLOWED["results"] and "engine" not in ALLOWED["present"]
 
 
-def test_old_import_paths_work_with_a_deprecation_warning():
-    """Modules moved by the package tree (issue 34) keep their old paths for one release: the same module
-    object, and a DeprecationWarning naming the new path; old module-level names of what is now a package
-    (kl_bench.engine.CaseRun) too."""
-    code = ("import warnings, sys; warnings.simplefilter('error'); import kl_bench\n"
-            "import kl_bench.core.estimators as new, kl_bench.engine.monte_carlo as mc\n"
-            "for stmt in ('import kl_bench.estimators as old', 'from kl_bench.pairs.rollout import pair', "
-            "'from kl_bench.engine import CaseRun', 'import kl_bench.report'):\n"
-            "    try:\n        exec(stmt)\n    except DeprecationWarning as w:\n        print(w)\n"
-            "    else:\n        print('no warning:', stmt)\n"
-            "warnings.simplefilter('ignore')\n"
-            "import kl_bench.estimators as old, kl_bench.pairs.rollout.pair as p, kl_bench.kinds.rollout.pair as q\n"
-            "from kl_bench.engine import CaseRun\n"
-            "print(old is new, p is q, CaseRun is mc.CaseRun, 'kl_bench.pairs.rollout.pair' in sys.modules)\n"
-            "import importlib, importlib.resources\n"      # the module keeps its own spec: reload and resources work
-            "print(new.__spec__.name, q.__spec__.name, importlib.reload(new) is new, "
-            "importlib.resources.files('kl_bench.kinds').name)")
+def test_old_import_paths_are_gone():
+    """0.2.0 removed the forwarding layer of the 0.1.0 paths (CHANGELOG.md): an old path is a plain
+    ModuleNotFoundError, and nothing of kl_bench sits on sys.meta_path."""
+    code = ("import sys, kl_bench\n"
+            "for old in ('kl_bench.estimators', 'kl_bench.pairs.rollout', 'kl_bench.report', 'kl_bench.display'):\n"
+            "    try:\n        __import__(old)\n    except ModuleNotFoundError as e:\n        print(e.name)\n"
+            "    else:\n        print('still imports:', old)\n"
+            "import kl_bench.engine as e\n"
+            "print(hasattr(e, 'CaseRun'), [type(f).__module__ for f in sys.meta_path if 'kl_bench' in type(f).__module__])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG.parent)
-    lines = out.stdout.splitlines()
     assert out.returncode == 0, out.stderr
-    assert lines[:4] == [
-        "kl_bench.estimators moved to kl_bench.core.estimators; the old path stops working in kl-bench 0.3",
-        "kl_bench.pairs moved to kl_bench.kinds; the old path stops working in kl-bench 0.3",
-        "kl_bench.engine.CaseRun moved to kl_bench.engine.monte_carlo.CaseRun; the old path stops working in "
-        "kl-bench 0.3",
-        "kl_bench.report moved to kl_bench.present.report; the old path stops working in kl-bench 0.3"], lines
-    assert lines[4] == "True True True True", lines
-    assert lines[5] == "kl_bench.core.estimators kl_bench.kinds.rollout.pair True kinds", lines
+    assert out.stdout.splitlines() == ["kl_bench.estimators", "kl_bench.pairs", "kl_bench.report", "kl_bench.display",
+                                       "False []"], out.stdout
 
 
 def test_the_readme_shows_the_layer_table():

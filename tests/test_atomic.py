@@ -140,8 +140,8 @@ p = {{from = "q", noise = 0.3, seed = 2}}
 
 
 def _cli(*args, env=None):
-    # kl_bench._testing: the console script with the test hooks the environment asks for (KL_BENCH_KILL_AFTER_STAGED)
-    module = "kl_bench._testing" if env else "kl_bench"
+    # kl_bench._test_hooks: the console script with the test hooks the environment asks for (KL_BENCH_KILL_AFTER_STAGED)
+    module = "kl_bench._test_hooks" if env else "kl_bench"
     return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
@@ -248,7 +248,7 @@ _HANG_UP_AFTER_CHECKPOINT = """
 import os, signal, sys
 if sys.argv.pop(1) == "nohup":
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-from kl_bench.api import folders as runner
+from kl_bench.api import run_folder as runner
 save, saved = runner.save_checkpoint, [0]
 def save_then_hang_up(*args, **kwargs):
     save(*args, **kwargs)

@@ -388,7 +388,7 @@ def test_stream_kl_float32_error_is_within_its_rounding_bound():
 def test_the_audit_sampler_is_the_engines_model_where_they_overlap():
     """Temperature, top-k and top-p of generation's b are the engine's SamplerSpec (one model, issue 34): the
     audit's dense log b equals SamplerSpec.reshape wherever the penalty, the EOS ban and min-p are off."""
-    from kl_bench.sampling.samplers import SamplerSpec
+    from kl_bench.sampling.mismatch import SamplerSpec
     z = torch.randn(6, 40, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
     for s in (Sampler(), Sampler(temperature=0.7), Sampler(top_k=5), Sampler(top_p=0.8, temperature=1.3),
               Sampler(top_k=0, top_p=1.0)):

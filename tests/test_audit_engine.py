@@ -1,4 +1,4 @@
-"""The rollout engine's mismatch (kl_bench.audit.engine): the engine's log-prob convention, the exact
+"""The rollout engine's mismatch (kl_bench.audit.rollout_engine): the engine's log-prob convention, the exact
 sampler gap, and the metrics trainers log (verl rollout_corr/*, TRL sampling_logp_difference) against
 their exact values. Synthetic engines on plain tensors here; a tiny GPT-2 generating in bf16 as the engine
 (transformers) in the last test."""
@@ -9,7 +9,7 @@ import torch
 
 import kl_bench
 from kl_bench.audit import Head, Sampler, sampler_logprobs
-from kl_bench.audit.engine import EngineAudit
+from kl_bench.audit.rollout_engine import EngineAudit
 from kl_bench.audit.session import AuditSession, Metric, Record
 from kl_bench.audit.verdict import engine_warnings
 

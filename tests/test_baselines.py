@@ -13,7 +13,7 @@ from kl_bench.core.estimators import ESTIMATORS
 from kl_bench.core.modes import GradItem
 from kl_bench.kinds import CategoricalPair
 from kl_bench.kinds.rollout import RolloutPair
-from kl_bench.sampling.samplers import SamplerSpec
+from kl_bench.sampling.mismatch import SamplerSpec
 from kl_bench.core.targets import REVERSE
 from kl_bench.core.weights import WeightCorrection
 

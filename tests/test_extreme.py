@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import kl_bench
 import kl_bench.api
 from kl_bench.cli import app
-from kl_bench.foundation.config import MAX_DRAWS
+from kl_bench.foundation.typed_toml import MAX_DRAWS
 
 GAUSS = '[[case]]\nname = "g"\nkind = "gaussian"\nq = {{ mean = {mq}, std = {sq} }}\np = {{ mean = {mp}, std = {sp} }}\n'
 

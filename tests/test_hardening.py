@@ -135,8 +135,8 @@ def test_resume_with_nothing_to_resume_writes_nothing(spec, tmp_path):
 
 
 def _cli(*args, env=None):
-    # kl_bench._testing: the console script with the test hooks the environment asks for (KL_BENCH_SELF_SIGNAL)
-    return subprocess.run([sys.executable, "-m", "kl_bench._testing", *map(str, args)], capture_output=True, text=True,
+    # kl_bench._test_hooks: the console script with the test hooks the environment asks for (KL_BENCH_SELF_SIGNAL)
+    return subprocess.run([sys.executable, "-m", "kl_bench._test_hooks", *map(str, args)], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 
 

@@ -81,12 +81,12 @@ def made(tmp_path_factory):
 
 
 def _cli(*args, env=None, limits=(), cwd=None):
-    """The console script in a child process (kl_bench._testing: with the hooks the environment asks for),
+    """The console script in a child process (kl_bench._test_hooks: with the hooks the environment asks for),
     under resource limits [(RLIMIT_*, value)]."""
     def limit():
         for what, value in limits:
             resource.setrlimit(what, (value, value))
-    return subprocess.run([sys.executable, "-m", "kl_bench._testing", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kl_bench._test_hooks", *map(str, args)], capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})}, preexec_fn=limit, cwd=cwd)
 
 
@@ -239,7 +239,7 @@ def test_a_real_full_disk_is_one_line_and_leaves_nothing(made, tmp_path, command
             "baseline": f"baseline {made['spec']} --results {made['res']} --out {disk}/b.json -q"}[command]
     blocks = {"none": "", "some": "count=14"}[room]
     script = (f"mount -t tmpfs -o size=64k tmpfs {disk} && dd if=/dev/zero of={disk}/fill bs=4k {blocks} "
-              f"2>/dev/null; {sys.executable} -m kl_bench._testing {args}; echo rc=$? >&2; ls -A {disk} >&2")
+              f"2>/dev/null; {sys.executable} -m kl_bench._test_hooks {args}; echo rc=$? >&2; ls -A {disk} >&2")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     if command == "baseline" and room == "some":           # a baseline this small fits in 8 KiB
@@ -402,7 +402,7 @@ def test_running_out_of_memory_is_one_line(made, monkeypatch, capsys, error):
     """An allocation that fails (a MemoryError, or torch's allocator on the host or a GPU) is one line, exit 2,
     not a 75-line traceback."""
     from kl_bench import cli
-    from kl_bench.api import folders as runner
+    from kl_bench.api import run_folder as runner
 
     def fail(*args, **kwargs):
         raise error

@@ -1,8 +1,9 @@
-"""kl_bench.foundation.launches: which dispatched operators count as kernel launches on a GPU."""
+"""benchmarks/launches.py: which dispatched operators count as kernel launches on a GPU."""
 import torch
 
-from kl_bench.foundation.launches import SELF_COPY, count_ops, launches_nothing
+from .bench_tools import launches
 
+SELF_COPY, count_ops, launches_nothing = launches.SELF_COPY, launches.count_ops, launches.launches_nothing
 
 def test_views_allocations_and_wrapped_scalars_make_no_kernel():
     x = torch.randn(6, 4)
@@ -23,7 +24,7 @@ def test_views_allocations_and_wrapped_scalars_make_no_kernel():
 
 
 def test_the_traffic_proxy_counts_operands_results_and_gathers():
-    """Ops.streamed / Ops.sectors (kl_bench.foundation.launches): an elementwise kernel streams its operands
+    """Ops.streamed / Ops.sectors (benchmarks/launches.py): an elementwise kernel streams its operands
     and result once each (a broadcast operand once, a column of a row-major block a sector an element, an
     in-place operand read and written); a gather streams its index and result and reads a sector per index
     (an embedding_bag row of 64 bytes: two); x[a:b] += y's closing self-copy makes no kernel and no traffic."""

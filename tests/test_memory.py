@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import kl_bench
 from kl_bench.cli import app
-from kl_bench.foundation.config import check_memory, memory_advice, memory_limit
+from kl_bench.foundation.memory import check_memory, memory_advice, memory_limit
 from kl_bench.foundation.errors import OutOfMemory, SpecError, memory_words
 
 runner = CliRunner()
@@ -140,13 +140,13 @@ def test_an_unlocated_failed_allocation_gets_its_commands_advice(write_spec, mon
     """Where no case was being built, computed or sampled, the line names the command and advice that fits it
     (exact's had been about draws and chunks)."""
     from kl_bench import api, cli
-    from kl_bench.api import folders
+    from kl_bench.api import run_folder
 
     def fail(*args, **kwargs):
         raise MemoryError()
     monkeypatch.setattr(api, "exact", fail)
-    monkeypatch.setattr(folders, "train_to_folder", fail)
-    monkeypatch.setattr(folders, "run_to_folder", fail)
+    monkeypatch.setattr(run_folder, "train_to_folder", fail)
+    monkeypatch.setattr(run_folder, "run_to_folder", fail)
     spec = write_spec(SPEC.format(vocab=500))
     with pytest.raises(SystemExit) as exit_:
         cli.main([command, str(spec), *(["--out", str(tmp_path / "o")] if command != "exact" else []), "-q"])
@@ -172,26 +172,26 @@ def test_a_containers_memory_limit_is_the_ceiling(tmp_path, monkeypatch):
     v1 memory.limit_in_bytes; "max" and v1's 2^63 − page are no limit), and memory_limit takes it where it is
     below physical memory, saying so ("this container's 2 GiB"): a container of 2 GiB on a 64 GiB host had
     been told it could hold 64."""
-    from kl_bench.foundation import config
+    from kl_bench.foundation import memory
     proc, root = tmp_path / "cgroup", tmp_path / "fs"
     (root / "kubepods" / "x").mkdir(parents=True)
     proc.write_text("0::/kubepods/x\n")
     (root / "kubepods" / "x" / "memory.max").write_text("2147483648\n")
-    assert config.cgroup_memory(str(proc), str(root)) == 2 << 30
+    assert memory.cgroup_memory(str(proc), str(root)) == 2 << 30
     (root / "kubepods" / "x" / "memory.max").write_text("max\n")
-    assert config.cgroup_memory(str(proc), str(root)) is None
+    assert memory.cgroup_memory(str(proc), str(root)) is None
     (root / "memory.max").write_text("3221225472\n")                  # the root's (a container's own view)
-    assert config.cgroup_memory(str(proc), str(root)) == 3 << 30
+    assert memory.cgroup_memory(str(proc), str(root)) == 3 << 30
     proc.write_text("12:cpu,cpuacct:/docker/a\n5:memory:/docker/a\n")
     (root / "memory" / "docker" / "a").mkdir(parents=True)
     (root / "memory" / "docker" / "a" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert config.cgroup_memory(str(proc), str(root)) is None
+    assert memory.cgroup_memory(str(proc), str(root)) is None
     (root / "memory" / "docker" / "a" / "memory.limit_in_bytes").write_text("1073741824\n")
-    assert config.cgroup_memory(str(proc), str(root)) == 1 << 30
-    assert config.cgroup_memory(str(tmp_path / "absent"), str(root)) is None
-    monkeypatch.setattr(config, "cgroup_memory", lambda: 2 << 30)
-    monkeypatch.setattr(config, "_process_limit", lambda: None)
-    assert config.memory_limit() == (2 << 30, "this container's 2 GiB (cgroup memory limit)")
-    assert "this container allows 2 GiB" in config.memory_advice("fewer draws")
-    message = config.check_memory(3 << 30, "a table")
+    assert memory.cgroup_memory(str(proc), str(root)) == 1 << 30
+    assert memory.cgroup_memory(str(tmp_path / "absent"), str(root)) is None
+    monkeypatch.setattr(memory, "cgroup_memory", lambda: 2 << 30)
+    monkeypatch.setattr(memory, "_process_limit", lambda: None)
+    assert memory.memory_limit() == (2 << 30, "this container's 2 GiB (cgroup memory limit)")
+    assert "this container allows 2 GiB" in memory.memory_advice("fewer draws")
+    message = memory.check_memory(3 << 30, "a table")
     assert message is not None and "this container's 2 GiB" in message

@@ -12,7 +12,7 @@ from kl_bench.core import oracles as exact
 from kl_bench.cli import app
 from kl_bench.core.estimators import resolve_estimator, lookup
 from kl_bench.experiment.case import run_experiment_case
-from kl_bench.sampling.samplers import SamplerSpec
+from kl_bench.sampling.mismatch import SamplerSpec
 from kl_bench.kinds import CategoricalPair, GaussianPair, RolloutPair
 from kl_bench.experiment.spec import EstimatorOption, Experiment
 

@@ -391,7 +391,8 @@ def test_straight_through_presets_gave_nan_in_the_library_order_and_are_defined_
 def test_trl_geometric_sequence_weight_is_formed_in_log_space():
     """A 4096-token sequence whose token log-ratios sum to 720: TRL's weight is exp(720/4096) = 1.192…,
     finite, where the product Π_t q_t/b_t = e^720 overflows float64 (and e^−720 underflows to 0)."""
-    from kl_bench.core.draws import Draws, Row, row_values
+    from kl_bench.core.draws import Draws, Row
+    from kl_bench.core.aggregates import row_values
     from kl_bench.core.presets import trl_sequence_weight
     n_tok, total = 4096, 720.0
     log_ratio = torch.full((1, n_tok), total / n_tok, dtype=torch.float64)

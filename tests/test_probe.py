@@ -646,8 +646,8 @@ def test_a_swallowed_signal_during_parsing_never_exits_0_nor_rewrites_run_json(m
 
 
 def _cli(*args, env=None, **kw):
-    # kl_bench._testing: the console script with the test hooks the environment asks for (KL_BENCH_SELF_SIGNAL)
-    return subprocess.Popen([sys.executable, "-m", "kl_bench._testing", *map(str, args)], stdout=subprocess.PIPE,
+    # kl_bench._test_hooks: the console script with the test hooks the environment asks for (KL_BENCH_SELF_SIGNAL)
+    return subprocess.Popen([sys.executable, "-m", "kl_bench._test_hooks", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, **kw)
 
 

@@ -197,7 +197,7 @@ def test_resume_rate_counts_only_the_draws_made_in_this_process(folder, tmp_path
     its draws/s is the 1,000 draws it made over its own sampling time (it was 4,000 over that time)."""
     import torch
 
-    from kl_bench.api import folders as R
+    from kl_bench.api import run_folder as R
     import kl_bench.api as api
     from kl_bench.results import checkpoint
     out = tmp_path / "cut"

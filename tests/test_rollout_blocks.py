@@ -13,14 +13,16 @@ from kl_bench.core.rejection import CRITERIA, Criterion, Rejection
 from kl_bench.engine.monte_carlo import run_case
 from kl_bench.results import to_frame
 from kl_bench.experiment.rows import summarize
-from kl_bench.foundation.launches import count_ops
 from kl_bench.kinds import RolloutPair
 from kl_bench.kinds.rollout.model import RolloutModel
 from kl_bench.kinds.rollout.sampler import _uniforms, simulate
 from kl_bench.sampling import seeding
 from kl_bench.sampling.logits import zipf_logits
 
+from .bench_tools import launches
 from .conftest import CPU
+
+count_ops = launches.count_ops
 
 C, V, T, EOS = 3, 12, 11, 11          # T = 11: blocks of 3 and of 8 end on a partial block
 ROWS = [Row(ESTIMATORS[n], "tok") for n in ("k1", "k2", "k3", "fwd_k3")] + [Row(FULL, "tok"), Row(make_cv(0.5), "tok")]
@@ -144,7 +146,7 @@ def test_uniform_blocks_make_one_call_a_batch_and_block(monkeypatch):
 
 
 def test_blocks_of_steps_halve_the_operations(monkeypatch):
-    """Operations the sampler dispatches (kl_bench.foundation.launches; about one kernel launch each on a
+    """Operations the sampler dispatches (benchmarks/launches.py; about one kernel launch each on a
     GPU): with blocks of 8 steps at most 60% of those step by step (measured 31 against 69 a step with
     six token rows)."""
     model = _model(OPTIONS["on-policy"])

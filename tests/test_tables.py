@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kl_bench.core import modes as M
-from kl_bench.core.draws import AGGREGATES, Aggregate, register_aggregate
+from kl_bench.core.aggregates import AGGREGATES, Aggregate, register_aggregate
 from kl_bench.engine.monte_carlo import as_rows
 from kl_bench.core.estimators import ESTIMATORS, make_cv
 from kl_bench.experiment.gradient_rows import gradient_items, gradient_rows
@@ -133,7 +133,8 @@ def test_an_aggregate_registered_from_a_test_gets_rows_against_its_exact_values(
 
 
 def test_an_unknown_aggregate_is_refused():
-    from kl_bench.core.draws import Row, row_values, Draws
+    from kl_bench.core.draws import Row, Draws
+    from kl_bench.core.aggregates import row_values
     d = Draws(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
     with pytest.raises(KeyError, match="unknown aggregate 'tok_mena'.*did you mean 'tok_mean'"):
         row_values(d, [Row(ESTIMATORS["k3"], "tok_mena")])
@@ -155,7 +156,7 @@ def test_every_declared_sampler_key_is_an_option_and_every_logit_option_reshapes
     import dataclasses
 
     from kl_bench.kinds import CASE_KINDS
-    from kl_bench.sampling.samplers import LOGIT_KEYS, SamplerSpec
+    from kl_bench.sampling.mismatch import LOGIT_KEYS, SamplerSpec
     fields = {f.name for f in dataclasses.fields(SamplerSpec)}
     for kind in CASE_KINDS.values():
         assert set(kind.sampler_keys) <= fields, kind.name

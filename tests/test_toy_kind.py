@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import kl_bench
 from kl_bench.cli import app
-from kl_bench.foundation.config import Table
+from kl_bench.foundation.typed_toml import Table
 from kl_bench.core.draws import Draws
 from kl_bench.engine.monte_carlo import run_gradients
 from kl_bench.foundation.errors import SpecError

@@ -14,7 +14,7 @@ from kl_bench.experiment import gradient_rows as G
 from kl_bench.core.estimators import lookup
 from kl_bench.kinds import CategoricalPair
 from kl_bench.kinds.rollout import RolloutPair, brute_force_sequences
-from kl_bench.sampling.samplers import SamplerSpec
+from kl_bench.sampling.mismatch import SamplerSpec
 from kl_bench.core.targets import REVERSE
 
 from .conftest import CPU

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..core.draws import PER_TOKEN, row_label
+from ..core.draws import row_label
+from ..core.aggregates import PER_TOKEN
 from ..core.estimators import CV, PAIR_ROWS
 from ..foundation.formatting import count, fmt, pct
 from ..core.planning import n_for_rel_error, rmse

@@ -7,7 +7,7 @@ import torch
 
 from ..foundation.errors import ShapeError, SpecError
 from ..core.estimators import resolve_estimator
-from ..core.logits import as_mask, as_real_tensor, check_logits, first_index
+from ..core.logprob_checks import as_mask, as_real_tensor, check_logits, first_index
 
 
 def estimate(*args, policy: torch.Tensor | None = None, reference: torch.Tensor | None = None,

@@ -37,7 +37,7 @@ def _exact_rows(sp: Spec, pairs: list[Pair], bar) -> list[dict]:
     from ..core.estimators import make_cv
     from ..core.planning import add_planning
     from ..experiment.rows import exact_rows
-    from ..foundation.config import out_of_memory_said
+    from ..foundation.memory import out_of_memory_said
     sources = [*sp.experiment.sources] + [make_cv(lam) for lam in sp.experiment.lambdas]
     rows = []
     for p in pairs:

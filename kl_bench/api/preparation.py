@@ -66,7 +66,7 @@ def build_pairs(sp: Spec, bar=None) -> list[Pair]:
     """Every case's pair (its files read), then their exact oracles validated: what a run and the exact table
     both need before any number. ``bar``: a LazyProgress, labelled and advanced once a case."""
     from ..experiment.case import validate_oracles
-    from ..foundation.config import out_of_memory_said
+    from ..foundation.memory import out_of_memory_said
     pairs = []
     for c in sp.cases:
         if bar is not None:

@@ -16,7 +16,7 @@ import torch
 from ..foundation.errors import ShapeError, SpecError
 from ..foundation.registry import did_you_mean
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 def aggregation_units(mask: torch.Tensor, aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,9 +24,9 @@ def aggregation_units(mask: torch.Tensor, aggregation: str) -> tuple[torch.Tenso
     additive over the rows, so that ranks holding different rows reduce (Σ u·x, D) by summing:
     token-mean u = m, D = Σ m; seq-mean-token-mean u = m / max(Σ_t m, 1), D = B; seq-mean-token-sum
     u = m, D = B."""
-    if aggregation not in AGGREGATIONS:
-        raise SpecError(f"unknown aggregation '{aggregation}'{did_you_mean(aggregation, list(AGGREGATIONS))}; "
-                        f"known: {', '.join(AGGREGATIONS)}", key="aggregation")
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise SpecError(f"unknown aggregation '{aggregation}'{did_you_mean(aggregation, list(LOSS_AGGREGATIONS))}; "
+                        f"known: {', '.join(LOSS_AGGREGATIONS)}", key="aggregation")
     if mask.ndim != 2:
         raise ShapeError(f"an aggregation needs a [B, T] mask, got shape {list(mask.shape)}", key="mask")
     m = mask.to(torch.float64)

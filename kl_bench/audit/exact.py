@@ -5,7 +5,7 @@ log r = log p − log q (notation of kl_bench.core.estimators), for every estima
 
     KL_i = Σ_v q_i(v) log(q_i(v)/p_i(v)),  E_q[f] = Σ_v q_i(v) f(log r_i(v)),  Var_q[f] likewise,
 
-and under the sampler's b_i (kl_bench.audit.sampler) E_b[f], Var_b[f], P_b(f < 0), the q-mass b never
+and under the sampler's b_i (kl_bench.audit.generation) E_b[f], Var_b[f], P_b(f < 0), the q-mass b never
 draws, and the moments of log b (the consistency check's statistic). Everything is float64 whatever the
 logits' dtype: the sums run over up to 10^5 terms, and KL is a small difference of O(1) numbers.
 Variances are centred sums Σ w (f − E f)², never E f² − (E f)², which cancels catastrophically at small KL.
@@ -18,9 +18,9 @@ from typing import Sequence
 import torch
 
 from ..foundation.errors import ShapeError, SpecError
-from ..core.logits import as_real_tensor, check_logits
+from ..core.logprob_checks import as_real_tensor, check_logits
 from ..core.estimators import resolve_estimator
-from .sampler import Sampler, sampler_logprobs
+from .generation import Sampler, sampler_logprobs
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,13 @@ from ..foundation.registry import UnknownName
 from ..foundation.safe_io import cap_for, open_regular, parse_json, read_capped
 from ..foundation.storage import atomic_write_bytes, check_output_dir
 from ..results.folders import check_replaceable
-from .aggregate import AGGREGATIONS
+from .aggregate import LOSS_AGGREGATIONS
 from .exact import PositionValues, position_values
-from .sampler import Sampler
+from .generation import Sampler
 from .session import AuditSession, Metric, Record, check_distinct_sources
 from .step import AuditLog, StepAudit, read_audit_folder, step_line
 from .stream import Head
-from .engine import engine_line
+from .rollout_engine import engine_line
 from .verdict import engine_warnings, step_warnings
 
 FORMAT = "kl_bench.audit.step/2"
@@ -184,8 +184,8 @@ def _metric(where: str, source, estimator, aggregation) -> Metric:
         raise SpecError(str(e).strip("'\""), file=where, key="estimator") from None
     except SpecError as e:
         raise e.located(file=where, key="estimator") from None
-    if aggregation not in AGGREGATIONS:
-        raise SpecError(f"must be one of {', '.join(AGGREGATIONS)}, got '{aggregation}'", file=where, key="aggregation")
+    if aggregation not in LOSS_AGGREGATIONS:
+        raise SpecError(f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got '{aggregation}'", file=where, key="aggregation")
     return Metric(source, estimator, aggregation)
 
 

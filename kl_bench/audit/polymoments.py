@@ -30,7 +30,6 @@ All polynomial algebra is float64 on the inputs' device; shapes [..., K] over th
 from __future__ import annotations
 
 import math
-from functools import cached_property
 
 import torch
 
@@ -136,11 +135,6 @@ class Basis:
         var = _contract(self.mul(g, g), moments)
         return mean, var.clamp(min=0.0)
 
-    @cached_property
-    def powers_needed(self) -> tuple[int, int]:
-        """The largest powers of u and of ψ in the basis."""
-        return max(i for i, _ in self.monomials), max(j for _, j in self.monomials)
-
 
 def tile_sums(basis: Basis, weights: list[torch.Tensor], u: torch.Tensor, psi_u: torch.Tensor,
               scratch: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -172,11 +166,6 @@ def tile_sums(basis: Basis, weights: list[torch.Tensor], u: torch.Tensor, psi_u:
 def scratch_needed(basis: Basis) -> int:
     """The scratch buffers :func:`tile_sums` needs."""
     return max(basis.degree - 1, 0) + 3
-
-
-def log_total(log_scale: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """log Σ_tiles e^{m_t} S_t over the tile axis 0, [T, n] → [n], float64 (a tile with S_t = 0 adds nothing)."""
-    return torch.logsumexp(log_scale.to(torch.float64) + torch.log(sums.to(torch.float64)), dim=0)
 
 
 def finish_family(basis: Basis, log_scale: torch.Tensor, sums: torch.Tensor, centres: torch.Tensor,

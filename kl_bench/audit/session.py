@@ -19,10 +19,10 @@ import torch
 
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
-from .aggregate import AGGREGATIONS
-from .engine import ENGINE_SUMS, EngineAudit, engine_sums
+from .aggregate import LOSS_AGGREGATIONS
+from .rollout_engine import ENGINE_SUMS, EngineAudit, engine_sums
 from .exact import PositionValues
-from .sampler import Sampler
+from .generation import Sampler
 from .step import AuditLog, StepAudit, step_sums
 from .stream import Head, stream_values
 from .verdict import Thresholds, Warning, engine_warnings, step_warnings
@@ -47,8 +47,8 @@ class Metric:
 
     def __post_init__(self):
         resolve_estimator(self.estimator)
-        if self.aggregation not in AGGREGATIONS:
-            raise SpecError(f"must be one of {', '.join(AGGREGATIONS)}, got '{self.aggregation}'", key="aggregation")
+        if self.aggregation not in LOSS_AGGREGATIONS:
+            raise SpecError(f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got '{self.aggregation}'", key="aggregation")
 
 
 def check_distinct_sources(metrics, file: str | None = None) -> None:
@@ -72,7 +72,7 @@ class Record:
     ``sampling_hidden`` [B, T, d]: the policy's hidden states in the pass that drew the tokens, when the
     adapter captured it (the mismatch part of the split); ``prompt_ids`` [B, P] (−1 or pads as the
     trainer had them): what a repetition penalty sees; ``engine_logprobs`` [B, T]: a rollout engine's
-    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.engine)."""
+    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.rollout_engine)."""
     policy_hidden: torch.Tensor
     reference_hidden: torch.Tensor
     completion_ids: torch.Tensor

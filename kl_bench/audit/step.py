@@ -38,9 +38,7 @@ from ..core.estimators import resolve_estimator
 from ..core.stats import z_score
 from ..foundation.storage import check_output_dir
 from ..results import folders
-from ..results import schema as _schema
 from ..results.schema import AUDIT_COLUMNS, ENGINE_COLUMNS
-from .._moved import renamed
 from .aggregate import aggregation_units
 from .exact import PositionValues
 
@@ -163,7 +161,7 @@ class AuditLog:
 
     def __init__(self):
         self.rows: list[StepAudit] = []
-        self.engine: list = []                              # EngineAudit rows (kl_bench.audit.engine), if any
+        self.engine: list = []                              # EngineAudit rows (kl_bench.audit.rollout_engine), if any
 
     def add(self, audit: StepAudit) -> StepAudit:
         self.rows.append(audit)
@@ -249,14 +247,3 @@ class _Field:
 
 _FIELDS = [_Field(name, {"int": "int", "float": "float"}.get(str(t).split(".")[-1].strip("'>"), "str"))
            for name, t in StepAudit.__annotations__.items()]
-
-
-def _read_audit_csv(path) -> list[StepAudit]:
-    return read_audit_folder(Path(path).parent)[1]
-
-
-# Names before the package tree (issue 34), for one release.
-__getattr__ = renamed(__name__, {
-    "AUDIT_DEFAULTS": ("kl_bench.results.schema.AUDIT_DEFAULTS", lambda: _schema.AUDIT_DEFAULTS),
-    "read_audit_csv": ("kl_bench.audit.step.read_audit_folder (the folder, verified: its envelope and steps)",
-                       lambda: _read_audit_csv)})

@@ -46,7 +46,7 @@ from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from .exact import PositionValues, SamplerValues
 from .polymoments import Basis, degree, finish_family, scratch_needed, tile_sums
-from .sampler import Sampler, sampler_scores
+from .generation import Sampler, sampler_scores
 
 COMPUTE_DTYPES = (torch.float32, torch.float64)
 # Positions per chunk and vocabulary ids per tile, by the hidden states' device type, when the caller names
@@ -54,7 +54,7 @@ COMPUTE_DTYPES = (torch.float32, torch.float64)
 # of operations is not: each tile costs ~60 of them, and on a GPU each is about one kernel launch. The
 # CPU's 256 × 4,096 keep the buffers in cache (4 MiB each; ~100 MiB in all at V = 151,936). On an H100 they
 # left stream_values launch-bound (8,827 launches per 1,024 positions, issue 32); 1,024 × 8,192 make 1,252
-# operations there instead of 8,760 (counted on the CPU, kl_bench.foundation.launches) for ~380 MiB of
+# operations there instead of 8,760 (counted on the CPU, benchmarks/launches.py) for ~380 MiB of
 # buffers, chosen by that count and that memory inside a trainer's process: not yet timed on a GPU
 # (benchmarks/bench_gpu.py --audit-pieces times both).
 PIECES = {"cpu": (256, 4096), "cuda": (1024, 8192)}

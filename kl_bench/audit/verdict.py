@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .engine import EngineAudit
+from .rollout_engine import EngineAudit
 from .step import StepAudit, pooled_row
 
 

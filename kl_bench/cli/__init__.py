@@ -1,6 +1,6 @@
 """Command-line interface: a thin layer over the Python API, one module per command (run, report,
 check and baseline, exact, train, list, dump-logits, audit). The work, including the run's lock, checkpoints
-and interrupts, is in the API (:func:`kl_bench.api.folders.run_to_folder`); here are flags, tables and lines.
+and interrupts, is in the API (:func:`kl_bench.api.run_folder.run_to_folder`); here are flags, tables and lines.
 
 Heavy modules (pandas, scipy, matplotlib) are imported inside the commands that need them, so that
 ``kl-bench --help`` and ``kl-bench list`` start quickly.
@@ -126,7 +126,7 @@ def _interrupted() -> None:
 
 
 # What to make smaller when a command runs out of memory where no case was being built, computed or sampled
-# (those say so themselves: kl_bench.foundation.config.out_of_memory_said), by command.
+# (those say so themselves: kl_bench.foundation.memory.out_of_memory_said), by command.
 _SMALLER = {
     "run": "fewer draws at once (a smaller [experiment] chunk, more batches)",
     "check": "fewer draws at once (a smaller [experiment] chunk, more batches)",
@@ -141,7 +141,7 @@ _SMALLER = {
 
 def _out_of_memory_line(e: BaseException, args: list[str]) -> str:
     """The one line of a failed allocation that no command located: the command, its words, what to change."""
-    from ..foundation.config import memory_advice
+    from ..foundation.memory import memory_advice
     name = _command_name(args)
     doing = f" in `kl-bench {name}`" if name in _SMALLER else ""
     return f"out of memory{doing} ({memory_words(e)}): {memory_advice(_SMALLER.get(name, 'smaller inputs'))}"

@@ -190,7 +190,7 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
     from ..foundation.progress import LazyProgress
     signals.import_plotting()       # a Ctrl-C inside matplotlib's compiled start-up: one line, not an abort
     from ..present.report import summary_line, write_report as write
-    from ..api.folders import interrupt_line
+    from ..api.run_folder import interrupt_line
     from ..foundation.storage import check_output_dir, fs_error
     from ..results.folders import require_folder
     with user_errors():

@@ -1,4 +1,4 @@
-"""``kl-bench run``: :func:`kl_bench.api.folders.run_to_folder`, then the tables, warnings and advice."""
+"""``kl-bench run``: :func:`kl_bench.api.run_folder.run_to_folder`, then the tables, warnings and advice."""
 from __future__ import annotations
 
 import math
@@ -34,7 +34,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
     lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across
     the processes and rank 0 writes the very bytes one process would (README "Scaling out")."""
     from ..foundation.errors import SpecError
-    from ..api.folders import RankFailed, RefusedByRankZero, RunInterrupted, run_to_folder
+    from ..api.run_folder import RankFailed, RefusedByRankZero, RunInterrupted, run_to_folder
     advice_options(batch, tolerance)
     with user_errors():
         if not checkpoint_every > 0:          # also refuses NaN

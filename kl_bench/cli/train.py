@@ -22,7 +22,7 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
     from ..engine.distributed import env_world
     world = env_world()
     quiet_rank = world is not None and world[0] != 0        # only rank 0 speaks
-    from ..api.folders import train_to_folder
+    from ..api.run_folder import train_to_folder
     with _errors(quiet_rank):
         result = train_to_folder(spec, out, seed=seed, device=device, progress=not (quiet or quiet_rank),
                                  console=err_console)        # a progress line on a terminal's stderr only

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
+from .draws import LENGTH, Draws, Row
 from .estimators import RowSource
 from .presets import trl_sequence_weight
 from ..foundation.registry import Registry
 
-if TYPE_CHECKING:
-    from .draws import Draws, Row
 
 
 def groups_in(size: int, group: int, piece: int) -> int:
@@ -41,7 +40,7 @@ def groups_in(size: int, group: int, piece: int) -> int:
     return full * (piece // group) + rest // group
 
 
-def group_index(draws: "Draws", group: int) -> torch.Tensor:
+def group_index(draws: Draws, group: int) -> torch.Tensor:
     """[G·B] int64: the positions of the draws in whole groups of ``group`` = B consecutive draws within each
     segment, group after group (no Python loop over segments: small batches make thousands of them)."""
     device = draws.logr.device
@@ -57,7 +56,7 @@ def group_index(draws: "Draws", group: int) -> torch.Tensor:
 class Batch:
     """What an aggregate's value sees of one batch: the draws, the lengths |y| [n] (when a row needs
     them) and the cache of group rows, B → (group_index [G·B], Σ|y| per group [G])."""
-    draws: "Draws"
+    draws: Draws
     length: torch.Tensor | None
     groups: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
@@ -86,7 +85,7 @@ class Aggregate:
     a case gives the aggregate (None: wherever the kind lists it)."""
     name: str
     label: str
-    value: Callable[[torch.Tensor, "Row", "Batch"], torch.Tensor]
+    value: Callable[[torch.Tensor, Row, "Batch"], torch.Tensor]
     token: bool = False
     exact: Callable[[Any, RowSource], tuple[float, float]] | None = None
     per_token: bool = False
@@ -111,22 +110,22 @@ def register_aggregate(agg: Aggregate, *, replace: bool = False) -> Aggregate:
     return AGGREGATES.add(agg.name, agg, replace=replace)
 
 
-def _weighted(col: torch.Tensor, row: "Row", batch: Batch) -> torch.Tensor:
+def _weighted(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
     """Every row is multiplied by the draw's importance weight q/b (when b ≠ q is weighted)."""
     w = batch.draws.weight
     return col if w is None else col * w
 
 
-def _token_weighted(col: torch.Tensor, row: "Row", batch: Batch) -> torch.Tensor:
+def _token_weighted(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
     """Token sums that carry per-token weights already are not weighted again."""
     return col if batch.draws.tok_weighted else _weighted(col, row, batch)
 
 
-def _per_sequence_mean(col: torch.Tensor, row: "Row", batch: Batch) -> torch.Tensor:
+def _per_sequence_mean(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
     return _token_weighted(col / batch.length, row, batch)
 
 
-def _token_mean_batch(col: torch.Tensor, row: "Row", batch: Batch) -> torch.Tensor:
+def _token_mean_batch(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
     # Σ tok / Σ |y| over each group, repeated at its members; NaN for draws in no whole group. Unweighted
     # draws only (the rollout kind refuses weights). Reshape-and-sum (no scatter-add): the same bytes on
     # every device and every run.
@@ -138,7 +137,7 @@ def _token_mean_batch(col: torch.Tensor, row: "Row", batch: Batch) -> torch.Tens
     return out
 
 
-def _geometric(col: torch.Tensor, row: "Row", batch: Batch) -> torch.Tensor:
+def _geometric(col: torch.Tensor, row: Row, batch: Batch) -> torch.Tensor:
     # W^{1/|y|} = exp(mean_t log(q_t/b_t)), from the log-weight: W = Π_t q_t/b_t itself may overflow
     return col * trl_sequence_weight(batch.draws.log_weight, batch.length)
 
@@ -169,3 +168,39 @@ def per_token_aggregates() -> tuple[str, ...]:
 
 
 PER_TOKEN = per_token_aggregates()     # the built-ins' (readers that need plug-ins call the function)
+
+
+def group_starts(draws: Draws, group: int) -> torch.Tensor:
+    """[n] bool: True at the first draw of every whole group of ``group`` draws within each segment."""
+    out = torch.zeros(draws.logr.shape[0], dtype=torch.bool, device=draws.logr.device)
+    out[group_index(draws, group)[::group]] = True
+    return out
+
+
+def _needs_length(rows: list[Row]) -> bool:
+    return any(AGGREGATES[r.aggregate].length for r in rows)
+
+
+def row_values(draws: Draws, rows: list[Row],
+               groups: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    """[n, len(rows)] values of every row for every draw. ``groups``: filled with B → (group_index, Σ|y|
+    per group) for the group rows, so that a caller needing the groups too does not build them again."""
+    batch = Batch(draws, draws.tok[:, -1] if _needs_length(rows) else None, {} if groups is None else groups)
+    cols, t = [], 0
+    for row in rows:
+        agg = AGGREGATES[row.aggregate]
+        if agg.token:
+            col, t = draws.tok[:, t], t + 1
+        else:
+            col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
+        value = agg.value(col, row, batch)
+        # A rejected sequence's tokens are all masked: 0, never 0·inf (its weight may overflow).
+        cols.append(value if draws.keep is None else torch.where(draws.keep > 0, value, torch.zeros_like(value)))
+    return torch.stack(cols, dim=-1)
+
+
+def tok_rows(rows: list[Row]) -> list[Row]:
+    """The rows whose per-token sums a rollout accumulates along the path (plus the length row last,
+    when a per-sequence mean or a geometric weight needs it)."""
+    out = [r for r in rows if AGGREGATES[r.aggregate].token]
+    return out + [Row(LENGTH, "tok")] if _needs_length(rows) else out

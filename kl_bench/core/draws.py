@@ -1,9 +1,9 @@
 """What one batch of draws hands to the estimators, and the rows that are estimated from it.
 
 A **row** is an estimator with an aggregation (kl_bench.core.aggregates: how a row turns the draws into
-values); :func:`row_values` computes every row's value for every draw. A pair-supplied row (``full``: the
-analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok". The aggregate table and the group
-helpers are re-exported here for existing importers (their home is kl_bench.core.aggregates).
+values; :func:`kl_bench.core.aggregates.row_values` computes every row's value for every draw). A
+pair-supplied row (``full``: the analytic per-context KL, Rao–Blackwellised) has aggregate "" or "tok". This
+module holds the types only: the aggregates import it, never the other way round.
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .aggregates import (AGGREGATES, PER_TOKEN, Aggregate, Batch, group_index, groups_in, per_token_aggregates,
-                         register_aggregate)
 from .estimators import Estimator, RowSource
 from .targets import REVERSE
 
@@ -79,41 +77,4 @@ class Draws:
     keep: torch.Tensor | None = None
 
 
-def group_starts(draws: Draws, group: int) -> torch.Tensor:
-    """[n] bool: True at the first draw of every whole group of ``group`` draws within each segment."""
-    out = torch.zeros(draws.logr.shape[0], dtype=torch.bool, device=draws.logr.device)
-    out[group_index(draws, group)[::group]] = True
-    return out
-
-
-def _needs_length(rows: list[Row]) -> bool:
-    return any(AGGREGATES[r.aggregate].length for r in rows)
-
-
-def row_values(draws: Draws, rows: list[Row],
-               groups: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
-    """[n, len(rows)] values of every row for every draw. ``groups``: filled with B → (group_index, Σ|y|
-    per group) for the group rows, so that a caller needing the groups too does not build them again."""
-    batch = Batch(draws, draws.tok[:, -1] if _needs_length(rows) else None, {} if groups is None else groups)
-    cols, t = [], 0
-    for row in rows:
-        agg = AGGREGATES[row.aggregate]
-        if agg.token:
-            col, t = draws.tok[:, t], t + 1
-        else:
-            col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
-        value = agg.value(col, row, batch)
-        # A rejected sequence's tokens are all masked: 0, never 0·inf (its weight may overflow).
-        cols.append(value if draws.keep is None else torch.where(draws.keep > 0, value, torch.zeros_like(value)))
-    return torch.stack(cols, dim=-1)
-
-
-def tok_rows(rows: list[Row]) -> list[Row]:
-    """The rows whose per-token sums a rollout accumulates along the path (plus the length row last,
-    when a per-sequence mean or a geometric weight needs it)."""
-    out = [r for r in rows if AGGREGATES[r.aggregate].token]
-    return out + [Row(LENGTH, "tok")] if _needs_length(rows) else out
-
-
-__all__ = ["AGGREGATES", "PER_TOKEN", "Aggregate", "Batch", "Draws", "LENGTH", "Row", "group_index", "group_starts",
-           "groups_in", "per_token_aggregates", "register_aggregate", "row_key", "row_label", "row_values", "tok_rows"]
+__all__ = ["Draws", "LENGTH", "Row", "row_key", "row_label"]

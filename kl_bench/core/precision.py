@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..foundation.config import Table
+from ..foundation.typed_toml import Table
 from .estimators import Estimator, RowSource
 
 # Canonical names and accepted spellings.

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..foundation.config import Table, typename
+from ..foundation.typed_toml import Table, typename
 from ..foundation.registry import did_you_mean
 
 # verl's SAFETY_BOUND: log ρ is clamped to [−20, 20] before the statistics (so k3 ≤ e^20 − 21).

@@ -1,6 +1,6 @@
 """Corrections of the importance weight ρ = q/b that trainers apply against a sampler b ≠ q (docs/weights.md).
 
-Two kinds, both options of :class:`kl_bench.sampling.samplers.SamplerSpec` (``weights = "token"`` needed):
+Two kinds, both options of :class:`kl_bench.sampling.mismatch.SamplerSpec` (``weights = "token"`` needed):
 - transforms of the **detached** weight, which multiply every value and every per-draw gradient:
   truncation min(ρ, C) (``weight_cap``), a lower bound max(ρ, ``weight_floor``), and a token mask that
   zeroes ρ outside [``mask_low``, ``mask_high``] (IcePop; verl's ``token_k1`` rejection band on log ρ);
@@ -44,7 +44,7 @@ class WeightCorrection:
 
     @classmethod
     def of(cls, sp) -> "WeightCorrection":
-        """From a :class:`kl_bench.sampling.samplers.SamplerSpec` (its weight options)."""
+        """From a :class:`kl_bench.sampling.mismatch.SamplerSpec` (its weight options)."""
         mask = None if sp.mask_low is None and sp.mask_high is None else \
             (sp.mask_low if sp.mask_low is not None else 0.0, sp.mask_high if sp.mask_high is not None else torch.inf)
         clip = None if sp.clip_low is None and sp.clip_high is None else \

@@ -24,7 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..core.draws import Draws, Row, group_starts, groups_in, row_values, tok_rows
+from ..core.draws import Draws, Row
+from ..core.aggregates import group_starts, groups_in, row_values, tok_rows
 from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator

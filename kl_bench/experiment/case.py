@@ -15,7 +15,7 @@ from . import gradient_rows as G
 from .group_baselines import BASELINES, baseline_rows, check_pair as check_baselined_pair
 from ..engine.distributed import SINGLE, Ranks
 from ..core.draws import Row
-from ..foundation.config import out_of_memory_said
+from ..foundation.memory import out_of_memory_said
 from ..foundation.errors import SpecError
 from ..foundation.formatting import fmt_count
 from ..engine.monte_carlo import CaseRun, as_rows, run_case, small_batch_negative

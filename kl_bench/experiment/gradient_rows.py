@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..core.draws import AGGREGATES, row_key
+from ..core.draws import row_key
+from ..core.aggregates import AGGREGATES
 from ..engine.monte_carlo import run_gradients
 from ..core.modes import MODES, GradItem, modes_for
 from ..kinds.base import GradientCase, require_gradients

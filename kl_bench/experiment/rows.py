@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..core.draws import AGGREGATES
+from ..core.aggregates import AGGREGATES
 from ..engine.monte_carlo import CaseRun, as_rows
 from ..core.stats import HeavyTail, batch_means_se, classify_heavy_tail, kish_ess, z_score
 from ..core.targets import REVERSE

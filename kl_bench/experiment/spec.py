@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..foundation.config import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, check_seed,
+from ..foundation.typed_toml import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_case_name, check_device, check_seed,
                                   convert, positive, shown, typename)
 from ..foundation.formatting import fmt_count
 from .group_baselines import MAX_GROUP
@@ -31,7 +31,7 @@ from ..sampling.logits import is_array, unsupported_array
 from ..kinds import CASE_KINDS, CaseConfig
 from ..foundation.registry import did_you_mean, plugin_path
 from ..foundation.safe_io import decode_text, parse_toml, read_regular
-from ..sampling.samplers import parse_sampler
+from ..sampling.mismatch import parse_sampler
 from ..results.verify import ORDERLESS, RUN_SETTINGS
 
 SPEC_VERSION = 1

@@ -48,7 +48,7 @@ class ShapeError(SpecError, ValueError):
 class OutOfMemory(SpecError, MemoryError):
     """An allocation that failed, said as input errors are (one line naming the file and case, what was being
     done and what to change: exit 2), and a :class:`MemoryError` for code that catches those
-    (kl_bench.foundation.config.out_of_memory_said raises it)."""
+    (kl_bench.foundation.memory.out_of_memory_said raises it)."""
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -53,13 +53,6 @@ def fmt(x: float, digits: int = 3, scale: float | None = None, sign: bool = Fals
     return f"{x:{s}.{digits - 1}e}"
 
 
-def fmt_rel(x: float) -> str:
-    """A relative value (a ratio); |x| < 1e-9 is float64 rounding of two exact sums, shown as 0."""
-    if isinstance(x, float) and math.isfinite(x) and abs(x) < 1e-9:
-        return "0"
-    return fmt(x)
-
-
 def pct(x: float, sign: bool = True) -> str:
     """A ratio as a percentage with two significant digits (+1.2%, −0.031%, +2860%); |x| < 1e-9 is float64
     rounding of two exact sums, shown as 0; NaN blank."""

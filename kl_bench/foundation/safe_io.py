@@ -12,7 +12,7 @@ compares what a ``.npy`` header claims (shape × itemsize) with the bytes the fi
 file claiming 10^12 values is refused instead of allocated.
 
 Writing: :func:`check_write_target` refuses a destination that is a symlink or not a regular file
-(``/dev/null`` stays a device), :func:`create_exclusive` creates a file with ``O_EXCL | O_NOFOLLOW``.
+(``/dev/null`` stays a device).
 Every error is a :class:`~kl_bench.foundation.errors.SpecError` naming the file.
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ import tomllib
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .._moved import renamed
 from .errors import SpecError
 from .formatting import fmt_bytes
 
@@ -37,7 +36,7 @@ GiB = 1 << 30
 def _memory_cap() -> int:
     """Half of the memory this process may take (physical memory, a container's limit, or less under
     ``ulimit -v``): a file read whole (and converted to float64) must fit beside the run."""
-    from .config import memory_limit
+    from .memory import memory_limit
     return memory_limit()[0] // 2
 
 
@@ -329,12 +328,6 @@ def check_folder_entries(folder: str | Path, names, key: str | None = None) -> N
                             "refusing to replace it (move it away, or choose another --out)", file=str(path), key=key)
 
 
-def create_exclusive(path: str | Path, mode: int = 0o600) -> int:
-    """A new file at ``path`` (an fd open for writing): ``O_EXCL | O_NOFOLLOW``, so nothing that exists
-    there (a symlink planted by someone else included) is ever opened or followed."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
-
-
 def open_lock_file(path: str | Path) -> BinaryIO:
     """Open (creating if needed) a lock file without following a symlink at ``path`` and without
     blocking on a FIFO; refuse anything but a regular file."""
@@ -352,7 +345,3 @@ def open_lock_file(path: str | Path) -> BinaryIO:
         raise SpecError(f"the lock file is {_kind_of(st.st_mode)}, not a regular file (remove it)", file=str(path))
     os.set_blocking(fd, True)
     return os.fdopen(fd, "r+b")
-
-
-# Names before the package tree (issue 34), for one release.
-__getattr__ = renamed(__name__, {"fmt_size": ("kl_bench.foundation.formatting.fmt_bytes", lambda: fmt_bytes)})

@@ -1,2 +1,2 @@
 """The package version (its own module, so that any module can read it without importing the package)."""
-__version__ = "0.1.0"
+__version__ = "0.2.0"

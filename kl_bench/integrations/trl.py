@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..audit.sampler import Sampler
+from ..audit.generation import Sampler
 from ..audit.session import AuditSession, Metric, Record
 from ..audit.step import step_line
 from ..audit.stream import Head

@@ -29,14 +29,13 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .._moved import renamed
-from ..foundation.config import Table
+from ..foundation.typed_toml import Table
 from ..core.draws import Draws, Row
 from ..foundation.errors import SpecError
 from ..core.estimators import RowSource
 from ..core.modes import ExactGrad, GradBatch, GradItem
 from ..foundation.registry import Registry
-from ..sampling.samplers import SamplerSpec
+from ..sampling.mismatch import SamplerSpec
 from ..sampling.seeding import BatchStream, piece_draws
 from ..core.targets import FORWARD, REVERSE, TARGETS
 
@@ -610,7 +609,3 @@ def register_kind(name: str, *, description: str, sampler_keys: tuple[str, ...] 
         CASE_KINDS.add(name, CaseKind(name, cls, description, tuple(sampler_keys), tuple(weight_kinds)))
         return cls
     return deco
-
-
-# ``Sampler``, the protocol's name before the package tree (three "Sampler"s meant three things), for one release.
-__getattr__ = renamed(__name__, {"Sampler": ("kl_bench.kinds.base.DrawSampler", lambda: DrawSampler)})

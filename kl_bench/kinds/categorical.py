@@ -27,7 +27,7 @@ import torch
 
 from ..core import oracles as exact
 from ..sampling.alias import build_alias, sample_alias
-from ..foundation.config import Table, positive
+from ..foundation.typed_toml import Table, positive
 from ..core.draws import Draws
 from ..foundation.errors import SpecError
 from ..core.estimators import RowSource
@@ -35,7 +35,7 @@ from ..core.precision import Precision, in_precision, parse_precision, rounded_l
 from ..core.modes import derivative
 from ..sampling.logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_source_logits)
-from ..sampling.samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
+from ..sampling.mismatch import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ..sampling.multinomial import MultinomialTree, batches_per_call, call_bytes, draw_counts
 from ..sampling.seeding import BatchStream, device_key, piece_draws, token_piece_draws
 from ..core.targets import FORWARD, REVERSE

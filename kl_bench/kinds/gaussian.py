@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from ..core import oracles as exact
-from ..foundation.config import Table, positive
+from ..foundation.typed_toml import Table, positive
 from ..core.draws import Draws
 from ..foundation.errors import SpecError
 from ..core.estimators import Estimator, Poly, RowSource, poly_square
-from ..sampling.samplers import WEIGHT_KEYS
+from ..sampling.mismatch import WEIGHT_KEYS
 from ..core.targets import FORWARD, REVERSE
 from .base import CaseConfig, ExactGrad, GradItem, JointMoments, Pair, ScoreGradientOracle, register_kind
 

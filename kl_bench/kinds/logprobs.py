@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..core import oracles as exact
-from ..foundation.config import Table
+from ..foundation.typed_toml import Table
 from ..core.draws import Draws, Row
 from ..foundation.errors import SpecError
 from ..core.estimators import RowSource

@@ -17,7 +17,6 @@ from .figstyle import estimator_colour, short_label
 from ..foundation.formatting import plural
 from .pages import (DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, file_stems, html_text, md_text, page,
                     table_html, table_md, vector_links)
-from .._moved import renamed
 from ..results import folders
 
 # The parts of logged − exact, each with its colour (the estimator's own part: the estimator's colour).
@@ -157,12 +156,3 @@ def audit_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=Non
     files["report.md"] = "\n".join(md).encode()
     files["report.html"] = page(title, parts).encode()
     return files
-
-
-def _is_audit_folder(folder) -> bool:
-    return folders.is_kind(folder, "audit")
-
-
-# Names before the package tree (issue 34), for one release.
-__getattr__ = renamed(__name__, {"is_audit_folder": ("kl_bench.results.folders.kind_of(folder) == 'audit'",
-                                          lambda: _is_audit_folder)})

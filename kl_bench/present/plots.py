@@ -25,7 +25,8 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from ..core.draws import AGGREGATES, row_label
+from ..core.draws import row_label
+from ..core.aggregates import AGGREGATES
 from ..foundation.formatting import ROUNDING
 from .figstyle import Style, estimator_colour, figure_styles, plain_log_labels, row_style, short_label
 from ..core.modes import MODES

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from ..core.draws import AGGREGATES, row_key, row_label
+from ..core.draws import row_key, row_label
+from ..core.aggregates import AGGREGATES
 from ..foundation.formatting import exact_pct, pct, pct_pm, plural, pm, sig
 from .figstyle import short_label
 from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, file_stems, html_inline, html_text, md_text, page,  # noqa: F401

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..core.draws import PER_TOKEN, row_label
+from ..core.draws import row_label
+from ..core.aggregates import PER_TOKEN
 from ..foundation.formatting import UNKNOWN, count, fmt, pct
 from ..core.stats import HeavyTail, unknown_reason
 

@@ -10,7 +10,6 @@ import pandas as pd
 from ..foundation.formatting import plural
 from .pages import DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, html_text, page, table_html, table_md
 from .pages import file_stems, md_text, vector_links
-from .._moved import renamed
 from ..results import folders
 from .training_plots import plot_training
 from ..training.result import final_rows, summary_lines
@@ -80,12 +79,3 @@ def training_report_files(folder: str | Path, formats=DEFAULT_FORMATS, progress=
               for name, case, by_fmt in figs]
     files["report.html"] = page(title, parts).encode()
     return files
-
-
-def _is_train_folder(folder) -> bool:
-    return folders.is_kind(folder, "train")
-
-
-# Names before the package tree (issue 34), for one release.
-__getattr__ = renamed(__name__, {"is_training_folder": ("kl_bench.results.folders.kind_of(folder) == 'train'",
-                                          lambda: _is_train_folder)})

@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .._moved import renamed
 from ..foundation.errors import SpecError
 from ..foundation.formatting import CV_OPT
 from ..foundation.safe_io import parse_json, read_regular
@@ -182,7 +181,3 @@ def _check_row_numbers(name: str, r: dict, where: str) -> None:
                         file=where)
     if not (math.isnan(r["batches"]) or _whole(r["batches"])):
         raise SpecError(f"{name}: batches must be a whole number ≥ 1, got {r['batches']:g}", file=where)
-
-
-# Names before the package tree (issue 34), for one release.
-__getattr__ = renamed(__name__, {"row_key": ("kl_bench.results.baseline.baseline_key", lambda: baseline_key)})

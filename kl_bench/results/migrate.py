@@ -11,7 +11,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._moved import renamed
 from .folders import FORMATS, version_of
 from .schema import COLUMNS, FORMAT_VERSION, TEXT_COLUMNS
 
@@ -63,9 +62,3 @@ def migrate(contents: Any, where: str) -> Any:
         contents = dataclasses.replace(contents, envelope={**contents.envelope, RUN.version_key: FORMAT_VERSION,
                                                            "migrated_from": version})
     return with_every_column(contents)
-
-
-# Names before the package tree (issue 34), for one release.
-__getattr__ = renamed(__name__, {
-    "VERSION_KEY": ("kl_bench.results.folders.FORMATS['run'].version_key", lambda: RUN.version_key),
-    "folder_version": ("kl_bench.results.folders.version_of", lambda: lambda envelope, where: version_of(envelope, RUN, where))})

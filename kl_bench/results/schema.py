@@ -263,7 +263,7 @@ AUDIT_COLUMNS: dict[str, str] = {
 }
 
 
-# engine.csv: the rollout engine's mismatch per step (kl_bench.audit.engine), when the trainer holds its log-probs.
+# engine.csv: the rollout engine's mismatch per step (kl_bench.audit.rollout_engine), when the trainer holds its log-probs.
 ENGINE_COLUMNS: dict[str, str] = {
     "step": "the trainer's global step", "tokens": "masked tokens with the engine's log-probs",
     "outside": "sampled tokens the settings' sampler on the trainer's logits cannot draw (the engine's own truncation "

@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..foundation.config import BYTES_PER_CELL, Table, check_memory, check_seed, nonnegative, positive
+from ..foundation.typed_toml import Table, check_seed, nonnegative, positive
+from ..foundation.memory import BYTES_PER_CELL, check_memory
 from ..foundation.formatting import fmt_count
 from ..foundation.errors import SpecError
 from ..foundation.registry import did_you_mean
 from ..foundation.safe_io import cap_for, load_npy, open_regular, read_capped
-from ..core.logits import check_logits
+from ..core.logprob_checks import check_logits
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..foundation.config import Table, at_most, check_seed, positive, typename
+from ..foundation.typed_toml import Table, at_most, check_seed, positive, typename
 from ..foundation.errors import SpecError
 from ..foundation.registry import did_you_mean, plugin_path
 from .combos import check_combination

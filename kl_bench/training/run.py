@@ -10,7 +10,6 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from .._moved import renamed
 from ..core.stats import mean_sd, scaled, vector_norm
 from ..foundation.errors import SpecError
 from ..sampling.seeding import BatchStream, piece_draws
@@ -189,12 +188,3 @@ def train_combination(plan: Plan, combo: Combination, cfg: TrainConfig, *, seed:
     one = Plan(plan.problem, (combo,))
     results = {u: run_unit([one], u, cfg, seed=seed, draws=draws, device=device) for u in units([one], cfg)}
     return assemble([one], cfg, results, draws)
-
-
-# Names before the package tree (issue 34), for one release.
-__getattr__ = renamed(__name__, {"TRAIN_SCHEMA": ("kl_bench.results.schema.TRAIN_SCHEMA", lambda: _schema().TRAIN_SCHEMA)})
-
-
-def _schema():
-    from ..results import schema
-    return schema

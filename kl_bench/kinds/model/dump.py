@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ...foundation import signals
-from ...foundation.config import MAX_DRAWS, check_device, check_seed
+from ...foundation.typed_toml import MAX_DRAWS, check_device, check_seed
 from ...foundation.errors import SpecError
 from ...sampling.seeding import batch_generator
 from ...foundation.storage import FolderLock, check_output_dir, clean_stale, fs_error, write_folder

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from ...foundation.config import Table, at_most
+from ...foundation.typed_toml import Table, at_most
 from ...core.draws import Draws, Row
 from ...foundation.errors import SpecError
 from ...core.estimators import RowSource
-from ...sampling.samplers import LOGIT_KEYS, WEIGHT_KEYS
+from ...sampling.mismatch import LOGIT_KEYS, WEIGHT_KEYS
 from ...core.targets import FORWARD, REVERSE
 from ..base import CaseConfig, JointMoments, Pair, register_kind
 from ..categorical import CategoricalPair

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...foundation.config import MAX_LENGTH, Table, at_most, positive
+from ...foundation.typed_toml import MAX_LENGTH, Table, at_most, positive
 from ...foundation.errors import SpecError
 from ...sampling.logits import LogitsSource, check_table_size, parse_pair_sources, read_logits_file, resolve_pair_source_logits
 from ...core.precision import Precision, parse_precision

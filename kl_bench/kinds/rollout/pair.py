@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from ...core.aggregates import AGGREGATES
-from ...foundation.config import Table
+from ...foundation.typed_toml import Table
 from ...core.draws import Draws, Row
 from ...core.estimators import RowSource
 from ...sampling.logits import describe_sources
 from ...core.precision import in_precision
-from ...sampling.samplers import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
+from ...sampling.mismatch import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...core.targets import FORWARD, REVERSE
 from ..base import (BaselineExact, BatchSums, ExactGrad, Features, GradientAccumulator, GradientDefaults, GradItem,
                     JointMoments, Pair, register_kind)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..foundation.config import Table, nonnegative, positive
+from ..foundation.typed_toml import Table, nonnegative, positive
 from ..foundation.errors import SpecError
 from .logits import LogitsSource, behavior_logits, parse_logits_source
 from ..foundation.registry import did_you_mean

@@ -10,7 +10,7 @@ score s = (transformed z)/T is at least a per-row threshold τ, so that
 
     b(x) = exp(s(x)) · 1[s(x) ≥ τ] / Σ_y exp(s(y)) · 1[s(y) ≥ τ].
 
-The dense form below uses :meth:`kl_bench.sampling.samplers.SamplerSpec.reshape` (temperature, top-k, top-p) and adds
+The dense form below uses :meth:`kl_bench.sampling.mismatch.SamplerSpec.reshape` (temperature, top-k, top-p) and adds
 what it lacks; the streamed form (kl_bench.audit.stream) finds the same τ tile by tile.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..foundation.errors import SpecError
-from ..sampling.samplers import SamplerSpec
+from ..sampling.mismatch import SamplerSpec
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Sampler:
     @property
     def spec(self) -> SamplerSpec:
         """What this shares with the engine's sampler model (temperature, top-k, top-p) as that model: the one
-        definition of how they reshape b (kl_bench.sampling.samplers.SamplerSpec); the rest (the repetition
+        definition of how they reshape b (kl_bench.sampling.mismatch.SamplerSpec); the rest (the repetition
         penalty, the EOS ban, min-p) is generation's own and applied around it."""
         return SamplerSpec(temperature=self.temperature, top_k=self.k, top_p=self.p)
 
@@ -192,7 +192,7 @@ def sampler_logprobs(logits: torch.Tensor, sampler: Sampler | None = None, *, eo
     ``eos_banned`` [N] bool: rows where fewer than ``min_new_tokens`` completion tokens precede the
     position; ``context_ids`` [N, L] (−1 padding): the ids the repetition penalty sees at each position."""
     sampler = sampler or Sampler()
-    # Temperature, top-k and top-p are kl_bench.sampling.samplers.SamplerSpec.reshape (the benchmark's own emulation);
+    # Temperature, top-k and top-p are kl_bench.sampling.mismatch.SamplerSpec.reshape (the benchmark's own emulation);
     # the penalty and the EOS ban act on the raw logits before it, min-p on its output.
     z = sampler_scores(logits.to(torch.float64), Sampler(repetition_penalty=sampler.repetition_penalty,
                                        min_new_tokens=sampler.min_new_tokens, eos_token_id=sampler.eos_token_id),

@@ -194,7 +194,7 @@ def train_to_folder(spec, out: str | Path | None = None, *, seed: int | None = N
     swapped in whole), as ``kl-bench train`` does. Under torchrun every process calls it: the units are split
     across the processes (one process group for the job), rank 0 writes and returns the
     :class:`kl_bench.training.TrainResult`, the others None; a failed rank is one line on every rank."""
-    from ..engine.distributed import start, stop      # looked up when called: kl_bench._testing wraps start
+    from ..engine.distributed import start, stop      # looked up when called: kl_bench._test_hooks wraps start
     sp = load_spec(spec)
     out_dir = check_output_dir(output_dir(path_argument(out, "--out") if out is not None
                                           else DEFAULT_RUNS / sp.experiment.name))

@@ -1,4 +1,4 @@
-"""Test hooks, kept out of the production paths: ``python -m kl_bench._testing ARGS`` is the console
+"""Test hooks, kept out of the production paths: ``python -m kl_bench._test_hooks ARGS`` is the console
 script with the hooks that the environment asks for installed first.
 
 - ``KL_BENCH_SELF_SIGNAL=PHASE[:SIGTERM]``: the process signals itself (SIGINT by default) at that phase
