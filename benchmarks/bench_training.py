@@ -22,6 +22,7 @@ one step's exact values (evaluate: KL both ways, entropy, E[R], J, KL(qâ€–q*), â
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import time
 
@@ -29,9 +30,11 @@ import torch
 
 from kl_bench.sampling.logits import zipf_logits
 from kl_bench.kinds.rollout import RolloutModel, dp
-from kl_bench.training import (SEQUENCE_REWARDS, CategoricalProblem, Optimizer, RolloutProblem, SequenceRolloutProblem,
-                               parse_combination, trajectory)
-from kl_bench.training.sequences import enumerate_sequences, rewards_of
+from kl_bench.kinds.categorical.training import CategoricalProblem
+from kl_bench.kinds.rollout.training import RolloutProblem, SequenceRolloutProblem
+from kl_bench.training import SEQUENCE_REWARDS, Optimizer, parse_combination, trajectory
+from kl_bench.kinds.rollout.sequences import enumerate_sequences
+from kl_bench.training.sequences import rewards_of
 
 
 def _pair_logits(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +62,7 @@ def sequence_rollout(c: int, vocab: int, length: int) -> SequenceRolloutProblem:
     bucket = torch.arange(vocab) % c
     seqs = enumerate_sequences(bucket, vocab, length, 0)
     fn = SEQUENCE_REWARDS["distinct"]
-    return SequenceRolloutProblem("bench", lq, lp, torch.zeros_like(lq), 1.0, bucket, length, 0, fn, seqs,
+    return SequenceRolloutProblem("bench", lq, lp, torch.zeros_like(lq), 1.0, bucket, length, 0, functools.partial(rewards_of, fn), seqs,
                                   rewards_of(fn, seqs.tokens, seqs.mask))
 
 

@@ -1,6 +1,7 @@
 """The boundaries of the rollout kind (issue 34, item 1), checked statically: the kind is in parts that
-nothing outside reads; the aggregate registry (maths) names no kind; training uses the rollout model, never a
-pair; the kind dispatches on no aggregate's, token form's, weights option's or mode's name."""
+nothing outside reads; the aggregate registry (maths) names no kind; training asks a pair the training
+protocol (kl_bench.kinds.trainable) and imports no kind's internals; the kind dispatches on no aggregate's,
+token form's, weights option's or mode's name."""
 import ast
 from pathlib import Path
 
@@ -13,9 +14,6 @@ from .test_architecture import _imports, _modules
 
 PKG = Path(__file__).resolve().parents[1] / "kl_bench"
 ROLLOUT = "kl_bench.kinds.rollout"
-# What training may import of the kind: the model and the parts that take one (never the pair, the oracle
-# cache, the spec parser or the kind's tables of aggregates).
-TRAINING_MAY_USE = {f"{ROLLOUT}.{m}" for m in ("model", "dp", "gradients", "accumulator", "sampler")}
 
 
 def _tree(module: str) -> ast.AST:
@@ -27,20 +25,18 @@ def _outside(module: str) -> bool:
 
 
 def test_no_module_outside_the_rollout_package_reads_its_internals():
-    """Outside the package, only training imports its parts (and only those that take a model); nobody else
-    imports more than the package's own names. Nobody outside reads a rollout pair's oracle, and only the
-    training problems read its model."""
+    """Outside the package nobody imports more than the package's own names (training included: it asks the
+    training protocol), and nobody reads a rollout pair's oracle or its model."""
     graph, bad = _imports(_modules()), []
     for mod, targets in sorted(graph.items()):
         if not _outside(mod):
             continue
-        allowed = TRAINING_MAY_USE if mod.startswith("kl_bench.training") else set()
-        bad += [f"{mod} imports {t}" for t in sorted(targets) if t.startswith(ROLLOUT + ".") and t not in allowed]
+        bad += [f"{mod} imports {t}" for t in sorted(targets) if t.startswith(ROLLOUT + ".")]
         for node in ast.walk(_tree(mod)):
             if isinstance(node, ast.Attribute) and node.attr == "oracle":
                 bad.append(f"{mod}:{node.lineno}: reads {ast.unparse(node)}")
             if (isinstance(node, ast.Attribute) and node.attr == "model" and isinstance(node.value, ast.Name)
-                    and node.value.id.endswith("pair") and mod != "kl_bench.training.problems"):
+                    and node.value.id.endswith("pair")):
                 bad.append(f"{mod}:{node.lineno}: reads {ast.unparse(node)}")
     assert not bad, "\n".join(bad)
 
@@ -64,19 +60,17 @@ def test_the_aggregate_registry_names_no_kind():
     assert A.__name__ == "kl_bench.core.aggregates"
 
 
-def test_training_uses_the_rollout_model_only():
-    """training/rollout.py and training/sequences.py name no pair at all; no training module imports the
-    rollout pair (the kind's model and the functions that take one are its surface for training)."""
+def test_training_imports_no_kind_and_names_none():
+    """kl_bench.training asks a case's pair the training protocol (kl_bench.kinds.trainable) and nothing else of
+    the kinds: it imports no kind module, keeps no table keyed by a kind's name, and names no kind's class."""
+    kinds = {"kl_bench.kinds", "kl_bench.kinds.trainable"}
     bad = []
-    for mod in ("kl_bench.training.rollout", "kl_bench.training.sequences"):
-        for node in ast.walk(_tree(mod)):
-            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else \
-                node.arg if isinstance(node, ast.arg) else None
-            if name is not None and "pair" in name.lower():
-                bad.append(f"{mod}:{node.lineno}: {name}")
-    for mod, path in _modules().items():
-        if mod.startswith("kl_bench.training") and "RolloutPair" in path.read_text(encoding="utf-8"):
-            bad.append(f"{mod}: names RolloutPair")
+    for mod, targets in sorted(_imports(_modules()).items()):
+        if mod.startswith("kl_bench.training"):
+            bad += [f"{mod} imports {t}" for t in sorted(targets) if t.startswith("kl_bench.kinds") and t not in kinds]
+            text = _modules()[mod].read_text(encoding="utf-8")
+            bad += [f"{mod} names {w}" for w in ("RolloutPair", "CategoricalPair", "RolloutModel", '"categorical"',
+                                                  '"rollout"') if w in text]
     assert not bad, "\n".join(bad)
 
 

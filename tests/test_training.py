@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from kl_bench.training import (CategoricalProblem, Optimizer, RolloutProblem, parse_combination, run_trajectory,
-                               trajectory)
+from kl_bench.kinds.categorical.training import CategoricalProblem
+from kl_bench.kinds.rollout.training import RolloutProblem
+from kl_bench.training import Optimizer, parse_combination, run_trajectory, trajectory
 
 STEPS = 60
 
@@ -539,7 +540,7 @@ def test_k3_in_the_loss_stays_finite_where_r_overflows():
     (a trajectory at lr = 100 was called diverged and its rows left empty). The update now equals the closed
     form q ⊙ reward − β(q − p), shifted and projected, within float64 rounding, at ordinary and at extreme θ;
     a sampled update ignores tokens never drawn, however infinite their a."""
-    from kl_bench.training.categorical import count_gradient
+    from kl_bench.kinds.categorical.training import count_gradient
     g = torch.Generator().manual_seed(0)
     lp = torch.log_softmax(torch.randn(2, 6, generator=g, dtype=torch.float64), -1)
     reward = torch.randn(2, 6, generator=g, dtype=torch.float64)

@@ -2,6 +2,7 @@
 against an independent enumeration (a recursion over tuples) with autograd, the optimum q* reached, the
 additive reward |y| against the dynamic program's per-token table, sampled means within 5 SE of the exact
 ones, bad plug-ins and oversized cases as one line (exit 2), and `kl-bench train` refusing torchrun."""
+import functools
 import math
 import os
 import subprocess
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from kl_bench.sampling.seeding import BatchStream
-from kl_bench.training import (SEQUENCE_REWARDS, Optimizer, RolloutProblem, SequenceRolloutProblem, parse_combination,
-                               run_trajectory, trajectory)
-from kl_bench.training.sequences import count_sequences, enumerate_sequences, rewards_of
+from kl_bench.kinds.rollout.training import RolloutProblem, SequenceRolloutProblem
+from kl_bench.training import SEQUENCE_REWARDS, Optimizer, parse_combination, run_trajectory, trajectory
+from kl_bench.kinds.rollout.sequences import count_sequences, enumerate_sequences
+from kl_bench.training.sequences import rewards_of
 
 ROOT = Path(__file__).resolve().parents[1]
 AGG = ("tok", "seq")
@@ -31,7 +33,8 @@ def _problem(name="distinct", c=2, v=4, t=3, eos=0, beta=0.8) -> SequenceRollout
     seqs = enumerate_sequences(bucket, v, t, eos)
     fn = SEQUENCE_REWARDS[name]
     return SequenceRolloutProblem("r", _logits((c, v), 3), _logits((c, v), 4), torch.zeros(c, v, dtype=torch.float64),
-                                  beta, bucket, t, eos, fn, seqs, rewards_of(fn, seqs.tokens, seqs.mask))
+                                  beta, bucket, t, eos, functools.partial(rewards_of, fn), seqs,
+                                  rewards_of(fn, seqs.tokens, seqs.mask))
 
 
 def _brute_sequences(pb):
@@ -153,7 +156,7 @@ def test_one_step_rollouts_reach_the_optimum():
     """T = 1: q*(x) ∝ p(x)·exp(R([x])/β) is a per-bucket policy, so ∇J's trajectory reaches it."""
     pb = _problem("distinct", c=1, v=5, t=1, eos=None, beta=1.0)
     log_p = torch.log_softmax(0.5 * pb.log_p, -1)          # no token below 5% under p: SGD converges fast
-    pb = SequenceRolloutProblem(pb.name, pb.theta0, log_p, pb.reward, pb.beta, pb.bucket, 1, None, pb.sequence_reward,
+    pb = SequenceRolloutProblem(pb.name, pb.theta0, log_p, pb.reward, pb.beta, pb.bucket, 1, None, pb.sequence,
                                 pb.seqs, torch.tensor([0.3, -1.0, 2.0, 0.0, 0.5], dtype=torch.float64))
     combo = parse_combination("k1/reward/seq", AGG)
     tr = run_trajectory(pb, Optimizer("sgd", 5.0), 250, 250, lambda th, t: pb.expected_update(th, combo))

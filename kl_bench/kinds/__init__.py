@@ -13,11 +13,14 @@ import pkgutil
 from ..foundation.errors import SpecError
 from .base import CASE_KINDS, CaseConfig, CaseKind, Pair, register_kind
 
-# Every module or package in this folder is a kind named after it, which registers itself when imported:
+# The protocols every kind meets (what the engine, the experiment and training ask of a pair), not kinds.
+PROTOCOL_MODULES = ("base", "trainable")
+
+# Every other module or package in this folder is a kind named after it, which registers itself when imported:
 # adding a kind is adding its module, nothing here. Each is imported when a spec (or a listing) first
 # names it, so `import kl_bench.kinds` costs the protocols only (kl_bench.estimate loads no kind).
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base":
+    if _module.name not in PROTOCOL_MODULES:
         CASE_KINDS.add_lazy(_module.name, f"{__name__}.{_module.name}")
 
 # The built-in kinds' classes, imported on first use (PEP 562).

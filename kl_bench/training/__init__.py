@@ -1,11 +1,13 @@
 """Optimisation trajectories (issue #22): what an estimator × mode × aggregate does to a policy over a
 training run, exact (the expected update) or from n draws a step, on categoricals and rollouts.
 
-Layers: :mod:`.optim` (pure SGD/Adam), :mod:`.categorical` and :mod:`.rollout` (exact values, ∇J, the
-trainer's expected and sampled updates), :mod:`.config` (the ``[train]`` table), :mod:`.run` (the
-trajectories and train.csv's rows), :mod:`.result` (files and summary), :mod:`.plots` (figures),
-:mod:`.sequences` (a per-sequence reward R(y): its registry, the enumeration, the rollout problem).
-docs/training.md has the math.
+Training is a protocol a kind implements (kl_bench.kinds.trainable): a trainable kind's pair gives the
+problem (exact values, ∇J, the trainer's expected and sampled updates: kl_bench.kinds.categorical.training,
+kl_bench.kinds.rollout.training). This package keeps what every kind shares: :mod:`.optim` (pure SGD/Adam),
+:mod:`.combos` (estimator × mode × aggregate), :mod:`.config` (the ``[train]`` table), :mod:`.rewards` (the
+spec's reward made for a case), :mod:`.sequences` (rewards of whole sequences: the registry and the checked
+call), :mod:`.run` (the trajectories and train.csv's rows) and :mod:`.result` (files and summary); it imports
+no kind's internals. docs/training.md has the math.
 """
 from __future__ import annotations
 
@@ -17,13 +19,11 @@ from ..engine.distributed import SINGLE, Ranks
 from ..foundation.errors import SpecError
 from ..kinds import build_pair
 from ..foundation.registry import did_you_mean
-from .categorical import CategoricalProblem, count_gradient, expected_score_gradient
 from .combos import Combination, parse_combination
 from .config import TrainConfig, check_step_draws, parse_train
 from .optim import Optimizer, adam, sgd
 from .result import TrainResult
-from .rollout import RolloutProblem
-from .sequences import SEQUENCE_REWARDS, SequenceReward, SequenceRolloutProblem
+from .sequences import SEQUENCE_REWARDS, SequenceReward
 from ..results.schema import TRAIN_SCHEMA
 from .run import (assemble, plan_case, run_trajectory, run_unit, train_combination, trajectory,
                   unit_label, units)
@@ -83,7 +83,6 @@ def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE,
     return assemble(plans, cfg, results, draws), cfg, time.perf_counter() - start
 
 
-__all__ = ["TRAIN_SCHEMA", "CategoricalProblem", "Combination", "Optimizer", "RolloutProblem", "SEQUENCE_REWARDS",
-           "SequenceReward", "SequenceRolloutProblem", "TrainConfig",
-           "TrainResult", "adam", "count_gradient", "expected_score_gradient", "parse_combination", "parse_train",
+__all__ = ["TRAIN_SCHEMA", "Combination", "Optimizer", "SEQUENCE_REWARDS", "SequenceReward", "TrainConfig",
+           "TrainResult", "adam", "parse_combination", "parse_train",
            "plan_case", "run_trajectory", "sgd", "train_combination", "train_rows", "trajectory"]

@@ -12,11 +12,12 @@ import torch
 
 from ..core.stats import mean_sd, scaled, vector_norm
 from ..foundation.errors import SpecError
+from ..kinds.trainable import TrainingProblem, require_training
 from ..sampling.seeding import BatchStream, piece_draws
 from .combos import Combination, parse_combination
 from .config import TrainConfig
 from .optim import Optimizer
-from .problems import training_kind
+from .rewards import reward_for
 
 
 METRICS = ("kl_rev", "kl_fwd", "entropy", "reward", "objective", "kl_opt")
@@ -24,21 +25,21 @@ METRICS = ("kl_rev", "kl_fwd", "entropy", "reward", "objective", "kl_opt")
 
 @dataclass(frozen=True)
 class Plan:
-    """One case ready to train: its problem and parsed combinations."""
-    problem: object
+    """One case ready to train: its problem (the kind's, kl_bench.kinds.trainable) and parsed combinations."""
+    problem: TrainingProblem
     combos: tuple[Combination, ...]
 
 
 def plan_case(case, pair, cfg: TrainConfig, seed: int) -> Plan:
     """Validate the combinations against the case's kind and build its problem."""
-    build, aggregates = training_kind(case.kind, case.name)
+    oracle = require_training(pair, case.kind, case.name)
     combos = []
     for text in cfg.combinations:
         try:
-            combos.append(parse_combination(text, aggregates))
+            combos.append(parse_combination(text, oracle.train_aggregates))
         except SpecError as e:
             raise e.located(case=case.name, key="train.combinations") from None
-    return Plan(build(pair, cfg, seed), tuple(combos))
+    return Plan(oracle.training_problem(reward_for(cfg.reward, case.name, seed), cfg.beta), tuple(combos))
 
 
 def trajectory(theta0: torch.Tensor, opt: Optimizer, steps: int,

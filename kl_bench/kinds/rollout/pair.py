@@ -31,6 +31,9 @@ from .accumulator import RolloutGradients
 from .aggregates import ROLLOUT_AGGREGATES
 from .model import RolloutModel
 from .oracle import RolloutOracle
+from .sequences import enumerate_checked
+from .training import RolloutProblem, SequenceRolloutProblem
+from ..trainable import Reward, check_trainable
 
 
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
@@ -40,6 +43,7 @@ from .oracle import RolloutOracle
 class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
     baseline_aggregates = ("seq", "tok")
+    train_aggregates = ("tok", "seq")       # kl_bench.kinds.trainable: a combination's aggregate, tok by default
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor, length: int,
                  eos: int | None, label: str = "", sampler_label: str = "", **options):
@@ -49,6 +53,19 @@ class RolloutPair(GradientDefaults, Pair):
         ``per_sequence_mean``, ``token_mean_batch``, ``precision`` with the sources' ``logits``)."""
         self._compose(name, RolloutModel.build(log_q, log_p, bucket, length, eos, **options).validate(), label,
                       sampler_label)
+
+    def training_problem(self, reward: Reward, beta: float) -> RolloutProblem:
+        """θ0 = log q [C, V] trained towards p (kl_bench.kinds.trainable): under a per-token reward table [C, V]
+        by the dynamic program, under a reward of whole sequences by enumerating every sequence."""
+        m = self.model
+        check_trainable(self.name, m.has_sampler, m.precision, m.log_q, m.log_p)
+        if reward.sequence is not None:
+            seqs = enumerate_checked(m.bucket, m.vocab, m.length, m.eos, self.name)
+            values = reward.sequence(seqs.tokens, seqs.mask)
+            return SequenceRolloutProblem(self.name, m.log_q.clone(), m.log_p, torch.zeros_like(m.log_q), beta,
+                                          m.bucket, m.length, m.eos, reward.sequence, seqs, values)
+        return RolloutProblem(self.name, m.log_q.clone(), m.log_p, reward.table(tuple(m.log_q.shape)), beta,
+                              m.bucket, m.length, m.eos)
 
     @classmethod
     def of(cls, name: str, model: RolloutModel, label: str = "", sampler_label: str = "") -> "RolloutPair":

@@ -10,23 +10,29 @@ q*(y) ∝ p(y) exp(Σ_t reward/β); KL(q‖q*) = log Z − J/β with Z = E_p[exp
 policy reaches q* only where q* is itself per-bucket (T = 1, or no reward), so the final distance is how
 close each combination gets within the family.
 
-Of the rollout kind this module uses the model (:class:`kl_bench.kinds.rollout.RolloutModel`, the tables
-of the policy q_θ against p) and the functions that take one; never a pair.
+A reward of whole sequences R(y) (:class:`SequenceRolloutProblem`) is not a sum over steps: its exact values
+come from enumerating every sequence (:mod:`.sequences`).
+
+This is the rollout kind's :class:`kl_bench.kinds.trainable.TrainingOracle` (``RolloutPair.training_problem``):
+it uses the model (:class:`kl_bench.kinds.rollout.RolloutModel`, the tables of the policy q_θ against p) and
+the functions that take one; never a pair.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-from ..foundation.errors import SpecError
-from ..kinds.rollout import dp, gradients, sampler
-from ..kinds.rollout.accumulator import RolloutGradients
-from ..kinds.rollout.model import RolloutModel
-from ..sampling.seeding import BatchStream
-from .combos import Combination
+from ...foundation.errors import SpecError
+from ...sampling.seeding import BatchStream
+from ..trainable import Combo
+from . import dp, gradients, sampler
+from .accumulator import RolloutGradients
+from .model import RolloutModel
+from .sequences import Sequences
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ class RolloutProblem:
         (g,) = torch.autograd.grad(dp.path_moments(self.model(lq), th, torch.ones_like(lq), self.reward)[1], th)
         return g
 
-    def expected_update(self, theta: torch.Tensor, combo: Combination) -> torch.Tensor:
+    def expected_update(self, theta: torch.Tensor, combo: Combo) -> torch.Tensor:
         """The trainer's expected ascent direction at θ, exact, [C, V]."""
         lq = torch.log_softmax(theta, -1)
         g = gradients.exact_mean(self.model(lq), combo.item)
@@ -107,7 +113,7 @@ class RolloutProblem:
                             "float64 or a non-polynomial sequence-level estimator)", case=self.name, key="train.combinations")
         return self.reward_gradient(lq) - self.beta * torch.from_numpy(g).reshape(lq.shape)
 
-    def sampled_update(self, theta: torch.Tensor, combo: Combination, batch: BatchStream, piece: int,
+    def sampled_update(self, theta: torch.Tensor, combo: Combo, batch: BatchStream, piece: int,
                        chunk: int) -> torch.Tensor:
         """The trainer's ascent direction from ``batch.size`` rollouts of q_θ, [C, V]: the combination's
         per-draw gradients (kl_bench.kinds.rollout.accumulator.RolloutGradients) and the reward's score
@@ -137,3 +143,56 @@ class RolloutProblem:
             w.index_add_(0, keys.reshape(-1), (total * alive).reshape(-1))
         wm = w.reshape(lq.shape)
         return wm - wm.sum(-1, keepdim=True) * lq.exp()
+
+
+@dataclass(frozen=True)
+class SequenceRolloutProblem(RolloutProblem):
+    """A rollout case trained against R(y) (its per-token ``reward`` table is zero): ``sequence`` R
+    (kl_bench.kinds.trainable.Reward.sequence), ``seqs`` every sequence, ``values`` R on each [M]."""
+    sequence: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    seqs: Sequences | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def has_reward(self) -> bool:
+        return True
+
+    def _log_probs(self, lq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log q(y), log p(y)) of every sequence, [M] each."""
+        s = self.seqs
+        lq_y = torch.where(s.mask, lq.reshape(-1)[s.keys], 0.0).sum(-1)
+        lp_y = torch.where(s.mask, self.log_p.reshape(-1)[s.keys], 0.0).sum(-1)
+        return lq_y, lp_y
+
+    def _score(self, lq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Σ_y w(y) S(y), [C, V], with S(y) = ∇θ log q(y) = Σ_t e_{c_{t−1}, x_t} − q(·|c_{t−1}) in row c_{t−1}."""
+        s = self.seqs
+        # Past a sequence's end the key is 0 and the weight 0.0: adding it changes nothing.
+        acc = torch.zeros(lq.numel(), dtype=torch.float64, device=lq.device).index_add_(
+            0, s.keys.reshape(-1), (w[:, None] * s.mask).reshape(-1))
+        acc = acc.reshape(lq.shape)
+        return acc - acc.sum(-1, keepdim=True) * lq.exp()
+
+    def evaluate(self, theta: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
+        """Exact values at θ and ∇J = Σ_y q(y)(R(y) − β log(q(y)/p(y))) S(y), by enumeration. KL(q‖q*) is
+        summed directly (log q* = log p + R/β − log Z), not as log Z − J/β."""
+        lq = torch.log_softmax(theta.detach(), -1)
+        lq_y, lp_y = self._log_probs(lq)
+        q_y, r = lq_y.exp(), self.values
+        log_opt = lp_y + r / self.beta
+        log_opt = log_opt - torch.logsumexp(log_opt, 0)
+        kl_rev, reward = float((q_y * (lq_y - lp_y)).sum()), float((q_y * r).sum())
+        out = {"kl_rev": kl_rev, "kl_fwd": float((lp_y.exp() * (lp_y - lq_y)).sum()),
+               "entropy": float(-(q_y * lq_y).sum()), "reward": reward, "objective": reward - self.beta * kl_rev,
+               "kl_opt": float((q_y * (lq_y - log_opt)).sum())}
+        return out, self._score(lq, q_y * (r - self.beta * (lq_y - lp_y)))
+
+    def reward_gradient(self, lq: torch.Tensor) -> torch.Tensor:
+        """∇θ E_q[R] = Σ_y q(y) R(y) S(y), exact by enumeration, [C, V]."""
+        lq = lq.detach()
+        return self._score(lq, self._log_probs(lq)[0].exp() * self.values)
+
+    def path_rewards(self, keys: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """R of each sampled path (the reward called on the paths' tokens), [n]."""
+        mask = alive > 0
+        return self.sequence(torch.where(mask, keys % self.log_p.shape[1], -1), mask)

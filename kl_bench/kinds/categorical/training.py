@@ -1,4 +1,5 @@
-"""Training a categorical policy: θ = q's logits [B, V] (B contexts, drawn uniformly), exact in float64.
+"""Training a categorical policy (the categorical kind's :class:`kl_bench.kinds.trainable.TrainingOracle`):
+θ = q's logits [B, V] (B contexts, drawn uniformly), exact in float64.
 
 Every trainer's per-draw gradient is a(x)·∇θ log q(x) with ∇θ log q(x) = e_x − q_b in row b, so its
 expectation is, per context, (1/B)(q ⊙ a − q·(q·a)) (:func:`expected_score_gradient`). The trainer's
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.modes import has_nonfinite, q_times_coefficient
-from ..sampling.seeding import BatchStream
-from .combos import Combination
+from ...core.modes import has_nonfinite, q_times_coefficient
+from ...sampling.seeding import BatchStream
+from ..trainable import Combo
 
 
 def expected_score_gradient(q: torch.Tensor, a: torch.Tensor, qa: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,7 +49,7 @@ def count_gradient(q: torch.Tensor, counts: torch.Tensor, a: torch.Tensor) -> to
     return (na - q * na.sum(-1, keepdim=True)) / counts.sum()
 
 
-def draw_counts(q: torch.Tensor, batch: BatchStream, piece: int, chunk: int) -> torch.Tensor:
+def cdf_counts(q: torch.Tensor, batch: BatchStream, piece: int, chunk: int) -> torch.Tensor:
     """Counts [B, V] (float64 holding integers) of ``batch.size`` draws from the mixture (1/B) q_b.
 
     Piece j of the batch has its own generator (kl_bench.sampling.seeding), one uniform per draw, mapped to an id
@@ -104,11 +105,11 @@ class CategoricalProblem:
                "kl_opt": float((q * (lq - self.log_opt)).sum() / b)}
         return out, expected_score_gradient(q, self.reward - self.beta * (lq - lp))
 
-    def _table(self, lq: torch.Tensor, combo: Combination) -> torch.Tensor:
+    def _table(self, lq: torch.Tensor, combo: Combo) -> torch.Tensor:
         """a = reward − β c(log r) on every (context, token), [B, V]."""
         return self.reward - self.beta * combo.item.coef(self.log_p - lq)
 
-    def expected_update(self, theta: torch.Tensor, combo: Combination) -> torch.Tensor:
+    def expected_update(self, theta: torch.Tensor, combo: Combo) -> torch.Tensor:
         """The trainer's expected ascent direction at θ, exact, [B, V]."""
         lq = torch.log_softmax(theta, -1)
         q, a = lq.exp(), self._table(lq, combo)
@@ -117,9 +118,9 @@ class CategoricalProblem:
             qa = q * self.reward - self.beta * q_times_coefficient(lq, self.log_p - lq, combo.item.cpoly)
         return expected_score_gradient(q, a, qa)
 
-    def sampled_update(self, theta: torch.Tensor, combo: Combination, batch: BatchStream, piece: int,
+    def sampled_update(self, theta: torch.Tensor, combo: Combo, batch: BatchStream, piece: int,
                        chunk: int) -> torch.Tensor:
         """The trainer's ascent direction from ``batch.size`` draws of q_θ, [B, V]."""
         lq = torch.log_softmax(theta, -1)
         q = lq.exp()
-        return count_gradient(q, draw_counts(q, batch, piece, chunk), self._table(lq, combo))
+        return count_gradient(q, cdf_counts(q, batch, piece, chunk), self._table(lq, combo))

@@ -25,22 +25,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core import oracles as exact
-from ..sampling.alias import build_alias, sample_alias
-from ..foundation.typed_toml import Table, positive
-from ..core.draws import Draws
-from ..foundation.errors import SpecError
-from ..core.estimators import RowSource
-from ..core.precision import Precision, in_precision, parse_precision, rounded_logr
-from ..core.modes import derivative
-from ..sampling.logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
+from ...core import oracles as exact
+from ...sampling.alias import build_alias, sample_alias
+from ...foundation.typed_toml import Table, positive
+from ...core.draws import Draws
+from ...foundation.errors import SpecError
+from ...core.estimators import RowSource
+from ...core.precision import Precision, in_precision, parse_precision, rounded_logr
+from ...core.modes import derivative
+from ...sampling.logits import (LogitsSource, check_table_size, describe_sources, has_vocab_of_its_own, parse_pair_sources,
                       resolve_pair_source_logits)
-from ..sampling.mismatch import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
-from ..sampling.multinomial import MultinomialTree, batches_per_call, call_bytes, draw_counts
-from ..sampling.seeding import BatchStream, device_key, piece_draws, token_piece_draws
-from ..core.targets import FORWARD, REVERSE
-from ..core.weights import WeightCorrection
-from .base import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator,
+from ...sampling.mismatch import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
+from ...sampling.multinomial import MultinomialTree, batches_per_call, call_bytes, draw_counts
+from ...sampling.seeding import BatchStream, device_key, piece_draws, token_piece_draws
+from ...core.targets import FORWARD, REVERSE
+from ...core.weights import WeightCorrection
+from ..trainable import Reward, check_trainable
+from .training import CategoricalProblem
+from ..base import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator,
                    GradientDefaults, GradItem, JointMoments, Pair, register_kind)
 
 SAMPLING = ("auto", "counts", "tokens")
@@ -64,6 +66,12 @@ class CategoricalCase(CaseConfig):
                sampler_keys=(*LOGIT_KEYS, "behavior", *WEIGHT_KEYS, *CORRECTION_KEYS))
 class CategoricalPair(GradientDefaults, Pair):
     clamp_sees_weight = True
+    train_aggregates: tuple[str, ...] = ()     # kl_bench.kinds.trainable: a draw is one token
+
+    def training_problem(self, reward: Reward, beta: float) -> CategoricalProblem:
+        """θ0 = log q [B, V] trained towards p under the reward table [B, V] (kl_bench.kinds.trainable)."""
+        check_trainable(self.name, self.has_sampler, self.precision, self.log_q, self.log_p)
+        return CategoricalProblem(self.name, self.log_q.clone(), self.log_p, reward.table(tuple(self.log_q.shape)), beta)
 
     def __init__(self, name: str, log_q: torch.Tensor, log_p: torch.Tensor, label: str = "",
                  log_b: torch.Tensor | None = None, weights: str = "none", weight_cap: float | None = None,
