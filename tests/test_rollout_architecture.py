@@ -113,7 +113,8 @@ def _protocol_members(*protocols) -> set[str]:
 def test_pair_holds_only_what_every_kind_must_have():
     """Pair's public members are CasePair's (and the spec parser's); the optional members (gradients,
     baselines) live with their protocols and their defaults, never in Pair."""
-    from kl_bench.kinds.base import CasePair, GradientDefaults, GradientOracle, Pair
+    from kl_bench.kinds.protocols import CasePair, GradientOracle
+    from kl_bench.kinds.defaults import GradientDefaults, Pair
     pair = {name for name in vars(Pair) if not name.startswith("_")} | set(Pair.__annotations__)
     assert pair <= _protocol_members(CasePair) | {"parse", "from_config"}, sorted(pair - _protocol_members(CasePair))
     gradient_only = _protocol_members(GradientOracle)
@@ -124,8 +125,8 @@ def test_pair_holds_only_what_every_kind_must_have():
 
 def test_the_engine_experiment_and_results_ask_a_pair_only_its_protocols():
     """Every ``pair.X`` (or ``run.pair.X``) read in the engine, the experiment, the gradient and baseline rows
-    and the results is a member of a protocol of kl_bench.kinds.base (they are typed against them)."""
-    from kl_bench.kinds.base import BaselineOracle, CasePair, GradientOracle
+    and the results is a member of a protocol of kl_bench.kinds.protocols (they are typed against them)."""
+    from kl_bench.kinds.protocols import BaselineOracle, CasePair, GradientOracle
     allowed = _protocol_members(CasePair, GradientOracle, BaselineOracle)
     mods = ["kl_bench.engine.monte_carlo", "kl_bench.experiment.case", "kl_bench.experiment.gradient_rows",
             "kl_bench.experiment.lambdas", "kl_bench.experiment.group_baselines", "kl_bench.experiment.rows",

@@ -1,6 +1,6 @@
 """A new case kind is one module: a toy two-point kind, registered from this file alone, runs end to end
 (summary, exact, check with a baseline, gradients) with nothing else in the package touched. It implements
-the protocols of kl_bench.kinds.base: CaseParser, Oracle and DrawSampler on Pair's defaults, and (the optional)
+the protocols of kl_bench.kinds.protocols: CaseParser, Oracle and DrawSampler on Pair's defaults, and (the optional)
 GradientOracle through ScoreSampler and ScoreGradientOracle's default accumulator.
 
 q = Bernoulli(q1), p = Bernoulli(p1) over x ∈ {0, 1}; θ = logit(q1), so ∇θ log q(x) = x − q1.
@@ -22,8 +22,9 @@ from kl_bench.engine.monte_carlo import run_gradients
 from kl_bench.foundation.errors import SpecError
 from kl_bench.core.modes import ExactGrad
 from kl_bench.kinds import CASE_KINDS, CaseConfig, Pair, register_kind
-from kl_bench.kinds.base import (CaseParser, GradientOracle, JointMoments, Oracle, DrawSampler, ScoreGradientOracle,
-                                  ScoreSampler, gradient_oracle)
+from kl_bench.kinds.protocols import (CaseParser, GradientOracle, JointMoments, Oracle, DrawSampler, ScoreSampler,
+                                      gradient_oracle)
+from kl_bench.kinds.defaults import ScoreGradientOracle
 from kl_bench.results import read_frame
 from kl_bench.core.targets import FORWARD, REVERSE
 

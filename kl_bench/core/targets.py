@@ -1,6 +1,6 @@
 """Targets: what an estimator estimates. A typed registry, so that a row is never compared with the
 truth of another quantity: every pair states the targets it has exact values for, and asking it for
-another one is an error (see :meth:`kl_bench.kinds.base.Pair.true_value`).
+another one is an error (see :meth:`kl_bench.kinds.defaults.Pair.true_value`).
 """
 from __future__ import annotations
 

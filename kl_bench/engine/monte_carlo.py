@@ -30,7 +30,7 @@ from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from ..core.modes import GradBatch, GradItem
-from ..kinds.base import CasePair, GradientAccumulator, gradient_oracle, no_gradients
+from ..kinds.protocols import CasePair, GradientAccumulator, gradient_oracle, no_gradients
 from ..sampling.seeding import BatchStream, batch_generator, batch_sizes, batch_streams
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]

@@ -21,7 +21,7 @@ from ..foundation.formatting import fmt_count
 from ..engine.monte_carlo import CaseRun, as_rows, run_case, small_batch_negative
 from ..core.estimators import FULL, make_cv
 from .lambdas import lambda_star_mc, sweep_frame
-from ..kinds.base import CasePair, require_gradients
+from ..kinds.protocols import CasePair, require_gradients
 from ..core.planning import add_planning
 from ..results import BATCH_SCHEMA, SWEEP_PREFIX, frame_to_csv_bytes, to_frame
 from ..results.schema import GROUP_BASELINE_SCHEMA

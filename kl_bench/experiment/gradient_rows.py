@@ -2,7 +2,7 @@
 
 The rows only: modes and their coefficients are kl_bench.core.modes, each case kind supplies its reference
 gradients, exact expected gradients and per-draw gradient sums (the gradient protocol,
-kl_bench.kinds.base.GradientOracle), and the engine seeds and batches the draws (kl_bench.engine.monte_carlo.run_gradients).
+kl_bench.kinds.protocols.GradientOracle), and the engine seeds and batches the draws (kl_bench.engine.monte_carlo.run_gradients).
 Every mode's per-draw gradient is c(log r) · ∇θ log q(x) (docs/gradients.md); the exact expected gradient
 is compared with ∇KL(q‖p) and ∇KL(p‖q), and the ``equals`` column names the one it is.
 """
@@ -17,7 +17,7 @@ from ..core.draws import row_key
 from ..core.aggregates import AGGREGATES
 from ..engine.monte_carlo import run_gradients
 from ..core.modes import MODES, GradItem, modes_for
-from ..kinds.base import GradientCase, require_gradients
+from ..kinds.protocols import GradientCase, require_gradients
 from ..core.stats import mean_and_se
 from ..results.schema import GRAD_SCHEMA
 from ..core.targets import FORWARD, REVERSE

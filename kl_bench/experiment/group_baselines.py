@@ -20,7 +20,7 @@ such as ρ²|s|² or (ρ s·u)²):
   (1 − 1/G) (the mean) or (1 − 1/G)² (second moments): the group mean shrinks the KL gradient.
 The PPO clip is not modelled here (its branch depends on the centred advantage): refused.
 
-Each kind supplies the pieces (kl_bench.kinds.base.BaselineOracle): the exact E[ρ F s], E[ρ s], μ and, where
+Each kind supplies the pieces (kl_bench.kinds.protocols.BaselineOracle): the exact E[ρ F s], E[ρ s], μ and, where
 it has them, the second moments; and per-draw (F, ρ, s·u, |s|²) for the Monte Carlo rows. Categoricals are
 exact throughout. Rollouts (F = f(L) on ``seq``, Σ_t f_t on ``tok``; ρ the sequence weight) have exact
 expected gradients by the dynamic program and measured second moments.
@@ -36,7 +36,7 @@ import torch
 
 from ..foundation.errors import SpecError
 from ..core.estimators import Estimator
-from ..kinds.base import BaselineExact, baseline_oracle
+from ..kinds.protocols import BaselineExact, baseline_oracle
 from ..foundation.registry import Registry
 from ..sampling.seeding import PIECE_DRAWS, batch_sizes, batch_streams
 from ..core.stats import mean_and_se

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..engine.monte_carlo import CaseRun
-from ..kinds.base import JointMoments
+from ..kinds.protocols import JointMoments
 from ..core.stats import batch_means_se, jackknife_se
 from ..results.schema import SWEEP_SCHEMA
 

@@ -2,7 +2,7 @@
 
 A pair knows the exact value of each target it supports, the exact moments of every row, how to turn
 random draws into per-batch sums of per-draw features (see :mod:`kl_bench.engine.monte_carlo`), and its gradient
-oracles. The interface is :class:`kl_bench.kinds.base.Pair`; a new kind is one module with a class
+oracles. The interface is :class:`kl_bench.kinds.defaults.Pair`; a new kind is one module with a class
 decorated by :func:`register_kind` (a test registers a toy kind from its own file).
 """
 from __future__ import annotations
@@ -11,10 +11,12 @@ import importlib
 import pkgutil
 
 from ..foundation.errors import SpecError
-from .base import CASE_KINDS, CaseConfig, CaseKind, Pair, register_kind
+from .protocols import CASE_KINDS, CaseConfig, CaseKind, register_kind
+from .defaults import Pair
 
-# The protocols every kind meets (what the engine, the experiment and training ask of a pair), not kinds.
-PROTOCOL_MODULES = ("base", "trainable")
+# The protocols every kind meets (what the engine, the experiment and training ask of a pair) and the defaults
+# a kind may inherit: not kinds.
+PROTOCOL_MODULES = ("protocols", "defaults", "trainable")
 
 # Every other module or package in this folder is a kind named after it, which registers itself when imported:
 # adding a kind is adding its module, nothing here. Each is imported when a spec (or a listing) first

@@ -21,7 +21,8 @@ from ..foundation.errors import SpecError
 from ..core.estimators import Estimator, Poly, RowSource, poly_square
 from ..sampling.mismatch import WEIGHT_KEYS
 from ..core.targets import FORWARD, REVERSE
-from .base import CaseConfig, ExactGrad, GradItem, JointMoments, Pair, ScoreGradientOracle, register_kind
+from .protocols import CaseConfig, ExactGrad, GradItem, JointMoments, register_kind
+from .defaults import Pair, ScoreGradientOracle
 
 
 @dataclass(frozen=True)

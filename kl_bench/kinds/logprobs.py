@@ -30,7 +30,8 @@ from ..foundation.errors import SpecError
 from ..core.estimators import RowSource
 from ..sampling.logits import is_array, log_ratio_problem, read_tensor_file, unsupported_array
 from ..core.targets import FORWARD, REVERSE
-from .base import CaseConfig, JointMoments, Pair, register_kind
+from .protocols import CaseConfig, JointMoments, register_kind
+from .defaults import Pair
 
 TENSORS = ("logp_policy", "logp_ref", "mask", "kl_full")
 REQUIRED = ("logp_policy", "logp_ref")

@@ -77,7 +77,7 @@ def training_oracle(pair: Any) -> TrainingOracle | None:
 
 def trainable_kinds() -> list[str]:
     """The registered kinds whose pairs train (each kind is imported: called on the error path only)."""
-    from .base import CASE_KINDS
+    from .protocols import CASE_KINDS
     return [name for name in CASE_KINDS.names() if hasattr(CASE_KINDS[name].pair, "training_problem")]
 
 

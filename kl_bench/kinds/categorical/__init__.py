@@ -42,8 +42,9 @@ from ...core.targets import FORWARD, REVERSE
 from ...core.weights import WeightCorrection
 from ..trainable import Reward, check_trainable
 from .training import CategoricalProblem
-from ..base import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator,
-                   GradientDefaults, GradItem, JointMoments, Pair, register_kind)
+from ..protocols import (BaselineExact, BatchSums, CaseConfig, ExactGrad, Features, GradBatch, GradientAccumulator,
+                         GradItem, JointMoments, register_kind)
+from ..defaults import GradientDefaults, Pair
 
 SAMPLING = ("auto", "counts", "tokens")
 # Device types whose count vectors numpy draws on the host: the CPU, where its sequential conditional

@@ -27,7 +27,8 @@ from ...foundation.errors import SpecError
 from ...core.estimators import RowSource
 from ...sampling.mismatch import LOGIT_KEYS, WEIGHT_KEYS
 from ...core.targets import FORWARD, REVERSE
-from ..base import CaseConfig, JointMoments, Pair, register_kind
+from ..protocols import CaseConfig, JointMoments, register_kind
+from ..defaults import Pair
 from ..categorical import CategoricalPair
 from . import lm
 

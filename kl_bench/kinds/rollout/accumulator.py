@@ -23,7 +23,7 @@ from ...core.aggregates import AGGREGATES, groups_in
 from ...foundation.errors import SpecError
 from ...core.modes import GradItem
 from ...sampling.seeding import BatchStream, piece_draws
-from ..base import GradBatch, GradientAccumulator
+from ..protocols import GradBatch, GradientAccumulator
 from .gradients import TOKEN_FORMS, local_tables
 from .model import RolloutModel
 from .sampler import paths

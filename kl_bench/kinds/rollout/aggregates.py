@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from ...core.estimators import RowSource
-from ..base import JointMoments
+from ..protocols import JointMoments
 from . import gradients
 from .model import RolloutModel
 from .oracle import RolloutOracle

@@ -15,7 +15,7 @@ from ...foundation.errors import SpecError
 from ...sampling.logits import LogitsSource, check_table_size, parse_pair_sources, read_logits_file, resolve_pair_source_logits
 from ...core.precision import Precision, parse_precision
 from ...core.weights import WeightCorrection
-from ..base import CaseConfig
+from ..protocols import CaseConfig
 from .model import RolloutModel
 
 MAX_TOKEN_MEAN_BATCH = 4096        # B of tok_batch rows (groups never span batches or pieces: see kl_bench.core.aggregates)
@@ -66,7 +66,7 @@ def _bucket_of(t: Table, spec_dir: Path) -> str | Path:
 
 
 def parse(t: Table, common: dict[str, Any], spec_dir: Path) -> RolloutCase:
-    """The case's keys (kl_bench.kinds.base.CaseParser.parse)."""
+    """The case's keys (kl_bench.kinds.protocols.CaseParser.parse)."""
     vocab = t.get("vocab", "int", check=positive)
     buckets = t.get("buckets", "int", check=positive)
     if buckets > vocab:

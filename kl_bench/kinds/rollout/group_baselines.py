@@ -15,7 +15,7 @@ from ...core.aggregates import AGGREGATES
 from ...foundation.errors import SpecError
 from ...core.modes import GradItem
 from ...sampling.seeding import piece_draws
-from ..base import BaselineDraws
+from ..protocols import BaselineDraws
 from . import dp
 from .accumulator import SortedPaths
 from .gradients import count_moment, exact_mean, host_vector, score_part
@@ -58,7 +58,7 @@ def exact(model: RolloutModel, est, aggregate: str) -> tuple[np.ndarray, np.ndar
 
 
 def draws(model: RolloutModel, est, aggregate: str, u: np.ndarray, device: torch.device) -> BaselineDraws:
-    """(n, generator) → (F, W, S·u, |S|²) per rollout [n] on ``device`` (kl_bench.kinds.base.BaselineDraws),
+    """(n, generator) → (F, W, S·u, |S|²) per rollout [n] on ``device`` (kl_bench.kinds.protocols.BaselineDraws),
     from recorded paths: F = f(L) or Σ_t f_t, W = Π_t w_t with sequence weights (else 1)."""
     q = model.log_q.exp()
     ut = torch.as_tensor(u, dtype=torch.float64, device=q.device).reshape(q.shape)

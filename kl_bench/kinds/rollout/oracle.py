@@ -22,7 +22,7 @@ import torch
 from ...core import rollout_dp
 from ...core.estimators import RowSource, poly_square
 from ...core.targets import FORWARD, REVERSE
-from ..base import JointMoments
+from ..protocols import JointMoments
 from . import dp
 from .model import RolloutModel
 

@@ -1,6 +1,6 @@
 """Case kind ``rollout``: sequences from two autoregressive token models over a vocabulary of size V.
 
-The pair composes the kind's parts and answers the protocols of kl_bench.kinds.base with them: the model
+The pair composes the kind's parts and answers the protocols of kl_bench.kinds.protocols with them: the model
 (``model``: every table), the exact oracles by aggregate (``oracle``, looked up in
 :data:`~kl_bench.kinds.rollout.aggregates.ROLLOUT_AGGREGATES`), the sampler, the gradients (exact, and the
 Monte Carlo accumulator) and the group baselines. Sequence-level rows ("seq") apply an estimator to
@@ -24,8 +24,9 @@ from ...sampling.logits import describe_sources
 from ...core.precision import in_precision
 from ...sampling.mismatch import CORRECTION_KEYS, LOGIT_KEYS, WEIGHT_KEYS
 from ...core.targets import FORWARD, REVERSE
-from ..base import (BaselineExact, BatchSums, ExactGrad, Features, GradientAccumulator, GradientDefaults, GradItem,
-                    JointMoments, Pair, register_kind)
+from ..protocols import (BaselineExact, BatchSums, ExactGrad, Features, GradientAccumulator, GradItem, JointMoments,
+                         register_kind)
+from ..defaults import GradientDefaults, Pair
 from . import group_baselines as baselines, config, gradients, sampler
 from .accumulator import RolloutGradients
 from .aggregates import ROLLOUT_AGGREGATES

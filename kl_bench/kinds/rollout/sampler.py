@@ -22,7 +22,7 @@ from ...sampling.alias import pick
 from ...core.draws import Draws, Row
 from ...core.rejection import SequenceMask
 from ...sampling.seeding import BatchStream, piece_draws, step_block, uniform_steps
-from ..base import BatchSums, Features
+from ..protocols import BatchSums, Features
 from .model import RolloutModel
 
 
@@ -198,7 +198,7 @@ def paths(model: RolloutModel, n: int, generator: torch.Generator, device: torch
 
 
 def batch_sums(model: RolloutModel, features: Features, tok_rows: list[Row], device: torch.device) -> BatchSums:
-    """Per-batch sums of the per-draw features (kl_bench.kinds.base.DrawSampler.batch_sums), each batch drawn
+    """Per-batch sums of the per-draw features (kl_bench.kinds.protocols.DrawSampler.batch_sums), each batch drawn
     piece by piece from its own stream."""
     piece = piece_draws(device)
 
