@@ -160,7 +160,7 @@ def token_lines(a, dev: torch.device) -> list[Line]:
 
 def count_lines(a, dev: torch.device) -> list[Line]:
     pair = vocab.make_pair("counts")
-    q = pair.log_q[0].exp()
+    q = pair.model.log_q[0].exp()
     n = a.count_draws
     sizes = seeding.batch_sizes(n, 200)
     nb = min(n, a.baseline_draws)

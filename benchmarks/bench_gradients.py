@@ -59,7 +59,7 @@ def kl_bench_rollout(pair, n: int, device: torch.device):
 
 
 def vmap_categorical(pair: CategoricalPair, n: int, device: torch.device, chunk: int = 64) -> np.ndarray:
-    theta0, lp = pair.log_q[0].to(device), pair.log_p[0].to(device)
+    theta0, lp = pair.model.log_q[0].to(device), pair.model.log_p[0].to(device)
     refs = pair.gradient_references()
     rev, fwd = (torch.as_tensor(G.unit(refs[t]), device=device) for t in (REVERSE, FORWARD))
     q = theta0.exp()

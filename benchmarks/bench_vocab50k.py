@@ -29,7 +29,7 @@ from kl_bench.engine.monte_carlo import run_case
 from kl_bench.core.estimators import lookup
 from kl_bench.sampling.logits import zipf_logits
 from kl_bench.kinds import CategoricalPair
-from kl_bench.kinds import categorical
+from kl_bench.kinds.categorical import sampler as categorical   # where the count vectors are drawn
 from memory import peak_in_child  # benchmarks/memory.py, beside this script
 
 V = 50257
@@ -53,8 +53,8 @@ def _stats(logr: torch.Tensor, acc: torch.Tensor) -> None:
 
 
 def torch_multinomial(pair: CategoricalPair, n: int, device: torch.device) -> torch.Tensor:
-    q = pair.log_q[0].exp().to(device)
-    lq, lp = pair.log_q[0].to(device), pair.log_p[0].to(device)
+    q = pair.model.log_q[0].exp().to(device)
+    lq, lp = pair.model.log_q[0].to(device), pair.model.log_p[0].to(device)
     g = torch.Generator(device=device).manual_seed(0)
     acc = torch.zeros(3, len(NAMES), dtype=torch.float64, device=device)
     for start in range(0, n, CHUNK):
@@ -65,7 +65,7 @@ def torch_multinomial(pair: CategoricalPair, n: int, device: torch.device) -> to
 
 def raw_limit(pair: CategoricalPair, n: int, device: torch.device) -> torch.Tensor:
     """What the device can do at best per token: one uniform and one gather of a [V] table, summed."""
-    table = pair.log_p[0].to(device)
+    table = pair.model.log_p[0].to(device)
     g = torch.Generator(device=device).manual_seed(0)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, n, CHUNK):
@@ -75,8 +75,8 @@ def raw_limit(pair: CategoricalPair, n: int, device: torch.device) -> torch.Tens
 
 
 def numpy_choice(pair: CategoricalPair, n: int) -> torch.Tensor:
-    q = pair.log_q[0].exp().numpy()
-    lq, lp = pair.log_q[0], pair.log_p[0]
+    q = pair.model.log_q[0].exp().numpy()
+    lq, lp = pair.model.log_q[0], pair.model.log_p[0]
     rng = np.random.default_rng(0)
     acc = torch.zeros(3, len(NAMES), dtype=torch.float64)
     for start in range(0, n, CHUNK):
@@ -92,7 +92,7 @@ def engine(pair: CategoricalPair, n: int, device: torch.device):
 @contextlib.contextmanager
 def counts_on(where: str, device: torch.device):
     """Count vectors drawn by numpy on the host ("host") or by the torch tree on ``device`` ("device"),
-    whatever this device type's default (kl_bench.kinds.categorical.COUNTS_ON_HOST)."""
+    whatever this device type's default (kl_bench.kinds.categorical.sampler.COUNTS_ON_HOST)."""
     keep = categorical.COUNTS_ON_HOST
     categorical.COUNTS_ON_HOST = keep | {device.type} if where == "host" else keep - {device.type}
     try:

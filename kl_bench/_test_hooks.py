@@ -36,7 +36,7 @@ def _install_kill_after_checkpoint() -> None:
     nth = int(os.environ.get(KILL_AFTER_CHECKPOINT_ENV, "0") or 0)
     if not nth:
         return
-    from .api import folders as runner
+    from .api import run_folder as runner
     save, saved = runner.save_checkpoint, [0]
 
     def save_then_die(*args, **kwargs) -> None:

@@ -29,7 +29,7 @@ def _enumerate(pair, zq, est, baseline, g):
     """E[g_0] and E|g_0|² of draw 0's gradient ∇ sg(f_0 − b_0)·log q_θ(x_0), summed over all V^G groups
     (one context), each gradient by autograd."""
     lq0 = torch.log_softmax(zq[0], -1)
-    lp = pair.log_p[0]
+    lp = pair.model.log_p[0]
     mean, second = torch.zeros(zq.shape[1], dtype=torch.float64), 0.0
     for xs in itertools.product(range(zq.shape[1]), repeat=g):
         prob = float(torch.exp(lq0[list(xs)].sum()))
@@ -87,8 +87,8 @@ def test_bad_group_and_clipped_sampler_are_refused():
     pair, _ = _pair()
     with pytest.raises(SpecError, match="2 ≤ G ≤ 65536"):
         BL.baseline_rows(pair, [ESTIMATORS["k1"]], ["group_mean"], [1], draws=100, seed=0)
-    lq = pair.log_q
-    clipped = CategoricalPair("s", lq, pair.log_p, log_b=torch.log_softmax(lq / 0.8, -1), weights="token",
+    lq = pair.model.log_q
+    clipped = CategoricalPair("s", lq, pair.model.log_p, log_b=torch.log_softmax(lq / 0.8, -1), weights="token",
                               correction=WeightCorrection(clip=(0.2, 0.2)))
     with pytest.raises(SpecError, match="PPO clip"):
         BL.exact_baseline_gradient(clipped, ESTIMATORS["k1"], "group_mean", 2)
@@ -98,26 +98,26 @@ def _sampled(kind: str, v=5, seed=2):
     """A one-context pair drawn by b: top-3 of q with token weights (truncating: E_b[ρ s] ≠ 0), a
     tempered q with capped token weights, or a tempered q without weights."""
     pair, zq = _pair(v=v, seed=seed)
-    lq = pair.log_q
+    lq = pair.model.log_q
     if kind == "top-k":
         sp = SamplerSpec(top_k=3, weights="token")
-        return CategoricalPair("s", lq, pair.log_p, log_b=sp.logprobs(lq, pair.log_p), weights="token"), zq
+        return CategoricalPair("s", lq, pair.model.log_p, log_b=sp.logprobs(lq, pair.model.log_p), weights="token"), zq
     lb = torch.log_softmax(lq / 1.6, -1)
     if kind == "tempered-capped":
-        return CategoricalPair("s", lq, pair.log_p, log_b=lb, weights="token", weight_cap=1.3), zq
-    return CategoricalPair("s", lq, pair.log_p, log_b=lb), zq
+        return CategoricalPair("s", lq, pair.model.log_p, log_b=lb, weights="token", weight_cap=1.3), zq
+    return CategoricalPair("s", lq, pair.model.log_p, log_b=lb), zq
 
 
 def _enumerate_sampled(pair, zq, est, baseline, g):
     """E[g_0], E|g_0|² of ρ(x_0)·(f_0 − b_0)·∇log q_θ(x_0) over every group of G draws from b (one
     context): ρ = min(q/b, cap) with token weights, 1 without; b_0 the plain mean of f (as trainers)."""
-    lq0, lb0 = torch.log_softmax(zq[0], -1), pair.log_b[0]
-    cap = pair.correction.cap
+    lq0, lb0 = torch.log_softmax(zq[0], -1), pair.model.log_b[0]
+    cap = pair.model.correction.cap
     support = [x for x in range(zq.shape[1]) if lb0[x] > -torch.inf]
     mean, second = torch.zeros(zq.shape[1], dtype=torch.float64), 0.0
     for xs in itertools.product(support, repeat=g):
         prob = float(torch.exp(lb0[list(xs)].sum()))
-        f = ESTIMATORS[est].fn(pair.log_p[0, list(xs)] - lq0[list(xs)])
+        f = ESTIMATORS[est].fn(pair.model.log_p[0, list(xs)] - lq0[list(xs)])
         base = f.mean() if baseline == "group_mean" else (f.sum() - f[0]) / (g - 1)
         rho = 1.0
         if pair.weights == "token":

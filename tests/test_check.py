@@ -89,16 +89,19 @@ def test_injected_bugs_fail_the_gate(bug, monkeypatch):
         monkeypatch.setattr(gaussian.GaussianPair, "sample", flipped)
         touched = {"g"}
     elif bug == "logr-sign-flip-categorical":
-        from kl_bench.kinds import categorical
-        orig_c = categorical.CategoricalPair.batch_sums
+        import dataclasses
+
+        from kl_bench.kinds.categorical.sampler import CategoricalSampler
+        orig_c = CategoricalSampler.batch_sums
 
         def flipped_c(self, features, tok_rows, device):
-            self._logr = -self._logr
+            model = self.model
+            self.model = dataclasses.replace(model, logr=-model.logr)
             try:
                 return orig_c(self, features, tok_rows, device)
             finally:
-                self._logr = -self._logr
-        monkeypatch.setattr(categorical.CategoricalPair, "batch_sums", flipped_c)
+                self.model = model
+        monkeypatch.setattr(CategoricalSampler, "batch_sums", flipped_c)
         touched = {"c"}
     else:
         _patch_estimator(monkeypatch, "fwd_k1", est_mod.k1)

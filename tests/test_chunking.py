@@ -16,6 +16,7 @@ from kl_bench.sampling.logits import zipf_logits
 from kl_bench.sampling import seeding
 from kl_bench.engine.monte_carlo import WEIGHT_FEATURES, run_case
 from kl_bench.kinds import CASE_KINDS, CategoricalPair
+from kl_bench.kinds.categorical.sampler import CategoricalSampler
 from kl_bench.kinds.rollout import sampler as rollout_sampler
 from kl_bench.sampling.seeding import BatchStream, batch_generator, batch_streams, piece_sizes
 
@@ -93,8 +94,9 @@ def test_no_call_draws_more_than_one_piece(case, small_pieces, monkeypatch):
     prep = prepare(_spec(1 << 22, {case: CASES[case]}))
     pair = prep.pairs[0]
     seen: list[int] = []
-    # The owner of each kind's drawing function: its pair class, or the rollout kind's sampler module.
-    cls = {"rollout": rollout_sampler}.get(pair.kind, type(pair))
+    # The owner of each kind's drawing function: its pair class, the categorical kind's sampler class, or the
+    # rollout kind's sampler module.
+    cls = {"rollout": rollout_sampler, "categorical": CategoricalSampler}.get(pair.kind, type(pair))
     # (The categorical kind draws token ids one by one, or alias slots of several pieces at once to count them.)
     names = {"gaussian": ["sample"], "categorical": ["sample_ids", "sample_slots"], "rollout": ["simulate"],
              "logprobs": ["sample_draws"]}[pair.kind]
@@ -108,7 +110,7 @@ def test_no_call_draws_more_than_one_piece(case, small_pieces, monkeypatch):
         monkeypatch.setattr(cls, name, spy(getattr(cls, name)))
     run_case(pair, ROWS, draws=40_000, seed=3, batches=2, chunk=1 << 22, device=CPU)
     piece = pair.piece_draws(CPU)
-    if pair.kind == "categorical" and pair.uses_counts(20_000):
+    if pair.kind == "categorical" and pair.sampler.uses_counts(20_000):
         assert seen == []                      # counts drawn directly: no per-draw memory at all
     else:
         assert seen and max(seen) <= piece and sum(seen) == 40_000, (max(seen), piece)
@@ -139,10 +141,10 @@ def test_count_vectors_are_multinomial(sampling):
     against its standard error (binomial fourth central moment for the variance)."""
     pair = _small_pair(sampling)
     n, k = 60, 4000
-    w = pair.log_q.exp()[0].numpy()
+    w = pair.model.log_q.exp()[0].numpy()
     counts = np.zeros((k, 6))
     for s in batch_streams(11, "six", [n] * k, CPU):
-        ids, c = pair.batch_counts(s, CPU)
+        ids, c = pair.sampler.batch_counts(s, CPU)
         if ids is None:
             counts[s.index] = c.numpy()
         else:

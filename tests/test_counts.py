@@ -32,8 +32,8 @@ ROWS = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full"]
 def test_every_categorical_case_matches_exact_both_ways(path, case):
     pair = build_pair(dataclasses.replace(case, sampling="counts"), str(path))
     for sampling in ("counts", "tokens"):
-        pair.sampling = sampling                       # the same tables, the other path
-        assert pair.uses_counts(2000) == (sampling == "counts")
+        pair.sampler.sampling = sampling                       # the same tables, the other path
+        assert pair.sampler.uses_counts(2000) == (sampling == "counts")
         df = mc_frame(pair, ROWS, draws=200_000, seed=1, batches=100)
         checked = df[df["exact_mean"].notna()]
         assert (checked["z"].abs() < 5).all(), (sampling, checked[["estimator", "mean", "exact_mean", "z"]])

@@ -201,8 +201,8 @@ def test_token_counts_by_slot_on_the_gpu_equal_the_tokens_counted_one_by_one(mon
     pair = CategoricalPair("c", lq, lq.flip(-1), sampling="tokens")
     for sizes in ([300, 450, 250, 999], [25_000, 10, 1000, 1], [16_000] * 3):
         streams = batch_streams(5, "slots", sizes, CUDA)
-        got = pair._token_counts(streams, CUDA)
+        got = pair.sampler.token_counts(streams, CUDA)
         for b, counts in zip(streams, got):
-            ids = torch.cat([pair.sample_ids(k, g, CUDA) for k, g in b.pieces(pair.piece_draws(CUDA))])
+            ids = torch.cat([pair.sampler.sample_ids(k, g, CUDA) for k, g in b.pieces(pair.piece_draws(CUDA))])
             assert counts.device.type == "cuda"
             assert torch.equal(counts, torch.bincount(ids, minlength=3000).double()), (sizes, b.index)

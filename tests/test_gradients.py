@@ -15,6 +15,7 @@ from kl_bench.core.targets import FORWARD, REVERSE
 from kl_bench.cli import app
 from kl_bench.core.estimators import ESTIMATORS, make_cv
 from kl_bench.kinds import CategoricalPair, GaussianPair
+from kl_bench.kinds.categorical.gradients import exact_gradient_of_table
 
 from .conftest import CPU
 
@@ -58,10 +59,10 @@ def _cat(b=3, v=40, seed=0):
 
 def test_categorical_reference_gradients_against_autograd_on_the_exact_kl():
     pair = _cat()
-    z = pair.log_q.clone().requires_grad_(True)
+    z = pair.model.log_q.clone().requires_grad_(True)
     lq = torch.log_softmax(z, -1)
-    rev = (lq.exp() * (lq - pair.log_p)).sum(-1).mean()
-    fwd = (pair.log_p.exp() * (pair.log_p - lq)).sum(-1).mean()
+    rev = (lq.exp() * (lq - pair.model.log_p)).sum(-1).mean()
+    fwd = (pair.model.log_p.exp() * (pair.model.log_p - lq)).sum(-1).mean()
     g_rev = torch.autograd.grad(rev, z, retain_graph=True)[0].reshape(-1).numpy()
     g_fwd = torch.autograd.grad(fwd, z)[0].reshape(-1).numpy()
     r, f = _refs(pair)
@@ -75,12 +76,12 @@ def test_categorical_expected_gradient_against_brute_force(mode):
         if mode not in M.modes_for(est):
             continue
         c = M.coefficient(est, mode)
-        ex = pair.exact_gradient_of_table(c(pair.support_logr), {}).mean.reshape(2, 15)
-        q = pair.log_q.exp().numpy()
+        ex = exact_gradient_of_table(pair.model, c(pair.model.logr), {}).mean.reshape(2, 15)
+        q = pair.model.log_q.exp().numpy()
         brute = np.zeros((2, 15))
         for b in range(2):
             for x in range(15):
-                lr = torch.tensor([float(pair.log_p[b, x] - pair.log_q[b, x])], dtype=torch.float64)
+                lr = torch.tensor([float(pair.model.log_p[b, x] - pair.model.log_q[b, x])], dtype=torch.float64)
                 s = -q[b].copy()
                 s[x] += 1
                 brute[b] += 0.5 * q[b, x] * float(c(lr)[0]) * s
@@ -122,10 +123,10 @@ def test_categorical_trace_and_n_for_cos90_hold_up_in_simulation():
     assert abs(r["z_trace"]) < 5                       # the measured E|g|² against its exact value
     n, trials = int(r["n_for_cos90"]), 2000
     rev, _ = _refs(pair)
-    q = pair.log_q.exp()[0]
-    ids = pair.sample_ids(n * trials, torch.Generator().manual_seed(11), CPU).view(trials, n)
-    c = M.coefficient(k2, "loss")(pair.support_logr[ids])                                   # [trials, n]
-    grads = torch.zeros(trials, 200, dtype=torch.float64).scatter_add_(1, pair.support_ids[ids], c) / n
+    q = pair.model.log_q.exp()[0]
+    ids = pair.sampler.sample_ids(n * trials, torch.Generator().manual_seed(11), CPU).view(trials, n)
+    c = M.coefficient(k2, "loss")(pair.model.logr[ids])                                   # [trials, n]
+    grads = torch.zeros(trials, 200, dtype=torch.float64).scatter_add_(1, pair.model.support[ids], c) / n
     grads -= q[None] * c.mean(1, keepdim=True)                                       # mean of c (e_x − q)
     g = grads.numpy()
     cos = (g @ rev) / (np.linalg.norm(g, axis=1) * np.linalg.norm(rev))
@@ -163,10 +164,10 @@ p = {mean = -0.2, std = 1.3}
 def test_categorical_sampler_gradients_against_brute_force_and_monte_carlo(weights, cap):
     """x ~ b = tempered q; the score stays q's and weights multiply by the detached (capped) q/b."""
     base = _cat(b=2, v=30, seed=5)
-    lb = torch.log_softmax(base.log_q / 1.5, -1)
-    pair = CategoricalPair("s", base.log_q, base.log_p, log_b=lb, weights=weights, weight_cap=cap,
+    lb = torch.log_softmax(base.model.log_q / 1.5, -1)
+    pair = CategoricalPair("s", base.model.log_q, base.model.log_p, log_b=lb, weights=weights, weight_cap=cap,
                            sampler_label="temperature=1.5")
-    q, b = base.log_q.exp().numpy(), lb.exp().numpy()
+    q, b = base.model.log_q.exp().numpy(), lb.exp().numpy()
     rows = pd.DataFrame(G.gradient_rows(pair, ESTS[:3], draws=200_000, seed=2, batches=100, device=CPU))
     rev, fwd = _refs(pair)
     for j, (est, mode) in enumerate((e, m) for e in ESTS[:3] for m in M.modes_for(e)):
@@ -177,7 +178,7 @@ def test_categorical_sampler_gradients_against_brute_force_and_monte_carlo(weigh
                 w = 1.0 if weights == "none" else min(q[ctx, x] / b[ctx, x], cap or math.inf)
                 s = -q[ctx].copy()
                 s[x] += 1
-                lr = torch.tensor([float(pair.log_p[ctx, x] - pair.log_q[ctx, x])], dtype=torch.float64)
+                lr = torch.tensor([float(pair.model.log_p[ctx, x] - pair.model.log_q[ctx, x])], dtype=torch.float64)
                 brute[ctx] += 0.5 * b[ctx, x] * w * float(c(lr)[0]) * s
         got = pair.gradient_exact(GradItem.of(est, mode), {}).mean
         assert np.allclose(got, brute.reshape(-1), rtol=1e-10, atol=1e-15), (est.name, mode)
@@ -232,12 +233,12 @@ def test_coefficients_match_autograd_of_the_trainer_losses(mode):
         if mode not in M.modes_for(est):
             continue
         for x in range(12):
-            theta = pair.log_q[0].clone().requires_grad_(True)
+            theta = pair.model.log_q[0].clone().requires_grad_(True)
             lq = torch.log_softmax(theta, -1)
-            (g,) = torch.autograd.grad(M.trainer_loss(est, mode, lq[x], pair.log_p[0, x]), theta)
-            s = -pair.log_q[0].exp()
+            (g,) = torch.autograd.grad(M.trainer_loss(est, mode, lq[x], pair.model.log_p[0, x]), theta)
+            s = -pair.model.log_q[0].exp()
             s[x] += 1
-            c = M.coefficient(est, mode)(pair.log_p[0, x:x + 1] - pair.log_q[0, x:x + 1])
+            c = M.coefficient(est, mode)(pair.model.log_p[0, x:x + 1] - pair.model.log_q[0, x:x + 1])
             assert torch.allclose(g, c * s, rtol=1e-12, atol=1e-14), (est.name, mode, x)
 
 
@@ -246,12 +247,12 @@ def test_self_target_of_categoricals_and_gaussians():
     which does not move the target), and against loss_is on-policy for Gaussians; a row that equals
     it and no KL gradient is labelled `self` (k2 in loss_is)."""
     pair = _cat()
-    lb = torch.log_softmax(pair.log_q / 1.5, -1)
-    sampled = CategoricalPair("s", pair.log_q, pair.log_p, log_b=lb, weights="token")
+    lb = torch.log_softmax(pair.model.log_q / 1.5, -1)
+    sampled = CategoricalPair("s", pair.model.log_q, pair.model.log_p, log_b=lb, weights="token")
     for est in ESTS:
-        theta = pair.log_q.clone().requires_grad_(True)
+        theta = pair.model.log_q.clone().requires_grad_(True)
         lq = torch.log_softmax(theta, -1)
-        (want,) = torch.autograd.grad((lq.exp() * est.fn(pair.log_p - lq)).sum(-1).mean(), theta)
+        (want,) = torch.autograd.grad((lq.exp() * est.fn(pair.model.log_p - lq)).sum(-1).mean(), theta)
         for pr in (pair, sampled):
             got = pr.gradient_self(GradItem.of(est, "loss"))
             assert np.allclose(got, want.reshape(-1).numpy(), rtol=0, atol=1e-13), est.name

@@ -68,8 +68,8 @@ def test_multivariate_and_categorical_lambda_star_against_brute_force():
     # λ* = [KL(p‖q) + KL(q‖p)]/χ², χ² from the product over dimensions of E_q[r²].
     assert j.lambda_star == pytest.approx((g.kl() + g.kl_forward()) / j.var_b, rel=1e-12)
     pair = _categorical(vocab=500, contexts=3)
-    w = (pair.log_q.exp() / 3).reshape(-1).numpy()
-    logr = (pair.log_p - pair.log_q).reshape(-1).numpy()
+    w = (pair.model.log_q.exp() / 3).reshape(-1).numpy()
+    logr = (pair.model.log_p - pair.model.log_q).reshape(-1).numpy()
     r = np.exp(logr)
     cov = np.sum(w * logr * r) - np.sum(w * logr) * np.sum(w * r)
     assert pair.exact_joint().lambda_star == pytest.approx(cov / (np.sum(w * r * r) - np.sum(w * r) ** 2),

@@ -395,6 +395,6 @@ def test_a_cold_sampler_that_never_draws_a_tail_is_flagged_by_its_exact_kurtosis
     pair = CategoricalPair("c", torch.log_softmax(torch.tensor([[0.0, 1.0]], dtype=torch.float64), -1),
                            torch.log_softmax(torch.tensor([[0.5, 0.0]], dtype=torch.float64), -1))
     k1 = lookup("k1")
-    v = -pair._logr
-    w = pair._weights()
+    v = -pair.model.logr
+    w = pair.model.weights()
     assert pair.kurtosis_proxy(k1) == pytest.approx(float((w * v**4).sum() / (w * v**2).sum() ** 2), rel=1e-14)

@@ -42,9 +42,9 @@ def test_next_token_truth_is_an_exact_sum_over_the_vocabulary(tiny_models):
     prompts = lm.read_prompts(tiny_models / "prompts.txt", tiny_models / "policy")
     lq = _independent_logprobs(tiny_models / "policy", prompts)
     lp = _independent_logprobs(tiny_models / "reference", prompts)
-    assert pair.kind == "model" and pair.contexts == len(prompts) and pair.vocab == 1000
+    assert pair.kind == "model" and pair.model.contexts == len(prompts) and pair.model.vocab == 1000
     # Batched, left-padded forwards agree with one prompt at a time to float32 rounding.
-    assert torch.allclose(pair.log_q, lq, atol=1e-5) and torch.allclose(pair.log_p, lp, atol=1e-5)
+    assert torch.allclose(pair.model.log_q, lq, atol=1e-5) and torch.allclose(pair.model.log_p, lp, atol=1e-5)
     kl = float((lq.exp() * (lq - lp)).sum(-1).mean())           # float64 sum over the vocabulary
     fwd = float((lp.exp() * (lp - lq)).sum(-1).mean())
     assert pair.kl() == pytest.approx(kl, rel=1e-5) and pair.kl_forward() == pytest.approx(fwd, rel=1e-5)
@@ -61,7 +61,7 @@ def test_next_token_exact_means_of_unbiased_rows_equal_the_truth(tiny_models):
     for est in ("k1", "k3", "full"):
         assert abs(rev.loc[est, "exact_rel_bias"]) < 1e-13, (est, rev.loc[est, "exact_rel_bias"])
     pair = prepare(_spec([model_case(tiny_models)])).pairs[0]
-    for lt in (pair.log_q, pair.log_p):
+    for lt in (pair.model.log_q, pair.model.log_p):
         assert (lt.exp().sum(-1) - 1).abs().max() < 1e-13
 
 
@@ -113,11 +113,11 @@ def test_one_token_continuations_reproduce_the_next_token_case(tiny_models):
     cont.length = 1
     n = 100
     draws = cont.generate(n, torch.Generator().manual_seed(5), CPU)
-    idx = torch.randint(nxt.contexts, (n,), generator=torch.Generator().manual_seed(5))
-    kl_ctx = (nxt.log_q.exp() * (nxt.log_q - nxt.log_p)).sum(-1)
+    idx = torch.randint(nxt.model.contexts, (n,), generator=torch.Generator().manual_seed(5))
+    kl_ctx = (nxt.model.log_q.exp() * (nxt.model.log_q - nxt.model.log_p)).sum(-1)
     assert torch.allclose(draws.full, kl_ctx[idx], rtol=1e-6, atol=1e-9)
     # log r of the drawn token is an entry of the next-token table of its prompt
-    table = (nxt.log_p - nxt.log_q)[idx]
+    table = (nxt.model.log_p - nxt.model.log_q)[idx]
     assert ((table - draws.logr[:, None]).abs().min(-1).values < 1e-6).all()
 
 
@@ -206,7 +206,7 @@ def test_dump_logits_feeds_categorical_and_logprobs_cases(tiny_models, tmp_path)
                           "p": {"file": nt, "key": "reference"}}])).pairs[0]
     model = prepare(_spec([model_case(tiny_models)])).pairs[0]
     # The file holds the float32 log-probs both pairs renormalise in float64: the very same tables.
-    assert torch.equal(cat.log_q, model.log_q) and torch.equal(cat.log_p, model.log_p)
+    assert torch.equal(cat.model.log_q, model.model.log_q) and torch.equal(cat.model.log_p, model.model.log_p)
     assert cat.kl() == model.kl() and cat.kl_forward() == model.kl_forward()
     data = torch.load(out / "continuations.pt")
     assert data["logp_policy"].shape == data["mask"].shape == (300, 4)

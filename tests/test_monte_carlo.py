@@ -60,7 +60,7 @@ def test_kl_of_q_against_itself_is_exactly_zero(pair_name):
         g = pair.params
         same = GaussianPair("same", g.mq, g.sq, g.mq, g.sq)
     else:
-        same = CategoricalPair("same", pair.log_q, pair.log_q)
+        same = CategoricalPair("same", pair.model.log_q, pair.model.log_q)
     assert same.kl() == 0 and same.kl_forward() == 0
     df = mc_frame(same, ALL, draws=10_000, batches=10)
     assert (df["mean"] == 0).all() and (df["std"] == 0).all() and (df["exact_mean"] == 0).all()
@@ -107,7 +107,7 @@ def test_k3_keeps_precision_for_tiny_log_ratios():
 def test_permuting_the_vocabulary_keeps_monte_carlo_in_agreement():
     pair = _categorical(vocab=3000)
     perm = torch.randperm(3000, generator=torch.Generator().manual_seed(9))
-    permuted = CategoricalPair("perm", pair.log_q[:, perm], pair.log_p[:, perm])
+    permuted = CategoricalPair("perm", pair.model.log_q[:, perm], pair.model.log_p[:, perm])
     a, b = mc_frame(pair, ALL, draws=200_000), mc_frame(permuted, ALL, draws=200_000)
     for (_, x), (_, y) in zip(a.iterrows(), b.iterrows()):
         assert abs(x["mean"] - y["mean"]) <= 5 * math.hypot(x["se"], y["se"]) + 1e-12 * abs(x["mean"]), \

@@ -14,17 +14,19 @@ import pytest
 import torch
 from scipy import stats
 
-from kl_bench.foundation.launches import count_ops
+from .bench_tools import launches
 from kl_bench.sampling import multinomial as mn
 from kl_bench.engine.monte_carlo import run_case
 from kl_bench.sampling.logits import zipf_logits
 from kl_bench.kinds import CategoricalPair
-from kl_bench.kinds import categorical
+from kl_bench.kinds.categorical import sampler as categorical   # where the count vectors are drawn
 from kl_bench.results import to_frame
 from kl_bench.experiment.rows import summarize
 from kl_bench.sampling.seeding import BatchStream, batch_streams
 
 from .conftest import mc_frame
+
+count_ops = launches.count_ops   # benchmarks/launches.py
 
 CPU = torch.device("cpu")
 Z = 5.0                                       # every statistical check: |z| < 5 at a fixed seed
@@ -240,7 +242,7 @@ def test_a_batch_draws_the_same_alone_or_with_others():
 def test_launches_per_call_do_not_grow_with_the_batches(monkeypatch):
     """On a GPU each operation is about one kernel launch, and the tree was launch-bound on an H100 (issue 33: one
     uniform call per batch and level, ~10 operations per inversion step). A call's operations (counted at
-    the dispatcher, kl_bench.foundation.launches) grow by the batches' own uniform calls only, and a
+    the dispatcher, benchmarks/launches.py) grow by the batches' own uniform calls only, and a
     level costs a bounded number of them whatever n: measured here, the same on any device. (Rows of 20
     attempts, so that no node of these sizes needs the rare fresh rows, whose rounds cost a level's
     attempt again: about one node in 10^6 with the default 12.)"""
@@ -313,8 +315,8 @@ def test_the_cpu_keeps_numpys_count_vectors():
     """On the CPU the count vectors are numpy's, exactly as before the tree existed (results/ stay put)."""
     pair = _pair()
     b = BatchStream(3, "c", 7, 123_456, CPU)
-    ids, counts = pair.batch_counts(b, CPU)
-    want = b.numpy_generator().multinomial(123_456, pair._pvals)
+    ids, counts = pair.sampler.batch_counts(b, CPU)
+    want = b.numpy_generator().multinomial(123_456, pair.model.pvals)
     assert ids is None and np.array_equal(counts.numpy(), want.astype(np.float64))
 
 
@@ -329,8 +331,8 @@ def test_categorical_counts_through_the_tree_ignore_the_chunk(tree_on_cpu):
     runs = [run_case(pair, ["k1", "k3"], draws=200_000, seed=3, batches=20, chunk=chunk, device=CPU, joint=True)
             for chunk in (1, 25_000, 1 << 22)]
     assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
-    assert pair.batches_per_chunk(10_000, 1) == mn.batches_per_call(pair.support_ids.shape[0])   # count vectors: by memory
-    pair.sampling = "tokens"
+    assert pair.batches_per_chunk(10_000, 1) == mn.batches_per_call(pair.model.support.shape[0])   # count vectors: by memory
+    pair.sampler.sampling = "tokens"
     assert pair.batches_per_chunk(100, 1000) == 10                              # tokens: by draws
 
 
@@ -342,7 +344,7 @@ def test_a_smaller_devices_budget_splits_calls_not_counts(tree_on_cpu, monkeypat
     calls: list[int] = []
     orig = categorical.draw_counts
     monkeypatch.setattr(categorical, "draw_counts", lambda t, sizes, g: calls.append(len(sizes)) or orig(t, sizes, g))
-    widest = (pair.support_ids.shape[0] + 1) // 2                                   # nodes of the widest level
+    widest = (pair.model.support.shape[0] + 1) // 2                                   # nodes of the widest level
     monkeypatch.setattr(categorical, "call_bytes", lambda device: 3 * mn.NODE_BYTES * widest)   # 3 batches a call
     split = run_case(pair, ["k1", "k3"], draws=200_000, seed=3, batches=20, chunk=1 << 22, device=CPU, joint=True)
     assert max(calls) == 3 and sum(calls) == 20 and torch.equal(whole.sums, split.sums)
@@ -354,7 +356,7 @@ def test_count_vectors_of_a_chunk_are_multinomial(tree_on_cpu):
     lq = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], dtype=torch.float64), -1)
     pair = CategoricalPair("six", lq, lq, sampling="counts")
     n, k = 60, 3000
-    counts = torch.stack([c for _, c in pair.count_vectors(batch_streams(11, "six", [n] * k, CPU), CPU)]).numpy()
+    counts = torch.stack([c for _, c in pair.sampler.count_vectors(batch_streams(11, "six", [n] * k, CPU), CPU)]).numpy()
     w = lq.exp()[0].numpy()
     assert (counts.sum(1) == n).all()
     var = n * w * (1 - w)
@@ -372,10 +374,10 @@ def test_token_pieces_of_several_general_pieces(monkeypatch):
     monkeypatch.setitem(seeding.PIECE_DRAWS, "cpu", 1000)
     monkeypatch.setitem(seeding.TOKEN_PIECES, "cpu", 4)
     pair = _pair()
-    pair.sampling = "tokens"
+    pair.sampler.sampling = "tokens"
     seen: list[int] = []
-    orig = CategoricalPair.sample_slots
-    monkeypatch.setattr(CategoricalPair, "sample_slots", lambda self, n, g, *a: seen.append(sum(n)) or orig(self, n, g, *a))
+    orig = categorical.CategoricalSampler.sample_slots
+    monkeypatch.setattr(categorical.CategoricalSampler, "sample_slots", lambda self, n, g, *a: seen.append(sum(n)) or orig(self, n, g, *a))
     runs = [run_case(pair, ["k1", "k3"], draws=90_000, seed=3, batches=6, chunk=chunk, device=CPU, joint=True)
             for chunk in (1, 20_000, 1 << 22)]
     assert all(torch.equal(runs[0].sums, r.sums) for r in runs[1:])
@@ -425,14 +427,14 @@ def test_token_counts_by_alias_slot_equal_the_tokens_counted_one_by_one(monkeypa
     from kl_bench.sampling.seeding import batch_streams
     monkeypatch.setitem(seeding.PIECE_DRAWS, "cpu", 1000)
     pair = _pair()
-    m = pair.support_ids.shape[0]
+    m = pair.model.support.shape[0]
     for sizes in ([300, 450, 250, 999], [2500, 10, 1000, 1], [1000] * 3):
         streams = batch_streams(5, "slots", sizes, CPU)
-        got = pair._token_counts(streams, CPU)
+        got = pair.sampler.token_counts(streams, CPU)
         for b, counts in zip(streams, got):
-            ids = torch.cat([pair.sample_ids(k, g, CPU) for k, g in b.pieces(1000)])
+            ids = torch.cat([pair.sampler.sample_ids(k, g, CPU) for k, g in b.pieces(1000)])
             assert torch.equal(counts, torch.bincount(ids, minlength=m).double()), (sizes, b.index)
     # Slots come as int32 wherever the round's bins fit in one (all of the above), else int64: the same slots.
     gens = lambda: [torch.Generator().manual_seed(s) for s in (1, 2)]                       # noqa: E731
-    wide, narrow = (pair.sample_slots([700, 300], gens(), CPU, dt) for dt in (torch.int64, torch.int32))
+    wide, narrow = (pair.sampler.sample_slots([700, 300], gens(), CPU, dt) for dt in (torch.int64, torch.int32))
     assert wide.dtype == torch.int64 and narrow.dtype == torch.int32 and torch.equal(wide, narrow.long())

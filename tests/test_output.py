@@ -112,7 +112,7 @@ def test_the_effective_sample_size_agrees_with_its_exact_expectation():
     res = kl_bench.run(spec)
     ess = float(res.summary["ess"].iloc[0])
     pair = res.pairs[0]
-    lq, lb = pair.log_q[0], pair.log_b[0]                    # [V]: one context
+    lq, lb = pair.model.log_q[0], pair.model.log_b[0]                    # [V]: one context
     m = [float((lb.exp() * torch.exp(k * (lq - lb))).sum()) for k in range(5)]       # E_b w^k, exact
     assert m[1] == pytest.approx(1.0, rel=1e-12)
     want = 1 / m[2]

@@ -111,10 +111,10 @@ def _zipf_pair(precision, vocab=3000, noise=0.05):
 def test_rounded_log_ratios_are_representable_in_the_estimator_dtype():
     pair = _zipf_pair(None)
     for name in ("float32", "bfloat16", "float16"):
-        t = rounded_logr(pair.log_q, pair.log_p, Precision(name, "float32", name))
+        t = rounded_logr(pair.model.log_q, pair.model.log_p, Precision(name, "float32", name))
         assert torch.equal(t, t.to(getattr(torch, name)).to(torch.float64))
-    exact = rounded_logr(pair.log_q, pair.log_p, Precision())
-    assert torch.allclose(exact, pair.log_p - pair.log_q, rtol=0, atol=1e-14)
+    exact = rounded_logr(pair.model.log_q, pair.model.log_p, Precision())
+    assert torch.allclose(exact, pair.model.log_p - pair.model.log_q, rtol=0, atol=1e-14)
 
 
 @pytest.mark.parametrize("prec", [
@@ -198,7 +198,7 @@ def test_monte_carlo_matches_the_exact_moments_of_logits_rounded_at_offset_20():
     """Raw logits whose top is 20 (a model's scale), rounded to bf16 as given: the measured means agree
     with the exact rounded sums, and the rounding bias exceeds that of the normalised log-probs."""
     ref = _zipf_pair(None)
-    lq, lp = ref.log_q, ref.log_p
+    lq, lp = ref.model.log_q, ref.model.log_p
     given = CategoricalPair("g", lq, lp, precision=Precision("bfloat16", "float32", "float32"),
                             logits=(lq - lq.max() + 20, lp - lq.max() + 20))
     normalised = CategoricalPair("n", lq, lp, precision=Precision("bfloat16", "float32", "float32", of="logprobs"),

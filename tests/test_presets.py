@@ -147,7 +147,7 @@ def _clamps_fire(vocab=400, temperature=0.2):
 
 def test_preset_exact_moments_against_monte_carlo_where_clamps_fire():
     pair = _clamps_fire()
-    assert float((pair.log_p - pair.log_q).min()) < -20         # the log-ratio clamp fires on some tokens
+    assert float((pair.model.log_p - pair.model.log_q).min()) < -20         # the log-ratio clamp fires on some tokens
     names = [p.name for p in PRESETS]
     df = mc_frame(pair, names, draws=200_000, seed=5, batches=100)
     assert len(df) == len(names) and df["exact_mean"].notna().all()
@@ -161,9 +161,9 @@ def test_preset_exact_moments_against_monte_carlo_where_clamps_fire():
 def _brute_force_expected_gradient(pair, est, mode):
     """Σ_x sg(q(x)) ∇θ loss_x(θ), θ = q's logits [V] (one context), by autograd of the trainer's own
     expression (kl_bench.core.modes.trainer_loss): independent of the coefficient tables."""
-    theta = pair.log_q[0].clone().requires_grad_(True)
+    theta = pair.model.log_q[0].clone().requires_grad_(True)
     log_q = torch.log_softmax(theta, -1)
-    loss = M.trainer_loss(est, mode, log_q, pair.log_p[0])
+    loss = M.trainer_loss(est, mode, log_q, pair.model.log_p[0])
     (g,) = torch.autograd.grad((log_q.exp().detach() * loss).sum(), theta)
     return g.numpy()
 
@@ -177,9 +177,9 @@ def test_nemo_order_gives_clamped_tokens_zero_gradient_unlike_clamp_then_weight(
     assert np.allclose(nemo, _brute_force_expected_gradient(pair, est, "loss_is_nemo"), rtol=1e-10, atol=1e-14)
     assert np.allclose(plain, _brute_force_expected_gradient(pair, est, "loss_is"), rtol=1e-10, atol=1e-14)
     # Where no clamp fires both coefficients are f − f′; where one fires NeMo's is 0, clamp(f)·w's is ±10.
-    fired = ~M.nemo_active(est, pair.support_logr)
-    c_nemo = M.coefficient(est, "loss_is_nemo")(pair.support_logr)
-    c_plain = M.coefficient(est, "loss_is")(pair.support_logr)
+    fired = ~M.nemo_active(est, pair.model.logr)
+    c_nemo = M.coefficient(est, "loss_is_nemo")(pair.model.logr)
+    c_plain = M.coefficient(est, "loss_is")(pair.model.logr)
     assert bool(fired.any()) and bool((c_nemo[fired] == 0).all()) and torch.equal(c_nemo[~fired], c_plain[~fired])
     assert bool((c_plain[fired].abs() >= 10).all())
 
@@ -213,12 +213,12 @@ def _nemo_under_sampler_brute_force(pair, kl_type, approximation):
     """Σ_x b(x) ∇θ loss_x(θ), θ = q's logits, loss_x = NeMo-RL's calculate_kl with its ClippedPGLossFn
     weight written out: exp(curr − gen) with gen = log b (use_on_policy_kl_approximation) or
     exp(curr − sg curr) (the default), nan_to_num'd as NeMo-RL does."""
-    theta = pair.log_q[0].clone().requires_grad_(True)
+    theta = pair.model.log_q[0].clone().requires_grad_(True)
     curr = torch.log_softmax(theta, -1)
-    gen = pair.log_b[0]
+    gen = pair.model.log_b[0]
     w = torch.exp(curr - gen) if approximation else torch.exp(curr - curr.detach())
     w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
-    loss = _nemo_calculate_kl(curr, pair.log_p[0], kl_type, importance_sampling_weights=w)
+    loss = _nemo_calculate_kl(curr, pair.model.log_p[0], kl_type, importance_sampling_weights=w)
     (g,) = torch.autograd.grad((gen.exp() * loss).sum(), theta)
     return g.numpy()
 
@@ -229,25 +229,25 @@ def test_nemo_order_under_a_sampler_categorical(kl_type):
     detached, inside the output clamp), weights = "none" its default weight; both exact expected gradients
     equal autograd of NeMo's expression summed over b, and the approximation's clamp test sees w·f."""
     base = _clamps_fire()
-    log_b = torch.log_softmax(base.log_q * 0.9, -1)
+    log_b = torch.log_softmax(base.model.log_q * 0.9, -1)
     est = lookup(f"nemo.{kl_type}")
     for weights, approximation in (("token", True), ("none", False)):
-        pair = CategoricalPair("s", base.log_q, base.log_p, log_b=log_b, weights=weights)
+        pair = CategoricalPair("s", base.model.log_q, base.model.log_p, log_b=log_b, weights=weights)
         assert "loss_is_nemo" in {it.mode for it in G.gradient_items(pair, [est])}
         got = pair.gradient_exact(GradItem.of(est, "loss_is_nemo"), {}).mean
         want = _nemo_under_sampler_brute_force(pair, kl_type, approximation)
         assert np.allclose(got, want, rtol=1e-10, atol=1e-14), (kl_type, weights)
     # the clamp's test sees w·f: on this pair some k1 and k3 tokens are clamped at w = 1 and not at
     # w = q/b, or the reverse (k2's values sit far from the bound 10 there)
-    w = torch.exp(pair.log_q - log_b).reshape(-1)[pair.support_ids]
+    w = torch.exp(pair.model.log_q - log_b).reshape(-1)[pair.model.support]
     wc = est.weighted
-    differ = int((wc.active(pair.support_logr, w) != wc.active(pair.support_logr)).sum())
+    differ = int((wc.active(pair.model.logr, w) != wc.active(pair.model.logr)).sum())
     assert differ == {"k1": 1, "k2": 0, "k3": 2}[kl_type]
 
 
 def test_nemo_under_a_sampler_monte_carlo_rows():
     base = _clamps_fire()
-    pair = CategoricalPair("s", base.log_q, base.log_p, log_b=torch.log_softmax(base.log_q * 0.9, -1),
+    pair = CategoricalPair("s", base.model.log_q, base.model.log_p, log_b=torch.log_softmax(base.model.log_q * 0.9, -1),
                            weights="token")
     rows = pd.DataFrame(G.gradient_rows(pair, [lookup("nemo.k3")], draws=100_000, seed=4, batches=50, device=CPU))
     assert "loss_is_nemo" in set(rows["mode"])
@@ -426,9 +426,9 @@ def test_rollout_sampler_log_weight_is_the_log_of_its_product_weight():
 def _off_policy_brute_force(pair, loss_fn):
     """Σ_x b(x) ∇θ loss_x(θ), θ = q's logits, for a library's per-token loss written out with the old
     (behaviour) log-probs = log b."""
-    theta = pair.log_q[0].clone().requires_grad_(True)
-    curr, old = torch.log_softmax(theta, -1), pair.log_b[0]
-    (g,) = torch.autograd.grad((old.exp() * loss_fn(curr, old, pair.log_p[0])).sum(), theta)
+    theta = pair.model.log_q[0].clone().requires_grad_(True)
+    curr, old = torch.log_softmax(theta, -1), pair.model.log_b[0]
+    (g,) = torch.autograd.grad((old.exp() * loss_fn(curr, old, pair.model.log_p[0])).sum(), theta)
     return g.numpy()
 
 
@@ -437,9 +437,9 @@ def test_off_policy_openrlhf_unbiased_gradient_and_trl_bias_correction():
     openrlhf.kN+ in the loss under weights = "token", weight_cap = 10. TRL's k3 · coef_1 with coef_1 =
     exp(curr − old), not detached: trl.grpo in loss_is under weights = "token", uncapped."""
     base = _clamps_fire()
-    log_b = torch.log_softmax(base.log_q * 0.2, -1)       # stale enough that q/b exceeds 10 on some tokens
-    capped = CategoricalPair("o", base.log_q, base.log_p, log_b=log_b, weights="token", weight_cap=10.0)
-    assert float(torch.exp(base.log_q - log_b).max()) > 10
+    log_b = torch.log_softmax(base.model.log_q * 0.2, -1)       # stale enough that q/b exceeds 10 on some tokens
+    capped = CategoricalPair("o", base.model.log_q, base.model.log_p, log_b=log_b, weights="token", weight_cap=10.0)
+    assert float(torch.exp(base.model.log_q - log_b).max()) > 10
 
     def openrlhf(curr, old, ref):        # compute_approx_kl(..., log_probs_old=old, unbiased_gradient=True)
         log_ratio = curr.float() - ref.float()
@@ -451,7 +451,7 @@ def test_off_policy_openrlhf_unbiased_gradient_and_trl_bias_correction():
     want = _off_policy_brute_force(capped, openrlhf)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-7)     # OpenRLHF's float32 log-ratios
 
-    plain = CategoricalPair("o", base.log_q, base.log_p, log_b=log_b, weights="token")
+    plain = CategoricalPair("o", base.model.log_q, base.model.log_p, log_b=log_b, weights="token")
 
     def trl(curr, old, ref):             # per_token_kl * coef_1, use_bias_correction_kl = True
         per_token_kl = torch.exp(ref - curr) - (ref - curr) - 1

@@ -72,9 +72,9 @@ def test_a_mode_registered_from_a_test_gets_rows_with_exact_and_measured_gradien
     assert [it.mode for it in items if it.est.name == "k3"] == [*M.modes_for(ESTIMATORS["k3"])]
     assert "toy_double_loss" in M.modes_for(ESTIMATORS["k3"])
     # its trainer objective differentiates to its coefficient (d/d log q of the objective is c)
-    lq = pair.log_q[0].clone().requires_grad_(True)
-    (g,) = torch.autograd.grad(M.trainer_loss(ESTIMATORS["k3"], toy_mode.name, lq, pair.log_p[0]).sum(), lq)
-    assert torch.allclose(g, M.coefficient(ESTIMATORS["k3"], toy_mode.name)(pair.log_p[0] - pair.log_q[0]),
+    lq = pair.model.log_q[0].clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(M.trainer_loss(ESTIMATORS["k3"], toy_mode.name, lq, pair.model.log_p[0]).sum(), lq)
+    assert torch.allclose(g, M.coefficient(ESTIMATORS["k3"], toy_mode.name)(pair.model.log_p[0] - pair.model.log_q[0]),
                           rtol=1e-12)
     rows = gradient_rows(pair, [ESTIMATORS["k3"]], draws=40_000, seed=3, batches=40, device=CPU)
     by_mode = {r["mode"]: r for r in rows}

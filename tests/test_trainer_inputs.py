@@ -47,7 +47,7 @@ def test_btv_logits_with_a_mask_are_one_context_per_unmasked_position(tmp_path, 
         q = {"file": str(tmp_path / "q.npy"), "mask": str(tmp_path / "m.npy")}
         p = {"file": str(tmp_path / "p.npy"), "mask": str(tmp_path / "m.npy")}
     pair = prepare(_spec({"kind": "categorical", "q": q, "p": p})).pairs[0]
-    assert pair.contexts == int(MASK.sum()) and pair.vocab == V
+    assert pair.model.contexts == int(MASK.sum()) and pair.model.vocab == V
     tol = 1e-6 if fmt == "safetensors" else 1e-12          # float32 storage
     assert pair.kl() == pytest.approx(_expected_kl(), rel=tol)
     df = kl_bench.run(_spec({"kind": "categorical", "q": q, "p": p})).summary

@@ -50,7 +50,7 @@ def _ukl_by_definition(zq, lp, inside):
 
 def test_categorical_ukl_by_definition_and_what_follows_it_under_top_k():
     pair, zq, lp = _categorical(top_k=5)
-    want = _ukl_by_definition(zq, lp, pair.log_b > -torch.inf)
+    want = _ukl_by_definition(zq, lp, pair.model.log_b > -torch.inf)
     got = pair.gradient_ukl()
     rev = pair.gradient_references()[REVERSE]
     assert np.abs(got - want).max() <= 1e-15 * 10 * np.abs(want).max()

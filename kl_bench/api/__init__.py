@@ -7,7 +7,7 @@ case kind and the command line starts before torch):
 - :mod:`.checking`: the regression gate (``check`` → ``CheckReport``)
 - :mod:`.trajectories`: optimisation trajectories (``train``)
 - :mod:`.estimation`: per-token values on a trainer's tensors (``estimate``)
-- :mod:`.folders`: a run or a training written to its folder, as the command line does it (locks,
+- :mod:`.run_folder`: a run or a training written to its folder, as the command line does it (locks,
   checkpoints, resume, the torchrun handshake)
 - :mod:`.provenance`: run.json's fields on where and with what a result was made
 """
@@ -19,7 +19,7 @@ _EXPORTS = {
     "load": "preparation", "prepare": "preparation", "resolve_device": "preparation", "Prepared": "preparation",
     "run": "execution", "execute": "execution", "Result": "result", "load_results": "result",
     "exact": "exact_table", "check": "checking", "CheckReport": "checking", "train": "trajectories",
-    "estimate": "estimation", "run_to_folder": "folders", "train_to_folder": "folders",
+    "estimate": "estimation", "run_to_folder": "run_folder", "train_to_folder": "run_folder",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -49,6 +49,9 @@ class Mode:
     ``score``: the gradient is the value times the whole score of the draw (score function): on rollout
     token rows (Σ_t f_t)·S, where the other modes give each token's own Σ_t c(log r_t) s_t.
     ``off_policy``: defined under a sampler b ≠ q (NeMo-RL's clamp order is defined on-policy only).
+    ``weighted(est, logr, w)``: the coefficient under a weighted sampler's detached importance weight w = q/b
+    where the mode takes w inside its own clamp (NeMo-RL's use_on_policy_kl_approximation: the output clamp
+    sees w·f); None: the weight multiplies the coefficient, w·c(log r).
     """
     name: str
     label: str
@@ -59,6 +62,7 @@ class Mode:
     token: str = "local"
     token_only: bool = False
     off_policy: bool = True
+    weighted: Callable[[Estimator, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self):
         if self.token not in TOKEN_FORMS:
@@ -174,7 +178,8 @@ for _mode in (
          trainer_loss=_straight_through_loss, applies=lambda est: est.straight_through),
     Mode("loss_is_nemo", "NeMo-RL's clamped f·q/sg(q)",
          coefficient=_nemo_coefficient, poly=lambda est: None, trainer_loss=_nemo_loss,
-         applies=lambda est: est.weighted is not None, off_policy=False),
+         applies=lambda est: est.weighted is not None, off_policy=False,
+         weighted=lambda est, logr, w: est.weighted.coefficient(logr, w)),
     # One draw's form (coefficient, polynomial, trainer loss) is what a categorical or one sequence
     # log-ratio would get; the token form is what distinguishes these three (kl_bench.kinds.rollout).
     Mode("reward+loss", "f in the reward and in the loss",
@@ -237,13 +242,14 @@ class GradItem:
     """One gradient row: an estimator in a mode, on an aggregate of the pair ("" for single draws).
     ``coef`` maps log r [n] to the per-draw coefficient c(log r) of the score; ``cpoly`` is c as a
     polynomial Σ a r^s (log r)^k when it is one (else None); ``token``: the mode's form on token rows
-    (:attr:`Mode.token`)."""
+    (:attr:`Mode.token`); ``weighted``: the mode's own way of taking an importance weight (:attr:`Mode.weighted`)."""
     est: Estimator
     mode: str
     aggregate: str
     coef: Callable[[torch.Tensor], torch.Tensor]
     cpoly: Poly | None
     token: str = "local"
+    weighted: Callable[[Estimator, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def score(self) -> bool:
@@ -252,7 +258,7 @@ class GradItem:
     @classmethod
     def of(cls, est: Estimator, mode: str, aggregate: str = "") -> "GradItem":
         m = MODES[mode]
-        return cls(est, mode, aggregate, m.coefficient(est), m.poly(est), m.token)
+        return cls(est, mode, aggregate, m.coefficient(est), m.poly(est), m.token, m.weighted)
 
 
 @dataclass

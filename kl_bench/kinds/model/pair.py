@@ -362,5 +362,5 @@ class NextTokenPair(CategoricalPair):
 
     def describe(self) -> str:
         # The label already names the prompts' count (ModelPair.from_config).
-        return f"model next token, V={self.vocab}: {self.label}" + (
+        return f"model next token, V={self.model.vocab}: {self.label}" + (
             f"; {self.sampler_label}" if self.sampler_label else "")

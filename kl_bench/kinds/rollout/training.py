@@ -111,7 +111,7 @@ class RolloutProblem:
         if g is None:
             raise SpecError(f"'{combo.label}' has no exact expected gradient on this rollout (moments beyond "
                             "float64 or a non-polynomial sequence-level estimator)", case=self.name, key="train.combinations")
-        return self.reward_gradient(lq) - self.beta * torch.from_numpy(g).reshape(lq.shape)
+        return self.reward_gradient(lq) - self.beta * torch.as_tensor(g, device=lq.device).reshape(lq.shape)
 
     def sampled_update(self, theta: torch.Tensor, combo: Combo, batch: BatchStream, piece: int,
                        chunk: int) -> torch.Tensor:
@@ -122,7 +122,7 @@ class RolloutProblem:
         model = self.model(lq)
         acc = RolloutGradients(model, [combo.item], [np.zeros(lq.numel())], batch.device, case=self.name)
         acc.add(batch)
-        g_kl = torch.from_numpy(acc.total()[0]).reshape(lq.shape)
+        g_kl = torch.as_tensor(acc.total()[0], device=lq.device).reshape(lq.shape)
         g_r = self._sampled_reward_gradient(model, lq, batch, acc.piece) if self.has_reward else torch.zeros_like(lq)
         return (g_r - self.beta * g_kl) / batch.size
 
