@@ -119,6 +119,6 @@ def assert_kl_function(fn, estimator: str = "k3", **declared) -> None:
 
 
 def load_goldens():
-    """The shipped exact cases as a dict (kl_bench/testing/goldens/kl_cases.json; docs/testing.md)."""
+    """The shipped exact cases as a dict (kl_bench/testing/data/kl_cases.json; docs/testing.md)."""
     from .goldens import load
     return load()
