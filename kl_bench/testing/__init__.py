@@ -82,7 +82,7 @@ def failures(fn, check: KLCheck) -> list[Failure]:
     for dtype in check.dtypes:
         out += check_values(fn, ref, dtype, check.allow_inf)
     if check.masked:
-        out += check_masked(fn, check.masked, check.mask_by, check.dtypes[0])
+        out += check_masked(fn, check.masked, check.mask_by, check.dtypes[0], gradients=check.placement != "reward")
     for dtype in check.dtypes:
         out += check_expectations(fn, ref, dtype, target)
     out += check_gradients(fn, ref, placements, check.follows, check.dtypes[0])

@@ -68,10 +68,11 @@ def check_values(fn, ref: Reference, dtype: torch.dtype, allow_inf: bool) -> lis
 
 
 # ----------------------------------------------------------------------------- masked positions
-def check_masked(fn, fill: str, mask_by: str, dtype: torch.dtype) -> list[Failure]:
+def check_masked(fn, fill: str, mask_by: str, dtype: torch.dtype, gradients: bool = True) -> list[Failure]:
     """Padded positions (cases.masked_rows) next to one real one: after the caller's mask (multiplying by
-    0, or torch.where), the padded values must be exactly 0 and the gradient with respect to both
-    log-prob tensors finite (0·inf and inf − inf give NaN, which a mask multiplies into the whole batch)."""
+    0, or torch.where), the padded values must be exactly 0 and, where the value is differentiated
+    (``gradients``: not in the reward, where it is detached), the gradient with respect to both log-prob
+    tensors finite (0·inf and inf − inf give NaN, which the optimiser spreads to every parameter)."""
     for where, a, b in masked_rows(fill):
         lq = torch.tensor([-0.7, a], dtype=dtype, requires_grad=True)
         lp = torch.tensor([-0.9, b], dtype=dtype, requires_grad=True)
@@ -87,10 +88,10 @@ def check_masked(fn, fill: str, mask_by: str, dtype: torch.dtype) -> list[Failur
                             f"({how}), expected 0 (the unmasked value is {fmt(float(out.detach()[1]))}; "
                             f"{'0·inf or NaN·0' if mask_by == 'multiply' else 'NaN'} survives the mask) "
                             f"[{_dtype_name(dtype)}]", (f"padding: {where}",))]
-        if any(not bool(torch.isfinite(g).all()) for g in grads):
+        if gradients and any(not bool(torch.isfinite(g).all()) for g in grads):
             return [Failure(f"masked position (logprobs = {a:g}, ref_logprobs = {b:g}): the gradient through the mask ({how}) is "
-                            f"{[float(g[1]) for g in grads]}, not finite (0·inf in the backward of the "
-                            f"masked value) [{_dtype_name(dtype)}]", (f"padding: {where}",))]
+                            f"{[float(g[1]) for g in grads]}, not finite (0·inf or NaN in the backward "
+                            f"of the masked value) [{_dtype_name(dtype)}]", (f"padding: {where}",))]
     return []
 
 
