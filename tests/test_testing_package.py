@@ -83,7 +83,7 @@ def test_the_package_runs_on_python_3_10_by_its_syntax_and_modules():
     """requires-python says >=3.10: vermin finds no 3.11-only module, function or syntax in the whole package
     (tomllib falls back to tomli). CI also runs this file and tests/test_testing.py on Python 3.10 (.ci/run)."""
     vermin = pytest.importorskip("vermin")
-    out = subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--violations", "-t=3.10-", str(ROOT / "kl_bench")],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--violations",
+                          "-t=3.10-", str(ROOT / "kl_bench")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert vermin is not None and 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
