@@ -135,11 +135,12 @@ def check_expectations(fn, ref: Reference, dtype: torch.dtype, target: str | Non
         want, name = _expected(ref, case, target)
         e = expectation(fn, case, dtype)
         if not abs(e - want) <= tol:
-            out.append(Failure(
+            out.append((abs(e - want) / tol if tol > 0 else float("inf"), Failure(
                 f"expectation on case '{case.name}': E_q[f] = {fmt(e)} but {name} = {fmt(want)} (diff {e - want:+.3g}, "
                 f"tolerance {tol:.2g}){_expectation_hint(e, case, tol)} [{_dtype_name(dtype)}]",
-                (f"case '{case.name}': {case.what}; exact {name} = {want!r}",)))
-    return out
+                (f"case '{case.name}': {case.what}; exact {name} = {want!r}",))))
+    # the case where the difference is largest against its tolerance first: the most telling one
+    return [f for _, f in sorted(out, key=lambda item: -item[0])]
 
 
 # ----------------------------------------------------------------------------- expected gradients
