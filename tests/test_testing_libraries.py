@@ -146,3 +146,26 @@ def test_nemo_calculate_kl_without_the_weight_is_k3_in_the_loss():
     fn = functools.partial(nemo_calculate_kl, kl_type="k3")
     with pytest.raises(AssertionError, match="follows ∇KL\\(p‖q\\), expected ∇KL\\(q‖p\\) \\(direction swapped\\)"):
         assert_kl_function(fn, "k3", clamp=10, input_clamp=20, placement="loss", follows="KL(q||p)")
+
+
+# ----------------------------------------------------------------------------- docs/testing.md's snippets run
+def _doc_blocks() -> list[str]:
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "testing.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_the_self_contained_snippets_of_the_docs_pass():
+    """The quick start and TRL's test in docs/testing.md (they import nothing but torch and kl-bench) run and
+    pass; the other libraries' snippets import the library, and are mirrored by the tests above."""
+    runnable = [b for b in _doc_blocks() if "import" in b and not any(
+        lib in b for lib in ("verl", "openrlhf", "nemo_rl")) and "kl_case" not in b]
+    assert len(runnable) == 2
+    for block in runnable:
+        namespace: dict = {}
+        exec(compile(block, "docs/testing.md", "exec"), namespace)
+        tests = [f for name, f in namespace.items() if name.startswith("test_")]
+        assert tests
+        for test in tests:
+            test()
