@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kl_bench.testing import goldens
+from kl_bench.testing import goldens, value_grid
 
 pytestmark = pytest.mark.testing
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +46,8 @@ def test_the_goldens_agree_with_the_exact_identities():
         e, kl = case["expectations"], case["kl"]
         for name, target in (("k1", "KL(q||p)"), ("k3", "KL(q||p)"), ("fwd_k1", "KL(p||q)"), ("fwd_k3", "KL(p||q)")):
             assert abs(e[name] - kl[target]) <= 1e-13 * max(1.0, kl[target]) * len(case["logprobs"]), (case["name"], name)
+    lq, lp = value_grid()           # the goldens' plain-Python grid is the one the check evaluates
+    assert data["grid"]["logprobs"] == lq.tolist() and data["grid"]["ref_logprobs"] == lp.tolist()
     stale = dict(data, grid=dict(data["grid"], logprobs=data["grid"]["logprobs"][:-1]))
     assert stale != goldens.build()
 
