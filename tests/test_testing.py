@@ -153,3 +153,30 @@ def test_one_check_runs_under_a_second():
     assert_kl_function(of_logr(verl_low_var_kl), "k3", clamp=10, input_clamp=20, masked="zero",
                        dtypes=(torch.float32, torch.bfloat16))
     print(f"one check: {time.perf_counter() - start:.3f} s")
+
+
+def test_float32_arithmetic_declared_as_float64_is_named():
+    """OpenRLHF computes in float32 whatever its inputs: declared exact in float64, the check says which
+    format its errors fit."""
+    from kl_bench.core.presets import openrlhf_k3
+    first = _first_line(of_logr(openrlhf_k3), clamp=10, placement="reward", dtypes=(torch.float64,))
+    assert "the errors are within float32's rounding bound" in first and first.endswith("[float64]"), first
+
+
+def test_the_gradient_runs_in_float32_at_least():
+    """With bfloat16 alone declared, the gradient's direction is still checked (in float32): k3 in the loss
+    declared to follow the reverse KL fails."""
+    first = _first_line(trl_k3, placement="loss", follows="KL(q||p)", dtypes=(torch.bfloat16,))
+    assert "follows ∇KL(p‖q), expected ∇KL(q‖p)" in first and first.endswith("[float32]"), first
+
+
+def test_the_docs_show_the_mutants_first_lines_as_they_are():
+    """docs/testing.md's table of mutants holds the first lines of real runs: each shown line is one a mutant
+    prints now, and every mutant of the issue's list is shown."""
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "testing.md").read_text()
+    shown = re.findall(r"^\| [^|]+ \| `(k3 check failed: .*)` \|$", doc, flags=re.M)
+    printed = {_first_line(fn, **declared) for fn, declared, _ in MUTANTS.values()}
+    assert shown and set(shown) <= printed, set(shown) - printed
+    assert len(shown) == len(MUTANTS)

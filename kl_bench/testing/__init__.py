@@ -39,8 +39,8 @@ class KLCheck:
         target where it is unbiased and unclamped, else target plus the known bias).
     masked: how padded positions hold their log-probs, "zero" or "-inf" (None: not checked); mask_by:
         how the code masks them afterwards, "multiply" (kl * mask) or "where" (torch.where(mask, kl, 0)).
-    dtypes: the formats the function must be exact in (to their rounding); the first one also runs the
-        masked and gradient checks.
+    dtypes: the formats the function must be exact in (to their rounding): values, masked positions and
+        expectations run in each; the gradient check runs in the most precise one, float32 at least.
     allow_inf: ±inf from finite input is accepted (declared overflow) instead of failing.
     """
     estimator: str = "k3"
@@ -73,19 +73,23 @@ def _one_of(key: str, value, allowed: tuple) -> None:
 
 
 def failures(fn, check: KLCheck) -> list[Failure]:
-    """Every failure of ``fn`` under ``check``, in the order values, masked positions, expectations,
-    gradients (each of the later checks runs in the first declared dtype, expectations in every one)."""
+    """Every failure of ``fn`` under ``check``, in the order values, masked positions, expectations (each
+    in every declared dtype), gradients (in the most precise declared dtype, float32 at least)."""
     ref = check.reference()
     placements = (check.placement,) if check.placement else ("loss", "reward")
     target = TARGETS[check.target] if check.target else None
     out: list[Failure] = []
     for dtype in check.dtypes:
         out += check_values(fn, ref, dtype, check.allow_inf)
-    if check.masked:
-        out += check_masked(fn, check.masked, check.mask_by, check.dtypes[0], gradients=check.placement != "reward")
+    for dtype in check.dtypes if check.masked else ():
+        out += check_masked(fn, check.masked, check.mask_by, dtype, gradients=check.placement != "reward")
     for dtype in check.dtypes:
         out += check_expectations(fn, ref, dtype, target)
-    out += check_gradients(fn, ref, placements, check.follows, check.dtypes[0])
+    # The expected gradient's direction is a property of the formula and its placement, not of the format:
+    # it is checked in the most precise declared format, float32 at least (in bfloat16 the rounding bound
+    # of the log-probs alone is as large as the distance between ∇KL(q‖p) and ∇KL(p‖q) on these cases).
+    out += check_gradients(fn, ref, placements, check.follows,
+                           min((*check.dtypes, torch.float32), key=lambda d: torch.finfo(d).eps))
     return out
 
 

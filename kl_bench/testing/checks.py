@@ -42,7 +42,7 @@ def check_values(fn, ref: Reference, dtype: torch.dtype, allow_inf: bool) -> lis
     got = _call(fn, lq, lp).detach().to(F64)
     logr = lp.to(F64) - lq.to(F64)
     want, u = ref.value(logr), unit_roundoff(dtype)
-    tol = ref.tolerance(logr, u)
+    tol = ref.tolerance(logr, u, torch.finfo(dtype).tiny)
     big = torch.finfo(dtype).max
     # A value beyond the format's largest finite number is correctly rounded to ±inf.
     overflow_ok = (want.abs() > big) & (got == want.sign() * torch.inf)
@@ -125,12 +125,14 @@ def _expectation_hint(e: float, case: Categorical, tol: float) -> str:
 def check_expectations(fn, ref: Reference, dtype: torch.dtype, target: str | None) -> list[Failure]:
     """E_q[fn] on every exact categorical against its target, within Σ_x q·(the rounding bound at x, plus
     the slope times the rounding of the inputs to ``dtype``) and float64's rounding of the sum."""
-    u = unit_roundoff(dtype)
+    u, tiny = unit_roundoff(dtype), torch.finfo(dtype).tiny
     out = []
     for case in CASES:
         lq, lp = case.log_q(), case.log_p()
         q, logr = lq.exp(), lp - lq
-        tol = float((q * (ref.tolerance(logr, u) + ref.slope_bound(logr) * u * (lq.abs() + lp.abs()))).sum())
+        if float(ref.value(logr).abs().max()) > torch.finfo(dtype).max:
+            continue        # a token's exact value overflows the format (rare-q-V6 in float16): E_q[f] is inf there
+        tol = float((q * (ref.tolerance(logr, u, tiny) + ref.slope_bound(logr) * u * (lq.abs() + lp.abs()))).sum())
         tol += len(q) * unit_roundoff(F64) * float((q * ref.value(logr).abs()).sum())
         want, name = _expected(ref, case, target)
         e = expectation(fn, case, dtype)
@@ -159,13 +161,15 @@ def expected_gradient(fn, case: Categorical, placement: str, dtype: torch.dtype)
 
 
 def gradient_tolerance(ref: Reference, case: Categorical, u: float) -> float:
-    """|δg| ≤ √2·Σ_x q(x)·δc(x), δc the rounding of the per-token coefficient of the score e_x − q
-    (|e_x − q| ≤ √2): bounded by the value's rounding bound of f and of f′ (the coefficient is f, −f′ or
-    f − f′ in the three placements), each also moved by the rounding of log q to the format."""
+    """|δg| ≤ √2·Σ_x q(x)·δc(x), δc the rounding error of the per-token coefficient of the score e_x − q
+    (|e_x − q| ≤ √2). The coefficient is f, −f′ or f − f′ (the three placements), so
+    δc ≤ 4u·(T_f + T_f′) + (T_f′ + T_f″)·δℓ, with δℓ ≤ u·(|ℓ| + |log q| + |log p|) from rounding the
+    inputs to the format and forming ℓ there (formulas: T_g bounds |g| by the magnitudes of its terms)."""
     lq, lp = case.log_q(), case.log_p()
     logr = lp - lq
-    slope = ref.slope_bound(logr)
-    per_token = ref.tolerance(logr, u) + 2 * slope * (1 + logr.abs()) * u * (1 + lq.abs() + lp.abs())
+    dlogr = u * (logr.abs() + lq.abs() + lp.abs())
+    per_token = (4 * u * (ref.slope_bound(logr, 0) + ref.slope_bound(logr))
+                 + (ref.slope_bound(logr) + ref.slope_bound(logr, 2)) * dlogr)
     return float(2 ** 0.5 * (lq.exp() * per_token).sum())
 
 
@@ -209,10 +213,14 @@ def check_gradients(fn, ref: Reference, placements: tuple[str, ...], want: str |
     """On the cases where the declared clamps do not fire, the exact expected gradient of fn placed as each
     of ``placements``: which of ∇KL(q‖p), ∇KL(p‖q), 0 it follows, against ``want`` (FOLLOWS' keys), or,
     undeclared, against what the reference formula's own gradient follows there."""
-    out = []
+    out, decided = [], 0
     for case in gradient_cases(ref):
         refs, u = case.kl_gradients(), unit_roundoff(dtype)
         tol = gradient_tolerance(ref, case, u)
+        r, f = refs["KL(q||p)"], refs["KL(p||q)"]
+        if 2 * tol >= min(float(r.norm()), float(f.norm()), float((r - f).norm())):
+            continue        # the format's rounding could move the gradient from one reference to another
+        decided += 1
         for placement in placements:
             g = expected_gradient(fn, case, placement, dtype)
             got = follows(g, refs, tol)
@@ -229,6 +237,9 @@ def check_gradients(fn, ref: Reference, placements: tuple[str, ...], want: str |
                     (f"E[∇] = {[round(float(x), 6) for x in g]}; ∇KL(q‖p) = "
                      f"{[round(float(x), 6) for x in refs['KL(q||p)']]}; ∇KL(p‖q) = "
                      f"{[round(float(x), 6) for x in refs['KL(p||q)']]}; tolerance {tol:.2g}",)))
+    if not decided:
+        out.append(Failure(f"gradient not checked: on no exact case are ∇KL(q‖p), ∇KL(p‖q) and 0 farther apart "
+                           f"than {_dtype_name(dtype)}'s rounding bound; declare a wider format among dtypes"))
     return out
 
 

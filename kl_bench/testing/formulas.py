@@ -111,16 +111,23 @@ class Reference:
             (g,) = torch.autograd.grad(self.value(x).sum(), x)
         return g
 
-    def tolerance(self, logr: torch.Tensor, u: float) -> torch.Tensor:
+    def tolerance(self, logr: torch.Tensor, u: float, tiny: float = 0.0) -> torch.Tensor:
         """tol(ℓ) = 4u·T_f(ℓ) + 2u·|ℓ|·T_f′(ℓ) at the (clamped) log r: the rounding bound of an
-        implementation in a format of unit roundoff u (module docstring). float64, shape of ``logr``."""
+        implementation in a format of unit roundoff u (module docstring), plus 4·tiny·(1 + |ℓ|) where
+        a term underflows (``tiny``: the format's smallest normal number; below it a rounding is absolute,
+        and r = e^ℓ may flush to 0 before it is multiplied by ℓ). float64, shape of ``logr``."""
         x = self.clamped_logr(logr.to(F64))
         return (TERM_ROUNDINGS * u * poly_terms(self.poly, x)
-                + LOGR_ROUNDINGS * u * x.abs() * poly_terms(poly_derivative(self.poly), x))
+                + LOGR_ROUNDINGS * u * x.abs() * poly_terms(poly_derivative(self.poly), x)
+                + TERM_ROUNDINGS * tiny * (1 + x.abs()))
 
-    def slope_bound(self, logr: torch.Tensor) -> torch.Tensor:
-        """T_f′(ℓ), a bound on |f′(ℓ)|: how far f moves per unit of error in ℓ (float64)."""
-        return poly_terms(poly_derivative(self.poly), self.clamped_logr(logr.to(F64)))
+    def slope_bound(self, logr: torch.Tensor, order: int = 1) -> torch.Tensor:
+        """T_f′(ℓ) (``order`` 1), a bound on |f′(ℓ)|: how far f moves per unit of error in ℓ; order 2: T_f″,
+        the same for f′ (float64)."""
+        poly = self.poly
+        for _ in range(order):
+            poly = poly_derivative(poly)
+        return poly_terms(poly, self.clamped_logr(logr.to(F64)))
 
 
 def reference(estimator: str, clamp=None, input_clamp=None) -> Reference:
@@ -175,7 +182,7 @@ def diagnose(ref: Reference, logr: torch.Tensor, got: torch.Tensor, u: float, ok
     for alt in lookalikes(ref):
         if bool(((y - alt.value(x)).abs() <= alt.tolerance(x, u)).all()):
             return alt.what
-    return _offset(ref, x, y, u) or _clamp(ref, x, y, u) or _precision(ref, x, y)
+    return _offset(ref, x, y, u) or _clamp(ref, x, y, u) or _precision(ref, x, y, u)
 
 
 def _offset(ref: Reference, x: torch.Tensor, y: torch.Tensor, u: float) -> str:
@@ -202,11 +209,14 @@ def _clamp(ref: Reference, x: torch.Tensor, y: torch.Tensor, u: float) -> str:
             f"e.g. clamp=({pair[0]:g}, {pair[1]:g}))")
 
 
-def _precision(ref: Reference, x: torch.Tensor, y: torch.Tensor) -> str:
-    for dtype in (torch.bfloat16, torch.float16):
-        if bool(((y - ref.value(x)).abs() <= ref.tolerance(x, unit_roundoff(dtype))).all()):
-            return (f"the errors are within {str(dtype)[6:]}'s rounding bound (u = {unit_roundoff(dtype):.3g}): "
-                    f"a cast to {str(dtype)[6:]} in the middle?")
+def _precision(ref: Reference, x: torch.Tensor, y: torch.Tensor, u: float) -> str:
+    """A narrower format whose rounding bound the errors meet (the narrowest-error one first)."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        w = unit_roundoff(dtype)
+        if w > u and bool(((y - ref.value(x)).abs() <= ref.tolerance(x, w, torch.finfo(dtype).tiny)).all()):
+            name = str(dtype).replace("torch.", "")
+            return (f"the errors are within {name}'s rounding bound (u = {w:.3g}): the function computes in "
+                    f"{name} (a cast to {name} in the middle?)")
     return ""
 
 
