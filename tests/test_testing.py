@@ -180,3 +180,12 @@ def test_the_docs_show_the_mutants_first_lines_as_they_are():
     printed = {_first_line(fn, **declared) for fn, declared, _ in MUTANTS.values()}
     assert shown and set(shown) <= printed, set(shown) - printed
     assert len(shown) == len(MUTANTS)
+
+
+def test_a_detached_function_is_checked_for_masked_values_without_an_error():
+    """No gradient to take through the mask: the masked check looks at the values only, and the gradient
+    check names the detachment."""
+    first = _first_line(lambda lq, lp: trl_k3(lq, lp).detach(), placement="loss", masked="-inf")
+    assert "masked position (logprobs = -inf, ref_logprobs = -0.5): got nan" in first, first
+    first = _first_line(lambda lq, lp: trl_k3(lq, lp).detach(), placement="loss")
+    assert "follows 0, expected ∇KL(p‖q) (no gradient" in first, first
