@@ -16,7 +16,9 @@ evaluated at the rounded inputs), then
 
 So tol(ℓ) = 4u·T_f(ℓ) + 2u·|ℓ|·T_f′(ℓ), with T_g(ℓ) = Σ|c|·r^s·|ℓ|^k over the terms of g (its
 condition bound); 4 counts the roundings of step 2 (exp, product, two additions) and 2 those of step 1
-(the subtraction, and exp's own rounding of its argument's error). An output clamp only shrinks
+(the subtraction, and exp's own rounding of its argument's error). Below the format's smallest normal
+number (``tiny``) a rounding is absolute rather than relative, and e^ℓ may flush to 0 before it is
+multiplied by ℓ: 4·tiny·(1 + |ℓ|) more (negligible in float32, it matters in float16). An output clamp only shrinks
 differences (|clamp a − clamp b| ≤ |a − b|), so the same bound holds for a clamped formula. The bound is
 a few times loose; the mistakes it separates (a dropped constant, a swapped direction, a cast to
 bfloat16 in float32 code) are orders of magnitude above it.
