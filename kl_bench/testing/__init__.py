@@ -44,8 +44,8 @@ class KLCheck:
     allow_inf: ±inf from finite input is accepted (declared overflow) instead of failing.
     """
     estimator: str = "k3"
-    clamp: object = None
-    input_clamp: object = None
+    clamp: float | tuple[float, float] | None = None
+    input_clamp: float | tuple[float, float] | None = None
     placement: str | None = None
     follows: str | None = None
     target: str | None = None
