@@ -79,11 +79,11 @@ MUTANTS = {
     "bf16 cast in the middle": (lambda lq, lp: trl_k3(lq, lq + (lp - lq).to(torch.bfloat16).to(lq.dtype)), {},
                                 "a cast to bfloat16 in the middle?"),
     "k3 in the loss said to follow the reverse KL": (trl_k3, {"placement": "loss", "follows": "KL(q||p)"},
-                                                     "follows ∇KL(p‖q), expected ∇KL(q‖p) (direction swapped)"),
+                                                     "follows ∇KL(p‖q), expected ∇KL(q‖p) (direction swapped; relative difference"),
     "k3 called a forward-KL estimator (TRL #7096)": (trl_k3, {"target": "KL(p||q)"},
                                                     "E_q[f] is KL(q‖p): the function estimates the reverse KL"),
     "value detached in the loss": (lambda lq, lp: trl_k3(lq, lp).detach(), {"placement": "loss"},
-                                   "follows 0, expected ∇KL(p‖q) (no gradient"),
+                                   "follows 0, expected ∇KL(p‖q) (no gradient: is the value detached"),
 }
 
 
