@@ -168,6 +168,8 @@ LAYERS = [
     ("cli", "the command line, a thin layer over the API",
      {"foundation", "core", "kinds", "engine", "results", "training", "audit", "analysis", "present", "api"}),
     ("integrations", "the TRL callback (a thin adapter over the audit)", {"foundation", "core", "kinds", "audit"}),
+    ("testing", "the exact check RL libraries run in their own CI: assert_kl_function, goldens, a pytest plugin",
+     {"foundation", "core"}),
     ("__main__", "the console entry point", {"foundation", "cli"}),
     ("_test_hooks", "test hooks of the command line", {"foundation", "engine", "api", "__main__"}),
     ("kl_bench", "the package's lazy public names", {"foundation"}),

@@ -22,12 +22,17 @@ import json
 import math
 import os
 import stat
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import SpecError
 from .formatting import fmt_bytes
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:                       # Python 3.10: the same parser, as the tomli package (a dependency there)
+    import tomli as tomllib
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -337,7 +337,7 @@ def spec_differences(recorded: str, current: str) -> list[str] | None:
 
 def _spec_table(text: str) -> dict | None:
     import json
-    import tomllib
+    from ..foundation.safe_io import tomllib
     for parse in (tomllib.loads, json.loads):
         try:
             table = parse(text)
