@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.draws import AGGREGATES, row_key, row_label
-from ..foundation.formatting import exact_pct, pct, pct_pm, plural, pm, sig
+from ..foundation.formatting import measured_cells, pct, pct_pm, plural, sig
 from .figstyle import short_label
 from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, file_stems, html_inline, html_text, md_text, page,  # noqa: F401
                     scroll, table_html, table_md as md_table_of, unique_files, vector_links)
@@ -60,8 +60,9 @@ def load_results(path: Path) -> Results:
 # ----------------------------------------------------------------------------- numbers
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "$": r"\$", "{": r"\{",
         "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "²": r"\textsuperscript{2}",
-        "σ": r"$\sigma$", "μ": r"$\mu$", "λ": r"$\lambda$", "‖": r"$\|$", "−": "-", "·": r"$\cdot$",
-        "∞": r"$\infty$", "–": "--", "—": "---", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$"}
+        "σ": r"$\sigma$", "μ": r"$\mu$", "λ": r"$\lambda$", "‖": r"$\|$", "−": "$-$", "·": r"$\cdot$",
+        "∞": r"$\infty$", "–": "--", "—": "---", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$", "±": r"$\pm$",
+        "†": r"$^\dagger$", "≈": r"$\approx$"}
 
 
 def tex(text: str) -> str:
@@ -69,12 +70,17 @@ def tex(text: str) -> str:
 
 
 def tex_number(s: str) -> str:
-    """A number as the tables show it, in LaTeX: 1.2e-05 as 1.2×10⁻⁵, a percentage's % escaped."""
+    """A number as the tables show it, in LaTeX: 1.2e-5 as 1.2×10⁻⁵, a percentage's % escaped, a minus sign
+    as math's minus ($-$), never a text hyphen."""
     if s.endswith("%"):
         return tex_number(s[:-1]) + r"\%"
+    if s.lstrip("+-−") in ("inf", "∞"):
+        return "$" + s.replace("−", "-").replace("inf", r"\infty").replace("∞", r"\infty") + "$"
     if "e" in s and s not in ("—",):
         mant, exp = s.split("e")
-        return f"${mant}\\times 10^{{{int(exp)}}}$"
+        return f"${mant.replace('−', '-')}\\times 10^{{{int(exp)}}}$"
+    if s[:1] in "-−" and len(s) > 1:         # a real minus, not a text hyphen
+        return "$-$" + tex(s[1:])
     return tex(s)
 
 
@@ -131,17 +137,30 @@ def paper_table(df: pd.DataFrame):
 
 
 def paper_cells(r) -> list[str]:
-    """A row's four cells of the paper table: bias/true ± SE (%), exact, std/true ± SE, exact; where the KL
-    is 0 (p = q: every trainer's step 0) no relative value exists, so bias ± SE, its exact value, std ± SE
-    and the exact std are absolute, as `kl-bench run` shows them (the case's heading says so, kl_head)."""
-    from .tables import dagger
-    scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
-    if scale == 0:
-        exact_bias = float(r["exact_mean"]) - float(r["true_kl"])
-        return [pm(float(r["bias"]), bias_se(r), dagger(r)), sig(exact_bias),
-                pm(float(r["std"]), float(r["std_se"]), dagger(r)), sig(float(r["exact_std"]))]
-    return [pct_pm(r["rel_bias"], bias_se(r) / scale, dagger(r)), exact_pct(r["exact_rel_bias"]),
-            pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])]
+    """A row's four cells of the paper table: bias/true ± SE (%), exact, std/true ± SE, exact, by the one
+    digit rule (formatting.measured_cells: each measured value to its SE's precision, the exact value beside
+    it to as many digits); where the KL is 0 (p = q: every trainer's step 0) no relative value exists, so
+    bias ± SE, its exact value, std ± SE and the exact std are absolute, as `kl-bench run` shows them (the
+    case's heading says so, kl_head); "—" where no exact value exists, "unknown" where the mean is."""
+    from .cells import dagger, unknown_mean
+    bias, exact_bias, std, exact_std = _bias_std_cells(r)
+    if unknown_mean(r):
+        return ["unknown", exact_bias or "—", "unknown", exact_std or "—"]
+    return [bias + dagger(r) if bias else "—", exact_bias or "—", std + dagger(r) if std else "—", exact_std or "—"]
+
+
+def _bias_std_cells(r) -> tuple[str, str, str, str]:
+    """("bias ± SE", exact bias, "std ± SE", exact std) of a row, relative to the truth (%, a ratio) or
+    absolute where it is 0 (cells.bias_cells, formatting.measured_cells); the SE of the bias is bias_se."""
+    from .cells import bias_cells, num, pm
+    truth, exact_mean = num(r["true_kl"]), num(r["exact_mean"])
+    zero = truth == 0
+    diff = num(r["bias"]) if zero else num(r["rel_bias"]) * abs(truth)
+    b, se, e = bias_cells(diff, bias_se(r), exact_mean - truth, truth, zero)
+    scale = 1.0 if zero else abs(truth)
+    std, exact_std = (num(r["std"]), num(r["exact_std"])) if zero else (num(r["rel_std"]), num(r["exact_rel_std"]))
+    s, s_se, s_exact = measured_cells(std, num(r["std_se"]) / scale, exact_std)
+    return pm(b, se), e, pm(s, s_se), s_exact
 
 
 def _caption(results: list[Results]) -> tuple[str, str]:
@@ -826,15 +845,20 @@ ROW_HEADER = ["case", "row", "target", "true KL", "mean ± SE", "exact mean", "b
 
 def row_cells(r) -> list[str]:
     """One summary row for the HTML's table of every row (:data:`ROW_HEADER`), in the vocabulary of the
-    tables: bias/true in %, std/true a ratio, n ±10% an integer ("never", "—")."""
-    from .tables import dagger
-    true = abs(float(r["true_kl"])) if r["true_kl"] == r["true_kl"] else math.nan
+    tables: each measured value to its SE's precision beside the exact one (formatting.measured_cells),
+    bias/true in %, std/true a ratio, n ±10% an integer ("never", "—"), † on every cell that leans on the
+    measured SE."""
+    from .cells import dagger, pm, unknown_mean
     approx = "≈" if bool(r.get("approx", False)) else ""      # against the Monte Carlo reference
-    return [str(r["case"]), row_label(r), str(r["target"]), approx + sig(r["true_kl"], 4),
-            pm(r["mean"], r["se"], dagger(r)), sig(r["exact_mean"], 4),
-            pct_pm(r["rel_bias"], bias_se(r) / true if true else math.nan, dagger(r)), exact_pct(r["exact_rel_bias"]),
-            sig(r["rel_std"]), sig(r["exact_rel_std"]), batch_cell(r["n_for_10pct"], r["exact_rel_bias"]),
-            sig(r["z"], 2) + dagger(r), sig(r["frac_negative"], 2), str(r["heavy_tail"] or "")]
+    mean, se, exact_mean = measured_cells(r["mean"], r["se"], r["exact_mean"])
+    bias, exact_bias, std, exact_std = _bias_std_cells(r)
+    mark = dagger(r)
+    cells = [pm(mean, se, mark), bias + mark if bias else "", std.split(" ± ")[0] + mark if std else ""]
+    if unknown_mean(r):
+        cells = ["unknown"] * 3
+    return [str(r["case"]), row_label(r), str(r["target"]), approx + sig(r["true_kl"], 4), cells[0], exact_mean,
+            cells[1], exact_bias, cells[2], exact_std, batch_cell(r["n_for_10pct"], r["exact_rel_bias"]),
+            sig(r["z"], 2) + mark if r["z"] == r["z"] else "", sig(r["frac_negative"], 2), str(r["heavy_tail"] or "")]
 
 
 def _paper_table_html(cases, rows) -> str:

@@ -18,7 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.draws import PER_TOKEN, row_label
-from ..foundation.formatting import UNKNOWN, count, fmt, pct
+from ..foundation.formatting import UNKNOWN, count, fmt, measured_cells, pct
+from .cells import bias_cells, dagger, pm, num as _num, unknown_mean, with_reference  # noqa: F401  (re-exported)
 from ..core.stats import HeavyTail, unknown_reason
 
 
@@ -161,13 +162,6 @@ def _exact_measured(exact: str, measured: str) -> str:
     return " ".join(x for x in (exact, f"({measured})" if measured else "") if x)
 
 
-def dagger(r) -> str:
-    """"†" for a heavy-tailed row (its measured std, SE, CI and z are not valid), else "". Every column
-    whose value leans on the measured SE carries it, not only the std."""
-    heavy = r.get("heavy_tail")
-    return "†" if isinstance(heavy, str) and heavy else ""      # NaN (from a CSV) is no flag
-
-
 def _std_cell(r, value: float) -> str:
     # A std measured on a heavy tail is not to be trusted: mark it instead of printing it plainly.
     return _ratio(value) + dagger(r) if _ratio(value) else ""
@@ -182,19 +176,6 @@ def target_cell(r) -> str:
     """The row's target as shown: rows divided by lengths (tok_mean, tok_batch) estimate it per token."""
     agg = r.get("aggregate", "")
     return f"{r['target']}/token" if isinstance(agg, str) and agg in PER_TOKEN else r["target"]
-
-
-def _num(x) -> float:
-    """A cell as a float (NaN for blanks, text or None): numpy and int values alike."""
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def unknown_mean(r) -> bool:
-    """A row whose measured mean and SE say nothing (degenerate importance weights): shown as unknown."""
-    return r.get("heavy_tail", "") == HeavyTail.DEGENERATE.value
 
 
 def _has_reference(r) -> bool:
@@ -239,13 +220,18 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
     rows = df[df["case"] == case]
     for _, r in rows.iterrows():
         mark = dagger(r)
+        truth = _num(r["true_kl"])
+        mean, se, exact_mean = measured_cells(r["mean"], r["se"], r["exact_mean"])
+        mean = pm(mean, se, mark)
+        bias, _, exact_bias = bias_cells(r["mean"] - truth, r["se"], r["exact_mean"] - truth, truth, False)
+        std, exact_std = measured_cells(r["rel_std"], r["std_se"] / abs(truth), r["exact_rel_std"])[::2]
+        std, z = (std + mark if std else ""), _z_cell(r["z"], mark)
         if unknown_mean(r):
             mean, bias, std, z = "unknown", "unknown", "", ""
         else:
-            mean = f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}{mark}"
-            bias, std, z = pct(r["rel_bias"]) + mark, _std_cell(r, r["rel_std"]), _z_cell(r["z"], mark)
-        t.add_row(row_label(r), target_cell(r), fmt(r["true_kl"], 4), mean, fmt(r["exact_mean"], 4), bias,
-                  pct(r["exact_rel_bias"]), std, _ratio(r["exact_rel_std"]), z, fmt(r["frac_negative"], 2))
+            bias = pm(bias, "", mark)
+        t.add_row(row_label(r), target_cell(r), fmt(truth, 4), mean, exact_mean, bias, exact_bias, std, exact_std,
+                  z, fmt(r["frac_negative"], 2))
     return t
 
 
@@ -292,14 +278,16 @@ def _compact_cells(r, zero: bool) -> list[str]:
     head, tail = [row_label(r), short], [n_cell(r)]
     truth, diff, se, z, std = _against_truth(r)
     # the exact bias: none against a Monte Carlo reference (logged data's exact mean is the log's, not q's)
-    exact = _rel_or_abs(math.nan if _has_reference(r) else _num(r["exact_mean"]) - truth, truth, zero)
+    exact_diff = math.nan if _has_reference(r) else _num(r["exact_mean"]) - truth
+    bias, bias_se, exact = bias_cells(diff, se, exact_diff, truth, zero)
+    bias = pm(bias, bias_se, mark)
     neg = fmt(r["frac_negative"], 2)
     if _has_reference(r) and diff == 0 and se == 0 and not zero:      # the reference row itself
         return head + ["reference", "", fmt(std / abs(truth)) if truth else fmt(std)] + tail + ["", neg]
     if unknown_mean(r) or (math.isfinite(diff) and math.isnan(se)):
         return head + ["unknown", exact, ""] + tail + ["", neg]
-    bias, std_cell = _bias_std_cells(truth, diff, se, std, zero)
-    return head + [bias + mark if bias else "", exact, std_cell + mark if std_cell else ""] \
+    std_cell = fmt(std) if zero else _ratio(std / abs(truth)) if math.isfinite(truth) and truth != 0 else ""
+    return head + [bias, exact, std_cell + mark if std_cell else ""] \
         + tail + [fmt(z, 2) + mark if math.isfinite(z) else "", neg]
 
 
@@ -314,21 +302,6 @@ def _against_truth(r) -> tuple[float, float, float, float, float]:
     return truth, _num(r["mean"]) - truth, _num(r["se"]), _num(r["z"]), _num(r["std"])
 
 
-def _bias_std_cells(truth: float, diff: float, se: float, std: float, zero: bool) -> tuple[str, str]:
-    """"bias ± se" and std: relative (% and /true), or absolute where the KL is 0, or blank (no truth)."""
-    if zero:
-        return f"{fmt(diff)} ± {fmt(se, 2)}", fmt(std)
-    if not (math.isfinite(truth) and truth != 0):
-        return "", ""
-    bias = f"{pct(diff / abs(truth))} ± {pct(se / abs(truth), sign=False)}" if math.isfinite(diff) else ""
-    return bias, _ratio(std / abs(truth))
-
-
-def _rel_or_abs(exact_bias: float, truth: float, zero: bool) -> str:
-    """The exact bias: relative (%) as everywhere, absolute where the truth is 0; blank where unknown."""
-    if zero:
-        return fmt(exact_bias)
-    return pct(exact_bias / abs(truth)) if math.isfinite(truth) and truth != 0 else ""
 
 
 def compact_table(df: pd.DataFrame, case: str) -> Table:
@@ -421,28 +394,6 @@ def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
     return t
 
 
-def with_reference(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows without an exact value but with a Monte Carlo reference (ref_kl: model continuations, logged
-    log-probs) get true_kl, rel_bias and rel_std measured against that reference, for the summary tables;
-    their exact columns stay blank. Headers mark such cases with ≈. Every row gets ``bias_se``, the SE of
-    the bias shown: ``se`` where the truth is exact, ``ref_diff_se`` against a reference (logged data: the
-    log's own SE, never the resampling one), so that bias ± bias_se and z agree."""
-    df = df.copy()
-    df["bias_se"] = df["se"] if "se" in df else math.nan      # an exact-only frame has no SE
-    if "ref_kl" not in df:
-        return df
-    use = df["true_kl"].isna() & df["ref_kl"].notna()
-    ref = df.loc[use, "ref_kl"].astype(float)
-    diff = df.loc[use, "ref_diff"].astype(float) if "ref_diff" in df else df.loc[use, "mean"] - ref
-    df.loc[use, "true_kl"] = ref
-    df.loc[use, "rel_bias"] = diff / ref
-    df.loc[use, "bias_se"] = df.loc[use, "ref_diff_se"] if "ref_diff_se" in df else float("nan")
-    std = df.loc[use, "exact_std"].where(df.loc[use, "exact_std"].map(_num).map(math.isfinite), df.loc[use, "std"])
-    df.loc[use, "rel_std"] = std / ref
-    df["approx"] = use
-    return df
-
-
 MAX_TABLE_CASES = 8     # the side-by-side table's case columns beyond which it is not printed
 
 
@@ -474,12 +425,20 @@ def schulman_table(df: pd.DataFrame) -> Table:
             if row.empty:
                 cells += ["", ""]
                 continue
-            r = row.iloc[0]
-            measured = "unknown" if unknown_mean(r) else pct(r["rel_bias"])
-            cells.append(_with_exact(measured, pct(r["exact_rel_bias"])))
-            cells.append(_with_exact("" if unknown_mean(r) else _std_cell(r, r["rel_std"]), _ratio(r["exact_rel_std"])))
+            cells += _schulman_cells(row.iloc[0])
         t.add_row(*cells)
     return t
+
+
+def _schulman_cells(r) -> list[str]:
+    """bias/true and std/true, "measured (exact)", the measured to its SE's precision (the SE not shown)."""
+    truth = _num(r["true_kl"])
+    bias, _, exact = bias_cells(_num(r["rel_bias"]) * abs(truth), r["bias_se"], _num(r["exact_rel_bias"]) * abs(truth),
+                                truth, False)
+    std, _, exact_std = measured_cells(r["rel_std"], _num(r["std_se"]) / abs(truth), r["exact_rel_std"])
+    if unknown_mean(r):
+        return [_with_exact("unknown", exact), exact_std]
+    return [_with_exact(bias + dagger(r), exact), _with_exact(std + dagger(r) if std else "", exact_std)]
 
 
 ROLLOUT_COLUMNS = [("k1", "seq"), ("k3", "seq"), ("k3", "tok"), ("full", "tok")]
@@ -527,8 +486,9 @@ def mismatch_table(df: pd.DataFrame) -> Table:
     for _, r in df[df["sampler"].fillna("") != ""].iterrows():
         rel = _num(r["exact_rel_bias"]) if math.isfinite(_num(r["exact_rel_bias"])) else _num(r["rel_bias"])
         arrow = "" if not math.isfinite(rel) or abs(rel) < 0.01 else ("[red]▲[/] " if rel > 0 else "[blue]▼[/] ")
-        measured = "unknown" if unknown_mean(r) else f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}"
-        t.add_row(escape(r["case"]), escape(str(r["sampler"])), row_label(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+        mean, se, exact = measured_cells(r["mean"], r["se"], r["exact_mean"])
+        measured = "unknown" if unknown_mean(r) else pm(mean, se, dagger(r))
+        t.add_row(escape(r["case"]), escape(str(r["sampler"])), row_label(r), fmt(r["true_kl"], 4), exact,
                   f"{arrow}{pct(rel)}" if math.isfinite(rel) else "", measured,
                   fmt(r["frac_negative"], 2), fmt(r.get("p_neg_b64", math.nan), 2))
     return t
