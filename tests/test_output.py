@@ -14,7 +14,7 @@ from rich.console import Console
 import kl_bench
 import kl_bench.api as api
 from kl_bench.present.tables import compact_frame, heading, print_tables
-from kl_bench.foundation.formatting import ROUNDING, count, fmt, plural
+from kl_bench.foundation.formatting import ROUNDING, count, fmt, measured_cells, plural
 from kl_bench.core.stats import HeavyTail, kish_ess
 
 from .conftest import logged_logprobs
@@ -55,18 +55,14 @@ def test_logged_data_bias_se_and_z_are_the_logs_own_and_agree(tmp_path):
         assert r["z_ref"] == pytest.approx(r["ref_diff"] / r["ref_diff_se"], rel=1e-9)
         ref = float(full.mean())
         cell = shown.loc[f"seq {name}"]
-        assert cell["bias/true ± se"] == f"{_pct(r['ref_diff'] / ref)} ± {_pct(r['ref_diff_se'] / ref, False)}"
+        bias, se, _ = measured_cells(100 * r["ref_diff"] / ref, 100 * r["ref_diff_se"] / ref, sign=True, unit="%")
+        assert cell["bias/true ± se"] == f"{bias} ± {se}"
         assert cell["z"] == fmt(r["z_ref"], 2) and cell["n ±10%"] == "—" and cell["exact"] == ""
         # the resampling SE is far smaller here (100,000 draws of 512 sequences): it must not be the one shown
         assert r["se"] < r["ref_diff_se"] / 3
     assert shown.loc["tok full", "bias/true ± se"] == "reference"
     assert df["n_for_10pct"].isna().all() and df["rmse_b64"].isna().all()     # no truth: nothing planned
     assert "Monte Carlo reference" in heading(res.summary, "log", "logged")
-
-
-def _pct(x, sign=True):
-    from kl_bench.foundation.formatting import pct
-    return pct(x, sign)
 
 
 # ----------------------------------------------------------------------------- KL = 0

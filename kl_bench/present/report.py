@@ -184,9 +184,9 @@ def _caption(results: list[Results]) -> tuple[str, str]:
     if any(_zero_cases(res.summary) for res in results):
         note += "A case with KL = 0 (p = q) shows its bias and std absolute, not /true: no relative value exists. "
     note += _aggregate_note(results)
-    return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL (bias/true in %, "
-            "std/true a ratio): measured ± SE, exact in the adjacent column; † marks a heavy-tailed row, whose "
-            "measured std, SE and CI are not valid. " + note).strip(), " ".join(bits)
+    return ("Bias and per-draw std of each KL estimator relative to the true KL (bias/true in %, std/true a "
+            "ratio): measured ± SE to the SE's last digit, exact beside it; † a heavy tail (its std, SE and z are "
+            "not valid). " + note).strip(), " ".join(bits)
 
 
 def _zero_cases(summary: pd.DataFrame) -> list[str]:

@@ -433,6 +433,8 @@ def schulman_table(df: pd.DataFrame) -> Table:
 def _schulman_cells(r) -> list[str]:
     """bias/true and std/true, "measured (exact)", the measured to its SE's precision (the SE not shown)."""
     truth = _num(r["true_kl"])
+    if not (math.isfinite(truth) and truth != 0):       # no relative value (KL = 0) or no truth
+        return ["unknown" if unknown_mean(r) else "", ""]
     bias, _, exact = bias_cells(_num(r["rel_bias"]) * abs(truth), r["bias_se"], _num(r["exact_rel_bias"]) * abs(truth),
                                 truth, False)
     std, _, exact_std = measured_cells(r["rel_std"], _num(r["std_se"]) / abs(truth), r["exact_rel_std"])
