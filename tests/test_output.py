@@ -216,3 +216,35 @@ def test_the_weight_sums_resume_byte_for_byte_and_a_corrupt_one_is_refused():
     bad[0, -1] = -1.0
     with pytest.raises(SpecError, match="negative sum of importance weights"):
         run_case(pair, ["k1", "k3"], resume=bad, **args)
+
+
+def test_a_forward_kl_without_a_reference_is_unknown_not_the_reverse_one(tmp_path):
+    """Issue 44 item 2: logged log-probs (as model continuations) printed "KL(p||q) ≈ 1.56 ± 0.024 (Monte
+    Carlo reference)", the reverse KL's reference copied, and divided the fwd rows' std/true by it. The
+    reference is KL(q||p)'s alone: a forward row has no ref_kl, its heading says unknown, nothing is /true."""
+    log = logged_logprobs(64, 8)
+    torch.save(log, tmp_path / "log.pt")
+    res = kl_bench.run(spec_toml({"name": "lp", "draws": 20_000, "seed": 0, "device": "cpu", "batches": 20,
+                                  "estimators": ["k1", "k3", "fwd_k1", "fwd_k3", "full"]},
+                                 [{"name": "log", "kind": "logprobs", "file": str(tmp_path / "log.pt")}]))
+    s = res.summary
+    forward, reverse = s[s["target"] == "KL(p||q)"], s[s["target"] == "KL(q||p)"]
+    assert len(forward) and forward[["ref_kl", "ref_se", "ref_diff", "ref_diff_se", "z_ref"]].isna().all().all()
+    assert reverse["ref_kl"].notna().all()
+    head = heading(s, "log", "logged")
+    assert "KL(p||q) unknown" in head and "KL(p||q) ≈" not in head, head
+    shown = compact_frame(s, "log")
+    fwd = shown[shown["target"].str.startswith("p||q")]
+    assert (fwd["bias/true ± se"] == "").all() and (fwd["std/true"] == "").all(), fwd
+    # a folder written before the fix: its forward rows' copied reference is dropped when read
+    from kl_bench.results.migrate import without_forward_reference
+    import dataclasses
+    old = s.copy()
+    old.loc[old["target"] == "KL(p||q)", ["ref_kl", "ref_se"]] = [reverse["ref_kl"].iloc[0], reverse["ref_se"].iloc[0]]
+
+    @dataclasses.dataclass
+    class Contents:
+        summary: object
+    fixed = without_forward_reference(Contents(old)).summary
+    assert fixed.loc[fixed["target"] == "KL(p||q)", "ref_kl"].isna().all()
+    assert fixed.loc[fixed["target"] == "KL(q||p)", "ref_kl"].equals(old.loc[old["target"] == "KL(q||p)", "ref_kl"])

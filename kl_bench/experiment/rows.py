@@ -118,15 +118,15 @@ def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
     ref_se = batch_means_se(s_ref / n_k - float(s_ref.sum()) / n, n_k / n)
     unknown = rows[j_ref]["heavy_tail"] == HeavyTail.DEGENERATE
     for j, (row, out) in enumerate(zip(run.rows, rows)):
-        if row.group > 1:          # the paired differences below are per draw
+        # the paired differences below are per draw; the reference is KL(q||p)'s: a KL(p||q) row has none
+        # (issue 44: it printed the reverse reference as its own and divided by it)
+        if row.group > 1 or row.est.target != REVERSE:
             continue
         fixed = run.pair.reference_comparison(row.est, row.aggregate)
         if fixed is not None:
             out["ref_kl"], out["ref_se"], diff, se = fixed
         else:
             out["ref_kl"], out["ref_se"] = ref_mean, (math.nan if unknown else ref_se)
-            if row.est.target != REVERSE:
-                continue
             pair = (run.sums[:, j] - s_ref) / n_k                      # per batch: mean_j − mean_ref − shifts
             diff = out["mean"] - ref_mean
             se = batch_means_se(pair - float((run.sums[:, j] - s_ref).sum()) / n, n_k / n)

@@ -249,6 +249,8 @@ def heading(df: pd.DataFrame, case: str, description: str) -> str:
             truths.append(f"{target} ≈ {fmt(r['ref_kl'], 4)} ± {fmt(r['ref_se'], 2)} (Monte Carlo reference)")
         elif not math.isnan(_num(r["true_kl"])):
             truths.append(f"{target} = {fmt(_num(r['true_kl']), 4)}")
+        else:       # no exact value and no reference for this target (KL(p||q) of model continuations, logs)
+            truths.append(f"{target} unknown (no exact value, no reference)")
     line = f"{case}: {description}" + (f"\n  {', '.join(truths)}" if truths else "")
     if _zero_case(c):
         line += ("\n  KL = 0 (p = q where q samples): no relative bias exists, so bias and std are absolute, "
