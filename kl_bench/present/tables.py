@@ -17,8 +17,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..core.draws import PER_TOKEN, row_label
-from ..foundation.formatting import UNKNOWN, count, fmt, measured_cells, pct
+from ..core.draws import PER_TOKEN, draws_from_b, row_label
+from ..core.planning import never_words
+from ..foundation.formatting import NEVER, UNKNOWN, count, fmt, measured_cells, pct
 from .cells import bias_cells, dagger, pm, num as _num, unknown_mean, with_reference  # noqa: F401  (re-exported)
 from ..core.stats import HeavyTail, unknown_reason
 
@@ -336,6 +337,9 @@ def _caption_lines(rows: pd.DataFrame) -> list[str]:
         r = unknown.iloc[0]
         out.append("unknown: " + unknown_reason(r["heavy_tail"], _num(r.get("ess", math.nan)), r["draws"],
                                                  r.get("batches", math.nan)))
+    never = never_words(r for _, r in rows.iterrows() if n_cell(r) == NEVER)
+    if never:       # the real reason: an infinite variance is no bias
+        out.append("never: " + never)
     return out
 
 
@@ -374,7 +378,7 @@ def _lambda_cells(c: pd.DataFrame, case: str, agg: str) -> list[str]:
     mc = r0["lambda_star_mc"]
     measured = f"{fmt(mc)} ± {fmt(r0['lambda_star_mc_se'], 2)}" + ("†" if heavy else "") \
         if isinstance(mc, float) and math.isfinite(mc) else ""
-    sampled = isinstance(r0.get("sampler", ""), str) and r0.get("sampler", "") != ""
+    sampled = draws_from_b(r0.get("sampler", ""))
     return [escape(f"{case} ({agg})" if agg else case), "n/a (sampler)" if sampled and not math.isfinite(star)
             else fmt(star), measured, at(0.0), at(1.0), _ratio(best), opt_cell, ratio]
 
@@ -487,7 +491,7 @@ def mismatch_table(df: pd.DataFrame) -> Table:
     for col in ["case", "sampler", "estimator", "true KL", "E_b exact", "bias/true", "measured ± se", "P(<0)",
                 "P(mean64<0)"]:
         t.add_column(col, justify="left" if col in ("case", "sampler", "estimator") else "right")
-    for _, r in df[df["sampler"].fillna("") != ""].iterrows():
+    for _, r in df[df["sampler"].map(draws_from_b)].iterrows():
         rel = _num(r["exact_rel_bias"]) if math.isfinite(_num(r["exact_rel_bias"])) else _num(r["rel_bias"])
         arrow = "" if not math.isfinite(rel) or abs(rel) < 0.01 else ("[red]▲[/] " if rel > 0 else "[blue]▼[/] ")
         mean, se, exact = measured_cells(r["mean"], r["se"], r["exact_mean"])
@@ -581,7 +585,7 @@ def side_tables(df: pd.DataFrame, lengths: dict[str, int] | None = None) -> list
         extra.append((schulman_table(df[df["lambda"].isna()]), 1))
     if lengths:
         extra.append((rollout_table(df, lengths), 2))
-    if "sampler" in df and (df["sampler"].fillna("") != "").any():
+    if "sampler" in df and df["sampler"].map(draws_from_b).any():
         extra.append((mismatch_table(df), 3))
     if "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
         extra.append((lambda_table(df), 1))
