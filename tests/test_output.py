@@ -248,3 +248,24 @@ def test_a_forward_kl_without_a_reference_is_unknown_not_the_reverse_one(tmp_pat
     fixed = without_forward_reference(Contents(old)).summary
     assert fixed.loc[fixed["target"] == "KL(p||q)", "ref_kl"].isna().all()
     assert fixed.loc[fixed["target"] == "KL(q||p)", "ref_kl"].equals(old.loc[old["target"] == "KL(q||p)", "ref_kl"])
+
+
+@pytest.mark.parametrize("temperature", [0.01, 0.05, 0.1])
+def test_a_near_greedy_sampler_with_weights_is_unknown_never_a_zero_se(temperature):
+    """Issue 44: categorical V = 1,000, sampler temperature 0.05, token weights printed "± 0" and
+    z = 1.9·10¹¹: every draw is the argmax, the weights are all equal, Kish's ESS is N, and the weights that
+    make the sum (q/b where b is tiny) were never drawn. Every temperature: the ESS counts the draws' share of
+    the exact variance (0 here), the rows are degenerate, printed unknown with the ESS; never a zero SE."""
+    spec = {"spec_version": 1, "experiment": {"name": "cold", "draws": 20_000, "batches": 20, "seed": 0},
+            "case": [{"name": "cold", "kind": "categorical", "vocab": 1000,
+                      "q": {"logits": "zipf", "exponent": 1.1, "seed": 1}, "p": {"from": "q", "noise": 0.5, "seed": 2},
+                      "sampler": {"temperature": temperature, "weights": "token"}}]}
+    s = kl_bench.run(spec).summary
+    assert (s["heavy_tail"] == HeavyTail.DEGENERATE.value).all(), s[["estimator", "std", "ess", "heavy_tail"]]
+    assert s["se"].isna().all() and s["z"].isna().all() and (s["ess"] < s["batches"]).all()
+    shown = compact_frame(s, "cold")
+    assert (shown["bias/true ± se"] == "unknown").all() and not shown.apply(lambda c: c.str.contains("± 0%")).any().any()
+    out = io.StringIO()
+    print_tables(Console(file=out, width=100), s, {"cold": "cold"})
+    text = " ".join(out.getvalue().split())
+    assert "unknown: degenerate importance weights: an effective sample size of" in text and "out of 20,000" in text

@@ -47,12 +47,13 @@ def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob
 
 def never_reason(rel_bias: float, std: float, rel: float = 0.1) -> str:
     """Why :func:`n_for_rel_error` found no batch size ("never"): the variance is infinite (no batch mean
-    settles, whatever its bias), or the bias alone exceeds ±rel; "" where neither holds."""
+    settles, whatever its bias), the bias alone exceeds ±rel, or the variance is finite but so large that
+    the search's 10^30 draws do not reach ±rel; "" where no reason is known (NaN)."""
     if isinstance(std, (int, float)) and math.isinf(std):
         return "the variance is infinite"
-    if isinstance(rel_bias, (int, float)) and abs(rel_bias) > rel:
-        return f"the bias alone exceeds ±{rel:.0%}"
-    return ""
+    if not (isinstance(rel_bias, (int, float)) and math.isfinite(rel_bias)):
+        return ""
+    return f"the bias alone exceeds ±{rel:.0%}" if abs(rel_bias) > rel else "the variance needs more than 10^30 draws"
 
 
 def never_words(rows, rel: float = 0.1) -> str:

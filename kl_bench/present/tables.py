@@ -327,7 +327,7 @@ def compact_table(df: pd.DataFrame, case: str) -> Table:
 def _caption_lines(rows: pd.DataFrame) -> list[str]:
     """What the marks of a case's rows mean: †, ≈, unknown (with the effective sample size)."""
     out = []
-    if rows["heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
+    if any(dagger(r) and not unknown_mean(r) for _, r in rows.iterrows()):      # a † is printed
         out.append("† heavy tail (see heavy_tail): the measured std, se and z are not trustworthy")
     if any(_has_reference(r) for _, r in rows.iterrows()):
         out.append("≈ no exact value: bias, se and z are against the Monte Carlo reference (the Rao–Blackwellised "
