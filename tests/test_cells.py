@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kl_bench.foundation.formatting import measured_cells
+from kl_bench.foundation.formatting import fmt, measured_cells
 from kl_bench.present import report
 from kl_bench.present.tables import compact_frame, detail_table, with_reference
 
@@ -136,3 +136,34 @@ def test_one_notation_per_cell_group():
     v, s, e = measured_cells(8.576e-5, 1.2e-8, 1.261e-4)
     assert {x.rsplit("e", 1)[1] for x in (v, s, e)} == {"-4"}, (v, s, e)
     assert measured_cells(0.5024, 7.3e-6, 0.5) == ("0.5024000", "0.0000073", "0.5000000")
+
+
+def test_a_heavy_tailed_row_is_marked_on_z_and_run_says_what_check_compares(tmp_path):
+    """Issue 44: heavy-tailed rows got † on bias, SE and std but not on z (a |z| ≥ 5 lost its † to the red
+    style), and `kl-bench check` passed the row at the exact spread while `run` printed only the measured
+    z. Now z keeps its †, and the caption gives the z check takes (kl_bench.analysis.gate.z_at_exact_spread)."""
+    import io
+    from rich.console import Console
+    from kl_bench.analysis.gate import exact_comparisons, z_at_exact_spread
+    from kl_bench.present.tables import compact_table, print_tables
+    res = report.load_results(ROOT / "results" / "mismatch")
+    df = res.summary
+    heavy = df[df["heavy_tail"].isin(["kurtosis > draws", "infinite 4th moment"])]
+    assert len(heavy)
+    case = heavy["case"].iloc[0]
+    rows = df[df["case"] == case].copy()
+    j = rows.index[rows["heavy_tail"].isin(["kurtosis > draws", "infinite 4th moment"])][0]
+    rows.loc[j, "z"] = -21.0                       # a |z| ≥ 5: styled red, and still marked
+    table = compact_table(rows, case)
+    z_cells = list(table.columns[6].cells)
+    assert any(c.endswith("†") and "-21" in c for c in z_cells), z_cells
+    out = io.StringIO()
+    print_tables(Console(file=out, width=200), df[df["case"] == case], {case: case})
+    text = out.getvalue()
+    checked = {c.row.rpartition(": ")[2]: c.z for c in exact_comparisons(df[df["case"] == case])
+               if c.statistic == "mean vs exact"}
+    from kl_bench.core.draws import row_label
+    for _, r in df[(df["case"] == case) & df["heavy_tail"].isin(["kurtosis > draws", "infinite 4th moment"])].iterrows():
+        z = z_at_exact_spread(r)
+        assert z == pytest.approx(checked[row_label(r)], rel=1e-12)       # the z check takes
+        assert f"{row_label(r)} {fmt(z, 2)}" in text.split("as `kl-bench check` takes it:")[1], text

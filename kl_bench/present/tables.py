@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.draws import PER_TOKEN, draws_from_b, row_label
+from ..analysis.gate import z_at_exact_spread
 from ..core.planning import never_words
 from ..foundation.formatting import NEVER, UNKNOWN, count, fmt, measured_cells, pct
 from .cells import bias_cells, dagger, pm, num as _num, unknown_mean, with_reference  # noqa: F401  (re-exported)
@@ -317,9 +318,9 @@ def compact_table(df: pd.DataFrame, case: str) -> Table:
                      overflow="fold")
     for cells in frame.itertuples(index=False):
         cells = [escape(c) for c in cells]
-        z = cells[6].rstrip("†")               # † (heavy tail) after the number
+        z = cells[6].rstrip("†")               # † (heavy tail) after the number, kept after the style
         if z and z not in ("inf", "-inf") and abs(float(z)) >= 5:
-            cells[6] = f"[bold red]{z}[/]"
+            cells[6] = f"[bold red]{z}[/]" + cells[6][len(z):]
         t.add_row(*cells)
     return t
 
@@ -329,6 +330,9 @@ def _caption_lines(rows: pd.DataFrame) -> list[str]:
     out = []
     if any(dagger(r) and not unknown_mean(r) for _, r in rows.iterrows()):      # a † is printed
         out.append("† heavy tail (see heavy_tail): the measured std, se and z are not trustworthy")
+        at_exact = [f"{row_label(r)} {fmt(z, 2)}" for _, r in rows.iterrows() if math.isfinite(z := z_at_exact_spread(r))]
+        if at_exact:        # what `kl-bench check` compares: the same story as check's
+            out.append("† z with the SE at the exact std, as `kl-bench check` takes it: " + ", ".join(at_exact))
     if any(_has_reference(r) for _, r in rows.iterrows()):
         out.append("≈ no exact value: bias, se and z are against the Monte Carlo reference (the Rao–Blackwellised "
                    "full mean), with the SE of that difference")
