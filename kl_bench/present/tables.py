@@ -342,7 +342,7 @@ def _caption_lines(rows: pd.DataFrame) -> list[str]:
         out.append("unknown: " + unknown_reason(r["heavy_tail"], _num(r.get("ess", math.nan)), r["draws"],
                                                  r.get("batches", math.nan)))
     never = never_words(r for _, r in rows.iterrows() if n_cell(r) == NEVER)
-    if never:       # the real reason: an infinite variance is no bias
+    if never and "variance" in never:     # "never" reads as bias (docs/results.md): say when it is the variance
         out.append("never: " + never)
     return out
 
