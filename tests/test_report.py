@@ -132,7 +132,7 @@ def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
         for shown in (rf"{tex_number(bias)} $\pm$ {tex_number(se)}", tex_number(exact),
                       rf"{tex_number(std)} $\pm$ {tex_number(std_se)}", tex_number(exact_std)):
             assert shown in text, (r["case"], r["estimator"], shown)
-        assert "%" in bias and (exact == "0" or "%" in exact), (bias, exact)
+        assert all(x == "0" or "%" in x for x in (bias, exact)), (bias, exact)
     assert "stdev" not in text and "std/true" in text
     # a tiny relative bias in % (results/precision: +1.2e-05%) is a power of ten and an escaped %; a minus is
     # math's minus, never a text hyphen (issue 44)

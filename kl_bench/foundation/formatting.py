@@ -8,8 +8,9 @@ uses (docs/results.md#units-and-words):
   2,100,000); ``never`` where the bias alone exceeds the tolerance; :data:`UNKNOWN` ("—") where no exact
   bias is known;
 - counts of things: :func:`plural` ("1 figure", "2 figures", "1 step");
-- the paper table's numbers: :func:`sig` (3 significant digits, "—" where missing), :func:`pm` and
-  :func:`pct_pm` ("value ± se");
+- a measured value, its SE and the exact value beside it: :func:`measured_cells`, the one digit rule of
+  every output (the value to its SE's precision, the exact value to as many digits);
+- other numbers of the paper table and the report: :func:`sig` (3 significant digits, "—" where missing);
 - sizes and big integers in messages: :func:`fmt_bytes` (1.5 GiB), :func:`fmt_count` (digits, or
   9.22e+18 beyond 10^15).
 """
@@ -106,27 +107,6 @@ def sig(x: float, digits: int = 3) -> str:
     return exponent(f"{x:.{digits}g}")
 
 
-def pm(value: float, se: float, mark: str = "") -> str:
-    """"value ± se" (3 and 2 significant digits), with ``mark`` (†: the SE is not valid) after it."""
-    text = sig(value)
-    if text == "—":
-        return text
-    return (f"{text} ± {sig(se, 2)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
-
-
-def pct_pm(value: float, se: float, mark: str = "") -> str:
-    """A relative bias with its SE, both in %: "+0.28% ± 0.34%" (``mark``: † where the SE is not valid)."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value)):
-        return "—" if value is None or value != value else pct(value)
-    text = pct(value)
-    return (f"{text} ± {pct(se, sign=False)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
-
-
-def exact_pct(value: float) -> str:
-    """An exact relative bias in % ("0" for an unbiased row, "—" where no exact value exists)."""
-    return pct(value) if isinstance(value, (int, float)) and value == value else "—"
-
-
 def fmt_bytes(n: float) -> str:
     """A size for a message: 3 significant digits in the largest binary unit it reaches (exact: Decimal)."""
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -177,8 +157,8 @@ def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, 
     measured value to the SE's precision (the SE to SE_DIGITS significant digits, the value to the same
     decimal place), the exact value to the same place, all three in one notation (plain decimals, or a shared
     power of ten "…e-5" where the larger of value and exact is below 10^-3 or reaches 10^5, as :func:`fmt`), so that
-    (value − exact) / SE read off the cells is the row's z within rounding. An exact 0 prints as "0";
-    missing values are blank. ``sign``: a + on positive values (a bias); ``unit``: appended to each ("%")."""
+    (value − exact) / SE read off the cells is the row's z within rounding. An exact 0 prints as "0"
+    (without ``unit``); missing values are blank. ``sign``: a + on positive values (a bias); ``unit``: appended to each ("%")."""
     value, se, exact = (float(x) if x is not None else math.nan for x in (value, se, exact))
     q = _quantum(se, value if math.isfinite(value) else exact)
     size = max((abs(x) for x in (value, exact) if math.isfinite(x)), default=0.0)
@@ -188,12 +168,4 @@ def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, 
         q = min(q, exp)     # at least the shared power's own digit
     cells = (_at(value, q, exp, sign), _at(se, q, exp, False) if math.isfinite(se) else "",
              _at(exact, q, exp, sign))
-    return tuple(c + unit if c and c[-1].isdigit() else c for c in cells)
-
-
-def pm_cell(value: float, se: float, exact: float = math.nan, *, sign: bool = False, unit: str = "",
-            mark: str = "") -> tuple[str, str]:
-    """("value ± se" with ``mark`` (†: the SE is not valid) after it, the exact value), by
-    :func:`measured_cells`; the value alone where it has no SE, blank where it is missing."""
-    v, s, e = measured_cells(value, se, exact, sign=sign, unit=unit)
-    return (f"{v} ± {s}" if v and s else v) + (mark if v else ""), e
+    return tuple(c + unit if c and c[-1].isdigit() and c != "0" else c for c in cells)

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.draws import AGGREGATES, row_key, row_label
-from ..foundation.formatting import measured_cells, pct, pct_pm, plural, sig
+from ..foundation.formatting import measured_cells, pct, plural, sig
 from .figstyle import short_label
 from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, file_stems, html_inline, html_text, md_text, page,  # noqa: F401
                     scroll, table_html, table_md as md_table_of, unique_files, vector_links)
@@ -687,7 +687,14 @@ def difference_cells(r) -> list[str]:
     """One difference as the report and the terminal show it (:data:`DIFF_HEADER`): diff/true ± SE in %
     (the vocabulary of bias/true), z with † where it is not valid."""
     return [str(r["run"]), str(r["against"]), str(r["case"]), str(r["row"]),
-            pct_pm(float(r["rel_diff"]), float(r["rel_se"])), f"{sig(r['z'], 2)}{r['heavy_tail']}"]
+            _diff_cell(float(r["rel_diff"]), float(r["rel_se"])), f"{sig(r['z'], 2)}{r['heavy_tail']}"]
+
+
+def _diff_cell(rel_diff: float, rel_se: float) -> str:
+    """diff/true ± SE in %, by the one digit rule (formatting.measured_cells): z = diff / SE reads off it."""
+    from .cells import pm
+    value, se, _ = measured_cells(100 * rel_diff, 100 * rel_se, sign=True, unit="%")
+    return pm(value, se) or "—"
 
 
 def differences_md(diffs: pd.DataFrame) -> str:
