@@ -612,8 +612,9 @@ def check_table(rep) -> Table:
     for case, labels in grouped.items():
         t.add_row(f"[bold]{escape(case)}[/]" if case else "", *[""] * 6)
         for label, comparisons in labels.items():
-            for c in comparisons:
-                t.add_row(escape(label), c.statistic, fmt(c.value, 6, c.scale), fmt(c.reference, 6, c.scale),
+            for c in comparisons:         # value and reference to the SE's precision (measured_cells)
+                value, _, reference = measured_cells(c.value, c.se, c.reference)
+                t.add_row(escape(label), c.statistic, value, reference,
                           f"{c.z:+.2f}" if math.isfinite(c.z) else fmt(c.z, sign=True), f"{c.threshold:.2f}",
                           "pass" if c.passed else "[bold red]FAIL[/]")
     return t
