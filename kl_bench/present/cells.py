@@ -68,3 +68,29 @@ def with_reference(df: pd.DataFrame) -> pd.DataFrame:
     df.loc[use, "rel_std"] = std / ref
     df["approx"] = use
     return df
+
+
+def bias_se(r) -> float:
+    """The SE of a row's bias: its ``bias_se`` where the results carry one (the log's own SE for logged
+    log-probs), else the SE of its mean."""
+    value = r["bias_se"] if "bias_se" in r else math.nan
+    return float(value) if isinstance(value, (int, float)) and value == value else float(r["se"])
+
+
+def bias_std_cells(r) -> tuple[str, str, str, str]:
+    """("bias ± SE", exact bias, "std ± SE", exact std) of a row, relative to the truth (%, a ratio) or
+    absolute where it is 0 (cells.bias_cells, formatting.measured_cells); the SE of the bias is bias_se."""
+    truth, exact_mean = num(r["true_kl"]), num(r["exact_mean"])
+    zero = truth == 0
+    diff = num(r["bias"]) if zero else num(r["rel_bias"]) * abs(truth)
+    b, se, e = bias_cells(diff, bias_se(r), exact_mean - truth, truth, zero)
+    scale = 1.0 if zero else abs(truth)
+    std, exact_std = (num(r["std"]), num(r["exact_std"])) if zero else (num(r["rel_std"]), num(r["exact_rel_std"]))
+    s, s_se, s_exact = measured_cells(std, num(r["std_se"]) / scale, exact_std)
+    return pm(b, se), e, pm(s, s_se), s_exact
+
+
+def diff_cell(rel_diff: float, rel_se: float) -> str:
+    """diff/true ± SE in %, by the one digit rule (formatting.measured_cells): z = diff / SE reads off it."""
+    value, se, _ = measured_cells(100 * rel_diff, 100 * rel_se, sign=True, unit="%")
+    return pm(value, se) or "—"

@@ -20,6 +20,7 @@ import pandas as pd
 
 from ..core.draws import AGGREGATES, row_key, row_label
 from ..foundation.formatting import measured_cells, pct, plural, sig
+from .cells import bias_se, bias_std_cells, diff_cell  # noqa: F401  (bias_se: re-exported)
 from .figstyle import short_label
 from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, file_stems, html_inline, html_text, md_text, page,  # noqa: F401
                     scroll, table_html, table_md as md_table_of, unique_files, vector_links)
@@ -96,13 +97,6 @@ def batch_cell(n: float, exact_bias: float) -> str:
     return "never" if math.isinf(n) else f"{n:,.0f}"
 
 
-def bias_se(r) -> float:
-    """The SE of a row's bias: its ``bias_se`` where the results carry one (the log's own SE for logged
-    log-probs), else the SE of its mean."""
-    value = r["bias_se"] if "bias_se" in r else math.nan
-    return float(value) if isinstance(value, (int, float)) and value == value else float(r["se"])
-
-
 # ----------------------------------------------------------------------------- paper table
 def paper_table(df: pd.DataFrame):
     """Schulman's layout: rows are estimators; per case bias/true (in %) and std/true (a ratio), measured
@@ -143,24 +137,10 @@ def paper_cells(r) -> list[str]:
     bias ± SE, its exact value, std ± SE and the exact std are absolute, as `kl-bench run` shows them (the
     case's heading says so, kl_head); "—" where no exact value exists, "unknown" where the mean is."""
     from .cells import dagger, unknown_mean
-    bias, exact_bias, std, exact_std = _bias_std_cells(r)
+    bias, exact_bias, std, exact_std = bias_std_cells(r)
     if unknown_mean(r):
         return ["unknown", exact_bias or "—", "unknown", exact_std or "—"]
     return [bias + dagger(r) if bias else "—", exact_bias or "—", std + dagger(r) if std else "—", exact_std or "—"]
-
-
-def _bias_std_cells(r) -> tuple[str, str, str, str]:
-    """("bias ± SE", exact bias, "std ± SE", exact std) of a row, relative to the truth (%, a ratio) or
-    absolute where it is 0 (cells.bias_cells, formatting.measured_cells); the SE of the bias is bias_se."""
-    from .cells import bias_cells, num, pm
-    truth, exact_mean = num(r["true_kl"]), num(r["exact_mean"])
-    zero = truth == 0
-    diff = num(r["bias"]) if zero else num(r["rel_bias"]) * abs(truth)
-    b, se, e = bias_cells(diff, bias_se(r), exact_mean - truth, truth, zero)
-    scale = 1.0 if zero else abs(truth)
-    std, exact_std = (num(r["std"]), num(r["exact_std"])) if zero else (num(r["rel_std"]), num(r["exact_rel_std"]))
-    s, s_se, s_exact = measured_cells(std, num(r["std_se"]) / scale, exact_std)
-    return pm(b, se), e, pm(s, s_se), s_exact
 
 
 def _caption(results: list[Results]) -> tuple[str, str]:
@@ -687,14 +667,7 @@ def difference_cells(r) -> list[str]:
     """One difference as the report and the terminal show it (:data:`DIFF_HEADER`): diff/true ± SE in %
     (the vocabulary of bias/true), z with † where it is not valid."""
     return [str(r["run"]), str(r["against"]), str(r["case"]), str(r["row"]),
-            _diff_cell(float(r["rel_diff"]), float(r["rel_se"])), f"{sig(r['z'], 2)}{r['heavy_tail']}"]
-
-
-def _diff_cell(rel_diff: float, rel_se: float) -> str:
-    """diff/true ± SE in %, by the one digit rule (formatting.measured_cells): z = diff / SE reads off it."""
-    from .cells import pm
-    value, se, _ = measured_cells(100 * rel_diff, 100 * rel_se, sign=True, unit="%")
-    return pm(value, se) or "—"
+            diff_cell(float(r["rel_diff"]), float(r["rel_se"])), f"{sig(r['z'], 2)}{r['heavy_tail']}"]
 
 
 def differences_md(diffs: pd.DataFrame) -> str:
@@ -858,7 +831,7 @@ def row_cells(r) -> list[str]:
     from .cells import dagger, pm, unknown_mean
     approx = "≈" if bool(r.get("approx", False)) else ""      # against the Monte Carlo reference
     mean, se, exact_mean = measured_cells(r["mean"], r["se"], r["exact_mean"])
-    bias, exact_bias, std, exact_std = _bias_std_cells(r)
+    bias, exact_bias, std, exact_std = bias_std_cells(r)
     mark = dagger(r)
     cells = [pm(mean, se, mark), bias + mark if bias else "", std.split(" ± ")[0] + mark if std else ""]
     if unknown_mean(r):
