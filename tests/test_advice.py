@@ -229,3 +229,38 @@ def test_exact_names_a_sampler_missing_mass_without_a_summary(tmp_path, build_sp
     res = CliRunner().invoke(app, ["exact", str(tmp_path / "s.toml"), "-q"])
     assert res.exit_code == 0, res.output
     assert "warning: case 'top-p': the sampler never draws" in res.output and "Traceback" not in res.output
+
+
+def test_a_sampler_that_is_q_itself_is_no_mismatch(write_spec):
+    """Issue 44: a sweep case headed "sampler b: q itself" (temperature 1) was told "the bias comes from
+    drawing from b ≠ q" and listed under "draws come from b ≠ q". Its draws are q's: on-policy advice, no
+    mismatch table."""
+    df = api.exact(_spec(write_spec, case="sampler = { temperature = 1.0 }"))
+    assert set(df["sampler"]) == {"q itself"}
+    texts = " ".join(a.text for a in recommendations(df))
+    assert "b ≠ q" not in texts and "on-policy" in texts, texts
+    from kl_bench.present.tables import side_tables
+    assert not any("sampling mismatch" in str(t.title) for t, _ in side_tables(df.assign(mean=df["exact_mean"],
+                                                                                           se=0.0, std=df["exact_std"],
+                                                                                           frac_negative=0.0)))
+
+
+def test_the_value_advice_considers_full_where_it_exists(write_spec):
+    """Issue 44: `full` (Σ_x q log(q/p), Rao–Blackwellised) needed far fewer draws than k3 and went unsaid."""
+    spec = write_spec(CAT.format(extra="", case="").replace('"abs"]', '"abs", "full"]'))
+    df = api.exact(spec)
+    value = [a for a in recommendations(df) if a.use == "value"][0]
+    full = _row(df, "full")
+    n = n_for_rel_error(full["exact_mean"] - full["true_kl"], full["exact_std"], full["true_kl"], 0.1)
+    assert f"full (Rao–Blackwellised) needs {n:,.0f}" in value.text and value.row != "full", value.text
+
+
+def test_never_says_its_real_reason():
+    """Issue 44: "never" was captioned as bias where the variance is infinite."""
+    from kl_bench.core.planning import never_words
+    rows = [{"n_for_10pct": math.inf, "exact_rel_bias": 0.0, "exact_std": math.inf},
+            {"n_for_10pct": math.inf, "exact_rel_bias": 0.3, "exact_std": 1.0},
+            {"n_for_10pct": 10.0, "exact_rel_bias": 0.0, "exact_std": 1.0}]
+    assert never_words(rows[:1]) == "the variance is infinite"
+    assert never_words(rows) == "the variance is infinite or the bias alone exceeds ±10%"
+    assert never_words(rows[2:]) == ""

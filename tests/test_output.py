@@ -14,7 +14,7 @@ from rich.console import Console
 import kl_bench
 import kl_bench.api as api
 from kl_bench.present.tables import compact_frame, heading, print_tables
-from kl_bench.foundation.formatting import ROUNDING, count, fmt, plural
+from kl_bench.foundation.formatting import ROUNDING, count, fmt, measured_cells, plural
 from kl_bench.core.stats import HeavyTail, kish_ess
 
 from .conftest import logged_logprobs
@@ -55,18 +55,14 @@ def test_logged_data_bias_se_and_z_are_the_logs_own_and_agree(tmp_path):
         assert r["z_ref"] == pytest.approx(r["ref_diff"] / r["ref_diff_se"], rel=1e-9)
         ref = float(full.mean())
         cell = shown.loc[f"seq {name}"]
-        assert cell["bias/true ± se"] == f"{_pct(r['ref_diff'] / ref)} ± {_pct(r['ref_diff_se'] / ref, False)}"
+        bias, se, _ = measured_cells(100 * r["ref_diff"] / ref, 100 * r["ref_diff_se"] / ref, sign=True, unit="%")
+        assert cell["bias/true ± se"] == f"{bias} ± {se}"
         assert cell["z"] == fmt(r["z_ref"], 2) and cell["n ±10%"] == "—" and cell["exact"] == ""
         # the resampling SE is far smaller here (100,000 draws of 512 sequences): it must not be the one shown
         assert r["se"] < r["ref_diff_se"] / 3
     assert shown.loc["tok full", "bias/true ± se"] == "reference"
     assert df["n_for_10pct"].isna().all() and df["rmse_b64"].isna().all()     # no truth: nothing planned
     assert "Monte Carlo reference" in heading(res.summary, "log", "logged")
-
-
-def _pct(x, sign=True):
-    from kl_bench.foundation.formatting import pct
-    return pct(x, sign)
 
 
 # ----------------------------------------------------------------------------- KL = 0
@@ -220,3 +216,56 @@ def test_the_weight_sums_resume_byte_for_byte_and_a_corrupt_one_is_refused():
     bad[0, -1] = -1.0
     with pytest.raises(SpecError, match="negative sum of importance weights"):
         run_case(pair, ["k1", "k3"], resume=bad, **args)
+
+
+def test_a_forward_kl_without_a_reference_is_unknown_not_the_reverse_one(tmp_path):
+    """Issue 44 item 2: logged log-probs (as model continuations) printed "KL(p||q) ≈ 1.56 ± 0.024 (Monte
+    Carlo reference)", the reverse KL's reference copied, and divided the fwd rows' std/true by it. The
+    reference is KL(q||p)'s alone: a forward row has no ref_kl, its heading says unknown, nothing is /true."""
+    log = logged_logprobs(64, 8)
+    torch.save(log, tmp_path / "log.pt")
+    res = kl_bench.run(spec_toml({"name": "lp", "draws": 20_000, "seed": 0, "device": "cpu", "batches": 20,
+                                  "estimators": ["k1", "k3", "fwd_k1", "fwd_k3", "full"]},
+                                 [{"name": "log", "kind": "logprobs", "file": str(tmp_path / "log.pt")}]))
+    s = res.summary
+    forward, reverse = s[s["target"] == "KL(p||q)"], s[s["target"] == "KL(q||p)"]
+    assert len(forward) and forward[["ref_kl", "ref_se", "ref_diff", "ref_diff_se", "z_ref"]].isna().all().all()
+    assert reverse["ref_kl"].notna().all()
+    head = heading(s, "log", "logged")
+    assert "KL(p||q) unknown" in head and "KL(p||q) ≈" not in head, head
+    shown = compact_frame(s, "log")
+    fwd = shown[shown["target"].str.startswith("p||q")]
+    assert (fwd["bias/true ± se"] == "").all() and (fwd["std/true"] == "").all(), fwd
+    # a folder written before the fix: its forward rows' copied reference is dropped when read
+    from kl_bench.results.migrate import without_forward_reference
+    import dataclasses
+    old = s.copy()
+    old.loc[old["target"] == "KL(p||q)", ["ref_kl", "ref_se"]] = [reverse["ref_kl"].iloc[0], reverse["ref_se"].iloc[0]]
+
+    @dataclasses.dataclass
+    class Contents:
+        summary: object
+    fixed = without_forward_reference(Contents(old)).summary
+    assert fixed.loc[fixed["target"] == "KL(p||q)", "ref_kl"].isna().all()
+    assert fixed.loc[fixed["target"] == "KL(q||p)", "ref_kl"].equals(old.loc[old["target"] == "KL(q||p)", "ref_kl"])
+
+
+@pytest.mark.parametrize("temperature", [0.01, 0.05, 0.1])
+def test_a_near_greedy_sampler_with_weights_is_unknown_never_a_zero_se(temperature):
+    """Issue 44: categorical V = 1,000, sampler temperature 0.05, token weights printed "± 0" and
+    z = 1.9·10¹¹: every draw is the argmax, the weights are all equal, Kish's ESS is N, and the weights that
+    make the sum (q/b where b is tiny) were never drawn. Every temperature: the ESS counts the draws' share of
+    the exact variance (0 here), the rows are degenerate, printed unknown with the ESS; never a zero SE."""
+    spec = {"spec_version": 1, "experiment": {"name": "cold", "draws": 20_000, "batches": 20, "seed": 0},
+            "case": [{"name": "cold", "kind": "categorical", "vocab": 1000,
+                      "q": {"logits": "zipf", "exponent": 1.1, "seed": 1}, "p": {"from": "q", "noise": 0.5, "seed": 2},
+                      "sampler": {"temperature": temperature, "weights": "token"}}]}
+    s = kl_bench.run(spec).summary
+    assert (s["heavy_tail"] == HeavyTail.DEGENERATE.value).all(), s[["estimator", "std", "ess", "heavy_tail"]]
+    assert s["se"].isna().all() and s["z"].isna().all() and (s["ess"] < s["batches"]).all()
+    shown = compact_frame(s, "cold")
+    assert (shown["bias/true ± se"] == "unknown").all() and not shown.apply(lambda c: c.str.contains("± 0%")).any().any()
+    out = io.StringIO()
+    print_tables(Console(file=out, width=100), s, {"cold": "cold"})
+    text = " ".join(out.getvalue().split())
+    assert "unknown: degenerate importance weights: an effective sample size of" in text and "out of 20,000" in text

@@ -17,7 +17,6 @@ from pathlib import Path
 from kl_bench.present import plots, report
 from kl_bench.core.draws import row_label
 from kl_bench.cli import app
-from kl_bench.foundation.formatting import sig
 from kl_bench.present.report import tex_number, load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,21 +120,24 @@ def test_figures_are_also_written_as_deterministic_vectors(small_run):
 
 def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
     """bias/true in % (the vocabulary of docs/results.md: "+0.28% ± 0.34%"), std/true a plain ratio."""
-    from kl_bench.foundation.formatting import pct
+    from kl_bench.foundation.formatting import measured_cells
     text = (small_run / "report" / "table.tex").read_text()
     df = pd.read_csv(small_run / "summary.csv", keep_default_na=True)
     rows = df[df["lambda"].isna() | (df["estimator"] == "cv_opt")]
-    for _, r in rows.iterrows():
+    for _, r in rows.iterrows():       # each measured value to its SE's precision, the exact one beside it alike
         true = abs(r["true_kl"])
-        for col, se in (("rel_bias", r["se"] / true), ("exact_rel_bias", None)):
-            shown = tex_number(pct(r[col])) + ("" if se is None else rf" $\pm$ {tex_number(pct(se, sign=False))}")
-            assert shown in text and (pct(r[col]) == "0" or "%" in shown), (r["case"], r["estimator"], col, shown)
-        for col, se in (("rel_std", r["std_se"] / true), ("exact_rel_std", None)):
-            shown = tex_number(sig(r[col])) + ("" if se is None else rf" $\pm$ {tex_number(sig(se, 2))}")
-            assert shown in text, (r["case"], r["estimator"], col, shown)
+        exact = 0.0 if abs(r["exact_rel_bias"]) < 1e-12 else 100 * r["exact_rel_bias"]
+        bias, se, exact = measured_cells(100 * r["rel_bias"], 100 * r["se"] / true, exact, sign=True, unit="%")
+        std, std_se, exact_std = measured_cells(r["rel_std"], r["std_se"] / true, r["exact_rel_std"])
+        for shown in (rf"{tex_number(bias)} $\pm$ {tex_number(se)}", tex_number(exact),
+                      rf"{tex_number(std)} $\pm$ {tex_number(std_se)}", tex_number(exact_std)):
+            assert shown in text, (r["case"], r["estimator"], shown)
+        assert all(x == "0" or "%" in x for x in (bias, exact)), (bias, exact)
     assert "stdev" not in text and "std/true" in text
-    # a tiny relative bias in % (results/precision: +1.2e-05%) is a power of ten and an escaped %
-    assert tex_number("+1.2e-05%") == r"$+1.2\times 10^{-5}$\%" and tex_number("-0.025%") == r"-0.025\%"
+    # a tiny relative bias in % (results/precision: +1.2e-05%) is a power of ten and an escaped %; a minus is
+    # math's minus, never a text hyphen (issue 44)
+    assert tex_number("+1.2e-05%") == r"$+1.2\times 10^{-5}$\%" and tex_number("-0.025%") == r"$-$0.025\%"
+    assert tex_number("-1.2e-5") == r"$-1.2\times 10^{-5}$" and "-" not in tex_number("-0.5").replace("$-$", "")
     # A paper includes it as it is: booktabs, five columns, no \resizebox, every row 5 cells, a short caption.
     assert text.count("{") == text.count("}") and "resizebox" not in text
     for rule in (r"\toprule", r"\midrule", r"\bottomrule", r"\caption{", r"\begin{tabular}{lrrrr}"):
@@ -322,7 +324,7 @@ def test_one_vocabulary_in_every_table_of_the_report(small_run):
         text = (rep / name).read_text()
         assert "stdev" not in text and "std/true" in text
     # a tiny relative bias in % (results/precision: +1.2e-05%) is a power of ten and an escaped %
-    assert tex_number("+1.2e-05%") == r"$+1.2\times 10^{-5}$\%" and tex_number("-0.025%") == r"-0.025\%" and "bias/true" in text, name
+    assert tex_number("+1.2e-05%") == r"$+1.2\times 10^{-5}$\%" and tex_number("-0.025%") == r"$-$0.025\%" and "bias/true" in text, name
     html = (rep / "report.html").read_text()
     rows = html.split("<h2>All rows</h2>")[1]
     cells = [re.findall(r"<td>(.*?)</td>", tr) for tr in rows.split("<tr>")[2:]]
@@ -455,8 +457,12 @@ def test_a_case_with_kl_zero_is_reported_in_absolute_values(tmp_path, unrendered
             r = summary.loc[(case, cells[0])]
             bias, std = cells[1 + 4 * k], cells[3 + 4 * k]
             if zero:      # the numbers of summary.csv as they are: absolute
-                assert bias == report.pm(float(r["bias"]), float(r["se"])), (case, cells)
-                assert std == report.pm(float(r["std"]), float(r["std_se"])), (case, cells)
+                from kl_bench.foundation.formatting import measured_cells
+                b = measured_cells(float(r["bias"]), float(r["se"]), float(r["exact_mean"]) - float(r["true_kl"]),
+                                   sign=True)
+                sd = measured_cells(float(r["std"]), float(r["std_se"]), float(r["exact_std"]))
+                assert bias == f"{b[0]} ± {b[1]}" and cells[2 + 4 * k] == b[2], (case, cells)
+                assert std == f"{sd[0]} ± {sd[1]}" and cells[4 + 4 * k] == sd[2], (case, cells)
             else:
                 assert bias.endswith("%") and "%" in bias.split(" ± ")[0], (case, cells)
     tex = (tmp_path / "same" / "report" / "table.tex").read_text()

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..core.draws import row_label
 from ..core.aggregates import PER_TOKEN
+from ..core.draws import draws_from_b, row_label
 from ..core.estimators import CV, PAIR_ROWS
 from ..foundation.formatting import count, fmt, pct
-from ..core.planning import n_for_rel_error, rmse
+from ..core.planning import n_for_rel_error, never_words, rmse
 from ..core.rejection import WORDS as REJECTION_WORDS
 from ..core.stats import HeavyTail, unknown_reason
 from ..core.targets import REVERSE
@@ -67,8 +67,10 @@ def _finite(x) -> bool:
 
 
 def _sampler(rows: pd.DataFrame) -> str:
+    """The case's sampler b ≠ q as its rows name it; "" where the draws come from q (no sampler, or one
+    that changes nothing: "q itself", which is no mismatch)."""
     s = rows["sampler"].iloc[0] if "sampler" in rows and len(rows) else ""
-    return s if isinstance(s, str) else ""
+    return s if draws_from_b(s) else ""
 
 
 def _unweighted_sampler(rows: pd.DataFrame) -> bool:
@@ -109,6 +111,11 @@ def _plan(r, batch: int, tolerance: float) -> tuple[float, float, float]:
     return rmse(bias, std, batch), n_for_rel_error(bias, std, true, tolerance, PROB), rel
 
 
+def _biased(rel: float) -> str:
+    """"unbiased" or "+1.2% biased": a relative bias in the advice's words."""
+    return "unbiased" if abs(rel) < 1e-9 else f"{pct(rel)} biased"
+
+
 def _pct(tolerance: float) -> str:
     return f"±{tolerance:.0%}" if round(tolerance * 100) == tolerance * 100 else f"±{tolerance:.2%}"
 
@@ -128,12 +135,15 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     reach = {i: p for i, p in plans.items() if _finite(p[1])}
     if not reach:      # never recommend what cannot reach the tolerance as if it could
         best = min(plans, key=lambda i: plans[i][0])
+        why = never_words(({"n_for_10pct": math.inf, "exact_rel_bias": p[2], "exact_std": c.loc[i, "exact_std"]}
+                           for i, p in plans.items()), tolerance)
         return Advice(case, "value", "", f"to log: no estimator of KL(q||p) gets within {_pct(tolerance)} at "
-                      f"any batch size (each one's bias alone is larger; the lowest RMSE at {batch:,} is "
-                      f"{row_label(c.loc[best])}'s, {pct(plans[best][2])} biased){hint}")
+                      f"any batch size ({why}; the lowest RMSE at {batch:,} is "
+                      f"{row_label(c.loc[best])}'s, {_biased(plans[best][2])}){hint}")
     best = min(reach, key=lambda i: reach[i][0])
     r = c.loc[best]
-    line = _best_line(r, reach[best], batch, tolerance) + _alternatives(c, plans, reach, best, batch, tolerance)
+    line = _best_line(r, reach[best], batch, tolerance) + _alternatives(c, plans, reach, best, batch, tolerance) \
+        + _pair_row_note(df, case, reach[best][1], batch, tolerance)
     if _finite(reach[best][2]) and abs(reach[best][2]) > 1e-6:
         line += hint
     heavy = r.get("heavy_tail")
@@ -176,13 +186,27 @@ def _alternatives(c: pd.DataFrame, plans: dict, reach: dict, best, batch: int, t
     out = ""
     fewer = min(reach, key=lambda i: reach[i][1])
     if fewer != best and reach[fewer][1] < reach[best][1]:
-        bias = "unbiased" if abs(reach[fewer][2]) < 1e-9 else f"{pct(reach[fewer][2])} biased"
-        out += f"; {row_label(c.loc[fewer])} gets there with fewer draws ({count(reach[fewer][1])}, {bias})"
+        out += f"; {row_label(c.loc[fewer])} gets there with fewer draws ({count(reach[fewer][1])}, {_biased(reach[fewer][2])})"
     lower = [i for i, p in plans.items() if i not in reach and p[0] < reach[best][0]]
     if lower:
         names = ", ".join(row_label(c.loc[i]) for i in lower)
         out += f" ({names}: lower RMSE at {batch:,}, but biased beyond {_pct(tolerance)} at any batch)"
     return out
+
+
+def _pair_row_note(df: pd.DataFrame, case: str, n_best: float, batch: int, tolerance: float) -> str:
+    """Where the case has a pair-supplied row (``full``: Σ_x q log(q/p) per context, Rao–Blackwellised) that
+    reaches the tolerance with fewer draws than the sampled-log-prob pick: that it does, for a trainer that
+    has the whole next-token distributions (issue 44: 79 draws against k3's 1,042 went unsaid)."""
+    c = df[(df["case"] == case) & (df["target"] == REVERSE) & df["estimator"].isin(list(PAIR_ROWS))
+           & ~df["aggregate"].fillna("").isin(PER_TOKEN)]
+    plans = {i: _plan(r, batch, tolerance) for i, r in c.iterrows()}
+    plans = {i: p for i, p in plans.items() if _finite(p[1]) and p[1] < n_best}
+    if not plans:
+        return ""
+    i = min(plans, key=lambda j: plans[j][1])
+    return (f"; with the whole next-token distributions at hand, {row_label(c.loc[i])} (Rao–Blackwellised) "
+            f"needs {count(plans[i][1])} (RMSE {fmt(plans[i][0])} at {batch:,})")
 
 
 def _reference_advice(df: pd.DataFrame, case: str, batch: int) -> Advice | None:

@@ -123,6 +123,18 @@ def _at_exact_spread(se, std, exact_std, draws) -> float:
     return se * _spread_shortfall(std, exact_std)
 
 
+def z_at_exact_spread(r) -> float:
+    """The z `kl-bench check` gives a heavy-tailed row's mean against its exact mean: with the SE at the exact
+    spread (:func:`_at_exact_spread`) where the exact analysis flags the row (EXACT_HEAVY); NaN for any other
+    row (its printed z is check's) and where no exact mean exists. `kl-bench run` prints it beside the
+    row's †, so that run and check tell one story."""
+    heavy = r.get("heavy_tail", "") or ""
+    if heavy not in EXACT_HEAVY or not math.isfinite(float(r["exact_mean"])) or math.isinf(float(r["true_kl"])):
+        return math.nan
+    se = _at_exact_spread(r["se"], r["std"], r["exact_std"], r["draws"])
+    return z_score(r["mean"], r["exact_mean"], se, max(abs(r["mean"]), abs(r["exact_mean"])))
+
+
 def _widening(r) -> float:
     """How many times :func:`_at_exact_spread` widens row ``r``'s SE (inf from an SE of 0)."""
     se = float(r["se"])

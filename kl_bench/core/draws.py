@@ -19,6 +19,16 @@ from .targets import REVERSE
 LENGTH = Estimator("length", lambda logr: torch.ones_like(logr), REVERSE, False, True, "1 per token")
 
 
+# The sampler column of a case whose [sampler] table changes nothing (sampling.mismatch.SamplerSpec.describe):
+# its draws come from q itself, so the on-policy identities hold and no mismatch biases anything.
+Q_ITSELF = "q itself"
+
+
+def draws_from_b(sampler) -> bool:
+    """Whether a row's sampler column says its draws come from a sampler b ≠ q: not blank, not "q itself"."""
+    return isinstance(sampler, str) and sampler not in ("", Q_ITSELF)
+
+
 def row_key(name: str, lam: float | None, aggregate: str) -> str:
     """The unique key of a row within a case ('k3', 'cv@0.5', 'tok:k3'); reservoir.npz uses it too."""
     base = name if lam is None else f"{name}@{lam!r}"

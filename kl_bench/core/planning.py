@@ -45,6 +45,31 @@ def n_for_rel_error(bias: float, std: float, true: float, rel: float = 0.1, prob
     return float(hi)
 
 
+def never_reason(rel_bias: float, std: float, rel: float = 0.1) -> str:
+    """Why :func:`n_for_rel_error` found no batch size ("never"): the variance is infinite (no batch mean
+    settles, whatever its bias), the bias alone exceeds ±rel, or the variance is finite but so large that
+    the search's 10^30 draws do not reach ±rel; "" where no reason is known (NaN)."""
+    if isinstance(std, (int, float)) and math.isinf(std):
+        return "the variance is infinite"
+    if not (isinstance(rel_bias, (int, float)) and math.isfinite(rel_bias)):
+        return ""
+    return f"the bias alone exceeds ±{rel:.0%}" if abs(rel_bias) > rel else "the variance needs more than 10^30 draws"
+
+
+def never_words(rows, rel: float = 0.1) -> str:
+    """The reasons of the "never" rows among ``rows`` (mappings with n_for_10pct, exact_rel_bias and
+    exact_std; a DataFrame's rows from iterrows), joined by "or", each once: "the variance is infinite or the
+    bias alone exceeds ±10%"; "" where no row is "never"."""
+    def num(x) -> float:
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            return math.nan
+    words = dict.fromkeys(never_reason(num(r.get("exact_rel_bias")), num(r.get("exact_std")), rel)
+                          for r in rows if math.isinf(num(r.get("n_for_10pct"))))
+    return " or ".join(w for w in words if w)
+
+
 def _settled(bias: float, std: float, true: float, rel: float) -> float | None:
     """The batch size where no search is needed: 1 (every draw exact: std 0 within the tolerance, or a
     truth of 0 met exactly), inf (no batch helps); None otherwise."""

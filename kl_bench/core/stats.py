@@ -145,7 +145,8 @@ class HeavyTail(str, Enum):
     def explanation(self) -> str:
         return {
             HeavyTail.DEGENERATE: "importance weights so uneven that fewer than one effective draw falls in each "
-                                  "batch (ESS: Kish's effective sample size of the weights): the measured mean "
+                                  "batch (ESS: Kish's effective sample size of the weights, or N·std²/exact std² "
+                                  "where the large weights were never drawn): the measured mean "
                                   "and its SE say nothing",
             HeavyTail.SUPPORT_MISS: "the importance weight q/b is infinite where the sampler never draws",
             HeavyTail.INFINITE_VARIANCE: "infinite variance (E_q[r²] = ∞)",

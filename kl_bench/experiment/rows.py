@@ -12,6 +12,7 @@ from ..core.aggregates import AGGREGATES
 from ..engine.monte_carlo import CaseRun, as_rows
 from ..core.stats import HeavyTail, batch_means_se, classify_heavy_tail, kish_ess, z_score
 from ..core.targets import REVERSE
+from ..foundation.formatting import ROUNDING
 
 
 def _div(a: float, b: float) -> float:
@@ -30,6 +31,23 @@ def _ess(run: CaseRun, row) -> float:
     if sums is None or row.group > 1 or not agg.carries_draw_weight or per_token:
         return math.nan
     return kish_ess(*sums)
+
+
+def _seen_share(ess: float, n: float, mean: float, var: float, exact_var: float, batches: int) -> float:
+    """A weighted row's effective sample size: Kish's ESS of the drawn weights, or, where it falls below the
+    number of batches, the draws' share of the row's exact variance N·var/exact var. Kish's ESS sees only
+    the weights that were drawn: a near-greedy sampler (temperature 0.05) draws one token every time, its
+    weights are all equal, Kish says N, and the sum's large weights (q/b where b is tiny) were never drawn
+    (issue 44: "± 0", z = 1.9·10¹¹). Where every draw gave one value (a measured variance within float64
+    rounding of 0: at most ROUNDING·mean²) and the exact variance is not 0, nothing of the spread was seen:
+    ESS 0, whether that variance is finite or not. Above the batches Kish's ESS stands (the share's own
+    noise does not move the column); NaN (no weights) stays NaN; an unknown exact variance leaves Kish's."""
+    if not (math.isfinite(ess) and exact_var > 0 and math.isfinite(var)):
+        return ess
+    if var <= ROUNDING * mean * mean:        # Σf²/N − mean² cancels to ~1e-16·mean²: rounding, not spread
+        return 0.0
+    share = n * var / exact_var if math.isfinite(exact_var) else math.inf
+    return min(ess, share) if share < batches else ess
 
 
 def _heavy_tail(run: CaseRun, row, exact_var: float, n: float, s2, ess: float) -> str:
@@ -75,7 +93,7 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
             std_se = se_m2 / (2 * math.sqrt(m2)) if m2 > 0 else 0.0
             # the scale of a variance computed from shifted sums: the squared mean and the variance
             z_var = z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var)
-        ess = _ess(run, row)
+        ess = _seen_share(_ess(run, row), n, mean, var, exact_var, k)
         heavy = _heavy_tail(run, row, exact_var, n, s2, ess)
         if heavy == HeavyTail.DEGENERATE:        # nothing is known of the mean: no SE, no z
             se = std_se = z = z_var = math.nan
@@ -118,15 +136,15 @@ def add_reference(run: CaseRun, rows: list[dict[str, Any]], ref: str) -> None:
     ref_se = batch_means_se(s_ref / n_k - float(s_ref.sum()) / n, n_k / n)
     unknown = rows[j_ref]["heavy_tail"] == HeavyTail.DEGENERATE
     for j, (row, out) in enumerate(zip(run.rows, rows)):
-        if row.group > 1:          # the paired differences below are per draw
+        # the paired differences below are per draw; the reference is KL(q||p)'s: a KL(p||q) row has none
+        # (issue 44: it printed the reverse reference as its own and divided by it)
+        if row.group > 1 or row.est.target != REVERSE:
             continue
         fixed = run.pair.reference_comparison(row.est, row.aggregate)
         if fixed is not None:
             out["ref_kl"], out["ref_se"], diff, se = fixed
         else:
             out["ref_kl"], out["ref_se"] = ref_mean, (math.nan if unknown else ref_se)
-            if row.est.target != REVERSE:
-                continue
             pair = (run.sums[:, j] - s_ref) / n_k                      # per batch: mean_j − mean_ref − shifts
             diff = out["mean"] - ref_mean
             se = batch_means_se(pair - float((run.sums[:, j] - s_ref).sum()) / n, n_k / n)

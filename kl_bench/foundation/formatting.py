@@ -8,14 +8,16 @@ uses (docs/results.md#units-and-words):
   2,100,000); ``never`` where the bias alone exceeds the tolerance; :data:`UNKNOWN` ("—") where no exact
   bias is known;
 - counts of things: :func:`plural` ("1 figure", "2 figures", "1 step");
-- the paper table's numbers: :func:`sig` (3 significant digits, "—" where missing), :func:`pm` and
-  :func:`pct_pm` ("value ± se");
+- a measured value, its SE and the exact value beside it: :func:`measured_cells`, the one digit rule of
+  every output (the value to its SE's precision, the exact value to as many digits);
+- other numbers of the paper table and the report: :func:`sig` (3 significant digits, "—" where missing);
 - sizes and big integers in messages: :func:`fmt_bytes` (1.5 GiB), :func:`fmt_count` (digits, or
   9.22e+18 beyond 10^15).
 """
 from __future__ import annotations
 
 import math
+import re
 from decimal import Decimal
 
 # Two different exact float64 sums (or a sum and a closed form) agree to ~1e-15 relative; differences
@@ -26,6 +28,11 @@ ROUNDING = 1e-12
 CV, CV_OPT = "cv", "cv_opt"    # names of the control-variate rows (kl_bench.core.estimators.make_cv makes them)
 UNKNOWN = "—"          # a number that no exact value supports (n ±10% without an exact bias)
 NEVER = "never"        # a batch size that does not exist (the bias alone exceeds the tolerance)
+
+
+def exponent(text: str) -> str:
+    """A number's power of ten as every output writes it: "e-5", "e3" (not Python's "e-05", "e+03")."""
+    return re.sub(r"e([+-]?)0*(\d)", lambda m: "e" + ("-" if m.group(1) == "-" else "") + m.group(2), text)
 
 
 def _missing(x) -> bool:
@@ -50,7 +57,7 @@ def fmt(x: float, digits: int = 3, scale: float | None = None, sign: bool = Fals
     s = "+" if sign else ""
     if 1e-3 <= abs(x) < 1e5:
         return f"{x:{s}.{digits}g}" if abs(x) < 10 ** digits else f"{x:{s}.0f}"
-    return f"{x:{s}.{digits - 1}e}"
+    return exponent(f"{x:{s}.{digits - 1}e}")
 
 
 def pct(x: float, sign: bool = True) -> str:
@@ -64,7 +71,7 @@ def pct(x: float, sign: bool = True) -> str:
         return "0"
     v = 100 * x
     s = "+" if sign else ""
-    return f"{v:{s}.0f}%" if abs(v) >= 100 else f"{v:{s}.2g}%"
+    return f"{v:{s}.0f}%" if abs(v) >= 100 else exponent(f"{v:{s}.2g}") + "%"
 
 
 def count(n: float) -> str:
@@ -90,28 +97,7 @@ def sig(x: float, digits: int = 3) -> str:
         return "∞" if x > 0 else "−∞"
     if abs(x) < 1e-9:
         return "0"
-    return f"{x:.{digits}g}".replace("e-0", "e-").replace("e+0", "e")
-
-
-def pm(value: float, se: float, mark: str = "") -> str:
-    """"value ± se" (3 and 2 significant digits), with ``mark`` (†: the SE is not valid) after it."""
-    text = sig(value)
-    if text == "—":
-        return text
-    return (f"{text} ± {sig(se, 2)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
-
-
-def pct_pm(value: float, se: float, mark: str = "") -> str:
-    """A relative bias with its SE, both in %: "+0.28% ± 0.34%" (``mark``: † where the SE is not valid)."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value)):
-        return "—" if value is None or value != value else pct(value)
-    text = pct(value)
-    return (f"{text} ± {pct(se, sign=False)}" if isinstance(se, float) and math.isfinite(se) else text) + mark
-
-
-def exact_pct(value: float) -> str:
-    """An exact relative bias in % ("0" for an unbiased row, "—" where no exact value exists)."""
-    return pct(value) if isinstance(value, (int, float)) and value == value else "—"
+    return exponent(f"{x:.{digits}g}")
 
 
 def fmt_bytes(n: float) -> str:
@@ -126,3 +112,53 @@ def fmt_count(n: int) -> str:
     """An integer for a message: digits when short, else scientific (2^63 − 1 → 9.22e+18; 10^400 too,
     beyond float64's range)."""
     return f"{n:,}" if abs(n) < 10**15 else f"{Decimal(n):.3g}"
+
+
+# ----------------------------------------------------------------------------- measured ± SE next to exact
+MAX_DIGITS = 10     # significant digits a measured value shows at most (an SE far below the value's own size)
+SE_DIGITS = 2       # significant digits of an SE
+
+
+def _quantum(se: float, value: float) -> int:
+    """The decimal exponent q of the last digit a measured value shows: the SE's second significant digit
+    (after the SE's own rounding: 9.96e-5 rounds to 1.0e-4, so q = −5), never finer than MAX_DIGITS
+    significant digits of the value; without a usable SE (0, NaN, inf), 4 significant digits of the value."""
+    size = abs(value) if math.isfinite(value) and value else 0.0
+    floor = math.floor(math.log10(size)) - MAX_DIGITS + 1 if size else -99
+    if math.isfinite(se) and se > 0:
+        return max(int(f"{se:.{SE_DIGITS - 1}e}".split("e")[1]) - SE_DIGITS + 1, floor)
+    return math.floor(math.log10(size)) - 3 if size else 0
+
+
+def _at(x: float, q: int, exp: int, sign: bool) -> str:
+    """``x`` rounded to 10^q, written in units of 10^exp (exp = 0: plain decimals; else "…e-5")."""
+    if _missing(x):
+        return ""
+    if math.isinf(x):
+        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    text = f"{Decimal(repr(x)).scaleb(-exp):{'+' if sign else ''}.{max(exp - q, 0)}f}"
+    if text.lstrip("+-").strip("0.") == "":         # rounds to zero at this precision: no "-0.000"
+        text = text.lstrip("+-")
+    return text + (f"e{exp}" if exp else "")
+
+
+def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, *, sign: bool = False,
+                   unit: str = "") -> tuple[str, str, str]:
+    """The one digit rule of every output: (measured value, its SE, the exact value beside it) as text, the
+    measured value to the SE's precision (the SE to SE_DIGITS significant digits, the value to the same
+    decimal place), the exact value to the same place, all three in one notation (plain decimals, or a shared
+    power of ten "…e-5" where the larger of value and exact is below 10^-3 or reaches 10^5, as :func:`fmt`), so that
+    (value − exact) / SE read off the cells is the row's z within rounding. An exact 0 prints as "0"
+    (without ``unit``); missing values are blank. ``sign``: a + on positive values (a bias); ``unit``: appended to each ("%")."""
+    value, se, exact = (float(x) if x is not None else math.nan for x in (value, se, exact))
+    q = _quantum(se, value if math.isfinite(value) else exact)
+    size = max((abs(x) for x in (value, exact) if math.isfinite(x)), default=0.0)
+    exp = 0
+    if size and (size < 1e-3 or size >= 1e5):
+        exp = math.floor(math.log10(size))
+        q = min(q, exp)     # at least the shared power's own digit
+    cells = (_at(value, q, exp, sign), _at(se, q, exp, False) if math.isfinite(se) else "",
+             _at(exact, q, exp, sign))
+    return tuple(c + unit if c and c[-1].isdigit() and c != "0" else c for c in cells)

@@ -30,6 +30,7 @@ from ..core.aggregates import AGGREGATES
 from ..foundation.formatting import ROUNDING
 from .figstyle import Style, estimator_colour, figure_styles, plain_log_labels, row_style, short_label
 from ..core.modes import MODES
+from ..core.planning import never_words
 
 PALETTE = sns.color_palette("colorblind")
 
@@ -557,7 +558,8 @@ def plot_planning(summary: pd.DataFrame, ax=None, title: str = ""):
     ax.set_ylim(y - 1, -1)            # every slot inside, bar or "never" (top to bottom)
     ax.set_xscale("log")
     ax.set_xlim(0.8, max(never_at, 10.0) * 4)
-    ax.set_xlabel("draws for ±10% error with 95% probability  (log)\nnever: the bias alone is larger than 10%")
+    never = (never_words(df.to_dict("records")) or "n/a").replace(" or ", ",\nor ")      # one reason a line
+    ax.set_xlabel(f"draws for ±10% error with 95% probability  (log)\nnever: {never}")
     ax.set_title(title)
     return fig
 

@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pandas as pd
 
-from ..core.draws import row_key, row_label
 from ..core.aggregates import AGGREGATES
-from ..foundation.formatting import exact_pct, pct, pct_pm, plural, pm, sig
+from ..core.draws import row_key, row_label
+from ..foundation.formatting import measured_cells, pct, plural, sig
+from .cells import bias_se, bias_std_cells, diff_cell  # noqa: F401  (bias_se: re-exported)
 from .figstyle import short_label
 from .pages import (ALL_FORMATS, CSS, figure_files, figure_html, file_stems, html_inline, html_text, md_text, page,  # noqa: F401
                     scroll, table_html, table_md as md_table_of, unique_files, vector_links)
@@ -61,8 +62,9 @@ def load_results(path: Path) -> Results:
 # ----------------------------------------------------------------------------- numbers
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "$": r"\$", "{": r"\{",
         "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "²": r"\textsuperscript{2}",
-        "σ": r"$\sigma$", "μ": r"$\mu$", "λ": r"$\lambda$", "‖": r"$\|$", "−": "-", "·": r"$\cdot$",
-        "∞": r"$\infty$", "–": "--", "—": "---", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$"}
+        "σ": r"$\sigma$", "μ": r"$\mu$", "λ": r"$\lambda$", "‖": r"$\|$", "−": "$-$", "·": r"$\cdot$",
+        "∞": r"$\infty$", "–": "--", "—": "---", "×": r"$\times$", "≤": r"$\le$", "≥": r"$\ge$", "±": r"$\pm$",
+        "†": r"$^\dagger$", "≈": r"$\approx$"}
 
 
 def tex(text: str) -> str:
@@ -70,12 +72,17 @@ def tex(text: str) -> str:
 
 
 def tex_number(s: str) -> str:
-    """A number as the tables show it, in LaTeX: 1.2e-05 as 1.2×10⁻⁵, a percentage's % escaped."""
+    """A number as the tables show it, in LaTeX: 1.2e-5 as 1.2×10⁻⁵, a percentage's % escaped, a minus sign
+    as math's minus ($-$), never a text hyphen."""
     if s.endswith("%"):
         return tex_number(s[:-1]) + r"\%"
+    if s.lstrip("+-−") in ("inf", "∞"):
+        return "$" + s.replace("−", "-").replace("inf", r"\infty").replace("∞", r"\infty") + "$"
     if "e" in s and s not in ("—",):
         mant, exp = s.split("e")
-        return f"${mant}\\times 10^{{{int(exp)}}}$"
+        return f"${mant.replace('−', '-')}\\times 10^{{{int(exp)}}}$"
+    if s[:1] in "-−" and len(s) > 1:         # a real minus, not a text hyphen
+        return "$-$" + tex(s[1:])
     return tex(s)
 
 
@@ -89,13 +96,6 @@ def batch_cell(n: float, exact_bias: float) -> str:
     if n is None or n != n:
         return ""
     return "never" if math.isinf(n) else f"{n:,.0f}"
-
-
-def bias_se(r) -> float:
-    """The SE of a row's bias: its ``bias_se`` where the results carry one (the log's own SE for logged
-    log-probs), else the SE of its mean."""
-    value = r["bias_se"] if "bias_se" in r else math.nan
-    return float(value) if isinstance(value, (int, float)) and value == value else float(r["se"])
 
 
 # ----------------------------------------------------------------------------- paper table
@@ -132,17 +132,16 @@ def paper_table(df: pd.DataFrame):
 
 
 def paper_cells(r) -> list[str]:
-    """A row's four cells of the paper table: bias/true ± SE (%), exact, std/true ± SE, exact; where the KL
-    is 0 (p = q: every trainer's step 0) no relative value exists, so bias ± SE, its exact value, std ± SE
-    and the exact std are absolute, as `kl-bench run` shows them (the case's heading says so, kl_head)."""
-    from .tables import dagger
-    scale = abs(float(r["true_kl"]))        # the SEs of bias/true and std/true
-    if scale == 0:
-        exact_bias = float(r["exact_mean"]) - float(r["true_kl"])
-        return [pm(float(r["bias"]), bias_se(r), dagger(r)), sig(exact_bias),
-                pm(float(r["std"]), float(r["std_se"]), dagger(r)), sig(float(r["exact_std"]))]
-    return [pct_pm(r["rel_bias"], bias_se(r) / scale, dagger(r)), exact_pct(r["exact_rel_bias"]),
-            pm(r["rel_std"], r["std_se"] / scale, dagger(r)), sig(r["exact_rel_std"])]
+    """A row's four cells of the paper table: bias/true ± SE (%), exact, std/true ± SE, exact, by the one
+    digit rule (formatting.measured_cells: each measured value to its SE's precision, the exact value beside
+    it to as many digits); where the KL is 0 (p = q: every trainer's step 0) no relative value exists, so
+    bias ± SE, its exact value, std ± SE and the exact std are absolute, as `kl-bench run` shows them (the
+    case's heading says so, kl_head); "—" where no exact value exists, "unknown" where the mean is."""
+    from .cells import dagger, unknown_mean
+    bias, exact_bias, std, exact_std = bias_std_cells(r)
+    if unknown_mean(r):
+        return ["unknown", exact_bias or "—", "unknown", exact_std or "—"]
+    return [bias + dagger(r) if bias else "—", exact_bias or "—", std + dagger(r) if std else "—", exact_std or "—"]
 
 
 def _caption(results: list[Results]) -> tuple[str, str]:
@@ -166,9 +165,9 @@ def _caption(results: list[Results]) -> tuple[str, str]:
     if any(_zero_cases(res.summary) for res in results):
         note += "A case with KL = 0 (p = q) shows its bias and std absolute, not /true: no relative value exists. "
     note += _aggregate_note(results)
-    return ("Bias and per-draw standard deviation of each KL estimator relative to the true KL (bias/true in %, "
-            "std/true a ratio): measured ± SE, exact in the adjacent column; † marks a heavy-tailed row, whose "
-            "measured std, SE and CI are not valid. " + note).strip(), " ".join(bits)
+    return ("Bias and per-draw std of each KL estimator relative to the true KL (bias/true in %, std/true a "
+            "ratio): measured ± SE to the SE's last digit, exact beside it; † a heavy tail (its std, SE and z are "
+            "not valid). " + note).strip(), " ".join(bits)
 
 
 def _zero_cases(summary: pd.DataFrame) -> list[str]:
@@ -669,7 +668,7 @@ def difference_cells(r) -> list[str]:
     """One difference as the report and the terminal show it (:data:`DIFF_HEADER`): diff/true ± SE in %
     (the vocabulary of bias/true), z with † where it is not valid."""
     return [str(r["run"]), str(r["against"]), str(r["case"]), str(r["row"]),
-            pct_pm(float(r["rel_diff"]), float(r["rel_se"])), f"{sig(r['z'], 2)}{r['heavy_tail']}"]
+            diff_cell(float(r["rel_diff"]), float(r["rel_se"])), f"{sig(r['z'], 2)}{r['heavy_tail']}"]
 
 
 def differences_md(diffs: pd.DataFrame) -> str:
@@ -827,15 +826,20 @@ ROW_HEADER = ["case", "row", "target", "true KL", "mean ± SE", "exact mean", "b
 
 def row_cells(r) -> list[str]:
     """One summary row for the HTML's table of every row (:data:`ROW_HEADER`), in the vocabulary of the
-    tables: bias/true in %, std/true a ratio, n ±10% an integer ("never", "—")."""
-    from .tables import dagger
-    true = abs(float(r["true_kl"])) if r["true_kl"] == r["true_kl"] else math.nan
+    tables: each measured value to its SE's precision beside the exact one (formatting.measured_cells),
+    bias/true in %, std/true a ratio, n ±10% an integer ("never", "—"), † on every cell that leans on the
+    measured SE."""
+    from .cells import dagger, pm, unknown_mean
     approx = "≈" if bool(r.get("approx", False)) else ""      # against the Monte Carlo reference
-    return [str(r["case"]), row_label(r), str(r["target"]), approx + sig(r["true_kl"], 4),
-            pm(r["mean"], r["se"], dagger(r)), sig(r["exact_mean"], 4),
-            pct_pm(r["rel_bias"], bias_se(r) / true if true else math.nan, dagger(r)), exact_pct(r["exact_rel_bias"]),
-            sig(r["rel_std"]), sig(r["exact_rel_std"]), batch_cell(r["n_for_10pct"], r["exact_rel_bias"]),
-            sig(r["z"], 2) + dagger(r), sig(r["frac_negative"], 2), str(r["heavy_tail"] or "")]
+    mean, se, exact_mean = measured_cells(r["mean"], r["se"], r["exact_mean"])
+    bias, exact_bias, std, exact_std = bias_std_cells(r)
+    mark = dagger(r)
+    cells = [pm(mean, se, mark), bias + mark if bias else "", std.split(" ± ")[0] + mark if std else ""]
+    if unknown_mean(r):
+        cells = ["unknown"] * 3
+    return [str(r["case"]), row_label(r), str(r["target"]), approx + sig(r["true_kl"], 4), cells[0], exact_mean,
+            cells[1], exact_bias, cells[2], exact_std, batch_cell(r["n_for_10pct"], r["exact_rel_bias"]),
+            sig(r["z"], 2) + mark if r["z"] == r["z"] else "", sig(r["frac_negative"], 2), str(r["heavy_tail"] or "")]
 
 
 def _paper_table_html(cases, rows) -> str:

@@ -17,9 +17,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..core.draws import row_label
 from ..core.aggregates import PER_TOKEN
-from ..foundation.formatting import UNKNOWN, count, fmt, pct
+from ..core.draws import draws_from_b, row_label
+from ..analysis.gate import z_at_exact_spread
+from ..core.planning import never_words
+from ..foundation.formatting import NEVER, UNKNOWN, count, fmt, measured_cells, pct
+from .cells import bias_cells, dagger, pm, num as _num, unknown_mean, with_reference  # noqa: F401  (re-exported)
 from ..core.stats import HeavyTail, unknown_reason
 
 
@@ -162,13 +165,6 @@ def _exact_measured(exact: str, measured: str) -> str:
     return " ".join(x for x in (exact, f"({measured})" if measured else "") if x)
 
 
-def dagger(r) -> str:
-    """"†" for a heavy-tailed row (its measured std, SE, CI and z are not valid), else "". Every column
-    whose value leans on the measured SE carries it, not only the std."""
-    heavy = r.get("heavy_tail")
-    return "†" if isinstance(heavy, str) and heavy else ""      # NaN (from a CSV) is no flag
-
-
 def _std_cell(r, value: float) -> str:
     # A std measured on a heavy tail is not to be trusted: mark it instead of printing it plainly.
     return _ratio(value) + dagger(r) if _ratio(value) else ""
@@ -183,19 +179,6 @@ def target_cell(r) -> str:
     """The row's target as shown: rows divided by lengths (tok_mean, tok_batch) estimate it per token."""
     agg = r.get("aggregate", "")
     return f"{r['target']}/token" if isinstance(agg, str) and agg in PER_TOKEN else r["target"]
-
-
-def _num(x) -> float:
-    """A cell as a float (NaN for blanks, text or None): numpy and int values alike."""
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def unknown_mean(r) -> bool:
-    """A row whose measured mean and SE say nothing (degenerate importance weights): shown as unknown."""
-    return r.get("heavy_tail", "") == HeavyTail.DEGENERATE.value
 
 
 def _has_reference(r) -> bool:
@@ -240,13 +223,18 @@ def detail_table(df: pd.DataFrame, case: str, description: str) -> Table:
     rows = df[df["case"] == case]
     for _, r in rows.iterrows():
         mark = dagger(r)
+        truth = _num(r["true_kl"])
+        mean, se, exact_mean = measured_cells(r["mean"], r["se"], r["exact_mean"])
+        mean = pm(mean, se, mark)
+        bias, _, exact_bias = bias_cells(r["mean"] - truth, r["se"], r["exact_mean"] - truth, truth, False)
+        std, exact_std = measured_cells(r["rel_std"], r["std_se"] / abs(truth), r["exact_rel_std"])[::2]
+        std, z = (std + mark if std else ""), _z_cell(r["z"], mark)
         if unknown_mean(r):
             mean, bias, std, z = "unknown", "unknown", "", ""
         else:
-            mean = f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}{mark}"
-            bias, std, z = pct(r["rel_bias"]) + mark, _std_cell(r, r["rel_std"]), _z_cell(r["z"], mark)
-        t.add_row(row_label(r), target_cell(r), fmt(r["true_kl"], 4), mean, fmt(r["exact_mean"], 4), bias,
-                  pct(r["exact_rel_bias"]), std, _ratio(r["exact_rel_std"]), z, fmt(r["frac_negative"], 2))
+            bias = pm(bias, "", mark)
+        t.add_row(row_label(r), target_cell(r), fmt(truth, 4), mean, exact_mean, bias, exact_bias, std, exact_std,
+                  z, fmt(r["frac_negative"], 2))
     return t
 
 
@@ -264,6 +252,8 @@ def heading(df: pd.DataFrame, case: str, description: str) -> str:
             truths.append(f"{target} ≈ {fmt(r['ref_kl'], 4)} ± {fmt(r['ref_se'], 2)} (Monte Carlo reference)")
         elif not math.isnan(_num(r["true_kl"])):
             truths.append(f"{target} = {fmt(_num(r['true_kl']), 4)}")
+        else:       # no exact value and no reference for this target (KL(p||q) of model continuations, logs)
+            truths.append(f"{target} unknown (no exact value, no reference)")
     line = f"{case}: {description}" + (f"\n  {', '.join(truths)}" if truths else "")
     if _zero_case(c):
         line += ("\n  KL = 0 (p = q where q samples): no relative bias exists, so bias and std are absolute, "
@@ -293,14 +283,16 @@ def _compact_cells(r, zero: bool) -> list[str]:
     head, tail = [row_label(r), short], [n_cell(r)]
     truth, diff, se, z, std = _against_truth(r)
     # the exact bias: none against a Monte Carlo reference (logged data's exact mean is the log's, not q's)
-    exact = _rel_or_abs(math.nan if _has_reference(r) else _num(r["exact_mean"]) - truth, truth, zero)
+    exact_diff = math.nan if _has_reference(r) else _num(r["exact_mean"]) - truth
+    bias, bias_se, exact = bias_cells(diff, se, exact_diff, truth, zero)
+    bias = pm(bias, bias_se, mark)
     neg = fmt(r["frac_negative"], 2)
     if _has_reference(r) and diff == 0 and se == 0 and not zero:      # the reference row itself
         return head + ["reference", "", fmt(std / abs(truth)) if truth else fmt(std)] + tail + ["", neg]
     if unknown_mean(r) or (math.isfinite(diff) and math.isnan(se)):
         return head + ["unknown", exact, ""] + tail + ["", neg]
-    bias, std_cell = _bias_std_cells(truth, diff, se, std, zero)
-    return head + [bias + mark if bias else "", exact, std_cell + mark if std_cell else ""] \
+    std_cell = fmt(std) if zero else _ratio(std / abs(truth)) if math.isfinite(truth) and truth != 0 else ""
+    return head + [bias, exact, std_cell + mark if std_cell else ""] \
         + tail + [fmt(z, 2) + mark if math.isfinite(z) else "", neg]
 
 
@@ -315,21 +307,6 @@ def _against_truth(r) -> tuple[float, float, float, float, float]:
     return truth, _num(r["mean"]) - truth, _num(r["se"]), _num(r["z"]), _num(r["std"])
 
 
-def _bias_std_cells(truth: float, diff: float, se: float, std: float, zero: bool) -> tuple[str, str]:
-    """"bias ± se" and std: relative (% and /true), or absolute where the KL is 0, or blank (no truth)."""
-    if zero:
-        return f"{fmt(diff)} ± {fmt(se, 2)}", fmt(std)
-    if not (math.isfinite(truth) and truth != 0):
-        return "", ""
-    bias = f"{pct(diff / abs(truth))} ± {pct(se / abs(truth), sign=False)}" if math.isfinite(diff) else ""
-    return bias, _ratio(std / abs(truth))
-
-
-def _rel_or_abs(exact_bias: float, truth: float, zero: bool) -> str:
-    """The exact bias: relative (%) as everywhere, absolute where the truth is 0; blank where unknown."""
-    if zero:
-        return fmt(exact_bias)
-    return pct(exact_bias / abs(truth)) if math.isfinite(truth) and truth != 0 else ""
 
 
 def compact_table(df: pd.DataFrame, case: str) -> Table:
@@ -342,9 +319,9 @@ def compact_table(df: pd.DataFrame, case: str) -> Table:
                      overflow="fold")
     for cells in frame.itertuples(index=False):
         cells = [escape(c) for c in cells]
-        z = cells[6].rstrip("†")               # † (heavy tail) after the number
+        z = cells[6].rstrip("†")               # † (heavy tail) after the number, kept after the style
         if z and z not in ("inf", "-inf") and abs(float(z)) >= 5:
-            cells[6] = f"[bold red]{z}[/]"
+            cells[6] = f"[bold red]{z}[/]" + cells[6][len(z):]
         t.add_row(*cells)
     return t
 
@@ -352,8 +329,11 @@ def compact_table(df: pd.DataFrame, case: str) -> Table:
 def _caption_lines(rows: pd.DataFrame) -> list[str]:
     """What the marks of a case's rows mean: †, ≈, unknown (with the effective sample size)."""
     out = []
-    if rows["heavy_tail"].fillna("").astype(str).str.len().gt(0).any():
+    if any(dagger(r) and not unknown_mean(r) for _, r in rows.iterrows()):      # a † is printed
         out.append("† heavy tail (see heavy_tail): the measured std, se and z are not trustworthy")
+        at_exact = [f"{row_label(r)} {fmt(z, 2)}" for _, r in rows.iterrows() if math.isfinite(z := z_at_exact_spread(r))]
+        if at_exact:        # what `kl-bench check` compares: the same story as check's
+            out.append("† z with the SE at the exact std, as `kl-bench check` takes it: " + ", ".join(at_exact))
     if any(_has_reference(r) for _, r in rows.iterrows()):
         out.append("≈ no exact value: bias, se and z are against the Monte Carlo reference (the Rao–Blackwellised "
                    "full mean), with the SE of that difference")
@@ -362,6 +342,9 @@ def _caption_lines(rows: pd.DataFrame) -> list[str]:
         r = unknown.iloc[0]
         out.append("unknown: " + unknown_reason(r["heavy_tail"], _num(r.get("ess", math.nan)), r["draws"],
                                                  r.get("batches", math.nan)))
+    never = never_words(r for _, r in rows.iterrows() if n_cell(r) == NEVER)
+    if never and "variance" in never:     # "never" reads as bias (docs/results.md): say when it is the variance
+        out.append("never: " + never)
     return out
 
 
@@ -400,7 +383,7 @@ def _lambda_cells(c: pd.DataFrame, case: str, agg: str) -> list[str]:
     mc = r0["lambda_star_mc"]
     measured = f"{fmt(mc)} ± {fmt(r0['lambda_star_mc_se'], 2)}" + ("†" if heavy else "") \
         if isinstance(mc, float) and math.isfinite(mc) else ""
-    sampled = isinstance(r0.get("sampler", ""), str) and r0.get("sampler", "") != ""
+    sampled = draws_from_b(r0.get("sampler", ""))
     return [escape(f"{case} ({agg})" if agg else case), "n/a (sampler)" if sampled and not math.isfinite(star)
             else fmt(star), measured, at(0.0), at(1.0), _ratio(best), opt_cell, ratio]
 
@@ -420,28 +403,6 @@ def exact_table(df: pd.DataFrame, case: str, description: str) -> Table:
     if zero:
         t.caption, t.caption_justify = "KL = 0 (p = q): bias and std are absolute", "left"
     return t
-
-
-def with_reference(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows without an exact value but with a Monte Carlo reference (ref_kl: model continuations, logged
-    log-probs) get true_kl, rel_bias and rel_std measured against that reference, for the summary tables;
-    their exact columns stay blank. Headers mark such cases with ≈. Every row gets ``bias_se``, the SE of
-    the bias shown: ``se`` where the truth is exact, ``ref_diff_se`` against a reference (logged data: the
-    log's own SE, never the resampling one), so that bias ± bias_se and z agree."""
-    df = df.copy()
-    df["bias_se"] = df["se"] if "se" in df else math.nan      # an exact-only frame has no SE
-    if "ref_kl" not in df:
-        return df
-    use = df["true_kl"].isna() & df["ref_kl"].notna()
-    ref = df.loc[use, "ref_kl"].astype(float)
-    diff = df.loc[use, "ref_diff"].astype(float) if "ref_diff" in df else df.loc[use, "mean"] - ref
-    df.loc[use, "true_kl"] = ref
-    df.loc[use, "rel_bias"] = diff / ref
-    df.loc[use, "bias_se"] = df.loc[use, "ref_diff_se"] if "ref_diff_se" in df else float("nan")
-    std = df.loc[use, "exact_std"].where(df.loc[use, "exact_std"].map(_num).map(math.isfinite), df.loc[use, "std"])
-    df.loc[use, "rel_std"] = std / ref
-    df["approx"] = use
-    return df
 
 
 MAX_TABLE_CASES = 8     # the side-by-side table's case columns beyond which it is not printed
@@ -475,12 +436,22 @@ def schulman_table(df: pd.DataFrame) -> Table:
             if row.empty:
                 cells += ["", ""]
                 continue
-            r = row.iloc[0]
-            measured = "unknown" if unknown_mean(r) else pct(r["rel_bias"])
-            cells.append(_with_exact(measured, pct(r["exact_rel_bias"])))
-            cells.append(_with_exact("" if unknown_mean(r) else _std_cell(r, r["rel_std"]), _ratio(r["exact_rel_std"])))
+            cells += _schulman_cells(row.iloc[0])
         t.add_row(*cells)
     return t
+
+
+def _schulman_cells(r) -> list[str]:
+    """bias/true and std/true, "measured (exact)", the measured to its SE's precision (the SE not shown)."""
+    truth = _num(r["true_kl"])
+    if not (math.isfinite(truth) and truth != 0):       # no relative value (KL = 0) or no truth
+        return ["unknown" if unknown_mean(r) else "", ""]
+    bias, _, exact = bias_cells(_num(r["rel_bias"]) * abs(truth), r["bias_se"], _num(r["exact_rel_bias"]) * abs(truth),
+                                truth, False)
+    std, _, exact_std = measured_cells(r["rel_std"], _num(r["std_se"]) / abs(truth), r["exact_rel_std"])
+    if unknown_mean(r):
+        return [_with_exact("unknown", exact), exact_std]
+    return [_with_exact(bias + dagger(r), exact), _with_exact(std + dagger(r) if std else "", exact_std)]
 
 
 ROLLOUT_COLUMNS = [("k1", "seq"), ("k3", "seq"), ("k3", "tok"), ("full", "tok")]
@@ -525,11 +496,12 @@ def mismatch_table(df: pd.DataFrame) -> Table:
     for col in ["case", "sampler", "estimator", "true KL", "E_b exact", "bias/true", "measured ± se", "P(<0)",
                 "P(mean64<0)"]:
         t.add_column(col, justify="left" if col in ("case", "sampler", "estimator") else "right")
-    for _, r in df[df["sampler"].fillna("") != ""].iterrows():
+    for _, r in df[df["sampler"].map(draws_from_b)].iterrows():
         rel = _num(r["exact_rel_bias"]) if math.isfinite(_num(r["exact_rel_bias"])) else _num(r["rel_bias"])
         arrow = "" if not math.isfinite(rel) or abs(rel) < 0.01 else ("[red]▲[/] " if rel > 0 else "[blue]▼[/] ")
-        measured = "unknown" if unknown_mean(r) else f"{fmt(r['mean'], 4)} ± {fmt(r['se'], 2)}"
-        t.add_row(escape(r["case"]), escape(str(r["sampler"])), row_label(r), fmt(r["true_kl"], 4), fmt(r["exact_mean"], 4),
+        mean, se, exact = measured_cells(r["mean"], r["se"], r["exact_mean"])
+        measured = "unknown" if unknown_mean(r) else pm(mean, se, dagger(r))
+        t.add_row(escape(r["case"]), escape(str(r["sampler"])), row_label(r), fmt(r["true_kl"], 4), exact,
                   f"{arrow}{pct(rel)}" if math.isfinite(rel) else "", measured,
                   fmt(r["frac_negative"], 2), fmt(r.get("p_neg_b64", math.nan), 2))
     return t
@@ -618,7 +590,7 @@ def side_tables(df: pd.DataFrame, lengths: dict[str, int] | None = None) -> list
         extra.append((schulman_table(df[df["lambda"].isna()]), 1))
     if lengths:
         extra.append((rollout_table(df, lengths), 2))
-    if "sampler" in df and (df["sampler"].fillna("") != "").any():
+    if "sampler" in df and df["sampler"].map(draws_from_b).any():
         extra.append((mismatch_table(df), 3))
     if "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
         extra.append((lambda_table(df), 1))
@@ -641,8 +613,9 @@ def check_table(rep) -> Table:
     for case, labels in grouped.items():
         t.add_row(f"[bold]{escape(case)}[/]" if case else "", *[""] * 6)
         for label, comparisons in labels.items():
-            for c in comparisons:
-                t.add_row(escape(label), c.statistic, fmt(c.value, 6, c.scale), fmt(c.reference, 6, c.scale),
+            for c in comparisons:         # value and reference to the SE's precision (measured_cells)
+                value, _, reference = measured_cells(c.value, c.se, c.reference)
+                t.add_row(escape(label), c.statistic, value, reference,
                           f"{c.z:+.2f}" if math.isfinite(c.z) else fmt(c.z, sign=True), f"{c.threshold:.2f}",
                           "pass" if c.passed else "[bold red]FAIL[/]")
     return t

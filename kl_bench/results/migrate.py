@@ -12,6 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .folders import FORMATS, version_of
+from ..core.targets import REVERSE
 from .schema import COLUMNS, FORMAT_VERSION, TEXT_COLUMNS
 
 RUN = FORMATS["run"]          # a run's folder (kl_bench.results.folders); train and audit folders have one version
@@ -49,6 +50,19 @@ def _from_2(contents: Any) -> Any:
     return dataclasses.replace(contents, summary=summary)
 
 
+def without_forward_reference(contents: Any) -> Any:
+    """ref_kl and ref_se on KL(q||p) rows only: folders written before issue 44 gave a KL(p||q) row the
+    reverse KL's reference as its own (the tables then divided its std by it); no reference exists for the
+    forward KL of those cases, so its ref columns are empty. Applied to every folder read (new ones have none)."""
+    summary = contents.summary
+    forward = (summary["target"] != REVERSE) & summary["ref_kl"].notna()
+    if not forward.any():
+        return contents
+    summary = summary.copy()
+    summary.loc[forward, ["ref_kl", "ref_se", "ref_diff", "ref_diff_se", "z_ref"]] = np.nan
+    return dataclasses.replace(contents, summary=summary)
+
+
 # MIGRATIONS[v] turns a folder of version v into one of version v + 1.
 MIGRATIONS: dict[int, Callable[[Any], Any]] = {1: with_every_column, 2: _from_2}
 
@@ -61,4 +75,4 @@ def migrate(contents: Any, where: str) -> Any:
     if version != FORMAT_VERSION:
         contents = dataclasses.replace(contents, envelope={**contents.envelope, RUN.version_key: FORMAT_VERSION,
                                                            "migrated_from": version})
-    return with_every_column(contents)
+    return without_forward_reference(with_every_column(contents))

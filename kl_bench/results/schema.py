@@ -57,7 +57,9 @@ SCHEMA: dict[str, str] = {
                   "sampler that never draws some of q's mass), 'unstable batches' (one batch carries most of Σ(f − c)²), "
                   "or empty",
     "ess": "rows multiplied by the draw's importance weight W (a sampler b ≠ q with weights): Kish's effective "
-           "sample size (ΣW)²/ΣW² of the draws' weights (0 when every weight underflows float64); empty elsewhere",
+           "sample size (ΣW)²/ΣW² of the draws' weights (0 when every weight underflows float64), or N·std²/exact_std² "
+           "where that is below the batches (the draws never met the weights that make the exact variance; 0 "
+           "where every draw gave one value); empty elsewhere",
     "lambda_star": "cv rows: exact variance-optimal λ* = Cov(log r, r)/Var(r) (empty if unknown)",
     "lambda_star_mc": "cv rows: empirical λ* from this run's draws",
     "lambda_star_mc_se": "cv rows: standard error of lambda_star_mc (batch jackknife; unreliable when "

@@ -20,6 +20,7 @@ from ..foundation.typed_toml import Table, nonnegative, positive
 from ..foundation.errors import SpecError
 from .logits import LogitsSource, behavior_logits, parse_logits_source
 from ..foundation.registry import did_you_mean
+from ..core.draws import Q_ITSELF
 from ..core.rejection import Rejection, parse_rejection
 from ..core.weights import WeightCorrection
 
@@ -144,7 +145,7 @@ class SamplerSpec:
 
     def describe(self) -> str:
         bits = [f.metadata["describe"](self) for f in self.set_options() if f.metadata["describe"] is not None]
-        return "sampler b: " + (", ".join(bits) or "q itself")
+        return "sampler b: " + (", ".join(bits) or Q_ITSELF)
 
 
 LOGIT_KEYS = tuple(f.name for f in dataclasses.fields(SamplerSpec) if f.metadata["logits"] is not None)
