@@ -295,3 +295,22 @@ def write_outputs(targets: dict) -> None:
                 raise fs_error(e, path) from None
         mark_written(path)
     signals.phase("written")
+
+
+# ----------------------------------------------------------------------------- options shared by commands
+# Declared once here; each command passes only what differs (what --quiet silences for it, what --draws replaces).
+def seed_option(default: int | None = None, help: str = "override [experiment] seed"):
+    return typer.Option(default, "--seed", parser=int_flag, metavar="S", help=help)
+
+
+def device_option(default: str | None = None, help: str = "override [experiment] device: auto|cpu|cuda|cuda:N"):
+    return typer.Option(default, "--device", metavar="DEVICE", help=help)
+
+
+def draws_option(help: str = "override [experiment] draws (1e7 and 10_000_000 work, as in a spec)"):
+    return typer.Option(None, "--draws", metavar="N", callback=draws_flag, help=help)
+
+
+def quiet_option(silences: str):
+    """``--quiet``/``-q``; ``silences``: what it leaves out for this command (its help)."""
+    return typer.Option(False, "--quiet", "-q", help=silences)

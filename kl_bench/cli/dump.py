@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from .common import Command, app, err_console, int_flag, out_console, user_errors
+from .common import device_option, quiet_option, seed_option
 
 
 @app.command("dump-logits", cls=Command)
@@ -17,13 +18,13 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                 length: int = typer.Option(1, "--length", parser=int_flag, help="T > 1: also sample continuations of T tokens"),
                 samples: int = typer.Option(0, "--samples", parser=int_flag, help="continuations to sample; 0: one per prompt",
                                              show_default=False),
-                seed: int = typer.Option(0, "--seed", parser=int_flag, help="seed of the sampled continuations"),
+                seed: int = seed_option(0, "seed of the sampled continuations"),
                 eos: Optional[int] = typer.Option(None, "--eos", parser=int_flag, help="a continuation ends at this token id"),
                 dtype: str = typer.Option("float32", "--dtype", help="dtype the models are loaded and run in: "
                                           "float32, float64, bfloat16 or float16"),
                 batch_size: int = typer.Option(64, "--batch-size", parser=int_flag, help="prompts or continuations per forward pass"),
-                device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto|cpu|cuda|cuda:N"),
-                quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress")) -> None:
+                device: str = device_option("auto", "auto|cpu|cuda|cuda:N"),
+                quiet: bool = quiet_option("no progress")) -> None:
     """Write both models' next-token log-probs [B, V] (next_token.pt) and, with --length > 1, sampled
     continuations' per-token log-probs with a mask (continuations.pt), to benchmark on any machine."""
     from ..kinds.model.dump import dump_logits as dump

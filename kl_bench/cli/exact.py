@@ -8,6 +8,7 @@ import typer
 
 from .common import (Command, advice_options, advise, app, check_output, err_console, float_flag, int_flag, out_console,
                      user_errors, warn_rows, write_outputs)
+from .common import quiet_option
 
 
 @app.command(cls=Command)
@@ -16,7 +17,7 @@ def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
           batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
           tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
                                           help="the advice's relative tolerance (0.05: ±5%)"),
-          quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line (there is none in a pipe)")) -> None:
+          quiet: bool = quiet_option("no progress line (there is none in a pipe)")) -> None:
     """Print the exact KL and estimator moments of every case, and the advice, without sampling."""
     from .. import api
     from ..analysis.advice import recommendations

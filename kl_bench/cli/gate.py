@@ -7,8 +7,9 @@ from typing import Optional
 import typer
 
 from ..foundation.errors import SpecError
-from .common import (DEFAULT_RUNS, Command, app, check_output, draws_flag, float_flag, int_flag, out_console,
+from .common import (DEFAULT_RUNS, Command, app, check_output, float_flag, out_console,
                      user_errors, write_outputs)
+from .common import device_option, draws_option, quiet_option, seed_option
 
 BASELINES = Path("results") / "baselines"        # committed: the gate's default reference
 # Where `kl-bench baseline` writes without --out: git-ignored, so that making a baseline never replaces the
@@ -53,11 +54,10 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
                                                   "results/baselines/<name>.json when it exists]"),
           results: Optional[Path] = typer.Option(None, "--results", help="check this results folder instead of running"),
           alpha: float = typer.Option(0.001, "--alpha", parser=float_flag, help="family-wise error rate (Holm)"),
-          seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, help="override [experiment] seed"),
-          draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
-                                              help="override [experiment] draws"),
-          device: Optional[str] = typer.Option(None, "--device", help="override [experiment] device"),
-          quiet: bool = typer.Option(False, "--quiet", "-q", help="print only failures and the verdict"),
+          seed: Optional[int] = seed_option(),
+          draws: Optional[str] = draws_option(),
+          device: Optional[str] = device_option(),
+          quiet: bool = quiet_option("print only failures and the verdict"),
           json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
                                                   help="also write the verdict and every comparison as JSON"),
           junit: Optional[Path] = typer.Option(None, "--junit", metavar="FILE",
@@ -115,11 +115,10 @@ def baseline(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment s
                                                 "gate's reference is results/baselines/<name>.json]"),
              results: Optional[Path] = typer.Option(None, "--results", metavar="DIR",
                                                     help="take the numbers from this results folder"),
-             draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
-                                                 help="override the draws of every case"),
-             seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, metavar="S", help="override [experiment] seed"),
-             device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
-             quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar")) -> None:
+             draws: Optional[str] = draws_option("override the draws of every case"),
+             seed: Optional[int] = seed_option(),
+             device: Optional[str] = device_option(),
+             quiet: bool = quiet_option("no progress bar")) -> None:
     """Run SPEC (or read --results) and store its statistics as a versioned JSON baseline (by default in
     runs/baselines/, never over the committed reference the gate reads unless --out names it)."""
     from .. import api

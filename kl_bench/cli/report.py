@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from .common import DEFAULT_RUNS, Command, advice_options, app, float_flag, int_flag, user_errors, write_report
+from .common import quiet_option
 
 
 @app.command(cls=Command)
@@ -21,7 +22,7 @@ def report(dirs: list[Path] = typer.Argument(..., metavar="DIR", show_default=Fa
            batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
            tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
                                            help="the advice's relative tolerance (0.05: ±5%)"),
-           quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line and no summary line")) -> None:
+           quiet: bool = quiet_option("no progress line and no summary line")) -> None:
     """Plots, the paper-style table (LaTeX and Markdown), the advice and a self-contained report.html from
     results folders (a training or audit folder: its figures, report.md and report.html)."""
     from ..present.pages import parse_formats

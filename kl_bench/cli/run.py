@@ -7,20 +7,19 @@ from typing import Optional
 
 import typer
 
-from .common import (Command, advice_options, advise, app, draws_flag, err_console, float_flag, int_flag, interrupted,
+from .common import (Command, advice_options, advise, app, err_console, float_flag, int_flag, interrupted,
                      out_console, stale_report_note, user_errors, warn_rows, write_report)
+from .common import device_option, draws_option, quiet_option, seed_option
 
 
 @app.command(cls=Command)
 def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
         out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: runs/<name>/]"),
-        draws: Optional[str] = typer.Option(None, "--draws", metavar="N", callback=draws_flag,
-                                            help="draws for every case (1e7 and 10_000_000 work, as in a spec): "
+        draws: Optional[str] = draws_option("draws for every case (1e7 and 10_000_000 work, as in a spec): "
                                             "replaces [experiment] draws and each case's own draws"),
-        seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, metavar="S", help="override [experiment] seed"),
-        device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE",
-                                             help="override [experiment] device: auto|cpu|cuda|cuda:N"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar and no tables"),
+        seed: Optional[int] = seed_option(),
+        device: Optional[str] = device_option(),
+        quiet: bool = quiet_option("no progress bar and no tables"),
         report_: bool = typer.Option(False, "--report", help="then write the report into DIR/report/"),
         resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from its checkpoint"),
         checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", parser=float_flag, metavar="SECONDS",

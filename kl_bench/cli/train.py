@@ -7,15 +7,16 @@ from typing import Optional
 
 import typer
 
-from .common import Command, app, err_console, int_flag, out_console, stale_report_note, user_errors
+from .common import Command, app, err_console, out_console, stale_report_note, user_errors
+from .common import device_option, quiet_option, seed_option
 
 
 @app.command(cls=Command)
 def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [train] table (TOML)", show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="results folder [default: runs/<name>/]"),
-          seed: Optional[int] = typer.Option(None, "--seed", parser=int_flag, metavar="S", help="override [experiment] seed"),
-          device: Optional[str] = typer.Option(None, "--device", metavar="DEVICE", help="override [experiment] device"),
-          quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line and no summary lines")) -> None:
+          seed: Optional[int] = seed_option(),
+          device: Optional[str] = device_option(),
+          quiet: bool = quiet_option("no progress line and no summary lines")) -> None:
     """Train the policy of every case with each [train] combination (exact and/or sampled updates) and write
     train.csv and run.json atomically (docs/training.md). Under torchrun the trajectories and sampled runs are
     split across the processes and rank 0 writes: the same bytes as one process."""
