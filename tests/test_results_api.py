@@ -34,6 +34,37 @@ def test_load_results_gives_back_the_tables_and_the_advice_of_the_run(written):
     assert "path=" in repr(back) and "experiment='lr'" in repr(back)
 
 
+def test_result_advice_is_what_the_command_line_prints(tmp_path):
+    """Result.advice() merges the sentences that hold for several cases alike, once, naming them, as `kl-bench
+    run` prints them (one line each in a pipe); .recommendations() stays one Advice per case and kind."""
+    spec = {**SPEC, "case": [SPEC["case"][0], {**SPEC["case"][0], "name": "h", "p": {"mean": 0.3, "std": 1.0}}]}
+    (tmp_path / "s.toml").write_text(_toml(spec))
+    res = kl_bench.run(spec)
+    lines = res.advice()
+    general = [a for a in res.recommendations() if a.general]
+    assert len(general) == 2 and general[0].detail == general[1].detail
+    assert f"g, h: {general[0].detail}" in lines and sum(general[0].detail in line for line in lines) == 1
+    assert all(a.text in lines for a in res.recommendations() if not a.general)
+    out = runner.invoke(app, ["run", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o"), "--wide"],
+                        env={"COLUMNS": "100000"}).output
+    assert all(line in out.splitlines() for line in lines), (lines, out)
+
+
+def _toml(spec: dict) -> str:
+    """The spec as TOML (the few value types SPEC uses)."""
+    def value(v):
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return f'"{v}"' if isinstance(v, str) else repr(v)
+    out = [f"spec_version = {spec['spec_version']}", "[experiment]"]
+    out += [f"{k} = {value(v)}" for k, v in spec["experiment"].items()]
+    for case in spec["case"]:
+        out += ["[[case]]"] + [f"{k} = {value(v)}" for k, v in case.items()]
+    return "\n".join(out) + "\n"
+
+
 def test_a_loaded_result_writes_the_same_data_files(written, tmp_path):
     _, folder = written
     copy = kl_bench.load_results(folder).write(tmp_path / "copy")

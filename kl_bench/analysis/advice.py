@@ -274,6 +274,19 @@ def loss_advice(df: pd.DataFrame, case: str, gradients: pd.DataFrame | None = No
                   f"exactly here; closest: {_grad_label(best)} (cos {fmt(best['_c'])}){hint}")
 
 
+def advice_lines(advice: list[Advice]) -> list[str]:
+    """The lines ``kl-bench run`` prints for ``advice``: each case's own sentences in order, then each sentence
+    that holds for several cases alike (the on-policy identities) once, naming them."""
+    general: dict[str, list[str]] = {}
+    lines = []
+    for a in advice:
+        if a.general:
+            general.setdefault(a.detail, []).append(a.case)
+        else:
+            lines.append(a.text)
+    return lines + [f"{', '.join(cases)}: {detail}" for detail, cases in general.items()]
+
+
 class AdviceOptionError(ValueError):
     """A batch or tolerance the advice cannot use; ``key`` names it."""
 

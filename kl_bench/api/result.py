@@ -175,6 +175,12 @@ class Result:
         except AdviceOptionError as e:     # a ValueError there (the CLI maps it too): a bad argument here is a SpecError
             raise SpecError(str(e), key=e.key) from None
 
+    def advice(self, *, batch: int = 64, tolerance: float = 0.1) -> list[str]:
+        """The advice as ``kl-bench run`` prints it: :meth:`recommendations` as lines, a sentence that holds for
+        several cases alike once, naming them (kl_bench.analysis.advice.advice_lines)."""
+        from ..analysis.advice import advice_lines
+        return advice_lines(self.recommendations(batch=batch, tolerance=tolerance))
+
     def warnings(self) -> list[str]:
         """The warning lines ``kl-bench run`` prints (infinite targets, heavy tails, support misses)."""
         from ..analysis.advice import warnings

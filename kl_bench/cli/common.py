@@ -81,19 +81,14 @@ def warn_rows(df, console: Console) -> None:
 
 
 def advise(advice) -> None:
-    """The advice lines (kl_bench.analysis.advice): what to log, what to put in the loss. A sentence that holds
-    for several cases alike (the on-policy identities) is printed once, naming them. Wrapped at a
-    terminal's width, one line each to a file or a pipe (kl_bench.present.tables.prose)."""
+    """The advice lines (kl_bench.analysis.advice.advice_lines): what to log, what to put in the loss, a
+    sentence that holds for several cases alike printed once. Wrapped at a terminal's width, one line each to
+    a file or a pipe (kl_bench.present.tables.prose)."""
+    from ..analysis.advice import advice_lines
     from ..present.tables import prose
     out_console.print()
-    general: dict[str, list[str]] = {}
-    for a in advice:
-        if a.general:
-            general.setdefault(a.detail, []).append(a.case)
-        else:
-            prose(out_console, a.text)
-    for detail, cases in general.items():
-        prose(out_console, f"{', '.join(cases)}: {detail}")
+    for line in advice_lines(advice):
+        prose(out_console, line)
 
 
 def advice_options(batch: int, tolerance: float) -> None:
