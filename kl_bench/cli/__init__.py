@@ -13,7 +13,7 @@ import typer
 
 from ..foundation import signals
 from ..foundation.errors import is_out_of_memory, memory_words
-from . import audit, dump, exact, gate, listing, report, run, train  # noqa: F401  (each registers its command)
+from . import run, exact, report, gate, train, audit, dump, listing  # noqa: F401  (each registers its command; in the order of a workflow, which --help shows)
 from .common import app, err_console, interrupt_reported, say_error
 
 __all__ = ["app", "main"]

@@ -31,7 +31,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
                                         help="the advice's relative tolerance (0.05: ±5%)")) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
     lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across
-    the processes and rank 0 writes the very bytes one process would (README "Scaling out")."""
+    the processes and rank 0 writes the very bytes one process would (docs/ci.md, "Scaling out")."""
     from ..foundation.errors import SpecError
     from ..api.run_folder import RankFailed, RefusedByRankZero, RunInterrupted, run_to_folder
     advice_options(batch, tolerance)
