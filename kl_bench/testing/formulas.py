@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from ..core.estimators import ESTIMATORS, Estimator
+from ..core.modes import poly_derivative
 
 F64 = torch.float64
 Poly = dict  # {(s, k): c}: Σ c · r^s · (log r)^k
@@ -52,17 +53,6 @@ def poly_terms(poly: Poly, logr: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(logr)
     for (s, k), c in poly.items():
         out = out + abs(c) * torch.exp(s * logr) * logr.abs() ** k
-    return out
-
-
-def poly_derivative(poly: Poly) -> Poly:
-    """d/dℓ of Σ c r^s ℓ^k with r = e^ℓ: Σ c (s r^s ℓ^k + k r^s ℓ^(k−1))."""
-    out: Poly = {}
-    for (s, k), c in poly.items():
-        if s:
-            out[(s, k)] = out.get((s, k), 0.0) + c * s
-        if k:
-            out[(s, k - 1)] = out.get((s, k - 1), 0.0) + c * k
     return out
 
 
