@@ -173,3 +173,25 @@ def tree(folder: Path) -> dict:
     """Every path under ``folder`` with its bytes (None for folders): what must not change."""
     return {str(p.relative_to(folder)): (None if p.is_dir() else p.read_bytes())
             for p in sorted(folder.rglob("*"))}
+
+
+def cli_inprocess(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The command line run in this process (CliRunner), as :func:`cli_run` reports a child: for tests of
+    what a command does with its paths, not of the process (signals, resource limits: :func:`cli_run`).
+    The record of what this process wrote (foundation.storage._COMMITTED) starts empty, as in a new process."""
+    import contextlib
+
+    from kl_bench.cli import app
+    from kl_bench.foundation import storage
+    saved = storage._COMMITTED
+    storage._COMMITTED = set()
+    try:
+        with contextlib.chdir(cwd or os.getcwd()):
+            res = runner.invoke(app, [str(a) for a in args])
+    finally:
+        storage._COMMITTED = saved
+    err = res.stderr
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        import traceback
+        err += "".join(traceback.format_exception(res.exception))
+    return subprocess.CompletedProcess(list(args), res.exit_code, res.stdout, err)

@@ -17,7 +17,7 @@ from kl_bench.cli import app
 from kl_bench.foundation import storage
 from kl_bench.foundation.errors import SpecError
 
-from .helpers import (TRAIN_SPEC, cli_run, gauss_spec, gauss_text, leftovers, one_line,
+from .helpers import (TRAIN_SPEC, cli_inprocess, gauss_spec, gauss_text, leftovers, one_line,
                       one_line_proc, runner, tree)
 
 
@@ -248,7 +248,8 @@ def test_baseline_never_writes_into_the_tracked_tree_unless_asked(gauss_results,
 
 # ----------------------------------------------------------------------------- what stands inside --out
 @pytest.mark.parametrize("plant", ["folder", "fifo", "symlink"])
-def test_an_entry_at_an_output_name_that_is_not_a_regular_file_is_refused_and_kept(gauss_results, tmp_path, plant):
+def test_an_entry_at_an_output_name_that_is_not_a_regular_file_is_refused_and_kept(gauss_results, tmp_path, plant,
+                                                                                  no_hang):
     """A folder, a FIFO or a symlink at summary.csv inside an existing results folder was swapped out with
     the old folder (a user's folder at batches.csv, and what it held, deleted in silence). Now one line,
     exit 2, and the folder as it was."""
@@ -260,7 +261,7 @@ def test_an_entry_at_an_output_name_that_is_not_a_regular_file_is_refused_and_ke
     {"folder": lambda p: (p.mkdir(), (p / "precious.txt").write_text("precious")),
      "fifo": lambda p: os.mkfifo(p), "symlink": lambda p: p.symlink_to(victim)}[plant](out / "summary.csv")
     before = tree(out) if plant != "fifo" else None
-    proc = cli_run("run", gauss_results["spec"], "--out", out, "-q")
+    proc = cli_inprocess("run", gauss_results["spec"], "--out", out, "-q")
     one_line_proc(proc, 2, "summary.csv", "refusing to replace it", "key '--out'")
     if before is not None:
         assert tree(out) == before
@@ -276,7 +277,7 @@ def test_a_symlink_as_the_results_folder_is_refused(gauss_results, tmp_path):
     (tmp_path / "link").symlink_to(target)
     for command in (["run", gauss_results["spec"], "--out", tmp_path / "link", "-q"],
                     ["report", gauss_results["res"], "--out", tmp_path / "link"]):
-        one_line_proc(cli_run(*command), 2, "symbolic link", "key '--out'")
+        one_line_proc(cli_inprocess(*command), 2, "symbolic link", "key '--out'")
     assert tree(target) == before
 
 
@@ -289,8 +290,8 @@ def test_a_symlink_at_the_checkpoint_is_refused_before_any_sampling(gauss_result
     (ck / ".checkpoint.npz").rename(real)
     (ck / ".checkpoint.npz").symlink_to(real)
     before = real.read_bytes()
-    one_line_proc(cli_run("run", gauss_results["spec"], "--out", ck, "--resume", "-q"), 2, "symbolic link", "key '--resume'")
-    one_line_proc(cli_run("run", gauss_results["spec"], "--out", ck, "-q"), 2, "symbolic link", ".checkpoint.npz", "key '--out'")
+    one_line_proc(cli_inprocess("run", gauss_results["spec"], "--out", ck, "--resume", "-q"), 2, "symbolic link", "key '--resume'")
+    one_line_proc(cli_inprocess("run", gauss_results["spec"], "--out", ck, "-q"), 2, "symbolic link", ".checkpoint.npz", "key '--out'")
     assert real.read_bytes() == before and not (ck / "summary.csv").exists()
 
 
@@ -321,7 +322,7 @@ def test_an_output_over_the_commands_own_input_is_refused(gauss_results, tmp_pat
     (tmp_path / "link.toml").symlink_to(gauss_results["spec"])
     fill = dict(spec=gauss_results["spec"], res=gauss_results["res"], base=gauss_results["base"], link=tmp_path / "link.toml", out=tmp_path)
     before = (gauss_results["spec"].read_bytes(), tree(gauss_results["res"]), gauss_results["base"].read_bytes())
-    proc = cli_run(*[a.format(**fill) for a in args], cwd=tmp_path)
+    proc = cli_inprocess(*[a.format(**fill) for a in args], cwd=tmp_path)
     one_line_proc(proc, 2, f"key '{key}'", needle)
     assert (gauss_results["spec"].read_bytes(), tree(gauss_results["res"]), gauss_results["base"].read_bytes()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.toml"]
@@ -334,10 +335,10 @@ def test_a_rerun_says_the_report_it_kept_is_stale(gauss_results, tmp_path):
     shutil.copytree(gauss_results["res"], out)
     (out / "report").mkdir()
     (out / "report" / "report.md").write_text("seed 0")
-    proc = cli_run("run", gauss_results["spec"], "--out", out, "-q", "--seed", "5")
+    proc = cli_inprocess("run", gauss_results["spec"], "--out", out, "-q", "--seed", "5")
     assert proc.returncode == 0 and "describes the results this run replaced" in proc.stderr, proc.stderr
     assert (out / "report" / "report.md").read_text() == "seed 0"          # kept, not deleted
-    proc = cli_run("run", gauss_results["spec"], "--out", out, "-q", "--seed", "6", "--report")
+    proc = cli_inprocess("run", gauss_results["spec"], "--out", out, "-q", "--seed", "6", "--report")
     assert proc.returncode == 0 and "describes" not in proc.stderr, proc.stderr
 
 
@@ -348,13 +349,13 @@ def test_the_default_baseline_is_an_input_too_and_a_report_beside_the_results_is
     (tmp_path / "results" / "baselines").mkdir(parents=True)
     default = tmp_path / "results" / "baselines" / "made.json"
     shutil.copy(gauss_results["base"], default)
-    proc = cli_run("check", gauss_results["spec"], "--results", gauss_results["res"], "--json", default, cwd=tmp_path)
+    proc = cli_inprocess("check", gauss_results["spec"], "--results", gauss_results["res"], "--json", default, cwd=tmp_path)
     one_line_proc(proc, 2, "key '--json'", "is the baseline this command reads")
     assert default.read_bytes() == gauss_results["base"].read_bytes()
     res = tmp_path / "res"
     shutil.copytree(gauss_results["res"], res)
-    assert cli_run("check", gauss_results["spec"], "--results", res, "--json", res / "check.json", cwd=tmp_path).returncode == 0
-    assert (res / "check.json").exists() and cli_run("check", gauss_results["spec"], "--results", res, cwd=tmp_path).returncode == 0
+    assert cli_inprocess("check", gauss_results["spec"], "--results", res, "--json", res / "check.json", cwd=tmp_path).returncode == 0
+    assert (res / "check.json").exists() and cli_inprocess("check", gauss_results["spec"], "--results", res, cwd=tmp_path).returncode == 0
 
 
 @pytest.mark.parametrize("args, key", [(["exact", "{spec}", "--out", "{data}", "-q"], "--out"),
@@ -370,7 +371,7 @@ def test_an_output_over_a_file_the_spec_reads_is_refused(tmp_path, args, key):
     spec.write_text('spec_version = 1\n[experiment]\nname = "s"\ndraws = 1000\ndevice = "cpu"\n[[case]]\n'
                     'name = "c"\nkind = "categorical"\nq = { file = "q.npy" }\np = { from = "q", noise = 0.2, seed = 1 }\n')
     before = data.read_bytes()
-    proc = cli_run(*[a.format(spec=spec, data=data, data_name=data.name) for a in args], cwd=tmp_path)
+    proc = cli_inprocess(*[a.format(spec=spec, data=data, data_name=data.name) for a in args], cwd=tmp_path)
     one_line_proc(proc, 2, f"key '{key}'", "is a file the spec reads")
     assert data.read_bytes() == before
 
@@ -384,18 +385,18 @@ def test_a_folder_of_another_kind_is_not_replaced_and_a_report_is_judged_before_
     before = tree(res)
     train = tmp_path / "t.toml"
     train.write_text(TRAIN_SPEC)
-    proc = cli_run("train", train, "--out", res, "-q")
+    proc = cli_inprocess("train", train, "--out", res, "-q")
     one_line_proc(proc, 2, "holds kl-bench run results", "key '--out'")
     assert tree(res) == before
     (res / "report").mkdir()
     (res / "report").chmod(0o555)
     try:
-        proc = cli_run("run", gauss_results["spec"], "--out", res, "-q", "--report")
+        proc = cli_inprocess("run", gauss_results["spec"], "--out", res, "-q", "--report")
         one_line_proc(proc, 2, "read-only folder", "key '--report'")
         assert tree(res) == {**before, "report": None}
     finally:
         (res / "report").chmod(0o755)
-    assert cli_run("run", gauss_results["spec"], "--out", res, "-q", "--seed", "4").returncode == 0
+    assert cli_inprocess("run", gauss_results["spec"], "--out", res, "-q", "--seed", "4").returncode == 0
 
 
 @pytest.mark.parametrize("command", ["run", "train", "report"])
