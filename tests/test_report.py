@@ -575,7 +575,8 @@ def test_a_case_with_an_infinite_kl_is_reported(tmp_path):
     assert np.isfinite(plots._quantiles(np.array([1.0, 2.0, np.nan, 3.0, np.inf]), np.array([0.1, 0.5]))).all()
 
 
-def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tmp_path, build_spec, write_spec):
+def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tmp_path, build_spec, write_spec,
+                                                                             unrendered_figures):
     """`report --out R` over an earlier report of other cases: the figures the earlier report.md showed and
     this report does not draw are gone with it (they would sit beside the new report, named like its own),
     a file of the user's in R/figures/ stays, and the new report's figures are all there."""
