@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kl_bench.core import oracles as exact
 from kl_bench.cli import app
-from kl_bench.core.estimators import resolve_estimator, lookup
+from kl_bench.core.estimators import ESTIMATORS, Estimator, resolve_estimator, lookup
 from kl_bench.experiment.case import run_experiment_case
 from kl_bench.sampling.samplers import SamplerSpec
 from kl_bench.kinds import CategoricalPair, GaussianPair, RolloutPair
@@ -18,7 +18,8 @@ from kl_bench.experiment.spec import EstimatorOption, Experiment
 
 from .conftest import CPU, mc_frame
 
-LOGR = ["k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3"]
+# Every registered function of log r (library presets: tests/test_presets.py)
+LOGR = [n for n in ESTIMATORS.names() if isinstance(ESTIMATORS.get(n), Estimator) and not ESTIMATORS[n].source]
 
 
 def _logits(b=3, v=12, seed=0):
