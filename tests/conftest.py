@@ -214,3 +214,17 @@ def checked_run(tmp_path_factory):
     live = kl_bench.run(mine)
     folder = live.write(where / "results")
     return live, folder, kl_bench.load_results(folder), mine, other
+
+
+@pytest.fixture
+def handlers():
+    """cli.main (the console script, called in the test's process) installs signal handlers: restore pytest's
+    afterwards."""
+    import signal
+
+    from kl_bench.foundation import signals
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+    signals.seen[0] = 0

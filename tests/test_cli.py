@@ -16,7 +16,6 @@ from kl_bench.core.estimators import DEFAULT_ESTIMATORS, ESTIMATORS
 from kl_bench.kinds import CASE_KINDS
 from kl_bench.results import COLUMNS
 
-from .helpers import cli_run
 
 runner = CliRunner()
 
@@ -322,10 +321,14 @@ def test_integer_options_take_what_draws_takes(write_spec, tmp_path, capsys):
 @pytest.mark.parametrize("args,needle", [(["run", "--seed", "abc", "x.toml"], "Invalid value for '--seed'"),
                                          (["run"], "Missing argument 'SPEC'"), (["nosuch"], "No such command"),
                                          (["run", "x.toml", "--bogus"], "No such option")])
-def test_flag_errors_are_one_line(args, needle):
-    proc = cli_run(*args)
-    err = proc.stderr.strip()
-    assert proc.returncode == 2 and len(err.splitlines()) == 1 and needle in err, (proc.returncode, err)
+def test_flag_errors_are_one_line(args, needle, handlers, capsys):
+    """The console script's main (called here in this process; test_bad_input_through_the_real_console_script
+    runs the real one): click's usage errors are one line, exit 2."""
+    from kl_bench.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and needle in err, (e.value.code, err)
 
 
 def test_small_input_slips_are_plain_one_liners(gauss_results, tmp_path):

@@ -67,16 +67,6 @@ def test_a_signal_at_every_phase_of_every_command_is_one_line(gauss_results, tmp
 
 
 # ----------------------------------------------------------------------------- signals
-@pytest.fixture
-def handlers():
-    """cli.main installs signal handlers: restore pytest's afterwards."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
-    signals.seen[0] = 0
-
-
 def test_a_swallowed_signal_during_parsing_never_exits_0_nor_rewrites_run_json(gauss_results, gauss_folder, handlers, capsys,
                                                                              monkeypatch):
     monkeypatch.setattr(storage, "_COMMITTED", set())       # what this (test) process wrote before
