@@ -174,7 +174,7 @@ def test_rollout_expectations_under_b_match_brute_force(mode, min_length):
             assert em == pytest.approx(m, rel=1e-10, abs=1e-13) and ev == pytest.approx(v, rel=1e-9, abs=1e-13)
 
 
-def _mc_rows(pair, draws=200_000, estimators=("k1", "k2", "k3")):
+def _mc_rows(pair, draws=50_000, estimators=("k1", "k2", "k3")):
     exp = Experiment(name="m", draws=draws, seed=2, batches=100, estimators=estimators, lambdas=(0.5,))
     return pd.DataFrame(run_experiment_case(pair, exp, CPU).rows)
 
