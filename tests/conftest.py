@@ -136,7 +136,7 @@ NUMERICS_FILES = {"test_training.py", "test_training_sequences.py", "test_gradie
                   "test_rollout.py", "test_rollout_gradients.py", "test_topk.py", "test_precision.py",
                   "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py",
                   "test_audit_stream.py", "test_audit_session.py", "test_audit_engine.py", "test_output.py",
-                  "test_multinomial.py", "test_rollout_blocks.py"}
+                  "test_multinomial.py", "test_rollout_blocks.py", "test_estimators.py"}
 
 
 def pytest_collection_modifyitems(items):
