@@ -121,9 +121,9 @@ EXTRAS_TESTS = {"test_a_tiny_model_generating_in_bf16_as_the_engine"}
 # signal tests; the default set's report and plot tests), heaviest first. `--dist loadfile` hands whole
 # files to the workers in collection order, so these go first and the light files fill the tail: a
 # file of 100 s started last would leave the other worker idle for most of it.
-HEAVY_FIRST = ("test_distributed.py", "test_benchmarks.py", "test_atomic.py", "test_signals.py", "test_audit_trl.py",
-               "test_terminal.py", "test_report.py", "test_model.py", "test_full_disk.py", "test_output_paths.py",
-               "test_plots.py", "test_rollout_gradients.py", "test_api.py", "test_counts.py")
+HEAVY_FIRST = ("test_distributed.py", "test_benchmarks.py", "test_atomic.py", "test_audit_trl.py", "test_model.py",
+               "test_plots.py", "test_report.py", "test_multinomial.py", "test_signals.py", "test_rollout_gradients.py",
+               "test_rollout_device.py", "test_terminal.py", "test_audit.py", "test_training.py")
 
 
 # Test files whose assertions are numerical (exact oracles, bit-for-bit trainer formulas, determinism,

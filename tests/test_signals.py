@@ -15,7 +15,7 @@ import pytest
 from kl_bench import cli as cli_module
 from kl_bench.foundation import signals, storage
 
-from .helpers import (TRAIN_SPEC, cli_popen, cli_run, gauss_spec, gauss_text, leftovers, one_line_proc)
+from .helpers import (TRAIN_SPEC, cli_inprocess, cli_popen, cli_run, gauss_spec, gauss_text, leftovers, one_line_proc)
 
 
 @pytest.mark.parametrize("phase,sig", [("start", "SIGINT"), ("write", "SIGINT"),
@@ -24,7 +24,7 @@ from .helpers import (TRAIN_SPEC, cli_popen, cli_run, gauss_spec, gauss_text, le
                                        pytest.param("pairs", "SIGTERM", marks=pytest.mark.slow)])
 def test_a_signal_at_any_phase_is_one_line_and_keeps_earlier_results(small_spec, tmp_path, phase, sig):
     out = tmp_path / "res"
-    assert cli_run("run", small_spec, "--out", out, "-q").returncode == 0
+    assert cli_inprocess("run", small_spec, "--out", out, "-q").returncode == 0     # the earlier results
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     proc = cli_run("run", small_spec, "--out", out, "-q", "--seed", "3", env={"KL_BENCH_SELF_SIGNAL": f"{phase}:{sig}"})
     err = proc.stderr.strip()
