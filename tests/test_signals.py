@@ -105,6 +105,7 @@ def _catches_sigint(pid: int) -> bool:
 # closes) had been neither held nor handled: a death by the signal (-1), no line, a lock file left by a run.
 _AT_START = """
 import os, signal, sys
+signal.signal(signal.SIGHUP, signal.SIG_DFL)    # as a terminal leaves it, not as a nohup'd test runner's parent
 import kl_bench.__main__ as m
 from kl_bench.foundation import signals
 where, sig = sys.argv.pop(1), getattr(signal, sys.argv.pop(1))
