@@ -203,7 +203,7 @@ def test_squared_norm_of_a_path_gradient_against_explicit_vectors():
 
 def test_monte_carlo_against_exact_within_five_standard_errors():
     pair = _roll(t=4, noise=0.8, seed=1)
-    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=15_000, seed=5, batches=60, device=CPU))
+    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=30_000, seed=5, batches=60, device=CPU))
     exact = rows[rows["equals"] != ""]
     # seq: 5 estimators with an exact value × 3 modes + k3's straight_through; tok: 6 × 6 + 1
     assert len(exact) == 53 and (rows["aggregate"].isin(["seq", "tok"])).all()
@@ -215,7 +215,7 @@ def test_monte_carlo_against_exact_within_five_standard_errors():
     assert len(items) == len(rows) and ("abs", "seq") not in {(e.name, a) for e, _, a in items}
     rev, fwd = _refs(pair)
     mc = run_gradients(pair, [GradItem.of(*it) for it in items], {"reverse": G.unit(rev), "forward": G.unit(fwd)},
-                       draws=15_000, seed=5, batches=60, device=CPU)
+                       draws=30_000, seed=5, batches=60, device=CPU)
     n_k = mc.sizes
     for j, item in enumerate(items):
         mean, second = _brute(pair, *item)
