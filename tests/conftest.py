@@ -121,9 +121,9 @@ EXTRAS_TESTS = {"test_a_tiny_model_generating_in_bf16_as_the_engine"}
 # signal tests; the default set's report and plot tests), heaviest first. `--dist loadfile` hands whole
 # files to the workers in collection order, so these go first and the light files fill the tail: a
 # file of 100 s started last would leave the other worker idle for most of it.
-HEAVY_FIRST = ("test_distributed.py", "test_benchmarks.py", "test_atomic.py", "test_probe.py", "test_audit_trl.py",
-               "test_terminal.py", "test_report.py", "test_model.py", "test_hardening_io.py", "test_hardening.py",
-               "test_plots.py", "test_rollout_gradients.py", "test_api.py", "test_counts.py")
+HEAVY_FIRST = ("test_distributed.py", "test_benchmarks.py", "test_atomic.py", "test_audit_trl.py", "test_model.py",
+               "test_plots.py", "test_report.py", "test_multinomial.py", "test_signals.py", "test_rollout_gradients.py",
+               "test_rollout_device.py", "test_terminal.py", "test_audit.py", "test_training.py")
 
 
 # Test files whose assertions are numerical (exact oracles, bit-for-bit trainer formulas, determinism,
@@ -136,7 +136,7 @@ NUMERICS_FILES = {"test_training.py", "test_training_sequences.py", "test_gradie
                   "test_rollout.py", "test_rollout_gradients.py", "test_topk.py", "test_precision.py",
                   "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py",
                   "test_audit_stream.py", "test_audit_session.py", "test_audit_engine.py", "test_output.py",
-                  "test_multinomial.py", "test_rollout_blocks.py"}
+                  "test_multinomial.py", "test_rollout_blocks.py", "test_estimators.py"}
 
 
 def pytest_collection_modifyitems(items):
@@ -163,3 +163,68 @@ def logged_logprobs(n=512, t=16, v=20, seed=0):
     mask = (torch.arange(t)[None] < torch.randint(1, t + 1, (n,), generator=g)[:, None]).double()
     return {"logp_policy": lq.gather(-1, x[..., None])[..., 0], "logp_ref": lp.gather(-1, x[..., None])[..., 0],
             "mask": mask, "kl_full": (lq.exp() * (lq - lp)).sum(-1)}
+
+
+@pytest.fixture(scope="session")
+def gauss_results(tmp_path_factory):
+    """A sound results folder of tests.helpers.GAUSS_SPEC, its spec, a baseline and a checkpoint that --resume
+    accepts, built once per worker: {"root", "spec", "res", "base", "ck"}. Read only: copy it to change it
+    (:func:`gauss_folder`)."""
+    from .helpers import build_gauss_results
+    return build_gauss_results(tmp_path_factory.mktemp("gauss-results"))
+
+
+@pytest.fixture
+def gauss_folder(gauss_results, tmp_path):
+    """A copy of gauss_results' results folder, to damage."""
+    import shutil
+    return Path(shutil.copytree(gauss_results["res"], tmp_path / "r"))
+
+
+@pytest.fixture
+def small_spec(tmp_path):
+    """tests.helpers.GAUSS_SPEC written to tmp_path/h.toml."""
+    from .helpers import gauss_spec
+    return gauss_spec(tmp_path, "h")
+
+
+@pytest.fixture
+def no_hang():
+    """A probe that would block on a FIFO fails after 20 s instead of hanging the suite."""
+    import signal
+
+    def alarm(signum, frame):
+        raise TimeoutError("blocked: a FIFO was opened for reading")
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="module")
+def checked_run(tmp_path_factory):
+    """A small run (a live Result), its folder, the folder read back, and another experiment's spec."""
+    import kl_bench
+    where = tmp_path_factory.mktemp("check")
+    exp = {"draws": 20_000, "seed": 0, "device": "cpu", "batches": 20, "estimators": ["k1", "k3"]}
+    mine, other = where / "mine.toml", where / "other.toml"
+    mine.write_text(spec_toml({"name": "mine", **exp}, [GAUSS, CATEGORICAL]))
+    other.write_text(spec_toml({"name": "other", **exp}, [GAUSS, CATEGORICAL]))
+    live = kl_bench.run(mine)
+    folder = live.write(where / "results")
+    return live, folder, kl_bench.load_results(folder), mine, other
+
+
+@pytest.fixture
+def handlers():
+    """cli.main (the console script, called in the test's process) installs signal handlers: restore pytest's
+    afterwards."""
+    import signal
+
+    from kl_bench.foundation import signals
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+    signals.seen[0] = 0

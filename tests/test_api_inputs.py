@@ -2,6 +2,7 @@
 or key, never a torch, pathlib or difflib traceback: dict specs (tensors without data, keys that are not
 strings), the folders Result writes, paths and numbers given as something else, estimate's estimator, ids
 and logits."""
+import math
 import os
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import kl_bench
+from kl_bench.foundation.errors import SpecError
 
 
 def _spec(q, p=None):
@@ -248,3 +250,30 @@ def test_progress_is_a_switch_in_run_and_train(bad, tmp_path):
             call()
         assert e.value.key == "progress"
     assert kl_bench.run(spec, progress=False).summary is not None
+
+
+LOGQ, LOGP = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+
+
+@pytest.mark.parametrize("mask, shown", [([[1, -1]], "-1"), ([[1.0, 0.5]], "0.5"), ([[1.0, math.nan]], "nan"),
+                                         ([[2, 0]], "2"), ([[1.0, -0.0], [1.0, 3.0]], "3")])
+@pytest.mark.parametrize("aggregation", [None, "token-mean", "seq-mean-token-sum"])
+def test_a_mask_that_is_not_bool_or_0_1_is_refused(mask, shown, aggregation):
+    """mask [[1, -1]] gave 1.5 with aggregation="token-mean" (−1 weighed the second token by −1) while the
+    per-token values read it as bool."""
+    n = len(mask)
+    with pytest.raises(SpecError) as e:
+        kl_bench.estimate(policy=LOGQ.expand(n, 2), reference=LOGP.expand(n, 2), estimator="k1",
+                          mask=torch.tensor(mask), aggregation=aggregation)
+    text = str(e.value)
+    assert text.startswith("key 'mask': must be bool or hold only 0 and 1") and f"got {shown} at index" in text
+    assert "\n" not in text
+
+
+@pytest.mark.parametrize("mask", [torch.tensor([[True, False]]), torch.tensor([[1, 0]]), torch.tensor([[1.0, 0.0]]),
+                                  torch.tensor([[1, 0]], dtype=torch.uint8), [[1, 0]]])
+def test_a_bool_or_0_1_mask_gives_one_answer(mask):
+    values = kl_bench.estimate(policy=LOGQ, reference=LOGP, estimator="k1", mask=mask)
+    assert values.tolist() == [[0.5, 0.0]]
+    mean = kl_bench.estimate(policy=LOGQ, reference=LOGP, estimator="k1", mask=mask, aggregation="token-mean")
+    assert float(mean) == 0.5

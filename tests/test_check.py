@@ -10,6 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import kl_bench
 from kl_bench import check, run
 from kl_bench.core import estimators as est_mod
 from kl_bench.analysis.gate import baseline_comparisons
@@ -18,6 +19,7 @@ from kl_bench.cli import app
 from kl_bench.core.estimators import ESTIMATORS
 from kl_bench.kinds import GaussianPair
 from kl_bench.experiment.spec import parse_spec
+from kl_bench.foundation.errors import SpecError
 
 from .conftest import CATEGORICAL, CPU, GAUSS, spec_toml
 
@@ -455,3 +457,39 @@ def test_the_committed_results_pass_their_own_gate():
             continue
         rep = check(load_results(folder).summary)
         assert rep.passed, (folder.name, [c.sentence() for c in rep.failures])
+
+
+def test_check_of_a_result_read_back_uses_its_recorded_spec(checked_run, tmp_path):
+    """A loaded Result has spec None: check() had raised AttributeError: 'NoneType' object has no attribute
+    'sha256'. Its run.json's spec_sha256 gives the baseline note."""
+    live, folder, loaded, mine, _ = checked_run
+    assert kl_bench.check(loaded).passed
+    base = tmp_path / "base.json"
+    res = runner.invoke(app, ["baseline", str(mine), "--results", str(folder), "--out", str(base)])
+    assert res.exit_code == 0, res.output
+    doc = {**json.loads(base.read_text()), "spec_sha256": "0" * 64}     # as if made from another spec
+    for results in (loaded, live, folder):
+        notes = kl_bench.check(results, doc).notes
+        assert any(f"{loaded.envelope['spec_sha256'][:12]}… now" in n for n in notes), notes
+
+
+def test_check_refuses_another_experiments_spec_for_a_result_as_for_a_folder(checked_run):
+    """spec= had been ignored unless the results were a folder's path."""
+    live, folder, loaded, mine, other = checked_run
+    said = []
+    for results in (folder, str(folder), loaded, live):
+        with pytest.raises(SpecError, match="holds the results of experiment 'mine', not of 'other'") as e:
+            kl_bench.check(results, spec=other)
+        said.append(str(e.value))
+    assert "\n" not in said[-1] and said[0] == said[2]           # a folder and its Result: the same line
+    for results in (folder, loaded, live):
+        assert kl_bench.check(results, spec=mine).passed
+
+
+def test_check_of_a_dataframe_with_a_spec_says_it_cannot_be_checked(checked_run):
+    live, _, _, mine, other = checked_run
+    for spec in (mine, other):
+        with pytest.raises(SpecError) as e:
+            kl_bench.check(live.summary, spec=spec)
+        assert str(e.value).startswith("key 'spec': a summary DataFrame holds no record")
+    assert kl_bench.check(live.summary).passed

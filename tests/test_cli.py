@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 
 from kl_bench.cli import app
 from kl_bench.core.estimators import DEFAULT_ESTIMATORS, ESTIMATORS
+from kl_bench.kinds import CASE_KINDS
 from kl_bench.results import COLUMNS
+
 
 runner = CliRunner()
 
@@ -98,8 +100,8 @@ def test_list_names_every_estimator_and_kind():
     lines = res.output.strip().splitlines()
     for name in ESTIMATORS.names():
         assert any(line.split()[:2] == ["estimator", name] for line in lines)
-    assert any(line.split()[:2] == ["kind", "gaussian"] for line in lines)
-    assert any(line.split()[:2] == ["kind", "categorical"] for line in lines)
+    for name in CASE_KINDS.names():
+        assert any(line.split()[:2] == ["kind", name] for line in lines), name
 
 
 def test_help_works():
@@ -314,3 +316,37 @@ def test_integer_options_take_what_draws_takes(write_spec, tmp_path, capsys):
     for bad in ("nan", "inf", "1e99999999", "٣", "", "0x10", "_1000", "1__000", "1000_"):   # TOML's underscores only
         with pytest.raises(Exception, match="must be a whole number"):
             int_flag(bad)
+
+
+@pytest.mark.parametrize("args,needle", [(["run", "--seed", "abc", "x.toml"], "Invalid value for '--seed'"),
+                                         (["run"], "Missing argument 'SPEC'"), (["nosuch"], "No such command"),
+                                         (["run", "x.toml", "--bogus"], "No such option")])
+def test_flag_errors_are_one_line(args, needle, handlers, capsys):
+    """The console script's main (called here in this process; test_bad_input_through_the_real_console_script
+    runs the real one): click's usage errors are one line, exit 2."""
+    from kl_bench.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and needle in err, (e.value.code, err)
+
+
+def test_small_input_slips_are_plain_one_liners(gauss_results, tmp_path):
+    """A spec saved with a byte-order mark is read (it was a TOML syntax error at line 1, column 1); --draws in
+    another script's digits is refused as a spec's would be; a .npy path holding something else says so
+    without quoting the file's first bytes (a link to /etc/passwd had shown its first bytes). (A bad results
+    cell is quoted as the number it is, not as numpy's repr: tests/test_probe.py.)"""
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf" + gauss_results["spec"].read_bytes())
+    assert runner.invoke(app, ["exact", str(bom), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["run", str(gauss_results["spec"]), "--draws", "\u0663", "--out", str(tmp_path / "o"), "-q"])
+    assert res.exit_code == 2 and "key '--draws'" in res.output and not (tmp_path / "o").exists(), res.output
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s3cr3t:x:0:0")
+    (tmp_path / "q.npy").symlink_to(secret)
+    (tmp_path / "npy.toml").write_text(
+        'spec_version = 1\n[experiment]\nname = "n"\ndraws = 1000\n[[case]]\nname = "c"\nkind = "categorical"\n'
+        'q = { file = "q.npy" }\np = { from = "q", noise = 0.1, seed = 1 }\n')
+    res = runner.invoke(app, ["exact", str(tmp_path / "npy.toml"), "-q"])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "not a .npy file" in lines[0] and "s3cr3t" not in lines[0], res.output

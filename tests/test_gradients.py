@@ -97,7 +97,7 @@ EXPECTED = {("k1", "loss"): "zero", ("k1", "reward"): "reverse", ("k2", "loss"):
 @pytest.mark.parametrize("pair", [GaussianPair("g", [0.3], [1.0], [-0.2], [1.3]), _cat(b=2, v=500, seed=2)],
                          ids=["gaussian", "categorical"])
 def test_what_each_mode_equals_and_monte_carlo_agrees(pair):
-    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=300_000, seed=3, batches=100, device=CPU))
+    rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=100_000, seed=3, batches=100, device=CPU))
     got = {(r["estimator"], r["mode"]): r["equals"] for _, r in rows.iterrows()}
     for key, want in EXPECTED.items():
         assert got[key] == want, (key, got[key])

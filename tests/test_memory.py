@@ -195,3 +195,22 @@ def test_a_containers_memory_limit_is_the_ceiling(tmp_path, monkeypatch):
     assert "this container allows 2 GiB" in memory.memory_advice("fewer draws")
     message = memory.check_memory(3 << 30, "a table")
     assert message is not None and "this container's 2 GiB" in message
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "8000000000 bytes. Error code 12 (Cannot allocate memory)")])
+def test_running_out_of_memory_is_one_line(gauss_results, monkeypatch, capsys, error):
+    """An allocation that fails (a MemoryError, or torch's allocator on the host or a GPU) is one line, exit 2,
+    not a 75-line traceback."""
+    from kl_bench import cli
+    from kl_bench.api import run_folder as runner
+
+    def fail(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(runner, "run_to_folder", fail)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", str(gauss_results["spec"]), "--out", str(gauss_results["root"] / "never"), "-q"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: out of memory"), err
+    assert not (gauss_results["root"] / "never").exists()

@@ -84,8 +84,12 @@ def test_a_new_summary_column_is_one_schema_entry(tmp_path):
     empty, in the schema's order, and reports (a fresh process, the schema extended before anything reads it)."""
     import subprocess
     import sys
+    # The report's figures are built but not rendered (as tests/conftest.py's unrendered_figures): the column,
+    # not the drawing, is what this test is about (tests/test_report.py renders every figure)
     code = ("import kl_bench.results.schema as s\n"
             "s.SCHEMA['abs_z'] = '|z|'; s.COLUMNS.append('abs_z')\n"
+            "import matplotlib.pyplot as plt; from kl_bench.present import report as rp\n"
+            "rp.figure_bytes = lambda fig, formats=None: (plt.close(fig), {f: b'' for f in (formats or rp.FIGURE_FORMATS)})[1]\n"
             "import kl_bench\n"
             f"r = kl_bench.load_results({str(ROOT / 'results' / 'schulman')!r})\n"
             "print(list(r.summary.columns)[-1], bool(r.summary['abs_z'].isna().all()))\n"

@@ -14,8 +14,10 @@ from kl_bench.engine.monte_carlo import run_case
 from kl_bench.foundation.errors import SpecError
 from kl_bench.results import to_frame
 from kl_bench.experiment.rows import summarize
+from kl_bench.cli import app
 
 from .conftest import CPU, model_case
+from .helpers import one_line, runner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -383,3 +385,48 @@ def test_a_signal_at_every_phase_of_dump_logits_is_one_line(tiny_models, tmp_pat
     assert proc.returncode == 130 and len(err.splitlines()) == 1 and "Traceback" not in err, (proc.returncode, err)
     assert out.exists() == (phase == "written") and sorted(os.listdir(tmp_path)) == (["dump"] if out.exists() else [])
     assert ("complete" in err) == (phase == "written"), err
+
+
+# ----------------------------------------------------------------------------- 1. dump-logits: vocabularies
+@pytest.fixture(scope="module")
+def wide_reference(tiny_models, tmp_path_factory):
+    """A random causal LM with vocabulary 1200 (the tiny policy has 1000), saved locally: no download."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(vocab_size=1200, n_positions=64, n_embd=16, n_layer=1, n_head=1, bos_token_id=0,
+                        eos_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config).eval()
+    out = tmp_path_factory.mktemp("wide") / "reference"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("more", [[], ["--length", "4", "--samples", "32"]])
+def test_dump_logits_refuses_models_of_two_vocabularies(tiny_models, wide_reference, tmp_path, more):
+    """A reference of vocabulary 1200 beside a policy of 1000 had written [16, 1000] and [16, 1200] tensors
+    (exit 0), and with --length 4 stopped with a traceback from the continuation's step."""
+    out = tmp_path / "d"
+    res = runner.invoke(app, ["dump-logits", "--policy", str(tiny_models / "policy"), "--reference",
+                              str(wide_reference), "--prompts", str(tiny_models / "prompts.txt"), "--out", str(out),
+                              "--quiet", *more])
+    assert one_line(res) == "error: key '--reference': the reference has vocabulary 1200 but the policy has 1000"
+    assert not out.exists()
+
+
+def test_a_model_case_refuses_models_of_two_vocabularies_as_before(tiny_models, wide_reference, write_spec):
+    spec = write_spec(f"""
+        spec_version = 1
+        [experiment]
+        name = "m"
+        draws = 64
+        device = "cpu"
+        [[case]]
+        name = "lm"
+        kind = "model"
+        policy = "{tiny_models / 'policy'}"
+        reference = "{wide_reference}"
+        prompts = "{tiny_models / 'prompts.txt'}"
+    """)
+    with pytest.raises(SpecError, match="key 'reference': the reference has vocabulary 1200 but the policy has 1000"):
+        kl_bench.run(spec)

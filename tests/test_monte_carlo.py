@@ -85,18 +85,6 @@ def test_same_seed_gives_identical_sums_and_other_seed_agrees(pair_name):
     assert not torch.equal(a.sums, c.sums)
 
 
-def test_estimators_never_nan_and_nonnegative_where_claimed():
-    logr = torch.cat([torch.linspace(-700, 700, 20001, dtype=torch.float64),
-                      torch.tensor([-math.inf, 0.0, -1e-300, 1e-300], dtype=torch.float64)])
-    for name, est in ESTIMATORS.items():
-        if name == "full":
-            continue
-        v = est.fn(logr)
-        assert not torch.isnan(v).any(), name
-        if est.nonnegative:
-            assert (v >= 0).all(), name
-
-
 def test_k3_keeps_precision_for_tiny_log_ratios():
     # (r − 1) − log r ≈ ½(log r)² for |log r| ≪ 1; a naive exp(log r) − 1 loses every digit here.
     logr = torch.tensor([1e-6, -1e-6, 1e-4], dtype=torch.float64)

@@ -218,3 +218,31 @@ def test_resume_rate_counts_only_the_draws_made_in_this_process(folder, tmp_path
         env["draws_per_second"] * 0.0005 + 0.5 * env["sampling_seconds"] + 1
     assert "1,000 draws sampled in" in res.output and "3,000 more restored from the checkpoint" in res.output
     assert (out / "summary.csv").read_bytes() == (folder / "run" / "summary.csv").read_bytes()
+
+
+def test_progress_names_the_phase_and_shows_the_rate(monkeypatch):
+    from rich.console import Console
+
+    from kl_bench.foundation import progress as P
+    monkeypatch.setattr(P, "PROGRESS_AFTER_S", -1.0)
+    bar = P.LazyProgress(3_000_000, enabled=True, console=Console(file=io.StringIO(), force_terminal=True))
+    bar.label("noise0.3 (gradients)")
+    bar.advance(1_234_567)
+    fields = bar.bar.tasks[0].fields
+    bar.close()
+    assert fields["label"] == "noise0.3 (gradients)" and fields["count"] == "1,234,567/3,000,000 draws"
+    assert fields["rate"].endswith(" draws/s") and "," in fields["rate"]
+
+
+def test_run_prints_a_recommendation_and_a_rate_that_matches_its_time(small_spec, tmp_path):
+    import json
+    res = runner.invoke(app, ["run", str(small_spec), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0
+    assert "g: to log, k3 (RMSE" in res.output and "±10% with 95% probability needs a batch of" in res.output
+    env = json.loads((tmp_path / "o" / "run.json").read_text())
+    # the rate is draws over the sampling time that is stated (run.json rounds the time to 1 ms)
+    # sampling_seconds is rounded to the millisecond (off by ≤ 0.0005 s, times the rate) and draws_per_second
+    # to an integer (off by ≤ ½, times the seconds): a slow or descheduled run makes the second term count
+    assert abs(env["draws_per_second"] * env["sampling_seconds"] - 20_000) <= \
+        env["draws_per_second"] * 0.0005 + 0.5 * env["sampling_seconds"] + 1
+    assert f"draws sampled in {env['sampling_seconds']:.1f} s" in res.output

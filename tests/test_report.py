@@ -1,6 +1,7 @@
 """`kl-bench report`: every figure from a small run, valid PNGs, the paper table's numbers, the HTML's
 references, several folders side by side, and clear errors for missing or incomplete folders."""
 import math
+import os
 import re
 import shutil
 import struct
@@ -18,6 +19,9 @@ from kl_bench.present import plots, report
 from kl_bench.core.draws import row_label
 from kl_bench.cli import app
 from kl_bench.present.report import tex_number, load_results
+from kl_bench.foundation.errors import SpecError
+
+from .helpers import one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -577,7 +581,8 @@ def test_a_case_with_an_infinite_kl_is_reported(tmp_path):
     assert np.isfinite(plots._quantiles(np.array([1.0, 2.0, np.nan, 3.0, np.inf]), np.array([0.1, 0.5]))).all()
 
 
-def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tmp_path, build_spec, write_spec):
+def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tmp_path, build_spec, write_spec,
+                                                                             unrendered_figures):
     """`report --out R` over an earlier report of other cases: the figures the earlier report.md showed and
     this report does not draw are gone with it (they would sit beside the new report, named like its own),
     a file of the user's in R/figures/ stays, and the new report's figures are all there."""
@@ -596,3 +601,22 @@ def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tm
     shown = set(re.findall(r"\]\(figures/([^)]+)\)", (rep / "report.md").read_text()))
     assert after == shown | {"mine.png"}, (after, shown)
     assert not any("two" in n for n in after) and (rep / "figures" / "mine.png").read_bytes() == b"mine"
+
+
+# ----------------------------------------------------------------------------- 5. report: one folder twice
+def test_a_report_refuses_a_folder_given_twice_by_any_name(checked_run, tmp_path):
+    """`kl-bench report D D` had compared a run with itself as if independent (diff 0, z 0)."""
+    _, folder, _, _, _ = checked_run
+    link = tmp_path / "link"
+    os.symlink(folder, link)
+    other_spelling = folder.parent / "." / ".." / folder.parent.name / folder.name
+    for second, said in ((folder, "is given twice"), (other_spelling, f"is {folder} again"),
+                         (link, f"is {folder} again")):
+        out = tmp_path / "report"
+        res = runner.invoke(app, ["report", str(folder), str(second), "--out", str(out), "--quiet"])
+        line = one_line(res)
+        assert line.startswith(f"error: {second}: {said}") and "give each folder once" in line, line
+        assert not out.exists()
+    from kl_bench.present.report import write_report
+    with pytest.raises(SpecError, match="is given twice"):
+        write_report([folder, folder], tmp_path / "api")

@@ -90,7 +90,7 @@ def _small(eos=499, t=8, noise=0.4):
 @pytest.mark.parametrize("eos", [None, 499])
 def test_monte_carlo_matches_the_dynamic_program(eos):
     pair = _small(eos=eos)
-    exp = Experiment(name="t", draws=200_000, seed=3, batches=100, lambdas=(0.0, 0.5, 1.0), optimal=True,
+    exp = Experiment(name="t", draws=50_000, seed=3, batches=50, lambdas=(0.0, 0.5, 1.0), optimal=True,
                      estimators=tuple(BUILTIN))
     df = pd.DataFrame(run_experiment_case(pair, exp, CPU).rows)
     checked = df[df["exact_mean"].notna()]

@@ -19,8 +19,10 @@ from kl_bench.core.targets import FORWARD, REVERSE
 from kl_bench.core.estimators import make_cv, lookup
 from kl_bench.kinds import CategoricalPair
 from kl_bench.kinds.rollout import RolloutPair, brute_force_sequences
+from kl_bench.cli import app
 
 from .conftest import CPU
+from .helpers import runner
 
 ESTS = [lookup(n) for n in ("k1", "k2", "k3", "abs", "fwd_k3")] + [make_cv(0.5)]
 
@@ -377,3 +379,14 @@ def test_k3_in_the_loss_on_tokens_stays_finite_where_r_overflows():
     for c, x in ((0, 2), (1, 5)):
         assert got[c, x] == pytest.approx(float(closed[c, x]), rel=1e-12) and got[c, x] < 0
     assert rg.exact_mean(model, item) is not None and np.isfinite(rg.exact_mean(model, item)).all()
+
+
+def test_gradients_of_a_rollout_with_p_equal_to_q_are_computed(tmp_path):
+    """p = q (noise = 0, KL = 0) with per-token rows: the references' scale was 0/0, a ZeroDivisionError."""
+    path = tmp_path / "r.toml"
+    path.write_text('spec_version = 1\n[experiment]\nname = "r"\ndraws = 2000\nbatches = 10\ndevice = "cpu"\n'
+                    'estimators = ["k1", "k3"]\ngradients = true\n[[case]]\nname = "T4"\nkind = "rollout"\nvocab = 8\n'
+                    'buckets = 2\nlength = 4\neos = 7\nper_sequence_mean = true\n'
+                    'q = { logits = "zipf", exponent = 1.0, seed = 1 }\np = { from = "q", noise = 0.0, seed = 2 }\n')
+    res = runner.invoke(app, ["run", str(path), "--out", str(tmp_path / "o"), "-q"])
+    assert res.exit_code == 0, res.output

@@ -128,3 +128,45 @@ def test_the_report_plots_each_swept_key_instead_of_a_figure_set_per_case(write_
     assert "figures/sweep_p.noise.png" in figs
     assert not [f for f in figs if "c-p.noise" in f or "c[" in f]          # no per-case figures of the grid
     assert "figures/bias_std_g.png" in figs
+
+
+# ----------------------------------------------------------------------------- 6. sweep grids: the ends
+SWEEP_BASE = """
+spec_version = 1
+[experiment]
+name = "sw"
+draws = 1000
+device = "cpu"
+[[case]]
+name = "c"
+kind = "categorical"
+vocab = 50
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.3, seed = 2 }
+[[sweep]]
+case = "c"
+"""
+
+
+@pytest.mark.parametrize("grid, values", [
+    # the last value had been 1.1 + (1e-20 − 1.1) = 0.0: "value 0.0 ... must be > 0"
+    ("q.exponent = { linspace = [1.1, 1e-20], num = 2 }", [1.1, 1e-20]),
+    ("q.exponent = { linspace = [1.1, 1e-20], num = 3 }", [1.1, 0.55, 1e-20]),
+    # ends of more than 4 significant digits had been rounded (1.23456 → 1.235): the values written
+    ("q.exponent = { linspace = [1.23456, 2.000001], num = 3 }", [1.23456, 1.617, 2.000001]),
+    ("p.noise = { geomspace = [0.012345, 3.14159], num = 3 }", [0.012345, 0.1969, 3.14159]),
+    ("p.noise = { geomspace = [3.14159, 0.012345], num = 3 }", [3.14159, 0.1969, 0.012345]),
+    ("p.noise = { geomspace = [0.01, 3], num = 4 }", [0.01, 0.06694, 0.4481, 3.0]),
+    ("p.noise = [0.123456, 1e-20]", [0.123456, 1e-20]),
+])
+def test_a_grid_ends_at_the_values_written(write_spec, grid, values):
+    sp = load_spec(write_spec(SWEEP_BASE + grid))
+    key = grid.split(" = ")[0]
+    assert [v[key] for v in sp.sweep_values.values()] == values
+    assert getattr(getattr(sp.cases[-1], key.split(".")[0]), key.split(".")[1]) == values[-1]
+
+
+def test_a_grid_whose_rounded_inner_values_meet_an_end_is_refused(write_spec):
+    """0.99995 rounds to 1.0, outside [0.99991, 0.99999]: kept within the ends, it equals one."""
+    with pytest.raises(SpecError, match="not all different once the inner ones are rounded"):
+        load_spec(write_spec(SWEEP_BASE + "p.noise = { linspace = [0.99991, 0.99999], num = 3 }"))

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+import kl_bench
+from kl_bench.foundation.errors import SpecError
 from kl_bench.kinds.categorical.training import CategoricalProblem
 from kl_bench.kinds.rollout.training import RolloutProblem
 from kl_bench.training import Optimizer, parse_combination, run_trajectory, trajectory
@@ -607,3 +609,46 @@ def test_one_seed_has_no_spread_and_no_warning(tmp_path):
     res = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "kl_bench", "train", str(spec), "--out",
                           str(tmp_path / "o"), "-q"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stderr == "", res.stderr
+
+
+# ----------------------------------------------------------------------------- 4. train: argument types
+TRAIN_SPEC = """spec_version = 1
+[experiment]
+name = "t"
+draws = 10
+device = "cpu"
+[train]
+optimizer = "sgd"
+lr = 0.5
+steps = 2
+beta = 0.5
+reward = { random = 1.0 }
+combinations = ["k1/reward"]
+[[case]]
+name = "cat"
+kind = "categorical"
+vocab = 12
+q = { logits = "zipf", exponent = 1.1, seed = 1 }
+p = { from = "q", noise = 0.5, seed = 2 }
+"""
+
+
+@pytest.mark.parametrize("argument, value", [("ranks", (0, 2)), ("ranks", 5), ("ranks", "0"), ("progress", "yes"),
+                                             ("progress", 2), ("console", 3)])
+def test_train_refuses_an_argument_of_the_wrong_type_naming_it(tmp_path, argument, value):
+    """ranks=(0, 2) had been AttributeError: 'tuple' object has no attribute 'rank' from the training loop."""
+    spec = tmp_path / "t.toml"
+    spec.write_text(TRAIN_SPEC)
+    with pytest.raises(SpecError) as e:
+        kl_bench.train(spec, **{argument: value})
+    assert str(e.value).startswith(f"key '{argument}': must be") and "\n" not in str(e.value)
+
+
+def test_train_takes_its_arguments_of_the_right_type(tmp_path):
+    from rich.console import Console
+
+    from kl_bench.engine.distributed import Ranks
+    spec = tmp_path / "t.toml"
+    spec.write_text(TRAIN_SPEC)
+    got = kl_bench.train(spec, ranks=Ranks(), progress=False, console=Console(stderr=True))
+    assert got is not None and len(got.frame) > 0
