@@ -27,15 +27,41 @@ def _members(cls) -> set[str]:
 PROTOCOL_MEMBERS = set().union(*map(_members, PROTOCOLS))
 
 
-def _pair_reads(tree: ast.AST) -> list[tuple[int, str]]:
-    """Attribute reads on a name that holds a pair: ``pair``, ``*_pair`` or ``self.pair`` (line, member)."""
-    out = []
+def _is_pairs(node: ast.AST) -> bool:
+    """An expression that holds pairs: ``pairs``, ``x.pairs``, ``x.pairs[i]``."""
+    node = node.value if isinstance(node, ast.Subscript) else node
+    return (isinstance(node, ast.Name) and node.id == "pairs") or (isinstance(node, ast.Attribute) and node.attr == "pairs")
+
+
+def _pair_names(tree: ast.AST) -> set[str]:
+    """Names bound to a pair: ``pair``, ``*_pair``, and whatever a loop over pairs or an item of pairs binds."""
+    names = {"pair"}
     for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.comprehension)) and _is_pairs(node.iter) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript) and _is_pairs(node.value):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _pair_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Reads of a pair's members (line, member): attributes of a name bound to a pair, of ``x.pair``, of
+    ``pairs[i]``, and ``getattr(pair, "name")``."""
+    names, out = _pair_names(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2:
+            holder, member = node.args[0], node.args[1]
+            if isinstance(member, ast.Constant) and isinstance(member.value, str) and (
+                    (isinstance(holder, ast.Name) and (holder.id in names or holder.id.endswith("_pair")))):
+                out.append((node.lineno, member.value))
         if not isinstance(node, ast.Attribute):
             continue
         v = node.value
-        name = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else ""
-        if name == "pair" or name.endswith("_pair"):
+        if isinstance(v, ast.Name):
+            held = v.id in names or v.id.endswith("_pair")
+        else:
+            held = (isinstance(v, ast.Attribute) and v.attr == "pair") or (isinstance(v, ast.Subscript) and _is_pairs(v))
+        if held:
             out.append((node.lineno, node.attr))
     return out
 
@@ -52,23 +78,68 @@ def test_code_outside_kinds_reads_only_protocol_members():
 
 
 def test_the_protocol_check_can_fail():
-    tree = ast.parse("def f(pair, other_pair):\n    return pair.log_q, other_pair.kl(), pair.model\n")
-    reads = [m for _, m in _pair_reads(tree)]
-    assert reads == ["log_q", "kl", "model"] or sorted(reads) == ["kl", "log_q", "model"]
-    assert "log_q" not in PROTOCOL_MEMBERS and "model" not in PROTOCOL_MEMBERS and "kl" in PROTOCOL_MEMBERS
+    tree = ast.parse("def f(pair, other_pair, run):\n    for p in run.pairs:\n        p.vocab\n"
+                     "    first = run.pairs[0]\n    getattr(pair, 'support_logr')\n"
+                     "    return pair.log_q, other_pair.kl(), pair.model, first.sampler, run.pairs[1].kl_forward()\n")
+    reads = sorted(m for _, m in _pair_reads(tree))
+    assert reads == ["kl", "kl_forward", "log_q", "model", "sampler", "support_logr", "vocab"], reads
+    assert {"log_q", "model", "sampler", "support_logr", "vocab"}.isdisjoint(PROTOCOL_MEMBERS)
+    assert {"kl", "kl_forward"} <= PROTOCOL_MEMBERS
 
 
-@pytest.mark.parametrize("kind", CASE_KINDS.names())
-def test_every_kind_implements_the_required_protocols(kind):
-    """Whatever is registered: the pair class parses and builds (CaseParser), and an instance would answer the
-    oracle and draw protocols (their methods are all defined, none left abstract)."""
-    cls = CASE_KINDS[kind].pair
-    assert cls.kind == kind
-    missing = [f"{p.__name__}.{m}" for p in (protocols.CaseParser, protocols.Oracle, protocols.DrawSampler,
-                                            protocols.CasePair)
-               for m in _members(p) if not hasattr(cls, m) and m not in getattr(cls, "__annotations__", {})
-               and m not in ("name",)]
+def _pair_classes() -> list[type]:
+    """Every registered kind's pair class and every subclass of one (a kind may build pairs of a subclass: the
+    model kind's next-token case)."""
+    out, todo = [], [CASE_KINDS[k].pair for k in CASE_KINDS.names()]
+    while todo:
+        cls = todo.pop()
+        if cls not in out:
+            out.append(cls)
+            todo += cls.__subclasses__()
+    return sorted(out, key=lambda c: c.__qualname__)
+
+
+def _missing(cls, protocol) -> list[str]:
+    return [f"{protocol.__name__}.{m}" for m in sorted(_members(protocol))
+            if not hasattr(cls, m) and m not in getattr(cls, "__annotations__", {}) and m != "name"]
+
+
+@pytest.mark.parametrize("cls", _pair_classes(), ids=lambda c: c.__qualname__)
+def test_every_pair_class_implements_the_required_protocols_and_optional_ones_whole(cls):
+    """Whatever is registered (and the subclasses kinds build): the pair class parses and builds (CaseParser),
+    answers the oracle and draw protocols (none left abstract), and an optional protocol (gradients,
+    baselines, training) is there whole or not at all."""
+    assert cls.kind in CASE_KINDS
+    missing = [m for p in (protocols.CaseParser, protocols.Oracle, protocols.DrawSampler, protocols.CasePair)
+               for m in _missing(cls, p)]
     assert not missing, missing
     assert not inspect.isabstract(cls), getattr(cls, "__abstractmethods__", None)
-    if hasattr(cls, "training_problem"):                  # an optional protocol is all there or not at all
-        assert hasattr(cls, "train_aggregates")
+    for protocol, marker in ((protocols.GradientOracle, "gradient_exact"), (protocols.BaselineOracle, "baseline_exact"),
+                             (trainable.TrainingOracle, "training_problem")):
+        if hasattr(cls, marker):
+            assert not _missing(cls, protocol), _missing(cls, protocol)
+
+
+def test_the_completeness_check_can_fail():
+    class Half:
+        kind = "categorical"
+
+        def gradient_exact(self):
+            ...
+    assert _missing(Half, protocols.GradientOracle) and _missing(Half, protocols.CasePair)
+
+
+def test_the_registered_kind_decides_whether_a_pair_trains():
+    """The model kind's next-token case is a categorical pair but the model kind does not train: refused in one
+    line naming the kinds that do (it had trained, inheriting the categorical kind's training)."""
+    import torch
+
+    from kl_bench.foundation.errors import SpecError
+    from kl_bench.kinds.categorical import CategoricalPair
+    from kl_bench.kinds.model.pair import NextTokenPair
+    lq = torch.log_softmax(torch.arange(6, dtype=torch.float64).reshape(2, 3), -1)
+    assert trainable.training_oracle(NextTokenPair("m", lq, lq)) is None
+    pair = CategoricalPair("c", lq, lq)
+    assert trainable.training_oracle(pair) is pair
+    with pytest.raises(SpecError, match=r"kind 'model' cannot be trained \(trainable kinds: categorical, rollout\)"):
+        trainable.require_training(NextTokenPair("m", lq, lq), "model", "m")

@@ -23,6 +23,17 @@ def test_import_loads_torch_and_nothing_heavy():
     assert out.stdout.split() == ["[]", "True"], out.stdout
 
 
+def test_it_imports_and_checks_without_numpy():
+    """torch alone: numpy blocked (as where torch was installed without it), the import and a whole check work."""
+    code = ("import sys, warnings; sys.modules['numpy'] = None; warnings.simplefilter('ignore')\n"
+            "import torch\nfrom kl_bench.testing import assert_kl_function\n"
+            "assert_kl_function(lambda lp, ref: torch.expm1(ref - lp) - (ref - lp), 'k3', placement='loss_is')\n"
+            "print('numpy' in sys.modules and sys.modules['numpy'] is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"], out.stdout
+
+
 def test_the_lightness_check_can_fail():
     """The same subprocess sees a heavy module when one is imported (pandas is installed with kl-bench's base)."""
     pytest.importorskip("pandas")

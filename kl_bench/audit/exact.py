@@ -162,7 +162,7 @@ def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: S
     """Exact per-position values from logits ``policy`` [N, V] and ``reference`` [N, V] (any float dtype).
 
     ``ids`` [N]: the token sampled at each position (for the sampled-token columns); ``eos_banned`` [N]
-    and ``context_ids`` [N, L]: per-position inputs of the sampler (:func:`~.sampler.sampler_logprobs`);
+    and ``context_ids`` [N, L]: per-position inputs of the sampler (:func:`~.generation.sampler_logprobs`);
     ``sampling`` [N, V]: the policy's logits in the pass that drew the tokens, where it differs from the
     scored pass (dropout, position ids, a cache, precision): its sampler values are ``g``.
     Memory: a few [N, V, F] float64 tensors; for large V use :func:`kl_bench.audit.stream.stream_values`."""

@@ -246,7 +246,7 @@ class _Scan:
             yield out
 
     def scores(self, z: torch.Tensor, lo: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """b's score s of a tile of policy logits (:func:`~.sampler.sampler_scores`): z itself without a
+        """b's score s of a tile of policy logits (:func:`~.generation.sampler_scores`): z itself without a
         temperature, penalty or EOS ban, z/T into ``out`` with only a temperature, else a new tensor."""
         sp = self.sampler
         plain = sp.repetition_penalty == 1.0 and not self.banned

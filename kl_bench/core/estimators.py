@@ -40,6 +40,17 @@ from .targets import FORWARD, REVERSE, check_target
 Poly = dict[tuple[int, int], float]
 
 
+def poly_derivative(poly: Poly) -> Poly:
+    """d/dL of Σ a r^s L^k (r = e^L): Σ a (s r^s L^k + k r^s L^(k−1))."""
+    out: Poly = {}
+    for (s, k), a in poly.items():
+        if s:
+            out[(s, k)] = out.get((s, k), 0.0) + a * s
+        if k:
+            out[(s, k - 1)] = out.get((s, k - 1), 0.0) + a * k
+    return out
+
+
 @dataclass(frozen=True)
 class Estimator:
     name: str

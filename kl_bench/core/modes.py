@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..foundation.errors import SpecError
-from .estimators import Estimator, Poly
+from .estimators import Estimator, Poly, poly_derivative
 from ..foundation.registry import Registry
 
 Coefficient = Callable[[torch.Tensor], torch.Tensor]
@@ -98,17 +98,6 @@ def derivative(est: Estimator, what: str = "gradient") -> Coefficient:
                                 f"{what} gradient mode needs: {str(e).splitlines()[0]}") from None
         return g
     return deriv
-
-
-def poly_derivative(poly: Poly) -> Poly:
-    """d/dL of Σ a r^s L^k (r = e^L): Σ a (s r^s L^k + k r^s L^(k−1))."""
-    out: Poly = {}
-    for (s, k), a in poly.items():
-        if s:
-            out[(s, k)] = out.get((s, k), 0.0) + a * s
-        if k:
-            out[(s, k - 1)] = out.get((s, k - 1), 0.0) + a * k
-    return out
 
 
 def _loss_poly(est: Estimator) -> Poly | None:

@@ -2,7 +2,7 @@
 
 This module holds what every spec has (``spec_version``, ``[experiment]``, the common case keys
 ``name``, ``kind``, ``draws`` and ``sampler``); each case kind parses its own keys
-(:meth:`kl_bench.kinds.protocols.Pair.parse`). Every error is a :class:`SpecError` naming the file, the case
+(:meth:`kl_bench.kinds.protocols.CaseParser.parse`). Every error is a :class:`SpecError` naming the file, the case
 and the key. Unknown keys are rejected with a "did you mean" suggestion. See README.md ("Spec format").
 """
 from __future__ import annotations

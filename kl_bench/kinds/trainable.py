@@ -19,6 +19,12 @@ import torch
 
 from ..foundation.errors import SpecError
 from ..sampling.seeding import BatchStream
+from .protocols import CASE_KINDS
+
+
+# The spec key that names a reward of whole sequences: the errors of calling it, and of a case too large to
+# enumerate, point there.
+SEQUENCE_REWARD_KEY = "train.reward.sequence"
 
 
 @dataclass(frozen=True)
@@ -71,13 +77,15 @@ class TrainingOracle(Protocol):
 
 
 def training_oracle(pair: Any) -> TrainingOracle | None:
-    """The pair as a training oracle, or None where its kind does not train."""
-    return pair if isinstance(pair, TrainingOracle) else None
+    """The pair as a training oracle, or None where its kind does not train. The registered kind decides, not the
+    pair's class: a kind may build pairs of another kind's class (the model kind's next-token case is a
+    categorical pair) without taking on that kind's training."""
+    trains = pair.kind in CASE_KINDS and hasattr(CASE_KINDS[pair.kind].pair, "training_problem")
+    return pair if trains and isinstance(pair, TrainingOracle) else None
 
 
 def trainable_kinds() -> list[str]:
     """The registered kinds whose pairs train (each kind is imported: called on the error path only)."""
-    from .protocols import CASE_KINDS
     return [name for name in CASE_KINDS.names() if hasattr(CASE_KINDS[name].pair, "training_problem")]
 
 

@@ -31,8 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..core.estimators import ESTIMATORS, Estimator
-from ..core.modes import poly_derivative
+from ..core.estimators import ESTIMATORS, Estimator, poly_derivative
 
 F64 = torch.float64
 Poly = dict  # {(s, k): c}: Σ c · r^s · (log r)^k

@@ -9,7 +9,8 @@ from ..kinds.trainable import Reward
 from ..sampling.logits import read_logits_file
 from ..sampling.seeding import batch_generator
 from .config import RewardSpec
-from .sequences import KEY, categorical_table, rewards_of
+from ..kinds.trainable import SEQUENCE_REWARD_KEY as KEY
+from .sequences import categorical_table, rewards_of
 
 
 def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int) -> torch.Tensor:

@@ -18,7 +18,6 @@ import torch
 from ..foundation.errors import SpecError
 from ..foundation.registry import Registry
 
-KEY = "train.reward.sequence"    # the spec key that names a sequence reward
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from ...foundation.errors import SpecError
+from ..trainable import SEQUENCE_REWARD_KEY as KEY
 
 MAX_SLOTS = 1 << 22            # sequences × T enumerated (int64 tokens and keys: 64 MiB)
-KEY = "train.reward.sequence"  # the spec key a sequence reward is named by (errors point there)
 
 
 def count_sequences(vocab: int, length: int, eos: int | None) -> int:

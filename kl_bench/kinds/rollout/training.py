@@ -195,4 +195,5 @@ class SequenceRolloutProblem(RolloutProblem):
     def path_rewards(self, keys: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
         """R of each sampled path (the reward called on the paths' tokens), [n]."""
         mask = alive > 0
-        return self.sequence(torch.where(mask, keys % self.log_p.shape[1], -1), mask)
+        # R is evaluated on the host (a user's function); its values join the paths on their device
+        return self.sequence(torch.where(mask, keys % self.log_p.shape[1], -1), mask).to(alive.device)
