@@ -292,7 +292,7 @@ def test_a_monte_carlo_reference_prints_the_se_its_z_uses(tiny_models):
     shown is mean − ref and its ± is the SE of that paired difference, recomputed here from batches.csv's
     batch means (the formula of docs/statistics.md#batch-means), so that z = bias / SE as printed."""
     from kl_bench.present.tables import compact_frame
-    from kl_bench.foundation.formatting import fmt, pct
+    from kl_bench.foundation.formatting import fmt, measured_cells
     from kl_bench.core.stats import batch_means_se
     spec = {"spec_version": 1, "experiment": {"name": "m", "draws": 1024, "seed": 3, "batches": 16, "device": "cpu",
                                               "estimators": ["k1", "k2", "k3", "full"]},
@@ -313,7 +313,8 @@ def test_a_monte_carlo_reference_prints_the_se_its_z_uses(tiny_models):
         assert r["ref_diff_se"] == pytest.approx(se, rel=1e-9)
         assert r["z_ref"] == pytest.approx(r["ref_diff"] / r["ref_diff_se"], rel=1e-9)
         cell = shown.loc[f"{agg} {est}"]
-        assert cell["bias/true ± se"] == f"{pct(r['ref_diff'] / ref)} ± {pct(se / ref, False)}"
+        value, value_se, _ = measured_cells(100 * r["ref_diff"] / ref, 100 * se / ref, sign=True, unit="%")
+        assert cell["bias/true ± se"] == f"{value} ± {value_se}"          # the one digit rule, the SE z uses
         assert cell["z"] == fmt(r["z_ref"], 2) and cell["n ±10%"] == "—"
     assert len(full) == 16 and all(math.isfinite(x) for x in full)
 

@@ -33,6 +33,7 @@ def value_grid() -> tuple[torch.Tensor, torch.Tensor]:
         for x in logr:
             lq.append(h - max(x, 0.0))
             lp.append(h + min(x, 0.0))
+    # host: the exact cases are small float64 tables on the CPU, whatever device the function under test uses
     return torch.tensor(lq, dtype=F64), torch.tensor(lp, dtype=F64)
 
 
@@ -47,10 +48,10 @@ class Categorical:
     gradients: bool = True    # a case for the expected gradients: ∇KL(q‖p), ∇KL(p‖q) and 0 far apart
 
     def log_q(self) -> torch.Tensor:
-        return torch.log_softmax(torch.tensor(self.logits_q, dtype=F64), -1)
+        return torch.log_softmax(torch.tensor(self.logits_q, dtype=F64), -1)  # host: an exact case's table
 
     def log_p(self) -> torch.Tensor:
-        return torch.log_softmax(torch.tensor(self.logits_p, dtype=F64), -1)
+        return torch.log_softmax(torch.tensor(self.logits_p, dtype=F64), -1)  # host: an exact case's table
 
     def kl(self) -> dict[str, float]:
         """{"KL(q||p)": Σ q log(q/p), "KL(p||q)": Σ p log(p/q)}, float64 sums."""

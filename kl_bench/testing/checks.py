@@ -47,7 +47,7 @@ def check_values(fn, ref: Reference, dtype: torch.dtype, allow_inf: bool) -> lis
     # A value beyond the format's largest finite number is correctly rounded to ±inf.
     overflow_ok = (want.abs() > big) & (got == want.sign() * torch.inf)
     finite = torch.isfinite(got)
-    bad_inf = ~finite & ~overflow_ok & ~(torch.isinf(got) & torch.tensor(allow_inf))
+    bad_inf = ~finite & ~overflow_ok & ~(torch.isinf(got) & torch.tensor(allow_inf, device=got.device))
     wrong = finite & ((got - want).abs() > tol)
     if bool(bad_inf.any()):
         i = int(bad_inf.nonzero()[0])
@@ -74,9 +74,10 @@ def check_masked(fn, fill: str, mask_by: str, dtype: torch.dtype, gradients: boo
     (``gradients``: not in the reward, where it is detached), the gradient with respect to both log-prob
     tensors finite (0·inf and inf − inf give NaN, which the optimiser spreads to every parameter)."""
     for where, a, b in masked_rows(fill):
+        # host: the masked check's two positions (kl_bench.testing checks a function on the CPU)
         lq = torch.tensor([-0.7, a], dtype=dtype, requires_grad=True)
-        lp = torch.tensor([-0.9, b], dtype=dtype, requires_grad=True)
-        mask = torch.tensor([True, False])
+        lp = torch.tensor([-0.9, b], dtype=dtype, requires_grad=True)  # host: as lq
+        mask = torch.tensor([True, False])  # host: as lq
         out = _call(fn, lq, lp)
         kept = out * mask if mask_by == "multiply" else torch.where(mask, out, torch.zeros_like(out))
         # a function that returns detached values has no gradient to check here (check 4 says so)
@@ -150,7 +151,7 @@ def check_expectations(fn, ref: Reference, dtype: torch.dtype, target: str | Non
 def expected_gradient(fn, case: Categorical, placement: str, dtype: torch.dtype) -> torch.Tensor:
     """The exact expected gradient [V] with respect to q's logits z of Σ_x q(x)·f(x) placed as
     ``placement`` (cases.PLACEMENTS), fn evaluated in ``dtype`` on log q = log_softmax(z)."""
-    z = torch.tensor(case.logits_q, dtype=F64, requires_grad=True)
+    z = torch.tensor(case.logits_q, dtype=F64, requires_grad=True)  # host: an exact case's logits
     lq = torch.log_softmax(z, -1)
     q = lq.detach().exp()
     f = _call(fn, lq.to(dtype), case.log_p().to(dtype)).to(F64)
