@@ -32,6 +32,7 @@ from ..results import SWEEP_PREFIX
 from ..foundation.safe_io import read_regular
 from ..foundation.storage import same_path, write_folder
 from ..results import folders
+from ..results.reservoir import reservoir_key
 from ..results.verify import read_results_folder
 
 
@@ -396,7 +397,7 @@ def _distribution_panels(ctx: FigureContext) -> Iterator[Panel]:
         rows = ctx.s[(ctx.s["case"] == case) & ctx.s["lambda"].isna()]
         parts = []
         for _, r in rows.iterrows():
-            key = f"{case}|{row_key(r['estimator'], None, r['aggregate'])}"
+            key = reservoir_key(case, row_key(r['estimator'], None, r['aggregate']))
             if key in ctx.res.reservoir:       # NaN: draws in no whole token-mean group
                 v = ctx.res.reservoir[key]
                 parts.append(pd.DataFrame({"label": row_label(r), "value": v[~np.isnan(v)]}))
