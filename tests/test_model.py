@@ -240,7 +240,7 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     against the Monte Carlo reference (KL ≈), its exact cells —; the description names the prompts once."""
     from rich.console import Console
 
-    from kl_bench.present import tables as display, report
+    from kl_bench.present import tables as display, report_document, report_md
     spec = _spec([model_case(tiny_models), model_case(tiny_models, "T3", length=3)], draws=128, batches=4)
     res = kl_bench.run(spec)
     df = res.summary
@@ -252,8 +252,8 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     t3 = df[(df["case"] == "T3") & (df["estimator"] == "k1") & (df["aggregate"] == "seq")].iloc[0]
     assert f"≈{display.fmt(t3['std'] / t3['ref_kl'])}" in text
     d = df.assign(key=df["case"], label=[kl_bench.core.draws.row_label(r) for _, r in df.iterrows()])
-    cases, rows = report.paper_table(d)
-    md = report.table_md(cases, rows, "caption")
+    cases, rows = report_document.paper_table(d)
+    md = report_md.table_md(cases, rows, "caption")
     assert "T3 (KL ≈ " in md and "m (KL = " in md
     cells = dict(rows)["seq k1"][[c[0] for c in cases].index("T3")]
     assert cells[0] != "—" and cells[1] == "—" and cells[2] != "—" and cells[3] == "—"

@@ -192,7 +192,7 @@ def test_a_baseline_with_a_nan_mean_or_negative_spread_is_refused(made, tmp_path
 
 
 def test_a_nan_statistic_fails_the_gate(made):
-    from kl_bench.present.report import load_results
+    from kl_bench.present.report_data import load_results
     df = load_results(made["good"]).summary.copy()
     df.loc[df.index[0], "mean"] = float("nan")
     comps = holm(exact_comparisons(df), 0.001)
@@ -205,7 +205,7 @@ def test_a_nan_statistic_fails_the_gate(made):
 def test_a_gate_that_compared_nothing_fails(made):
     rep = CheckReport([], 0.001)
     assert not rep.passed and "nothing was compared" in rep.verdict
-    from kl_bench.present.report import load_results
+    from kl_bench.present.report_data import load_results
     df = load_results(made["good"]).summary.copy()
     df["exact_mean"] = float("nan")
     df["exact_std"] = float("nan")
