@@ -331,8 +331,9 @@ def test_plot_draws_on_given_axes_and_returns_their_figure(plots, name):
 def test_the_look_survives_saving_outside_the_plot_function(plots, name):
     """The report saves after the function returned; it must render as if the theme were still active."""
     import matplotlib
+    from kl_bench.present.plot_helpers import THEME
     outside = _pixels(_call(plots, name))
-    with matplotlib.rc_context(plots.THEME):
+    with matplotlib.rc_context(THEME):
         inside = _pixels(_call(plots, name))
     assert outside.shape == inside.shape and np.array_equal(outside, inside)
 
@@ -342,7 +343,8 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
     import seaborn as sns
     from matplotlib.colors import same_color, to_rgba
     from kl_bench.present import figstyle
-    assert plots.PALETTE == sns.color_palette("colorblind")
+    from kl_bench.present.plot_helpers import PALETTE
+    assert PALETTE == sns.color_palette("colorblind")
     assert list(figstyle.COLORBLIND) == sns.color_palette("colorblind").as_hex()
     ax = _call(plots, "lambda_curve").axes[0]
     assert same_color(ax.lines[0].get_color(), figstyle.estimator_colour("cv"))     # the exact curve: cv(λ)'s

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from pathlib import Path
 
-from kl_bench.present import (pages, plots, report, report_data, report_differences, report_document, report_figures,
-                               report_md, report_tex)
+from kl_bench.present import (pages, plots, plots_distribution, report, report_data, report_differences,
+                               report_document, report_figures, report_md, report_tex)
 from kl_bench.core.draws import row_label
 from kl_bench.cli import app
 from kl_bench.present.report_data import load_results
@@ -578,7 +578,7 @@ def test_a_case_with_an_infinite_kl_is_reported(tmp_path):
     fig = plots.plot_distribution(pd.DataFrame({"label": ["k1"] * 4, "value": [0.1, -0.2, np.inf, 0.3]}))
     assert "1 infinite or NaN draws off the axis" in fig.axes[0].get_xlabel()
     # A NaN draw leaves the others' quantiles (it had made every one NaN: the line vanished)
-    assert np.isfinite(plots._quantiles(np.array([1.0, 2.0, np.nan, 3.0, np.inf]), np.array([0.1, 0.5]))).all()
+    assert np.isfinite(plots_distribution._quantiles(np.array([1.0, 2.0, np.nan, 3.0, np.inf]), np.array([0.1, 0.5]))).all()
 
 
 def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tmp_path, build_spec, write_spec):
