@@ -14,7 +14,8 @@ import pytest
 
 from kl_bench.foundation.formatting import fmt, measured_cells
 from kl_bench.present import report_data, report_document
-from kl_bench.present.tables import compact_frame, detail_table, with_reference
+from kl_bench.present.case_tables import compact_frame, detail_table
+from kl_bench.present.cells import with_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = sorted(p.parent for p in ROOT.glob("results/*/summary.csv"))
@@ -145,7 +146,8 @@ def test_a_heavy_tailed_row_is_marked_on_z_and_run_says_what_check_compares(tmp_
     import io
     from rich.console import Console
     from kl_bench.analysis.gate import exact_comparisons, z_at_exact_spread
-    from kl_bench.present.tables import compact_table, print_tables
+    from kl_bench.present.case_tables import compact_table
+    from kl_bench.present.tables import print_tables
     res = report_data.load_results(ROOT / "results" / "mismatch")
     df = res.summary
     heavy = df[df["heavy_tail"].isin(["kurtosis > draws", "infinite 4th moment"])]

@@ -240,7 +240,7 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     against the Monte Carlo reference (KL ≈), its exact cells —; the description names the prompts once."""
     from rich.console import Console
 
-    from kl_bench.present import tables as display, report_document, report_md
+    from kl_bench.present import side_tables as display, report_document, report_md
     spec = _spec([model_case(tiny_models), model_case(tiny_models, "T3", length=3)], draws=128, batches=4)
     res = kl_bench.run(spec)
     df = res.summary
@@ -289,7 +289,7 @@ def test_a_monte_carlo_reference_prints_the_se_its_z_uses(tiny_models):
     """Model continuations (no exact value; the reference is the `full` mean of the same paths): the bias
     shown is mean − ref and its ± is the SE of that paired difference, recomputed here from batches.csv's
     batch means (the formula of docs/statistics.md#batch-means), so that z = bias / SE as printed."""
-    from kl_bench.present.tables import compact_frame
+    from kl_bench.present.case_tables import compact_frame
     from kl_bench.foundation.formatting import fmt, pct
     from kl_bench.core.stats import batch_means_se
     spec = {"spec_version": 1, "experiment": {"name": "m", "draws": 1024, "seed": 3, "batches": 16, "device": "cpu",

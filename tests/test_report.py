@@ -158,7 +158,7 @@ def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
 def test_heavy_tailed_rows_are_marked_in_every_measured_column():
     """A heavy-tailed row (results/rollout: moderate-T256's seq k3) carries † on its measured bias ± SE and
     std ± SE in the paper table and on its z in the terminal table: its SE is not valid."""
-    from kl_bench.present import tables as display
+    from kl_bench.present import case_tables as display
     res = report_data.load_results(ROOT / "results" / "rollout")
     df = res.summary.assign(key=res.summary["case"], label=[row_label(r) for _, r in res.summary.iterrows()])
     heavy = df[df["heavy_tail"] != ""]
