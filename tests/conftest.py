@@ -93,8 +93,8 @@ def model_case(models, name: str = "m", **keys) -> dict:
 def png_figures_only(monkeypatch):
     """Reports in tests draw their figures as PNG only (PDF and SVG triple the drawing time);
     tests/test_report.py::test_figures_are_also_written_as_deterministic_vectors checks the vectors."""
-    from kl_bench.present import report
-    monkeypatch.setattr(report, "FIGURE_FORMATS", ("png",))
+    from kl_bench.present import report_figures
+    monkeypatch.setattr(report_figures, "FIGURE_FORMATS", ("png",))
 
 
 @pytest.fixture
@@ -102,12 +102,12 @@ def unrendered_figures(monkeypatch):
     """Reports whose figures are built but saved as empty bytes: for tests of which figures a report has
     and where they go, not of how they look (tests/test_report.py renders every one and checks the PNGs)."""
     import matplotlib.pyplot as plt
-    from kl_bench.present import report
+    from kl_bench.present import report_figures
 
     def unrendered(fig, formats=None):
         plt.close(fig)
-        return {fmt: b"" for fmt in (formats or report.FIGURE_FORMATS)}
-    monkeypatch.setattr(report, "figure_bytes", unrendered)
+        return {fmt: b"" for fmt in (formats or report_figures.FIGURE_FORMATS)}
+    monkeypatch.setattr(report_figures, "figure_bytes", unrendered)
 
 
 # Test files of the optional extras (hf: your own models; trl: the trainer audit). They skip where the extra

@@ -160,7 +160,8 @@ def test_80_columns_compact_one_line_a_row_nothing_truncated(two_cases):
 def test_a_side_table_too_wide_for_the_terminal_is_stacked_every_cell_kept(two_cases):
     """Issue 31: a table wider than the terminal is printed in parts that each fit (the estimator column in
     every part), never a pointer to --wide and never a cut cell."""
-    from kl_bench.present.tables import natural_width, schulman_table, show
+    from kl_bench.present.side_tables import schulman_table
+    from kl_bench.present.terminal import natural_width, show
     buf = io.StringIO()
     con = Console(file=buf, width=40, force_terminal=True, color_system=None)
     table = schulman_table(two_cases)
@@ -239,7 +240,7 @@ def test_a_sampler_that_is_q_itself_is_no_mismatch(write_spec):
     assert set(df["sampler"]) == {"q itself"}
     texts = " ".join(a.text for a in recommendations(df))
     assert "b ≠ q" not in texts and "on-policy" in texts, texts
-    from kl_bench.present.tables import side_tables
+    from kl_bench.present.side_tables import side_tables
     assert not any("sampling mismatch" in str(t.title) for t, _ in side_tables(df.assign(mean=df["exact_mean"],
                                                                                            se=0.0, std=df["exact_std"],
                                                                                            frac_negative=0.0)))

@@ -86,7 +86,7 @@ def test_a_baseline_with_a_nan_mean_or_negative_spread_is_refused(gauss_results,
 
 
 def test_a_nan_statistic_fails_the_gate(gauss_results):
-    from kl_bench.present.report import load_results
+    from kl_bench.present.report_data import load_results
     df = load_results(gauss_results["res"]).summary.copy()
     df.loc[df.index[0], "mean"] = float("nan")
     comps = holm(exact_comparisons(df), 0.001)
@@ -99,7 +99,7 @@ def test_a_nan_statistic_fails_the_gate(gauss_results):
 def test_a_gate_that_compared_nothing_fails(gauss_results):
     rep = CheckReport([], 0.001)
     assert not rep.passed and "nothing was compared" in rep.verdict
-    from kl_bench.present.report import load_results
+    from kl_bench.present.report_data import load_results
     df = load_results(gauss_results["res"]).summary.copy()
     df["exact_mean"] = float("nan")
     df["exact_std"] = float("nan")

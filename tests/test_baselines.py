@@ -290,11 +290,11 @@ p = { from = "q", noise = 0.5, seed = 2 }
     assert "group baselines" in res.output and "tok-k3" in res.output and "leave_one_out" in res.output
     from kl_bench.results.verify import verify_results_folder
     verify_results_folder(tmp_path / "o")             # one row per (case, estimator, aggregate, baseline, G)
-    from kl_bench.present import report
-    res = report.load_results(tmp_path / "o")
-    md = report._report_md([res], "", [])
+    from kl_bench.present import report_data, report_html, report_md
+    res = report_data.load_results(tmp_path / "o")
+    md = report_md.report_md([res], "", [])
     assert "## Group baselines" in md and "| r | tok-k3 | leave_one_out | 4 |" in md
-    assert "<h2>Group baselines</h2>" in report._report_html([res], res.summary, [], "", [], [])
+    assert "<h2>Group baselines</h2>" in report_html.report_html([res], res.summary, [], "", [], [])
     got = pd.read_csv(tmp_path / "o" / "group_baselines.csv")
     gm = got[got["baseline"] == "group_mean"]
     assert len(got) == 8 and np.allclose(gm["exact_shrink"], 0.75, rtol=1e-10)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from kl_bench.foundation.formatting import fmt, measured_cells
-from kl_bench.present import report
-from kl_bench.present.tables import compact_frame, detail_table, with_reference
+from kl_bench.present import report_data, report_document
+from kl_bench.present.case_tables import compact_frame, detail_table
+from kl_bench.present.cells import with_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = sorted(p.parent for p in ROOT.glob("results/*/summary.csv"))
@@ -69,7 +70,7 @@ def assert_z(where: str, value: str, se: str, exact: str, z: str) -> int:
 
 @pytest.fixture(scope="module", params=FOLDERS, ids=[p.name for p in FOLDERS])
 def folder(request):
-    res = report.load_results(request.param)
+    res = report_data.load_results(request.param)
     df = res.summary.copy()
     df["key"] = df["case"]
     from kl_bench.core.draws import row_label
@@ -101,15 +102,15 @@ def test_compact_and_detail_tables(folder):
 def test_report_rows_and_paper_table(folder):
     name, df = folder
     ref = with_reference(df)
-    header = report.ROW_HEADER
+    header = report_document.ROW_HEADER
     checked = 0
     for _, r in ref.iterrows():
-        cells = dict(zip(header[:6], report.row_cells(r)[:6]))
-        row = report.row_cells(r)
+        cells = dict(zip(header[:6], report_document.row_cells(r)[:6]))
+        row = report_document.row_cells(r)
         z = row[header.index("z")]
         value, se = split_pm(cells["mean ± SE"])
         checked += assert_z(f"{name} row mean", value, se, cells["exact mean"], z)
-        paper = report.paper_cells(r)
+        paper = report_document.paper_cells(r)
         value, se = split_pm(paper[0])
         checked += assert_z(f"{name} paper bias", value, se, paper[1], z)
         value, se = split_pm(row[header.index("bias/true")])
@@ -145,8 +146,9 @@ def test_a_heavy_tailed_row_is_marked_on_z_and_run_says_what_check_compares(tmp_
     import io
     from rich.console import Console
     from kl_bench.analysis.gate import exact_comparisons, z_at_exact_spread
-    from kl_bench.present.tables import compact_table, print_tables
-    res = report.load_results(ROOT / "results" / "mismatch")
+    from kl_bench.present.case_tables import compact_table
+    from kl_bench.present.tables import print_tables
+    res = report_data.load_results(ROOT / "results" / "mismatch")
     df = res.summary
     heavy = df[df["heavy_tail"].isin(["kurtosis > draws", "infinite 4th moment"])]
     assert len(heavy)

@@ -450,7 +450,7 @@ def test_the_committed_results_pass_their_own_gate():
     """Every committed results folder with a spec passes `kl-bench check` against exact values (the gate
     had failed results/mismatch on a clamp's unreachable tail, and results/rollout on a sequence fwd_k3
     whose exact std is 1,800× the measured one)."""
-    from kl_bench.present.report import load_results
+    from kl_bench.present.report_data import load_results
     for folder in sorted((ROOT / "results").iterdir()):
         spec = ROOT / "experiments" / f"{folder.name}.toml"
         if not (folder / "summary.csv").exists() or not spec.exists():

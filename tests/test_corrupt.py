@@ -14,7 +14,7 @@ import kl_bench
 from kl_bench.cli import app
 from kl_bench.foundation.errors import SpecError
 from kl_bench.results.baseline import load_baseline, normalize_baseline
-from kl_bench.present.report import load_results
+from kl_bench.present.report_data import load_results
 from kl_bench.results.verify import check_results_match_spec, verify_results_folder
 
 runner = CliRunner()

@@ -99,7 +99,8 @@ def test_the_readmes_example_is_what_an_80_column_terminal_shows_of_the_committe
     from rich.console import Console
 
     import kl_bench
-    from kl_bench.present.tables import print_tables, prose
+    from kl_bench.present.tables import print_tables
+    from kl_bench.present.terminal import prose
     table_block, advice_block = _reading_the_output()[0]
     res = kl_bench.load_results(ROOT / "results" / "vocab50k")
     first = res.summary["case"].iloc[0]

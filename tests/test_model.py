@@ -242,7 +242,7 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     against the Monte Carlo reference (KL ≈), its exact cells —; the description names the prompts once."""
     from rich.console import Console
 
-    from kl_bench.present import tables as display, report
+    from kl_bench.present import side_tables as display, report_document, report_md
     spec = _spec([model_case(tiny_models), model_case(tiny_models, "T3", length=3)], draws=128, batches=4)
     res = kl_bench.run(spec)
     df = res.summary
@@ -254,8 +254,8 @@ def test_tables_of_continuations_show_measured_values_against_the_reference(tiny
     t3 = df[(df["case"] == "T3") & (df["estimator"] == "k1") & (df["aggregate"] == "seq")].iloc[0]
     assert f"≈{display.fmt(t3['std'] / t3['ref_kl'])}" in text
     d = df.assign(key=df["case"], label=[kl_bench.core.draws.row_label(r) for _, r in df.iterrows()])
-    cases, rows = report.paper_table(d)
-    md = report.table_md(cases, rows, "caption")
+    cases, rows = report_document.paper_table(d)
+    md = report_md.table_md(cases, rows, "caption")
     assert "T3 (KL ≈ " in md and "m (KL = " in md
     cells = dict(rows)["seq k1"][[c[0] for c in cases].index("T3")]
     assert cells[0] != "—" and cells[1] == "—" and cells[2] != "—" and cells[3] == "—"
@@ -291,7 +291,7 @@ def test_a_monte_carlo_reference_prints_the_se_its_z_uses(tiny_models):
     """Model continuations (no exact value; the reference is the `full` mean of the same paths): the bias
     shown is mean − ref and its ± is the SE of that paired difference, recomputed here from batches.csv's
     batch means (the formula of docs/statistics.md#batch-means), so that z = bias / SE as printed."""
-    from kl_bench.present.tables import compact_frame
+    from kl_bench.present.case_tables import compact_frame
     from kl_bench.foundation.formatting import fmt, measured_cells
     from kl_bench.core.stats import batch_means_se
     spec = {"spec_version": 1, "experiment": {"name": "m", "draws": 1024, "seed": 3, "batches": 16, "device": "cpu",

@@ -13,7 +13,8 @@ from rich.console import Console
 
 import kl_bench
 import kl_bench.api as api
-from kl_bench.present.tables import compact_frame, heading, print_tables
+from kl_bench.present.case_tables import compact_frame, heading
+from kl_bench.present.tables import print_tables
 from kl_bench.foundation.formatting import ROUNDING, count, fmt, measured_cells, plural
 from kl_bench.core.stats import HeavyTail, kish_ess
 
@@ -183,7 +184,7 @@ def test_one_vocabulary_for_counts():
 
 
 def test_n_for_10pct_is_marked_where_no_exact_bias_is_known():
-    from kl_bench.present.tables import n_cell
+    from kl_bench.present.case_tables import n_cell
     base = {"true_kl": 0.1, "exact_mean": 0.1, "n_for_10pct": 1_234.0}
     assert n_cell(base) == "1,234"
     assert n_cell({**base, "n_for_10pct": math.inf}) == "never"

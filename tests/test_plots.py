@@ -234,8 +234,8 @@ def test_rcparams_are_restored_when_a_plot_function_fails(plots):
 
 
 def _results():
-    """One run's results (kl_bench.present.report.Results) made of the small frames: every figure has panels."""
-    from kl_bench.present.report import Results
+    """One run's results (kl_bench.present.report_data.Results) made of the small frames: every figure has panels."""
+    from kl_bench.present.report_data import Results
     s = summary_frame()
     cases = {"gauss": {"length": None, "label": ""}, "roll-T4": {"length": 4, "label": "roll"},
              "roll-T8": {"length": 8, "label": "roll"},
@@ -247,7 +247,7 @@ def _results():
 
 
 def _figure_panels():
-    from kl_bench.present.report import FIGURES, FigureContext
+    from kl_bench.present.report_figures import FIGURES, FigureContext
     res = _results()
     df = pd.concat([res.summary, sweep_summary()], ignore_index=True)
     top = FigureContext([res], df, set(sweep_summary()["case"]))
@@ -260,7 +260,7 @@ def test_every_registered_figure_takes_a_frame_and_axes_and_returns_its_figure(p
     axes, leaves rcParams and pyplot alone, and is exercised by the plot tests below."""
     from matplotlib.figure import Figure
     from matplotlib.pyplot import get_fignums
-    from kl_bench.present.report import FIGURES
+    from kl_bench.present.report_figures import FIGURES
     assert {k.plot for k in FIGURES.values()} <= {fn for fn, *_ in calls().values()}
     for name, panels in _figure_panels().items():
         assert panels, f"figure {name}: no panel from results that hold every table"
@@ -279,7 +279,7 @@ def test_every_registered_figure_takes_a_frame_and_axes_and_returns_its_figure(p
 def test_a_figure_registered_from_a_test_is_in_the_report(plots, unrendered_figures):
     """A new figure is one decorated function: build_figures draws it with the others (built, not
     rendered: the names and their order are the question)."""
-    from kl_bench.present import report as R
+    from kl_bench.present import report_figures as R
     res = _results()
 
     @R.figure("toy_std", "plot_planning", per_run=True)
@@ -331,8 +331,9 @@ def test_plot_draws_on_given_axes_and_returns_their_figure(plots, name):
 def test_the_look_survives_saving_outside_the_plot_function(plots, name):
     """The report saves after the function returned; it must render as if the theme were still active."""
     import matplotlib
+    from kl_bench.present.plot_helpers import THEME
     outside = _pixels(_call(plots, name))
-    with matplotlib.rc_context(plots.THEME):
+    with matplotlib.rc_context(THEME):
         inside = _pixels(_call(plots, name))
     assert outside.shape == inside.shape and np.array_equal(outside, inside)
 
@@ -342,7 +343,8 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
     import seaborn as sns
     from matplotlib.colors import same_color, to_rgba
     from kl_bench.present import figstyle
-    assert plots.PALETTE == sns.color_palette("colorblind")
+    from kl_bench.present.plot_helpers import PALETTE
+    assert PALETTE == sns.color_palette("colorblind")
     assert list(figstyle.COLORBLIND) == sns.color_palette("colorblind").as_hex()
     ax = _call(plots, "lambda_curve").axes[0]
     assert same_color(ax.lines[0].get_color(), figstyle.estimator_colour("cv"))     # the exact curve: cv(λ)'s
@@ -360,9 +362,9 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
 
 
 def test_report_png_closes_a_figure_that_pyplot_does_not_manage(plots):
-    """kl_bench.present.report.png_bytes calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
+    """kl_bench.present.report_figures.png_bytes calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
     from matplotlib.pyplot import get_fignums
-    from kl_bench.present.report import png_bytes
+    from kl_bench.present.report_figures import png_bytes
     open_before = get_fignums()
     data = png_bytes(_call(plots, "gradient_cosine"))
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

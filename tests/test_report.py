@@ -15,10 +15,12 @@ from typer.testing import CliRunner
 
 from pathlib import Path
 
-from kl_bench.present import plots, report
+from kl_bench.present import (pages, plots, plots_distribution, report, report_data, report_differences,
+                               report_document, report_figures, report_md, report_tex)
 from kl_bench.core.draws import row_label
 from kl_bench.cli import app
-from kl_bench.present.report import tex_number, load_results
+from kl_bench.present.report_data import load_results
+from kl_bench.present.report_tex import tex_number
 from kl_bench.foundation.errors import SpecError
 
 from .helpers import one_line
@@ -81,7 +83,7 @@ def small_run(tmp_path_factory):
     # PNG only, as conftest's png_figures_only asks of every test: that fixture is function-scoped, so it is
     # not yet in force while a module-scoped fixture runs (PDF and SVG tripled this fixture's time).
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report, "FIGURE_FORMATS", ("png",))
+        mp.setattr(report_figures, "FIGURE_FORMATS", ("png",))
         res = runner.invoke(app, ["run", str(spec), "--out", str(root / "small"), "--quiet", "--report"])
     assert res.exit_code == 0, res.output
     return root / "small"
@@ -108,18 +110,18 @@ def test_every_figure_is_rendered_as_a_sensible_png(small_run):
 def test_figures_are_also_written_as_deterministic_vectors(small_run):
     """For a paper: every figure as PDF and SVG beside the PNG (the default formats; the tests' conftest
     draws PNG only), the same bytes each time (no dates), linked from report.md."""
-    assert report.FIGURE_FORMATS == ("png",)          # conftest's png_figures_only
-    res = report.load_results(small_run)
+    assert report_figures.FIGURE_FORMATS == ("png",)          # conftest's png_figures_only
+    res = report_data.load_results(small_run)
     rows = res.summary[res.summary["case"] == "gauss"]
-    made = [report.figure_bytes(plots.plot_bias_std(rows, title="gauss"), ("png", "pdf", "svg")) for _ in range(2)]
+    made = [report_figures.figure_bytes(plots.plot_bias_std(rows, title="gauss"), ("png", "pdf", "svg")) for _ in range(2)]
     assert made[0] == made[1]
     assert made[0]["pdf"][:5] == b"%PDF-" and b"<svg" in made[0]["svg"][:2000] and made[0]["png"][:4] == b"\x89PNG"
-    md = report._report_md([res], "", [("bias_std_gauss.png", "c", made[0])])
+    md = report_md.report_md([res], "", [("bias_std_gauss.png", "c", made[0])])
     assert "(figures/bias_std_gauss.pdf)" in md and "(figures/bias_std_gauss.svg)" in md
-    assert "Vector" not in report._report_md([res], "", [("bias_std_gauss.png", "c", {"png": b""})])
+    assert "Vector" not in report_md.report_md([res], "", [("bias_std_gauss.png", "c", {"png": b""})])
     import inspect
-    assert inspect.signature(report.build_figures).parameters["formats"].default is None
-    assert report.figure_bytes.__defaults__ == (None,)
+    assert inspect.signature(report_figures.build_figures).parameters["formats"].default is None
+    assert report_figures.figure_bytes.__defaults__ == (None,)
 
 
 def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
@@ -149,7 +151,7 @@ def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
     for table in text.split(r"\begin{tabular}")[1:]:
         body = table.split(r"\bottomrule")[0].splitlines()[3:]
         assert all(line.count("&") == 4 for line in body if not line.startswith(("\\midrule", "\\multicolumn"))), body
-        assert sum(line.count("&") == 4 for line in body) <= report.TEX_ROWS_PER_TABLE
+        assert sum(line.count("&") == 4 for line in body) <= report_tex.TEX_ROWS_PER_TABLE
     for case in df["case"].unique():
         assert rf"\emph{{{case}}}" in text
     captions = re.findall(r"\\caption\{(.*)\}", text)
@@ -160,12 +162,12 @@ def test_table_tex_holds_the_summary_numbers_as_displayed(small_run):
 def test_heavy_tailed_rows_are_marked_in_every_measured_column():
     """A heavy-tailed row (results/rollout: moderate-T256's seq k3) carries † on its measured bias ± SE and
     std ± SE in the paper table and on its z in the terminal table: its SE is not valid."""
-    from kl_bench.present import tables as display
-    res = report.load_results(ROOT / "results" / "rollout")
+    from kl_bench.present import case_tables as display
+    res = report_data.load_results(ROOT / "results" / "rollout")
     df = res.summary.assign(key=res.summary["case"], label=[row_label(r) for _, r in res.summary.iterrows()])
     heavy = df[df["heavy_tail"] != ""]
     assert not heavy.empty
-    cases, rows = report.paper_table(df)
+    cases, rows = report_document.paper_table(df)
     keys = [c[0] for c in cases]
     for _, r in heavy.iterrows():
         if not (math.isnan(r["lambda"]) or r["estimator"] == "cv_opt"):
@@ -218,7 +220,8 @@ def test_several_folders_side_by_side(tmp_path, build_spec, write_spec):
 
 
 def test_runs_are_labelled_by_experiment_and_seed_and_differences_carry_z():
-    from kl_bench.present.report import Results, differences, run_labels
+    from kl_bench.present.report_data import Results, run_labels
+    from kl_bench.present.report_differences import differences
 
     def res(name, seed, folder):
         return Results(Path("/abs/path") / folder, name, pd.DataFrame(), {"seed": seed}, None, None, None)
@@ -281,7 +284,7 @@ def test_report_html_has_no_backticks_and_tables_scroll_in_their_own_box(small_r
 
 
 def test_html_text_helpers():
-    from kl_bench.present.report import html_inline, html_text
+    from kl_bench.present.pages import html_inline, html_text
     assert html_inline("results: `a<b`; spec `x.toml`") == "results: <code>a&lt;b</code>; spec <code>x.toml</code>"
     assert html_inline("odd ` tick") == "odd &#96; tick"
     assert html_text("case `x`") == "case &#96;x&#96;"
@@ -309,7 +312,8 @@ def test_no_growth_figure_for_one_length_and_token_mean_rows_are_drawn(tmp_path,
 # ----------------------------------------------------------------------------- reports that answer (issue 31 item 5)
 def test_the_advice_is_in_report_md_and_html(small_run):
     """What `kl-bench run` prints as advice (to log, in the loss) opens both pages, every line of it."""
-    from kl_bench.present.report import advice_lines, html_text
+    from kl_bench.present.pages import html_text
+    from kl_bench.present.report_document import advice_lines
     md = (small_run / "report" / "report.md").read_text()
     html = (small_run / "report" / "report.html").read_text()
     lines = advice_lines([load_results(small_run)])["small"]
@@ -322,7 +326,7 @@ def test_the_advice_is_in_report_md_and_html(small_run):
 def test_one_vocabulary_in_every_table_of_the_report(small_run):
     """bias/true in %, std/true (never stdev/true) a ratio, n ±10% an integer with separators or "never",
     never "inf" (docs/results.md, "Units and words")."""
-    from kl_bench.present.report import ROW_HEADER, batch_cell
+    from kl_bench.present.report_document import ROW_HEADER, batch_cell
     rep = small_run / "report"
     for name in ("report.md", "report.html", "table.md", "table.tex"):
         text = (rep / name).read_text()
@@ -355,7 +359,7 @@ def test_identical_runs_show_one_differences_table_everywhere(tmp_path, build_sp
     html = (tmp_path / "r" / "report.html").read_text().split("Differences between runs")[1]
     md_rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| ")]
     html_rows = [re.findall(r"<t[hd]>(.*?)</t[hd]>", tr) for tr in html.split("</table>")[0].split("<tr>")[1:]]
-    assert md_rows == html_rows and md_rows[0] == report.DIFF_HEADER and len(md_rows) == 3, (md_rows, html_rows)
+    assert md_rows == html_rows and md_rows[0] == report_differences.DIFF_HEADER and len(md_rows) == 3, (md_rows, html_rows)
     assert all(row[4].startswith("0 ± ") and row[4].endswith("%") for row in md_rows[1:])
 
 
@@ -523,7 +527,7 @@ def test_every_case_has_its_own_figure_files_and_markdown_tables_keep_their_colu
         files = re.findall(rf"\]\(figures/({kind}_[^)]*)\)", md)
         assert len(set(files)) == len(NAMES), files
     for name in NAMES:       # the figure under a case's heading is the one drawn for it
-        caption = f"{report.md_text(name)}: bias and std per estimator"
+        caption = f"{pages.md_text(name)}: bias and std per estimator"
         block = md.split(f"### {caption}", 1)[1].split("###", 1)[0]
         file = re.search(r"\(figures/(bias_std_[^)]*)\)", block).group(1)
         assert sum(f"(figures/{file})" in b for b in md.split("### ")) == 1, (name, file)
@@ -578,7 +582,7 @@ def test_a_case_with_an_infinite_kl_is_reported(tmp_path):
     fig = plots.plot_distribution(pd.DataFrame({"label": ["k1"] * 4, "value": [0.1, -0.2, np.inf, 0.3]}))
     assert "1 infinite or NaN draws off the axis" in fig.axes[0].get_xlabel()
     # A NaN draw leaves the others' quantiles (it had made every one NaN: the line vanished)
-    assert np.isfinite(plots._quantiles(np.array([1.0, 2.0, np.nan, 3.0, np.inf]), np.array([0.1, 0.5]))).all()
+    assert np.isfinite(plots_distribution._quantiles(np.array([1.0, 2.0, np.nan, 3.0, np.inf]), np.array([0.1, 0.5]))).all()
 
 
 def test_a_report_over_an_earlier_one_removes_its_figures_and_keeps_the_users(tmp_path, build_spec, write_spec,

@@ -21,7 +21,7 @@ from rich.console import Console
 
 import kl_bench
 import kl_bench.api as api
-from kl_bench.present.tables import prose
+from kl_bench.present.terminal import prose
 
 from .conftest import logged_logprobs, spec_toml
 

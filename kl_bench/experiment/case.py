@@ -24,6 +24,7 @@ from .lambdas import lambda_star_mc, sweep_frame
 from ..kinds.protocols import CasePair, require_gradients
 from ..core.planning import add_planning
 from ..results import BATCH_SCHEMA, SWEEP_PREFIX, frame_to_csv_bytes, to_frame
+from ..results.reservoir import reservoir_key
 from ..results.schema import GROUP_BASELINE_SCHEMA
 from .rows import summarize
 from ..sampling.seeding import batch_sizes
@@ -178,7 +179,7 @@ class SpecOutcome:
         for o in self.cases:
             for j, r in enumerate(o.run.rows):
                 if r.est.lam is None:      # the report plots these; float32 is plenty for an ECDF
-                    reservoir[f"{o.run.pair.name}|{r.label}"] = o.reservoir[:, j].float().numpy()
+                    reservoir[reservoir_key(o.run.pair.name, r.label)] = o.reservoir[:, j].float().numpy()
         buf = io.BytesIO()
         np.savez_compressed(buf, **reservoir)
         files = {"summary.csv": frame_to_csv_bytes(self.summary),

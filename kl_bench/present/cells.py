@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from ..core.stats import HeavyTail
-from ..foundation.formatting import below_floor, measured_cells
+from ..foundation.formatting import below_floor, fmt, measured_cells
 
 
 def dagger(r) -> str:
@@ -94,3 +94,8 @@ def diff_cell(rel_diff: float, rel_se: float) -> str:
     """diff/true ± SE in %, by the one digit rule (formatting.measured_cells): z = diff / SE reads off it."""
     value, se, _ = measured_cells(100 * rel_diff, 100 * rel_se, sign=True, unit="%")
     return pm(value, se) or "—"
+
+
+def ratio_cell(x: float) -> str:
+    """A plain ratio (std/true): rounding below 1e-12 (the std of a constant row) prints as 0."""
+    return fmt(x, scale=1.0)

@@ -1,0 +1,87 @@
+"""The tables of a run's other outputs: what each estimator's gradient optimises (:func:`gradient_table`),
+group baselines in the reward (:func:`baseline_table`), and the regression gate's comparisons
+(:func:`check_table`); each with its key columns (what names a row when the table is stacked)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from rich.markup import escape
+from rich.table import Table
+
+from ..foundation.formatting import count, fmt, measured_cells
+
+
+def gradient_table(g: pd.DataFrame) -> Table:
+    """What each estimator × mode optimises: exact cosines with ∇KL(q||p) and ∇KL(p||q), measured cosine,
+    the exact relative error against ∇KL(q||p), the per-draw variance (measured in brackets where no
+    exact value exists: rollouts) and the batch size for cos ≥ 0.9. Its first :data:`GRADIENT_KEYS` columns
+    name a row (a terminal narrower than the table gets it stacked: see :func:`show`)."""
+    t = Table(title="gradients: what each estimator optimises where it sits (exact; measured in brackets)",
+              title_justify="left", show_edge=False, pad_edge=False)
+    for col in ["case", "estimator", "mode", "E[∇] equals", "cos ∇KL(q||p)", "cos ∇KL(p||q)", "rel err (q||p)",
+                "tr Cov", "n for cos ≥ 0.9", "z"]:
+        t.add_column(col, justify="left" if col in ("case", "estimator", "mode", "E[∇] equals") else "right")
+    for _, r in g.iterrows():
+        lab = r["estimator"] if not (isinstance(r["lambda"], float) and math.isfinite(r["lambda"])) \
+            else f"{r['estimator']}({r['lambda']:.3g})"
+        agg = r.get("aggregate", "")
+        if isinstance(agg, str) and agg:
+            lab = f"{agg}-{lab}"
+        eq = r["equals"] if isinstance(r["equals"], str) else ""
+        style = {"reverse": "[green]reverse[/]", "forward": "[yellow]forward[/]", "zero": "[red]zero[/]",
+                 "ukl": "[cyan]ukl[/]"}.get(eq, eq)
+        zmax = max(abs(r["z_reverse"]), abs(r["z_forward"])) if math.isfinite(r["z_reverse"]) else math.nan
+        trace = fmt(r["exact_trace_cov"]) if math.isfinite(r["exact_trace_cov"]) else f"({fmt(r['trace_cov'])})"
+        t.add_row(escape(r["case"]), lab, r["mode"], style, f"{fmt(r['exact_cos_reverse'])} ({fmt(r['cos_reverse'])})",
+                  f"{fmt(r['exact_cos_forward'])} ({fmt(r['cos_forward'])})", fmt(r["exact_relerr_reverse"], scale=1.0),
+                  trace, count(r["n_for_cos90"]), fmt(zmax, 2))
+    return t
+
+
+GRADIENT_KEYS = 3       # case, estimator, mode
+BASELINE_KEYS = 4       # case, estimator, baseline, G
+
+BASELINE_KEYS = 4       # case, estimator, baseline, G
+
+
+def baseline_table(g: pd.DataFrame) -> Table:
+    """Group baselines in the reward (group_baselines.csv): the exact shrink of the expected gradient against
+    no baseline, the trace-of-covariance ratio (exact; measured in brackets on rollouts) and the larger |z|."""
+    t = Table(title="group baselines: |E∇| and tr Cov over no baseline's (measured in brackets)",
+              title_justify="left", show_edge=False, pad_edge=False)
+    for col in ["case", "estimator", "baseline", "G", "|E∇| ratio", "tr Cov ratio", "z"]:
+        t.add_column(col, justify="left" if col in ("case", "estimator", "baseline") else "right")
+    for _, r in g.iterrows():
+        agg = r.get("aggregate", "")
+        lab = f"{agg}-{r['estimator']}" if isinstance(agg, str) and agg else r["estimator"]
+        exact = math.isfinite(r["exact_trace_cov"])
+        ratio = fmt(r["variance_ratio"]) if exact else f"({fmt(r['variance_ratio'])})"
+        zs = [abs(r[c]) for c in ("z_reverse", "z_second") if math.isfinite(r[c])]
+        t.add_row(escape(r["case"]), lab, r["baseline"], str(int(r["group"])), fmt(r["exact_shrink"]), ratio,
+                  fmt(max(zs), 2) if zs else "")
+    return t
+
+
+def check_table(rep) -> Table:
+    """The regression gate's comparisons (a :class:`kl_bench.api.CheckReport`), one line each, under a line
+    naming their case (so that a row need not repeat it: the table fits 80 columns where "case: row" would
+    not), each row's comparisons together."""
+    t = Table(title=f"{len(rep.comparisons):,} comparisons, family-wise α = {rep.alpha:g} (Holm)",
+              title_justify="left", show_edge=False, pad_edge=False, box=None, padding=(0, 1))
+    for col in ["row", "statistic", "value", "reference", "z", "limit", "result"]:
+        t.add_column(col, justify="left" if col in ("row", "statistic", "result") else "right",
+                     no_wrap=col != "row", overflow="fold")
+    grouped: dict[str, dict[str, list]] = {}
+    for c in rep.comparisons:
+        case, _, label = c.row.rpartition(": ")
+        grouped.setdefault(case, {}).setdefault(label, []).append(c)
+    for case, labels in grouped.items():
+        t.add_row(f"[bold]{escape(case)}[/]" if case else "", *[""] * 6)
+        for label, comparisons in labels.items():
+            for c in comparisons:         # value and reference to the SE's precision (measured_cells)
+                value, _, reference = measured_cells(c.value, c.se, c.reference)
+                t.add_row(escape(label), c.statistic, value, reference,
+                          f"{c.z:+.2f}" if math.isfinite(c.z) else fmt(c.z, sign=True), f"{c.threshold:.2f}",
+                          "pass" if c.passed else "[bold red]FAIL[/]")
+    return t
