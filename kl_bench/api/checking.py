@@ -144,7 +144,7 @@ def _checked_summary(results, spec, spec_sha256: str | None) -> tuple["pd.DataFr
         where = results.path if results.path is not None else "the Result (not written)"
         held = SimpleNamespace(path=where, envelope=results.envelope, summary=results.summary)
     else:
-        from ..present.report import load_results
+        from ..present.report_data import load_results
         held = load_results(path_argument(results, "results", "a Result, a summary DataFrame or a results "
                                                           "folder's path"))
     if spec is not None:

@@ -76,7 +76,7 @@ class Result:
     def stored(cls, folder: str | Path) -> "Result":
         """A results folder read back (verified: kl_bench.results.verify) as a Result: its tables, run.json, the
         advice and the report. What only a live run has (``spec``, ``pairs``, ``outcome``) is None."""
-        from ..present.report import load_results as read
+        from ..present.report_data import load_results as read
         got = read(path_argument(folder, "folder"))
         self = cls.__new__(cls)
         self.spec = self.outcome = self.device = None
@@ -107,7 +107,7 @@ class Result:
         advice."""
         import html
 
-        from ..present.tables import compact_frame, heading
+        from ..present.case_tables import compact_frame, heading
         parts = [f"<h4>{html.escape(repr(self))}</h4>"]
         for case, text in self.descriptions().items():
             head = heading(self.summary, case, text).replace("\n", "<br>")

@@ -24,7 +24,7 @@ def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step
     with save_steps=True are audited again; without them, its audit.csv is read back and its verdicts
     printed)."""
     from ..audit.offline import audit_command
-    from ..present.tables import prose
+    from ..present.terminal import prose
     with user_errors():
         written = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: prose(out_console, s))
     if written is not None:

@@ -75,7 +75,7 @@ def user_errors() -> Iterator[None]:
 
 def warn_rows(df, console: Console) -> None:
     from ..analysis.advice import warnings
-    from ..present.tables import prose
+    from ..present.terminal import prose
     for line in warnings(df):
         prose(console, line)
 
@@ -85,7 +85,7 @@ def advise(advice) -> None:
     sentence that holds for several cases alike printed once. Wrapped at a terminal's width, one line each to
     a file or a pipe (kl_bench.present.tables.prose)."""
     from ..analysis.advice import advice_lines
-    from ..present.tables import prose
+    from ..present.terminal import prose
     out_console.print()
     for line in advice_lines(advice):
         prose(out_console, line)
@@ -249,7 +249,7 @@ def _is_baseline(path: Path) -> bool:
 def stale_report_note(folder: Path) -> None:
     """A run that replaced a folder's results keeps the files it did not write (a user's notes, a report);
     a report there now describes the results it replaced: one line on stderr says so (whatever --quiet)."""
-    from ..present.tables import prose
+    from ..present.terminal import prose
     report = Path(folder) / "report"
     if report.is_dir() and not report.is_symlink():
         prose(err_console, f"note: {report}/ describes the results this run replaced: `kl-bench report {folder}` "
@@ -260,7 +260,7 @@ def difference_lines(path: Path, most: int = 8) -> list[str]:
     """The runs' differences for the terminal: how many rows were compared, then the largest |z| first
     (at most ``most`` lines; all of them in differences.csv), in the report's words (diff/true ± SE in %)."""
     from ..foundation.formatting import plural
-    from ..present.report import difference_cells
+    from ..present.report_differences import difference_cells
     from ..results import read_frame
     d = read_frame(path)
     if d.empty:

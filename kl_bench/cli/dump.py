@@ -37,7 +37,7 @@ def dump_logits(policy: Path = typer.Option(..., "--policy", help="policy model 
                            dtype=dtype, batch_size=batch_size, eos=eos, device=device, progress=bar)
     finally:
         bar.close()
-    from ..present.tables import prose
+    from ..present.terminal import prose
     for what, path in written.items():
         prose(out_console, f"{what}: {path}")
     nt = written["next_token"]

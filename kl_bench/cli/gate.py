@@ -40,7 +40,7 @@ def summary_for(spec_path: Path, results: Optional[Path], draws, seed, device, q
             from ..results.verify import check_results_match_spec
             check_results_match_spec(res, sp)          # another experiment's folder: one line, exit 2
             if res.envelope.get("spec_sha256") != sp.sha256:
-                from ..present.tables import prose
+                from ..present.terminal import prose
                 prose(out_console, f"note: {results} was produced by a different version of {spec_path} "
                       f"(spec sha256 {str(res.envelope.get('spec_sha256'))[:12]}… vs {sp.sha256[:12]}…)")
             return sp, res.summary, res.envelope
@@ -74,7 +74,8 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     with user_errors():
         rep = api.check(df, base_path if use_base else None, alpha,
                         spec_sha256=sp.sha256 if run is None else run.get("spec_sha256"))
-    from ..present.tables import check_table, prose, show
+    from ..present.run_tables import check_table
+    from ..present.terminal import prose, show
     if not quiet:
         show(out_console, check_table(rep), keys=2, fold=True)
     for note in rep.notes:

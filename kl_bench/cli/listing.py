@@ -11,7 +11,7 @@ def list_() -> None:
 
     from rich.markup import escape
 
-    from ..present.tables import show
+    from ..present.terminal import show
     from ..core.estimators import ESTIMATORS, PAIR_ROWS
     from ..kinds import CASE_KINDS
     from ..training.sequences import SEQUENCE_REWARDS

@@ -65,7 +65,9 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
 
 def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
     """What a person reads after a run: the tables, the warnings, the advice, and the time it took."""
-    from ..present.tables import BASELINE_KEYS, GRADIENT_KEYS, baseline_table, gradient_table, print_tables, prose, show
+    from ..present.run_tables import BASELINE_KEYS, GRADIENT_KEYS, baseline_table, gradient_table
+    from ..present.tables import print_tables
+    from ..present.terminal import prose, show
     from ..foundation.formatting import plural
     df = result.summary
     lengths = {name: meta["length"] for name, meta in result.envelope["cases"].items() if meta.get("length")}

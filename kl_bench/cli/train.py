@@ -29,7 +29,7 @@ def train(spec: Path = typer.Argument(..., metavar="SPEC", help="spec with a [tr
                                  console=err_console)        # a progress line on a terminal's stderr only
         if result is None:                                   # another rank of the job: rank 0 writes
             return
-    from ..present.tables import prose
+    from ..present.terminal import prose
     if not quiet:
         for line in result.summary_lines():
             prose(out_console, line)

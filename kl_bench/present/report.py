@@ -23,8 +23,8 @@ from ..foundation.storage import same_path, write_folder
 from ..results import folders, frame_to_csv_bytes
 from . import report_figures, report_html, report_md, report_tex
 from .pages import figure_files
-from .report_data import load_report_results, load_results, report_frame  # noqa: F401  (load_results: the API's)
-from .report_differences import difference_cells, differences  # noqa: F401  (difference_cells: the CLI's)
+from .report_data import load_report_results, report_frame
+from .report_differences import differences
 from .report_document import ReportDocument, advice_lines, captions, paper_table
 
 # Every format's renderer, in order: render(doc: ReportDocument) -> {relative path: bytes}.

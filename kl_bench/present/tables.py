@@ -11,10 +11,7 @@ from __future__ import annotations
 import pandas as pd
 from rich.console import Console
 
-# compact_frame and the run_tables names are imported for kl_bench.api and kl_bench.cli, which import them from here.
-from .case_tables import (caption_lines, compact_frame, compact_table, detail_table, exact_case,  # noqa: F401
-                          exact_table, heading)
-from .run_tables import BASELINE_KEYS, GRADIENT_KEYS, baseline_table, check_table, gradient_table  # noqa: F401
+from .case_tables import caption_lines, compact_table, detail_table, exact_case, exact_table, heading
 from .side_tables import side_tables
 from .terminal import fits, prose, show
 
