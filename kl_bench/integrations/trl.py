@@ -39,7 +39,7 @@ import torch
 from ..audit.generation import Sampler
 from ..audit.session import AuditSession, Metric, Record
 from ..audit.step import step_line
-from ..audit.stream import Head
+from ..audit.tiling import Head
 from ..audit.verdict import Thresholds
 from ..foundation.errors import SpecError
 
@@ -443,7 +443,7 @@ class KLAudit(_Base):
                             "heads": heads, "record": record}
         self.step_inputs.append(self.last_inputs)
         if self.save_steps:
-            from ..audit.offline import save_record
+            from ..audit.saving import save_record
             # numbered as the step audit is: the global step once this optimizer step is done
             save_record(Path(self.out) / "steps", record, heads, step=self._step + 1, index=len(self.step_inputs) - 1,
                         metrics=self.facts.metrics, generation=self.sampler)
