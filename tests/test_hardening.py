@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kl_bench.foundation import storage
+from kl_bench.foundation import atomic
 from kl_bench.results import checkpoint
 from kl_bench.cli import app
 
@@ -79,7 +79,7 @@ def test_a_full_disk_or_read_only_mount_keeps_earlier_results(spec, tmp_path, mo
 
     def fail(fh, data):
         raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(storage, "_write_file", fail)
+    monkeypatch.setattr(atomic, "_write_file", fail)
     res = runner.invoke(app, ["run", str(spec), "--out", str(out), "-q", "--seed", "5"])
     _one_line_error(res, os.strerror(code), str(out))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

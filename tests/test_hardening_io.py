@@ -264,11 +264,11 @@ def test_a_report_that_fails_creates_no_folder(made, tmp_path, monkeypatch, dirs
 
 
 def test_a_run_that_fails_after_taking_the_lock_removes_the_folders_it_made(made, tmp_path, monkeypatch):
-    from kl_bench.foundation import storage
+    from kl_bench.foundation import atomic
 
     def fail(fh, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(storage, "_write_file", fail)
+    monkeypatch.setattr(atomic, "_write_file", fail)
     res = runner.invoke(app, ["run", str(made["spec"]), "--out", str(tmp_path / "a" / "b" / "r"), "-q"])
     assert res.exit_code == 2 and "No space left on device" in res.output, res.output
     assert list(tmp_path.iterdir()) == []

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import kl_bench.api as api
 from kl_bench import cli as cli_module
-from kl_bench.foundation import safe_io, signals, storage
+from kl_bench.foundation import atomic, safe_io, signals, storage
 from kl_bench.api import CheckReport
 from kl_bench.foundation.errors import SpecError
 from kl_bench.analysis.gate import exact_comparisons, holm
@@ -334,7 +334,7 @@ def test_atomic_writes_refuse_a_link_or_device_that_appears_at_the_target(tmp_pa
     link = tmp_path / "next_token.pt"
     link.symlink_to(victim)
     with pytest.raises(SpecError, match="symbolic link"):
-        storage.atomic_write_bytes(link, b"x")
+        atomic.atomic_write_bytes(link, b"x")
     from kl_bench.kinds.model.dump import _save        # dump-logits' writer: the folder swapped in whole
     with pytest.raises(SpecError, match="symbolic link"):
         _save(link, {"next_token.pt": b"x"})
@@ -537,13 +537,13 @@ def test_an_out_name_over_255_bytes_is_one_line(made, tmp_path, command):
 def test_report_and_run_report_on_a_full_disk_or_read_only_mount(made, folder, tmp_path, monkeypatch, code):
     assert runner.invoke(app_(), ["report", str(folder), "--out", str(tmp_path / "rep")]).exit_code == 0
     before = {p.relative_to(tmp_path / "rep"): p.read_bytes() for p in (tmp_path / "rep").rglob("*") if p.is_file()}
-    real = storage._write_file
+    real = atomic._write_file
 
     def fail_reports(fh, data):                 # only the report's files: the results still get written
         if ".rep.staging-" in str(fh.name) or ".report.staging-" in str(fh.name):
             raise OSError(code, os.strerror(code))
         real(fh, data)
-    monkeypatch.setattr(storage, "_write_file", fail_reports)
+    monkeypatch.setattr(atomic, "_write_file", fail_reports)
     _one_line(runner.invoke(app_(), ["report", str(folder), "--out", str(tmp_path / "rep")]), 2, os.strerror(code))
     after = {p.relative_to(tmp_path / "rep"): p.read_bytes() for p in (tmp_path / "rep").rglob("*") if p.is_file()}
     assert after == before and not list(tmp_path.glob(".rep.staging-*"))

@@ -126,7 +126,8 @@ class Result:
         folder is swapped in whole, and a concurrent run on the same folder is refused. ``directory`` is
         refused as ``kl-bench run --out`` refuses it: '', '.' or '..' (the folder swapped would be the working
         folder or its parent), a file, a link, another kind's results folder."""
-        from ..foundation.storage import FolderLock, clean_stale
+        from ..foundation.locks import FolderLock
+        from ..foundation.storage import clean_stale
         from ..results.folders import check_replaceable
         directory = results_folder(directory, "directory")
         check_replaceable(directory, "run", key="directory")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..foundation.errors import SpecError
 from ..foundation.formatting import plural
-from ..foundation.storage import check_output_dir
+from ..foundation.output_paths import check_output_dir
 from ..results.folders import check_replaceable
 from .offline import audit_folder
 from .rollout_engine import engine_line

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..foundation.storage import atomic_write_bytes
+from ..foundation.atomic import atomic_write_bytes
 from .generation import Sampler
 from .session import Record
 from .tiling import Head

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..foundation.errors import SpecError
 from ..foundation.safe_io import describe, parse_json, read_regular
-from ..foundation.storage import same_path
+from ..foundation.output_paths import same_path
 from .checkpoint import CHECKPOINT
 from .frames import read_frame
 from .schema import (AUDIT_COLUMNS, AUDIT_DEFAULTS, AUDIT_ENVELOPE, ENGINE_COLUMNS, FORMAT_VERSION, RUN_ENVELOPE,
@@ -342,7 +342,7 @@ def drop(path: str | Path, names: list[str]) -> Path:
     report reads, not per-draw reservoirs): the folder is verified first, each file's entry moves from run.json's
     ``files`` to ``dropped`` (name → sha256: a file put back is verified again), run.json is rewritten
     atomically, then the files are removed. Only a kind's :attr:`FolderFormat.droppable` files."""
-    from ..foundation.storage import atomic_write_bytes
+    from ..foundation.atomic import atomic_write_bytes
     stored = read(path)
     fmt = FORMATS[stored.kind]
     bad = [n for n in names if n not in fmt.droppable]
