@@ -29,7 +29,7 @@ from kl_bench.foundation.errors import SpecError
 from kl_bench.analysis.gate import exact_comparisons, holm
 from kl_bench.results import checkpoint
 from kl_bench.results.baseline import load_baseline
-from kl_bench.sampling.logits import read_tensor_file
+from kl_bench.sampling.logits_files import read_tensor_file
 
 runner = CliRunner()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..foundation.typed_toml import Table, check_case_name, check_device, check_seed
 from ..foundation.errors import SpecError
-from ..sampling.logits import is_array, unsupported_array
+from ..sampling.logits_files import is_array, unsupported_array
 from ..kinds import CASE_KINDS, CaseConfig
 from ..foundation.registry import did_you_mean
 from ..foundation.safe_io import decode_text, parse_toml, read_regular
