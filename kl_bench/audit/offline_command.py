@@ -38,22 +38,31 @@ def steps_folder(directory: Path) -> Path | None:
     return None
 
 
+def _check_pieces(tile: int | None, chunk: int | None) -> None:
+    for key, value in (("--tile", tile), ("--chunk", chunk)):
+        if value is not None and value < 1:
+            raise SpecError(f"must be ≥ 1, got {value}", key=key)
+
+
+def _check_replay_options(directory: Path, out: Path | None, tile: int | None, chunk: int | None) -> None:
+    """A folder read back (nothing audited or written) refuses the options that would be ignored."""
+    for key, value in (("--out", out), ("--tile", tile), ("--chunk", chunk)):
+        if value is not None:          # nothing is audited or written: the option would be ignored
+            raise SpecError(f"has no effect here: {directory} holds no saved steps, only the verdicts its "
+                            f"audit.csv records (read back, nothing written): drop {key}", key=key)
+
+
 def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk: int | None,
                   echo=print) -> Path | None:
     """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print a line each,
     its warnings and the pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json.
     A callback's results folder without saved steps is read back and its verdicts printed (nothing
     written; returns None)."""
-    for key, value in (("--tile", tile), ("--chunk", chunk)):
-        if value is not None and value < 1:
-            raise SpecError(f"must be ≥ 1, got {value}", key=key)
+    _check_pieces(tile, chunk)
     directory = Path(directory)
     found = steps_folder(directory)
     if found is None and any((directory / n).is_file() for n in ("audit.csv", "run.json")):
-        for key, value in (("--out", out), ("--tile", tile), ("--chunk", chunk)):
-            if value is not None:          # nothing is audited or written: the option would be ignored
-                raise SpecError(f"has no effect here: {directory} holds no saved steps, only the verdicts its "
-                                f"audit.csv records (read back, nothing written): drop {key}", key=key)
+        _check_replay_options(directory, out, tile, chunk)
         return replay_folder(directory, echo)       # a folder the callback wrote (another kind: said so)
     out = check_output_dir(Path(out) if out is not None else directory / "audit")
     check_replaceable(out, "audit")

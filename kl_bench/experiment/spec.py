@@ -261,15 +261,20 @@ def load_spec(path: str | Path) -> Spec:
     return parse_spec(text, path)
 
 
-def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = None,
-                   device: str | None = None) -> Spec:
-    """Apply command-line overrides (validated like the spec's own fields)."""
-    path = str(spec.path)
+def _check_override_types(path: str, draws, seed, device) -> None:
+    """--draws and --seed are integers, --device a string (a Python caller may pass anything)."""
     for key, value in (("--draws", draws), ("--seed", seed)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise SpecError(f"must be an integer, got {value!r}", file=path, key=key)
     if device is not None and not isinstance(device, str):
         raise SpecError(f"must be a string, got {device!r}", file=path, key="--device")
+
+
+def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = None,
+                   device: str | None = None) -> Spec:
+    """Apply command-line overrides (validated like the spec's own fields)."""
+    path = str(spec.path)
+    _check_override_types(path, draws, seed, device)
     changes = {}
     for name, value, check in (("draws", draws, check_draws), ("seed", seed, check_seed),
                                ("device", device, check_device)):
