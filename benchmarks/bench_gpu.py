@@ -41,7 +41,7 @@ import bench_audit as audit          # beside this script
 import bench_gradients as grads
 import bench_rollout as rollouts
 import bench_vocab50k as vocab
-from kl_bench.audit.stream import pieces
+from kl_bench.audit.tiling import pieces
 from launches import count_ops  # benchmarks/launches.py (this folder is on sys.path)
 from kl_bench.sampling import seeding
 
@@ -222,7 +222,7 @@ def gradient_lines(a, dev: torch.device) -> list[Line]:
 def audit_lines(a, dev: torch.device) -> list[Line]:
     n, v, d = a.positions, a.vocab, a.dim
     layer = audit.make_layer(n, v, d, device=str(dev))
-    m = audit.methods(a.tile or pieces(dev)[1])          # the device's own chunk and tile (stream.PIECES)
+    m = audit.methods(a.tile or pieces(dev)[1])          # the device's own chunk and tile (tiling.PIECES)
     timed = ("two tiled float32 forwards (floor)", "dense float32", "stream_kl", "stream_values trl.grpo, b = q (callback)")
     for name in timed:
         m[name](*layer)       # warm-up (a first call also compiles CUDA's jiterator kernels: seconds)
@@ -364,7 +364,7 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--dim", type=int, default=896)
-    ap.add_argument("--tile", type=int, default=None, help="the audit's tile (default: the device's, stream.PIECES)")
+    ap.add_argument("--tile", type=int, default=None, help="the audit's tile (default: the device's, tiling.PIECES)")
     ap.add_argument("--audit-pieces", type=lambda s: [tuple(int(x) for x in p.split("x")) for p in s.split(",")],
                     default=[(256, 4096), (4096, 16384), (4096, 32768)],
                     help="stream_values' chunk x tile settings timed beside the default (e.g. 1024x8192,4096x16384)")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kl_bench.foundation import storage
+from kl_bench.foundation import atomic, output_paths, storage
 
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
@@ -17,9 +17,9 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monke
 
     def broken_replace(src, dst):
         raise OSError("disk full")
-    monkeypatch.setattr(storage.os, "replace", broken_replace)
+    monkeypatch.setattr(atomic.os, "replace", broken_replace)
     with pytest.raises(OSError):
-        storage.atomic_write_bytes(target, b"new\n")
+        atomic.atomic_write_bytes(target, b"new\n")
     assert target.read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv"]
 
@@ -32,7 +32,7 @@ def test_a_signal_just_after_the_temporary_file_is_made_leaves_nothing(tmp_path,
     a result file and the folder probe of an output path."""
     target = tmp_path / "summary.csv"
     target.write_text("old\n")
-    real_open, real_write = os.open, storage._write_file
+    real_open, real_write = os.open, atomic._write_file
 
     def open_then_signal(path, flags, *a, **kw):
         fd = real_open(path, flags, *a, **kw)
@@ -45,15 +45,15 @@ def test_a_signal_just_after_the_temporary_file_is_made_leaves_nothing(tmp_path,
         real_write(fh, data[:1])
         raise KeyboardInterrupt
     if where == "open":
-        monkeypatch.setattr(storage.os, "open", open_then_signal)
+        monkeypatch.setattr(atomic.os, "open", open_then_signal)
     else:
-        monkeypatch.setattr(storage, "_write_file", write_then_signal)
+        monkeypatch.setattr(atomic, "_write_file", write_then_signal)
     with pytest.raises(KeyboardInterrupt):
-        storage.atomic_write_bytes(target, b"new\n")
+        atomic.atomic_write_bytes(target, b"new\n")
     assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv"]
     if where == "open":
         with pytest.raises(KeyboardInterrupt):
-            storage._check_parent_writable(tmp_path / "new" / "out")
+            output_paths._check_parent_writable(tmp_path / "new" / "out")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.csv"]
 
 

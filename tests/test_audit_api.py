@@ -81,7 +81,7 @@ def test_aggregations_through_estimate(agg):
 
 @pytest.mark.parametrize("version", ["1.13.2", "2.0.0"])
 def test_a_trl_outside_the_tested_range_is_one_warning_line(version):
-    from kl_bench.integrations.trl import check_trl_version
+    from kl_bench.integrations.trl_contract import check_trl_version
     said = []
     assert check_trl_version(version, warn=said.append) == version
     assert len(said) == 1 and "outside the tested range (trl >= 1.14, < 1.17" in said[0] and "\n" not in said[0]
@@ -90,7 +90,7 @@ def test_a_trl_outside_the_tested_range_is_one_warning_line(version):
 
 
 def test_an_unreadable_trl_version_is_one_line():
-    from kl_bench.integrations.trl import check_trl_version
+    from kl_bench.integrations.trl_contract import check_trl_version
     with pytest.raises(kl_bench.SpecError, match="cannot read the TRL version 'x'") as e:
         check_trl_version("x")
     assert "\n" not in str(e.value)

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 import kl_bench
 from kl_bench.audit import Sampler, audit_step, position_values, sampler_logprobs
-from kl_bench.audit.offline import audit_folder, save_step
+from kl_bench.audit.offline import audit_folder
+from kl_bench.audit.saving import save_step
 from kl_bench.cli import app
 
 pytest.importorskip("safetensors")
@@ -205,21 +206,21 @@ def test_saved_steps_read_the_same_with_or_without_proc(folders, monkeypatch):
     """A step file is mapped through /proc/self/fd (the regular file opened is the one read); where /proc is
     missing its bytes are read and parsed: the same tensors and metadata either way, and a bad file is the
     same one line."""
-    from kl_bench.audit import offline
+    from kl_bench.audit import saved
     dirs, _ = folders
     files = sorted(dirs["hidden"].glob("*.safetensors"))
-    mapped = [offline._load(f) for f in files]
+    mapped = [saved._load(f) for f in files]
 
     class NoProc(type(dirs["hidden"])):
         def exists(self, *a, **k):
             return not str(self).startswith("/proc/") and super().exists(*a, **k)
-    monkeypatch.setattr(offline, "Path", NoProc)
+    monkeypatch.setattr(saved, "Path", NoProc)
     for f, (tensors, meta) in zip(files, mapped):
-        t2, m2 = offline._load(f)
+        t2, m2 = saved._load(f)
         assert meta == m2 and tensors.keys() == t2.keys() and all(torch.equal(tensors[k], t2[k]) for k in tensors)
     (dirs["hidden"] / "step-0009.safetensors").write_bytes(b"\x08" + bytes(7) + b"not json")
     with pytest.raises(kl_bench.SpecError, match="step-0009.safetensors.*cannot read"):
-        offline._load(dirs["hidden"] / "step-0009.safetensors")
+        saved._load(dirs["hidden"] / "step-0009.safetensors")
 
 
 def test_the_audit_does_not_replace_another_kinds_folder(folders, tmp_path):

@@ -11,7 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from kl_bench.audit import Sampler
-from kl_bench.audit.offline import audit_folder, save_step
+from kl_bench.audit.offline import audit_folder
+from kl_bench.audit.saving import save_step
 from kl_bench.audit.session import AuditSession, Metric
 from kl_bench.cli import app
 from kl_bench.foundation.errors import SpecError
@@ -112,7 +113,7 @@ def test_bad_metadata_values_name_their_key(tmp_path, key, value, says):
 
 def test_a_deeply_nested_header_is_one_line_with_or_without_proc(tmp_path, monkeypatch):
     """The header read without /proc goes through the same safe parser (RecursionError had escaped)."""
-    from kl_bench.audit import offline
+    from kl_bench.audit import saved
     header = b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / NAME).write_bytes(len(header).to_bytes(8, "little") + header)
@@ -121,9 +122,9 @@ def test_a_deeply_nested_header_is_one_line_with_or_without_proc(tmp_path, monke
     class NoProc(type(tmp_path)):
         def exists(self, *a, **k):
             return not str(self).startswith("/proc/") and super().exists(*a, **k)
-    monkeypatch.setattr(offline, "Path", NoProc)
+    monkeypatch.setattr(saved, "Path", NoProc)
     with pytest.raises(SpecError, match=f"{NAME}.*cannot"):
-        offline._load(tmp_path / NAME)
+        saved._load(tmp_path / NAME)
 
 
 # --- 3. generation settings: each field's type ----------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kl_bench.audit import Head, Sampler, position_values, stream_kl, stream_values
-from kl_bench.audit import stream
+from kl_bench.audit import tiling
 from kl_bench.audit.polymoments import Basis, psi
 from .bench_tools import launches
 from kl_bench.foundation.errors import SpecError
@@ -206,15 +206,15 @@ def test_the_sampling_pass_family_streams_equal_dense(sp):
 
 
 def test_pieces_follow_the_device_unless_named():
-    """Chunk and tile default by device type (stream.PIECES: the CPU's small pieces, a GPU's larger ones,
+    """Chunk and tile default by device type (tiling.PIECES: the CPU's small pieces, a GPU's larger ones,
     issue 32); a caller's own win."""
-    assert stream.pieces(torch.device("cpu")) == stream.PIECES["cpu"] == (256, 4096)
-    assert stream.pieces(torch.device("cuda")) == stream.PIECES["cuda"] == (1024, 8192)
-    assert stream.pieces(torch.device("cuda:1"), chunk=64) == (64, 8192)
-    assert stream.pieces(torch.device("meta"), tile=100) == (256, 100)      # other devices: the CPU's
+    assert tiling.pieces(torch.device("cpu")) == tiling.PIECES["cpu"] == (256, 4096)
+    assert tiling.pieces(torch.device("cuda")) == tiling.PIECES["cuda"] == (1024, 8192)
+    assert tiling.pieces(torch.device("cuda:1"), chunk=64) == (64, 8192)
+    assert tiling.pieces(torch.device("meta"), tile=100) == (256, 100)      # other devices: the CPU's
     for bad in (0, -3, 2.5, True):
         with pytest.raises(SpecError, match="≥ 1"):
-            stream.pieces(torch.device("cpu"), chunk=bad)
+            tiling.pieces(torch.device("cpu"), chunk=bad)
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(4, 8, generator=g), torch.randn(50, 8, generator=g)
     with pytest.raises(SpecError, match="tile"):
@@ -234,12 +234,12 @@ def test_a_gpus_pieces_make_a_fraction_of_the_operations(monkeypatch):
     def run():
         return stream_values(hp, hr, Head(wp), Head(wr), ("k3",))
     cpu, cpu_ops = count_ops(run)
-    monkeypatch.setitem(stream.PIECES, "cpu", stream.PIECES["cuda"])
+    monkeypatch.setitem(tiling.PIECES, "cpu", tiling.PIECES["cuda"])
     gpu, gpu_ops = count_ops(run)
     assert sum(gpu_ops.values()) <= 0.4 * sum(cpu_ops.values())
     # Each is within the float32 bound of the exact KL (test_float32_tile_work_is_within_its_rounding_bound,
     # at the larger tile), so they are within twice it of each other
-    t = stream.PIECES["cuda"][1]
+    t = tiling.PIECES["cuda"][1]
     d = (hp.double() @ wp.double().T - hr.double() @ wr.double().T).abs().max().item()
     shift, eps = (math.log2(t) + 4) * 2.0**-24 * (2 + d), (math.log2(t) + 9) * 2.0**-24
     assert ((gpu.kl - cpu.kl).abs() <= 2 * (shift + eps * cpu.kl.abs())).all()

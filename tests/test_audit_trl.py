@@ -206,7 +206,7 @@ def test_peft_style_reference_and_beta_zero_each_warn_one_line(tiny_models, tmp_
 def test_the_head_reads_gemma_final_logit_softcapping():
     from types import SimpleNamespace
 
-    from kl_bench.integrations.trl import head_of
+    from kl_bench.integrations.trl_contract import head_of
     lm = torch.nn.Linear(4, 9, bias=False)
     model = SimpleNamespace(get_output_embeddings=lambda: lm, config=SimpleNamespace(final_logit_softcapping=30.0))
     assert head_of(model, 0.5).softcap == 30.0 and head_of(model, 0.5).scale == 2.0
@@ -304,7 +304,7 @@ def test_saved_steps_audit_again_to_the_same_numbers_and_warnings(tiny_models, t
 
 
 def test_a_trl_outside_the_tested_range_warns_once_and_runs(tiny_models, tmp_path, monkeypatch):
-    from kl_bench.integrations import trl as adapter
+    from kl_bench.integrations import trl_contract as adapter
     monkeypatch.setattr(adapter.metadata, "version", lambda name: "1.99.0")
     _, cb, lines = _run(tiny_models, tmp_path, steps=1)
     assert sum("outside the tested range" in x for x in lines) == 1 and len(cb.log.rows) == 1
@@ -319,7 +319,7 @@ def test_the_names_the_adapter_relies_on_are_in_the_installed_trl():
     import trl as installed
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    from kl_bench.integrations.trl import CONTRACT, FACTS
+    from kl_bench.integrations.trl_contract import CONTRACT, FACTS
     assert {c.split(".")[-1] for c in CONTRACT["trainer classes"]} == set(FACTS)
     for cfg in (GRPOConfig, RLOOConfig):
         fields = set(cfg.__dataclass_fields__)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kl_bench.cli import app
-from kl_bench.foundation import storage
+from kl_bench.foundation import atomic
 
 from .helpers import (TRAIN_SPEC, cli_run, leftovers, one_line,
                       one_line_proc, runner, tree)
@@ -26,7 +26,7 @@ def test_a_full_disk_or_read_only_mount_keeps_earlier_results(small_spec, tmp_pa
 
     def fail(fh, data):
         raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(storage, "_write_file", fail)
+    monkeypatch.setattr(atomic, "_write_file", fail)
     res = runner.invoke(app, ["run", str(small_spec), "--out", str(out), "-q", "--seed", "5"])
     one_line(res, 2, os.strerror(code), str(out))
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -41,13 +41,13 @@ def test_a_full_disk_or_read_only_mount_keeps_earlier_results(small_spec, tmp_pa
 def test_report_and_run_report_on_a_full_disk_or_read_only_mount(gauss_results, gauss_folder, tmp_path, monkeypatch, code):
     assert runner.invoke(app, ["report", str(gauss_folder), "--out", str(tmp_path / "rep")]).exit_code == 0
     before = {p.relative_to(tmp_path / "rep"): p.read_bytes() for p in (tmp_path / "rep").rglob("*") if p.is_file()}
-    real = storage._write_file
+    real = atomic._write_file
 
     def fail_reports(fh, data):                 # only the report's files: the results still get written
         if ".rep.staging-" in str(fh.name) or ".report.staging-" in str(fh.name):
             raise OSError(code, os.strerror(code))
         real(fh, data)
-    monkeypatch.setattr(storage, "_write_file", fail_reports)
+    monkeypatch.setattr(atomic, "_write_file", fail_reports)
     one_line(runner.invoke(app, ["report", str(gauss_folder), "--out", str(tmp_path / "rep")]), 2, os.strerror(code))
     after = {p.relative_to(tmp_path / "rep"): p.read_bytes() for p in (tmp_path / "rep").rglob("*") if p.is_file()}
     assert after == before and not list(tmp_path.glob(".rep.staging-*"))
@@ -144,11 +144,11 @@ def test_a_report_that_fails_creates_no_folder(gauss_results, tmp_path, monkeypa
 
 
 def test_a_run_that_fails_after_taking_the_lock_removes_the_folders_it_made(gauss_results, tmp_path, monkeypatch):
-    from kl_bench.foundation import storage
+    from kl_bench.foundation import atomic
 
     def fail(fh, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(storage, "_write_file", fail)
+    monkeypatch.setattr(atomic, "_write_file", fail)
     res = runner.invoke(app, ["run", str(gauss_results["spec"]), "--out", str(tmp_path / "a" / "b" / "r"), "-q"])
     assert res.exit_code == 2 and "No space left on device" in res.output, res.output
     assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from kl_bench.cli import app
 from kl_bench.foundation import safe_io
 from kl_bench.foundation.errors import SpecError
 from kl_bench.results import checkpoint
-from kl_bench.sampling.logits import read_tensor_file
+from kl_bench.sampling.logits_files import read_tensor_file
 
 from .helpers import (CAT_SPEC, cli_run, gauss_spec, gauss_text, one_line,
                       rehash, runner)

@@ -14,7 +14,7 @@ from kl_bench.core.estimators import make_cv
 from kl_bench.experiment.case import pilot_draws, run_experiment_case, small_batches
 from kl_bench.kinds import GaussianPair
 from kl_bench.core.planning import n_for_rel_error, prob_within
-from kl_bench.experiment.spec import Experiment
+from kl_bench.experiment.spec_experiment import Experiment
 
 from .conftest import CPU
 from .test_monte_carlo import _categorical

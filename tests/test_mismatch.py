@@ -14,7 +14,7 @@ from kl_bench.core.estimators import ESTIMATORS, Estimator, resolve_estimator, l
 from kl_bench.experiment.case import run_experiment_case
 from kl_bench.sampling.mismatch import SamplerSpec
 from kl_bench.kinds import CategoricalPair, GaussianPair, RolloutPair
-from kl_bench.experiment.spec import EstimatorOption, Experiment
+from kl_bench.experiment.spec_experiment import EstimatorOption, Experiment
 
 from .conftest import CPU, mc_frame
 

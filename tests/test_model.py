@@ -349,23 +349,23 @@ def test_dump_logits_writes_its_folder_whole_and_a_full_disk_leaves_nothing(tiny
     """dump-logits wrote next_token.pt, then continuations.pt: a disk that filled between left one of them."""
     from typer.testing import CliRunner
 
-    from kl_bench.foundation import storage
+    from kl_bench.foundation import atomic
     from kl_bench.cli import app
     args = ["dump-logits", "--policy", str(tiny_models / "policy"), "--reference", str(tiny_models / "reference"),
             "--prompts", str(tiny_models / "prompts.jsonl"), "--length", "2", "--device", "cpu", "-q"]
     out = tmp_path / "a" / "dump"
-    write, calls = storage._write_file, []
+    write, calls = atomic._write_file, []
 
     def second_fails(fh, data):
         calls.append(len(data))
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
         write(fh, data)
-    monkeypatch.setattr(storage, "_write_file", second_fails)
+    monkeypatch.setattr(atomic, "_write_file", second_fails)
     res = CliRunner().invoke(app, [*args, "--out", str(out)])
     assert res.exit_code == 2 and res.stderr.strip().count("\n") == 0, res.output
     assert "No space left on device" in res.stderr and list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(storage, "_write_file", write)
+    monkeypatch.setattr(atomic, "_write_file", write)
     assert CliRunner().invoke(app, [*args, "--out", str(out)]).exit_code == 0
     assert sorted(p.name for p in out.iterdir()) == ["continuations.pt", "next_token.pt"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["dump"]

@@ -14,7 +14,7 @@ import pytest
 
 import kl_bench.api as api
 from kl_bench.cli import app
-from kl_bench.foundation import storage
+from kl_bench.foundation import atomic
 from kl_bench.foundation.errors import SpecError
 
 from .helpers import (TRAIN_SPEC, cli_inprocess, gauss_spec, gauss_text, leftovers, one_line,
@@ -102,7 +102,7 @@ def test_atomic_writes_refuse_a_link_or_device_that_appears_at_the_target(tmp_pa
     link = tmp_path / "next_token.pt"
     link.symlink_to(victim)
     with pytest.raises(SpecError, match="symbolic link"):
-        storage.atomic_write_bytes(link, b"x")
+        atomic.atomic_write_bytes(link, b"x")
     from kl_bench.kinds.model.dump import _save        # dump-logits' writer: the folder swapped in whole
     with pytest.raises(SpecError, match="symbolic link"):
         _save(link, {"next_token.pt": b"x"})

@@ -267,7 +267,7 @@ def test_nemo_mode_is_refused_under_a_sampler_on_rollouts():
 def test_presets_on_rollout_token_rows_match_the_dynamic_program():
     from kl_bench.experiment.case import run_experiment_case
     from kl_bench.kinds import RolloutPair
-    from kl_bench.experiment.spec import Experiment
+    from kl_bench.experiment.spec_experiment import Experiment
     lq = torch.log_softmax(zipf_logits(300, 1.1, 1, 3), -1)
     lp = torch.log_softmax(zipf_logits(300, 1.1, 1, 3) / 0.5, -1)
     pair = RolloutPair("r", lq, lp, torch.arange(300) % 3, 6, 299)

@@ -18,7 +18,7 @@ from kl_bench.experiment.case import run_experiment_case
 from kl_bench.core.modes import GradItem
 from kl_bench.kinds.rollout import RolloutPair
 from kl_bench.core.rejection import CRITERIA, Criterion, Rejection, RunningStats
-from kl_bench.experiment.spec import Experiment
+from kl_bench.experiment.spec_experiment import Experiment
 
 from .conftest import CPU
 from .test_rollout_gradients import _token_gradient

@@ -17,7 +17,7 @@ from kl_bench.kinds import RolloutPair
 from kl_bench.kinds.rollout import brute_force_sequences
 from kl_bench.results import to_frame
 from kl_bench.experiment.rows import summarize
-from kl_bench.experiment.spec import Experiment
+from kl_bench.experiment.spec_experiment import Experiment
 
 from .conftest import CPU
 

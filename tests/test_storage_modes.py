@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kl_bench.cli import app
-from kl_bench.foundation import storage
+from kl_bench.foundation import atomic, attributes, storage
 from kl_bench.foundation.errors import SpecError
 
 runner = CliRunner()
@@ -70,7 +70,7 @@ def test_a_group_the_process_may_not_set_is_skipped_silently_and_the_mode_kept(o
 
     def refused(*a, **kw):
         raise PermissionError(1, "Operation not permitted")
-    monkeypatch.setattr(storage.os, "chown", refused)
+    monkeypatch.setattr(attributes.os, "chown", refused)
     storage.write_locked(old, FILES)
     assert _mode(old) == 0o750 and (old / "summary.csv").read_bytes() == b"new,1\n"
 
@@ -97,7 +97,7 @@ def test_a_single_file_replaced_keeps_its_permissions(tmp_path):
     target = tmp_path / "table.csv"
     target.write_text("old\n")
     target.chmod(0o640)
-    storage.atomic_write_bytes(target, b"new\n")
+    atomic.atomic_write_bytes(target, b"new\n")
     assert target.read_bytes() == b"new\n" and _mode(target) == 0o640
 
 

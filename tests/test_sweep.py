@@ -6,7 +6,8 @@ import pytest
 
 import kl_bench
 from kl_bench.foundation.errors import SpecError
-from kl_bench.experiment.spec import MAX_SWEEP_CASES, load_spec
+from kl_bench.experiment.spec import load_spec
+from kl_bench.experiment.sweeps import MAX_SWEEP_CASES
 
 BASE = """
 spec_version = 1

@@ -76,7 +76,7 @@ def _save_steps(folder: Path, b=3, t=5, v=97) -> bool:
         import safetensors  # noqa: F401
     except ImportError:
         return False
-    from kl_bench.audit.offline import save_step
+    from kl_bench.audit.saving import save_step
     g = torch.Generator().manual_seed(0)
     for i in range(2):
         zp = torch.randn(b, t, v, generator=g, dtype=torch.float64)

@@ -22,9 +22,9 @@ def path_argument(value, key: str, what: str = "a path (a str or pathlib.Path)")
 def results_folder(value, key: str) -> Path:
     """A folder the API is asked to write: a path (:func:`path_argument`) that the command line's ``--out``
     would accept (not '', '.' or '..', no file, no symbolic link, a writable place:
-    :func:`kl_bench.foundation.storage.check_output_dir`). Writing '.' swaps the working folder itself, and
+    :func:`kl_bench.foundation.output_paths.check_output_dir`). Writing '.' swaps the working folder itself, and
     '..' its parent, for the results: refused before anything is staged."""
-    from ..foundation.storage import check_output_dir
+    from ..foundation.output_paths import check_output_dir
     return check_output_dir(path_argument(value, key), key)
 
 

@@ -11,7 +11,7 @@ import torch
 from ..experiment.spec import Spec
 from ..foundation.errors import SpecError
 from ..kinds import Pair
-from ..results.schema import FORMAT_VERSION
+from ..results.run_envelope import run_envelope
 from .inputs import path_argument, results_folder
 from .provenance import device_name, git_commit, now, versions
 
@@ -40,25 +40,9 @@ class Result:
         self.lambda_sweep = read_frame(self._files["lambda_sweep.csv"]) if "lambda_sweep.csv" in self._files else None
         self.gradients = read_frame(self._files["gradients.csv"]) if "gradients.csv" in self._files else None
         self.path: Path | None = None
-        runs = [o.run for o in outcome.cases]
-        exp = spec.experiment
-        self.envelope: dict[str, Any] = {
-            "kl_bench_run": FORMAT_VERSION,        # the results format (kl_bench.results.schema)
-            "created": now(),
-            "spec_path": str(spec.path), "spec_sha256": spec.sha256, "spec_text": spec.text,
-            "experiment": exp.name, "seed": exp.seed,
-            "draws_per_case": {c.name: n for c, n in zip(spec.cases, spec.case_draws())}, "batches": exp.batches,
-            "device": str(device), "device_name": device_name(device), "versions": versions(),
-            "git_commit": git_commit(), "wall_seconds": round(outcome.wall, 3), "resumed": resumed,
-            # Processes that drew the batches, and per case and pass the [lo, hi) batch ranges of each rank
-            # (batches restored from a checkpoint are in no range).
-            "world_size": outcome.world_size, "rank_batches": outcome.drawn,
-            # The rate of this process: draws restored from a checkpoint (--resume) took no sampling time.
-            "sampling_seconds": round(sum(r.seconds for r in runs), 3),
-            "draws_per_second": round(sum(r.draws - r.restored for r in runs) / max(sum(r.seconds for r in runs), 1e-9)),
-            "restored_draws": sum(r.restored for r in runs),
-            "cases": {p.name: {**p.metadata(), "seconds": round(r.seconds, 3)} for p, r in zip(pairs, runs)},
-        }
+        self.envelope: dict[str, Any] = run_envelope(
+            spec, pairs, outcome, created=now(), device=str(device), device_name=device_name(device),
+            versions=versions(), git_commit=git_commit(), resumed=resumed)
 
     @property
     def group_baselines(self) -> "pd.DataFrame | None":
@@ -126,7 +110,8 @@ class Result:
         folder is swapped in whole, and a concurrent run on the same folder is refused. ``directory`` is
         refused as ``kl-bench run --out`` refuses it: '', '.' or '..' (the folder swapped would be the working
         folder or its parent), a file, a link, another kind's results folder."""
-        from ..foundation.storage import FolderLock, clean_stale
+        from ..foundation.locks import FolderLock
+        from ..foundation.storage import clean_stale
         from ..results.folders import check_replaceable
         directory = results_folder(directory, "directory")
         check_replaceable(directory, "run", key="directory")

@@ -26,7 +26,10 @@ from ..results.folders import check_replaceable
 from ..results.verify import DATA_FILES
 from ..foundation.safe_io import check_folder_entries, check_write_target
 from ..experiment.spec import load_spec
-from ..foundation.storage import FolderLock, check_output_dir, clean_stale, committed, fs_error, output_dir
+from ..foundation.atomic import fs_error
+from ..foundation.locks import FolderLock
+from ..foundation.output_paths import check_output_dir, output_dir
+from ..foundation.storage import clean_stale, committed
 
 DEFAULT_RUNS = Path("runs")        # where a run goes without an output folder (git-ignored)
 

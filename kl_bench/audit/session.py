@@ -24,7 +24,8 @@ from .rollout_engine import ENGINE_SUMS, EngineAudit, engine_sums
 from .exact import PositionValues
 from .generation import Sampler
 from .step import AuditLog, StepAudit, step_sums
-from .stream import Head, stream_values
+from .stream import stream_values
+from .tiling import Head
 from .verdict import Thresholds, Warning, engine_warnings, step_warnings
 
 

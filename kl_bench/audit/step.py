@@ -36,7 +36,7 @@ import torch
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from ..core.stats import z_score
-from ..foundation.storage import check_output_dir
+from ..foundation.output_paths import check_output_dir
 from ..results import folders
 from ..results.schema import AUDIT_COLUMNS, ENGINE_COLUMNS
 from .aggregate import aggregation_units

@@ -23,7 +23,7 @@ def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step
     DIR: a folder of step-*.safetensors files, or the results folder KLAudit(out=DIR) writes (its steps/
     with save_steps=True are audited again; without them, its audit.csv is read back and its verdicts
     printed)."""
-    from ..audit.offline import audit_command
+    from ..audit.offline_command import audit_command
     from ..present.terminal import prose
     with user_errors():
         written = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: prose(out_console, s))

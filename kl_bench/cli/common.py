@@ -186,7 +186,8 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
     signals.import_plotting()       # a Ctrl-C inside matplotlib's compiled start-up: one line, not an abort
     from ..present.report import summary_line, write_report as write
     from ..api.run_folder import interrupt_line
-    from ..foundation.storage import check_output_dir, fs_error
+    from ..foundation.atomic import fs_error
+    from ..foundation.output_paths import check_output_dir
     from ..results.folders import require_folder
     with user_errors():
         for d in dirs:              # what was asked for is said first, before the (default) --out is judged
@@ -213,12 +214,12 @@ def write_report(dirs: list[Path], out: Path, quiet: bool = False, **options) ->
 
 
 def check_output(path: Path, key: str, spec=None, inputs=(), baseline_ok: bool = False) -> None:
-    """Refuse, before any work, an output file (kl_bench.foundation.storage.check_output_file) that would
+    """Refuse, before any work, an output file (kl_bench.foundation.output_paths.check_output_file) that would
     replace what a command reads or what kl-bench keeps: the spec ``spec`` (a loaded Spec) and every file its
     text names, ``inputs`` ((path, what) pairs), a file of any results folder (its data files and run.json:
     their recorded sha256 would then fail every read), and a kl-bench baseline (unless ``baseline_ok``:
     `kl-bench baseline`)."""
-    from ..foundation.storage import check_output_file
+    from ..foundation.output_paths import check_output_file
     from ..results.folders import FOLDER_FILES
     path = Path(path)
     in_results = False
@@ -278,7 +279,8 @@ def write_outputs(targets: dict) -> None:
     """Extra output files (path → a function making their bytes), written atomically; None paths skipped.
     An interrupt's line names those already written (each is whole)."""
     from ..foundation import signals
-    from ..foundation.storage import atomic_write_bytes, fs_error, mark_written
+    from ..foundation.atomic import atomic_write_bytes, fs_error
+    from ..foundation.storage import mark_written
     signals.phase("write")
     for path, make in targets.items():
         if path is None:

@@ -94,7 +94,7 @@ def _gate_inputs(spec: Path, baseline: Optional[Path], results: Optional[Path], 
     refusing, before any sampling: reports that would replace a file the check reads (the default baseline
     included) or each other, and a broken baseline or another experiment's."""
     from .. import api
-    from ..foundation.storage import same_path
+    from ..foundation.output_paths import same_path
     sp0 = api.load(spec)
     base_path = baseline or BASELINES / f"{sp0.experiment.name}.json"
     use_base = baseline is not None or base_path.exists()

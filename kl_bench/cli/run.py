@@ -40,7 +40,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
             raise SpecError(f"must be > 0 (inf, or --no-checkpoint: never), got {checkpoint_every}",
                             key="--checkpoint-every")
         if report_ and out is not None:       # a report folder that cannot be written: said before sampling
-            from ..foundation.storage import check_output_dir
+            from ..foundation.output_paths import check_output_dir
             check_output_dir(Path(out) / "report", key="--report")
         try:
             result = run_to_folder(spec, out, draws=draws, seed=seed, device=device, resume=resume,

@@ -28,7 +28,7 @@ from ..results.reservoir import reservoir_key
 from ..results.schema import GROUP_BASELINE_SCHEMA
 from .rows import summarize
 from ..sampling.seeding import batch_sizes
-from .spec import Experiment
+from .spec_experiment import Experiment
 
 SMALL_BATCH = 64            # p_neg_b64: batch size ...
 SMALL_BATCHES = (256, 4096)  # ... and number of simulated batches: draws/256 within these bounds,

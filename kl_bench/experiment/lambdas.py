@@ -55,7 +55,7 @@ def lambda_grid(center: float, extra: list[float], points: int = 401) -> np.ndar
     """A fine grid containing 0 (k1), 1 (k3), λ* and the spec's λs.
 
     The fine part spans [min(0, λ*) − ½, max(1.5, λ* + ½)], widened to take in the spec's λs that lie
-    within twice its width; a λ farther out (|λ| up to spec.MAX_LAMBDA) is one more point, so that it
+    within twice its width; a λ farther out (|λ| up to spec_experiment.MAX_LAMBDA) is one more point, so that it
     does not stretch the fine part into a few coarse steps."""
     lo, hi = min(0.0, center) - 0.5, max(1.5, center + 0.5)
     width = hi - lo

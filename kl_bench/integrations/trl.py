@@ -24,170 +24,30 @@ audited batch as a saved step that ``kl-bench audit`` re-audits).
 Supported: TRL 1.14 to 1.16 (GRPOTrainer, with and without ``use_bias_correction_kl``; RLOOTrainer). The
 live tests ran on 1.14.0 and 1.16.0 (CPU); 1.15's fused head needs Triton with a GPU driver, so on a CPU
 TRL 1.15 itself cannot train, and it shares 1.16's call convention (the contract's names). The names the
-adapter relies on are :data:`CONTRACT` (tests/test_audit_trl.py checks them against the installed TRL).
+adapter relies on are :data:`kl_bench.integrations.trl_contract.CONTRACT` (tests/test_audit_trl.py checks them
+against the installed TRL). This module is the callback itself (its hooks, the audit of captured rows, its
+lines and metrics); what it knows of TRL is in :mod:`.trl_contract`, what its hooks capture in :mod:`.trl_capture`.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
 from ..audit.generation import Sampler
-from ..audit.session import AuditSession, Metric, Record
+from ..audit.session import AuditSession, Record
 from ..audit.step import step_line
-from ..audit.stream import Head
 from ..audit.verdict import Thresholds
 from ..foundation.errors import SpecError
-
-TESTED = ((1, 14), (1, 17))           # [lo, hi) on (major, minor)
-TESTED_TEXT = "trl >= 1.14, < 1.17 (run live: 1.14.0, 1.16.0)"
-
-# What the adapter relies on in TRL (and transformers), by name: tests/test_audit_trl.py checks each
-# against the installed version, so that a TRL release that renames one fails a test, not a training run.
-CONTRACT = {
-    "trainer classes": ("trl.GRPOTrainer", "trl.RLOOTrainer"),
-    "trainer attributes": ("beta", "ref_model", "temperature", "num_iterations", "generation_kwargs", "top_k",
-                           "top_p", "min_p", "repetition_penalty", "accelerator", "args", "model"),
-    "args": ("use_vllm", "gradient_accumulation_steps", "bf16", "fp16"),
-    "model calls": ("fused_lm_head=True with labels, output .log_probs (1.15+)",
-                    "logits_to_keep, output .logits, trl.trainer.utils.selective_log_softmax (1.14)"),
-    "model structure": ("model.base_model (its output .last_hidden_state)", "model.get_output_embeddings()",
-                        "config final_logit_softcapping / logit_scale"),
-    "logged metric": ("'kl' in the logs of GRPOTrainer and RLOOTrainer",),
-}
+from .trl_capture import Capture, Generation
+from .trl_contract import MODELLED, body_of, check_trl_version, head_of, trainer_facts
 
 try:                                   # the callback base class, when TRL (transformers) is installed
     from transformers import TrainerCallback as _Base
 except ImportError:                    # pragma: no cover - the trl extra installs it
     _Base = object
-
-
-def check_trl_version(version: str | None = None, warn=print) -> str:
-    """The installed TRL version: a one-line SpecError without TRL or with an unreadable version; outside
-    the tested range, one warning line (the contract decides at attach time whether it can run)."""
-    try:
-        version = version or metadata.version("trl")
-    except metadata.PackageNotFoundError:
-        raise SpecError(f"KLAudit needs TRL: pip install 'kl-bench[trl]' ({TESTED_TEXT})") from None
-    try:
-        major, minor = (int(x) for x in version.split(".")[:2])
-    except ValueError:
-        raise SpecError(f"cannot read the TRL version '{version}'; tested: {TESTED_TEXT}") from None
-    if not TESTED[0] <= (major, minor) < TESTED[1]:
-        warn(f"kl_audit: warning: TRL {version} is outside the tested range ({TESTED_TEXT}); the audit runs if "
-             "every name it relies on is there (KLAudit.CONTRACT), and says so in one line if not")
-    return version
-
-
-@dataclass(frozen=True)
-class TrainerFacts:
-    """Where a trainer forms its KL: the ``metrics`` it logs (source, estimator, aggregation) and the
-    ``phase`` of the policy pass whose log-probs enter them ("loss": the pass with gradients;
-    "generation": the scoring pass right after sampling)."""
-    metrics: tuple[Metric, ...]
-    phase: str
-
-
-# GRPO: per_token_kl = exp(ref − logp) − (ref − logp) − 1 = k3 (log r = ref − logp) in the loss (× coef_1 = 1
-# on-policy), logged as `kl`: its masked token mean. RLOO: old − ref (k1) from the pass after generation,
-# logged as `kl`: its token mean (kl_stats[0] / kl_stats[1]), and summed per sequence into the reward.
-FACTS = {"GRPOTrainer": TrainerFacts((Metric("loss", "trl.grpo", "token-mean"),), "loss"),
-         "RLOOTrainer": TrainerFacts((Metric("kl", "k1", "token-mean"), Metric("reward", "k1", "seq-mean-token-sum")),
-                                     "generation")}
-
-MODELLED = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature", "top_p",
-            "top_k", "min_p", "repetition_penalty", "cache_implementation", "min_new_tokens", "disable_compile"}
-
-
-def trainer_facts(trainer) -> TrainerFacts:
-    for cls in type(trainer).__mro__:
-        if cls.__name__ in FACTS:
-            return FACTS[cls.__name__]
-    raise SpecError(f"KLAudit supports {', '.join(FACTS)} (and their subclasses), not {type(trainer).__name__}")
-
-
-def _body(model):
-    """The model body whose output is the last hidden state (after the final norm, for GPT-2, Llama, Qwen)."""
-    body = getattr(model, "base_model", None)
-    if body is None or body is model:
-        raise SpecError(f"{type(model).__name__} has no separate body (base_model) to hook")
-    return body
-
-
-def head_of(model, temperature: float) -> Head | str:
-    """The output layer as TRL applies it (logit scale, soft-cap, then 1/T), or a one-line reason it
-    cannot be read here (sharded or offloaded: a meta placeholder or an empty ZeRO-3 partition)."""
-    out = model.get_output_embeddings()
-    weight, bias = out.weight.detach(), None if getattr(out, "bias", None) is None else out.bias.detach()
-    if hasattr(weight, "full_tensor"):                  # FSDP2 DTensor: gather it, as TRL's own kernel does
-        weight = weight.full_tensor()
-        bias = None if bias is None else bias.full_tensor()
-    if weight.device.type == "meta" or weight.numel() == 0 or weight.ndim != 2:
-        return (f"the output layer is not materialised here ({'meta' if weight.device.type == 'meta' else 'an empty'} "
-                "placeholder: offloaded or sharded, e.g. DeepSpeed ZeRO-3 outside a gather)")
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cap = getattr(cfg, "final_logit_softcapping", None)
-    scale = getattr(cfg, "logit_scale", None)
-    return Head(weight, bias, scale=1.0 / temperature, softcap=float(cap) if cap else None,
-                multiplier=1.0 if scale is None else float(scale))
-
-
-class _Capture:
-    """What one model call made: its role, keyword inputs, body hidden states and output."""
-
-    def __init__(self, role: str, kwargs: dict):
-        self.role, self.kwargs, self.hidden = role, kwargs, None
-
-    @property
-    def scoring(self) -> bool:
-        """A scoring pass (TRL's log-probs), not a generate() step."""
-        kw = self.kwargs
-        return bool(kw.get("fused_lm_head")) or "labels" in kw or kw.get("use_cache") is False
-
-
-class _Generation:
-    """The decoding steps of generate() on the policy: each step's last hidden state, predicting the next
-    token, and the ids fed in (the prompt, then the tokens drawn). Rows are matched to scored rows by
-    their tokens."""
-
-    def __init__(self):
-        self.ids, self.mask, self.hidden = None, None, []
-
-    def step(self, kwargs: dict, hidden: torch.Tensor, limit: int) -> None:
-        ids = kwargs.get("input_ids")
-        if ids is None or hidden is None:
-            return
-        if ids.shape[1] > 1 or self.ids is None:                     # a prefill starts a new generation
-            self.ids, self.hidden = ids[:limit].detach(), []
-            mask = kwargs.get("attention_mask")
-            self.mask = torch.ones_like(self.ids) if mask is None else mask[:limit, -ids.shape[1]:].detach()
-        else:
-            self.ids = torch.cat([self.ids, ids[:limit].detach()], dim=1)
-            self.mask = torch.cat([self.mask, torch.ones_like(ids[:limit])], dim=1)
-        self.hidden.append(hidden[:limit, -1].detach())
-
-    def match(self, input_ids: torch.Tensor, attention: torch.Tensor, k: int) -> torch.Tensor | None:
-        """The drawing pass's hidden states [B, k, d] of scored rows (ids [B, L], last k completion), or
-        None when some row was not drawn in the captured generation."""
-        if self.ids is None or len(self.hidden) < k:
-            return None
-        hidden = torch.stack(self.hidden[:k], dim=1)                  # [G, k, d]
-        keys = {}
-        prompt = self.ids.shape[1] - (len(self.hidden) - 1)
-        for row in range(self.ids.shape[0]):
-            toks = self.ids[row, :prompt][self.mask[row, :prompt].bool()].tolist() + self.ids[row, prompt:prompt + k - 1].tolist()
-            keys.setdefault(tuple(toks), row)
-        rows = []
-        for b in range(input_ids.shape[0]):
-            p = input_ids[b, :-k][attention[b, :-k].bool()].tolist() + input_ids[b, -k:-1].tolist()
-            if tuple(p) not in keys:
-                return None
-            rows.append(keys[tuple(p)])
-        return hidden[torch.tensor(rows, device=hidden.device)]
 
 
 class KLAudit(_Base):
@@ -289,8 +149,8 @@ class KLAudit(_Base):
     def _reset(self) -> None:
         self._records: dict[str, list[dict]] = {"policy": [], "ref": []}
         self._passes = self._rows_used = 0
-        self._generation = _Generation()
-        self._calls: dict[int, _Capture] = {}
+        self._generation = Generation()
+        self._calls: dict[int, Capture] = {}
 
     # ------------------------------------------------------------------ hooks (installed at train begin)
     def _install(self) -> None:
@@ -301,7 +161,7 @@ class KLAudit(_Base):
         for role, model in self._models.items():
             self._handles += [model.register_forward_pre_hook(self._pre(role), with_kwargs=True),
                               model.register_forward_hook(self._post(role), with_kwargs=True),
-                              _body(model).register_forward_hook(self._body_hook(role))]
+                              body_of(model).register_forward_hook(self._body_hook(role))]
         callbacks = getattr(getattr(tr, "callback_handler", None), "callbacks", None)
         if isinstance(callbacks, list) and self in callbacks:
             # first in line, so that the reporters after it see the kl_audit/* it adds in on_log
@@ -317,7 +177,7 @@ class KLAudit(_Base):
     def _pre(self, role: str):
         def hook(module, args, kwargs):
             if self._active:
-                self._calls[id(module)] = _Capture(role, kwargs)
+                self._calls[id(module)] = Capture(role, kwargs)
         return hook
 
     def _body_hook(self, role: str):
@@ -340,7 +200,7 @@ class KLAudit(_Base):
         return hook
 
     # ------------------------------------------------------------------ what a scoring pass gives
-    def _trainer_logps(self, call: _Capture, output) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    def _trainer_logps(self, call: Capture, output) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """TRL's per-token log-probs [B, k] of the completion, its mask [B, k] and k, from a scoring call."""
         kw = call.kwargs
         ids = kw.get("input_ids")
@@ -361,7 +221,7 @@ class KLAudit(_Base):
             return selective_log_softmax(logits, ids[:, -k:], temperature=self.temperature, row_mask=mask), mask.bool(), k
         return None
 
-    def _scored(self, call: _Capture, output) -> None:
+    def _scored(self, call: Capture, output) -> None:
         role = call.role
         phase = "loss" if torch.is_grad_enabled() else "generation"
         if role == "policy" and (phase != self.facts.phase or self._rows_left() <= 0 or not self._active_step):
@@ -443,7 +303,7 @@ class KLAudit(_Base):
                             "heads": heads, "record": record}
         self.step_inputs.append(self.last_inputs)
         if self.save_steps:
-            from ..audit.offline import save_record
+            from ..audit.saving import save_record
             # numbered as the step audit is: the global step once this optimizer step is done
             save_record(Path(self.out) / "steps", record, heads, step=self._step + 1, index=len(self.step_inputs) - 1,
                         metrics=self.facts.metrics, generation=self.sampler)

@@ -28,7 +28,8 @@ from ..foundation.typed_toml import Table
 from ..core.draws import Draws, Row
 from ..foundation.errors import SpecError
 from ..core.estimators import RowSource
-from ..sampling.logits import is_array, log_ratio_problem, read_tensor_file, unsupported_array
+from ..sampling.logits import log_ratio_problem
+from ..sampling.logits_files import is_array, read_tensor_file, unsupported_array
 from ..core.targets import FORWARD, REVERSE
 from .protocols import CaseConfig, JointMoments, register_kind
 from .defaults import Pair

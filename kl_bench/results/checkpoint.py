@@ -13,7 +13,7 @@ import numpy as np
 
 from ..foundation.errors import SpecError
 from ..foundation.safe_io import cap_for, load_npz, read_regular
-from ..foundation.storage import atomic_write_bytes
+from ..foundation.atomic import atomic_write_bytes
 
 # A .npz archive (numpy arrays only: no pickles, no torch): "identity" (run.json-style JSON, as uint8) and
 # "sums/<case>" (the case's [batches, features] float64 sums). Checkpoints before the package tree were

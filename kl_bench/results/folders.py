@@ -9,15 +9,13 @@ serialises the envelope strictly (a value JSON cannot hold is an error naming it
 of it) and swaps the folder in whole (kl_bench.foundation.storage). Reading (:func:`read`) checks, before any
 number is parsed, that run.json is an object of a kind and a version this kl-bench reads, that every data
 file present is recorded and every recorded one present, and that each has the recorded sha256: a folder
-changed after it was written is one line naming the file. :func:`kind_of` tells a folder's kind from its
+changed after it was written is one line naming the file (its CSV tables are then checked by
+:mod:`kl_bench.results.csv_checks`). :func:`kind_of` tells a folder's kind from its
 envelope (what ``kl-bench report`` dispatches on). No torch, no engine.
 """
 from __future__ import annotations
 
-import codecs
-import csv
 import hashlib
-import io
 import json
 import math
 import os
@@ -26,13 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..foundation.errors import SpecError
 from ..foundation.safe_io import describe, parse_json, read_regular
-from ..foundation.storage import same_path
+from ..foundation.output_paths import same_path
 from .checkpoint import CHECKPOINT
-from .frames import read_frame
+from .csv_checks import BOM, check_numeric_columns, check_whole_columns, parse_csv
 from .schema import (AUDIT_COLUMNS, AUDIT_DEFAULTS, AUDIT_ENVELOPE, ENGINE_COLUMNS, FORMAT_VERSION, RUN_ENVELOPE,
                      TRAIN_ENVELOPE, TRAIN_SCHEMA)
 
@@ -315,9 +311,6 @@ def check_recorded(folder: Path, env: dict, present: list[str]) -> None:
             raise SpecError(f"{name} is missing but run.json records it (incomplete copy?)", file=str(folder))
 
 
-_BOM = codecs.BOM_UTF8    # what a spreadsheet puts before the header of a CSV it saves as UTF-8
-
-
 def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
     """Every recorded file has the sha256 run.json records (``blobs``: bytes already read, filled in); a dropped
     file that was put back too."""
@@ -332,7 +325,7 @@ def check_hashes(folder: Path, env: dict, blobs: dict[str, bytes]) -> None:
             data = blobs[name] = read_bytes(p)
         actual = hashlib.sha256(data).hexdigest()
         if actual != digest:
-            bom = "; it starts with a byte-order mark, as a spreadsheet saves one" if data.startswith(_BOM) else ""
+            bom = "; it starts with a byte-order mark, as a spreadsheet saves one" if data.startswith(BOM) else ""
             raise SpecError(f"sha256 mismatch: the file changed after it was written (corrupted, truncated or "
                             f"edited{bom}; run.json records {digest[:12]}…, the file has {actual[:12]}…)", file=str(p))
 
@@ -342,7 +335,7 @@ def drop(path: str | Path, names: list[str]) -> Path:
     report reads, not per-draw reservoirs): the folder is verified first, each file's entry moves from run.json's
     ``files`` to ``dropped`` (name → sha256: a file put back is verified again), run.json is rewritten
     atomically, then the files are removed. Only a kind's :attr:`FolderFormat.droppable` files."""
-    from ..foundation.storage import atomic_write_bytes
+    from ..foundation.atomic import atomic_write_bytes
     stored = read(path)
     fmt = FORMATS[stored.kind]
     bad = [n for n in names if n not in fmt.droppable]
@@ -406,37 +399,6 @@ def read(path: str | Path, kind: str | None = None) -> Stored:
     return Stored(fmt.kind, folder, env, blobs, version_of(env, fmt, where))
 
 
-def check_csv_structure(data: bytes, p: Path) -> list[str]:
-    """The header; every row has as many fields as it, and the file ends with a newline. A UTF-8 byte-order
-    mark before the header (a spreadsheet's "CSV UTF-8") is read past, as the table's reader (pandas) does:
-    kl-bench writes none, so such a file has been saved by another program, and its recorded sha256 refuses
-    it first (:func:`check_hashes` says so) unless run.json's was updated to match."""
-    skip = len(_BOM) if data.startswith(_BOM) else 0
-    try:
-        text = data[skip:].decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"not UTF-8 text at byte {e.start + skip} (corrupted?)", file=str(p)) from None
-    if "\x00" in text:
-        raise SpecError("contains NUL bytes (corrupted?)", file=str(p))
-    if not text.strip():
-        raise SpecError("is empty (truncated?)", file=str(p))
-    if not text.endswith("\n"):
-        raise SpecError("does not end with a newline (truncated?)", file=str(p))
-    rows = csv.reader(io.StringIO(text))
-    try:
-        header = next(rows)
-        for i, row in enumerate(rows, start=2):
-            if len(row) != len(header):
-                raise SpecError(f"line {i} has {len(row)} fields, the header {len(header)} (truncated or corrupted?)",
-                                file=str(p))
-    except csv.Error as e:
-        raise SpecError(f"malformed CSV: {e}", file=str(p)) from None
-    dupes = sorted({c for c in header if header.count(c) > 1})
-    if dupes:
-        raise SpecError(f"duplicate columns {', '.join(dupes)}", file=str(p))
-    return header
-
-
 def read_table(stored: Stored, name: str):
     """Table ``name`` of a verified train or audit folder as a DataFrame (the one CSV reader), or None where
     the folder has none: its CSV structure checked, its columns present (an older file's missing columns
@@ -453,59 +415,3 @@ def read_table(stored: Stored, name: str):
         if c not in df.columns:
             df[c] = df[value] if value in df.columns else float(value)
     return df[columns + [c for c in df.columns if c not in columns]]
-
-
-def first_bad(df, c: str, bad, what: str, p: Path) -> None:
-    """One line for the first row where ``bad`` (a bool array over ``df``'s rows) holds: the file, the column,
-    the row and its line, its case where the table has one, and the value as read."""
-    rows = np.flatnonzero(bad)
-    if len(rows):
-        i = int(rows[0])
-        case = f" (case {df['case'].iloc[i]!r})" if "case" in df.columns else ""
-        value = df[c].iloc[i]
-        value = value.item() if isinstance(value, np.generic) else value     # nan, -1: not np.float64(nan)
-        raise SpecError(f"column '{c}' {what}, but row {i + 1} (line {i + 2}){case} has {value!r}", file=str(p))
-
-
-# The whole-number columns of a train or an audit folder's tables (parsed as numbers only): a blank, NaN or inf
-# step read back would fail far from the file, in a figure's axis or int(nan).
-WHOLE_COLUMNS = {"train.csv": ("step", "draws", "seeds"), "audit.csv": ("step",), "engine.csv": ("step",)}
-
-
-def check_whole_columns(name: str, df, p: Path) -> None:
-    """The :data:`WHOLE_COLUMNS` of table ``name`` hold a whole number ≥ 0 on every row; else one line naming
-    the file, the column and the row (and its line)."""
-    for c in WHOLE_COLUMNS.get(name, ()):
-        if c in df.columns:
-            v = df[c].to_numpy(dtype=float)
-            first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
-
-
-def parse_csv(data: bytes, p: Path, required: list[str]):
-    """A CSV table's DataFrame: its structure, its ``required`` columns and at least one row checked."""
-    header = check_csv_structure(data, p)
-    missing = [c for c in required if c not in header]
-    if missing:
-        raise SpecError(f"missing columns {', '.join(missing)} (not a kl-bench {p.name}?)", file=str(p))
-    try:
-        df = read_frame(data)
-    except Exception as e:      # noqa: BLE001 - pandas raises many kinds; all mean "cannot parse"
-        raise SpecError(f"cannot parse: {e.__class__.__name__}: {(str(e).splitlines() or [''])[0]}",
-                        file=str(p)) from None
-    if df.empty:
-        raise SpecError("has a header but no rows (truncated?)", file=str(p))
-    return df
-
-
-def check_numeric_columns(df, numeric: list[str], p: Path) -> None:
-    """Each of ``numeric`` parsed as numbers (not booleans, not text); one line naming the first bad cell."""
-    import pandas as pd
-    for c in numeric:
-        col = df[c]
-        if pd.api.types.is_bool_dtype(col) or not pd.api.types.is_numeric_dtype(col):
-            values = pd.to_numeric(col.astype("string"), errors="coerce")
-            bad = col[values.isna() & col.notna()]
-            i = int(bad.index[0]) if len(bad) else 0
-            shown = bad.iloc[0] if len(bad) else col.iloc[0]
-            raise SpecError(f"column '{c}' must hold numbers, but row {i + 1} (line {i + 2}) has {str(shown)[:40]!r}",
-                            file=str(p))

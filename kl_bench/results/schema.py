@@ -88,7 +88,7 @@ SCHEMA: dict[str, str] = {
              "KL(q||p) rows only",
 }
 COLUMNS = list(SCHEMA)
-# Cases made by [[sweep]] tables (kl_bench.experiment.spec.expand_sweeps) add one column per swept key after the
+# Cases made by [[sweep]] tables (kl_bench.experiment.sweeps.expand_sweeps) add one column per swept key after the
 # columns above, named SWEEP_PREFIX + key (e.g. "sweep.p.noise", "sweep.sampler.temperature"): the key's
 # value in that case, empty for a case not swept over it. A spec without [[sweep]] has none.
 SWEEP_PREFIX = "sweep."

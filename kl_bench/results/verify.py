@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from ..foundation.errors import SpecError
-from .folders import (FORMATS, check_hashes, check_numeric_columns, check_recorded, first_bad, format_of, parse_csv, read_bytes,
+from .csv_checks import check_numeric_columns, first_bad, parse_csv
+from .folders import (FORMATS, check_hashes, check_recorded, format_of, read_bytes,
                       read_envelope, require_folder, require_kind, version_of)
 from .migrate import migrate
 from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS

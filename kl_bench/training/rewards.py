@@ -6,7 +6,7 @@ import torch
 
 from ..foundation.errors import SpecError
 from ..kinds.trainable import Reward
-from ..sampling.logits import read_logits_file
+from ..sampling.logits_files import read_logits_file
 from ..sampling.seeding import batch_generator
 from .config import RewardSpec
 from ..kinds.trainable import SEQUENCE_REWARD_KEY as KEY

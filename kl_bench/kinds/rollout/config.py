@@ -12,7 +12,8 @@ import torch
 
 from ...foundation.typed_toml import MAX_LENGTH, Table, at_most, positive
 from ...foundation.errors import SpecError
-from ...sampling.logits import LogitsSource, check_table_size, parse_pair_sources, read_logits_file, resolve_pair_source_logits
+from ...sampling.logits import LogitsSource, check_table_size, parse_pair_sources, resolve_pair_source_logits
+from ...sampling.logits_files import read_logits_file
 from ...core.precision import Precision, parse_precision
 from ...core.weights import WeightCorrection
 from ..protocols import CaseConfig

@@ -1,0 +1,93 @@
+"""``kl-bench audit DIR``: audit a folder of saved steps (:mod:`kl_bench.audit.offline`) and print a line per
+step, its warnings and the pooled verdict; or, for the callback's results folder without saved steps,
+read its audit.csv back and print the verdicts it records."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..foundation.errors import SpecError
+from ..foundation.formatting import plural
+from ..foundation.output_paths import check_output_dir
+from ..results.folders import check_replaceable
+from .offline import audit_folder
+from .rollout_engine import engine_line
+from .step import AuditLog, StepAudit, read_audit_folder, step_line
+from .verdict import engine_warnings, step_warnings
+
+
+def _pooled_line(source: str, p: dict) -> str:
+    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
+            f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
+
+
+def _echo_step(echo):
+    def show(a, warnings):
+        echo(step_line(a))
+        for w in warnings:
+            echo(f"warning: {w.message}")
+    return show
+
+
+def steps_folder(directory: Path) -> Path | None:
+    """Where the saved steps of ``directory`` are: itself, or the ``steps/`` of a callback's results
+    folder; None when there are none."""
+    directory = Path(directory)
+    for d in (directory, directory / "steps"):
+        if d.is_dir() and any(d.glob("step-*.safetensors")):
+            return d
+    return None
+
+
+def _check_pieces(tile: int | None, chunk: int | None) -> None:
+    for key, value in (("--tile", tile), ("--chunk", chunk)):
+        if value is not None and value < 1:
+            raise SpecError(f"must be ≥ 1, got {value}", key=key)
+
+
+def _check_replay_options(directory: Path, out: Path | None, tile: int | None, chunk: int | None) -> None:
+    """A folder read back (nothing audited or written) refuses the options that would be ignored."""
+    for key, value in (("--out", out), ("--tile", tile), ("--chunk", chunk)):
+        if value is not None:          # nothing is audited or written: the option would be ignored
+            raise SpecError(f"has no effect here: {directory} holds no saved steps, only the verdicts its "
+                            f"audit.csv records (read back, nothing written): drop {key}", key=key)
+
+
+def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk: int | None,
+                  echo=print) -> Path | None:
+    """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print a line each,
+    its warnings and the pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json.
+    A callback's results folder without saved steps is read back and its verdicts printed (nothing
+    written; returns None)."""
+    _check_pieces(tile, chunk)
+    directory = Path(directory)
+    found = steps_folder(directory)
+    if found is None and any((directory / n).is_file() for n in ("audit.csv", "run.json")):
+        _check_replay_options(directory, out, tile, chunk)
+        return replay_folder(directory, echo)       # a folder the callback wrote (another kind: said so)
+    out = check_output_dir(Path(out) if out is not None else directory / "audit")
+    check_replaceable(out, "audit")
+    log = audit_folder(found or directory, on_step=_echo_step(echo), tile=tile, chunk=chunk)
+    for a in log.engine:                                  # saved steps with a rollout engine's log-probs
+        echo(engine_line(a))
+        for w in engine_warnings(a):
+            echo(f"warning: {w.message}")
+    for source, p in log.pooled().items():
+        echo(_pooled_line(source, p))
+    return log.write(out, source_folder=str(directory))
+
+
+def replay_folder(directory: Path, echo=print) -> None:
+    """A results folder written by the callback (audit.csv, run.json) read back: each step's line and the
+    warnings the callback printed, from the stored rows."""
+    envelope, rows = read_audit_folder(directory)
+    sampler = str(envelope.get("sampler", "b"))
+    history: dict[str, list[StepAudit]] = {}
+    for a in rows:
+        history.setdefault(a.source, []).append(a)
+        _echo_step(echo)(a, step_warnings(a, history[a.source], sampler))
+    log = AuditLog()
+    for a in rows:
+        log.add(a)
+    for source, p in log.pooled().items():
+        echo(_pooled_line(source, p))
+    return None

@@ -1,0 +1,78 @@
+"""Writing saved steps: the format of a ``step-*.safetensors`` file (one scored batch; docs/audit.md
+"Saved steps") and its writers, :func:`save_step` from tensors and :func:`save_record` for one audited
+batch of the TRL callback (``KLAudit(save_steps=True)``), both atomic."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..foundation.atomic import atomic_write_bytes
+from .generation import Sampler
+from .session import Record
+from .tiling import Head
+
+FORMAT = "kl_bench.audit.step/2"
+FORMATS = ("kl_bench.audit.step/1", FORMAT)      # /2 adds metrics, sampling_hidden and logit_multiplier
+HEADS_FILE = "heads.safetensors"
+HEAD_KEYS = ("policy_weight", "reference_weight", "policy_bias", "reference_bias")
+REQUIRED = ("completion_ids", "mask")
+LOGITS = ("policy_logits", "reference_logits")
+HIDDEN = ("policy_hidden", "reference_hidden")
+
+
+def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: str, aggregation: str = "token-mean",
+              source: str = "kl", generation: dict | None = None, logit_scale: float = 1.0,
+              logit_softcap: float | None = None, logit_multiplier: float = 1.0, metrics=None, **tensors) -> Path:
+    """Write one step to ``path`` (.safetensors), atomically. ``tensors``: ``policy_logits`` and
+    ``reference_logits`` [B, T, V]; or ``policy_hidden`` and ``reference_hidden`` [B, T, d] (the hidden
+    state that predicts completion token t at index t, after the final norm) with the output layers here
+    or in the folder's heads.safetensors (``policy_weight`` [V, d], ``reference_weight``, optional
+    biases); optional ``prompt_ids`` [B, P] (what the repetition penalty sees). ``logit_scale``: the
+    factor the trainer applies to the logits before its log-softmax (1/T in TRL and verl).
+    ``logit_softcap``: the model's final_logit_softcapping c (Gemma), applied to h @ Wᵀ (+ bias) as
+    c·tanh(z/c) before ``logit_scale``; it only matters for hidden states (saved logits are already capped)."""
+    from safetensors.torch import save
+
+    meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
+            "source": source, "generation": json.dumps(generation or {}), "logit_scale": repr(float(logit_scale)),
+            "logit_multiplier": repr(float(logit_multiplier))}
+    if logit_softcap is not None:
+        meta["logit_softcap"] = repr(float(logit_softcap))
+    if metrics is not None:          # several metrics of one batch: trainer_<source> tensors, one per metric
+        meta["metrics"] = json.dumps([[m.source, m.estimator, m.aggregation] for m in metrics])
+    data = {"completion_ids": completion_ids, "mask": mask, "trainer_kl": trainer_kl, **tensors}
+    # host: a file is written from host memory
+    data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}
+    path = Path(path)
+    atomic_write_bytes(path, save(data, metadata=meta))
+    return path
+
+
+def save_record(folder, record: Record, heads: tuple[Head, Head], *, step: int, index: int, metrics,
+                generation: Sampler) -> Path:
+    """One audited batch of the TRL callback (``KLAudit(save_steps=True)``) as a saved step: hidden states
+    (the drawing pass's too, when captured), ids, mask, the trainer's values per metric and the policy's
+    output layer as it was at that step; the reference's (frozen) once, in the folder's heads.safetensors."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / HEADS_FILE).exists():
+        ref = {"reference_weight": heads[1].weight, "reference_bias": heads[1].bias}
+        atomic_write_bytes(folder / HEADS_FILE, save({k: v.detach().cpu().contiguous() for k, v in ref.items()
+                                                      if v is not None}))
+    gen = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(generation).items()}
+    values = {f"trainer_{m.source}": record.values_for(m.source) for m in metrics}
+    first = values.pop(f"trainer_{metrics[0].source}")
+    return save_step(folder / f"step-{step:06d}-{index:03d}.safetensors", completion_ids=record.completion_ids,
+                     mask=record.mask.to(torch.uint8), trainer_kl=first, step=step, estimator=metrics[0].estimator,
+                     aggregation=metrics[0].aggregation, source=metrics[0].source, generation=gen,
+                     logit_scale=heads[0].scale, logit_softcap=heads[0].softcap, logit_multiplier=heads[0].multiplier,
+                     metrics=metrics if len(metrics) > 1 else None, policy_hidden=record.policy_hidden,
+                     reference_hidden=record.reference_hidden, sampling_hidden=record.sampling_hidden,
+                     prompt_ids=record.prompt_ids, policy_weight=heads[0].weight, policy_bias=heads[0].bias, **values)
+
+

@@ -1,0 +1,153 @@
+"""The second streaming pass of the audit (two more forwards), run only for what one pass cannot give:
+non-polynomial estimators, P(f < 0) of sign-changing ones under a full-support sampler, rows whose
+sampler support is not inside the candidates (τ found by widening), and rows a float32 tile sum spoiled."""
+from __future__ import annotations
+
+import torch
+
+from .stream_plan import Chunk, Family, Plan
+from .tiling import Scan, chan, logsum, row_max, threshold
+
+
+def _widen(scan: Scan, plan: Plan, fam: Family, lse_s: torch.Tensor) -> torch.Tensor:
+    """τ [n] of a family for rows whose support reaches past the candidates (a flat row's nucleus): each
+    row's whole score vector, made tile by tile in one pass (O(V) per such row; the very same rounded
+    scores as the first pass), and τ from all of it."""
+    cand = torch.cat([scan.scores(t[fam.source], t["lo"]) for t in scan.tiles(policy_only=True)], dim=-1)
+    cand = torch.sort(cand.to(torch.float64), dim=-1, descending=True).values
+    return threshold(plan.sampler, cand, lse_s, plan.vocab)[0]
+
+
+class _Spread:
+    """Per-tile (log-scale, Σ w, weighted mean, Σ w (x − mean)²) of columns x [n, t, C], combined over
+    tiles by :func:`chan` (float64) at the end."""
+
+    def __init__(self):
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, scale: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> None:
+        """``scale`` [n], weights ``w`` [n, t] (0 where excluded), columns ``x`` [n, t, C]."""
+        total = w.sum(-1)
+        x = torch.where((w > 0).unsqueeze(-1), x, torch.zeros_like(x))      # 0·inf would be NaN
+        mean = (w.unsqueeze(-1) * x).sum(1) / total.clamp(min=torch.finfo(w.dtype).tiny).unsqueeze(-1)
+        m2 = (w.unsqueeze(-1) * (x - mean.unsqueeze(1)).square()).sum(1)
+        self.parts.append((scale.unsqueeze(-1).expand_as(mean), total.unsqueeze(-1).expand_as(mean), mean, m2))
+
+    def combine(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log Σ w [n, C], mean [n, C], variance [n, C])."""
+        scale, total, mean, m2 = (torch.stack(x) for x in zip(*self.parts))
+        mu, var = chan(scale, total, mean, m2)
+        return logsum(scale, total), mu, var
+
+
+def _second_pass(scan: Scan, fns, lse_q, lse_p, tau, source: str = "zq"):
+    """With the normalisers and the family's threshold τ known, one more pass over the tiles: moments
+    under q of ``fns`` and under the family (scores from ``source``'s logits) of (f, 1[f < 0], s), and the
+    q-mass outside its support. Returns (q: (mean, var) [n, F]; family: (log Z [n], mean [n, 2F + 1],
+    var [n, 2F + 1]); miss [n]). Sums run in float64 (f itself, as the dense path)."""
+    under_q, under_b, miss, chi = _Spread(), _Spread(), [], []
+    shift = (lse_q - lse_p).unsqueeze(-1)
+    for t in scan.tiles():
+        s = scan.scores(t[source], t["lo"])
+        logr = (t["zp"] - t["zq"]).to(torch.float64) + shift
+        f = torch.stack([fn(logr) for fn in fns], dim=-1) if fns else logr.new_zeros(logr.shape + (0,))
+        wq = torch.exp(t["zq"].to(torch.float64) - lse_q.unsqueeze(-1))
+        under_q.add(torch.zeros_like(lse_q), wq, f)
+        inside = s >= tau.unsqueeze(-1).to(s.dtype)
+        ms = row_max(torch.where(inside, s, torch.full_like(s, -torch.inf))).to(torch.float64)
+        wb = torch.where(inside, torch.exp(s.to(torch.float64) - ms), torch.zeros_like(wq))
+        zq64 = t["zq"].to(torch.float64)
+        under_b.add(ms.squeeze(-1), wb, torch.cat([f, (f < 0).to(f.dtype), zq64.unsqueeze(-1),
+                                                   s.to(torch.float64).unsqueeze(-1)], -1))
+        miss.append(torch.where(inside, torch.zeros_like(wq), wq).sum(-1))
+        chi.append(torch.logsumexp(torch.where(inside, 2 * zq64 - s.to(torch.float64), torch.full_like(zq64, -torch.inf)), -1))
+    _, mean_q, var_q = under_q.combine()
+    log_zb, mean_b, var_b = under_b.combine()
+    # columns of b: f [F], 1[f < 0] [F], z_q, s; Σ_{b>0} q²/b = e^{log Z_b − 2 lse_q} Σ e^{2 z_q − s}
+    chi2 = torch.expm1(torch.logsumexp(torch.stack(chi), 0) + log_zb[:, 0] - 2 * lse_q)
+    return (mean_q, var_q), (log_zb[:, 0], mean_b, var_b, chi2), torch.stack(miss).sum(0)
+
+
+def _negative_pass(scan: Scan, plan: Plan, fam: Family, out: Chunk, cols: list[int]) -> None:
+    """P(f < 0) [n] of polynomial estimators that change sign, under a family with full support: the
+    sign of f(log r) needs log r = d + (lse_q − lse_p), so one more pass, in the compute dtype (f's sign
+    at a token is decided by log r to the logits' own rounding)."""
+    shift = (out.lse_q - out.lse_p).unsqueeze(-1)
+    got = out.fam[fam.name]
+    sums = torch.zeros(out.kl.shape[0], len(cols), dtype=torch.float64, device=out.kl.device)
+    for t in scan.tiles():
+        s = t["zq"] if fam.kind == "same" else scan.scores(t[fam.source], t["lo"])
+        wb = torch.exp(s - got.lse.unsqueeze(-1).to(s.dtype))
+        logr = (t["zp"] - t["zq"]).add_(shift.to(t["zq"].dtype))
+        for i, j in enumerate(cols):
+            sums[:, i] += torch.where(plan.fns[j](logr) < 0, wb, torch.zeros_like(wb)).sum(-1).to(torch.float64)
+    for i, j in enumerate(cols):
+        got.neg[:, j] = sums[:, i]
+
+
+def redo_columns(scan: Scan, plan: Plan, fam: Family, out: Chunk, cols: list[int]) -> None:
+    """The second pass for estimators one pass cannot give under ``fam`` (every row): the moments of
+    non-polynomial ones (and their q moments), P(f < 0) of polynomial ones that change sign."""
+    signs = [j for j in cols if plan.poly[j] is not None]
+    if signs:
+        _negative_pass(scan, plan, fam, out, signs)
+    cols = [j for j in cols if plan.poly[j] is None]
+    if not cols:
+        return
+    got = out.fam[fam.name]
+    fns = [plan.fns[j] for j in cols]
+    (mean_q, var_q), (_, mean_b, var_b, _), _ = _second_pass(scan, fns, out.lse_q, out.lse_p, got.tau, fam.source)
+    nf = len(cols)
+    for i, j in enumerate(cols):
+        out.mean_q[:, j], out.var_q[:, j] = mean_q[:, i], var_q[:, i]
+        if fam.kind == "same":
+            got.mean[:, j], got.var[:, j] = mean_q[:, i], var_q[:, i]
+        if fam.kind != "cut":
+            got.mean[:, j], got.var[:, j], got.neg[:, j] = mean_b[:, i], var_b[:, i], mean_b[:, nf + i]
+
+
+def redo_rows(scan: Scan, plan: Plan, fam: Family, out: Chunk, rows: torch.Tensor) -> None:
+    """The second pass for rows whose support the family's candidates may not cover: τ from the whole
+    score vector, then everything under the family summed over the tiles."""
+    sub, got = scan.rows(rows), out.fam[fam.name]
+    tau = _widen(sub, plan, fam, got.lse[rows])
+    _, (log_z, mean, var, chi2), miss = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows], tau,
+                                                     fam.source)
+    nf = len(plan.fns)
+    got.tau[rows] = tau
+    got.mean[rows], got.var[rows], got.neg[rows] = mean[:, :nf], var[:, :nf], mean[:, nf:2 * nf]
+    got.log_mean[rows], got.log_var[rows] = mean[:, -1] - log_z, var[:, -1]
+    got.kl_q[rows] = got.log_mean[rows] - (mean[:, -2] - out.lse_q[rows])
+    got.chi2[rows], got.gap_abs[rows] = chi2, torch.nan          # E_b|log b − log q| needs log Z_b in advance
+    got.miss[rows] = miss
+    s_tok = out.tok[rows, 2 + plan.families.index(fam)]
+    tok_log = torch.where(s_tok >= tau, s_tok - log_z, torch.full_like(s_tok, -torch.inf))
+    got.tok_log[rows] = torch.where(torch.isnan(s_tok), s_tok, tok_log)
+
+
+def spoiled(plan: Plan, out: Chunk) -> torch.Tensor:
+    """Rows [n] where a one-pass moment is not finite: a float32 tile sum overflowed (u⁴, ψ⁴ at |u| ≳ 20),
+    or log r is infinite somewhere (p or q is 0 at an id), which the moments cannot carry."""
+    cols = [j for j, p in enumerate(plan.poly) if p is not None]
+    parts = [~torch.isfinite(out.kl)]
+    for x in [out.mean_q, out.var_q] + [t for f in plan.families if f.kind == "full"
+                                         for t in (out.fam[f.name].mean, out.fam[f.name].var)]:
+        parts.append(~torch.isfinite(x[:, cols]).all(-1) if cols else torch.zeros_like(parts[0]))
+    return torch.stack(parts).any(0)
+
+
+def redo_spoiled(scan: Scan, plan: Plan, out: Chunk, rows: torch.Tensor) -> None:
+    """Spoiled rows from the second pass, which sums f(log r) itself in float64 (an infinite f where its
+    weight is 0 counts 0; where it is not, the value is rightly infinite)."""
+    sub = scan.rows(rows)
+    fns = list(plan.fns) + [lambda logr: -logr]                      # KL = E_q[−log r]
+    nf = len(plan.fns)
+    for fam in plan.families:
+        got = out.fam[fam.name]
+        q, (_, mean, var, _), _ = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows], got.tau[rows], fam.source)
+        if fam.kind != "cut":
+            got.mean[rows], got.var[rows] = mean[:, :nf], var[:, :nf]
+            got.neg[rows] = torch.where(torch.isnan(got.neg[rows]), got.neg[rows], mean[:, nf + 1:2 * nf + 1])
+    out.kl[rows] = q[0][:, -1]
+    out.mean_q[rows], out.var_q[rows] = q[0][:, :nf], q[1][:, :nf]
+

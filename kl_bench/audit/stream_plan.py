@@ -1,0 +1,126 @@
+"""What one streamed audit call computes (:class:`Plan`: its estimators, polynomials and sampling
+families) and what a position chunk carries from the first pass to the second (:class:`Chunk`, one
+:class:`Sampled` per family)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..foundation.errors import SpecError
+from ..core.estimators import resolve_estimator
+from .exact import SamplerValues
+from .polymoments import Basis, degree
+from .generation import Sampler
+
+
+def _function_of_log_r(item):
+    est = resolve_estimator(item)
+    if est.analytic:
+        raise SpecError(f"'{est.name}' is not a function of log r: the exact KL is always reported")
+    return est
+
+
+@dataclass(frozen=True)
+class Family:
+    """One sampling distribution the audit sums under: ``name`` "b" (the sampler on the scored policy's
+    logits) or "g" (on the logits of the pass that drew the tokens); ``kind`` "same" (b = q), "full" (its
+    own weights over every id) or "cut" (it truncates: candidates); ``keep``: candidates per row."""
+    name: str
+    kind: str
+    keep: int
+
+    @staticmethod
+    def of(name: str, sampler: Sampler, vocab: int, candidates: int) -> "Family":
+        if sampler.truncates:
+            # top-k alone needs its k scores and one more (a tie at the k-th shows there); top-p and min-p a list
+            only_k = sampler.p is None and sampler.mp is None
+            keep = min(vocab, sampler.k + 1 if only_k else max((sampler.k or 0) + 1, candidates))
+            return Family(name, "cut", keep)
+        return Family(name, "same" if sampler.is_identity and name == "b" else "full", 0)
+
+    @property
+    def source(self) -> str:
+        """Whose logits its scores come from: "zq" (the scored pass) or "zg" (the sampling pass)."""
+        return "zg" if self.name == "g" else "zq"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one call computes and how. ``poly``: per estimator, its polynomial (None: second pass);
+    ``sign``: per estimator, whether it changes sign (P(f < 0) then needs log r itself)."""
+    names: tuple[str, ...]
+    fns: tuple
+    poly: tuple
+    sign: tuple[bool, ...]
+    basis: Basis
+    sampler: Sampler
+    families: tuple[Family, ...]
+    vocab: int
+    negative: bool = True
+
+    @staticmethod
+    def of(estimators: Sequence, sampler: Sampler, vocab: int, candidates: int, negative: bool,
+           sampling: bool) -> "Plan":
+        ests = [_function_of_log_r(e) for e in estimators]
+        polys = tuple(e.poly for e in ests)
+        top = max([1] + [2 * degree(p) for p in polys if p is not None])
+        fams = tuple(Family.of(name, sampler, vocab, candidates) for name in ("b", "g")[:1 + sampling])
+        return Plan(tuple(e.name for e in ests), tuple(e.fn for e in ests), polys,
+                     tuple(not e.nonnegative for e in ests), Basis(top), sampler, fams, vocab, negative)
+
+    def take(self, fam: Family) -> int:
+        """Candidates each tile gives: all ``keep`` for top-k alone (the row's top k + 1 are among every
+        tile's top k + 1), else at most 128 (a tile holding more of a large nucleus sends its row to
+        the second pass, see :class:`_Candidates`)."""
+        only_k = self.sampler.p is None and self.sampler.mp is None
+        return fam.keep if only_k else min(fam.keep, 128)
+
+    def needs_lse(self, fam: Family) -> bool:
+        """The family's full normaliser is needed: it has full support, or top-p without top-k
+        normalises over every id."""
+        return fam.kind != "cut" or (self.sampler.p is not None and self.sampler.k is None)
+
+    def second_pass_columns(self, fam: Family) -> list[int]:
+        """Estimators whose values under ``fam`` need a second pass: non-polynomial ones (always: also
+        their q moments), sign-changing ones for P(f < 0) under a family that does not truncate."""
+        return [j for j, (p, s) in enumerate(zip(self.poly, self.sign))
+                if p is None or (s and fam.kind != "cut" and self.negative)]
+
+
+
+@dataclass
+class Sampled:
+    """One family's finished values (float64, on the device): SamplerValues' fields, its normaliser
+    ``lse`` [n], threshold ``tau`` [n] (−inf: none) and the rows its candidates may not cover."""
+    mean: torch.Tensor
+    var: torch.Tensor
+    neg: torch.Tensor
+    miss: torch.Tensor
+    log_mean: torch.Tensor
+    log_var: torch.Tensor
+    tok_log: torch.Tensor
+    lse: torch.Tensor
+    tau: torch.Tensor
+    unknown: torch.Tensor
+    kl_q: torch.Tensor
+    chi2: torch.Tensor
+    gap_abs: torch.Tensor
+
+    def values(self) -> SamplerValues:
+        return SamplerValues(self.mean, self.var, self.neg, self.miss, self.log_mean, self.log_var, self.tok_log,
+                             self.kl_q, self.chi2, self.gap_abs)
+
+
+@dataclass
+class Chunk:
+    """A chunk's finished values: q's, and one :class:`Sampled` per family."""
+    kl: torch.Tensor
+    lse_q: torch.Tensor
+    lse_p: torch.Tensor
+    mean_q: torch.Tensor
+    var_q: torch.Tensor
+    tok: torch.Tensor
+    fam: dict
+
