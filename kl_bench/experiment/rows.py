@@ -39,11 +39,12 @@ def _seen_share(ess: float, n: float, mean: float, var: float, exact_var: float,
     the weights that were drawn: a near-greedy sampler (temperature 0.05) draws one token every time, its
     weights are all equal, Kish says N, and the sum's large weights (q/b where b is tiny) were never drawn
     (issue 44: "± 0", z = 1.9·10¹¹). Where every draw gave one value (a measured variance within float64
-    rounding of 0: at most ROUNDING·mean²) and the exact variance is not 0, nothing of the spread was seen:
+    rounding of 0: at most ROUNDING·mean²) and the exact variance is not (beyond that rounding: a truncating
+    sampler's IS weight q/b is one constant, so `full` is constant too), nothing of the spread was seen:
     ESS 0, whether that variance is finite or not. Above the batches Kish's ESS stands (the share's own
     noise does not move the column); NaN (no weights) stays NaN; an unknown exact variance leaves Kish's."""
-    if not (math.isfinite(ess) and exact_var > 0 and math.isfinite(var)):
-        return ess
+    if not (math.isfinite(ess) and exact_var > ROUNDING * mean * mean and math.isfinite(var)):
+        return ess              # no weights, an unknown exact variance, or a constant row (exact var at rounding)
     if var <= ROUNDING * mean * mean:        # Σf²/N − mean² cancels to ~1e-16·mean²: rounding, not spread
         return 0.0
     share = n * var / exact_var if math.isfinite(exact_var) else math.inf
