@@ -13,7 +13,8 @@ from kl_bench.core.targets import FORWARD, REVERSE, TARGETS
 from kl_bench.kinds import CategoricalPair
 
 # The functions of log r among the registered entries (a PairRow such as `full` is supplied by the pair).
-REGISTERED = [name for name in ESTIMATORS.names() if isinstance(ESTIMATORS.get(name), Estimator)]
+REGISTERED = [name for name in ESTIMATORS.names() if isinstance(ESTIMATORS.get(name), Estimator)
+              and not ESTIMATORS[name].needs_logq]      # functions of log q(x) too: tests/test_proxies.py
 
 # Finite log-ratios over the range a float64 r holds, ±0 and ±1e-300; and p(x) = 0 (log r = −∞). (The
 # library presets reproduce their library's rounding: exp(x) − x − 1 is −1.1e-16 at x = 1e-8.)

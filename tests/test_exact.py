@@ -35,7 +35,8 @@ def quad_moments(mq, sq, mp, sp, fn, second=True):
 
 
 LOGR_ESTIMATORS = [n for n in ESTIMATORS.names() if n != "full"   # `full` is not a function of log r
-                   and not ESTIMATORS[n].source]               # library presets: tests/test_presets.py
+                   and not ESTIMATORS[n].source               # library presets: tests/test_presets.py
+                   and not ESTIMATORS[n].needs_logq]          # of log q(x) too: tests/test_proxies.py
 
 
 @pytest.mark.parametrize("params", GAUSS_1D)

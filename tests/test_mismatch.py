@@ -19,7 +19,8 @@ from kl_bench.experiment.spec_experiment import EstimatorOption, Experiment
 from .conftest import CPU, mc_frame
 
 # Every registered function of log r (library presets: tests/test_presets.py)
-LOGR = [n for n in ESTIMATORS.names() if isinstance(ESTIMATORS.get(n), Estimator) and not ESTIMATORS[n].source]
+LOGR = [n for n in ESTIMATORS.names() if isinstance(ESTIMATORS.get(n), Estimator) and not ESTIMATORS[n].source
+        and not ESTIMATORS[n].needs_logq]      # functions of log q(x) too: tests/test_proxies.py
 
 
 def _logits(b=3, v=12, seed=0):

@@ -192,7 +192,7 @@ def row_values(draws: Draws, rows: list[Row],
         if agg.token:
             col, t = draws.tok[:, t], t + 1
         else:
-            col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.fn(draws.logr)
+            col = getattr(draws, row.est.draws_field) if row.est.analytic else row.est.on(draws.logr, draws.logq)
         value = agg.value(col, row, batch)
         # A rejected sequence's tokens are all masked: 0, never 0·inf (its weight may overflow).
         cols.append(value if draws.keep is None else torch.where(draws.keep > 0, value, torch.zeros_like(value)))

@@ -75,6 +75,8 @@ class Draws:
         their groups within each piece, so that a batch's groups never depend on how pieces are joined.
     keep: rollouts under a rejection mask (kl_bench.core.rejection): 1.0 for a kept sequence, 0.0 for a rejected
         one, whose every row's value is 0 (None: every draw kept).
+    logq: log q(x) of the draw, for the estimators that need it (Estimator.needs_logq; None where the kind has
+        no per-draw probabilities: rollouts hand token rows their values through ``tok``).
     """
     logr: torch.Tensor
     full: torch.Tensor
@@ -85,6 +87,7 @@ class Draws:
     segments: list[int] | None = None
     log_weight: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    logq: torch.Tensor | None = None
 
 
 __all__ = ["Draws", "LENGTH", "Row", "row_key", "row_label"]

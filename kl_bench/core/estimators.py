@@ -6,6 +6,10 @@ Divergence" (2020), http://joschu.net/blog/kl-approx.html.
 
 Every estimator maps ``logr: Tensor[...]`` to a tensor of the same shape and dtype. ``logr`` may be
 −inf where p(x) = 0 < q(x); every built-in returns a well-defined value there (+inf or 0), never NaN.
+An estimator that declares ``needs_logq`` is a function of the sampled token's two probabilities, not of
+their ratio alone (the sampled-token proxies ``bin_kl`` and ``bin_tv`` that trainers gate tokens with):
+it maps ``(logr, logq)`` to values, ``logq`` = log q(x) of the same draws; call it through
+:meth:`Estimator.on`, which passes what it needs.
 
 What the rest of the code asks an estimator (never its name):
 - ``poly``: its value as Σ c · r^s · (log r)^k, {(s, k): c}. Exact oracles get E[f] and E[f²] from the
@@ -13,6 +17,9 @@ What the rest of the code asks an estimator (never its name):
 - ``abs_poly``: its value as |Σ c · r^s · (log r)^k| (``abs``): E[f²] is still a polynomial moment.
 - ``token_only``: not a polynomial in r and log r, so on rollouts it gets token-level rows only (that
   is where trainers apply such functions, and where an exact oracle exists for any function).
+- ``needs_logq``: a function of (log r, log q(x)); token-only, no gradient rows, and only on kinds that
+  hand the estimators log q(x) (every kind with a vocabulary; not the Gaussian, whose densities are not
+  probabilities).
 - ``straight_through``: trainers use it with the straight-through trick (the value of this estimator,
   the gradient of k2), so it gets that gradient mode.
 
@@ -35,7 +42,7 @@ from ..foundation.errors import SpecError
 from ..foundation.formatting import CV, CV_OPT  # noqa: F401  (the rows' names, used here and re-exported)
 from .presets import PRESETS, WeightedClamp, neg_inf_limit
 from ..foundation.registry import Registry, UnknownName, did_you_mean
-from .targets import FORWARD, REVERSE, check_target
+from .targets import FORWARD, REVERSE, TV, check_target
 
 Poly = dict[tuple[int, int], float]
 
@@ -69,10 +76,22 @@ class Estimator:
     weighted: WeightedClamp | None = None
     source: str = ""           # library presets: the file whose formula it reproduces
     library_mode: str = ""     # library presets: the gradient mode the library applies by default
+    needs_logq: bool = False   # fn(logr, logq): a function of the sampled token's own probabilities too
     analytic: ClassVar[bool] = False   # a function of log r (PairRow: supplied by the pair)
 
     def __post_init__(self):
         check_target(self.target)
+        if self.needs_logq and (self.poly is not None or self.abs_poly is not None):
+            raise ValueError(f"estimator '{self.name}': a function of log q(x) is not a polynomial in r and log r")
+
+    def on(self, logr: torch.Tensor, logq: torch.Tensor | None = None) -> torch.Tensor:
+        """The estimator's values on draws with log-ratio ``logr`` and, where it needs it, log q(x) ``logq``
+        (same shape). A caller that has no log q(x) passes None; an estimator needing it then raises."""
+        if not self.needs_logq:
+            return self.fn(logr)
+        if logq is None:
+            raise SpecError(f"estimator '{self.name}' needs log q(x) of each draw, which this caller does not have")
+        return self.fn(logr, logq)
 
     @property
     def token_only(self) -> bool:
@@ -93,6 +112,7 @@ class PairRow:
     lam: ClassVar[None] = None
     fitted: ClassVar[bool] = False
     straight_through: ClassVar[bool] = False
+    needs_logq: ClassVar[bool] = False
     plugin: ClassVar[bool] = False
     token_only: ClassVar[bool] = True   # on rollouts: summed along the path (tok)
     analytic: ClassVar[bool] = True
@@ -149,6 +169,45 @@ def fwd_k3(logr: torch.Tensor) -> torch.Tensor:
     return _r_logr(logr) - torch.expm1(logr)
 
 
+def _log1mexp(a: torch.Tensor) -> torch.Tensor:
+    """log(1 − e^a) for a ≤ 0, without the cancellation of 1 − e^a: log(−expm1(a)) near a = 0 (where
+    1 − e^a is small and expm1 keeps its digits), log1p(−e^a) below −ln 2 (Mächler, "Accurately computing
+    log(1 − exp(−|a|))", 2012). −inf at a = 0."""
+    return torch.where(a > -0.6931471805599453, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+def _mass_k3(logw: torch.Tensor, logv: torch.Tensor) -> torch.Tensor:
+    """w·k3(log(v/w)) = w·(v/w − 1 − log(v/w)) for masses w = e^logw, v = e^logv ≤ 1, ≥ 0 and finite wherever the
+    limit is: w·expm1(·) − w·(·) where v/w ≤ e (no large terms to cancel, expm1 keeps the digits where v ≈ w),
+    v − w(1 + log(v/w)) beyond (where v/w could overflow, and v dominates). w = 0: the limit v; v = 0 < w: +inf."""
+    ratio = torch.where(logw == logv, torch.zeros_like(logw), logv - logw)    # log(v/w); 0 where both are −inf
+    near = torch.exp(logw) * k3(ratio.clamp(max=1.0))
+    w = torch.exp(logw)
+    far = torch.exp(logv) - torch.where(w == 0, torch.zeros_like(w), w * (1 + ratio))
+    return torch.where(ratio > 1.0, far, near)
+
+
+def bin_kl(logr: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """bin_kl = D(q(x) ‖ p(x)), the KL between the two Bernoulli laws "the sampled token or not" (DPPO, Qi et
+    al., arXiv 2602.04879, the binary approximation of its divergence mask). Shape-preserving; ``logq`` =
+    log q(x), log p(x) = logq + logr.
+
+    Written as q·k3(log r) + (1 − q)·k3(log r̄) with r̄ = (1 − p)/(1 − q): the two k3 terms add up to the
+    binary KL because q(r − 1) + (1 − q)(r̄ − 1) = 0, and each is ≥ 0, so no two large terms cancel (the
+    textbook q log(q/p) + (1−q) log((1−q)/(1−p)) loses the small difference of two large ones). 1 − q and
+    1 − p come from log1mexp, not subtraction: for q(x) near 1 the subtraction keeps no digits of 1 − q.
+    +inf where p(x) = 0 < q(x) or p(x) = 1 > q(x); 0 where q = p; −log p at q(x) = 1."""
+    logp = logq + logr
+    return _mass_k3(logq, logp) + _mass_k3(_log1mexp(logq), _log1mexp(logp))
+
+
+def bin_tv(logr: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """bin_tv = |q(x) − p(x)| (DPPO's binary total variation of the sampled token). Shape-preserving.
+    q·|r − 1| with expm1 where r ≤ e (the digits of r − 1 where p ≈ q), p − q beyond (r may overflow)."""
+    near = torch.exp(logq) * torch.expm1(logr.clamp(max=1.0)).abs()
+    return torch.where(logr > 1.0, torch.exp(logq + logr) - torch.exp(logq), near)
+
+
 def _adapt_plugin(ref: str, obj: Any) -> Estimator:
     """A plug-in object → an Estimator: a registered one, or a plain function of log r."""
     est = getattr(obj, "__kl_bench_estimator__", obj)
@@ -169,6 +228,10 @@ ESTIMATORS.add("abs", Estimator("abs", abs_logr, REVERSE, False, True, "|log r|"
 ESTIMATORS.add("fwd_k1", Estimator("fwd_k1", fwd_k1, FORWARD, True, False, "r·log r", {(1, 1): 1.0}))
 ESTIMATORS.add("fwd_k3", Estimator("fwd_k3", fwd_k3, FORWARD, True, True, "r·log r − (r−1)",
                                    {(1, 1): 1.0, (1, 0): -1.0, (0, 0): 1.0}))
+# The sampled-token proxies trainers gate tokens with: a small share of the divergence they stand for.
+ESTIMATORS.add("bin_kl", Estimator("bin_kl", bin_kl, REVERSE, False, True, "q log(q/p) + (1−q) log((1−q)/(1−p)) of x",
+                                   needs_logq=True))
+ESTIMATORS.add("bin_tv", Estimator("bin_tv", bin_tv, TV, False, True, "|q(x) − p(x)|", needs_logq=True))
 
 # Library presets ("<library>.<name>", no colon: a colon marks a plug-in), formula for formula.
 for _p in PRESETS:

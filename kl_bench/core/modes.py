@@ -222,7 +222,10 @@ def q_times_coefficient(lq: torch.Tensor, log_r: torch.Tensor, poly: Poly) -> to
 
 def modes_for(est: Estimator, token: bool = False) -> list[str]:
     """The modes an estimator gets (straight_through and loss_is_nemo only where the estimator declares
-    them); ``token``: on a token aggregate (else the token-only modes are left out)."""
+    them); ``token``: on a token aggregate (else the token-only modes are left out). None for an estimator of
+    log q(x) too (``needs_logq``): a mode's coefficient is a function of log r alone."""
+    if est.needs_logq:
+        return []
     return [name for name, mode in MODES.items() if mode.applies(est) and (token or not mode.token_only)]
 
 

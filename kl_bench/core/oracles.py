@@ -337,6 +337,17 @@ def categorical_kl(lq: torch.Tensor, lp: torch.Tensor) -> float:
     return float(terms.sum(-1).mean())
 
 
+def categorical_tv(lq: torch.Tensor, lp: torch.Tensor) -> float:
+    """Mean over contexts of TV(q_b, p_b) = ½ Σ_x |q − p|, for normalised log-probs [B, V]; per context it is
+    also Σ_x (q − p)⁺, the form used here (one sign, no ½ of two nearly equal halves)."""
+    return float(context_tv(lq, lp).mean())
+
+
+def context_tv(lq: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """TV(q(·|c), p(·|c)) = Σ_x (q − p)⁺ per context: [..., V] log-probs → [...]."""
+    return (lq.exp() - lp.exp()).clamp(min=0).sum(-1)
+
+
 def weighted_moments(w: torch.Tensor, f: torch.Tensor) -> tuple[float, float]:
     """(E[f], Var[f]) under weights ``w`` (summing to 1) in float64.
 

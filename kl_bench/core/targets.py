@@ -26,3 +26,7 @@ FORWARD = TARGETS.add("KL(p||q)", Target("KL(p||q)", "E_p[log p/q] = E_q[r log r
 def check_target(name: str) -> str:
     """Return ``name`` if it is a registered target (else UnknownName with a suggestion)."""
     return TARGETS[name].name
+# Total variation, per context: ½ Σ_x |q(x|c) − p(x|c)|, averaged over the contexts a draw meets (a categorical's
+# B contexts; along a rollout, summed over the steps like the per-step KLs, E_q[Σ_t TV(c_t)], which for T > 1 is
+# not the TV of the two sequence laws: the trainers that gate by TV gate each token by its own context's).
+TV = TARGETS.add("TV(q,p)", Target("TV(q,p)", "½ Σ_x |q(x) − p(x)| per context", "total variation of each token's context")).name

@@ -35,6 +35,7 @@ class Pair(ABC):
     support_miss: float = 0.0             # mass of q (per context/step, worst case) that b never draws
     weights: str = "none"
     expensive_draws: ClassVar[bool] = False  # a draw costs model forward passes: keep side simulations small
+    supplies_logq: ClassVar[bool] = False    # hands the estimators log q(x) of each draw (Estimator.needs_logq)
 
     # ---------------------------------------------------------------- spec → pair
     @classmethod
@@ -48,7 +49,13 @@ class Pair(ABC):
         """See :meth:`CaseParser.from_config`."""
 
     def validate(self, sources: list[RowSource]) -> None:
-        """Refuse (SpecError) estimators this pair has no exact oracle for, before any sampling."""
+        """Refuse (SpecError) estimators this pair has no exact oracle for, before any sampling (a kind that
+        overrides this calls it too)."""
+        if not self.supplies_logq:
+            for s in sources:
+                if s.needs_logq:
+                    raise SpecError(f"estimator '{s.name}' is a function of the sampled token's probabilities q(x), "
+                                    f"p(x), which a {self.kind} case does not have", case=self.name, key="estimators")
 
     def adapt(self, source: RowSource) -> RowSource:
         """The estimator as this case evaluates it (e.g. in a lower precision, kl_bench.core.precision);

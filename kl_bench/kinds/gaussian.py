@@ -136,6 +136,7 @@ class GaussianPair(ScoreGradientOracle, Pair):
         """Multivariate Gaussians have closed forms for polynomial estimators and |log r|, but any other
         function of log r (clamped variants, plug-ins), a weight cap or a weighted |log r| needs
         quadrature, which is 1-D here."""
+        super().validate(sources)
         if self.dim == 1:
             return
         what = [e.name for e in sources if not e.analytic and e.poly is None and exact.abs_logr_scale(e) is None]

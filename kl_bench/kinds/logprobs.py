@@ -30,7 +30,7 @@ from ..foundation.errors import SpecError
 from ..core.estimators import RowSource
 from ..sampling.logits import log_ratio_problem
 from ..sampling.logits_files import is_array, read_tensor_file, unsupported_array
-from ..core.targets import FORWARD, REVERSE
+from ..core.targets import FORWARD, REVERSE, TV
 from .protocols import CaseConfig, JointMoments, register_kind
 from .defaults import Pair
 
@@ -111,6 +111,7 @@ def _check_log_ratios(logp: torch.Tensor, logq: torch.Tensor, on: torch.Tensor, 
                "kl_full): no exact truth; moments over the log, reference = Σ kl_full when given")
 class LogprobsPair(Pair):
     aggregates = ("seq", "tok")
+    supplies_logq = True
 
     def __init__(self, name: str, logq: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor,
                  kl_full: torch.Tensor | None, label: str = ""):
@@ -119,6 +120,7 @@ class LogprobsPair(Pair):
         self.mask = mask
         self.g = torch.where(mask > 0, logp - logq, torch.zeros_like(logp))        # log r_t, 0 off the mask
         self.L = self.g.sum(-1)                                                      # [B] sequence log-ratio
+        self.lq = torch.where(mask > 0, logq, torch.zeros_like(logq))              # log q_t, 0 off the mask
         self.kl_full = kl_full
         self.full = (mask * kl_full).sum(-1) if kl_full is not None else torch.full_like(self.L, math.nan)
         self.tok_b = (mask * torch.expm1(self.g)).sum(-1)
@@ -183,7 +185,7 @@ class LogprobsPair(Pair):
         return ("tok",) if source.token_only else self.aggregates
 
     def true_values(self) -> dict[str, float]:
-        return {REVERSE: math.nan, FORWARD: math.nan}     # unknown: only the log is known
+        return {REVERSE: math.nan, FORWARD: math.nan, TV: math.nan}     # unknown: only the log is known
 
     def reference_row(self) -> str | None:
         return "tok:full" if self.kl_full is not None else None
@@ -209,7 +211,7 @@ class LogprobsPair(Pair):
             return est.fn(self.L)
         key = est.name if est.lam is None else f"{est.name}@{est.lam!r}"
         if key not in self._tok_cache:
-            self._tok_cache[key] = (self.mask * est.fn(self.g)).sum(-1)
+            self._tok_cache[key] = (self.mask * est.on(self.g, self.lq)).sum(-1)
         return self._tok_cache[key]
 
     def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 COLORBLIND = ("#0173b2", "#de8f05", "#029e73", "#d55e00", "#cc78bc", "#ca9161", "#fbafe4", "#949494", "#ece133",
               "#56b4e9")
 ESTIMATOR_COLOURS = {"k1": "#0173b2", "k2": "#de8f05", "k3": "#029e73", "abs": "#d55e00", "fwd_k1": "#cc78bc",
-                     "fwd_k3": "#ca9161", "full": "#4d4d4d", "cv": "#56b4e9", "cv_opt": "#b8a300"}
+                     "fwd_k3": "#ca9161", "full": "#4d4d4d", "cv": "#56b4e9", "cv_opt": "#b8a300",
+                     "bin_kl": "#e7298a", "bin_tv": "#a6761d"}
 # The library presets (kl_bench.core.presets), each its own colour, chosen so that the ones a figure shows
 # together (experiments/trainers.toml: k3, verl.low_var_kl, openrlhf.k3, nemo.k3, trl.grpo, nemo.k1) differ;
 # a "+" variant has its base's value, so its colour (a figure that shows both gives it another marker).

@@ -21,7 +21,7 @@ class CategoricalModel:
     (flattened context·V + token, those the sampler can draw): ``support`` the ids, ``logr`` log r as the
     estimators see it (rounded where ``precision`` is set), ``full`` the context's analytic KL, ``is_weight``
     the importance weight q/b after the ``correction`` (None: unweighted), ``raw_weight`` q/b before it, and
-    ``pvals`` the sampling distribution renormalised in float64 (numpy's multinomial checks that it sums
+    ``logq`` log q(x) of the id (for the estimators of the token's own probabilities), ``pvals`` the sampling distribution renormalised in float64 (numpy's multinomial checks that it sums
     to 1). ``support_miss``: the mass of q that b never draws (mean over contexts). ``rounded``: the
     precision's rounding input (kl_bench.core.precision), for run.json."""
     log_q: torch.Tensor
@@ -34,6 +34,7 @@ class CategoricalModel:
     raw_weight: torch.Tensor | None
     pvals: np.ndarray
     support_miss: float
+    logq: torch.Tensor
     correction: WeightCorrection
     precision: Precision | None = None
     rounded: Any = None
@@ -74,7 +75,7 @@ class CategoricalModel:
         kl_ctx = torch.where(log_q.exp() > 0, log_q.exp() * (log_q - log_p), torch.zeros_like(log_q)).sum(-1)
         full = kl_ctx[:, None].expand_as(log_q).reshape(-1)[support]
         return cls(log_q, log_p, log_b, support, logr, full, is_weight, raw_weight, pw / pw.sum(), support_miss,
-                   correction, precision, rounded)
+                   log_q.reshape(-1)[support], correction, precision, rounded)
 
     @property
     def contexts(self) -> int:
@@ -97,5 +98,5 @@ class CategoricalModel:
     def values(self, est) -> torch.Tensor:
         """Per-id values of a row source (an estimator of log r, or ``full``), importance-weighted where the
         sampler is, [M]."""
-        v = self.full if est.analytic else est.fn(self.logr)
+        v = self.full if est.analytic else est.on(self.logr, self.logq)
         return v if self.is_weight is None else v * self.is_weight

@@ -8,13 +8,14 @@ import torch
 
 from ...core import oracles as exact
 from ...core.estimators import RowSource
-from ...core.targets import FORWARD, REVERSE
+from ...core.targets import FORWARD, REVERSE, TV
 from ..protocols import JointMoments
 from .model import CategoricalModel
 
 
 def true_values(m: CategoricalModel) -> dict[str, float]:
-    return {REVERSE: exact.categorical_kl(m.log_q, m.log_p), FORWARD: exact.categorical_kl(m.log_p, m.log_q)}
+    return {REVERSE: exact.categorical_kl(m.log_q, m.log_p), FORWARD: exact.categorical_kl(m.log_p, m.log_q),
+            TV: exact.categorical_tv(m.log_q, m.log_p)}
 
 
 def exact_moments(m: CategoricalModel, est: RowSource) -> tuple[float, float]:

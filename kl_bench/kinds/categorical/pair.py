@@ -35,6 +35,7 @@ from .training import CategoricalProblem
 class CategoricalPair(GradientDefaults, Pair):
     # NeMo-RL's clamp order under a weighted sampler takes w inside the clamp (kl_bench.core.modes.Mode.weighted)
     clamp_sees_weight = True
+    supplies_logq = True
     # θ = q's logits [B, V], flattened row by row: the exact vectors go to gradients.npz (B·V float64 each).
     exports_gradient_vectors = True
     baseline_aggregates = ("",)

@@ -33,7 +33,8 @@ class CategoricalSampler:
     def sample_draws(self, n, generator, device, tok_rows=()) -> Draws:
         ids = self.sample_ids(n, generator, device)
         return Draws(self.model.logr.to(device)[ids], self.model.full.to(device)[ids],
-                     weight=None if self.model.is_weight is None else self.model.is_weight.to(device)[ids])
+                     weight=None if self.model.is_weight is None else self.model.is_weight.to(device)[ids],
+                     logq=self.model.logq.to(device)[ids])
 
     def sample_ids(self, n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
         """Indices into the support of q for ``n`` draws; int64 [n]."""
@@ -180,7 +181,8 @@ class CategoricalSampler:
 
     def batch_sums(self, features: Features, tok_rows, device: torch.device) -> BatchSums:
         table = features(Draws(self.model.logr.to(device), self.model.full.to(device),
-                               weight=None if self.model.is_weight is None else self.model.is_weight.to(device)))  # [M, P]
+                               weight=None if self.model.is_weight is None else self.model.is_weight.to(device),
+                               logq=self.model.logq.to(device)))  # [M, P]
         # ±inf features (k1 where p(x) = 0) are summed separately: a zero count times inf is NaN.
         pos, neg = torch.isposinf(table), torch.isneginf(table)
         finite = torch.where(pos | neg, torch.zeros_like(table), table)

@@ -26,7 +26,7 @@ from ...core.draws import Draws, Row
 from ...foundation.errors import SpecError
 from ...core.estimators import RowSource
 from ...sampling.mismatch import LOGIT_KEYS, WEIGHT_KEYS
-from ...core.targets import FORWARD, REVERSE
+from ...core.targets import FORWARD, REVERSE, TV
 from ..protocols import CaseConfig, JointMoments, register_kind
 from ..defaults import Pair
 from ..categorical import CategoricalPair
@@ -71,6 +71,7 @@ class ModelPair(Pair):
     """Sampled continuations of T > 1 tokens (module docstring)."""
     aggregates = ("seq", "tok")
     expensive_draws = True
+    supplies_logq = True
 
     def __init__(self, name: str, policy, reference, prompts: list[list[int]], length: int, eos: int | None,
                  batch_size: int, label: str = "", sampler=None):
@@ -157,7 +158,7 @@ class ModelPair(Pair):
     # ------------------------------------------------------------------ truth: none exists
     def true_values(self) -> dict[str, float]:
         # Sampled continuations of real models: no exact value of either KL (reference_row instead).
-        return {REVERSE: math.nan, FORWARD: math.nan}
+        return {REVERSE: math.nan, FORWARD: math.nan, TV: math.nan}
 
     def exact_moments(self, est: RowSource, aggregate: str = "seq") -> tuple[float, float]:
         return math.nan, math.nan
@@ -307,7 +308,7 @@ class ModelPair(Pair):
             paths.weight = paths.weight * torch.where(alive > 0, w_t, torch.ones_like(w_t))
             step_w = w_t if self.weights == "token" else None
         if tok_rows:
-            vals = torch.stack([kl_t if r.est.analytic else r.est.fn(g) for r in tok_rows], dim=-1)
+            vals = torch.stack([kl_t if r.est.analytic else r.est.on(g, lq_x) for r in tok_rows], dim=-1)
             paths.tok += (alive if step_w is None else alive * step_w)[:, None] * vals
         return kl_t
 

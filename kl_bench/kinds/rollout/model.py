@@ -68,6 +68,7 @@ class SamplingTables:
     kl_ctx: torch.Tensor                       # KL(q(·|c) ‖ p(·|c)) [C]
     bucket: torch.Tensor                       # the bucket after each token [V]
     logw: tuple[torch.Tensor, ...] | None      # per phase, log q/b flattened [C·V] (None: no weights)
+    logq: torch.Tensor                         # log q(x|c) flattened [C·V] (Estimator.needs_logq rows)
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,7 +180,7 @@ class RolloutModel:
                 if self.weighting.weighted else None
             self._tables_by_device[key] = SamplingTables(tuple(t.to(key) for t in self.alias_tables),
                                                          self.logr_table.reshape(-1).to(key), self.kl_ctx.to(key),
-                                                         self.bucket.to(key), logw)
+                                                         self.bucket.to(key), logw, self.log_q.reshape(-1).to(key))
         return self._tables_by_device[key]
 
     # ---------------------------------------------------------------- importance weights (docs/weights.md)
@@ -222,7 +223,7 @@ class RolloutModel:
         """Per-step value [C, V] of a token-level row: the estimator of log r(c, x), or KL(c) for ``full``."""
         if est.analytic:
             return self.kl_ctx[:, None].expand_as(self.logr_table)
-        return est.fn(self.logr_table)
+        return est.on(self.logr_table, self.log_q)
 
 
 def _phases(late: torch.Tensor, eos: int | None, length: int, min_length: int) -> tuple[Phase, ...]:

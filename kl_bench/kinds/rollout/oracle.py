@@ -21,7 +21,8 @@ import torch
 
 from ...core import rollout_dp
 from ...core.estimators import RowSource, poly_square
-from ...core.targets import FORWARD, REVERSE
+from ...core.oracles import context_tv
+from ...core.targets import FORWARD, REVERSE, TV
 from ..protocols import JointMoments
 from . import dp
 from .model import RolloutModel
@@ -58,7 +59,15 @@ class RolloutOracle:
 
     # ---------------------------------------------------------------- truth
     def true_values(self) -> dict[str, float]:
-        return {REVERSE: self.kl(), FORWARD: self.kl_forward()}
+        return {REVERSE: self.kl(), FORWARD: self.kl_forward(), TV: self.tv()}
+
+    def tv(self) -> float:
+        """E_q[Σ_t TV(q(·|c_{t−1}), p(·|c_{t−1}))]: each generated token's context's total variation, summed
+        along the path (the float64 tables), as the per-step KLs sum to KL(q‖p) (for TV, this is not the
+        total variation of the sequence laws)."""
+        m = self.model
+        h = context_tv(m.log_q, m.log_p)[:, None].expand_as(m.log_q)
+        return dp.to_host(dp.under_q(m, torch.ones_like(h), h, 1))[1]
 
     def kl(self) -> float:
         m = self.model

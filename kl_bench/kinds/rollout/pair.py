@@ -43,6 +43,7 @@ from ..trainable import Reward, check_trainable
                weight_kinds=("token", "sequence", "geometric"))
 class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
+    supplies_logq = True
     baseline_aggregates = ("seq", "tok")
     train_aggregates = ("tok", "seq")       # kl_bench.kinds.trainable: a combination's aggregate, tok by default
 

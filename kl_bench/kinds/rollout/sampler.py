@@ -73,24 +73,28 @@ class _Block:
     alive: torch.Tensor
     factor: torch.Tensor
     terms: torch.Tensor
+    lq: torch.Tensor | None = None   # log q of the drawn tokens, where a row needs it (Estimator.needs_logq)
     used: int = 0
 
     @classmethod
-    def of(cls, steps: int, n: int, rows: int, per_token: bool, device: torch.device) -> "_Block":
+    def of(cls, steps: int, n: int, rows: int, per_token: bool, device: torch.device,
+           logq: bool = False) -> "_Block":
         g, kl, alive = (torch.empty(steps, n, dtype=torch.float64, device=device) for _ in range(3))
         terms = torch.empty(steps, 3 + rows, n, dtype=torch.float64, device=device)
-        return cls(g, kl, alive, torch.empty_like(alive) if per_token else alive, terms)
+        return cls(g, kl, alive, torch.empty_like(alive) if per_token else alive, terms,
+                   torch.empty_like(g) if logq else None)
 
     def add_to(self, walk: _Walk, tok_rows: list[Row]) -> None:
         """Add the filled rows' terms to ``walk``'s sums, and empty the block."""
         m = self.used
         g, kl, alive, factor, terms = (x if m == x.shape[0] else x[:m]
                                        for x in (self.g, self.kl, self.alive, self.factor, self.terms))
+        lq = None if self.lq is None else self.lq[:m]
         torch.mul(alive, g, out=terms[:, 0])
         torch.mul(alive, kl, out=terms[:, 1])
         torch.mul(alive, torch.expm1(g), out=terms[:, 2])
         for j, r in enumerate(tok_rows):
-            torch.mul(factor, kl if r.est.analytic else r.est.fn(g), out=terms[:, 3 + j])
+            torch.mul(factor, kl if r.est.analytic else r.est.on(g, lq), out=terms[:, 3 + j])
         s = _steps_sum(terms)
         walk.logr += s[0]
         walk.full += s[1]
@@ -130,7 +134,7 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
     n = sum(sizes)
     walk = _Walk.start(n, len(tok_rows), weighted, device)
     block = _Block.of(min(step_block(device), model.length), n, len(tok_rows), weighted and model.weighting.per_token,
-                      device) if sums else None
+                      device, any(r.est.needs_logq for r in tok_rows)) if sums else None
     # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.core.rejection).
     mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], n, device)
     steps = uniform_steps(device)
@@ -146,6 +150,8 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
         if sums:
             j = block.used
             torch.index_select(g_flat, 0, key, out=block.g[j])
+            if block.lq is not None:
+                torch.index_select(on.logq, 0, key, out=block.lq[j])
             torch.index_select(kl_ctx, 0, walk.c, out=block.kl[j])
             block.alive[j].copy_(walk.alive)
             if block.factor is not block.alive:
