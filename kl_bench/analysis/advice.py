@@ -26,6 +26,7 @@ from ..core.estimators import CV, PAIR_ROWS
 from ..foundation.formatting import count, fmt, pct
 from ..core.planning import n_for_rel_error, never_words, rmse
 from ..core.rejection import WORDS as REJECTION_WORDS
+from .gate_advice import gate_lines, proxy_shares
 from ..core.stats import HeavyTail, unknown_reason
 from ..core.targets import REVERSE
 
@@ -304,14 +305,19 @@ def check_options(batch: int, tolerance: float) -> None:
 
 
 def recommendations(df: pd.DataFrame, gradients: pd.DataFrame | None = None, *, batch: int = DEFAULT_BATCH,
-                    tolerance: float = DEFAULT_TOLERANCE) -> list[Advice]:
-    """Per case: the value advice, then the loss advice. ``df``: a summary (or exact) table;
-    ``gradients``: the gradients table when one was computed."""
+                    tolerance: float = DEFAULT_TOLERANCE, gates: pd.DataFrame | None = None) -> list[Advice]:
+    """Per case: the value advice, then the loss advice, then the gates' (kl_bench.analysis.gate_advice: the
+    proxies' shares, and each swept gate's light threshold). ``df``: a summary (or exact) table;
+    ``gradients``: the gradients table when one was computed; ``gates``: gates.csv's rows when swept."""
     check_options(batch, tolerance)
     out = []
     for case in dict.fromkeys(df["case"]):
         out.append(value_advice(df, case, batch, tolerance))
         out.append(loss_advice(df, case, gradients))
+        shares = proxy_shares(df, case)
+        lines = gate_lines(gates, case) if gates is not None else []
+        if shares or lines:
+            out.append(Advice(case, "gate", "", "; ".join(([shares] if shares else []) + lines)))
     return out
 
 

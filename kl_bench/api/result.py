@@ -51,6 +51,12 @@ class Result:
         return read_frame(self._files["group_baselines.csv"]) if "group_baselines.csv" in self._files else None
 
     @property
+    def gates(self) -> "pd.DataFrame | None":
+        """gates.csv's rows (``[experiment] gates``: exact mask rates and biases), or None when the spec asks for none."""
+        from ..results import read_frame
+        return read_frame(self._files["gates.csv"]) if "gates.csv" in self._files else None
+
+    @property
     def batches(self) -> "pd.DataFrame":
         """Every row's batch means (batches.csv)."""
         from ..results import read_frame
@@ -156,7 +162,7 @@ class Result:
         the line ``kl-bench run`` prints."""
         from ..analysis.advice import AdviceOptionError, recommendations
         try:
-            return recommendations(self.summary, self.gradients, batch=batch, tolerance=tolerance)
+            return recommendations(self.summary, self.gradients, batch=batch, tolerance=tolerance, gates=self.gates)
         except AdviceOptionError as e:     # a ValueError there (the CLI maps it too): a bad argument here is a SpecError
             raise SpecError(str(e), key=e.key) from None
 

@@ -65,7 +65,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
 
 def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
     """What a person reads after a run: the tables, the warnings, the advice, and the time it took."""
-    from ..present.run_tables import BASELINE_KEYS, GRADIENT_KEYS, baseline_table, gradient_table
+    from ..present.run_tables import BASELINE_KEYS, GATE_KEYS, GRADIENT_KEYS, baseline_table, gate_table, gradient_table
     from ..present.tables import print_tables
     from ..present.terminal import prose, show
     from ..foundation.formatting import plural
@@ -77,6 +77,9 @@ def show_run(result, wide: bool, batch: int, tolerance: float) -> None:
         out_console.print()
     if result.group_baselines is not None:
         show(out_console, baseline_table(result.group_baselines), wide, keys=BASELINE_KEYS)
+        out_console.print()
+    if result.gates is not None:
+        show(out_console, gate_table(result.gates), wide, keys=GATE_KEYS)
         out_console.print()
     warn_rows(df, err_console)
     advise(result.recommendations(batch=batch, tolerance=tolerance))

@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 
 from . import gradient_rows as G
+from .gates import check_gates, gate_frame
 from .group_baselines import BASELINES, baseline_rows, check_pair as check_baselined_pair
 from ..engine.distributed import SINGLE, Ranks
 from ..core.draws import Row
@@ -169,6 +170,7 @@ class SpecOutcome:
     drawn: dict[str, dict[str, list]] = dataclasses.field(default_factory=dict)  # case → pass → per rank ranges
     gradient_vectors: dict[str, Any] = dataclasses.field(default_factory=dict)  # gradients.npz
     group_baselines: pd.DataFrame | None = None        # group_baselines.csv (kl_bench.experiment.group_baselines)
+    gates: pd.DataFrame | None = None                  # gates.csv (kl_bench.experiment.gates)
 
     def files(self) -> dict[str, bytes]:
         """The data files of a results folder (run.json is built by the caller)."""
@@ -193,6 +195,8 @@ class SpecOutcome:
             files["gradients.csv"] = frame_to_csv_bytes(self.gradients)
         if self.group_baselines is not None:
             files["group_baselines.csv"] = frame_to_csv_bytes(self.group_baselines)
+        if self.gates is not None:
+            files["gates.csv"] = frame_to_csv_bytes(self.gates)
         if self.gradient_vectors:       # exact vectors, float64 (kl_bench.experiment.gradient_rows.vector_key)
             buf = io.BytesIO()
             np.savez_compressed(buf, **self.gradient_vectors)
@@ -215,6 +219,7 @@ def validate_oracles(spec, pairs: list[CasePair], spec_file: str | None = None) 
             if spec.experiment.gradients:
                 require_gradients(pair)
             _check_baseline_groups(spec, case, pair)
+            check_gates(spec, pair)
         except SpecError as e:
             raise e.located(file=spec_file, case=case.name) from None
 
@@ -286,7 +291,7 @@ def run_spec(spec, pairs: list[CasePair], device: torch.device, progress: Callab
         return None
     summary = add_sweep_columns(to_frame(rows), spec)
     return SpecOutcome(summary, outcomes, case_draws, time.perf_counter() - t0, grads, ranks.world_size, drawn,
-                       vectors, _baseline_pass(spec, pairs, device, on_phase))
+                       vectors, _baseline_pass(spec, pairs, device, on_phase), gate_frame(spec, pairs))
 
 
 def _gradient_pass(spec, pairs: list[CasePair], device: torch.device, progress, on_phase, ranks: Ranks,

@@ -1,10 +1,11 @@
 """A spec's ``[experiment]`` table: the :class:`Experiment` dataclass and its parser (name, draws, seed,
 device, batches, chunk; the estimators, clamped variants and their labels; the λ values of cv(λ); the
-group sizes of the baseline rows), every error naming the file and key."""
+group sizes of the baseline rows; the gates' thresholds), every error naming the file and key."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from ..foundation.typed_toml import (MAX_BATCHES, MAX_DRAWS, Table, at_most, che
 from ..foundation.formatting import fmt_count
 from .group_baselines import MAX_GROUP
 from ..foundation.errors import SpecError
+from ..core.gates import GATES
 from ..core.estimators import DEFAULT_ESTIMATORS, ESTIMATORS, PAIR_ROWS, EstimatorOption, lookup, resolve_estimator
 from ..foundation.registry import did_you_mean, plugin_path
 
@@ -47,6 +49,7 @@ class Experiment:
     optimal: bool = False             # "optimal" in lambdas: add cv_opt with λ from a pilot pass
     gradients: bool = False           # also write gradients.csv (kl_bench.experiment.gradient_rows)
     baseline_groups: tuple[int, ...] = ()   # G values: also write group_baselines.csv (kl_bench.experiment.group_baselines)
+    gates: tuple[tuple[str, tuple[float, ...]], ...] = ()   # (gate, δ values): also write gates.csv (kl_bench.core.gates)
 
     @functools.cached_property
     def sources(self) -> tuple:
@@ -83,9 +86,39 @@ def parse_experiment(t: Table, stem: str) -> Experiment:
         optimal=optimal,
         gradients=t.bool("gradients", False),
         baseline_groups=_parse_groups(t),
+        gates=_parse_gates(t),
     )
     t.finish()
     return exp
+
+
+def _parse_gates(t: Table) -> tuple[tuple[str, tuple[float, ...]], ...]:
+    """`gates = { bin_kl = [0.001, 0.01], k3 = [0.02] }`: per registered gate (kl_bench.core.gates), the
+    thresholds δ > 0 swept in one pass."""
+    raw = t.raw("gates")
+    if raw is None:
+        return ()
+    key = t.key("gates")
+    if not isinstance(raw, dict) or not raw:
+        raise t.error(f"must be a table of gate = [thresholds], e.g. {{ bin_kl = [0.01] }}, got {typename(raw)}", key=key)
+    out = []
+    for name, deltas in raw.items():
+        if name not in GATES:
+            raise t.error(f"unknown gate '{name}'{did_you_mean(name, GATES.names())}; known: {', '.join(GATES.names())}",
+                          key=key)
+        values = deltas if isinstance(deltas, list) else [deltas]
+        if not values:
+            raise t.error(f"'{name}' needs at least one threshold", key=key)
+        got = []
+        for v in values:
+            x = convert(v, "float", lambda m: t.error(f"'{name}': {m}", key=key))
+            if not (math.isfinite(x) and x > 0):
+                raise t.error(f"'{name}': a threshold must be a finite number > 0, got {v!r}", key=key)
+            got.append(x)
+        if len(set(got)) < len(got):
+            raise t.error(f"'{name}' lists a threshold twice", key=key)
+        out.append((name, tuple(sorted(got))))
+    return tuple(out)
 
 
 def _parse_groups(t: Table) -> tuple[int, ...]:

@@ -81,6 +81,12 @@ class Pair(ABC):
                             f"(it has: {known})", case=self.name)
         return values[target]
 
+    def gate_rates(self, gate, delta: float):
+        """A gate's exact rates at ``delta`` (:class:`kl_bench.core.gates.GateRates`) on a kind with a vocabulary
+        whose tables it sums over; the others refuse."""
+        raise SpecError(f"a {self.kind} case has no exact gate rates (gates need the vocabulary's tables: "
+                        "categorical and rollout cases)", case=self.name, key="experiment.gates")
+
     def kl(self) -> float:
         """Exact KL(q‖p) (the reverse KL that trainers penalise); may be +inf."""
         return self.true_value(REVERSE)

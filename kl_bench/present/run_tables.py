@@ -1,5 +1,5 @@
 """The tables of a run's other outputs: what each estimator's gradient optimises (:func:`gradient_table`),
-group baselines in the reward (:func:`baseline_table`), and the regression gate's comparisons
+group baselines in the reward (:func:`baseline_table`), gates with their exact rates (:func:`gate_table`), and the regression gate's comparisons
 (:func:`check_table`); each with its key columns (what names a row when the table is stacked)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pandas as pd
 from rich.markup import escape
 from rich.table import Table
 
-from ..foundation.formatting import count, fmt, measured_cells
+from ..foundation.formatting import count, fmt, measured_cells, pct
 
 
 def gradient_table(g: pd.DataFrame) -> Table:
@@ -41,8 +41,22 @@ def gradient_table(g: pd.DataFrame) -> Table:
 
 GRADIENT_KEYS = 3       # case, estimator, mode
 BASELINE_KEYS = 4       # case, estimator, baseline, G
+GATE_KEYS = 3           # case, gate, δ
 
-BASELINE_KEYS = 4       # case, estimator, baseline, G
+
+def gate_table(g: pd.DataFrame) -> Table:
+    """Gates (gates.csv): per case, statistic and threshold, the exact share of tokens (and of sequences) masked,
+    the share of KL(q||p) the masked tokens carry, and the relative bias of k1 and of the importance weight's
+    mean when masked tokens are dropped."""
+    t = Table(title="gates: a token is masked when its statistic > δ (exact)", title_justify="left",
+              show_edge=False, pad_edge=False)
+    for col in ["case", "gate", "δ", "tokens", "sequences", "KL unseen", "k1 bias", "weight bias"]:
+        t.add_column(col, justify="left" if col in ("case", "gate") else "right")
+    for _, r in g.iterrows():
+        t.add_row(escape(r["case"]), r["gate"], fmt(r["delta"]), pct(r["tokens_masked"], sign=False),
+                  pct(r["seq_masked"], sign=False), pct(r["kl_unseen"], sign=False), pct(r["k1_bias"]),
+                  pct(r["weight_bias"]))
+    return t
 
 
 def baseline_table(g: pd.DataFrame) -> Table:

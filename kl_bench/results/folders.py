@@ -56,7 +56,7 @@ class FolderFormat:
 
 FORMATS: dict[str, FolderFormat] = {f.kind: f for f in (
     FolderFormat("run", "kl_bench_run", FORMAT_VERSION,
-                 ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv"),
+                 ("summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "group_baselines.csv", "gates.csv"),
                  ("reservoir.npz", "gradients.npz"), ("summary.csv",), "kl-bench run", RUN_ENVELOPE,
                  # the per-draw reservoir (only the report's ECDF figures read it: skipped without it) and the
                  # exact gradient vectors (the report does not read them; the Python API, when they are there)

@@ -97,7 +97,8 @@ MEASURED = {"draws", "batches", "mean", "std", "se", "std_se", "bias", "rel_bias
              "frac_negative", "lambda_star_mc", "lambda_star_mc_se", "p_neg_b64", "heavy_tail", "excess_std", "ess"}
 EXACT_COLUMNS = [c for c in COLUMNS if c not in MEASURED]
 # Text columns of every results CSV: read as strings, empty cells as "" (not NaN).
-TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler", "mode", "equals", "baseline"]
+TEXT_COLUMNS = ["case", "kind", "estimator", "aggregate", "target", "heavy_tail", "sampler", "mode", "equals", "baseline",
+                "gate", "formula"]
 
 
 # batches.csv: one row per (case, row, batch): the batch means behind every standard error.
@@ -125,6 +126,26 @@ SWEEP_SCHEMA: dict[str, str] = {
     "frac_negative": "measured fraction of negative draws, on the spec's coarser λ grid only",
     "lambda_star": "exact variance-optimal λ* = Cov(log r, r)/Var(r)",
     "lambda_star_mc": "empirical λ* from the same draws",
+}
+
+
+# gates.csv: one row per (case, gate, delta) with `[experiment] gates` (kl_bench.core.gates): a threshold on a
+# per-token statistic used as a mask, and what it costs, exactly (sums over each context's vocabulary).
+GATE_SCHEMA: dict[str, str] = {
+    "case": "case name (a categorical or rollout case)",
+    "gate": "the statistic s of the sampled token x ~ q (bin_kl, bin_tv, k3, ratio: docs/gates.md); the token is "
+            "masked when s > delta",
+    "formula": "the mask's condition",
+    "delta": "the threshold δ",
+    "tokens_masked": "share of generated tokens masked (rollouts: E_q[#masked] / E_q|y|)",
+    "seq_masked": "rollouts: share of sequences with at least one masked token; empty for single tokens",
+    "worst_context": "the largest share of tokens masked in any one context",
+    "kl_unseen": "share of KL(q||p) carried by the masked tokens (each context's KL split over its tokens by k3 "
+                 "= r − 1 − log r, parts ≥ 0 that sum to it)",
+    "k1_bias": "relative bias of k1 summed over the kept tokens only: −E_q[k1·1{masked}] / KL(q||p)",
+    "k3_bias": "the same for k3: −kl_unseen",
+    "weight_bias": "E_q[r·1{kept}] − 1 per token = −P_p(masked): the mean the policy gradient's importance weight "
+                   "r = p/q loses",
 }
 
 

@@ -38,7 +38,7 @@ from .csv_checks import check_numeric_columns, first_bad, parse_csv
 from .folders import (FORMATS, check_hashes, check_recorded, format_of, read_bytes,
                       read_envelope, require_folder, require_kind, version_of)
 from .migrate import migrate
-from .schema import BATCH_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
+from .schema import BATCH_SCHEMA, GATE_SCHEMA, GRAD_SCHEMA, GROUP_BASELINE_SCHEMA, SCHEMA, SWEEP_SCHEMA, TEXT_COLUMNS
 from ..foundation.safe_io import cap_for, load_npz
 from ..core.stats import HeavyTail
 
@@ -61,6 +61,7 @@ class FolderContents:
     gradients: Any
     reservoir: dict[str, np.ndarray] | None
     group_baselines: Any = None
+    gates: Any = None
 
 
 def _schemas() -> dict[str, tuple[list[str], list[str]]]:
@@ -72,7 +73,8 @@ def _schemas() -> dict[str, tuple[list[str], list[str]]]:
             # sampler, aggregate, trace_cov and trace_cov_none came later (baselines under samplers, on rollouts)
             "group_baselines.csv": (list(GROUP_BASELINE_SCHEMA),
                                     [c for c in GROUP_BASELINE_SCHEMA
-                                     if c not in ("sampler", "aggregate", "trace_cov", "trace_cov_none")])}
+                                     if c not in ("sampler", "aggregate", "trace_cov", "trace_cov_none")]),
+            "gates.csv": (list(GATE_SCHEMA), list(GATE_SCHEMA))}
 
 
 # Text columns that identify a row: an empty cell there is a damaged file.
@@ -85,7 +87,8 @@ _KEYS = {"summary.csv": ("case", "estimator", "aggregate", "lambda"),
          "batches.csv": ("case", "estimator", "aggregate", "lambda", "batch"),
          "lambda_sweep.csv": ("case", "aggregate", "lambda"),
          "gradients.csv": ("case", "estimator", "aggregate", "lambda", "mode"),
-         "group_baselines.csv": ("case", "estimator", "aggregate", "baseline", "group")}
+         "group_baselines.csv": ("case", "estimator", "aggregate", "baseline", "group"),
+         "gates.csv": ("case", "gate", "delta")}
 # Spreads: ≥ 0 (an empty cell is allowed: e.g. no std_se where the 4th moment is infinite).
 _SPREADS = {"summary.csv": ("std", "se", "std_se", "ref_se"), "lambda_sweep.csv": ("std", "se")}
 # Bounded columns: column → (lowest, highest, what it is), an empty cell allowed (no exact value). A KL is ≥ 0
@@ -100,7 +103,8 @@ _BOUNDED = {"summary.csv": {"true_kl": _KL, "exact_std": (0.0, np.inf, "a spread
                             "ess": (0.0, np.inf, "a sample size: ≥ 0, or empty"),
                             "frac_negative": _FRACTION, "p_neg_b64": _FRACTION},
             "lambda_sweep.csv": {"true_kl": _KL, "exact_std": (0.0, np.inf, "a spread: ≥ 0, or empty"),
-                                 "frac_negative": _FRACTION, "p_negative_exact": _FRACTION}}
+                                 "frac_negative": _FRACTION, "p_negative_exact": _FRACTION},
+            "gates.csv": {c: _FRACTION for c in ("tokens_masked", "seq_masked", "worst_context")}}
 # Statistics that every row with draws has (a NaN there is a writer's bug or an overflow, never a result),
 # and those it has wherever that first one is finite.
 _DEFINED = {"summary.csv": ("mean", ("std", "se")), "lambda_sweep.csv": ("mean", ("std", "se")),
@@ -244,7 +248,8 @@ def read_results_folder(path: str | Path) -> FolderContents:
     summary = tables["summary.csv"]
     _check_cases(folder, env, tables)
     return migrate(FolderContents(folder, env, summary, tables["batches.csv"], tables["lambda_sweep.csv"],
-                                  tables["gradients.csv"], reservoir, tables["group_baselines.csv"]), str(folder))
+                                  tables["gradients.csv"], reservoir, tables["group_baselines.csv"],
+                                  tables["gates.csv"]), str(folder))
 
 
 def verify_results_folder(path: str | Path) -> None:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ...core import oracles as exact
+from ...core import gates, oracles as exact
 from ...core.estimators import RowSource
 from ...core.targets import FORWARD, REVERSE, TV
 from ..protocols import JointMoments
@@ -50,3 +50,9 @@ def exact_joint(m: CategoricalModel) -> JointMoments:
 def exact_prob_negative(m: CategoricalModel, fn) -> float:
     v = fn(m.logr) if m.is_weight is None else fn(m.logr) * m.is_weight
     return float((m.weights() * (v < 0)).sum())
+
+
+def gate_rates(m: CategoricalModel, gate, delta: float):
+    """A gate's exact rates (kl_bench.core.gates) on the float64 tables, each context a draw's with probability 1/B."""
+    return gates.gate_rates(m.log_q, m.log_p, torch.full((m.contexts,), 1.0 / m.contexts, dtype=torch.float64),
+                            gate, delta)

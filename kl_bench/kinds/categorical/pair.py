@@ -97,6 +97,9 @@ class CategoricalPair(GradientDefaults, Pair):
     def true_values(self) -> dict[str, float]:
         return oracle.true_values(self.model)
 
+    def gate_rates(self, gate, delta: float):
+        return oracle.gate_rates(self.model, gate, delta)
+
     def exact_moments(self, est: RowSource, aggregate: str = "") -> tuple[float, float]:
         return oracle.exact_moments(self.model, est)
 

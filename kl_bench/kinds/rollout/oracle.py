@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ...core import rollout_dp
+from ...core import gates, rollout_dp
 from ...core.estimators import RowSource, poly_square
 from ...core.oracles import context_tv
 from ...core.targets import FORWARD, REVERSE, TV
@@ -47,6 +47,13 @@ def mean_var(mean: float, second: float) -> tuple[float, float]:
     return mean, (var if var > CANCELLATION_ULPS * 2.0**-52 * abs(second) else 0.0)
 
 
+def _rows(t: torch.Tensor, c: int) -> torch.Tensor:
+    """``t`` [C, V] zeroed outside row ``c``."""
+    out = torch.zeros_like(t)
+    out[c] = t[c]
+    return out
+
+
 class RolloutOracle:
     """Exact values of one rollout model (module docstring); caches what several rows share."""
 
@@ -56,6 +63,7 @@ class RolloutOracle:
         self._mean_length: float | None = None
         self._spectra: rollout_dp.LengthSpectra | None = None
         self._batch_factor: torch.Tensor | None = None
+        self._visits: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- truth
     def true_values(self) -> dict[str, float]:
@@ -82,6 +90,18 @@ class RolloutOracle:
             g = m.log_p - m.log_q
             return dp.to_host(dp.under_q(m, torch.exp(g), g, 1))[1]
         return self.seq_moments(1)[1]      # E_p[L] = E_q[R L]: q > 0 everywhere
+
+    def gate_rates(self, gate, delta: float):
+        """A gate's exact rates (kl_bench.core.gates) on the float64 tables: each bucket weighted by its expected
+        visits E_q[#steps in c] (one program per bucket, computed once), the share of sequences with a masked
+        token from the program with the per-token factor 1{kept}."""
+        m = self.model
+        if self._visits is None:
+            ones = torch.ones_like(m.log_q)
+            self._visits = torch.tensor([dp.to_host(dp.under_q(m, ones, _rows(ones, c), 1))[1]
+                                         for c in range(m.buckets)], dtype=torch.float64)
+        return gates.gate_rates(m.log_q, m.log_p, self._visits, gate, delta,
+                                lambda keep: dp.to_host(dp.under_q(m, keep, torch.ones_like(keep), 0))[0])
 
     def mean_length(self) -> float:
         """E_q|y|, exact (computed once: every per-token row's truth divides by it)."""

@@ -132,6 +132,9 @@ class RolloutPair(GradientDefaults, Pair):
     def true_values(self) -> dict[str, float]:
         return self.oracle.true_values()
 
+    def gate_rates(self, gate, delta: float):
+        return self.oracle.gate_rates(gate, delta)
+
     def true_value(self, target: str, aggregate: str = "") -> float:
         # Rows divided by lengths estimate a rate per generated token: compare them with the target over
         # E_q|y| (what the token-mean of an unbiased per-token estimator converges to, draws from q).

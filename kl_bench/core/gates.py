@@ -1,0 +1,119 @@
+"""Gates: a threshold on a per-token divergence statistic, used as a mask, with its exact rates and biases
+(docs/gates.md).
+
+Trainers now keep, drop or reweight each sampled token by a divergence statistic of that token between the
+policy that sampled it and the one being trained. In kl-bench's notation the token is x ~ q and the other
+policy is p, r = p(x)/q(x); a gate masks the token when its statistic exceeds δ:
+
+- ``bin_kl``: the binary KL D(q(x) ‖ p(x)) (DPPO, Qi et al., arXiv 2602.04879, its binary KL mask);
+- ``bin_tv``: |q(x) − p(x)| (DPPO's binary TV mask);
+- ``k3``: r − 1 − log r (ATR-GRPO, arXiv 2602.05494: the band w − 1 − log w ≤ δ on the ratio w = r, an
+  asymmetric band [w₋, w₊] around 1, :func:`k3_band`);
+- ``ratio``: |log r| (a symmetric ratio band [e^−δ, e^δ], IcePop's masking of tokens whose ratio leaves a
+  band, here one band parameter so that δ sweeps as the others do).
+
+A masked token contributes nothing: neither to the KL a trainer estimates from the kept tokens, nor to the
+policy gradient (its importance weight r is zeroed). Every rate below is a sum over the vocabulary of each
+context, weighted by how many generated tokens meet that context (``visits``: 1/B per context for a
+categorical of B contexts, E_q[#steps in context c] along a rollout). Exact, for any δ, in one pass over the
+tables per δ; a rollout's share of sequences with at least one masked token is the dynamic program with the
+per-token factor 1{kept} (the caller supplies it: :func:`kl_bench.kinds.rollout.gates`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..foundation.registry import Registry
+from .estimators import bin_kl, bin_tv, k3
+
+
+@dataclass(frozen=True)
+class Gate:
+    """A per-token statistic s(log r, log q) ≥ 0 [shape-preserving]; a token is masked when s > δ."""
+    name: str
+    statistic: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    formula: str
+    source: str
+
+
+GATES: Registry[Gate] = Registry("gate")
+GATES.add("bin_kl", Gate("bin_kl", bin_kl, "D(q(x) ‖ p(x)) > δ", "DPPO, arXiv 2602.04879 (binary KL)"))
+GATES.add("bin_tv", Gate("bin_tv", bin_tv, "|q(x) − p(x)| > δ", "DPPO, arXiv 2602.04879 (binary TV)"))
+GATES.add("k3", Gate("k3", lambda logr, logq: k3(logr), "r − 1 − log r > δ", "ATR-GRPO, arXiv 2602.05494"))
+GATES.add("ratio", Gate("ratio", lambda logr, logq: logr.abs(), "|log r| > δ (r outside [e^−δ, e^δ])",
+                        "IcePop-style ratio band"))
+
+
+def k3_band(delta: float) -> tuple[float, float]:
+    """The ratios w with w − 1 − log w ≤ δ: [w₋, w₊], w₋ < 1 < w₊, solved by Newton's method from each side
+    (the function is convex with its minimum 0 at w = 1; in log space u = log w: e^u − 1 − u = δ)."""
+    if not delta > 0:
+        raise ValueError(f"δ must be > 0, got {delta}")
+    out = []
+    for u in (-math.sqrt(2 * delta) - delta, math.sqrt(2 * delta)):   # start outside the root: Newton then converges monotonically
+        for _ in range(100):
+            step = (math.expm1(u) - u - delta) / math.expm1(u)
+            u -= step
+            if abs(step) < 1e-15 * max(1.0, abs(u)):
+                break
+        out.append(math.exp(u))
+    return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class GateRates:
+    """One gate at one δ, exact (module docstring). Shares are of generated tokens (a rollout's: of all the
+    tokens of all sequences, E_q[#masked]/E_q|y|); ``kl_unseen``: the share of KL(q‖p) the masked tokens carry
+    (k3 splits each context's KL into per-token parts ≥ 0 that sum to it: Σ_x q(r − 1) = 0); ``k1_bias`` and
+    ``k3_bias``: the relative bias of k1 and k3 summed over the kept tokens only; ``weight_bias``: E_q[r·1{kept}] − 1
+    per token = −P_p(masked), the importance weight's lost mean (the policy gradient's weight);
+    ``worst_context``: the largest share masked in any one context; ``seq_masked``: the share of sequences with a
+    masked token (NaN for single tokens)."""
+    gate: str
+    delta: float
+    tokens_masked: float
+    kl_unseen: float
+    k1_bias: float
+    k3_bias: float
+    weight_bias: float
+    worst_context: float
+    seq_masked: float = math.nan
+
+
+def context_parts(log_q: torch.Tensor, log_p: torch.Tensor, gate: Gate, delta: float) -> dict[str, torch.Tensor]:
+    """Per context [C]: Σ_x q·1m, Σ_x q·k1·1m, Σ_x q·k3·1m, Σ_x p·1m with 1m = 1{s > δ}; and the keep table
+    1 − 1m [C, V] (float64). ``log_q``, ``log_p``: normalised float64 log-probs [C, V]."""
+    logr = log_p - log_q
+    q = log_q.exp()
+    masked = gate.statistic(logr, log_q) > delta
+    m = masked.to(torch.float64)
+
+    def total(v: torch.Tensor) -> torch.Tensor:
+        # a token q never draws carries nothing (where q = 0 its k1 may be ±inf: never 0·inf)
+        return torch.where((q > 0) & masked, q * v, torch.zeros_like(q)).sum(-1)
+    return {"q": total(torch.ones_like(q)), "k1": total(-logr), "k3": total(k3(logr)),
+            "p": (log_p.exp() * m).sum(-1), "keep": 1.0 - m}
+
+
+def gate_rates(log_q: torch.Tensor, log_p: torch.Tensor, visits: torch.Tensor, gate: Gate, delta: float,
+               seq_kept: Callable[[torch.Tensor], float] | None = None) -> GateRates:
+    """The exact :class:`GateRates` of ``gate`` at ``delta`` on the tables ``log_q``, ``log_p`` [C, V] whose contexts
+    generated tokens meet ``visits`` [C] times per draw. ``seq_kept``: keep table [C, V] → P_q(no token of a
+    sequence masked) (rollouts), None for single tokens."""
+    parts = context_parts(log_q, log_p, gate, delta)
+    n = visits.to(torch.float64)
+    tokens = float(n.sum())
+    kl = float((n * (log_q.exp() * k3(log_p - log_q)).sum(-1)).sum())      # = Σ_c n_c KL(c): no cancellation
+
+    def rel(v: torch.Tensor) -> float:
+        s = float((n * v).sum())
+        return s / kl + 0.0 if kl > 0 else (0.0 if s == 0 else math.nan)     # + 0.0: never a −0 below
+    seen = n > 0
+    return GateRates(gate.name, float(delta), float((n * parts["q"]).sum()) / tokens, rel(parts["k3"]),
+                     0.0 - rel(parts["k1"]), 0.0 - rel(parts["k3"]), 0.0 - float((n * parts["p"]).sum()) / tokens,
+                     float(parts["q"][seen].max()) if bool(seen.any()) else math.nan,
+                     1.0 - seq_kept(parts["keep"]) if seq_kept is not None else math.nan)
