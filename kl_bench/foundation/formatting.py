@@ -149,12 +149,13 @@ def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, 
     """The one digit rule of every output: (measured value, its SE, the exact value beside it) as text, the
     measured value to the SE's precision (the SE to SE_DIGITS significant digits, the value to the same
     decimal place), the exact value to the same place, all three in one notation (plain decimals, or a shared
-    power of ten "…e-5" where the larger of value and exact is below 10^-3 or reaches 10^5, as :func:`fmt`), so that
+    power of ten "…e-5" where the largest of value, exact and SE is below 10^-3 or reaches 10^5, as :func:`fmt`), so that
     (value − exact) / SE read off the cells is the row's z within rounding. An exact 0 prints as "0"
     (without ``unit``); missing values are blank. ``sign``: a + on positive values (a bias); ``unit``: appended to each ("%")."""
     value, se, exact = (float(x) if x is not None else math.nan for x in (value, se, exact))
     q = _quantum(se, value if math.isfinite(value) else exact)
-    size = max((abs(x) for x in (value, exact) if math.isfinite(x)), default=0.0)
+    # The SE counts too: a value far below its SE (+6e-4% ± 0.33%) prints in the SE's notation, not its own.
+    size = max((abs(x) for x in (value, exact, se) if math.isfinite(x)), default=0.0)
     exp = 0
     if size and (size < 1e-3 or size >= 1e5):
         exp = math.floor(math.log10(size))
