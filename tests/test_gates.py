@@ -8,7 +8,8 @@ import torch
 
 from kl_bench.cli import app
 from kl_bench.core.estimators import k3
-from kl_bench.core.gates import GATES, k3_band
+from kl_bench.core.gates import gate, k3_band
+from kl_bench.core.topk import topk_union_divergences
 from kl_bench.kinds import CategoricalPair, RolloutPair
 from kl_bench.kinds.rollout import brute_force_sequences
 from kl_bench.kinds.rollout.sampler import paths
@@ -17,7 +18,7 @@ from kl_bench.sampling.logits import zipf_logits
 from .helpers import CAT_SPEC, GAUSS_SPEC, one_line, runner
 
 F64 = torch.float64
-CASES = [("bin_kl", 0.002), ("bin_tv", 0.02), ("k3", 0.02), ("ratio", 0.3)]
+CASES = [("bin_kl", 0.002), ("bin_tv", 0.02), ("k3", 0.02), ("ratio", 0.3), ("topk_kl@3", 0.02), ("topk_tv@2", 0.1)]
 
 
 def _tables(v=40, c=3, seed=1, noise=0.5):
@@ -34,6 +35,22 @@ def _z(values: torch.Tensor, exact: float) -> float:
     return d / se if se > 0 else (0.0 if d == 0 else math.inf)
 
 
+def test_topk_divergences_against_coarsening_by_hand():
+    lq, lp = _tables(v=12, c=4)
+    for k in (1, 3, 12):
+        kl, tv = topk_union_divergences(lq, lp, k)
+        for c in range(4):
+            keep = set(torch.topk(lq[c], k).indices.tolist()) | set(torch.topk(lp[c], k).indices.tolist())
+            rest = [x for x in range(12) if x not in keep]
+            qs = [float(lq[c, x].exp()) for x in keep] + ([sum(float(lq[c, x].exp()) for x in rest)] if rest else [])
+            ps = [float(lp[c, x].exp()) for x in keep] + ([sum(float(lp[c, x].exp()) for x in rest)] if rest else [])
+            assert float(kl[c]) == pytest.approx(sum(a * math.log(a / b) for a, b in zip(qs, ps)), rel=1e-12)
+            assert float(tv[c]) == pytest.approx(sum(abs(a - b) for a, b in zip(qs, ps)) / 2, rel=1e-12)
+    full_kl = (lq.exp() * (lq - lp)).sum(-1)
+    assert torch.allclose(topk_union_divergences(lq, lp, 12)[0], full_kl, rtol=1e-13)
+    assert bool((topk_union_divergences(lq, lp, 2)[0] <= full_kl * (1 + 1e-12)).all())     # coarsening: ≤
+
+
 def test_atr_grpo_band_is_the_papers():
     # ATR-GRPO (arXiv 2602.05494): δ = 0.02 → w ∈ [0.813, 1.214]; both ends solve w − 1 − log w = δ.
     lo, hi = k3_band(0.02)
@@ -45,14 +62,14 @@ def test_atr_grpo_band_is_the_papers():
 @pytest.mark.parametrize("name,delta", CASES)
 def test_categorical_rates_against_drawn_tokens(name, delta):
     lq, lp = _tables()
-    rates = CategoricalPair("c", lq, lp).gate_rates(GATES[name], delta)
+    rates = CategoricalPair("c", lq, lp).gate_rates(gate(name), delta)
     assert 0 < rates.tokens_masked < 1                      # the test can fail both ways
     n, gen = 200_000, torch.Generator().manual_seed(3)
     ctx = torch.randint(0, lq.shape[0], (n,), generator=gen)
     x = torch.multinomial(lq.exp()[ctx], 1, generator=gen).squeeze(1)
     logq, logp = lq[ctx, x], lp[ctx, x]
     logr = logp - logq
-    masked = (GATES[name].statistic(logr, logq) > delta).to(F64)
+    masked = (gate(name).table(lq, lp)[ctx, x] > delta).to(F64)
     kl = float((lq.exp() * (lq - lp)).sum(-1).mean())
     assert abs(_z(masked, rates.tokens_masked)) < 5
     assert abs(_z(masked * k3(logr) / kl, rates.kl_unseen)) < 5
@@ -60,7 +77,7 @@ def test_categorical_rates_against_drawn_tokens(name, delta):
     assert abs(_z(-masked * logr.exp(), rates.weight_bias)) < 5     # E_q[r·1{kept}] − 1 = −E_q[r·1{masked}]
     assert rates.k3_bias == -rates.kl_unseen and math.isnan(rates.seq_masked)
     # The worst context's share is one context's sum, and at least the mean share.
-    per_ctx = [float((lq[c].exp() * (GATES[name].statistic(lp[c] - lq[c], lq[c]) > delta)).sum()) for c in range(3)]
+    per_ctx = [float((lq[c].exp() * (gate(name).table(lq, lp)[c] > delta)).sum()) for c in range(3)]
     assert rates.worst_context == pytest.approx(max(per_ctx), rel=1e-12)
     assert rates.worst_context >= rates.tokens_masked
 
@@ -69,12 +86,12 @@ def test_categorical_rates_against_drawn_tokens(name, delta):
 def test_rollout_rates_against_enumeration(name, delta):
     lq, lp = _tables(v=5, c=2, noise=0.6)
     pair = RolloutPair("r", lq, lp, torch.arange(5) % 2, 4, 4)
-    rates = pair.gate_rates(GATES[name], delta)
-    gate = GATES[name]
+    rates = pair.gate_rates(gate(name), delta)
+    table = gate(name).table(lq, lp)
     masked_tok = tokens = unseen = k1_part = weight = seq = 0.0
     kl = pair.kl()
     for prob, path in brute_force_sequences(pair.model):
-        m = [float(gate.statistic(lp[c, x] - lq[c, x], lq[c, x]) > delta) for c, x in path]
+        m = [float(table[c, x] > delta) for c, x in path]
         tokens += prob * len(path)
         masked_tok += prob * sum(m)
         unseen += prob * sum(mi * float(k3(lp[c, x] - lq[c, x])) for mi, (c, x) in zip(m, path))
@@ -91,10 +108,9 @@ def test_rollout_rates_against_enumeration(name, delta):
 def test_rollout_rates_against_drawn_paths():
     lq, lp = _tables(v=30, c=3)
     pair = RolloutPair("r", lq, lp, torch.arange(30) % 3, 8, 29)
-    rates = pair.gate_rates(GATES["bin_tv"], 0.02)
+    rates = pair.gate_rates(gate("bin_tv"), 0.02)
     got = paths(pair.model, 40_000, torch.Generator().manual_seed(5), torch.device("cpu"))
-    lq_t, lp_t = pair.model.log_q.reshape(-1)[got.keys], pair.model.log_p.reshape(-1)[got.keys]
-    m = (GATES["bin_tv"].statistic(lp_t - lq_t, lq_t) > 0.02).to(F64) * got.alive
+    m = (gate("bin_tv").table(lq, lp).reshape(-1)[got.keys] > 0.02).to(F64) * got.alive
     # per-sequence counts over E|y|: a ratio estimator, its SE by the delta method
     lengths, masked = got.alive.sum(1), m.sum(1)
     share = float(masked.sum() / lengths.sum())
@@ -108,12 +124,17 @@ def test_spec_sweeps_gates_into_gates_csv_and_the_advice(tmp_path):
     spec.write_text(CAT_SPEC.format(q='{ logits = "zipf", exponent = 1.1, seed = 1 }',
                                     p='{ from = "q", noise = 0.3, seed = 2 }', extra="")
                     .replace('estimators = ["k1", "k3"]',
-                             'estimators = ["k3", "bin_kl"]\ngates = { bin_tv = [0.05, 0.001, 0.01], ratio = 0.5 }'))
+                             'estimators = ["k3", "bin_kl"]\n'
+                             'gates = { bin_tv = [0.05, 0.001, 0.01], ratio = 0.5, bin_kl = 0.01, "topk_kl@5" = 0.01 }'))
     r = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     import pandas as pd
     g = pd.read_csv(tmp_path / "out" / "gates.csv")
-    assert list(g.delta) == [0.001, 0.01, 0.05, 0.5] and list(g.gate) == ["bin_tv"] * 3 + ["ratio"]
+    assert list(g.delta) == [0.001, 0.01, 0.05, 0.5, 0.01, 0.01]
+    assert list(g.gate) == ["bin_tv"] * 3 + ["ratio", "bin_kl", "topk_kl@5"]
+    s = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("estimator")
+    assert g.sees.iloc[4] == pytest.approx(s.exact_mean["bin_kl"] / s.true_kl["bin_kl"], rel=1e-12)
+    assert math.isnan(g.sees.iloc[3]) and 0 < g.sees.iloc[5] < 1 and "topk_kl@5 sees" in r.stdout
     assert (g.tokens_masked.diff().dropna().iloc[:2] <= 0).all()        # a larger δ masks fewer tokens
     assert "gates: a token is masked" in r.stdout and "bin_kl sees" in r.stdout
     assert "kl_bench" not in r.stderr
@@ -126,6 +147,8 @@ def test_spec_sweeps_gates_into_gates_csv_and_the_advice(tmp_path):
     ('{ bin_kl = [] }', "at least one"),
     ('{ bin_kl = [0.1, 0.1] }', "twice"),
     ('[0.1]', "table of gate"),
+    ('{ "topk_kl@0" = [0.1] }', "unknown gate"),
+    ('{ "topk_kl@51" = [0.1] }', "K must lie in [1, 50]"),
 ])
 def test_bad_gates_are_one_line(tmp_path, gates, needle):
     spec = tmp_path / "c.toml"

@@ -31,6 +31,9 @@ def gate_lines(gates: pd.DataFrame, case: str) -> list[str]:
     g = gates[gates["case"] == case]
     for name in dict.fromkeys(g["gate"]):
         rows = g[g["gate"] == name].sort_values("delta")
+        sees = rows["sees"].iloc[0] if "sees" in rows else math.nan
+        if name.startswith("topk_") and math.isfinite(sees):
+            out.append(f"{name} sees {pct(sees, sign=False)} of {'KL(q||p)' if '_kl' in name else 'TV(q,p)'}")
         light = rows[rows["tokens_masked"] <= LIGHT]
         if len(light):
             r = light.iloc[0]

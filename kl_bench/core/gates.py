@@ -10,7 +10,10 @@ policy is p, r = p(x)/q(x); a gate masks the token when its statistic exceeds δ
 - ``k3``: r − 1 − log r (ATR-GRPO, arXiv 2602.05494: the band w − 1 − log w ≤ δ on the ratio w = r, an
   asymmetric band [w₋, w₊] around 1, :func:`k3_band`);
 - ``ratio``: |log r| (a symmetric ratio band [e^−δ, e^δ], IcePop's masking of tokens whose ratio leaves a
-  band, here one band parameter so that δ sweeps as the others do).
+  band, here one band parameter so that δ sweeps as the others do);
+- ``topk_kl@K``, ``topk_tv@K``: the KL or TV of the token's context with q and p coarsened to the K most likely
+  tokens of each plus one bucket for the rest (DPPO's top-K masks: what an engine returning top-K log-probs
+  permits); they mask every token of a context at once.
 
 A masked token contributes nothing: neither to the KL a trainer estimates from the kept tokens, nor to the
 policy gradient (its importance weight r is zeroed). Every rate below is a sum over the vocabulary of each
@@ -22,6 +25,7 @@ per-token factor 1{kept} (the caller supplies it: :func:`kl_bench.kinds.rollout.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,23 +33,59 @@ import torch
 
 from ..foundation.registry import Registry
 from .estimators import bin_kl, bin_tv, k3
+from .targets import REVERSE, TV
+from .oracles import context_tv
+from .topk import topk_union_divergences
 
 
 @dataclass(frozen=True)
 class Gate:
-    """A per-token statistic s(log r, log q) ≥ 0 [shape-preserving]; a token is masked when s > δ."""
+    """A per-token statistic s ≥ 0 as a table: ``table(log_q, log_p)`` maps normalised float64 log-probs [C, V] to
+    s(c, x) [C, V]; a token is masked when s > δ. ``target``: the divergence the statistic stands for (its
+    share of it is reported), None where it is not an estimate of one."""
     name: str
-    statistic: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    table: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     formula: str
     source: str
+    target: str | None = None
+
+
+def _token(fn):
+    """A statistic of the sampled token's log r and log q as a table."""
+    return lambda log_q, log_p: fn(log_p - log_q, log_q)
+
+
+def _per_context(k: int, which: int):
+    """The top-K coarsened KL (which = 0) or TV (1) of each context, the same for all its tokens."""
+    return lambda log_q, log_p: topk_union_divergences(log_q, log_p, k)[which][:, None].expand_as(log_q)
 
 
 GATES: Registry[Gate] = Registry("gate")
-GATES.add("bin_kl", Gate("bin_kl", bin_kl, "D(q(x) ‖ p(x)) > δ", "DPPO, arXiv 2602.04879 (binary KL)"))
-GATES.add("bin_tv", Gate("bin_tv", bin_tv, "|q(x) − p(x)| > δ", "DPPO, arXiv 2602.04879 (binary TV)"))
-GATES.add("k3", Gate("k3", lambda logr, logq: k3(logr), "r − 1 − log r > δ", "ATR-GRPO, arXiv 2602.05494"))
-GATES.add("ratio", Gate("ratio", lambda logr, logq: logr.abs(), "|log r| > δ (r outside [e^−δ, e^δ])",
+GATES.add("bin_kl", Gate("bin_kl", _token(bin_kl), "D(q(x) ‖ p(x)) > δ", "DPPO, arXiv 2602.04879 (binary KL)", REVERSE))
+GATES.add("bin_tv", Gate("bin_tv", _token(bin_tv), "|q(x) − p(x)| > δ", "DPPO, arXiv 2602.04879 (binary TV)", TV))
+GATES.add("k3", Gate("k3", _token(lambda logr, logq: k3(logr)), "r − 1 − log r > δ", "ATR-GRPO, arXiv 2602.05494",
+                     REVERSE))
+GATES.add("ratio", Gate("ratio", _token(lambda logr, logq: logr.abs()), "|log r| > δ (r outside [e^−δ, e^δ])",
                         "IcePop-style ratio band"))
+TOPK = re.compile(r"topk_(kl|tv)@([1-9][0-9]*)")
+
+
+def gate(name: str) -> Gate:
+    """A registered gate, or a top-K one named ``topk_kl@K`` / ``topk_tv@K``: the context's KL or TV of q and p
+    coarsened to their K most likely tokens each plus one bucket for the rest (DPPO's top-K mask), which
+    masks every token of a context whose value exceeds δ."""
+    m = TOPK.fullmatch(name)
+    if m is None:
+        return GATES[name]
+    k, which = int(m.group(2)), 0 if m.group(1) == "kl" else 1
+    what = ("KL", REVERSE) if which == 0 else ("TV", TV)
+    return Gate(name, _per_context(k, which), f"top-{k} {what[0]} of the context > δ",
+                "DPPO, arXiv 2602.04879 (top-K)", what[1])
+
+
+def gate_names() -> list[str]:
+    """The names a spec may give: the registered gates and the top-K patterns."""
+    return GATES.names() + ["topk_kl@K", "topk_tv@K"]
 
 
 def k3_band(delta: float) -> tuple[float, float]:
@@ -72,7 +112,8 @@ class GateRates:
     ``k3_bias``: the relative bias of k1 and k3 summed over the kept tokens only; ``weight_bias``: E_q[r·1{kept}] − 1
     per token = −P_p(masked), the importance weight's lost mean (the policy gradient's weight);
     ``worst_context``: the largest share masked in any one context; ``seq_masked``: the share of sequences with a
-    masked token (NaN for single tokens)."""
+    masked token (NaN for single tokens); ``sees``: E_q[s] over the gate's target (the share of its divergence
+    the statistic sees; NaN for a statistic that stands for none)."""
     gate: str
     delta: float
     tokens_masked: float
@@ -82,6 +123,7 @@ class GateRates:
     weight_bias: float
     worst_context: float
     seq_masked: float = math.nan
+    sees: float = math.nan
 
 
 def context_parts(log_q: torch.Tensor, log_p: torch.Tensor, gate: Gate, delta: float) -> dict[str, torch.Tensor]:
@@ -89,7 +131,7 @@ def context_parts(log_q: torch.Tensor, log_p: torch.Tensor, gate: Gate, delta: f
     1 − 1m [C, V] (float64). ``log_q``, ``log_p``: normalised float64 log-probs [C, V]."""
     logr = log_p - log_q
     q = log_q.exp()
-    masked = gate.statistic(logr, log_q) > delta
+    masked = gate.table(log_q, log_p) > delta
     m = masked.to(torch.float64)
 
     def total(v: torch.Tensor) -> torch.Tensor:
@@ -106,6 +148,13 @@ def gate_rates(log_q: torch.Tensor, log_p: torch.Tensor, visits: torch.Tensor, g
     sequence masked) (rollouts), None for single tokens."""
     parts = context_parts(log_q, log_p, gate, delta)
     n = visits.to(torch.float64)
+    sees = math.nan
+    if gate.target is not None:
+        q = log_q.exp()
+        mean = float((n * torch.where(q > 0, q * gate.table(log_q, log_p), torch.zeros_like(q)).sum(-1)).sum())
+        per_ctx = (q * k3(log_p - log_q)).sum(-1) if gate.target == REVERSE else context_tv(log_q, log_p)
+        total = float((n * per_ctx).sum())
+        sees = mean / total if total > 0 else math.nan
     tokens = float(n.sum())
     kl = float((n * (log_q.exp() * k3(log_p - log_q)).sum(-1)).sum())      # = Σ_c n_c KL(c): no cancellation
 
@@ -116,4 +165,4 @@ def gate_rates(log_q: torch.Tensor, log_p: torch.Tensor, visits: torch.Tensor, g
     return GateRates(gate.name, float(delta), float((n * parts["q"]).sum()) / tokens, rel(parts["k3"]),
                      0.0 - rel(parts["k1"]), 0.0 - rel(parts["k3"]), 0.0 - float((n * parts["p"]).sum()) / tokens,
                      float(parts["q"][seen].max()) if bool(seen.any()) else math.nan,
-                     1.0 - seq_kept(parts["keep"]) if seq_kept is not None else math.nan)
+                     1.0 - seq_kept(parts["keep"]) if seq_kept is not None else math.nan, sees)

@@ -100,3 +100,25 @@ def rollout_topk(log_q: torch.Tensor, log_p: torch.Tensor, bucket: torch.Tensor,
     top = path_sum(topk_forward_kl(log_q, log_p, k, **kw))
     full = path_sum(full_forward_kl(log_q, log_p))
     return {"topk": top, "full": full, "bias": top - full, "rel_bias": (top - full) / full if full else float("nan")}
+
+
+def topk_union_divergences(log_q: torch.Tensor, log_p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per context (KL, TV) of q and p coarsened to S ∪ {rest}, S = the K most likely tokens of q together with
+    the K most likely of p: what a trainer can compute when each side returns its top-K log-probs (DPPO's
+    top-K divergence mask). ``log_q``, ``log_p``: normalised float64 log-probs [C, V] → ([C], [C]).
+
+    The rest bucket's masses are sums over the tokens outside S, not 1 − Σ_S (which keeps no digits when S
+    holds nearly all the mass). Coarsening never increases a divergence: both are ≤ the full KL and TV."""
+    if not 1 <= k <= log_q.shape[-1]:
+        raise ValueError(f"K must lie in [1, {log_q.shape[-1]}], got {k}")
+    ids_q, ids_p = torch.topk(log_q, k, dim=-1).indices, torch.topk(log_p, k, dim=-1).indices
+    in_s = torch.zeros_like(log_q, dtype=torch.bool)
+    in_s.scatter_(-1, ids_q, True)
+    in_s.scatter_(-1, ids_p, True)
+    q, p = log_q.exp(), log_p.exp()
+    kl_s = torch.where(in_s & (q > 0), q * (log_q - log_p), torch.zeros_like(q)).sum(-1)
+    q_rest = torch.where(in_s, torch.zeros_like(q), q).sum(-1)
+    p_rest = torch.where(in_s, torch.zeros_like(p), p).sum(-1)
+    rest = torch.where(q_rest > 0, q_rest * (torch.log(q_rest) - torch.log(p_rest)), torch.zeros_like(q_rest))
+    tv = (torch.where(in_s, (q - p).abs(), torch.zeros_like(q)).sum(-1) + (q_rest - p_rest).abs()) / 2
+    return kl_s + rest, tv

@@ -16,9 +16,9 @@ from ..foundation.typed_toml import (MAX_BATCHES, MAX_DRAWS, Table, at_most, che
 from ..foundation.formatting import fmt_count
 from .group_baselines import MAX_GROUP
 from ..foundation.errors import SpecError
-from ..core.gates import GATES
+from ..core.gates import gate, gate_names
 from ..core.estimators import DEFAULT_ESTIMATORS, ESTIMATORS, PAIR_ROWS, EstimatorOption, lookup, resolve_estimator
-from ..foundation.registry import did_you_mean, plugin_path
+from ..foundation.registry import UnknownName, did_you_mean, plugin_path
 
 # |λ| of cv(λ) = −log r + λ(r − 1): beyond it λ²·Var(r) and the squared per-draw values of the λ curve
 # leave float64's range for ordinary pairs, and the row is λ(r − 1) to every printed digit anyway.
@@ -103,9 +103,11 @@ def _parse_gates(t: Table) -> tuple[tuple[str, tuple[float, ...]], ...]:
         raise t.error(f"must be a table of gate = [thresholds], e.g. {{ bin_kl = [0.01] }}, got {typename(raw)}", key=key)
     out = []
     for name, deltas in raw.items():
-        if name not in GATES:
-            raise t.error(f"unknown gate '{name}'{did_you_mean(name, GATES.names())}; known: {', '.join(GATES.names())}",
-                          key=key)
+        try:
+            gate(name)
+        except UnknownName:
+            raise t.error(f"unknown gate '{name}'{did_you_mean(name, gate_names())}; known: {', '.join(gate_names())}",
+                          key=key) from None
         values = deltas if isinstance(deltas, list) else [deltas]
         if not values:
             raise t.error(f"'{name}' needs at least one threshold", key=key)

@@ -146,6 +146,8 @@ GATE_SCHEMA: dict[str, str] = {
     "k3_bias": "the same for k3: −kl_unseen",
     "weight_bias": "E_q[r·1{kept}] − 1 per token = −P_p(masked): the mean the policy gradient's importance weight "
                    "r = p/q loses",
+    "sees": "E_q[statistic] / its divergence (KL(q||p) for bin_kl, k3 and topk_kl@K; TV(q,p) for bin_tv and "
+            "topk_tv@K): the share of the divergence the statistic sees; empty for ratio",
 }
 
 
