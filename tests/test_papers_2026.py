@@ -2,6 +2,8 @@
 rollouts (docs/papers.md, "Gates" rows): DPPO's binary KL/TV see a part of the divergence, ATR-GRPO's k3 bound
 is a ratio band, the Rao–Blackwellised KL (Amini et al.) has a variance at most k1's, the i.i.d.-step identity
 Var(W) = (1 + χ²)^T − 1 of a sequence weight, and E_q[log W] = −T·KL where verl's ±20 clamp starts to bind."""
+import math
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from kl_bench.core.gates import k3_band
 from kl_bench.core.targets import TV
 from kl_bench.experiment.spec import load_spec
 from kl_bench.kinds import RolloutPair, build_pair
+from kl_bench.kinds.rollout import brute_force_sequences
 
 F64 = torch.float64
 
@@ -72,3 +75,49 @@ def test_sequence_weight_variance_is_one_plus_chi2_to_the_T_minus_one(length):
     # E_q[log W] = −T·KL(q‖p): verl's ±20 clamp on the sequence log-weight binds at its centre once T·KL ≈ 20.
     assert pair.oracle.seq_moments(0)[1] == pytest.approx(-length * kl, rel=1e-10)
     assert pair.kl() == pytest.approx(length * kl, rel=1e-10)
+
+
+def _weighted(weights: str, length: int = 8, eos=None):
+    from kl_bench.sampling.logits import zipf_logits
+    lq = torch.log_softmax(zipf_logits(5, 1.1, 1, 2), -1)
+    g = torch.Generator().manual_seed(8)
+    lp = torch.log_softmax(lq + 0.5 * torch.randn(lq.shape, generator=g, dtype=F64), -1)
+    lb = torch.log_softmax(lq + 0.5 * torch.randn(lq.shape, generator=g, dtype=F64), -1)
+    bucket = torch.arange(5) % 2
+    return (RolloutPair(weights, lq, lp, bucket, length, eos, log_b=lb, weights=weights),
+            RolloutPair("b", lb, lp, bucket, length, eos), lq, lp, lb)
+
+
+@pytest.mark.parametrize("eos", [None, 4])
+def test_cumulative_prefix_weights_against_enumeration(eos):
+    """CTPO (arXiv 2605.07331): Σ_t ρ_{1:t} f_t, ρ_{1:t} = Π_{s≤t} q/b: the exact program against every sequence."""
+    pair, as_b, lq, lp, lb = _weighted("cumulative", 4, eos)
+    est = lookup("k3")
+    mean = second = 0.0
+    for prob, path in brute_force_sequences(as_b.model):
+        rho, s = 1.0, 0.0
+        for c, x in path:
+            rho *= math.exp(float(lq[c, x] - lb[c, x]))
+            s += rho * float(est.fn(lp[c, x] - lq[c, x]))
+        mean, second = mean + prob * s, second + prob * s * s
+    m, v = pair.exact_moments(est, "tok")
+    assert m == pytest.approx(mean, rel=1e-12) and v == pytest.approx(second - mean**2, rel=1e-10)
+    assert m == pytest.approx(pair.kl(), rel=1e-12)          # unbiased per token
+
+
+def test_cumulative_weights_are_unbiased_with_less_variance_than_the_sequence_weight():
+    """CTPO's ordering at T = 8: token weights alone are biased (the prefix came from b); the whole-sequence
+    weight and the prefix weights are unbiased, the prefix weights with the smaller variance."""
+    est = lookup("k3")
+    got = {w: _weighted(w)[0].exact_moments(est, "tok") for w in ("token", "sequence", "cumulative")}
+    kl = _weighted("cumulative")[0].kl()
+    assert got["cumulative"][0] == pytest.approx(kl, rel=1e-12) and got["sequence"][0] == pytest.approx(kl, rel=1e-12)
+    assert abs(got["token"][0] / kl - 1) > 0.01
+    assert got["cumulative"][1] < got["sequence"][1]
+
+
+def test_cumulative_monte_carlo_agrees_with_exact():
+    from .conftest import mc_frame
+    pair = _weighted("cumulative", 6, 4)[0]
+    df = mc_frame(pair, ["k1", "k3", "bin_kl"], draws=60_000, seed=3)
+    assert (df.z.abs() < 5).all(), df[["estimator", "aggregate", "mean", "exact_mean", "z"]]

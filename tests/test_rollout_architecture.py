@@ -130,6 +130,7 @@ def test_the_engine_experiment_and_results_ask_a_pair_only_its_protocols():
     allowed = _protocol_members(CasePair, GradientOracle, BaselineOracle)
     mods = ["kl_bench.engine.monte_carlo", "kl_bench.experiment.case", "kl_bench.experiment.gradient_rows",
             "kl_bench.experiment.lambdas", "kl_bench.experiment.group_baselines", "kl_bench.experiment.rows",
+            "kl_bench.experiment.gates",
             "kl_bench.core.planning", "kl_bench.engine.distributed"] + [m for m in _modules() if m.startswith("kl_bench.results")]
     bad = []
     for mod in mods:

@@ -290,6 +290,7 @@ class CasePair(Oracle, DrawSampler, Protocol):
     support_miss: float                # mass of q (per context/step, worst case) that b never draws
     weights: str                       # the sampler's importance weights ("none" without)
     expensive_draws: bool              # a draw costs model forward passes: keep side simulations small
+    supplies_logq: bool                # hands the estimators log q(x) of each draw (Estimator.needs_logq)
 
     def metadata(self) -> dict[str, Any]:
         """This case in run.json."""
@@ -326,6 +327,9 @@ class CasePair(Oracle, DrawSampler, Protocol):
 
     def reference_row(self) -> str | None:
         """The Monte Carlo reference row where no exact value exists; None otherwise."""
+
+    def gate_rates(self, gate: Any, delta: float) -> Any:
+        """A gate's exact rates at ``delta`` (kl_bench.core.gates.GateRates); SpecError where the kind has none."""
 
     def reference_comparison(self, est: RowSource, aggregate: str) -> tuple[float, float, float] | None:
         """(ref_kl, ref_se, z_ref) where the reference's noise is not the run's; None otherwise."""

@@ -1,6 +1,6 @@
 """The tables of a run's other outputs: what each estimator's gradient optimises (:func:`gradient_table`),
-group baselines in the reward (:func:`baseline_table`), gates with their exact rates (:func:`gate_table`), and the regression gate's comparisons
-(:func:`check_table`); each with its key columns (what names a row when the table is stacked)."""
+group baselines in the reward (:func:`baseline_table`), gates with their exact rates (:func:`gate_table`), and
+the regression gate's comparisons (:func:`check_table`); each with its key columns (what names a row when the table is stacked)."""
 from __future__ import annotations
 
 import math

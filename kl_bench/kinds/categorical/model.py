@@ -21,7 +21,8 @@ class CategoricalModel:
     (flattened context·V + token, those the sampler can draw): ``support`` the ids, ``logr`` log r as the
     estimators see it (rounded where ``precision`` is set), ``full`` the context's analytic KL, ``is_weight``
     the importance weight q/b after the ``correction`` (None: unweighted), ``raw_weight`` q/b before it, and
-    ``logq`` log q(x) of the id (for the estimators of the token's own probabilities), ``pvals`` the sampling distribution renormalised in float64 (numpy's multinomial checks that it sums
+    ``logq`` log q(x) of the id (for the estimators of the token's own probabilities),
+    ``pvals`` the sampling distribution renormalised in float64 (numpy's multinomial checks that it sums
     to 1). ``support_miss``: the mass of q that b never draws (mean over contexts). ``rounded``: the
     precision's rounding input (kl_bench.core.precision), for run.json."""
     log_q: torch.Tensor

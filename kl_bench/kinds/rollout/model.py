@@ -42,6 +42,7 @@ class Weighting:
     baselines: bool = False         # group baselines model it (W·(F − b)·S)
     per_sequence_mean: bool = True  # tok_mean rows have a length-aware oracle
     token_mean_batch: bool = False  # tok_batch rows have an exact oracle (unweighted draws only)
+    cumulative: bool = False        # tok rows are Σ_t ρ_{1:t} f_t: each token carries its prefix's weight (CTPO)
 
 
 WEIGHTINGS: dict[str, Weighting] = {w.name: w for w in (
@@ -49,6 +50,8 @@ WEIGHTINGS: dict[str, Weighting] = {w.name: w for w in (
     Weighting("token", weighted=True, per_token=True, per_sequence_mean=False),
     Weighting("sequence", weighted=True, on_sums=True, baselines=True),
     Weighting("geometric", weighted=True, on_sums=True, geometric=True, gradients=False),
+    # CTPO (arXiv 2605.07331): token t weighted by the prefix product ρ_{1:t} = Π_{s≤t} w_s, unbiased per token.
+    Weighting("cumulative", weighted=True, per_token=True, cumulative=True, per_sequence_mean=False, gradients=False),
 )}
 
 
@@ -268,7 +271,7 @@ def _ppo_clip(correction: WeightCorrection | None, weighting: Weighting) -> Weig
     per-token local rows, exactly); None otherwise. The clip is per token: weights = "token"."""
     if correction is None or (correction.clip is None and correction.dual is None):
         return None
-    if not weighting.per_token:
+    if not weighting.per_token or weighting.cumulative:
         raise SpecError("the PPO clip (clip_low, clip_high, dual_clip) clips each token's ratio: it needs "
                         "weights = \"token\"", key="sampler.weights")
     return correction

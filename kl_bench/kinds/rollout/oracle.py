@@ -47,6 +47,40 @@ def mean_var(mean: float, second: float) -> tuple[float, float]:
     return mean, (var if var > CANCELLATION_ULPS * 2.0**-52 * abs(second) else 0.0)
 
 
+def cumulative_moments(model: RolloutModel, f: torch.Tensor) -> tuple[float, float]:
+    """(E_b[S], E_b[S²]) of S = Σ_t ρ_{1:t} f(c_t, x_t), ρ_{1:t} = Π_{s≤t} w_s the prefix's (corrected) weight
+    (CTPO's cumulative weights), exactly: a forward pass over the buckets carrying, per bucket, the masses
+    E[1], E[ρ], E[ρ²], E[S], E[Sρ], E[S²] of the paths alive there. A step with token weight w and value f maps
+    ρ → ρw and S → S + fρw, so Sρ → wSρ + fw²ρ² and S² → S² + 2fw·Sρ + f²w²ρ²: linear in the carried
+    masses. ``f`` [C, V]; a rejection mask's per-token factor multiplies each step (its square is itself)."""
+    c_n, v = model.log_q.shape
+    dev = model.log_q.device
+    cont = torch.ones(v, dtype=torch.bool, device=dev)
+    if model.eos is not None:
+        cont[model.eos] = False
+    state = torch.zeros(6, c_n, dtype=torch.float64, device=dev)      # 1, ρ, ρ², S, Sρ, S² per bucket
+    state[:3, 0] = 1.0
+    ended = torch.zeros(6, dtype=torch.float64, device=dev)
+    t = 0
+    for lb, steps in model.phases:
+        b = lb.exp()
+        law = torch.where(b > 0, b * model.keep_table(lb), torch.zeros_like(b))            # [C, V]
+        w = torch.where(b > 0, model.token_weight(lb), torch.zeros_like(b))
+        h = torch.where(b > 0, f, torch.zeros_like(f))
+        for _ in range(steps):
+            one, r1, r2, s1, sr, s2 = (x[:, None] for x in state)          # [C, 1] each
+            new = torch.stack([one * law, r1 * w * law, r2 * w * w * law, (s1 + h * w * r1) * law,
+                               (w * sr + h * w * w * r2) * law, (s2 + 2 * h * w * sr + h * h * w * w * r2) * law])
+            t += 1
+            last = t == model.length
+            ended += new[:, :, ~cont].sum((1, 2)) if not last else new.sum((1, 2))
+            state = torch.zeros_like(state)
+            if not last:
+                state.index_add_(1, model.bucket[cont], new[:, :, cont].sum(1))   # a token's next bucket
+    out = ended.tolist()
+    return out[3], out[5]
+
+
 def _rows(t: torch.Tensor, c: int) -> torch.Tensor:
     """``t`` [C, V] zeroed outside row ``c``."""
     out = torch.zeros_like(t)
@@ -99,7 +133,7 @@ class RolloutOracle:
         if self._visits is None:
             ones = torch.ones_like(m.log_q)
             self._visits = torch.tensor([dp.to_host(dp.under_q(m, ones, _rows(ones, c), 1))[1]
-                                         for c in range(m.buckets)], dtype=torch.float64)
+                                         for c in range(m.buckets)], dtype=torch.float64, device=m.device)
         return gates.gate_rates(m.log_q, m.log_p, self._visits, gate, delta,
                                 lambda keep: dp.to_host(dp.under_q(m, keep, torch.ones_like(keep), 0))[0])
 
@@ -246,6 +280,8 @@ class RolloutOracle:
         """(E_b[v], Var_b[v]) of a tok row under the sampler, by the phased program."""
         model = self.model
         ones, wt, f = torch.ones_like(model.logr_table), model.token_weight, model.tok_values(est)
+        if model.weighting.cumulative:            # Σ_t ρ_{1:t} f_t: neither additive nor a product
+            return mean_var(*cumulative_moments(model, f))
         if model.weighting.per_token:             # Σ_t w_t f_t: additive
             mom = dp.b_moments(model, lambda lb: ones, lambda lb: wt(lb) * f, 2)
             return mean_var(mom[1], mom[2])

@@ -40,7 +40,7 @@ from ..trainable import Reward, check_trainable
 @register_kind("rollout", description="T-token rollouts of two bucketed autoregressive models, [C, V] logits; "
                "exact dynamic programming",
                sampler_keys=(*LOGIT_KEYS, "min_length", "behavior", *WEIGHT_KEYS, *CORRECTION_KEYS, "reject"),
-               weight_kinds=("token", "sequence", "geometric"))
+               weight_kinds=("token", "sequence", "geometric", "cumulative"))
 class RolloutPair(GradientDefaults, Pair):
     aggregates = ("seq", "tok")
     supplies_logq = True

@@ -154,8 +154,8 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
                 torch.index_select(on.logq, 0, key, out=block.lq[j])
             torch.index_select(kl_ctx, 0, walk.c, out=block.kl[j])
             block.alive[j].copy_(walk.alive)
-            if block.factor is not block.alive:
-                torch.mul(walk.alive, w_t, out=block.factor[j])
+            if block.factor is not block.alive:     # a token's weight: its own w_t, or its prefix's product ρ_{1:t}
+                torch.mul(walk.alive, walk.weight if model.weighting.cumulative else w_t, out=block.factor[j])
             block.used += 1
             if block.used == block.g.shape[0] or t == model.length - 1:
                 block.add_to(walk, tok_rows)
