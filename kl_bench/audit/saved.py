@@ -13,7 +13,7 @@ from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from ..foundation.registry import UnknownName
 from ..foundation.safe_io import cap_for, open_regular, parse_json, read_capped
-from .aggregate import LOSS_AGGREGATIONS
+from .aggregate import LOSS_AGGREGATIONS, MICRO_BATCHES
 from .generation import Sampler
 from .saving import FORMAT, FORMATS, HEAD_KEYS, HEADS_FILE, HIDDEN, LOGITS, REQUIRED
 from .session import Metric, check_distinct_sources
@@ -94,8 +94,9 @@ def _json_meta(meta: dict, path: Path, key: str, default: str | None = None):
         raise e.located(file=str(path), key=key) from None
 
 
-def _metric(where: str, source, estimator, aggregation) -> Metric:
-    for name, value in (("source", source), ("estimator", estimator), ("aggregation", aggregation)):
+def _metric(where: str, source, estimator, aggregation, micro_batches="pooled") -> Metric:
+    for name, value in (("source", source), ("estimator", estimator), ("aggregation", aggregation),
+                        ("micro_batches", micro_batches)):
         if not isinstance(value, str) or not value:
             raise SpecError(f"must be a non-empty string, got {type(value).__name__} {value!r}"[:200], file=where,
                             key=name)
@@ -108,20 +109,25 @@ def _metric(where: str, source, estimator, aggregation) -> Metric:
         raise e.located(file=where, key="estimator") from None
     if aggregation not in LOSS_AGGREGATIONS:
         raise SpecError(f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got '{aggregation}'", file=where, key="aggregation")
-    return Metric(source, estimator, aggregation)
+    if micro_batches not in MICRO_BATCHES:
+        raise SpecError(f"must be one of {', '.join(MICRO_BATCHES)}, got '{micro_batches}'"[:200], file=where,
+                        key="micro_batches")
+    return Metric(source, estimator, aggregation, micro_batches)
 
 
 def _metrics(meta: dict, path: Path) -> tuple[Metric, ...]:
     """The metrics a step holds the trainer's values of: the ``metrics`` entry (JSON [[source, estimator,
-    aggregation], ...]), or the ``source``/``estimator``/``aggregation`` entries. Sources are distinct (one
-    audit.csv row per source and step: a source listed twice had counted every token twice)."""
+    aggregation(, micro_batches)], ...]), or the ``source``/``estimator``/``aggregation``(/``micro_batches``)
+    entries; micro_batches defaults to "pooled". Sources are distinct (one audit.csv row per source and
+    step: a source listed twice had counted every token twice)."""
     where = str(path)
     if "metrics" not in meta:
         return (_metric(where, _meta(meta, path, "source", "kl"), _meta(meta, path, "estimator"),
-                        _meta(meta, path, "aggregation")),)
+                        _meta(meta, path, "aggregation"), _meta(meta, path, "micro_batches", "pooled")),)
     rows = _json_meta(meta, path, "metrics")
-    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 3 for r in rows):
-        raise SpecError("must be a JSON list of [source, estimator, aggregation]", file=where, key="metrics")
+    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) in (3, 4) for r in rows):
+        raise SpecError("must be a JSON list of [source, estimator, aggregation] or [source, estimator, "
+                        "aggregation, micro_batches]", file=where, key="metrics")
     metrics = tuple(_metric(where, *row) for row in rows)
     check_distinct_sources(metrics, file=where)
     return metrics
@@ -362,7 +368,8 @@ def _check_group(group: list[SavedStep]) -> None:
             metric, other = settings.setdefault(m.source, (m, s))
             if metric != m:
                 raise SpecError(f"step {s.step}, source '{m.source}': estimator '{m.estimator}', aggregation "
-                                f"'{m.aggregation}' here but '{metric.estimator}', '{metric.aggregation}' in "
+                                f"'{m.aggregation}', micro_batches '{m.micro_batches}' here but "
+                                f"'{metric.estimator}', '{metric.aggregation}', '{metric.micro_batches}' in "
                                 f"{other.path.name} (the files of one step pool into one row)", file=str(s.path),
                                 key="metrics")
             differ = [f.name for f in fields(Sampler) if getattr(s.sampler, f.name) != getattr(other.sampler, f.name)]

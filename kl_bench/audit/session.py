@@ -19,11 +19,11 @@ import torch
 
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
-from .aggregate import LOSS_AGGREGATIONS
+from .aggregate import LOSS_AGGREGATIONS, MICRO_BATCHES
 from .rollout_engine import ENGINE_SUMS, EngineAudit, engine_sums
 from .exact import PositionValues
 from .generation import Sampler
-from .step import AuditLog, StepAudit, step_sums
+from .step import SUMS, AuditLog, StepAudit, combine_micro_batches, step_sums
 from .stream import stream_values
 from .tiling import Head
 from .verdict import Thresholds, Warning, engine_warnings, step_warnings
@@ -41,15 +41,21 @@ def _merge_engine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class Metric:
     """One KL number a trainer forms: ``source`` names it (audit.csv's column), ``estimator`` is its
     per-token formula (a registry name or library preset), ``aggregation`` how its per-token values
-    are combined into the number (kl_bench.audit.aggregate)."""
+    are combined into the number (kl_bench.audit.aggregate), ``micro_batches`` how the step's records
+    (its micro-batches) combine: "pooled", one aggregate of all their rows, or "mean", the mean of each
+    record's aggregate (TRL logs GRPO's ``kl`` so: each micro-batch's token mean, then their mean)."""
     source: str
     estimator: str
     aggregation: str
+    micro_batches: str = "pooled"
 
     def __post_init__(self):
         resolve_estimator(self.estimator)
         if self.aggregation not in LOSS_AGGREGATIONS:
             raise SpecError(f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got '{self.aggregation}'", key="aggregation")
+        if self.micro_batches not in MICRO_BATCHES:
+            raise SpecError(f"must be one of {', '.join(MICRO_BATCHES)}, got '{self.micro_batches}'",
+                            key="micro_batches")
 
 
 def check_distinct_sources(metrics, file: str | None = None) -> None:
@@ -141,7 +147,7 @@ class AuditSession:
         if not self.metrics:
             raise SpecError("an audit needs at least one metric", key="metrics")
         check_distinct_sources(self.metrics)
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, list[torch.Tensor]] = {}      # source → each record's sums
         self._engine: torch.Tensor | None = None
         self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))
 
@@ -167,7 +173,11 @@ class AuditSession:
         for m in self.metrics:
             v = trainer_values[m.source] if isinstance(trainer_values, dict) else trainer_values
             sums = step_sums(values, v, mask, estimator=m.estimator, aggregation=m.aggregation)
-            self._pending[m.source] = sums if m.source not in self._pending else self._pending[m.source] + sums
+            kept = self._pending.setdefault(m.source, [])
+            if m.micro_batches == "mean" or not kept:
+                kept.append(sums)                   # one row per record: each is a micro-batch of its own
+            else:
+                kept[0] = kept[0] + sums            # pooled: the records are one batch
 
     @property
     def pending(self) -> bool:
@@ -177,15 +187,20 @@ class AuditSession:
     def finish(self, step: int, reduce: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None
                ) -> list[StepAudit]:
         """The step audits of the records added since the last call (one per metric), added to
-        :attr:`log`. ``reduce``: sums across processes (an all-reduce; every process must call it, with
-        None where it audited nothing); returns [] when no process audited anything."""
+        :attr:`log`. ``reduce``: sums across processes (an all-reduce of a flat vector, zero-padded by the
+        caller to the longest of the processes; every process must call it, with None where it audited
+        nothing); returns [] when no process audited anything. A "mean" metric hands ``reduce`` its
+        records' sums one after another: record j of every process is micro-batch j, and TRL too reduces
+        each micro-batch across processes before the mean over micro-batches."""
         out = []
         for m in self.metrics:
-            sums = self._pending.get(m.source)
+            rows = self._pending.get(m.source)
+            sums = None if rows is None else torch.cat(rows)
             if reduce is not None:
                 sums = reduce(sums)
             if sums is None:
                 continue
+            sums = combine_micro_batches(sums.reshape(-1, len(SUMS)))
             out.append(self.log.add(StepAudit.from_sums(sums, step=step, source=m.source, estimator=m.estimator,
                                                         aggregation=m.aggregation)))
         if self._engine is not None:

@@ -80,6 +80,35 @@ def step_sums(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor,
     return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in sums])
 
 
+# The sums that are per-token weighted (Σ u·x over the step's tokens, divided by the denominator later).
+WEIGHTED = ("logged", "recomputed", "exact", "expected_q", "expected_b", "expected_g")
+
+
+def combine_micro_batches(rows: torch.Tensor) -> torch.Tensor:
+    """The sums [len(SUMS)] of a step from its micro-batches' sums [J, len(SUMS)] when the number is the
+    mean of the micro-batches' aggregates (Metric.micro_batches = "mean"): with D_j micro-batch j's
+    denominator, the weights are u / (J·D_j), so each weighted sum becomes (1/J) Σ_j S_j / D_j and the noise
+    variance (1/J²) Σ_j V_j / D_j² (the micro-batches' noises are independent given their histories, as
+    steps' are); the result has denominator 1. Counts (tokens, sequences, consistency sums) add. A row
+    with no sequences is a process's zero padding, not a micro-batch. One row is returned as it is."""
+    if rows.shape[0] == 1:
+        return rows[0]
+    index = {name: i for i, name in enumerate(SUMS)}
+    rows = rows[rows[:, index["sequences"]] > 0]
+    if rows.shape[0] == 0:
+        return torch.zeros(len(SUMS), dtype=torch.float64, device=rows.device)
+    if rows.shape[0] == 1:
+        return rows[0]
+    j = rows.shape[0]
+    d = rows[:, index["denominator"]].clamp(min=1.0)          # as StepAudit.from_sums and TRL: max(D, 1)
+    out = rows.sum(0)
+    for name in WEIGHTED:
+        out[index[name]] = (rows[:, index[name]] / d).sum() / j
+    out[index["noise_var"]] = (rows[:, index["noise_var"]] / d.square()).sum() / j ** 2
+    out[index["denominator"]] = 1.0
+    return out
+
+
 @dataclass(frozen=True)
 class StepAudit:
     """One audited step of one KL term (``source``); the fields are audit.csv's columns (AUDIT_COLUMNS)."""

@@ -374,7 +374,9 @@ class KLAudit(_Base):
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         if int(n.item()) == 0:
             return None
-        t = (torch.zeros(int(n.item()), dtype=torch.float64, device=device) if sums is None else sums.to(device))
+        t = torch.zeros(int(n.item()), dtype=torch.float64, device=device)
+        if sums is not None:                 # a rank with fewer audited micro-batches pads with zero rows
+            t[:sums.numel()] = sums.to(device)
         dist.all_reduce(t)
         return t
 
