@@ -105,6 +105,8 @@ def test_deeply_nested_metadata_is_one_line(tmp_path, key):
     ("step", "9" * 5000, "key 'step': must be an integer"),
     ("step", "٣", "key 'step': must be an integer"),              # int() reads Arabic-Indic digits as 3
     ("logit_scale", "x", "key 'logit_scale': must be a number"),
+    ("notes", '[["dropout"]]', "must be a JSON list of [key, message] strings"),
+    ("notes", '[["dropout", 1]]', "must be a JSON list of [key, message] strings"),
 ])
 def test_bad_metadata_values_name_their_key(tmp_path, key, value, says):
     _save(tmp_path, meta={key: value})

@@ -98,10 +98,10 @@ def _cat(x: Record, y: Record) -> Record:
 def test_a_mean_over_micro_batches_is_the_mean_of_their_audits_and_ranks_reduce_each_micro_batch():
     # TRL logs GRPO's kl as the mean of its micro-batches' token means: micro_batches = "mean" makes every
     # weighted column the mean of the micro-batches' own audits and se² the sum of their se² over J².
-    heads = _batch(2)[1]
-    parts = [Record(*(getattr(_batch(seed, B=B)[0], f) for f in ("policy_hidden", "reference_hidden",
-                                                                  "completion_ids", "mask", "trainer_values")))
-             for seed, B in ((2, 4), (3, 2), (4, 3), (5, 4))]
+    whole, heads = _batch(2, B=13)
+    rows = torch.arange(13).split([3, 4, 2, 4])
+    parts = [Record(*(getattr(whole, f)[r] for f in ("policy_hidden", "reference_hidden", "completion_ids", "mask",
+                                                      "trainer_values"))) for r in rows]
     metrics = [Metric("kl", "trl.grpo", "token-mean", "mean"), Metric("loss", "trl.grpo", "seq-mean-token-mean", "mean")]
     mean = AuditSession(heads, metrics, dtype=torch.float64)
     for p in parts[:2]:

@@ -328,32 +328,50 @@ def test_the_adapter_replaces_no_trainer_method_and_removes_its_hooks(tiny_model
     assert a.log.rows[0].exact == pytest.approx(b.log.rows[0].exact, rel=1e-12) and _hook_counts(tr) == before
 
 
-def test_saved_steps_audit_again_to_the_same_numbers_and_warnings(tiny_models, tmp_path):
+def _both_ways(models, tmp_path, **kw):
+    """One run audited live (the callback, saving its steps) and again by `kl-bench audit` from its saved
+    steps and from its audit.csv alone: the lines each printed (the callback's prefix removed)."""
+    import shutil
+
     from typer.testing import CliRunner
 
     from kl_bench.cli import app
-    out = tmp_path / "audit"
     from kl_bench.integrations.demo import build_trainer
     from kl_bench.integrations.trl import KLAudit
-    tr = build_trainer(tiny_models, tmp_path / "run", steps=2, top_k=20, use_bias_correction_kl=False)
+    out = tmp_path / "audit"
+    tr = build_trainer(models, tmp_path / "run", **kw)
     lines = []
     cb = KLAudit(tr, every=1, out=out, save_steps=True, dtype=torch.float64, print_fn=lines.append)
     tr.add_callback(cb)
     tr.train()
-    assert {p.name for p in (out / "steps").iterdir()} == {"heads.safetensors", "step-000001-000.safetensors",
-                                                           "step-000002-000.safetensors"}
-    res = CliRunner().invoke(app, ["audit", str(out)])
-    assert res.exit_code == 0, res.output
-    again = [x for x in res.output.splitlines() if x.startswith("step ")]
-    assert again == [x.removeprefix("kl_audit: ") for x in lines if x.startswith("kl_audit: step")]
-    said = {x.removeprefix("kl_audit: warning: ") for x in lines if "warning" in x and "step " in x}
-    assert said and said <= {x.removeprefix("warning: ") for x in res.output.splitlines()}
-    # the callback's folder without its steps: read back, the same lines and warnings
-    import shutil
+    live = [x.removeprefix("kl_audit: ") for x in lines if x.startswith("kl_audit: ")]
+    saved = CliRunner().invoke(app, ["audit", str(out)])
     shutil.rmtree(out / "steps")
-    res = CliRunner().invoke(app, ["audit", str(out)])
-    assert res.exit_code == 0, res.output
-    assert [x for x in res.output.splitlines() if x.startswith("step ")] == again
+    replay = CliRunner().invoke(app, ["audit", str(out)])
+    cli = [[x for x in r.output.splitlines() if x.strip() and not x.startswith("→")] for r in (saved, replay)]
+    return cb, live, (saved, replay), cli
+
+
+@pytest.mark.parametrize("trainer, kw", [("grpo", dict(top_k=20, use_bias_correction_kl=False, disable_dropout=False)),
+                                         ("rloo", dict(top_k=20))], ids=["grpo-dropout", "rloo"])
+def test_the_callback_and_kl_bench_audit_print_the_same_lines_once_each(tiny_models, tmp_path, trainer, kw):
+    # One voice (kl_bench.audit.verdict.Voice): the same run audited live and by `kl-bench audit`, from its
+    # saved steps and from its audit.csv, prints the same lines in the same order, each once: the settings'
+    # notes (dropout) included, the sampler's line once for every source of one estimator (RLOO's kl and
+    # reward both carry k1), the pooled verdicts once per source; exit 1 where a check failed.
+    cb, live, results, cli = _both_ways(tiny_models, tmp_path, trainer=trainer, steps=3, learning_rate=0.0, **kw)
+    for res, lines in zip(results, cli):
+        assert lines == live, (res.output, live)
+        assert res.exit_code == (1 if cb.voice.failed else 0), res.output
+    assert len(set(live)) == len(live)                                  # each line once
+    # TRL's own log-probs are the callback's: its formula is tested on them and fits (no formula part)
+    assert all(r.formula_fit == 0 and r.bias_formula == 0 and r.own_logprobs == r.tokens for r in cb.log.rows)
+    sources = ["kl", "reward"] if trainer == "rloo" else ["kl"]
+    assert [x.split()[1] for x in live if x.startswith("pooled ")] == sources
+    assert sum("the sampler (b: top_k=20) moves" in x for x in live) == 1
+    assert sum(x.startswith("step ") for x in live) == 3 * len(sources)
+    if trainer == "grpo":
+        assert sum("dropout is active" in x for x in live) == 1 and live[0].startswith("warning: dropout")
 
 
 def test_a_trl_outside_the_tested_range_warns_once_and_runs(tiny_models, tmp_path, monkeypatch):

@@ -19,6 +19,10 @@ from .saving import FORMAT, FORMATS, HEAD_KEYS, HEADS_FILE, HIDDEN, LOGITS, REQU
 from .session import Metric, check_distinct_sources
 
 
+# Optional [B, T] tensors: a rollout engine's log-probs; the trainer's own log-probs of the sampled tokens.
+OPTIONAL_PER_TOKEN = ("engine_logprobs", "policy_logprobs", "reference_logprobs")
+
+
 @dataclass(frozen=True)
 class SavedStep:
     """One saved batch read back and checked: the tensors and the settings it was saved with.
@@ -31,6 +35,7 @@ class SavedStep:
     tensors: dict
     logit_softcap: float | None = None
     logit_multiplier: float = 1.0
+    notes: tuple[tuple[str, str], ...] = ()       # settings the live audit warned about (saving.save_step)
 
     def value_keys(self) -> dict[str, str]:
         """source → the tensor that holds the trainer's per-token values of that metric: ``trainer_kl`` the
@@ -174,9 +179,18 @@ def _read_step(path: Path, tensors: dict, meta: dict, heads: dict | None) -> Sav
         raise SpecError("must be a JSON object", file=where, key="generation")
     saved = SavedStep(path, _number(meta, path, "step", int), metrics, Sampler.from_dict(generation, file=where),
                       _number(meta, path, "logit_scale", float, "1.0"), tensors, _softcap(meta, where),
-                      _number(meta, path, "logit_multiplier", float, "1.0"))
+                      _number(meta, path, "logit_multiplier", float, "1.0"), _notes(meta, path))
     _check_shapes(saved)
     return saved
+
+
+def _notes(meta: dict, path: Path) -> tuple[tuple[str, str], ...]:
+    """The optional notes entry: JSON [[key, message], ...], strings each."""
+    rows = _json_meta(meta, path, "notes", "[]")
+    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r)
+                                             for r in rows):
+        raise SpecError("must be a JSON list of [key, message] strings", file=str(path), key="notes")
+    return tuple((k, m) for k, m in rows)
 
 
 def _softcap(meta: dict, where: str) -> float | None:
@@ -233,7 +247,9 @@ def _check_per_token(s: SavedStep, bt: tuple) -> None:
         if other is not None:
             raise SpecError(f"sources '{other}' and '{source}' would both read {k} (trainer_kl holds the first "
                             "metric's values, trainer_<source> each later one's)", file=where, key="metrics")
-    for k in ["mask", *keys.values()] + (["engine_logprobs"] if "engine_logprobs" in t else []):
+    if ("policy_logprobs" in t) != ("reference_logprobs" in t):
+        raise SpecError("give both models' log-probs or neither", file=where, key="reference_logprobs")
+    for k in ["mask", *keys.values()] + [k for k in OPTIONAL_PER_TOKEN if k in t]:
         if k not in t:
             raise SpecError("missing tensor", file=where, key=k)
         if tuple(t[k].shape) != bt:
@@ -329,7 +345,7 @@ def _check_floats(s: SavedStep, form: tuple[str, str]) -> None:
     t, where = s.tensors, str(s.path)
     mask = t["mask"].bool()
     heads = tuple(k for k in HEAD_KEYS if k in t) if form == HIDDEN else ()
-    masked = (*s.value_keys().values(), *(k for k in ("engine_logprobs", "sampling_hidden") if k in t))
+    masked = (*s.value_keys().values(), *(k for k in (*OPTIONAL_PER_TOKEN, "sampling_hidden") if k in t))
     for k in form + heads + masked:
         if not t[k].dtype.is_floating_point:
             raise SpecError(f"must hold floating-point values, got {t[k].dtype}", file=where, key=k)
