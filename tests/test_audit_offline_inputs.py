@@ -80,6 +80,7 @@ def test_the_audit_core_refuses_a_source_twice():
 
 
 @pytest.mark.parametrize("second, key", [(dict(estimator="k1"), "key 'metrics'"),
+                                         (dict(micro_batches="mean"), "key 'metrics'"),
                                          (dict(generation={"top_k": 3}), "key 'generation.top_k'")])
 def test_files_of_one_step_share_their_settings(tmp_path, second, key):
     # Two files of step 9 with other settings had made two rows of step 9 ('pooled kl over 2 steps').
@@ -104,6 +105,8 @@ def test_deeply_nested_metadata_is_one_line(tmp_path, key):
     ("step", "9" * 5000, "key 'step': must be an integer"),
     ("step", "٣", "key 'step': must be an integer"),              # int() reads Arabic-Indic digits as 3
     ("logit_scale", "x", "key 'logit_scale': must be a number"),
+    ("notes", '[["dropout"]]', "must be a JSON list of [key, message] strings"),
+    ("notes", '[["dropout", 1]]', "must be a JSON list of [key, message] strings"),
 ])
 def test_bad_metadata_values_name_their_key(tmp_path, key, value, says):
     _save(tmp_path, meta={key: value})
@@ -252,7 +255,31 @@ def test_heads_and_prompts_are_checked(tmp_path, change, key, says):
                                           ('[["kl","k3",["token-mean"]]]', "aggregation"),
                                           ('[[1,"k3","token-mean"]]', "source"),
                                           ('[["kl","k33","token-mean"]]', "estimator"),
-                                          ('[["kl","os:system","token-mean"]]', "estimator")])
+                                          ('[["kl","os:system","token-mean"]]', "estimator"),
+                                          ('[["kl","k3","token-mean","average"]]', "micro_batches"),
+                                          ('[["kl","k3","token-mean",1]]', "micro_batches")])
 def test_metric_errors_name_the_file(tmp_path, metrics, key):
     _save(tmp_path, meta={"metrics": metrics})
     assert _one_line(tmp_path, f"key '{key}'").startswith(f"error: {tmp_path / NAME}: ")
+
+
+def test_a_bad_micro_batches_entry_names_its_key(tmp_path):
+    _save(tmp_path, meta={"micro_batches": "average"})
+    _one_line(tmp_path, "key 'micro_batches'", "must be one of pooled, mean")
+
+
+def test_files_of_one_step_average_when_the_trainer_averages_its_micro_batches(tmp_path):
+    """micro_batches = "mean" (TRL's logged GRPO kl): a step of two files is the mean of the two files'
+    own audits (se: the root of the sum of squares over 2), not the audit of their pooled tokens."""
+    uneven = torch.ones(B, T)
+    uneven[:, 3:] = 0                                   # 2·3 tokens here, 2·11 in the other file
+    _save(tmp_path / "step", micro_batches="mean", mask=uneven)
+    _save(tmp_path / "step", name="step-0009b.safetensors", seed=1, micro_batches="mean")
+    _save(tmp_path / "a", micro_batches="mean", mask=uneven)
+    _save(tmp_path / "b", name="step-0009b.safetensors", seed=1, micro_batches="mean")
+    (got,), (a,), (b,) = (audit_folder(tmp_path / d).rows for d in ("step", "a", "b"))
+    for name in ("logged", "exact", "expected_b", "bias", "bias_precision"):
+        assert getattr(got, name) == pytest.approx((getattr(a, name) + getattr(b, name)) / 2, rel=1e-12), name
+    assert got.se == pytest.approx(math.hypot(a.se, b.se) / 2, rel=1e-12) and got.tokens == a.tokens + b.tokens
+    pooled = (a.logged * a.tokens + b.logged * b.tokens) / (a.tokens + b.tokens)
+    assert abs(got.logged - pooled) > 1e-3 * abs(pooled)      # the files' token counts differ: not pooled

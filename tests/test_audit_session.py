@@ -79,17 +79,82 @@ def test_micro_batches_and_ranks_pool_as_one_batch():
     ranks = [AuditSession(heads, METRICS, dtype=torch.float64) for _ in range(2)]
     ranks[0].add(a)
     ranks[1].add(b)
-    pending = [dict(r._pending) for r in ranks]
-    sums = {}
-
-    def reduce(x, source=iter([m.source for m in METRICS])):
-        src = next(source)
-        return pending[0][src] + pending[1][src]
-    for x, y, z in zip(micro.finish(0), one.finish(0), ranks[0].finish(0, reduce=reduce)):
+    # what rank 1 hands its all-reduce, added to rank 0's (the hook is the only way in)
+    handed = []
+    ranks[1].finish(0, reduce=lambda x: handed.append(x) or x)
+    for x, y, z in zip(micro.finish(0), one.finish(0), ranks[0].finish(0, reduce=lambda x: x + handed.pop(0))):
         for name in ("logged", "exact", "se", "consistency_z", "expected_b"):
             assert getattr(x, name) == pytest.approx(getattr(y, name), rel=1e-12, abs=1e-14), name
             assert getattr(z, name) == pytest.approx(getattr(y, name), rel=1e-12, abs=1e-14), name
-    assert not sums
+    assert not handed
+
+
+def _cat(x: Record, y: Record) -> Record:
+    """Two records' rows as one record (the union a process group's all-reduce stands for)."""
+    return Record(*(torch.cat([getattr(x, f), getattr(y, f)]) for f in ("policy_hidden", "reference_hidden",
+                                                                         "completion_ids", "mask", "trainer_values")))
+
+
+def test_a_mean_over_micro_batches_is_the_mean_of_their_audits_and_ranks_reduce_each_micro_batch():
+    # TRL logs GRPO's kl as the mean of its micro-batches' token means: micro_batches = "mean" makes every
+    # weighted column the mean of the micro-batches' own audits and se² the sum of their se² over J².
+    whole, heads = _batch(2, B=13)
+    rows = torch.arange(13).split([3, 4, 2, 4])
+    parts = [Record(*(getattr(whole, f)[r] for f in ("policy_hidden", "reference_hidden", "completion_ids", "mask",
+                                                      "trainer_values"))) for r in rows]
+    metrics = [Metric("kl", "trl.grpo", "token-mean", "mean"), Metric("loss", "trl.grpo", "seq-mean-token-mean", "mean")]
+    mean = AuditSession(heads, metrics, dtype=torch.float64)
+    for p in parts[:2]:
+        mean.add(p)
+    alone = []
+    for p in parts[:2]:
+        s = AuditSession(heads, metrics, dtype=torch.float64)
+        s.add(p)
+        alone.append(s.finish(0))
+    tokens = [int(p.mask.sum()) for p in parts[:2]]
+    assert tokens[0] != tokens[1]                       # unequal lengths: the mean is not the pooled mean
+    for i, got in enumerate(mean.finish(0)):
+        a, b = alone[0][i], alone[1][i]
+        for name in ("logged", "recomputed", "exact", "expected_q", "expected_b", "expected_g", "bias",
+                     "bias_sampler", "bias_precision", "noise"):
+            assert getattr(got, name) == pytest.approx((getattr(a, name) + getattr(b, name)) / 2, rel=1e-12,
+                                                       abs=1e-15), name
+        assert got.se == pytest.approx(math.hypot(a.se, b.se) / 2, rel=1e-12)
+        assert (got.tokens, got.sequences) == (a.tokens + b.tokens, a.sequences + b.sequences)
+        assert got.consistency_sum == pytest.approx(a.consistency_sum + b.consistency_sum, rel=1e-12)
+    pooled = AuditSession(heads, [Metric("kl", "trl.grpo", "token-mean")], dtype=torch.float64)
+    for p in parts[:2]:
+        pooled.add(p)
+    (p,) = pooled.finish(0)
+    # the two differ by far more than float64 rounding: the test tells them apart
+    assert abs(p.logged - (alone[0][0].logged + alone[1][0].logged) / 2) > 1e-6 * abs(p.logged)
+    # Two ranks, two micro-batches each, rank 1 handing its rows to the all-reduce: micro-batch j is the
+    # union of both ranks' j-th records (TRL reduces each micro-batch across processes), then the mean.
+    ranks = [AuditSession(heads, metrics, dtype=torch.float64) for _ in range(2)]
+    for j in range(2):
+        ranks[0].add(parts[j])
+        ranks[1].add(parts[2 + j])
+    handed = []
+    ranks[1].finish(0, reduce=lambda x: handed.append(x) or x)
+    got = ranks[0].finish(0, reduce=lambda x: x + handed.pop(0))
+    union = AuditSession(heads, metrics, dtype=torch.float64)
+    union.add(_cat(parts[0], parts[2]))
+    union.add(_cat(parts[1], parts[3]))
+    for x, y in zip(got, union.finish(0)):
+        for name in ("logged", "exact", "se", "consistency_z", "expected_b"):
+            assert getattr(x, name) == pytest.approx(getattr(y, name), rel=1e-12, abs=1e-14), name
+
+
+def test_a_rank_with_fewer_micro_batches_pads_with_rows_that_are_not_micro_batches():
+    from kl_bench.audit.step import SUMS, combine_micro_batches
+    heads = _batch(2)[1]
+    rec = _batch(2)[0]
+    s = AuditSession(heads, [Metric("kl", "trl.grpo", "token-mean", "mean")], dtype=torch.float64)
+    s.add(rec)
+    one = s.finish(0, reduce=lambda x: torch.cat([x, torch.zeros(len(SUMS), dtype=x.dtype)]))[0]
+    s.add(rec)
+    assert one == s.finish(0)[0]
+    assert combine_micro_batches(torch.zeros(2, len(SUMS), dtype=torch.float64)).abs().sum() == 0
 
 
 def test_bad_records_are_one_line():

@@ -49,7 +49,7 @@ def test_grpo_clean_run_logged_kl_exact_kl_and_z(tiny_models, tmp_path):
     kl = (lps[0].exp() * (lps[0] - lps[1])).sum(-1)[last["mask"]]
     assert cb.log.rows[-1].exact == pytest.approx(kl.mean().item(), rel=1e-5)    # float32 body vs float64 body
     assert torch.allclose(last["values"].kl, kl, rtol=1e-4, atol=1e-6)
-    pooled = cb.log.pooled()["loss"]
+    pooled = cb.log.pooled()["kl"]
     assert all(abs(r.z) < 5 for r in cb.log.rows) and abs(pooled["z"]) < 5 and abs(pooled["consistency_z"]) < 5
     assert all(abs(r.bias_precision) < 1e-5 and abs(r.bias_sampler) < 1e-12 for r in cb.log.rows)
     assert not cb.warnings and sum(line.startswith("kl_audit: step") for line in lines) == 3
@@ -61,7 +61,7 @@ def test_grpo_top_k_warns_that_the_sampler_moves_the_mean(tiny_models, tmp_path)
     tr, cb, lines = _run(tiny_models, tmp_path, top_k=20, use_bias_correction_kl=False)
     assert any("the sampler (b: top_k=20) moves the estimator's mean" in w for w in cb.warnings)
     assert all(r.miss > 0 and r.bias_sampler != 0 for r in cb.log.rows)
-    assert abs(cb.log.pooled()["loss"]["consistency_z"]) < 5      # the tokens do come from the audited b
+    assert abs(cb.log.pooled()["kl"]["consistency_z"]) < 5      # the tokens do come from the audited b
 
 
 def test_left_padding_is_measured_as_the_mismatch_and_position_ids_clear_it(tiny_models, tmp_path):
@@ -71,11 +71,11 @@ def test_left_padding_is_measured_as_the_mismatch_and_position_ids_clear_it(tiny
     kw = dict(equal_length=False, max_rows=16, per_device_train_batch_size=16)
     _, cb, _ = _run(tiny_models, tmp_path / "pad", **kw)
     rows = cb.log.rows
-    assert all(r.sampling_pass == r.tokens for r in rows) and abs(cb.log.pooled()["loss"]["consistency_z"]) < 5
+    assert all(r.sampling_pass == r.tokens for r in rows) and abs(cb.log.pooled()["kl"]["consistency_z"]) < 5
     assert any(abs(r.bias_mismatch) > 0.05 * abs(r.expected_q) for r in rows)
     assert any("position ids" in w and "drew the tokens" in w for w in cb.warnings)
     _, cb, _ = _run(tiny_models, tmp_path / "pos", position_ids=True, **kw)
-    assert abs(cb.log.pooled()["loss"]["consistency_z"]) < 5 and not any("position ids" in w for w in cb.warnings)
+    assert abs(cb.log.pooled()["kl"]["consistency_z"]) < 5 and not any("position ids" in w for w in cb.warnings)
     assert all(abs(r.bias_mismatch) < 1e-4 * abs(r.expected_q) for r in cb.log.rows)
 
 
@@ -156,7 +156,9 @@ def test_grpo_gradient_accumulation_audits_every_micro_batch(tiny_models, tmp_pa
     # Two micro-batches of 8 rows a step; max_rows = 16 covers both. Learning rate 0, one step.
     tr, cb, _ = _run(tiny_models, tmp_path / "all", steps=1, max_rows=16, learning_rate=0.0,
                      gradient_accumulation_steps=2, dtype=torch.float64)
-    row, parts = cb.log.rows[-1], cb.step_inputs
+    # loss_type dapo (TRL's default): the loss's KL term pools the window's tokens (source loss); the
+    # logged kl (source kl) is the mean of the micro-batches' means (tested below).
+    row, parts = next(r for r in cb.log.rows if r.source == "loss"), cb.step_inputs
     assert len(parts) == 2 and [p["input_ids"].shape[0] for p in parts] == [8, 8] and row.sequences == 16
     # Every row TRL generated for the step (the reference pass saw them all) is audited exactly once.
     generated = torch.cat([r["input_ids"] for r in cb._records["ref"]])
@@ -175,6 +177,57 @@ def test_grpo_gradient_accumulation_audits_every_micro_batch(tiny_models, tmp_pa
                                mask=mask, aggregation="token-mean").item()
     assert abs(row.logged - logged) <= int(mask.sum()) * 2.0 ** -24 * abs(logged)     # float32 sum rounding
     assert not cb.warnings
+
+
+def _early_eos(models, tmp_path):
+    """The tiny models with 60 of their 1000 ids declared EOS in the policy's generation config (TRL stops
+    and masks at every id of model.generation_config.eos_token_id): completions of unequal lengths."""
+    import json
+    import shutil
+    out = tmp_path / "eos-models"
+    shutil.copytree(models, out)
+    cfg = out / "policy" / "generation_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "eos_token_id": list(range(60))}))
+    return out
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo"])
+def test_logged_is_trls_kl_for_every_loss_type_under_gradient_accumulation(tiny_models, tmp_path, loss_type):
+    # TRL appends each micro-batch's token mean of per_token_kl and logs their mean (logging_steps = 1):
+    # with two micro-batches of unequal token counts that is not the pooled token mean, and the audit's
+    # `logged` (source kl) must be TRL's number itself, whatever the loss_type.
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    tr, cb, _ = _run(_early_eos(tiny_models, tmp_path), tmp_path, steps=2, max_rows=16, learning_rate=0.0,
+                     gradient_accumulation_steps=2, loss_type=loss_type, **extra)
+    trl_kl = [h["kl"] for h in tr.state.log_history if "kl" in h]
+    rows = [r for r in cb.log.rows if r.source == "kl"]
+    assert len(rows) == 2 == len(trl_kl) and all(r.sequences == 16 for r in rows)
+    parts = cb.step_inputs                              # the last step's two micro-batches
+    counts = [int(p["mask"].sum()) for p in parts]
+    assert len(parts) == 2 and counts[0] != counts[1]   # unequal lengths (EOS at 6% of the ids)
+    # TRL sums each micro-batch's float32 values in float32, the audit in float64: their difference is at
+    # most the float32 sum's rounding, n·2⁻²⁴ of the mean of the non-negative k3 per micro-batch.
+    bound = max(counts) * 2.0 ** -24 * max(trl_kl)
+    for r, k in zip(rows, trl_kl):
+        assert abs(r.logged - k) <= bound, (r.logged, k)
+    values = [p["record"].values_for("kl").double() for p in parts]
+    means = [(v * p["mask"]).sum() / p["mask"].sum() for v, p in zip(values, parts)]
+    pooled = sum((v * p["mask"]).sum() for v, p in zip(values, parts)) / sum(counts)
+    assert abs(pooled.item() - trl_kl[-1]) > 10 * bound            # the pooled mean is not what TRL logs
+    assert rows[-1].logged == pytest.approx((means[0] + means[1]).item() / 2, rel=1e-12)
+    # The loss's KL term, as the loss_type aggregates it (trl_contract.LOSS_TYPES), where it differs.
+    from kl_bench.audit.aggregate import aggregate
+    from kl_bench.integrations.trl_contract import LOSS_TYPES
+    aggregation, micro_batches = LOSS_TYPES[loss_type]
+    loss = [r for r in cb.log.rows if r.source == "loss"]
+    assert len(loss) == (0 if aggregation == "token-mean" and micro_batches == "mean" else 2)
+    if loss and micro_batches == "mean":
+        want = sum(aggregate(v, p["mask"], aggregation) for v, p in zip(values, parts)) / 2
+    elif loss:
+        want = aggregate(torch.cat(values), torch.cat([p["mask"] for p in parts]), aggregation)
+    if loss:
+        assert (loss[-1].aggregation, loss[-1].logged) == (aggregation, pytest.approx(want.item(), rel=1e-12))
+        assert all(abs(r.z) < 5 for r in loss)
 
 
 def test_max_rows_is_spread_over_the_micro_batches(tiny_models, tmp_path):
@@ -275,32 +328,50 @@ def test_the_adapter_replaces_no_trainer_method_and_removes_its_hooks(tiny_model
     assert a.log.rows[0].exact == pytest.approx(b.log.rows[0].exact, rel=1e-12) and _hook_counts(tr) == before
 
 
-def test_saved_steps_audit_again_to_the_same_numbers_and_warnings(tiny_models, tmp_path):
+def _both_ways(models, tmp_path, **kw):
+    """One run audited live (the callback, saving its steps) and again by `kl-bench audit` from its saved
+    steps and from its audit.csv alone: the lines each printed (the callback's prefix removed)."""
+    import shutil
+
     from typer.testing import CliRunner
 
     from kl_bench.cli import app
-    out = tmp_path / "audit"
     from kl_bench.integrations.demo import build_trainer
     from kl_bench.integrations.trl import KLAudit
-    tr = build_trainer(tiny_models, tmp_path / "run", steps=2, top_k=20, use_bias_correction_kl=False)
+    out = tmp_path / "audit"
+    tr = build_trainer(models, tmp_path / "run", **kw)
     lines = []
     cb = KLAudit(tr, every=1, out=out, save_steps=True, dtype=torch.float64, print_fn=lines.append)
     tr.add_callback(cb)
     tr.train()
-    assert {p.name for p in (out / "steps").iterdir()} == {"heads.safetensors", "step-000001-000.safetensors",
-                                                           "step-000002-000.safetensors"}
-    res = CliRunner().invoke(app, ["audit", str(out)])
-    assert res.exit_code == 0, res.output
-    again = [x for x in res.output.splitlines() if x.startswith("step ")]
-    assert again == [x.removeprefix("kl_audit: ") for x in lines if x.startswith("kl_audit: step")]
-    said = {x.removeprefix("kl_audit: warning: ") for x in lines if "warning" in x and "step " in x}
-    assert said and said <= {x.removeprefix("warning: ") for x in res.output.splitlines()}
-    # the callback's folder without its steps: read back, the same lines and warnings
-    import shutil
+    live = [x.removeprefix("kl_audit: ") for x in lines if x.startswith("kl_audit: ")]
+    saved = CliRunner().invoke(app, ["audit", str(out)])
     shutil.rmtree(out / "steps")
-    res = CliRunner().invoke(app, ["audit", str(out)])
-    assert res.exit_code == 0, res.output
-    assert [x for x in res.output.splitlines() if x.startswith("step ")] == again
+    replay = CliRunner().invoke(app, ["audit", str(out)])
+    cli = [[x for x in r.output.splitlines() if x.strip() and not x.startswith("→")] for r in (saved, replay)]
+    return cb, live, (saved, replay), cli
+
+
+@pytest.mark.parametrize("trainer, kw", [("grpo", dict(top_k=20, use_bias_correction_kl=False, disable_dropout=False)),
+                                         ("rloo", dict(top_k=20))], ids=["grpo-dropout", "rloo"])
+def test_the_callback_and_kl_bench_audit_print_the_same_lines_once_each(tiny_models, tmp_path, trainer, kw):
+    # One voice (kl_bench.audit.verdict.Voice): the same run audited live and by `kl-bench audit`, from its
+    # saved steps and from its audit.csv, prints the same lines in the same order, each once: the settings'
+    # notes (dropout) included, the sampler's line once for every source of one estimator (RLOO's kl and
+    # reward both carry k1), the pooled verdicts once per source; exit 1 where a check failed.
+    cb, live, results, cli = _both_ways(tiny_models, tmp_path, trainer=trainer, steps=3, learning_rate=0.0, **kw)
+    for res, lines in zip(results, cli):
+        assert lines == live, (res.output, live)
+        assert res.exit_code == (1 if cb.voice.failed else 0), res.output
+    assert len(set(live)) == len(live)                                  # each line once
+    # TRL's own log-probs are the callback's: its formula is tested on them and fits (no formula part)
+    assert all(r.formula_fit == 0 and r.bias_formula == 0 and r.own_logprobs == r.tokens for r in cb.log.rows)
+    sources = ["kl", "reward"] if trainer == "rloo" else ["kl"]
+    assert [x.split()[1] for x in live if x.startswith("pooled ")] == sources
+    assert sum("the sampler (b: top_k=20) moves" in x for x in live) == 1
+    assert sum(x.startswith("step ") for x in live) == 3 * len(sources)
+    if trainer == "grpo":
+        assert sum("dropout is active" in x for x in live) == 1 and live[0].startswith("warning: dropout")
 
 
 def test_a_trl_outside_the_tested_range_warns_once_and_runs(tiny_models, tmp_path, monkeypatch):

@@ -17,6 +17,10 @@ from ..foundation.errors import ShapeError, SpecError
 from ..foundation.registry import did_you_mean
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# How a step's micro-batches combine: "pooled" (one aggregate of all their rows) or "mean" (the mean of
+# each micro-batch's aggregate: TRL's logged GRPO `kl`, and the loss of loss types that divide each
+# micro-batch's loss by the accumulation steps).
+MICRO_BATCHES = ("pooled", "mean")
 
 
 def aggregation_units(mask: torch.Tensor, aggregation: str) -> tuple[torch.Tensor, torch.Tensor]:

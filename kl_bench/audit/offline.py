@@ -28,7 +28,8 @@ def _record(s: SavedStep) -> Record:
     t = s.tensors
     return Record(t["policy_hidden"], t["reference_hidden"], t["completion_ids"].to(torch.long), t["mask"].bool(),
                   s.trainer_values(), sampling_hidden=t.get("sampling_hidden"), prompt_ids=t.get("prompt_ids"),
-                  engine_logprobs=t.get("engine_logprobs"))
+                  engine_logprobs=t.get("engine_logprobs"), policy_logprobs=t.get("policy_logprobs"),
+                  reference_logprobs=t.get("reference_logprobs"))
 
 
 def _heads(s: SavedStep) -> tuple[Head, Head]:
@@ -59,20 +60,29 @@ def _session(s: SavedStep, log: AuditLog, kw: dict) -> AuditSession:
     return AuditSession((None, None), s.metrics, s.sampler, log=log, **kw)
 
 
-def audit_folder(directory, *, on_step=None, tile: int | None = None, chunk: int | None = None,
+def audit_folder(directory, *, on_step=None, on_notes=None, tile: int | None = None, chunk: int | None = None,
                  dtype: torch.dtype = torch.float64) -> AuditLog:
-    """Audit every saved step of ``directory`` through the audit core, the files of one step pooled;
-    every file is read and checked before any is audited. ``on_step(audit, warnings)`` after each step
-    audit. Hidden states: tile matmuls in ``dtype`` (float64 by default: exact to rounding)."""
+    """Audit every saved step of ``directory`` through the audit core, the files of one step combined
+    (their metrics' micro_batches); every file is read and checked before any is audited.
+    ``on_notes(notes)`` before each step with the (key, message) notes its files carry (the settings the
+    live audit warned about), ``on_step(audit, warnings)`` after each step audit. Hidden states: tile
+    matmuls in ``dtype`` (float64 by default: exact to rounding)."""
     by_step = read_folder(Path(directory))
     log, sessions = AuditLog(), {}
     kw = dict(dtype=dtype, chunk=chunk, tile=tile)
     for number, group in sorted(by_step.items()):
+        if on_notes is not None:
+            on_notes(dict.fromkeys(n for s in group for n in s.notes))
         for s in group:
             key = (s.metrics, s.sampler)
             session = sessions.setdefault(key, _session(s, log, kw))
             if "policy_logits" in s.tensors:
-                session.add_values(_logit_values(s), s.trainer_values(), s.tensors["mask"].bool())
+                t = s.tensors
+                own = t["reference_logprobs"] - t["policy_logprobs"] if "policy_logprobs" in t else None
+                coarse = max((t[k].dtype for k in ("policy_logits", "reference_logits")),
+                             key=lambda d: torch.finfo(d).eps)
+                session.add_values(_logit_values(s), s.trainer_values(), t["mask"].bool(), own_logr=own,
+                                   precision=coarse)
             else:
                 session.add(_record(s), heads=_heads(s))
         for session in sessions.values():

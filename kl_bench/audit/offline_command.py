@@ -3,29 +3,24 @@ step, its warnings and the pooled verdict; or, for the callback's results folder
 read its audit.csv back and print the verdicts it records."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..foundation.errors import SpecError
-from ..foundation.formatting import plural
 from ..foundation.output_paths import check_output_dir
 from ..results.folders import check_replaceable
 from .offline import audit_folder
 from .rollout_engine import engine_line
-from .step import AuditLog, StepAudit, read_audit_folder, step_line
-from .verdict import engine_warnings, step_warnings
+from .step import AuditLog, StepAudit, read_audit_folder
+from .verdict import Voice, engine_warnings, pooled_line, step_warnings
 
 
-def _pooled_line(source: str, p: dict) -> str:
-    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
-            f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
-
-
-def _echo_step(echo):
-    def show(a, warnings):
-        echo(step_line(a))
-        for w in warnings:
-            echo(f"warning: {w.message}")
-    return show
+@dataclass(frozen=True)
+class Outcome:
+    """What ``kl-bench audit`` did: the folder it wrote (None for a folder read back) and whether a check
+    failed (a step's or the pooled |z|, the consistency check, the engine, the trainer's formula: exit 1)."""
+    written: Path | None
+    failed: bool
 
 
 def steps_folder(directory: Path) -> Path | None:
@@ -53,11 +48,11 @@ def _check_replay_options(directory: Path, out: Path | None, tile: int | None, c
 
 
 def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk: int | None,
-                  echo=print) -> Path | None:
-    """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print a line each,
-    its warnings and the pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json.
-    A callback's results folder without saved steps is read back and its verdicts printed (nothing
-    written; returns None)."""
+                  echo=print) -> Outcome:
+    """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print what the live
+    audit said (its notes, each step's line and warnings, each once: :class:`~.verdict.Voice`) and the
+    pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json. A callback's results
+    folder without saved steps is read back and its verdicts printed (nothing written)."""
     _check_pieces(tile, chunk)
     directory = Path(directory)
     found = steps_folder(directory)
@@ -66,28 +61,42 @@ def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk:
         return replay_folder(directory, echo)       # a folder the callback wrote (another kind: said so)
     out = check_output_dir(Path(out) if out is not None else directory / "audit")
     check_replaceable(out, "audit")
-    log = audit_folder(found or directory, on_step=_echo_step(echo), tile=tile, chunk=chunk)
+    voice = Voice()
+
+    def say(lines):
+        for line in lines:
+            echo(line)
+    log = audit_folder(found or directory, on_step=lambda a, ws: say(voice.step(a, ws)),
+                       on_notes=lambda notes: say(voice.notes(notes)), tile=tile, chunk=chunk)
     for a in log.engine:                                  # saved steps with a rollout engine's log-probs
         echo(engine_line(a))
-        for w in engine_warnings(a):
-            echo(f"warning: {w.message}")
+        say(voice.warnings(engine_warnings(a)))
     for source, p in log.pooled().items():
-        echo(_pooled_line(source, p))
-    return log.write(out, source_folder=str(directory))
+        echo(pooled_line(source, p))
+    return Outcome(log.write(out, source_folder=str(directory)), voice.failed)
 
 
-def replay_folder(directory: Path, echo=print) -> None:
-    """A results folder written by the callback (audit.csv, run.json) read back: each step's line and the
-    warnings the callback printed, from the stored rows."""
+def replay_folder(directory: Path, echo=print) -> Outcome:
+    """A results folder written by the callback (audit.csv, run.json) read back: the notes and each step's
+    line and warnings the callback printed, from the stored rows."""
     envelope, rows = read_audit_folder(directory)
     sampler = str(envelope.get("sampler", "b"))
+    voice = Voice()
+    notes = envelope.get("notes") or []
+    if not isinstance(notes, list) or not all(isinstance(n, list) and len(n) == 2 and all(isinstance(x, str) for x in n)
+                                              for n in notes):
+        raise SpecError("must be a list of [key, message] strings", file=str(Path(directory) / "run.json"),
+                        key="notes")
+    for line in voice.notes(tuple(n) for n in notes):
+        echo(line)
     history: dict[str, list[StepAudit]] = {}
     for a in rows:
         history.setdefault(a.source, []).append(a)
-        _echo_step(echo)(a, step_warnings(a, history[a.source], sampler))
+        for line in voice.step(a, step_warnings(a, history[a.source], sampler)):
+            echo(line)
     log = AuditLog()
     for a in rows:
         log.add(a)
     for source, p in log.pooled().items():
-        echo(_pooled_line(source, p))
-    return None
+        echo(pooled_line(source, p))
+    return Outcome(None, voice.failed)

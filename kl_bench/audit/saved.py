@@ -13,10 +13,14 @@ from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from ..foundation.registry import UnknownName
 from ..foundation.safe_io import cap_for, open_regular, parse_json, read_capped
-from .aggregate import LOSS_AGGREGATIONS
+from .aggregate import LOSS_AGGREGATIONS, MICRO_BATCHES
 from .generation import Sampler
 from .saving import FORMAT, FORMATS, HEAD_KEYS, HEADS_FILE, HIDDEN, LOGITS, REQUIRED
 from .session import Metric, check_distinct_sources
+
+
+# Optional [B, T] tensors: a rollout engine's log-probs; the trainer's own log-probs of the sampled tokens.
+OPTIONAL_PER_TOKEN = ("engine_logprobs", "policy_logprobs", "reference_logprobs")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class SavedStep:
     tensors: dict
     logit_softcap: float | None = None
     logit_multiplier: float = 1.0
+    notes: tuple[tuple[str, str], ...] = ()       # settings the live audit warned about (saving.save_step)
 
     def value_keys(self) -> dict[str, str]:
         """source → the tensor that holds the trainer's per-token values of that metric: ``trainer_kl`` the
@@ -94,8 +99,9 @@ def _json_meta(meta: dict, path: Path, key: str, default: str | None = None):
         raise e.located(file=str(path), key=key) from None
 
 
-def _metric(where: str, source, estimator, aggregation) -> Metric:
-    for name, value in (("source", source), ("estimator", estimator), ("aggregation", aggregation)):
+def _metric(where: str, source, estimator, aggregation, micro_batches="pooled") -> Metric:
+    for name, value in (("source", source), ("estimator", estimator), ("aggregation", aggregation),
+                        ("micro_batches", micro_batches)):
         if not isinstance(value, str) or not value:
             raise SpecError(f"must be a non-empty string, got {type(value).__name__} {value!r}"[:200], file=where,
                             key=name)
@@ -108,20 +114,25 @@ def _metric(where: str, source, estimator, aggregation) -> Metric:
         raise e.located(file=where, key="estimator") from None
     if aggregation not in LOSS_AGGREGATIONS:
         raise SpecError(f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got '{aggregation}'", file=where, key="aggregation")
-    return Metric(source, estimator, aggregation)
+    if micro_batches not in MICRO_BATCHES:
+        raise SpecError(f"must be one of {', '.join(MICRO_BATCHES)}, got '{micro_batches}'"[:200], file=where,
+                        key="micro_batches")
+    return Metric(source, estimator, aggregation, micro_batches)
 
 
 def _metrics(meta: dict, path: Path) -> tuple[Metric, ...]:
     """The metrics a step holds the trainer's values of: the ``metrics`` entry (JSON [[source, estimator,
-    aggregation], ...]), or the ``source``/``estimator``/``aggregation`` entries. Sources are distinct (one
-    audit.csv row per source and step: a source listed twice had counted every token twice)."""
+    aggregation(, micro_batches)], ...]), or the ``source``/``estimator``/``aggregation``(/``micro_batches``)
+    entries; micro_batches defaults to "pooled". Sources are distinct (one audit.csv row per source and
+    step: a source listed twice had counted every token twice)."""
     where = str(path)
     if "metrics" not in meta:
         return (_metric(where, _meta(meta, path, "source", "kl"), _meta(meta, path, "estimator"),
-                        _meta(meta, path, "aggregation")),)
+                        _meta(meta, path, "aggregation"), _meta(meta, path, "micro_batches", "pooled")),)
     rows = _json_meta(meta, path, "metrics")
-    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 3 for r in rows):
-        raise SpecError("must be a JSON list of [source, estimator, aggregation]", file=where, key="metrics")
+    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) in (3, 4) for r in rows):
+        raise SpecError("must be a JSON list of [source, estimator, aggregation] or [source, estimator, "
+                        "aggregation, micro_batches]", file=where, key="metrics")
     metrics = tuple(_metric(where, *row) for row in rows)
     check_distinct_sources(metrics, file=where)
     return metrics
@@ -168,9 +179,18 @@ def _read_step(path: Path, tensors: dict, meta: dict, heads: dict | None) -> Sav
         raise SpecError("must be a JSON object", file=where, key="generation")
     saved = SavedStep(path, _number(meta, path, "step", int), metrics, Sampler.from_dict(generation, file=where),
                       _number(meta, path, "logit_scale", float, "1.0"), tensors, _softcap(meta, where),
-                      _number(meta, path, "logit_multiplier", float, "1.0"))
+                      _number(meta, path, "logit_multiplier", float, "1.0"), _notes(meta, path))
     _check_shapes(saved)
     return saved
+
+
+def _notes(meta: dict, path: Path) -> tuple[tuple[str, str], ...]:
+    """The optional notes entry: JSON [[key, message], ...], strings each."""
+    rows = _json_meta(meta, path, "notes", "[]")
+    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r)
+                                             for r in rows):
+        raise SpecError("must be a JSON list of [key, message] strings", file=str(path), key="notes")
+    return tuple((k, m) for k, m in rows)
 
 
 def _softcap(meta: dict, where: str) -> float | None:
@@ -227,7 +247,9 @@ def _check_per_token(s: SavedStep, bt: tuple) -> None:
         if other is not None:
             raise SpecError(f"sources '{other}' and '{source}' would both read {k} (trainer_kl holds the first "
                             "metric's values, trainer_<source> each later one's)", file=where, key="metrics")
-    for k in ["mask", *keys.values()] + (["engine_logprobs"] if "engine_logprobs" in t else []):
+    if ("policy_logprobs" in t) != ("reference_logprobs" in t):
+        raise SpecError("give both models' log-probs or neither", file=where, key="reference_logprobs")
+    for k in ["mask", *keys.values()] + [k for k in OPTIONAL_PER_TOKEN if k in t]:
         if k not in t:
             raise SpecError("missing tensor", file=where, key=k)
         if tuple(t[k].shape) != bt:
@@ -323,7 +345,7 @@ def _check_floats(s: SavedStep, form: tuple[str, str]) -> None:
     t, where = s.tensors, str(s.path)
     mask = t["mask"].bool()
     heads = tuple(k for k in HEAD_KEYS if k in t) if form == HIDDEN else ()
-    masked = (*s.value_keys().values(), *(k for k in ("engine_logprobs", "sampling_hidden") if k in t))
+    masked = (*s.value_keys().values(), *(k for k in (*OPTIONAL_PER_TOKEN, "sampling_hidden") if k in t))
     for k in form + heads + masked:
         if not t[k].dtype.is_floating_point:
             raise SpecError(f"must hold floating-point values, got {t[k].dtype}", file=where, key=k)
@@ -362,7 +384,8 @@ def _check_group(group: list[SavedStep]) -> None:
             metric, other = settings.setdefault(m.source, (m, s))
             if metric != m:
                 raise SpecError(f"step {s.step}, source '{m.source}': estimator '{m.estimator}', aggregation "
-                                f"'{m.aggregation}' here but '{metric.estimator}', '{metric.aggregation}' in "
+                                f"'{m.aggregation}', micro_batches '{m.micro_batches}' here but "
+                                f"'{metric.estimator}', '{metric.aggregation}', '{metric.micro_batches}' in "
                                 f"{other.path.name} (the files of one step pool into one row)", file=str(s.path),
                                 key="metrics")
             differ = [f.name for f in fields(Sampler) if getattr(s.sampler, f.name) != getattr(other.sampler, f.name)]

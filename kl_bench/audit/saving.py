@@ -13,8 +13,10 @@ from .generation import Sampler
 from .session import Record
 from .tiling import Head
 
-FORMAT = "kl_bench.audit.step/2"
-FORMATS = ("kl_bench.audit.step/1", FORMAT)      # /2 adds metrics, sampling_hidden and logit_multiplier
+FORMAT = "kl_bench.audit.step/3"
+# /2 adds metrics, sampling_hidden and logit_multiplier; /3 micro_batches (a reader of /2 would pool
+# micro-batches that the trainer averaged, so it refuses /3 files instead)
+FORMATS = ("kl_bench.audit.step/1", "kl_bench.audit.step/2", FORMAT)
 HEADS_FILE = "heads.safetensors"
 HEAD_KEYS = ("policy_weight", "reference_weight", "policy_bias", "reference_bias")
 REQUIRED = ("completion_ids", "mask")
@@ -23,8 +25,9 @@ HIDDEN = ("policy_hidden", "reference_hidden")
 
 
 def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: str, aggregation: str = "token-mean",
-              source: str = "kl", generation: dict | None = None, logit_scale: float = 1.0,
-              logit_softcap: float | None = None, logit_multiplier: float = 1.0, metrics=None, **tensors) -> Path:
+              source: str = "kl", micro_batches: str = "pooled", generation: dict | None = None,
+              logit_scale: float = 1.0, logit_softcap: float | None = None, logit_multiplier: float = 1.0,
+              metrics=None, notes=(), **tensors) -> Path:
     """Write one step to ``path`` (.safetensors), atomically. ``tensors``: ``policy_logits`` and
     ``reference_logits`` [B, T, V]; or ``policy_hidden`` and ``reference_hidden`` [B, T, d] (the hidden
     state that predicts completion token t at index t, after the final norm) with the output layers here
@@ -32,16 +35,24 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     biases); optional ``prompt_ids`` [B, P] (what the repetition penalty sees). ``logit_scale``: the
     factor the trainer applies to the logits before its log-softmax (1/T in TRL and verl).
     ``logit_softcap``: the model's final_logit_softcapping c (Gemma), applied to h @ Wᵀ (+ bias) as
-    c·tanh(z/c) before ``logit_scale``; it only matters for hidden states (saved logits are already capped)."""
+    c·tanh(z/c) before ``logit_scale``; it only matters for hidden states (saved logits are already capped).
+    ``micro_batches``: how the files of one step combine (kl_bench.audit.session.Metric): "pooled" (one
+    aggregate of all their rows) or "mean" (the mean of each file's aggregate: TRL's logged GRPO kl).
+    ``metrics``: several :class:`~.session.Metric` of one batch (each its own ``trainer_<source>``).
+    ``notes``: (key, message) pairs, the trainer's settings a live audit warned about that the tensors do
+    not show (dropout, autocast): ``kl-bench audit`` says them again, once each."""
     from safetensors.torch import save
 
     meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
-            "source": source, "generation": json.dumps(generation or {}), "logit_scale": repr(float(logit_scale)),
+            "source": source, "micro_batches": micro_batches, "generation": json.dumps(generation or {}),
+            "logit_scale": repr(float(logit_scale)),
             "logit_multiplier": repr(float(logit_multiplier))}
+    if notes:
+        meta["notes"] = json.dumps([[str(k), str(m)] for k, m in notes])
     if logit_softcap is not None:
         meta["logit_softcap"] = repr(float(logit_softcap))
     if metrics is not None:          # several metrics of one batch: trainer_<source> tensors, one per metric
-        meta["metrics"] = json.dumps([[m.source, m.estimator, m.aggregation] for m in metrics])
+        meta["metrics"] = json.dumps([[m.source, m.estimator, m.aggregation, m.micro_batches] for m in metrics])
     data = {"completion_ids": completion_ids, "mask": mask, "trainer_kl": trainer_kl, **tensors}
     # host: a file is written from host memory
     data = {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in data.items() if v is not None}
@@ -51,7 +62,7 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
 
 
 def save_record(folder, record: Record, heads: tuple[Head, Head], *, step: int, index: int, metrics,
-                generation: Sampler) -> Path:
+                generation: Sampler, notes=()) -> Path:
     """One audited batch of the TRL callback (``KLAudit(save_steps=True)``) as a saved step: hidden states
     (the drawing pass's too, when captured), ids, mask, the trainer's values per metric and the policy's
     output layer as it was at that step; the reference's (frozen) once, in the folder's heads.safetensors."""
@@ -69,10 +80,12 @@ def save_record(folder, record: Record, heads: tuple[Head, Head], *, step: int, 
     first = values.pop(f"trainer_{metrics[0].source}")
     return save_step(folder / f"step-{step:06d}-{index:03d}.safetensors", completion_ids=record.completion_ids,
                      mask=record.mask.to(torch.uint8), trainer_kl=first, step=step, estimator=metrics[0].estimator,
-                     aggregation=metrics[0].aggregation, source=metrics[0].source, generation=gen,
+                     aggregation=metrics[0].aggregation, source=metrics[0].source,
+                     micro_batches=metrics[0].micro_batches, generation=gen,
                      logit_scale=heads[0].scale, logit_softcap=heads[0].softcap, logit_multiplier=heads[0].multiplier,
-                     metrics=metrics if len(metrics) > 1 else None, policy_hidden=record.policy_hidden,
+                     metrics=metrics if len(metrics) > 1 else None, notes=notes, policy_hidden=record.policy_hidden,
                      reference_hidden=record.reference_hidden, sampling_hidden=record.sampling_hidden,
-                     prompt_ids=record.prompt_ids, policy_weight=heads[0].weight, policy_bias=heads[0].bias, **values)
+                     prompt_ids=record.prompt_ids, policy_weight=heads[0].weight, policy_bias=heads[0].bias,
+                     policy_logprobs=record.policy_logprobs, reference_logprobs=record.reference_logprobs, **values)
 
 

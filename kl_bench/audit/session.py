@@ -19,11 +19,11 @@ import torch
 
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
-from .aggregate import LOSS_AGGREGATIONS
+from .aggregate import LOSS_AGGREGATIONS, MICRO_BATCHES
 from .rollout_engine import ENGINE_SUMS, EngineAudit, engine_sums
 from .exact import PositionValues
 from .generation import Sampler
-from .step import AuditLog, StepAudit, step_sums
+from .step import SUMS, AuditLog, StepAudit, combine_micro_batches, step_sums
 from .stream import stream_values
 from .tiling import Head
 from .verdict import Thresholds, Warning, engine_warnings, step_warnings
@@ -41,15 +41,21 @@ def _merge_engine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class Metric:
     """One KL number a trainer forms: ``source`` names it (audit.csv's column), ``estimator`` is its
     per-token formula (a registry name or library preset), ``aggregation`` how its per-token values
-    are combined into the number (kl_bench.audit.aggregate)."""
+    are combined into the number (kl_bench.audit.aggregate), ``micro_batches`` how the step's records
+    (its micro-batches) combine: "pooled", one aggregate of all their rows, or "mean", the mean of each
+    record's aggregate (TRL logs GRPO's ``kl`` so: each micro-batch's token mean, then their mean)."""
     source: str
     estimator: str
     aggregation: str
+    micro_batches: str = "pooled"
 
     def __post_init__(self):
         resolve_estimator(self.estimator)
         if self.aggregation not in LOSS_AGGREGATIONS:
             raise SpecError(f"must be one of {', '.join(LOSS_AGGREGATIONS)}, got '{self.aggregation}'", key="aggregation")
+        if self.micro_batches not in MICRO_BATCHES:
+            raise SpecError(f"must be one of {', '.join(MICRO_BATCHES)}, got '{self.micro_batches}'",
+                            key="micro_batches")
 
 
 def check_distinct_sources(metrics, file: str | None = None) -> None:
@@ -73,7 +79,10 @@ class Record:
     ``sampling_hidden`` [B, T, d]: the policy's hidden states in the pass that drew the tokens, when the
     adapter captured it (the mismatch part of the split); ``prompt_ids`` [B, P] (−1 or pads as the
     trainer had them): what a repetition penalty sees; ``engine_logprobs`` [B, T]: a rollout engine's
-    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.rollout_engine)."""
+    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.rollout_engine);
+    ``policy_logprobs``/``reference_logprobs`` [B, T]: the trainer's own log-probs of the sampled tokens, in
+    its dtype, when it has them: its values are then tested against its formula of its own log r (the
+    formula part of the split; without them, log r is emulated at the dtype of its values)."""
     policy_hidden: torch.Tensor
     reference_hidden: torch.Tensor
     completion_ids: torch.Tensor
@@ -82,6 +91,8 @@ class Record:
     sampling_hidden: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None
+    policy_logprobs: torch.Tensor | None = None
+    reference_logprobs: torch.Tensor | None = None
 
     def __post_init__(self):
         bt = tuple(self.completion_ids.shape)
@@ -95,6 +106,18 @@ class Record:
         values = self.trainer_values.values() if isinstance(self.trainer_values, dict) else [self.trainer_values]
         if any(tuple(v.shape) != bt for v in values):
             raise SpecError(f"the trainer's per-token values must be [B, T] = {list(bt)}", key="trainer_values")
+        for name in ("policy_logprobs", "reference_logprobs"):
+            v = getattr(self, name)
+            if v is not None and tuple(v.shape) != bt:
+                raise SpecError(f"must be [B, T] = {list(bt)}, got {list(v.shape)}", key=name)
+        if (self.policy_logprobs is None) != (self.reference_logprobs is None):
+            raise SpecError("give both models' log-probs or neither", key="reference_logprobs")
+
+    def own_logr(self) -> torch.Tensor | None:
+        """log p − log q from the trainer's own log-probs, in its dtype (None where not given)."""
+        if self.policy_logprobs is None:
+            return None
+        return self.reference_logprobs - self.policy_logprobs
 
     def values_for(self, source: str) -> torch.Tensor:
         if isinstance(self.trainer_values, dict):
@@ -141,7 +164,7 @@ class AuditSession:
         if not self.metrics:
             raise SpecError("an audit needs at least one metric", key="metrics")
         check_distinct_sources(self.metrics)
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, list[torch.Tensor]] = {}      # source → each record's sums
         self._engine: torch.Tensor | None = None
         self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))
 
@@ -155,19 +178,29 @@ class AuditSession:
                                self.estimators, self.sampler, ids=record.completion_ids[mask], eos_banned=banned,
                                context_ids=ctx, sampling_hidden=sampling, chunk=self.chunk, tile=self.tile,
                                dtype=self.dtype, negative=self.negative)
-        self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask)
+        coarse = max((record.policy_hidden.dtype, heads[0].weight.dtype), key=lambda t: torch.finfo(t).eps)
+        self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask,
+                        own_logr=record.own_logr(), precision=coarse)
         if record.engine_logprobs is not None:
             sums = engine_sums(values, record.engine_logprobs, mask)
             self._engine = sums if self._engine is None else _merge_engine(self._engine, sums)
         return values
 
-    def add_values(self, values: PositionValues, trainer_values: torch.Tensor | dict, mask: torch.Tensor) -> None:
+    def add_values(self, values: PositionValues, trainer_values: torch.Tensor | dict, mask: torch.Tensor,
+                   own_logr: torch.Tensor | None = None, precision: torch.dtype | None = None) -> None:
         """Add a batch whose exact values are already computed (e.g. from full logits by
-        :func:`~.exact.position_values`): ``trainer_values`` [B, T] (or source → [B, T]), ``mask`` [B, T]."""
+        :func:`~.exact.position_values`): ``trainer_values`` [B, T] (or source → [B, T]), ``mask`` [B, T],
+        ``own_logr`` [B, T]: log p − log q from the trainer's own log-probs, where known; ``precision``: the
+        dtype of the logits or hidden states given (kl_bench.audit.step.step_sums)."""
         for m in self.metrics:
             v = trainer_values[m.source] if isinstance(trainer_values, dict) else trainer_values
-            sums = step_sums(values, v, mask, estimator=m.estimator, aggregation=m.aggregation)
-            self._pending[m.source] = sums if m.source not in self._pending else self._pending[m.source] + sums
+            sums = step_sums(values, v, mask, estimator=m.estimator, aggregation=m.aggregation, own_logr=own_logr,
+                             precision=precision)
+            kept = self._pending.setdefault(m.source, [])
+            if m.micro_batches == "mean" or not kept:
+                kept.append(sums)                   # one row per record: each is a micro-batch of its own
+            else:
+                kept[0] = kept[0] + sums            # pooled: the records are one batch
 
     @property
     def pending(self) -> bool:
@@ -177,15 +210,20 @@ class AuditSession:
     def finish(self, step: int, reduce: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None
                ) -> list[StepAudit]:
         """The step audits of the records added since the last call (one per metric), added to
-        :attr:`log`. ``reduce``: sums across processes (an all-reduce; every process must call it, with
-        None where it audited nothing); returns [] when no process audited anything."""
+        :attr:`log`. ``reduce``: sums across processes (an all-reduce of a flat vector, zero-padded by the
+        caller to the longest of the processes; every process must call it, with None where it audited
+        nothing); returns [] when no process audited anything. A "mean" metric hands ``reduce`` its
+        records' sums one after another: record j of every process is micro-batch j, and TRL too reduces
+        each micro-batch across processes before the mean over micro-batches."""
         out = []
         for m in self.metrics:
-            sums = self._pending.get(m.source)
+            rows = self._pending.get(m.source)
+            sums = None if rows is None else torch.cat(rows)
             if reduce is not None:
                 sums = reduce(sums)
             if sums is None:
                 continue
+            sums = combine_micro_batches(sums.reshape(-1, len(SUMS)))
             out.append(self.log.add(StepAudit.from_sums(sums, step=step, source=m.source, estimator=m.estimator,
                                                         aggregation=m.aggregation)))
         if self._engine is not None:

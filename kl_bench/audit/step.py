@@ -9,8 +9,14 @@ kl_bench.audit.aggregate). With KL_t, E_q[f]_t, E_b[f]_t, Var_b[f]_t the exact p
                     + Σ w (E_g f − E_b f)          mismatch: the pass that drew the tokens is not the
                                                    scored one (dropout, position ids, a cache, precision)
                     + Σ w (f(x) − E_g f)           noise: mean 0, SE² = Σ w² Var_g f
-                    + (logged − recomputed)        precision (the trainer's log-probs against float64
+                    + (logged − own)               formula: the trainer's values are not its declared f
+                                                   of its own log r (sign swapped, another estimator)
+                    + (own − recomputed)           precision (the trainer's log-probs against float64
                                                    ones from the audited logits).
+
+own = Σ w f(the trainer's own log r): from its log-probs where the adapter has them, else emulated at the
+dtype of its values. The formula part is named only where the dtype cannot explain it (:func:`formula_fit`);
+elsewhere it is 0 and the whole of logged − recomputed is precision.
 
 b is the sampler applied to the scored policy's logits, g the same sampler applied to the logits of the
 pass that drew the tokens (its hidden states, when the trainer's adapter captured them; otherwise g = b,
@@ -43,18 +49,61 @@ from .aggregate import aggregation_units
 from .exact import PositionValues
 
 # The additive sums of one step (one float64 vector; ranks add theirs).
+# The formulas a trainer's values are tested against: its declared estimator, and k1, k2, k3, each of log r
+# and of −log r = log q − log p (the sign swapped, or a function of (logp, logq) called with them swapped).
+FORMULAS = ((None, 1.0), (None, -1.0), ("k1", 1.0), ("k1", -1.0), ("k2", 1.0), ("k2", -1.0), ("k3", 1.0), ("k3", -1.0))
 SUMS = ("denominator", "logged", "recomputed", "exact", "expected_q", "expected_b", "noise_var", "tokens",
         "sequences", "logged_negative", "p_negative", "miss", "consistency_sum", "consistency_var", "impossible",
-        "expected_g", "sampling_pass")
+        "expected_g", "sampling_pass", "own", "formula_tol", *(f"fit_{k}" for k in range(len(FORMULAS))),
+        "own_given")
+
+
+def formula_name(estimator: str, k: int) -> str:
+    """FORMULAS[k] in words, for the trainer's ``estimator``."""
+    name, sign = FORMULAS[k]
+    return f"{name or estimator} of {'log p − log q' if sign > 0 else 'log q − log p (the sign of log r swapped)'}"
+
+
+def _formula_sums(fn, values: PositionValues, logged: torch.Tensor, um: torch.Tensor,
+                  own: torch.Tensor, dtype: torch.dtype) -> list:
+    """Σ u f(own log r); the rounding envelope Σ u s, with s what the trainer's dtype (unit roundoff ε)
+    can move f by: f over log r ± δ, δ = 8ε(1 + |log q| + |log p|) (the log-probs' rounding, with room for
+    their normalisers), plus 4ε|f| (f's own); and Σ u |logged − g(±own)| for every formula g."""
+    eps = torch.finfo(dtype).eps / 2
+    delta = 8 * eps * (1 + values.tok_logq.abs() + values.tok_logp.abs())
+    f_own = fn(own)
+    tol = (fn(own + delta) - fn(own - delta)).abs() / 2 + 4 * eps * f_own.abs()
+    fits = [(um * (logged - (resolve_estimator(name).fn if name else fn)(sign * own)).abs()).sum()
+            for name, sign in FORMULAS]
+    return [(um * f_own).sum(), (um * tol).sum(), *fits]
+
+
+def formula_fit(s: dict) -> int:
+    """Which formula the trainer's values fit (sums of :func:`step_sums`, any common denominator): 0 its
+    declared one (the gap to f of float64 log-probs is then precision), k ≥ 1 FORMULAS[k] (it fits at least
+    twice as well), −1 none (the declared one misses by over 100 times what the dtype explains)."""
+    fits = [s[f"fit_{k}"] for k in range(len(FORMULAS))]
+    tol = s["formula_tol"]
+    if fits[0] <= tol:
+        return 0
+    low = min(fits[1:])
+    best = next(k for k in range(1, len(fits)) if fits[k] <= low + tol)   # ties (trl.grpo is k3): the first
+    if fits[best] < fits[0] / 2:
+        return best
+    return -1 if fits[0] > 100 * tol else 0
 
 
 def step_sums(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor, *, estimator: str,
-              aggregation: str) -> torch.Tensor:
+              aggregation: str, own_logr: torch.Tensor | None = None,
+              precision: torch.dtype | None = None) -> torch.Tensor:
     """The additive sums [len(SUMS)] of one step on one rank, float64 on the values' device (the caller
     moves this one small vector to the host; selecting the masked tokens is the step's one sync).
 
     ``values``: exact values at the masked positions of ``mask`` [B, T], in row-major order;
-    ``trainer`` [B, T]: the trainer's per-token values of ``estimator`` (any dtype; padding ignored)."""
+    ``trainer`` [B, T]: the trainer's per-token values of ``estimator`` (any dtype; padding ignored);
+    ``own_logr`` [B, T]: log p − log q from the trainer's own log-probs, where known (else emulated: the
+    float64 log-probs rounded to the dtype of ``trainer``, or ``precision``, the dtype of the logits or
+    hidden states the audit was given, where that is less precise)."""
     device = values.kl.device
     mask = mask.to(device).bool()
     if trainer.shape != mask.shape:
@@ -77,7 +126,46 @@ def step_sums(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor,
             torch.where(possible, drew.log_var, torch.zeros_like(drew.log_var)).sum(),
             (~possible & ~torch.isnan(drew.tok_log)).sum(), (um * drew.mean[:, col]).sum(),
             mask.sum() if values.g is not None else 0]
+    dtype = trainer.dtype if trainer.dtype.is_floating_point else torch.float32
+    if precision is not None and precision.is_floating_point and torch.finfo(precision).eps > torch.finfo(dtype).eps:
+        dtype = precision                          # bf16 logits: the trainer's log-probs carry their rounding
+    if own_logr is None:
+        own = (values.tok_logp.to(dtype) - values.tok_logq.to(dtype)).to(torch.float64)
+    else:
+        own = own_logr.detach().to(device=device)[mask].to(torch.float64)
+        dtype = own_logr.dtype if torch.finfo(own_logr.dtype).eps > torch.finfo(dtype).eps else dtype
+    sums += _formula_sums(fn, values, logged, um, own, dtype) + [0 if own_logr is None else mask.sum()]
     return torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device) for x in sums])
+
+
+# The sums that are per-token weighted (Σ u·x over the step's tokens, divided by the denominator later).
+WEIGHTED = ("logged", "recomputed", "exact", "expected_q", "expected_b", "expected_g", "own", "formula_tol",
+            *(f"fit_{k}" for k in range(len(FORMULAS))))
+
+
+def combine_micro_batches(rows: torch.Tensor) -> torch.Tensor:
+    """The sums [len(SUMS)] of a step from its micro-batches' sums [J, len(SUMS)] when the number is the
+    mean of the micro-batches' aggregates (Metric.micro_batches = "mean"): with D_j micro-batch j's
+    denominator, the weights are u / (J·D_j), so each weighted sum becomes (1/J) Σ_j S_j / D_j and the noise
+    variance (1/J²) Σ_j V_j / D_j² (the micro-batches' noises are independent given their histories, as
+    steps' are); the result has denominator 1. Counts (tokens, sequences, consistency sums) add. A row
+    with no sequences is a process's zero padding, not a micro-batch. One row is returned as it is."""
+    if rows.shape[0] == 1:
+        return rows[0]
+    index = {name: i for i, name in enumerate(SUMS)}
+    rows = rows[rows[:, index["sequences"]] > 0]
+    if rows.shape[0] == 0:
+        return torch.zeros(len(SUMS), dtype=torch.float64, device=rows.device)
+    if rows.shape[0] == 1:
+        return rows[0]
+    j = rows.shape[0]
+    d = rows[:, index["denominator"]].clamp(min=1.0)          # as StepAudit.from_sums and TRL: max(D, 1)
+    out = rows.sum(0)
+    for name in WEIGHTED:
+        out[index[name]] = (rows[:, index[name]] / d).sum() / j
+    out[index["noise_var"]] = (rows[:, index["noise_var"]] / d.square()).sum() / j ** 2
+    out[index["denominator"]] = 1.0
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,6 +199,9 @@ class StepAudit:
     expected_g: float
     bias_mismatch: float
     sampling_pass: int
+    bias_formula: float = 0.0
+    formula_fit: int = 0
+    own_logprobs: int = 0
 
     @classmethod
     def from_sums(cls, sums: torch.Tensor, *, step: int, source: str, estimator: str, aggregation: str) -> "StepAudit":
@@ -119,21 +210,24 @@ class StepAudit:
         logged, rec, exact = s["logged"] / d, s["recomputed"] / d, s["exact"] / d
         e_pi, e_b, e_g, se = s["expected_q"] / d, s["expected_b"] / d, s["expected_g"] / d, math.sqrt(s["noise_var"]) / d
         tokens = max(s["tokens"], 1.0)
+        fit = formula_fit(s)
+        own = s["own"] / d if fit else logged                  # no formula part where the dtype explains it
         return cls(step, source, estimator, aggregation, int(s["sequences"]), int(s["tokens"]), logged, rec, exact,
                    e_pi, e_b, se, logged - exact, z_score(logged, exact, se, abs(exact) + abs(logged)),
-                   e_pi - exact, e_b - e_pi, logged - rec, rec - e_g, s["logged_negative"] / tokens,
+                   e_pi - exact, e_b - e_pi, own - rec, rec - e_g, s["logged_negative"] / tokens,
                    s["p_negative"] / tokens, s["miss"] / tokens, consistency_z(s["consistency_sum"], s["consistency_var"],
                                                                               s["impossible"]),
                    int(s["impossible"]), s["consistency_sum"], s["consistency_var"], e_g, e_g - e_b,
-                   int(s["sampling_pass"]))
+                   int(s["sampling_pass"]), logged - own, fit, int(s["own_given"]))
 
 
 def step_line(a: "StepAudit") -> str:
     """One line per audited step (``kl-bench audit`` and the TRL callback print it)."""
     mismatch = f"mismatch {a.bias_mismatch:+.3g}, " if a.sampling_pass else ""
+    formula = f"formula {a.bias_formula:+.3g}, " if a.formula_fit else ""
     return (f"step {a.step} {a.source} ({a.estimator}, {a.aggregation}, {a.tokens} tokens): logged {a.logged:.5g}, "
             f"exact {a.exact:.5g}, bias {a.bias:+.3g} ± {a.se:.2g} (z = {a.z:+.2f}); sampler {a.bias_sampler:+.3g}, "
-            f"{mismatch}precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
+            f"{mismatch}{formula}precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
 
 
 def consistency_z(total: float, var: float, impossible: float) -> float:
@@ -144,9 +238,10 @@ def consistency_z(total: float, var: float, impossible: float) -> float:
 
 
 def audit_step(values: PositionValues, trainer: torch.Tensor, mask: torch.Tensor, *, estimator: str,
-               aggregation: str = "token-mean", step: int = 0, source: str = "kl") -> StepAudit:
+               aggregation: str = "token-mean", step: int = 0, source: str = "kl",
+               own_logr: torch.Tensor | None = None) -> StepAudit:
     """Audit one step on one process (see :func:`step_sums` for the inputs)."""
-    sums = step_sums(values, trainer, mask, estimator=estimator, aggregation=aggregation)
+    sums = step_sums(values, trainer, mask, estimator=estimator, aggregation=aggregation, own_logr=own_logr)
     return StepAudit.from_sums(sums, step=step, source=source, estimator=estimator, aggregation=aggregation)
 
 

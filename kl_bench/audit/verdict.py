@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..foundation.formatting import plural
 from .rollout_engine import EngineAudit
-from .step import StepAudit, pooled_row
+from .step import StepAudit, formula_name, pooled_row, step_line
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,56 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Warning:
-    """One warning line. ``key``: its kind; ``once``: said once per run (settings), else every time."""
+    """One warning line. ``key``: its kind; ``once``: said once per run for each ``scope`` (a source for
+    the pooled bias, an estimator for the sampler and the drawing pass, which every source of one
+    estimator shares; a step for that step's consistency check, a property of its tokens that every
+    source shares), else every time it holds (a failed check at that step); ``check``: a statistical
+    check failed (``kl-bench audit`` then exits 1), not advice about a setting."""
     key: str
     message: str
     once: bool = False
+    scope: str = ""
+    check: bool = False
+
+
+class Voice:
+    """What an audit prints, each line once: the TRL callback and ``kl-bench audit DIR`` both print through
+    one, so the same run gives the same lines both ways. ``notes``: the trainer's settings that the audit
+    cannot see in the tensors (dropout, bf16 autocast, unmodelled generation options), each said once;
+    :meth:`step`: a step audit's line and the warnings not said before; ``failed``: a check failed."""
+
+    def __init__(self):
+        self.said: set[tuple[str, str]] = set()
+        self.failed = False
+
+    def notes(self, notes) -> list[str]:
+        """The (key, message) notes not said before, as warning lines."""
+        out = []
+        for key, message in notes:
+            if ("note", key) not in self.said:
+                self.said.add(("note", key))
+                out.append(f"warning: {message}")
+        return out
+
+    def warnings(self, warnings) -> list[str]:
+        out = []
+        for w in warnings:
+            self.failed |= w.check
+            if w.once and (w.key, w.scope) in self.said:
+                continue
+            self.said.add((w.key, w.scope))
+            out.append(f"warning: {w.message}")
+        return out
+
+    def step(self, a: StepAudit, warnings) -> list[str]:
+        """The step's line, then its warnings not said before."""
+        return [step_line(a)] + self.warnings(warnings)
+
+
+def pooled_line(source: str, p: dict) -> str:
+    """The pooled verdict of one source (kl_bench.audit.step.pooled_row), one line."""
+    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
+            f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
 
 
 PARTS = (("bias_estimator", "the estimator's own bias (its formula is not unbiased for KL(q||p))"),
@@ -44,6 +91,8 @@ PARTS = (("bias_estimator", "the estimator's own bias (its formula is not unbias
                           "top_k=0, top_p=1, min_p=0 or weight by q/b)"),
          ("bias_mismatch", "the pass that drew the tokens differs from the scored one (dropout in generation, "
                            "position ids, the KV cache, precision: see consistency)"),
+         ("bias_formula", "the trainer's formula: its values are not its declared estimator of its own log-probs "
+                          "(see the formula warning)"),
          ("bias_precision", "the trainer's log-probs (bf16/fp16 autocast: compute them in float32)"))
 
 
@@ -60,22 +109,38 @@ def step_warnings(a: StepAudit, history: list[StepAudit], sampler: str, t: Thres
         unmeasured = "" if a.sampling_pass else "; the sampling pass was not captured, so a mismatch shows as noise"
         out.append(Warning("z", f"step {a.step} {a.source}: the logged KL {a.logged:.4g} is {a.bias:+.3g} from the "
                                 f"exact {a.exact:.4g} (z = {a.z:+.1f}); the largest part is {name} "
-                                f"({getattr(a, name):+.3g}): {why}{unmeasured}"))
+                                f"({getattr(a, name):+.3g}): {why}{unmeasured}", check=True))
+    if a.formula_fit:
+        out.append(Warning("formula", _formula(a), once=True, scope=a.source, check=True))
     if abs(a.expected_b - a.expected_q) > t.sampler * abs(a.expected_q):
         out.append(Warning("sampler", f"step {a.step} {a.source}: the sampler ({sampler}) moves the estimator's mean by "
                                       f"{(a.expected_b - a.expected_q) / abs(a.expected_q):+.0%}: the logged KL is of "
-                                      "another distribution; sample with top_k=0, top_p=1, min_p=0 or weight by q/b"))
+                                      "another distribution; sample with top_k=0, top_p=1, min_p=0 or weight by q/b",
+                           once=True, scope=a.estimator))
     if a.sampling_pass and abs(a.bias_mismatch) > t.sampler * abs(a.expected_q):
         out.append(Warning("mismatch", f"step {a.step} {a.source}: the pass that drew the tokens differs from the "
                                        f"scored one and moves the estimator's mean by "
                                        f"{a.bias_mismatch / abs(a.expected_q):+.0%} (bias_mismatch "
                                        f"{a.bias_mismatch:+.3g}); likely causes: position ids (left padding "
                                        "without position_ids in the loss pass), dropout, the KV cache or precision "
-                                       "of generation"))
+                                       "of generation", once=True, scope=a.estimator))
     if abs(a.consistency_z) > t.z:
-        out.append(Warning("consistency", _consistency(f"step {a.step} {a.source}", a.consistency_z, a.impossible,
-                                                       a.sampling_pass > 0)))
+        out.append(Warning("consistency", _consistency(f"step {a.step}", a.consistency_z, a.impossible,
+                                                       a.sampling_pass > 0), once=True, scope=f"step {a.step}",
+                           check=True))
     return out + _pooled_warnings(history, t)
+
+
+def _formula(a: StepAudit) -> str:
+    fits = (f"they fit {formula_name(a.estimator, a.formula_fit)} instead" if a.formula_fit > 0 else
+            "no formula we know fits (k1, k2, k3, the declared one, of either sign) and the gap is over 100 times "
+            "what the dtype of its values explains" + ("" if a.own_logprobs else ": another formula, or log-probs "
+                                                         "not from the logits the audit was given (save the trainer's "
+                                                         "own policy_logprobs and reference_logprobs to tell)"))
+    return (f"step {a.step} {a.source}: the trainer's values are not {a.estimator} of its own log r = log p − log q: "
+            f"{fits} (bias_formula {a.bias_formula:+.3g}, precision only {a.bias_precision:+.2g}); fix the formula "
+            "or declare the estimator it computes (a swapped sign is log q − log p, or log-prob arguments in the "
+            "other order)")
 
 
 def _consistency(where: str, z: float, impossible: int, captured: bool) -> str:
@@ -91,21 +156,21 @@ def _pooled_warnings(history: list[StepAudit], t: Thresholds) -> list[Warning]:
     out = []
     if len(history) < 2:
         return out
-    p = pooled_row(history)
+    p, source = pooled_row(history), history[-1].source
     if abs(p["z"]) > t.pooled:
-        out.append(Warning("z_pooled", f"over {p['steps']} audited steps the logged KL is biased: mean bias "
+        out.append(Warning("z_pooled", f"{source}: over {p['steps']} audited steps the logged KL is biased: mean bias "
                                        f"{p['mean_bias']:+.3g} ± {p['se']:.2g} (pooled z = {p['z']:+.1f}, threshold "
-                                       f"{t.pooled:g})", once=True))
+                                       f"{t.pooled:g})", once=True, scope=source, check=True))
     if abs(p["consistency_z"]) > t.pooled:
         out.append(Warning("consistency_pooled", _consistency(f"over {p['steps']} audited steps", p["consistency_z"],
                                                               p["impossible"], history[-1].sampling_pass > 0) +
-                           " (pooled)", once=True))
+                           " (pooled)", once=True, check=True))
     last = history[-t.run:]
     if len(last) == t.run and all(abs(r.consistency_z) > t.persistent for r in last):
         out.append(Warning("consistency_persistent",
                            f"the consistency check has failed at each of the last {t.run} audited steps (|z| > "
                            f"{t.persistent:g}: {', '.join(f'{r.consistency_z:+.1f}' for r in last)}): a mismatch "
-                           "that persists, not chance", once=True))
+                           "that persists, not chance", once=True, check=True))
     return out
 
 
@@ -124,5 +189,5 @@ def engine_warnings(a: EngineAudit, t: Thresholds = Thresholds()) -> list[Warnin
         out.append(Warning("engine", f"step {a.step}: the rollout engine's distribution differs from the trainer's "
                                      f"beyond the sampler: rollout kl {a.kl:+.3g} ± {a.kl_se:.2g} against "
                                      f"{a.kl_exact:.3g} exact from the sampler alone (z = {z:+.1f}); likely causes: "
-                                     "the engine's precision or kernels, or stale weights"))
+                                     "the engine's precision or kernels, or stale weights", check=True))
     return out

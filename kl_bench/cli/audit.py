@@ -22,10 +22,14 @@ def audit(folder: Path = typer.Argument(..., metavar="DIR", help="folder of step
 
     DIR: a folder of step-*.safetensors files, or the results folder KLAudit(out=DIR) writes (its steps/
     with save_steps=True are audited again; without them, its audit.csv is read back and its verdicts
-    printed)."""
+    printed). Exit 0 when every check passes, 1 when any fails (a step's or the pooled |z|, the
+    consistency check, the rollout engine, the trainer's formula), 2 for bad input; warnings about
+    settings (the sampler, dropout, bf16) do not fail the run."""
     from ..audit.offline_command import audit_command
     from ..present.terminal import prose
     with user_errors():
-        written = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: prose(out_console, s))
-    if written is not None:
-        prose(out_console, f"→ {written}")
+        outcome = audit_command(folder, out, tile=tile, chunk=chunk, echo=lambda s: prose(out_console, s))
+    if outcome.written is not None:
+        prose(out_console, f"→ {outcome.written}")
+    if outcome.failed:
+        raise typer.Exit(1)

@@ -38,8 +38,7 @@ import torch
 
 from ..audit.generation import Sampler
 from ..audit.session import AuditSession, Record
-from ..audit.step import step_line
-from ..audit.verdict import Thresholds
+from ..audit.verdict import Thresholds, Voice, pooled_line
 from ..foundation.errors import SpecError
 from .trl_capture import Capture, Generation
 from .trl_contract import MODELLED, body_of, check_trl_version, head_of, trainer_facts
@@ -73,6 +72,8 @@ class KLAudit(_Base):
         self.thresholds = t if threshold is None else Thresholds(z=threshold, pooled=t.pooled, sampler=t.sampler)
         self.warnings: list[str] = []
         self._warned: set[str] = set()
+        self.voice = Voice()                                # the step lines and their warnings, each once
+        self.notes: list[tuple[str, str]] = []              # settings warned about: saved for kl-bench audit
         self.disabled = self._check_setup()
         self.sampler = self._sampler()
         self.temperature = float(getattr(trainer, "temperature", 1.0) or 1.0)
@@ -102,6 +103,13 @@ class KLAudit(_Base):
         self.warnings.append(line)
         self._say(line)
 
+    def _note(self, key: str, message: str) -> None:
+        """A setting the tensors do not show (dropout, autocast, generation options, num_iterations): warned
+        once, and kept in the saved steps and run.json so that ``kl-bench audit`` says it again."""
+        if key not in self._warned:
+            self.notes.append((key, message))
+        self._warn(key, message)
+
     def _check_setup(self) -> bool:
         """One warning line for each setting the audit does not model; True when nothing can be audited."""
         tr = self.trainer
@@ -118,7 +126,7 @@ class KLAudit(_Base):
         if mu > 1:
             # Iteration 1 scores the policy that sampled; iterations 2..μ reuse the batch after the policy
             # has moved (and weight the KL by coef_1 ≠ 1): not modelled, not audited.
-            self._warn("iterations", f"num_iterations = {mu}: only the first pass over each generation batch is "
+            self._note("iterations", f"num_iterations = {mu}: only the first pass over each generation batch is "
                                      f"audited; passes 2 to {mu} score a policy that has moved since it sampled "
                                      "(not modelled) and are skipped")
         return False
@@ -135,7 +143,7 @@ class KLAudit(_Base):
         if kw.get("temperature") is not None and float(kw["temperature"]) != temperature:
             other.append(f"temperature {kw['temperature']} in generation_kwargs but {temperature} in the loss")
         if other:
-            self._warn("unmodelled", f"generation options the audit does not model: {', '.join(other)}; the "
+            self._note("unmodelled", f"generation options the audit does not model: {', '.join(other)}; the "
                                      "sampler bias and the consistency check ignore them")
 
         def setting(name):
@@ -291,7 +299,8 @@ class KLAudit(_Base):
         values = {m.source: ESTIMATORS[m.estimator].fn(ref["logps"] - pol["logps"]) for m in self.facts.metrics}
         comp = pol["input_ids"][:, -pol["k"]:]
         record = Record(pol["hidden"], ref["hidden"], comp, pol["mask"], values, sampling_hidden=pol["sampling_hidden"],
-                        prompt_ids=pol["input_ids"][:, :-pol["k"]].masked_fill(~pol["attention"][:, :-pol["k"]].bool(), -1))
+                        prompt_ids=pol["input_ids"][:, :-pol["k"]].masked_fill(~pol["attention"][:, :-pol["k"]].bool(), -1),
+                        policy_logprobs=pol["logps"], reference_logprobs=ref["logps"])
         device = pol["hidden"].device
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
@@ -306,13 +315,13 @@ class KLAudit(_Base):
             from ..audit.saving import save_record
             # numbered as the step audit is: the global step once this optimizer step is done
             save_record(Path(self.out) / "steps", record, heads, step=self._step + 1, index=len(self.step_inputs) - 1,
-                        metrics=self.facts.metrics, generation=self.sampler)
+                        metrics=self.facts.metrics, generation=self.sampler, notes=self.notes)
 
     def _check_dropout(self):
         """Called at the audited policy pass, when the model's train/eval mode is that pass's."""
         policy = self._models["policy"]
         if policy.training and any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.modules()):
-            self._warn("dropout", "dropout is active in the policy's passes: the loss scores a noisy policy (the audit's "
+            self._note("dropout", "dropout is active in the policy's passes: the loss scores a noisy policy (the audit's "
                                   "exact KL is of that noisy policy; with generation captured, its gap to the pass "
                                   "that sampled is bias_mismatch); set disable_dropout=True")
 
@@ -338,7 +347,7 @@ class KLAudit(_Base):
     def _check_run_settings(self):
         args = self.trainer.args
         if getattr(args, "bf16", False) or getattr(args, "fp16", False):
-            self._warn("precision", f"log-probs are computed under {'bf16' if args.bf16 else 'fp16'} autocast: "
+            self._note("precision", f"log-probs are computed under {'bf16' if args.bf16 else 'fp16'} autocast: "
                                     "the logged KL carries their rounding (bias_precision); set bf16=False to remove it")
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -374,7 +383,9 @@ class KLAudit(_Base):
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         if int(n.item()) == 0:
             return None
-        t = (torch.zeros(int(n.item()), dtype=torch.float64, device=device) if sums is None else sums.to(device))
+        t = torch.zeros(int(n.item()), dtype=torch.float64, device=device)
+        if sums is not None:                 # a rank with fewer audited micro-batches pads with zero rows
+            t[:sums.numel()] = sums.to(device)
         dist.all_reduce(t)
         return t
 
@@ -384,9 +395,10 @@ class KLAudit(_Base):
             v = float(getattr(a, key))
             if math.isfinite(v):
                 self._metrics[f"kl_audit/{a.source}/{key}" if len(self.facts.metrics) > 1 else f"kl_audit/{key}"] = v
-        self._say(f"kl_audit: {step_line(a)}")
-        for w in self.session.warnings(a):
-            self._warn(w.key if w.once else f"{w.key}@{a.step}/{a.source}", w.message, once=True)
+        for line in self.voice.step(a, self.session.warnings(a)):
+            if line.startswith("warning: "):
+                self.warnings.append(f"kl_audit: {line}")
+            self._say(f"kl_audit: {line}")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         """The audited step's metrics join this log entry: reporters after this callback see them, and
@@ -400,7 +412,9 @@ class KLAudit(_Base):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.remove_hooks()
+        for source, p in (self.log.pooled().items() if self.log.rows else ()):
+            self._say(f"kl_audit: {pooled_line(source, p)}")
         if self.out is not None and self.log.rows and getattr(self.trainer.accelerator, "is_main_process", True):
             self.log.write(Path(self.out), trainer=type(self.trainer).__name__, trl=self.version,
                            sampler=self.sampler.describe(), every=self.every, max_rows=self.max_rows,
-                           steps_saved=bool(self.save_steps))
+                           steps_saved=bool(self.save_steps), notes=[list(n) for n in self.notes])

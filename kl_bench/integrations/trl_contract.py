@@ -55,21 +55,54 @@ class TrainerFacts:
 
 
 # GRPO: per_token_kl = exp(ref − logp) − (ref − logp) − 1 = k3 (log r = ref − logp) in the loss (× coef_1 = 1
-# on-policy), logged as `kl`: its masked token mean. RLOO: old − ref (k1) from the pass after generation,
-# logged as `kl`: its token mean (kl_stats[0] / kl_stats[1]), and summed per sequence into the reward.
-FACTS = {"GRPOTrainer": TrainerFacts((Metric("loss", "trl.grpo", "token-mean"),), "loss"),
+# on-policy). Its logged `kl`: each micro-batch appends its token mean (global_masked_mean: summed over
+# processes, then divided), and `log` averages what was appended since the last log entry: with
+# logging_steps = 1, the mean over the step's micro-batches of their token means, whatever the loss_type.
+# RLOO: old − ref (k1) from the pass after generation, logged as `kl`: one token mean of the whole
+# generation batch (kl_stats[0] / kl_stats[1]), however many scoring calls made it: pooled; and summed per
+# sequence into the reward.
+FACTS = {"GRPOTrainer": TrainerFacts((Metric("kl", "trl.grpo", "token-mean", "mean"),), "loss"),
          "RLOOTrainer": TrainerFacts((Metric("kl", "k1", "token-mean"), Metric("reward", "k1", "seq-mean-token-sum")),
                                      "generation")}
+
+# GRPO's KL term in the loss: per_token_loss += beta · per_token_kl, then the loss_type's aggregation of
+# each micro-batch (grpo_trainer.py, _compute_loss). Every type but the dapo family divides a micro-batch's
+# loss by the accumulation steps, so the step's loss is the mean over micro-batches of their aggregates;
+# dapo, cispo and vespo divide the token sum by the generation batch's token count (num_items_in_batch,
+# all processes), so that the window's micro-batches pool into one token mean when steps_per_generation =
+# gradient_accumulation_steps (TRL's default; otherwise not audited). dr_grpo divides the sequences' sums by
+# B · max_completion_length: seq-mean-token-sum up to that constant, which no z depends on.
+LOSS_TYPES = {"grpo": ("seq-mean-token-mean", "mean"), "sapo": ("seq-mean-token-mean", "mean"),
+              "bnpo": ("token-mean", "mean"), "dr_grpo": ("seq-mean-token-sum", "mean"),
+              "luspo": ("seq-mean-token-sum", "mean"), "dapo": ("token-mean", "pooled"),
+              "cispo": ("token-mean", "pooled"), "vespo": ("token-mean", "pooled")}
 
 MODELLED = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature", "top_p",
             "top_k", "min_p", "repetition_penalty", "cache_implementation", "min_new_tokens", "disable_compile"}
 
 
 def trainer_facts(trainer) -> TrainerFacts:
+    """The trainer's KL metrics: FACTS by class, and for GRPO its loss's KL term as its loss_type aggregates
+    it (source ``loss``, :data:`LOSS_TYPES`) where that differs from the logged ``kl`` (source ``kl``)."""
     for cls in type(trainer).__mro__:
         if cls.__name__ in FACTS:
-            return FACTS[cls.__name__]
+            facts = FACTS[cls.__name__]
+            return _with_loss(facts, trainer) if cls.__name__ == "GRPOTrainer" else facts
     raise SpecError(f"KLAudit supports {', '.join(FACTS)} (and their subclasses), not {type(trainer).__name__}")
+
+
+def _with_loss(facts: TrainerFacts, trainer) -> TrainerFacts:
+    args = getattr(trainer, "args", None)
+    gas = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    spg = int(getattr(args, "steps_per_generation", None) or gas)
+    form = LOSS_TYPES.get(str(getattr(trainer, "loss_type", getattr(args, "loss_type", ""))))
+    if form is None or (form[1] == "pooled" and spg != gas):
+        return facts                                   # not modelled: the logged kl alone
+    aggregation, micro_batches = form
+    if aggregation == "token-mean" and (micro_batches == "mean" or gas == 1):
+        return facts                                   # the same number as the logged kl
+    return TrainerFacts(facts.metrics + (Metric("loss", facts.metrics[0].estimator, aggregation, micro_batches),),
+                        facts.phase)
 
 
 def body_of(model):

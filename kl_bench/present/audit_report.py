@@ -21,8 +21,9 @@ from ..results import folders
 
 # The parts of logged − exact, each with its colour (the estimator's own part: the estimator's colour).
 PARTS = [("bias_estimator", "estimator"), ("bias_sampler", "sampler"), ("bias_mismatch", "mismatch"),
-         ("bias_precision", "precision"), ("noise", "noise")]
-PART_COLOURS = {"sampler": "#7f7f7f", "mismatch": "#8c564b", "precision": "#bcbd22", "noise": "#c7c7c7"}
+         ("bias_formula", "formula"), ("bias_precision", "precision"), ("noise", "noise")]
+PART_COLOURS = {"sampler": "#7f7f7f", "mismatch": "#8c564b", "formula": "#d62728", "precision": "#bcbd22",
+                "noise": "#c7c7c7"}
 EXACT_COLOUR = "black"
 
 

@@ -256,7 +256,8 @@ TRAIN_SCHEMA: dict[str, str] = {
 # audit.csv: one row per audited step and KL term (docs/audit.md); the fields of kl_bench.audit.StepAudit.
 AUDIT_COLUMNS: dict[str, str] = {
     "step": "the trainer's global step",
-    "source": "which KL term: e.g. 'loss' (GRPO's KL in the loss), 'reward' (RLOO's KL in the reward)",
+    "source": "which KL term: e.g. 'kl' (the kl TRL logs), 'loss' (GRPO's KL term as its loss_type aggregates it), "
+              "'reward' (RLOO's KL in the reward)",
     "estimator": "the registry name of the trainer's per-token formula (e.g. trl.grpo, k1)",
     "aggregation": "token-mean, seq-mean-token-mean or seq-mean-token-sum",
     "sequences": "sequences audited (all ranks)",
@@ -271,7 +272,8 @@ AUDIT_COLUMNS: dict[str, str] = {
     "z": "bias / se",
     "bias_estimator": "expected_q − exact (the formula's own bias; 0 for k1, k3)",
     "bias_sampler": "expected_b − expected_q (temperature, top-k, top-p, min-p, ...)",
-    "bias_precision": "logged − recomputed (rounding of the trainer's log-probs)",
+    "bias_precision": "Σ w f(the trainer's own log r) − recomputed: rounding of its log-probs (all of logged − "
+                      "recomputed where its formula fits)",
     "noise": "recomputed − expected_g (sampling noise, mean 0, SD se)",
     "frac_negative": "fraction of the trainer's per-token values below 0",
     "p_negative": "exact token average of P_b(f < 0)",
@@ -285,6 +287,11 @@ AUDIT_COLUMNS: dict[str, str] = {
     "bias_mismatch": "expected_g − expected_b (the sampling pass differs from the scored one: dropout, position ids, "
                      "a cache, precision); 0 when not measured",
     "sampling_pass": "tokens whose sampling pass was captured (0: bias_mismatch not measured, it is in the noise)",
+    "bias_formula": "logged − Σ w f(the trainer's own log r): its values are not its declared formula of its own "
+                    "log-probs; 0 where the dtype explains the gap (then all of it is bias_precision)",
+    "formula_fit": "which formula the trainer's values fit (kl_bench.audit.step.FORMULAS): 0 the declared one, 1 it "
+                   "of log q − log p (sign swapped), 2/3 k1, 4/5 k2, 6/7 k3 of log p − log q / log q − log p, −1 none",
+    "own_logprobs": "tokens with the trainer's own log-probs (0: its log r emulated at the dtype of its values)",
 }
 
 
@@ -309,7 +316,8 @@ ENGINE_COLUMNS: dict[str, str] = {
 
 # Columns of older audit.csv files than today's, with what they stand for there: a number, or another column's
 # values (expected_g: the sampler's expectation expected_b, where the sampling pass was not captured).
-AUDIT_DEFAULTS: dict[str, str] = {"bias_mismatch": "0.0", "sampling_pass": "0", "expected_g": "expected_b"}
+AUDIT_DEFAULTS: dict[str, str] = {"bias_mismatch": "0.0", "sampling_pass": "0", "expected_g": "expected_b",
+                                  "bias_formula": "0.0", "formula_fit": "0", "own_logprobs": "0"}
 
 
 # ----------------------------------------------------------------------------- run.json (every kind)
@@ -354,6 +362,8 @@ AUDIT_ENVELOPE: dict[str, str] = {
     "trainer": "the trainer's class name", "trl": "TRL's version", "sampler": "the generation sampler audited",
     "every": "audited every N optimizer steps", "max_rows": "sequences audited per step and process",
     "steps_saved": "whether steps were saved for `kl-bench audit` (save_steps)",
+    "notes": "the settings the callback warned about, [key, message] each (dropout, bf16 autocast, unmodelled "
+             "generation options, num_iterations): `kl-bench audit` says them again",
     # kl-bench audit DIR
     "source_folder": "the folder of saved steps that was audited",
 }
