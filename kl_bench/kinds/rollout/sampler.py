@@ -84,6 +84,20 @@ class _Block:
         return cls(g, kl, alive, torch.empty_like(alive) if per_token else alive, terms,
                    torch.empty_like(g) if logq else None)
 
+    def fill(self, on, key: torch.Tensor, walk: "_Walk", w: torch.Tensor | None) -> None:
+        """Record one step: the drawn tokens' log r (and log q where a row needs it) from the tables ``on``
+        (kl_bench.kinds.rollout.model.SamplingTables) at ``key`` = c·V + x, their contexts' KL, who is alive, and
+        a token row's weight ``w`` (its own w_t, or its prefix's product ρ_{1:t}) where tokens are weighted."""
+        j = self.used
+        torch.index_select(on.logr, 0, key, out=self.g[j])
+        if self.lq is not None:
+            torch.index_select(on.logq, 0, key, out=self.lq[j])
+        torch.index_select(on.kl_ctx, 0, walk.c, out=self.kl[j])
+        self.alive[j].copy_(walk.alive)
+        if self.factor is not self.alive:
+            torch.mul(walk.alive, w, out=self.factor[j])
+        self.used += 1
+
     def add_to(self, walk: _Walk, tok_rows: list[Row]) -> None:
         """Add the filled rows' terms to ``walk``'s sums, and empty the block."""
         m = self.used
@@ -129,7 +143,7 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
     Draws' L, KL and token sums stay 0; its weights and mask are made), for a caller that wants the
     recorded paths only (:func:`paths`)."""
     on = model.sampling_tables(device)
-    tables, logw, g_flat, kl_ctx, bucket = on.alias, on.logw, on.logr, on.kl_ctx, on.bucket
+    tables, logw, bucket = on.alias, on.logw, on.bucket
     weighted = model.weighting.weighted
     n = sum(sizes)
     walk = _Walk.start(n, len(tok_rows), weighted, device)
@@ -148,15 +162,7 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
         key = base + x
         w_t = _weigh(model, walk, None if logw is None else logw[phase][key])
         if sums:
-            j = block.used
-            torch.index_select(g_flat, 0, key, out=block.g[j])
-            if block.lq is not None:
-                torch.index_select(on.logq, 0, key, out=block.lq[j])
-            torch.index_select(kl_ctx, 0, walk.c, out=block.kl[j])
-            block.alive[j].copy_(walk.alive)
-            if block.factor is not block.alive:     # a token's weight: its own w_t, or its prefix's product ρ_{1:t}
-                torch.mul(walk.alive, walk.weight if model.weighting.cumulative else w_t, out=block.factor[j])
-            block.used += 1
+            block.fill(on, key, walk, walk.weight if model.weighting.cumulative else w_t)
             if block.used == block.g.shape[0] or t == model.length - 1:
                 block.add_to(walk, tok_rows)
         mask.add(phase, key, walk.alive)
