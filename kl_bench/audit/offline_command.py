@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..foundation.errors import SpecError
-from ..foundation.formatting import plural
+from ..foundation.formatting import fmt, measured_cells, plural
 from ..foundation.output_paths import check_output_dir
 from ..results.folders import check_replaceable
 from .offline import audit_folder
@@ -16,8 +16,10 @@ from .verdict import engine_warnings, step_warnings
 
 
 def _pooled_line(source: str, p: dict) -> str:
-    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
-            f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
+    bias, se, _ = measured_cells(p["mean_bias"], p["se"], sign=True)     # the bias to its SE's precision
+    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {bias} ± {se} "
+            f"(z = {fmt(p['z'], 2, sign=True)}), sampler {fmt(p['mean_bias_sampler'], 3, sign=True)}, "
+            f"consistency z = {fmt(p['consistency_z'], 2, sign=True)}")
 
 
 def _echo_step(echo):

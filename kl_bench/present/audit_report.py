@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from .figstyle import estimator_colour, short_label
-from ..foundation.formatting import plural
+from ..foundation.formatting import fmt, measured_cells, plural
 from .pages import (DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, file_stems, html_text, md_text, page,
                     table_html, table_md, vector_links)
 from ..results import folders
@@ -108,8 +108,9 @@ def pooled_line(d: pd.DataFrame) -> str:
     """All steps of one source pooled: Σ bias / √Σ se² (steps are independent given the policy)."""
     se = math.sqrt(float((d["se"] ** 2).sum()))
     z = float(d["bias"].sum()) / se if se > 0 else math.nan
-    return (f"{plural(len(d), 'step')}, mean logged {d['logged'].mean():.4g} against exact {d['exact'].mean():.4g} "
-            f"(mean bias {d['bias'].mean():+.4g}; pooled z = {z:+.2f})")
+    return (f"{plural(len(d), 'step')}, mean logged {fmt(d['logged'].mean(), 4)} against exact "
+            f"{fmt(d['exact'].mean(), 4)} (mean bias {fmt(d['bias'].mean(), 4, sign=True)}; pooled z = "
+            f"{fmt(z, 2, sign=True)})")
 
 
 STEP_HEADER = ["step", "logged", "exact", "bias", "se", "z", "logged < 0", "exact P(f < 0)"]
@@ -117,8 +118,12 @@ STEP_HEADER = ["step", "logged", "exact", "bias", "se", "z", "logged < 0", "exac
 
 def step_cells(d: pd.DataFrame) -> list[list[str]]:
     """Every step of one source (:data:`STEP_HEADER`)."""
-    return [[str(int(r.step)), f"{r.logged:.4g}", f"{r.exact:.4g}", f"{r.bias:+.3g}", f"{r.se:.2g}", f"{r.z:+.2f}",
-             f"{r.frac_negative:.3g}", f"{r.p_negative:.3g}"] for r in d.sort_values("step").itertuples()]
+    rows = []
+    for r in d.sort_values("step").itertuples():
+        bias, se, _ = measured_cells(r.bias, r.se, sign=True)        # the bias to its SE's precision
+        rows.append([str(int(r.step)), fmt(r.logged, 4), fmt(r.exact, 4), bias, se, fmt(r.z, 2, sign=True),
+                     fmt(r.frac_negative, 3), fmt(r.p_negative, 3)])
+    return rows
 
 
 INTRO = ("The trainer's logged KL against the exact KL of the positions it audited; the bias split into the "
