@@ -53,6 +53,7 @@ class Advice:
     row: str
     detail: str
     general: bool = False
+    cases: tuple[str, ...] = ()     # a merged sentence (:func:`merged`): every case it holds for
 
     @property
     def text(self) -> str:
@@ -274,17 +275,26 @@ def loss_advice(df: pd.DataFrame, case: str, gradients: pd.DataFrame | None = No
                   f"exactly here; closest: {_grad_label(best)} (cos {fmt(best['_c'])}){hint}")
 
 
-def advice_lines(advice: list[Advice]) -> list[str]:
-    """The lines ``kl-bench run`` prints for ``advice``: each case's own sentences in order, then each sentence
-    that holds for several cases alike (the on-policy identities) once, naming them."""
-    general: dict[str, list[str]] = {}
-    lines = []
+def merged(advice: list[Advice]) -> list[Advice]:
+    """``advice`` as ``kl-bench run`` prints it: each case's own sentences in order, then each sentence that holds
+    for several cases alike (the on-policy identities) once, its ``case`` naming them all ("g, h") and ``cases``
+    listing them. Already merged advice is returned as it is."""
+    general: dict[str, list[Advice]] = {}
+    out = []
     for a in advice:
         if a.general:
-            general.setdefault(a.detail, []).append(a.case)
+            general.setdefault(a.detail, []).append(a)
         else:
-            lines.append(a.text)
-    return lines + [f"{', '.join(cases)}: {detail}" for detail, cases in general.items()]
+            out.append(a)
+    for detail, alike in general.items():
+        names = tuple(dict.fromkeys(c for a in alike for c in (a.cases or (a.case,))))
+        out.append(Advice(", ".join(names), alike[0].use, alike[0].row, detail, True, names))
+    return out
+
+
+def advice_lines(advice: list[Advice]) -> list[str]:
+    """The lines ``kl-bench run`` prints for ``advice`` (:func:`merged`)."""
+    return [a.text for a in merged(advice)]
 
 
 class AdviceOptionError(ValueError):

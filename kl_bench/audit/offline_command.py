@@ -55,11 +55,12 @@ def _check_replay_options(directory: Path, out: Path | None, tile: int | None, c
 
 
 def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk: int | None,
-                  echo=print) -> Path | None:
+                  echo=print, progress=None) -> Path | None:
     """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print a line each,
     its warnings and the pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json.
     A callback's results folder without saved steps is read back and its verdicts printed (nothing
-    written; returns None)."""
+    written; returns None). ``progress``: a :class:`kl_bench.foundation.progress.LazyProgress` (or anything with
+    ``set_total``, ``label`` and ``advance``), told of the files read and of each step audited."""
     _check_pieces(tile, chunk)
     directory = Path(directory)
     found = steps_folder(directory)
@@ -68,7 +69,18 @@ def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk:
         return replay_folder(directory, echo)       # a folder the callback wrote (another kind: said so)
     out = check_output_dir(Path(out) if out is not None else directory / "audit")
     check_replaceable(out, "audit")
-    log = audit_folder(found or directory, on_step=_echo_step(echo), tile=tile, chunk=chunk)
+    show = _echo_step(echo)
+    if progress is not None:
+        steps = sorted((found or directory).glob("step-*.safetensors"))
+        progress.set_total(len(steps))
+        progress.label(f"reading {plural(len(steps), 'saved step')}")
+
+    def on_step(a, warnings):
+        show(a, warnings)
+        if progress is not None:
+            progress.label(f"step {a.step} {a.source}")
+            progress.advance(1)
+    log = audit_folder(found or directory, on_step=on_step, tile=tile, chunk=chunk)
     for a in log.engine:                                  # saved steps with a rollout engine's log-probs
         echo(engine_line(a))
         for w in engine_warnings(a):
