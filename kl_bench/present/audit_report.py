@@ -13,7 +13,8 @@ import matplotlib.ticker
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .figstyle import estimator_colour, short_label
+from .figstyle import DASHED, estimator_colour, short_label
+from .plot_helpers import themed
 from ..foundation.formatting import fmt, measured_cells, plural
 from .pages import (DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, file_stems, html_text, md_text, page,
                     table_html, table_md, vector_links)
@@ -56,6 +57,7 @@ def _estimator(d: pd.DataFrame) -> str:
     return str(d["estimator"].iloc[0]) if "estimator" in d and len(d) else ""
 
 
+@themed
 def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
     """Per step: the logged estimate, the exact value, and exact ± 1.96 SE (where an honest estimate lies)."""
     fig, ax = _axes(ax)
@@ -64,11 +66,12 @@ def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
                     color=EXACT_COLOUR, label="exact ± 1.96 SE")
     ax.plot(d["step"], d["exact"], lw=2, color=EXACT_COLOUR, label="exact (this step's positions)")
     est = _estimator(d)
-    ax.plot(d["step"], d["logged"], "o--", ms=4, color=estimator_colour(est),
+    ax.plot(d["step"], d["logged"], marker="o", ls=DASHED, ms=4, color=estimator_colour(est),
             label=f"logged by the trainer ({est})" if est else "logged by the trainer")
     return _finish(fig, ax, d["step"], "KL per the trainer's aggregation", f"{short_label(source)}: logged against exact")
 
 
+@themed
 def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
     """Per step, logged − exact split into its parts: estimator + sampler + mismatch + precision + noise
     (audit.csv files from before the mismatch part have none: 0)."""
@@ -87,17 +90,20 @@ def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
     return _finish(fig, ax, d["step"], "bias", f"{short_label(source)}: bias by source")
 
 
+@themed
 def plot_negative(df: pd.DataFrame, source: str, ax=None) -> Figure:
     """Per step: the fraction of negative per-token values logged, and its exact probability."""
     fig, ax = _axes(ax)
     d = df[df["source"] == source].sort_values("step")
     ax.plot(d["step"], d["p_negative"], lw=2, color=EXACT_COLOUR, label="exact P(f < 0)")
-    ax.plot(d["step"], d["frac_negative"], "o--", ms=4, color=estimator_colour(_estimator(d)),
+    ax.plot(d["step"], d["frac_negative"], marker="o", ls=DASHED, ms=4, color=estimator_colour(_estimator(d)),
             label="logged fraction < 0")
     return _finish(fig, ax, d["step"], "per-token probability", f"{short_label(source)}: negative values")
 
 
+@themed
 def plot_audit(df: pd.DataFrame, source: str) -> Figure:
+    """The three panels of one source, in the one style of every figure (plot_helpers.themed)."""
     fig = Figure(figsize=(15, 4.2), layout="constrained")
     for fn, ax in zip((plot_logged_vs_exact, plot_bias_split, plot_negative), fig.subplots(1, 3)):
         fn(df, source, ax)

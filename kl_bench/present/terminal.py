@@ -26,6 +26,9 @@ def show(console: Console, table, wide: bool = False, keys: int = 1, fold: bool 
     around, at the table's natural width. Lines never end in spaces (rich pads every line to the table's
     width). ``wide``: at the table's natural width, cells whole, even where lines are longer than the
     terminal."""
+    if not table.columns:       # a title alone (a sweep's grid too large for the table): rich prints nothing
+        prose(console, str(table.title or ""))
+        return
     if not console.is_terminal:
         table.box = None
         table.padding = (0, 1)
