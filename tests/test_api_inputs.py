@@ -82,10 +82,10 @@ def test_a_report_is_not_written_over_its_results_folder(result, tmp_path):
     (lambda r: kl_bench.load_results(5), "folder"), (lambda r: kl_bench.load_results(b"x"), "folder"),
     (lambda r: kl_bench.check(5), "results"), (lambda r: kl_bench.check(r, baseline=5), "baseline"),
     (lambda r: kl_bench.check(r.summary, spec_sha256=5), "spec_sha256"),
-    (lambda r: kl_bench.api.run_to_folder(_spec(torch.zeros(3)), 5), "--out"),
+    (lambda r: kl_bench.api.run_to_folder(_spec(torch.zeros(3)), 5), "out"),   # the API's argument, not --out
 ])
 def test_a_path_argument_that_is_not_a_path_is_named(result, call, key):
-    with pytest.raises(kl_bench.SpecError, match=rf"key '{key}': must be"):
+    with pytest.raises(kl_bench.SpecError, match=rf"(key|argument) '{key}': must be"):
         call(result)
 
 
@@ -107,8 +107,20 @@ def test_recommendation_options_are_spec_errors(result, kw, key):
         result.recommendations(**kw)
 
 
+def test_api_errors_name_the_api_arguments_never_a_cli_flag(tmp_path):
+    """Issue 44: `kl_bench.run(spec, draws=1.5)` said "key '--draws'", a flag the caller never typed; the command
+    line still names its flag (SpecError.as_flags)."""
+    with pytest.raises(kl_bench.SpecError) as e:
+        kl_bench.run(_spec(torch.zeros(3)), draws=1.5)
+    assert "argument 'draws': must be an integer" in str(e.value) and "--" not in str(e.value)
+    assert "key '--draws': must be an integer" in str(e.value.as_flags())
+    with pytest.raises(kl_bench.SpecError) as e:
+        kl_bench.api.run_to_folder(_spec(torch.zeros(3)), tmp_path / "o", device=5)
+    assert "argument 'device'" in str(e.value) and "--" not in str(e.value)
+
+
 def test_run_to_folder_checkpoint_every_must_be_a_number(tmp_path):
-    with pytest.raises(kl_bench.SpecError, match="key '--checkpoint-every': must be a number"):
+    with pytest.raises(kl_bench.SpecError, match="argument 'checkpoint_every': must be a number"):
         kl_bench.api.run_to_folder(_spec(torch.zeros(3)), tmp_path / "o", checkpoint_every="30")
 
 

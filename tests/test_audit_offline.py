@@ -87,7 +87,8 @@ def test_cli_audit_writes_the_results_folder_and_forms_agree(folders):
     df = pd.read_csv(dirs["logits"] / "audit" / "audit.csv")
     assert pooled_line(df[df["source"] == "loss"]) in (report / "report.md").read_text()
     z = df["bias"].sum() / (df["se"] ** 2).sum() ** 0.5
-    assert f"pooled z = {z:+.2f}" in (report / "report.md").read_text()
+    from kl_bench.foundation.formatting import fmt
+    assert f"pooled z = {fmt(z, 2, sign=True)}" in (report / "report.md").read_text()
     assert (report / "figures" / "audit_loss.png").stat().st_size > 10_000
     assert (report / "figures" / "audit_loss.pdf").read_bytes().startswith(b"%PDF")
     a = audit_folder(dirs["logits"]).rows

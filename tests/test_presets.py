@@ -458,3 +458,22 @@ def test_off_policy_openrlhf_unbiased_gradient_and_trl_bias_correction():
         return per_token_kl * torch.exp(curr - old)
     got = plain.gradient_exact(GradItem.of(lookup("trl.grpo"), "loss_is"), {}).mean
     assert np.allclose(got, _off_policy_brute_force(plain, trl), rtol=1e-10, atol=1e-13)
+
+
+def test_presets_nonnegative_but_for_rounding_are_said_so():
+    """Issue 44: `kl-bench list` gave the clamped k3 presets no ≥0. Their (e^ℓ − 1) − ℓ order rounds below 0 near
+    log r = 0 (so they are not ``nonnegative``, which the estimator tests check draw by draw), by at most a few
+    float32 ulps of 1; everywhere else they are ≥ 0. ``rounding_negative`` says so, and list prints it."""
+    import torch
+
+    from kl_bench.core.estimators import ESTIMATORS
+    flagged = {n for n, e in ESTIMATORS.items() if e.rounding_negative}
+    assert flagged == {"openrlhf.k3", "openrlhf.k3+", "trl.ppo_k3", "nemo.k3"}
+    near = torch.linspace(-1e-3, 1e-3, 200_001, dtype=torch.float64)
+    wide = torch.linspace(-30, 30, 200_001, dtype=torch.float64)
+    for name in flagged:
+        e = ESTIMATORS[name]
+        assert not e.nonnegative
+        assert e.fn(near).min().item() < 0                        # it does round below 0 ...
+        assert e.fn(near).min().item() > -8 * torch.finfo(torch.float32).eps    # ... by rounding alone
+        assert e.fn(wide).min().item() > -8 * torch.finfo(torch.float32).eps

@@ -36,15 +36,18 @@ def test_load_results_gives_back_the_tables_and_the_advice_of_the_run(written):
 
 def test_result_advice_is_what_the_command_line_prints(tmp_path):
     """Result.advice() merges the sentences that hold for several cases alike, once, naming them, as `kl-bench
-    run` prints them (one line each in a pipe); .recommendations() stays one Advice per case and kind."""
+    run` prints them (one line each in a pipe), and so does .recommendations() (issue 44; per_case=True: one
+    Advice per case and kind)."""
     spec = {**SPEC, "case": [SPEC["case"][0], {**SPEC["case"][0], "name": "h", "p": {"mean": 0.3, "std": 1.0}}]}
     (tmp_path / "s.toml").write_text(_toml(spec))
     res = kl_bench.run(spec)
     lines = res.advice()
-    general = [a for a in res.recommendations() if a.general]
+    general = [a for a in res.recommendations(per_case=True) if a.general]
     assert len(general) == 2 and general[0].detail == general[1].detail
     assert f"g, h: {general[0].detail}" in lines and sum(general[0].detail in line for line in lines) == 1
-    assert all(a.text in lines for a in res.recommendations() if not a.general)
+    assert all(a.text in lines for a in res.recommendations(per_case=True) if not a.general)
+    assert [str(a) for a in res.recommendations()] == lines
+    assert [a.cases for a in res.recommendations() if a.general] == [("g", "h")]
     out = runner.invoke(app, ["run", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o"), "--wide"],
                         env={"COLUMNS": "100000"}).output
     assert all(line in out.splitlines() for line in lines), (lines, out)

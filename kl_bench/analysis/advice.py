@@ -54,6 +54,7 @@ class Advice:
     row: str
     detail: str
     general: bool = False
+    cases: tuple[str, ...] = ()     # a merged sentence (:func:`merged`): every case it holds for
 
     @property
     def text(self) -> str:
@@ -87,7 +88,7 @@ def _sampler_hint(rows: pd.DataFrame) -> str:
         return REJECTION_HINT
     miss = rows["support_miss"].max() if "support_miss" in rows and len(rows) else 0.0
     if isinstance(miss, float) and miss > 0:
-        return (f"the sampler never draws {miss:.3g} of q's mass (worst context or step), which no importance "
+        return (f"the sampler never draws {fmt(miss, 3)} of q's mass (worst context or step), which no importance "
                 "weight recovers: compute the KL on draws from q itself (no top-k, top-p or min_length)")
     return IS_HINT if _unweighted_sampler(rows) else ""
 
@@ -176,7 +177,7 @@ def _no_plan(c: pd.DataFrame, case: str) -> Advice:
 def _best_line(r, plan: tuple[float, float, float], batch: int, tolerance: float) -> str:
     err, n, _ = plan
     true = float(r["true_kl"])
-    scale = f", {err / true:.3g}× the KL" if _finite(true) and true > 0 else ""
+    scale = f", {fmt(err / true, 3)}× the KL" if _finite(true) and true > 0 else ""
     return (f"to log, {row_label(r)} (RMSE {fmt(err)} at a batch of {batch:,}{scale}); {_pct(tolerance)} with "
             f"{PROB:.0%} probability needs a batch of {count(n)}")
 
@@ -275,17 +276,26 @@ def loss_advice(df: pd.DataFrame, case: str, gradients: pd.DataFrame | None = No
                   f"exactly here; closest: {_grad_label(best)} (cos {fmt(best['_c'])}){hint}")
 
 
-def advice_lines(advice: list[Advice]) -> list[str]:
-    """The lines ``kl-bench run`` prints for ``advice``: each case's own sentences in order, then each sentence
-    that holds for several cases alike (the on-policy identities) once, naming them."""
-    general: dict[str, list[str]] = {}
-    lines = []
+def merged(advice: list[Advice]) -> list[Advice]:
+    """``advice`` as ``kl-bench run`` prints it: each case's own sentences in order, then each sentence that holds
+    for several cases alike (the on-policy identities) once, its ``case`` naming them all ("g, h") and ``cases``
+    listing them. Already merged advice is returned as it is."""
+    general: dict[str, list[Advice]] = {}
+    out = []
     for a in advice:
         if a.general:
-            general.setdefault(a.detail, []).append(a.case)
+            general.setdefault(a.detail, []).append(a)
         else:
-            lines.append(a.text)
-    return lines + [f"{', '.join(cases)}: {detail}" for detail, cases in general.items()]
+            out.append(a)
+    for detail, alike in general.items():
+        names = tuple(dict.fromkeys(c for a in alike for c in (a.cases or (a.case,))))
+        out.append(Advice(", ".join(names), alike[0].use, alike[0].row, detail, True, names))
+    return out
+
+
+def advice_lines(advice: list[Advice]) -> list[str]:
+    """The lines ``kl-bench run`` prints for ``advice`` (:func:`merged`)."""
+    return [a.text for a in merged(advice)]
 
 
 class AdviceOptionError(ValueError):
@@ -356,7 +366,7 @@ def _support_warnings(case: str, c: pd.DataFrame) -> list[str]:
         return []
     # A summary's heavy_tail says whether the rows are weighted; an exact table (kl-bench exact) has none.
     weighted = (c["heavy_tail"] == HeavyTail.SUPPORT_MISS.value).any() if "heavy_tail" in c else None
-    return [f"warning: case '{case}': the sampler never draws {miss:.3g} of q's mass (worst context or step): "
+    return [f"warning: case '{case}': the sampler never draws {fmt(miss, 3)} of q's mass (worst context or step): "
             + {True: "the importance weight q/b is infinite there, so the weighted estimates miss that mass "
                      "(flagged heavy_tail)",
                False: "every estimate is biased; the exact bias is shown",

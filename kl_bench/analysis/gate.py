@@ -32,6 +32,7 @@ from scipy import special
 from ..core.draws import row_label
 from ..results.baseline import baseline_key
 from ..core.stats import HeavyTail, unknown_reason, z_score
+from ..foundation.formatting import fmt
 
 # Heavy-tail findings that come from the exact oracle (HeavyTail.exact): the measured spread (and its SE)
 # cannot be trusted, so std comparisons are skipped. "unstable batches" is only a heuristic on the draws:
@@ -60,14 +61,15 @@ class Comparison:
         what = self.statistic.split()[0]
         ref = self.statistic.split()[-1]
         rel = (self.value - self.reference) / abs(self.reference) if self.reference else math.inf
-        return (f"{self.row}: the {what} moved from {self.reference:.6g} ({ref}) to {self.value:.6g} "
-                f"({rel:+.3g} relative, {_count(abs(self.value - self.reference) / self.se if self.se else math.inf)} "
+        return (f"{self.row}: the {what} moved from {fmt(self.reference, 6)} ({ref}) to {fmt(self.value, 6)} "
+                f"({fmt(rel, 3, sign=True)} relative, "
+                f"{_count(abs(self.value - self.reference) / self.se if self.se else math.inf)} "
                 f"standard errors; |z| must stay below {self.threshold:.2f})")
 
 
 def _count(x: float) -> str:
-    """A number of standard errors: 4.7, 120.5, 7.7e+16 (not 76718784758387552.0)."""
-    return f"{x:.1f}" if x < 1e6 else f"{x:.2g}"
+    """A number of standard errors: 4.7, 120.5, 7.7e16 (not 76718784758387552.0)."""
+    return f"{x:.1f}" if x < 1e6 else fmt(x, 2)
 
 
 def row_name(r) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..experiment.spec import Spec, load_spec, spec_from_dict, with_overrides
-from ..foundation.errors import SpecError
+from ..foundation.errors import SpecError, argument
 from ..foundation.threads import single_threaded
 from ..kinds import Pair, build_pair
 
@@ -56,7 +56,7 @@ def prepare(spec, *, draws: int | None = None, seed: int | None = None, device: 
     """Load and validate everything before any sampling: spec, flags, device, pairs, exact oracles."""
     from ..experiment.case import check_group_draws
     sp = load(spec, draws=draws, seed=seed, device=device)
-    dev = resolve_device(sp.experiment.device, str(sp.path), "--device" if device is not None else "experiment.device")
+    dev = resolve_device(sp.experiment.device, str(sp.path), argument("device") if device is not None else "experiment.device")
     pairs = build_pairs(sp)
     check_group_draws(sp, pairs, str(sp.path))
     return Prepared(sp, pairs, dev)

@@ -155,16 +155,18 @@ class Result:
             folders.write("run", folder, self._files, self.envelope, locked=True)     # a fresh temporary folder
             return write_report([folder], out)
 
-    def recommendations(self, *, batch: int = 64, tolerance: float = 0.1) -> list["Advice"]:
+    def recommendations(self, *, batch: int = 64, tolerance: float = 0.1, per_case: bool = False) -> list["Advice"]:
         """Per case, what to log (the estimator of KL(q||p) with the lowest RMSE at ``batch`` among those
         that can get within ±``tolerance``) and what to put in the loss (from the gradient rows when the
-        spec computed them, else the on-policy identities): :mod:`kl_bench.analysis.advice`. ``str()`` of each is
-        the line ``kl-bench run`` prints."""
-        from ..analysis.advice import AdviceOptionError, recommendations
+        spec computed them, else the on-policy identities): :mod:`kl_bench.analysis.advice`. As ``kl-bench run``
+        prints them: ``str()`` of each is one of its lines, a sentence that holds for several cases alike once
+        (its ``cases`` naming them); ``per_case``: one Advice per case and kind instead."""
+        from ..analysis.advice import AdviceOptionError, merged, recommendations
         try:
-            return recommendations(self.summary, self.gradients, batch=batch, tolerance=tolerance, gates=self.gates)
+            advice = recommendations(self.summary, self.gradients, batch=batch, tolerance=tolerance, gates=self.gates)
         except AdviceOptionError as e:     # a ValueError there (the CLI maps it too): a bad argument here is a SpecError
             raise SpecError(str(e), key=e.key) from None
+        return advice if per_case else merged(advice)
 
     def advice(self, *, batch: int = 64, tolerance: float = 0.1) -> list[str]:
         """The advice as ``kl-bench run`` prints it: :meth:`recommendations` as lines, a sentence that holds for

@@ -18,7 +18,7 @@ from .preparation import prepare, resolve_device
 from .result import Result
 from .trajectories import train
 from ..engine.distributed import SINGLE, RankFailure, Ranks, env_world
-from ..foundation.errors import SpecError
+from ..foundation.errors import SpecError, argument
 from ..experiment.case import total_draws
 from ..foundation.progress import LazyProgress
 from ..results.checkpoint import CHECKPOINT, OLD_CHECKPOINT, checkpoint_identity, load_checkpoint, remove_checkpoint, save_checkpoint
@@ -91,8 +91,8 @@ def run_to_folder(spec, out: str | Path | None = None, *, draws: int | None = No
     Under torchrun every process calls it; rank 0 writes and returns the :class:`Result`, the others
     return None. Raises :class:`SpecError` for bad input, :class:`RunInterrupted` (with its one line) on
     SIGINT/SIGTERM/SIGHUP, :class:`RankFailed` when another process of the job failed."""
-    if not number_argument(checkpoint_every, "--checkpoint-every") > 0:          # also refuses NaN
-        raise SpecError(f"must be > 0 (inf: never), got {checkpoint_every}", key="--checkpoint-every")
+    if not number_argument(checkpoint_every, argument("checkpoint_every")) > 0:          # also refuses NaN
+        raise SpecError(f"must be > 0 (inf: never), got {checkpoint_every}", key=argument("checkpoint_every"))
     hs = Handshake()
     try:
         return _run(hs, spec, out, dict(draws=draws, seed=seed, device=device), resume, checkpoint_every,
@@ -117,18 +117,18 @@ def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, 
         return _follow(prep, hs.ranks)
     signals.phase("pairs")
     sp = prep.spec
-    out_dir = output_dir(path_argument(out, "--out") if out is not None else DEFAULT_RUNS / sp.experiment.name)
+    out_dir = output_dir(path_argument(out, argument("out")) if out is not None else DEFAULT_RUNS / sp.experiment.name)
     if resume:
         _require_checkpoint(out_dir)                        # before anything is created
     out_dir = check_output_dir(out_dir)
     check_replaceable(out_dir, "run", spec=sp)       # nor a folder whose writing replaces the spec (DIR/run.json)
     # Something that is not a regular file at a results file's name (a folder, a FIFO, a link): refused
     # now rather than after the sampling (write_folder refuses it again at the write).
-    check_folder_entries(out_dir, (*DATA_FILES, "run.json"), key="--out")
+    check_folder_entries(out_dir, (*DATA_FILES, "run.json"), key=argument("out"))
     if resume or math.isfinite(every):
         # A symlink, FIFO or folder at the checkpoint's path: refused now, not at the first checkpoint's
         # write after minutes of sampling (and a resume never reads through a link).
-        check_write_target(out_dir / CHECKPOINT, key="--resume" if resume else "--out")
+        check_write_target(out_dir / CHECKPOINT, key=argument("resume") if resume else argument("out"))
     case_draws = sp.case_draws()
     identity = checkpoint_identity(sp, prep.device, case_draws)
     with FolderLock(out_dir):
@@ -144,7 +144,7 @@ def _run(hs: Handshake, spec, out, overrides: dict, resume: bool, every: float, 
             why = " (a process of the torchrun job failed, or the job was stopped)" if hs.ranks.world_size > 1 else ""
             earlier = f"; earlier results in {out_dir} are untouched" if (out_dir / "run.json").exists() else ""
             raise RunInterrupted(f"interrupted{why}: no results were written{earlier}"
-                                 + ("; continue with --resume" if saver.save_now() else "")) from None
+                                 + ("; continue with --resume (resume=True in Python)" if saver.save_now() else "")) from None
         finally:
             bar.close()
         _write(result, out_dir)
@@ -158,9 +158,9 @@ class RefusedByRankZero(Exception):
 def _require_checkpoint(out_dir: Path) -> None:
     """--resume without a checkpoint to resume (or with one of an older kl-bench): one line."""
     if not (out_dir / CHECKPOINT).exists():
-        raise SpecError(f"the checkpoint was written by an older kl-bench ({OLD_CHECKPOINT}); rerun without --resume"
+        raise SpecError(f"the checkpoint was written by an older kl-bench ({OLD_CHECKPOINT}); rerun without resuming"
                         if (out_dir / OLD_CHECKPOINT).exists() else
-                        "nothing to resume: no checkpoint in the results folder", file=str(out_dir), key="--resume")
+                        "nothing to resume: no checkpoint in the results folder", file=str(out_dir), key=argument("resume"))
 
 
 def _restored(out_dir: Path, identity: dict, sp, case_draws: list[int]) -> dict[str, torch.Tensor]:
@@ -199,14 +199,16 @@ def train_to_folder(spec, out: str | Path | None = None, *, seed: int | None = N
     :class:`kl_bench.training.TrainResult`, the others None; a failed rank is one line on every rank."""
     from ..engine.distributed import start, stop      # looked up when called: kl_bench._test_hooks wraps start
     sp = load_spec(spec)
-    out_dir = check_output_dir(output_dir(path_argument(out, "--out") if out is not None
+    from ..training.config import parse_train     # what the spec lacks is said before what --out holds
+    parse_train(sp.train, str(sp.path), sp.path.parent)
+    out_dir = check_output_dir(output_dir(path_argument(out, argument("out")) if out is not None
                                           else DEFAULT_RUNS / sp.experiment.name))
     check_replaceable(out_dir, "train", spec=sp)
     if env_world() is None:
         result = train(sp, seed=seed, device=device, progress=progress, console=console)
     else:
         dev = resolve_device(device or sp.experiment.device, str(sp.path),
-                             "--device" if device is not None else "experiment.device")
+                             argument("device") if device is not None else "experiment.device")
         try:
             ranks, dev = start(dev)
             result = train(sp, seed=seed, device=str(dev), ranks=ranks, progress=progress, console=console)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..foundation.errors import SpecError
+from ..foundation.formatting import plural
 from ..foundation.output_paths import check_output_dir
 from ..results.folders import check_replaceable
 from .offline import audit_folder
@@ -48,11 +49,13 @@ def _check_replay_options(directory: Path, out: Path | None, tile: int | None, c
 
 
 def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk: int | None,
-                  echo=print) -> Outcome:
+                  echo=print, progress=None) -> Outcome:
     """``kl-bench audit DIR``: audit every saved step (DIR's own or its ``steps/``), print what the live
     audit said (its notes, each step's line and warnings, each once: :class:`~.verdict.Voice`) and the
     pooled verdict, write ``--out`` (default DIR/audit) with audit.csv and run.json. A callback's results
-    folder without saved steps is read back and its verdicts printed (nothing written)."""
+    folder without saved steps is read back and its verdicts printed (nothing written). ``progress``: a
+    :class:`kl_bench.foundation.progress.LazyProgress` (or anything with ``set_total``, ``label`` and
+    ``advance``), told of the files read and of each step audited."""
     _check_pieces(tile, chunk)
     directory = Path(directory)
     found = steps_folder(directory)
@@ -66,8 +69,18 @@ def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk:
     def say(lines):
         for line in lines:
             echo(line)
-    log = audit_folder(found or directory, on_step=lambda a, ws: say(voice.step(a, ws)),
-                       on_notes=lambda notes: say(voice.notes(notes)), tile=tile, chunk=chunk)
+    if progress is not None:
+        steps = sorted((found or directory).glob("step-*.safetensors"))
+        progress.set_total(len(steps))
+        progress.label(f"reading {plural(len(steps), 'saved step')}")
+
+    def on_step(a, warnings):
+        say(voice.step(a, warnings))
+        if progress is not None:
+            progress.label(f"step {a.step} {a.source}")
+            progress.advance(1)
+    log = audit_folder(found or directory, on_step=on_step, on_notes=lambda notes: say(voice.notes(notes)),
+                       tile=tile, chunk=chunk)
     for a in log.engine:                                  # saved steps with a rollout engine's log-probs
         echo(engine_line(a))
         say(voice.warnings(engine_warnings(a)))

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..foundation.errors import SpecError
+from ..foundation.formatting import fmt, measured_cells
 from ..core.estimators import resolve_estimator
 from ..core.stats import z_score
 from ..foundation.output_paths import check_output_dir
@@ -223,11 +224,15 @@ class StepAudit:
 
 def step_line(a: "StepAudit") -> str:
     """One line per audited step (``kl-bench audit`` and the TRL callback print it)."""
-    mismatch = f"mismatch {a.bias_mismatch:+.3g}, " if a.sampling_pass else ""
-    formula = f"formula {a.bias_formula:+.3g}, " if a.formula_fit else ""
-    return (f"step {a.step} {a.source} ({a.estimator}, {a.aggregation}, {a.tokens} tokens): logged {a.logged:.5g}, "
-            f"exact {a.exact:.5g}, bias {a.bias:+.3g} ± {a.se:.2g} (z = {a.z:+.2f}); sampler {a.bias_sampler:+.3g}, "
-            f"{mismatch}{formula}precision {a.bias_precision:+.2g}; consistency z = {a.consistency_z:+.2f}")
+    # the one vocabulary of numbers (kl_bench.foundation.formatting): the bias to its SE's precision, the parts
+    # of the bias to 3 significant digits with a sign (an exact 0 as "0", not "+0"), powers of ten as e-9
+    bias, se, _ = measured_cells(a.bias, a.se, sign=True)
+    mismatch = f"mismatch {fmt(a.bias_mismatch, 3, sign=True)}, " if a.sampling_pass else ""
+    formula = f"formula {fmt(a.bias_formula, 3, sign=True)}, " if a.formula_fit else ""
+    return (f"step {a.step} {a.source} ({a.estimator}, {a.aggregation}, {a.tokens} tokens): logged {fmt(a.logged, 5)}, "
+            f"exact {fmt(a.exact, 5)}, bias {bias} ± {se} (z = {fmt(a.z, 2, sign=True)}); "
+            f"sampler {fmt(a.bias_sampler, 3, sign=True)}, {mismatch}{formula}precision {fmt(a.bias_precision, 3, sign=True)}; "
+            f"consistency z = {fmt(a.consistency_z, 2, sign=True)}")
 
 
 def consistency_z(total: float, var: float, impossible: float) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..foundation.formatting import plural
+from ..foundation.formatting import fmt, measured_cells, plural
 from .rollout_engine import EngineAudit
 from .step import StepAudit, formula_name, pooled_row, step_line
 
@@ -81,9 +81,12 @@ class Voice:
 
 
 def pooled_line(source: str, p: dict) -> str:
-    """The pooled verdict of one source (kl_bench.audit.step.pooled_row), one line."""
-    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {p['mean_bias']:+.3g} ± {p['se']:.2g} "
-            f"(z = {p['z']:+.2f}), sampler {p['mean_bias_sampler']:+.3g}, consistency z = {p['consistency_z']:+.2f}")
+    """The pooled verdict of one source (kl_bench.audit.step.pooled_row), one line, in the one vocabulary of
+    numbers (kl_bench.foundation.formatting: the bias to its SE's precision)."""
+    bias, se, _ = measured_cells(p["mean_bias"], p["se"], sign=True)
+    return (f"pooled {source} over {plural(p['steps'], 'step')}: mean bias {bias} ± {se} "
+            f"(z = {fmt(p['z'], 2, sign=True)}), sampler {fmt(p['mean_bias_sampler'], 3, sign=True)}, "
+            f"consistency z = {fmt(p['consistency_z'], 2, sign=True)}")
 
 
 PARTS = (("bias_estimator", "the estimator's own bias (its formula is not unbiased for KL(q||p))"),

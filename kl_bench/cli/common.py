@@ -18,7 +18,11 @@ from ..foundation.errors import SpecError
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="kl-bench: bias, variance and failure modes of Monte Carlo KL estimators, "
-                       "measured next to the exact truth.")
+                       "measured next to the exact truth.",
+                  # pointers a new user follows from --help (tests/test_cli_help.py: each page and section exists)
+                  epilog='Start with README, "Install and run (one command)"; the tables explained: README, '
+                         '"Reading the output"; every command: README, "Commands"; specs: docs/spec.md; every '
+                         'column: docs/results.md.')
 
 
 class Command(typer.core.TyperCommand):
@@ -61,7 +65,7 @@ def say_error(text: str) -> None:
 
 def fail(err: SpecError) -> None:
     """Bad input: one line (:func:`say_error`: once under torchrun, by rank 0) and exit 2 on every rank."""
-    say_error(str(err))
+    say_error(str(err.as_flags()))       # the API names its arguments (draws=), the command line its flags
     raise typer.Exit(2)
 
 

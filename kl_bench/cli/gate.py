@@ -74,10 +74,10 @@ def check(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec
     with user_errors():
         rep = api.check(df, base_path if use_base else None, alpha,
                         spec_sha256=sp.sha256 if run is None else run.get("spec_sha256"))
-    from ..present.run_tables import check_table
+    from ..present.run_tables import CHECK_LAYOUT, check_table
     from ..present.terminal import prose, show
     if not quiet:
-        show(out_console, check_table(rep), keys=2, fold=True)
+        show(out_console, check_table(rep), **CHECK_LAYOUT)
     for note in rep.notes:
         prose(out_console, f"note: {note}")
     for c in rep.failures:

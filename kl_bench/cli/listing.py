@@ -17,7 +17,8 @@ def list_() -> None:
     from ..training.sequences import SEQUENCE_REWARDS
     rows = []
     for name, e in [*ESTIMATORS.items(), *PAIR_ROWS.items()]:
-        props = ("unbiased" if e.unbiased else "biased") + (", ≥0" if e.nonnegative else "")
+        sign = ", ≥0" if e.nonnegative else ", ≥0 up to rounding" if getattr(e, "rounding_negative", False) else ""
+        props = ("unbiased" if e.unbiased else "biased") + sign
         rows.append(["row" if e.analytic else "estimator", name, f"{e.target}, {props}: {e.formula}"])
     for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:

@@ -76,6 +76,9 @@ class Estimator:
     weighted: WeightedClamp | None = None
     source: str = ""           # library presets: the file whose formula it reproduces
     library_mode: str = ""     # library presets: the gradient mode the library applies by default
+    # ≥ 0 in exact arithmetic, but the formula's order of operations (a library's (e^ℓ − 1) − ℓ in float32)
+    # rounds to slightly below 0 near log r = 0 (−6e-8): not ``nonnegative``, listed as "≥0 up to rounding"
+    rounding_negative: bool = False
     needs_logq: bool = False   # fn(logr, logq): a function of the sampled token's own probabilities too
     analytic: ClassVar[bool] = False   # a function of log r (PairRow: supplied by the pair)
 
@@ -237,7 +240,7 @@ ESTIMATORS.add("bin_tv", Estimator("bin_tv", bin_tv, TV, False, True, "|q(x) −
 for _p in PRESETS:
     ESTIMATORS.add(_p.name, Estimator(_p.name, _p.fn, REVERSE, _p.unbiased, _p.nonnegative, _p.formula, _p.poly,
                                       _p.abs_poly, weighted=_p.weighted, source=_p.source,
-                                      library_mode=_p.mode))
+                                      library_mode=_p.mode, rounding_negative=_p.rounding_negative))
 
 DEFAULT_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs", "fwd_k1", "fwd_k3", "full")
 

@@ -289,6 +289,7 @@ class Preset:
     poly: dict | None = None
     abs_poly: dict | None = None
     weighted: WeightedClamp | None = None
+    rounding_negative: bool = False     # ≥ 0 but for the rounding of its order of operations (Estimator's field)
 
 
 K1_POLY = {(0, 1): -1.0}
@@ -325,24 +326,26 @@ PRESETS: tuple[Preset, ...] = (
            "value of verl.low_var_kl, gradient of ½(log r)²", _VERL, "loss", _VERL_WHERE),
     Preset("openrlhf.k1", openrlhf_k1, False, False, "clamp(−log r, ±10)", _ORLHF, "reward", _ORLHF_WHERE),
     Preset("openrlhf.k2", openrlhf_k2, False, True, "clamp(½(log r)², ±10)", _ORLHF, "reward", _ORLHF_WHERE),
-    Preset("openrlhf.k3", openrlhf_k3, False, False, "clamp((r − 1) − log r, ±10)", _ORLHF, "reward", _ORLHF_WHERE),
+    Preset("openrlhf.k3", openrlhf_k3, False, False, "clamp((r − 1) − log r, ±10)", _ORLHF, "reward", _ORLHF_WHERE,
+           rounding_negative=True),
     Preset("openrlhf.k1+", openrlhf_unbiased(openrlhf_k1), False, False,
            "value clamp(−log r, ±10), gradient of ½(log r)²", _ORLHF, "loss", _ORLHF_UNB),
     Preset("openrlhf.k2+", openrlhf_unbiased(openrlhf_k2), False, True,
            "value clamp(½(log r)², ±10), gradient of ½(log r)²", _ORLHF, "loss", _ORLHF_UNB),
     Preset("openrlhf.k3+", openrlhf_unbiased(openrlhf_k3), False, False,
-           "value clamp((r − 1) − log r, ±10), gradient of ½(log r)²", _ORLHF, "loss", _ORLHF_UNB),
+           "value clamp((r − 1) − log r, ±10), gradient of ½(log r)²", _ORLHF, "loss", _ORLHF_UNB, rounding_negative=True),
     Preset("trl.grpo", trl_grpo, True, True, "e^ℓ − ℓ − 1, unclamped (× coef_1 = π_θ/π_old)", _TRL_GRPO, "loss_is",
            "GRPOConfig.beta > 0; use_bias_correction_kl = True (default since TRL #6503: loss_is), False: loss",
            poly=K3_POLY),
     Preset("trl.ppo_k1", trl_ppo_k1, True, False, "−log r", _TRL_PPO, "reward", "PPOConfig.kl_estimator = \"k1\"",
            poly=K1_POLY),
     Preset("trl.ppo_k3", trl_ppo_k3, True, False, "(r − 1) − log r", _TRL_PPO, "reward",
-           "PPOConfig.kl_estimator = \"k3\"", poly=K3_POLY),
+           "PPOConfig.kl_estimator = \"k3\"", poly=K3_POLY, rounding_negative=True),
     Preset("nemo.k1", nemo_k1, False, False, "clamp(−clamp(log r, ±20), ±10)", _NEMO, "loss_is_nemo", _NEMO_WHERE,
            weighted=WeightedClamp(_neg, LOGR_CLAMP, OUT_CLAMP)),
     Preset("nemo.k2", nemo_k2, False, True, "clamp(½ clamp(log r, ±20)², ±10)", _NEMO, "loss_is_nemo", _NEMO_WHERE,
            weighted=WeightedClamp(_half_square, LOGR_CLAMP, OUT_CLAMP)),
     Preset("nemo.k3", nemo_k3, False, False, "clamp(e^ℓ̃ − 1 − ℓ̃, ±10), ℓ̃ = clamp(log r, ±20)", _NEMO,
-           "loss_is_nemo", _NEMO_WHERE, weighted=WeightedClamp(_k3_exp_m1_first, LOGR_CLAMP, OUT_CLAMP)),
+           "loss_is_nemo", _NEMO_WHERE, weighted=WeightedClamp(_k3_exp_m1_first, LOGR_CLAMP, OUT_CLAMP),
+           rounding_negative=True),
 )

@@ -5,7 +5,7 @@ of each ``[[case]]`` to its kind (the common case keys ``name``, ``kind``, ``dra
 each case kind parses its own keys, :meth:`kl_bench.kinds.protocols.CaseParser.parse`), dict specs and
 command-line overrides. ``[experiment]`` is parsed in :mod:`kl_bench.experiment.spec_experiment` and
 ``[[sweep]]`` tables are expanded in :mod:`kl_bench.experiment.sweeps`. Every error is a :class:`SpecError` naming the file, the case
-and the key. Unknown keys are rejected with a "did you mean" suggestion. See README.md ("Spec format").
+and the key. Unknown keys are rejected with a "did you mean" suggestion. See docs/spec.md.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..foundation.typed_toml import Table, check_case_name, check_device, check_seed
-from ..foundation.errors import SpecError
+from ..foundation.errors import SpecError, argument
 from ..sampling.logits_files import is_array, unsupported_array
 from ..kinds import CASE_KINDS, CaseConfig
 from ..foundation.registry import did_you_mean
@@ -262,12 +262,13 @@ def load_spec(path: str | Path) -> Spec:
 
 
 def _check_override_types(path: str, draws, seed, device) -> None:
-    """--draws and --seed are integers, --device a string (a Python caller may pass anything)."""
-    for key, value in (("--draws", draws), ("--seed", seed)):
+    """draws and seed are integers, device a string (a Python caller may pass anything); errors name the API's
+    argument (the command line says its flag: SpecError.as_flags)."""
+    for key, value in (("draws", draws), ("seed", seed)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise SpecError(f"must be an integer, got {value!r}", file=path, key=key)
+            raise SpecError(f"must be an integer, got {value!r}", file=path, key=argument(key))
     if device is not None and not isinstance(device, str):
-        raise SpecError(f"must be a string, got {device!r}", file=path, key="--device")
+        raise SpecError(f"must be a string, got {device!r}", file=path, key=argument("device"))
 
 
 def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = None,
@@ -280,7 +281,7 @@ def with_overrides(spec: Spec, *, draws: int | None = None, seed: int | None = N
                                ("device", device, check_device)):
         msg = None if value is None else check(value)
         if msg:
-            raise SpecError(msg, file=path, key=f"--{name}")
+            raise SpecError(msg, file=path, key=argument(name))
         if value is not None:
             changes[name] = value
     if draws is not None:       # --draws sets every case, per-case overrides included

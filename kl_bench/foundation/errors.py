@@ -34,10 +34,25 @@ class SpecError(Exception):
             parts.append(self.file)
         if self.case:
             parts.append(f"case '{self.case}'")
-        if self.key:
+        if self.key and self.key.endswith("="):        # an argument of the Python API (:func:`argument`)
+            parts.append(f"argument '{self.key[:-1]}'")
+        elif self.key:
             parts.append(f"key '{self.key}'")
         parts.append(self.message)
         return ": ".join(parts).replace("\n", " ")
+
+    def as_flags(self) -> "SpecError":
+        """The error as the command line says it: an API argument (``draws=``) named by its flag (``--draws``);
+        the API's own errors never name a flag its caller never typed."""
+        if not (self.key and self.key.endswith("=")):
+            return self
+        return SpecError(self.message, file=self.file, case=self.case, key="--" + self.key[:-1].replace("_", "-"))
+
+
+def argument(name: str) -> str:
+    """The key of an error in an argument of the Python API (``draws``): said as "argument 'draws'", and as its
+    flag ``--draws`` by the command line (:meth:`SpecError.as_flags`)."""
+    return name + "="
 
 
 class ShapeError(SpecError, ValueError):

@@ -2,8 +2,9 @@
 missing values blank, rounding noise shown as 0; and the one vocabulary of units and words every output
 uses (docs/results.md#units-and-words):
 
-- relative bias: ``bias/true`` in percent (:func:`pct`: +1.2%, −0.031%, +2860%);
-- spread: ``std/true``, a plain ratio (:func:`fmt`: 1.51, 38.4), never "stdev/true";
+- relative bias: ``bias/true`` in percent (:func:`pct`: +1.2%, +6.0%, −0.031%, +2860%);
+- spread: ``std/true``, a plain ratio (:func:`fmt`: 1.51, 2.00, 38.4), never "stdev/true"; every number keeps
+  its significant digits (2.00, not 2; +6.0%, not +6%), and an exact 0 is "0", never "+0";
 - batch sizes (``n ±10%``): a whole number with thousands separators (:func:`count`: 872, 1,439,
   2,100,000); ``never`` where the bias alone exceeds the tolerance; :data:`UNKNOWN` ("—") where no exact
   bias is known;
@@ -56,8 +57,14 @@ def fmt(x: float, digits: int = 3, scale: float | None = None, sign: bool = Fals
         return "0"
     s = "+" if sign else ""
     if 1e-3 <= abs(x) < 1e5:
-        return f"{x:{s}.{digits}g}" if abs(x) < 10 ** digits else f"{x:{s}.0f}"
+        return _kept(f"{x:{s}#.{digits}g}") if abs(x) < 10 ** digits else f"{x:{s}.0f}"
     return exponent(f"{x:{s}.{digits - 1}e}")
+
+
+def _kept(text: str) -> str:
+    """Python's "#g" (trailing zeros kept: 1.50, 6.0, as many significant digits on every number of a column),
+    without the bare point it leaves on a whole number ("150." → "150")."""
+    return text[:-1] if text.endswith(".") else text
 
 
 def pct(x: float, sign: bool = True) -> str:
@@ -71,7 +78,9 @@ def pct(x: float, sign: bool = True) -> str:
         return "0"
     v = 100 * x
     s = "+" if sign else ""
-    return f"{v:{s}.0f}%" if abs(v) >= 100 else exponent(f"{v:{s}.2g}") + "%"
+    if abs(v) >= 99.5:          # 99.96% rounds to 100 at two digits: whole percents from there ("+100%")
+        return f"{v:{s}.0f}%"
+    return exponent(_kept(f"{v:{s}#.2g}")) + "%"
 
 
 def count(n: float) -> str:
@@ -97,7 +106,7 @@ def sig(x: float, digits: int = 3) -> str:
         return "∞" if x > 0 else "−∞"
     if abs(x) < 1e-9:
         return "0"
-    return exponent(f"{x:.{digits}g}")
+    return exponent(_kept(f"{x:#.{digits}g}"))
 
 
 def fmt_bytes(n: float) -> str:

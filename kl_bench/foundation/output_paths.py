@@ -18,7 +18,7 @@ def _os_errors_as_input_errors(check):
     """A path check that meets an OSError (a folder it may not search: EACCES on stat, ELOOP, ENAMETOOLONG)
     says so in one line naming the path, as every other refusal does."""
     @functools.wraps(check)
-    def wrapped(path: Path, key: str = "--out", *args, **kwargs) -> Path:
+    def wrapped(path: Path, key: str = "out=", *args, **kwargs) -> Path:
         try:
             return check(path, key, *args, **kwargs)
         except OSError as e:
@@ -27,7 +27,7 @@ def _os_errors_as_input_errors(check):
 
 
 @_os_errors_as_input_errors
-def check_output_file(path: Path, key: str = "--out", inputs=()) -> Path:
+def check_output_file(path: Path, key: str = "out=", inputs=()) -> Path:
     """Refuse, before any work, an output file that cannot be written: a folder, a path under a file, a
     folder that cannot be created or written, "-" (no option writes to stdout), or one of the command's own
     inputs. ``key``: the option that names it; ``inputs``: (path, what) of each file the command reads
@@ -64,7 +64,7 @@ _NAME_MAX = 255
 _TMP_EXTRA = 40
 
 
-def _check_name_length(path: Path, key: str = "--out") -> None:
+def _check_name_length(path: Path, key: str = "out=") -> None:
     """An output name too long for the file system once kl-bench's temporary prefix is added."""
     size = len(os.fsencode(path.name))
     if size + _TMP_EXTRA > _NAME_MAX:
@@ -73,7 +73,7 @@ def _check_name_length(path: Path, key: str = "--out") -> None:
 
 
 @_os_errors_as_input_errors
-def output_dir(path: Path, key: str = "--out") -> Path:
+def output_dir(path: Path, key: str = "out=") -> Path:
     """The folder results go to (never through a symbolic link: :func:`check_output_dir` refuses one)."""
     path = Path(path)
     _check_name_length(path, key)
@@ -81,7 +81,7 @@ def output_dir(path: Path, key: str = "--out") -> Path:
 
 
 @_os_errors_as_input_errors
-def check_output_dir(path: Path, key: str = "--out") -> Path:
+def check_output_dir(path: Path, key: str = "out=") -> Path:
     """Refuse, before any sampling, a results folder that cannot be written: '', '.', '..', an existing
     file (or /dev/null), a path under a file, a location that cannot be created or written (/proc, a
     read-only mount), a symbolic link (kl-bench never writes through one)."""
@@ -121,7 +121,7 @@ def _check_not_read_only(path: Path, key: str) -> None:
                             "writable (chmod u+w) to replace it, or choose another folder", file=str(path), key=key)
 
 
-def _check_parent_writable(path: Path, key: str = "--out") -> None:
+def _check_parent_writable(path: Path, key: str = "out=") -> None:
     """The folder ``path`` would be made in can take a file with a byte in it: probed in its nearest
     existing ancestor (nothing is created, so a command that fails leaves no folder behind), by writing
     one byte, so that a disk with no room at all is refused before any work, not after it."""

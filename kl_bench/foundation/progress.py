@@ -3,11 +3,16 @@ terminal's stderr, one line updated in place in a Jupyter notebook, and nothing 
 not a terminal (a pipe, a file, a CI log) or with ``-q``. It names the case, phase or figure being worked
 on, the count with thousands separators, the rate and the time left.
 
+A step that runs past the threshold without reporting (a case's exact moments, a model's first forward) gets
+the line all the same: a timer started with the first label or piece of work draws it at the threshold on a
+terminal, so that no command sits silent for more than a couple of seconds.
+
 The rate counts only the work of this process: draws restored from a checkpoint (``--resume``) move the
 count, never the rate or the time left."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 # Show progress only once a command has lasted this long.
@@ -58,6 +63,9 @@ class LazyProgress:
         self.bar = None          # rich's Progress on a terminal
         self.cell = None         # IPython's display handle in a notebook
         self.drawn_at = 0.0
+        self.timer = None        # draws the bar at PROGRESS_AFTER_S if no call has by then
+        self.closed = False
+        self.lock = threading.RLock()
 
     def _console(self):
         if self.console is None:
@@ -71,16 +79,36 @@ class LazyProgress:
         self._update(force=True)
 
     def label(self, text: str) -> None:
-        self.text = text
-        self._update(force=True)
+        with self.lock:
+            self.text = text
+            self._due()
+            self._update(force=True)
 
     def advance(self, n: int, restored: bool = False) -> None:
-        self.done += n
-        if not restored:
-            self.fresh += n
-        if self.enabled and self.bar is None and self.cell is None and time.perf_counter() - self.t0 > PROGRESS_AFTER_S:
+        with self.lock:
+            self.done += n
+            if not restored:
+                self.fresh += n
+            self._due()
+            self._update()
+
+    def _due(self) -> None:
+        """Start the line once the threshold has passed; before, arm the timer that starts it then."""
+        if not self.enabled or self.closed or self.bar is not None or self.cell is not None:
+            return
+        left = PROGRESS_AFTER_S - (time.perf_counter() - self.t0)
+        if left <= 0:
             self._start()
-        self._update()
+        elif self.timer is None:
+            self.timer = threading.Timer(left, self._late)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _late(self) -> None:
+        """The timer's thread: a terminal's bar only (a notebook's line is drawn from the kernel's own thread)."""
+        with self.lock:
+            if not self.closed and self.bar is None and self._console().is_terminal:
+                self._start()
 
     def _start(self) -> None:
         """The bar on a terminal, the line in a notebook, nothing elsewhere."""
@@ -118,9 +146,17 @@ class LazyProgress:
                 self.cell.update(self._plain())
 
     def close(self) -> None:
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
-        if self.cell is not None:        # transient, as on a terminal
+        if self.cell is not None:        # the last count drawn (updates are throttled), then cleared: transient
+            self.cell.update(self._plain())
             self.cell.update("")
             self.cell = None

@@ -125,7 +125,7 @@ def write_folder(out_dir: Path, files: dict[str, bytes], replaces: tuple[str, ..
     of the old folder at an output's name, at any depth, that is not of the output's kind
     (safe_io.check_folder_entries)."""
     out_dir = output_dir(Path(out_dir))
-    check_dir_target(out_dir, key="--out")
+    check_dir_target(out_dir, key="out=")
     _check_entries(out_dir, list(files))
     stage = staging_dir(out_dir)
     remove(stage)
@@ -162,7 +162,7 @@ def _check_entries(folder: Path, names: list[str]) -> None:
     """safe_io.check_folder_entries at every depth: in a subfolder that the write makes files in (a report's
     figures/), an entry at an output's name that is not a regular file (a folder, a link) is refused too,
     as at the top (it would otherwise be left behind with the old folder)."""
-    check_folder_entries(folder, names, key="--out")
+    check_folder_entries(folder, names, key="out=")
     below: dict[str, list[str]] = {}
     for name in names:
         top, sep, rest = name.partition("/")

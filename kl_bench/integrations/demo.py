@@ -43,8 +43,13 @@ def build_trainer(models: Path, out: Path, *, trainer: str = "grpo", steps: int 
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     Config, Trainer = (GRPOConfig, GRPOTrainer) if trainer == "grpo" else (RLOOConfig, RLOOTrainer)
+    import dataclasses
+    # transformers 5 renamed gradient_checkpointing (TRL's configs default it to True): the old name set, by
+    # us or by TRL's default, warns at every run; the new one, where it exists, silences it
+    checkpointing = ("activation_checkpointing" if "activation_checkpointing" in {f.name for f in dataclasses.fields(Config)}
+                     else "gradient_checkpointing")
     settings = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8, "beta": 0.1,
-                "bf16": False, "disable_dropout": True, "gradient_checkpointing": False, **config}
+                "bf16": False, "disable_dropout": True, checkpointing: False, **config}
     use_cpu = settings.pop("use_cpu", True)
     args = Config(output_dir=str(out), max_steps=steps, learning_rate=learning_rate, logging_steps=1,
                   report_to="none", use_cpu=use_cpu, seed=seed, save_strategy="no", **settings)
@@ -82,6 +87,27 @@ def _derive_position_ids(model) -> None:
     model.forward = patched
 
 
+def _quiet_trainer_output(tr) -> None:
+    """The audit's lines are what the demo shows: transformers' progress bar (drawn over them) and TRL's log
+    dicts (one of 1,000 characters a step, printed between them) are taken off the terminal; TRL's logs stay in
+    ``tr.state.log_history`` (written to trl_log_history.json with --out)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    for cb in (ProgressCallback, PrinterCallback):
+        tr.remove_callback(cb)
+
+
+def _wrapped_print():
+    """print, wrapped on words at a terminal's width (a continuation indented), whole lines in a pipe or a log."""
+    import shutil
+    import sys
+    import textwrap
+    if not sys.stdout.isatty():
+        return print
+    width = max(shutil.get_terminal_size().columns, 20)
+    return lambda line: print(textwrap.fill(str(line), width, subsequent_indent="  ", break_long_words=False,
+                                            break_on_hyphens=False))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trainer", choices=("grpo", "rloo"), default="grpo")
@@ -90,21 +116,34 @@ def main(argv=None) -> int:
     ap.add_argument("--left-padding", action="store_true", help="prompts of different lengths")
     ap.add_argument("--out", default=None, help="write audit.csv and run.json there")
     a = ap.parse_args(argv)
+    import warnings
+
     import torch
     from .trl import KLAudit
     torch.set_num_threads(1)
+    # TRL 1.x reads transformers' deprecated is_gradient_checkpointing at every generation (a FutureWarning each
+    # step that is TRL's to fix, not the demo's); the demo's own settings use the new names and warn nothing
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     with tempfile.TemporaryDirectory() as tmp:
         from ..kinds.model.tiny import build_tiny_models
         models = build_tiny_models(Path(tmp) / "models")
         extra = {} if a.top_k is None else {"top_k": a.top_k}
         tr = build_trainer(models, Path(tmp) / "run", trainer=a.trainer, steps=a.steps,
                            equal_length=not a.left_padding, **extra)
-        tr.add_callback(KLAudit(tr, every=1, max_rows=8, out=a.out))
+        _quiet_trainer_output(tr)
+        say = _wrapped_print()
+        tr.add_callback(KLAudit(tr, every=1, max_rows=8, out=a.out, print_fn=say))
         tr.train()
-        if a.out is not None and tr.accelerator.is_main_process:
-            # TRL's own logged metrics beside the audit, to compare `kl` with the audit's `logged`.
-            import json
-            (Path(a.out) / "trl_log_history.json").write_text(json.dumps(tr.state.log_history, indent=1) + "\n")
+        if tr.accelerator.is_main_process:
+            if a.out is not None:
+                # TRL's own logged metrics beside the audit, to compare `kl` with the audit's `logged`.
+                import json
+                log = Path(a.out) / "trl_log_history.json"
+                log.write_text(json.dumps(tr.state.log_history, indent=1) + "\n")
+                say(f"TRL's own logs ({len(tr.state.log_history)} entries, its `kl` among them): {log}")
+            else:
+                say(f"TRL's own logs ({len(tr.state.log_history)} entries, its `kl` among them): with --out DIR, "
+                    "in DIR/trl_log_history.json")
     return 0
 
 

@@ -13,8 +13,9 @@ import matplotlib.ticker
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .figstyle import estimator_colour, short_label
-from ..foundation.formatting import plural
+from .figstyle import DASHED, estimator_colour, short_label
+from .plot_helpers import themed
+from ..foundation.formatting import fmt, measured_cells, plural
 from .pages import (DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, file_stems, html_text, md_text, page,
                     table_html, table_md, vector_links)
 from ..results import folders
@@ -57,6 +58,7 @@ def _estimator(d: pd.DataFrame) -> str:
     return str(d["estimator"].iloc[0]) if "estimator" in d and len(d) else ""
 
 
+@themed
 def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
     """Per step: the logged estimate, the exact value, and exact ± 1.96 SE (where an honest estimate lies)."""
     fig, ax = _axes(ax)
@@ -65,11 +67,12 @@ def plot_logged_vs_exact(df: pd.DataFrame, source: str, ax=None) -> Figure:
                     color=EXACT_COLOUR, label="exact ± 1.96 SE")
     ax.plot(d["step"], d["exact"], lw=2, color=EXACT_COLOUR, label="exact (this step's positions)")
     est = _estimator(d)
-    ax.plot(d["step"], d["logged"], "o--", ms=4, color=estimator_colour(est),
+    ax.plot(d["step"], d["logged"], marker="o", ls=DASHED, ms=4, color=estimator_colour(est),
             label=f"logged by the trainer ({est})" if est else "logged by the trainer")
     return _finish(fig, ax, d["step"], "KL per the trainer's aggregation", f"{short_label(source)}: logged against exact")
 
 
+@themed
 def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
     """Per step, logged − exact split into its parts: estimator + sampler + mismatch + precision + noise
     (audit.csv files from before the mismatch part have none: 0)."""
@@ -88,17 +91,20 @@ def plot_bias_split(df: pd.DataFrame, source: str, ax=None) -> Figure:
     return _finish(fig, ax, d["step"], "bias", f"{short_label(source)}: bias by source")
 
 
+@themed
 def plot_negative(df: pd.DataFrame, source: str, ax=None) -> Figure:
     """Per step: the fraction of negative per-token values logged, and its exact probability."""
     fig, ax = _axes(ax)
     d = df[df["source"] == source].sort_values("step")
     ax.plot(d["step"], d["p_negative"], lw=2, color=EXACT_COLOUR, label="exact P(f < 0)")
-    ax.plot(d["step"], d["frac_negative"], "o--", ms=4, color=estimator_colour(_estimator(d)),
+    ax.plot(d["step"], d["frac_negative"], marker="o", ls=DASHED, ms=4, color=estimator_colour(_estimator(d)),
             label="logged fraction < 0")
     return _finish(fig, ax, d["step"], "per-token probability", f"{short_label(source)}: negative values")
 
 
+@themed
 def plot_audit(df: pd.DataFrame, source: str) -> Figure:
+    """The three panels of one source, in the one style of every figure (plot_helpers.themed)."""
     fig = Figure(figsize=(15, 4.2), layout="constrained")
     for fn, ax in zip((plot_logged_vs_exact, plot_bias_split, plot_negative), fig.subplots(1, 3)):
         fn(df, source, ax)
@@ -109,8 +115,9 @@ def pooled_line(d: pd.DataFrame) -> str:
     """All steps of one source pooled: Σ bias / √Σ se² (steps are independent given the policy)."""
     se = math.sqrt(float((d["se"] ** 2).sum()))
     z = float(d["bias"].sum()) / se if se > 0 else math.nan
-    return (f"{plural(len(d), 'step')}, mean logged {d['logged'].mean():.4g} against exact {d['exact'].mean():.4g} "
-            f"(mean bias {d['bias'].mean():+.4g}; pooled z = {z:+.2f})")
+    return (f"{plural(len(d), 'step')}, mean logged {fmt(d['logged'].mean(), 4)} against exact "
+            f"{fmt(d['exact'].mean(), 4)} (mean bias {fmt(d['bias'].mean(), 4, sign=True)}; pooled z = "
+            f"{fmt(z, 2, sign=True)})")
 
 
 STEP_HEADER = ["step", "logged", "exact", "bias", "se", "z", "logged < 0", "exact P(f < 0)"]
@@ -118,8 +125,12 @@ STEP_HEADER = ["step", "logged", "exact", "bias", "se", "z", "logged < 0", "exac
 
 def step_cells(d: pd.DataFrame) -> list[list[str]]:
     """Every step of one source (:data:`STEP_HEADER`)."""
-    return [[str(int(r.step)), f"{r.logged:.4g}", f"{r.exact:.4g}", f"{r.bias:+.3g}", f"{r.se:.2g}", f"{r.z:+.2f}",
-             f"{r.frac_negative:.3g}", f"{r.p_negative:.3g}"] for r in d.sort_values("step").itertuples()]
+    rows = []
+    for r in d.sort_values("step").itertuples():
+        bias, se, _ = measured_cells(r.bias, r.se, sign=True)        # the bias to its SE's precision
+        rows.append([str(int(r.step)), fmt(r.logged, 4), fmt(r.exact, 4), bias, se, fmt(r.z, 2, sign=True),
+                     fmt(r.frac_negative, 3), fmt(r.p_negative, 3)])
+    return rows
 
 
 INTRO = ("The trainer's logged KL against the exact KL of the positions it audited; the bias split into the "

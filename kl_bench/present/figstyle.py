@@ -125,11 +125,18 @@ def log_labels_in(lo: float, hi: float) -> int:
     return sum(lo <= v <= hi for v in marks)
 
 
+MIN_LOG_LABELS = 3       # fewer 1-2-5 labels than this on a log axis: evenly spaced plain ticks instead
+# Dashed and dotted lines that stay apart at a figure's line widths (matplotlib's "--" and ":" at 1.2 pt read
+# alike in a printed figure): long dashes with wide gaps, and round dots spaced by twice their size.
+DASHED = (0, (6, 3))
+DOTTED = (0, (1, 2.5))
+
+
 def plain_log_labels(axis) -> None:
     """Label a log axis with plain numbers (0.5, 2, 30) rather than 5×10⁻¹; the 2s and 5s between the
     decades only while the axis spans under two decades (more would overlap), looked up at draw time. An
-    axis so narrow that fewer than two of those fall on it (2.1 to 2.9: none but a 2 outside it) gets evenly
-    spaced plain ticks instead (it had one label, or none)."""
+    axis so narrow that fewer than :data:`MIN_LOG_LABELS` of those fall on it (1.4 to 6: only a 2 and a 5, a
+    std panel that read as two stray labels) gets evenly spaced plain ticks instead."""
     import matplotlib.ticker
 
     class Ticks(matplotlib.ticker.Locator):
@@ -142,7 +149,7 @@ def plain_log_labels(axis) -> None:
 
         def tick_values(self, vmin, vmax):
             lo, hi = sorted((vmin, vmax))
-            if log_labels_in(lo, hi) >= 2:
+            if log_labels_in(lo, hi) >= MIN_LOG_LABELS:
                 return self.log.tick_values(lo, hi)
             return [t for t in self.even.tick_values(lo, hi) if t > 0]
 
@@ -151,7 +158,7 @@ def plain_log_labels(axis) -> None:
 
     def minor(v, _):
         lo, hi = sorted(axis.get_view_interval())
-        narrow = lo > 0 and hi / lo < 100 and log_labels_in(lo, hi) >= 2
+        narrow = lo > 0 and hi / lo < 100 and log_labels_in(lo, hi) >= MIN_LOG_LABELS
         return _log_label(v) if narrow and f"{v:.0e}"[0] in "25" else ""      # the first digit, 0.5 too
     axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(minor))
 

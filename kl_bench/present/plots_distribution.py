@@ -10,8 +10,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ..core.draws import row_label
-from .figstyle import figure_styles, row_style
-from .plot_helpers import figure_axes, heavy_rows, key_line, label_key, layered, legend, symlog_ticks, themed
+from .figstyle import DASHED, DOTTED, figure_styles, row_style
+from .plot_helpers import (DistinctTicks, figure_axes, heavy_rows, key_line, label_key, layered, legend, symlog_ticks,
+                           themed)
 
 
 def _symlog(x: np.ndarray, linthresh: float) -> np.ndarray:
@@ -92,7 +93,8 @@ def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
 @themed
 def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, title: str = ""):
     """Running estimate against draws, one panel per estimator: ±2 SE band (batch means so far), the
-    true KL (dotted) and, for biased estimators, their exact mean (dashed).
+    true KL (dotted) and, for biased estimators, their exact mean (dashed); one legend under the panels (inside
+    a panel it sat over the true KL's line), and y labels with as few digits as tell them apart.
 
     ``batches``: batches.csv rows of one case; ``summary``: its summary rows.
     """
@@ -105,6 +107,7 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
     else:
         fig = np.atleast_1d(axes).ravel()[0].figure
     flat = np.atleast_1d(axes).ravel()
+    any_biased = False
     for k, r in enumerate(keep):
         ax = flat[k]
         sel = (batches["estimator"] == r["estimator"]) & (batches["aggregate"].fillna("") == (r["aggregate"] or "")) \
@@ -125,19 +128,26 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
         ax.fill_between(cum_n[1:], (run_mean - 2 * se)[1:], (run_mean + 2 * se)[1:], color=color, alpha=0.2,
                         hatch="//" if heavy else None)
         if math.isfinite(r["true_kl"]):
-            ax.axhline(r["true_kl"], color="black", lw=1.2, ls=":", label="true KL")
+            ax.axhline(r["true_kl"], color="black", lw=1.6, ls=DOTTED, dash_capstyle="round", label="true KL")
         biased = math.isfinite(r["exact_mean"]) and not math.isclose(r["exact_mean"], r["true_kl"], rel_tol=1e-6)
         if biased:
-            ax.axhline(r["exact_mean"], color="grey", lw=1.2, ls="--", label="exact mean (biased)")
+            ax.axhline(r["exact_mean"], color="grey", lw=1.2, ls=DASHED, label="exact mean (biased)")
+            any_biased = True
         ax.set_xscale("log")
+        ax.yaxis.set_major_formatter(DistinctTicks())
         # A heavy tail: the band is drawn from an SE that is not valid (hatched, and the title says so).
         ax.set_title(row_label(r) + ("  † heavy tail: band not valid" if heavy else ""), fontsize="medium")
         ax.tick_params(labelsize="small")
-        if k == 0 or biased:
-            legend(ax, fontsize="x-small")
+        ax.set_xlabel("draws  (log)", fontsize="small")      # per panel: a figure-wide one ran into the legend
+    handles = [key_line("running estimate, ±2 SE band", color="grey", lw=1.5),
+               key_line("true KL", color="black", lw=1.6, ls=DOTTED, dash_capstyle="round")]
+    if any_biased:
+        handles.append(key_line("exact mean (biased)", color="grey", lw=1.2, ls=DASHED))
+    if len(keep):
+        legend(fig, handles, [h.get_label() for h in handles], loc="outside lower center", fontsize="small",
+               ncol=len(handles))
     for ax in flat[len(keep):]:
         ax.set_visible(False)
-    fig.supxlabel("draws  (log)")
     fig.supylabel("running estimate (±2 SE)")
     fig.suptitle(title)
     return fig

@@ -155,9 +155,12 @@ def _distribution_panels(ctx: FigureContext) -> Iterator[Panel]:
                 v = ctx.res.reservoir[key]
                 parts.append(pd.DataFrame({"label": row_label(r), "value": v[~np.isnan(v)]}))
         if parts:
+            draws = pd.concat(parts, ignore_index=True)
+            # the shading exists only where some estimate is negative (KL = 0: every draw is 0, nothing shaded)
+            shaded = " (negative region shaded)" if bool((draws["value"] < 0).any()) else " (no negative estimate)"
             yield Panel(f"{ctx.prefix}distribution_{ctx.stem(case)}.png",
                         f"{case}: per-draw distribution of each estimator (ECDF)",
-                        f"{short_label(case)}: per-draw estimates (negative region shaded)", pd.concat(parts, ignore_index=True))
+                        f"{short_label(case)}: per-draw estimates{shaded}", draws)
 
 
 @figure("convergence", "plot_convergence", per_run=True)

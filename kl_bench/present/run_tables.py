@@ -78,24 +78,21 @@ def baseline_table(g: pd.DataFrame) -> Table:
 
 
 def check_table(rep) -> Table:
-    """The regression gate's comparisons (a :class:`kl_bench.api.CheckReport`), one line each, under a line
-    naming their case (so that a row need not repeat it: the table fits 80 columns where "case: row" would
-    not), each row's comparisons together."""
+    """The regression gate's comparisons (a :class:`kl_bench.api.CheckReport`), one line each, each row's
+    comparisons together, its case in the first column (:data:`CHECK_LAYOUT`: a terminal too narrow for it
+    prints the comparisons under a line naming their case, the name whole rather than folded mid-word)."""
     t = Table(title=f"{len(rep.comparisons):,} comparisons, family-wise α = {rep.alpha:g} (Holm)",
               title_justify="left", show_edge=False, pad_edge=False, box=None, padding=(0, 1))
-    for col in ["row", "statistic", "value", "reference", "z", "limit", "result"]:
-        t.add_column(col, justify="left" if col in ("row", "statistic", "result") else "right",
-                     no_wrap=col != "row", overflow="fold")
-    grouped: dict[str, dict[str, list]] = {}
+    for col in ["case", "row", "statistic", "value", "reference", "z", "limit", "result"]:
+        t.add_column(col, justify="left" if col in ("case", "row", "statistic", "result") else "right",
+                     no_wrap=col not in ("case", "row"), overflow="fold")
     for c in rep.comparisons:
         case, _, label = c.row.rpartition(": ")
-        grouped.setdefault(case, {}).setdefault(label, []).append(c)
-    for case, labels in grouped.items():
-        t.add_row(f"[bold]{escape(case)}[/]" if case else "", *[""] * 6)
-        for label, comparisons in labels.items():
-            for c in comparisons:         # value and reference to the SE's precision (measured_cells)
-                value, _, reference = measured_cells(c.value, c.se, c.reference)
-                t.add_row(escape(label), c.statistic, value, reference,
-                          f"{c.z:+.2f}" if math.isfinite(c.z) else fmt(c.z, sign=True), f"{c.threshold:.2f}",
-                          "pass" if c.passed else "[bold red]FAIL[/]")
+        value, _, reference = measured_cells(c.value, c.se, c.reference)   # to the SE's precision
+        t.add_row(escape(case), escape(label), c.statistic, value, reference,
+                  f"{c.z:+.2f}" if math.isfinite(c.z) else fmt(c.z, sign=True), f"{c.threshold:.2f}",
+                  "pass" if c.passed else "[bold red]FAIL[/]")
     return t
+
+
+CHECK_LAYOUT = {"keys": 3, "group": 1}      # case, row, statistic name a line; the case names a group

@@ -115,18 +115,28 @@ def rollout_table(df: pd.DataFrame, lengths: dict[str, int]) -> Table:
 
 
 def mismatch_table(df: pd.DataFrame) -> Table:
-    """Cases drawn from a sampler b ≠ q: the sign and size of each estimator's bias, exact and measured."""
-    t = Table(title="sampling mismatch: bias against the true KL(q||p) when draws come from b",
+    """Cases drawn from a sampler b ≠ q (only those: a case that samples q itself has no mismatch): the sign
+    and size of each estimator's bias, exact and measured. More than MAX_TABLE_CASES of them (a sweep's grid)
+    repeat what each case's own table printed, hundreds of lines: a title alone then points to summary.csv."""
+    sampled = df[df["sampler"].map(draws_from_b)]
+    n = sampled["case"].nunique()
+    if n > MAX_TABLE_CASES:
+        return Table(title=f"sampling mismatch: {n} cases drawn from b ≠ q, each with its bias/true above (E_b, "
+                           "measured means and P(mean64<0): summary.csv)", title_justify="left", show_edge=False,
+                     pad_edge=False)
+    # the true KL of each row is in its case's heading above (a column of it made the table too wide for 80
+    # columns once the case is a line of its own: kl_bench.present.terminal.grouped)
+    t = Table(title="sampling mismatch: each estimator's bias against its true KL when draws come from b",
               title_justify="left", show_edge=False, pad_edge=False)
-    for col in ["case", "sampler", "estimator", "true KL", "E_b exact", "bias/true", "measured ± se", "P(<0)",
+    for col in ["case", "sampler", "estimator", "E_b exact", "bias/true", "measured ± se", "P(<0)",
                 "P(mean64<0)"]:
         t.add_column(col, justify="left" if col in ("case", "sampler", "estimator") else "right")
-    for _, r in df[df["sampler"].map(draws_from_b)].iterrows():
+    for _, r in sampled.iterrows():
         rel = _num(r["exact_rel_bias"]) if math.isfinite(_num(r["exact_rel_bias"])) else _num(r["rel_bias"])
         arrow = "" if not math.isfinite(rel) or abs(rel) < 0.01 else ("[red]▲[/] " if rel > 0 else "[blue]▼[/] ")
         mean, se, exact = measured_cells(r["mean"], r["se"], r["exact_mean"])
         measured = "unknown" if unknown_mean(r) else pm(mean, se, dagger(r))
-        t.add_row(escape(r["case"]), escape(str(r["sampler"])), row_label(r), fmt(r["true_kl"], 4), exact,
+        t.add_row(escape(r["case"]), escape(str(r["sampler"])), row_label(r), exact,
                   f"{arrow}{pct(rel)}" if math.isfinite(rel) else "", measured,
                   fmt(r["frac_negative"], 2), fmt(r.get("p_neg_b64", math.nan), 2))
     return t
@@ -172,16 +182,19 @@ def _lambda_cells(c: pd.DataFrame, case: str, agg: str) -> list[str]:
             else fmt(star), measured, at(0.0), at(1.0), ratio_cell(best), opt_cell, ratio]
 
 
-def side_tables(df: pd.DataFrame, lengths: dict[str, int] | None = None) -> list[tuple[Table, int]]:
-    """The tables across cases a run calls for, each with its key columns (what names a row when the
-    table is stacked): side by side, rollouts by length, sampling mismatch, control variates."""
+def side_tables(df: pd.DataFrame, lengths: dict[str, int] | None = None) -> list[tuple[Table, dict]]:
+    """The tables across cases a run calls for, each with how :func:`kl_bench.present.terminal.show` fits it to
+    a terminal: its key columns (what names a row when the table is stacked), the runs of columns a part keeps
+    together (a case's two columns side by side), the columns that name a group of rows (the mismatch table's
+    case and sampler: printed by whole cases). Side by side, rollouts by length, sampling mismatch, control
+    variates."""
     extra = []
     if df["case"].nunique() > 1:
-        extra.append((schulman_table(df[df["lambda"].isna()]), 1))
+        extra.append((schulman_table(df[df["lambda"].isna()]), {"keys": 1, "together": 2}))
     if lengths:
-        extra.append((rollout_table(df, lengths), 2))
+        extra.append((rollout_table(df, lengths), {"keys": 2}))
     if "sampler" in df and df["sampler"].map(draws_from_b).any():
-        extra.append((mismatch_table(df), 3))
+        extra.append((mismatch_table(df), {"keys": 3, "group": 2}))
     if "estimator" in df and df["estimator"].isin(["cv", "cv_opt"]).any():
-        extra.append((lambda_table(df), 1))
+        extra.append((lambda_table(df), {"keys": 1}))
     return extra

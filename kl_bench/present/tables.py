@@ -37,6 +37,6 @@ def print_tables(console: Console, df: pd.DataFrame, descriptions: dict[str, str
         console.print()
     if exact_only:
         return
-    for table, keys in side_tables(df, lengths):
-        show(console, table, wide, keys)
+    for table, layout in side_tables(df, lengths):
+        show(console, table, wide, **layout)
         console.print()

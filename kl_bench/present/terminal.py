@@ -4,18 +4,21 @@
 so that grep and diff see whole lines (:func:`show`)."""
 from __future__ import annotations
 
+import itertools
 import re
 import textwrap
 
 from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 _TRAILING = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)$")     # spaces before any closing style codes
 
 
-def show(console: Console, table, wide: bool = False, keys: int = 1, fold: bool = False) -> None:
+def show(console: Console, table, wide: bool = False, keys: int = 1, fold: bool = False, together: int = 1,
+         group: int = 0) -> None:
     """Print a table: boxed for a terminal, and fitted to its width: a table wider than the terminal is
     :func:`stacked` (its first ``keys`` columns repeated in each part), never cut; with ``fold``, rich
     wraps its wrappable columns instead (their cells fold onto a second line), when that fits. Plain text
@@ -23,6 +26,9 @@ def show(console: Console, table, wide: bool = False, keys: int = 1, fold: bool 
     around, at the table's natural width. Lines never end in spaces (rich pads every line to the table's
     width). ``wide``: at the table's natural width, cells whole, even where lines are longer than the
     terminal."""
+    if not table.columns:       # a title alone (a sweep's grid too large for the table): rich prints nothing
+        prose(console, str(table.title or ""))
+        return
     if not console.is_terminal:
         table.box = None
         table.padding = (0, 1)
@@ -34,13 +40,16 @@ def show(console: Console, table, wide: bool = False, keys: int = 1, fold: bool 
         table.title = table.caption = None
     if wide:                # rich never prints wider than the console: widen it for this table alone
         console.width = max(natural_width(console, table), width)
-    parts = _fitted(console, table, keys, fold) if console.is_terminal and not wide else [table]
+    if console.is_terminal and not wide and group and not fits(console, table):
+        parts = grouped(table, group)
+    else:
+        parts = _fitted(console, table, keys, fold, together) if console.is_terminal and not wide else [table]
     try:
         with console.capture() as cap:
             if title and not console.is_terminal:
                 console.print(title, soft_wrap=True)
             for i, part in enumerate(parts):
-                if i:
+                if i and isinstance(part, Table) and part.title:      # a stacked part (grouped ones run on)
                     console.print()
                 console.print(part)
             if caption and not console.is_terminal:
@@ -62,12 +71,12 @@ def natural_width(console: Console, table) -> int:
     return console.measure(table, options=console.options.update_width(100_000)).maximum
 
 
-def _fitted(console: Console, table: Table, keys: int, fold: bool) -> list[Table]:
+def _fitted(console: Console, table: Table, keys: int, fold: bool, together: int = 1) -> list[Table]:
     """The table as it fits a terminal: whole, or folded (``fold``), or without its box, or stacked."""
     if fits(console, table) or (fold and _folds(console, table)):
         return [table]
     table.box, table.padding, table.show_edge = None, (0, 1), False     # without its box first
-    return [table] if fits(console, table) else stacked(console, table, keys)
+    return [table] if fits(console, table) else stacked(console, table, keys, together)
 
 
 def _folds(console: Console, table: Table) -> bool:
@@ -76,19 +85,22 @@ def _folds(console: Console, table: Table) -> bool:
     return console.measure(table, options=console.options.update_width(100_000)).minimum <= console.width
 
 
-def stacked(console: Console, table: Table, keys: int = 1) -> list[Table]:
+def stacked(console: Console, table: Table, keys: int = 1, together: int = 1) -> list[Table]:
     """A table too wide for the console as several tables that each fit: the first ``keys`` columns (what
     names a row) in every part, the other columns in order, as many to a part as fit; every cell is kept.
     The title goes on the first part (with "1/n" on each part), the caption on the last. A key part that
-    alone is too wide gets one other column a part, and rich folds its cells rather than cut them."""
+    alone is too wide gets one other column a part, and rich folds its cells rather than cut them.
+    ``together``: runs of that many columns stay in one part (a case's columns side by side: the run's first
+    header names the case, so a part never shows a case's second column without its name)."""
     cols = list(table.columns)
     key, rest = cols[:keys], cols[keys:]
+    runs = [rest[i:i + together] for i in range(0, len(rest), max(together, 1))]
     groups: list[list] = []
-    for col in rest:
-        if groups and fits(console, _part(table, key + groups[-1] + [col])):
-            groups[-1].append(col)
+    for run in runs:
+        if groups and fits(console, _part(table, key + groups[-1] + run)):
+            groups[-1] += run
         else:
-            groups.append([col])
+            groups.append(list(run))
     parts = []
     for i, group in enumerate(groups or [[]]):
         part = _part(table, key + group)
@@ -109,6 +121,34 @@ def _part(table: Table, cols: list) -> Table:
     for cells in zip(*(list(c.cells) for c in cols)):
         t.add_row(*cells)
     return t
+
+
+def grouped(table: Table, group: int) -> list:
+    """A table whose first ``group`` columns are constant over runs of rows (a case, its sampler) as those runs
+    one after another: the header once, then each run under a line naming it (its ``group`` cells), its rows
+    without those columns, every column at one width throughout so that the runs line up. A case is never
+    split, and its name is printed whole on a line of its own rather than folded into a narrow column."""
+    cols = list(table.columns)
+    rest = cols[group:]
+    widths = [max(Text.from_markup(str(x)).cell_len for x in [c.header, *c.cells]) for c in rest]
+
+    def part(rows, header: bool) -> Table:
+        t = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, show_header=header)
+        for c, w in zip(rest, widths):
+            t.add_column(c.header, justify=c.justify, width=w, no_wrap=True)
+        for row in rows:
+            t.add_row(*row[group:])
+        return t
+    rows = list(zip(*(list(c.cells) for c in cols)))
+    title = table.title if isinstance(table.title, str) else ""
+    parts: list = [Text.from_markup(title)] if title else []
+    parts.append(part([], True))
+    for key, members in itertools.groupby(rows, key=lambda r: r[:group]):
+        parts.append(Text.from_markup("[bold]" + "  ".join(str(k) for k in key if str(k)) + "[/]"))
+        parts.append(part(list(members), False))
+    if table.caption:
+        parts.append(Text.from_markup(str(table.caption)))
+    return parts
 
 
 def prose(console: Console, text: str, indent: str = "  ", markup: bool = False) -> None:

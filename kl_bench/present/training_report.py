@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..foundation.formatting import plural
+from ..foundation.formatting import fmt, plural
 from .pages import DEFAULT_FORMATS, figure_bytes, figure_files, figure_html, html_text, page, table_html, table_md
 from .pages import file_stems, md_text, vector_links
 from ..results import folders
@@ -28,7 +28,8 @@ def final_cells(df: pd.DataFrame) -> tuple[list[str], list[list[str]]]:
         cells = []
         for col, _ in FINAL:
             v, sd = getattr(r, col), getattr(r, f"{col}_sd")
-            cells.append(f"{v:.4g}" + (f" ± {sd:.2g}" if r.gradients == "sampled" and pd.notna(sd) else ""))
+            # the one number format (foundation.formatting.fmt): "8.576e-5", never "8.576e-05" beside "0.0001261"
+            cells.append(fmt(v, 4) + (f" ± {fmt(sd, 2)}" if r.gradients == "sampled" and pd.notna(sd) else ""))
         rows.append([str(r.case), str(r.combination), str(r.gradients), str(r.step), *cells])
     return header, rows
 
