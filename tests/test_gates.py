@@ -134,11 +134,16 @@ def test_spec_sweeps_gates_into_gates_csv_and_the_advice(tmp_path):
     assert list(g.gate) == ["bin_tv"] * 3 + ["ratio", "bin_kl", "topk_kl@5"]
     s = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("estimator")
     assert g.sees.iloc[4] == pytest.approx(s.exact_mean["bin_kl"] / s.true_kl["bin_kl"], rel=1e-12)
-    assert math.isnan(g.sees.iloc[3]) and 0 < g.sees.iloc[5] < 1 and "topk_kl@5 sees" in r.stdout
+    assert math.isnan(g.sees.iloc[3]) and 0 < g.sees.iloc[5] < 1
     assert (g.tokens_masked.diff().dropna().iloc[:2] <= 0).all()        # a larger δ masks fewer tokens
-    assert "gates: a token is masked" in r.stdout and "bin_kl sees" in r.stdout
+    assert "gates: a token is masked" in r.stdout and "bin_kl sees" in r.stdout and "topk_kl@5 " in r.stdout
     assert "kl_bench" not in r.stderr
-    runner.invoke(app, ["report", str(tmp_path / "out"), "-q"])          # the folder verifies with gates.csv in it
+    rep = runner.invoke(app, ["report", str(tmp_path / "out"), "-q"])     # the folder verifies with gates.csv in it
+    assert rep.exit_code == 0, rep.output
+    md = (tmp_path / "out" / "report" / "report.md").read_text()
+    html = (tmp_path / "out" / "report" / "report.html").read_text()
+    assert "## Gates" in md and "| c | topk_kl@5 | 0.01 |" in md and "<h2>Gates</h2>" in html
+    assert "bin_kl sees" in md                                             # the advice carries the shares
 
 
 @pytest.mark.parametrize("gates,needle", [

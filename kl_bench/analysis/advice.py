@@ -324,7 +324,7 @@ def recommendations(df: pd.DataFrame, gradients: pd.DataFrame | None = None, *, 
     for case in dict.fromkeys(df["case"]):
         out.append(value_advice(df, case, batch, tolerance))
         out.append(loss_advice(df, case, gradients))
-        shares = proxy_shares(df, case)
+        shares = proxy_shares(df, case, gates)
         lines = gate_lines(gates, case) if gates is not None else []
         if shares or lines:
             out.append(Advice(case, "gate", "", "; ".join(([shares] if shares else []) + lines)))

@@ -25,6 +25,7 @@ class Results:
     reservoir: dict[str, np.ndarray] | None
     gradients: pd.DataFrame | None = None
     group_baselines: pd.DataFrame | None = None
+    gates: pd.DataFrame | None = None
 
 
 def load_results(path: Path) -> Results:
@@ -34,7 +35,7 @@ def load_results(path: Path) -> Results:
     got = read_results_folder(path)          # in today's format (kl_bench.results.migrate)
     name = got.envelope.get("experiment") if isinstance(got.envelope.get("experiment"), str) else got.path.name
     return Results(got.path, name, got.summary, got.envelope, got.sweep, got.batches, got.reservoir,
-                   got.gradients, got.group_baselines)
+                   got.gradients, got.group_baselines, got.gates)
 
 
 def run_labels(results: list[Results]) -> list[str]:

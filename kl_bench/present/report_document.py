@@ -177,7 +177,7 @@ def advice_lines(results: list[Results], batch: int = 64, tolerance: float = 0.1
     out = {}
     for res in results:
         lines, general = [], {}
-        for a in recommendations(res.summary, res.gradients, batch=batch, tolerance=tolerance):
+        for a in recommendations(res.summary, res.gradients, batch=batch, tolerance=tolerance, gates=res.gates):
             if a.general:
                 general.setdefault(a.detail, []).append(a.case)
             else:
@@ -195,6 +195,32 @@ BASELINE_NOTE = ("GRPO's group mean and RLOO's leave-one-out in the reward, G dr
                  "(docs/weights.md#group-baselines-reward-mode): |E∇| over the no-baseline gradient's (exact), the "
                  "trace of the per-draw covariance over the no-baseline one (exact on categoricals, measured on "
                  "rollouts), and the larger |z| of the Monte Carlo checks. All columns: group_baselines.csv.")
+
+
+GATE_NOTE = ("A token is masked when its gate's statistic exceeds δ (docs/gates.md); every column is exact: the share "
+             "of tokens and of sequences masked, the share of KL(q||p) the masked tokens carry, the relative bias of k1 "
+             "on the kept tokens and of the importance weight's mean, and the share of its divergence the statistic "
+             "sees. All columns: gates.csv.")
+
+
+def gates_frame(results: list[Results]) -> pd.DataFrame | None:
+    """The gate rows of every run, as the report shows them (None: no run has them)."""
+    frames = []
+    for res in results:
+        g = res.gates
+        if g is None or g.empty:
+            continue
+        frames.append(pd.DataFrame({
+            "run": res.name, "case": g["case"], "gate": g["gate"], "δ": [f"{x:g}" for x in g["delta"]],
+            "tokens masked": [pct(x, sign=False) for x in g["tokens_masked"]],
+            "sequences masked": [pct(x, sign=False) for x in g["seq_masked"]],
+            "KL unseen": [pct(x, sign=False) for x in g["kl_unseen"]], "k1 bias": [pct(x) for x in g["k1_bias"]],
+            "weight bias": [pct(x) for x in g["weight_bias"]],
+            "sees": [pct(x, sign=False) for x in g["sees"]] if "sees" in g else ""}))
+    if not frames:
+        return None
+    out = pd.concat(frames, ignore_index=True)
+    return out.drop(columns="run") if len(results) == 1 else out
 
 
 def baselines_frame(results: list[Results]) -> pd.DataFrame | None:

@@ -9,7 +9,7 @@ from ..foundation.formatting import sig
 from .cells import with_reference
 from .pages import figure_html, html_inline, html_text, page, scroll, table_html
 from .report_differences import DIFF_HEADER, DIFF_NOTE, difference_cells
-from .report_document import (BASELINE_NOTE, ROW_HEADER, ReportDocument, advice_note, baselines_frame, column_heads,
+from .report_document import (BASELINE_NOTE, GATE_NOTE, ROW_HEADER, ReportDocument, gates_frame, advice_note, baselines_frame, column_heads,
                               kl_head, row_cells, run_lines)
 
 
@@ -48,6 +48,10 @@ def report_html(results, df, figs, caption, cases, rows, diffs=None, advice=None
     if bl is not None:
         parts.append(f"<h2>Group baselines</h2><p>{html_text(BASELINE_NOTE)}</p>" + scroll(bl.to_html(
             index=False, float_format=lambda x: sig(x, 3), na_rep="", border=0, classes="rows").replace("`", "&#96;")))
+    gt = gates_frame(results)
+    if gt is not None:
+        parts.append(f"<h2>Gates</h2><p>{html_text(GATE_NOTE)}</p>" + scroll(gt.to_html(
+            index=False, na_rep="", border=0, classes="rows").replace("`", "&#96;")))
     parts.append("<h2>Figures</h2>")
     parts += [figure_html(name, cap, by_fmt["png"]) for name, cap, by_fmt in figs]
     parts.append("<h2>All rows</h2>")

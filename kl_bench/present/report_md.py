@@ -11,7 +11,7 @@ from ..foundation.formatting import sig
 from .pages import md_text, table_md as md_table_of, vector_links
 from .report_data import Results
 from .report_differences import DIFF_HEADER, DIFF_NOTE, difference_cells
-from .report_document import (BASELINE_NOTE, ReportDocument, advice_note, baselines_frame, column_heads, kl_head,
+from .report_document import (BASELINE_NOTE, GATE_NOTE, ReportDocument, gates_frame, advice_note, baselines_frame, column_heads, kl_head,
                               run_lines)
 
 
@@ -58,6 +58,9 @@ def report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame |
     if bl is not None:
         out += ["## Group baselines", "", BASELINE_NOTE, "",
                 frame_md(bl), ""]
+    gt = gates_frame(results)
+    if gt is not None:
+        out += ["## Gates", "", GATE_NOTE, "", frame_md(gt), ""]
     out += ["## Figures", ""]
     for name, caption, by_fmt in figs:
         out += [f"### {md_text(caption)}", "", f"![{md_text(caption)}](figures/{name})", ""]

@@ -53,7 +53,7 @@ def gate_table(g: pd.DataFrame) -> Table:
     for col in ["case", "gate", "δ", "tokens", "sequences", "KL unseen", "k1 bias", "weight bias"]:
         t.add_column(col, justify="left" if col in ("case", "gate") else "right")
     for _, r in g.iterrows():
-        t.add_row(escape(r["case"]), r["gate"], fmt(r["delta"]), pct(r["tokens_masked"], sign=False),
+        t.add_row(escape(r["case"]), r["gate"], f"{r['delta']:g}", pct(r["tokens_masked"], sign=False),
                   pct(r["seq_masked"], sign=False), pct(r["kl_unseen"], sign=False), pct(r["k1_bias"]),
                   pct(r["weight_bias"]))
     return t
