@@ -18,7 +18,8 @@ from kl_bench.sampling.logits import zipf_logits
 from .helpers import CAT_SPEC, GAUSS_SPEC, one_line, runner
 
 F64 = torch.float64
-CASES = [("bin_kl", 0.002), ("bin_tv", 0.02), ("k3", 0.02), ("ratio", 0.3), ("topk_kl@3", 0.02), ("topk_tv@2", 0.1)]
+CASES = [("bin_kl", 0.002), ("bin_tv", 0.02), ("k3", 0.02), ("ratio", 0.3), ("topk_kl@3", 0.02), ("topk_tv@2", 0.1),
+         ("kl", 0.1)]
 
 
 def _tables(v=40, c=3, seed=1, noise=0.5):

@@ -13,7 +13,9 @@ policy is p, r = p(x)/q(x); a gate masks the token when its statistic exceeds δ
   band, here one band parameter so that δ sweeps as the others do);
 - ``topk_kl@K``, ``topk_tv@K``: the KL or TV of the token's context with q and p coarsened to the K most likely
   tokens of each plus one bucket for the rest (DPPO's top-K masks: what an engine returning top-K log-probs
-  permits); they mask every token of a context at once.
+  permits); they mask every token of a context at once;
+- ``kl``: the context's own KL(q(·|c) ‖ p(·|c)) (Trust Region Masking, arXiv 2512.23075, masks a sequence when
+  the largest over its positions exceeds δ: the ``seq_masked`` share).
 
 A masked token contributes nothing: neither to the KL a trainer estimates from the kept tokens, nor to the
 policy gradient (its importance weight r is zeroed). Every rate below is a sum over the vocabulary of each
@@ -55,6 +57,11 @@ def _token(fn):
     return lambda log_q, log_p: fn(log_p - log_q, log_q)
 
 
+def _context_kl(log_q: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """KL(q(·|c) ‖ p(·|c)) per context [C], as Σ_x q·k3(log r) (terms ≥ 0: no cancellation)."""
+    return (log_q.exp() * k3(log_p - log_q)).sum(-1)
+
+
 def _per_context(k: int, which: int):
     """The top-K coarsened KL (which = 0) or TV (1) of each context, the same for all its tokens."""
     return lambda log_q, log_p: topk_union_divergences(log_q, log_p, k)[which][:, None].expand_as(log_q)
@@ -67,6 +74,12 @@ GATES.add("k3", Gate("k3", _token(lambda logr, logq: k3(logr)), "r − 1 − log
                      REVERSE))
 GATES.add("ratio", Gate("ratio", _token(lambda logr, logq: logr.abs()), "|log r| > δ (r outside [e^−δ, e^δ])",
                         "IcePop-style ratio band"))
+# Trust Region Masking (Li et al., arXiv 2512.23075): a sequence is masked when any of its positions' token-level
+# KL, the whole next-token distribution's KL(q(·|c) ‖ p(·|c)), exceeds δ: the context KL as a gate, whose
+# seq_masked is TRM's masked share (its tokens_masked: the tokens of contexts beyond the trust region).
+GATES.add("kl", Gate("kl", lambda log_q, log_p: _context_kl(log_q, log_p)[:, None].expand_as(log_q),
+                     "KL(q(·|c) ‖ p(·|c)) > δ (the token's context; a sequence: its largest)",
+                     "Trust Region Masking, arXiv 2512.23075", REVERSE))
 TOPK = re.compile(r"topk_(kl|tv)@([1-9][0-9]*)")
 
 
