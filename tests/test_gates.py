@@ -89,7 +89,7 @@ def test_rollout_rates_against_enumeration(name, delta):
     pair = RolloutPair("r", lq, lp, torch.arange(5) % 2, 4, 4)
     rates = pair.gate_rates(gate(name), delta)
     table = gate(name).table(lq, lp)
-    masked_tok = tokens = unseen = k1_part = weight = seq = 0.0
+    masked_tok = tokens = unseen = k1_part = weight = seq = seq_kl = seq_p = 0.0
     kl = pair.kl()
     for prob, path in brute_force_sequences(pair.model):
         m = [float(table[c, x] > delta) for c, x in path]
@@ -99,11 +99,16 @@ def test_rollout_rates_against_enumeration(name, delta):
         k1_part += prob * sum(mi * float(lq[c, x] - lp[c, x]) for mi, (c, x) in zip(m, path))
         weight += prob * sum(mi * float((lp[c, x] - lq[c, x]).exp()) for mi, (c, x) in zip(m, path))
         seq += prob * (max(m) > 0)
+        if max(m) > 0:                 # the whole sequence masked: its KL parts and its p-probability
+            seq_kl += prob * sum(float(k3(lp[c, x] - lq[c, x])) for c, x in path)
+            seq_p += math.exp(sum(float(lp[c, x]) for c, x in path))
     assert rates.tokens_masked == pytest.approx(masked_tok / tokens, rel=1e-12)
     assert rates.kl_unseen == pytest.approx(unseen / kl, rel=1e-12)
     assert rates.k1_bias == pytest.approx(-k1_part / kl, rel=1e-10, abs=1e-15)
     assert rates.weight_bias == pytest.approx(-weight / tokens, rel=1e-12)
     assert rates.seq_masked == pytest.approx(seq, rel=1e-12)
+    assert rates.seq_kl_unseen == pytest.approx(seq_kl / kl, rel=1e-10)
+    assert rates.seq_weight_bias == pytest.approx(-seq_p, rel=1e-10, abs=1e-14)
 
 
 def test_rollout_rates_against_drawn_paths():

@@ -126,7 +126,10 @@ class GateRates:
     per token = −P_p(masked), the importance weight's lost mean (the policy gradient's weight);
     ``worst_context``: the largest share masked in any one context; ``seq_masked``: the share of sequences with a
     masked token (NaN for single tokens); ``sees``: E_q[s] over the gate's target (the share of its divergence
-    the statistic sees; NaN for a statistic that stands for none)."""
+    the statistic sees; NaN for a statistic that stands for none). Rollouts, where a masked token masks its whole
+    sequence (TRM, a sequence mask): ``seq_kl_unseen`` the share of KL(q‖p) the masked sequences carry,
+    ``seq_weight_bias`` E_q[W·1{kept}] − 1 = −P_p(masked) of the sequence weight W = Π_t r_t (NaN for single
+    tokens)."""
     gate: str
     delta: float
     tokens_masked: float
@@ -137,6 +140,12 @@ class GateRates:
     worst_context: float
     seq_masked: float = math.nan
     sees: float = math.nan
+    seq_kl_unseen: float = math.nan
+    seq_weight_bias: float = math.nan
+
+
+# Rollouts: keep table [C, V] → (P_q(K), E_q[K·Σ_t k3_t], E_q[K·W]) for K = Π_t keep(c_t, x_t), W = Π_t r_t.
+SequenceMoments = Callable[[torch.Tensor], tuple[float, float, float]]
 
 
 def context_parts(log_q: torch.Tensor, log_p: torch.Tensor, gate: Gate, delta: float) -> dict[str, torch.Tensor]:
@@ -155,10 +164,10 @@ def context_parts(log_q: torch.Tensor, log_p: torch.Tensor, gate: Gate, delta: f
 
 
 def gate_rates(log_q: torch.Tensor, log_p: torch.Tensor, visits: torch.Tensor, gate: Gate, delta: float,
-               seq_kept: Callable[[torch.Tensor], float] | None = None) -> GateRates:
+               seq: SequenceMoments | None = None) -> GateRates:
     """The exact :class:`GateRates` of ``gate`` at ``delta`` on the tables ``log_q``, ``log_p`` [C, V] whose contexts
-    generated tokens meet ``visits`` [C] times per draw. ``seq_kept``: keep table [C, V] → P_q(no token of a
-    sequence masked) (rollouts), None for single tokens."""
+    generated tokens meet ``visits`` [C] times per draw. ``seq``: the sequences' moments of the keep table
+    (rollouts: :data:`SequenceMoments`), None for single tokens."""
     parts = context_parts(log_q, log_p, gate, delta)
     n = visits.to(torch.float64)
     sees = math.nan
@@ -175,7 +184,11 @@ def gate_rates(log_q: torch.Tensor, log_p: torch.Tensor, visits: torch.Tensor, g
         s = float((n * v).sum())
         return s / kl + 0.0 if kl > 0 else (0.0 if s == 0 else math.nan)     # + 0.0: never a −0 below
     seen = n > 0
+    seq_parts = (math.nan,) * 3
+    if seq is not None:
+        kept, kept_kl, kept_w = seq(parts["keep"])
+        seq_parts = (1.0 - kept, 1.0 - kept_kl / kl if kl > 0 else math.nan, kept_w - 1.0)
     return GateRates(gate.name, float(delta), float((n * parts["q"]).sum()) / tokens, rel(parts["k3"]),
                      0.0 - rel(parts["k1"]), 0.0 - rel(parts["k3"]), 0.0 - float((n * parts["p"]).sum()) / tokens,
-                     float(parts["q"][seen].max()) if bool(seen.any()) else math.nan,
-                     1.0 - seq_kept(parts["keep"]) if seq_kept is not None else math.nan, sees)
+                     float(parts["q"][seen].max()) if bool(seen.any()) else math.nan, seq_parts[0], sees,
+                     seq_parts[1] + 0.0, seq_parts[2] + 0.0)

@@ -216,6 +216,8 @@ def gates_frame(results: list[Results]) -> pd.DataFrame | None:
             "sequences masked": [pct(x, sign=False) for x in g["seq_masked"]],
             "KL unseen": [pct(x, sign=False) for x in g["kl_unseen"]], "k1 bias": [pct(x) for x in g["k1_bias"]],
             "weight bias": [pct(x) for x in g["weight_bias"]],
+            "sequence KL unseen": [pct(x, sign=False) for x in g["seq_kl_unseen"]] if "seq_kl_unseen" in g else "",
+            "sequence weight bias": [pct(x) for x in g["seq_weight_bias"]] if "seq_weight_bias" in g else "",
             "sees": [pct(x, sign=False) for x in g["sees"]] if "sees" in g else ""}))
     if not frames:
         return None

@@ -146,6 +146,10 @@ GATE_SCHEMA: dict[str, str] = {
     "k3_bias": "the same for k3: −kl_unseen",
     "weight_bias": "E_q[r·1{kept}] − 1 per token = −P_p(masked): the mean the policy gradient's importance weight "
                    "r = p/q loses",
+    "seq_kl_unseen": "rollouts, a masked token masking its whole sequence (a sequence mask, as Trust Region Masking): "
+                     "the share of KL(q||p) the masked sequences carry; empty for single tokens",
+    "seq_weight_bias": "rollouts: E_q[W·1{sequence kept}] − 1 = −P_p(sequence masked), the mean the sequence weight "
+                       "W = Π_t r_t loses under that mask; empty for single tokens",
     "sees": "E_q[statistic] / its divergence (KL(q||p) for bin_kl, k3 and topk_kl@K; TV(q,p) for bin_tv and "
             "topk_tv@K): the share of the divergence the statistic sees; empty for ratio",
 }

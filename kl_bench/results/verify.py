@@ -74,7 +74,7 @@ def _schemas() -> dict[str, tuple[list[str], list[str]]]:
             "group_baselines.csv": (list(GROUP_BASELINE_SCHEMA),
                                     [c for c in GROUP_BASELINE_SCHEMA
                                      if c not in ("sampler", "aggregate", "trace_cov", "trace_cov_none")]),
-            "gates.csv": (list(GATE_SCHEMA), [c for c in GATE_SCHEMA if c != "sees"])}
+            "gates.csv": (list(GATE_SCHEMA), [c for c in GATE_SCHEMA if c not in ("sees", "seq_kl_unseen", "seq_weight_bias")])}
 
 
 # Text columns that identify a row: an empty cell there is a damaged file.

@@ -134,8 +134,17 @@ class RolloutOracle:
             ones = torch.ones_like(m.log_q)
             self._visits = torch.tensor([dp.to_host(dp.under_q(m, ones, _rows(ones, c), 1))[1]
                                          for c in range(m.buckets)], dtype=torch.float64, device=m.device)
-        return gates.gate_rates(m.log_q, m.log_p, self._visits, gate, delta,
-                                lambda keep: dp.to_host(dp.under_q(m, keep, torch.ones_like(keep), 0))[0])
+        return gates.gate_rates(m.log_q, m.log_p, self._visits, gate, delta, self._sequence_moments)
+
+    def _sequence_moments(self, keep: torch.Tensor) -> tuple[float, float, float]:
+        """(P_q(K), E_q[K·Σ_t k3_t], E_q[K·W]) for the sequence mask K = Π_t keep_t and weight W = Π_t r_t: the
+        program with K as its multiplicative factor (times r for W: q·r = p, so E_q[K·W] = P_p(K))."""
+        m = self.model
+        q = m.log_q.exp()
+        k3_t = torch.where(q > 0, torch.expm1(m.log_p - m.log_q) - (m.log_p - m.log_q), torch.zeros_like(q))
+        kept, kept_kl = dp.to_host(dp.under_q(m, keep, k3_t, 1))
+        r = torch.where(q > 0, torch.exp(m.log_p - m.log_q), torch.zeros_like(q))
+        return kept, kept_kl, dp.to_host(dp.under_q(m, keep * r, torch.ones_like(q), 0))[0]
 
     def mean_length(self) -> float:
         """E_q|y|, exact (computed once: every per-token row's truth divides by it)."""
