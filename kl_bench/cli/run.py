@@ -25,7 +25,7 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", parser=float_flag, metavar="SECONDS",
                                                help="write a checkpoint at most this often (> 0; inf: never)"),
         no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint"),
-        wide: bool = typer.Option(False, "--wide", help="the full per-case tables (every column), whatever the width"),
+        wide: bool = typer.Option(False, "--wide", help="the full per-case tables whatever the width (summary.csv has every column: docs/results.md)"),
         batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
         tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
                                         help="the advice's relative tolerance (0.05: ±5%)")) -> None:
