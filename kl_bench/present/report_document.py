@@ -203,22 +203,23 @@ GATE_NOTE = ("A token is masked when its gate's statistic exceeds δ (docs/gates
              "sees. All columns: gates.csv.")
 
 
+# gates.csv's columns as the report shows them: (heading, column, signed percentage).
+_GATE_SHARES = (("tokens masked", "tokens_masked", False), ("sequences masked", "seq_masked", False),
+                ("KL unseen", "kl_unseen", False), ("k1 bias", "k1_bias", True), ("weight bias", "weight_bias", True),
+                ("sequence KL unseen", "seq_kl_unseen", False), ("sequence weight bias", "seq_weight_bias", True),
+                ("sees", "sees", False))
+
+
 def gates_frame(results: list[Results]) -> pd.DataFrame | None:
-    """The gate rows of every run, as the report shows them (None: no run has them)."""
+    """The gate rows of every run, as the report shows them (None: no run has them); a column an older
+    gates.csv lacks is left blank."""
     frames = []
-    for res in results:
+    for res in [r for r in results if r.gates is not None and not r.gates.empty]:
         g = res.gates
-        if g is None or g.empty:
-            continue
-        frames.append(pd.DataFrame({
-            "run": res.name, "case": g["case"], "gate": g["gate"], "δ": [f"{x:g}" for x in g["delta"]],
-            "tokens masked": [pct(x, sign=False) for x in g["tokens_masked"]],
-            "sequences masked": [pct(x, sign=False) for x in g["seq_masked"]],
-            "KL unseen": [pct(x, sign=False) for x in g["kl_unseen"]], "k1 bias": [pct(x) for x in g["k1_bias"]],
-            "weight bias": [pct(x) for x in g["weight_bias"]],
-            "sequence KL unseen": [pct(x, sign=False) for x in g["seq_kl_unseen"]] if "seq_kl_unseen" in g else "",
-            "sequence weight bias": [pct(x) for x in g["seq_weight_bias"]] if "seq_weight_bias" in g else "",
-            "sees": [pct(x, sign=False) for x in g["sees"]] if "sees" in g else ""}))
+        cols = {"run": res.name, "case": g["case"], "gate": g["gate"], "δ": [f"{x:g}" for x in g["delta"]]}
+        for head, col, signed in _GATE_SHARES:
+            cols[head] = [pct(x, sign=signed) for x in g[col]] if col in g else ""
+        frames.append(pd.DataFrame(cols))
     if not frames:
         return None
     out = pd.concat(frames, ignore_index=True)

@@ -54,5 +54,6 @@ def exact_prob_negative(m: CategoricalModel, fn) -> float:
 
 def gate_rates(m: CategoricalModel, gate, delta: float):
     """A gate's exact rates (kl_bench.core.gates) on the float64 tables, each context a draw's with probability 1/B."""
-    return gates.gate_rates(m.log_q, m.log_p, torch.full((m.contexts,), 1.0 / m.contexts, dtype=torch.float64),
+    return gates.gate_rates(m.log_q, m.log_p, torch.full((m.contexts,), 1.0 / m.contexts, dtype=torch.float64,
+                                                             device=m.log_q.device),
                             gate, delta)
