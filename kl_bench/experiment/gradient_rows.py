@@ -26,7 +26,8 @@ from ..core.targets import FORWARD, REVERSE
 
 def gradient_items(pair: GradientCase, sources) -> list[GradItem]:
     """Every (estimator, mode, aggregate) row of a case, on the aggregates the pair gives each estimator
-    (rollouts: token-only estimators have no sequence rows); pair-supplied rows have no gradient."""
+    (rollouts: token-only estimators have no sequence rows); pair-supplied rows only where the kind gives them
+    one (:meth:`~kl_bench.kinds.protocols.GradientOracle.gradient_pair_rows`: rollouts' Rao–Blackwellised row)."""
     ests = [pair.adapt(e) for e in sources if not e.analytic]
     # A mode defined on-policy only (NeMo-RL's clamp order: w = q/sg(q) has value 1; under a sampler the
     # clamp sees w·f with w = q/b, which a per-draw coefficient c(log r) cannot express): a row only where
@@ -38,7 +39,8 @@ def gradient_items(pair: GradientCase, sources) -> list[GradItem]:
     return [GradItem.of(e, m, a) for a in pair.gradient_aggregates for e in ests if a in pair.aggregates_for(e)
             for m in modes_for(e, token=AGGREGATES[a].token)
             if (MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight)
-            and (not AGGREGATES[a].grouped or MODES[m].token == "local") and not pair.gradient_excludes(m, a)]
+            and (not AGGREGATES[a].grouped or MODES[m].token == "local") and not pair.gradient_excludes(m, a)] \
+        + pair.gradient_pair_rows(list(sources))
 
 
 def unit(v: np.ndarray) -> np.ndarray:

@@ -197,6 +197,10 @@ class GradientDefaults:
         """The aggregates that get gradient rows (each also in the estimator's ``aggregates_for``)."""
         return self.aggregates
 
+    def gradient_pair_rows(self, sources: list[RowSource]) -> list[GradItem]:
+        """Gradient rows of pair-supplied rows (``full``): none by default."""
+        return []
+
     def gradient_excludes(self, mode: str, aggregate: str) -> bool:
         """Whether a (mode, aggregate) gets no gradient row on this pair (e.g. a form the case's sampler
         corrections do not define)."""

@@ -204,6 +204,10 @@ class GradientOracle(Protocol):
     def gradient_aggregates(self) -> tuple[str, ...]:
         """The aggregates that get gradient rows (each also in the estimator's ``aggregates_for``)."""
 
+    def gradient_pair_rows(self, sources: list[RowSource]) -> list[GradItem]:
+        """Gradient rows of pair-supplied rows in ``sources`` (rollouts: the Rao–Blackwellised gradient of
+        ``full``); [] where the kind has none."""
+
     def gradient_excludes(self, mode: str, aggregate: str) -> bool:
         """Whether a (mode, aggregate) gets no gradient row on this pair (e.g. a form the case's sampler
         corrections do not define)."""

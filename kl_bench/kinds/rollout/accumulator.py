@@ -24,7 +24,7 @@ from ...foundation.errors import SpecError
 from ...core.modes import GradItem
 from ...sampling.seeding import BatchStream, piece_draws
 from ..protocols import GradBatch, GradientAccumulator
-from .gradients import TOKEN_FORMS, local_tables
+from .gradients import TOKEN_FORMS, local_tables, rb_direct
 from .model import RolloutModel
 from .sampler import paths
 
@@ -99,6 +99,8 @@ class RolloutGradients(GradientAccumulator):
         us = [torch.as_tensor(u, device=q.device).reshape(c_, v) for u in directions]
         self.hu = torch.stack([(u - (q * u).sum(-1, keepdim=True)).reshape(-1) for u in us]).to(device)
         self._local_rows(model, items, device)
+        self.dense = _DenseTerm.of(model, self.hu, device) if any(TOKEN_FORMS[it.token].dense for it in items) \
+            else None
         self.w_total = torch.zeros(c_ * v, len(self.per_draw), dtype=torch.float64, device=HOST)
         self.counts = torch.zeros(c_ * v, dtype=torch.float64, device=HOST)
         # Draws per piece: [m, T] recorded steps stay within 2^21 entries (fixed per case: same bytes for
@@ -168,9 +170,12 @@ class RolloutGradients(GradientAccumulator):
             if j not in self.local:
                 w_cols.append(w)
             pj = (uw[None] * hs).sum(2)                          # [D, units]
+            norm2 = srt.sq_norm(uw)
+            if TOKEN_FORMS[it.token].dense:                      # + Σ_c n_c ∇KL(c): projections and |g|²
+                pj, norm2 = self.dense.add(keys, alive, uw, pj, norm2, model.vocab)
             proj[j] += factor * pj.sum(1).cpu().numpy()
             proj2[j] += factor * (pj * pj).sum(1).cpu().numpy()
-            sq[j] += factor * float(srt.sq_norm(uw).sum())
+            sq[j] += factor * float(norm2.sum())
         return w_cols
 
     def _groups(self, keys: torch.Tensor, alive: torch.Tensor, b: int, size: int):
@@ -194,6 +199,9 @@ class RolloutGradients(GradientAccumulator):
         token weights and the clip are in it) plus its term from the path's f's; a sequence weight W on all;
         times 1/|y| for a per-sequence mean."""
         form = TOKEN_FORMS[it.token]
+        if form.dense:                      # the Rao–Blackwellised row: each step's reward Σ_{t'>t} KL(c_{t'−1})
+            kl_t = self.dense.kl_ctx[torch.div(keys, self.model.vocab, rounding_mode="floor")] * alive
+            return kl_t.flip(1).cumsum(1).flip(1) - kl_t
         outer = seq_w if self.model.weighting.on_sums else 1.0
         w = torch.zeros_like(alive)
         if j in self.phase_tables:          # Σ_t a_phase(t)(x_t) s_t: the weight is in the table
@@ -212,9 +220,44 @@ class RolloutGradients(GradientAccumulator):
         q = self.q.to(HOST)
         for col, j in enumerate(self.per_draw):
             total[j] = _grad_from_weights(self.w_total[:, col], q)
+            if TOKEN_FORMS[self.items[j].token].dense:      # Σ_draws Σ_c n_c ∇KL(c) = Σ_c visits_c ∇KL(c)
+                visits = self.counts.reshape(q.shape).sum(-1, keepdim=True)
+                total[j] += (visits * self.dense.direct.to(HOST)).reshape(-1).numpy()
         for j in self.local:
             total[j] = _grad_from_weights(self.counts * self.tables[j].to(HOST), q)
         return total
+
+
+@dataclass
+class _DenseTerm:
+    """The Rao–Blackwellised row's dense part B = Σ_c n_c ∇KL(c) (n_c: the path's visits to bucket c;
+    kl_bench.kinds.rollout.gradients.rb_direct) beside its sparse part A = Σ_t a_t s_t: B·u from the per-bucket
+    tables ``du`` [D, C]; |A + B|² = |A|² + 2 Σ_t a_t n_{c_t} (s_t·∇KL(c_t)) + Σ_c n_c² |∇KL(c)|² (rows of
+    different buckets are orthogonal), with s(c, x)·∇KL(c) = ∇KL(c)[x] − ⟨q_c, ∇KL(c)⟩ in ``sd`` [C·V]."""
+    direct: torch.Tensor      # ∇KL(c) [C, V]
+    kl_ctx: torch.Tensor      # KL(c) [C]
+    du: torch.Tensor          # [D, C]
+    sd: torch.Tensor          # [C·V]
+    norm2: torch.Tensor       # |∇KL(c)|² [C]
+
+    @classmethod
+    def of(cls, model: RolloutModel, hu: torch.Tensor, device) -> "_DenseTerm":
+        d = rb_direct(model)
+        q = model.log_q.exp()
+        c_, v = d.shape
+        du = (hu.to(d.device).reshape(-1, c_, v) * d).sum(-1)     # Σ_x ∇KL(c)[x]·(u − ⟨q_c, u_c⟩) = ∇KL(c)·u_c
+        sd = (d - (q * d).sum(-1, keepdim=True)).reshape(-1)
+        return cls(d.to(device), model.kl_ctx.to(device), du.to(device), sd.to(device), (d * d).sum(-1).to(device))
+
+    def add(self, keys: torch.Tensor, alive: torch.Tensor, w: torch.Tensor, pj: torch.Tensor, norm2: torch.Tensor,
+            vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(projections [D, n], |g|² [n]) of the paths with B added to their sparse part (``pj``, ``norm2`` of
+        the per-step weights ``w`` [n, T]). Visits are whole numbers: their scatter-add is exact in any order."""
+        buckets = torch.div(keys, vocab, rounding_mode="floor")
+        n = torch.zeros(keys.shape[0], self.norm2.shape[0], dtype=torch.float64, device=keys.device)
+        n.scatter_add_(1, buckets, alive)
+        cross = (w * n.gather(1, buckets) * self.sd[keys]).sum(1)
+        return pj + self.du @ n.T, norm2 + 2 * cross + (n * n) @ self.norm2
 
 
 def _masked(w: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

@@ -119,7 +119,11 @@ def sequence_value(model: RolloutModel, theta: torch.Tensor, g: torch.Tensor, it
 
 
 def token_sum_value(model: RolloutModel, theta: torch.Tensor, g: torch.Tensor, item: GradItem) -> torch.Tensor:
-    """E_q[Σ_t f_t]."""
+    """E_q[Σ_t f_t]; for ``full``, f_t = KL(q_θ(·|c_{t−1}) ‖ p(·|c_{t−1})), θ in the law and in each step's KL."""
+    if item.est.analytic:
+        lq = torch.log_softmax(theta, -1)
+        kl = (lq.exp() * (lq - model.log_p)).sum(-1, keepdim=True).expand_as(g)
+        return dp.path_moments(model, theta, torch.ones_like(g), kl, 1)[1]
     return dp.path_moments(model, theta, torch.ones_like(g), item.est.fn(g), 1)[1]
 
 
@@ -175,7 +179,7 @@ def expected_counts(model: RolloutModel, item: GradItem, gamma: torch.Tensor | N
     form = TOKEN_FORMS[item.token]
     if gamma is None and form.product is not None:
         return form.product(model, item)
-    return form.steps(_Steps(model, gamma), model, item, item.est.fn(model.logr_table))
+    return form.steps(_Steps(model, gamma), model, item, None if item.est.analytic else item.est.fn(model.logr_table))
 
 
 def exact_mean(model: RolloutModel, item: GradItem, gamma: torch.Tensor | None = None) -> np.ndarray | None:
@@ -294,6 +298,45 @@ class _Steps:
         return rollout_dp.step_expectations(steps, self.model.bucket, self.model.eos, "all", self.gamma)
 
 
+# ----------------------------------------------------------------------------- the Rao–Blackwellised gradient
+RAO_BLACKWELL = "rao_blackwell"     # the gradient rows' mode name of the `full` row (not a registered mode)
+
+
+def _no_coefficient(logr: torch.Tensor) -> torch.Tensor:
+    raise TypeError("the Rao–Blackwellised row has no coefficient c(log r): its gradient is not c·∇log q")
+
+
+def rao_blackwell_item() -> GradItem:
+    """The gradient row of ``full`` on tok (Amini, Vieira & Cotterell, arXiv 2504.10637): per path
+    Σ_t ∇θ KL(c_{t−1}) + Σ_t s_t Σ_{t'>t} KL(c_{t'−1}), the exact per-step KL differentiated where it stands and
+    its future values as the reward of each step's score. Its expectation is ∇KL(q‖p) (on-policy)."""
+    from ...core.estimators import FULL
+    return GradItem(FULL, RAO_BLACKWELL, "tok", _no_coefficient, None, "rb")
+
+
+def rb_direct(model: RolloutModel) -> torch.Tensor:
+    """∇θ_c KL(q(·|c) ‖ p(·|c)) in row c: q ⊙ (log(q/p) − KL(c)), [C, V] (0 where q = 0). It is also
+    E_{x~q(·|c)}[k1(x)·s(x)]: the conditional mean of k1's score term, which is why the row has less variance."""
+    q = model.log_q.exp()
+    k1 = torch.where(q > 0, model.log_q - model.log_p, torch.zeros_like(q))
+    return q * (k1 - model.kl_ctx[:, None])
+
+
+def _rb_counts(model: RolloutModel, item: GradItem) -> torch.Tensor:
+    """E[F·N]-counts of the Rao–Blackwellised row (score_part of them is its expected gradient): the direct
+    part as a local row with coefficient k1 (score_part(E[N]·k1) = Σ_c visits_c·∇KL(c), since E[N(c, x)] =
+    visits_c·q(x|c)), and the future per-step KLs as each step's reward: to-go minus the step's own."""
+    q = model.log_q.exp()
+    k1 = torch.where(q > 0, model.log_q - model.log_p, torch.zeros_like(q))
+    kl = model.kl_ctx[:, None].expand_as(q)
+    program = _Steps(model, None)
+    return count_moment(model, _ones, _ones, [1.0]) * k1 + program.run("to_go", kl) - program.run("one", kl)
+
+
+def _rb_steps(program: "_Steps", model: RolloutModel, item: GradItem, f: torch.Tensor) -> torch.Tensor:
+    raise ValueError("the Rao–Blackwellised row is on the tok aggregate only")
+
+
 @dataclass(frozen=True)
 class TokenForm:
     """How a token form (kl_bench.core.modes.TOKEN_FORMS) makes a rollout row's per-draw gradient Σ_t a_t s_t,
@@ -311,12 +354,13 @@ class TokenForm:
     local: Callable[[GradItem, torch.Tensor], torch.Tensor] | None = None
     path: Callable[[GradItem, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     clippable: bool = False
+    dense: bool = False     # the Rao–Blackwellised row: a dense term per visited context besides Σ_t a_t s_t
 
     @property
     def per_step(self) -> bool:
         """Each step's weight is a function of its (bucket, token) alone (times its token weight): totals
         follow from the step counts."""
-        return self.path is None
+        return self.path is None and not self.dense
 
 
 def _score_path(item: GradItem, logr_t: torch.Tensor, alive: torch.Tensor, tok_w: torch.Tensor) -> torch.Tensor:
@@ -338,4 +382,5 @@ TOKEN_FORMS: dict[str, TokenForm] = {form.name: form for form in (
     TokenForm("score+local",
               steps=lambda p, model, item, f: p.score(f) + p.run("one", f) * (item.coef(model.logr_table) - f),
               local=lambda item, g: item.coef(g) - item.est.fn(g), path=_score_path),
+    TokenForm("rb", steps=_rb_steps, product=_rb_counts, dense=True),
 )}
