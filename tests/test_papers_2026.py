@@ -163,3 +163,21 @@ def test_sequence_weights_collapse_once_t_kl_reaches_the_clamp():
     small = clamped_weight(lq, lb, 16, 3.0)
     assert small.bias < -0.1                                  # the clamp binds
     assert abs((float(w.mean()) - small.mean) / (float(w.std()) / math.sqrt(len(w)))) < 5
+
+
+def test_opsm_share_against_every_sequence_and_its_limit():
+    """DeepSeek-V3.2's OPSM: the share of sequences whose mean log(π_old/π_new) exceeds δ, exact by compositions
+    against all V^T sequences; as T grows it tends to 1 where KL(π_old‖π_new) > δ and to 0 where it is below."""
+    import itertools
+
+    from kl_bench.core.seq_clamp import opsm_share
+    old, new = _iid_pair(scale=0.8)
+    kl = float(np.sum(np.exp(old) * (old - new)))
+    for steps in (3, 5):
+        want = sum(math.exp(sum(old[x] for x in seq)) for seq in itertools.product(range(4), repeat=steps)
+                   if sum(old[x] - new[x] for x in seq) / steps > kl / 2)
+        assert opsm_share(old, new, steps, kl / 2) == pytest.approx(want, rel=1e-12)
+    high = [opsm_share(old, new, t, kl / 2) for t in (4, 32, 128)]
+    low = [opsm_share(old, new, t, 2 * kl) for t in (4, 32, 128)]
+    assert high[0] < high[1] < high[2] and high[2] > 0.95
+    assert low[0] > low[1] > low[2] and low[2] < 0.05

@@ -1,4 +1,5 @@
-"""A clamp on the sequence log-weight, exactly, for T i.i.d. steps (docs/gates.md#a-clamp-on-the-sequence-log-weight).
+"""Sums of T i.i.d. tokens' log-ratios, exactly: a clamp on the sequence log-weight (docs/gates.md#a-clamp-on-the-sequence-log-weight)
+and OPSM's mask on the mean log-ratio of a sequence.
 
 verl clamps the sequence log importance weight L = Σ_t log(q(x_t)/b(x_t)) to [−C, C] (C = 20, its SAFETY_BOUND,
 volcengine/verl b178a3c ``verl/trainer/ppo/rollout_corr_helper.py``) before exp. Unclamped, E_b[W] = 1; clamped,
@@ -72,3 +73,21 @@ def clamped_weight(log_q: np.ndarray, log_b: np.ndarray, steps: int, clamp: floa
     mean = prob(log_q, inside) + math.exp(clamp) * prob(log_b, above) + math.exp(-clamp) * prob(log_b, below)
     kl = float(np.sum(np.exp(log_q) * ell))
     return ClampedWeight(steps, clamp, mean, mean - 1.0, prob(log_q, above), steps * kl)
+
+
+def opsm_share(log_old: np.ndarray, log_new: np.ndarray, steps: int, delta: float) -> float:
+    """DeepSeek-V3.2's off-policy sequence masking (OPSM) of T i.i.d. tokens drawn from the old policy
+    (``log_old`` [V]): the share of sequences whose mean log(π_old/π_new) over their tokens exceeds ``delta``,
+    exactly by compositions (:func:`compositions`). OPSM masks those among the negative-advantage sequences: with
+    an advantage independent of the ratio, the share of all sequences masked is this times P(A < 0). As T grows
+    the mean concentrates at KL(π_old‖π_new) per token, so the share goes to 1 above δ and to 0 below it."""
+    log_old, log_new = np.asarray(log_old, dtype=np.float64), np.asarray(log_new, dtype=np.float64)
+    v = log_old.shape[0]
+    if not (np.isfinite(log_old).all() and np.isfinite(log_new).all()):
+        raise ValueError("both policies must give every token a probability > 0 (finite log-probs)")
+    if math.comb(steps + v - 1, v - 1) > MAX_COMPOSITIONS:
+        raise ValueError(f"more than {MAX_COMPOSITIONS:,} compositions of T = {steps} into V = {v} parts")
+    n = compositions(steps, v)
+    log_coef = math.lgamma(steps + 1) - np.vectorize(math.lgamma)(n + 1.0).sum(1)
+    above = (n @ (log_old - log_new)) / steps > delta
+    return float(np.exp((log_coef + n @ log_old)[above]).sum())
