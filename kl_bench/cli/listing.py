@@ -1,4 +1,4 @@
-"""``kl-bench list``: the registered estimators, pair-supplied rows, case kinds and per-sequence rewards."""
+"""``kl-bench list``: the registered estimators, pair-supplied rows, gates, case kinds and per-sequence rewards."""
 from __future__ import annotations
 
 from .common import Command, app, out_console
@@ -6,13 +6,14 @@ from .common import Command, app, out_console
 
 @app.command("list", cls=Command)
 def list_() -> None:
-    """List the registered estimators, pair-supplied rows, case kinds and per-sequence rewards, one line each."""
+    """List the registered estimators, pair-supplied rows, gates, case kinds and per-sequence rewards, one line each."""
     from importlib.metadata import entry_points
 
     from rich.markup import escape
 
     from ..present.terminal import show
     from ..core.estimators import ESTIMATORS, PAIR_ROWS
+    from ..core.gates import GATES, gate
     from ..kinds import CASE_KINDS
     from ..training.sequences import SEQUENCE_REWARDS
     rows = []
@@ -23,6 +24,11 @@ def list_() -> None:
     for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:
             rows.append(["plug-in", ep.name, f"{ep.value} (entry point, loaded when used)"])
+    for name in [*GATES.names(), "topk_kl@K", "topk_tv@K"]:
+        g = gate(name.replace("@K", "@20"))
+        formula = g.formula.replace("top-20", "top-K")
+        key = f'"{g.name}"' if "@" in g.name else g.name        # a TOML key with @ is quoted
+        rows.append(["gate", name, f"masks when {formula}; {g.source} ([experiment] gates = {{ {key} = [δ] }})"])
     rows += [["kind", name, k.description] for name, k in CASE_KINDS.items()]
     for name, r in SEQUENCE_REWARDS.items():
         doc = (r.fn.__doc__ or "").strip().splitlines()[0] if r.fn.__doc__ else ""
