@@ -27,7 +27,7 @@ HIDDEN = ("policy_hidden", "reference_hidden")
 def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: str, aggregation: str = "token-mean",
               source: str = "kl", micro_batches: str = "pooled", generation: dict | None = None,
               logit_scale: float = 1.0, logit_softcap: float | None = None, logit_multiplier: float = 1.0,
-              metrics=None, notes=(), **tensors) -> Path:
+              metrics=None, notes=(), engine_dtype: str | None = None, **tensors) -> Path:
     """Write one step to ``path`` (.safetensors), atomically. ``tensors``: ``policy_logits`` and
     ``reference_logits`` [B, T, V]; or ``policy_hidden`` and ``reference_hidden`` [B, T, d] (the hidden
     state that predicts completion token t at index t, after the final norm) with the output layers here
@@ -40,7 +40,9 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     aggregate of all their rows) or "mean" (the mean of each file's aggregate: TRL's logged GRPO kl).
     ``metrics``: several :class:`~.session.Metric` of one batch (each its own ``trainer_<source>``).
     ``notes``: (key, message) pairs, the trainer's settings a live audit warned about that the tensors do
-    not show (dropout, autocast): ``kl-bench audit`` says them again, once each."""
+    not show (dropout, autocast): ``kl-bench audit`` says them again, once each. ``engine_dtype``: the dtype
+    the rollout engine that returned ``engine_logprobs`` computes in (kl_bench.audit.rollout_engine: it tells
+    precision from another model version)."""
     from safetensors.torch import save
 
     meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
@@ -49,6 +51,8 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
             "logit_multiplier": repr(float(logit_multiplier))}
     if notes:
         meta["notes"] = json.dumps([[str(k), str(m)] for k, m in notes])
+    if engine_dtype is not None:
+        meta["engine_dtype"] = str(engine_dtype)
     if logit_softcap is not None:
         meta["logit_softcap"] = repr(float(logit_softcap))
     if metrics is not None:          # several metrics of one batch: trainer_<source> tensors, one per metric
