@@ -44,10 +44,12 @@ from ..foundation.errors import SpecError
 from ..results.schema import ENGINE_COLUMNS  # noqa: F401  (engine.csv's columns, re-exported)
 from .exact import PositionValues
 
-# float32's unit roundoff: an engine's log-probs are at best float32, so a token's log-prob may differ from the
-# audit's float64 one by its rounding: 8 ulps of the numbers a log-softmax forms there (the token's score and
-# the normaliser), δ = 8ε(1 + |s(x)| + |s(x) − log q(x)|). Departures within it are rounding, not a mismatch.
-EPS32 = 2.0 ** -24
+# What float32 rounding may move an engine's log-prob of a token by, relative to the numbers a log-softmax forms
+# there (the token's score and the normaliser): δ = F32·(1 + |s(x)| + |s(x) − log q(x)|). One log-softmax rounds
+# to ~8 ulps (8·2⁻²⁴); a whole forward pass through another engine's float32 kernels (fused attention, other
+# reduction orders) is allowed 256 ulps, 2⁻¹⁶. A bf16 engine's per-token error, ~2⁻⁸ of the logits, is 256 times
+# that. Departures within δ are float32 rounding, not a mismatch.
+F32 = 2.0 ** -16
 # Per metric m: Σx, Σ_seq S², Σ_seq n·S (S: a sequence's Σx, n its tokens); and Σ_seq n², Σ n shared. ``kl_raw``:
 # KL(engine‖trainer) per token for an engine that returns raw log-probs (its own kept mass is not returned: the
 # trainer-side sampler's log b − log q stands in for its −log kept mass). ``k3_b``, ``k3_q``: k3 of ℓ − e at the
@@ -82,10 +84,10 @@ def _per_token(e: torch.Tensor, lq: torch.Tensor, gap: torch.Tensor, inside: tor
 
 def _envelopes(e: torch.Tensor, lq: torch.Tensor, score: torch.Tensor, gap: torch.Tensor,
                inside: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per token, how far each metric moves when the engine's log-prob moves by float32 rounding δ (EPS32's
+    """Per token, how far each metric moves when the engine's log-prob moves by float32 rounding δ (F32's
     comment): the linear metrics by δ, χ²'s ρ² by ρ²·expm1(2δ), k3 by its larger change over y ± δ."""
     y = lq - e
-    delta = 8 * EPS32 * (1 + score.abs() + (score - lq).abs())
+    delta = F32 * (1 + score.abs() + (score - lq).abs())
 
     def k3(y):
         return torch.maximum((_k3(y + delta) - _k3(y)).abs(), (_k3(y - delta) - _k3(y)).abs())
