@@ -179,6 +179,11 @@ def test_grpo_gradient_accumulation_audits_every_micro_batch(tiny_models, tmp_pa
     assert not cb.warnings
 
 
+def _trl_minor() -> tuple[int, int]:
+    from importlib.metadata import version
+    return tuple(int(x) for x in version("trl").split(".")[:2])
+
+
 def _early_eos(models, tmp_path):
     """The tiny models with 60 of their 1000 ids declared EOS in the policy's generation config (TRL stops
     and masks at every id of model.generation_config.eos_token_id): completions of unequal lengths."""
@@ -197,6 +202,10 @@ def test_logged_is_trls_kl_for_every_loss_type_under_gradient_accumulation(tiny_
     # with two micro-batches of unequal token counts that is not the pooled token mean, and the audit's
     # `logged` (source kl) must be TRL's number itself, whatever the loss_type.
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    if _trl_minor() < (1, 15):
+        # TRL 1.14 stops and masks at the tokenizer's EOS only (not the generation config's ids): the 60 ids go to
+        # generate() through generation_kwargs, which pads after them with that EOS, so completions end unequally
+        extra["generation_kwargs"] = {"eos_token_id": list(range(60))}
     tr, cb, _ = _run(_early_eos(tiny_models, tmp_path), tmp_path, steps=2, max_rows=16, learning_rate=0.0,
                      gradient_accumulation_steps=2, loss_type=loss_type, **extra)
     trl_kl = [h["kl"] for h in tr.state.log_history if "kl" in h]

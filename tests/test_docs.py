@@ -124,3 +124,20 @@ def test_the_prose_under_the_readmes_example_quotes_its_numbers():
     assert len(numbers) >= 8                                        # the prose does quote the table
     missing = [n for n in numbers if n.lstrip("+") not in blocks[0]]
     assert not missing, f"README prose quotes numbers its block does not show: {missing}"
+
+
+def test_the_trl_versions_claimed_are_the_ones_ci_runs():
+    """Issue 43 item 5: the docs' claim, the trl extra's pin, the adapter's tested range and CI agree: CI runs the
+    live TRL tests on the newest TRL claimed (the extra installs it) and on the oldest (.ci/run's own venv)."""
+    import tomllib
+    from kl_bench.integrations.trl_contract import TESTED, TESTED_TEXT
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED
+    newest = f"{hi_major}.{hi_minor - 1}"
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
+    assert f"trl>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}" in extra
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'TRL_OLDEST="trl=={lo_major}.{lo_minor}.0"' in ci and "tests/test_audit_trl.py" in ci
+    assert f"run live: {lo_major}.{lo_minor}.0, {newest}.0" in TESTED_TEXT
+    claim = f"TRL {lo_major}.{lo_minor} to {newest}"
+    for page in ("README.md", "docs/audit.md"):
+        assert claim in (ROOT / page).read_text(), page

@@ -12,7 +12,8 @@ Variances are centred sums Σ w (f − E f)², never E f² − (E f)², which ca
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from ..foundation.errors import ShapeError, SpecError
 from ..core.logprob_checks import as_real_tensor, check_logits
 from ..core.estimators import resolve_estimator
-from .generation import Sampler, sampler_logprobs
+from .generation import Sampler, sampler_logprobs, sampler_scores
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,10 @@ class SamplerValues:
     log b of the sampled token (NaN where no ids were given, −inf where b cannot draw it). Against the
     policy q whose logits it was built from (the rollout engine's mismatch, if b is the engine's sampler):
     ``kl_q`` = KL(b‖q) = E_b[log b − log q]; ``chi2`` = Σ_{b>0} q²/b − 1 = E_b[(q/b)²] − 1; ``gap_abs`` =
-    E_b|log b − log q| (NaN where one pass cannot give it: a full-support b ≠ q, or a row past the
-    candidates)."""
+    E_b|log b − log q| (NaN where one pass cannot give it: a full-support b ≠ q). ``tok_score``: the sampled
+    token's score s(x) = (transformed z)/T (NaN without ids); ``tau``: the row's threshold τ (−inf where b
+    keeps every token): s(x) − τ < 0 is how far below b's support a token another engine drew lies, in
+    the scores' units (kl_bench.audit.rollout_engine)."""
     mean: torch.Tensor
     var: torch.Tensor
     neg: torch.Tensor
@@ -43,6 +46,8 @@ class SamplerValues:
     kl_q: torch.Tensor
     chi2: torch.Tensor
     gap_abs: torch.Tensor
+    tok_score: torch.Tensor
+    tau: torch.Tensor
 
     def select(self, rows: torch.Tensor) -> "SamplerValues":
         return SamplerValues(*(getattr(self, f.name)[rows] for f in fields(self)))
@@ -143,8 +148,19 @@ def _gather(logp: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
     return logp.gather(-1, ids.to(torch.long).view(-1, 1)).squeeze(-1)
 
 
-def _sampler_values(lq, lb, f, ids) -> SamplerValues:
-    """SamplerValues of log b [N, V] for values f [N, V, F], with log q [N, V] for the q-mass b misses."""
+def _threshold(scores: torch.Tensor, lb_cut: torch.Tensor, min_p: float | None) -> torch.Tensor:
+    """τ [N] from the scores s [N, V] and log b [N, V] of top-k and top-p alone: the lowest score they keep
+    (−inf where they keep every token of finite score: an EOS ban's −inf scores are no threshold), raised to
+    min-p's bound max s + log(min_p), which is a bound rather than a score (the streamed τ, tiling.threshold)."""
+    kept = torch.isfinite(lb_cut)
+    tau = torch.where(kept, scores, torch.full_like(scores, torch.inf)).amin(-1)
+    tau = torch.where((kept == torch.isfinite(scores)).all(-1), torch.full_like(tau, -torch.inf), tau)
+    return tau if min_p is None else torch.maximum(tau, scores.amax(-1) + math.log(min_p))
+
+
+def _sampler_values(lq, lb, f, ids, scores, tau) -> SamplerValues:
+    """SamplerValues of log b [N, V] for values f [N, V, F], with log q [N, V] for the q-mass b misses, and
+    the scores s [N, V] b is built from with its threshold τ [N]."""
     mean, var = _moments(lb, f)
     neg = _moments(lb, (f < 0).to(torch.float64))[0]
     miss = torch.where(torch.isneginf(lb), torch.exp(lq), torch.zeros_like(lq)).sum(dim=-1)
@@ -152,7 +168,8 @@ def _sampler_values(lq, lb, f, ids) -> SamplerValues:
     gap = torch.where(torch.isneginf(lb), torch.zeros_like(lb), lb - lq)
     kl_q, gap_abs = (t.squeeze(-1) for t in _moments(lb, torch.stack([gap, gap.abs()], -1))[0].split(1, -1))
     chi2 = torch.where(torch.isneginf(lb), torch.zeros_like(lb), torch.exp(2 * lq - lb)).sum(-1) - 1.0
-    return SamplerValues(mean, var, neg, miss, log_mean, log_var, _gather(lb, ids), kl_q, chi2, gap_abs)
+    return SamplerValues(mean, var, neg, miss, log_mean, log_var, _gather(lb, ids), kl_q, chi2, gap_abs,
+                         _gather(scores, ids), tau)
 
 
 def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: Sequence = ("k1", "k3"),
@@ -189,7 +206,12 @@ def position_values(policy: torch.Tensor, reference: torch.Tensor, estimators: S
     kl = _moments(lq, (-logr).unsqueeze(-1))[0].squeeze(-1)
 
     def under(logits):
-        return sampler_logprobs(logits, sampler, eos_banned=eos_banned, context_ids=context_ids)
-    b = _sampler_values(lq, lq if sampler.is_identity else under(policy), f, ids)
-    g = None if sampling is None else _sampler_values(lq, under(sampling), f, ids)
+        lb = lq if logits is policy and sampler.is_identity else \
+            sampler_logprobs(logits, sampler, eos_banned=eos_banned, context_ids=context_ids)
+        s = sampler_scores(logits.to(torch.float64), sampler, eos_banned=eos_banned, context_ids=context_ids)
+        cut = lb if sampler.mp is None else sampler_logprobs(logits, replace(sampler, min_p=None),
+                                                              eos_banned=eos_banned, context_ids=context_ids)
+        return _sampler_values(lq, lb, f, ids, s, _threshold(s, cut, sampler.mp))
+    b = under(policy)
+    g = None if sampling is None else under(sampling)
     return PositionValues(names, kl, mean_q, var_q, _gather(lq, ids), _gather(lp, ids), b, g)

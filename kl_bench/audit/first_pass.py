@@ -217,7 +217,7 @@ def _finish_full(plan: Plan, fam: Family, rec: _Tiles, out: Chunk, centring, s_t
         chi2 = torch.expm1(logsum(rec.stacked(f"{f}_chi_scale"), rec.stacked(f"{f}_chi_sum")) + lse - 2 * out.lse_q)
         gap = torch.full_like(lse, torch.nan)                                        # |·| needs a second pass
     return Sampled(mean, var, neg, miss, s_mean - lse, s_var, s_tok - lse, lse, torch.full_like(lse, -torch.inf),
-                    torch.zeros_like(lse, dtype=torch.bool), kl_q, chi2, gap)
+                    torch.zeros_like(lse, dtype=torch.bool), kl_q, chi2, gap, s_tok.to(torch.float64))
 
 
 
@@ -258,7 +258,7 @@ def _finish_cut(plan: Plan, fam: Family, cand: _Candidates, out: Chunk, s_tok: t
     chi2 = torch.where(keep, torch.exp(2 * lq - logb), torch.zeros_like(lq)).sum(-1) - 1.0
     return Sampled(mean, var, neg, (1.0 - kept_q).clamp(min=0.0), log_mean, log_var,
                     torch.where(torch.isnan(s_tok), s_tok, tok_log), lse_s, tau, unknown,
-                    (b * gap).sum(-1), chi2, (b * gap.abs()).sum(-1))
+                    (b * gap).sum(-1), chi2, (b * gap.abs()).sum(-1), s_tok.to(torch.float64))
 
 
 

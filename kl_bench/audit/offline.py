@@ -28,7 +28,7 @@ def _record(s: SavedStep) -> Record:
     t = s.tensors
     return Record(t["policy_hidden"], t["reference_hidden"], t["completion_ids"].to(torch.long), t["mask"].bool(),
                   s.trainer_values(), sampling_hidden=t.get("sampling_hidden"), prompt_ids=t.get("prompt_ids"),
-                  engine_logprobs=t.get("engine_logprobs"), policy_logprobs=t.get("policy_logprobs"),
+                  engine_logprobs=t.get("engine_logprobs"), engine_dtype=s.engine_dtype, policy_logprobs=t.get("policy_logprobs"),
                   reference_logprobs=t.get("reference_logprobs"))
 
 
@@ -81,8 +81,9 @@ def audit_folder(directory, *, on_step=None, on_notes=None, tile: int | None = N
                 own = t["reference_logprobs"] - t["policy_logprobs"] if "policy_logprobs" in t else None
                 coarse = max((t[k].dtype for k in ("policy_logits", "reference_logits")),
                              key=lambda d: torch.finfo(d).eps)
-                session.add_values(_logit_values(s), s.trainer_values(), t["mask"].bool(), own_logr=own,
-                                   precision=coarse)
+                values = _logit_values(s)
+                session.add_values(values, s.trainer_values(), t["mask"].bool(), own_logr=own, precision=coarse)
+                session.add_engine(values, t.get("engine_logprobs"), t["mask"].bool(), s.engine_dtype)
             else:
                 session.add(_record(s), heads=_heads(s))
         for session in sessions.values():

@@ -15,6 +15,7 @@ from ..foundation.registry import UnknownName
 from ..foundation.safe_io import cap_for, open_regular, parse_json, read_capped
 from .aggregate import LOSS_AGGREGATIONS, MICRO_BATCHES
 from .generation import Sampler
+from .rollout_engine import COARSE
 from .saving import FORMAT, FORMATS, HEAD_KEYS, HEADS_FILE, HIDDEN, LOGITS, REQUIRED
 from .session import Metric, check_distinct_sources
 
@@ -36,6 +37,7 @@ class SavedStep:
     logit_softcap: float | None = None
     logit_multiplier: float = 1.0
     notes: tuple[tuple[str, str], ...] = ()       # settings the live audit warned about (saving.save_step)
+    engine_dtype: str | None = None               # the dtype the rollout engine computes in, where declared
 
     def value_keys(self) -> dict[str, str]:
         """source → the tensor that holds the trainer's per-token values of that metric: ``trainer_kl`` the
@@ -179,7 +181,8 @@ def _read_step(path: Path, tensors: dict, meta: dict, heads: dict | None) -> Sav
         raise SpecError("must be a JSON object", file=where, key="generation")
     saved = SavedStep(path, _number(meta, path, "step", int), metrics, Sampler.from_dict(generation, file=where),
                       _number(meta, path, "logit_scale", float, "1.0"), tensors, _softcap(meta, where),
-                      _number(meta, path, "logit_multiplier", float, "1.0"), _notes(meta, path))
+                      _number(meta, path, "logit_multiplier", float, "1.0"), _notes(meta, path),
+                      _engine_dtype(meta, where))
     _check_shapes(saved)
     return saved
 
@@ -191,6 +194,14 @@ def _notes(meta: dict, path: Path) -> tuple[tuple[str, str], ...]:
                                              for r in rows):
         raise SpecError("must be a JSON list of [key, message] strings", file=str(path), key="notes")
     return tuple((k, m) for k, m in rows)
+
+
+def _engine_dtype(meta: dict, where: str) -> str | None:
+    """The optional engine_dtype metadata entry: one of rollout_engine.COARSE's names, or absent."""
+    value = meta.get("engine_dtype")
+    if value is not None and value not in COARSE:
+        raise SpecError(f"must be one of {', '.join(COARSE)}, got '{value}'"[:200], file=where, key="engine_dtype")
+    return value
 
 
 def _softcap(meta: dict, where: str) -> float | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..foundation.atomic import atomic_write_bytes
+from ..foundation.errors import SpecError
 from .generation import Sampler
 from .session import Record
 from .tiling import Head
@@ -27,7 +28,7 @@ HIDDEN = ("policy_hidden", "reference_hidden")
 def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: str, aggregation: str = "token-mean",
               source: str = "kl", micro_batches: str = "pooled", generation: dict | None = None,
               logit_scale: float = 1.0, logit_softcap: float | None = None, logit_multiplier: float = 1.0,
-              metrics=None, notes=(), **tensors) -> Path:
+              metrics=None, notes=(), engine_dtype: str | None = None, **tensors) -> Path:
     """Write one step to ``path`` (.safetensors), atomically. ``tensors``: ``policy_logits`` and
     ``reference_logits`` [B, T, V]; or ``policy_hidden`` and ``reference_hidden`` [B, T, d] (the hidden
     state that predicts completion token t at index t, after the final norm) with the output layers here
@@ -40,7 +41,9 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     aggregate of all their rows) or "mean" (the mean of each file's aggregate: TRL's logged GRPO kl).
     ``metrics``: several :class:`~.session.Metric` of one batch (each its own ``trainer_<source>``).
     ``notes``: (key, message) pairs, the trainer's settings a live audit warned about that the tensors do
-    not show (dropout, autocast): ``kl-bench audit`` says them again, once each."""
+    not show (dropout, autocast): ``kl-bench audit`` says them again, once each. ``engine_dtype``: the dtype
+    the rollout engine that returned ``engine_logprobs`` computes in (kl_bench.audit.rollout_engine: it tells
+    precision from another model version)."""
     from safetensors.torch import save
 
     meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
@@ -49,6 +52,8 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
             "logit_multiplier": repr(float(logit_multiplier))}
     if notes:
         meta["notes"] = json.dumps([[str(k), str(m)] for k, m in notes])
+    if engine_dtype is not None:
+        meta["engine_dtype"] = str(engine_dtype)
     if logit_softcap is not None:
         meta["logit_softcap"] = repr(float(logit_softcap))
     if metrics is not None:          # several metrics of one batch: trainer_<source> tensors, one per metric
@@ -89,3 +94,56 @@ def save_record(folder, record: Record, heads: tuple[Head, Head], *, step: int, 
                      policy_logprobs=record.policy_logprobs, reference_logprobs=record.reference_logprobs, **values)
 
 
+
+
+def _aligned(x, shape: tuple) -> torch.Tensor | None:
+    """A per-token tensor [B, S] as given, or [B, T] (the last T tokens of the sequences) padded on the left."""
+    if x is None:
+        return None
+    x = torch.as_tensor(x)
+    if tuple(x.shape) == shape:
+        return x
+    if x.ndim != 2 or x.shape[0] != shape[0] or x.shape[1] > shape[1]:
+        raise SpecError(f"must be [B, S] = {list(shape)} or [B, T ≤ S] (the last T tokens), got {list(x.shape)}",
+                        key="per-token tensor")
+    return torch.cat([x.new_zeros(shape[0], shape[1] - x.shape[1]), x], dim=1)
+
+
+@torch.no_grad()
+def save_model_step(path, policy, reference, *, sequences, mask, trainer_kl, step: int, estimator: str,
+                    attention_mask=None, engine_logprobs=None, policy_logprobs=None, reference_logprobs=None,
+                    **settings) -> Path:
+    """A saved step from a trainer's batch as it holds it and its two models as Hugging Face causal LMs (the
+    policy and the reference at this step, loaded in the dtype the audit should see: float32): each model's
+    last hidden states (``hidden_states[-1]``, after the final norm) at the positions that predict the counted
+    tokens, its output layer, and the batch's tensors, through :func:`save_step` (``settings``: its keywords,
+    ``aggregation``, ``generation``, ``logit_scale``, ``engine_dtype``, ...).
+
+    ``sequences`` [B, S]: the ids, prompt and completion; ``attention_mask`` [B, S] (default: all ones;
+    positions are derived from it, as verl and OpenRLHF pass them); ``mask`` and the per-token tensors
+    (``trainer_kl``, the engine's and the trainer's own log-probs) [B, S] with the value at index t for token t
+    (NeMo-RL's layout), or [B, T] for the last T tokens (verl's ``responses``, OpenRLHF's actions). Token t is
+    predicted at position t − 1; columns before the first counted token are dropped. The hidden states and
+    the output layers are what the file holds (O(B·S·d + V·d)): a certification run's few steps, not every one."""
+    ids = torch.as_tensor(sequences)
+    shape = tuple(ids.shape)
+    am = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+    positions = (am.long().cumsum(-1) - 1).clamp(min=0)
+    per_token = {k: _aligned(v, shape) for k, v in (("mask", mask), ("trainer_kl", trainer_kl),
+                 ("engine_logprobs", engine_logprobs), ("policy_logprobs", policy_logprobs),
+                 ("reference_logprobs", reference_logprobs))}
+    counted = per_token["mask"][:, 1:].bool()
+    start = int(counted.any(0).nonzero()[0]) if counted.any() else 0
+    cols = slice(start + 1, None)                        # token t's column; its hidden state is at t − 1
+    hidden, heads = {}, {}
+    for side, model in (("policy", policy), ("reference", reference)):
+        out = model(input_ids=ids, attention_mask=am, position_ids=positions, output_hidden_states=True)
+        hidden[f"{side}_hidden"] = out.hidden_states[-1][:, start:-1]
+        layer = model.get_output_embeddings()
+        heads[f"{side}_weight"] = layer.weight
+        if getattr(layer, "bias", None) is not None:
+            heads[f"{side}_bias"] = layer.bias
+    values = {k: None if v is None else v[:, cols] for k, v in per_token.items()}
+    return save_step(path, completion_ids=ids[:, cols], mask=values.pop("mask").to(torch.uint8),
+                     trainer_kl=values.pop("trainer_kl"), step=step, estimator=estimator, **settings, **hidden, **heads,
+                     **values)

@@ -9,13 +9,14 @@ from .stream_plan import Chunk, Family, Plan
 from .tiling import Scan, chan, logsum, row_max, threshold
 
 
-def _widen(scan: Scan, plan: Plan, fam: Family, lse_s: torch.Tensor) -> torch.Tensor:
-    """τ [n] of a family for rows whose support reaches past the candidates (a flat row's nucleus): each
-    row's whole score vector, made tile by tile in one pass (O(V) per such row; the very same rounded
-    scores as the first pass), and τ from all of it."""
+def _widen(scan: Scan, plan: Plan, fam: Family, lse_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """τ [n] of a family for rows whose support reaches past the candidates (a flat row's nucleus), and
+    b's normaliser log Z_b [n]: each row's whole score vector, made tile by tile in one pass (O(V) per
+    such row; the very same rounded scores as the first pass), τ from all of it, and log Σ_{s ≥ τ} e^s."""
     cand = torch.cat([scan.scores(t[fam.source], t["lo"]) for t in scan.tiles(policy_only=True)], dim=-1)
     cand = torch.sort(cand.to(torch.float64), dim=-1, descending=True).values
-    return threshold(plan.sampler, cand, lse_s, plan.vocab)[0]
+    tau = threshold(plan.sampler, cand, lse_s, plan.vocab)[0]
+    return tau, torch.logsumexp(torch.where(cand >= tau.unsqueeze(-1), cand, torch.full_like(cand, -torch.inf)), -1)
 
 
 class _Spread:
@@ -40,11 +41,13 @@ class _Spread:
         return logsum(scale, total), mu, var
 
 
-def _second_pass(scan: Scan, fns, lse_q, lse_p, tau, source: str = "zq"):
+def _second_pass(scan: Scan, fns, lse_q, lse_p, tau, source: str = "zq", log_zb: torch.Tensor | None = None):
     """With the normalisers and the family's threshold τ known, one more pass over the tiles: moments
-    under q of ``fns`` and under the family (scores from ``source``'s logits) of (f, 1[f < 0], s), and the
-    q-mass outside its support. Returns (q: (mean, var) [n, F]; family: (log Z [n], mean [n, 2F + 1],
-    var [n, 2F + 1]); miss [n]). Sums run in float64 (f itself, as the dense path)."""
+    under q of ``fns`` and under the family (scores from ``source``'s logits) of (f, 1[f < 0], z_q, s), and
+    the q-mass outside its support. With the family's normaliser ``log_zb`` [n] known in advance, one more
+    column last: |log b − log q| = |s − log Z_b − z_q + lse_q|. Returns (q: (mean, var) [n, F]; family:
+    (log Z [n], mean [n, 2F + 2 (+1)], var likewise, χ² [n]); miss [n]). Sums run in float64 (f itself, as
+    the dense path)."""
     under_q, under_b, miss, chi = _Spread(), _Spread(), [], []
     shift = (lse_q - lse_p).unsqueeze(-1)
     for t in scan.tiles():
@@ -57,8 +60,10 @@ def _second_pass(scan: Scan, fns, lse_q, lse_p, tau, source: str = "zq"):
         ms = row_max(torch.where(inside, s, torch.full_like(s, -torch.inf))).to(torch.float64)
         wb = torch.where(inside, torch.exp(s.to(torch.float64) - ms), torch.zeros_like(wq))
         zq64 = t["zq"].to(torch.float64)
-        under_b.add(ms.squeeze(-1), wb, torch.cat([f, (f < 0).to(f.dtype), zq64.unsqueeze(-1),
-                                                   s.to(torch.float64).unsqueeze(-1)], -1))
+        cols = [f, (f < 0).to(f.dtype), zq64.unsqueeze(-1), s.to(torch.float64).unsqueeze(-1)]
+        if log_zb is not None:
+            cols.append((s.to(torch.float64) - (log_zb - lse_q).unsqueeze(-1) - zq64).abs().unsqueeze(-1))
+        under_b.add(ms.squeeze(-1), wb, torch.cat(cols, -1))
         miss.append(torch.where(inside, torch.zeros_like(wq), wq).sum(-1))
         chi.append(torch.logsumexp(torch.where(inside, 2 * zq64 - s.to(torch.float64), torch.full_like(zq64, -torch.inf)), -1))
     _, mean_q, var_q = under_q.combine()
@@ -110,15 +115,17 @@ def redo_rows(scan: Scan, plan: Plan, fam: Family, out: Chunk, rows: torch.Tenso
     """The second pass for rows whose support the family's candidates may not cover: τ from the whole
     score vector, then everything under the family summed over the tiles."""
     sub, got = scan.rows(rows), out.fam[fam.name]
-    tau = _widen(sub, plan, fam, got.lse[rows])
+    tau, log_zb = _widen(sub, plan, fam, got.lse[rows])
     _, (log_z, mean, var, chi2), miss = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows], tau,
-                                                     fam.source)
+                                                     fam.source, log_zb=log_zb)
     nf = len(plan.fns)
+    zq, s, gap = 2 * nf, 2 * nf + 1, 2 * nf + 2                  # the columns after f and 1[f < 0]
     got.tau[rows] = tau
     got.mean[rows], got.var[rows], got.neg[rows] = mean[:, :nf], var[:, :nf], mean[:, nf:2 * nf]
-    got.log_mean[rows], got.log_var[rows] = mean[:, -1] - log_z, var[:, -1]
-    got.kl_q[rows] = got.log_mean[rows] - (mean[:, -2] - out.lse_q[rows])
-    got.chi2[rows], got.gap_abs[rows] = chi2, torch.nan          # E_b|log b − log q| needs log Z_b in advance
+    got.log_mean[rows], got.log_var[rows] = mean[:, s] - log_z, var[:, s]
+    got.kl_q[rows] = got.log_mean[rows] - (mean[:, zq] - out.lse_q[rows])
+    # E_b|log b − log q|: the widening pass gave log Z_b before this one (a top-p nucleus past the candidates)
+    got.chi2[rows], got.gap_abs[rows] = chi2, mean[:, gap]
     got.miss[rows] = miss
     s_tok = out.tok[rows, 2 + plan.families.index(fam)]
     tok_log = torch.where(s_tok >= tau, s_tok - log_z, torch.full_like(s_tok, -torch.inf))

@@ -20,21 +20,13 @@ import torch
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from .aggregate import LOSS_AGGREGATIONS, MICRO_BATCHES
-from .rollout_engine import ENGINE_SUMS, EngineAudit, engine_sums
+from .rollout_engine import COARSE, EngineAudit, engine_sums, merge_engine_sums
 from .exact import PositionValues
 from .generation import Sampler
 from .step import SUMS, AuditLog, StepAudit, combine_micro_batches, step_sums
 from .stream import stream_values
 from .tiling import Head
 from .verdict import Thresholds, Warning, engine_warnings, step_warnings
-
-
-def _merge_engine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two batches' engine sums: added, but the maximum of logp_diff_max."""
-    out = a + b
-    i = ENGINE_SUMS.index("logp_diff_max")
-    out[i] = torch.maximum(a[i], b[i])
-    return out
 
 
 @dataclass(frozen=True)
@@ -79,7 +71,9 @@ class Record:
     ``sampling_hidden`` [B, T, d]: the policy's hidden states in the pass that drew the tokens, when the
     adapter captured it (the mismatch part of the split); ``prompt_ids`` [B, P] (−1 or pads as the
     trainer had them): what a repetition penalty sees; ``engine_logprobs`` [B, T]: a rollout engine's
-    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.rollout_engine);
+    log-probs of the sampled tokens, when another engine drew them (kl_bench.audit.rollout_engine), and
+    ``engine_dtype`` the dtype it computes them in ("bfloat16", "float16", "float32", "float64"; None: not
+    declared), which tells precision from another model version;
     ``policy_logprobs``/``reference_logprobs`` [B, T]: the trainer's own log-probs of the sampled tokens, in
     its dtype, when it has them: its values are then tested against its formula of its own log r (the
     formula part of the split; without them, log r is emulated at the dtype of its values)."""
@@ -91,6 +85,7 @@ class Record:
     sampling_hidden: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
     engine_logprobs: torch.Tensor | None = None
+    engine_dtype: str | None = None
     policy_logprobs: torch.Tensor | None = None
     reference_logprobs: torch.Tensor | None = None
 
@@ -106,12 +101,18 @@ class Record:
         values = self.trainer_values.values() if isinstance(self.trainer_values, dict) else [self.trainer_values]
         if any(tuple(v.shape) != bt for v in values):
             raise SpecError(f"the trainer's per-token values must be [B, T] = {list(bt)}", key="trainer_values")
+        self._check_optional(bt)
+
+    def _check_optional(self, bt: tuple) -> None:
+        """The trainer's own log-probs (both or neither, [B, T]) and the engine's declared dtype."""
         for name in ("policy_logprobs", "reference_logprobs"):
             v = getattr(self, name)
             if v is not None and tuple(v.shape) != bt:
                 raise SpecError(f"must be [B, T] = {list(bt)}, got {list(v.shape)}", key=name)
         if (self.policy_logprobs is None) != (self.reference_logprobs is None):
             raise SpecError("give both models' log-probs or neither", key="reference_logprobs")
+        if self.engine_dtype is not None and self.engine_dtype not in COARSE:
+            raise SpecError(f"must be one of {', '.join(COARSE)}, got {self.engine_dtype!r}"[:200], key="engine_dtype")
 
     def own_logr(self) -> torch.Tensor | None:
         """log p − log q from the trainer's own log-probs, in its dtype (None where not given)."""
@@ -166,6 +167,7 @@ class AuditSession:
         check_distinct_sources(self.metrics)
         self._pending: dict[str, list[torch.Tensor]] = {}      # source → each record's sums
         self._engine: torch.Tensor | None = None
+        self._engine_dtype = ""
         self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))
 
     def add(self, record: Record, heads: tuple[Head, Head] | None = None) -> PositionValues:
@@ -181,10 +183,17 @@ class AuditSession:
         coarse = max((record.policy_hidden.dtype, heads[0].weight.dtype), key=lambda t: torch.finfo(t).eps)
         self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask,
                         own_logr=record.own_logr(), precision=coarse)
-        if record.engine_logprobs is not None:
-            sums = engine_sums(values, record.engine_logprobs, mask)
-            self._engine = sums if self._engine is None else _merge_engine(self._engine, sums)
+        self.add_engine(values, record.engine_logprobs, mask, record.engine_dtype)
         return values
+
+    def add_engine(self, values: PositionValues, engine_logprobs: torch.Tensor | None, mask: torch.Tensor,
+                   engine_dtype: str | None = None) -> None:
+        """Add a batch's rollout-engine log-probs [B, T] (None: nothing to add) against its exact values."""
+        if engine_logprobs is None:
+            return
+        sums = engine_sums(values, engine_logprobs, mask)
+        self._engine = sums if self._engine is None else merge_engine_sums(self._engine, sums)
+        self._engine_dtype = engine_dtype or self._engine_dtype
 
     def add_values(self, values: PositionValues, trainer_values: torch.Tensor | dict, mask: torch.Tensor,
                    own_logr: torch.Tensor | None = None, precision: torch.dtype | None = None) -> None:
@@ -229,7 +238,8 @@ class AuditSession:
         if self._engine is not None:
             sums = self._engine if reduce is None else reduce(self._engine)
             if sums is not None:
-                self.log.engine.append(EngineAudit.from_sums(sums, step=step))
+                self.log.engine.append(EngineAudit.from_sums(sums, step=step, engine_dtype=self._engine_dtype,
+                                                             z=self.thresholds.z))
         self._pending, self._engine = {}, None
         return out
 

@@ -292,7 +292,7 @@ class AuditLog:
                "columns": AUDIT_COLUMNS, "pooled": self.pooled(), **envelope}
         files = {"audit.csv": self.csv_bytes()}
         if self.engine:                                      # a rollout engine's mismatch, per step
-            files["engine.csv"] = _csv([list(ENGINE_COLUMNS)] + [list(r.row().values()) for r in self.engine])
+            files["engine.csv"] = _csv([list(ENGINE_COLUMNS)] + [[r.row()[c] for c in ENGINE_COLUMNS] for r in self.engine])
             env["engine_columns"] = ENGINE_COLUMNS
         return folders.write("audit", directory, files, env)
 

@@ -75,7 +75,7 @@ def _chunk_values(scan: Scan, plan: Plan, bufs: Buffers) -> PositionValues:
 def _empty(names: tuple[str, ...], like: torch.Tensor, sampling: bool) -> PositionValues:
     e = torch.zeros(0, dtype=torch.float64, device=like.device)
     ef = e.view(0, 1).expand(0, len(names))
-    sv = SamplerValues(ef, ef, ef, e, e, e, e, e, e, e)
+    sv = SamplerValues(ef, ef, ef, e, e, e, e, e, e, e, e, e)
     return PositionValues(names, e, ef, ef, e, e, sv, sv if sampling else None)
 
 

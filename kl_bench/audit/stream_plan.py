@@ -93,7 +93,8 @@ class Plan:
 @dataclass
 class Sampled:
     """One family's finished values (float64, on the device): SamplerValues' fields, its normaliser
-    ``lse`` [n], threshold ``tau`` [n] (−inf: none) and the rows its candidates may not cover."""
+    ``lse`` [n], threshold ``tau`` [n] (−inf: none), the rows its candidates may not cover, and the sampled
+    token's score ``tok_score`` [n]."""
     mean: torch.Tensor
     var: torch.Tensor
     neg: torch.Tensor
@@ -107,10 +108,11 @@ class Sampled:
     kl_q: torch.Tensor
     chi2: torch.Tensor
     gap_abs: torch.Tensor
+    tok_score: torch.Tensor
 
     def values(self) -> SamplerValues:
         return SamplerValues(self.mean, self.var, self.neg, self.miss, self.log_mean, self.log_var, self.tok_log,
-                             self.kl_q, self.chi2, self.gap_abs)
+                             self.kl_q, self.chi2, self.gap_abs, self.tok_score, self.tau)
 
 
 @dataclass

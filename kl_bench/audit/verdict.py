@@ -187,10 +187,41 @@ def engine_warnings(a: EngineAudit, t: Thresholds = Thresholds()) -> list[Warnin
                                                f"{-a.sampler_gap:+.3g} per token from the sampler alone (−log kept "
                                                "mass; TRL issue #6789): an importance ratio built on them is biased",
                            once=True))
-    z = a.z("kl")
-    if math.isfinite(z) and abs(z) > t.z:
-        out.append(Warning("engine", f"step {a.step}: the rollout engine's distribution differs from the trainer's "
-                                     f"beyond the sampler: rollout kl {a.kl:+.3g} ± {a.kl_se:.2g} against "
-                                     f"{a.kl_exact:.3g} exact from the sampler alone (z = {z:+.1f}); likely causes: "
-                                     "the engine's precision or kernels, or stale weights", check=True))
+    if a.cause:
+        out.append(Warning("engine", _engine_message(a, t.z), once=True, scope="engine", check=True))
     return out
+
+
+# What each cause means and what to do (kl_bench.audit.rollout_engine.cause_of).
+CAUSES = {
+    "sampler": "another sampler: the engine samples with settings other than the ones the audit was given (its "
+               "top_k, top_p, min_p, temperature, repetition penalty or min_new_tokens): make them equal",
+    "precision": "precision: the engine computes in {dtype}, whose rounding moves each token's log-prob; an engine "
+                 "in float32 at the same weights should pass this check (run it once to tell precision from "
+                 "another model version), or correct for the gap with an importance ratio",
+    "version": "another model version: the engine computes in {dtype}, whose rounding cannot explain this, so its "
+               "weights are not the trainer's (not synced after the last step, another checkpoint, an adapter not "
+               "merged) or its kernels compute something else; a sampler setting that keeps the support (a "
+               "narrower top_k/top_p, another temperature) reads the same",
+    "precision or version": "precision, if the engine computes in bfloat16 or float16, else another model version "
+                            "(weights not synced, another checkpoint); declare the engine's dtype "
+                            "(engine_dtype) to tell, or certify an engine in float32 at the same weights",
+}
+
+
+def _engine_message(a: EngineAudit, z: float) -> str:
+    """The engine warning: what departs (KL(engine‖trainer) measured against the sampler alone, the metric that
+    departs most), the tokens outside the trainer-side support, and the cause that fits."""
+    m = a.worst()
+    parts = [f"step {a.step}: the rollout engine differs from the trainer beyond its sampler" if a.departs(z) else
+             f"step {a.step}: the rollout engine drew tokens the trainer-side sampler cannot draw",
+             f"KL(engine‖trainer) {a.kl_engine:.3g} ± {a.kl_engine_se:.2g} measured against {a.kl_sampler:.3g} from "
+             f"the sampler alone (excess {a.kl_excess:+.3g}); {m} {getattr(a, m):.3g} ± {getattr(a, m + '_se'):.2g} "
+             f"against {getattr(a, m + '_exact'):.3g} (z = {a.departure(m):+.1f})"]
+    if a.outside_beyond:
+        how = ("far beyond the engine's own log-prob noise" if a.cause == "sampler" else
+               "within the engine's own log-prob noise: flips at the truncation boundary")
+        parts.append(f"{a.outside_beyond} of {a.tokens} tokens lie outside the support the settings' sampler gives on "
+                     f"the trainer's logits, up to {a.outside_depth:.3g} below its threshold ({how}, SD "
+                     f"{a.spread:.2g} per token)")
+    return "; ".join(parts) + ". Cause that fits: " + CAUSES[a.cause].format(dtype=a.engine_dtype or "?")

@@ -29,8 +29,8 @@ from ..foundation.safe_io import describe, parse_json, read_regular
 from ..foundation.output_paths import same_path
 from .checkpoint import CHECKPOINT
 from .csv_checks import BOM, check_numeric_columns, check_whole_columns, parse_csv
-from .schema import (AUDIT_COLUMNS, AUDIT_DEFAULTS, AUDIT_ENVELOPE, ENGINE_COLUMNS, FORMAT_VERSION, RUN_ENVELOPE,
-                     TRAIN_ENVELOPE, TRAIN_SCHEMA)
+from .schema import (AUDIT_COLUMNS, AUDIT_DEFAULTS, AUDIT_ENVELOPE, ENGINE_COLUMNS, ENGINE_DEFAULTS, FORMAT_VERSION,
+                     RUN_ENVELOPE, TRAIN_ENVELOPE, TRAIN_SCHEMA)
 
 ENVELOPE = "run.json"
 _SHA = re.compile(r"^[0-9a-f]{64}$")
@@ -72,11 +72,11 @@ FORMATS: dict[str, FolderFormat] = {f.kind: f for f in (
 TABLE_COLUMNS: dict[str, tuple[list[str], dict[str, str]]] = {
     "train.csv": (list(TRAIN_SCHEMA), {}),
     "audit.csv": (list(AUDIT_COLUMNS), AUDIT_DEFAULTS),
-    "engine.csv": (list(ENGINE_COLUMNS), {}),
+    "engine.csv": (list(ENGINE_COLUMNS), ENGINE_DEFAULTS),
 }
 # Their text columns (every other column holds numbers: empty cells are NaN, "inf" is infinity).
 TEXT: dict[str, set[str]] = {"train.csv": {"case", "combination", "estimator", "mode", "aggregate", "gradients"},
-                             "audit.csv": {"source", "estimator", "aggregation"}, "engine.csv": {"convention"}}
+                             "audit.csv": {"source", "estimator", "aggregation"}, "engine.csv": {"convention", "engine_dtype", "cause"}}
 # Every data file name any kind stores (a name's size cap in kl_bench.foundation.safe_io is by its name).
 DATA_FILES = tuple(dict.fromkeys(n for f in FORMATS.values() for n in f.data_files))
 # Every file a results folder of any kind writes under its own name (the checkpoint, written during a run, aside).
@@ -413,5 +413,5 @@ def read_table(stored: Stored, name: str):
     check_whole_columns(name, df, p)
     for c, value in defaults.items():
         if c not in df.columns:
-            df[c] = df[value] if value in df.columns else float(value)
+            df[c] = df[value] if value in df.columns else value if c in TEXT[name] else float(value)
     return df[columns + [c for c in df.columns if c not in columns]]

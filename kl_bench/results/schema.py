@@ -304,18 +304,39 @@ ENGINE_COLUMNS: dict[str, str] = {
     "step": "the trainer's global step", "tokens": "masked tokens with the engine's log-probs",
     "outside": "sampled tokens the settings' sampler on the trainer's logits cannot draw (the engine's own truncation "
                "kept them: its logits differ)",
+    "outside_beyond": "of those, the tokens further below the sampler's threshold than float32 rounding",
+    "outside_depth": "how far below the threshold the deepest lies, in score units (−inf: none)",
+    "spread": "SD of e − log b (processed) or e − log q (raw) at the tokens b can draw: the engine's log-prob noise",
     "convention": "the engine's log-probs: raw (the full distribution), processed (after truncation), either",
+    "engine_dtype": "the dtype the engine declared (bfloat16, float16, float32, float64; empty: not declared)",
     "sampler_gap": "token mean of log b(x) − log q(x), exact: what a processed engine adds from the sampler alone",
+    "kl_engine": "KL(engine‖trainer) measured: mean(e − log q) processed, mean(e − log q + log b − log q) raw",
+    "kl_engine_se": "its SE (clustered by sequence)",
+    "kl_sampler": "token mean of KL(b‖q), exact: KL(engine‖trainer) were the engine the sampler on the trainer's logits",
+    "kl_excess": "kl_engine − kl_sampler: the engine beyond its sampler",
+    "kl_drawn": "token mean of KL(g‖q), exact, where the drawing pass's hidden states were given (NaN otherwise)",
+    "excess_k3": "mean k3(ℓ − e) at the tokens b can draw (ℓ = log b processed, log q raw): ≈ KL(engine‖b), the "
+                 "engine beyond its sampler with power", "excess_k3_se": "its SE",
+    "excess_k3_exact": "0: its value were the engine the sampler on the trainer's logits",
     "kl": "verl rollout_corr/kl: mean(e − log q) over the tokens", "kl_se": "its SE (clustered by sequence)",
-    "kl_exact": "token mean of KL(b‖q): its value were the engine the sampler on the trainer's logits",
+    "kl_exact": "its value were the engine the sampler on the trainer's logits: KL(b‖q) processed, 0 raw",
     "k3_kl": "verl rollout_corr/k3_kl: mean(ρ − 1 − log ρ), ρ = q/e", "k3_kl_se": "its SE",
-    "k3_kl_exact": "KL(b‖q) − the q-mass b never draws (E_b[ρ] = Σ_{b>0} q < 1 under truncation), token mean",
+    "k3_kl_exact": "KL(b‖q) − the q-mass b never draws (E_b[ρ] = Σ_{b>0} q < 1 under truncation), token mean; 0 raw",
     "chi2": "verl rollout_corr/chi2_token: mean(ρ²) − 1", "chi2_se": "its SE",
-    "chi2_exact": "token mean of χ²(q‖b) = Σ_{b>0} q²/b − 1",
+    "chi2_exact": "token mean of χ²(q‖b) = Σ_{b>0} q²/b − 1; 0 raw",
     "logp_diff": "TRL sampling/sampling_logp_difference/mean: mean |log q − e|", "logp_diff_se": "its SE",
     "logp_diff_exact": "token mean of E_b|log b − log q| if processed, 0 if raw",
     "logp_diff_max": "TRL sampling/sampling_logp_difference/max over this process's audited tokens",
+    "env_kl": "how far float32 rounding of the engine's log-probs moves kl and logp_diff (token mean)",
+    "env_k3_kl": "the same for k3_kl", "env_chi2": "the same for chi2", "env_excess_k3": "the same for excess_k3",
+    "cause": "what fits a departure: sampler, precision, version, precision or version (empty: none)",
 }
+# Columns of older engine.csv files than today's, with what they stand for there (as AUDIT_DEFAULTS).
+ENGINE_DEFAULTS: dict[str, str] = {"outside_beyond": "outside", "outside_depth": "nan", "spread": "nan",
+                                   "engine_dtype": "", "kl_engine": "kl", "kl_engine_se": "kl_se",
+                                   "kl_sampler": "kl_exact", "kl_excess": "nan", "kl_drawn": "nan", "excess_k3": "nan",
+                                   "excess_k3_se": "nan", "excess_k3_exact": "0.0", "env_excess_k3": "0.0", "env_kl": "0.0",
+                                   "env_k3_kl": "0.0", "env_chi2": "0.0", "cause": ""}
 
 
 # Columns of older audit.csv files than today's, with what they stand for there: a number, or another column's
