@@ -13,7 +13,6 @@ def list_() -> None:
 
     from ..present.terminal import show
     from ..core.estimators import ESTIMATORS, PAIR_ROWS
-    from ..core.gates import GATES, gate
     from ..kinds import CASE_KINDS
     from ..training.sequences import SEQUENCE_REWARDS
     rows = []
@@ -24,16 +23,24 @@ def list_() -> None:
     for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:
             rows.append(["plug-in", ep.name, f"{ep.value} (entry point, loaded when used)"])
-    for name in [*GATES.names(), "topk_kl@K", "topk_tv@K"]:
-        g = gate(name.replace("@K", "@20"))
-        formula = g.formula.replace("top-20", "top-K")
-        key = f'"{g.name}"' if "@" in g.name else g.name        # a TOML key with @ is quoted
-        rows.append(["gate", name, f"masks when {formula}; {g.source} ([experiment] gates = {{ {key} = [δ] }})"])
+    rows += _gate_rows()
     rows += [["kind", name, k.description] for name, k in CASE_KINDS.items()]
     for name, r in SEQUENCE_REWARDS.items():
         doc = (r.fn.__doc__ or "").strip().splitlines()[0] if r.fn.__doc__ else ""
         rows.append(["reward", name, f"{doc} ([train] reward = {{ sequence = \"{name}\" }})"])
     show(out_console, _table([[escape(c) for c in row] for row in rows]), fold=True)
+
+
+def _gate_rows() -> list[list[str]]:
+    """One line per gate (kl_bench.core.gates): its mask, its source and its spec key (top-K ones with K = 20)."""
+    from ..core.gates import GATES, gate
+    rows = []
+    for name in [*GATES.names(), "topk_kl@K", "topk_tv@K"]:
+        g = gate(name.replace("@K", "@20"))
+        formula = g.formula.replace("top-20", "top-K")
+        key = f'"{g.name}"' if "@" in g.name else g.name        # a TOML key with @ is quoted
+        rows.append(["gate", name, f"masks when {formula}; {g.source} ([experiment] gates = {{ {key} = [δ] }})"])
+    return rows
 
 
 def _table(rows: list[list[str]]):
