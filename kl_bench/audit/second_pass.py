@@ -73,29 +73,30 @@ def _second_pass(scan: Scan, fns, lse_q, lse_p, tau, source: str = "zq", log_zb:
     return (mean_q, var_q), (log_zb[:, 0], mean_b, var_b, chi2), torch.stack(miss).sum(0)
 
 
-def _negative_pass(scan: Scan, plan: Plan, fam: Family, out: Chunk, cols: list[int]) -> None:
-    """P(f < 0) [n] of polynomial estimators that change sign, under a family with full support: the
-    sign of f(log r) needs log r = d + (lse_q − lse_p), so one more pass, in the compute dtype (f's sign
-    at a token is decided by log r to the logits' own rounding)."""
+def negative_pass(scan: Scan, plan: Plan, out: Chunk, wanted: list[tuple[Family, list[int]]]) -> None:
+    """P(f < 0) [n] of polynomial estimators that change sign, under each family with full support in
+    ``wanted`` (family, its columns): the sign of f(log r) needs log r = d + (lse_q − lse_p), so one more
+    pass, in the compute dtype (f's sign at a token is decided by log r to the logits' own rounding). The
+    families share the pass: each tile's logits, log r and signs are made once, and each family sums its
+    own weights over them (the same tile values and operations as a pass of its own, so the same sums)."""
     shift = (out.lse_q - out.lse_p).unsqueeze(-1)
-    got = out.fam[fam.name]
-    sums = torch.zeros(out.kl.shape[0], len(cols), dtype=torch.float64, device=out.kl.device)
+    sums = [torch.zeros(out.kl.shape[0], len(cols), dtype=torch.float64, device=out.kl.device) for _, cols in wanted]
     for t in scan.tiles():
-        s = t["zq"] if fam.kind == "same" else scan.scores(t[fam.source], t["lo"])
-        wb = torch.exp(s - got.lse.unsqueeze(-1).to(s.dtype))
         logr = (t["zp"] - t["zq"]).add_(shift.to(t["zq"].dtype))
+        signs = {j: plan.fns[j](logr) < 0 for j in sorted({j for _, cols in wanted for j in cols})}
+        for (fam, cols), acc in zip(wanted, sums):
+            s = t["zq"] if fam.kind == "same" else scan.scores(t[fam.source], t["lo"])
+            wb = torch.exp(s - out.fam[fam.name].lse.unsqueeze(-1).to(s.dtype))
+            for i, j in enumerate(cols):
+                acc[:, i] += torch.where(signs[j], wb, torch.zeros_like(wb)).sum(-1).to(torch.float64)
+    for (fam, cols), acc in zip(wanted, sums):
         for i, j in enumerate(cols):
-            sums[:, i] += torch.where(plan.fns[j](logr) < 0, wb, torch.zeros_like(wb)).sum(-1).to(torch.float64)
-    for i, j in enumerate(cols):
-        got.neg[:, j] = sums[:, i]
+            out.fam[fam.name].neg[:, j] = acc[:, i]
 
 
 def redo_columns(scan: Scan, plan: Plan, fam: Family, out: Chunk, cols: list[int]) -> None:
-    """The second pass for estimators one pass cannot give under ``fam`` (every row): the moments of
-    non-polynomial ones (and their q moments), P(f < 0) of polynomial ones that change sign."""
-    signs = [j for j in cols if plan.poly[j] is not None]
-    if signs:
-        _negative_pass(scan, plan, fam, out, signs)
+    """The second pass for the moments of non-polynomial estimators (and their q moments) under ``fam``
+    (every row); P(f < 0) of polynomial ones that change sign is :func:`negative_pass`'s."""
     cols = [j for j in cols if plan.poly[j] is None]
     if not cols:
         return

@@ -44,7 +44,7 @@ from .exact import PositionValues, SamplerValues
 from .first_pass import Buffers, first_pass
 from .polymoments import scratch_needed
 from .generation import Sampler
-from .second_pass import redo_columns, redo_rows, redo_spoiled, spoiled
+from .second_pass import negative_pass, redo_columns, redo_rows, redo_spoiled, spoiled
 from .stream_plan import Plan
 from .tiling import Head, Scan, check_inputs, matmul_precision, pieces
 
@@ -57,9 +57,13 @@ def _any(mask: torch.Tensor) -> bool:
 
 def _chunk_values(scan: Scan, plan: Plan, bufs: Buffers) -> PositionValues:
     out = first_pass(scan, plan, bufs)
+    # P(f < 0) of sign-changing polynomial estimators: one pass shared by every family that needs it
+    signs = [(fam, [j for j in plan.second_pass_columns(fam) if plan.poly[j] is not None]) for fam in plan.families]
+    if any(cols for _, cols in signs):
+        negative_pass(scan, plan, out, [(fam, cols) for fam, cols in signs if cols])
     for fam in plan.families:
         cols = plan.second_pass_columns(fam)
-        if cols:
+        if any(plan.poly[j] is None for j in cols):
             redo_columns(scan, plan, fam, out, cols)
         if fam.kind == "cut" and _any(out.fam[fam.name].unknown):
             redo_rows(scan, plan, fam, out, torch.nonzero(out.fam[fam.name].unknown).flatten())
