@@ -55,11 +55,14 @@ class KLAudit(_Base):
     ``save_steps``: also write each audited batch to ``out/steps/`` (hidden states and output layers:
     ``kl-bench audit out`` re-audits them); ``dtype``: the audit's tile matmuls (float32, TF32 off;
     float64: exact to rounding); ``negative``: P(f < 0) of a sign-changing estimator under a sampler that
-    does not truncate (RLOO's k1 at top_k = 0) costs two more head forwards; False skips it."""
+    does not truncate (RLOO's k1 at top_k = 0) costs a second pass, three more head matmuls (both models
+    and the drawing pass), which would take RLOO's audited step from ~3.5 to ~6.5 head forwards: opt-in
+    (True), and ``kl_audit/p_negative`` is then reported; by default it is left out (NaN, not logged). GRPO's
+    k3 never changes sign (P = 0), and a truncating sampler gives it in one pass whatever this says."""
 
     def __init__(self, trainer, every: int = 10, max_rows: int = 8, *, thresholds: Thresholds | None = None,
                  threshold: float | None = None, out=None, save_steps: bool = False, tile: int | None = None,
-                 chunk: int | None = None, dtype: torch.dtype = torch.float32, negative: bool = True, print_fn=print):
+                 chunk: int | None = None, dtype: torch.dtype = torch.float32, negative: bool = False, print_fn=print):
         self.print = print_fn
         self.version = check_trl_version(warn=self._say)
         if every < 1 or max_rows < 1:
