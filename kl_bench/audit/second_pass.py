@@ -9,14 +9,23 @@ from .stream_plan import Chunk, Family, Plan
 from .tiling import Scan, chan, logsum, row_max, threshold
 
 
-def _widen(scan: Scan, plan: Plan, fam: Family, lse_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """τ [n] of a family for rows whose support reaches past the candidates (a flat row's nucleus), and
-    b's normaliser log Z_b [n]: each row's whole score vector, made tile by tile in one pass (O(V) per
-    such row; the very same rounded scores as the first pass), τ from all of it, and log Σ_{s ≥ τ} e^s."""
-    cand = torch.cat([scan.scores(t[fam.source], t["lo"]) for t in scan.tiles(policy_only=True)], dim=-1)
-    cand = torch.sort(cand.to(torch.float64), dim=-1, descending=True).values
-    tau = threshold(plan.sampler, cand, lse_s, plan.vocab)[0]
-    return tau, torch.logsumexp(torch.where(cand >= tau.unsqueeze(-1), cand, torch.full_like(cand, -torch.inf)), -1)
+def _widen(scan: Scan, plan: Plan, fams: list[Family], lse_s: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(τ [n], log Z_b [n]) of each family for rows whose support reaches past the candidates (a flat
+    row's nucleus): each row's whole score vector, made tile by tile in one pass shared by the families
+    (O(V) per such row; the very same rounded scores as the first pass), τ from all of it, and
+    log Σ_{s ≥ τ} e^s. The scores are sorted in their own dtype (the order and the values are those of
+    their exact float64 images, at half the bytes)."""
+    parts: list[list[torch.Tensor]] = [[] for _ in fams]
+    for t in scan.tiles(policy_only=True):
+        for fam, kept in zip(fams, parts):
+            kept.append(scan.scores(t[fam.source], t["lo"]))
+    out = []
+    for kept, lse in zip(parts, lse_s):
+        cand = torch.sort(torch.cat(kept, dim=-1), dim=-1, descending=True).values.to(torch.float64)
+        tau = threshold(plan.sampler, cand, lse, plan.vocab)[0]
+        out.append((tau, torch.logsumexp(torch.where(cand >= tau.unsqueeze(-1), cand, torch.full_like(cand, -torch.inf)),
+                                         -1)))
+    return out
 
 
 class _Spread:
@@ -41,36 +50,43 @@ class _Spread:
         return logsum(scale, total), mu, var
 
 
-def _second_pass(scan: Scan, fns, lse_q, lse_p, tau, source: str = "zq", log_zb: torch.Tensor | None = None):
-    """With the normalisers and the family's threshold τ known, one more pass over the tiles: moments
-    under q of ``fns`` and under the family (scores from ``source``'s logits) of (f, 1[f < 0], z_q, s), and
-    the q-mass outside its support. With the family's normaliser ``log_zb`` [n] known in advance, one more
-    column last: |log b − log q| = |s − log Z_b − z_q + lse_q|. Returns (q: (mean, var) [n, F]; family:
-    (log Z [n], mean [n, 2F + 2 (+1)], var likewise, χ² [n]); miss [n]). Sums run in float64 (f itself, as
-    the dense path)."""
-    under_q, under_b, miss, chi = _Spread(), _Spread(), [], []
+def _second_pass(scan: Scan, fns, lse_q, lse_p, fams: list[tuple], with_q: bool = True):
+    """With the normalisers and each family's threshold τ known, one more pass over the tiles, shared by
+    the families ``fams`` (source, τ [n], log Z_b [n] or None): moments under q of ``fns`` (when
+    ``with_q``) and under each family (scores from ``source``'s logits) of (f, 1[f < 0], z_q, s), and the
+    q-mass outside its support. With the family's normaliser log Z_b known in advance, one more column
+    last: |log b − log q| = |s − log Z_b − z_q + lse_q|. Returns (q: (mean, var) [n, F] or None; per
+    family ((log Z [n], mean [n, 2F + 2 (+1)], var likewise, χ² [n]), miss [n])). Sums run in float64 (f
+    itself, as the dense path); each family's sums are those a pass of its own would make."""
+    under_q, per = _Spread(), [(_Spread(), [], []) for _ in fams]
     shift = (lse_q - lse_p).unsqueeze(-1)
     for t in scan.tiles():
-        s = scan.scores(t[source], t["lo"])
         logr = (t["zp"] - t["zq"]).to(torch.float64) + shift
         f = torch.stack([fn(logr) for fn in fns], dim=-1) if fns else logr.new_zeros(logr.shape + (0,))
-        wq = torch.exp(t["zq"].to(torch.float64) - lse_q.unsqueeze(-1))
-        under_q.add(torch.zeros_like(lse_q), wq, f)
-        inside = s >= tau.unsqueeze(-1).to(s.dtype)
-        ms = row_max(torch.where(inside, s, torch.full_like(s, -torch.inf))).to(torch.float64)
-        wb = torch.where(inside, torch.exp(s.to(torch.float64) - ms), torch.zeros_like(wq))
         zq64 = t["zq"].to(torch.float64)
-        cols = [f, (f < 0).to(f.dtype), zq64.unsqueeze(-1), s.to(torch.float64).unsqueeze(-1)]
-        if log_zb is not None:
-            cols.append((s.to(torch.float64) - (log_zb - lse_q).unsqueeze(-1) - zq64).abs().unsqueeze(-1))
-        under_b.add(ms.squeeze(-1), wb, torch.cat(cols, -1))
-        miss.append(torch.where(inside, torch.zeros_like(wq), wq).sum(-1))
-        chi.append(torch.logsumexp(torch.where(inside, 2 * zq64 - s.to(torch.float64), torch.full_like(zq64, -torch.inf)), -1))
-    _, mean_q, var_q = under_q.combine()
-    log_zb, mean_b, var_b = under_b.combine()
-    # columns of b: f [F], 1[f < 0] [F], z_q, s; Σ_{b>0} q²/b = e^{log Z_b − 2 lse_q} Σ e^{2 z_q − s}
-    chi2 = torch.expm1(torch.logsumexp(torch.stack(chi), 0) + log_zb[:, 0] - 2 * lse_q)
-    return (mean_q, var_q), (log_zb[:, 0], mean_b, var_b, chi2), torch.stack(miss).sum(0)
+        wq = torch.exp(zq64 - lse_q.unsqueeze(-1))
+        if with_q:
+            under_q.add(torch.zeros_like(lse_q), wq, f)
+        below = (f < 0).to(f.dtype)
+        for (source, tau, log_zb), (under_b, miss, chi) in zip(fams, per):
+            s = scan.scores(t[source], t["lo"])
+            inside = s >= tau.unsqueeze(-1).to(s.dtype)
+            ms = row_max(torch.where(inside, s, torch.full_like(s, -torch.inf))).to(torch.float64)
+            s64 = s.to(torch.float64)
+            wb = torch.where(inside, torch.exp(s64 - ms), torch.zeros_like(wq))
+            cols = [f, below, zq64.unsqueeze(-1), s64.unsqueeze(-1)]
+            if log_zb is not None:
+                cols.append((s64 - (log_zb - lse_q).unsqueeze(-1) - zq64).abs().unsqueeze(-1))
+            under_b.add(ms.squeeze(-1), wb, torch.cat(cols, -1))
+            miss.append(torch.where(inside, torch.zeros_like(wq), wq).sum(-1))
+            chi.append(torch.logsumexp(torch.where(inside, 2 * zq64 - s64, torch.full_like(zq64, -torch.inf)), -1))
+    out = []
+    for under_b, miss, chi in per:
+        log_zb, mean_b, var_b = under_b.combine()
+        # columns of b: f [F], 1[f < 0] [F], z_q, s; Σ_{b>0} q²/b = e^{log Z_b − 2 lse_q} Σ e^{2 z_q − s}
+        chi2 = torch.expm1(torch.logsumexp(torch.stack(chi), 0) + log_zb[:, 0] - 2 * lse_q)
+        out.append(((log_zb[:, 0], mean_b, var_b, chi2), torch.stack(miss).sum(0)))
+    return (under_q.combine()[1:] if with_q else None), out
 
 
 def negative_pass(scan: Scan, plan: Plan, out: Chunk, wanted: list[tuple[Family, list[int]]]) -> None:
@@ -102,7 +118,8 @@ def redo_columns(scan: Scan, plan: Plan, fam: Family, out: Chunk, cols: list[int
         return
     got = out.fam[fam.name]
     fns = [plan.fns[j] for j in cols]
-    (mean_q, var_q), (_, mean_b, var_b, _), _ = _second_pass(scan, fns, out.lse_q, out.lse_p, got.tau, fam.source)
+    (mean_q, var_q), [((_, mean_b, var_b, _), _)] = _second_pass(scan, fns, out.lse_q, out.lse_p,
+                                                                [(fam.source, got.tau, None)])
     nf = len(cols)
     for i, j in enumerate(cols):
         out.mean_q[:, j], out.var_q[:, j] = mean_q[:, i], var_q[:, i]
@@ -112,13 +129,27 @@ def redo_columns(scan: Scan, plan: Plan, fam: Family, out: Chunk, cols: list[int
             got.mean[:, j], got.var[:, j], got.neg[:, j] = mean_b[:, i], var_b[:, i], mean_b[:, nf + i]
 
 
-def redo_rows(scan: Scan, plan: Plan, fam: Family, out: Chunk, rows: torch.Tensor) -> None:
-    """The second pass for rows whose support the family's candidates may not cover: τ from the whole
-    score vector, then everything under the family summed over the tiles."""
-    sub, got = scan.rows(rows), out.fam[fam.name]
-    tau, log_zb = _widen(sub, plan, fam, got.lse[rows])
-    _, (log_z, mean, var, chi2), miss = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows], tau,
-                                                     fam.source, log_zb=log_zb)
+def redo_rows(scan: Scan, plan: Plan, out: Chunk, fams: list[Family], unknown: list[torch.Tensor]) -> None:
+    """The second pass for rows whose support a family's candidates may not cover (``unknown`` [n] of
+    each of ``fams``): τ from the whole score vector, then everything under the family summed over the
+    tiles. The families share both passes over the union of their rows (the widening pass makes z_q and
+    z_g once, the summing pass z_q, z_p and z_g once); each family's values are written on its own rows."""
+    union = torch.stack(unknown).any(0)
+    rows = torch.nonzero(union).flatten()
+    sub = scan.rows(rows)
+    widened = _widen(sub, plan, fams, [out.fam[f.name].lse[rows] for f in fams])
+    _, res = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows],
+                          [(f.source, tau, zb) for f, (tau, zb) in zip(fams, widened)], with_q=False)
+    for fam, mine, (tau, _), (sums, miss) in zip(fams, unknown, widened, res):
+        keep = mine[rows]                                       # this family's rows among the union's
+        _write_rows(plan, fam, out, rows[keep], tau[keep], tuple(x[keep] for x in sums), miss[keep])
+
+
+def _write_rows(plan: Plan, fam: Family, out: Chunk, rows: torch.Tensor, tau: torch.Tensor, sums: tuple,
+                miss: torch.Tensor) -> None:
+    """A family's second-pass values on ``rows``: its threshold, sums (log Z, mean, var, χ²) and miss."""
+    got = out.fam[fam.name]
+    log_z, mean, var, chi2 = sums
     nf = len(plan.fns)
     zq, s, gap = 2 * nf, 2 * nf + 1, 2 * nf + 2                  # the columns after f and 1[f < 0]
     got.tau[rows] = tau
@@ -150,12 +181,12 @@ def redo_spoiled(scan: Scan, plan: Plan, out: Chunk, rows: torch.Tensor) -> None
     sub = scan.rows(rows)
     fns = list(plan.fns) + [lambda logr: -logr]                      # KL = E_q[−log r]
     nf = len(plan.fns)
-    for fam in plan.families:
+    q, res = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows],
+                          [(fam.source, out.fam[fam.name].tau[rows], None) for fam in plan.families])
+    for fam, ((_, mean, var, _), _) in zip(plan.families, res):
         got = out.fam[fam.name]
-        q, (_, mean, var, _), _ = _second_pass(sub, fns, out.lse_q[rows], out.lse_p[rows], got.tau[rows], fam.source)
         if fam.kind != "cut":
             got.mean[rows], got.var[rows] = mean[:, :nf], var[:, :nf]
             got.neg[rows] = torch.where(torch.isnan(got.neg[rows]), got.neg[rows], mean[:, nf + 1:2 * nf + 1])
     out.kl[rows] = q[0][:, -1]
     out.mean_q[rows], out.var_q[rows] = q[0][:, :nf], q[1][:, :nf]
-

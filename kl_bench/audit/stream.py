@@ -65,8 +65,10 @@ def _chunk_values(scan: Scan, plan: Plan, bufs: Buffers) -> PositionValues:
         cols = plan.second_pass_columns(fam)
         if any(plan.poly[j] is None for j in cols):
             redo_columns(scan, plan, fam, out, cols)
-        if fam.kind == "cut" and _any(out.fam[fam.name].unknown):
-            redo_rows(scan, plan, fam, out, torch.nonzero(out.fam[fam.name].unknown).flatten())
+    cut = [fam for fam in plan.families if fam.kind == "cut"]
+    unknown = [out.fam[fam.name].unknown for fam in cut]
+    if cut and _any(torch.stack(unknown)):                 # one pass for every truncating family's rows
+        redo_rows(scan, plan, out, cut, unknown)
     bad = spoiled(plan, out)
     if _any(bad):
         redo_spoiled(scan, plan, out, torch.nonzero(bad).flatten())
