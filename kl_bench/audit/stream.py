@@ -55,12 +55,17 @@ def _any(mask: torch.Tensor) -> bool:
     return False if mask.device.type == "meta" else bool(mask.any())
 
 
-def _chunk_values(scan: Scan, plan: Plan, bufs: Buffers) -> PositionValues:
-    out = first_pass(scan, plan, bufs)
-    # P(f < 0) of sign-changing polynomial estimators: one pass shared by every family that needs it
+def _sign_columns(plan: Plan) -> list:
+    """(family, columns) of the sign-changing polynomial estimators whose P(f < 0) needs a second pass."""
     signs = [(fam, [j for j in plan.second_pass_columns(fam) if plan.poly[j] is not None]) for fam in plan.families]
-    if any(cols for _, cols in signs):
-        negative_pass(scan, plan, out, [(fam, cols) for fam, cols in signs if cols])
+    return [(fam, cols) for fam, cols in signs if cols]
+
+
+def _second_passes(scan: Scan, plan: Plan, out) -> None:
+    """What one pass cannot give, each in one pass shared by the families that need it."""
+    signs = _sign_columns(plan)
+    if signs:
+        negative_pass(scan, plan, out, signs)
     for fam in plan.families:
         cols = plan.second_pass_columns(fam)
         if any(plan.poly[j] is None for j in cols):
@@ -69,6 +74,11 @@ def _chunk_values(scan: Scan, plan: Plan, bufs: Buffers) -> PositionValues:
     unknown = [out.fam[fam.name].unknown for fam in cut]
     if cut and _any(torch.stack(unknown)):                 # one pass for every truncating family's rows
         redo_rows(scan, plan, out, cut, unknown)
+
+
+def _chunk_values(scan: Scan, plan: Plan, bufs: Buffers) -> PositionValues:
+    out = first_pass(scan, plan, bufs)
+    _second_passes(scan, plan, out)
     bad = spoiled(plan, out)
     if _any(bad):
         redo_spoiled(scan, plan, out, torch.nonzero(bad).flatten())
