@@ -36,6 +36,23 @@ def exponent(text: str) -> str:
     return re.sub(r"e([+-]?)0*(\d)", lambda m: "e" + ("-" if m.group(1) == "-" else "") + m.group(2), text)
 
 
+def num(x) -> float:
+    """A cell as a float (NaN for blanks, text or None): numpy and int values alike."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _special(x: float, sign: bool) -> str | None:
+    """How a missing (blank) or infinite value prints, None for the others."""
+    if _missing(x):
+        return ""
+    if math.isinf(x):
+        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    return None
+
+
 def _missing(x) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 
@@ -49,10 +66,9 @@ def fmt(x: float, digits: int = 3, scale: float | None = None, sign: bool = Fals
     """Significant-digit formatting that shows inf and leaves missing values blank. ``scale``: the size
     of the quantities ``x`` was computed from (a difference of two KLs: the KL); |x| at or below
     ROUNDING·|scale| is float64 rounding and prints as 0. ``sign``: a leading + on positive values."""
-    if _missing(x):
-        return ""
-    if math.isinf(x):
-        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    special = _special(x, sign)
+    if special is not None:
+        return special
     if x == 0 or below_floor(x, scale):
         return "0"
     s = "+" if sign else ""
@@ -70,10 +86,9 @@ def _kept(text: str) -> str:
 def pct(x: float, sign: bool = True) -> str:
     """A ratio as a percentage with two significant digits (+1.2%, −0.031%, +2860%); |x| < 1e-9 is float64
     rounding of two exact sums, shown as 0; NaN blank."""
-    if _missing(x):
-        return ""
-    if math.isinf(x):
-        return ("+" if sign else "") + "inf" if x > 0 else "-inf"
+    special = _special(x, sign)
+    if special is not None:
+        return special
     if abs(x) < 1e-9:
         return "0"
     v = 100 * x
@@ -141,10 +156,9 @@ def _quantum(se: float, value: float) -> int:
 
 def _at(x: float, q: int, exp: int, sign: bool) -> str:
     """``x`` rounded to 10^q, written in units of 10^exp (exp = 0: plain decimals; else "…e-5")."""
-    if _missing(x):
-        return ""
-    if math.isinf(x):
-        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    special = _special(x, sign)
+    if special is not None:
+        return special
     if x == 0:
         return "0"
     text = f"{Decimal(repr(x)).scaleb(-exp):{'+' if sign else ''}.{max(exp - q, 0)}f}"

@@ -16,8 +16,8 @@ from ..core.aggregates import PER_TOKEN
 from ..core.draws import row_label
 from ..core.planning import never_words
 from ..core.stats import HeavyTail, unknown_reason
-from ..foundation.formatting import NEVER, UNKNOWN, count, fmt, measured_cells, pct
-from .cells import bias_cells, dagger, num as _num, pm, ratio_cell, unknown_mean
+from ..foundation.formatting import NEVER, UNKNOWN, count, fmt, measured_cells, num as _num, pct
+from .cells import bias_cells, dagger, pm, ratio_cell, unknown_mean
 
 
 def target_cell(r) -> str:

@@ -11,8 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.draws import draws_from_b, row_label
-from ..foundation.formatting import fmt, measured_cells, pct
-from .cells import bias_cells, dagger, num as _num, pm, ratio_cell, unknown_mean, with_reference
+from ..foundation.formatting import fmt, measured_cells, num as _num, pct
+from .cells import bias_cells, dagger, pm, ratio_cell, unknown_mean, with_reference
 
 
 def _with_exact(measured: str, exact: str) -> str:
