@@ -230,14 +230,6 @@ def check_derived(source: torch.Tensor, derived: torch.Tensor, side: str, src) -
                         f"{src.noise:g}: |logit / temperature + noise·ε| must stay below 1.8e308)", key=key)
 
 
-def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, contexts: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build (log q, log p), both normalised float64 [B, V], validating shapes and values.
-    ``contexts``: the default number of contexts of a Zipf generator (rollouts: the bucket count)."""
-    zq, zp = resolve_pair_source_logits(q, p, vocab, contexts)
-    return torch.log_softmax(zq, dim=-1), torch.log_softmax(zp, dim=-1)
-
-
 def resolve_pair_source_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, contexts: int | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q's logits, p's logits) as the sources hold them, float64 [B, V], unnormalised (a generator's with
