@@ -167,6 +167,13 @@ def _at(x: float, q: int, exp: int, sign: bool) -> str:
     return text + (f"e{exp}" if exp else "")
 
 
+def _shared_power(value: float, exact: float, se: float) -> int:
+    """The power of ten measured cells share: 0 (plain decimals) unless the largest finite one is below 10^-3 or
+    reaches 10^5. The SE counts too: a value far below its SE (+6e-4% ± 0.33%) prints in the SE's notation."""
+    size = max((abs(x) for x in (value, exact, se) if math.isfinite(x)), default=0.0)
+    return math.floor(math.log10(size)) if size and (size < 1e-3 or size >= 1e5) else 0
+
+
 def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, *, sign: bool = False,
                    unit: str = "") -> tuple[str, str, str]:
     """The one digit rule of every output: (measured value, its SE, the exact value beside it) as text, the
@@ -177,11 +184,8 @@ def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, 
     (without ``unit``); missing values are blank. ``sign``: a + on positive values (a bias); ``unit``: appended to each ("%")."""
     value, se, exact = (float(x) if x is not None else math.nan for x in (value, se, exact))
     q = _quantum(se, value if math.isfinite(value) else exact)
-    # The SE counts too: a value far below its SE (+6e-4% ± 0.33%) prints in the SE's notation, not its own.
-    size = max((abs(x) for x in (value, exact, se) if math.isfinite(x)), default=0.0)
-    exp = 0
-    if size and (size < 1e-3 or size >= 1e5):
-        exp = math.floor(math.log10(size))
+    exp = _shared_power(value, exact, se)
+    if exp:
         q = min(q, exp)     # at least the shared power's own digit
     cells = (_at(value, q, exp, sign), _at(se, q, exp, False) if math.isfinite(se) else "",
              _at(exact, q, exp, sign))
