@@ -7,14 +7,19 @@ from .common import Command, app, out_console
 @app.command("list", cls=Command)
 def list_() -> None:
     """List the registered estimators, pair-supplied rows, case kinds and per-sequence rewards, one line each."""
-    from importlib.metadata import entry_points
-
     from rich.markup import escape
 
     from ..present.terminal import show
-    from ..core.estimators import ESTIMATORS, PAIR_ROWS
     from ..kinds import CASE_KINDS
-    from ..training.sequences import SEQUENCE_REWARDS
+    rows = _estimator_rows() + [["kind", name, k.description] for name, k in CASE_KINDS.items()] + _reward_rows()
+    show(out_console, _table([[escape(c) for c in row] for row in rows]), fold=True)
+
+
+def _estimator_rows() -> list[list[str]]:
+    """The registered estimators and pair-supplied rows, and the plug-ins installed as entry points."""
+    from importlib.metadata import entry_points
+
+    from ..core.estimators import ESTIMATORS, PAIR_ROWS
     rows = []
     for name, e in [*ESTIMATORS.items(), *PAIR_ROWS.items()]:
         sign = ", ≥0" if e.nonnegative else ", ≥0 up to rounding" if getattr(e, "rounding_negative", False) else ""
@@ -23,11 +28,16 @@ def list_() -> None:
     for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:
             rows.append(["plug-in", ep.name, f"{ep.value} (entry point, loaded when used)"])
-    rows += [["kind", name, k.description] for name, k in CASE_KINDS.items()]
+    return rows
+
+
+def _reward_rows() -> list[list[str]]:
+    from ..training.sequences import SEQUENCE_REWARDS
+    rows = []
     for name, r in SEQUENCE_REWARDS.items():
         doc = (r.fn.__doc__ or "").strip().splitlines()[0] if r.fn.__doc__ else ""
         rows.append(["reward", name, f"{doc} ([train] reward = {{ sequence = \"{name}\" }})"])
-    show(out_console, _table([[escape(c) for c in row] for row in rows]), fold=True)
+    return rows
 
 
 def _table(rows: list[list[str]]):
