@@ -16,6 +16,7 @@ script with the hooks that the environment asks for installed first.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 
@@ -33,33 +34,28 @@ def install_from_env() -> None:
 
 
 def _install_kill_after_checkpoint() -> None:
-    nth = int(os.environ.get(KILL_AFTER_CHECKPOINT_ENV, "0") or 0)
-    if not nth:
-        return
-    from .api import run_folder as runner
-    save, saved = runner.save_checkpoint, [0]
-
-    def save_then_die(*args, **kwargs) -> None:
-        save(*args, **kwargs)
-        saved[0] += 1
-        if saved[0] == nth:
-            os.kill(os.getpid(), signal.SIGKILL)
-    runner.save_checkpoint = save_then_die
+    _kill_after(KILL_AFTER_CHECKPOINT_ENV, "api.run_folder", "save_checkpoint")
 
 
 def _install_kill_after_staged() -> None:
-    nth = int(os.environ.get(KILL_AFTER_STAGED_ENV, "0") or 0)
+    _kill_after(KILL_AFTER_STAGED_ENV, "foundation.storage", "stage_file")
+
+
+def _kill_after(env: str, module: str, name: str) -> None:
+    """``kl_bench.<module>.<name>`` dies by SIGKILL right after its Nth call returns, N from ``env`` (unset or
+    0: nothing installed, and the module not imported)."""
+    nth = int(os.environ.get(env, "0") or 0)
     if not nth:
         return
-    from .foundation import storage
-    stage, staged = storage.stage_file, [0]
+    owner = importlib.import_module(f"{__package__}.{module}")
+    original, calls = getattr(owner, name), [0]
 
-    def stage_then_die(path, data) -> None:
-        stage(path, data)
-        staged[0] += 1
-        if staged[0] == nth:
+    def then_die(*args, **kwargs) -> None:
+        original(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == nth:
             os.kill(os.getpid(), signal.SIGKILL)
-    storage.stage_file = stage_then_die
+    setattr(owner, name, then_die)
 
 
 def _install_self_signal() -> None:

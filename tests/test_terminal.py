@@ -177,7 +177,7 @@ def test_every_command_fits_an_80_column_terminal(shown, name):
     for needle in COMMANDS[name][1]:
         assert needle in text, (needle, text)
     if name == "list":        # one entry a line; a long description wraps under its own column, indented
-        starts = ("estimator ", "row ", "kind ", "reward ", "plug-in ", " ")
+        starts = ("estimator ", "row ", "gate ", "kind ", "reward ", "plug-in ", " ")
         assert all(line.startswith(starts) for line in lines if line.strip()), text
 
 

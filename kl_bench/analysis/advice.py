@@ -136,22 +136,31 @@ def value_advice(df: pd.DataFrame, case: str, batch: int = DEFAULT_BATCH,
     hint = _hint(df, case, c)
     reach = {i: p for i, p in plans.items() if _finite(p[1])}
     if not reach:      # never recommend what cannot reach the tolerance as if it could
-        best = min(plans, key=lambda i: plans[i][0])
-        why = never_words(({"n_for_10pct": math.inf, "exact_rel_bias": p[2], "exact_std": c.loc[i, "exact_std"]}
-                           for i, p in plans.items()), tolerance)
-        return Advice(case, "value", "", f"to log: no estimator of KL(q||p) gets within {_pct(tolerance)} at "
-                      f"any batch size ({why}; the lowest RMSE at {batch:,} is "
-                      f"{row_label(c.loc[best])}'s, {_biased(plans[best][2])}){hint}")
+        return _unreachable(c, case, plans, batch, tolerance, hint)
     best = min(reach, key=lambda i: reach[i][0])
     r = c.loc[best]
     line = _best_line(r, reach[best], batch, tolerance) + _alternatives(c, plans, reach, best, batch, tolerance) \
         + _pair_row_note(df, case, reach[best][1], batch, tolerance)
     if _finite(reach[best][2]) and abs(reach[best][2]) > 1e-6:
         line += hint
+    return Advice(case, "value", row_label(r), line + _heavy_warning(r))
+
+
+def _heavy_warning(r) -> str:
+    """"; warning: <heavy-tail class>" for a heavy-tailed row, else ""."""
     heavy = r.get("heavy_tail")
-    if isinstance(heavy, str) and heavy:
-        line += f"; warning: {heavy}"
-    return Advice(case, "value", row_label(r), line)
+    return f"; warning: {heavy}" if isinstance(heavy, str) and heavy else ""
+
+
+def _unreachable(c: pd.DataFrame, case: str, plans: dict, batch: int, tolerance: float, hint: str) -> Advice:
+    """The value advice where no candidate gets within the tolerance at any batch size: why, and whose RMSE at
+    ``batch`` is the lowest."""
+    best = min(plans, key=lambda i: plans[i][0])
+    why = never_words(({"n_for_10pct": math.inf, "exact_rel_bias": p[2], "exact_std": c.loc[i, "exact_std"]}
+                       for i, p in plans.items()), tolerance)
+    return Advice(case, "value", "", f"to log: no estimator of KL(q||p) gets within {_pct(tolerance)} at "
+                  f"any batch size ({why}; the lowest RMSE at {batch:,} is "
+                  f"{row_label(c.loc[best])}'s, {_biased(plans[best][2])}){hint}")
 
 
 def _hint(df: pd.DataFrame, case: str, c: pd.DataFrame) -> str:
@@ -245,19 +254,11 @@ def loss_advice(df: pd.DataFrame, case: str, gradients: pd.DataFrame | None = No
     rows = df[df["case"] == case]
     g = gradients[gradients["case"] == case] if gradients is not None and "case" in gradients else None
     if g is None or g.empty:
-        if _sampler(rows):
-            return Advice(case, "loss", "", "in the loss: draws come from b ≠ q, so the on-policy identities do "
-                          "not hold; [experiment] gradients = true shows what each estimator × mode follows", general=True)
-        return Advice(case, "loss", "", f"in the loss (per draw, on-policy): {IDENTITIES}; [experiment] gradients = true "
-                      "measures their variances", general=True)
+        return _identity_advice(rows, case)
     cos = g["exact_cos_reverse"].where(g["exact_cos_reverse"].notna(), g["cos_reverse"]).astype(float)
     n90 = g["n_for_cos90"].astype(float)
     exact_rows = g[g["equals"] == "reverse"]
-    pitfalls = [f"{_grad_label(r)} has zero expected gradient" for _, r in g[g["equals"] == "zero"].iterrows()]
-    pitfalls += [f"{_grad_label(r)} follows ∇KL(p||q)" for _, r in g[g["equals"] == "forward"].iterrows()]
-    pitfalls += [f"{_grad_label(r)} follows the unnormalised KL over what the sampler draws (ukl)"
-                 for _, r in g[g["equals"] == "ukl"].iterrows()]
-    tail = f"; avoid: {', '.join(pitfalls[:3])}" if pitfalls else ""
+    tail = _pitfalls(g)
     if not exact_rows.empty:
         best = exact_rows.loc[n90[exact_rows.index].idxmin()]
         n = float(best["n_for_cos90"])
@@ -274,6 +275,24 @@ def loss_advice(df: pd.DataFrame, case: str, gradients: pd.DataFrame | None = No
     hint = f"; {hint}" if hint else ""
     return Advice(case, "loss", _grad_label(best), f"in the loss, no estimator × mode follows ∇KL(q||p) "
                   f"exactly here; closest: {_grad_label(best)} (cos {fmt(best['_c'])}){hint}")
+
+
+def _identity_advice(rows: pd.DataFrame, case: str) -> Advice:
+    """The loss advice without gradient rows: the per-draw identities, which hold only when q draws."""
+    if _sampler(rows):
+        return Advice(case, "loss", "", "in the loss: draws come from b ≠ q, so the on-policy identities do "
+                      "not hold; [experiment] gradients = true shows what each estimator × mode follows", general=True)
+    return Advice(case, "loss", "", f"in the loss (per draw, on-policy): {IDENTITIES}; [experiment] gradients = true "
+                  "measures their variances", general=True)
+
+
+def _pitfalls(g: pd.DataFrame) -> str:
+    """"; avoid: …" naming up to three gradient rows whose expected gradient is zero, ∇KL(p||q) or ∇UKL; or ""."""
+    pitfalls = [f"{_grad_label(r)} has zero expected gradient" for _, r in g[g["equals"] == "zero"].iterrows()]
+    pitfalls += [f"{_grad_label(r)} follows ∇KL(p||q)" for _, r in g[g["equals"] == "forward"].iterrows()]
+    pitfalls += [f"{_grad_label(r)} follows the unnormalised KL over what the sampler draws (ukl)"
+                 for _, r in g[g["equals"] == "ukl"].iterrows()]
+    return f"; avoid: {', '.join(pitfalls[:3])}" if pitfalls else ""
 
 
 def merged(advice: list[Advice]) -> list[Advice]:

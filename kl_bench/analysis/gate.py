@@ -184,29 +184,36 @@ def baseline_comparisons(df: pd.DataFrame, baseline: dict[str, Any]) -> tuple[li
             notes.append(f"{row_name(r)}: not in the baseline")
             continue
         seen.add(key)
-        heavy = {r.get("heavy_tail", "") or "", b.get("heavy_tail") or ""}
-        if heavy & UNKNOWN_MEAN:
-            continue
-        heavy &= EXACT_HEAVY
-        k, k_b = r.get("batches", math.nan), b.get("batches", math.nan)
-        # Each side's SE at the exact spread where the exact analysis finds the measured one too low.
-        se_r = _at_exact_spread(r["se"], r["std"], r["exact_std"], r["draws"]) if heavy else r["se"]
-        se_b = _at_exact_spread(b["se"], b.get("std"), r["exact_std"], b.get("draws")) if heavy else b["se"]
-        se = math.hypot(se_r, se_b)
-        dof = _dof((se_r, k), (se_b, k_b))
-        scale = max(abs(r["mean"]), abs(b["mean"]))
-        z, p = _z(r["mean"], b["mean"], se, scale, dof)
-        out.append(Comparison(row_name(r), "mean vs baseline", r["mean"], b["mean"], se, z, p, dof, scale=scale))
-        if not heavy and math.isfinite(r.get("std_se", math.nan)) and math.isfinite(b.get("std_se", math.nan)):
-            se = math.hypot(r["std_se"], b["std_se"])
-            dof = _dof((r["std_se"], k), (b["std_se"], k_b))
-            scale = max(abs(r["mean"]), r["std"], b["std"])
-            z, p = _z(r["std"], b["std"], se, scale, dof)
-            out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p, dof, scale=scale))
+        out += _against_baseline(r, b)
     for key, b in base.items():
         if key not in seen:
             notes.append(f"{row_name(b)}: in the baseline but not in this run")   # its aggregate and λ too
     return out, notes
+
+
+def _against_baseline(r, b: dict[str, Any]) -> list[Comparison]:
+    """A row's mean (and std, where both SEs are known) against its baseline row ``b``; none for a row whose
+    mean is unknown on either side."""
+    heavy = {r.get("heavy_tail", "") or "", b.get("heavy_tail") or ""}
+    if heavy & UNKNOWN_MEAN:
+        return []
+    heavy &= EXACT_HEAVY
+    k, k_b = r.get("batches", math.nan), b.get("batches", math.nan)
+    # Each side's SE at the exact spread where the exact analysis finds the measured one too low.
+    se_r = _at_exact_spread(r["se"], r["std"], r["exact_std"], r["draws"]) if heavy else r["se"]
+    se_b = _at_exact_spread(b["se"], b.get("std"), r["exact_std"], b.get("draws")) if heavy else b["se"]
+    se = math.hypot(se_r, se_b)
+    dof = _dof((se_r, k), (se_b, k_b))
+    scale = max(abs(r["mean"]), abs(b["mean"]))
+    z, p = _z(r["mean"], b["mean"], se, scale, dof)
+    out = [Comparison(row_name(r), "mean vs baseline", r["mean"], b["mean"], se, z, p, dof, scale=scale)]
+    if not heavy and math.isfinite(r.get("std_se", math.nan)) and math.isfinite(b.get("std_se", math.nan)):
+        se = math.hypot(r["std_se"], b["std_se"])
+        dof = _dof((r["std_se"], k), (b["std_se"], k_b))
+        scale = max(abs(r["mean"]), r["std"], b["std"])
+        z, p = _z(r["std"], b["std"], se, scale, dof)
+        out.append(Comparison(row_name(r), "std vs baseline", r["std"], b["std"], se, z, p, dof, scale=scale))
+    return out
 
 
 def skipped_notes(df: pd.DataFrame) -> list[str]:
@@ -221,19 +228,20 @@ def skipped_notes(df: pd.DataFrame) -> list[str]:
         c = df[df["case"] == case]
         for reason in (h for h in HeavyTail if h.unknown_mean or h.exact):
             hit = c[c["heavy_tail"] == reason.value]
-            if hit.empty:
-                continue
-            names = ", ".join(row_label(r) for _, r in hit.iterrows())
-            r = hit.iloc[0]
-            if reason.unknown_mean:
-                why = unknown_reason(reason.value, r.get("ess", math.nan), r["draws"], r.get("batches", math.nan))
-                out.append(f"{case}: {names}: not compared ({why})")
-            else:
-                factor = max(_widening(x) for _, x in hit.iterrows())
-                widened = "" if factor <= 1 else "; mean's SE taken at the exact std (" + (
-                    f"up to ×{factor:.2g})" if math.isfinite(factor) else "every draw alike: its SE was 0)")
-                out.append(f"{case}: {names}: std not compared{widened} ({reason.value})")
+            if not hit.empty:
+                out.append(f"{case}: {', '.join(row_label(r) for _, r in hit.iterrows())}: {_skipped(reason, hit)}")
     return out
+
+
+def _skipped(reason: HeavyTail, hit: pd.DataFrame) -> str:
+    """What the gate leaves out of the rows ``hit`` (one case's, of one heavy-tail class), and why."""
+    r = hit.iloc[0]
+    if reason.unknown_mean:
+        return f"not compared ({unknown_reason(reason.value, r.get('ess', math.nan), r['draws'], r.get('batches', math.nan))})"
+    factor = max(_widening(x) for _, x in hit.iterrows())
+    widened = "" if factor <= 1 else "; mean's SE taken at the exact std (" + (
+        f"up to ×{factor:.2g})" if math.isfinite(factor) else "every draw alike: its SE was 0)")
+    return f"std not compared{widened} ({reason.value})"
 
 
 def holm(comparisons: list[Comparison], alpha: float) -> list[Comparison]:

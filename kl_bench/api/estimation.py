@@ -83,6 +83,11 @@ def _masked(values: torch.Tensor, mask, aggregation: str | None) -> torch.Tensor
     return torch.where(mask.bool(), values, torch.zeros_like(values))
 
 
+def _needs_logits(est) -> SpecError:
+    return SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
+                     "reference_logits= [..., V], no ids")
+
+
 def _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, est):
     """(log q, log p) for :func:`estimate`: sampled tokens' log-probs, or logits [..., V] for ``full``."""
     q, p, names = _given_pair(policy, reference, policy_logits, reference_logits)
@@ -91,14 +96,12 @@ def _estimate_inputs(policy, reference, policy_logits, reference_logits, ids, es
             raise SpecError("ids= goes with policy_logits= and reference_logits=; policy= and reference= are "
                             "the sampled tokens' log-probs already", key="ids")
         if est.analytic:
-            raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
-                            "reference_logits= [..., V], no ids")
+            raise _needs_logits(est)
         return q, p
     q, p = (_checked_logits(x, key) for x, key in zip((q, p), names))
     if est.analytic:
         if ids is not None:
-            raise SpecError(f"'{est.name}' needs the full next-token distributions: policy_logits= and "
-                            "reference_logits= [..., V], no ids")
+            raise _needs_logits(est)
         return q, p
     return _sampled_logprobs(q, p, ids)
 

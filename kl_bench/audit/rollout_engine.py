@@ -307,7 +307,8 @@ def engine_line(a: EngineAudit) -> str:
     dtype = f", {a.engine_dtype}" if a.engine_dtype else ""
     return (f"step {a.step} engine ({a.convention} log-probs{dtype}, {a.tokens} tokens): KL(engine‖trainer) "
             f"{a.kl_engine:.3g} ± {a.kl_engine_se:.2g} measured, {a.kl_sampler:.3g} from the sampler alone (excess "
-            f"{a.kl_excess:+.3g}{drawn}; k3 against the sampler {a.excess_k3:.3g} ± {a.excess_k3_se:.2g}); k3_kl {a.k3_kl:.3g} ± {a.k3_kl_se:.2g} (sampler alone {a.k3_kl_exact:.3g}), "
+            f"{a.kl_excess:+.3g}{drawn}; k3 against the sampler {a.excess_k3:.3g} ± {a.excess_k3_se:.2g}); "
+            f"k3_kl {a.k3_kl:.3g} ± {a.k3_kl_se:.2g} (sampler alone {a.k3_kl_exact:.3g}), "
             f"chi2 {a.chi2:.3g} ± {a.chi2_se:.2g} ({a.chi2_exact:.3g}), logp diff {a.logp_diff:.3g} ± "
             f"{a.logp_diff_se:.2g} ({a.logp_diff_exact:.3g}); sampler gap {a.sampler_gap:+.3g}; "
             f"{a.outside} outside the trainer-side support")

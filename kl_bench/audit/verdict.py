@@ -12,7 +12,6 @@ of 2–4 per step (left padding) shows up at every step.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..foundation.formatting import fmt, measured_cells, plural

@@ -103,18 +103,29 @@ def main(argv: list[str] | None = None) -> None:
             signals.ignore()          # interrupted and said so: later signals add nothing
         sys.exit(e.exit_code)
     except (MemoryError, RuntimeError) as e:
-        if not is_out_of_memory(e):
-            if isinstance(e, RuntimeError) and _is_abort(e):
-                _interrupted()
-            raise
-        signals.ignore()
-        e.__traceback__ = None          # let the failed allocation's tables go before saying it
-        say_error(_out_of_memory_line(e, args))
-        sys.exit(2)
+        _failed(e, args)
     except (KeyboardInterrupt, typer.Abort):
         _interrupted()
     finally:
         signals.ignore()          # the outcome is said: a signal during shutdown must not add to it
+
+
+def _failed(e: MemoryError | RuntimeError, args: list[str]) -> None:
+    """A failed allocation is one line (exit 2), an abort (a C++ library's answer to a signal) an interrupt
+    (exit 130); any other error is raised again, whole."""
+    if is_out_of_memory(e):
+        _out_of_memory(e, args)
+    if isinstance(e, RuntimeError) and _is_abort(e):
+        _interrupted()
+    raise e
+
+
+def _out_of_memory(e: BaseException, args: list[str]) -> None:
+    """An allocation that failed: one line naming what to make smaller, and exit 2."""
+    signals.ignore()
+    e.__traceback__ = None          # let the failed allocation's tables go before saying it
+    say_error(_out_of_memory_line(e, args))
+    sys.exit(2)
 
 
 def _interrupted() -> None:

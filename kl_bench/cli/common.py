@@ -312,6 +312,15 @@ def draws_option(help: str = "override [experiment] draws (1e7 and 10_000_000 wo
     return typer.Option(None, "--draws", metavar="N", callback=draws_flag, help=help)
 
 
+def batch_option():
+    return typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)")
+
+
+def tolerance_option():
+    return typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
+                        help="the advice's relative tolerance (0.05: ±5%)")
+
+
 def quiet_option(silences: str):
     """``--quiet``/``-q``; ``silences``: what it leaves out for this command (its help)."""
     return typer.Option(False, "--quiet", "-q", help=silences)

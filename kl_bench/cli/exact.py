@@ -6,17 +6,16 @@ from typing import Optional
 
 import typer
 
-from .common import (Command, advice_options, advise, app, check_output, err_console, float_flag, int_flag, out_console,
+from .common import (Command, advice_options, advise, app, check_output, err_console, out_console,
                      user_errors, warn_rows, write_outputs)
-from .common import quiet_option
+from .common import batch_option, quiet_option, tolerance_option
 
 
 @app.command(cls=Command)
 def exact(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (TOML)", show_default=False),
           out: Optional[Path] = typer.Option(None, "--out", help="also write the exact table to this CSV file"),
-          batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
-          tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
-                                          help="the advice's relative tolerance (0.05: ±5%)"),
+          batch: int = batch_option(),
+          tolerance: float = tolerance_option(),
           quiet: bool = quiet_option("no progress line (there is none in a pipe)")) -> None:
     """Print the exact KL and estimator moments of every case, and the advice, without sampling."""
     from .. import api

@@ -7,14 +7,20 @@ from .common import Command, app, out_console
 @app.command("list", cls=Command)
 def list_() -> None:
     """List the registered estimators, pair-supplied rows, gates, case kinds and per-sequence rewards, one line each."""
-    from importlib.metadata import entry_points
-
     from rich.markup import escape
 
     from ..present.terminal import show
-    from ..core.estimators import ESTIMATORS, PAIR_ROWS
     from ..kinds import CASE_KINDS
-    from ..training.sequences import SEQUENCE_REWARDS
+    rows = _estimator_rows() + _gate_rows() + [["kind", name, k.description] for name, k in CASE_KINDS.items()] \
+        + _reward_rows()
+    show(out_console, _table([[escape(c) for c in row] for row in rows]), fold=True)
+
+
+def _estimator_rows() -> list[list[str]]:
+    """The registered estimators and pair-supplied rows, and the plug-ins installed as entry points."""
+    from importlib.metadata import entry_points
+
+    from ..core.estimators import ESTIMATORS, PAIR_ROWS
     rows = []
     for name, e in [*ESTIMATORS.items(), *PAIR_ROWS.items()]:
         sign = ", ≥0" if e.nonnegative else ", ≥0 up to rounding" if getattr(e, "rounding_negative", False) else ""
@@ -23,12 +29,7 @@ def list_() -> None:
     for ep in entry_points(group="kl_bench.estimators"):
         if ep.name not in ESTIMATORS:
             rows.append(["plug-in", ep.name, f"{ep.value} (entry point, loaded when used)"])
-    rows += _gate_rows()
-    rows += [["kind", name, k.description] for name, k in CASE_KINDS.items()]
-    for name, r in SEQUENCE_REWARDS.items():
-        doc = (r.fn.__doc__ or "").strip().splitlines()[0] if r.fn.__doc__ else ""
-        rows.append(["reward", name, f"{doc} ([train] reward = {{ sequence = \"{name}\" }})"])
-    show(out_console, _table([[escape(c) for c in row] for row in rows]), fold=True)
+    return rows
 
 
 def _gate_rows() -> list[list[str]]:
@@ -40,6 +41,15 @@ def _gate_rows() -> list[list[str]]:
         formula = g.formula.replace("top-20", "top-K")
         key = f'"{g.name}"' if "@" in g.name else g.name        # a TOML key with @ is quoted
         rows.append(["gate", name, f"masks when {formula}; {g.source} ([experiment] gates = {{ {key} = [δ] }})"])
+    return rows
+
+
+def _reward_rows() -> list[list[str]]:
+    from ..training.sequences import SEQUENCE_REWARDS
+    rows = []
+    for name, r in SEQUENCE_REWARDS.items():
+        doc = (r.fn.__doc__ or "").strip().splitlines()[0] if r.fn.__doc__ else ""
+        rows.append(["reward", name, f"{doc} ([train] reward = {{ sequence = \"{name}\" }})"])
     return rows
 
 

@@ -6,8 +6,8 @@ from typing import Optional
 
 import typer
 
-from .common import DEFAULT_RUNS, Command, advice_options, app, float_flag, int_flag, user_errors, write_report
-from .common import quiet_option
+from .common import DEFAULT_RUNS, Command, advice_options, app, user_errors, write_report
+from .common import batch_option, quiet_option, tolerance_option
 
 
 @app.command(cls=Command)
@@ -19,9 +19,8 @@ def report(dirs: list[Path] = typer.Argument(..., metavar="DIR", show_default=Fa
            formats: str = typer.Option("png", "--formats", metavar="LIST",
                                        help="figure files to write, comma-separated from png, pdf, svg (PDF and SVG: "
                                        "vectors for a paper; PNG is always written, the pages show it)"),
-           batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
-           tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
-                                           help="the advice's relative tolerance (0.05: ±5%)"),
+           batch: int = batch_option(),
+           tolerance: float = tolerance_option(),
            quiet: bool = quiet_option("no progress line and no summary line")) -> None:
     """Plots, the paper-style table (LaTeX and Markdown), the advice and a self-contained report.html from
     results folders (a training or audit folder: its figures, report.md and report.html)."""

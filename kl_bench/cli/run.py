@@ -7,9 +7,9 @@ from typing import Optional
 
 import typer
 
-from .common import (Command, advice_options, advise, app, err_console, float_flag, int_flag, interrupted,
+from .common import (Command, advice_options, advise, app, err_console, float_flag, interrupted,
                      out_console, stale_report_note, user_errors, warn_rows, write_report)
-from .common import device_option, draws_option, quiet_option, seed_option
+from .common import batch_option, device_option, draws_option, quiet_option, seed_option, tolerance_option
 
 
 @app.command(cls=Command)
@@ -25,10 +25,9 @@ def run(spec: Path = typer.Argument(..., metavar="SPEC", help="experiment spec (
         checkpoint_every: float = typer.Option(30.0, "--checkpoint-every", parser=float_flag, metavar="SECONDS",
                                                help="write a checkpoint at most this often (> 0; inf: never)"),
         no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="never write a checkpoint"),
-        wide: bool = typer.Option(False, "--wide", help="the full per-case tables whatever the width (summary.csv has every column: docs/results.md)"),
-        batch: int = typer.Option(64, "--batch", parser=int_flag, metavar="B", help="the advice's batch size (draws per mean)"),
-        tolerance: float = typer.Option(0.1, "--tolerance", parser=float_flag, metavar="T",
-                                        help="the advice's relative tolerance (0.05: ±5%)")) -> None:
+        wide: bool = typer.Option(False, "--wide", help="the full per-case tables whatever the width (summary.csv: every column)"),
+        batch: int = batch_option(),
+        tolerance: float = tolerance_option()) -> None:
     """Sample every case of SPEC and write summary.csv, run.json (and batches.csv, reservoir.npz,
     lambda_sweep.csv) into the results folder, atomically. Under torchrun the batches are split across
     the processes and rank 0 writes the very bytes one process would (docs/ci.md, "Scaling out")."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from ..foundation.formatting import num
+
 RMSE_SIZES = (64, 1024, 16384)
 
 
@@ -60,11 +62,6 @@ def never_words(rows, rel: float = 0.1) -> str:
     """The reasons of the "never" rows among ``rows`` (mappings with n_for_10pct, exact_rel_bias and
     exact_std; a DataFrame's rows from iterrows), joined by "or", each once: "the variance is infinite or the
     bias alone exceeds ±10%"; "" where no row is "never"."""
-    def num(x) -> float:
-        try:
-            return float(x)
-        except (TypeError, ValueError):
-            return math.nan
     words = dict.fromkeys(never_reason(num(r.get("exact_rel_bias")), num(r.get("exact_std")), rel)
                           for r in rows if math.isinf(num(r.get("n_for_10pct"))))
     return " or ".join(w for w in words if w)

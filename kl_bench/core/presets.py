@@ -143,9 +143,15 @@ class _ValueWithK2Gradient(torch.autograd.Function):
 def straight_through(value_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """verl's ``+`` suffix: ½(log r)² − sg(½(log r)²) + sg(value). The value is exactly ``value_fn``
     ((a − a) + f = f exactly for finite a), the gradient with respect to log r is that of k2."""
+    return _with_k2_gradient(_ValueWithK2Gradient, value_fn, "plus")
+
+
+def _with_k2_gradient(function: type[_ValueWithK2Gradient], value_fn: Callable[[torch.Tensor], torch.Tensor],
+                      suffix: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """f(log r) = function(log r, value_fn(sg(log r))), named ``<value_fn>_<suffix>``."""
     def fn(logr: torch.Tensor) -> torch.Tensor:
-        return _ValueWithK2Gradient.apply(logr, value_fn(logr.detach()))
-    fn.__name__ = f"{value_fn.__name__}_plus"
+        return function.apply(logr, value_fn(logr.detach()))
+    fn.__name__ = f"{value_fn.__name__}_{suffix}"
     return fn
 
 
@@ -190,7 +196,7 @@ def openrlhf_k3(logr: torch.Tensor) -> torch.Tensor:
     return _clip_out(_k3_exp_m1_first(logr.float())).to(logr.dtype)
 
 
-class _OpenRLHFUnbiased(torch.autograd.Function):
+class _OpenRLHFUnbiased(_ValueWithK2Gradient):
     """OpenRLHF's ``unbiased_gradient`` straight-through, in its order: value.detach() + g − g.detach()
     with g = w·(log_ratio²/2) (float32, w = 1 on-policy): the value is (v + g) − g, rounded as OpenRLHF
     rounds it (not v itself), the gradient that of g. Where g = ∞ (log r = −∞) OpenRLHF's value is
@@ -201,21 +207,14 @@ class _OpenRLHFUnbiased(torch.autograd.Function):
         ctx.save_for_backward(logr)
         g = _neg(logr.float()) ** 2 / 2.0
         return torch.where(torch.isfinite(g), (value.float() + g) - g, value.float()).to(logr.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (logr,) = ctx.saved_tensors
-        return grad * logr, None
+    # backward: k2's, inherited
 
 
 def openrlhf_unbiased(value_fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """OpenRLHF ``--algo.kl.unbiased_gradient`` (OpenRLHF #1309): the clamped value of ``value_fn``,
     the gradient of ½(log r)² (on-policy; off-policy OpenRLHF multiplies it by sg(min(q/q_old, 10)):
     in kl-bench a sampler with weights = "token", weight_cap = 10). Shape-preserving, float32 arithmetic."""
-    def fn(logr: torch.Tensor) -> torch.Tensor:
-        return _OpenRLHFUnbiased.apply(logr, value_fn(logr.detach()))
-    fn.__name__ = f"{value_fn.__name__}_unbiased"
-    return fn
+    return _with_k2_gradient(_OpenRLHFUnbiased, value_fn, "unbiased")
 
 
 # ----------------------------------------------------------------------------- TRL

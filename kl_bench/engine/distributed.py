@@ -154,6 +154,12 @@ def env_world() -> tuple[int, int, int] | None:
     world, rank, local = _env_numbers(env)
     if world == 1 and rank == 0:
         return None
+    _check_world(env, world, rank, local)
+    return rank, world, local
+
+
+def _check_world(env: dict[str, str], world: int, rank: int, local: int) -> None:
+    """Every torchrun variable there (LOCAL_RANK aside) and the rank inside the world."""
     missing = [k for k in TORCHRUN_ENV if k not in env and k != "LOCAL_RANK"]
     if missing:
         raise SpecError(f"torchrun environment is incomplete: {', '.join(k + '=' + env[k] for k in env)} set, but not "
@@ -161,7 +167,6 @@ def env_world() -> tuple[int, int, int] | None:
                         "one process", key=missing[0])
     if world < 1 or not 0 <= rank < world or local < 0:
         raise SpecError(f"torchrun environment: RANK={rank} must lie in [0, WORLD_SIZE={world})", key="RANK")
-    return rank, world, local
 
 
 def follower() -> int | None:

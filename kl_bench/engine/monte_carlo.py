@@ -30,7 +30,7 @@ from .distributed import SINGLE, Ranks, block, drawn_by_rank, rounds
 from ..foundation.errors import SpecError
 from ..core.estimators import resolve_estimator
 from ..core.modes import GradBatch, GradItem
-from ..kinds.protocols import CasePair, GradientAccumulator, gradient_oracle, no_gradients
+from ..kinds.protocols import BatchSums, CasePair, GradientAccumulator, gradient_oracle, no_gradients
 from ..sampling.seeding import BatchStream, batch_generator, batch_sizes, batch_streams
 
 FEATURES_PER_ESTIMATOR = 3  # f − c, (f − c)², 1[f < 0]
@@ -205,13 +205,31 @@ def run_case(pair: CasePair, rows, *, draws: int, seed: int, batches: int,
     run = pair.batch_sums(make_features(rows, shifts, blocks, weighted), tok_rows(rows), device)
     per_chunk = pair.batches_per_chunk(max(sizes), chunk)
     t0 = time.perf_counter()
-    out = []
-    first = 0
-    if resume is not None and resume.shape[0]:
-        _check_resume(resume, pair, rows, exact, width, sizes)
-        out.append(resume.to(torch.float64))
-        first = resume.shape[0]
-        _report(progress, sum(sizes[:first]), restored=True)
+    out, first = _resumed(resume, pair, rows, exact, width, sizes, progress)
+    out = _sum_rounds(run, streams, sizes, first, per_chunk, ranks, progress, on_sums, out)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)  # host: the batches' sums, gathered
+    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),  # host: results
+                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size),
+                   restored=sum(sizes[:first]), weighted=weighted)
+
+
+def _resumed(resume: torch.Tensor | None, pair: CasePair, rows: list[Row], exact: dict, width: int, sizes: list[int],
+             progress) -> tuple[list[torch.Tensor], int]:
+    """([the checkpoint's sums, checked], the batches they hold), or ([], 0) without a checkpoint."""
+    if resume is None or not resume.shape[0]:
+        return [], 0
+    _check_resume(resume, pair, rows, exact, width, sizes)
+    first = resume.shape[0]
+    _report(progress, sum(sizes[:first]), restored=True)
+    return [resume.to(torch.float64)], first
+
+
+def _sum_rounds(run: BatchSums, streams: list[BatchStream], sizes: list[int], first: int, per_chunk: int, ranks: Ranks,
+                progress, on_sums, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``out`` (the sums of the batches before ``first``), then the sums of the others, drawn round by round;
+    every rank draws its slice of a round and rank 0 keeps every batch's row, in batch order."""
     for start, stop, lo, hi in rounds(first, len(sizes), per_chunk, ranks):
         parts = ranks.gather(run(streams[lo:hi]).cpu() if hi > lo else None)
         if parts is None:           # not rank 0: rank 0 keeps the rows
@@ -221,12 +239,7 @@ def run_case(pair: CasePair, rows, *, draws: int, seed: int, batches: int,
         if on_sums is not None:
             out = [torch.cat(out)]
             on_sums(out[0])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    sums = torch.cat(out) if out else torch.zeros(0, width, dtype=torch.float64)  # host: the batches' sums, gathered
-    return CaseRun(pair, rows, shifts, torch.tensor(sizes), sums, row_counts(rows, sizes, pair.piece_draws(device)),  # host: results
-                   exact, time.perf_counter() - t0, blocks, drawn_by_rank(first, len(sizes), per_chunk, ranks.world_size),
-                   restored=sum(sizes[:first]), weighted=weighted)
+    return out
 
 
 def small_batch_negative(pair: CasePair, rows: list[Row], *, batch: int, batches: int, seed: int,
@@ -290,16 +303,21 @@ def run_gradients(pair: CasePair, items: list[GradItem], directions: dict[str, n
     lo, hi = block(len(sizes), ranks) if split else (0, len(sizes))
     acc.keep_batches = split
     parts = add_batches(acc, batch_streams(seed, f"{pair.name}/gradients", sizes, device)[lo:hi], progress)
-    drawn = [[[0, len(sizes)]]] + [[] for _ in range(ranks.world_size - 1)]
     if split:
         parts = _merge_ranks(acc, parts, ranks)
         if parts is None:
             return None
-        drawn = [[list(block(len(sizes), Ranks(r, ranks.world_size)))] for r in range(ranks.world_size)]
         _report(progress, sum(sizes) - sum(sizes[lo:hi]))
     proj2 = np.stack([b.proj2 for b in parts]) if parts[0].proj2 is not None else None
     return GradientRun(items, np.array(sizes, dtype=np.float64), acc.total(), np.stack([b.proj for b in parts]),
-                       np.stack([b.sq for b in parts]), proj2, drawn)
+                       np.stack([b.sq for b in parts]), proj2, _gradient_drawn(len(sizes), ranks, split))
+
+
+def _gradient_drawn(k: int, ranks: Ranks, split: bool) -> list[list[list[int]]]:
+    """Per rank, the [lo, hi) ranges of the k batches it drew: a block each on a split pass, else all on rank 0."""
+    if split:
+        return [[list(block(k, Ranks(r, ranks.world_size)))] for r in range(ranks.world_size)]
+    return [[[0, k]]] + [[] for _ in range(ranks.world_size - 1)]
 
 
 def _merge_ranks(acc: GradientAccumulator, parts: list[GradBatch], ranks: Ranks) -> list[GradBatch] | None:

@@ -100,6 +100,13 @@ def run_experiment_case(pair: CasePair, exp: Experiment, device: torch.device,
                    device=device, joint=joint, progress=progress, resume=resume, on_sums=on_sums, ranks=ranks)
     if not ranks.root:
         return None
+    out, sweep, values = _summarized(pair, exp, run, joint, device)
+    return CaseOutcome(run, out, sweep, pilot_lambda, values[:RESERVOIR], pilot_drawn)
+
+
+def _summarized(pair: CasePair, exp: Experiment, run: CaseRun, joint: bool, device: torch.device):
+    """(summary rows with their planning columns and P(<0) at batch 64, the λ sweep's frame or None, the
+    small-batch simulation's values) of a case's main pass."""
     small, values = small_batch_negative(pair, run.rows, batch=SMALL_BATCH, batches=small_batches(exp.draws, pair),
                                          seed=exp.seed, device=device)
     out = summarize(run)
@@ -107,8 +114,7 @@ def run_experiment_case(pair: CasePair, exp: Experiment, device: torch.device,
         add_planning(row, r.group)
         row["p_neg_b64"] = small[r.label]
     sweeps = [_lambda_sweep(pair, run, out, agg) for agg in (pair.aggregates if joint else ())]
-    return CaseOutcome(run, out, pd.concat(sweeps, ignore_index=True) if sweeps else None, pilot_lambda,
-                       values[:RESERVOIR], pilot_drawn)
+    return out, pd.concat(sweeps, ignore_index=True) if sweeps else None, values
 
 
 def _pilot_rows(pair: CasePair, exp: Experiment, device: torch.device, ranks: Ranks) -> tuple[list[Row], list]:
@@ -268,20 +274,8 @@ def run_spec(spec, pairs: list[CasePair], device: torch.device, progress: Callab
     exp = spec.experiment
     case_draws = spec.case_draws()
     t0 = time.perf_counter()
-    outcomes = []
-    for pair, n in zip(pairs, case_draws):
-        if on_phase is not None:
-            on_phase(pair.name)
-        with out_of_memory_said(f"sampling the case ({fmt_count(n)} draws, {fmt_count(min(n, exp.chunk))} at once)",
-                                "a smaller case, or fewer draws at once (a smaller [experiment] chunk, more batches)",
-                                file=str(spec.path), case=pair.name):
-            try:
-                outcomes.append(run_experiment_case(
-                    pair, exp, device, progress=progress, draws=n, resume=(resume or {}).get(pair.name),
-                    on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums)),
-                    ranks=ranks))
-            except SpecError as e:              # e.g. a plug-in that returns NaN on some draws: name where
-                raise e.located(file=str(spec.path), case=pair.name) from None
+    outcomes = [_main_pass(spec, pair, n, device, progress, (resume or {}).get(pair.name), on_sums, on_phase, ranks)
+                for pair, n in zip(pairs, case_draws)]
     rows = [row for o in outcomes if o is not None for row in o.rows]
     drawn = {o.run.pair.name: {**({"pilot": o.pilot_drawn} if o.pilot_drawn else {}), "main": o.run.drawn}
              for o in outcomes if o is not None}
@@ -292,6 +286,23 @@ def run_spec(spec, pairs: list[CasePair], device: torch.device, progress: Callab
     summary = add_sweep_columns(to_frame(rows), spec)
     return SpecOutcome(summary, outcomes, case_draws, time.perf_counter() - t0, grads, ranks.world_size, drawn,
                        vectors, _baseline_pass(spec, pairs, device, on_phase), gate_frame(spec, pairs))
+
+
+def _main_pass(spec, pair: CasePair, n: int, device: torch.device, progress, resume: torch.Tensor | None, on_sums,
+               on_phase, ranks: Ranks) -> CaseOutcome | None:
+    """One case's pilot and main passes (:func:`run_experiment_case`), its errors located in the spec."""
+    if on_phase is not None:
+        on_phase(pair.name)
+    chunk = spec.experiment.chunk
+    with out_of_memory_said(f"sampling the case ({fmt_count(n)} draws, {fmt_count(min(n, chunk))} at once)",
+                            "a smaller case, or fewer draws at once (a smaller [experiment] chunk, more batches)",
+                            file=str(spec.path), case=pair.name):
+        try:
+            return run_experiment_case(
+                pair, spec.experiment, device, progress=progress, draws=n, resume=resume,
+                on_sums=None if on_sums is None else (lambda sums, name=pair.name: on_sums(name, sums)), ranks=ranks)
+        except SpecError as e:              # e.g. a plug-in that returns NaN on some draws: name where
+            raise e.located(file=str(spec.path), case=pair.name) from None
 
 
 def _gradient_pass(spec, pairs: list[CasePair], device: torch.device, progress, on_phase, ranks: Ranks,

@@ -29,18 +29,24 @@ def gradient_items(pair: GradientCase, sources) -> list[GradItem]:
     (rollouts: token-only estimators have no sequence rows); pair-supplied rows only where the kind gives them
     one (:meth:`~kl_bench.kinds.protocols.GradientOracle.gradient_pair_rows`: rollouts' Rao–Blackwellised row)."""
     ests = [pair.adapt(e) for e in sources if not e.analytic]
-    # A mode defined on-policy only (NeMo-RL's clamp order: w = q/sg(q) has value 1; under a sampler the
-    # clamp sees w·f with w = q/b, which a per-draw coefficient c(log r) cannot express): a row only where
-    # the pair applies the weight inside the clamp's test (categoricals: GradientOracle.clamp_sees_weight).
-    # Token-only modes (reward+loss, reward_to_go, reward_partial) get rows on token aggregates only: on
-    # one draw or a sequence log-ratio they equal loss_is or reward (kl_bench.core.modes). A group aggregate
-    # (the token-mean over B sequences, a loss aggregation) gets the modes whose tokens each carry their
-    # own term (local); a value shared by the group times each sequence's score is no trainer's form.
     return [GradItem.of(e, m, a) for a in pair.gradient_aggregates for e in ests if a in pair.aggregates_for(e)
-            for m in modes_for(e, token=AGGREGATES[a].token)
-            if (MODES[m].off_policy or not pair.has_sampler or pair.clamp_sees_weight)
-            and (not AGGREGATES[a].grouped or MODES[m].token == "local") and not pair.gradient_excludes(m, a)] \
+            for m in modes_for(e, token=AGGREGATES[a].token) if _gets_row(pair, m, a)] \
         + pair.gradient_pair_rows(list(sources))
+
+
+def _gets_row(pair: GradientCase, mode: str, aggregate: str) -> bool:
+    """Whether a (mode, aggregate) of an estimator that has it gets a row on this pair.
+
+    A mode defined on-policy only (NeMo-RL's clamp order: w = q/sg(q) has value 1; under a sampler the
+    clamp sees w·f with w = q/b, which a per-draw coefficient c(log r) cannot express): a row only where
+    the pair applies the weight inside the clamp's test (categoricals: GradientOracle.clamp_sees_weight).
+    Token-only modes (reward+loss, reward_to_go, reward_partial) get rows on token aggregates only (``modes_for``):
+    on one draw or a sequence log-ratio they equal loss_is or reward (kl_bench.core.modes). A group aggregate
+    (the token-mean over B sequences, a loss aggregation) gets the modes whose tokens each carry their
+    own term (local); a value shared by the group times each sequence's score is no trainer's form."""
+    m = MODES[mode]
+    return ((m.off_policy or not pair.has_sampler or pair.clamp_sees_weight)
+            and (not AGGREGATES[aggregate].grouped or m.token == "local") and not pair.gradient_excludes(mode, aggregate))
 
 
 def unit(v: np.ndarray) -> np.ndarray:
@@ -132,8 +138,17 @@ def _row(pair: GradientCase, item: GradItem, ex, run, j: int, dirs: dict, refs: 
     """One gradients.csv row: the Monte Carlo columns of item j, then the exact ones (empty without ``ex``).
     ``refs``: (∇KL(q‖p), ∇KL(p‖q), ∇UKL(q_S‖p) or None) as this row is compared with them; ``own``: the
     ``self`` target."""
+    row = _measured_columns(pair, item, ex, run, j, dirs, refs, draws)
+    if ex is None:
+        return {**row, **{c: math.nan for c in EXACT_COLUMNS}, "equals": ""}
+    return {**row, **_exact_columns(ex, run, j, dirs, refs, draws, own, row["trace_cov"])}
+
+
+def _measured_columns(pair: GradientCase, item: GradItem, ex, run, j: int, dirs: dict, refs: tuple,
+                      draws: int) -> dict:
+    """The Monte Carlo columns of item j, with their z against the exact values ``ex`` (NaN without)."""
     est = item.est
-    rev, fwd, ukl = refs
+    rev, fwd, _ = refs
     mc_mean = run.total[j] / draws
     row = {"case": pair.name, "estimator": est.name, "aggregate": item.aggregate, "sampler": pair.sampler_label,
            "lambda": est.lam if est.lam is not None else math.nan,
@@ -148,24 +163,28 @@ def _row(pair: GradientCase, item: GradItem, ex, run, j: int, dirs: dict, refs: 
         m, se = mean_and_se(run.proj[:, j, d], run.sizes)
         ref = float(ex.mean @ dirs[name]) if ex is not None else math.nan
         row[f"z_{name}"] = (m - ref) / se if se > 0 and math.isfinite(ref) else math.nan
-    if ex is None:
-        row.update({c: math.nan for c in EXACT_COLUMNS})
-        row["equals"] = ""
-        return row
-    row.update(compare(ex.mean, rev, fwd, "exact_"))
-    row["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
-    row["equals"] = equals(ex.mean, rev, fwd, own, ukl)
-    var_u, trace = ex.proj_var.get("reverse", math.nan), row["exact_trace_cov"]
+    return row
+
+
+def _exact_columns(ex, run, j: int, dirs: dict, refs: tuple, draws: int, own: np.ndarray | None,
+                   measured_trace: float) -> dict:
+    """The exact columns of item j (EXACT_COLUMNS and ``equals``); ``measured_trace``: the row's trace_cov,
+    the spread n_for_cos90 takes where the kind's exact mean comes with a measured spread."""
+    rev, fwd, ukl = refs
+    out = compare(ex.mean, rev, fwd, "exact_")
+    out["exact_trace_cov"] = ex.second - float(ex.mean @ ex.mean)
+    out["equals"] = equals(ex.mean, rev, fwd, own, ukl)
+    var_u, trace = ex.proj_var.get("reverse", math.nan), out["exact_trace_cov"]
     if run.proj2 is not None:       # exact mean, measured spread (e.g. rollouts)
         mu_u = float(run.proj[:, j, 0].sum() / draws)
-        var_u, trace = float(run.proj2[:, j, 0].sum() / draws) - mu_u**2, row["trace_cov"]
-    row["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], var_u, trace)
-    row["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
-    row["exact_norm"] = float(np.linalg.norm(ex.mean))
-    if row["equals"] == "zero":          # the cosine of a zero vector is rounding noise
+        var_u, trace = float(run.proj2[:, j, 0].sum() / draws) - mu_u**2, measured_trace
+    out["n_for_cos90"] = n_for_cosine(ex.mean, dirs["reverse"], var_u, trace)
+    out["exact_along_reverse"] = float(ex.mean @ dirs["reverse"])
+    out["exact_norm"] = float(np.linalg.norm(ex.mean))
+    if out["equals"] == "zero":          # the cosine of a zero vector is rounding noise
         for c in ("exact_cos_reverse", "exact_cos_forward"):
-            row[c] = math.nan
-    return row
+            out[c] = math.nan
+    return out
 
 
 def compare(g: np.ndarray, rev: np.ndarray, fwd: np.ndarray, prefix: str = "") -> dict:

@@ -59,6 +59,20 @@ def _heavy_tail(run: CaseRun, row, exact_var: float, n: float, s2, ess: float) -
         kurtosis=run.pair.kurtosis_proxy(row.est, row.aggregate), draws=n, batch_sq=s2, ess=ess).value
 
 
+def _variance_z(s2, n_k, n: float, exact_mean: float, exact_var: float) -> tuple[float, float]:
+    """(z of the variance, SE of the std) of a row whose sums are shifted by its exact mean (NaN, NaN where the
+    exact variance is infinite). Σ(f − c)²/N with c = exact mean is an unbiased estimate of the exact variance,
+    so its batch-means SE gives a z for the variance as well (meaningful when E[f⁴] < ∞)."""
+    if not math.isfinite(exact_var):
+        return math.nan, math.nan
+    m2_k = s2 / n_k
+    m2 = float(s2.sum()) / n
+    se_m2 = batch_means_se(m2_k - m2, n_k / n)
+    std_se = se_m2 / (2 * math.sqrt(m2)) if m2 > 0 else 0.0
+    # the scale of a variance computed from shifted sums: the squared mean and the variance
+    return z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var), std_se
+
+
 def summarize(run: CaseRun) -> list[dict[str, Any]]:
     """Rows of the summary table for one case (see :data:`SCHEMA`). A row whose importance weights are
     degenerate (effective sample size below the number of batches) keeps its measured mean and std, but
@@ -84,16 +98,8 @@ def summarize(run: CaseRun) -> list[dict[str, Any]]:
         true = run.pair.true_value(est.target, row.aggregate)
         bias = mean - true if math.isfinite(true) else math.nan
         z = z_score(mean, exact_mean, se, max(abs(mean), abs(exact_mean)))
-        # Σ(f − c)²/N with c = exact mean is an unbiased estimate of the exact variance, so its
-        # batch-means SE gives a z for the variance as well (meaningful when E[f⁴] < ∞).
-        z_var, std_se = math.nan, math.nan
-        if math.isfinite(exact_var) and shift == exact_mean and k > 1:
-            m2_k = s2 / n_k
-            m2 = float(s2.sum()) / n
-            se_m2 = batch_means_se(m2_k - m2, n_k / n)
-            std_se = se_m2 / (2 * math.sqrt(m2)) if m2 > 0 else 0.0
-            # the scale of a variance computed from shifted sums: the squared mean and the variance
-            z_var = z_score(m2, exact_var, se_m2, exact_mean**2 + exact_var)
+        z_var, std_se = _variance_z(s2, n_k, n, exact_mean, exact_var) if shift == exact_mean and k > 1 \
+            else (math.nan, math.nan)
         ess = _seen_share(_ess(run, row), n, mean, var, exact_var, k)
         heavy = _heavy_tail(run, row, exact_var, n, s2, ess)
         if heavy == HeavyTail.DEGENERATE:        # nothing is known of the mean: no SE, no z

@@ -203,29 +203,37 @@ def _canonical(value: Any, where: str = "") -> Any:
     ``where``: the key path of ``value`` (``case[0].q``), for the one error found here: a key that is not
     a string, which TOML cannot spell and the parser's key matching cannot read."""
     if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                at = f"in '{where}'" if where else "at the top level"
-                raise SpecError(f"a spec's keys must be strings, as in TOML: got {k!r} ({type(k).__name__}) {at}",
-                                file="<dict>", key=f"{where}.{k!r}" if where else repr(k))
-            out[k] = _canonical(v, f"{where}.{k}" if where else k)
-        return out
+        return _canonical_dict(value, where)
     if isinstance(value, (list, tuple)):
         return [_canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if is_array(value):
-        if unsupported_array(value):      # sparse or complex: refused by the case's parser, with its key
-            return {"array": list(value.shape), "dtype": str(value.dtype), "unsupported": True}
-        # The bytes TensorLogits hashes: float64 on the CPU (bf16 has no numpy dtype).
-        import torch
-        t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()  # host: a spec table, hashed from host bytes
-        return {"array": list(t.shape), "dtype": str(value.dtype),
-                "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()}
+        return _canonical_array(value)
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
         return value.item()           # numpy / torch scalars (e.g. draws = np.int64(10**6))
     return value
+
+
+def _canonical_dict(value: dict, where: str) -> dict:
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            at = f"in '{where}'" if where else "at the top level"
+            raise SpecError(f"a spec's keys must be strings, as in TOML: got {k!r} ({type(k).__name__}) {at}",
+                            file="<dict>", key=f"{where}.{k!r}" if where else repr(k))
+        out[k] = _canonical(v, f"{where}.{k}" if where else k)
+    return out
+
+
+def _canonical_array(value: Any) -> dict:
+    """A tensor or array by shape, dtype and the sha256 of its bytes."""
+    if unsupported_array(value):      # sparse or complex: refused by the case's parser, with its key
+        return {"array": list(value.shape), "dtype": str(value.dtype), "unsupported": True}
+    # The bytes TensorLogits hashes: float64 on the CPU (bf16 has no numpy dtype).
+    import torch
+    t = torch.as_tensor(value).detach().to("cpu", torch.float64).contiguous()  # host: a spec table, hashed from host bytes
+    return {"array": list(t.shape), "dtype": str(value.dtype), "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest()}
 
 
 def spec_from_dict(data: dict[str, Any], base_dir: str | Path | None = None, name: str = "experiment") -> Spec:

@@ -10,6 +10,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..foundation.typed_toml import (MAX_BATCHES, MAX_DRAWS, Table, at_most, check_device, check_seed, convert,
                                   positive, shown, typename)
@@ -153,21 +154,24 @@ def _parse_estimators(t: Table) -> tuple[str | EstimatorOption, ...]:
         raise t.error(f"must be a list of estimator names or tables, got {typename(raw)}", key=key)
     if not raw:
         raise t.error("must name at least one estimator", key=key)
-    out: list[str | EstimatorOption] = []
-    for i, item in enumerate(raw):
-        if isinstance(item, dict):
-            item_name, out_item = _estimator_option(Table(item, t.file, t.case, f"{key}[{i + 1}]."), f"{key}[{i + 1}]")
-        else:
-            item_name = out_item = convert(item, "str", lambda m: t.error(m, key=key))
-        source = _lookup_estimator(item_name, t.file, key)
-        if isinstance(out_item, EstimatorOption) and source.analytic:
-            raise t.error(f"'{item_name}' does not depend on log r: clamps do not apply", key=key)
-        out.append(out_item)
+    out = [_estimator_item(t, item, i, key) for i, item in enumerate(raw)]
     labels = [o.label if isinstance(o, EstimatorOption) else o for o in out]
     dup = next((x for x in labels if labels.count(x) > 1), None)
     if dup is not None:
         raise t.error(f"lists '{dup}' twice (give clamped variants distinct labels)", key=key)
     return tuple(out)
+
+
+def _estimator_item(t: Table, item: Any, i: int, key: str) -> str | EstimatorOption:
+    """Item i (from 0) of the estimators list: a name, or a clamped variant's table; its estimator looked up."""
+    if isinstance(item, dict):
+        name, out = _estimator_option(Table(item, t.file, t.case, f"{key}[{i + 1}]."), f"{key}[{i + 1}]")
+    else:
+        name = out = convert(item, "str", lambda m: t.error(m, key=key))
+    source = _lookup_estimator(name, t.file, key)
+    if isinstance(out, EstimatorOption) and source.analytic:
+        raise t.error(f"'{name}' does not depend on log r: clamps do not apply", key=key)
+    return out
 
 
 def _lookup_estimator(name: str, file: str | None, key: str):

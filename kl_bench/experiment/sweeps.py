@@ -71,20 +71,26 @@ def _listed_values(v: list, err: Callable[[str], SpecError]) -> list[Any]:
 
 def _grid_spec(v: dict, err: Callable[[str], SpecError]) -> tuple[str, float, float, int]:
     """(geomspace or linspace, first, last, num) of a grid table, checked."""
+    kind = _grid_kind(v, err)
+    ends = v[kind]
+    if not isinstance(ends, list) or len(ends) != 2 or not all(_is_number(x) for x in ends):
+        raise err(f"{kind} must be [first, last] numbers")
+    num = _grid_num(v.get("num"), err)
+    a, b = (convert(x, "float", lambda m: err(f"{kind}: {m}")) for x in ends)
+    if kind == "geomspace" and not (a > 0 and b > 0):
+        raise err("geomspace needs positive ends")
+    return kind, a, b, num
+
+
+def _grid_kind(v: dict, err: Callable[[str], SpecError]) -> str:
+    """The grid table's one of geomspace or linspace (its keys checked)."""
     kinds = [k for k in ("geomspace", "linspace") if k in v]
     unknown = [k for k in v if k not in ("geomspace", "linspace", "num")]
     if unknown:
         raise err(f"unknown key '{unknown[0]}'{did_you_mean(unknown[0], ['geomspace', 'linspace', 'num'])}")
     if len(kinds) != 1:
         raise err("needs exactly one of geomspace or linspace")
-    ends = v[kinds[0]]
-    if not isinstance(ends, list) or len(ends) != 2 or not all(_is_number(x) for x in ends):
-        raise err(f"{kinds[0]} must be [first, last] numbers")
-    num = _grid_num(v.get("num"), err)
-    a, b = (convert(x, "float", lambda m: err(f"{kinds[0]}: {m}")) for x in ends)
-    if kinds[0] == "geomspace" and not (a > 0 and b > 0):
-        raise err("geomspace needs positive ends")
-    return kinds[0], a, b, num
+    return kinds[0]
 
 
 def _grid_num(num: Any, err: Callable[[str], SpecError]) -> int:

@@ -36,6 +36,23 @@ def exponent(text: str) -> str:
     return re.sub(r"e([+-]?)0*(\d)", lambda m: "e" + ("-" if m.group(1) == "-" else "") + m.group(2), text)
 
 
+def num(x) -> float:
+    """A cell as a float (NaN for blanks, text or None): numpy and int values alike."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _special(x: float, sign: bool) -> str | None:
+    """How a missing (blank) or infinite value prints, None for the others."""
+    if _missing(x):
+        return ""
+    if math.isinf(x):
+        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    return None
+
+
 def _missing(x) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 
@@ -49,10 +66,9 @@ def fmt(x: float, digits: int = 3, scale: float | None = None, sign: bool = Fals
     """Significant-digit formatting that shows inf and leaves missing values blank. ``scale``: the size
     of the quantities ``x`` was computed from (a difference of two KLs: the KL); |x| at or below
     ROUNDING·|scale| is float64 rounding and prints as 0. ``sign``: a leading + on positive values."""
-    if _missing(x):
-        return ""
-    if math.isinf(x):
-        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    special = _special(x, sign)
+    if special is not None:
+        return special
     if x == 0 or below_floor(x, scale):
         return "0"
     s = "+" if sign else ""
@@ -70,10 +86,9 @@ def _kept(text: str) -> str:
 def pct(x: float, sign: bool = True) -> str:
     """A ratio as a percentage with two significant digits (+1.2%, −0.031%, +2860%); |x| < 1e-9 is float64
     rounding of two exact sums, shown as 0; NaN blank."""
-    if _missing(x):
-        return ""
-    if math.isinf(x):
-        return ("+" if sign else "") + "inf" if x > 0 else "-inf"
+    special = _special(x, sign)
+    if special is not None:
+        return special
     if abs(x) < 1e-9:
         return "0"
     v = 100 * x
@@ -141,16 +156,22 @@ def _quantum(se: float, value: float) -> int:
 
 def _at(x: float, q: int, exp: int, sign: bool) -> str:
     """``x`` rounded to 10^q, written in units of 10^exp (exp = 0: plain decimals; else "…e-5")."""
-    if _missing(x):
-        return ""
-    if math.isinf(x):
-        return ("+inf" if sign else "inf") if x > 0 else "-inf"
+    special = _special(x, sign)
+    if special is not None:
+        return special
     if x == 0:
         return "0"
     text = f"{Decimal(repr(x)).scaleb(-exp):{'+' if sign else ''}.{max(exp - q, 0)}f}"
     if text.lstrip("+-").strip("0.") == "":         # rounds to zero at this precision: no "-0.000"
         text = text.lstrip("+-")
     return text + (f"e{exp}" if exp else "")
+
+
+def _shared_power(value: float, exact: float, se: float) -> int:
+    """The power of ten measured cells share: 0 (plain decimals) unless the largest finite one is below 10^-3 or
+    reaches 10^5. The SE counts too: a value far below its SE (+6e-4% ± 0.33%) prints in the SE's notation."""
+    size = max((abs(x) for x in (value, exact, se) if math.isfinite(x)), default=0.0)
+    return math.floor(math.log10(size)) if size and (size < 1e-3 or size >= 1e5) else 0
 
 
 def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, *, sign: bool = False,
@@ -163,11 +184,8 @@ def measured_cells(value: float, se: float = math.nan, exact: float = math.nan, 
     (without ``unit``); missing values are blank. ``sign``: a + on positive values (a bias); ``unit``: appended to each ("%")."""
     value, se, exact = (float(x) if x is not None else math.nan for x in (value, se, exact))
     q = _quantum(se, value if math.isfinite(value) else exact)
-    # The SE counts too: a value far below its SE (+6e-4% ± 0.33%) prints in the SE's notation, not its own.
-    size = max((abs(x) for x in (value, exact, se) if math.isfinite(x)), default=0.0)
-    exp = 0
-    if size and (size < 1e-3 or size >= 1e5):
-        exp = math.floor(math.log10(size))
+    exp = _shared_power(value, exact, se)
+    if exp:
         q = min(q, exp)     # at least the shared power's own digit
     cells = (_at(value, q, exp, sign), _at(se, q, exp, False) if math.isfinite(se) else "",
              _at(exact, q, exp, sign))

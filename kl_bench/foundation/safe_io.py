@@ -54,7 +54,7 @@ CAPS: dict[str, int] = {
     "lambda_sweep.csv": 256 * MiB,
     "gradients.csv": 256 * MiB,
     "group_baselines.csv": 256 * MiB,
-    "gates.csv": 64 * MiB,       # one row per case, gate and threshold
+    "gates.csv": 256 * MiB,      # one row per case, gate and δ
     "train.csv": 256 * MiB,      # one row per recorded step, combination and case
     "audit.csv": 256 * MiB,      # one row per audited step and KL term
     "engine.csv": 256 * MiB,

@@ -16,8 +16,8 @@ from ..core.aggregates import PER_TOKEN
 from ..core.draws import row_label
 from ..core.planning import never_words
 from ..core.stats import HeavyTail, unknown_reason
-from ..foundation.formatting import NEVER, UNKNOWN, count, fmt, measured_cells, pct
-from .cells import bias_cells, dagger, num as _num, pm, ratio_cell, unknown_mean
+from ..foundation.formatting import NEVER, UNKNOWN, count, fmt, measured_cells, num as _num, pct
+from .cells import bias_cells, dagger, pm, ratio_cell, unknown_mean
 
 
 def target_cell(r) -> str:
@@ -136,9 +136,16 @@ def _compact_cells(r, zero: bool) -> list[str]:
         return head + ["reference", "", fmt(std / abs(truth)) if truth else fmt(std)] + tail + ["", neg]
     if unknown_mean(r) or (math.isfinite(diff) and math.isnan(se)):
         return head + ["unknown", exact, ""] + tail + ["", neg]
-    std_cell = fmt(std) if zero else ratio_cell(std / abs(truth)) if math.isfinite(truth) and truth != 0 else ""
+    std_cell = _std_cell(std, truth, zero)
     return head + [bias, exact, std_cell + mark if std_cell else ""] \
         + tail + [fmt(z, 2) + mark if math.isfinite(z) else "", neg]
+
+
+def _std_cell(std: float, truth: float, zero: bool) -> str:
+    """The std column: absolute where the KL is 0, else std/true (blank without a finite, non-zero truth)."""
+    if zero:
+        return fmt(std)
+    return ratio_cell(std / abs(truth)) if math.isfinite(truth) and truth != 0 else ""
 
 
 def _against_truth(r) -> tuple[float, float, float, float, float]:
@@ -171,12 +178,7 @@ def compact_table(df: pd.DataFrame, case: str) -> Table:
 
 def caption_lines(rows: pd.DataFrame) -> list[str]:
     """What the marks of a case's rows mean: †, ≈, unknown (with the effective sample size)."""
-    out = []
-    if any(dagger(r) and not unknown_mean(r) for _, r in rows.iterrows()):      # a † is printed
-        out.append("† heavy tail (see heavy_tail): the measured std, se and z are not trustworthy")
-        at_exact = [f"{row_label(r)} {fmt(z, 2)}" for _, r in rows.iterrows() if math.isfinite(z := z_at_exact_spread(r))]
-        if at_exact:        # what `kl-bench check` compares: the same story as check's
-            out.append("† z with the SE at the exact std, as `kl-bench check` takes it: " + ", ".join(at_exact))
+    out = _dagger_lines(rows)
     if any(_has_reference(r) for _, r in rows.iterrows()):
         out.append("≈ no exact value: bias, se and z are against the Monte Carlo reference (the Rao–Blackwellised "
                    "full mean), with the SE of that difference")
@@ -188,6 +190,17 @@ def caption_lines(rows: pd.DataFrame) -> list[str]:
     never = never_words(r for _, r in rows.iterrows() if n_cell(r) == NEVER)
     if never and "variance" in never:     # "never" reads as bias (docs/results.md): say when it is the variance
         out.append("never: " + never)
+    return out
+
+
+def _dagger_lines(rows: pd.DataFrame) -> list[str]:
+    """What † means, where one is printed, and each such row's z at the exact spread (what `kl-bench check` takes)."""
+    if not any(dagger(r) and not unknown_mean(r) for _, r in rows.iterrows()):
+        return []
+    out = ["† heavy tail (see heavy_tail): the measured std, se and z are not trustworthy"]
+    at_exact = [f"{row_label(r)} {fmt(z, 2)}" for _, r in rows.iterrows() if math.isfinite(z := z_at_exact_spread(r))]
+    if at_exact:        # what `kl-bench check` compares: the same story as check's
+        out.append("† z with the SE at the exact std, as `kl-bench check` takes it: " + ", ".join(at_exact))
     return out
 
 

@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from ..core.stats import HeavyTail
-from ..foundation.formatting import below_floor, fmt, measured_cells
+from ..foundation.formatting import below_floor, fmt, measured_cells, num
 
 
 def dagger(r) -> str:
@@ -16,14 +16,6 @@ def dagger(r) -> str:
     whose value leans on the measured SE carries it, not only the std."""
     heavy = r.get("heavy_tail")
     return "†" if isinstance(heavy, str) and heavy else ""      # NaN (from a CSV) is no flag
-
-
-def num(x) -> float:
-    """A cell as a float (NaN for blanks, text or None): numpy and int values alike."""
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def unknown_mean(r) -> bool:

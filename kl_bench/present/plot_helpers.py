@@ -165,7 +165,7 @@ def figure_axes(ax, ncols=1, width=6.4, height=4.0):
 def _drawn(artist) -> bool:
     """Whether a legend handle's artist shows anything: a line or markers with a finite point, bars with
     a finite size, a filled area. Legend entries of artists that draw nothing are left out."""
-    from matplotlib.collections import Collection, PathCollection
+    from matplotlib.collections import Collection
     from matplotlib.container import BarContainer, Container
     from matplotlib.lines import Line2D
     if isinstance(artist, BarContainer):
@@ -174,18 +174,29 @@ def _drawn(artist) -> bool:
     if isinstance(artist, Container):
         return any(_drawn(a) for a in artist.get_children() if isinstance(a, (Line2D, Collection)))
     if isinstance(artist, Line2D):
-        x, y = artist.get_data(orig=True)
-        try:
-            x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
-        except (TypeError, ValueError):
-            return True
-        return bool(np.any(np.isfinite(x) & np.isfinite(y)))
+        return _line_drawn(artist)
+    if isinstance(artist, Collection):
+        return _collection_drawn(artist)
+    return True
+
+
+def _collection_drawn(artist) -> bool:
+    """Markers (a PathCollection) with a finite offset, or a filled area with a finite vertex."""
+    from matplotlib.collections import PathCollection
     if isinstance(artist, PathCollection):
         off = np.asarray(artist.get_offsets(), dtype=float).reshape(-1, 2)
         return bool(len(artist.get_paths())) and bool(np.isfinite(off).all(axis=1).any())
-    if isinstance(artist, Collection):
-        return any(len(p.vertices) and np.isfinite(p.vertices).all(axis=1).any() for p in artist.get_paths())
-    return True
+    return any(len(p.vertices) and np.isfinite(p.vertices).all(axis=1).any() for p in artist.get_paths())
+
+
+def _line_drawn(line) -> bool:
+    """Whether a line has a finite point (data it cannot read as numbers: drawn, as matplotlib may)."""
+    x, y = line.get_data(orig=True)
+    try:
+        x, y = np.broadcast_arrays(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
+    except (TypeError, ValueError):
+        return True
+    return bool(np.any(np.isfinite(x) & np.isfinite(y)))
 
 
 KEY = "legend-key"        # the gid of an artist drawn only for the legend (it stands for a kind of mark)

@@ -26,7 +26,7 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
     """
     df = df[df["lambda"].isna()].copy()
     df["label"] = [row_label(r) + (" †" if h else "") for (_, r), h in zip(df.iterrows(), heavy_rows(df))]
-    runs = list(dict.fromkeys(df["run"])) if "run" in df and df["run"].nunique() > 1 else [None]
+    runs = _runs(df)
     fig, axes = figure_axes(axes, 2, 11, 0.45 * df["label"].nunique() + 1.6)
     labels = list(dict.fromkeys(df["label"]))
     y = {lab: i for i, lab in enumerate(labels)}
@@ -39,15 +39,25 @@ def plot_bias_std(df: pd.DataFrame, axes=None, title: str = ""):
         _bias_std_points(axes, d, yy, colours, RUN_MARKERS[k % len(RUN_MARKERS)], run, first=k == 0)
         if k == 0:
             _bias_std_exact(axes, d, yy)
-    for ax in axes:
-        ax.set_yticks(range(len(labels)), labels)
-        ax.invert_yaxis()
-        for tick, key in zip(ax.get_yticklabels(), dict.fromkeys(row_keys(df))):
-            tick.set_color(styles[key].color)      # the label in its estimator's colour, as its points
+    _row_labels(axes, labels, [styles[key].color for key in dict.fromkeys(row_keys(df))])
     _bias_std_scales(axes, df)
     legend(axes[1], loc="best", fontsize="small")
     fig.suptitle(title)
     return fig
+
+
+def _runs(df: pd.DataFrame) -> list:
+    """The results folders the rows come from, side by side; [None] for one."""
+    return list(dict.fromkeys(df["run"])) if "run" in df and df["run"].nunique() > 1 else [None]
+
+
+def _row_labels(axes, labels: list[str], colours: list) -> None:
+    """The rows' labels down both axes, top first, each in its estimator's colour, as its points."""
+    for ax in axes:
+        ax.set_yticks(range(len(labels)), labels)
+        ax.invert_yaxis()
+        for tick, colour in zip(ax.get_yticklabels(), colours):
+            tick.set_color(colour)
 
 
 def _bias_std_exact(axes, d: pd.DataFrame, yy: np.ndarray) -> None:

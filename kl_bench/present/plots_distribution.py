@@ -56,6 +56,16 @@ def _ecdf_lines(ax, values: dict[str, np.ndarray], linthresh: float) -> list:
     return handles
 
 
+def _ecdf_axis(values: dict[str, np.ndarray]) -> tuple[float, float, float]:
+    """(lowest, highest, the symlog axis's linear threshold) of the finite values."""
+    shown = {label: v[np.isfinite(v)] for label, v in values.items()}
+    lo = min((float(np.min(v)) for v in shown.values() if len(v)), default=-1.0)
+    hi = max((float(np.max(v)) for v in shown.values() if len(v)), default=1.0)
+    finite = np.concatenate([np.abs(v[v != 0]) for v in shown.values()] or [np.ones(1)])
+    # The linear zone of the symlog axis: a decade boundary below most |values| (5th percentile).
+    return lo, hi, 10.0 ** np.floor(np.log10(np.quantile(finite, 0.05))) if finite.size else 1e-3
+
+
 @themed
 def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     """ECDF of each estimator's per-draw value on a symlog axis; the negative region is shaded. Each line
@@ -69,12 +79,7 @@ def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     fig, ax = figure_axes(ax, width=9, height=max(4.0, 0.24 * (len(values) + 2)))
     # Limits from the finite values: a draw with log r = ±inf (p = 0 where q > 0) has an infinite estimate,
     # which the ECDF reaches at ±inf (off the axis): said in a note under the axes.
-    shown = {label: v[np.isfinite(v)] for label, v in values.items()}
-    lo = min((float(np.min(v)) for v in shown.values() if len(v)), default=-1.0)
-    hi = max((float(np.max(v)) for v in shown.values() if len(v)), default=1.0)
-    finite = np.concatenate([np.abs(v[v != 0]) for v in shown.values()] or [np.ones(1)])
-    # The linear zone of the symlog axis: a decade boundary below most |values| (5th percentile).
-    linthresh = 10.0 ** np.floor(np.log10(np.quantile(finite, 0.05))) if finite.size else 1e-3
+    lo, hi, linthresh = _ecdf_axis(values)
     handles = _ecdf_lines(ax, values, linthresh)
     if lo < 0:
         handles.append(ax.axvspan(min(lo, -linthresh) * 3, 0, color="red", alpha=0.08, label="negative estimates"))
@@ -88,6 +93,43 @@ def plot_distribution(draws: pd.DataFrame, ax=None, title: str = ""):
     legend(ax, handles, [h.get_label() for h in handles], fontsize="small", loc="upper left",
             bbox_to_anchor=(1.01, 1.0))
     return fig
+
+
+def _running(b: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(draws so far, running mean, running batch-means SE) after each of a row's batches, in batch order."""
+    n = b["draws"].to_numpy(dtype=float)
+    m = b["batch_mean"].to_numpy(dtype=float)
+    cum_n = np.cumsum(n)
+    run_mean = np.cumsum(n * m) / cum_n
+    k_idx = np.arange(1, len(m) + 1)
+    # Running batch-means SE: spread of the batch means so far around the running mean, / √(batches − 1).
+    with np.errstate(invalid="ignore"):                   # inf − inf where a batch mean is infinite: NaN
+        sq = np.cumsum(n * m * m) / cum_n - run_mean**2
+    return cum_n, run_mean, np.sqrt(np.maximum(sq, 0) / np.maximum(k_idx - 1, 1))
+
+
+def _convergence_panel(ax, batches: pd.DataFrame, r) -> bool:
+    """One row's panel of :func:`plot_convergence`; whether the row is biased (its exact mean drawn)."""
+    sel = (batches["estimator"] == r["estimator"]) & (batches["aggregate"].fillna("") == (r["aggregate"] or "")) \
+        & batches["lambda"].isna()
+    cum_n, run_mean, se = _running(batches[sel].sort_values("batch"))
+    color = row_style(r["estimator"], r["aggregate"]).color
+    ax.plot(cum_n, run_mean, color=color, lw=1.5)
+    heavy = bool(heavy_rows(pd.DataFrame([r]))[0])
+    ax.fill_between(cum_n[1:], (run_mean - 2 * se)[1:], (run_mean + 2 * se)[1:], color=color, alpha=0.2,
+                    hatch="//" if heavy else None)
+    if math.isfinite(r["true_kl"]):
+        ax.axhline(r["true_kl"], color="black", lw=1.6, ls=DOTTED, dash_capstyle="round", label="true KL")
+    biased = math.isfinite(r["exact_mean"]) and not math.isclose(r["exact_mean"], r["true_kl"], rel_tol=1e-6)
+    if biased:
+        ax.axhline(r["exact_mean"], color="grey", lw=1.2, ls=DASHED, label="exact mean (biased)")
+    ax.set_xscale("log")
+    ax.yaxis.set_major_formatter(DistinctTicks())
+    # A heavy tail: the band is drawn from an SE that is not valid (hatched, and the title says so).
+    ax.set_title(row_label(r) + ("  † heavy tail: band not valid" if heavy else ""), fontsize="medium")
+    ax.tick_params(labelsize="small")
+    ax.set_xlabel("draws  (log)", fontsize="small")      # per panel: a figure-wide one ran into the legend
+    return biased
 
 
 @themed
@@ -109,36 +151,7 @@ def plot_convergence(batches: pd.DataFrame, summary: pd.DataFrame, axes=None, ti
     flat = np.atleast_1d(axes).ravel()
     any_biased = False
     for k, r in enumerate(keep):
-        ax = flat[k]
-        sel = (batches["estimator"] == r["estimator"]) & (batches["aggregate"].fillna("") == (r["aggregate"] or "")) \
-            & batches["lambda"].isna()
-        b = batches[sel].sort_values("batch")
-        n = b["draws"].to_numpy(dtype=float)
-        m = b["batch_mean"].to_numpy(dtype=float)
-        cum_n = np.cumsum(n)
-        run_mean = np.cumsum(n * m) / cum_n
-        k_idx = np.arange(1, len(m) + 1)
-        # Running batch-means SE: spread of the batch means so far around the running mean, / √(batches − 1).
-        with np.errstate(invalid="ignore"):                   # inf − inf where a batch mean is infinite: NaN
-            sq = np.cumsum(n * m * m) / cum_n - run_mean**2
-        se = np.sqrt(np.maximum(sq, 0) / np.maximum(k_idx - 1, 1))
-        color = row_style(r["estimator"], r["aggregate"]).color
-        ax.plot(cum_n, run_mean, color=color, lw=1.5)
-        heavy = bool(heavy_rows(pd.DataFrame([r]))[0])
-        ax.fill_between(cum_n[1:], (run_mean - 2 * se)[1:], (run_mean + 2 * se)[1:], color=color, alpha=0.2,
-                        hatch="//" if heavy else None)
-        if math.isfinite(r["true_kl"]):
-            ax.axhline(r["true_kl"], color="black", lw=1.6, ls=DOTTED, dash_capstyle="round", label="true KL")
-        biased = math.isfinite(r["exact_mean"]) and not math.isclose(r["exact_mean"], r["true_kl"], rel_tol=1e-6)
-        if biased:
-            ax.axhline(r["exact_mean"], color="grey", lw=1.2, ls=DASHED, label="exact mean (biased)")
-            any_biased = True
-        ax.set_xscale("log")
-        ax.yaxis.set_major_formatter(DistinctTicks())
-        # A heavy tail: the band is drawn from an SE that is not valid (hatched, and the title says so).
-        ax.set_title(row_label(r) + ("  † heavy tail: band not valid" if heavy else ""), fontsize="medium")
-        ax.tick_params(labelsize="small")
-        ax.set_xlabel("draws  (log)", fontsize="small")      # per panel: a figure-wide one ran into the legend
+        any_biased |= _convergence_panel(flat[k], batches, r)
     handles = [key_line("running estimate, ±2 SE band", color="grey", lw=1.5),
                key_line("true KL", color="black", lw=1.6, ls=DOTTED, dash_capstyle="round")]
     if any_biased:

@@ -7,6 +7,7 @@ alone exceeds ±10%; "—": no exact bias is known)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -203,6 +204,22 @@ GATE_NOTE = ("A token is masked when its gate's statistic exceeds δ (docs/gates
              "sees. All columns: gates.csv.")
 
 
+def _per_run(results: list[Results], table: Callable[[Results], pd.DataFrame | None],
+             shown: Callable[[str, pd.DataFrame], pd.DataFrame]) -> pd.DataFrame | None:
+    """``shown(run name, table)`` of every run whose ``table`` has rows, in one frame with a ``run`` column (left
+    out for one run); None where no run has rows."""
+    frames = [shown(res.name, g) for res in results if (g := table(res)) is not None and not g.empty]
+    if not frames:
+        return None
+    out = pd.concat(frames, ignore_index=True)
+    return out.drop(columns="run") if len(results) == 1 else out
+
+
+def gates_frame(results: list[Results]) -> pd.DataFrame | None:
+    """The gate rows of every run, as the report shows them (None: no run has them)."""
+    return _per_run(results, lambda res: res.gates, _gate_cells)
+
+
 # gates.csv's columns as the report shows them: (heading, column, signed percentage).
 _GATE_SHARES = (("tokens masked", "tokens_masked", False), ("sequences masked", "seq_masked", False),
                 ("KL unseen", "kl_unseen", False), ("k1 bias", "k1_bias", True), ("weight bias", "weight_bias", True),
@@ -210,40 +227,27 @@ _GATE_SHARES = (("tokens masked", "tokens_masked", False), ("sequences masked", 
                 ("sees", "sees", False))
 
 
-def gates_frame(results: list[Results]) -> pd.DataFrame | None:
-    """The gate rows of every run, as the report shows them (None: no run has them); a column an older
-    gates.csv lacks is left blank."""
-    frames = []
-    for res in [r for r in results if r.gates is not None and not r.gates.empty]:
-        g = res.gates
-        cols = {"run": res.name, "case": g["case"], "gate": g["gate"], "δ": [f"{x:g}" for x in g["delta"]]}
-        for head, col, signed in _GATE_SHARES:
-            cols[head] = [pct(x, sign=signed) for x in g[col]] if col in g else ""
-        frames.append(pd.DataFrame(cols))
-    if not frames:
-        return None
-    out = pd.concat(frames, ignore_index=True)
-    return out.drop(columns="run") if len(results) == 1 else out
+def _gate_cells(run: str, g: pd.DataFrame) -> pd.DataFrame:
+    """One run's gates.csv as the report shows it; a column an older gates.csv lacks is left blank."""
+    cols = {"run": run, "case": g["case"], "gate": g["gate"], "δ": [f"{x:g}" for x in g["delta"]]}
+    for head, col, signed in _GATE_SHARES:
+        cols[head] = [pct(x, sign=signed) for x in g[col]] if col in g else ""
+    return pd.DataFrame(cols)
 
 
 def baselines_frame(results: list[Results]) -> pd.DataFrame | None:
     """The group-baseline rows of every run, as the report shows them (None: no run has them)."""
-    frames = []
-    for res in results:
-        g = res.group_baselines
-        if g is None or g.empty:
-            continue
-        agg = g["aggregate"] if "aggregate" in g else pd.Series("", index=g.index)
-        z = pd.concat([g["z_reverse"].abs(), g["z_second"].abs()], axis=1).max(axis=1)
-        frames.append(pd.DataFrame({
-            "run": res.name, "case": g["case"],
-            "estimator": [f"{a}-{e}" if isinstance(a, str) and a else e for a, e in zip(agg, g["estimator"])],
-            "baseline": g["baseline"], "G": g["group"], "norm of E∇ / none's": g["exact_shrink"],
-            "tr Cov / none's": g["variance_ratio"], "largest abs z": z}))
-    if not frames:
-        return None
-    out = pd.concat(frames, ignore_index=True)
-    return out.drop(columns="run") if len(results) == 1 else out
+    return _per_run(results, lambda res: res.group_baselines, _baseline_cells)
+
+
+def _baseline_cells(run: str, g: pd.DataFrame) -> pd.DataFrame:
+    agg = g["aggregate"] if "aggregate" in g else pd.Series("", index=g.index)
+    z = pd.concat([g["z_reverse"].abs(), g["z_second"].abs()], axis=1).max(axis=1)
+    return pd.DataFrame({
+        "run": run, "case": g["case"],
+        "estimator": [f"{a}-{e}" if isinstance(a, str) and a else e for a, e in zip(agg, g["estimator"])],
+        "baseline": g["baseline"], "G": g["group"], "norm of E∇ / none's": g["exact_shrink"],
+        "tr Cov / none's": g["variance_ratio"], "largest abs z": z})
 
 
 ROW_HEADER = ["case", "row", "target", "true KL", "mean ± SE", "exact mean", "bias/true", "exact", "std/true",

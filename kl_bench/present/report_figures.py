@@ -227,6 +227,15 @@ def _planning_panels(ctx: FigureContext) -> Iterator[Panel]:
 def figure_panels(results: list[Results], df: pd.DataFrame) -> list[tuple[FigureKind, Panel]]:
     """Every figure of :data:`FIGURES` the results support, not yet drawn: [(kind, panel)], the figures
     over all runs, then each run's."""
+    panels = [(kind, p) for ctx in _contexts(results, df) for kind in FIGURES.values()
+              if kind.per_run == (ctx.res is not None) for p in kind.panels(ctx)]
+    # A file name made of parts (a run, a case, an aggregate) can still meet another: one file per figure.
+    files = unique_files([p.file for _, p in panels], [p.caption for _, p in panels])
+    return [(kind, replace(p, file=f)) for (kind, p), f in zip(panels, files)]
+
+
+def _contexts(results: list[Results], df: pd.DataFrame) -> list[FigureContext]:
+    """What the figures over all runs see, then what each run's see."""
     # Cases without an exact value (model continuations, logged log-probs) are plotted against their
     # Monte Carlo reference (ref_kl), as the tables show them.
     df = with_reference(df)
@@ -236,13 +245,8 @@ def figure_panels(results: list[Results], df: pd.DataFrame) -> list[tuple[Figure
     swept = set(df.loc[df[swept_keys].notna().any(axis=1), "case"]) if swept_keys else set()
     top = FigureContext(results, df, swept, stems=_stems(results, df, swept_keys))
     runs = file_stems(res.name for res in results)          # a run's figures are prefixed with its name
-    contexts = [top] + [FigureContext(results, df, swept, res, with_reference(res.summary),
-                                      f"{runs[res.name]}_" if len(results) > 1 else "", top.stems) for res in results]
-    panels = [(kind, p) for ctx in contexts for kind in FIGURES.values() if kind.per_run == (ctx.res is not None)
-              for p in kind.panels(ctx)]
-    # A file name made of parts (a run, a case, an aggregate) can still meet another: one file per figure.
-    files = unique_files([p.file for _, p in panels], [p.caption for _, p in panels])
-    return [(kind, replace(p, file=f)) for (kind, p), f in zip(panels, files)]
+    return [top] + [FigureContext(results, df, swept, res, with_reference(res.summary),
+                                  f"{runs[res.name]}_" if len(results) > 1 else "", top.stems) for res in results]
 
 
 def _stems(results: list[Results], df: pd.DataFrame, swept_keys: list[str]) -> dict[str, str]:

@@ -35,11 +35,7 @@ def report_html(results, df, figs, caption, cases, rows, diffs=None, advice=None
     for res in results:
         parts.append(f"<h2>{html_text(res.name)}</h2><ul>" + "".join(
             f"<li>{html_inline(line[2:])}</li>" for line in run_lines(res)) + "</ul>")
-    if advice:
-        parts.append(f"<h2>Advice</h2><p>{html_inline(advice_note(batch, tolerance))}</p>")
-        for name, lines in advice.items():
-            parts.append((f"<h3>{html_text(name)}</h3>" if len(advice) > 1 else "") + "<ul class='advice'>"
-                         + "".join(f"<li>{html_text(line)}</li>" for line in lines) + "</ul>")
+    parts += _advice_parts(advice, batch, tolerance)
     parts.append("<h2>Paper table</h2>" + _paper_table_html(cases, rows))
     parts.append(f"<p class='caption'>{html_inline(caption)}</p>")
     if diffs is not None:
@@ -54,13 +50,25 @@ def report_html(results, df, figs, caption, cases, rows, diffs=None, advice=None
             index=False, na_rep="", border=0, classes="rows").replace("`", "&#96;")))
     parts.append("<h2>Figures</h2>")
     parts += [figure_html(name, cap, by_fmt["png"]) for name, cap, by_fmt in figs]
-    parts.append("<h2>All rows</h2>")
-    several = len(results) > 1          # one folder: a run column would repeat its name on every row
-    header = (["run"] if several else []) + ROW_HEADER
-    # no exact value: against the reference, as the paper table
-    body = [([str(r["run"])] if several else []) + row_cells(r) for _, r in with_reference(df).iterrows()]
-    parts.append(table_html(header, body))
+    parts.append("<h2>All rows</h2>" + _all_rows(df, len(results) > 1))
     return page("kl-bench report", parts)
+
+
+def _advice_parts(advice: dict[str, list[str]] | None, batch: int, tolerance: float) -> list[str]:
+    """The Advice section (none without advice): each case's sentences, under its name where there are several."""
+    if not advice:
+        return []
+    return [f"<h2>Advice</h2><p>{html_inline(advice_note(batch, tolerance))}</p>"] + [
+        (f"<h3>{html_text(name)}</h3>" if len(advice) > 1 else "") + "<ul class='advice'>"
+        + "".join(f"<li>{html_text(line)}</li>" for line in lines) + "</ul>" for name, lines in advice.items()]
+
+
+def _all_rows(df: pd.DataFrame, several: bool) -> str:
+    """Every row of every run (a run column only for ``several`` runs: one would repeat its name on every row),
+    rows without an exact value against the reference, as the paper table."""
+    header = (["run"] if several else []) + ROW_HEADER
+    body = [([str(r["run"])] if several else []) + row_cells(r) for _, r in with_reference(df).iterrows()]
+    return table_html(header, body)
 
 
 def render(doc: ReportDocument) -> dict[str, bytes]:

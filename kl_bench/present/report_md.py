@@ -47,11 +47,7 @@ def report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame |
     out = ["# kl-bench report", ""]
     for res in results:
         out += [f"## {md_text(res.name)}", *run_lines(res), ""]
-    if advice:
-        out += ["## Advice", "", advice_note(batch, tolerance), ""]
-        for name, lines in advice.items():
-            out += ([f"### {md_text(name)}", ""] if len(advice) > 1 else []) + [f"- {line}" for line in lines] + [""]
-    out += ["## Paper table", "", md_table]
+    out += _advice_lines(advice, batch, tolerance) + ["## Paper table", "", md_table]
     if diffs is not None:
         out += ["## Differences between runs", "", DIFF_NOTE, "", differences_md(diffs), ""]
     bl = baselines_frame(results)
@@ -61,18 +57,39 @@ def report_md(results: list[Results], md_table: str, figs, diffs: pd.DataFrame |
     gt = gates_frame(results)
     if gt is not None:
         out += ["## Gates", "", GATE_NOTE, "", frame_md(gt), ""]
-    out += ["## Figures", ""]
+    out += ["## Figures", ""] + _figure_lines(figs)
+    for res in results:
+        out += _heavy_lines(res)
+    return "\n".join(out)
+
+
+def _advice_lines(advice: dict[str, list[str]] | None, batch: int, tolerance: float) -> list[str]:
+    """The Advice section (none without advice): each case's sentences, under its name where there are several."""
+    if not advice:
+        return []
+    out = ["## Advice", "", advice_note(batch, tolerance), ""]
+    for name, lines in advice.items():
+        out += ([f"### {md_text(name)}", ""] if len(advice) > 1 else []) + [f"- {line}" for line in lines] + [""]
+    return out
+
+
+def _figure_lines(figs) -> list[str]:
+    """Each figure under its caption, with links to its vector files."""
+    out = []
     for name, caption, by_fmt in figs:
         out += [f"### {md_text(caption)}", "", f"![{md_text(caption)}](figures/{name})", ""]
         links = vector_links(name.removesuffix(".png"), by_fmt)
         out += [links, ""] if links else []
-    for res in results:
-        heavy = res.summary[res.summary["heavy_tail"] != ""]
-        if not heavy.empty:
-            out += [f"## Heavy tails ({md_text(res.name)})", ""]
-            out += [f"- {md_text(r['case'])}: {md_text(row_label(r))}: {r['heavy_tail']}" for _, r in heavy.iterrows()]
-            out.append("")
-    return "\n".join(out)
+    return out
+
+
+def _heavy_lines(res: Results) -> list[str]:
+    """A run's heavy-tailed rows, a section of their own (none where it has none)."""
+    heavy = res.summary[res.summary["heavy_tail"] != ""]
+    if heavy.empty:
+        return []
+    return [f"## Heavy tails ({md_text(res.name)})", "",
+            *(f"- {md_text(r['case'])}: {md_text(row_label(r))}: {r['heavy_tail']}" for _, r in heavy.iterrows()), ""]
 
 
 def render(doc: ReportDocument) -> dict[str, bytes]:

@@ -11,8 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..core.draws import draws_from_b, row_label
-from ..foundation.formatting import fmt, measured_cells, pct
-from .cells import bias_cells, dagger, num as _num, pm, ratio_cell, unknown_mean, with_reference
+from ..foundation.formatting import fmt, measured_cells, num as _num, pct
+from .cells import bias_cells, dagger, pm, ratio_cell, unknown_mean, with_reference
 
 
 def _with_exact(measured: str, exact: str) -> str:
@@ -94,24 +94,25 @@ def rollout_table(df: pd.DataFrame, lengths: dict[str, int]) -> Table:
         c = df[df["case"] == case]
         approx = "≈" if "approx" in c and c["approx"].iloc[0] else ""     # a Monte Carlo reference, not exact
         approx_any = approx_any or bool(approx)
-        cells = [case, str(length), approx + fmt(c["true_kl"].iloc[0], 3)]
-        for est, agg in ROLLOUT_COLUMNS:
-            hit = c[(c["estimator"] == est) & (c["aggregate"] == agg) & c["lambda"].isna()]
-            if hit.empty:
-                cells.append("")
-                continue
-            h = hit.iloc[0]
-            measured = _std_cell(h, h["rel_std"])
-            # No exact value: the measured std/reference alone, marked ≈ like the KL column.
-            cells.append(f"{fmt(h['exact_rel_std'])} ({measured})" if fmt(h["exact_rel_std"]) else
-                         (f"≈{measured}" if measured else ""))
-        t.add_row(*cells)
+        t.add_row(case, str(length), approx + fmt(c["true_kl"].iloc[0], 3),
+                  *(_rollout_cell(c, est, agg) for est, agg in ROLLOUT_COLUMNS))
     if approx_any:
         t.title = "rollouts: std/true against sequence length T, exact (measured); ≈: measured only, std/reference"
         t.caption = ("≈: no exact value; the measured std / the reference (the Rao–Blackwellised full mean, "
                      "Monte Carlo)")
         t.caption_justify = "left"
     return t
+
+
+def _rollout_cell(c: pd.DataFrame, est: str, agg: str) -> str:
+    """A rollout case's exact std/true of one row (measured in brackets); blank where the case lacks the row."""
+    hit = c[(c["estimator"] == est) & (c["aggregate"] == agg) & c["lambda"].isna()]
+    if hit.empty:
+        return ""
+    h = hit.iloc[0]
+    measured = _std_cell(h, h["rel_std"])
+    # No exact value: the measured std/reference alone, marked ≈ like the KL column.
+    return f"{fmt(h['exact_rel_std'])} ({measured})" if fmt(h["exact_rel_std"]) else (f"≈{measured}" if measured else "")
 
 
 def mismatch_table(df: pd.DataFrame) -> Table:

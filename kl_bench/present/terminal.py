@@ -30,32 +30,31 @@ def show(console: Console, table, wide: bool = False, keys: int = 1, fold: bool 
         prose(console, str(table.title or ""))
         return
     width = console.width
-    title, caption = _plain_if_piped(console, table)
+    title, caption = table.title, table.caption
+    if not console.is_terminal:
+        _plain(table)
     if wide:                # rich never prints wider than the console: widen it for this table alone
         console.width = max(natural_width(console, table), width)
     try:
-        text = _render(console, _parts(console, table, wide, keys, fold, together, group), title, caption)
+        text = _captured(console, _parts(console, table, wide, keys, fold, together, group), title, caption)
     finally:
         console.width = width
     console.file.write(text)
     console.file.flush()
 
 
-def _plain_if_piped(console: Console, table) -> tuple:
-    """(title, caption) of ``table``; where stdout is not a terminal the table loses its box, padding and edges,
-    and its title and caption (printed whole, on lines of their own: rich would wrap them)."""
-    title, caption = table.title, table.caption
-    if not console.is_terminal:
-        table.box = None
-        table.padding = (0, 1)
-        table.pad_edge = False
-        table.show_edge = False
-        table.title = table.caption = None
-    return title, caption
+def _plain(table: Table) -> None:
+    """A table for a pipe: no box, one space between columns, nothing around; title and caption whole, on lines
+    of their own (:func:`_captured` prints them; rich would wrap them)."""
+    table.box = None
+    table.padding = (0, 1)
+    table.pad_edge = False
+    table.show_edge = False
+    table.title = table.caption = None
 
 
-def _parts(console: Console, table, wide: bool, keys: int, fold: bool, together: int, group: int) -> list:
-    """The pieces ``table`` prints as: grouped by case, stacked or folded to the terminal, or itself."""
+def _parts(console: Console, table: Table, wide: bool, keys: int, fold: bool, together: int, group: int) -> list:
+    """What :func:`show` prints: the table whole (a pipe, ``wide``), its groups, or the table fitted to the terminal."""
     if not console.is_terminal or wide:
         return [table]
     if group and not fits(console, table):
@@ -63,17 +62,18 @@ def _parts(console: Console, table, wide: bool, keys: int, fold: bool, together:
     return _fitted(console, table, keys, fold, together)
 
 
-def _render(console: Console, parts: list, title, caption) -> str:
-    """The text of ``parts`` (with a piped table's title and caption), lines never ending in spaces (rich pads
-    every line to the table's width)."""
+def _captured(console: Console, parts: list, title, caption) -> str:
+    """The parts as printed, each line without its trailing spaces (rich pads every line to the table's width);
+    ``title`` and ``caption`` on lines of their own in a pipe."""
+    plain = not console.is_terminal
     with console.capture() as cap:
-        if title and not console.is_terminal:
+        if title and plain:
             console.print(title, soft_wrap=True)
         for i, part in enumerate(parts):
             if i and isinstance(part, Table) and part.title:      # a stacked part (grouped ones run on)
                 console.print()
             console.print(part)
-        if caption and not console.is_terminal:
+        if caption and plain:
             console.print(caption, soft_wrap=True)
     return "".join(_TRAILING.sub(r"\1", line) + "\n" for line in cap.get().splitlines())
 

@@ -63,22 +63,31 @@ def plot_metric(df: pd.DataFrame, metric: str = "kl_rev", ax=None, case: str | N
         ex, sa = g[g["gradients"] == "exact"], g[g["gradients"] == "sampled"]
         if len(ex):
             y = _shown(ex[metric], metric, log)
-            same = next((c for c, prev in drawn if prev.shape == y.shape and np.allclose(y, prev, rtol=1e-9, atol=1e-12,
-                                                                                       equal_nan=True)), None)
+            same = _same_as(drawn, y)
             ax.plot(ex["step"], y, lw=2.5 if same else 2, ls=DOTTED if same else "-", dash_capstyle="round",
                     label=combo if same is None else f"{combo} (= {same})", **style)
             drawn.append((combo, y))
         if len(sa):
-            n = int(sa["draws"].iloc[0])
-            ax.plot(sa["step"], _shown(sa[metric], metric, log), lw=1.2, ls=DASHED,
-                    label=f"{combo}, {n} draws/step" if len(ex) == 0 else None, **style)
-            sd = sa[f"{metric}_sd"].fillna(0)
-            ax.fill_between(sa["step"], _shown(sa[metric] - sd, metric, log), _shown(sa[metric] + sd, metric, log),
-                            color=style["color"], alpha=0.2, lw=0)
+            _plot_sampled(ax, sa, metric, log, f"{combo}, {int(sa['draws'].iloc[0])} draws/step" if len(ex) == 0 else None,
+                          style)
     _axis(ax, metric, log)
     if legend:
         ax.legend(handles=legend_handles(ax), fontsize="small")
     return ax.figure
+
+
+def _same_as(drawn: list[tuple[str, np.ndarray]], y: np.ndarray) -> str | None:
+    """The combination already drawn whose exact curve is ``y`` (to float64 rounding), or None."""
+    return next((c for c, prev in drawn
+                 if prev.shape == y.shape and np.allclose(y, prev, rtol=1e-9, atol=1e-12, equal_nan=True)), None)
+
+
+def _plot_sampled(ax, sa: pd.DataFrame, metric: str, log: bool, label: str | None, style: dict) -> None:
+    """A combination's sampled mean (dashed) with its ±1 sd band across seeds."""
+    ax.plot(sa["step"], _shown(sa[metric], metric, log), lw=1.2, ls=DASHED, label=label, **style)
+    sd = sa[f"{metric}_sd"].fillna(0)
+    ax.fill_between(sa["step"], _shown(sa[metric] - sd, metric, log), _shown(sa[metric] + sd, metric, log),
+                    color=style["color"], alpha=0.2, lw=0)
 
 
 def _shown(values: pd.Series, metric: str, log: bool = True) -> np.ndarray:

@@ -151,6 +151,11 @@ def _check_row_fields(i: int, r: Any, where: str) -> str:
     missing = [k for k in BASELINE_FIELDS if k not in r and k not in _LATER_FIELDS]
     if missing:
         raise SpecError(f"baseline row {i + 1} lacks {', '.join(missing)}", file=where)
+    return _check_text_fields(i, r, where)
+
+
+def _check_text_fields(i: int, r: dict, where: str) -> str:
+    """Row ``i``'s text fields: the required ones non-empty strings, the optional ones strings or null; its name."""
     for k in _REQUIRED_TEXT:
         if not isinstance(r[k], str) or not r[k]:
             raise SpecError(f"baseline row {i + 1}: {k} must be a non-empty string, got "

@@ -42,18 +42,7 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any],
     """The batch sums of an interrupted run. ``batches``: {case: number of batches of this run}; a
     checkpoint holding other cases, more batches, or anything but 2-D float64 sums is refused."""
     path = Path(out_dir) / CHECKPOINT
-    if not path.exists():
-        if (Path(out_dir) / OLD_CHECKPOINT).exists():
-            raise SpecError(f"the checkpoint was written by an older kl-bench ({OLD_CHECKPOINT}); rerun without "
-                            "--resume", file=str(out_dir))
-        raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir))
-    raw = read_regular(path, "checkpoint")
-    try:
-        data = load_npz(raw, str(path), cap_for("checkpoint"))
-    except SpecError as e:
-        detail = e.message.removeprefix("unreadable (truncated or corrupted?): ")
-        raise SpecError(f"checkpoint is unreadable (truncated or corrupted? {detail}); delete {path}",
-                        file=str(out_dir)) from None
+    data = _read(out_dir, path)
     stored = _identity(data)
     if not isinstance(stored, dict) or any(not k.startswith("sums/") for k in data):
         raise SpecError(f"checkpoint is not a kl-bench checkpoint; delete {path}", file=str(out_dir))
@@ -62,12 +51,33 @@ def load_checkpoint(out_dir: Path, identity: dict[str, Any],
         problem = _checkpoint_sums_problem(case, s, batches)
         if problem:
             raise SpecError(f"checkpoint {problem}; delete {path}", file=str(out_dir))
+    _check_settings(stored, identity, out_dir)
+    return sums
+
+
+def _read(out_dir: Path, path: Path) -> dict[str, np.ndarray]:
+    """The checkpoint's arrays; one line where there is none (or one of an older format) or it is unreadable."""
+    if not path.exists():
+        if (Path(out_dir) / OLD_CHECKPOINT).exists():
+            raise SpecError(f"the checkpoint was written by an older kl-bench ({OLD_CHECKPOINT}); rerun without "
+                            "--resume", file=str(out_dir))
+        raise SpecError("nothing to resume: no checkpoint in the results folder", file=str(out_dir))
+    raw = read_regular(path, "checkpoint")
+    try:
+        return load_npz(raw, str(path), cap_for("checkpoint"))
+    except SpecError as e:
+        detail = e.message.removeprefix("unreadable (truncated or corrupted?): ")
+        raise SpecError(f"checkpoint is unreadable (truncated or corrupted? {detail}); delete {path}",
+                        file=str(out_dir)) from None
+
+
+def _check_settings(stored: dict, identity: dict[str, Any], out_dir: Path) -> None:
+    """The checkpoint's identity is this run's (as JSON stores it); else one line naming what differs."""
     if stored != json.loads(json.dumps(identity)):
         diff = [k for k in identity if stored.get(k) != json.loads(json.dumps(identity[k]))]
         raise SpecError(f"checkpoint was made with other settings ({', '.join(diff)} "
                         f"{'differs' if len(diff) == 1 else 'differ'}); rerun without --resume",
                         file=str(out_dir))
-    return sums
 
 
 def _identity(data: dict) -> Any:

@@ -67,7 +67,12 @@ WHOLE_COLUMNS = {"train.csv": ("step", "draws", "seeds"), "audit.csv": ("step",)
 def check_whole_columns(name: str, df, p: Path) -> None:
     """The :data:`WHOLE_COLUMNS` of table ``name`` hold a whole number ≥ 0 on every row; else one line naming
     the file, the column and the row (and its line)."""
-    for c in WHOLE_COLUMNS.get(name, ()):
+    check_whole(df, WHOLE_COLUMNS.get(name, ()), p)
+
+
+def check_whole(df, columns, p: Path) -> None:
+    """Each of ``columns`` that ``df`` has holds a whole number ≥ 0 on every row (:func:`first_bad`)."""
+    for c in columns:
         if c in df.columns:
             v = df[c].to_numpy(dtype=float)
             first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)

@@ -94,12 +94,7 @@ def _json_value(v: Any, key: str) -> Any:
     if isinstance(v, float):
         return v if math.isfinite(v) else None
     if isinstance(v, dict):
-        out = {}
-        for k, x in v.items():
-            if not isinstance(k, str):
-                raise TypeError(f"{ENVELOPE}: key {key}.{k!r} is not a string")
-            out[k] = _json_value(x, f"{key}.{k}" if key else k)
-        return out
+        return _json_object(v, key)
     if isinstance(v, (list, tuple)):
         return [_json_value(x, f"{key}[{i}]") for i, x in enumerate(v)]
     item = getattr(v, "item", None)                      # numpy scalars (np.float64 is a float already)
@@ -107,6 +102,15 @@ def _json_value(v: Any, key: str) -> Any:
         return _json_value(item(), key)
     raise TypeError(f"{ENVELOPE}: {key} holds a {type(v).__module__}.{type(v).__qualname__}, which JSON cannot "
                     "hold: convert it where the envelope is built")
+
+
+def _json_object(v: dict, key: str) -> dict:
+    out = {}
+    for k, x in v.items():
+        if not isinstance(k, str):
+            raise TypeError(f"{ENVELOPE}: key {key}.{k!r} is not a string")
+        out[k] = _json_value(x, f"{key}.{k}" if key else k)
+    return out
 
 
 def envelope_bytes(envelope: dict[str, Any]) -> bytes:

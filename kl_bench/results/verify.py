@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..foundation.errors import SpecError
-from .csv_checks import check_numeric_columns, first_bad, parse_csv
+from .csv_checks import check_numeric_columns, check_whole, first_bad, parse_csv
 from .folders import (FORMATS, check_hashes, check_recorded, format_of, read_bytes,
                       read_envelope, require_folder, require_kind, version_of)
 from .migrate import migrate
@@ -162,10 +162,7 @@ def _check_values(name: str, df, p: Path) -> None:
     """Counts, spreads, statistics that must be defined, and one row per key (module docstring)."""
     def col(c: str) -> np.ndarray:
         return df[c].to_numpy(dtype=float)
-    for c in _COUNTS.get(name, ()):
-        if c in df.columns:
-            v = col(c)
-            first_bad(df, c, ~np.isfinite(v) | (v < 0) | (v != np.round(v)), "must be a whole number ≥ 0", p)
+    check_whole(df, _COUNTS.get(name, ()), p)
     for c in _SPREADS.get(name, ()):
         if c in df.columns:
             first_bad(df, c, col(c) < 0, "must be ≥ 0 (a spread)", p)
@@ -176,19 +173,24 @@ def _check_values(name: str, df, p: Path) -> None:
     if hit is not None:
         c, bad, what = hit
         first_bad(df, c, bad, what, p)
-    key = [c for c in _KEYS.get(name, ()) if c in df.columns]
-    if key:
-        frame = df[key].copy()
-        if "lambda" in frame:         # λ as written (12 digits suffice to tell grid values apart)
-            frame["lambda"] = frame["lambda"].astype(float).round(12)
-        dup = np.flatnonzero(frame.duplicated(keep="first").to_numpy())
-        if len(dup):
-            i = int(dup[0])
-            # .item(): numpy scalars as Python ones ('4', not 'np.int64(4)')
-            shown = ", ".join(f"{c} {getattr(v, 'item', lambda: v)()!r}" for c in key
-                              if str(v := df[c].iloc[i]) not in ("", "nan"))
-            raise SpecError(f"row {i + 1} (line {i + 2}) repeats an earlier row's key ({shown}): one row per "
-                            f"{', '.join(key)}", file=str(p))
+    _check_unique_keys(df, [c for c in _KEYS.get(name, ()) if c in df.columns], p)
+
+
+def _check_unique_keys(df, key: list[str], p: Path) -> None:
+    """One row per value of the ``key`` columns (none: nothing to check)."""
+    if not key:
+        return
+    frame = df[key].copy()
+    if "lambda" in frame:         # λ as written (12 digits suffice to tell grid values apart)
+        frame["lambda"] = frame["lambda"].astype(float).round(12)
+    dup = np.flatnonzero(frame.duplicated(keep="first").to_numpy())
+    if len(dup):
+        i = int(dup[0])
+        # .item(): numpy scalars as Python ones ('4', not 'np.int64(4)')
+        shown = ", ".join(f"{c} {getattr(v, 'item', lambda: v)()!r}" for c in key
+                          if str(v := df[c].iloc[i]) not in ("", "nan"))
+        raise SpecError(f"row {i + 1} (line {i + 2}) repeats an earlier row's key ({shown}): one row per "
+                        f"{', '.join(key)}", file=str(p))
 
 
 def _load_reservoir(data: bytes, p: Path) -> dict[str, np.ndarray]:
@@ -300,18 +302,22 @@ def _check_same_settings(env: dict, spec, where: str) -> None:
             raise SpecError(f"was made from another version of {spec.path} (spec sha256 differs) and its run.json "
                             "holds no spec text to compare: run it again", file=where)
         return
-    changed = [k for k in diffs if not _run_setting(k)]
-    # The texts differ beyond run settings: the same spec in other words (./q.npy for q.npy, a default
-    # written out, a sweep's values reordered) passes when the spec, parsed, says so (it parses the
-    # recorded text; a spec that cannot, or a plain object, leaves the text's verdict).
-    measured = getattr(spec, "measured_differences", None)
-    if changed and callable(measured) and measured(recorded) == []:
-        return
+    changed = _measured_changes(diffs, spec, recorded)
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
         raise SpecError(f"was made from another version of {spec.path} ({shown} changed since): its numbers "
                         f"are not this spec's; run it again, or give the spec it was made from (run.json's "
                         f"spec_text)", file=where)
+
+
+def _measured_changes(diffs: list[str], spec, recorded: str) -> list[str]:
+    """The keys of ``diffs`` that change what a run measures (not :data:`RUN_SETTINGS`). Texts that differ beyond
+    run settings may be the same spec in other words (./q.npy for q.npy, a default written out, a sweep's values
+    reordered): none then, when the spec, parsed, says so (it parses the recorded text; a spec that cannot, or
+    a plain object, leaves the text's verdict)."""
+    changed = [k for k in diffs if not _run_setting(k)]
+    measured = getattr(spec, "measured_differences", None)
+    return [] if changed and callable(measured) and measured(recorded) == [] else changed
 
 
 # Spec keys that change how a run is made, or what else it writes, not what its summary measures: results
@@ -362,14 +368,21 @@ def _flat(table: dict, prefix: str = "") -> dict[str, Any]:
         if isinstance(value, dict):
             out.update(_flat(value, name + "."))
         elif key == "case" and not prefix and isinstance(value, list) and all(isinstance(c, dict) for c in value):
-            for i, case in enumerate(value):
-                label = f"case '{case.get('name', i)}'"
-                out[label] = True                                  # present: a case on one side only differs
-                out.update(_flat({k: v for k, v in case.items() if k != "name"}, label + "."))
+            out.update(_flat_cases(value))
         elif name in ORDERLESS and isinstance(value, list):
             out[name] = sorted(json.dumps(_number(v), sort_keys=True) for v in value)
         else:
             out[name] = _number(value)
+    return out
+
+
+def _flat_cases(cases: list[dict]) -> dict[str, Any]:
+    """The [[case]] tables flat, keyed by their names (a case on one side only differs: its key is there)."""
+    out: dict[str, Any] = {}
+    for i, case in enumerate(cases):
+        label = f"case '{case.get('name', i)}'"
+        out[label] = True
+        out.update(_flat({k: v for k, v in case.items() if k != "name"}, label + "."))
     return out
 
 

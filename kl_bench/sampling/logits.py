@@ -109,43 +109,50 @@ def parse_logits_source(t: Table, key: str, side: str, spec_dir: Path) -> Logits
             raise t.error(e.message, key=t.key(key)) from None
     t = t.sub(key)
     if t.has("file"):
-        path = spec_dir / t.get("file", "str")
-        mask = t.get("mask", "str", None)
-        src = FileLogits(path, key=t.get("key", "str", None), mask=None if mask is None else spec_dir / mask,
-                         mask_key=t.get("mask_key", "str", None))
-        if src.mask_key is not None and src.mask is None:
-            raise t.error("needs a mask file", key=t.key("mask_key"))
-        t.finish()
-        return src
-    if t.has("logits"):
-        gen = t.get("logits", "str")
-        if gen != "zipf":
-            raise t.error(f"unknown logits generator '{gen}'{did_you_mean(gen, ['zipf'])}; known: zipf",
-                          key=t.key("logits"))
-        src = ZipfLogits(exponent=t.get("exponent", "float", 1.1, positive),
-                         seed=t.get("seed", "int", 0, check_seed),
-                         contexts=t.get("contexts", "int", None, positive),
-                         offset=t.get("offset", "float", 0.0))
-        t.finish()
-        return src
-    if t.has("from"):
-        source = t.get("from", "str")
-        if side == "b":
-            if source not in ("q", "p"):
-                raise t.error(f"must be 'q' or 'p', got '{source}'", key=t.key("from"))
-        else:
-            other = "p" if side == "q" else "q"
-            if source != other:
-                raise t.error(f"must name the other side, '{other}', got '{source}'", key=t.key("from"))
-        src = DerivedLogits(source=source,
-                            noise=t.get("noise", "float", 0.0, nonnegative),
-                            temperature=t.get("temperature", "float", 1.0, positive),
-                            seed=t.get("seed", "int", 0, check_seed),
-                            offset=t.get("offset", "float", 0.0))
-        t.finish()
-        return src
-    raise t.error("needs one of 'file', 'logits' (a generator), 'from' (the other side) or a tensor",
-                  key=t.prefix.rstrip("."))
+        src = _file_source(t, spec_dir)
+    elif t.has("logits"):
+        src = _zipf_source(t)
+    elif t.has("from"):
+        src = _derived_source(t, side)
+    else:
+        raise t.error("needs one of 'file', 'logits' (a generator), 'from' (the other side) or a tensor",
+                      key=t.prefix.rstrip("."))
+    t.finish()
+    return src
+
+
+def _file_source(t: Table, spec_dir: Path) -> FileLogits:
+    path = spec_dir / t.get("file", "str")
+    mask = t.get("mask", "str", None)
+    src = FileLogits(path, key=t.get("key", "str", None), mask=None if mask is None else spec_dir / mask,
+                     mask_key=t.get("mask_key", "str", None))
+    if src.mask_key is not None and src.mask is None:
+        raise t.error("needs a mask file", key=t.key("mask_key"))
+    return src
+
+
+def _zipf_source(t: Table) -> ZipfLogits:
+    gen = t.get("logits", "str")
+    if gen != "zipf":
+        raise t.error(f"unknown logits generator '{gen}'{did_you_mean(gen, ['zipf'])}; known: zipf",
+                      key=t.key("logits"))
+    return ZipfLogits(exponent=t.get("exponent", "float", 1.1, positive), seed=t.get("seed", "int", 0, check_seed),
+                      contexts=t.get("contexts", "int", None, positive), offset=t.get("offset", "float", 0.0))
+
+
+def _derived_source(t: Table, side: str) -> DerivedLogits:
+    """{from = the other side (q, p; either for a sampler's b), noise, temperature, seed, offset}."""
+    source = t.get("from", "str")
+    if side == "b":
+        if source not in ("q", "p"):
+            raise t.error(f"must be 'q' or 'p', got '{source}'", key=t.key("from"))
+    else:
+        other = "p" if side == "q" else "q"
+        if source != other:
+            raise t.error(f"must name the other side, '{other}', got '{source}'", key=t.key("from"))
+    return DerivedLogits(source=source, noise=t.get("noise", "float", 0.0, nonnegative),
+                         temperature=t.get("temperature", "float", 1.0, positive),
+                         seed=t.get("seed", "int", 0, check_seed), offset=t.get("offset", "float", 0.0))
 
 
 def parse_pair_sources(t: Table, spec_dir: Path) -> tuple[LogitsSource, LogitsSource]:
@@ -228,14 +235,6 @@ def check_derived(source: torch.Tensor, derived: torch.Tensor, side: str, src) -
         key = f"{side}.noise" if src.noise > 0 and src.temperature == 1 else f"{side}.temperature"
         raise SpecError(f"the derived logits overflow float64 (temperature {src.temperature:g}, noise "
                         f"{src.noise:g}: |logit / temperature + noise·ε| must stay below 1.8e308)", key=key)
-
-
-def resolve_pair_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, contexts: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build (log q, log p), both normalised float64 [B, V], validating shapes and values.
-    ``contexts``: the default number of contexts of a Zipf generator (rollouts: the bucket count)."""
-    zq, zp = resolve_pair_source_logits(q, p, vocab, contexts)
-    return torch.log_softmax(zq, dim=-1), torch.log_softmax(zp, dim=-1)
 
 
 def resolve_pair_source_logits(q: LogitsSource, p: LogitsSource, vocab: int | None, contexts: int | None = None

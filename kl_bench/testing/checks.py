@@ -74,15 +74,7 @@ def check_masked(fn, fill: str, mask_by: str, dtype: torch.dtype, gradients: boo
     (``gradients``: not in the reward, where it is detached), the gradient with respect to both log-prob
     tensors finite (0·inf and inf − inf give NaN, which the optimiser spreads to every parameter)."""
     for where, a, b in masked_rows(fill):
-        # host: the masked check's two positions (kl_bench.testing checks a function on the CPU)
-        lq = torch.tensor([-0.7, a], dtype=dtype, requires_grad=True)
-        lp = torch.tensor([-0.9, b], dtype=dtype, requires_grad=True)  # host: as lq
-        mask = torch.tensor([True, False])  # host: as lq
-        out = _call(fn, lq, lp)
-        kept = out * mask if mask_by == "multiply" else torch.where(mask, out, torch.zeros_like(out))
-        # a function that returns detached values has no gradient to check here (check 4 says so)
-        grads = [g for g in torch.autograd.grad(kept.sum(), (lq, lp), allow_unused=True) if g is not None] \
-            if kept.requires_grad else []
+        out, kept, grads = _masked(fn, a, b, mask_by, dtype)
         how = "multiplied by the mask" if mask_by == "multiply" else "torch.where(mask, kl, 0)"
         v = float(kept.detach()[1])
         if v != 0.0:
@@ -95,6 +87,21 @@ def check_masked(fn, fill: str, mask_by: str, dtype: torch.dtype, gradients: boo
                             f"{[float(g[1]) for g in grads]}, not finite (0·inf or NaN in the backward "
                             f"of the masked value) [{_dtype_name(dtype)}]", (f"padding: {where}",))]
     return []
+
+
+def _masked(fn, a: float, b: float, mask_by: str, dtype: torch.dtype):
+    """(fn's values, the values after the mask, their gradients with respect to log q and log p) at a real position
+    and a padded one (logprobs ``a``, ref_logprobs ``b``), the padded one masked."""
+    # host: the masked check's two positions (kl_bench.testing checks a function on the CPU)
+    lq = torch.tensor([-0.7, a], dtype=dtype, requires_grad=True)
+    lp = torch.tensor([-0.9, b], dtype=dtype, requires_grad=True)  # host: as lq
+    mask = torch.tensor([True, False])  # host: as lq
+    out = _call(fn, lq, lp)
+    kept = out * mask if mask_by == "multiply" else torch.where(mask, out, torch.zeros_like(out))
+    # a function that returns detached values has no gradient to check here (check 4 says so)
+    grads = [g for g in torch.autograd.grad(kept.sum(), (lq, lp), allow_unused=True) if g is not None] \
+        if kept.requires_grad else []
+    return out, kept, grads
 
 
 # ----------------------------------------------------------------------------- expectations

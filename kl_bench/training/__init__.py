@@ -45,6 +45,19 @@ def _plans(spec, cfg: TrainConfig) -> list:
     return plans
 
 
+def _run_units(plans, mine: list, cfg: TrainConfig, seed: int, draws: int, device: torch.device, progress) -> dict:
+    """{unit: its metrics} of this process's units, in order."""
+    done: dict = {}
+    if progress is not None:
+        progress.set_total(len(mine) * (cfg.steps + 1))
+    for u in mine:
+        if progress is not None:
+            progress.label(unit_label(plans, u))
+        done[u] = run_unit(plans, u, cfg, seed=seed, draws=draws, device=device,
+                           progress=None if progress is None else progress.advance)
+    return done
+
+
 def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE,
                progress=None) -> tuple[list[dict] | None, TrainConfig, float]:
     """Every row of train.csv for a validated spec with a [train] table: (rows, config, seconds).
@@ -61,14 +74,8 @@ def train_rows(spec, device: torch.device, ranks: Ranks = SINGLE,
     done: dict = {}
     failure = None
     try:        # a plug-in reward can still fail on a sampled path: one line naming the file
-        mine = units(plans, cfg)[ranks.rank::ranks.world_size]
-        if progress is not None:
-            progress.set_total(len(mine) * (cfg.steps + 1))
-        for u in mine:
-            if progress is not None:
-                progress.label(unit_label(plans, u))
-            done[u] = run_unit(plans, u, cfg, seed=spec.experiment.seed, draws=draws, device=device,
-                               progress=None if progress is None else progress.advance)
+        done = _run_units(plans, units(plans, cfg)[ranks.rank::ranks.world_size], cfg, spec.experiment.seed, draws,
+                          device, progress)
     except SpecError as e:
         failure = e.located(file=str(spec.path))
         if ranks.world_size == 1:

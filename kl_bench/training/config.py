@@ -105,19 +105,23 @@ def _parse_reward(t: Table, spec_dir: Path) -> RewardSpec:
         unknown = next((k for k in raw if k not in REWARD_KINDS), None)
         hint = did_you_mean(unknown, list(REWARD_KINDS)) if unknown else ""
         raise r.error(f"needs exactly one of {', '.join(REWARD_KINDS)}{hint}", key=t.key("reward"))
-    if kinds[0] == "random":
-        spec = RewardSpec("random", scale=r.get("random", "float", check=positive),
-                          seed=r.get("seed", "int", 0, check_seed), penalty=r.bool("penalty", False))
-    elif kinds[0] == "file":
-        f = Path(r.get("file", "str"))
-        spec = RewardSpec("file", file=f if f.is_absolute() else spec_dir / f, key=r.get("key", "str", None))
-    elif kinds[0] == "tokens":
-        spec = RewardSpec("tokens", tokens=_token_ids(r), value=r.get("value", "float", 1.0))
-    else:
-        spec = RewardSpec("sequence", function=_sequence_reward(r, spec_dir))
+    spec = _reward_of(kinds[0], r, spec_dir)
     cases = r.get("cases", "str_list", ())
     r.finish()
     return dataclasses.replace(spec, cases=cases)
+
+
+def _reward_of(kind: str, r: Table, spec_dir: Path) -> RewardSpec:
+    """The [train.reward] table's keys of its one reward kind."""
+    if kind == "random":
+        return RewardSpec("random", scale=r.get("random", "float", check=positive),
+                          seed=r.get("seed", "int", 0, check_seed), penalty=r.bool("penalty", False))
+    if kind == "file":
+        f = Path(r.get("file", "str"))
+        return RewardSpec("file", file=f if f.is_absolute() else spec_dir / f, key=r.get("key", "str", None))
+    if kind == "tokens":
+        return RewardSpec("tokens", tokens=_token_ids(r), value=r.get("value", "float", 1.0))
+    return RewardSpec("sequence", function=_sequence_reward(r, spec_dir))
 
 
 def _parse_optimizer(t: Table) -> Optimizer:

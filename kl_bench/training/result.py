@@ -68,28 +68,28 @@ def summary_lines(frame: pd.DataFrame) -> list[str]:
     """Per case of train.csv's frame: which combination ends closest to q* (the smallest KL(q‖q*)) and how
     far the others are (exact rows when the run has them, else the sampled means); a diverged trajectory
     (:func:`diverged`) is named as such, never ranked, and a case where all did names no winner."""
-    lines = []
     gone = {(c, k, g): s for c, k, g, s in diverged(frame)}
-    for case, df in final_rows(frame).groupby("case", sort=False):
-        kind = "exact" if (df["gradients"] == "exact").any() else "sampled"
-        d = df[df["gradients"] == kind]
-        lost = [r for r in d.itertuples() if (case, r.combination, kind) in gone]
-        tail = "; diverged: " + ", ".join(f"{r.combination} (from step {gone[case, r.combination, kind]})"
-                                          for r in lost) if lost else ""
-        d = d[[(case, k, kind) not in gone for k in d["combination"]]].sort_values("kl_opt", kind="stable")
-        if d.empty:
-            lines.append(f"{case}: every combination diverged ({kind}){tail[len('; diverged'):]}")
-            continue
-        if not np.isfinite(d["kl_opt"].to_numpy(dtype=float)).any():
-            lines.append(f"{case}: KL(q‖q*) is not computable here (the normaliser of q* is not finite in "
-                         f"float64); compare the combinations by their objective in train.csv{tail}")
-            continue
-        best = d.iloc[0]
-        others = ", ".join(f"{r.combination} {sig(r.kl_opt)} ({_gap(r.kl_opt, best.kl_opt)})"
-                           for r in d.iloc[1:].itertuples())
-        lines.append(f"{case}: closest to the optimum q* ∝ p·exp(reward/β) ({kind}): {best.combination}, "
-                     f"KL(q‖q*) = {sig(best.kl_opt)}" + (f"; others: {others}" if others else "") + tail)
-    return lines
+    return [_case_line(case, df, gone) for case, df in final_rows(frame).groupby("case", sort=False)]
+
+
+def _case_line(case: str, df: pd.DataFrame, gone: dict) -> str:
+    """:func:`summary_lines`' line of one case: its final rows ``df``, ``gone`` the diverged trajectories."""
+    kind = "exact" if (df["gradients"] == "exact").any() else "sampled"
+    d = df[df["gradients"] == kind]
+    lost = [r for r in d.itertuples() if (case, r.combination, kind) in gone]
+    tail = "; diverged: " + ", ".join(f"{r.combination} (from step {gone[case, r.combination, kind]})"
+                                      for r in lost) if lost else ""
+    d = d[[(case, k, kind) not in gone for k in d["combination"]]].sort_values("kl_opt", kind="stable")
+    if d.empty:
+        return f"{case}: every combination diverged ({kind}){tail[len('; diverged'):]}"
+    if not np.isfinite(d["kl_opt"].to_numpy(dtype=float)).any():
+        return (f"{case}: KL(q‖q*) is not computable here (the normaliser of q* is not finite in "
+                f"float64); compare the combinations by their objective in train.csv{tail}")
+    best = d.iloc[0]
+    others = ", ".join(f"{r.combination} {sig(r.kl_opt)} ({_gap(r.kl_opt, best.kl_opt)})"
+                       for r in d.iloc[1:].itertuples())
+    return (f"{case}: closest to the optimum q* ∝ p·exp(reward/β) ({kind}): {best.combination}, "
+            f"KL(q‖q*) = {sig(best.kl_opt)}" + (f"; others: {others}" if others else "") + tail)
 
 
 def _gap(v: float, best: float) -> str:

@@ -24,18 +24,33 @@ def reward_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int)
         except SpecError as e:
             raise e.located(case=case, key=KEY) from None
     if spec.kind == "random":
-        # Its own stream (seed, case/reward): the reward does not move when draws or steps change.
-        g = batch_generator(seed + spec.seed, f"{case}/reward", 0, torch.device("cpu"))
-        r = spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)  # host: a reward table from the spec
-        return -r.abs() if spec.penalty else r
+        return _random_table(spec, shape, case, seed)
     if spec.kind == "tokens":
-        bad = [t for t in spec.tokens if t >= vocab]
-        if bad:
-            raise SpecError(f"token id {bad[0]} is outside the vocabulary (V = {vocab})", case=case,
-                            key="train.reward.tokens")
-        out = torch.zeros(shape, dtype=torch.float64)  # host: a reward table from the spec
-        out[:, list(spec.tokens)] = spec.value
-        return out
+        return _token_table(spec, shape, case)
+    return _file_table(spec, shape, case)
+
+
+def _random_table(spec: RewardSpec, shape: tuple[int, int], case: str, seed: int) -> torch.Tensor:
+    # Its own stream (seed, case/reward): the reward does not move when draws or steps change.
+    g = batch_generator(seed + spec.seed, f"{case}/reward", 0, torch.device("cpu"))
+    r = spec.scale * torch.randn(shape, dtype=torch.float64, generator=g)  # host: a reward table from the spec
+    return -r.abs() if spec.penalty else r
+
+
+def _token_table(spec: RewardSpec, shape: tuple[int, int], case: str) -> torch.Tensor:
+    """``value`` on the listed tokens in every row, 0 elsewhere."""
+    bad = [t for t in spec.tokens if t >= shape[1]]
+    if bad:
+        raise SpecError(f"token id {bad[0]} is outside the vocabulary (V = {shape[1]})", case=case,
+                        key="train.reward.tokens")
+    out = torch.zeros(shape, dtype=torch.float64)  # host: a reward table from the spec
+    out[:, list(spec.tokens)] = spec.value
+    return out
+
+
+def _file_table(spec: RewardSpec, shape: tuple[int, int], case: str) -> torch.Tensor:
+    """The table of a file, [rows, V] or one row [V] repeated, finite."""
+    rows, vocab = shape
     try:
         t = read_logits_file(spec.file, spec.key, what="reward table")
     except SpecError as e:

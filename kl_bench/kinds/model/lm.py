@@ -77,14 +77,20 @@ def check_prompts(prompts: list[list[int]], path: Path, models: list, length: in
         raise SpecError(f"{path}: token id {top} is outside the models' vocabulary [0, {vocab})", key=key)
     if eos is not None and not 0 <= eos < vocab:
         raise SpecError(f"must be a token id in [0, {vocab}), got {eos}", key="eos" if key == "prompts" else "--eos")
-    limits = [getattr(m.config, "max_position_embeddings", None) or getattr(m.config, "n_positions", None)
-              for m in models]
-    limit = min((int(x) for x in limits if isinstance(x, int) and x > 0), default=None)
+    limit = position_limit(models)
     longest = max(len(p) for p in prompts)
     if limit is not None and longest + length > limit:
         i = max(range(len(prompts)), key=lambda j: len(prompts[j]))
         raise SpecError(f"{path}: prompt {i + 1} has {longest} tokens; with {length} generated that is more than "
                         f"the model's {limit} positions", key=key)
+
+
+def position_limit(models: list) -> int | None:
+    """The fewest positions any of the models has (its config's ``max_position_embeddings`` or ``n_positions``);
+    None where none says."""
+    limits = [getattr(m.config, "max_position_embeddings", None) or getattr(m.config, "n_positions", None)
+              for m in models]
+    return min((int(x) for x in limits if isinstance(x, int) and x > 0), default=None)
 
 
 def load_model(path: Path, dtype: str, key: str):
@@ -119,24 +125,27 @@ def read_prompts(path: Path, tokenizer_dir: Path) -> list[list[int]]:
     if path.suffix.lower() == ".jsonl":
         out = [_jsonl_ids(line, i, path) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     else:
-        lines = [s for s in text.splitlines() if s.strip()]
-        tf = transformers_module()
-        refuse_remote_code(tokenizer_dir, "prompts")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tok = tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True,
-                                                       trust_remote_code=False)
-        except Exception as e:
-            first = str(e).splitlines()[0] if str(e) else "unreadable"
-            raise SpecError(f"a text prompts file needs the tokenizer saved in the policy's folder {tokenizer_dir} "
-                            f"({e.__class__.__name__}: {first}); or give .jsonl with input_ids", key="prompts") from None
-        out = [tok(s)["input_ids"] for s in lines]
+        tok = _tokenizer(tokenizer_dir)
+        out = [tok(s)["input_ids"] for s in text.splitlines() if s.strip()]
         if any(not ids for ids in out):
             raise SpecError(f"{path}: a prompt tokenises to no tokens", key="prompts")
     if not out:
         raise SpecError(f"{path}: no prompts", key="prompts")
     return out
+
+
+def _tokenizer(tokenizer_dir: Path):
+    """The tokenizer saved in the policy's folder, for a text prompts file (never code from the folder)."""
+    tf = transformers_module()
+    refuse_remote_code(tokenizer_dir, "prompts")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return tf.AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else "unreadable"
+        raise SpecError(f"a text prompts file needs the tokenizer saved in the policy's folder {tokenizer_dir} "
+                        f"({e.__class__.__name__}: {first}); or give .jsonl with input_ids", key="prompts") from None
 
 
 def _jsonl_ids(line: str, i: int, path: Path) -> list[int]:

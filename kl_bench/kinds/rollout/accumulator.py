@@ -114,12 +114,19 @@ class RolloutGradients(GradientAccumulator):
         weights, no rejection mask)."""
         forms = {j: TOKEN_FORMS[it.token] for j, it in enumerate(items) if AGGREGATES[it.aggregate].token}
         per_step = [j for j, form in forms.items() if form.per_step]
-        counts_suffice = not model.weighting.weighted and model.rejection is None
-        self.local = [j for j in per_step if not AGGREGATES[items[j].aggregate].length] if counts_suffice else []
+        self.local = self._count_rows(model, items, per_step)
         self.per_draw = [j for j in range(len(items)) if j not in self.local]
         self.tables = {j: form.local(items[j], self.g_flat) for j, form in forms.items() if form.local is not None}
         self.phase_tables = self._phase_tables(model, items, per_step, device)
         self.phase_of = torch.tensor(model.phase_of, device=device)
+
+    @staticmethod
+    def _count_rows(model: RolloutModel, items: list[GradItem], per_step: list[int]) -> list[int]:
+        """The rows of ``per_step`` whose totals follow from the (bucket, token) counts alone: no importance
+        weights, no rejection mask, no length factor."""
+        if model.weighting.weighted or model.rejection is not None:
+            return []
+        return [j for j in per_step if not AGGREGATES[items[j].aggregate].length]
 
     @staticmethod
     def _phase_tables(model: RolloutModel, items: list[GradItem], rows: list[int], device) -> dict[int, torch.Tensor]:

@@ -147,8 +147,7 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
     weighted = model.weighting.weighted
     n = sum(sizes)
     walk = _Walk.start(n, len(tok_rows), weighted, device)
-    block = _Block.of(min(step_block(device), model.length), n, len(tok_rows), weighted and model.weighting.per_token,
-                      device, any(r.est.needs_logq for r in tok_rows)) if sums else None
+    block = _block_for(model, n, tok_rows, device) if sums else None
     # The rejection mask's statistics of the raw log q/b, per sequence (kl_bench.core.rejection).
     mask = SequenceMask(model.rejection, model.log_q, [lb for lb, _ in model.phases], n, device)
     steps = uniform_steps(device)
@@ -173,6 +172,14 @@ def simulate(model: RolloutModel, sizes: list[int], gens: list[torch.Generator],
         walk.c = bucket[x]
     return Draws(walk.logr, walk.full, walk.tok, walk.tok_b, weight=walk.weight, tok_weighted=model.weighting.per_token,
                  log_weight=walk.log_weight, keep=mask.keep())
+
+
+def _block_for(model: RolloutModel, n: int, tok_rows: list[Row], device: torch.device) -> _Block:
+    """The block of steps :func:`simulate` fills for ``n`` paths: per-token weights where the weighting has them,
+    log q where a token row's estimator needs it."""
+    w = model.weighting
+    return _Block.of(min(step_block(device), model.length), n, len(tok_rows), w.weighted and w.per_token, device,
+                     any(r.est.needs_logq for r in tok_rows))
 
 
 def _uniforms(sizes: list[int], gens: list[torch.Generator], steps: int, device: torch.device) -> torch.Tensor:
