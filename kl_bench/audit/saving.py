@@ -100,7 +100,7 @@ def _aligned(x, shape: tuple) -> torch.Tensor | None:
     """A per-token tensor [B, S] as given, or [B, T] (the last T tokens of the sequences) padded on the left."""
     if x is None:
         return None
-    x = torch.as_tensor(x)
+    x = torch.as_tensor(x)      # host: or a tensor's own device (as_tensor keeps it); saved from the host
     if tuple(x.shape) == shape:
         return x
     if x.ndim != 2 or x.shape[0] != shape[0] or x.shape[1] > shape[1]:
@@ -125,9 +125,9 @@ def save_model_step(path, policy, reference, *, sequences, mask, trainer_kl, ste
     (NeMo-RL's layout), or [B, T] for the last T tokens (verl's ``responses``, OpenRLHF's actions). Token t is
     predicted at position t − 1; columns before the first counted token are dropped. The hidden states and
     the output layers are what the file holds (O(B·S·d + V·d)): a certification run's few steps, not every one."""
-    ids = torch.as_tensor(sequences)
+    ids = torch.as_tensor(sequences)      # host: or the trainer's device (as_tensor keeps a tensor's)
     shape = tuple(ids.shape)
-    am = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+    am = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)  # host: as ids
     positions = (am.long().cumsum(-1) - 1).clamp(min=0)
     per_token = {k: _aligned(v, shape) for k, v in (("mask", mask), ("trainer_kl", trainer_kl),
                  ("engine_logprobs", engine_logprobs), ("policy_logprobs", policy_logprobs),
