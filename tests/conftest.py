@@ -135,7 +135,7 @@ NUMERICS_FILES = {"test_training.py", "test_training_sequences.py", "test_gradie
                   "test_ukl.py", "test_baselines.py", "test_audit.py", "test_audit_api.py", "test_monte_carlo.py",
                   "test_rollout.py", "test_rollout_gradients.py", "test_topk.py", "test_precision.py",
                   "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py",
-                  "test_audit_stream.py", "test_audit_session.py", "test_audit_engine.py", "test_output.py",
+                  "test_audit_stream.py", "test_audit_session.py", "test_output.py",
                   "test_multinomial.py", "test_rollout_blocks.py", "test_estimators.py"}
 
 

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from .helpers import TRAIN_SPEC
+
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="pty")
 
 COLUMNS = 80
@@ -68,26 +70,7 @@ case = "vocab"
 p.noise = [0.1, 0.3, 1.0]
 sampler.temperature = [0.8, 1.0, 1.2]
 """
-TRAIN = """
-spec_version = 1
-[experiment]
-name = "t"
-draws = 10
-device = "cpu"
-[train]
-optimizer = "sgd"
-lr = 0.5
-steps = 3
-beta = 0.5
-reward = { random = 1.0 }
-combinations = ["k1/reward", "k3/loss"]
-[[case]]
-name = "a-categorical-trained-for-three-steps"
-kind = "categorical"
-vocab = 12
-q = { logits = "zipf", exponent = 1.1, seed = 1 }
-p = { from = "q", noise = 0.5, seed = 2 }
-"""
+TRAIN = TRAIN_SPEC.replace('name = "cat"', 'name = "a-categorical-trained-for-three-steps"')
 
 
 def in_pty(code: str, cwd) -> tuple[int, str]:
@@ -222,7 +205,7 @@ def test_report_and_the_trl_demo_read_at_80_columns(tmp_path):
     code, text = in_pty("from kl_bench.integrations.demo import main; main(['--out', 'audit'])", tmp_path)
     assert code == 0, text
     lines = [line for line in text.splitlines() if line.strip()]
-    assert lines[0].startswith("kl_audit: step 1 loss"), text          # the audit's line first
+    assert lines[0].startswith("kl_audit: step 1 kl"), text            # the audit's line first (source kl)
     assert "{'loss'" not in text and "it/s" not in text, text           # no TRL log dict, no progress bar
     assert "gradient_checkpointing` is deprecated" not in text, text
     assert_readable("demo", text, ["trl_log_history.json", "consistency"])
