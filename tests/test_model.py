@@ -437,7 +437,7 @@ def test_sampled_token_proxies_on_model_cases(tiny_models):
     """bin_kl and bin_tv (docs/gates.md) on the models: next-token rows exact (the vocabulary sums of the
     proxies of both models' log-probs), continuation rows against the reference, never called exact."""
     from kl_bench.core.estimators import ESTIMATORS
-    nxt = kl_bench.run(_spec([model_case(tiny_models)], draws=512, estimators=("k3", "bin_kl", "bin_tv")))
+    nxt = kl_bench.run(_spec([model_case(tiny_models)], draws=256, estimators=("k3", "bin_kl", "bin_tv")))
     pair = nxt.pairs[0]
     lq, lp = pair.model.log_q, pair.model.log_p
     rows = nxt.summary.set_index("estimator")
@@ -447,7 +447,7 @@ def test_sampled_token_proxies_on_model_cases(tiny_models):
         assert abs(rows.loc[name, "z"]) < 5
     assert rows.loc["bin_tv", "true_kl"] == pytest.approx(float(0.5 * (lq.exp() - lp.exp()).abs().sum(-1).mean()),
                                                           rel=1e-12)
-    cont = kl_bench.run(_spec([model_case(tiny_models, length=4)], draws=256, estimators=("full", "bin_kl")))
+    cont = kl_bench.run(_spec([model_case(tiny_models, length=2)], draws=128, estimators=("full", "bin_kl")))
     df = cont.summary.set_index(["estimator", "aggregate"])
     row = df.loc[("bin_kl", "tok")]
     assert math.isnan(row["exact_mean"]) and 0 < row["mean"] < df.loc[("full", "tok"), "mean"]
