@@ -130,13 +130,13 @@ HEAVY_FIRST = ("test_distributed.py", "test_benchmarks.py", "test_atomic.py", "t
 # exact zeros): .ci/run runs them a second time under ATEN_CPU_CAPABILITY=default, so that a result that
 # depends on the CPU's vector width (torch picks AVX-512, AVX2 or plain kernels at run time; their sums
 # round differently) fails CI on any machine, not only on the machine whose kernels differ.
-NUMERICS_FILES = {"test_training.py", "test_training_sequences.py", "test_gradients.py", "test_chunking.py",
-                  "test_presets.py", "test_rejection.py", "test_aggregations.py", "test_clipping.py", "test_exact.py",
-                  "test_ukl.py", "test_baselines.py", "test_audit.py", "test_audit_api.py", "test_monte_carlo.py",
-                  "test_rollout.py", "test_rollout_gradients.py", "test_topk.py", "test_precision.py",
-                  "test_lambdas.py", "test_counts.py", "test_papers_liu.py", "test_papers_rollout.py",
-                  "test_audit_stream.py", "test_audit_session.py", "test_output.py",
-                  "test_multinomial.py", "test_rollout_blocks.py", "test_estimators.py"}
+NUMERICS_FILES = {"test_chunking.py", "test_output.py", "test_counts.py", "test_exact.py", "test_precision.py",
+                  "test_estimators.py", "test_presets.py", "test_topk.py", "test_ukl.py", "test_lambdas.py",
+                  "test_rollout_blocks.py", "test_audit_session.py"}
+# The files of bit-for-bit and exact-to-rounding assertions only (bytes across chunk sizes and processes, exact
+# sums, the presets' formulas, float64 moments): the second run is kept to these so that .ci/run stays under 15
+# minutes. Files that compare Monte Carlo draws with exact values within 5 SE (a kernel's rounding moves a draw by
+# ulps, far inside the SE), and the audit's and gradients' tolerance-based checks, run once, on the native kernels.
 
 
 def pytest_collection_modifyitems(items):
