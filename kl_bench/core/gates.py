@@ -148,12 +148,13 @@ class GateRates:
 SequenceMoments = Callable[[torch.Tensor], tuple[float, float, float]]
 
 
-def context_parts(log_q: torch.Tensor, log_p: torch.Tensor, gate: Gate, delta: float) -> dict[str, torch.Tensor]:
+def context_parts(log_q: torch.Tensor, log_p: torch.Tensor, table: torch.Tensor, delta: float) -> dict[str, torch.Tensor]:
     """Per context [C]: Σ_x q·1m, Σ_x q·k1·1m, Σ_x q·k3·1m, Σ_x p·1m with 1m = 1{s > δ}; and the keep table
-    1 − 1m [C, V] (float64). ``log_q``, ``log_p``: normalised float64 log-probs [C, V]."""
+    1 − 1m [C, V] (float64). ``log_q``, ``log_p``: normalised float64 log-probs [C, V]; ``table``: the gate's
+    statistic s [C, V] (:attr:`Gate.table`, made once by the caller)."""
     logr = log_p - log_q
     q = log_q.exp()
-    masked = gate.table(log_q, log_p) > delta
+    masked = table > delta
     m = masked.to(torch.float64)
 
     def total(v: torch.Tensor) -> torch.Tensor:
@@ -168,12 +169,13 @@ def gate_rates(log_q: torch.Tensor, log_p: torch.Tensor, visits: torch.Tensor, g
     """The exact :class:`GateRates` of ``gate`` at ``delta`` on the tables ``log_q``, ``log_p`` [C, V] whose contexts
     generated tokens meet ``visits`` [C] times per draw. ``seq``: the sequences' moments of the keep table
     (rollouts: :data:`SequenceMoments`), None for single tokens."""
-    parts = context_parts(log_q, log_p, gate, delta)
+    table = gate.table(log_q, log_p)                 # once: a top-K gate's table is a top-k over the vocabulary
+    parts = context_parts(log_q, log_p, table, delta)
     n = visits.to(torch.float64)
     sees = math.nan
     if gate.target is not None:
         q = log_q.exp()
-        mean = float((n * torch.where(q > 0, q * gate.table(log_q, log_p), torch.zeros_like(q)).sum(-1)).sum())
+        mean = float((n * torch.where(q > 0, q * table, torch.zeros_like(q)).sum(-1)).sum())
         per_ctx = (q * k3(log_p - log_q)).sum(-1) if gate.target == REVERSE else context_tv(log_q, log_p)
         total = float((n * per_ctx).sum())
         sees = mean / total if total > 0 else math.nan

@@ -35,6 +35,20 @@ def compositions(total: int, parts: int) -> np.ndarray:
     return np.concatenate(rows)
 
 
+def _counts(logs: tuple[np.ndarray, ...], steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """(every composition n of ``steps`` into V parts [N, V], log of its multinomial coefficient [N]) after checking
+    that each log-prob vector in ``logs`` [V] gives every token a probability > 0 and that N is not too large."""
+    v = logs[0].shape[0]
+    if not all(np.isfinite(lp).all() for lp in logs):
+        raise ValueError("the distributions must give every token a probability > 0 (finite log-probs)")
+    if math.comb(steps + v - 1, v - 1) > MAX_COMPOSITIONS:
+        raise ValueError(f"{math.comb(steps + v - 1, v - 1):,} compositions of T = {steps} into V = {v} parts: "
+                         f"more than {MAX_COMPOSITIONS:,}")
+    n = compositions(steps, v)
+    # log multinomial coefficient: lgamma(T + 1) − Σ lgamma(n_x + 1)
+    return n, math.lgamma(steps + 1) - np.vectorize(math.lgamma)(n + 1.0).sum(1)
+
+
 @dataclass(frozen=True)
 class ClampedWeight:
     """The clamped sequence weight at T steps: ``mean`` E_b[e^{clamp(L)}] (1 unclamped), ``bias`` mean − 1,
@@ -51,18 +65,9 @@ def clamped_weight(log_q: np.ndarray, log_b: np.ndarray, steps: int, clamp: floa
     """Exact :class:`ClampedWeight` for ``steps`` i.i.d. tokens from b (log-probs ``log_b`` [V], b > 0 wherever
     q > 0) weighted towards q (``log_q`` [V]), L clamped to ±``clamp``; both with full support."""
     log_q, log_b = np.asarray(log_q, dtype=np.float64), np.asarray(log_b, dtype=np.float64)
-    v = log_q.shape[0]
-    if not (np.isfinite(log_q).all() and np.isfinite(log_b).all()):
-        raise ValueError("q and b must give every token a probability > 0 (finite log-probs)")
-    if math.comb(steps + v - 1, v - 1) > MAX_COMPOSITIONS:
-        raise ValueError(f"{math.comb(steps + v - 1, v - 1):,} compositions of T = {steps} into V = {v} parts: "
-                         f"more than {MAX_COMPOSITIONS:,}")
-    n = compositions(steps, v)
+    n, log_coef = _counts((log_q, log_b), steps)
     ell = log_q - log_b                                       # per-token log-weight
     big_l = n @ ell
-    # log multinomial coefficient: lgamma(T + 1) − Σ lgamma(n_x + 1)
-    lgam = np.vectorize(math.lgamma)
-    log_coef = math.lgamma(steps + 1) - lgam(n + 1.0).sum(1)
 
     def prob(log_p: np.ndarray, mask: np.ndarray) -> float:
         """P(mask) under i.i.d. draws from exp(log_p): Σ over the compositions in mask of coef·Π p^n."""
@@ -82,12 +87,6 @@ def opsm_share(log_old: np.ndarray, log_new: np.ndarray, steps: int, delta: floa
     an advantage independent of the ratio, the share of all sequences masked is this times P(A < 0). As T grows
     the mean concentrates at KL(π_old‖π_new) per token, so the share goes to 1 above δ and to 0 below it."""
     log_old, log_new = np.asarray(log_old, dtype=np.float64), np.asarray(log_new, dtype=np.float64)
-    v = log_old.shape[0]
-    if not (np.isfinite(log_old).all() and np.isfinite(log_new).all()):
-        raise ValueError("both policies must give every token a probability > 0 (finite log-probs)")
-    if math.comb(steps + v - 1, v - 1) > MAX_COMPOSITIONS:
-        raise ValueError(f"more than {MAX_COMPOSITIONS:,} compositions of T = {steps} into V = {v} parts")
-    n = compositions(steps, v)
-    log_coef = math.lgamma(steps + 1) - np.vectorize(math.lgamma)(n + 1.0).sum(1)
+    n, log_coef = _counts((log_old, log_new), steps)
     above = (n @ (log_old - log_new)) / steps > delta
     return float(np.exp((log_coef + n @ log_old)[above]).sum())
