@@ -1,3 +1,4 @@
+import os
 import textwrap
 from pathlib import Path
 
@@ -9,6 +10,16 @@ from kl_bench.results import to_frame
 from kl_bench.experiment.rows import summarize
 
 CPU = torch.device("cpu")
+
+# One intra-op thread in each pytest-xdist worker, and in the processes its tests start. `-n auto` starts a
+# worker per core already: a second OpenMP thread per worker only competes for the same cores, and its threads
+# spin while they wait (on 2 cores, 1 thread instead of 2 took a test run from 98 s to 63 s of user CPU and
+# from 54 s to 42 s of wall time). Bytes never depend on it: every API entry point computes on one thread
+# (kl_bench.foundation.threads), and tests/test_distributed.py sets the thread count of the processes it
+# compares itself. A run without xdist keeps torch's own count.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def toml_value(v) -> str:

@@ -127,7 +127,10 @@ FILES = ["summary.csv", "batches.csv", "lambda_sweep.csv", "gradients.csv", "res
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+    # OMP_NUM_THREADS too (tests/conftest.py sets it to 1 in xdist workers): a plain run here uses torch's own
+    # thread count, which the comparisons with torchrun's one thread per process are about.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {**env, **extra}
 
