@@ -35,7 +35,7 @@ def test_a_warning_inside_a_test_is_an_error():
         warnings.warn("inside a test", UserWarning)
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+@pytest.mark.parametrize("workers", [[], ["-n", "1"]], ids=["serial", "xdist"])   # one worker: the xdist path at one import
 def test_a_plugin_warning_at_configuration_does_not_stop_the_run(tmp_path, workers):
     (tmp_path / "warning_plugin.py").write_text(WARNING_PLUGIN)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}

@@ -24,6 +24,7 @@ import kl_bench.api as api
 from kl_bench.present.terminal import prose
 
 from .conftest import logged_logprobs, spec_toml
+from .test_columns import MARK, driver
 
 WIDTH = 80
 ZIPF = {"logits": "zipf", "exponent": 1.1, "seed": 1}
@@ -97,14 +98,14 @@ _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\
 _MOVES = re.compile(r"\x1b\[[0-9;]*[ABEFGHJKf]|\r")
 
 
-def _in_terminal(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, list[str]]:
-    """Run ``kl-bench ARGS`` in a pseudo-terminal of 80 columns (its stdout and stderr), as a person sees
-    it: (exit code, the lines shown, escape sequences removed)."""
+def _in_terminal(args: list[str], cwd: Path, timeout: float = 600) -> tuple[int, list[str]]:
+    """Run ``python ARGS`` in a pseudo-terminal of 80 columns (its stdout and stderr), as a person sees
+    it: (exit code, the lines shown, escape sequences removed; a progress line's every redraw is a line)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, WIDTH, 0, 0))
     env = {**os.environ, "COLUMNS": str(WIDTH), "LINES": "50", "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "kl_bench", *args], cwd=cwd, env=env, stdin=slave, stdout=slave,
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdin=slave, stdout=slave,
                             stderr=slave, start_new_session=True)
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
@@ -146,15 +147,29 @@ COMMANDS = {
 
 @pytest.fixture(scope="module")
 def shown(inputs):
-    """Every command of COMMANDS run in its own 80-column terminal, four at a time (each is mostly the
-    start-up of a Python process): name → (exit code, lines)."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Every command of COMMANDS in one 80-column terminal, one after another in one child process (each
+    through kl_bench.cli.main, as tests/test_columns.py drives them: one import of torch instead of one per
+    command): name → (exit code, lines)."""
     fill = {k: str(v) for k, v in inputs.items()} | {"tmp": str(inputs["dir"] / "cmd")}
     (inputs["dir"] / "cmd").mkdir(exist_ok=True)
-    with ThreadPoolExecutor(4) as pool:
-        runs = {name: pool.submit(_in_terminal, [a.format(**fill) for a in args], inputs["dir"])
-                for name, (args, _) in COMMANDS.items() if all(k in fill for k in _fields(args))}
-        return {name: run.result() for name, run in runs.items()}
+    names = [name for name, (args, _) in COMMANDS.items() if all(k in fill for k in _fields(args))]
+    argvs = [[a.format(**fill) for a in COMMANDS[name][0]] for name in names]
+    code, lines = _in_terminal(["-c", driver(argvs)], inputs["dir"])
+    assert code == 0, "\n".join(lines)
+    parts: dict[str, list[str]] = {}
+    for line in lines:
+        if line.startswith(MARK):
+            key = parts.setdefault(line[len(MARK):], [])
+        elif parts:
+            key.append(line)
+    out = {}
+    for name, argv in zip(names, argvs):
+        body = parts[" ".join(argv)]
+        ends = [i for i, line in enumerate(body) if line.startswith("=== exit ")]
+        assert ends, (name, body)
+        status = body[ends[-1]].split()[-1]
+        out[name] = (0 if status == "None" else int(status), body[:ends[-1]])
+    return out
 
 
 def _fields(args: list[str]) -> set[str]:
