@@ -1,0 +1,117 @@
+"""The exact surrogate error of an off-policy update on a rollout, and Trust Region Masking's bounds on it
+(Li et al., arXiv 2512.23075; docs/gates.md#the-surrogate-error-and-trms-bounds).
+
+The rollout policy π_roll = q draws the sequences; the trained policy π_θ = p is scored on them. With a
+per-token reward r(c, x) [C, V] (the sequence's reward R = Σ_t r(c_t, x_t), so a terminal reward is a reward
+on EOS), J(π) = E_π[R], and the advantage of the rollout policy A_t(c, x) = Q_t(c, x) − V_t(c), the
+policy-gradient surrogate is L(p) = J(q) + E_q[Σ_t ρ_t A_t] with ρ_t = p/q of step t. Its error
+
+    Error = J(p) − L(p) = Σ_t (E_{d_t^p} − E_{d_t^q})[g_t],   g_t(c) = Σ_x p(x|c) A_t(c, x),
+
+(the performance-difference identity; d_t^π is the law of step t's bucket among the sequences still running
+under π, a sub-probability once EOS has ended some) is what an update that trusts L misjudges. Two dynamic
+programs over (step, bucket) give it exactly: V_t and Q_t backwards under q, d_t^q and d_t^p forwards.
+
+The bounds, in the paper's terms with R ∈ [0, 1]: δ = the largest token-level KL(q(·|c) ‖ p(·|c)) and ε the
+largest token-level TV over the buckets either policy reaches, D_seq = KL(q‖p) of whole sequences:
+classical 2T(T−1)ε² (≤ T(T−1)δ by Pinsker), Pinsker-Marginal (4/3)·T^{3/2}·δ, Mixed 2T·sqrt(δ·D_seq), and
+Coupling 4·min(1, ε)·Σ_t min(1, (t−1)ε). Every table is float64 on the device of the model's tables; the
+results are host floats (the DP is O(T·C·V)).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .model import RolloutModel
+
+
+@dataclass(frozen=True)
+class SurrogateError:
+    """The exact terms of one rollout's surrogate error and TRM's bounds on it (module docstring)."""
+    j_roll: float            # J(q): the rollout policy's expected reward
+    j_theta: float           # J(p): the trained policy's expected reward
+    surrogate: float         # L(p) − J(q) = E_q[Σ_t ρ_t A_t]: the improvement the surrogate predicts
+    error: float             # J(p) − J(q) − (L(p) − J(q)): what the surrogate misses
+    kl_max: float            # δ: the largest per-bucket KL(q‖p) among the buckets reached
+    tv_max: float            # ε: the largest per-bucket TV(q, p) among the buckets reached
+    kl_seq: float            # D_seq: KL(q‖p) of whole sequences = Σ_t E_{d_t^q}[KL(c_t)]
+    bounds: dict[str, float]  # classical_tv, classical_kl, pinsker_marginal, mixed, coupling
+
+    @property
+    def tightest(self) -> tuple[str, float]:
+        """The smallest bound and its name (the paper's unified bound is the minimum)."""
+        name = min(self.bounds, key=self.bounds.__getitem__)
+        return name, self.bounds[name]
+
+
+def trm_bounds(length: int, kl_max: float, tv_max: float, kl_seq: float) -> dict[str, float]:
+    """TRM's bounds on |Error| for sequences of at most ``length`` steps and rewards in [0, 1]."""
+    t, eps = length, tv_max
+    return {"classical_tv": 2 * t * (t - 1) * eps ** 2,
+            "classical_kl": t * (t - 1) * kl_max,
+            "pinsker_marginal": 4 / 3 * t ** 1.5 * kl_max,
+            "mixed": 2 * t * math.sqrt(kl_max * kl_seq),
+            "coupling": 4 * min(1.0, eps) * sum(min(1.0, (s - 1) * eps) for s in range(1, t + 1))}
+
+
+def surrogate_error(model: RolloutModel, reward: torch.Tensor) -> SurrogateError:
+    """The exact surrogate error of π_θ = p on sequences of π_roll = q, with ``reward`` [C, V] per token.
+
+    Raises ValueError unless every sequence's reward lies in [0, 1] (what the bounds assume)."""
+    q, p = model.log_q.exp(), model.log_p.exp()
+    reward = reward.to(dtype=q.dtype, device=q.device)
+    if tuple(reward.shape) != tuple(q.shape):
+        raise ValueError(f"reward: shape {tuple(reward.shape)}, the model's tables are {tuple(q.shape)}")
+    lo, hi = _reward_range(model, reward)
+    if lo < 0 or hi > 1:
+        raise ValueError(f"reward: a sequence's reward ranges over [{lo:.3g}, {hi:.3g}]; the bounds need [0, 1]")
+    alive = _alive(model, q)
+    step = torch.nn.functional.one_hot(model.bucket, q.shape[0]).to(q.dtype)      # [V, C]: token → next bucket
+    # Backwards under q: V_{T+1} = 0, Q_t(c, x) = r(c, x) + [x ≠ EOS]·V_{t+1}(bucket(x)), V_t = Σ_x q Q_t.
+    value = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
+    gains = []
+    for _ in range(model.length):
+        qv = reward + alive * value[model.bucket][None, :]
+        value = (q * qv).sum(1)
+        gains.append((p * qv).sum(1) - value)                                    # g_t(c), last step first
+    gains.reverse()
+    # Forwards: the law of step t's bucket among the running sequences, under q and under p (start: bucket 0).
+    d_q = torch.zeros_like(value)
+    d_q[0] = 1.0
+    d_p, reached = d_q.clone(), torch.zeros_like(d_q)
+    surrogate = shift = kl_seq = 0.0
+    for g in gains:
+        reached = reached + d_q + d_p
+        surrogate += float(d_q @ g)
+        shift += float((d_p - d_q) @ g)
+        kl_seq += float(d_q @ model.kl_ctx)
+        d_q, d_p = d_q @ (q * alive) @ step, d_p @ (p * alive) @ step
+    seen = reached > 0                         # the buckets a step of either policy reaches within T steps
+    kl_max = float(model.kl_ctx[seen].max())
+    tv_max = float((0.5 * (q - p).abs().sum(1))[seen].max())
+    j_roll = float(value[0])
+    return SurrogateError(j_roll=j_roll, j_theta=j_roll + surrogate + shift, surrogate=surrogate, error=shift,
+                          kl_max=kl_max, tv_max=tv_max, kl_seq=kl_seq,
+                          bounds=trm_bounds(model.length, kl_max, tv_max, kl_seq))
+
+
+def _alive(model: RolloutModel, q: torch.Tensor) -> torch.Tensor:
+    """[V] 1 for a token after which the sequence goes on, 0 for EOS."""
+    alive = torch.ones(q.shape[1], dtype=q.dtype, device=q.device)
+    if model.eos is not None:
+        alive[model.eos] = 0.0
+    return alive
+
+
+def _reward_range(model: RolloutModel, reward: torch.Tensor) -> tuple[float, float]:
+    """The smallest and largest reward of any sequence (max-plus and min-plus programs over the steps)."""
+    alive = _alive(model, reward) > 0
+    hi = torch.zeros(reward.shape[0], dtype=reward.dtype, device=reward.device)
+    lo = hi.clone()
+    for _ in range(model.length):
+        hi = (reward + torch.where(alive, hi[model.bucket], 0.0)[None, :]).amax(1)
+        lo = (reward + torch.where(alive, lo[model.bucket], 0.0)[None, :]).amin(1)
+    return float(lo[0]), float(hi[0])
