@@ -178,8 +178,8 @@ class RolloutGradients(GradientAccumulator):
                 w_cols.append(w)
             pj = (uw[None] * hs).sum(2)                          # [D, units]
             norm2 = srt.sq_norm(uw)
-            if TOKEN_FORMS[it.token].dense:                      # + Σ_c n_c ∇KL(c): projections and |g|²
-                pj, norm2 = self.dense.add(keys, alive, uw, pj, norm2, model.vocab)
+            if TOKEN_FORMS[it.token].dense:                      # + W·Σ_c n_c ∇KL(c): projections and |g|²
+                pj, norm2 = self.dense.add(keys, alive, seq_w, uw, pj, norm2, model.vocab)
             proj[j] += factor * pj.sum(1).cpu().numpy()
             proj2[j] += factor * (pj * pj).sum(1).cpu().numpy()
             sq[j] += factor * float(norm2.sum())
@@ -208,7 +208,7 @@ class RolloutGradients(GradientAccumulator):
         form = TOKEN_FORMS[it.token]
         if form.dense:                      # the Rao–Blackwellised row: each step's reward Σ_{t'>t} KL(c_{t'−1})
             kl_t = self.dense.kl_ctx[torch.div(keys, self.model.vocab, rounding_mode="floor")] * alive
-            return kl_t.flip(1).cumsum(1).flip(1) - kl_t
+            return seq_w * (kl_t.flip(1).cumsum(1).flip(1) - kl_t)
         outer = seq_w if self.model.weighting.on_sums else 1.0
         w = torch.zeros_like(alive)
         if j in self.phase_tables:          # Σ_t a_phase(t)(x_t) s_t: the weight is in the table
@@ -227,8 +227,8 @@ class RolloutGradients(GradientAccumulator):
         q = self.q.to(HOST)
         for col, j in enumerate(self.per_draw):
             total[j] = _grad_from_weights(self.w_total[:, col], q)
-            if TOKEN_FORMS[self.items[j].token].dense:      # Σ_draws Σ_c n_c ∇KL(c) = Σ_c visits_c ∇KL(c)
-                visits = self.counts.reshape(q.shape).sum(-1, keepdim=True)
+            if TOKEN_FORMS[self.items[j].token].dense:      # Σ_draws W Σ_c n_c ∇KL(c) = Σ_c visits_c ∇KL(c)
+                visits = self.dense.visits.to(HOST)[:, None]
                 total[j] += (visits * self.dense.direct.to(HOST)).reshape(-1).numpy()
         for j in self.local:
             total[j] = _grad_from_weights(self.counts * self.tables[j].to(HOST), q)
@@ -246,6 +246,7 @@ class _DenseTerm:
     du: torch.Tensor          # [D, C]
     sd: torch.Tensor          # [C·V]
     norm2: torch.Tensor       # |∇KL(c)|² [C]
+    visits: torch.Tensor      # Σ over the paths added of W·n_c [C] (the direct part's total)
 
     @classmethod
     def of(cls, model: RolloutModel, hu: torch.Tensor, device) -> "_DenseTerm":
@@ -254,15 +255,19 @@ class _DenseTerm:
         c_, v = d.shape
         du = (hu.to(d.device).reshape(-1, c_, v) * d).sum(-1)     # Σ_x ∇KL(c)[x]·(u − ⟨q_c, u_c⟩) = ∇KL(c)·u_c
         sd = (d - (q * d).sum(-1, keepdim=True)).reshape(-1)
-        return cls(d.to(device), model.kl_ctx.to(device), du.to(device), sd.to(device), (d * d).sum(-1).to(device))
+        return cls(d.to(device), model.kl_ctx.to(device), du.to(device), sd.to(device), (d * d).sum(-1).to(device),
+                   torch.zeros(c_, dtype=torch.float64, device=HOST))
 
-    def add(self, keys: torch.Tensor, alive: torch.Tensor, w: torch.Tensor, pj: torch.Tensor, norm2: torch.Tensor,
-            vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(projections [D, n], |g|² [n]) of the paths with B added to their sparse part (``pj``, ``norm2`` of
-        the per-step weights ``w`` [n, T]). Visits are whole numbers: their scatter-add is exact in any order."""
+    def add(self, keys: torch.Tensor, alive: torch.Tensor, seq_w: torch.Tensor | float, w: torch.Tensor,
+            pj: torch.Tensor, norm2: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(projections [D, n], |g|² [n]) of the paths with W·B added to their sparse part (``pj``, ``norm2`` of
+        the per-step weights ``w`` [n, T], W in them already); ``seq_w``: each path's W [n, 1] (1.0: none).
+        Visits are whole numbers: their scatter-add is exact in any order (then times W)."""
         buckets = torch.div(keys, vocab, rounding_mode="floor")
         n = torch.zeros(keys.shape[0], self.norm2.shape[0], dtype=torch.float64, device=keys.device)
         n.scatter_add_(1, buckets, alive)
+        n = n * seq_w
+        self.visits += n.sum(0).to(HOST)
         cross = (w * n.gather(1, buckets) * self.sd[keys]).sum(1)
         return pj + self.du @ n.T, norm2 + 2 * cross + (n * n) @ self.norm2
 

@@ -309,9 +309,24 @@ def _no_coefficient(logr: torch.Tensor) -> torch.Tensor:
 def rao_blackwell_item() -> GradItem:
     """The gradient row of ``full`` on tok (Amini, Vieira & Cotterell, arXiv 2504.10637): per path
     Σ_t ∇θ KL(c_{t−1}) + Σ_t s_t Σ_{t'>t} KL(c_{t'−1}), the exact per-step KL differentiated where it stands and
-    its future values as the reward of each step's score. Its expectation is ∇KL(q‖p) (on-policy)."""
+    its future values as the reward of each step's score, all times the sequence weight W = Π_t q/b under a
+    sampler b. Its expectation is ∇KL(q‖p) (:func:`rao_blackwell_applies`)."""
     from ...core.estimators import FULL
     return GradItem(FULL, RAO_BLACKWELL, "tok", _no_coefficient, None, "rb")
+
+
+def rao_blackwell_applies(model: RolloutModel) -> bool:
+    """The row is defined on-policy, and under a sampler whose sequences carry the plain weight W = Π_t q/b
+    (``weights = "sequence"``) and that draws every token q may draw: then E_b[W·N(c, x)] = E_q[N(c, x)] =
+    visits_c·q(x|c), which both the direct part and its exact value rest on. A cap, floor or mask of q/b, a
+    rejection mask, token or geometric weights, no weights at all, or a sampler that never draws some of q's
+    tokens (top-k, top-p, EOS held back by min_length) break that identity (the row would not estimate
+    ∇KL(q‖p)): no row there."""
+    if not model.has_sampler:
+        return True
+    w = model.weighting                 # W = Π_t q/b on every term: the sequence weighting's flags
+    return (w.weighted and w.on_sums and not w.geometric and model.weight_cap is None and model.correction is None
+            and model.rejection is None and model.support_miss == 0)
 
 
 def rb_direct(model: RolloutModel) -> torch.Tensor:
@@ -323,14 +338,16 @@ def rb_direct(model: RolloutModel) -> torch.Tensor:
 
 
 def _rb_counts(model: RolloutModel, item: GradItem) -> torch.Tensor:
-    """E[F·N]-counts of the Rao–Blackwellised row (score_part of them is its expected gradient): the direct
-    part as a local row with coefficient k1 (score_part(E[N]·k1) = Σ_c visits_c·∇KL(c), since E[N(c, x)] =
-    visits_c·q(x|c)), and the future per-step KLs as each step's reward: to-go minus the step's own."""
+    """E_b[W·F·N]-counts of the Rao–Blackwellised row (score_part of them is its expected gradient): the direct
+    part as a local row with coefficient k1 (score_part(E_b[W·N]·k1) = Σ_c visits_c·∇KL(c), since E_b[W·N(c, x)]
+    = visits_c·q(x|c) where the row applies), and the future per-step KLs as each step's reward: to-go minus the
+    step's own (the program carries W)."""
     q = model.log_q.exp()
     k1 = torch.where(q > 0, model.log_q - model.log_p, torch.zeros_like(q))
     kl = model.kl_ctx[:, None].expand_as(q)
     program = _Steps(model, None)
-    return count_moment(model, _ones, _ones, [1.0]) * k1 + program.run("to_go", kl) - program.run("one", kl)
+    direct = count_moment(model, model.sequence_weight, _ones, [1.0]) * k1
+    return direct + program.run("to_go", kl) - program.run("one", kl)
 
 
 def _rb_steps(program: "_Steps", model: RolloutModel, item: GradItem, f: torch.Tensor) -> torch.Tensor:

@@ -192,10 +192,10 @@ class RolloutPair(GradientDefaults, Pair):
         return gradients.excludes(self.model, mode, aggregate)
 
     def gradient_pair_rows(self, sources) -> list[GradItem]:
-        """The Rao–Blackwellised gradient of ``full`` (tok), on-policy: under a sampler its weights would need
-        the per-step KL of b's law too (not implemented)."""
+        """The Rao–Blackwellised gradient of ``full`` (tok): on-policy, and under a sampler with plain sequence
+        weights (kl_bench.kinds.rollout.gradients.rao_blackwell_applies)."""
         wanted = any(s.analytic and s.name == "full" for s in sources)
-        return [gradients.rao_blackwell_item()] if wanted and not self.has_sampler else []
+        return [gradients.rao_blackwell_item()] if wanted and gradients.rao_blackwell_applies(self.model) else []
 
     def gradient_self(self, item: GradItem) -> np.ndarray | None:
         return gradients.self_gradient(self.model, item, ROLLOUT_AGGREGATES[item.aggregate].self_value)
