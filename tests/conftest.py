@@ -108,17 +108,36 @@ def png_figures_only(monkeypatch):
     monkeypatch.setattr(report_figures, "FIGURE_FORMATS", ("png",))
 
 
+def unrendered_bytes(fig, formats=None) -> dict[str, bytes]:
+    """report_figures.figure_bytes without the rendering: the figure closed, empty bytes in each format."""
+    import matplotlib.pyplot as plt
+    from kl_bench.present import report_figures
+    plt.close(fig)
+    return {fmt: b"" for fmt in (formats or report_figures.FIGURE_FORMATS)}
+
+
 @pytest.fixture
 def unrendered_figures(monkeypatch):
     """Reports whose figures are built but saved as empty bytes: for tests of which figures a report has
-    and where they go, not of how they look (tests/test_report.py renders every one and checks the PNGs)."""
-    import matplotlib.pyplot as plt
+    and where they go, not of how they look (tests/test_report.py renders one figure of each kind, every one in
+    a slow test, and checks the PNGs)."""
     from kl_bench.present import report_figures
+    monkeypatch.setattr(report_figures, "figure_bytes", unrendered_bytes)
 
-    def unrendered(fig, formats=None):
-        plt.close(fig)
-        return {fmt: b"" for fmt in (formats or report_figures.FIGURE_FORMATS)}
-    monkeypatch.setattr(report_figures, "figure_bytes", unrendered)
+
+def stub_plot_functions(mp) -> None:
+    """Every plot function of the report's figures returns an empty figure (``mp``: a pytest.MonkeyPatch)."""
+    from matplotlib.figure import Figure
+    from kl_bench.present import plots, report_figures
+    for kind in report_figures.FIGURES.values():
+        mp.setattr(plots, kind.plot, lambda *args, **kwargs: Figure())
+
+
+@pytest.fixture
+def unbuilt_figures(unrendered_figures, monkeypatch):
+    """Reports whose figures are neither drawn nor rendered (stub_plot_functions): for tests of a report's file
+    names and pages whose figures, from the same data, another test draws (building them took most of the time)."""
+    stub_plot_functions(monkeypatch)
 
 
 # Test files of the optional extras (hf: your own models; trl: the trainer audit). They skip where the extra

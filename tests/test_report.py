@@ -6,7 +6,6 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 
 import matplotlib
 import pandas as pd
@@ -23,6 +22,7 @@ from kl_bench.present.report_data import load_results
 from kl_bench.present.report_tex import tex_number
 from kl_bench.foundation.errors import SpecError
 
+from .conftest import spec_toml, stub_plot_functions, unrendered_bytes
 from .helpers import one_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,16 +77,26 @@ p = {from = "q", noise = 0.3, seed = 2}
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
+    """A run of SPEC and its report (`run --report`), whose figures are built but not rendered (empty files): the
+    tests of its tables and pages read it; the two tests below render its figures (building them takes 1 s of
+    CPU, rendering them 6 s)."""
     root = tmp_path_factory.mktemp("rep")
     spec = root / "small.toml"
     spec.write_text(SPEC)
-    # PNG only, as conftest's png_figures_only asks of every test: that fixture is function-scoped, so it is
-    # not yet in force while a module-scoped fixture runs (PDF and SVG tripled this fixture's time).
+    # PNG only, as conftest's png_figures_only asks of every test, and unrendered as its unrendered_figures: those
+    # fixtures are function-scoped, so they are not yet in force while a module-scoped fixture runs.
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(report_figures, "FIGURE_FORMATS", ("png",))
+        mp.setattr(report_figures, "figure_bytes", unrendered_bytes)
         res = runner.invoke(app, ["run", str(spec), "--out", str(root / "small"), "--quiet", "--report"])
     assert res.exit_code == 0, res.output
     return root / "small"
+
+
+SMALL_FIGURES = {f"{kind}_{case}.png" for kind in ("bias_std", "distribution", "convergence")
+                 for case in ("gauss", "cat", "roll-T4", "roll-T8")} | {
+    "lambda_gauss.png", "lambda_cat.png", "lambda_roll-T4-seq.png", "lambda_roll-T4-tok.png", "lambda_roll-T8-seq.png",
+    "lambda_roll-T8-tok.png", "rollout_growth_0.png", "planning.png"}
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
@@ -94,17 +104,46 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_every_figure_is_rendered_as_a_sensible_png(small_run):
-    figs = sorted(p.name for p in (small_run / "report" / "figures").iterdir())
-    expected = {f"{kind}_{case}.png" for kind in ("bias_std", "distribution", "convergence")
-                for case in ("gauss", "cat", "roll-T4", "roll-T8")}
-    expected |= {"lambda_gauss.png", "lambda_cat.png", "lambda_roll-T4-seq.png", "lambda_roll-T4-tok.png",
-                 "lambda_roll-T8-seq.png", "lambda_roll-T8-tok.png", "rollout_growth_0.png", "planning.png"}
-    assert expected <= set(figs), expected - set(figs)
-    for name in [f for f in figs if f.endswith(".png")]:
-        data = (small_run / "report" / "figures" / name).read_bytes()
-        w, h = _png_size(data)
-        assert 400 <= w <= 3000 and 250 <= h <= 3000 and len(data) > 10_000, (name, w, h, len(data))
+def _rendered_report(folder: Path, out: Path, keep=lambda file: True) -> dict[str, bytes]:
+    """{file: PNG} of `kl-bench report folder --out out`, its figures rendered; only those whose file ``keep``
+    accepts are drawn (and shown in its pages)."""
+    every = report_figures.figure_panels
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report_figures, "figure_panels", lambda *a: [(k, p) for k, p in every(*a) if keep(p.file)])
+        res = runner.invoke(app, ["report", str(folder), "--out", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    return {p.name: p.read_bytes() for p in (out / "figures").iterdir()}
+
+
+def _sensible_png(name: str, data: bytes) -> None:
+    w, h = _png_size(data)
+    assert 400 <= w <= 3000 and 250 <= h <= 3000 and len(data) > 10_000, (name, w, h, len(data))
+
+
+def test_every_figure_is_in_the_report_and_each_kind_is_rendered_as_a_sensible_png(small_run, tmp_path):
+    """Every figure of SPEC's report is there; the rollout case's and the run's (rollout_growth, planning) are
+    rendered: one of every kind of figure this report has, drawn from real results. The bias, distribution and
+    convergence figures of Gaussian and categorical cases are rendered by the tests of unusual names and of an
+    infinite KL below; all 20 figures of this report by the slow test after this one."""
+    assert SMALL_FIGURES <= {p.name for p in (small_run / "report" / "figures").iterdir()}
+    results = report_data.load_report_results([small_run])
+    every = report_figures.figure_panels(results, report_data.report_frame(results))
+
+    def keep(file):
+        return "roll-T4" in file or file in ("rollout_growth_0.png", "planning.png")
+    assert {kind.name for kind, p in every if keep(p.file)} == {kind.name for kind, _ in every}      # every kind
+    figs = _rendered_report(small_run, tmp_path / "r", keep)
+    assert set(figs) == {p.file for _, p in every if keep(p.file)}, set(figs)
+    for name, data in figs.items():
+        _sensible_png(name, data)
+
+
+@pytest.mark.slow
+def test_every_figure_is_rendered_as_a_sensible_png(small_run, tmp_path):
+    figs = _rendered_report(small_run, tmp_path / "r")
+    assert SMALL_FIGURES <= set(figs), SMALL_FIGURES - set(figs)
+    for name, data in figs.items():
+        _sensible_png(name, data)
 
 
 def test_figures_are_also_written_as_deterministic_vectors(small_run):
@@ -201,18 +240,28 @@ def test_report_html_references_and_embeds_every_figure(small_run):
     assert "bias/true" in (small_run / "report" / "table.md").read_text()
 
 
-def test_several_folders_side_by_side(tmp_path, build_spec, write_spec):
-    """`report A B` on two small folders: labels, the differences with z, the terminal lines."""
+@pytest.fixture(scope="module")
+def identical_runs(tmp_path_factory) -> Path:
+    """A folder holding two runs of one spec and seed, `small/` and `other/`: read only."""
+    root = tmp_path_factory.mktemp("identical")
     gauss = {"name": "gauss", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.4, "std": 1.0}}
-    spec = write_spec(build_spec([gauss], name="small", draws=4000, batches=8))
+    spec = root / "spec.toml"
+    spec.write_text(spec_toml({"name": "small", "draws": 4000, "seed": 0, "device": "cpu", "batches": 8,
+                               "estimators": ["k1", "k3"]}, [gauss]))
     for folder in ("small", "other"):            # the same experiment and seed twice
-        assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / folder), "--quiet"]).exit_code == 0
-    res = runner.invoke(app, ["report", str(tmp_path / "small"), str(tmp_path / "other"), "--out",
+        assert runner.invoke(app, ["run", str(spec), "--out", str(root / folder), "--quiet"]).exit_code == 0
+    return root
+
+
+def test_several_folders_side_by_side(identical_runs, tmp_path, unrendered_figures):
+    """`report A B` on two small folders: labels, the differences with z, the terminal lines (the figures are
+    built, not rendered: tests/test_plots.py renders a bias_std figure of two runs)."""
+    res = runner.invoke(app, ["report", str(identical_runs / "small"), str(identical_runs / "other"), "--out",
                               str(tmp_path / "both")])
     assert res.exit_code == 0, res.output
     table = (tmp_path / "both" / "table.md").read_text()
     # told apart by folder name, never by absolute path
-    assert "small (small)/gauss" in table and "small (other)/gauss" in table and str(tmp_path) not in table
+    assert "small (small)/gauss" in table and "small (other)/gauss" in table and str(identical_runs) not in table
     diffs = pd.read_csv(tmp_path / "both" / "differences.csv")
     assert len(diffs) == 2 and (diffs["diff"] == 0).all() and (diffs["z"] == 0).all()     # identical runs
     assert "Differences between runs" in (tmp_path / "both" / "report.md").read_text()
@@ -344,15 +393,12 @@ def test_one_vocabulary_in_every_table_of_the_report(small_run):
     assert batch_cell(870.0, math.nan) == "—"          # no exact bias known: the measured one cannot decide
 
 
-def test_identical_runs_show_one_differences_table_everywhere(tmp_path, build_spec, write_spec, unrendered_figures):
+def test_identical_runs_show_one_differences_table_everywhere(identical_runs, tmp_path, unrendered_figures):
     """`report A B` on two identical runs (one spec and seed, two folders; one folder given twice is refused):
     diff/true "0 ± x%" (was "0 ± ,"), and report.md, report.html and the terminal show the same columns in
     the same order."""
-    gauss = {"name": "gauss", "kind": "gaussian", "q": {"mean": 0.0, "std": 1.0}, "p": {"mean": 0.4, "std": 1.0}}
-    spec = write_spec(build_spec([gauss], name="same", draws=4000, batches=8))
-    for out in ("a", "b"):
-        assert runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / out), "-q"]).exit_code == 0
-    res = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "r")])
+    res = runner.invoke(app, ["report", str(identical_runs / "small"), str(identical_runs / "other"), "--out",
+                              str(tmp_path / "r")])
     assert res.exit_code == 0, res.output
     assert "± ," not in res.output and re.search(r"diff/true 0 ± \d[\d.]*%, z 0\b", res.output), res.output
     md = (tmp_path / "r" / "report.md").read_text().split("## Differences between runs")[1]
@@ -363,7 +409,9 @@ def test_identical_runs_show_one_differences_table_everywhere(tmp_path, build_sp
     assert all(row[4].startswith("0 ± ") and row[4].endswith("%") for row in md_rows[1:])
 
 
-def test_figure_formats_are_chosen_and_png_is_the_default(tmp_path, small_run, unrendered_figures):
+def test_figure_formats_are_chosen_and_png_is_the_default(tmp_path, small_run, unbuilt_figures):
+    """--formats adds formats beside the PNG (which file types, and their links, are the question: small_run
+    builds these figures already, and the tests above render them)."""
     res = runner.invoke(app, ["report", str(small_run), "--out", str(tmp_path / "svg"), "--formats", "svg", "-q"])
     assert res.exit_code == 0, res.output
     made = {p.suffix for p in (tmp_path / "svg" / "figures").iterdir()}
@@ -501,9 +549,9 @@ NAMES = ["a|b", "a,b", "a-b", "κλ", "日本語", "x" * 90 + "1", "x" * 90 + "2
          "y" * 300]
 
 
-def _names_run(tmp_path) -> Path:
+def _names_run(tmp_path, names=NAMES) -> Path:
     cases = "".join(f'[[case]]\nname = "{n}"\nkind = "gaussian"\nq = {{mean = 0.0, std = 1.0}}\n'
-                    f'p = {{mean = {0.1 + 0.05 * i:.2f}, std = 1.0}}\n' for i, n in enumerate(NAMES))
+                    f'p = {{mean = {0.1 + 0.05 * i:.2f}, std = 1.0}}\n' for i, n in enumerate(names))
     spec = tmp_path / "names.toml"
     spec.write_text('spec_version = 1\n[experiment]\nname = "names"\ndraws = 2000\ndevice = "cpu"\nbatches = 20\n'
                     'estimators = ["k1", "k3"]\n' + cases)
@@ -518,7 +566,10 @@ def test_every_case_has_its_own_figure_files_and_markdown_tables_keep_their_colu
     same from run to run, and report.md shows each case's own figure; a | in a name is escaped in every
     Markdown table, so that every row has the header's number of cells."""
     folder = _names_run(tmp_path)
-    out = [report.build_report([folder]) for _ in range(2)]
+    out = [report.build_report([folder])]           # every figure built with every name, not rendered
+    with pytest.MonkeyPatch.context() as mp:        # the files again: which they are does not depend on drawing
+        stub_plot_functions(mp)
+        out.append(report.build_report([folder]))
     assert out[0].keys() == out[1].keys()                        # deterministic
     figures = [f for f in out[0] if f.startswith("figures/")]
     assert len({f.lower() for f in figures}) == len(figures)
@@ -538,17 +589,24 @@ def test_every_case_has_its_own_figure_files_and_markdown_tables_keep_their_colu
         assert "a\\|b" in rows[0] and "tick\\`s" in rows[0]
 
 
+# The names of NAMES that drawing can stumble on: the others are ASCII or Greek (which DejaVu Sans has), there for
+# the file names and Markdown tables above, whose test builds every figure with every name. A report renders
+# three figures a case (0.25 s each): three cases instead of twelve, 3.5 s of CPU instead of 10.
+DRAWN_NAMES = ["日本語", "emoji 🙂", "y" * 300]
+
+
 def test_figures_of_unusual_names_print_no_warnings(tmp_path):
     """Glyphs DejaVu Sans lacks (日本語, an emoji) and a 300-character name: the report draws every figure
     without a warning (every warning in a test is an error, conftest) and prints its one line; a long name
     is cut with an ellipsis in the figures, so that the planning figure's labels fit."""
-    folder = _names_run(tmp_path)
+    folder = _names_run(tmp_path, DRAWN_NAMES)
     res = runner.invoke(app, ["report", str(folder)])
     assert res.exit_code == 0, res.output
     assert res.stderr == "" and len(res.stdout.splitlines()) == 1, res.output
+    assert len(list((folder / "report" / "figures").glob("*.png"))) == 3 * len(DRAWN_NAMES) + 1   # and planning
     fig = plots.plot_planning(load_results(folder).summary, title="t")
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-    assert labels[NAMES.index("y" * 300)].endswith("…") and max(map(len, labels)) <= 60, labels
+    assert labels[DRAWN_NAMES.index("y" * 300)].endswith("…") and max(map(len, labels)) <= 60, labels
     from kl_bench.present.pages import quiet_drawing
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     with quiet_drawing():        # the missing glyphs, as figure_bytes draws them
@@ -574,9 +632,11 @@ def test_a_case_with_an_infinite_kl_is_reported(tmp_path):
                     'estimators = ["k1", "k3"]\n[[case]]\nname = "c"\nkind = "categorical"\n'
                     'q = { file = "q.npy" }\np = { file = "p.npy" }\n')
     out = tmp_path / "r"
-    res = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "kl_bench", "run", str(spec), "--out",
-                          str(out), "--report", "-q"], capture_output=True, text=True, cwd=tmp_path)
-    assert res.returncode == 0 and "Traceback" not in res.stderr and "Warning" not in res.stderr, res.stderr[-2000:]
+    # In this process, where every warning is an error (conftest), numpy's RuntimeWarnings among them: one fails
+    # the command (a fresh `python -W error::RuntimeWarning` cost 4 s of CPU more, importing torch and matplotlib).
+    res = runner.invoke(app, ["run", str(spec), "--out", str(out), "--report", "-q"])
+    assert res.exit_code == 0 and res.exception is None, (res.exception, res.output[-2000:])
+    assert "Traceback" not in res.output and "Warning" not in res.output, res.output[-2000:]
     assert math.isinf(pd.read_csv(out / "summary.csv")["mean"][0])
     assert (out / "report" / "report.html").exists() and (out / "report" / "figures" / "distribution_c.png").exists()
     fig = plots.plot_distribution(pd.DataFrame({"label": ["k1"] * 4, "value": [0.1, -0.2, np.inf, 0.3]}))
