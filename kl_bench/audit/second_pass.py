@@ -166,11 +166,15 @@ def _write_rows(plan: Plan, fam: Family, out: Chunk, rows: torch.Tensor, tau: to
 
 def spoiled(plan: Plan, out: Chunk) -> torch.Tensor:
     """Rows [n] where a one-pass moment is not finite: a float32 tile sum overflowed (u⁴, ψ⁴ at |u| ≳ 20),
-    or log r is infinite somewhere (p or q is 0 at an id), which the moments cannot carry."""
+    or log r is infinite somewhere (p or q is 0 at an id), which the moments cannot carry. Variances that
+    were not wanted (NaN: not computed) are not looked at."""
     cols = [j for j, p in enumerate(plan.poly) if p is not None]
     parts = [~torch.isfinite(out.kl)]
-    for x in [out.mean_q, out.var_q] + [t for f in plan.families if f.kind == "full"
-                                         for t in (out.fam[f.name].mean, out.fam[f.name].var)]:
+    checked = [out.mean_q] + ([out.var_q] if plan.var_q() else [])
+    for f in plan.families:
+        if f.kind == "full":
+            checked += [out.fam[f.name].mean] + ([out.fam[f.name].var] if plan.spread(f) else [])
+    for x in checked:
         parts.append(~torch.isfinite(x[:, cols]).all(-1) if cols else torch.zeros_like(parts[0]))
     return torch.stack(parts).any(0)
 

@@ -25,6 +25,7 @@ from .exact import PositionValues
 from .generation import Sampler
 from .step import SUMS, AuditLog, StepAudit, combine_micro_batches, step_sums
 from .stream import stream_values
+from .stream_plan import Outputs
 from .tiling import Head
 from .verdict import Thresholds, Warning, engine_warnings, step_warnings
 
@@ -145,6 +146,15 @@ def _sampler_inputs(record: Record, sampler: Sampler, mask: torch.Tensor):
     return banned, ctx
 
 
+def _read(record: Record) -> Outputs:
+    """The values a step audit of ``record`` reads (kl_bench.audit.step.step_sums, rollout_engine.engine_sums)
+    beyond the means: the variances and log-probability statistics of the family that drew the tokens (g
+    where the drawing pass is known, else b), and each family's distance to q where an engine drew them.
+    The rest is not computed (PositionValues then holds NaN there)."""
+    drew = "b" if record.sampling_hidden is None else "g"
+    return Outputs(spread=frozenset({drew}), var_q=False, against_q=record.engine_logprobs is not None)
+
+
 @dataclass
 class AuditSession:
     """Audits records into step audits. ``heads``: the policy's and the reference's output layers as the
@@ -179,7 +189,7 @@ class AuditSession:
         values = stream_values(record.policy_hidden[mask], record.reference_hidden[mask], heads[0], heads[1],
                                self.estimators, self.sampler, ids=record.completion_ids[mask], eos_banned=banned,
                                context_ids=ctx, sampling_hidden=sampling, chunk=self.chunk, tile=self.tile,
-                               dtype=self.dtype, negative=self.negative)
+                               dtype=self.dtype, negative=self.negative, outputs=_read(record))
         coarse = max((record.policy_hidden.dtype, heads[0].weight.dtype), key=lambda t: torch.finfo(t).eps)
         self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask,
                         own_logr=record.own_logr(), precision=coarse)

@@ -45,7 +45,7 @@ from .first_pass import Buffers, first_pass
 from .polymoments import scratch_needed
 from .generation import Sampler
 from .second_pass import negative_pass, redo_columns, redo_rows, redo_spoiled, spoiled
-from .stream_plan import Plan
+from .stream_plan import EVERYTHING, Outputs, Plan
 from .tiling import Head, Scan, check_inputs, matmul_precision, pieces
 
 
@@ -101,7 +101,8 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
                   ids: torch.Tensor | None = None, eos_banned: torch.Tensor | None = None,
                   context_ids: torch.Tensor | None = None, sampling_hidden: torch.Tensor | None = None,
                   chunk: int | None = None, tile: int | None = None, candidates: int = 1024,
-                  dtype: torch.dtype = torch.float32, tf32: bool = False, negative: bool = True) -> PositionValues:
+                  dtype: torch.dtype = torch.float32, tf32: bool = False, negative: bool = True,
+                  outputs: Outputs = EVERYTHING) -> PositionValues:
     """:func:`kl_bench.audit.exact.position_values` from hidden states [N, d] (each model's own, any float
     dtype, on the heads' device) and output layers, streamed: the same values, in O(N + chunk × tile)
     memory, as [N] / [N, F] float64 tensors on that device. ``chunk``, ``tile``: positions per chunk and ids
@@ -113,17 +114,19 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
     float64: exact to rounding); the merges are float64 either way. ``candidates``: the scores kept per
     position for a top-p or min-p sampler (a larger support is found by widening). ``negative``: P(f < 0)
     of estimators that change sign (k1, fwd_k1) under a sampler that does not truncate needs a second
-    pass (two more forwards); False leaves those entries NaN (not computed)."""
+    pass (two more forwards); False leaves those entries NaN (not computed). ``outputs``
+    (:class:`~.stream_plan.Outputs`): which of the values beyond KL and the means are wanted (default: all);
+    the others are NaN and cost nothing (a step audit reads only those of the family that drew)."""
     check_inputs(policy_hidden, reference_hidden, policy_head, reference_head, dtype)
     if sampling_hidden is not None and sampling_hidden.shape != policy_hidden.shape:
         raise SpecError(f"the sampling pass's hidden states must be {list(policy_hidden.shape)}, got "
                         f"{list(sampling_hidden.shape)}", key="sampling_hidden")
     sampler = sampler or Sampler()
     chunk, tile = pieces(policy_hidden.device, chunk, tile)
-    plan = Plan.of(estimators, sampler, policy_head.vocab, candidates, negative, sampling_hidden is not None)
+    plan = Plan.of(estimators, sampler, policy_head.vocab, candidates, negative, sampling_hidden is not None, outputs)
     n_all, parts = policy_hidden.shape[0], []
     bufs = Buffers(scratch_needed(plan.basis), min(chunk, n_all), min(tile, plan.vocab),
-                    policy_hidden.new_empty(0, dtype=dtype))
+                   policy_hidden.new_empty(0, dtype=dtype))
 
     def rows(x, i, dt=None):
         return None if x is None else (x[i:i + chunk] if dt is None else x[i:i + chunk].to(dt))
