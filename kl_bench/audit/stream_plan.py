@@ -3,7 +3,7 @@ families) and what a position chunk carries from the first pass to the second (:
 :class:`Sampled` per family)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -151,6 +151,10 @@ class Sampled:
         return SamplerValues(self.mean, self.var, self.neg, self.miss, self.log_mean, self.log_var, self.tok_log,
                              self.kl_q, self.chi2, self.gap_abs, self.tok_score, self.tau)
 
+    @staticmethod
+    def cat(parts: Sequence["Sampled"]) -> "Sampled":
+        return Sampled(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Sampled)))
+
 
 @dataclass
 class Chunk:
@@ -162,4 +166,12 @@ class Chunk:
     var_q: torch.Tensor
     tok: torch.Tensor
     fam: dict
+
+    @staticmethod
+    def cat(parts: Sequence["Chunk"]) -> "Chunk":
+        """Chunks' rows as one (the whole call's positions, in order)."""
+        if len(parts) == 1:
+            return parts[0]
+        tensors = [torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Chunk) if f.name != "fam"]
+        return Chunk(*tensors, {name: Sampled.cat([p.fam[name] for p in parts]) for name in parts[0].fam})
 
