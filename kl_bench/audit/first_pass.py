@@ -22,13 +22,28 @@ class _Candidates:
         self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.dropped = torch.full((like.shape[0],), -torch.inf, dtype=like.dtype, device=like.device)
 
-    def add(self, s: torch.Tensor, zq: torch.Tensor, zp: torch.Tensor) -> None:
+    def add(self, s: torch.Tensor, zq: torch.Tensor, zp: torch.Tensor) -> tuple:
+        """Take the tile's top ``take`` of s [n, t]; returns (ids, z_q there, z_p there) for :meth:`add_at`."""
         take = min(self.take, s.shape[-1])
         top, idx = torch.topk(s, take, dim=-1)
-        self.parts.append((top, zq.gather(-1, idx), zp.gather(-1, idx)))
+        got = (idx, zq.gather(-1, idx), zp.gather(-1, idx))
+        self.parts.append((top,) + got[1:])
         if take < s.shape[-1]:
             # the largest score this tile left out is at most its last one kept (ties included)
             self.dropped = torch.maximum(self.dropped, top[:, -1])
+        return got
+
+    def add_at(self, s: torch.Tensor, taken: tuple) -> None:
+        """Take the ids another family took (``taken``: its :meth:`add`'s return) with this family's scores s:
+        one top-k selection a tile for both families (the drawing pass's scores are the scored policy's up
+        to its mismatch, so their tops are nearly the same ids). The largest of this family's scores left
+        out is read off the tile (−inf written at the ids taken, on a copy), so the support is complete
+        among the candidates whenever τ exceeds it, as for :meth:`add`."""
+        idx, zq, zp = taken
+        self.parts.append((s.gather(-1, idx), zq, zp))
+        if idx.shape[-1] < s.shape[-1]:
+            left = s.scatter(-1, idx, -torch.inf)
+            self.dropped = torch.maximum(self.dropped, left.amax(dim=-1))
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, zq, zp = (torch.cat(x, dim=-1) for x in zip(*self.parts))
@@ -152,8 +167,12 @@ def _one_tile(scan: Scan, plan: Plan, rec: _Tiles, cands: dict, lo: int, bufs: B
     tok = scan.gather(lo, [z["zq"], z["zp"]] + [s[fam.name] for fam in plan.families])
     if tok is not None:
         rec.put(tok=tok[0], tok_here=tok[1])
+    taken = None
     for name, cand in cands.items():
-        cand.add(s[name], z["zq"], z["zp"])
+        if taken is None:
+            taken = cand.add(s[name], z["zq"], z["zp"])
+        else:                                   # the drawing pass's family takes the scored family's ids
+            cand.add_at(s[name], taken)
     rec.put(**_elementwise(plan, z, s, {name: x is z["zq"] for name, x in s.items()}, b, scratch, scan.banned))
 
 
