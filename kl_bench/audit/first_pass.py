@@ -22,13 +22,28 @@ class _Candidates:
         self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.dropped = torch.full((like.shape[0],), -torch.inf, dtype=like.dtype, device=like.device)
 
-    def add(self, s: torch.Tensor, zq: torch.Tensor, zp: torch.Tensor) -> None:
+    def add(self, s: torch.Tensor, zq: torch.Tensor, zp: torch.Tensor) -> tuple:
+        """Take the tile's top ``take`` of s [n, t]; returns (ids, z_q there, z_p there) for :meth:`add_at`."""
         take = min(self.take, s.shape[-1])
         top, idx = torch.topk(s, take, dim=-1)
-        self.parts.append((top, zq.gather(-1, idx), zp.gather(-1, idx)))
+        got = (idx, zq.gather(-1, idx), zp.gather(-1, idx))
+        self.parts.append((top,) + got[1:])
         if take < s.shape[-1]:
             # the largest score this tile left out is at most its last one kept (ties included)
             self.dropped = torch.maximum(self.dropped, top[:, -1])
+        return got
+
+    def add_at(self, s: torch.Tensor, taken: tuple) -> None:
+        """Take the ids another family took (``taken``: its :meth:`add`'s return) with this family's scores s:
+        one top-k selection a tile for both families (the drawing pass's scores are the scored policy's up
+        to its mismatch, so their tops are nearly the same ids). The largest of this family's scores left
+        out is read off the tile (−inf written at the ids taken, on a copy), so the support is complete
+        among the candidates whenever τ exceeds it, as for :meth:`add`."""
+        idx, zq, zp = taken
+        self.parts.append((s.gather(-1, idx), zq, zp))
+        if idx.shape[-1] < s.shape[-1]:
+            left = s.scatter(-1, idx, -torch.inf)
+            self.dropped = torch.maximum(self.dropped, left.amax(dim=-1))
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, zq, zp = (torch.cat(x, dim=-1) for x in zip(*self.parts))
@@ -56,17 +71,16 @@ class _Tiles:
 class Buffers:
     """Tile-sized work buffers of one call, made once on the device in the compute dtype (a fresh CPU
     tensor of a few MB costs more in page faults than the arithmetic on it): views [n, t] of flat
-    storage, for the tile at hand."""
-    NAMES = ("zq", "zp", "zg", "s_b", "s_g", "w", "w_b", "w_g", "u", "psi")
+    storage, for the tile at hand. ``zqg`` holds z_q above the drawing pass's z_g (one matmul, [2n, t])."""
+    NAMES = ("zqg", "zp", "s_b", "s_g", "w", "w_b", "w_g", "u", "psi")
 
     def __init__(self, extra: int, chunk: int, tile: int, like: torch.Tensor):
-        self.flat = [torch.empty(chunk * tile, dtype=like.dtype, device=like.device)
-                     for _ in range(len(self.NAMES) + extra)]
+        self.flat = [torch.empty(chunk * tile * (2 if name == "zqg" else 1), dtype=like.dtype, device=like.device)
+                     for name in self.NAMES + (None,) * extra]
 
     def views(self, n: int, t: int) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        v = [b[:n * t].view(n, t) for b in self.flat]
+        v = [b[:n * t * (2 if i == 0 else 1)].view(-1, t) for i, b in enumerate(self.flat)]
         return dict(zip(self.NAMES, v)), v[len(self.NAMES):]
-
 
 
 def _exp_sum(z: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,37 +95,65 @@ def _spread(w: torch.Tensor, total: torch.Tensor, x: torch.Tensor, tmp: torch.Te
     return mean, torch.sub(x, mean.unsqueeze(-1), out=tmp).square_().mul_(w).sum(-1)
 
 
-def _family_tile(scan: Scan, fam: Family, s: torch.Tensor, q: tuple, buf: torch.Tensor, tmp: torch.Tensor,
-                 rec: _Tiles, plan: Plan) -> torch.Tensor | None:
-    """A family's per-tile records from its scores s [n, t]: its normaliser, the mean and spread of s
-    under it, the q-mass where s = −inf; returns its weights when it needs moments ("full")."""
+def _family_tile(fam: Family, s: torch.Tensor, q: tuple, buf: torch.Tensor, tmp: torch.Tensor,
+                 plan: Plan, banned: bool) -> tuple[dict, torch.Tensor | None]:
+    """A family's per-tile records from its scores s [n, t]: its normaliser, the mean and
+    spread of s under it (where wanted), the q-mass where s = −inf; and its weights when it needs moments
+    ("full"). ``q``: (m_q, q's weights, their sum, z_q, whether s is z_q itself)."""
     f = fam.name
-    mq, w, sq, _ = q
-    if fam.kind == "same":
-        ms, wf, sf = mq, w, sq
+    mq, w, sq, zq, own = q
+    if fam.kind == "same" or own:
+        ms, wf, sf = mq, w, sq                  # its scores are z_q itself: q's own weights, not made twice
     elif plan.needs_lse(fam):
         ms = row_max(s)
         wf, sf = _exp_sum(s, ms, buf)
     else:
-        return None
-    rec.put(**{f"{f}_scale": ms.squeeze(-1), f"{f}_sum": sf})
+        return {}, None
+    rec = {f"{f}_scale": ms.squeeze(-1), f"{f}_sum": sf}
     if fam.kind == "cut":
-        return None
-    s_fin = torch.where(wf > 0, s, torch.zeros_like(s)) if scan.banned else s
-    mean, m2 = _spread(wf, sf, s_fin, tmp)
-    rec.put(**{f"{f}_mean": mean, f"{f}_m2": m2})
-    if fam.kind == "full":
-        zq = q[3]
-        rec.put(**{f"{f}_zq": torch.mul(wf, zq, out=tmp).sum(-1) / sf})           # E_b[z_q] of the tile
+        return rec, None
+    against = fam.kind == "full" and plan.outputs.against_q
+    if plan.spread(fam) or against:             # E_b[s] is also KL(b‖q)'s first term
+        s_fin = torch.where(wf > 0, s, torch.zeros_like(s)) if banned else s
+        rec[f"{f}_mean"], rec[f"{f}_m2"] = _spread(wf, sf, s_fin, tmp)
+    if against:
+        rec[f"{f}_zq"] = torch.mul(wf, zq, out=tmp).sum(-1) / sf                   # E_b[z_q] of the tile
         # Σ_{b>0} q²/b needs Σ e^{2 z_q − s} over b's support (s = −inf: not in it)
         two = torch.sub(zq, s, out=tmp).add_(zq)
-        if scan.banned:
+        if banned:
             two = torch.where(torch.isneginf(s), torch.full_like(two, -torch.inf), two)
         m2q = row_max(two)
-        rec.put(**{f"{f}_chi_scale": m2q.squeeze(-1), f"{f}_chi_sum": two.sub_(m2q).exp_().sum(-1)})
-    if scan.banned:
-        rec.put(**{f"{f}_miss": torch.where(torch.isneginf(s), w, torch.zeros_like(w)).sum(-1)})
-    return wf if fam.kind == "full" else None
+        rec[f"{f}_chi_scale"], rec[f"{f}_chi_sum"] = m2q.squeeze(-1), two.sub_(m2q).exp_().sum(-1)
+    if banned:
+        rec[f"{f}_miss"] = torch.where(torch.isneginf(s), w, torch.zeros_like(w)).sum(-1)
+    return rec, wf if fam.kind == "full" else None
+
+
+def _elementwise(plan: Plan, z: dict, s: dict, own: dict, b: dict, scratch: list, banned: bool) -> dict:
+    """A tile's records from its logits ``z`` and scores ``s`` [n, t] (``b``, ``scratch``: the work buffers):
+    normalisers, the q-centre of d, the families' records and every weight's monomial sums."""
+    u = torch.sub(z["zp"], z["zq"], out=b["u"])                          # d = z_p − z_q
+    mq, mp = row_max(z["zq"]), row_max(z["zp"])
+    w, sq = _exp_sum(z["zq"], mq, b["w"])
+    _, sp = _exp_sum(z["zp"], mp, z["zp"])                              # z_p is not needed any more
+    centre = torch.mul(w, u, out=scratch[0]).sum(-1) / sq               # the tile's own q-mean of d
+    u.sub_(centre.unsqueeze(-1))
+    ps = torch.expm1(u, out=b["psi"]).sub_(u)                           # ψ(u), exact at small |u|
+    rec = {"q_scale": mq.squeeze(-1), "q_sum": sq, "centre": centre, "p_scale": mp.squeeze(-1), "p_sum": sp}
+    weights, degrees, totals, names = [w], [plan.weight_degree(None)], [sq], []
+    for fam in plan.families:
+        got, wf = _family_tile(fam, s[fam.name], (mq, w, sq, z["zq"], own[fam.name]),
+                               b[f"w_{fam.name}"], scratch[0], plan, banned)
+        rec.update(got)
+        if wf is not None:
+            weights.append(wf)
+            degrees.append(plan.weight_degree(fam))
+            totals.append(got[f"{fam.name}_sum"])
+            names.append(fam.name)
+    sums = tile_sums(plan.basis, weights, u, ps, scratch, degrees, totals)
+    rec["q_sums"] = sums[0]
+    rec.update({f"{name}_sums": x for name, x in zip(names, sums[1:])})
+    return rec
 
 
 def _one_tile(scan: Scan, plan: Plan, rec: _Tiles, cands: dict, lo: int, bufs: Buffers) -> None:
@@ -119,32 +161,19 @@ def _one_tile(scan: Scan, plan: Plan, rec: _Tiles, cands: dict, lo: int, bufs: B
     and overwritten by the next tile."""
     t = min(scan.tile, plan.vocab - lo)
     b, scratch = bufs.views(scan.n, t)
-    z = {"zq": scan.heads[0].logits(scan.hq, lo, lo + t, out=b["zq"]),
-         "zp": scan.heads[1].logits(scan.hp, lo, lo + t, out=b["zp"])}
-    if scan.hg is not None:
-        z["zg"] = scan.heads[0].logits(scan.hg, lo, lo + t, out=b["zg"])
+    z = scan.logits(lo, lo + t, b["zqg"], b["zp"])
     s = {fam.name: z["zq"] if fam.kind == "same" else scan.scores(z[fam.source], lo, out=b[f"s_{fam.name}"])
          for fam in plan.families}
     tok = scan.gather(lo, [z["zq"], z["zp"]] + [s[fam.name] for fam in plan.families])
     if tok is not None:
         rec.put(tok=tok[0], tok_here=tok[1])
+    taken = None
     for name, cand in cands.items():
-        cand.add(s[name], z["zq"], z["zp"])
-    u = torch.sub(z["zp"], z["zq"], out=b["u"])                          # d = z_p − z_q
-    mq, mp = row_max(z["zq"]), row_max(z["zp"])
-    w, sq = _exp_sum(z["zq"], mq, b["w"])
-    _, sp = _exp_sum(z["zp"], mp, b["zp"])                              # z_p is not needed any more
-    centre = torch.mul(w, u, out=scratch[0]).sum(-1) / sq               # the tile's own q-mean of d
-    u.sub_(centre.unsqueeze(-1))
-    ps = torch.expm1(u, out=b["psi"]).sub_(u)                           # ψ(u), exact at small |u|
-    rec.put(q_scale=mq.squeeze(-1), q_sum=sq, centre=centre, p_scale=mp.squeeze(-1), p_sum=sp)
-    full = []
-    for fam in plan.families:
-        wf = _family_tile(scan, fam, s[fam.name], (mq, w, sq, z["zq"]), b[f"w_{fam.name}"], scratch[0], rec, plan)
-        if wf is not None:
-            full.append((fam.name, wf))
-    sums = tile_sums(plan.basis, [w] + [wf for _, wf in full], u, ps, scratch)
-    rec.put(q_sums=sums[0], **{f"{name}_sums": x for (name, _), x in zip(full, sums[1:])})
+        if taken is None:
+            taken = cand.add(s[name], z["zq"], z["zp"])
+        else:                                   # the drawing pass's family takes the scored family's ids
+            cand.add_at(s[name], taken)
+    rec.put(**_elementwise(plan, z, s, {name: x is z["zq"] for name, x in s.items()}, b, scratch, scan.banned))
 
 
 def _tokens(rec: _Tiles, n: int, width: int, like: torch.Tensor) -> torch.Tensor:
@@ -158,14 +187,17 @@ def _tokens(rec: _Tiles, n: int, width: int, like: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- finishing one chunk
-def _poly_columns(plan: Plan, moments: torch.Tensor, delta: torch.Tensor):
-    """E[f], Var[f] [n, F] of the polynomial estimators from normalised moments (NaN for the others)."""
+def _poly_columns(plan: Plan, moments: torch.Tensor, delta: torch.Tensor, var: bool = True):
+    """E[f], Var[f] [n, F] of the polynomial estimators from normalised moments (NaN for the others, and
+    for Var where ``var`` is false: its moments of degree 2·degree f were not summed)."""
     mean = torch.full((delta.shape[0], len(plan.names)), torch.nan, dtype=torch.float64, device=delta.device)
-    var = mean.clone()
+    out_var = mean.clone()
     for j, poly in enumerate(plan.poly):
         if poly is not None:
-            mean[:, j], var[:, j] = plan.basis.mean_and_var(plan.basis.estimator(poly, delta), moments)
-    return mean, var
+            mean[:, j], v = plan.basis.mean_and_var(plan.basis.estimator(poly, delta), moments)
+            if var:
+                out_var[:, j] = v
+    return mean, out_var
 
 
 
@@ -180,7 +212,7 @@ def _finish(scan: Scan, plan: Plan, rec: _Tiles, cands: dict) -> Chunk:
     centre = (share * (centres + q_sums[..., 1] / q_sums[..., 0])).sum(0)           # the exact q-mean of d
     _, mq = finish_family(plan.basis, q_scale, q_sums, centres, centre)
     delta = centre + lse_q - lse_p                                                   # log r = u + δ
-    mean_q, var_q = _poly_columns(plan, mq, delta)
+    mean_q, var_q = _poly_columns(plan, mq, delta, plan.var_q())
     tok = _tokens(rec, scan.n, 2 + len(plan.families), lse_q)
     out = Chunk(-(delta + mq[:, 1]), lse_q, lse_p, mean_q, var_q, tok, {})
     for i, fam in enumerate(plan.families):
@@ -193,16 +225,20 @@ def _finish(scan: Scan, plan: Plan, rec: _Tiles, cands: dict) -> Chunk:
 
 
 def _finish_full(plan: Plan, fam: Family, rec: _Tiles, out: Chunk, centring, s_tok) -> Sampled:
-    """A family with full support: moments from its weights' tile sums (or q's, when it is q)."""
+    """A family with full support: moments from its weights' tile sums (or q's, when it is q); what is not
+    wanted (Plan.outputs) is NaN."""
     f = fam.name
     centres, centre, delta = centring
     mean, var = out.mean_q.clone(), out.var_q.clone()
     if fam.kind == "full":
         _, moments = finish_family(plan.basis, rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sums"), centres, centre)
-        mean, var = _poly_columns(plan, moments, delta)
+        mean, var = _poly_columns(plan, moments, delta, plan.spread(fam))
     lse = logsum(rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sum"))
-    s_mean, s_var = chan(rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sum"), rec.stacked(f"{f}_mean"),
-                          rec.stacked(f"{f}_m2"))
+    nan = torch.full_like(lse, torch.nan)
+    s_mean, s_var = nan, nan
+    if f"{f}_mean" in rec:
+        s_mean, s_var = chan(rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sum"), rec.stacked(f"{f}_mean"),
+                              rec.stacked(f"{f}_m2"))
     neg = torch.full_like(mean, torch.nan)
     neg[:, [j for j, sign in enumerate(plan.sign) if not sign]] = 0.0               # f ≥ 0 for every draw
     miss = torch.exp(logsum(rec.stacked("q_scale"), rec.stacked(f"{f}_miss")) - out.lse_q) \
@@ -210,12 +246,16 @@ def _finish_full(plan: Plan, fam: Family, rec: _Tiles, out: Chunk, centring, s_t
     zero = torch.zeros_like(lse)
     kl_q, chi2, gap = zero, zero, zero                                               # b = q
     if fam.kind == "full":
+        kl_q, chi2, gap = nan, nan, nan                                              # not wanted, or below
+    if f"{f}_zq" in rec:
         share = torch.nan_to_num(torch.exp(rec.stacked(f"{f}_scale").to(torch.float64)
                                            + torch.log(rec.stacked(f"{f}_sum").to(torch.float64)) - lse))
         zq_mean = (share * rec.stacked(f"{f}_zq").to(torch.float64)).sum(0)
         kl_q = (s_mean - lse) - (zq_mean - out.lse_q)                               # E_b[log b] − E_b[log q]
         chi2 = torch.expm1(logsum(rec.stacked(f"{f}_chi_scale"), rec.stacked(f"{f}_chi_sum")) + lse - 2 * out.lse_q)
-        gap = torch.full_like(lse, torch.nan)                                        # |·| needs a second pass
+        # E_b|log b − log q| needs a second pass: NaN
+    if not plan.spread(fam):
+        s_mean, s_var = nan, nan                    # E_b[s] was made for KL(b‖q) alone
     return Sampled(mean, var, neg, miss, s_mean - lse, s_var, s_tok - lse, lse, torch.full_like(lse, -torch.inf),
                     torch.zeros_like(lse, dtype=torch.bool), kl_q, chi2, gap, s_tok.to(torch.float64))
 

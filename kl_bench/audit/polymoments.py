@@ -137,35 +137,44 @@ class Basis:
 
 
 def tile_sums(basis: Basis, weights: list[torch.Tensor], u: torch.Tensor, psi_u: torch.Tensor,
-              scratch: list[torch.Tensor]) -> list[torch.Tensor]:
+              scratch: list[torch.Tensor], degrees: list[int] | None = None,
+              totals: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """Σ_v w(v) u(v)^i ψ(v)^j [n, K] for every monomial and each weight vector in ``weights`` (each [n, t]),
     from the tile's u and ψ(u) [n, t], in their dtype (torch's pairwise row sums).
 
+    ``degrees``: per weight, the highest degree i + j summed (None: the basis degree); the monomials above
+    it are NaN (not computed: a mean needs degree f, only a variance 2·degree f). ``totals``: per weight,
+    Σ w where the caller has summed it already (the same row sum of the same tensor: the same bits).
     ``scratch``: at least :func:`scratch_needed` buffers of the tiles' shape, overwritten (no allocation
     of tile size: a fresh CPU tensor of a few MB costs more in page faults than the arithmetic on it).
-    Each monomial is one product and one row sum; powers of ψ are kept, powers of w·u built in turn."""
-    top = basis.degree
-    keep = max(top - 1, 0)
-    powers = [None, psi_u]
-    for j in range(2, top + 1):
-        powers.append(torch.mul(powers[-1], psi_u, out=scratch[j - 2]))
-    ping, pong, tmp = scratch[keep], scratch[keep + 1], scratch[keep + 2]
-    out = []
-    for w in weights:
-        row = {}
-        a = w
-        for i in range(top + 1):
-            if i:
-                a = torch.mul(a, u, out=pong if a is ping else ping)
-            for j in range(top + 1 - i):
-                row[(i, j)] = a.sum(-1) if j == 0 else torch.mul(a, powers[j], out=tmp).sum(-1)
-        out.append(torch.stack([row[m] for m in basis.monomials], dim=-1))
-    return out
+    Each monomial is one product and one row sum: w·u^i is built by multiplying by u in turn, and each
+    w·u^i·ψ^j from w·u^i·ψ^(j−1) (at most D = 4 products, 1 ulp each)."""
+    degrees = [basis.degree] * len(weights) if degrees is None else degrees
+    totals = [None] * len(weights) if totals is None else totals
+    return [_weight_sums(basis, w, u, psi_u, scratch, deg, total) for w, deg, total in zip(weights, degrees, totals)]
+
+
+def _weight_sums(basis: Basis, w: torch.Tensor, u: torch.Tensor, psi_u: torch.Tensor, scratch: list[torch.Tensor],
+                 deg: int, total: torch.Tensor | None) -> torch.Tensor:
+    """One weight's monomial sums [n, K] up to degree ``deg`` (NaN above it); ``scratch``: work buffers."""
+    ping, pong, c_ping, c_pong = scratch[:4]
+    row = {(0, 0): w.sum(-1) if total is None else total}
+    a = w
+    for i in range(deg + 1):
+        if i:
+            a = torch.mul(a, u, out=pong if a is ping else ping)                     # w·u^i
+            row[(i, 0)] = a.sum(-1)
+        c = a
+        for j in range(1, deg + 1 - i):
+            c = torch.mul(c, psi_u, out=c_pong if c is c_ping else c_ping)           # w·u^i·ψ^j
+            row[(i, j)] = c.sum(-1)
+    nan = torch.full_like(row[(0, 0)], torch.nan) if len(row) < basis.size else None
+    return torch.stack([row.get(m, nan) for m in basis.monomials], dim=-1)
 
 
 def scratch_needed(basis: Basis) -> int:
-    """The scratch buffers :func:`tile_sums` needs."""
-    return max(basis.degree - 1, 0) + 3
+    """The scratch buffers :func:`tile_sums` needs (four: two for w·u^i, two for its ψ^j chain)."""
+    return 4
 
 
 def finish_family(basis: Basis, log_scale: torch.Tensor, sums: torch.Tensor, centres: torch.Tensor,

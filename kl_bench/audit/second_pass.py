@@ -129,48 +129,54 @@ def redo_columns(scan: Scan, plan: Plan, fam: Family, out: Chunk, cols: list[int
             got.mean[:, j], got.var[:, j], got.neg[:, j] = mean_b[:, i], var_b[:, i], mean_b[:, nf + i]
 
 
-def redo_rows(scan: Scan, plan: Plan, out: Chunk, fams: list[Family], unknown: list[torch.Tensor]) -> None:
-    """The second pass for rows whose support a family's candidates may not cover (``unknown`` [n] of
-    each of ``fams``): τ from the whole score vector, then everything under the family summed over the
-    tiles. The families share both passes over the union of their rows (the widening pass makes z_q and
-    z_g once, the summing pass z_q, z_p and z_g once); each family's values are written on its own rows."""
-    union = torch.stack(unknown).any(0)
-    rows = torch.nonzero(union).flatten()
+def redo_rows(scan: Scan, plan: Plan, out: Chunk, fams: list[Family], unknown: list[torch.Tensor],
+              rows: torch.Tensor) -> None:
+    """The second pass for ``rows`` (an index tensor), where the support of one of ``fams`` may reach past
+    its candidates (``unknown`` [n] of each): τ from the whole score vector, then everything under the
+    family summed over the tiles. The families share both passes over these rows (the widening pass makes
+    z_q and z_g once, the summing pass z_q, z_p and z_g once); each family's values are written on its own."""
     sub = scan.rows(rows)
     widened = _widen(sub, plan, fams, [out.fam[f.name].lse[rows] for f in fams])
     _, res = _second_pass(sub, list(plan.fns), out.lse_q[rows], out.lse_p[rows],
                           [(f.source, tau, zb) for f, (tau, zb) in zip(fams, widened)], with_q=False)
     for fam, mine, (tau, _), (sums, miss) in zip(fams, unknown, widened, res):
-        keep = mine[rows]                                       # this family's rows among the union's
-        _write_rows(plan, fam, out, rows[keep], tau[keep], tuple(x[keep] for x in sums), miss[keep])
+        _write_rows(plan, fam, out, rows, mine[rows], tau, sums, miss)
 
 
-def _write_rows(plan: Plan, fam: Family, out: Chunk, rows: torch.Tensor, tau: torch.Tensor, sums: tuple,
-                miss: torch.Tensor) -> None:
-    """A family's second-pass values on ``rows``: its threshold, sums (log Z, mean, var, χ²) and miss."""
+def _write_rows(plan: Plan, fam: Family, out: Chunk, rows: torch.Tensor, keep: torch.Tensor, tau: torch.Tensor,
+                sums: tuple, miss: torch.Tensor) -> None:
+    """A family's second-pass values on those of ``rows`` where ``keep`` (its own rows among the union's:
+    blended, not selected, which would read ``keep`` back to the host): its threshold, sums (log Z, mean,
+    var, χ²) and miss."""
     got = out.fam[fam.name]
     log_z, mean, var, chi2 = sums
     nf = len(plan.fns)
     zq, s, gap = 2 * nf, 2 * nf + 1, 2 * nf + 2                  # the columns after f and 1[f < 0]
-    got.tau[rows] = tau
-    got.mean[rows], got.var[rows], got.neg[rows] = mean[:, :nf], var[:, :nf], mean[:, nf:2 * nf]
-    got.log_mean[rows], got.log_var[rows] = mean[:, s] - log_z, var[:, s]
-    got.kl_q[rows] = got.log_mean[rows] - (mean[:, zq] - out.lse_q[rows])
-    # E_b|log b − log q|: the widening pass gave log Z_b before this one (a top-p nucleus past the candidates)
-    got.chi2[rows], got.gap_abs[rows] = chi2, mean[:, gap]
-    got.miss[rows] = miss
     s_tok = out.tok[rows, 2 + plan.families.index(fam)]
     tok_log = torch.where(s_tok >= tau, s_tok - log_z, torch.full_like(s_tok, -torch.inf))
-    got.tok_log[rows] = torch.where(torch.isnan(s_tok), s_tok, tok_log)
+    log_mean = mean[:, s] - log_z
+    new = {"tau": tau, "mean": mean[:, :nf], "var": var[:, :nf], "neg": mean[:, nf:2 * nf], "log_mean": log_mean,
+           "log_var": var[:, s], "kl_q": log_mean - (mean[:, zq] - out.lse_q[rows]),
+           # E_b|log b − log q|: the widening pass gave log Z_b before this one (a top-p nucleus past the candidates)
+           "chi2": chi2, "gap_abs": mean[:, gap], "miss": miss,
+           "tok_log": torch.where(torch.isnan(s_tok), s_tok, tok_log)}
+    for name, value in new.items():
+        field = getattr(got, name)
+        mine = keep.view(-1, *([1] * (value.dim() - 1)))
+        field[rows] = torch.where(mine, value.to(field.dtype), field[rows])
 
 
 def spoiled(plan: Plan, out: Chunk) -> torch.Tensor:
     """Rows [n] where a one-pass moment is not finite: a float32 tile sum overflowed (u⁴, ψ⁴ at |u| ≳ 20),
-    or log r is infinite somewhere (p or q is 0 at an id), which the moments cannot carry."""
+    or log r is infinite somewhere (p or q is 0 at an id), which the moments cannot carry. Variances that
+    were not wanted (NaN: not computed) are not looked at."""
     cols = [j for j, p in enumerate(plan.poly) if p is not None]
     parts = [~torch.isfinite(out.kl)]
-    for x in [out.mean_q, out.var_q] + [t for f in plan.families if f.kind == "full"
-                                         for t in (out.fam[f.name].mean, out.fam[f.name].var)]:
+    checked = [out.mean_q] + ([out.var_q] if plan.var_q() else [])
+    for f in plan.families:
+        if f.kind == "full":
+            checked += [out.fam[f.name].mean] + ([out.fam[f.name].var] if plan.spread(f) else [])
+    for x in checked:
         parts.append(~torch.isfinite(x[:, cols]).all(-1) if cols else torch.zeros_like(parts[0]))
     return torch.stack(parts).any(0)
 

@@ -25,6 +25,7 @@ from .exact import PositionValues
 from .generation import Sampler
 from .step import SUMS, AuditLog, StepAudit, combine_micro_batches, step_sums
 from .stream import stream_values
+from .stream_plan import Outputs
 from .tiling import Head
 from .verdict import Thresholds, Warning, engine_warnings, step_warnings
 
@@ -126,13 +127,15 @@ class Record:
         return self.trainer_values
 
 
-def _sampler_inputs(record: Record, sampler: Sampler, mask: torch.Tensor):
-    """Per masked position: the EOS ban (fewer than min_new_tokens completion tokens before it) and the
-    ids a repetition penalty sees (prompt and earlier completion tokens; −1 pads)."""
+def _sampler_inputs(record: Record, sampler: Sampler, mask: torch.Tensor, where: torch.Tensor):
+    """Per masked position (``where``: their flat indices in [B, T], row-major): the EOS ban (fewer than
+    min_new_tokens completion tokens before it) and the ids a repetition penalty sees (prompt and earlier
+    completion tokens; −1 pads)."""
     k = mask.shape[1]
+    rows, cols = where // k, where % k
     banned = None
     if sampler.min_new_tokens:
-        banned = (torch.arange(k, device=mask.device).expand_as(mask) < sampler.min_new_tokens)[mask]
+        banned = cols < sampler.min_new_tokens
     ctx = None
     if sampler.repetition_penalty != 1.0:
         if record.prompt_ids is None:
@@ -140,9 +143,23 @@ def _sampler_inputs(record: Record, sampler: Sampler, mask: torch.Tensor):
         full = torch.cat([record.prompt_ids.to(record.completion_ids), record.completion_ids], dim=1)
         prefix = record.prompt_ids.shape[1]
         pos = torch.arange(full.shape[1], device=full.device)
-        rows, cols = mask.nonzero(as_tuple=True)
         ctx = torch.where(pos < prefix + cols.unsqueeze(-1), full[rows], torch.full_like(full[rows], -1))
     return banned, ctx
+
+
+def _masked(x: torch.Tensor | None, where: torch.Tensor) -> torch.Tensor | None:
+    """x [B, T, ...] at the masked positions (flat indices ``where``), in row-major order: an index, not a
+    boolean mask (each of which would read the mask back to the host)."""
+    return None if x is None else x.reshape(-1, *x.shape[2:]).index_select(0, where.to(x.device))
+
+
+def _read(record: Record) -> Outputs:
+    """The values a step audit of ``record`` reads (kl_bench.audit.step.step_sums, rollout_engine.engine_sums)
+    beyond the means: the variances and log-probability statistics of the family that drew the tokens (g
+    where the drawing pass is known, else b), and each family's distance to q where an engine drew them.
+    The rest is not computed (PositionValues then holds NaN there)."""
+    drew = "b" if record.sampling_hidden is None else "g"
+    return Outputs(spread=frozenset({drew}), var_q=False, against_q=record.engine_logprobs is not None)
 
 
 @dataclass
@@ -174,12 +191,13 @@ class AuditSession:
         """Audit one scored batch now (``heads``: this batch's, when they changed since the session began)."""
         mask = record.mask.bool()
         heads = heads or self.heads
-        banned, ctx = _sampler_inputs(record, self.sampler, mask)
-        sampling = None if record.sampling_hidden is None else record.sampling_hidden[mask]
-        values = stream_values(record.policy_hidden[mask], record.reference_hidden[mask], heads[0], heads[1],
-                               self.estimators, self.sampler, ids=record.completion_ids[mask], eos_banned=banned,
-                               context_ids=ctx, sampling_hidden=sampling, chunk=self.chunk, tile=self.tile,
-                               dtype=self.dtype, negative=self.negative)
+        where = mask.reshape(-1).nonzero().squeeze(-1)          # the masked positions: one host sync
+        banned, ctx = _sampler_inputs(record, self.sampler, mask, where)
+        values = stream_values(_masked(record.policy_hidden, where), _masked(record.reference_hidden, where),
+                               heads[0], heads[1], self.estimators, self.sampler,
+                               ids=_masked(record.completion_ids, where), eos_banned=banned, context_ids=ctx,
+                               sampling_hidden=_masked(record.sampling_hidden, where), chunk=self.chunk,
+                               tile=self.tile, dtype=self.dtype, negative=self.negative, outputs=_read(record))
         coarse = max((record.policy_hidden.dtype, heads[0].weight.dtype), key=lambda t: torch.finfo(t).eps)
         self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask,
                         own_logr=record.own_logr(), precision=coarse)

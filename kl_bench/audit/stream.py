@@ -45,14 +45,8 @@ from .first_pass import Buffers, first_pass
 from .polymoments import scratch_needed
 from .generation import Sampler
 from .second_pass import negative_pass, redo_columns, redo_rows, redo_spoiled, spoiled
-from .stream_plan import Plan
+from .stream_plan import EVERYTHING, Chunk, Outputs, Plan
 from .tiling import Head, Scan, check_inputs, matmul_precision, pieces
-
-
-def _any(mask: torch.Tensor) -> bool:
-    """Whether any entry is true: the host synchronisation of a chunk (on a meta tensor, where no value
-    exists, False: the shapes are all a meta run checks)."""
-    return False if mask.device.type == "meta" else bool(mask.any())
 
 
 def _sign_columns(plan: Plan) -> list:
@@ -61,8 +55,9 @@ def _sign_columns(plan: Plan) -> list:
     return [(fam, cols) for fam, cols in signs if cols]
 
 
-def _second_passes(scan: Scan, plan: Plan, out) -> None:
-    """What one pass cannot give, each in one pass shared by the families that need it."""
+def _every_row(scan: Scan, plan: Plan, out: Chunk) -> None:
+    """The second passes a chunk's every row needs (decided by the plan, not by values), each one pass
+    shared by the families that need it."""
     signs = _sign_columns(plan)
     if signs:
         negative_pass(scan, plan, out, signs)
@@ -70,18 +65,35 @@ def _second_passes(scan: Scan, plan: Plan, out) -> None:
         cols = plan.second_pass_columns(fam)
         if any(plan.poly[j] is None for j in cols):
             redo_columns(scan, plan, fam, out, cols)
+
+
+def _host_rows(flags: torch.Tensor) -> list[list[int]]:
+    """The rows where each of ``flags`` [k, N] (bool) is true, read in one host transfer: the call's one
+    synchronisation, whatever the number of rows and chunks (a meta tensor has no values: none)."""
+    if flags.device.type == "meta" or flags.numel() == 0:
+        return [[] for _ in range(flags.shape[0])]
+    return [[i for i, f in enumerate(row) if f] for row in flags.tolist()]
+
+
+def _some_rows(scan: Scan, plan: Plan, out: Chunk, chunk: int) -> None:
+    """The second passes only some rows need, decided from the first pass's values of every chunk at once:
+    rows whose truncating support the candidates may not cover, then rows a float32 moment spoiled. Each
+    runs over those rows, ``chunk`` of them at a time (as a chunk of their own)."""
     cut = [fam for fam in plan.families if fam.kind == "cut"]
     unknown = [out.fam[fam.name].unknown for fam in cut]
-    if cut and _any(torch.stack(unknown)):                 # one pass for every truncating family's rows
-        redo_rows(scan, plan, out, cut, unknown)
+    union = torch.stack(unknown).any(0) if cut else torch.zeros_like(out.kl, dtype=torch.bool)
+    need_rows, bad_rows = _host_rows(torch.stack([union, spoiled(plan, out)]))
+    device = out.kl.device
+    for i in range(0, len(need_rows), chunk):
+        # host: row indices read back from the device in _host_rows, returned to it
+        rows = torch.tensor(need_rows[i:i + chunk], dtype=torch.long, device=device)
+        redo_rows(scan, plan, out, cut, unknown, rows)
+    for i in range(0, len(bad_rows), chunk):
+        # host: as above
+        redo_spoiled(scan, plan, out, torch.tensor(bad_rows[i:i + chunk], dtype=torch.long, device=device))
 
 
-def _chunk_values(scan: Scan, plan: Plan, bufs: Buffers) -> PositionValues:
-    out = first_pass(scan, plan, bufs)
-    _second_passes(scan, plan, out)
-    bad = spoiled(plan, out)
-    if _any(bad):
-        redo_spoiled(scan, plan, out, torch.nonzero(bad).flatten())
+def _position_values(plan: Plan, out: Chunk) -> PositionValues:
     g = out.fam["g"].values() if "g" in out.fam else None
     return PositionValues(plan.names, out.kl, out.mean_q, out.var_q, out.tok[:, 0] - out.lse_q,
                           out.tok[:, 1] - out.lse_p, out.fam["b"].values(), g)
@@ -100,8 +112,9 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
                   estimators: Sequence = ("k1", "k3"), sampler: Sampler | None = None, *,
                   ids: torch.Tensor | None = None, eos_banned: torch.Tensor | None = None,
                   context_ids: torch.Tensor | None = None, sampling_hidden: torch.Tensor | None = None,
-                  chunk: int | None = None, tile: int | None = None, candidates: int = 1024,
-                  dtype: torch.dtype = torch.float32, tf32: bool = False, negative: bool = True) -> PositionValues:
+                  chunk: int | None = None, tile: int | None = None, candidates: int = 2048,
+                  dtype: torch.dtype = torch.float32, tf32: bool = False, negative: bool = True,
+                  outputs: Outputs = EVERYTHING) -> PositionValues:
     """:func:`kl_bench.audit.exact.position_values` from hidden states [N, d] (each model's own, any float
     dtype, on the heads' device) and output layers, streamed: the same values, in O(N + chunk × tile)
     memory, as [N] / [N, F] float64 tensors on that device. ``chunk``, ``tile``: positions per chunk and ids
@@ -111,29 +124,37 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
     differs from the scored one (its values are ``g``; one more matmul per tile). ``dtype``: the tile
     matmuls' and tile sums' dtype (float32: the model's own rounding, ~1e-7 relative of each logit;
     float64: exact to rounding); the merges are float64 either way. ``candidates``: the scores kept per
-    position for a top-p or min-p sampler (a larger support is found by widening). ``negative``: P(f < 0)
+    position for a top-p or min-p sampler (a larger support is found by widening; 2,048 hold the nucleus of
+    p = 0.9 at V = 151,936 up to logits of standard deviation ~4, where it reaches ~1,600 ids). ``negative``: P(f < 0)
     of estimators that change sign (k1, fwd_k1) under a sampler that does not truncate needs a second
-    pass (two more forwards); False leaves those entries NaN (not computed)."""
+    pass (two more forwards); False leaves those entries NaN (not computed). ``outputs``
+    (:class:`~.stream_plan.Outputs`): which of the values beyond KL and the means are wanted (default: all);
+    the others are NaN and cost nothing (a step audit reads only those of the family that drew)."""
     check_inputs(policy_hidden, reference_hidden, policy_head, reference_head, dtype)
     if sampling_hidden is not None and sampling_hidden.shape != policy_hidden.shape:
         raise SpecError(f"the sampling pass's hidden states must be {list(policy_hidden.shape)}, got "
                         f"{list(sampling_hidden.shape)}", key="sampling_hidden")
     sampler = sampler or Sampler()
     chunk, tile = pieces(policy_hidden.device, chunk, tile)
-    plan = Plan.of(estimators, sampler, policy_head.vocab, candidates, negative, sampling_hidden is not None)
+    plan = Plan.of(estimators, sampler, policy_head.vocab, candidates, negative, sampling_hidden is not None, outputs)
     n_all, parts = policy_hidden.shape[0], []
+    if n_all == 0:
+        return _empty(plan.names, policy_hidden, sampling_hidden is not None)
     bufs = Buffers(scratch_needed(plan.basis), min(chunk, n_all), min(tile, plan.vocab),
-                    policy_hidden.new_empty(0, dtype=dtype))
+                   policy_hidden.new_empty(0, dtype=dtype))
 
-    def rows(x, i, dt=None):
-        return None if x is None else (x[i:i + chunk] if dt is None else x[i:i + chunk].to(dt))
+    def to(x, dt=None):
+        return x if x is None or dt is None else x.to(dt)
+    whole = Scan(to(policy_hidden, dtype), to(reference_hidden, dtype), to(sampling_hidden, dtype),
+                 (policy_head, reference_head), sampler, tile, eos_banned, context_ids, to(ids, torch.long))
     with matmul_precision(tf32):
         for i in range(0, n_all, chunk):
-            scan = Scan(rows(policy_hidden, i, dtype), rows(reference_hidden, i, dtype), rows(sampling_hidden, i, dtype),
-                         (policy_head, reference_head), sampler, tile, rows(eos_banned, i), rows(context_ids, i),
-                         rows(ids, i, torch.long))
-            parts.append(_chunk_values(scan, plan, bufs))
-    return PositionValues.cat(parts) if parts else _empty(plan.names, policy_hidden, sampling_hidden is not None)
+            scan = whole.rows(slice(i, i + chunk))
+            parts.append(first_pass(scan, plan, bufs))
+            _every_row(scan, plan, parts[-1])
+        out = Chunk.cat(parts)
+        _some_rows(whole, plan, out, chunk)
+    return _position_values(plan, out)
 
 
 def _kl_tile(zq: torch.Tensor, zp: torch.Tensor, diff: torch.Tensor) -> tuple[torch.Tensor, ...]:

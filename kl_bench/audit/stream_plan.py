@@ -3,7 +3,7 @@ families) and what a position chunk carries from the first pass to the second (:
 :class:`Sampled` per family)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -47,9 +47,28 @@ class Family:
 
 
 @dataclass(frozen=True)
+class Outputs:
+    """What a call computes beyond KL, E_q[f], E_b[f], the q-mass b never draws and the sampled token's
+    values, which it always computes. What is not wanted is left NaN ("not computed") and costs nothing; the
+    default is everything. A step audit reads only part of the rest (kl_bench.audit.session): the statistics
+    of the family that drew the tokens, and the rollout-engine columns where an engine drew them.
+
+    ``spread``: the families ("b", "g") whose Var[f], P(f < 0) and E, Var of log b are wanted (with b = q,
+    Var_b[f] is Var_q[f]: b's spread brings q's variance with it); ``var_q``: Var_q[f]; ``against_q``: each
+    family's KL(b‖q), χ² and E|log b − log q| (the rollout-engine audit)."""
+    spread: frozenset = frozenset({"b", "g"})
+    var_q: bool = True
+    against_q: bool = True
+
+
+EVERYTHING = Outputs()
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one call computes and how. ``poly``: per estimator, its polynomial (None: second pass);
-    ``sign``: per estimator, whether it changes sign (P(f < 0) then needs log r itself)."""
+    ``sign``: per estimator, whether it changes sign (P(f < 0) then needs log r itself); ``outputs``: what
+    beyond the always-computed values is wanted."""
     names: tuple[str, ...]
     fns: tuple
     poly: tuple
@@ -59,16 +78,34 @@ class Plan:
     families: tuple[Family, ...]
     vocab: int
     negative: bool = True
+    outputs: Outputs = EVERYTHING
+    half: int = 1
 
     @staticmethod
     def of(estimators: Sequence, sampler: Sampler, vocab: int, candidates: int, negative: bool,
-           sampling: bool) -> "Plan":
+           sampling: bool, outputs: Outputs = EVERYTHING) -> "Plan":
         ests = [_function_of_log_r(e) for e in estimators]
         polys = tuple(e.poly for e in ests)
         top = max([1] + [2 * degree(p) for p in polys if p is not None])
+        half = max([1] + [degree(p) for p in polys if p is not None])
         fams = tuple(Family.of(name, sampler, vocab, candidates) for name in ("b", "g")[:1 + sampling])
         return Plan(tuple(e.name for e in ests), tuple(e.fn for e in ests), polys,
-                     tuple(not e.nonnegative for e in ests), Basis(top), sampler, fams, vocab, negative)
+                     tuple(not e.nonnegative for e in ests), Basis(top), sampler,
+                     fams, vocab, negative, outputs, half)
+
+    def spread(self, fam: Family) -> bool:
+        """The family's Var[f], P(f < 0) and log-b statistics are wanted."""
+        return fam.name in self.outputs.spread
+
+    def var_q(self) -> bool:
+        """Var_q[f] is wanted: asked for, or it is Var_b[f] of a wanted b = q."""
+        return self.outputs.var_q or any(f.kind == "same" and self.spread(f) for f in self.families)
+
+    def weight_degree(self, fam: Family | None) -> int:
+        """The highest monomial degree summed under q's weights (``fam`` None) or a full-support family's:
+        2·degree f for a variance, degree f (at least 1: KL = −E_q[log r]) for means alone."""
+        full = self.var_q() if fam is None else self.spread(fam)
+        return self.basis.degree if full else min(self.half, self.basis.degree)
 
     def take(self, fam: Family) -> int:
         """Candidates each tile gives: all ``keep`` for top-k alone (the row's top k + 1 are among every
@@ -86,7 +123,7 @@ class Plan:
         """Estimators whose values under ``fam`` need a second pass: non-polynomial ones (always: also
         their q moments), sign-changing ones for P(f < 0) under a family that does not truncate."""
         return [j for j, (p, s) in enumerate(zip(self.poly, self.sign))
-                if p is None or (s and fam.kind != "cut" and self.negative)]
+                if p is None or (s and fam.kind != "cut" and self.negative and self.spread(fam))]
 
 
 
@@ -114,6 +151,10 @@ class Sampled:
         return SamplerValues(self.mean, self.var, self.neg, self.miss, self.log_mean, self.log_var, self.tok_log,
                              self.kl_q, self.chi2, self.gap_abs, self.tok_score, self.tau)
 
+    @staticmethod
+    def cat(parts: Sequence["Sampled"]) -> "Sampled":
+        return Sampled(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Sampled)))
+
 
 @dataclass
 class Chunk:
@@ -125,4 +166,12 @@ class Chunk:
     var_q: torch.Tensor
     tok: torch.Tensor
     fam: dict
+
+    @staticmethod
+    def cat(parts: Sequence["Chunk"]) -> "Chunk":
+        """Chunks' rows as one (the whole call's positions, in order)."""
+        if len(parts) == 1:
+            return parts[0]
+        tensors = [torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Chunk) if f.name != "fam"]
+        return Chunk(*tensors, {name: Sampled.cat([p.fam[name] for p in parts]) for name in parts[0].fam})
 

@@ -23,8 +23,6 @@ COMPUTE_DTYPES = (torch.float32, torch.float64)
 # buffers, chosen by that count and that memory inside a trainer's process: not yet timed on a GPU
 # (benchmarks/bench_gpu.py --audit-pieces times both).
 PIECES = {"cpu": (256, 4096), "cuda": (1024, 8192)}
-
-
 def pieces(device: torch.device, chunk: int | None = None, tile: int | None = None) -> tuple[int, int]:
     """(chunk, tile): the caller's where given (each ≥ 1), else :data:`PIECES` of ``device``'s type."""
     c, t = PIECES.get(torch.device(device).type, PIECES["cpu"])
@@ -106,6 +104,7 @@ class Scan:
     def __init__(self, hq, hp, hg, heads, sampler, tile, eos_banned, context_ids, ids):
         self.hq, self.hp, self.hg, self.heads, self.sampler, self.tile = hq, hp, hg, heads, sampler, tile
         self.eos_banned, self.context_ids, self.ids = eos_banned, context_ids, ids
+        self._hqg = None
 
     @property
     def n(self) -> int:
@@ -123,18 +122,38 @@ class Scan:
         return Scan(self.hq[rows], self.hp[rows], pick(self.hg), self.heads, self.sampler, self.tile,
                      pick(self.eos_banned), pick(self.context_ids), pick(self.ids))
 
+    def logits(self, lo: int, hi: int, out_qg: torch.Tensor | None = None, out_p: torch.Tensor | None = None,
+               policy_only: bool = False) -> dict[str, torch.Tensor]:
+        """{"zq", "zp", "zg"} of ids [lo, hi) in the compute dtype (z_p absent when ``policy_only``, z_g
+        without sampling-pass hidden states), written into ``out_qg`` ([2n, t] or more rows: z_q above z_g)
+        and ``out_p`` where given. z_q and z_g come from one matmul of the policy's head over both passes'
+        hidden states: its weight tile is read once (on a CPU ~10% of two matmuls' time), and each row's
+        logits are those of the row's own product (every pass makes them the same way, so the second
+        pass sees the very same rounded scores as the first)."""
+        n, head = self.n, self.heads[0]
+        both = self.hq if self.hg is None else self.hqg
+        out = None if out_qg is None else out_qg[:both.shape[0]]
+        zqg = head.logits(both, lo, hi, out=out)
+        z = {"zq": zqg[:n]}
+        if self.hg is not None:
+            z["zg"] = zqg[n:]
+        if not policy_only:
+            z["zp"] = self.heads[1].logits(self.hp, lo, hi, out=out_p)
+        return z
+
+    @property
+    def hqg(self) -> torch.Tensor:
+        """The policy's and the drawing pass's hidden states, one above the other [2n, d] (made once)."""
+        if self._hqg is None:
+            self._hqg = torch.cat([self.hq, self.hg])
+        return self._hqg
+
     def tiles(self, policy_only: bool = False):
         """{"lo", "zq", "zp", "zg"} for each vocabulary tile, in the compute dtype (new tensors; z_p absent
         when ``policy_only``, z_g without sampling-pass hidden states)."""
         vocab = self.heads[0].vocab
         for lo in range(0, vocab, self.tile):
-            hi = min(lo + self.tile, vocab)
-            out = {"lo": lo, "zq": self.heads[0].logits(self.hq, lo, hi)}
-            if not policy_only:
-                out["zp"] = self.heads[1].logits(self.hp, lo, hi)
-            if self.hg is not None:
-                out["zg"] = self.heads[0].logits(self.hg, lo, hi)
-            yield out
+            yield {"lo": lo, **self.logits(lo, min(lo + self.tile, vocab), policy_only=policy_only)}
 
     def scores(self, z: torch.Tensor, lo: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """b's score s of a tile of policy logits (:func:`~.generation.sampler_scores`): z itself without a

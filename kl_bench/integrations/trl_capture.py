@@ -42,19 +42,35 @@ class Generation:
 
     def match(self, input_ids: torch.Tensor, attention: torch.Tensor, k: int) -> torch.Tensor | None:
         """The drawing pass's hidden states [B, k, d] of scored rows (ids [B, L], last k completion), or
-        None when some row was not drawn in the captured generation."""
+        None when some row was not drawn in the captured generation. The ids and masks of both sides come
+        to the host in one transfer (one synchronisation, whatever the number of rows); rows are matched
+        there by their unpadded prompt and first k − 1 completion tokens."""
         if self.ids is None or len(self.hidden) < k:
             return None
         hidden = torch.stack(self.hidden[:k], dim=1)                  # [G, k, d]
-        keys = {}
         prompt = self.ids.shape[1] - (len(self.hidden) - 1)
-        for row in range(self.ids.shape[0]):
-            toks = self.ids[row, :prompt][self.mask[row, :prompt].bool()].tolist() + self.ids[row, prompt:prompt + k - 1].tolist()
-            keys.setdefault(tuple(toks), row)
+        parts = [self.ids, self.mask, input_ids, attention]
+        flat = torch.cat([x.reshape(-1).to(device=self.ids.device, dtype=torch.long) for x in parts]).tolist()
+        sizes = [x.numel() for x in parts]
+        drawn, drawn_mask, scored, scored_mask = (_rows(flat[sum(sizes[:i]):sum(sizes[:i + 1])], x.shape[-1])
+                                                  for i, x in enumerate(parts))
+        keys = {}
+        for row, (ids, mask) in enumerate(zip(drawn, drawn_mask)):
+            keys.setdefault(_key(ids, mask, prompt, prompt + k - 1), row)
         rows = []
-        for b in range(input_ids.shape[0]):
-            p = input_ids[b, :-k][attention[b, :-k].bool()].tolist() + input_ids[b, -k:-1].tolist()
-            if tuple(p) not in keys:
+        for ids, mask in zip(scored, scored_mask):
+            key = _key(ids, mask, len(ids) - k, len(ids) - 1)
+            if key not in keys:
                 return None
-            rows.append(keys[tuple(p)])
-        return hidden[torch.tensor(rows, device=hidden.device)]
+            rows.append(keys[key])
+        # host: the matched rows' indices, made from the host lists above
+        return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
+
+
+def _rows(flat: list[int], width: int) -> list[list[int]]:
+    return [flat[i:i + width] for i in range(0, len(flat), width)]
+
+
+def _key(ids: list[int], mask: list[int], prompt: int, end: int) -> tuple[int, ...]:
+    """A row's prompt tokens where its mask is set, then its tokens [prompt, end)."""
+    return tuple(t for t, m in zip(ids[:prompt], mask[:prompt]) if m) + tuple(ids[prompt:end])
