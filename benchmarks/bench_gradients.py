@@ -127,6 +127,9 @@ def main() -> None:
         global V, C, T
         V, C, T = 2000, 4, 8
         args.draws, args.rollouts, args.baseline_draws, args.baseline_rollouts, args.no_memory = 20_000, 400, 16, 2, True
+        # one thread: at these sizes a second intra-op thread only waits (5 s instead of 26 s on 2 cores, 42 s where
+        # OMP_NUM_THREADS=1 shrank the OpenMP pool first); the smoke run checks that the benchmark runs, not its speed
+        args.threads = 1
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     rows = []
