@@ -187,7 +187,7 @@ def _tokens(rec: _Tiles, n: int, width: int, like: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- finishing one chunk
-def _poly_columns(plan: Plan, moments: torch.Tensor, delta: torch.Tensor, var: bool = True):
+def poly_columns(plan: Plan, moments: torch.Tensor, delta: torch.Tensor, var: bool = True):
     """E[f], Var[f] [n, F] of the polynomial estimators from normalised moments (NaN for the others, and
     for Var where ``var`` is false: its moments of degree 2·degree f were not summed)."""
     mean = torch.full((delta.shape[0], len(plan.names)), torch.nan, dtype=torch.float64, device=delta.device)
@@ -212,7 +212,7 @@ def _finish(scan: Scan, plan: Plan, rec: _Tiles, cands: dict) -> Chunk:
     centre = (share * (centres + q_sums[..., 1] / q_sums[..., 0])).sum(0)           # the exact q-mean of d
     _, mq = finish_family(plan.basis, q_scale, q_sums, centres, centre)
     delta = centre + lse_q - lse_p                                                   # log r = u + δ
-    mean_q, var_q = _poly_columns(plan, mq, delta, plan.var_q())
+    mean_q, var_q = poly_columns(plan, mq, delta, plan.var_q())
     tok = _tokens(rec, scan.n, 2 + len(plan.families), lse_q)
     out = Chunk(-(delta + mq[:, 1]), lse_q, lse_p, mean_q, var_q, tok, {})
     for i, fam in enumerate(plan.families):
@@ -232,7 +232,7 @@ def _finish_full(plan: Plan, fam: Family, rec: _Tiles, out: Chunk, centring, s_t
     mean, var = out.mean_q.clone(), out.var_q.clone()
     if fam.kind == "full":
         _, moments = finish_family(plan.basis, rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sums"), centres, centre)
-        mean, var = _poly_columns(plan, moments, delta, plan.spread(fam))
+        mean, var = poly_columns(plan, moments, delta, plan.spread(fam))
     lse = logsum(rec.stacked(f"{f}_scale"), rec.stacked(f"{f}_sum"))
     nan = torch.full_like(lse, torch.nan)
     s_mean, s_var = nan, nan

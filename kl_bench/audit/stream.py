@@ -42,6 +42,7 @@ import torch
 from ..foundation.errors import SpecError
 from .exact import PositionValues, SamplerValues
 from .first_pass import Buffers, first_pass
+from .nucleus import applies, flat_rows, flat_values
 from .polymoments import scratch_needed
 from .generation import Sampler
 from .second_pass import negative_pass, redo_columns, redo_rows, redo_spoiled, spoiled
@@ -75,22 +76,54 @@ def _host_rows(flags: torch.Tensor) -> list[list[int]]:
     return [[i for i, f in enumerate(row) if f] for row in flags.tolist()]
 
 
-def _some_rows(scan: Scan, plan: Plan, out: Chunk, chunk: int) -> None:
+def _some_rows(scan: Scan, plan: Plan, out: Chunk, chunk: int, centre: torch.Tensor | None) -> None:
     """The second passes only some rows need, decided from the first pass's values of every chunk at once:
-    rows whose truncating support the candidates may not cover, then rows a float32 moment spoiled. Each
-    runs over those rows, ``chunk`` of them at a time (as a chunk of their own)."""
+    rows whose truncating support the candidates may not cover (where two passes serve the call,
+    kl_bench.audit.nucleus, those first; the rows they leave are widened), then rows a float32 moment
+    spoiled. Each runs over those rows, ``chunk`` of them at a time (as a chunk of their own)."""
     cut = [fam for fam in plan.families if fam.kind == "cut"]
-    unknown = [out.fam[fam.name].unknown for fam in cut]
-    union = torch.stack(unknown).any(0) if cut else torch.zeros_like(out.kl, dtype=torch.bool)
-    need_rows, bad_rows = _host_rows(torch.stack([union, spoiled(plan, out)]))
+    need_rows, bad_rows = _host_rows(torch.stack([_unknown(out, cut), spoiled(plan, out)]))
     device = out.kl.device
-    for i in range(0, len(need_rows), chunk):
-        # host: row indices read back from the device in _host_rows, returned to it
-        rows = torch.tensor(need_rows[i:i + chunk], dtype=torch.long, device=device)
+    if need_rows and centre is not None:
+        for rows in _batches(len(need_rows), chunk, pick=need_rows, device=device):
+            out.assign(rows, flat_values(scan.rows(rows), plan, centre[rows]))
+        need_rows = _host_rows(_unknown(out, cut).unsqueeze(0))[0]
+    unknown = [out.fam[fam.name].unknown for fam in cut]
+    for rows in _batches(len(need_rows), chunk, pick=need_rows, device=device):
         redo_rows(scan, plan, out, cut, unknown, rows)
-    for i in range(0, len(bad_rows), chunk):
-        # host: as above
-        redo_spoiled(scan, plan, out, torch.tensor(bad_rows[i:i + chunk], dtype=torch.long, device=device))
+    for rows in _batches(len(bad_rows), chunk, pick=bad_rows, device=device):
+        redo_spoiled(scan, plan, out, rows)
+
+
+def _unknown(out: Chunk, cut: list) -> torch.Tensor:
+    """Rows [n] whose support a truncating family's candidates may not cover."""
+    if not cut:
+        return torch.zeros_like(out.kl, dtype=torch.bool)
+    return torch.stack([out.fam[fam.name].unknown for fam in cut]).any(0)
+
+
+def _flat(scan: Scan, plan: Plan, chunk: int) -> tuple[list[int], torch.Tensor | None]:
+    """The rows a top-p sampler's nucleus makes flat (kl_bench.audit.nucleus), read in one host transfer,
+    and every row's centre for their second pass; none where two passes do not serve the call."""
+    if not applies(plan) or scan.hq.device.type == "meta":
+        return [], None
+    keep = next(f.keep for f in plan.families if f.kind == "cut")
+    flags, centre = flat_rows(scan, plan, chunk, keep)
+    return _host_rows(flags.unsqueeze(0))[0], centre
+
+
+def _batches(n: int, chunk: int, skip: list[int] = (), pick: list[int] | None = None, device=None):
+    """Row selections of at most ``chunk`` rows: slices of 0..n−1 (none skipped), else index tensors of
+    the rows not in ``skip`` or of ``pick``."""
+    if pick is None and not skip:
+        yield from (slice(i, i + chunk) for i in range(0, n, chunk))
+        return
+    if pick is None:
+        gone = set(skip)
+        pick = [i for i in range(n) if i not in gone]
+    for i in range(0, len(pick), chunk):
+        # host: row numbers made on the host (read back once in _flat)
+        yield torch.tensor(pick[i:i + chunk], dtype=torch.long, device=device)
 
 
 def _position_values(plan: Plan, out: Chunk) -> PositionValues:
@@ -148,12 +181,20 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
     whole = Scan(to(policy_hidden, dtype), to(reference_hidden, dtype), to(sampling_hidden, dtype),
                  (policy_head, reference_head), sampler, tile, eos_banned, context_ids, to(ids, torch.long))
     with matmul_precision(tf32):
-        for i in range(0, n_all, chunk):
-            scan = whole.rows(slice(i, i + chunk))
+        flat, centre = _flat(whole, plan, chunk)
+        for rows in _batches(n_all, chunk, skip=flat, device=policy_hidden.device):
+            scan = whole.rows(rows)
             parts.append(first_pass(scan, plan, bufs))
             _every_row(scan, plan, parts[-1])
+        for rows in _batches(len(flat), chunk, pick=flat, device=policy_hidden.device):
+            parts.append(flat_values(whole.rows(rows), plan, centre[rows]))
         out = Chunk.cat(parts)
-        _some_rows(whole, plan, out, chunk)
+        if flat:                                            # back to the rows' own order
+            gone = set(flat)
+            order = [i for i in range(n_all) if i not in gone] + flat
+            # host: the inverse of the order above
+            out = out.select(torch.tensor(sorted(range(n_all), key=order.__getitem__), device=policy_hidden.device))
+        _some_rows(whole, plan, out, chunk, centre)
     return _position_values(plan, out)
 
 

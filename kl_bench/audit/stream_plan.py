@@ -155,6 +155,9 @@ class Sampled:
     def cat(parts: Sequence["Sampled"]) -> "Sampled":
         return Sampled(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Sampled)))
 
+    def select(self, rows: torch.Tensor) -> "Sampled":
+        return Sampled(*(getattr(self, f.name)[rows] for f in fields(Sampled)))
+
 
 @dataclass
 class Chunk:
@@ -174,4 +177,18 @@ class Chunk:
             return parts[0]
         tensors = [torch.cat([getattr(p, f.name) for p in parts]) for f in fields(Chunk) if f.name != "fam"]
         return Chunk(*tensors, {name: Sampled.cat([p.fam[name] for p in parts]) for name in parts[0].fam})
+
+    def assign(self, rows: torch.Tensor, other: "Chunk") -> None:
+        """Rows ``rows`` (an index tensor) take ``other``'s values (its rows in that order)."""
+        for f in fields(Chunk):
+            if f.name != "fam":
+                getattr(self, f.name)[rows] = getattr(other, f.name)
+        for name, sampled in self.fam.items():
+            for f in fields(Sampled):
+                getattr(sampled, f.name)[rows] = getattr(other.fam[name], f.name)
+
+    def select(self, rows: torch.Tensor) -> "Chunk":
+        """The rows ``rows`` (an index tensor), in its order."""
+        tensors = [getattr(self, f.name)[rows] for f in fields(Chunk) if f.name != "fam"]
+        return Chunk(*tensors, {name: x.select(rows) for name, x in self.fam.items()})
 

@@ -55,6 +55,18 @@ class Head:
     def vocab(self) -> int:
         return self.weight.shape[0]
 
+    def logits_at(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the ids ``ids`` [m] (any, in order) for hidden states ``h`` [n, d]: [n, m], as :meth:`logits`."""
+        w = self.weight.index_select(0, ids)
+        z = h @ (w if w.dtype == h.dtype else w.to(h.dtype)).T
+        if self.bias is not None:
+            z.add_(self.bias.index_select(0, ids).to(h.dtype))
+        if self.multiplier != 1.0:
+            z.mul_(self.multiplier)
+        if self.softcap is not None:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z if self.scale == 1.0 else z.mul_(self.scale)
+
     def logits(self, h: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ids [lo, hi) for hidden states ``h`` [n, d] (already in the compute dtype, on the
         head's device): [n, hi − lo], written into ``out`` when given. Only this tile of a 16-bit head is
