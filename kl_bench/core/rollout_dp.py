@@ -220,6 +220,14 @@ _TERMS = {
 SUMS = tuple(_TERMS)
 
 
+def not_eos_mask(vocab: int, eos: int | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[V] 1 for a token after which a sequence goes on, 0 for EOS (all 1 without one)."""
+    mask = torch.ones(vocab, dtype=dtype, device=device)
+    if eos is not None:
+        mask[eos] = 0.0
+    return mask
+
+
 def step_expectations(steps: list[StepTables], bucket: torch.Tensor, eos: int | None, part: str,
                       gamma: torch.Tensor | None = None) -> torch.Tensor:
     """E[Σ_t u_t · N_t(c, x) · M · γ(|y|) · F_t] for every (c, x) at once, [C, V] (float64), where
@@ -240,9 +248,7 @@ def step_expectations(steps: list[StepTables], bucket: torch.Tensor, eos: int | 
     c, v = steps[0].b.shape
     dt, dev = torch.float64, steps[0].b.device
     gam = torch.ones(length, dtype=dt, device=dev) if gamma is None else gamma.to(dev, dt)
-    not_eos = torch.ones(v, dtype=dt, device=dev)
-    if eos is not None:
-        not_eos[eos] = 0.0
+    not_eos = not_eos_mask(v, eos, dt, dev)
     # Backward: the continuation values (zc, vc) [C, V] of drawing x from c at step t.
     cont: list[tuple[torch.Tensor, torch.Tensor]] = [None] * length      # type: ignore[list-item]
     z_next = gam[length - 1].expand(c).clone()

@@ -246,7 +246,7 @@ class _DenseTerm:
     du: torch.Tensor          # [D, C]
     sd: torch.Tensor          # [C·V]
     norm2: torch.Tensor       # |∇KL(c)|² [C]
-    visits: torch.Tensor      # Σ over the paths added of W·n_c [C] (the direct part's total)
+    visits: torch.Tensor      # Σ over the paths added of W·n_c [C] (the direct part's total), on the device
 
     @classmethod
     def of(cls, model: RolloutModel, hu: torch.Tensor, device) -> "_DenseTerm":
@@ -256,7 +256,7 @@ class _DenseTerm:
         du = (hu.to(d.device).reshape(-1, c_, v) * d).sum(-1)     # Σ_x ∇KL(c)[x]·(u − ⟨q_c, u_c⟩) = ∇KL(c)·u_c
         sd = (d - (q * d).sum(-1, keepdim=True)).reshape(-1)
         return cls(d.to(device), model.kl_ctx.to(device), du.to(device), sd.to(device), (d * d).sum(-1).to(device),
-                   torch.zeros(c_, dtype=torch.float64, device=HOST))
+                   torch.zeros(c_, dtype=torch.float64, device=device))
 
     def add(self, keys: torch.Tensor, alive: torch.Tensor, seq_w: torch.Tensor | float, w: torch.Tensor,
             pj: torch.Tensor, norm2: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +267,7 @@ class _DenseTerm:
         n = torch.zeros(keys.shape[0], self.norm2.shape[0], dtype=torch.float64, device=keys.device)
         n.scatter_add_(1, buckets, alive)
         n = n * seq_w
-        self.visits += n.sum(0).to(HOST)
+        self.visits += n.sum(0)                 # on the device: read once, by the total
         cross = (w * n.gather(1, buckets) * self.sd[keys]).sum(1)
         return pj + self.du @ n.T, norm2 + 2 * cross + (n * n) @ self.norm2
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...core.rollout_dp import not_eos_mask
 from .model import RolloutModel
 
 
@@ -68,8 +69,9 @@ def surrogate_error(model: RolloutModel, reward: torch.Tensor) -> SurrogateError
     lo, hi = _reward_range(model, reward)
     if lo < 0 or hi > 1:
         raise ValueError(f"reward: a sequence's reward ranges over [{lo:.3g}, {hi:.3g}]; the bounds need [0, 1]")
-    alive = _alive(model, q)
+    alive = not_eos_mask(q.shape[1], model.eos, q.dtype, q.device)
     step = torch.nn.functional.one_hot(model.bucket, q.shape[0]).to(q.dtype)      # [V, C]: token → next bucket
+    move_q, move_p = (q * alive) @ step, (p * alive) @ step        # [C, C]: bucket → next bucket, EOS leaves
     # Backwards under q: V_{T+1} = 0, Q_t(c, x) = r(c, x) + [x ≠ EOS]·V_{t+1}(bucket(x)), V_t = Σ_x q Q_t.
     value = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
     gains = []
@@ -82,33 +84,24 @@ def surrogate_error(model: RolloutModel, reward: torch.Tensor) -> SurrogateError
     d_q = torch.zeros_like(value)
     d_q[0] = 1.0
     d_p, reached = d_q.clone(), torch.zeros_like(d_q)
-    surrogate = shift = kl_seq = 0.0
+    sums = torch.zeros(3, dtype=q.dtype, device=q.device)      # the surrogate's gain, the error, D_seq
     for g in gains:
         reached = reached + d_q + d_p
-        surrogate += float(d_q @ g)
-        shift += float((d_p - d_q) @ g)
-        kl_seq += float(d_q @ model.kl_ctx)
-        d_q, d_p = d_q @ (q * alive) @ step, d_p @ (p * alive) @ step
+        sums = sums + torch.stack([d_q @ g, (d_p - d_q) @ g, d_q @ model.kl_ctx])
+        d_q, d_p = d_q @ move_q, d_p @ move_p
     seen = reached > 0                         # the buckets a step of either policy reaches within T steps
-    kl_max = float(model.kl_ctx[seen].max())
-    tv_max = float((0.5 * (q - p).abs().sum(1))[seen].max())
-    j_roll = float(value[0])
+    tv = 0.5 * (q - p).abs().sum(1)
+    # one host read for every result
+    surrogate, shift, kl_seq, kl_max, tv_max, j_roll = torch.cat(
+        [sums, model.kl_ctx[seen].max()[None], tv[seen].max()[None], value[:1]]).tolist()
     return SurrogateError(j_roll=j_roll, j_theta=j_roll + surrogate + shift, surrogate=surrogate, error=shift,
                           kl_max=kl_max, tv_max=tv_max, kl_seq=kl_seq,
                           bounds=trm_bounds(model.length, kl_max, tv_max, kl_seq))
 
 
-def _alive(model: RolloutModel, q: torch.Tensor) -> torch.Tensor:
-    """[V] 1 for a token after which the sequence goes on, 0 for EOS."""
-    alive = torch.ones(q.shape[1], dtype=q.dtype, device=q.device)
-    if model.eos is not None:
-        alive[model.eos] = 0.0
-    return alive
-
-
 def _reward_range(model: RolloutModel, reward: torch.Tensor) -> tuple[float, float]:
     """The smallest and largest reward of any sequence (max-plus and min-plus programs over the steps)."""
-    alive = _alive(model, reward) > 0
+    alive = not_eos_mask(reward.shape[1], model.eos, reward.dtype, reward.device) > 0
     hi = torch.zeros(reward.shape[0], dtype=reward.dtype, device=reward.device)
     lo = hi.clone()
     for _ in range(model.length):
