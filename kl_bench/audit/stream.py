@@ -15,12 +15,16 @@ keeps a few numbers, merged in float64 at the end:
   estimator, P_b(f < 0), log b) is a finite sum over them once the normalisers are known;
 - the weighted mean and spread of b's score (the consistency check's E_b[log b], Var_b[log b]) and the
   sampled token's logits.
+Only what ``outputs`` asks for beyond the means is computed (:class:`~.stream_plan.Outputs`); z_q and the
+drawing pass's z_g come from one matmul of the policy's head.
 
 **A second pass** (two more forwards) runs only for what one pass cannot give: an estimator that is not a
 polynomial (clamped presets, |log r|), P_b(f < 0) of an estimator that changes sign under a sampler that
 does not truncate, and rows whose sampler support is not inside the candidates (a top-p nucleus larger
-than them, or ties at the threshold): for those rows τ is found by widening the candidate list over the
-same tiles (the very same rounded scores) and the values are summed with the normalisers known.
+than them, or ties at the threshold). Flat rows under top-p take two passes of their own, a histogram of
+the mass bracketing τ in the first (:mod:`kl_bench.audit.nucleus`); the rows that cannot be served so
+have τ found by widening the candidate list over the same tiles (the very same rounded scores), and the
+values summed with the normalisers known. Which rows need what is read from the device once per call.
 
 **Devices and dtypes.** Everything is made on the hidden states' device. Tile matmuls run in ``dtype``
 (float32 by default, TF32 off unless ``tf32=True``; a bf16/fp16 head is up-cast one tile at a time) and
