@@ -162,7 +162,7 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
     matmuls' and tile sums' dtype (float32: the model's own rounding, ~1e-7 relative of each logit;
     float64: exact to rounding); the merges are float64 either way. ``candidates``: the scores kept per
     position for a top-p or min-p sampler (a larger support is found by widening; 2,048 hold the nucleus of
-    p = 0.9 at V = 151,936 up to logits of standard deviation ~4, where it reaches ~1,600 ids). ``negative``: P(f < 0)
+    p = 0.9 at V = 151,936 up to logits of standard deviation ~4, where it reaches ~1,760 ids). ``negative``: P(f < 0)
     of estimators that change sign (k1, fwd_k1) under a sampler that does not truncate needs a second
     pass (two more forwards); False leaves those entries NaN (not computed). ``outputs``
     (:class:`~.stream_plan.Outputs`): which of the values beyond KL and the means are wanted (default: all);
