@@ -17,7 +17,7 @@ its audit and the unit alternately, ``--repeat`` times, and reports the median o
 (the machine is shared: ratios within one process are the figures to compare, not seconds).
 
     python benchmarks/bench_audit_called.py [--positions 512] [--threads 1] [--repeat 3] [--rows grpo,rloo,...]
-                                            [--device cpu] [--smoke]
+                                            [--device cpu] [--clock wall|cpu] [--smoke]
 """
 from __future__ import annotations
 
@@ -105,36 +105,39 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: str) -> float:
+def _time(fn, device: str, clock: str) -> float:
+    """Seconds of ``fn``: wall, or this process's CPU seconds (``clock="cpu"``, one thread: what the call
+    itself used, not the time other jobs on a shared machine held the core)."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
     _sync(device)
-    t = time.perf_counter()
+    t = now()
     fn()
     _sync(device)
-    return time.perf_counter() - t
+    return now() - t
 
 
-def ratio(audit, unit, repeat: int, device: str) -> tuple[float, float, float]:
+def ratio(audit, unit, repeat: int, device: str, clock: str = "wall") -> tuple[float, float, float]:
     """(median of audit/unit over interleaved repeats, median audit s, median unit s); one untimed call each."""
     audit(), unit()
-    pairs = [(_time(audit, device), _time(unit, device)) for _ in range(repeat)]
+    pairs = [(_time(audit, device, clock), _time(unit, device, clock)) for _ in range(repeat)]
     return (statistics.median(a / u for a, u in pairs), statistics.median(a for a, _ in pairs),
             statistics.median(u for _, u in pairs))
 
 
-def run(names, n: int, vocab: int, d: int, std: float, rows: int, repeat: int, device: str) -> None:
+def run(names, n: int, vocab: int, d: int, std: float, rows: int, repeat: int, device: str, clock: str = "wall") -> None:
     where = "CPU" if device == "cpu" else torch.cuda.get_device_name()
     default = callback_negative_default()
     print(f"KLAudit's calls per audited step (AuditSession.add + finish, drawing pass captured), N = {n} "
           f"({rows} rows), V = {vocab:,}, d = {d}, float32 tiles, {where}, {torch.get_num_threads()} threads, "
           f"callback default negative={default}; unit = one float32 head forward [N, V] of the same hidden "
-          f"states; median of {repeat} interleaved ratios (wall)")
+          f"states; median of {repeat} interleaved ratios ({clock} seconds)")
     print(f"{'row':<24} {'audit/unit':>10} {'audit s':>9} {'unit s':>8}")
     for name in names:
         trainer, sampler, row_std, negative = ROWS[name]
         step = make_step(n, vocab, d, row_std or std, sampler, rows, device)
         audit = audit_call(trainer, sampler, default if negative is None else negative, step)
         h, w = step[0][0].reshape(n, d), step[1][0].weight
-        r, a, u = ratio(audit, lambda: h @ w.T, repeat, device)
+        r, a, u = ratio(audit, lambda: h @ w.T, repeat, device, clock)
         print(f"{name:<24} {r:10.2f} {a:9.3f} {u:8.3f}", flush=True)
 
 
@@ -148,6 +151,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: CPU seconds of this process (a CPU run on a shared machine; one thread)")
     ap.add_argument("--rows", default=None, help="comma-separated row names (default: all): " + ", ".join(ROWS))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     a = ap.parse_args()
@@ -155,7 +160,9 @@ def main() -> None:
     if a.smoke:
         a.positions, a.batch_rows, a.vocab, a.dim, a.repeat = 16, 4, 1000, 16, 1
     names = a.rows.split(",") if a.rows else list(ROWS)
-    run(names, a.positions, a.vocab, a.dim, a.std, a.batch_rows, a.repeat, a.device)
+    if a.clock == "cpu" and a.device != "cpu":
+        ap.error("--clock cpu times CPU runs only (a GPU's work is not this process's CPU time)")
+    run(names, a.positions, a.vocab, a.dim, a.std, a.batch_rows, a.repeat, a.device, a.clock)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,9 @@ class AuditSession:
         self.estimators = tuple(dict.fromkeys(resolve_estimator(m.estimator).name for m in self.metrics))
 
     def add(self, record: Record, heads: tuple[Head, Head] | None = None) -> PositionValues:
-        """Audit one scored batch now (``heads``: this batch's, when they changed since the session began)."""
+        """Audit one scored batch now (``heads``: this batch's, when they changed since the session began).
+        Returns the exact values at the masked positions: those a step audit reads (the spread of the family
+        that drew the tokens; the rollout engine's distances where an engine drew them), the others NaN."""
         mask = record.mask.bool()
         heads = heads or self.heads
         where = mask.reshape(-1).nonzero().squeeze(-1)          # the masked positions: one host sync

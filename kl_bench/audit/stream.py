@@ -15,12 +15,16 @@ keeps a few numbers, merged in float64 at the end:
   estimator, P_b(f < 0), log b) is a finite sum over them once the normalisers are known;
 - the weighted mean and spread of b's score (the consistency check's E_b[log b], Var_b[log b]) and the
   sampled token's logits.
+Only what ``outputs`` asks for beyond the means is computed (:class:`~.stream_plan.Outputs`); z_q and the
+drawing pass's z_g come from one matmul of the policy's head.
 
 **A second pass** (two more forwards) runs only for what one pass cannot give: an estimator that is not a
 polynomial (clamped presets, |log r|), P_b(f < 0) of an estimator that changes sign under a sampler that
 does not truncate, and rows whose sampler support is not inside the candidates (a top-p nucleus larger
-than them, or ties at the threshold): for those rows τ is found by widening the candidate list over the
-same tiles (the very same rounded scores) and the values are summed with the normalisers known.
+than them, or ties at the threshold). Flat rows under top-p take two passes of their own, a histogram of
+the mass bracketing τ in the first (:mod:`kl_bench.audit.nucleus`); the rows that cannot be served so
+have τ found by widening the candidate list over the same tiles (the very same rounded scores), and the
+values summed with the normalisers known. Which rows need what is read from the device once per call.
 
 **Devices and dtypes.** Everything is made on the hidden states' device. Tile matmuls run in ``dtype``
 (float32 by default, TF32 off unless ``tf32=True``; a bf16/fp16 head is up-cast one tile at a time) and
@@ -158,7 +162,7 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
     matmuls' and tile sums' dtype (float32: the model's own rounding, ~1e-7 relative of each logit;
     float64: exact to rounding); the merges are float64 either way. ``candidates``: the scores kept per
     position for a top-p or min-p sampler (a larger support is found by widening; 2,048 hold the nucleus of
-    p = 0.9 at V = 151,936 up to logits of standard deviation ~4, where it reaches ~1,600 ids). ``negative``: P(f < 0)
+    p = 0.9 at V = 151,936 up to logits of standard deviation ~4, where it reaches ~1,760 ids). ``negative``: P(f < 0)
     of estimators that change sign (k1, fwd_k1) under a sampler that does not truncate needs a second
     pass (two more forwards); False leaves those entries NaN (not computed). ``outputs``
     (:class:`~.stream_plan.Outputs`): which of the values beyond KL and the means are wanted (default: all);
