@@ -43,13 +43,15 @@ def callback_negative_default() -> bool:
     return inspect.signature(KLAudit.__init__).parameters["negative"].default
 
 
-# name → (trainer, sampler, logit std or None for --std, negative or None for the callback's default)
+# name → (trainer, sampler, logit std or None for --std, negative or None for the callback's default, fused)
 ROWS = {
-    "grpo": ("GRPOTrainer", Sampler(), None, None),
-    "rloo": ("RLOOTrainer", Sampler(), None, None),
-    "rloo negative=True": ("RLOOTrainer", Sampler(), None, True),
-    "grpo top_p=0.9 std 4": ("GRPOTrainer", Sampler(top_p=0.9), 4.0, None),
-    "grpo top_p=0.9 std 2": ("GRPOTrainer", Sampler(top_p=0.9), 2.0, None),
+    "grpo": ("GRPOTrainer", Sampler(), None, None, False),
+    "grpo fused=True": ("GRPOTrainer", Sampler(), None, None, True),
+    "rloo": ("RLOOTrainer", Sampler(), None, None, False),
+    "rloo fused=True": ("RLOOTrainer", Sampler(), None, None, True),
+    "rloo negative=True": ("RLOOTrainer", Sampler(), None, True, False),
+    "grpo top_p=0.9 std 4": ("GRPOTrainer", Sampler(top_p=0.9), 4.0, None, False),
+    "grpo top_p=0.9 std 2": ("GRPOTrainer", Sampler(top_p=0.9), 2.0, None, False),
 }
 
 
@@ -81,7 +83,7 @@ def trainer_logps(hidden, heads, ids) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
-def audit_call(trainer: str, sampler: Sampler, negative: bool, step):
+def audit_call(trainer: str, sampler: Sampler, negative: bool, step, fused: bool = False):
     """The callable that makes KLAudit's calls for one audited micro-batch and its step."""
     hidden, heads, ids = step
     lq, lp = trainer_logps(hidden, heads, ids)
@@ -91,7 +93,7 @@ def audit_call(trainer: str, sampler: Sampler, negative: bool, step):
     record = Record(hidden[0], hidden[1], ids, mask, values, sampling_hidden=hidden[2],
                     prompt_ids=torch.full((ids.shape[0], 1), -1, device=ids.device),
                     policy_logprobs=lq, reference_logprobs=lp)
-    session = AuditSession(heads, metrics, sampler, negative=negative)
+    session = AuditSession(heads, metrics, sampler, negative=negative, fused=fused)
 
     def call():
         with torch.no_grad():
@@ -116,12 +118,14 @@ def _time(fn, device: str, clock: str) -> float:
     return now() - t
 
 
-def ratio(audit, unit, repeat: int, device: str, clock: str = "wall") -> tuple[float, float, float]:
-    """(median of audit/unit over interleaved repeats, median audit s, median unit s); one untimed call each."""
-    audit(), unit()
+def ratio(audit, unit, repeat: int, device: str, clock: str = "wall") -> tuple[float, float, float, float]:
+    """(median of audit/unit over interleaved repeats, median audit s, median unit s, the first audit call's
+    wall seconds: a fused row's compile); one untimed call each first."""
+    first = _time(audit, device, "wall")
+    unit()
     pairs = [(_time(audit, device, clock), _time(unit, device, clock)) for _ in range(repeat)]
     return (statistics.median(a / u for a, u in pairs), statistics.median(a for a, _ in pairs),
-            statistics.median(u for _, u in pairs))
+            statistics.median(u for _, u in pairs), first)
 
 
 def run(names, n: int, vocab: int, d: int, std: float, rows: int, repeat: int, device: str, clock: str = "wall") -> None:
@@ -131,14 +135,14 @@ def run(names, n: int, vocab: int, d: int, std: float, rows: int, repeat: int, d
           f"({rows} rows), V = {vocab:,}, d = {d}, float32 tiles, {where}, {torch.get_num_threads()} threads, "
           f"callback default negative={default}; unit = one float32 head forward [N, V] of the same hidden "
           f"states; median of {repeat} interleaved ratios ({clock} seconds)")
-    print(f"{'row':<24} {'audit/unit':>10} {'audit s':>9} {'unit s':>8}")
+    print(f"{'row':<24} {'audit/unit':>10} {'audit s':>9} {'unit s':>8} {'first call s':>12}")
     for name in names:
-        trainer, sampler, row_std, negative = ROWS[name]
+        trainer, sampler, row_std, negative, fused = ROWS[name]
         step = make_step(n, vocab, d, row_std or std, sampler, rows, device)
-        audit = audit_call(trainer, sampler, default if negative is None else negative, step)
+        audit = audit_call(trainer, sampler, default if negative is None else negative, step, fused)
         h, w = step[0][0].reshape(n, d), step[1][0].weight
-        r, a, u = ratio(audit, lambda: h @ w.T, repeat, device, clock)
-        print(f"{name:<24} {r:10.2f} {a:9.3f} {u:8.3f}", flush=True)
+        r, a, u, first = ratio(audit, lambda: h @ w.T, repeat, device, clock)
+        print(f"{name:<24} {r:10.2f} {a:9.3f} {u:8.3f} {first:12.1f}", flush=True)
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fused
 from .polymoments import finish_family, tile_sums
 from .stream_plan import Chunk, Family, Plan, Sampled
 from .tiling import Scan, chan, logsum, row_max, threshold
@@ -173,7 +174,8 @@ def _one_tile(scan: Scan, plan: Plan, rec: _Tiles, cands: dict, lo: int, bufs: B
             taken = cand.add(s[name], z["zq"], z["zp"])
         else:                                   # the drawing pass's family takes the scored family's ids
             cand.add_at(s[name], taken)
-    rec.put(**_elementwise(plan, z, s, {name: x is z["zq"] for name, x in s.items()}, b, scratch, scan.banned))
+    args = (plan, z, s, {name: x is z["zq"] for name, x in s.items()}, b, scratch, scan.banned)
+    rec.put(**(fused.call(_elementwise, *args) if plan.fused else _elementwise(*args)))
 
 
 def _tokens(rec: _Tiles, n: int, width: int, like: torch.Tensor) -> torch.Tensor:

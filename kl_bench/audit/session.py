@@ -167,7 +167,7 @@ class AuditSession:
     """Audits records into step audits. ``heads``: the policy's and the reference's output layers as the
     trainer applies them (temperature, soft-cap, logit scale: :class:`~.stream.Head`); ``metrics``: the
     KL numbers to audit; ``sampler``: the generation settings (b). ``dtype``, ``chunk``, ``tile``,
-    ``negative``: as :func:`~.stream.stream_values`."""
+    ``negative``, ``fused``: as :func:`~.stream.stream_values`."""
     heads: tuple
     metrics: Sequence[Metric]
     sampler: Sampler = field(default_factory=Sampler)
@@ -175,6 +175,7 @@ class AuditSession:
     chunk: int | None = None          # None: stream.PIECES of the hidden states' device
     tile: int | None = None
     negative: bool = True
+    fused: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
     log: AuditLog = field(default_factory=AuditLog)
 
@@ -199,7 +200,8 @@ class AuditSession:
                                heads[0], heads[1], self.estimators, self.sampler,
                                ids=_masked(record.completion_ids, where), eos_banned=banned, context_ids=ctx,
                                sampling_hidden=_masked(record.sampling_hidden, where), chunk=self.chunk,
-                               tile=self.tile, dtype=self.dtype, negative=self.negative, outputs=_read(record))
+                               tile=self.tile, dtype=self.dtype, negative=self.negative, outputs=_read(record),
+                               fused=self.fused)
         coarse = max((record.policy_hidden.dtype, heads[0].weight.dtype), key=lambda t: torch.finfo(t).eps)
         self.add_values(values, {m.source: record.values_for(m.source) for m in self.metrics}, mask,
                         own_logr=record.own_logr(), precision=coarse)

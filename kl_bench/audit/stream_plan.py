@@ -80,10 +80,11 @@ class Plan:
     negative: bool = True
     outputs: Outputs = EVERYTHING
     half: int = 1
+    fused: bool = False
 
     @staticmethod
     def of(estimators: Sequence, sampler: Sampler, vocab: int, candidates: int, negative: bool,
-           sampling: bool, outputs: Outputs = EVERYTHING) -> "Plan":
+           sampling: bool, outputs: Outputs = EVERYTHING, fused: bool = False) -> "Plan":
         ests = [_function_of_log_r(e) for e in estimators]
         polys = tuple(e.poly for e in ests)
         top = max([1] + [2 * degree(p) for p in polys if p is not None])
@@ -91,7 +92,7 @@ class Plan:
         fams = tuple(Family.of(name, sampler, vocab, candidates) for name in ("b", "g")[:1 + sampling])
         return Plan(tuple(e.name for e in ests), tuple(e.fn for e in ests), polys,
                      tuple(not e.nonnegative for e in ests), Basis(top), sampler,
-                     fams, vocab, negative, outputs, half)
+                     fams, vocab, negative, outputs, half, fused)
 
     def spread(self, fam: Family) -> bool:
         """The family's Var[f], P(f < 0) and log-b statistics are wanted."""
