@@ -1,12 +1,13 @@
 """Fingerprint every experiment that has a rollout case, at reduced draws, so that a refactoring can show
 its numbers did not move (issue 34, item 5).
 
-    python tools/fingerprint.py run OUT [--draws N] [--steps S]   # writes OUT/<name>/ and OUT/fingerprint.json
+    python tools/fingerprint.py run OUT [--draws N] [--steps S] [--every]   # OUT/<name>/, OUT/fingerprint.json
     python tools/fingerprint.py compare BEFORE AFTER              # exit 1 on any difference, naming it
 
 `run` runs `kl-bench run SPEC --draws N` (as `python -m kl_bench` in the
 checkout that holds this script, so its own code runs: to fingerprint another commit, `git archive COMMIT |
-tar -x -C /tmp/base`, copy this script to /tmp/base/tools/ and run it there) for every experiments/*.toml with a case of kind "rollout", and
+tar -x -C /tmp/base`, copy this script to /tmp/base/tools/ and run it there) for every experiments/*.toml with a case of kind
+"rollout" (with ``--every``: every experiments/*.toml, Gaussian, categorical and model kinds included), and
 `kl-bench train` for experiments/training*.toml with [train] steps (and record_every) reduced to S, each
 into OUT/<name>/ (one CPU thread: kl-bench's default). The fingerprint holds the sha256 of every file of
 every folder; run.json is hashed after removing what legitimately changes between runs (times, speeds,
@@ -30,10 +31,10 @@ KL_BENCH = [sys.executable, "-m", "kl_bench"]    # run in ROOT: this checkout's 
 VOLATILE = re.compile(r"(^created$|^versions$|^git_commit$|seconds|per_second|^sha256$|^device_name$)")
 
 
-def rollout_specs() -> list[Path]:
-    """Every experiment spec with a rollout case, and the training specs."""
+def rollout_specs(every: bool = False) -> list[Path]:
+    """Every experiment spec with a rollout case (``every``: every spec), and the training specs."""
     specs = [p for p in sorted((ROOT / "experiments").glob("*.toml"))
-             if re.search(r'^kind\s*=\s*"rollout"', p.read_text(), re.M)]
+             if every or re.search(r'^kind\s*=\s*"rollout"', p.read_text(), re.M)]
     return sorted(set(specs) | set((ROOT / "experiments").glob("training*.toml")))
 
 
@@ -57,10 +58,10 @@ def _reduced_training_spec(spec: Path, steps: int, tmp: Path) -> Path:
     return out
 
 
-def run(out: Path, draws: int, steps: int) -> None:
+def run(out: Path, draws: int, steps: int, every: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ROOT / "experiments") as tmp:
-        for spec in rollout_specs():
+        for spec in rollout_specs(every):
             name, folder = spec.stem, out / spec.stem
             if name.startswith("training"):
                 cmd = [*KL_BENCH, "train", str(_reduced_training_spec(spec, steps, Path(tmp))), "--out", str(folder),
@@ -104,12 +105,13 @@ def main() -> int:
     r.add_argument("out", type=Path)
     r.add_argument("--draws", type=int, default=20_000)
     r.add_argument("--steps", type=int, default=6)
+    r.add_argument("--every", action="store_true", help="every experiments/*.toml, not only the rollout ones")
     c = sub.add_parser("compare")
     c.add_argument("before", type=Path)
     c.add_argument("after", type=Path)
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.out, args.draws, args.steps)
+        run(args.out, args.draws, args.steps, args.every)
         return 0
     return compare(args.before, args.after)
 
