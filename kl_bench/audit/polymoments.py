@@ -1,31 +1,12 @@
-"""Exact moments of polynomial estimators from one pass over the vocabulary (kl_bench.audit.stream).
+"""Exact moments of polynomial estimators from one pass over the vocabulary (docs/audit.md §2, "One pass
+for polynomial estimators": why u and ψ(u) = expm1(u) − u, and not r).
 
-The difficulty. At a position, log r(v) = log p(v) − log q(v) = d(v) + c with d = z_p − z_q (the logit
-difference, known tile by tile) and c = lse_q − lse_p, known only once the last vocabulary tile is seen.
-E_q[f(log r)] for a general f therefore needs a second pass over the tiles (two more output-layer
-forwards). For an estimator that is a polynomial in r and log r (k1, k2, k3, the forward ones, cv(λ),
-the unclamped presets: ``Estimator.poly``) it does not:
-
-- centre d at a per-row value μ: u = d − μ, and let ψ(u) = expm1(u) − u (≥ 0, ≈ u²/2, exact to
-  rounding through expm1). Then e^u = 1 + u + ψ exactly, and with δ = μ + c (so log r = u + δ)
-
-      r^s (log r)^k = e^{sδ} (1 + u + ψ)^s (u + δ)^k,
-
-  a polynomial in (u, ψ) whose coefficients depend on δ only. So E[f] and E[f²] under any weights are
-  fixed combinations of the moments E[u^i ψ^j], i + j ≤ D, which are plain weighted sums over tokens
-  and can be summed tile by tile before c is known.
-- Why ψ and not r: k3 = (r − 1) − log r is tiny where r ≈ 1, and written with r its moments would be
-  differences of O(1) numbers (E[k3²] from E[r²], E[r], ...: all digits lost at small KL). In (u, ψ),
-  k3 = e^δ ψ + expm1(δ) u + ψ(δ): each term is as small as k3 itself, and nothing cancels.
-- Each tile is summed around its own weighted mean (the centre that keeps u small, so float32 tile
-  sums stay accurate) and the tiles are moved to one common centre at the end by an exact change of
-  variables: with u' = u − Δ, ψ(u') = e^{−Δ} ψ(u) + expm1(−Δ) u + ψ(−Δ), so every monomial u'^i ψ'^j is
-  again a polynomial of degree i + j in (u, ψ) (:meth:`Basis.recentre`), the higher-moment analogue of
-  Chan, Golub and LeVeque's pairwise update.
-- Var[f] = E[(f − E f)²] with f − E f formed as a polynomial first (its constant term absorbs E f), so
-  E[f²] − (E f)² never cancels.
-
-All polynomial algebra is float64 on the inputs' device; shapes [..., K] over the K monomials.
+At a position log r = u + δ with u = d − μ (d = z_p − z_q, μ a centre) and δ = μ + lse_q − lse_p known
+only after the last tile. Every r^s (log r)^k = e^{sδ} (1 + u + ψ)^s (u + δ)^k is a polynomial in (u, ψ)
+whose coefficients depend on δ alone, so E[f] and Var[f] of a polynomial estimator are fixed combinations
+of the moments E[u^i ψ^j], summed tile by tile about each tile's own centre and moved to one centre at the
+end exactly (:meth:`Basis.recentre`). All polynomial algebra is float64 on the inputs' device; shapes
+[..., K] over the K monomials.
 """
 from __future__ import annotations
 

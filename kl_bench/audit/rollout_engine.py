@@ -1,36 +1,12 @@
-"""The rollout engine's mismatch (training–inference), measured against what can be recomputed exactly.
+"""The rollout engine's mismatch (training–inference), measured against what can be recomputed exactly
+(docs/audit.md §8: the metrics trainers log, their exact values, KL(engine‖trainer) and the certification).
 
-When a separate engine draws the tokens (vLLM, SGLang) and returns its log-probs of them (TRL with
-``use_vllm``: ``sampling_per_token_logps``; verl: ``rollout_log_probs``), trainers compare those with the
-trainer's own and log Monte Carlo metrics of the gap. Per masked token, with e the engine's log-prob of
-the sampled token, ℓ = log q(x) the trainer's (full vocabulary, from the audited logits, float64) and
-ℓ_b = log b(x) the generation settings' sampler applied to the trainer's logits (truncated and
-renormalised: what an engine that "processes" its logits returns):
-
-- **convention**: whether the engine's log-probs are raw (e ≈ ℓ) or processed (e ≈ ℓ_b), by the mean
-  squared distance to each; "either" when the sampler truncates nothing (ℓ_b = ℓ);
-- **sampler gap**: ℓ_b − ℓ, exact, per token: under top-k/top-p at T = 1 it is −log(kept mass), the bias
-  a processed engine puts into ``old − sampling`` (TRL's importance ratio) from the sampler alone;
-- **the metrics trainers log**, measured over the tokens (x drawn by the engine), each with a standard
-  error clustered by sequence (a sequence's tokens depend on each other; sequences do not):
-  verl's ``rollout_corr/kl`` = mean(e − ℓ) and ``k3_kl`` = mean(ρ − 1 − log ρ) with ρ = exp(ℓ − e), both
-  meant as KL(engine‖trainer) (k3_kl's expectation is that minus the q-mass the engine never draws, as
-  E_engine[ρ] = Σ_{support} q < 1 under truncation); ``chi2_token`` = mean(ρ²) − 1; TRL's
-  ``sampling/sampling_logp_difference/mean`` = mean|ℓ − e|;
-- **their exact values** were the engine exactly the sampler on the trainer's own logits: the token means
-  of KL(b‖q), KL(b‖q) − the q-mass b misses, χ²(q‖b) and E_b|log b − log q| for processed log-probs
-  (kl_bench.audit.exact.SamplerValues); all 0 for raw ones (an engine that is the trainer returns e = ℓ);
-- **KL(engine‖trainer) as measured**: mean(e − ℓ) (processed: unbiased from the engine's own log-probs of
-  its draws), mean(e − ℓ + ℓ_b − ℓ) (raw: the trainer-side −log kept mass standing in for the engine's),
-  beside the sampler-only KL(b‖q) and the excess over it; KL(g‖q) exactly where the drawing pass's hidden
-  states were given. mean(e − ℓ) has little power against a small shift (its per-token SD is √(2 KL)),
-  k3_kl, χ² and the log-prob difference have much more: a **departure** is any of the four beyond its SE,
-  past what float32 rounding of the engine's log-probs explains;
-- **the cause that fits**: tokens outside the trainer-side support deeper than the engine's own log-prob
-  noise (the SD of e − ℓ_b at the tokens b can draw) came from another sampler; otherwise a departure is
-  precision for an engine that declares a 16-bit dtype, another model version (stale weights, another
-  checkpoint, other kernels) for a float32 one, either where it declares none.
-
+When a separate engine draws the tokens and returns its log-probs e of them, per masked token: the
+convention (raw e ≈ ℓ = log q(x), or processed e ≈ ℓ_b = log b(x)), the exact sampler gap ℓ_b − ℓ,
+verl's ``rollout_corr/{kl, k3_kl, chi2_token}`` and TRL's ``sampling_logp_difference`` measured with
+standard errors clustered by sequence, beside their exact values were the engine exactly the sampler on
+the trainer's logits; a **departure** is any metric with power beyond its SE past what float32 rounding of
+e explains, and the cause that fits (another sampler, precision, another model version) is named.
 The sums are additive over rows and processes, as the step audit's (kl_bench.audit.step).
 """
 from __future__ import annotations

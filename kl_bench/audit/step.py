@@ -1,35 +1,14 @@
-"""Step audits: a trainer's KL estimate against the exact value of the policy its loss scores.
+"""Step audits: a trainer's KL estimate against the exact value of the policy its loss scores (docs/audit.md
+§3: the six parts of logged − Σ w KL, why the SE from the exact conditional variances is valid, the
+consistency check of log g).
 
 A step's estimate is Σ_t w_t f(x_t) over the masked tokens (weights of its aggregation,
-kl_bench.audit.aggregate). With KL_t, E_q[f]_t, E_b[f]_t, Var_b[f]_t the exact per-position values
-(kl_bench.audit.exact), it splits exactly as
-
-    logged − Σ w KL = Σ w (E_q f − KL)            estimator bias
-                    + Σ w (E_b f − E_q f)          sampler bias (b ≠ q: temperature, top-k, top-p, ...)
-                    + Σ w (E_g f − E_b f)          mismatch: the pass that drew the tokens is not the
-                                                   scored one (dropout, position ids, a cache, precision)
-                    + Σ w (f(x) − E_g f)           noise: mean 0, SE² = Σ w² Var_g f
-                    + (logged − own)               formula: the trainer's values are not its declared f
-                                                   of its own log r (sign swapped, another estimator)
-                    + (own − recomputed)           precision (the trainer's log-probs against float64
-                                                   ones from the audited logits).
-
-own = Σ w f(the trainer's own log r): from its log-probs where the adapter has them, else emulated at the
-dtype of its values. The formula part is named only where the dtype cannot explain it (:func:`formula_fit`);
-elsewhere it is 0 and the whole of logged − recomputed is precision.
-
-b is the sampler applied to the scored policy's logits, g the same sampler applied to the logits of the
-pass that drew the tokens (its hidden states, when the trainer's adapter captured them; otherwise g = b,
-the mismatch is not measured and lands in the noise, which the consistency check then flags).
-The noise terms d_t = w_t (f(x_t) − E_g[f | h_t]) form a martingale difference sequence along each
-sampled path (x_t ~ g(·|h_t) given the history), so Var(Σ d_t) = E Σ w_t² Var_g[f | h_t]: the SE from
-the exact conditional variances is a valid standard error, and z = bias / SE is ≈ N(0, 1) when the
-estimate is unbiased for the exact KL (docs/audit.md). The consistency check applies the same argument
-to log g: Σ (log g(x_t) − E_g[log g]) / √Σ Var_g[log g] is ≈ N(0, 1) when the tokens were drawn from
-the g computed from the audited logits, and a token g cannot draw (g(x) = 0) is a certain mismatch.
-
-Steps and ranks combine through additive sums (:func:`step_sums`): summing the vectors of two ranks
-gives the sums of their union.
+kl_bench.audit.aggregate); logged − Σ w KL splits exactly into the estimator's, the sampler's, the
+mismatch's, the formula's and the precision's bias and the noise (mean 0, SE² = Σ w² Var_g f). own = Σ w f
+(the trainer's own log r), from its log-probs where the adapter has them, else emulated at the dtype of its
+values; the formula part is named only where that dtype cannot explain it (:func:`formula_fit`).
+b is the sampler on the scored policy's logits, g on those of the pass that drew the tokens (g = b when
+that pass was not captured). Steps and ranks combine through additive sums (:func:`step_sums`).
 """
 from __future__ import annotations
 

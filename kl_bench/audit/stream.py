@@ -1,37 +1,12 @@
-"""Exact per-position values streamed from hidden states and output layers, never an [N, V] tensor.
+"""Exact per-position values streamed from hidden states and output layers, never an [N, V] tensor
+(docs/audit.md §2: the one pass, the second pass, dtypes, devices and the float32 bound).
 
 Positions are taken ``chunk`` at a time and the vocabulary ``tile`` ids at a time; each tile's logits
-z = h Wᵀ (+ bias) are made, used and dropped, so memory is O(N + chunk × tile) whatever V is.
-
-**One pass** (one output-layer forward of each model, :func:`stream_values`). Per tile and position it
-keeps a few numbers, merged in float64 at the end:
-- the log-sum-exps of both models (max and Σ e^{z − max}: nothing overflows);
-- for the policy q (and a full-support sampler b), the weighted sums of u^i ψ(u)^j around the tile's own
-  weighted mean of d = z_p − z_q, from which :mod:`kl_bench.audit.polymoments` gets, exactly, E[f] and
-  Var[f] of every estimator that is a polynomial in r and log r, although log r = d + (lse_q − lse_p)
-  needs both normalisers, known only after the last tile; KL = −E_q[log r] is its degree-1 case;
-- under a truncating sampler (top-k, top-p, min-p) the top ``candidates`` scores with both models'
-  logits there (a streaming k-selection): b's support is among them, so every quantity under b (for any
-  estimator, P_b(f < 0), log b) is a finite sum over them once the normalisers are known;
-- the weighted mean and spread of b's score (the consistency check's E_b[log b], Var_b[log b]) and the
-  sampled token's logits.
-Only what ``outputs`` asks for beyond the means is computed (:class:`~.stream_plan.Outputs`); z_q and the
-drawing pass's z_g come from one matmul of the policy's head.
-
-**A second pass** (two more forwards) runs only for what one pass cannot give: an estimator that is not a
-polynomial (clamped presets, |log r|), P_b(f < 0) of an estimator that changes sign under a sampler that
-does not truncate, and rows whose sampler support is not inside the candidates (a top-p nucleus larger
-than them, or ties at the threshold). Flat rows under top-p take two passes of their own, a histogram of
-the mass bracketing τ in the first (:mod:`kl_bench.audit.nucleus`); the rows that cannot be served so
-have τ found by widening the candidate list over the same tiles (the very same rounded scores), and the
-values summed with the normalisers known. Which rows need what is read from the device once per call.
-
-**Devices and dtypes.** Everything is made on the hidden states' device. Tile matmuls run in ``dtype``
-(float32 by default, TF32 off unless ``tf32=True``; a bf16/fp16 head is up-cast one tile at a time) and
-so do the tile sums; tiles are merged in float64. Only [N] results leave the device, once, when the caller
-moves them. float32 carries the logits' own rounding (~1e-7 relative, what the model computes) and each
-tile sum of t terms ≲ t·2⁻²⁴ relative; ``dtype=torch.float64`` is exact to rounding (~1e-15, tested
-against the dense sums of :func:`kl_bench.audit.exact.position_values`).
+z = h Wᵀ (+ bias) are made, used and dropped, so memory is O(N + chunk × tile) whatever V is. One pass
+(:mod:`~.first_pass`) gives the normalisers, the polynomial estimators' moments (:mod:`~.polymoments`)
+and a truncating sampler's candidates; a second pass (:mod:`~.second_pass`) only what one cannot give;
+flat rows under top-p take two passes of their own (:mod:`~.nucleus`). Which rows need what is read
+from the device once per call.
 
 Ties at a top-k or top-p boundary: the threshold keeps every token tied with the last kept one, as
 transformers' top-k does; its top-p keeps a prefix of an arbitrary sort order. Logits of real models are
