@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from ..foundation.errors import SpecError
-from ..core.estimators import Estimator
 from ..kinds.protocols import BaselineExact, baseline_oracle
 from ..foundation.registry import Registry
 from ..sampling.seeding import PIECE_DRAWS, batch_sizes, batch_streams
@@ -112,16 +111,6 @@ def exact_mean(ex: BaselineExact, baseline: str | None, group: int) -> np.ndarra
     if baseline is None:
         return ex.rho_f_s
     return BASELINES[baseline].factor(group) * (ex.rho_f_s - ex.mu * ex.rho_s)
-
-
-def exact_baseline_gradient(pair, est: Estimator, baseline: str | None, group: int, aggregate: str = "") -> dict:
-    """Exact E[g] [P] (flattened θ) and E|g|² (NaN where not exact) of the reward-mode per-draw gradient
-    with a group baseline (None: none)."""
-    check_pair(pair)
-    ex = pair.baseline_exact(est, aggregate)
-    if ex is None:
-        raise SpecError(f"no exact expected gradient for '{est.name}' in the reward on '{aggregate}'", case=pair.name)
-    return {"mean": exact_mean(ex, baseline, group), "second": exact_second(ex, baseline, group)}
 
 
 def _batch_sums(draw, names: list[str], group: int, stream, piece: int) -> np.ndarray:
