@@ -171,7 +171,6 @@ LAYERS = [
     ("testing", "the exact check RL libraries run in their own CI: assert_kl_function, goldens, a pytest plugin",
      {"foundation", "core"}),
     ("__main__", "the console entry point", {"foundation", "cli"}),
-    ("_test_hooks", "test hooks of the command line", {"foundation", "engine", "api", "__main__"}),
     ("kl_bench", "the package's lazy public names", {"foundation"}),
 ]
 ALLOWED = {name: deps for name, _, deps in LAYERS}

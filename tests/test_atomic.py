@@ -10,6 +10,8 @@ import pytest
 
 from kl_bench.foundation import atomic, output_paths, storage
 
+from .helpers import HOOKS
+
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
     target = tmp_path / "summary.csv"
@@ -140,9 +142,9 @@ p = {{from = "q", noise = 0.3, seed = 2}}
 
 
 def _cli(*args, env=None):
-    # kl_bench._test_hooks: the console script with the test hooks the environment asks for (KL_BENCH_KILL_AFTER_STAGED)
-    module = "kl_bench._test_hooks" if env else "kl_bench"
-    return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], stdout=subprocess.DEVNULL,
+    # HOOKS: the console script with the test hooks the environment asks for (KL_BENCH_KILL_AFTER_STAGED)
+    script = [HOOKS] if env else ["-m", "kl_bench"]
+    return subprocess.Popen([sys.executable, *script, *map(str, args)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 

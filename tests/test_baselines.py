@@ -25,6 +25,14 @@ def _pair(v=4, seed=0, b=1, scale=0.7):
     return CategoricalPair("c", torch.log_softmax(zq, -1), torch.log_softmax(zp, -1)), zq
 
 
+def _exact(pair, est, baseline, group, aggregate=""):
+    """Exact E[g] [P] (flattened θ) and E|g|² (NaN where not exact) of the reward-mode per-draw gradient with
+    a group baseline (None: none), from the pair's exact pieces (kl_bench.experiment.group_baselines)."""
+    ex = pair.baseline_exact(est, aggregate)
+    assert ex is not None, (est.name, aggregate)
+    return {"mean": BL.exact_mean(ex, baseline, group), "second": BL.exact_second(ex, baseline, group)}
+
+
 def _enumerate(pair, zq, est, baseline, g):
     """E[g_0] and E|g_0|² of draw 0's gradient ∇ sg(f_0 − b_0)·log q_θ(x_0), summed over all V^G groups
     (one context), each gradient by autograd."""
@@ -48,7 +56,7 @@ def _enumerate(pair, zq, est, baseline, g):
 def test_exact_moments_equal_enumeration_with_autograd(baseline, g, est):
     pair, zq = _pair()
     mean, second = _enumerate(pair, zq, est, baseline, g)
-    ex = BL.exact_baseline_gradient(pair, ESTIMATORS[est], baseline, g)
+    ex = _exact(pair, ESTIMATORS[est], baseline, g)
     assert np.abs(ex["mean"] - mean).max() < 1e-13
     assert ex["second"] == pytest.approx(second, rel=1e-12)
 
@@ -60,8 +68,8 @@ def test_group_mean_shrinks_the_kl_gradient_by_one_minus_one_over_g(g):
     rev = pair.gradient_references()[REVERSE]
     plain = pair.gradient_exact(GradItem.of(ESTIMATORS["k1"], "reward"), {}).mean
     assert np.abs(plain - rev).max() < 1e-14
-    gm = BL.exact_baseline_gradient(pair, ESTIMATORS["k1"], "group_mean", g)["mean"]
-    loo = BL.exact_baseline_gradient(pair, ESTIMATORS["k1"], "leave_one_out", g)["mean"]
+    gm = _exact(pair, ESTIMATORS["k1"], "group_mean", g)["mean"]
+    loo = _exact(pair, ESTIMATORS["k1"], "leave_one_out", g)["mean"]
     assert np.abs(gm - (1 - 1 / g) * rev).max() < 1e-14 and np.abs(loo - rev).max() < 1e-14
 
 
@@ -91,7 +99,7 @@ def test_bad_group_and_clipped_sampler_are_refused():
     clipped = CategoricalPair("s", lq, pair.model.log_p, log_b=torch.log_softmax(lq / 0.8, -1), weights="token",
                               correction=WeightCorrection(clip=(0.2, 0.2)))
     with pytest.raises(SpecError, match="PPO clip"):
-        BL.exact_baseline_gradient(clipped, ESTIMATORS["k1"], "group_mean", 2)
+        BL.baseline_rows(clipped, [ESTIMATORS["k1"]], ["group_mean"], [2], draws=100, seed=0)
 
 
 def _sampled(kind: str, v=5, seed=2):
@@ -136,7 +144,7 @@ def test_baselines_under_a_sampler_against_enumeration(kind, baseline):
     pair, zq = _sampled(kind)
     for est in ("k1", "k3"):
         mean, second = _enumerate_sampled(pair, zq, est, baseline, 3)
-        ex = BL.exact_baseline_gradient(pair, ESTIMATORS[est], baseline, 3)
+        ex = _exact(pair, ESTIMATORS[est], baseline, 3)
         assert np.abs(ex["mean"] - mean).max() < 1e-13 * max(1.0, np.abs(mean).max()), (est, kind)
         assert ex["second"] == pytest.approx(second, rel=1e-12)
 
@@ -159,7 +167,7 @@ def test_group_baselines_from_a_spec(write_spec, tmp_path):
     the exact 1 − 1/G shrink of the group mean, Monte Carlo within 5 SE; bad input is one line, exit 2."""
     from typer.testing import CliRunner
     from kl_bench.cli import app
-    from kl_bench.results.verify import verify_results_folder
+    from kl_bench.results.verify import read_results_folder
     text = """
 spec_version = 1
 [experiment]
@@ -183,7 +191,7 @@ p = { from = "q", noise = 0.3, seed = 2 }
     assert np.allclose(gm["exact_shrink"], 1 - 1 / gm["group"], rtol=1e-12)
     assert np.allclose(rows.loc[rows["baseline"] == "leave_one_out", "exact_shrink"], 1.0, rtol=1e-12)
     assert (rows[["z_reverse", "z_second"]].abs() < 5).all().all()
-    verify_results_folder(tmp_path / "o")
+    read_results_folder(tmp_path / "o")
     # Under a top-k sampler with token weights: the rows say so, and agree with their exact values.
     topk = text.replace('noise = 0.3, seed = 2 }', 'noise = 0.3, seed = 2 }\nsampler = { top_k = 20, weights = "token" }')
     res = CliRunner().invoke(app, ["run", str(write_spec(topk, "topk.toml")), "--out", str(tmp_path / "t")])
@@ -248,11 +256,11 @@ def test_rollout_baselines_against_enumeration_of_every_group(kind):
     for est, agg in (("k1", "seq"), ("k3", "seq"), ("k1", "tok"), ("k3", "tok")):
         for baseline in ("group_mean", "leave_one_out"):
             want = _enumerate_rollout_groups(pair, zq, est, agg, baseline, 2)
-            got = BL.exact_baseline_gradient(pair, ESTIMATORS[est], baseline, 2, agg)["mean"]
+            got = _exact(pair, ESTIMATORS[est], baseline, 2, agg)["mean"]
             assert np.abs(got - want).max() < 1e-12 * max(1.0, np.abs(want).max()), (kind, est, agg, baseline)
     if kind == "top-k":        # truncation: leave-one-out moves the gradient (−μ·E_b[W S])
-        loo = BL.exact_baseline_gradient(pair, ESTIMATORS["k1"], "leave_one_out", 2, "seq")["mean"]
-        plain = BL.exact_baseline_gradient(pair, ESTIMATORS["k1"], None, 2, "seq")["mean"]
+        loo = _exact(pair, ESTIMATORS["k1"], "leave_one_out", 2, "seq")["mean"]
+        plain = _exact(pair, ESTIMATORS["k1"], None, 2, "seq")["mean"]
         assert np.linalg.norm(loo - plain) > 1e-3 * np.linalg.norm(plain)
 
 
@@ -288,8 +296,8 @@ p = { from = "q", noise = 0.5, seed = 2 }
     res = CliRunner().invoke(app, ["run", str(write_spec(text)), "--out", str(tmp_path / "o"), "--wide"])
     assert res.exit_code == 0, res.output
     assert "group baselines" in res.output and "tok-k3" in res.output and "leave_one_out" in res.output
-    from kl_bench.results.verify import verify_results_folder
-    verify_results_folder(tmp_path / "o")             # one row per (case, estimator, aggregate, baseline, G)
+    from kl_bench.results.verify import read_results_folder
+    read_results_folder(tmp_path / "o")             # one row per (case, estimator, aggregate, baseline, G)
     from kl_bench.present import report_data, report_html, report_md
     res = report_data.load_results(tmp_path / "o")
     md = report_md.report_md([res], "", [])

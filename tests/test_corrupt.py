@@ -15,7 +15,7 @@ from kl_bench.cli import app
 from kl_bench.foundation.errors import SpecError
 from kl_bench.results.baseline import load_baseline, normalize_baseline
 from kl_bench.present.report_data import load_results
-from kl_bench.results.verify import check_results_match_spec, verify_results_folder
+from kl_bench.results.verify import check_results_match_spec, read_results_folder
 
 runner = CliRunner()
 
@@ -103,7 +103,7 @@ def _check(made, folder: Path, spec=None):
 
 # ----------------------------------------------------------------------------- sound folders
 def test_a_sound_folder_verifies_reports_and_passes_the_gate(made, tmp_path):
-    verify_results_folder(made["good"])
+    read_results_folder(made["good"])
     assert _report(made["good"], tmp_path).exit_code == 0
     res = _check(made, made["good"])
     assert res.exit_code == 0, res.output
@@ -111,7 +111,7 @@ def test_a_sound_folder_verifies_reports_and_passes_the_gate(made, tmp_path):
 
 def test_results_of_an_older_version_without_hashes_still_load(made, folder, tmp_path):
     _unhash(folder)
-    verify_results_folder(folder)
+    read_results_folder(folder)
     assert _report(folder, tmp_path).exit_code == 0
     assert _check(made, folder).exit_code == 0
 
@@ -121,7 +121,7 @@ def test_every_committed_results_folder_verifies():
     folders = [p for p in root.iterdir() if (p / "summary.csv").exists()]
     assert len(folders) >= 8
     for p in folders:
-        verify_results_folder(p)
+        read_results_folder(p)
     # a training folder (kl-bench train): its files against the sha256 that run.json records
     import hashlib
     import json

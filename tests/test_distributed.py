@@ -12,6 +12,8 @@ import torch
 
 from kl_bench.engine.distributed import Ranks, block, drawn_by_rank, rounds
 
+from .helpers import HOOKS
+
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 
@@ -143,7 +145,7 @@ def _kl_bench(*args, env=None) -> subprocess.CompletedProcess:
 def _torchrun(*args, nproc=2, env=None) -> subprocess.CompletedProcess:
     # --standalone: a free port on localhost, so parallel jobs on one machine do not collide.
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "-m", "kl_bench._test_hooks", *map(str, args)], capture_output=True, text=True,
+                           str(nproc), HOOKS, *map(str, args)], capture_output=True, text=True,
                           env=env or _env(), timeout=300)
 
 
@@ -235,7 +237,7 @@ def test_without_torchrun_teardown_a_dead_rank_is_one_line_from_the_survivor(one
     import socket
     spec, _ = one_process
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "kl_bench._test_hooks", "run", str(spec), "--out", str(out), "--quiet"]
+    cmd = [sys.executable, HOOKS, "run", str(spec), "--out", str(out), "--quiet"]
     for _ in range(5):
         # A free port, closed again before rank 0 listens on it: another process of the machine (the other
         # test worker's job) may take it meanwhile. Rank 0 then cannot join; another port is tried.

@@ -14,7 +14,7 @@ import pytest
 from kl_bench.cli import app
 from kl_bench.foundation import atomic
 
-from .helpers import (TRAIN_SPEC, cli_run, leftovers, one_line,
+from .helpers import (HOOKS, TRAIN_SPEC, cli_run, leftovers, one_line,
                       one_line_proc, runner, tree)
 
 
@@ -119,7 +119,7 @@ def test_a_real_full_disk_is_one_line_and_leaves_nothing(gauss_results, tmp_path
             "baseline": f"baseline {gauss_results['spec']} --results {gauss_results['res']} --out {disk}/b.json -q"}[command]
     blocks = {"none": "", "some": "count=14"}[room]
     script = (f"mount -t tmpfs -o size=64k tmpfs {disk} && dd if=/dev/zero of={disk}/fill bs=4k {blocks} "
-              f"2>/dev/null; {sys.executable} -m kl_bench._test_hooks {args}; echo rc=$? >&2; ls -A {disk} >&2")
+              f"2>/dev/null; {sys.executable} {HOOKS} {args}; echo rc=$? >&2; ls -A {disk} >&2")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
     lines = proc.stderr.strip().splitlines()
     if command == "baseline" and room == "some":           # a baseline this small fits in 8 KiB

@@ -283,7 +283,7 @@ q = { logits = "zipf", exponent = 1.1, seed = 1 }
 p = { from = "q", noise = 0.3, seed = 2 }
 """)
     from kl_bench import load_results
-    from kl_bench.results.verify import verify_results_folder
+    from kl_bench.results.verify import read_results_folder
     from kl_bench.experiment.spec import load_spec
     res = CliRunner().invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
@@ -296,7 +296,7 @@ p = { from = "q", noise = 0.3, seed = 2 }
     assert np.array_equal(vec["c|self|k2"], pair.gradient_self(GradItem.of(ESTIMATORS["k2"], "loss")))
     assert np.array_equal(vec["c|reference|ukl"], pair.gradient_ukl())       # = reverse here (no sampler)
     assert len(vec.files) == 3 + 10 + 3
-    verify_results_folder(tmp_path / "o")
+    read_results_folder(tmp_path / "o")
     load_results(tmp_path / "o")
     (tmp_path / "o" / "gradients.npz").write_bytes(b"PK\x03\x04 not an archive")
     res = CliRunner().invoke(app, ["report", str(tmp_path / "o")])

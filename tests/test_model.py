@@ -17,7 +17,7 @@ from kl_bench.experiment.rows import summarize
 from kl_bench.cli import app
 
 from .conftest import CPU, model_case
-from .helpers import one_line, runner
+from .helpers import HOOKS, one_line, runner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -377,7 +377,7 @@ def test_dump_logits_writes_its_folder_whole_and_a_full_disk_leaves_nothing(tiny
 def test_a_signal_at_every_phase_of_dump_logits_is_one_line(tiny_models, tmp_path, phase, sig):
     import os
     out = tmp_path / "dump"
-    proc = subprocess.run([sys.executable, "-m", "kl_bench._test_hooks", "dump-logits", "--policy",
+    proc = subprocess.run([sys.executable, HOOKS, "dump-logits", "--policy",
                            str(tiny_models / "policy"), "--reference", str(tiny_models / "reference"), "--prompts",
                            str(tiny_models / "prompts.jsonl"), "--out", str(out), "-q", "--device", "cpu"],
                           capture_output=True, text=True, timeout=300,

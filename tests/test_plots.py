@@ -366,11 +366,12 @@ def test_figures_have_the_whitegrid_notebook_colorblind_look(plots):
 
 
 def test_report_png_closes_a_figure_that_pyplot_does_not_manage(plots):
-    """kl_bench.present.report_figures.png_bytes calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
+    """kl_bench.present.report_figures.figure_bytes calls plt.close(fig): harmless on a plain Figure, and no figure stays open."""
     from matplotlib.pyplot import get_fignums
-    from kl_bench.present.report_figures import png_bytes
+    from kl_bench.present.report_figures import figure_bytes
     open_before = get_fignums()
-    data = png_bytes(_call(plots, "lambda_curve"))        # any figure shows it: one panel renders in a third of the time
+    # any figure shows it: one panel renders in a third of the time
+    data = figure_bytes(_call(plots, "lambda_curve"), ("png",))["png"]
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert get_fignums() == open_before
 

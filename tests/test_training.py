@@ -11,6 +11,8 @@ from kl_bench.kinds.categorical.training import CategoricalProblem
 from kl_bench.kinds.rollout.training import RolloutProblem
 from kl_bench.training import Optimizer, parse_combination, run_trajectory, trajectory
 
+from .helpers import HOOKS
+
 STEPS = 60
 
 
@@ -361,7 +363,7 @@ def test_a_diverged_trajectory_is_named_not_ranked(tmp_path):
             'gradients = ["exact", "sampled"]\nseeds = 2\nrecord_every = 5\n'
             'combinations = ["k2/loss", "k3/loss"]\nsampled_combinations = ["k3/loss"]\n') + CASE_TOML
     (tmp_path / "s.toml").write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "kl_bench._test_hooks", "train", str(tmp_path / "s.toml"), "--out",
+    proc = subprocess.run([sys.executable, HOOKS, "train", str(tmp_path / "s.toml"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     df = read_frame(tmp_path / "out" / "train.csv")

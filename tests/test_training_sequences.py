@@ -18,6 +18,8 @@ from kl_bench.training import SEQUENCE_REWARDS, Optimizer, parse_combination, ru
 from kl_bench.kinds.rollout.sequences import count_sequences, enumerate_sequences
 from kl_bench.training.sequences import rewards_of
 
+from .helpers import HOOKS
+
 ROOT = Path(__file__).resolve().parents[1]
 AGG = ("tok", "seq")
 STEPS = 50
@@ -375,7 +377,7 @@ def test_two_gloo_processes_write_the_bytes_of_one(folder, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "kl_bench._test_hooks", "train", str(path), "--out", str(tmp_path / "out")],
+                          HOOKS, "train", str(path), "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "out" / "train.csv").read_bytes() == (out1 / "train.csv").read_bytes()

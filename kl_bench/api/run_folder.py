@@ -197,7 +197,7 @@ def train_to_folder(spec, out: str | Path | None = None, *, seed: int | None = N
     swapped in whole), as ``kl-bench train`` does. Under torchrun every process calls it: the units are split
     across the processes (one process group for the job), rank 0 writes and returns the
     :class:`kl_bench.training.TrainResult`, the others None; a failed rank is one line on every rank."""
-    from ..engine.distributed import start, stop      # looked up when called: kl_bench._test_hooks wraps start
+    from ..engine.distributed import start, stop      # looked up when called: tests/kl_test_hooks.py wraps start
     sp = load_spec(spec)
     from ..training.config import parse_train     # what the spec lacks is said before what --out holds
     parse_train(sp.train, str(sp.path), sp.path.parent)

@@ -1,28 +1,13 @@
-"""Gates: a threshold on a per-token divergence statistic, used as a mask, with its exact rates and biases
-(docs/gates.md).
+"""Gates: a threshold on a per-token divergence statistic, used as a mask, with its exact rates and biases.
+The gates (``bin_kl``, ``bin_tv``, ``k3``, ``ratio``, ``topk_kl@K``, ``topk_tv@K``, ``kl``), the trainers and
+papers they come from, and every rate's formula: docs/gates.md.
 
-Trainers now keep, drop or reweight each sampled token by a divergence statistic of that token between the
-policy that sampled it and the one being trained. In kl-bench's notation the token is x ~ q and the other
-policy is p, r = p(x)/q(x); a gate masks the token when its statistic exceeds δ:
-
-- ``bin_kl``: the binary KL D(q(x) ‖ p(x)) (DPPO, Qi et al., arXiv 2602.04879, its binary KL mask);
-- ``bin_tv``: |q(x) − p(x)| (DPPO's binary TV mask);
-- ``k3``: r − 1 − log r (ATR-GRPO, arXiv 2602.05494: the band w − 1 − log w ≤ δ on the ratio w = r, an
-  asymmetric band [w₋, w₊] around 1, :func:`k3_band`);
-- ``ratio``: |log r| (a symmetric ratio band [e^−δ, e^δ], IcePop's masking of tokens whose ratio leaves a
-  band, here one band parameter so that δ sweeps as the others do);
-- ``topk_kl@K``, ``topk_tv@K``: the KL or TV of the token's context with q and p coarsened to the K most likely
-  tokens of each plus one bucket for the rest (DPPO's top-K masks: what an engine returning top-K log-probs
-  permits); they mask every token of a context at once;
-- ``kl``: the context's own KL(q(·|c) ‖ p(·|c)) (Trust Region Masking, arXiv 2512.23075, masks a sequence when
-  the largest over its positions exceeds δ: the ``seq_masked`` share).
-
-A masked token contributes nothing: neither to the KL a trainer estimates from the kept tokens, nor to the
-policy gradient (its importance weight r is zeroed). Every rate below is a sum over the vocabulary of each
-context, weighted by how many generated tokens meet that context (``visits``: 1/B per context for a
-categorical of B contexts, E_q[#steps in context c] along a rollout). Exact, for any δ, in one pass over the
-tables per δ; a rollout's share of sequences with at least one masked token is the dynamic program with the
-per-token factor 1{kept} (the caller supplies it: :func:`kl_bench.kinds.rollout.gates`).
+In kl-bench's notation the token is x ~ q and the other policy is p, r = p(x)/q(x); a gate masks the token
+when its statistic exceeds δ, and a masked token contributes nothing. Every rate below is a sum over the
+vocabulary of each context, weighted by how many generated tokens meet that context (``visits``: 1/B per
+context for a categorical of B contexts, E_q[#steps in context c] along a rollout). Exact, for any δ, in one
+pass over the tables per δ; a rollout's share of sequences with at least one masked token is the dynamic
+program with the per-token factor 1{kept} (the caller supplies it: :func:`kl_bench.kinds.rollout.gates`).
 """
 from __future__ import annotations
 
@@ -119,7 +104,7 @@ def k3_band(delta: float) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class GateRates:
-    """One gate at one δ, exact (module docstring). Shares are of generated tokens (a rollout's: of all the
+    """One gate at one δ, exact (docs/gates.md). Shares are of generated tokens (a rollout's: of all the
     tokens of all sequences, E_q[#masked]/E_q|y|); ``kl_unseen``: the share of KL(q‖p) the masked tokens carry
     (k3 splits each context's KL into per-token parts ≥ 0 that sum to it: Σ_x q(r − 1) = 0); ``k1_bias`` and
     ``k3_bias``: the relative bias of k1 and k3 summed over the kept tokens only; ``weight_bias``: E_q[r·1{kept}] − 1

@@ -4,18 +4,8 @@ Each preset is a pure function of log r = log p(x) − log q(x) (Tensor[...] →
 dtype) written in the order of operations of the library it names, so that its value agrees with the
 library's bit for bit in the same dtype. In the libraries ``logprob`` is log q (the policy) and
 ``ref_logprob`` is log p (the reference), so ``ref_logprob − logprob`` = log r. Sources (read for facts
-only; the code below is ours), at the commits pinned in :data:`COMMITS`:
-
-| preset | source file | formula (ℓ = log r) | library's gradient mode |
-|---|---|---|---|
-| verl.kl, verl.abs, verl.mse | verl/trainer/ppo/core_algos.py, ``kl_penalty_forward`` | −ℓ, \\|ℓ\\|, ½ℓ² | loss (use_kl_loss) or reward |
-| verl.low_var_kl | same | clamp(e^ℓ̃ − ℓ̃ − 1, ±10), ℓ̃ = clamp(ℓ, ±20) | loss |
-| verl.<name>+ | same, ``kl_penalty`` | value of <name>, gradient of ½ℓ² (straight-through) | loss |
-| openrlhf.k1, k2, k3 | openrlhf/models/utils.py, ``compute_approx_kl`` | −ℓ, ½ℓ², e^ℓ − 1 − ℓ in float32; ±10 | reward (default) or loss |
-| openrlhf.k1+, k2+, k3+ | same, OpenRLHF #1309 (``unbiased_gradient``) | value of kN, gradient of w·½ℓ², w = sg(min(q/q_old, 10)) | loss |
-| trl.grpo | trl/trainer/grpo_trainer.py (``use_bias_correction_kl``) | e^ℓ − ℓ − 1, unclamped, × coef_1 | loss_is |
-| trl.ppo_k1, trl.ppo_k3 | trl/experimental/ppo/ppo_trainer.py (``kl_estimator``) | −ℓ; (e^ℓ − 1) − ℓ | reward |
-| nemo.k1, k2, k3 | nemo_rl/algorithms/utils.py (``calculate_kl``), loss/loss_functions.py | −ℓ̃, ½ℓ̃², e^ℓ̃ − 1 − ℓ̃; ±10 | loss_is_nemo |
+only; the code below is ours) are pinned in :data:`COMMITS`; each preset's source file, formula and the
+library's gradient mode are in docs/trainers.md section 1.
 
 Nonnegativity: (e^ℓ − 1) − ℓ (OpenRLHF, TRL PPO, NeMo-RL) is −ℓ < 0 in floating point for 0 < ℓ below
 half an ulp of 1 (e^ℓ rounds to 1), so those presets do not claim f ≥ 0; (e^ℓ − ℓ) − 1 (verl, TRL GRPO)
@@ -24,12 +14,9 @@ r − 1, and the presets keep that loss on purpose (a preset is what the library
 should). The ±20 clamp of log r keeps e^ℓ finite in float16/bfloat16 (e^20 ≈ 4.9·10⁸); the ±10 output
 clamp bounds one token's penalty.
 
-Where p(x) = 0 (log r = −∞) some libraries' expressions give NaN (verl's ``+``: ∞ − ∞; OpenRLHF's k2:
-a clamped ∞ whose backward is 0·∞). kl-bench's convention there: the value is the limit of the library's
-value as log r → −∞ (finite where an output clamp bounds it; for a straight-through preset, the value of
-the estimator it keeps), and the gradient with respect to log r is the limit of the library's gradient:
-0 where a clamp fires, −∞ for ½ℓ² (so a straight-through coefficient −ℓ is +∞), never NaN. Where the
-library's gradient is not NaN (verl's ``+``: +∞ with respect to log q) the preset's is the same.
+Where p(x) = 0 (log r = −∞) a preset's value and its gradient with respect to log r are the limits of the
+library's as log r → −∞, never NaN, and the library's own wherever that is not NaN (docs/trainers.md
+section 1, "At p(x) = 0").
 
 NeMo-RL's importance-weighted order (the ``loss_is_nemo`` gradient mode, kl_bench.core.modes) needs the
 unclamped base function and the two clamp constants: :class:`WeightedClamp`.

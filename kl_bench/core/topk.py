@@ -1,29 +1,11 @@
-"""Top-k forward KL, as distillation code computes it, and its exact bias against the full KL.
-
-verl's on-policy distillation (verl-project/verl 1dda039: verl/trainer/distillation/fsdp/losses.py
-``compute_forward_kl_topk`` and ``kl_divergence``; verl/trainer/distillation/losses.py
-``compute_forward_kl_topk`` (clamp_min(0.0), since verl #5041) and ``distillation_loss`` (the loss clamp);
-defaults in verl/workers/config/distillation.py) keeps only the teacher's k most likely tokens: with the
-teacher as the reference p and the student as the policy q, it gathers both full-vocabulary log-probs at
-S = top-k of p, floors them at ``log_prob_min_clamp`` = −10, computes Σ_{x ∈ S} p̃(x) (log p̃(x) − log q̃(x))
-in float32 (p̃ = e^{floored log p}; no renormalisation over S), clamps it at 0 from below (a truncated sum
-can be negative where q puts more mass than p on S) and at ``loss_max_clamp`` = ±10.
-
-TRL's tail bucket (TRL 1.16.0 trl/experimental/sdpo/loss_utils.py ``add_tail_bucket``, and
-``_add_tail_bucket`` of the server/async distillation and iw_opd trainers, ``loss_add_tail``) appends one
-category holding the mass outside S, log(1 − Σ_S p) with Σ_S p capped at e^{−1e−7}, to each side: the sum is
-then the KL of the two distributions coarsened to S ∪ {rest}, ≥ 0 and ≤ KL(p‖q) (coarsening never
-increases a divergence).
+"""Top-k forward KL, as distillation code computes it, and its exact bias against the full KL. What verl's
+on-policy distillation (a floored, clamped top-k sum in float32) and TRL's tail bucket compute, at which
+commits, and why the bias is exact: docs/trainers.md section 4.
 
 Options cover the variants: ``by`` picks whose top-k (p: the teacher, as verl; q: the policy),
 ``renormalize`` restricts both distributions to S and renormalises them (KL(p_S ‖ q_S) ≥ 0), ``tail`` adds
 TRL's tail bucket, ``log_prob_min`` floors the gathered log-probs, ``clamp_min``/``clamp_max`` clamp the
 per-context value (None: no clamp). :data:`VERL` and :data:`TRL_TAIL` are the libraries' defaults.
-
-Exact everywhere: the per-context value is a deterministic function of the context, so for categoricals
-its mean is the average over contexts, and along rollout paths (x ~ q, as on-policy distillation samples)
-E_q[Σ_t g(c_{t−1})] is the dynamic program with h = g(c) (kl_bench.core.rollout_dp). The reference is the
-same sum with the full forward KL(p(·|c) ‖ q(·|c)) per step.
 """
 from __future__ import annotations
 

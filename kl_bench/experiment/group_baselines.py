@@ -1,24 +1,6 @@
-"""Group baselines for an estimator in the reward (docs/weights.md#group-baselines-reward-mode): GRPO's group mean and RLOO's
-leave-one-out.
-
-A trainer draws G samples per prompt and uses the per-draw gradient (f_i − b_i)·s_i, s_i = ∇θ log q(x_i),
-with b_i the mean of f over the group (``group_mean``, i included) or over the other G − 1
-(``leave_one_out``). Groups are G consecutive draws by draw index within a batch, and every batch holds
-whole groups, so the draws depend on (seed, batch index) alone and batch means are independent.
-
-Under a sampler b ≠ q the draws come from b and a trainer multiplies each draw's centred reward by its
-importance weight: the per-draw gradient is ρ_i (f_i − b_i)·s_i, ρ = q/b with the sampler's corrections
-(cap, floor, mask; ρ = 1 with weights = "none"), while b_i is still the plain mean of the group's f.
-
-Exact moments (x ~ b i.i.d., b = q without a sampler; μ = E_b[f], σ² = Var_b f, φ(x) any per-draw feature
-such as ρ²|s|² or (ρ s·u)²):
-- leave-one-out: b_i is independent of x_i, so E[ρ(f − b)s] = E[ρ f s] − μ E[ρ s] and
-  E[(f − b)² φ] = E[f² φ] − 2μ E[f φ] + (μ² + σ²/(G − 1)) E[φ]. E[ρ s] = 0 on x ~ q (E_q[s] = 0) and
-  under weights that undo a full-support sampler; a truncating sampler (top-k, top-p) or a mask leaves
-  E[ρ s] = Σ_S q s ≠ 0, so there even leave-one-out moves the gradient (by −μ E[ρ s]);
-- group mean: f_i − b_i = (1 − 1/G)(f_i − b_i^loo), so every moment is the leave-one-out one times
-  (1 − 1/G) (the mean) or (1 − 1/G)² (second moments): the group mean shrinks the KL gradient.
-The PPO clip is not modelled here (its branch depends on the centred advantage): refused.
+"""Group baselines for an estimator in the reward: GRPO's group mean and RLOO's leave-one-out. The per-draw
+gradient ρ_i (f_i − b_i)·s_i, how groups are drawn, the exact moments (leave-one-out's, and the group mean's
+as (1 − 1/G) and (1 − 1/G)² times them) and why the PPO clip is refused: docs/weights.md#group-baselines-reward-mode.
 
 Each kind supplies the pieces (kl_bench.kinds.protocols.BaselineOracle): the exact E[ρ F s], E[ρ s], μ and, where
 it has them, the second moments; and per-draw (F, ρ, s·u, |s|²) for the Monte Carlo rows. Categoricals are
@@ -35,7 +17,6 @@ import numpy as np
 import torch
 
 from ..foundation.errors import SpecError
-from ..core.estimators import Estimator
 from ..kinds.protocols import BaselineExact, baseline_oracle
 from ..foundation.registry import Registry
 from ..sampling.seeding import PIECE_DRAWS, batch_sizes, batch_streams
@@ -96,7 +77,7 @@ def check_pair(pair, groups: tuple[int, ...] = ()) -> None:
 
 
 def exact_second(ex: BaselineExact, baseline: str | None, group: int) -> float:
-    """E[ρ²(F − b)²|s|²] from the exact pieces (module docstring); ``baseline`` None: E[ρ²F²|s|²]; NaN
+    """E[ρ²(F − b)²|s|²] from the exact pieces (docs/weights.md); ``baseline`` None: E[ρ²F²|s|²]; NaN
     where the kind has no exact second moments."""
     if ex.phi is None:
         return math.nan
@@ -112,16 +93,6 @@ def exact_mean(ex: BaselineExact, baseline: str | None, group: int) -> np.ndarra
     if baseline is None:
         return ex.rho_f_s
     return BASELINES[baseline].factor(group) * (ex.rho_f_s - ex.mu * ex.rho_s)
-
-
-def exact_baseline_gradient(pair, est: Estimator, baseline: str | None, group: int, aggregate: str = "") -> dict:
-    """Exact E[g] [P] (flattened θ) and E|g|² (NaN where not exact) of the reward-mode per-draw gradient
-    with a group baseline (None: none)."""
-    check_pair(pair)
-    ex = pair.baseline_exact(est, aggregate)
-    if ex is None:
-        raise SpecError(f"no exact expected gradient for '{est.name}' in the reward on '{aggregate}'", case=pair.name)
-    return {"mean": exact_mean(ex, baseline, group), "second": exact_second(ex, baseline, group)}
 
 
 def _batch_sums(draw, names: list[str], group: int, stream, piece: int) -> np.ndarray:

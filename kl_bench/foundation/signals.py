@@ -23,7 +23,7 @@ _HUP_IGNORED = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
 
 # Called with the phase's name at every boundary (start, pairs, write, staged: a folder's files are staged
 # beside it, not yet swapped in; written, report-written). Empty in
-# production; kl_bench._test_hooks adds one that signals the process at a chosen phase (tests need no sleeps).
+# production; tests/kl_test_hooks.py adds one that signals the process at a chosen phase (tests need no sleeps).
 listeners: list[Callable[[str], None]] = []
 
 

@@ -149,36 +149,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def qwen2_models(folder: Path, *, layers: int = 2, hidden: int = 896, vocab: int = 151_936, heads: int = 14,
-                 kv_heads: int = 2, intermediate: int = 4864, seed: int = 0) -> Path:
-    """A Qwen2-shaped policy and reference (Qwen2-0.5B's shape at ``layers = 24``), random weights built from
-    the config (no hub), the reference the policy moved a little, with the tiny models' tokenizer and
-    prompts (its ids all lie in the larger vocabulary), in ``folder``: what :func:`build_trainer` takes."""
-    import shutil
-
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from ..kinds.model.tiny import build_tiny_models
-    tiny = build_tiny_models(folder / "tiny")
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=True,
-                      max_position_embeddings=1024, pad_token_id=0, eos_token_id=0, bos_token_id=0)
-    g = torch.Generator().manual_seed(seed)  # host: demo models are built on the CPU
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        policy = Qwen2ForCausalLM(cfg)
-    for name in ("policy", "reference"):
-        model = policy
-        if name == "reference":
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))  # host: demo models are built on the CPU
-        model.save_pretrained(folder / name)
-        for f in (tiny / "policy").iterdir():
-            if "token" in f.name or f.name in ("vocab.json", "merges.txt", "special_tokens_map.json"):
-                shutil.copy(f, folder / name / f.name)
-    shutil.copy(tiny / "prompts.txt", folder / "prompts.txt")
-    return folder

@@ -2,31 +2,13 @@
 
     trainer.add_callback(KLAudit(trainer, every=10, max_rows=8))
 
-A thin adapter over the trainer-agnostic core (kl_bench.audit.session): it captures, through forward
-hooks it removes at the end of training, what TRL's own passes compute (no extra forward through a model
-body, no trainer method replaced):
-- a forward pre-hook and hook on each model (policy and reference) see every call's keyword inputs and
-  outputs: TRL scores rows as ``model(input_ids=..., attention_mask=..., labels=..., fused_lm_head=True)``
-  and gets per-token ``log_probs`` back (TRL 1.15, 1.16); TRL 1.14 calls ``model(..., logits_to_keep=k + 1)``
-  and takes log-probs of the returned ``logits`` with ``selective_log_softmax``, which the adapter
-  applies to the same logits;
-- a forward hook on each model body (``model.base_model``) sees the last hidden states those calls
-  made: the exact input of the output layer;
-- during ``generate()`` the same hooks see each decoding step's hidden state: the distribution that drew
-  every token, whatever dropout, position ids or cache made it (the mismatch part of the bias split).
-Every ``every`` optimizer steps, up to ``max_rows`` rows a step (spread over its micro-batches) are
-audited as they are scored, before the optimizer step moves the output layer; each rank audits its own
-rows and the additive sums are all-reduced. Metrics ``kl_audit/*`` join the trainer's next log entry
-(``on_log``, the path TRL's reporters read); rank 0 prints one line per audited step and the warnings
-(kl_bench.audit.verdict), and writes ``out`` at the end of training (and, with ``save_steps``, every
-audited batch as a saved step that ``kl-bench audit`` re-audits).
-
-Supported: TRL 1.14 to 1.16 (GRPOTrainer, with and without ``use_bias_correction_kl``; RLOOTrainer). The
-live tests ran on 1.14.0 and 1.16.0 (CPU); 1.15's fused head needs Triton with a GPU driver, so on a CPU
-TRL 1.15 itself cannot train, and it shares 1.16's call convention (the contract's names). The names the
-adapter relies on are :data:`kl_bench.integrations.trl_contract.CONTRACT` (tests/test_audit_trl.py checks them
-against the installed TRL). This module is the callback itself (its hooks, the audit of captured rows, its
-lines and metrics); what it knows of TRL is in :mod:`.trl_contract`, what its hooks capture in :mod:`.trl_capture`.
+A thin adapter over the trainer-agnostic core (kl_bench.audit.session) that captures what TRL's own passes
+compute through forward hooks it removes at the end of training (no extra forward through a model body, no
+trainer method replaced). The TRL versions it supports, what its hooks capture, which rows each step audits,
+and what it logs, prints and writes: docs/audit.md section 5. This module is the callback itself (its hooks,
+the audit of captured rows, its lines and metrics); what it knows of TRL is in :mod:`.trl_contract` (the
+names it relies on: :data:`kl_bench.integrations.trl_contract.CONTRACT`), what its hooks capture in
+:mod:`.trl_capture`.
 """
 from __future__ import annotations
 
@@ -50,7 +32,7 @@ except ImportError:                    # pragma: no cover - the trl extra instal
 
 
 class KLAudit(_Base):
-    """A TRL ``TrainerCallback``; see the module docstring. ``thresholds``: when to warn
+    """A TRL ``TrainerCallback``; see docs/audit.md section 5. ``thresholds``: when to warn
     (kl_bench.audit.verdict); ``out``: a folder for audit.csv and run.json at the end of training;
     ``save_steps``: also write each audited batch to ``out/steps/`` (hidden states and output layers:
     ``kl-bench audit out`` re-audits them); ``dtype``: the audit's tile matmuls (float32, TF32 off;

@@ -29,10 +29,6 @@ def figure_bytes(fig, formats=None) -> dict[str, bytes]:
     return pages_figure_bytes(fig, formats or FIGURE_FORMATS)
 
 
-def png_bytes(fig) -> bytes:
-    return figure_bytes(fig, ("png",))["png"]
-
-
 def growth_frame(case: str, growth: dict) -> tuple[pd.DataFrame, dict[str, int]]:
     """A model case's growth metadata (std/ref per prefix length) as summary-like rows for
     plots.plot_rollout_growth: one pseudo-case per prefix length, measured markers only (no exact line)."""

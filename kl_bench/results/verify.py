@@ -254,12 +254,6 @@ def read_results_folder(path: str | Path) -> FolderContents:
                                   tables["gates.csv"]), str(folder))
 
 
-def verify_results_folder(path: str | Path) -> None:
-    """Raise a one-line :class:`SpecError` (file: the folder or the damaged file) if the results folder at
-    ``path`` is incomplete, corrupted or inconsistent; return None if it is sound."""
-    read_results_folder(path)
-
-
 def check_results_match_spec(results, spec) -> None:
     """Raise :class:`SpecError` unless the results folder ``results`` (a path, or a
     :class:`kl_bench.present.report.Results`) was produced by an experiment of ``spec``'s name with exactly the

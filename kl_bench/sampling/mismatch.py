@@ -151,7 +151,6 @@ class SamplerSpec:
 LOGIT_KEYS = tuple(f.name for f in dataclasses.fields(SamplerSpec) if f.metadata["logits"] is not None)
 WEIGHT_KEYS = ("weights", "weight_cap")
 CORRECTION_KEYS = ("weight_floor", "mask_low", "mask_high", "clip_low", "clip_high", "dual_clip")
-TOKEN_CORRECTION_KEYS = CORRECTION_KEYS[:3]     # transforms of the detached weight alone (rollouts)
 
 
 def parse_sampler(t: Table, kind: str, allowed: tuple[str, ...], weight_kinds: tuple[str, ...],

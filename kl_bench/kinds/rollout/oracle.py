@@ -217,18 +217,6 @@ class RolloutOracle:
             self._spectra = rollout_dp.length_spectra(lengths[:, 0], self.model.token_mean_batch)
         return rollout_dp.token_mean_moments(lengths, self.model.token_mean_batch, self._spectra)
 
-    def token_mean_limit(self, est: RowSource) -> float:
-        """E[Σ_t f] / E[|y|]: what "token-mean" aggregation (Σ over a batch's tokens / their number)
-        converges to as the batch grows (its finite-batch ratio bias is O(1/n)); draws from q or an
-        unweighted sampler."""
-        if self.model.weighting.weighted:
-            return math.nan
-        f = self.model.tok_values(est)
-        ones = torch.ones_like(f)
-        num = dp.b_moments(self.model, lambda lb: ones, lambda lb: f, 1)[1]
-        den = dp.b_moments(self.model, lambda lb: ones, lambda lb: ones, 1)[1]
-        return num / den
-
     def batch_length_factor(self) -> torch.Tensor:
         """γ_B(ℓ) = B·E[1/(ℓ + L′)] [T] of the tok_batch rows (L′ the other B − 1 lengths of a group,
         :func:`kl_bench.core.rollout_dp.inverse_total_length`): one FFT correlation, computed once per case."""

@@ -1,22 +1,10 @@
 """The exact surrogate error of an off-policy update on a rollout, and Trust Region Masking's bounds on it
-(Li et al., arXiv 2512.23075; docs/gates.md#the-surrogate-error-and-trms-bounds).
+(Li et al., arXiv 2512.23075): the error J(p) − J(q) − E_q[Σ_t ρ_t A_t], the performance-difference identity
+that gives it and the bounds are in docs/gates.md#the-surrogate-error-and-trms-bounds.
 
-The rollout policy π_roll = q draws the sequences; the trained policy π_θ = p is scored on them. With a
-per-token reward r(c, x) [C, V] (the sequence's reward R = Σ_t r(c_t, x_t), so a terminal reward is a reward
-on EOS), J(π) = E_π[R], and the advantage of the rollout policy A_t(c, x) = Q_t(c, x) − V_t(c), the
-policy-gradient surrogate is L(p) = J(q) + E_q[Σ_t ρ_t A_t] with ρ_t = p/q of step t. Its error
-
-    Error = J(p) − L(p) = Σ_t (E_{d_t^p} − E_{d_t^q})[g_t],   g_t(c) = Σ_x p(x|c) A_t(c, x),
-
-(the performance-difference identity; d_t^π is the law of step t's bucket among the sequences still running
-under π, a sub-probability once EOS has ended some) is what an update that trusts L misjudges. Two dynamic
-programs over (step, bucket) give it exactly: V_t and Q_t backwards under q, d_t^q and d_t^p forwards.
-
-The bounds, in the paper's terms with R ∈ [0, 1]: δ = the largest token-level KL(q(·|c) ‖ p(·|c)) and ε the
-largest token-level TV over the buckets either policy reaches, D_seq = KL(q‖p) of whole sequences:
-classical 2T(T−1)ε² (≤ T(T−1)δ by Pinsker), Pinsker-Marginal (4/3)·T^{3/2}·δ, Mixed 2T·sqrt(δ·D_seq), and
-Coupling 4·min(1, ε)·Σ_t min(1, (t−1)ε). Every table is float64 on the device of the model's tables; the
-results are host floats (the DP is O(T·C·V)).
+Two dynamic programs over (step, bucket) give the error exactly: V_t and Q_t backwards under q, d_t^q and
+d_t^p forwards. Every table is float64 on the device of the model's tables; the results are host floats (the
+DP is O(T·C·V)).
 """
 from __future__ import annotations
 
@@ -31,7 +19,7 @@ from .model import RolloutModel
 
 @dataclass(frozen=True)
 class SurrogateError:
-    """The exact terms of one rollout's surrogate error and TRM's bounds on it (module docstring)."""
+    """The exact terms of one rollout's surrogate error and TRM's bounds on it (docs/gates.md)."""
     j_roll: float            # J(q): the rollout policy's expected reward
     j_theta: float           # J(p): the trained policy's expected reward
     surrogate: float         # L(p) − J(q) = E_q[Σ_t ρ_t A_t]: the improvement the surrogate predicts

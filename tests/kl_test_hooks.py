@@ -1,5 +1,5 @@
-"""Test hooks, kept out of the production paths: ``python -m kl_bench._test_hooks ARGS`` is the console
-script with the hooks that the environment asks for installed first.
+"""Test hooks, kept out of the package: ``python tests/kl_test_hooks.py ARGS`` (:data:`tests.helpers.HOOKS`) is
+the console script with the hooks that the environment asks for installed first.
 
 - ``KL_BENCH_SELF_SIGNAL=PHASE[:SIGTERM]``: the process signals itself (SIGINT by default) at that phase
   boundary (:func:`kl_bench.foundation.signals.phase`: start, pairs, write, staged, written, report-written), so that the
@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import sys
+from pathlib import Path
 
 SELF_SIGNAL_ENV = "KL_BENCH_SELF_SIGNAL"
 RANK_FAIL_ENV = "KL_BENCH_RANK_FAIL"
@@ -47,7 +49,7 @@ def _kill_after(env: str, module: str, name: str) -> None:
     nth = int(os.environ.get(env, "0") or 0)
     if not nth:
         return
-    owner = importlib.import_module(f"{__package__}.{module}")
+    owner = importlib.import_module(f"kl_bench.{module}")
     original, calls = getattr(owner, name), [0]
 
     def then_die(*args, **kwargs) -> None:
@@ -62,7 +64,7 @@ def _install_self_signal() -> None:
     want = os.environ.get(SELF_SIGNAL_ENV, "")
     if not want:
         return
-    from .foundation import signals
+    from kl_bench.foundation import signals
     target, sig = want.split(":")[0], signal.SIGTERM if want.endswith(":SIGTERM") else signal.SIGINT
 
     def listener(name: str) -> None:
@@ -77,7 +79,7 @@ def _install_rank_fail() -> None:
         return
     phase, nth, reached = want[1], int(want[2]) if len(want) > 2 else 1, [0]
     # Imported only here: the plain test runs keep the console script's light start-up.
-    from .engine import distributed, monte_carlo as engine
+    from kl_bench.engine import distributed, monte_carlo as engine
 
     def point(name: str) -> None:
         if name == phase:
@@ -107,6 +109,9 @@ def _install_rank_fail() -> None:
 
 
 if __name__ == "__main__":
+    # Run by path, Python put tests/ first on sys.path; the repository root stands there instead, as under
+    # ``python -m`` from it: kl_bench is this checkout's, and no module of tests/ shadows another's name.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
     install_from_env()
-    from .__main__ import entry
+    from kl_bench.__main__ import entry
     entry()
