@@ -60,6 +60,8 @@ def _reduced_training_spec(spec: Path, steps: int, tmp: Path) -> Path:
 
 def run(out: Path, draws: int, steps: int, every: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if every and not (ROOT / "experiments" / "tiny-models").exists():     # experiments/model.toml's models
+        subprocess.run([sys.executable, str(ROOT / "tools" / "build_tiny_models.py")], check=True, cwd=ROOT)
     with tempfile.TemporaryDirectory(dir=ROOT / "experiments") as tmp:
         for spec in rollout_specs(every):
             name, folder = spec.stem, out / spec.stem
