@@ -84,19 +84,24 @@ class Buffers:
         return dict(zip(self.NAMES, v)), v[len(self.NAMES):]
 
 
-def _exp_sum(z: torch.Tensor, m: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e^{z − m} written into ``out``, its row sums [n])."""
+# The work buffers of the fused path: none (every ``out=`` below then makes a new tensor, which torch.compile
+# fuses away); the eager path writes into Buffers' views instead.
+_UNBUFFERED = dict.fromkeys(Buffers.NAMES)
+
+
+def _exp_sum(z: torch.Tensor, m: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e^{z − m} written into ``out`` (None: a new tensor), its row sums [n])."""
     w = torch.sub(z, m, out=out).exp_()
     return w, w.sum(dim=-1)
 
 
-def _spread(w: torch.Tensor, total: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _spread(w: torch.Tensor, total: torch.Tensor, x: torch.Tensor, tmp: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted mean [n] and Σ w (x − mean)² [n] of a finite x [n, t] (``tmp`` overwritten)."""
     mean = torch.mul(w, x, out=tmp).sum(-1) / total.clamp(min=torch.finfo(w.dtype).tiny)
     return mean, torch.sub(x, mean.unsqueeze(-1), out=tmp).square_().mul_(w).sum(-1)
 
 
-def _family_tile(fam: Family, s: torch.Tensor, q: tuple, buf: torch.Tensor, tmp: torch.Tensor,
+def _family_tile(fam: Family, s: torch.Tensor, q: tuple, buf: torch.Tensor | None, tmp: torch.Tensor | None,
                  plan: Plan, banned: bool) -> tuple[dict, torch.Tensor | None]:
     """A family's per-tile records from its scores s [n, t]: its normaliser, the mean and
     spread of s under it (where wanted), the q-mass where s = −inf; and its weights when it needs moments
@@ -131,12 +136,13 @@ def _family_tile(fam: Family, s: torch.Tensor, q: tuple, buf: torch.Tensor, tmp:
 
 
 def _elementwise(plan: Plan, z: dict, s: dict, own: dict, b: dict, scratch: list, banned: bool) -> dict:
-    """A tile's records from its logits ``z`` and scores ``s`` [n, t] (``b``, ``scratch``: the work buffers):
+    """A tile's records from its logits ``z`` and scores ``s`` [n, t] (``b``, ``scratch``: the work buffers, or
+    None each: new tensors, as the fused path wants them):
     normalisers, the q-centre of d, the families' records and every weight's monomial sums."""
     u = torch.sub(z["zp"], z["zq"], out=b["u"])                          # d = z_p − z_q
     mq, mp = row_max(z["zq"]), row_max(z["zp"])
     w, sq = _exp_sum(z["zq"], mq, b["w"])
-    _, sp = _exp_sum(z["zp"], mp, z["zp"])                              # z_p is not needed any more
+    _, sp = _exp_sum(z["zp"], mp, b["zp"])                              # z_p's buffer: z_p is not needed any more
     centre = torch.mul(w, u, out=scratch[0]).sum(-1) / sq               # the tile's own q-mean of d
     u.sub_(centre.unsqueeze(-1))
     ps = torch.expm1(u, out=b["psi"]).sub_(u)                           # ψ(u), exact at small |u|
@@ -174,8 +180,11 @@ def _one_tile(scan: Scan, plan: Plan, rec: _Tiles, cands: dict, lo: int, bufs: B
             taken = cand.add(s[name], z["zq"], z["zp"])
         else:                                   # the drawing pass's family takes the scored family's ids
             cand.add_at(s[name], taken)
-    args = (plan, z, s, {name: x is z["zq"] for name, x in s.items()}, b, scratch, scan.banned)
-    rec.put(**(fused.call(_elementwise, *args) if plan.fused else _elementwise(*args)))
+    own = {name: x is z["zq"] for name, x in s.items()}
+    if plan.fused:          # no work buffers: compiled, the intermediates stay in registers and cache, unwritten
+        rec.put(**fused.call(_elementwise, plan, z, s, own, _UNBUFFERED, [None] * len(scratch), scan.banned))
+    else:
+        rec.put(**_elementwise(plan, z, s, own, b, scratch, scan.banned))
 
 
 def _tokens(rec: _Tiles, n: int, width: int, like: torch.Tensor) -> torch.Tensor:

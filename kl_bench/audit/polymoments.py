@@ -127,7 +127,8 @@ def tile_sums(basis: Basis, weights: list[torch.Tensor], u: torch.Tensor, psi_u:
     it are NaN (not computed: a mean needs degree f, only a variance 2·degree f). ``totals``: per weight,
     Σ w where the caller has summed it already (the same row sum of the same tensor: the same bits).
     ``scratch``: at least :func:`scratch_needed` buffers of the tiles' shape, overwritten (no allocation
-    of tile size: a fresh CPU tensor of a few MB costs more in page faults than the arithmetic on it).
+    of tile size: a fresh CPU tensor of a few MB costs more in page faults than the arithmetic on it; None
+    entries make new tensors, which torch.compile fuses away: kl_bench.audit.fused).
     Each monomial is one product and one row sum: w·u^i is built by multiplying by u in turn, and each
     w·u^i·ψ^j from w·u^i·ψ^(j−1) (at most D = 4 products, 1 ulp each)."""
     degrees = [basis.degree] * len(weights) if degrees is None else degrees
