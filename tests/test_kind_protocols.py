@@ -131,15 +131,55 @@ def test_the_completeness_check_can_fail():
 
 def test_the_registered_kind_decides_whether_a_pair_trains():
     """The model kind's next-token case is a categorical pair but the model kind does not train: refused in one
-    line naming the kinds that do (it had trained, inheriting the categorical kind's training)."""
+    line naming the kinds that do (it had trained, inheriting the categorical kind's training). The kinds that
+    train are what the registered pair classes declare (trainable.trainable_kinds), not a list written here."""
     import torch
 
     from kl_bench.foundation.errors import SpecError
     from kl_bench.kinds.categorical import CategoricalPair
     from kl_bench.kinds.model.pair import NextTokenPair
+    trains = trainable.trainable_kinds()
+    assert trains == [k for k in CASE_KINDS.names() if hasattr(CASE_KINDS[k].pair, "training_problem")]
+    assert "categorical" in trains and "model" not in trains
     lq = torch.log_softmax(torch.arange(6, dtype=torch.float64).reshape(2, 3), -1)
-    assert trainable.training_oracle(NextTokenPair("m", lq, lq)) is None
+    next_token = NextTokenPair("m", lq, lq)
+    assert isinstance(next_token, CategoricalPair) and isinstance(next_token, trainable.TrainingOracle)
+    assert trainable.training_oracle(next_token) is None
     pair = CategoricalPair("c", lq, lq)
     assert trainable.training_oracle(pair) is pair
-    with pytest.raises(SpecError, match=r"kind 'model' cannot be trained \(trainable kinds: categorical, rollout\)"):
-        trainable.require_training(NextTokenPair("m", lq, lq), "model", "m")
+    with pytest.raises(SpecError) as e:
+        trainable.require_training(next_token, "model", "m")
+    assert f"kind 'model' cannot be trained (trainable kinds: {', '.join(trains)})" in str(e.value)
+
+
+TRAINING_SPEC = PKG.parent / "experiments" / "training.toml"
+
+
+def test_every_trainable_kind_gives_a_training_problem():
+    """experiments/training.toml trains a case of every kind that declares training (and no other kind): each
+    case's pair, through the path `kl-bench train` takes (plan_case), gives a TrainingProblem whose exact values,
+    gradient and expected update at θ0 are finite and shaped as θ0."""
+    import math
+
+    import torch
+
+    from kl_bench.experiment.spec import load_spec
+    from kl_bench.kinds import build_pair
+    from kl_bench.training.config import parse_train
+    from kl_bench.training.run import plan_case
+    spec = load_spec(TRAINING_SPEC)
+    cfg = parse_train(spec.train, str(TRAINING_SPEC), TRAINING_SPEC.parent)
+    first = {}
+    for case in spec.cases:
+        first.setdefault(case.kind, case)
+    assert sorted(first) == sorted(trainable.trainable_kinds()), \
+        f"{TRAINING_SPEC.name} should train one case of each trainable kind"
+    for kind, case in first.items():
+        plan = plan_case(case, build_pair(case), cfg, seed=0)
+        problem = plan.problem
+        assert isinstance(problem, trainable.TrainingProblem), kind
+        values, grad = problem.evaluate(problem.theta0)
+        assert grad.shape == problem.theta0.shape and bool(torch.isfinite(grad).all()), kind
+        assert values and all(math.isfinite(v) for v in values.values()), (kind, values)
+        update = problem.expected_update(problem.theta0, plan.combos[0])
+        assert update.shape == problem.theta0.shape and bool(torch.isfinite(update).all()), kind

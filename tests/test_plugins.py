@@ -244,3 +244,22 @@ def test_a_lazy_item_whose_module_fails_is_one_error_and_stays_known(tmp_path, m
         "import sys\nsys.modules['kl_bench_test_registry'].add('thing', 42)\n")
     monkeypatch.setitem(sys.modules, "kl_bench_test_registry", reg)
     assert reg["thing"] == 42 and reg.names() == ["thing"]
+
+
+def test_a_lazy_item_whose_module_registers_nothing_of_its_name_is_one_line(tmp_path, monkeypatch):
+    """The module imports but registers no item of the declared name: one line naming the module, every time."""
+    import sys
+
+    from kl_bench.foundation.errors import SpecError
+    from kl_bench.foundation.registry import Registry
+    reg = Registry("thing")
+    (tmp_path / "lazy_silent_mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lazy_silent_mod", raising=False)
+    reg.add_lazy("silent", "lazy_silent_mod")
+    for _ in range(2):
+        with pytest.raises(SpecError) as e:
+            reg["silent"]
+        assert str(e.value) == ("thing 'silent': module lazy_silent_mod registers no thing of that name; register "
+                                "it as 'silent', the name of its module")
+    assert reg.get("silent") is None and reg.names() == ["silent"]

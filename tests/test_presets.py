@@ -171,7 +171,7 @@ def _brute_force_expected_gradient(pair, est, mode):
 def test_nemo_order_gives_clamped_tokens_zero_gradient_unlike_clamp_then_weight():
     pair = _clamps_fire()
     est = lookup("nemo.k3")
-    assert M.modes_for(est) == ["loss", "reward", "loss_is", "loss_is_nemo"]
+    assert {"loss", "loss_is", "loss_is_nemo"} <= set(M.modes_for(est)) and "straight_through" not in M.modes_for(est)
     nemo = pair.gradient_exact(GradItem.of(est, "loss_is_nemo"), {}).mean
     plain = pair.gradient_exact(GradItem.of(est, "loss_is"), {}).mean
     assert np.allclose(nemo, _brute_force_expected_gradient(pair, est, "loss_is_nemo"), rtol=1e-10, atol=1e-14)

@@ -38,6 +38,23 @@ def _items(ests=ESTS, aggs=("seq", "tok")):
     return [(e, m, a) for a in aggs for e in ests for m in M.modes_for(e, token=a != "seq")]
 
 
+def _n_exact(ests=ESTS, aggs=("seq", "tok")) -> int:
+    """How many of :func:`_items` have an exact expected gradient, from the mode table (M.MODES): every token
+    row; a sequence row where its coefficient is a polynomial of the sequence log-ratio (kl_bench.core.modes.Mode
+    .poly), which no token-only estimator has (|L| is not a polynomial in (R, L)). A new Mode(...) changes the
+    count here, not in the tests."""
+    return len(_exact_items(ests, aggs))
+
+
+def _exact_items(ests=ESTS, aggs=("seq", "tok")):
+    """:func:`_items` that have an exact expected gradient (:func:`_n_exact`)."""
+    return [(e, m, a) for e, m, a in _items(ests, aggs) if a != "seq" or _seq_exact(e, m)]
+
+
+def _seq_exact(est, mode) -> bool:
+    return not est.token_only and M.coefficient_poly(est, mode) is not None
+
+
 def _refs(pair):
     refs = pair.gradient_references()
     return refs[REVERSE], refs[FORWARD]
@@ -145,13 +162,13 @@ def test_references_and_exact_means_against_enumeration(kw):
     checked = 0
     for est, mode, agg in _items(aggs=("seq", "tok", "tok_mean")):
         ex = _exact(pair, est, mode, agg)
-        if est.token_only and agg == "seq":
+        if agg == "seq" and not _seq_exact(est, mode):
             assert ex is None               # |L| is not a polynomial in (R, L): no exact value
             continue
         want, _ = _brute(pair, est, mode, agg)
         assert np.allclose(ex, want, rtol=0, atol=1e-12 * scale), (est.name, mode, agg)
         checked += 1
-    assert checked == 90          # seq 25, tok 35 (5 token-only forms × 6), tok_mean 30
+    assert checked == _n_exact(aggs=("seq", "tok", "tok_mean"))     # today seq 25, tok 35, tok_mean 30
 
 
 def test_what_each_mode_equals_on_a_multi_token_rollout():
@@ -159,8 +176,7 @@ def test_what_each_mode_equals_on_a_multi_token_rollout():
     token's own distribution (the path held fixed), so on T > 1 they equal neither KL gradient."""
     pair = _roll(t=3)
     rev, fwd = _refs(pair)
-    got = {(e.name, m, a): G.equals(_exact(pair, e, m, a), rev, fwd) for e, m, a in _items()
-           if not (e.token_only and a == "seq")}
+    got = {(e.name, m, a): G.equals(_exact(pair, e, m, a), rev, fwd) for e, m, a in _exact_items()}
     want = {("k1", "loss", "seq"): "zero", ("k1", "reward", "seq"): "reverse", ("k2", "loss", "seq"): "reverse",
             ("k3", "loss", "seq"): "forward", ("k3", "loss_is", "seq"): "reverse",
             ("k3", "straight_through", "seq"): "reverse", ("fwd_k3", "loss_is", "seq"): "forward",
@@ -178,7 +194,7 @@ def test_one_token_rollout_is_the_categorical_benchmark():
     c_rev, c_fwd = _refs(cat)
     assert np.allclose(rev[:7], c_rev, atol=1e-14) and np.abs(rev[7:]).max() == 0
     assert np.allclose(fwd[:7], c_fwd, atol=1e-14)
-    for est, mode, agg in _items([lookup(n) for n in ("k1", "k2", "k3")]):
+    for est, mode, agg in _exact_items([lookup(n) for n in ("k1", "k2", "k3")]):
         ex = _exact(pair, est, mode, agg)
         c_ex = _exact(cat, est, mode)
         assert np.allclose(ex[:7], c_ex, atol=1e-14) and np.abs(ex[7:]).max() < 1e-15, (est.name, mode, agg)
@@ -205,8 +221,8 @@ def test_monte_carlo_against_exact_within_five_standard_errors():
     pair = _roll(t=4, noise=0.8, seed=1)
     rows = pd.DataFrame(G.gradient_rows(pair, ESTS, draws=30_000, seed=5, batches=60, device=CPU))
     exact = rows[rows["equals"] != ""]
-    # seq: 5 estimators with an exact value × 3 modes + k3's straight_through; tok: 6 × 6 + 1
-    assert len(exact) == 53 and (rows["aggregate"].isin(["seq", "tok"])).all()
+    # today seq: 5 estimators with an exact value × 3 modes + k3's straight_through; tok: 6 × 6 + 1 (53)
+    assert len(exact) == _n_exact() and (rows["aggregate"].isin(["seq", "tok"])).all()
     assert (exact["z_reverse"].abs() < 5).all() and (exact["z_forward"].abs() < 5).all(), \
         exact[["estimator", "mode", "aggregate", "z_reverse", "z_forward"]]
     assert rows["exact_trace_cov"].isna().all() and rows["z_trace"].isna().all()
@@ -250,14 +266,15 @@ def test_sampler_expected_gradients_against_enumeration_and_monte_carlo(kw):
     rev, _ = _refs(pair)
     scale = np.abs(rev).max()
     ests = [lookup(n) for n in ("k1", "k2", "k3")]
-    for est, mode, agg in _items(ests):
+    for est, mode, agg in _exact_items(ests):
         want, _ = _brute(pair, est, mode, agg)
         got = _exact(pair, est, mode, agg)
         assert np.allclose(got, want, rtol=0, atol=1e-12 * scale), (est.name, mode, agg)
     rows = pd.DataFrame(G.gradient_rows(pair, ests, draws=40_000, seed=1, batches=40, device=CPU))
     assert (rows["sampler"] == "temperature").all()
-    assert (rows["z_reverse"].abs() < 5).all() and (rows["z_forward"].abs() < 5).all(), \
-        rows[["estimator", "mode", "aggregate", "z_reverse", "z_forward"]]
+    exact = rows[rows["equals"] != ""]          # every row today; a sequence row of a non-polynomial mode has none
+    assert len(exact) == _n_exact(ests) and (exact["z_reverse"].abs() < 5).all() and \
+        (exact["z_forward"].abs() < 5).all(), exact[["estimator", "mode", "aggregate", "z_reverse", "z_forward"]]
 
 
 def test_sequence_weights_undo_the_sampler():
@@ -265,7 +282,7 @@ def test_sequence_weights_undo_the_sampler():
     weights undo it for the local tok rows (each token's own expectation)."""
     pair, plain = _sampled("sequence"), _roll(c=2, v=5, t=3, eos=4, seed=3)
     tok = _sampled("token")
-    for est, mode, agg in _items([lookup(n) for n in ("k1", "k2", "k3")]):
+    for est, mode, agg in _exact_items([lookup(n) for n in ("k1", "k2", "k3")]):
         want = _exact(plain, est, mode, agg)
         assert np.allclose(_exact(pair, est, mode, agg), want, atol=1e-13), (est.name, mode, agg)
         if agg == "tok" and mode != "reward" and np.abs(want).max() > 1e-9:     # k1's loss rows are zero
@@ -325,7 +342,9 @@ def test_token_mean_batch_gradients_against_enumeration_of_groups(b, shape):
     probs = np.array([p for p, _ in paths])
     lengths = np.array([len(path) for _, path in paths], dtype=float)
     items = [it for it in G.gradient_items(pair, ESTS[:3]) if it.aggregate == "tok_batch"]
-    assert {it.mode for it in items} == {"loss", "loss_is", "straight_through", "reward_partial"}
+    # the modes whose tokens each carry their own term (today loss, loss_is, straight_through, reward_partial)
+    assert {it.mode for it in items} == {m for e in ESTS[:3] for m in M.modes_for(e, token=True)
+                                         if M.MODES[m].token == "local"} >= {"loss", "loss_is", "reward_partial"}
     rev, fwd = _refs(pair)
     dirs = {"reverse": G.unit(rev), "forward": G.unit(fwd)}
     mc = run_gradients(pair, items, dirs, draws=40_040, seed=3, batches=40, device=CPU)

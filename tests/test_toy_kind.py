@@ -229,3 +229,38 @@ def test_an_estimator_whose_target_the_kind_has_no_truth_for_is_refused_before_s
         assert res.exit_code == 2 and "gradient rows compare with ∇KL(p||q)" in res.stderr
     finally:
         CASE_KINDS.remove("two_point_reverse_only")
+
+
+def test_a_kind_module_that_registers_another_name_is_one_line_and_list_still_works(tmp_path, monkeypatch):
+    """A kind module found by its name (kl_bench/kinds/ declares each module lazily, as here) that registers
+    another name: a spec naming it is one line naming the module and the name to register (exit 2), and
+    `kl-bench list` lists it with that line, the other kinds too, no traceback."""
+    import sys
+    from kl_bench.kinds.trainable import trainable_kinds
+    (tmp_path / "kl_test_coin.py").write_text(
+        "from kl_bench.kinds import Pair, register_kind\n\n\n"
+        "@register_kind('toy_coin', description='a coin registered under another name')\n"
+        "class CoinPair(Pair):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    CASE_KINDS.add_lazy("kl_test_coin", "kl_test_coin")
+    try:
+        message = ("case kind 'kl_test_coin': module kl_test_coin registers 'toy_coin' instead; register it as "
+                   "'kl_test_coin', the name of its module")
+        for _ in range(2):          # the second lookup finds the module imported: the same line
+            with pytest.raises(SpecError) as e:
+                CASE_KINDS["kl_test_coin"]
+            assert str(e.value) == message
+        spec = _write(tmp_path, kind="kl_test_coin", gradients="false")
+        res = runner.invoke(app, ["run", str(spec), "--out", str(tmp_path / "o")])
+        assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+            f"error: {spec}: case 'coin': key 'kind': {message}"]
+        res = runner.invoke(app, ["list"])
+        assert res.exit_code == 0 and res.exception is None, res.output
+        text = " ".join(res.output.split())                  # the description column is folded to the width
+        assert f"kind kl_test_coin not loaded: {message}" in text and "kind gaussian" in text
+        assert "kind toy_coin a coin registered under another name" in text
+        assert "kl_test_coin" not in trainable_kinds() and "rollout" in trainable_kinds()
+    finally:
+        for name in ("kl_test_coin", "toy_coin"):
+            CASE_KINDS.remove(name)
+        sys.modules.pop("kl_test_coin", None)

@@ -10,9 +10,7 @@ def list_() -> None:
     from rich.markup import escape
 
     from ..present.terminal import show
-    from ..kinds import CASE_KINDS
-    rows = _estimator_rows() + _gate_rows() + [["kind", name, k.description] for name, k in CASE_KINDS.items()] \
-        + _reward_rows()
+    rows = _estimator_rows() + _gate_rows() + _kind_rows() + _reward_rows()
     show(out_console, _table([[escape(c) for c in row] for row in rows]), fold=True)
 
 
@@ -41,6 +39,22 @@ def _gate_rows() -> list[list[str]]:
         formula = g.formula.replace("top-20", "top-K")
         key = f'"{g.name}"' if "@" in g.name else g.name        # a TOML key with @ is quoted
         rows.append(["gate", name, f"masks when {formula}; {g.source} ([experiment] gates = {{ {key} = [δ] }})"])
+    return rows
+
+
+def _kind_rows() -> list[list[str]]:
+    """One line per case kind; a kind whose module fails to load or registers another name is listed with that
+    one-line error (the other kinds still listed, no traceback)."""
+    from ..foundation.errors import SpecError
+    from ..kinds import CASE_KINDS
+    rows = []
+    for name in CASE_KINDS.names():
+        CASE_KINDS.get(name)        # imported first: a module's name registered under another name is listed too
+    for name in CASE_KINDS.names():
+        try:
+            rows.append(["kind", name, CASE_KINDS[name].description])
+        except SpecError as e:
+            rows.append(["kind", name, f"not loaded: {e}"])
     return rows
 
 

@@ -140,7 +140,8 @@ def _parse_case(raw: Any, i: int, file: str, spec_dir: Path, seen: list[CaseConf
     common = {"name": name, "draws": t.get("draws", "int", None, check_draws), "sampler": None}
     if t.has("sampler"):
         def others() -> dict[str, tuple[str, ...]]:
-            return {k.name: k.sampler_keys for k in CASE_KINDS.values()}
+            kinds = [CASE_KINDS.get(n) for n in CASE_KINDS.names()]     # None: a kind that cannot be loaded
+            return {k.name: k.sampler_keys for k in kinds if k is not None}
         common["sampler"] = parse_sampler(t.sub("sampler"), kind.name, kind.sampler_keys, kind.weight_kinds,
                                           others, spec_dir)
     config = kind.pair.parse(t, common, spec_dir)

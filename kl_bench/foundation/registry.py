@@ -90,6 +90,7 @@ class Registry(Mapping[str, T], Generic[T]):
         self._items: dict[str, T] = {}
         self._lazy: dict[str, str] = {}       # name → the module that registers it when imported
         self._order: dict[str, None] = {}     # every name, in the order it was first declared or added
+        self._strays: dict[str, list[str]] = {}   # lazy name → what its module registered instead of it
 
     def add_lazy(self, name: str, module: str) -> None:
         """Know ``name`` now and import ``module`` (which registers it) on its first lookup: a built-in
@@ -117,19 +118,13 @@ class Registry(Mapping[str, T], Generic[T]):
         self._items.pop(name, None)
         self._lazy.pop(name, None)
         self._order.pop(name, None)
+        self._strays.pop(name, None)
 
     def __getitem__(self, name: str) -> T:
         if name in self._items:
             return self._items[name]
         if isinstance(name, str) and name in self._lazy:
-            module = self._lazy[name]
-            try:
-                importlib.import_module(module)     # the module registers the name (add drops it from _lazy)
-            except (Exception, SystemExit) as e:    # kept lazy: a later lookup tries again and says why again
-                raise SpecError(f"{self.what} '{name}' cannot be loaded (module {module}): "
-                                f"{e.__class__.__name__}: {e}") from None
-            if name in self._items:
-                return self._items[name]
+            return self._load(name)
         if self._adapt is not None and isinstance(name, str):
             if ":" in name:
                 return self._adapt(name, import_object(name, self.what))
@@ -139,6 +134,26 @@ class Registry(Mapping[str, T], Generic[T]):
         known = ", ".join(self.names())
         raise UnknownName(f"unknown {self.what} '{name}'{did_you_mean(str(name), self.names())}; "
                           f"known: {known}")
+
+    def _load(self, name: str) -> T:
+        """Import the module declared for the lazy ``name``; it registers the name, or the lookup is one line
+        naming the module and what it registered instead (a kind module ``coin`` that registers ``toy_coin``)."""
+        module = self._lazy[name]
+        before = set(self._items)
+        try:
+            importlib.import_module(module)     # the module registers the name (add drops it from _lazy)
+        except (Exception, SystemExit) as e:    # kept lazy: a later lookup tries again and says why again
+            raise SpecError(f"{self.what} '{name}' cannot be loaded (module {module}): "
+                            f"{e.__class__.__name__}: {e}") from None
+        if name in self._items:
+            return self._items[name]
+        # Imported, but the name is not among what it registered: remembered from the first import (a later
+        # lookup finds the module in Python's import cache and sees nothing new).
+        strays = self._strays.setdefault(name, [n for n in self._items if n not in before])
+        instead = (f"registers {', '.join(repr(n) for n in strays)} instead" if strays
+                   else f"registers no {self.what} of that name")
+        raise SpecError(f"{self.what} '{name}': module {module} {instead}; register it as '{name}', "
+                        "the name of its module")
 
     def _from_entry_points(self, name: str) -> T | None:
         if self.entry_points is None:

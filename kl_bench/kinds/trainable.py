@@ -86,7 +86,8 @@ def training_oracle(pair: Any) -> TrainingOracle | None:
 
 def trainable_kinds() -> list[str]:
     """The registered kinds whose pairs train (each kind is imported: called on the error path only)."""
-    return [name for name in CASE_KINDS.names() if hasattr(CASE_KINDS[name].pair, "training_problem")]
+    kinds = [CASE_KINDS.get(name) for name in CASE_KINDS.names()]     # None: a kind that cannot be loaded
+    return [k.name for k in kinds if k is not None and hasattr(k.pair, "training_problem")]
 
 
 def require_training(pair: Any, kind: str, case: str) -> TrainingOracle:
