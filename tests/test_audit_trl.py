@@ -420,7 +420,7 @@ def test_the_names_the_adapter_relies_on_are_in_the_installed_trl():
 
 def test_fused_is_passed_to_the_session_and_off_by_default(tiny_models, tmp_path):
     """KLAudit(fused=True) compiles the tile work (kl_bench.audit.fused, tests/test_audit_fused.py); off by
-    default: the compile costs ~20 s at the first audited step."""
+    default: the compile costs ~30 s at the first audited step."""
     from kl_bench.integrations.demo import build_trainer
     from kl_bench.integrations.trl import KLAudit
     tr = build_trainer(tiny_models, tmp_path / "run", steps=1)

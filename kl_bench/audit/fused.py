@@ -7,7 +7,7 @@ Compiled, they become a few loops over each row that keep it in cache. The formu
 float32 row sums are inductor's (vectorised lanes) instead of torch's pairwise ones, and they stay within
 the float32 bound the eager sums are tested against (tests/test_audit_fused.py).
 
-The price is a compile (~20 s on a CPU, once per process and plan; shapes are dynamic) at the first call,
+The price is a compile (~30 s on a CPU with an empty inductor cache, once per process and plan; shapes are dynamic) at the first call,
 and a C++ compiler (CPU) or Triton (GPU) at run time. Where compiling fails, the eager operations run
 instead, with one warning per process."""
 from __future__ import annotations

@@ -142,8 +142,8 @@ def stream_values(policy_hidden: torch.Tensor, reference_hidden: torch.Tensor, p
     pass (two more forwards); False leaves those entries NaN (not computed). ``outputs``
     (:class:`~.stream_plan.Outputs`): which of the values beyond KL and the means are wanted (default: all);
     the others are NaN and cost nothing (a step audit reads only those of the family that drew). ``fused``:
-    the first pass's elementwise work compiled by torch.compile (:mod:`~.fused`: ~20 s once per process, then
-    GRPO's audited step ~3.1 instead of ~3.8 head forwards on a CPU thread)."""
+    the first pass's elementwise work compiled by torch.compile (:mod:`~.fused`: a ~30 s compile once per process, then
+    GRPO's audited step ~3.1 instead of ~3.9 head forwards on a CPU thread)."""
     check_inputs(policy_hidden, reference_hidden, policy_head, reference_head, dtype)
     if sampling_hidden is not None and sampling_hidden.shape != policy_hidden.shape:
         raise SpecError(f"the sampling pass's hidden states must be {list(policy_hidden.shape)}, got "

@@ -42,7 +42,7 @@ class KLAudit(_Base):
     (True), and ``kl_audit/p_negative`` is then reported; by default it is left out (NaN, not logged). GRPO's
     k3 never changes sign (P = 0), and a truncating sampler gives it in one pass whatever this says.
     ``fused``: the audit's elementwise tile work compiled by torch.compile (kl_bench.audit.fused): a compile
-    of ~20 s at the first audited step, then GRPO's audited step costs ~3.1 head forwards instead of ~3.8."""
+    of ~30 s at the first audited step, then GRPO's audited step costs ~3.1 head forwards instead of ~3.9."""
 
     def __init__(self, trainer, every: int = 10, max_rows: int = 8, *, thresholds: Thresholds | None = None,
                  threshold: float | None = None, out=None, save_steps: bool = False, tile: int | None = None,
