@@ -44,6 +44,8 @@ if (( tests )); then
         || failed=1
 fi
 "$PY" benchmarks/bench_gpu.py --device cuda "$@" || failed=1
+# The audit as KLAudit calls it (table C), eager and fused (a Triton compile at the first call).
+"$PY" benchmarks/bench_audit_called.py --device cuda --rows "grpo,grpo fused=True" --repeat 3 || failed=1
 if (( trainer )); then
     # The audit's share of a TRL GRPO step at Qwen2-0.5B's shape on this GPU (needs trl; issue 32).
     "$PY" benchmarks/bench_audit.py --no-layer --device cuda --layers 24 --steps 3 --repeat 2 || failed=1

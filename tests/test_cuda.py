@@ -90,6 +90,22 @@ def test_streamed_audit_on_the_gpu_equals_dense_float64(which):
     assert (kl32.cpu() - dense.kl).abs().max().item() < bound
 
 
+def test_the_fused_audit_on_the_gpu_equals_dense_float64():
+    """fused=True on the GPU (Triton kernels from torch.compile): float64 tiles equal the dense float64 sums
+    to 1e-12 under b = q and a temperature; where Triton is missing the eager pass runs with one warning,
+    which fails here (warnings are errors in tests): the check is that the fused path really ran."""
+    from kl_bench.audit import Head, Sampler, position_values, stream_values
+    hp, hr, wp, wr, ids = _layer()
+    args = [x.to(CUDA) for x in (hp, hr)] + [Head(wp.to(CUDA)), Head(wr.to(CUDA))]
+    for sp in (Sampler(), Sampler(temperature=0.7)):
+        dense = position_values(hp.double() @ wp.double().T, hr.double() @ wr.double().T, ("k1", "k3"), sp, ids=ids)
+        st = stream_values(*args, ("k1", "k3"), sp, ids=ids.to(CUDA), tile=512, dtype=torch.float64, fused=True)
+        for name in ("kl", "mean_q", "var_q", "mean_b", "var_b", "logb_mean"):
+            a, b = getattr(dense, name), getattr(st, name).cpu()
+            fin = torch.isfinite(a)
+            assert ((a[fin] - b[fin]).abs() / (1 + a[fin].abs())).max().item() < 1e-12, name
+
+
 def test_negative_mass_under_b_equals_q_on_the_gpu():
     """P_q(f < 0) of a sign-changing estimator (k1) from the streamed negative pass on the GPU, float64
     tiles, against the dense float64 value: the sign of f at a token is decided by log r, which both

@@ -181,10 +181,13 @@ def _one_tile(scan: Scan, plan: Plan, rec: _Tiles, cands: dict, lo: int, bufs: B
         else:                                   # the drawing pass's family takes the scored family's ids
             cand.add_at(s[name], taken)
     own = {name: x is z["zq"] for name, x in s.items()}
-    if plan.fused:          # no work buffers: compiled, the intermediates stay in registers and cache, unwritten
-        rec.put(**fused.call(_elementwise, plan, z, s, own, _UNBUFFERED, [None] * len(scratch), scan.banned))
+    eager = (plan, z, s, own, b, scratch, scan.banned)
+    # Compiled without work buffers: the intermediates stay in registers and cache, unwritten. A dimension
+    # of 1 would specialise the compiled graph (a new compile mid-run) for a piece that costs nothing.
+    if plan.fused and scan.n > 1 and t > 1:
+        rec.put(**fused.call(_elementwise, (plan, z, s, own, _UNBUFFERED, [None] * len(scratch), scan.banned), eager))
     else:
-        rec.put(**_elementwise(plan, z, s, own, b, scratch, scan.banned))
+        rec.put(**_elementwise(*eager))
 
 
 def _tokens(rec: _Tiles, n: int, width: int, like: torch.Tensor) -> torch.Tensor:

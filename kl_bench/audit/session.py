@@ -175,13 +175,15 @@ class AuditSession:
     chunk: int | None = None          # None: stream.PIECES of the hidden states' device
     tile: int | None = None
     negative: bool = True
-    fused: bool = False
     thresholds: Thresholds = field(default_factory=Thresholds)
     log: AuditLog = field(default_factory=AuditLog)
+    fused: bool = False
 
     def __post_init__(self):
         if not self.metrics:
             raise SpecError("an audit needs at least one metric", key="metrics")
+        if not isinstance(self.fused, bool):            # checked here, not at the first audited step
+            raise SpecError(f"fused must be True or False, got {self.fused!r}", key="fused")
         check_distinct_sources(self.metrics)
         self._pending: dict[str, list[torch.Tensor]] = {}      # source → each record's sums
         self._engine: torch.Tensor | None = None

@@ -38,7 +38,7 @@ class KLAudit(_Base):
     ``kl-bench audit out`` re-audits them); ``dtype``: the audit's tile matmuls (float32, TF32 off;
     float64: exact to rounding); ``negative``: P(f < 0) of a sign-changing estimator under a sampler that
     does not truncate (RLOO's k1 at top_k = 0) costs a second pass, three more head matmuls (both models
-    and the drawing pass), which would take RLOO's audited step from ~3.7 to ~6.7 head forwards: opt-in
+    and the drawing pass), which would take RLOO's audited step from ~3.8 to ~6.9 head forwards: opt-in
     (True), and ``kl_audit/p_negative`` is then reported; by default it is left out (NaN, not logged). GRPO's
     k3 never changes sign (P = 0), and a truncating sampler gives it in one pass whatever this says.
     ``fused``: the audit's elementwise tile work compiled by torch.compile (kl_bench.audit.fused): a compile
