@@ -51,6 +51,7 @@ ROWS = {
     "rloo fused=True": ("RLOOTrainer", Sampler(), None, None, True),
     "rloo negative=True": ("RLOOTrainer", Sampler(), None, True, False),
     "grpo top_p=0.9 std 4": ("GRPOTrainer", Sampler(top_p=0.9), 4.0, None, False),
+    "grpo top_p=0.9 std 4 fused=True": ("GRPOTrainer", Sampler(top_p=0.9), 4.0, None, True),
     "grpo top_p=0.9 std 2": ("GRPOTrainer", Sampler(top_p=0.9), 2.0, None, False),
 }
 
@@ -135,14 +136,14 @@ def run(names, n: int, vocab: int, d: int, std: float, rows: int, repeat: int, d
           f"({rows} rows), V = {vocab:,}, d = {d}, float32 tiles, {where}, {torch.get_num_threads()} threads, "
           f"callback default negative={default}; unit = one float32 head forward [N, V] of the same hidden "
           f"states; median of {repeat} interleaved ratios ({clock} seconds)")
-    print(f"{'row':<24} {'audit/unit':>10} {'audit s':>9} {'unit s':>8} {'first call s':>12}")
+    print(f"{'row':<32} {'audit/unit':>10} {'audit s':>9} {'unit s':>8} {'first call s':>12}")
     for name in names:
         trainer, sampler, row_std, negative, fused = ROWS[name]
         step = make_step(n, vocab, d, row_std or std, sampler, rows, device)
         audit = audit_call(trainer, sampler, default if negative is None else negative, step, fused)
         h, w = step[0][0].reshape(n, d), step[1][0].weight
         r, a, u, first = ratio(audit, lambda: h @ w.T, repeat, device, clock)
-        print(f"{name:<24} {r:10.2f} {a:9.3f} {u:8.3f} {first:12.1f}", flush=True)
+        print(f"{name:<32} {r:10.2f} {a:9.3f} {u:8.3f} {first:12.1f}", flush=True)
 
 
 def main() -> None:
