@@ -283,3 +283,29 @@ def test_files_of_one_step_average_when_the_trainer_averages_its_micro_batches(t
     assert got.se == pytest.approx(math.hypot(a.se, b.se) / 2, rel=1e-12) and got.tokens == a.tokens + b.tokens
     pooled = (a.logged * a.tokens + b.logged * b.tokens) / (a.tokens + b.tokens)
     assert abs(got.logged - pooled) > 1e-3 * abs(pooled)      # the files' token counts differ: not pooled
+
+
+@pytest.mark.parametrize("what", ["file", "fifo", "missing"])
+def test_dir_that_is_not_a_folder_is_named_itself(tmp_path, what):
+    """DIR a file, a FIFO or nothing: the line names DIR and what it is (it named the DIR/audit it would
+    have written, 'cannot be created'), exit 2, nothing made."""
+    import os
+    path = tmp_path / "steps"
+    if what == "file":
+        path.write_text("x")
+    elif what == "fifo":
+        os.mkfifo(path)
+    res = runner.invoke(app, ["audit", str(path)])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "Traceback" not in res.output, res.output
+    said = {"file": "is a regular file", "fifo": "is a FIFO (named pipe)", "missing": "does not exist"}[what]
+    assert f"{path}: {said}: not a folder of saved steps" in lines[0], lines[0]
+    assert "/audit" not in lines[0] and sorted(tmp_path.iterdir()) == ([] if what == "missing" else [path])
+
+
+def test_saving_without_safetensors_is_one_line(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)        # an import of it now fails
+    with pytest.raises(SpecError, match="saving steps needs the safetensors package: pip install safetensors"):
+        save_step(tmp_path / NAME, **_tensors())
+    assert not list(tmp_path.iterdir())

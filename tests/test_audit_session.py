@@ -216,3 +216,23 @@ def test_the_session_calibrates_with_a_captured_sampling_pass():
                                        abs=1e-12)
     z = torch.tensor(zs)
     assert abs(z.mean().item()) * math.sqrt(S) < 5 and abs(z.square().mean().item() - 1) < 5 * math.sqrt(2 / S)
+
+
+def test_an_id_outside_the_vocabulary_or_a_hidden_size_off_the_head_is_one_line():
+    """What `kl-bench audit DIR` refuses in a saved step, the API refuses too (it made NaN values, then a bare
+    StopIteration at finish); positions outside the mask may hold anything (padding such as −100)."""
+    rec, heads = _batch(4)[:2]
+    V = heads[0].vocab
+    metrics = [Metric("kl", "k3", "token-mean")]
+    ids = rec.completion_ids.clone()
+    ids[~rec.mask.bool()] = -100
+    ok = Record(rec.policy_hidden, rec.reference_hidden, ids, rec.mask, rec.trainer_values)
+    AuditSession(heads, metrics).add(ok)
+    bad = ids.clone()
+    bad[rec.mask.bool().nonzero()[0].tolist()] = V + 7
+    with pytest.raises(SpecError, match=rf"completion_ids.*outside the vocabulary \[0, {V}\).*max {V + 7}"):
+        AuditSession(heads, metrics).add(Record(rec.policy_hidden, rec.reference_hidden, bad, rec.mask,
+                                                rec.trainer_values))
+    short = rec.policy_hidden[..., :-1]
+    with pytest.raises(SpecError, match=r"policy_hidden.*do not fit the output layer"):
+        AuditSession(heads, metrics).add(Record(short, rec.reference_hidden, ids, rec.mask, rec.trainer_values))

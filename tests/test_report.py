@@ -684,3 +684,19 @@ def test_a_report_refuses_a_folder_given_twice_by_any_name(checked_run, tmp_path
     from kl_bench.present.report import write_report
     with pytest.raises(SpecError, match="is given twice"):
         write_report([folder, folder], tmp_path / "api")
+
+
+def test_every_renderer_runs_and_none_overwrites_anothers_files(identical_runs, unrendered_figures, monkeypatch):
+    """A new format is one renderer in RENDERERS: it runs in every report, and a renderer that returns a path
+    another part of the report already wrote (here table.md, report_md's) fails instead of replacing it."""
+    calls = []
+
+    def txt(doc):
+        calls.append(doc)
+        return {"report.txt": b"text"}
+    monkeypatch.setattr(report, "RENDERERS", report.RENDERERS + (txt,))
+    files = report.build_report([identical_runs / "small"])
+    assert len(calls) == 1 and files["report.txt"] == b"text" and "table.md" in files
+    monkeypatch.setattr(report, "RENDERERS", report.RENDERERS + (lambda doc: {"table.md": b"mine"},))
+    with pytest.raises(RuntimeError, match="writes table.md, which another part of the report already wrote"):
+        report.build_report([identical_runs / "small"])

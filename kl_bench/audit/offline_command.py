@@ -9,6 +9,7 @@ from pathlib import Path
 from ..foundation.errors import SpecError
 from ..foundation.formatting import plural
 from ..foundation.output_paths import check_output_dir
+from ..foundation.safe_io import describe
 from ..results.folders import check_replaceable
 from .offline import audit_folder
 from .rollout_engine import engine_line
@@ -58,6 +59,10 @@ def audit_command(directory: Path, out: Path | None, *, tile: int | None, chunk:
     ``advance``), told of the files read and of each step audited."""
     _check_pieces(tile, chunk)
     directory = Path(directory)
+    what = describe(directory)
+    if what != "a folder":              # said of DIR itself, before an --out is derived from it
+        raise SpecError(f"{'does not exist' if what is None else 'is ' + what}: not a folder of saved steps",
+                        file=str(directory))
     found = steps_folder(directory)
     if found is None and any((directory / n).is_file() for n in ("audit.csv", "run.json")):
         _check_replay_options(directory, out, tile, chunk)

@@ -60,7 +60,8 @@ def _load(path: Path, what: str = "saved step") -> tuple[dict, dict]:
         from safetensors import safe_open
         from safetensors.torch import load
     except ImportError:
-        raise SpecError("reading saved steps needs the safetensors package: pip install 'kl-bench[hf]'",
+        raise SpecError("reading saved steps needs the safetensors package: pip install safetensors (or the hf "
+                        "extra, 'kl-bench[hf]')",
                         file=str(path)) from None
     with open_regular(path, "tensor", what) as fh:
         opened = Path(f"/proc/self/fd/{fh.fileno()}")

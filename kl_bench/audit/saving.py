@@ -19,6 +19,16 @@ FORMAT = "kl_bench.audit.step/3"
 # micro-batches that the trainer averaged, so it refuses /3 files instead)
 FORMATS = ("kl_bench.audit.step/1", "kl_bench.audit.step/2", FORMAT)
 HEADS_FILE = "heads.safetensors"
+
+
+def _safetensors_save():
+    """safetensors' writer, or one line saying how to install it (not in kl-bench's base install)."""
+    try:
+        from safetensors.torch import save
+    except ImportError:
+        raise SpecError("saving steps needs the safetensors package: pip install safetensors (or the hf extra, "
+                        "'kl-bench[hf]')", key="safetensors") from None
+    return save
 HEAD_KEYS = ("policy_weight", "reference_weight", "policy_bias", "reference_bias")
 REQUIRED = ("completion_ids", "mask")
 LOGITS = ("policy_logits", "reference_logits")
@@ -44,7 +54,7 @@ def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: s
     not show (dropout, autocast): ``kl-bench audit`` says them again, once each. ``engine_dtype``: the dtype
     the rollout engine that returned ``engine_logprobs`` computes in (kl_bench.audit.rollout_engine: it tells
     precision from another model version)."""
-    from safetensors.torch import save
+    save = _safetensors_save()
 
     meta = {"format": FORMAT, "step": str(int(step)), "estimator": estimator, "aggregation": aggregation,
             "source": source, "micro_batches": micro_batches, "generation": json.dumps(generation or {}),
@@ -73,7 +83,7 @@ def save_record(folder, record: Record, heads: tuple[Head, Head], *, step: int, 
     output layer as it was at that step; the reference's (frozen) once, in the folder's heads.safetensors."""
     from dataclasses import asdict
 
-    from safetensors.torch import save
+    save = _safetensors_save()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / HEADS_FILE).exists():

@@ -147,6 +147,20 @@ def _sampler_inputs(record: Record, sampler: Sampler, mask: torch.Tensor, where:
     return banned, ctx
 
 
+def _counted_positions(record: Record, mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The masked positions [n] (flat indices), after checking that each holds an id of the vocabulary (an id
+    outside [0, V) would make its values NaN): both from one nonzero, then one scalar read, whatever the rows."""
+    ids = record.completion_ids
+    bad = mask & ((ids < 0) | (ids >= vocab))
+    found = torch.cat([mask.reshape(-1), bad.reshape(-1)]).nonzero().squeeze(-1)      # ascending
+    n = mask.numel()
+    if found.numel() and int(found[-1]) >= n:                 # the last index found is past the mask: a bad id
+        used = ids[bad]
+        raise SpecError(f"holds ids outside the vocabulary [0, {vocab}) at masked-in positions "
+                        f"(min {int(used.min())}, max {int(used.max())})", key="completion_ids")
+    return found
+
+
 def _masked(x: torch.Tensor | None, where: torch.Tensor) -> torch.Tensor | None:
     """x [B, T, ...] at the masked positions (flat indices ``where``), in row-major order: an index, not a
     boolean mask (each of which would read the mask back to the host)."""
@@ -196,7 +210,7 @@ class AuditSession:
         that drew the tokens; the rollout engine's distances where an engine drew them), the others NaN."""
         mask = record.mask.bool()
         heads = heads or self.heads
-        where = mask.reshape(-1).nonzero().squeeze(-1)          # the masked positions: one host sync
+        where = _counted_positions(record, mask, heads[0].vocab)
         banned, ctx = _sampler_inputs(record, self.sampler, mask, where)
         values = stream_values(_masked(record.policy_hidden, where), _masked(record.reference_hidden, where),
                                heads[0], heads[1], self.estimators, self.sampler,

@@ -67,7 +67,10 @@ def formula_fit(s: dict) -> int:
     if fits[0] <= tol:
         return 0
     low = min(fits[1:])
-    best = next(k for k in range(1, len(fits)) if fits[k] <= low + tol)   # ties (trl.grpo is k3): the first
+    # ties (trl.grpo is k3): the first; none where the fits are NaN (then nothing fits)
+    best = next((k for k in range(1, len(fits)) if fits[k] <= low + tol), None)
+    if best is None:
+        return -1
     if fits[best] < fits[0] / 2:
         return best
     return -1 if fits[0] > 100 * tol else 0

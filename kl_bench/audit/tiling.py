@@ -100,6 +100,11 @@ def check_inputs(policy_hidden, reference_hidden, policy_head: Head, reference_h
     if policy_hidden.shape[0] != reference_hidden.shape[0]:
         raise SpecError(f"policy and reference hidden states cover {policy_hidden.shape[0]} and "
                         f"{reference_hidden.shape[0]} positions")
+    for key, h, head in (("policy_hidden", policy_hidden, policy_head), ("reference_hidden", reference_hidden,
+                                                                          reference_head)):
+        if h.dim() != 2 or h.shape[-1] != head.weight.shape[-1]:
+            raise SpecError(f"hidden states {list(h.shape)} do not fit the output layer [V, d] = "
+                            f"{list(head.weight.shape)}: [N, {head.weight.shape[-1]}] expected", key=key)
     if dtype not in COMPUTE_DTYPES:      # the tile sums run in dtype: 16-bit ones would round them
         raise SpecError(f"the audit computes in float32 or float64, not {dtype}", key="dtype")
     devices = {t.device for t in (policy_hidden, reference_hidden, policy_head.weight, reference_head.weight)}

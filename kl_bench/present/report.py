@@ -139,5 +139,9 @@ def build_report(dirs: list[Path], *, formats=None, progress=None, batch: int = 
     doc = ReportDocument(results, df, cases, rows, short, provenance, figs, diffs,
                          advice_lines(results, batch, tolerance), batch, tolerance)
     for render in RENDERERS:
-        files.update(render(doc))
+        made = render(doc)
+        if clash := sorted(set(made) & set(files)):       # a new format must not overwrite another's files
+            raise RuntimeError(f"{render.__module__} writes {', '.join(clash)}, which another part of the report "
+                               f"already wrote")
+        files.update(made)
     return files
