@@ -19,6 +19,10 @@ FORMAT = "kl_bench.audit.step/3"
 # micro-batches that the trainer averaged, so it refuses /3 files instead)
 FORMATS = ("kl_bench.audit.step/1", "kl_bench.audit.step/2", FORMAT)
 HEADS_FILE = "heads.safetensors"
+HEAD_KEYS = ("policy_weight", "reference_weight", "policy_bias", "reference_bias")
+REQUIRED = ("completion_ids", "mask")
+LOGITS = ("policy_logits", "reference_logits")
+HIDDEN = ("policy_hidden", "reference_hidden")
 
 
 def _safetensors_save():
@@ -29,10 +33,6 @@ def _safetensors_save():
         raise SpecError("saving steps needs the safetensors package: pip install safetensors (or the hf extra, "
                         "'kl-bench[hf]')", key="safetensors") from None
     return save
-HEAD_KEYS = ("policy_weight", "reference_weight", "policy_bias", "reference_bias")
-REQUIRED = ("completion_ids", "mask")
-LOGITS = ("policy_logits", "reference_logits")
-HIDDEN = ("policy_hidden", "reference_hidden")
 
 
 def save_step(path, *, completion_ids, mask, trainer_kl, step: int, estimator: str, aggregation: str = "token-mean",
